@@ -1,0 +1,36 @@
+# Two entry points: `make demo` and `make test` (see README.md).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+# torch==2.13.0 is a local CPU wheel on our machines; a bare `torch` would pull
+# a multi-GB CUDA build, so pin it only when torch is not importable already.
+$(STAMP): pyproject.toml | $(PY)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(VENV)/bin/graphpipe inspect mmt
+	$(VENV)/bin/graphpipe plan mmt --devices 8 --batch-size 64 --compare
+	$(VENV)/bin/graphpipe plan mmt --devices 8 --batch-size 64 --out out/mmt-gpp.json
+	$(VENV)/bin/graphpipe simulate out/mmt-gpp.json --gantt out/mmt-gpp.png --trace out/mmt-gpp.trace.json
+
+test: install
+	$(PY) -m pytest -q -x
+
+bench: install
+	$(VENV)/bin/graphpipe eval search-time
+	$(PY) -m evals.bench_simulator
+
+clean:
+	rm -rf $(VENV) out

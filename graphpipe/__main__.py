@@ -1,0 +1,5 @@
+import sys
+
+from graphpipe.cli import main
+
+sys.exit(main())

@@ -1,0 +1,107 @@
+"""The action IR: what each device does, in order (DESIGN §7).
+
+This is pure data and lives in the core so that a :class:`~graphpipe.plan.Plan`
+can hold a schedule; :mod:`graphpipe.sched` re-exports it and owns everything
+that generates, validates or simulates schedules.
+
+An :class:`Action` is ``(stage_id, kind, mb_id)``: kind ``F`` (forward) or
+``B`` (backward; ``I``/``W`` reserved for zero-bubble input/weight gradients).
+Its string form is ``"3F2"``: stage 3, forward, micro-batch 2.
+
+Example
+-------
+>>> a = Action.parse("3F2")
+>>> a, str(a), a.stage_id, a.kind, a.mb_id
+(Action(stage_id=3, kind='F', mb_id=2), '3F2', 3, 'F', 2)
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Sequence
+
+from graphpipe.errors import FormatError
+
+__all__ = ["Action", "Schedule", "KINDS"]
+
+KINDS = ("F", "B", "I", "W")
+_PATTERN = re.compile(r"^\s*(\d+)\s*([FBIW])\s*(\d+)\s*$")
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Action:
+    stage_id: int
+    kind: str
+    mb_id: int
+
+    def __str__(self) -> str:
+        return f"{self.stage_id}{self.kind}{self.mb_id}"
+
+    @classmethod
+    def parse(cls, text: str) -> "Action":
+        m = _PATTERN.match(text) if isinstance(text, str) else None
+        if not m:
+            raise FormatError(f"bad action {text!r}: expected <stage><F|B|I|W><mb>, e.g. '3F2'")
+        return cls(int(m.group(1)), m.group(2), int(m.group(3)))
+
+
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    """A named schedule: ``device_actions[d]`` is device ``d``'s ordered action list.
+
+    Devices with no work have an empty tuple. Every replica of a data-parallel
+    stage lists the same actions for it (each runs its shard).
+    """
+
+    name: str
+    device_actions: tuple[tuple[Action, ...], ...]
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.device_actions)
+
+    def to_dict(self) -> dict:
+        """``{"name": ..., "actions": {"0": ["0F0", ...], ...}}`` (the plan's ``schedule`` key)."""
+        return {"name": self.name,
+                "actions": {str(d): [str(a) for a in acts] for d, acts in enumerate(self.device_actions)}}
+
+    @classmethod
+    def from_dict(cls, doc: Mapping, num_devices: int, where: str = "schedule") -> "Schedule":
+        if not isinstance(doc, Mapping) or "actions" not in doc:
+            raise FormatError(f"{where}: expected an object with 'name' and 'actions'")
+        actions = doc["actions"]
+        if not isinstance(actions, Mapping):
+            raise FormatError(f"{where}.actions: expected an object mapping device id to a list of actions")
+        per_device: list[list[Action]] = [[] for _ in range(num_devices)]
+        for key, acts in actions.items():
+            try:
+                d = int(key)
+            except (TypeError, ValueError):
+                raise FormatError(f"{where}.actions: device key {key!r} is not an integer") from None
+            if not 0 <= d < num_devices:
+                raise FormatError(f"{where}.actions: device {d} outside the cluster's 0..{num_devices - 1}")
+            if not isinstance(acts, list):
+                raise FormatError(f"{where}.actions[{key}]: expected a list of action strings")
+            per_device[d] = [Action.parse(a) for a in acts]
+        return cls(str(doc.get("name", "custom")), tuple(tuple(a) for a in per_device))
+
+    @classmethod
+    def from_lists(cls, name: str, lists: Sequence[Iterable[Action]]) -> "Schedule":
+        return cls(name, tuple(tuple(a) for a in lists))
+
+    def to_text(self) -> str:
+        """One line per device: ``d: 0F0 0F1 0B0 ...`` (loadable with :meth:`from_text`)."""
+        return "\n".join(f"{d}: " + " ".join(map(str, acts)) for d, acts in enumerate(self.device_actions))
+
+    @classmethod
+    def from_text(cls, name: str, text: str, num_devices: int) -> "Schedule":
+        doc = {}
+        for lineno, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            if ":" not in line:
+                raise FormatError(f"schedule line {lineno}: expected '<device>: <actions>'")
+            key, rest = line.split(":", 1)
+            doc[key.strip()] = rest.split()
+        return cls.from_dict({"name": name, "actions": doc}, num_devices)

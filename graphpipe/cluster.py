@@ -1,0 +1,235 @@
+"""Cluster and device cost model (DESIGN §4).
+
+A :class:`Cluster` is ``num_devices`` identical devices grouped
+``devices_per_node`` to a node; communication between two devices costs
+``latency + bytes / bandwidth`` (the paper's affine model) over the intra-node
+link (NVLink) when both are on one node and the inter-node link (InfiniBand)
+otherwise.
+
+Presets
+-------
+``v100``  the GraphPipe paper's Summit nodes: 4 x V100-16GB per node (the
+          paper uses 4 per node), NVLink 2 inside, 100 Gb/s InfiniBand between.
+``a100``  8 x A100-80GB per node, NVLink 3 (300 GB/s per direction), 200 Gb/s IB.
+``h100``  8 x H100-80GB SXM per node, NVLink 4 (450 GB/s per direction), 400 Gb/s IB.
+
+Peak FLOP/s are dense fp16/bf16 tensor-core peaks; ``mfu`` is the fraction of
+peak a layer-sized kernel achieves, used by analytical costing.
+
+Example
+-------
+>>> c = preset("v100", num_devices=8)
+>>> c.node_of(5), c.link(0, 3) is c.intra_node, c.link(3, 4) is c.inter_node
+(1, True, True)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Sequence
+
+from graphpipe.errors import FormatError, InputError
+
+__all__ = ["DeviceSpec", "Link", "Cluster", "PRESETS", "preset", "load_cluster", "cluster_to_dict", "cluster_from_dict"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeviceSpec:
+    name: str
+    """Device model name, e.g. ``"V100-16GB"``."""
+    memory_bytes: float
+    """Usable device memory in bytes."""
+    peak_flops: float
+    """Peak dense FLOP/s at training precision."""
+    op_overhead_s: float
+    """Fixed cost of one layer-op call (kernel launches): the alpha of t(b)."""
+    mfu: float = 0.5
+    """Fraction of peak reached by layer-sized kernels (analytical costing)."""
+
+    def __post_init__(self) -> None:
+        for key in ("memory_bytes", "peak_flops"):
+            value = getattr(self, key)
+            if not (math.isfinite(value) and value > 0):
+                raise InputError(f"device.{key} must be > 0, got {value!r}")
+        if not (math.isfinite(self.op_overhead_s) and self.op_overhead_s >= 0):
+            raise InputError(f"device.op_overhead_s must be >= 0, got {self.op_overhead_s!r}")
+        if not (0 < self.mfu <= 1):
+            raise InputError(f"device.mfu must be in (0, 1], got {self.mfu!r}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Link:
+    latency_s: float
+    """Per-message latency (the alpha of comm time)."""
+    bandwidth_Bps: float
+    """Bytes per second, one direction."""
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.latency_s) and self.latency_s >= 0):
+            raise InputError(f"link latency_s must be >= 0, got {self.latency_s!r}")
+        if not (math.isfinite(self.bandwidth_Bps) and self.bandwidth_Bps > 0):
+            raise InputError(f"link bandwidth_Bps must be > 0, got {self.bandwidth_Bps!r}")
+
+    def time(self, nbytes: float) -> float:
+        return self.latency_s + nbytes / self.bandwidth_Bps
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Cluster:
+    name: str
+    """Preset name or the custom file's device name."""
+    num_devices: int
+    """Devices available to the plan (from the command line)."""
+    devices_per_node: int
+    device: DeviceSpec
+    intra_node: Link
+    inter_node: Link
+    bytes_per_param: float = 16.0
+    """Model-state bytes per fp32 parameter: weights 4 + grads 4 + Adam moments 8."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_devices, int) or self.num_devices < 1:
+            raise InputError(f"number of devices must be a positive integer, got {self.num_devices!r}")
+        if not isinstance(self.devices_per_node, int) or self.devices_per_node < 1:
+            raise InputError(f"devices_per_node must be a positive integer, got {self.devices_per_node!r}")
+        if not (math.isfinite(self.bytes_per_param) and self.bytes_per_param >= 0):
+            raise InputError(f"bytes_per_param must be >= 0, got {self.bytes_per_param!r}")
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.device.memory_bytes
+
+    def node_of(self, device_id: int) -> int:
+        return device_id // self.devices_per_node
+
+    def link(self, a: int, b: int) -> Link:
+        return self.intra_node if self.node_of(a) == self.node_of(b) else self.inter_node
+
+    def transfer_time(self, src_devices: Sequence[int], dst_devices: Sequence[int], nbytes: float) -> float:
+        """Seconds to move ``nbytes`` (one micro-batch's tensor) between two stages.
+
+        With replicated stages the micro-batch is sharded, so the bytes move
+        over ``min(len(src), len(dst))`` links in parallel; the slowest link
+        class involved (inter-node if any pair crosses nodes) sets the speed.
+        Same device set (virtual stages on one device): free.
+        """
+        if nbytes <= 0 or tuple(src_devices) == tuple(dst_devices):
+            return 0.0
+        cross = any(self.node_of(a) != self.node_of(b) for a in src_devices for b in dst_devices)
+        link = self.inter_node if cross else self.intra_node
+        lanes = max(1, min(len(src_devices), len(dst_devices)))
+        return link.latency_s + nbytes / (link.bandwidth_Bps * lanes)
+
+    def allreduce_time(self, devices: Sequence[int], nbytes: float) -> float:
+        """Ring all-reduce of ``nbytes`` over ``devices``: 2(r-1)/r * bytes / bw + 2(r-1) latencies."""
+        r = len(devices)
+        if r <= 1 or nbytes <= 0:
+            return 0.0
+        cross = len({self.node_of(d) for d in devices}) > 1
+        link = self.inter_node if cross else self.intra_node
+        return 2 * (r - 1) * link.latency_s + 2 * (r - 1) / r * nbytes / link.bandwidth_Bps
+
+    def state_bytes(self, param_bytes: float) -> float:
+        """Weights + gradients + optimizer state for ``param_bytes`` of fp32 parameters."""
+        return param_bytes / 4.0 * self.bytes_per_param
+
+    def with_devices(self, num_devices: int) -> "Cluster":
+        return replace(self, num_devices=num_devices)
+
+    def with_memory(self, memory_bytes: float) -> "Cluster":
+        return replace(self, device=replace(self.device, memory_bytes=memory_bytes))
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "v100": {
+        "devices_per_node": 4,
+        "device": {"name": "V100-16GB", "memory_bytes": 16e9, "peak_flops": 125e12, "op_overhead_s": 2e-5, "mfu": 0.4},
+        "intra_node": {"latency_s": 5e-6, "bandwidth_Bps": 50e9},
+        "inter_node": {"latency_s": 1e-5, "bandwidth_Bps": 12.5e9},
+    },
+    "a100": {
+        "devices_per_node": 8,
+        "device": {"name": "A100-80GB", "memory_bytes": 80e9, "peak_flops": 312e12, "op_overhead_s": 1e-5, "mfu": 0.5},
+        "intra_node": {"latency_s": 3e-6, "bandwidth_Bps": 300e9},
+        "inter_node": {"latency_s": 8e-6, "bandwidth_Bps": 25e9},
+    },
+    "h100": {
+        "devices_per_node": 8,
+        "device": {"name": "H100-80GB", "memory_bytes": 80e9, "peak_flops": 989e12, "op_overhead_s": 8e-6, "mfu": 0.5},
+        "intra_node": {"latency_s": 2e-6, "bandwidth_Bps": 450e9},
+        "inter_node": {"latency_s": 6e-6, "bandwidth_Bps": 50e9},
+    },
+}
+
+
+def cluster_from_dict(doc: Any, num_devices: int | None = None, where: str = "cluster") -> Cluster:
+    """Parse a cluster object: the custom-file shape, optionally with
+    ``name``/``num_devices``/``bytes_per_param``, or ``{"preset": NAME, "num_devices": N}``."""
+    if not isinstance(doc, dict):
+        raise FormatError(f"{where}: expected a JSON object")
+    if "preset" in doc:
+        n = num_devices if num_devices is not None else doc.get("num_devices")
+        return preset(doc["preset"], n if n is not None else 1)
+    try:
+        n = num_devices if num_devices is not None else int(doc.get("num_devices", 1))
+        return Cluster(
+            name=str(doc.get("name", doc["device"].get("name", "custom"))),
+            num_devices=n,
+            devices_per_node=int(doc["devices_per_node"]),
+            device=DeviceSpec(**{k: (v if k == "name" else float(v)) for k, v in doc["device"].items()}),
+            intra_node=Link(**{k: float(v) for k, v in doc["intra_node"].items()}),
+            inter_node=Link(**{k: float(v) for k, v in doc["inter_node"].items()}),
+            bytes_per_param=float(doc.get("bytes_per_param", 16.0)),
+        )
+    except InputError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise FormatError(f"{where}: malformed cluster ({type(exc).__name__}: {exc}); expected keys "
+                          "devices_per_node, device{name,memory_bytes,peak_flops,op_overhead_s}, "
+                          "intra_node{latency_s,bandwidth_Bps}, inter_node{...}") from None
+
+
+def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
+    """Self-contained cluster object (custom-file shape plus name and num_devices)."""
+    return {
+        "name": cluster.name,
+        "num_devices": cluster.num_devices,
+        "devices_per_node": cluster.devices_per_node,
+        "device": asdict(cluster.device),
+        "intra_node": asdict(cluster.intra_node),
+        "inter_node": asdict(cluster.inter_node),
+        "bytes_per_param": cluster.bytes_per_param,
+    }
+
+
+def preset(name: str, num_devices: int = 1) -> Cluster:
+    """A preset cluster (``v100``, ``a100``, ``h100``) with ``num_devices`` devices."""
+    key = name.lower()
+    if key not in PRESETS:
+        raise InputError(f"unknown cluster preset {name!r}; known: {', '.join(PRESETS)} (or a JSON file)")
+    doc = dict(PRESETS[key], name=key)
+    return cluster_from_dict(doc, num_devices=num_devices, where=f"preset {key}")
+
+
+def load_cluster(spec: str, num_devices: int, memory_gb: float | None = None) -> Cluster:
+    """A preset name or a path to a cluster JSON file; ``memory_gb`` overrides device memory."""
+    import os
+
+    if spec.lower() in PRESETS:
+        cluster = preset(spec, num_devices)
+    elif os.path.exists(spec):
+        try:
+            with open(spec, encoding="utf-8") as fh:
+                doc = json.load(fh)
+        except json.JSONDecodeError as exc:
+            raise FormatError(f"{spec}:{exc.lineno}: not valid JSON ({exc.msg})") from None
+        cluster = cluster_from_dict(doc, num_devices=num_devices, where=spec)
+    else:
+        raise InputError(f"unknown cluster {spec!r}: not a preset ({', '.join(PRESETS)}) and no such file")
+    if memory_gb is not None:
+        if not (memory_gb > 0):
+            raise InputError(f"--memory-gb must be > 0, got {memory_gb}")
+        cluster = cluster.with_memory(memory_gb * 1e9)
+    return cluster

@@ -1,0 +1,366 @@
+"""The OpGraph IR: a frozen DAG of layer-granularity ops with a cost model.
+
+Every op carries an affine time model ``t(b) = alpha + beta * b`` seconds for
+forward and backward at micro-batch size ``b`` (fixed kernel overhead plus
+per-sample work, DESIGN §4), its parameter bytes, and per-sample byte counts
+for saved activations and output. Edges carry bytes per sample.
+
+Example
+-------
+>>> g = OpGraph.build("toy", [Op("a", "linear", Affine(0.0, 1e-3), Affine(0.0, 2e-3)),
+...                           Op("b", "linear", Affine(0.0, 1e-3), Affine(0.0, 2e-3))],
+...                   [("a", "b", 16.0)])
+>>> g.num_ops, g.op_id("b"), g.succs(0)
+(2, 1, (1,))
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+from graphpipe.errors import FormatError, GraphCycleError, InputError
+
+__all__ = [
+    "Affine",
+    "Op",
+    "Edge",
+    "OpGraph",
+    "GRAPH_FORMAT",
+    "graph_to_dict",
+    "graph_from_dict",
+    "read_graph_json",
+    "write_json_atomic",
+]
+
+GRAPH_FORMAT = "graphpipe.graph/1"
+
+
+@dataclass(frozen=True, slots=True)
+class Affine:
+    """``t(b) = alpha + beta * b`` seconds; alpha is per call, beta per sample."""
+
+    alpha: float
+    beta: float
+
+    def __post_init__(self) -> None:
+        for value in (self.alpha, self.beta):
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise InputError(f"time coefficients must be finite and >= 0, got {self.alpha}, {self.beta}")
+
+    def __call__(self, b: float) -> float:
+        return self.alpha + self.beta * b
+
+    def __add__(self, other: "Affine") -> "Affine":
+        return Affine(self.alpha + other.alpha, self.beta + other.beta)
+
+    def scaled(self, factor: float) -> "Affine":
+        return Affine(self.alpha * factor, self.beta * factor)
+
+
+ZERO = Affine(0.0, 0.0)
+
+
+@dataclass(frozen=True, slots=True)
+class Op:
+    """One layer-granularity operator.
+
+    name: unique within the graph.
+    kind: free-form layer kind ("transformer", "linear", "embedding", ...).
+    fwd, bwd: time models in seconds for one call at micro-batch size b.
+    param_bytes: bytes of this op's parameters (as stored, fp32 = 4 per param).
+    act_bytes: saved-activation bytes per sample kept from F until its B.
+    out_bytes: output bytes per sample.
+    """
+
+    name: str
+    kind: str
+    fwd: Affine = ZERO
+    bwd: Affine = ZERO
+    param_bytes: float = 0
+    act_bytes: float = 0
+    out_bytes: float = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise InputError(f"op name must be a non-empty string, got {self.name!r}")
+        for key in ("param_bytes", "act_bytes", "out_bytes"):
+            value = getattr(self, key)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise InputError(f"op {self.name!r}: {key} must be finite and >= 0, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Edge:
+    """Data flowing from op ``src`` to op ``dst`` (ids), ``bytes`` per sample."""
+
+    src: int
+    dst: int
+    bytes: float = 0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.bytes) and self.bytes >= 0):
+            raise InputError(f"edge {self.src}->{self.dst}: bytes must be finite and >= 0, got {self.bytes!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class OpGraph:
+    """A frozen DAG of ops whose ids are a topological order.
+
+    Build one with :meth:`OpGraph.build` (names, any order); the constructor
+    itself requires ``src < dst`` on every edge and checks the invariants.
+    """
+
+    name: str
+    ops: tuple[Op, ...]
+    edges: tuple[Edge, ...]
+    _succs: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
+    _preds: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
+    _index: Mapping[str, int] = field(init=False, repr=False, compare=False)
+    _edge_bytes: Mapping[tuple[int, int], float] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        index: dict[str, int] = {}
+        for op_id, op in enumerate(self.ops):
+            if op.name in index:
+                raise InputError(f"duplicate op name {op.name!r} (ops {index[op.name]} and {op_id})")
+            index[op.name] = op_id
+        n = len(self.ops)
+        succs: list[list[int]] = [[] for _ in range(n)]
+        preds: list[list[int]] = [[] for _ in range(n)]
+        edge_bytes: dict[tuple[int, int], float] = {}
+        for e in self.edges:
+            if not (0 <= e.src < n and 0 <= e.dst < n):
+                raise InputError(f"edge {e.src}->{e.dst} refers to a missing op (graph has {n})")
+            if e.src >= e.dst:
+                raise InputError(f"edge {self.ops[e.src].name}->{self.ops[e.dst].name} is not in topological order; use OpGraph.build")
+            if (e.src, e.dst) in edge_bytes:
+                raise InputError(f"duplicate edge {self.ops[e.src].name}->{self.ops[e.dst].name}")
+            edge_bytes[(e.src, e.dst)] = e.bytes
+            succs[e.src].append(e.dst)
+            preds[e.dst].append(e.src)
+        object.__setattr__(self, "_succs", tuple(tuple(sorted(s)) for s in succs))
+        object.__setattr__(self, "_preds", tuple(tuple(sorted(p)) for p in preds))
+        object.__setattr__(self, "_index", index)
+        object.__setattr__(self, "_edge_bytes", edge_bytes)
+
+    # ----------------------------------------------------------------- build
+    @classmethod
+    def build(cls, name: str, ops: Sequence[Op], edges: Iterable[tuple[str, str, float]]) -> "OpGraph":
+        """Build from ops in any order and ``(src_name, dst_name, bytes)`` edges.
+
+        Ops are renumbered in a deterministic topological order (Kahn's
+        algorithm, ties broken by input position). A cycle raises
+        :class:`GraphCycleError` naming the ops on it.
+        """
+        position: dict[str, int] = {}
+        for i, op in enumerate(ops):
+            if op.name in position:
+                raise InputError(f"duplicate op name {op.name!r}")
+            position[op.name] = i
+        raw: list[tuple[int, int, float]] = []
+        seen: set[tuple[int, int]] = set()
+        for src, dst, nbytes in edges:
+            for end in (src, dst):
+                if end not in position:
+                    raise InputError(f"edge {src}->{dst} names unknown op {end!r}")
+            key = (position[src], position[dst])
+            if key[0] == key[1]:
+                raise GraphCycleError([src])
+            if key in seen:
+                raise InputError(f"duplicate edge {src}->{dst}")
+            seen.add(key)
+            raw.append((key[0], key[1], float(nbytes)))
+        n = len(ops)
+        succs: list[list[int]] = [[] for _ in range(n)]
+        indeg = [0] * n
+        for s, d, _ in raw:
+            succs[s].append(d)
+            indeg[d] += 1
+        ready = [i for i in range(n) if indeg[i] == 0]
+        heapq.heapify(ready)
+        order: list[int] = []
+        while ready:
+            i = heapq.heappop(ready)
+            order.append(i)
+            for j in succs[i]:
+                indeg[j] -= 1
+                if indeg[j] == 0:
+                    heapq.heappush(ready, j)
+        if len(order) < n:
+            raise GraphCycleError([ops[i].name for i in _find_cycle(succs, {i for i in range(n) if indeg[i] > 0})])
+        new_id = {old: new for new, old in enumerate(order)}
+        new_ops = tuple(ops[old] for old in order)
+        new_edges = tuple(sorted((Edge(new_id[s], new_id[d], b) for s, d, b in raw), key=lambda e: (e.src, e.dst)))
+        return cls(name, new_ops, new_edges)
+
+    # ---------------------------------------------------------------- access
+    @property
+    def num_ops(self) -> int:
+        return len(self.ops)
+
+    @property
+    def num_edges(self) -> int:
+        return len(self.edges)
+
+    def op_id(self, name: str) -> int:
+        try:
+            return self._index[name]
+        except KeyError:
+            raise InputError(f"graph {self.name!r} has no op named {name!r}") from None
+
+    def succs(self, op_id: int) -> tuple[int, ...]:
+        return self._succs[op_id]
+
+    def preds(self, op_id: int) -> tuple[int, ...]:
+        return self._preds[op_id]
+
+    def edge_bytes(self, src: int, dst: int) -> float:
+        """Bytes per sample on edge src->dst."""
+        return self._edge_bytes[(src, dst)]
+
+    def has_edge(self, src: int, dst: int) -> bool:
+        return (src, dst) in self._edge_bytes
+
+    def sources(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_ops) if not self._preds[i])
+
+    def sinks(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_ops) if not self._succs[i])
+
+    @property
+    def param_bytes(self) -> float:
+        return sum(op.param_bytes for op in self.ops)
+
+    def fwd_time(self, op_ids: Iterable[int], b: float) -> float:
+        """Forward seconds of running ``op_ids`` once at micro-batch size ``b``."""
+        return sum(self.ops[i].fwd(b) for i in op_ids)
+
+    def bwd_time(self, op_ids: Iterable[int], b: float) -> float:
+        return sum(self.ops[i].bwd(b) for i in op_ids)
+
+    def to_networkx(self):
+        """A ``networkx.DiGraph`` with op ids as nodes; node attr ``op``, edge attr ``bytes``."""
+        import networkx as nx
+
+        g = nx.DiGraph(name=self.name)
+        for op_id, op in enumerate(self.ops):
+            g.add_node(op_id, op=op, name=op.name)
+        for e in self.edges:
+            g.add_edge(e.src, e.dst, bytes=e.bytes)
+        return g
+
+    def with_ops(self, ops: Sequence[Op]) -> "OpGraph":
+        """Same structure, new op annotations (same names, same order)."""
+        if [o.name for o in ops] != [o.name for o in self.ops]:
+            raise InputError("with_ops needs the same op names in the same order")
+        return OpGraph(self.name, tuple(ops), self.edges)
+
+
+def _find_cycle(succs: list[list[int]], remaining: set[int]) -> list[int]:
+    """A cycle among ``remaining`` nodes (all of which lie on or after one)."""
+    start = min(remaining)
+    seen_at: dict[int, int] = {}
+    path: list[int] = []
+    node = start
+    while node not in seen_at:
+        seen_at[node] = len(path)
+        path.append(node)
+        node = next(j for j in succs[node] if j in remaining)
+    return path[seen_at[node]:]
+
+
+# ------------------------------------------------------------------- JSON I/O
+def graph_to_dict(graph: OpGraph) -> dict[str, Any]:
+    """The ``graphpipe.graph/1`` document of ``graph``."""
+    return {
+        "format": GRAPH_FORMAT,
+        "name": graph.name,
+        "ops": [
+            {
+                "name": op.name,
+                "kind": op.kind,
+                "fwd_s": [op.fwd.alpha, op.fwd.beta],
+                "bwd_s": [op.bwd.alpha, op.bwd.beta],
+                "param_bytes": op.param_bytes,
+                "act_bytes": op.act_bytes,
+                "out_bytes": op.out_bytes,
+            }
+            for op in graph.ops
+        ],
+        "edges": [
+            {"src": graph.ops[e.src].name, "dst": graph.ops[e.dst].name, "bytes": e.bytes} for e in graph.edges
+        ],
+    }
+
+
+def graph_from_dict(doc: Any, where: str = "graph") -> OpGraph:
+    """Parse a ``graphpipe.graph/1`` document; other formats are refused."""
+    if not isinstance(doc, dict):
+        raise FormatError(f"{where}: expected a JSON object")
+    fmt = doc.get("format")
+    if fmt != GRAPH_FORMAT:
+        raise FormatError(f"{where}: unsupported format {fmt!r}; expected {GRAPH_FORMAT!r}")
+    try:
+        ops = []
+        for i, o in enumerate(doc["ops"]):
+            fwd, bwd = o["fwd_s"], o["bwd_s"]
+            if len(fwd) != 2 or len(bwd) != 2:
+                raise FormatError(f"{where}: op {i}: fwd_s and bwd_s must be [alpha, beta]")
+            ops.append(
+                Op(
+                    name=o["name"],
+                    kind=o.get("kind", "op"),
+                    fwd=Affine(float(fwd[0]), float(fwd[1])),
+                    bwd=Affine(float(bwd[0]), float(bwd[1])),
+                    param_bytes=_num(o.get("param_bytes", 0)),
+                    act_bytes=_num(o.get("act_bytes", 0)),
+                    out_bytes=_num(o.get("out_bytes", 0)),
+                )
+            )
+        edges = [(e["src"], e["dst"], float(e.get("bytes", 0))) for e in doc["edges"]]
+        name = doc.get("name", "graph")
+    except (KeyError, TypeError, ValueError) as exc:
+        if isinstance(exc, InputError):
+            raise
+        raise FormatError(f"{where}: malformed graph document ({type(exc).__name__}: {exc})") from None
+    return OpGraph.build(str(name), ops, edges)
+
+
+def _num(value: Any) -> float:
+    number = float(value)
+    return int(number) if number.is_integer() else number
+
+
+def read_graph_json(path: str) -> OpGraph:
+    """Read a graph JSON file (clear :class:`FormatError` on any problem)."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            doc = json.load(fh)
+    except FileNotFoundError:
+        raise InputError(f"no such file: {path}") from None
+    except json.JSONDecodeError as exc:
+        raise FormatError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
+    return graph_from_dict(doc, where=path)
+
+
+def write_json_atomic(path: str, doc: Any) -> None:
+    """Write JSON to ``path`` via a temporary file and rename: never half-written."""
+    import os
+    import tempfile
+
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=directory)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(doc, fh, indent=1, sort_keys=False)
+            fh.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise

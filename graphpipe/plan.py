@@ -1,0 +1,148 @@
+"""Plans and the ``graphpipe.plan/1`` file format (DESIGN §9).
+
+A :class:`Plan` is everything needed to simulate or run one training
+iteration: the op graph, the cluster, the stage graph (with batch size and
+per-stage micro-batch sizes), the strategy that produced it, the schedule,
+the simulator's predicted figures and the search statistics.
+
+The JSON is self-contained: the graph is inlined in the graph-JSON shape,
+the cluster in the cluster-file shape, so ``graphpipe simulate plan.json``
+needs nothing else. Keys may be added in later versions of ``/1``; none of
+the keys below change meaning. Unknown ``format`` values are refused.
+
+Structural checks happen here (every :class:`StageGraph` invariant); the
+schedule itself is checked by :func:`graphpipe.sched.validate_schedule`,
+which every reader of a plan file must call (the CLI does).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping
+
+from graphpipe.actions import Schedule
+from graphpipe.cluster import Cluster, cluster_from_dict, cluster_to_dict
+from graphpipe.errors import FormatError, InputError, PlanError
+from graphpipe.graph import OpGraph, graph_from_dict, graph_to_dict, write_json_atomic
+from graphpipe.stages import Stage, StageGraph
+
+__all__ = ["Plan", "PLAN_FORMAT", "plan_to_dict", "plan_from_dict", "read_plan", "write_plan"]
+
+PLAN_FORMAT = "graphpipe.plan/1"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Plan:
+    model: str
+    """How to rebuild the module: zoo spec (``mmt:small``), ``file.py:factory``, or a file path."""
+    stage_graph: StageGraph
+    cluster: Cluster
+    strategy: str
+    """Partitioner that produced the stages: gpp, pipedream, piper, gpipe, or custom."""
+    schedule: Schedule
+    predicted: Mapping[str, Any] = field(default_factory=dict)
+    """Simulator figures: iteration_time_s, throughput, bubble_fraction, peak_memory_bytes, ..."""
+    search: Mapping[str, Any] = field(default_factory=dict)
+    """Search statistics: strategy, time_s, and (cpsat) lower_bound_s, gap."""
+    merged: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    """Ops created by contracting non-series-parallel regions -> original op names."""
+
+    def __post_init__(self) -> None:
+        if self.stage_graph.num_devices != self.cluster.num_devices:
+            raise PlanError(f"stage graph is for {self.stage_graph.num_devices} devices, cluster has {self.cluster.num_devices}")
+        if self.schedule.num_devices != self.cluster.num_devices:
+            raise PlanError(f"schedule lists {self.schedule.num_devices} devices, cluster has {self.cluster.num_devices}")
+
+    @property
+    def graph(self) -> OpGraph:
+        return self.stage_graph.graph
+
+    @property
+    def batch_size(self) -> int:
+        return self.stage_graph.batch_size
+
+    def with_schedule(self, schedule: Schedule, predicted: Mapping[str, Any] | None = None) -> "Plan":
+        return replace(self, schedule=schedule, predicted=dict(predicted or {}))
+
+
+def plan_to_dict(plan: Plan) -> dict[str, Any]:
+    sg = plan.stage_graph
+    return {
+        "format": PLAN_FORMAT,
+        "model": plan.model,
+        "graph": graph_to_dict(plan.graph),
+        "cluster": cluster_to_dict(plan.cluster),
+        "batch_size": sg.batch_size,
+        "strategy": plan.strategy,
+        "stages": [
+            {"id": s.id, "ops": [plan.graph.ops[i].name for i in s.op_ids], "devices": list(s.devices),
+             "micro_batch_size": s.micro_batch_size}
+            for s in sg.stages
+        ],
+        "stage_edges": [list(e) for e in sg.edges],
+        "schedule": plan.schedule.to_dict(),
+        "predicted": dict(plan.predicted),
+        "search": dict(plan.search),
+        "merged": {k: list(v) for k, v in plan.merged.items()},
+    }
+
+
+def plan_from_dict(doc: Any, where: str = "plan") -> Plan:
+    """Parse a plan document; structural invariants are checked, the schedule is parsed only."""
+    if not isinstance(doc, dict):
+        raise FormatError(f"{where}: expected a JSON object")
+    fmt = doc.get("format")
+    if fmt != PLAN_FORMAT:
+        raise FormatError(f"{where}: unsupported format {fmt!r}; expected {PLAN_FORMAT!r}")
+    for key in ("graph", "cluster", "batch_size", "stages", "schedule"):
+        if key not in doc:
+            raise FormatError(f"{where}: missing key {key!r}")
+    graph = graph_from_dict(doc["graph"], where=f"{where}.graph")
+    cluster = cluster_from_dict(doc["cluster"], where=f"{where}.cluster")
+    batch_size = doc["batch_size"]
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise PlanError(f"{where}: batch_size must be a positive integer, got {batch_size!r}")
+    stages = []
+    try:
+        for i, s in enumerate(doc["stages"]):
+            stages.append(Stage(int(s["id"]), tuple(graph.op_id(name) for name in s["ops"]),
+                                tuple(int(d) for d in s["devices"]), s["micro_batch_size"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        if isinstance(exc, InputError):
+            raise
+        raise FormatError(f"{where}: malformed stage entry ({type(exc).__name__}: {exc})") from None
+    stages.sort(key=lambda s: s.id)
+    schedule = Schedule.from_dict(doc["schedule"], cluster.num_devices, where=f"{where}.schedule")
+    shared = schedule.name.startswith("interleaved") or _devices_shared(stages)
+    edges = tuple(tuple(e) for e in doc.get("stage_edges", ()))
+    sg = StageGraph(graph, tuple(stages), batch_size, cluster.num_devices, edges=edges, allow_shared_devices=shared)
+    merged = {str(k): tuple(v) for k, v in (doc.get("merged") or {}).items()}
+    return Plan(model=str(doc.get("model", graph.name)), stage_graph=sg, cluster=cluster,
+                strategy=str(doc.get("strategy", "custom")), schedule=schedule,
+                predicted=dict(doc.get("predicted") or {}), search=dict(doc.get("search") or {}), merged=merged)
+
+
+def _devices_shared(stages: list[Stage]) -> bool:
+    """Virtual stages: several stages on exactly the same device set."""
+    sets = [s.devices for s in stages]
+    return len(set(sets)) < len(sets) and all(
+        a == b or not set(a) & set(b) for i, a in enumerate(sets) for b in sets[i + 1:])
+
+
+def read_plan(path: str) -> Plan:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            doc = json.load(fh)
+    except FileNotFoundError:
+        raise InputError(f"no such file: {path}") from None
+    except IsADirectoryError:
+        raise InputError(f"{path} is a directory, not a plan file") from None
+    except json.JSONDecodeError as exc:
+        raise FormatError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
+    return plan_from_dict(doc, where=path)
+
+
+def write_plan(path: str, plan: Plan) -> None:
+    """Write atomically (temporary file + rename)."""
+    write_json_atomic(path, plan_to_dict(plan))

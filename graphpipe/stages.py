@@ -1,0 +1,272 @@
+"""Stage graphs: a partition of an OpGraph into convex stages (DESIGN §6).
+
+A :class:`Stage` is a convex set of ops placed on a set of devices (several
+devices = data parallelism inside the stage: each replica runs every action
+of the stage on ``micro_batch_size / len(devices)`` samples and gradients are
+all-reduced) with its own micro-batch size. Stage edges follow op edges; the
+stage graph is a DAG and stage ids are a topological order of it.
+
+Two stages may share the *same* device set only as virtual stages of an
+interleaved schedule (``allow_shared_devices=True``); otherwise device sets
+are pairwise disjoint.
+
+Example
+-------
+>>> from graphpipe.graph import Op, OpGraph
+>>> g = OpGraph.build("chain", [Op("a", "x"), Op("b", "x")], [("a", "b", 4.0)])
+>>> sg = StageGraph.build(g, [Stage(0, (0,), (0,), 2), Stage(1, (1,), (1,), 2)], batch_size=8, num_devices=2)
+>>> sg.edges, sg.num_micro_batches(0), sg.edge_bytes(0, 1)
+(((0, 1),), 4, 4.0)
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Sequence
+
+from graphpipe.errors import PlanError
+from graphpipe.graph import OpGraph
+
+__all__ = ["Stage", "StageGraph"]
+
+
+@dataclass(frozen=True, slots=True)
+class Stage:
+    """One pipeline stage: ``op_ids`` (sorted), ``devices`` (sorted), micro-batch size."""
+
+    id: int
+    op_ids: tuple[int, ...]
+    devices: tuple[int, ...]
+    micro_batch_size: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "op_ids", tuple(sorted(self.op_ids)))
+        object.__setattr__(self, "devices", tuple(sorted(self.devices)))
+        if not self.op_ids:
+            raise PlanError(f"stage {self.id} has no ops")
+        if not self.devices:
+            raise PlanError(f"stage {self.id} has no devices")
+        if len(set(self.devices)) != len(self.devices):
+            raise PlanError(f"stage {self.id} lists a device twice: {self.devices}")
+        if not isinstance(self.micro_batch_size, int) or self.micro_batch_size < 1:
+            raise PlanError(f"stage {self.id}: micro_batch_size must be a positive integer, got {self.micro_batch_size!r}")
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self.devices)
+
+    @property
+    def samples_per_replica(self) -> float:
+        """Samples one device processes per micro-batch of this stage."""
+        return self.micro_batch_size / len(self.devices)
+
+
+@dataclass(frozen=True, slots=True)
+class StageGraph:
+    """A DAG of stages over ``graph`` for one mini-batch of ``batch_size`` samples.
+
+    Construct with :meth:`build`, which derives the stage edges, renumbers
+    nothing, and checks every invariant (stages partition the ops, are convex,
+    stage ids are topological, device sets disjoint and inside the cluster,
+    micro-batch sizes divide the batch and are divisible by the replica count).
+    """
+
+    graph: OpGraph
+    stages: tuple[Stage, ...]
+    batch_size: int
+    num_devices: int
+    edges: tuple[tuple[int, int], ...] = ()
+    allow_shared_devices: bool = False
+    _stage_of: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    _succs: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
+    _preds: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
+    _edge_bytes: Mapping[tuple[int, int], float] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        g = self.graph
+        if not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise PlanError(f"batch size must be a positive integer, got {self.batch_size!r}")
+        # Stage ids are 0..n-1 in order.
+        for position, stage in enumerate(self.stages):
+            if stage.id != position:
+                raise PlanError(f"stage ids must be 0..{len(self.stages) - 1} in order; position {position} has id {stage.id}")
+        # Partition of the ops.
+        stage_of = [-1] * g.num_ops
+        for stage in self.stages:
+            for op_id in stage.op_ids:
+                if not 0 <= op_id < g.num_ops:
+                    raise PlanError(f"stage {stage.id} refers to op {op_id}, graph has {g.num_ops} ops")
+                if stage_of[op_id] != -1:
+                    raise PlanError(f"op {g.ops[op_id].name!r} is in stages {stage_of[op_id]} and {stage.id}: stages must partition the ops")
+                stage_of[op_id] = stage.id
+        missing = [g.ops[i].name for i, s in enumerate(stage_of) if s == -1]
+        if missing:
+            raise PlanError(f"ops not in any stage: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+        # Devices inside the cluster, disjoint (or identical for virtual stages).
+        owner: dict[int, tuple[int, ...]] = {}
+        for stage in self.stages:
+            for d in stage.devices:
+                if not 0 <= d < self.num_devices:
+                    raise PlanError(f"stage {stage.id} uses device {d}, cluster has devices 0..{self.num_devices - 1}")
+                if d in owner and (not self.allow_shared_devices or owner[d] != stage.devices):
+                    raise PlanError(f"device {d} is used by two stages with different device sets {owner[d]} and {stage.devices}"
+                                    if self.allow_shared_devices else f"device {d} is used by more than one stage (device sets must be disjoint)")
+                owner[d] = stage.devices
+        # Micro-batch sizes.
+        for stage in self.stages:
+            if self.batch_size % stage.micro_batch_size:
+                raise PlanError(f"stage {stage.id}: micro-batch size {stage.micro_batch_size} does not divide the batch size {self.batch_size}")
+            if stage.micro_batch_size % stage.num_replicas:
+                raise PlanError(f"stage {stage.id}: micro-batch size {stage.micro_batch_size} is not divisible by its {stage.num_replicas} replicas")
+        # Convexity of each stage: no path leaves the stage and comes back.
+        for stage in self.stages:
+            _check_convex(g, stage, stage_of)
+        # Stage edges from op edges.
+        edge_bytes: dict[tuple[int, int], float] = {}
+        for e in g.edges:
+            a, b = stage_of[e.src], stage_of[e.dst]
+            if a != b:
+                edge_bytes[(a, b)] = edge_bytes.get((a, b), 0.0) + e.bytes
+        derived = tuple(sorted(edge_bytes))
+        if self.edges and tuple(sorted(self.edges)) != derived:
+            raise PlanError(f"stage_edges {sorted(self.edges)} do not match the edges implied by the ops {list(derived)}")
+        for a, b in derived:
+            if a >= b:
+                raise PlanError(f"stage edge {a}->{b} goes backwards: stage ids must be topological"
+                                " (or the stage graph has a cycle: stages not convex)")
+        n = len(self.stages)
+        succs: list[list[int]] = [[] for _ in range(n)]
+        preds: list[list[int]] = [[] for _ in range(n)]
+        for a, b in derived:
+            succs[a].append(b)
+            preds[b].append(a)
+        object.__setattr__(self, "edges", derived)
+        object.__setattr__(self, "_stage_of", tuple(stage_of))
+        object.__setattr__(self, "_succs", tuple(tuple(s) for s in succs))
+        object.__setattr__(self, "_preds", tuple(tuple(p) for p in preds))
+        object.__setattr__(self, "_edge_bytes", edge_bytes)
+
+    # ------------------------------------------------------------------ build
+    @classmethod
+    def build(cls, graph: OpGraph, stages: Sequence[Stage], batch_size: int, num_devices: int,
+              allow_shared_devices: bool = False) -> "StageGraph":
+        """Build from stages in any order: renumbers them topologically (ties by smallest op id)."""
+        stage_of: dict[int, int] = {}
+        for idx, stage in enumerate(stages):
+            for op_id in stage.op_ids:
+                stage_of[op_id] = idx
+        n = len(stages)
+        succs: list[set[int]] = [set() for _ in range(n)]
+        indeg = [0] * n
+        for e in graph.edges:
+            a, b = stage_of.get(e.src), stage_of.get(e.dst)
+            if a is not None and b is not None and a != b and b not in succs[a]:
+                succs[a].add(b)
+                indeg[b] += 1
+        key = [min(s.op_ids) if s.op_ids else 0 for s in stages]
+        ready = [(key[i], i) for i in range(n) if indeg[i] == 0]
+        heapq.heapify(ready)
+        order: list[int] = []
+        while ready:
+            _, i = heapq.heappop(ready)
+            order.append(i)
+            for j in succs[i]:
+                indeg[j] -= 1
+                if indeg[j] == 0:
+                    heapq.heappush(ready, (key[j], j))
+        if len(order) < n:
+            stuck = sorted(i for i in range(n) if indeg[i] > 0)
+            raise PlanError(f"stage graph has a cycle among stages {stuck}: some stage is not convex")
+        renumbered = [Stage(new, stages[old].op_ids, stages[old].devices, stages[old].micro_batch_size)
+                      for new, old in enumerate(order)]
+        return cls(graph, tuple(renumbered), batch_size, num_devices, allow_shared_devices=allow_shared_devices)
+
+    # ----------------------------------------------------------------- access
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def stage_of(self, op_id: int) -> int:
+        return self._stage_of[op_id]
+
+    def succs(self, stage_id: int) -> tuple[int, ...]:
+        return self._succs[stage_id]
+
+    def preds(self, stage_id: int) -> tuple[int, ...]:
+        return self._preds[stage_id]
+
+    def edge_bytes(self, src: int, dst: int) -> float:
+        """Bytes per sample flowing from stage ``src`` to stage ``dst``."""
+        return self._edge_bytes[(src, dst)]
+
+    def num_micro_batches(self, stage_id: int) -> int:
+        return self.batch_size // self.stages[stage_id].micro_batch_size
+
+    def devices_used(self) -> tuple[int, ...]:
+        return tuple(sorted({d for s in self.stages for d in s.devices}))
+
+    def stages_on_device(self, device_id: int) -> tuple[int, ...]:
+        return tuple(s.id for s in self.stages if device_id in s.devices)
+
+    def fwd_time(self, stage_id: int) -> float:
+        """Seconds for one forward micro-batch on one replica of the stage."""
+        s = self.stages[stage_id]
+        return self.graph.fwd_time(s.op_ids, s.samples_per_replica)
+
+    def bwd_time(self, stage_id: int) -> float:
+        s = self.stages[stage_id]
+        return self.graph.bwd_time(s.op_ids, s.samples_per_replica)
+
+    def param_bytes(self, stage_id: int) -> float:
+        return sum(self.graph.ops[i].param_bytes for i in self.stages[stage_id].op_ids)
+
+    def act_bytes_per_sample(self, stage_id: int) -> float:
+        return sum(self.graph.ops[i].act_bytes for i in self.stages[stage_id].op_ids)
+
+    def depth(self) -> int:
+        """Stages on the longest source-to-sink path."""
+        longest = [1] * self.num_stages
+        for a in range(self.num_stages):
+            for b in self._succs[a]:
+                longest[b] = max(longest[b], longest[a] + 1)
+        return max(longest, default=0)
+
+    def is_chain(self) -> bool:
+        """True when the stages form one sequential chain 0 -> 1 -> ... -> n-1."""
+        return all(self._succs[i] == ((i + 1,) if i + 1 < self.num_stages else ()) for i in range(self.num_stages))
+
+    def consumed_mbs(self, producer: int, consumer: int, consumer_mb: int) -> tuple[int, ...]:
+        """Producer micro-batch ids whose samples consumer micro-batch ``consumer_mb`` covers.
+
+        Micro-batch ``j`` of a stage with size ``b`` holds samples ``[j*b, (j+1)*b)``;
+        a consumer with a larger micro-batch needs several producer micro-batches
+        (DESIGN §7: a consumer with micro-batch 4 needs two of its producer's 2s).
+        """
+        bp = self.stages[producer].micro_batch_size
+        bc = self.stages[consumer].micro_batch_size
+        lo, hi = consumer_mb * bc, (consumer_mb + 1) * bc
+        return tuple(range(lo // bp, (hi - 1) // bp + 1))
+
+
+def _check_convex(graph: OpGraph, stage: Stage, stage_of: Sequence[int]) -> None:
+    """Raise if some path leaves ``stage`` and re-enters it."""
+    members = set(stage.op_ids)
+    last = max(members)
+    # Ops reachable from the stage through at least one outside op, limited to ids < last.
+    frontier = [j for i in members for j in graph.succs(i) if j not in members and j < last]
+    seen = set(frontier)
+    while frontier:
+        i = frontier.pop()
+        for j in graph.succs(i):
+            if j in members:
+                raise PlanError(f"stage {stage.id} is not convex: a path leaves it through op "
+                                f"{graph.ops[i].name!r} (stage {stage_of[i]}) and re-enters at {graph.ops[j].name!r}")
+            if j < last and j not in seen:
+                seen.add(j)
+                frontier.append(j)
+
+
+def iter_stage_ops(sg: StageGraph) -> Iterable[tuple[Stage, list[str]]]:
+    for stage in sg.stages:
+        yield stage, [sg.graph.ops[i].name for i in stage.op_ids]
