@@ -1,0 +1,127 @@
+"""Shared plumbing for the evaluations: result files, environment, timing, progress.
+
+Every experiment writes ``<out>/results/<name>.json``::
+
+    {"experiment": name, "config": {...resolved config...}, "environment": {...versions, git SHA...},
+     "rows": [...one dict per measured point...], "summary": {...}}
+
+Plot and report scripts read only these files (STYLE habit 12).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Callable, Iterable, Sequence
+
+from graphpipe.graph import write_json_atomic
+
+__all__ = ["environment", "write_result", "read_result", "Progress", "median_time", "results_dir"]
+
+
+def results_dir(out: str) -> str:
+    return os.path.join(out, "results")
+
+
+def _git_sha() -> str:
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=10)
+        if sha.returncode != 0:
+            return "unknown"
+        return sha.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _version(module: str) -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version(module)
+    except Exception:  # noqa: BLE001 - a missing package is just "not installed"
+        return None
+
+
+def environment() -> dict[str, Any]:
+    """Versions, machine and git SHA recorded beside every result."""
+    import graphpipe
+
+    return {
+        "graphpipe": graphpipe.__version__,
+        "git_sha": _git_sha(),
+        "python": platform.python_version(),
+        "torch": _version("torch"),
+        "ortools": _version("ortools"),
+        "networkx": _version("networkx"),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def write_result(out: str, name: str, config: dict[str, Any], rows: list[dict[str, Any]],
+                 summary: dict[str, Any] | None = None) -> str:
+    path = os.path.join(results_dir(out), f"{name}.json")
+    write_json_atomic(path, {"experiment": name, "config": config, "environment": environment(),
+                             "rows": rows, "summary": summary or {}})
+    return path
+
+
+def read_result(out: str, name: str) -> dict[str, Any] | None:
+    path = os.path.join(results_dir(out), f"{name}.json")
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+class Progress:
+    """A minimal progress bar on stderr: ``name [#####.....] 5/10 label``."""
+
+    def __init__(self, name: str, total: int, stream=None, width: int = 24):
+        self.name, self.total, self.width = name, max(total, 1), width
+        self.stream = stream or sys.stderr
+        self.done = 0
+        self.start = time.perf_counter()
+        self._draw("")
+
+    def _draw(self, label: str) -> None:
+        filled = int(self.width * self.done / self.total)
+        elapsed = time.perf_counter() - self.start
+        line = f"\r{self.name:<12} [{'#' * filled}{'.' * (self.width - filled)}] {self.done}/{self.total} {elapsed:6.1f}s {label[:40]:<40}"
+        self.stream.write(line)
+        self.stream.flush()
+
+    def step(self, label: str = "") -> None:
+        self.done += 1
+        self._draw(label)
+
+    def close(self) -> None:
+        self._draw("done")
+        self.stream.write("\n")
+        self.stream.flush()
+
+    def iterate(self, items: Sequence, label: Callable[[Any], str] = str) -> Iterable:
+        for item in items:
+            yield item
+            self.step(label(item))
+        self.close()
+
+
+def median_time(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
+    """Median wall time of ``repeats`` calls of ``fn`` and the last call's result."""
+    times = []
+    result = None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), result
