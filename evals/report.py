@@ -1,0 +1,166 @@
+"""Generate ``REPORT.md`` from the result files (and nothing else).
+
+Every number in the report is formatted from a result file by :func:`fmt`;
+``tests/test_evals.py`` parses the report's tables back and checks they agree
+with the results.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Iterable, Sequence
+
+from evals.common import read_result
+from graphpipe.graph import write_json_atomic  # noqa: F401  (atomic writes live in the core)
+
+__all__ = ["fmt", "build_report", "write_report", "TABLE_COLUMNS"]
+
+PAPER = {
+    "throughput": "up to 1.6x over PipeDream and Piper; 1.25-1.61x at 32 GPUs (Fig. 6)",
+    "search-time": "GraphPipe's search is 9-21x faster than Piper; Piper finds no strategy for DLRM and CANDLE-Uno (Table 1)",
+    "branches": "CANDLE-Uno's gain grows with the branch count, up to 2x at 16 branches (Fig. 7)",
+    "ablation": "concurrent stages alone 1.12-1.40x over SPP; full GraphPipe 1.25-1.61x (Fig. 9, 32 GPUs)",
+    "case-study": "2-branch transformer on 8 devices: depth 8 -> 4, micro-batch 2 -> 4, +20% throughput (Figs. 8/10)",
+    "memory": "GPP's shallower pipeline keeps fewer micro-batches in flight, so less activation memory (Sec. 3)",
+    "fidelity": "(no paper figure; our target: simulator error under 20% once calibrated with `graphpipe profile`)",
+}
+
+
+def fmt(value: Any, digits: int = 3) -> str:
+    """The one number formatter of the report (the agreement test uses it too)."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if value == 0:
+            return "0"
+        if abs(value) >= 1000:
+            return f"{value:,.0f}"
+        return f"{value:.{digits}g}"
+    if isinstance(value, (list, tuple)):
+        return "/".join(fmt(v, digits) for v in value)
+    return str(value).replace("|", "/")
+
+
+def _table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    for row in rows:
+        lines.append("| " + " | ".join(fmt(v) for v in row) + " |")
+    return "\n".join(lines)
+
+
+# Columns of each experiment's main table: (header, key in the row).
+TABLE_COLUMNS: dict[str, list[tuple[str, str]]] = {
+    "throughput": [("model", "model"), ("devices", "devices"), ("batch", "batch_size"), ("strategy", "strategy"),
+                   ("samples/s", "throughput"), ("iteration (s)", "iteration_time_s"), ("stages", "num_stages"),
+                   ("depth", "depth"), ("micro-batch", "micro_batch_sizes"), ("search (s)", "search_time_s")],
+    "search-time": [("kind", "kind"), ("model", "model"), ("devices", "devices"), ("strategy", "strategy"),
+                    ("search time (s)", "search_time_s"), ("repeats", "repeats"), ("feasible", "feasible")],
+    "branches": [("series", "series"), ("branches", "branches"), ("devices", "devices"), ("strategy", "strategy"),
+                 ("samples/s", "throughput"), ("depth", "depth"), ("micro-batch", "micro_batch_sizes")],
+    "ablation": [("model", "model"), ("variant", "variant"), ("samples/s", "throughput"), ("x best SPP", "speedup"),
+                 ("depth", "depth"), ("micro-batch", "micro_batch_sizes")],
+    "case-study": [("strategy", "strategy"), ("depth", "depth"), ("stages", "num_stages"),
+                   ("micro-batch", "micro_batch_sizes"), ("samples/s", "throughput"), ("iteration (s)", "iteration_time_s")],
+    "memory": [("model", "model"), ("strategy", "strategy"), ("peak GB (fullest device)", "peak_memory_gb"),
+               ("max in-flight", "max_in_flight"), ("depth", "depth"), ("samples/s", "throughput")],
+    "fidelity": [("model", "model"), ("strategy", "strategy"), ("schedule", "schedule"), ("devices", "devices"),
+                 ("predicted (s)", "predicted_s"), ("measured (s)", "measured_s"), ("error", "error_frac")],
+}
+
+
+def _rows_for_table(name: str, res: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = [dict(r) for r in res["rows"]]
+    if name == "memory":
+        for r in rows:
+            r["peak_memory_gb"] = r["peak_memory_bytes"] / 1e9 if r.get("peak_memory_bytes") else None
+    return rows
+
+
+def _errors(res: dict[str, Any]) -> list[str]:
+    seen, out = set(), []
+    for r in res["rows"]:
+        if r.get("error") and r["error"] not in seen:
+            seen.add(r["error"])
+            tag = ", ".join(str(r[k]) for k in ("model", "strategy", "variant") if r.get(k))
+            out.append(f"- {tag}: {r['error']}")
+    return out
+
+
+def _headline(name: str, res: dict[str, Any]) -> str:
+    s = res.get("summary") or {}
+    if name == "throughput":
+        ups = [x for x in s.get("speedup_vs_best_spp", []) if x["speedup"]]
+        if not ups:
+            return "no feasible gpp/SPP pair"
+        top_n = max(x["devices"] for x in ups)
+        at_top = [x for x in ups if x["devices"] == top_n]
+        parts = ", ".join(f"{x['model']} {fmt(x['speedup'])}x (vs {x['best_spp']})" for x in at_top)
+        return f"gpp / best SPP at {top_n} devices: {parts}; over all points {fmt(min(x['speedup'] for x in ups))}-{fmt(max(x['speedup'] for x in ups))}x"
+    if name == "search-time":
+        ratios = [x for x in s.get("baseline_over_gpp", []) if x["baseline"] == "piper" and x["ratio"]]
+        if not ratios:
+            return "piper did not finish on any configuration (refused past its downset limit)"
+        return "piper / gpp search time: " + ", ".join(f"{x['model']} @{x['devices']} {fmt(x['ratio'])}x" for x in ratios)
+    if name == "branches":
+        norm = [x for x in s.get("normalised_to_pipedream", []) if x["series"] == "candle-uno" and x["strategy"] == "gpp"]
+        return "candle-uno gpp / pipedream: " + ", ".join(f"{x['branches']} branches {fmt(x['normalised'])}x" for x in norm)
+    if name == "case-study":
+        if not s:
+            return "one of the plans was infeasible"
+        return (f"depth {s['depth_spp']} -> {s['depth_gpp']}, micro-batch {fmt(s['micro_batch_spp'])} -> "
+                f"{fmt(s['micro_batch_gpp'])}, throughput x{fmt(s['throughput_gain'])}")
+    if name == "fidelity":
+        return f"median |predicted - measured| / measured = {fmt(s.get('median_error'))}"
+    if name == "ablation":
+        parts = []
+        for r in res["rows"]:
+            if r["variant"] != "best spp" and r.get("speedup"):
+                parts.append(f"{r['model']} {r['variant']} {fmt(r['speedup'])}x")
+        return "; ".join(parts)
+    return ""
+
+
+def build_report(out: str, notes: dict[str, str] | None = None) -> str:
+    notes = notes or {}
+    sections = ["# graphpipe evaluation report", "",
+                "Generated by `graphpipe eval all` from the result files in `results/`; every number below is "
+                "read from them (a test checks this). Simulated figures use the `v100` cluster preset "
+                "(the paper's Summit nodes) unless a section says otherwise.", ""]
+    env = None
+    for name in TABLE_COLUMNS:
+        res = read_result(out, name)
+        if res is None:
+            continue
+        env = env or res["environment"]
+        cols = TABLE_COLUMNS[name]
+        sections += [f"## {name}", "", f"**Paper:** {PAPER[name]}", "", f"**Ours:** {_headline(name, res)}", ""]
+        if os.path.exists(os.path.join(out, f"{name}.png")):
+            sections += [f"![{name}]({name}.png)", ""]
+        sections += [_table([c[0] for c in cols], ([r.get(c[1]) for c in cols] for r in _rows_for_table(name, res))), ""]
+        errors = _errors(res)
+        if errors:
+            sections += ["Refusals and failures:", ""] + errors + [""]
+        if notes.get(name):
+            sections += ["**Where we differ and why:** " + notes[name], ""]
+        sections += [f"Config: `{_config_line(res['config'])}`", ""]
+    if env:
+        sections += ["## environment", "", _table(["key", "value"], sorted(env.items())), ""]
+    return "\n".join(sections)
+
+
+def _config_line(config: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in config.items())
+
+
+def write_report(out: str, notes: dict[str, str] | None = None) -> str:
+    path = os.path.join(out, "REPORT.md")
+    text = build_report(out, notes)
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(text)
+    os.replace(tmp, path)
+    return path

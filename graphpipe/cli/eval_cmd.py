@@ -1,0 +1,42 @@
+"""``graphpipe eval NAME|all [--out DIR] [--quick]``: the paper's experiments, plots and REPORT.md."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from graphpipe.errors import InputError
+
+__all__ = ["register"]
+
+
+def register(sub) -> None:
+    p = sub.add_parser("eval", help="reproduce the paper's evaluations (plots, tables, REPORT.md)",
+                       description="Run one experiment or all of them; write results/<name>.json, <name>.png and REPORT.md.")
+    p.add_argument("name", metavar="NAME", help="throughput, search-time, branches, ablation, case-study, memory, fidelity, or all")
+    p.add_argument("--out", default=None, help="output folder (default: the evals/ folder; evals/quick with --quick)")
+    p.add_argument("--quick", action="store_true", help="small sizes and few devices (CI smoke test, ~3 min)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    import evals
+    from evals.experiments import ORDER, run_experiment
+    from evals.notes import NOTES
+    from evals.plots import plot_all
+    from evals.report import write_report
+
+    names = list(ORDER) if args.name == "all" else [args.name]
+    for name in names:
+        if name not in ORDER:
+            raise InputError(f"unknown experiment {name!r}; known: {', '.join(ORDER)}, all")
+    here = os.path.dirname(os.path.abspath(evals.__file__))
+    out = args.out or (os.path.join(here, "quick") if args.quick else here)
+    for name in names:
+        path = run_experiment(name, out, args.quick)
+        sys.stderr.write(f"wrote {path}\n")
+    for path in plot_all(out, names):
+        sys.stderr.write(f"wrote {path}\n")
+    report = write_report(out, {} if args.quick else NOTES)
+    sys.stderr.write(f"wrote {report}\n")
+    return 0
