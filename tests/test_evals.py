@@ -1,0 +1,82 @@
+"""`graphpipe eval all --quick` end to end: results, figures, and a report whose numbers are the results'."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from graphpipe.cli import main
+
+EXPERIMENTS = ("throughput", "search-time", "branches", "ablation", "case-study", "memory", "fidelity")
+
+
+def _parse_tables(report: str) -> dict[str, list[list[str]]]:
+    """First markdown table of every '## name' section, as rows of cell strings (header first)."""
+    tables: dict[str, list[list[str]]] = {}
+    section, state = None, "done"
+    for line in report.splitlines():
+        if line.startswith("## "):
+            section, state = line[3:].strip(), "looking"
+        elif line.startswith("|") and state in ("looking", "in"):
+            state = "in"
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if set("".join(cells)) <= {"-"}:
+                continue  # the header's separator row
+            tables.setdefault(section, []).append(cells)
+        elif state == "in":
+            state = "done"
+    return tables
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("evals")
+    assert main(["eval", "all", "--quick", "--out", str(out)]) == 0
+    return out
+
+
+def test_every_experiment_writes_results_and_a_figure(quick_run):
+    for name in EXPERIMENTS:
+        with open(os.path.join(quick_run, "results", f"{name}.json")) as fh:
+            res = json.load(fh)
+        assert res["experiment"] == name
+        assert res["rows"], name
+        assert res["environment"]["git_sha"]
+        assert res["config"]["quick"] is True
+        assert os.path.getsize(os.path.join(quick_run, f"{name}.png")) > 5000, name
+
+
+def test_report_numbers_are_the_result_files_numbers(quick_run):
+    from evals.report import TABLE_COLUMNS, fmt, _rows_for_table
+
+    with open(os.path.join(quick_run, "REPORT.md")) as fh:
+        report = fh.read()
+    tables = _parse_tables(report)
+    for name in EXPERIMENTS:
+        with open(os.path.join(quick_run, "results", f"{name}.json")) as fh:
+            res = json.load(fh)
+        cols = TABLE_COLUMNS[name]
+        table = tables[name]
+        assert table[0] == [c[0] for c in cols]
+        rows = _rows_for_table(name, res)
+        assert len(table) - 1 == len(rows), name
+        for cells, row in zip(table[1:], rows):
+            assert cells == [fmt(row.get(key)) for _, key in cols], (name, cells)
+        assert f"![{name}]({name}.png)" in report
+
+
+def test_quick_throughput_orders_strategies_like_the_simulator(quick_run):
+    """Every feasible row's throughput is batch / iteration time (the simulator's definition)."""
+    with open(os.path.join(quick_run, "results", "throughput.json")) as fh:
+        res = json.load(fh)
+    for r in res["rows"]:
+        if r["feasible"]:
+            assert r["throughput"] == pytest.approx(r["batch_size"] / r["iteration_time_s"])
+
+
+def test_unknown_experiment_is_refused(capsys):
+    assert main(["eval", "nonsense", "--quick"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [err[0]] and err[0].startswith("graphpipe: error: unknown experiment 'nonsense'")
