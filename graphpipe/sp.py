@@ -63,7 +63,7 @@ import logging
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from graphpipe.errors import InputError
+from graphpipe.errors import GraphCycleError, InputError
 from graphpipe.graph import Affine, Op, OpGraph
 
 __all__ = [
@@ -337,23 +337,162 @@ def contract(graph: OpGraph, regions: Sequence[Sequence[int]], name: str | None 
     return OpGraph.build(name or graph.name, ops, edges), mapping
 
 
+def _descendant_masks(graph: OpGraph) -> list[int]:
+    """``desc[v]``: bitmask of every descendant of ``v`` (reverse id order pass)."""
+    desc = [0] * graph.num_ops
+    for v in range(graph.num_ops - 1, -1, -1):
+        mask = 0
+        for s in graph.succs(v):
+            mask |= desc[s] | (1 << s)
+        desc[v] = mask
+    return desc
+
+
+def _bits(mask: int):
+    """Set bit positions of ``mask``, ascending."""
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
+
+
+def _find_ns(graph: OpGraph, region: Sequence[int], anc: Sequence[int], desc: Sequence[int]):
+    """Yield induced "N"s ``(a, b, c, d)`` of ``region``: a<c, a<d, b<d, all else incomparable.
+
+    Scans ``d`` in topological order, so the first N yielded has the lowest
+    possible ``d``. For that ``d`` the ``b`` of some N is a direct predecessor
+    of ``d`` (for an N whose ``b`` is not, the direct predecessor ``b'`` of
+    ``d`` above ``b`` either replaces ``b`` or is itself the ``d`` of a lower
+    N), and ``c`` can be taken as a direct successor of ``a`` (dually, take
+    ``a`` maximal). So the search runs over edges, not over all 4-tuples, and
+    always yields at least one N when the region is not SP.
+    """
+    member = 0
+    for v in region:
+        member |= 1 << v
+    succ_mask: dict[int, int] = {}
+    for d in region:
+        below_d = anc[d] & member
+        not_c = anc[d] | desc[d] | (1 << d)
+        for b in graph.preds(d):
+            if not (member >> b) & 1:
+                continue
+            cand_a = below_d & ~(anc[b] | desc[b] | (1 << b))  # below d, incomparable to b
+            bad_c = not_c | desc[b]  # c must be incomparable to d and not above b
+            for a in _bits(cand_a):
+                sm = succ_mask.get(a)
+                if sm is None:
+                    sm = 0
+                    for w in graph.succs(a):
+                        sm |= 1 << w
+                    succ_mask[a] = sm
+                escape = sm & member & ~bad_c
+                if escape:
+                    yield a, b, (escape & -escape).bit_length() - 1, d
+
+
+def _hull(members: Sequence[int], anc: Sequence[int], desc: Sequence[int]) -> int:
+    """Bitmask of the convex hull of ``members``: every op on a path between two of them."""
+    up = down = 0
+    for v in members:
+        up |= desc[v] | (1 << v)
+        down |= anc[v] | (1 << v)
+    return up & down
+
+
+def _pair_fix(n: tuple[int, int, int, int], anc: Sequence[int], desc: Sequence[int]) -> int:
+    """Bitmask of the smallest convex op set that merges two ops of the N ``n``.
+
+    Merging any two of an N's four ops destroys it; candidates are the convex
+    hulls of the six pairs, smallest first. Ties prefer comparable pairs
+    (``b``,``d`` then ``a``,``c``: fusing a producer into its consumer, like
+    fusing layers) over incomparable ones (which would fuse two branches).
+    """
+    a, b, c, d = n
+    best_key, best_mask = None, 0
+    for rank, pair in enumerate(((b, d), (a, c), (a, d), (a, b), (c, d), (b, c))):
+        mask = _hull(pair, anc, desc)
+        key = (bin(mask).count("1"), rank)
+        if best_key is None or key < best_key:
+            best_key, best_mask = key, mask
+    return best_mask
+
+
+def _region_fixes(graph: OpGraph, region: Sequence[int], anc: Sequence[int], desc: Sequence[int]
+                  ) -> list[tuple[int, ...]]:
+    """Disjoint convex op sets to contract in ``region`` this round (at least one).
+
+    The first comes from the lowest N; later Ns whose fix touches no op of an
+    earlier fix (nor its neighbours, to keep joint contraction acyclic in the
+    common case) are batched so that big regions need few rounds.
+    """
+    fixes: list[int] = []
+    used = 0
+    for n in _find_ns(graph, region, anc, desc):
+        if any((used >> v) & 1 for v in n):
+            continue
+        mask = _pair_fix(n, anc, desc)
+        if mask & used:
+            continue
+        fixes.append(mask)
+        for v in _bits(mask):
+            used |= 1 << v
+            for w in graph.succs(v) + graph.preds(v):
+                used |= 1 << w
+    if not fixes:  # impossible for a prime region; contract it whole rather than fail
+        logger.warning("%s: no N found in a non-SP region of %d ops; contracting it whole", graph.name, len(region))
+        return [tuple(region)]
+    return [tuple(_bits(m)) for m in fixes]
+
+
 def make_series_parallel(graph: OpGraph) -> tuple[OpGraph, dict[str, tuple[str, ...]]]:
-    """Return ``(sp_graph, merged)``: ``graph`` with its non-SP regions contracted.
+    """Return ``(sp_graph, merged)``: ``graph`` with small non-SP regions contracted.
 
     DESIGN §5: a DAG that is not SP is made SP by contracting the smallest
-    non-SP regions into single ops. The regions are the prime regions of
-    :func:`prime_regions` -- the innermost sets where the series/parallel
-    split fails -- so everything outside them keeps its own op. Contracting a
-    convex region to a point leaves the order among the other ops unchanged,
-    so the result is SP. ``merged`` maps each new op name to the original op
-    names; ``{}`` (and ``graph`` itself) when already SP.
+    non-SP regions into single ops. Greedy: while the decomposition meets
+    prime regions (:func:`prime_regions`), find one induced N in each and
+    contract the smallest convex set that merges two of its ops. Prime regions
+    are modules (every other op relates to all of a region's ops alike), so
+    fixes in different regions are independent and done in the same round.
+    Each round removes at least one op, so this terminates; the result is SP
+    because the loop only stops when no prime region is left. The final groups
+    are convex in ``graph`` (a path leaving and re-entering a group would be a
+    cycle in the contracted DAG) and are contracted in one step so that names
+    are flat. ``merged`` maps each new op name to the original op names;
+    ``{}`` (and ``graph`` itself) when already SP.
+
+    >>> from graphpipe.graph import Op, OpGraph
+    >>> n = OpGraph.build("n", [Op(x, "x") for x in "abcd"], [("a", "c", 1), ("a", "d", 1), ("b", "d", 1)])
+    >>> g, merged = make_series_parallel(n)
+    >>> merged, is_series_parallel(g)
+    ({'merge(b+d)': ('b', 'd')}, True)
     """
-    regions = prime_regions(graph)
-    if not regions:
+    current = graph
+    groups: dict[str, tuple[str, ...]] = {}  # current merged op name -> original names
+    rounds = 0
+    while True:
+        regions = prime_regions(current)
+        if not regions:
+            break
+        rounds += 1
+        anc, desc = _ancestor_masks(current), _descendant_masks(current)
+        batched = [f for region in regions for f in _region_fixes(current, region, anc, desc)]
+        try:
+            current, mapping = contract(current, batched)
+        except GraphCycleError:
+            # fixes jointly closed a cycle: take the first fix of each region only
+            # (regions are modules, so one fix each is always safe)
+            single = [_region_fixes(current, region, anc, desc)[0] for region in regions]
+            current, mapping = contract(current, single)
+        for new, old in mapping.items():
+            groups[new] = tuple(n for o in old for n in groups.pop(o, (o,)))
+    if not groups:
         return graph, {}
-    sp_graph, merged = contract(graph, regions)
-    logger.info("%s: contracted %d non-SP region(s) of %s ops into single ops",
-                graph.name, len(regions), [len(r) for r in regions])
+    original_ids = [sorted(graph.op_id(n) for n in names) for names in groups.values()]
+    original_ids.sort()
+    sp_graph, merged = contract(graph, original_ids)
+    logger.info("%s: %d rounds contracted %d non-SP region(s) of %s ops", graph.name, rounds,
+                len(merged), [len(v) for v in merged.values()])
     return sp_graph, merged
 
 
