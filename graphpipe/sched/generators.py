@@ -1,0 +1,253 @@
+"""Schedule generators: GPipe, 1F1B, interleaved 1F1B, and the ``make_schedule`` registry (DESIGN §7).
+
+Each generator is a pure function of a :class:`StageGraph` returning a
+:class:`Schedule` (per-device action lists; every replica of a stage gets the
+stage's list). Per-device orders match ``torch.distributed.pipelining``'s
+``ScheduleGPipe``, ``Schedule1F1B`` and ``ScheduleInterleaved1F1B`` on
+sequential chains (tested against torch).
+
+* :func:`gpipe` — fill-drain (GPipe, Huang et al. 2019): all forwards in
+  micro-batch order, then all backwards in micro-batch order. Bubble
+  ``(K-1)/(M+K-1)`` on K equal stages with M micro-batches.
+* :func:`one_f_one_b` — PipeDream-Flush 1F1B (Narayanan et al. 2021): stage
+  ``i`` of ``K`` warms up with ``min(K-i, M)`` forwards, then alternates one
+  backward and one forward, then drains. Works on any stage DAG by treating a
+  topological order of the stages as the chain (the SPP baseline that
+  graph-1F1B is compared against); at most ``K-i`` micro-batches in flight.
+* :func:`interleaved_1f1b` — Megatron-LM interleaved 1F1B (Narayanan et al.
+  SC'21 §2.2): ``K*v`` virtual stages placed round-robin (stage ``s`` on
+  device group ``s % K``); bubble time shrinks by ``v``.
+
+Example
+-------
+>>> from graphpipe.graph import Op, OpGraph
+>>> from graphpipe.stages import Stage, StageGraph
+>>> g = OpGraph.build("c", [Op("a", "x"), Op("b", "x")], [("a", "b", 1.0)])
+>>> sg = StageGraph.build(g, [Stage(0, (0,), (0,), 1), Stage(1, (1,), (1,), 1)], 3, 2)
+>>> print(make_schedule("gpipe", sg).to_text())
+0: 0F0 0F1 0F2 0B0 0B1 0B2
+1: 1F0 1F1 1F2 1B0 1B1 1B2
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from graphpipe.actions import Action, Schedule
+from graphpipe.cluster import Cluster
+from graphpipe.errors import InputError, ScheduleError
+from graphpipe.graph import OpGraph
+from graphpipe.stages import Stage, StageGraph
+
+from graphpipe.sched.graph1f1b import assemble, graph_1f1b, one_f_one_b_sequence, warmup_counts
+from graphpipe.sched.validate import validate_schedule
+
+__all__ = ["gpipe", "one_f_one_b", "interleaved_1f1b", "round_robin_chain", "make_schedule", "SCHEDULE_NAMES",
+           "interleaved_groups"]
+
+
+def gpipe(sg: StageGraph) -> Schedule:
+    """Fill-drain: per device, every forward of its stages (stage order, mb order), then every backward.
+
+    Backwards run in increasing micro-batch order, as torch's ``ScheduleGPipe``
+    does; with several (virtual) stages on one device, later stages'
+    backwards come first (they are the ones whose gradients arrive first).
+    """
+    lists: list[list[Action]] = [[] for _ in range(sg.num_devices)]
+    for d in range(sg.num_devices):
+        stages = sg.stages_on_device(d)
+        for s in stages:
+            lists[d].extend(Action(s, "F", j) for j in range(sg.num_micro_batches(s)))
+        for s in reversed(stages):
+            lists[d].extend(Action(s, "B", j) for j in range(sg.num_micro_batches(s)))
+    return Schedule.from_lists("gpipe", lists)
+
+
+def one_f_one_b(sg: StageGraph, order: Sequence[int] | None = None) -> Schedule:
+    """1F1B over the linear stage order ``order`` (default: stage ids ``0..K-1``).
+
+    Stage ``order[i]`` warms up with ``min(K - i, M)`` forwards (with equal
+    micro-batch sizes; with mixed sizes the warm-up rule of
+    :mod:`graphpipe.sched.graph1f1b` is applied along the chain, so it is
+    measured in each stage's own micro-batches). ``order`` must be a
+    topological order of the stage graph: skip edges (0 -> 2) are fine.
+    """
+    n = sg.num_stages
+    order = list(range(n)) if order is None else list(order)
+    if sorted(order) != list(range(n)):
+        raise ScheduleError(f"1f1b order {order} is not a permutation of the stage ids 0..{n - 1}")
+    rank = {s: i for i, s in enumerate(order)}
+    for p, c in sg.edges:
+        if rank[p] > rank[c]:
+            raise ScheduleError(f"1f1b order {order} puts stage {c} before its producer {p}; pass a topological order")
+    # The chain successor plus the real successors: with equal sizes the chain
+    # successor dominates (warm-ups strictly decrease along the order), with
+    # mixed sizes the real edges keep the rule deadlock-free.
+    successors = [tuple(sorted(set(sg.succs(s)) | ({order[rank[s] + 1]} if rank[s] + 1 < n else set())))
+                  for s in range(n)]
+    warm = warmup_counts(sg, successors)
+    per_stage = [one_f_one_b_sequence(s, sg.num_micro_batches(s), warm[s]) for s in range(n)]
+    return assemble(sg, "1f1b", per_stage)
+
+
+def interleaved_groups(sg: StageGraph) -> tuple[tuple[int, ...], ...]:
+    """The ``K`` device groups of a round-robin virtual-stage layout, or a :class:`ScheduleError`."""
+    groups: list[tuple[int, ...]] = []
+    for st in sg.stages:
+        if st.devices in groups:
+            break
+        groups.append(st.devices)
+    k = len(groups)
+    if sg.num_stages % k:
+        raise ScheduleError(f"interleaved 1F1B needs K*v stages placed round-robin on K device groups; "
+                            f"{sg.num_stages} stages on {k} groups is not a multiple — build the stage graph "
+                            f"with round_robin_chain(graph, num_devices, virtual_per_device, ...)")
+    for st in sg.stages:
+        if st.devices != groups[st.id % k]:
+            raise ScheduleError(f"interleaved 1F1B needs stage s on device group s % K (K={k}); stage {st.id} is on "
+                                f"{list(st.devices)}, expected {list(groups[st.id % k])} — build the stage graph with "
+                                f"round_robin_chain(...)")
+    sizes = {st.micro_batch_size for st in sg.stages}
+    if len(sizes) > 1:
+        raise ScheduleError(f"interleaved 1F1B needs one micro-batch size for all stages, got {sorted(sizes)}")
+    return tuple(groups)
+
+
+def interleaved_1f1b(sg: StageGraph) -> Schedule:
+    """Megatron-LM interleaved 1F1B over ``K`` device groups with ``v = num_stages / K`` virtual stages each.
+
+    Rank ``r`` (device group ``r``) runs ``M*v`` forwards and backwards. Its
+    ``k``-th forward is on chunk ``(k // K) % v`` (stage ``chunk*K + r``), its
+    ``k``-th backward on chunk ``v - 1 - (k // K) % v``; micro-batches advance
+    in rounds of ``K``. The warm-up is ``(v-1)*K + 2*(K-1-r)`` forwards
+    (capped at ``M*v``): enough for the first backward of the last chunk to
+    come back. Then each step runs one forward and one backward (forward
+    first, as in Megatron and torch's ``ScheduleInterleaved1F1B``), then the
+    remaining backwards drain. Requires ``M % K == 0``.
+    """
+    groups = interleaved_groups(sg)
+    k_groups = len(groups)
+    v = sg.num_stages // k_groups
+    m = sg.num_micro_batches(0)
+    if m % k_groups:
+        raise ScheduleError(f"interleaved 1F1B runs micro-batches in rounds of K={k_groups}: the number of "
+                            f"micro-batches ({m} = batch {sg.batch_size} / {sg.stages[0].micro_batch_size}) must be a "
+                            f"multiple of {k_groups}; change the micro-batch size")
+    total = m * v
+    lists: list[list[Action]] = [[] for _ in range(sg.num_devices)]
+    for r, devices in enumerate(groups):
+        warm = min((v - 1) * k_groups + 2 * (k_groups - 1 - r), total)
+        f_next: dict[int, int] = {}
+        b_next: dict[int, int] = {}
+
+        def forward(k: int) -> Action:
+            s = ((k // k_groups) % v) * k_groups + r
+            f_next[s] = f_next.get(s, -1) + 1
+            return Action(s, "F", f_next[s])
+
+        def backward(k: int) -> Action:
+            s = (v - 1 - (k // k_groups) % v) * k_groups + r
+            b_next[s] = b_next.get(s, -1) + 1
+            return Action(s, "B", b_next[s])
+
+        acts = [forward(k) for k in range(warm)]
+        for k in range(total - warm):
+            acts.append(forward(warm + k))
+            acts.append(backward(k))
+        acts.extend(backward(k) for k in range(total - warm, total))
+        for d in devices:
+            lists[d] = list(acts)
+    return Schedule.from_lists("interleaved", lists)
+
+
+def round_robin_chain(graph: OpGraph, num_devices: int, virtual_per_device: int, batch_size: int,
+                      micro_batch_size: int) -> StageGraph:
+    """Cut the op order ``0..n-1`` into ``K*v`` contiguous pieces of near-equal time, placed round-robin.
+
+    Piece ``s`` goes on device ``s % K``. Contiguous ranges of a topological
+    order are convex (a path between two ops of ``[i, j]`` only visits ids
+    between them), so every piece is a valid stage. The cut minimises the
+    slowest piece's ``fwd + bwd`` time at ``micro_batch_size`` (bisection on
+    the bottleneck with a greedy feasibility test).
+
+    >>> from graphpipe.graph import Op, OpGraph, Affine
+    >>> g = OpGraph.build("c", [Op(f"l{i}", "x", Affine(0, 1), Affine(0, 2)) for i in range(8)],
+    ...                   [(f"l{i}", f"l{i+1}", 1) for i in range(7)])
+    >>> sg = round_robin_chain(g, 2, 2, 4, 1)
+    >>> [(s.op_ids, s.devices) for s in sg.stages]
+    [((0, 1), (0,)), ((2, 3), (1,)), ((4, 5), (0,)), ((6, 7), (1,))]
+    """
+    for label, value in (("num_devices", num_devices), ("virtual_per_device", virtual_per_device)):
+        if not isinstance(value, int) or value < 1:
+            raise InputError(f"{label} must be a positive integer, got {value!r}")
+    pieces = num_devices * virtual_per_device
+    n = graph.num_ops
+    if n < pieces:
+        raise InputError(f"cannot cut {n} ops into {pieces} virtual stages ({num_devices} devices x "
+                         f"{virtual_per_device}); use fewer devices or virtual stages")
+    cost = [graph.fwd_time((i,), micro_batch_size) + graph.bwd_time((i,), micro_batch_size) for i in range(n)]
+    cuts = _balanced_cuts(cost, pieces)
+    bounds = [0, *cuts, n]
+    stages = [Stage(s, tuple(range(bounds[s], bounds[s + 1])), (s % num_devices,), micro_batch_size)
+              for s in range(pieces)]
+    return StageGraph.build(graph, stages, batch_size, num_devices, allow_shared_devices=virtual_per_device > 1)
+
+
+def _balanced_cuts(cost: Sequence[float], pieces: int) -> list[int]:
+    """Cut positions splitting ``cost`` into exactly ``pieces`` non-empty runs, minimising the largest sum."""
+    n = len(cost)
+
+    def greedy(limit: float) -> list[int] | None:
+        cuts, acc = [], 0.0
+        for i, c in enumerate(cost):
+            # Cut before i when adding it would pass the limit, or when the ops
+            # left are only just enough to give every remaining piece one.
+            if i > 0 and (acc + c > limit or n - i == pieces - 1 - len(cuts)):
+                cuts.append(i)
+                acc = 0.0
+            if c > limit:
+                return None
+            acc += c
+        return cuts if len(cuts) <= pieces - 1 else None
+
+    lo, hi = max(cost, default=0.0), sum(cost)
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        if greedy(mid) is None:
+            lo = mid
+        else:
+            hi = mid
+    cuts = greedy(hi) or []
+    # Fewer runs than asked (possible when many ops cost zero): split the longest runs.
+    while len(cuts) < pieces - 1:
+        bounds = [0, *cuts, n]
+        widest = max(range(len(bounds) - 1), key=lambda i: (bounds[i + 1] - bounds[i], -i))
+        cuts = sorted([*cuts, (bounds[widest] + bounds[widest + 1]) // 2])
+    return cuts
+
+
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "graph-1f1b")
+
+_GENERATORS: dict[str, Callable[[StageGraph, Cluster | None], Schedule]] = {
+    "gpipe": lambda sg, cluster: gpipe(sg),
+    "1f1b": lambda sg, cluster: one_f_one_b(sg),
+    "interleaved": lambda sg, cluster: interleaved_1f1b(sg),
+    "graph-1f1b": graph_1f1b,
+}
+
+
+def make_schedule(name: str, sg: StageGraph, cluster: Cluster | None = None) -> Schedule:
+    """The schedule ``name`` for ``sg``, validated (``gpipe``, ``1f1b``, ``interleaved``, ``graph-1f1b``).
+
+    ``"cpsat"`` is an optimiser over plans and lives in
+    :mod:`graphpipe.search.cpsat`, not here.
+    """
+    key = name.lower()
+    if key not in _GENERATORS:
+        hint = " ('cpsat' is graphpipe.search.cpsat.optimize_plan)" if key == "cpsat" else ""
+        raise ScheduleError(f"unknown schedule {name!r}; known: {', '.join(SCHEDULE_NAMES)}{hint}")
+    if cluster is not None and cluster.num_devices != sg.num_devices:
+        raise ScheduleError(f"cluster has {cluster.num_devices} devices, the stage graph {sg.num_devices}")
+    schedule = _GENERATORS[key](sg, cluster)
+    validate_schedule(sg, schedule)
+    return schedule

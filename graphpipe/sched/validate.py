@@ -1,0 +1,229 @@
+"""The one schedule validator (DESIGN §7, STYLE habit 3).
+
+Every schedule — generated here, solved by CP-SAT, or read from a plan file —
+passes :func:`validate_schedule` before anything simulates or runs it. The
+checks, in order:
+
+1. shape: one action list per device of the stage graph; kinds F/B only;
+   stage and micro-batch ids in range; an action only on its stage's devices;
+2. coverage: every (stage, mb) has exactly one F and one B on every device
+   of the stage;
+3. B after F of the same (stage, mb) on the same device;
+4. replicas of a data-parallel stage list the stage's actions in the same
+   relative order (they exchange nothing, but all-reduce together and the
+   runtime's messages are matched by order);
+5. per-link FIFO order: along each stage edge, the producer sends one message
+   per producer micro-batch in its F order and the consumer must need them in
+   that same order (and the same for gradients on the way back), because the
+   runtime's point-to-point links deliver in order;
+6. no deadlock: the dependency engine with zero durations must run every
+   action (a cycle of waits leaves some device blocked forever).
+
+A failure raises :class:`ScheduleError` (or :class:`DeadlockError`) whose
+message names the problem and prints the device x step grid, one row per
+device, with the offending action marked ``>3F2<``.
+
+Example
+-------
+>>> from graphpipe.graph import Op, OpGraph
+>>> from graphpipe.stages import Stage, StageGraph
+>>> g = OpGraph.build("c", [Op("a", "x"), Op("b", "x")], [("a", "b", 1.0)])
+>>> sg = StageGraph.build(g, [Stage(0, (0,), (0,), 1), Stage(1, (1,), (1,), 1)], 1, 2)
+>>> validate_schedule(sg, Schedule.from_text("s", "0: 0F0 0B0\\n1: 1F0 1B0", 2))
+>>> validate_schedule(sg, Schedule.from_text("s", "0: 0F0 0B0\\n1: 1B0 1F0", 2))
+Traceback (most recent call last):
+...
+graphpipe.errors.ScheduleError: device 1 runs 1B0 before 1F0 (backward before its forward)
+device 0: 0F0  0B0
+device 1: >1B0< 1F0
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+from graphpipe.actions import Action, Schedule
+from graphpipe.errors import DeadlockError, ScheduleError
+from graphpipe.stages import StageGraph
+
+from graphpipe.sched.engine import covering_consumer_mbs, run_engine
+
+__all__ = ["validate_schedule", "validate_plan", "check_structure", "format_grid"]
+
+_GRID_WINDOW = 10
+"""Steps shown either side of the marked action: long schedules stay readable."""
+
+
+def format_grid(schedule: Schedule, marks: Iterable[tuple[int, int]] = ()) -> str:
+    """The device x step grid, actions as ``3F2``, marked ``(device, step)`` cells as ``>3F2<``.
+
+    With marks, only a window of steps around them is shown (``...`` elsewhere).
+    """
+    marks = set(marks)
+    rows = schedule.device_actions
+    longest = max((len(r) for r in rows), default=0)
+    if marks:
+        lo = max(0, min(k for _, k in marks) - _GRID_WINDOW)
+        hi = min(longest, max(k for _, k in marks) + _GRID_WINDOW + 1)
+    else:
+        lo, hi = 0, min(longest, 4 * _GRID_WINDOW)
+    width = max((len(str(a)) for r in rows for a in r[lo:hi]), default=3) + 2
+    lines = []
+    for d, acts in enumerate(rows):
+        cells = []
+        for k in range(lo, min(hi, len(acts))):
+            text = str(acts[k])
+            cells.append(f">{text}<" if (d, k) in marks else f"{text}")
+        body = " ".join(c.ljust(width - 1) for c in cells).rstrip()
+        prefix = "... " if lo > 0 and acts else ""
+        suffix = " ..." if len(acts) > hi else ""
+        lines.append(f"device {d}: {prefix}{body}{suffix}" if acts else f"device {d}: (idle)")
+    return "\n".join(lines)
+
+
+def _fail(schedule: Schedule, message: str, marks: Iterable[tuple[int, int]] = (), cls=ScheduleError):
+    raise cls(message + "\n" + format_grid(schedule, marks))
+
+
+def check_structure(sg: StageGraph, schedule: Schedule) -> None:
+    """Checks 1-5 of the module docstring (everything but deadlock freedom)."""
+    num_devices = sg.num_devices
+    if schedule.num_devices != num_devices:
+        raise ScheduleError(f"schedule {schedule.name!r} lists {schedule.num_devices} devices, the stage graph has "
+                            f"{num_devices}: give one action list per device (empty for idle devices)")
+    num_mbs = [sg.num_micro_batches(s) for s in range(sg.num_stages)]
+    stage_devices = [set(st.devices) for st in sg.stages]
+    # Where each (stage, kind, mb) sits on each device: position index.
+    positions: list[dict[tuple[int, str, int], int]] = [dict() for _ in range(num_devices)]
+    for d, acts in enumerate(schedule.device_actions):
+        seen = positions[d]
+        for k, a in enumerate(acts):
+            if a.kind not in ("F", "B"):
+                _fail(schedule, f"device {d} step {k}: action {a} has kind {a.kind!r}; this simulator knows only "
+                                f"F and B (zero-bubble I/W splits are not supported)", [(d, k)])
+            if not 0 <= a.stage_id < sg.num_stages:
+                _fail(schedule, f"device {d} step {k}: action {a} names stage {a.stage_id}, the plan has stages "
+                                f"0..{sg.num_stages - 1}", [(d, k)])
+            if not 0 <= a.mb_id < num_mbs[a.stage_id]:
+                _fail(schedule, f"device {d} step {k}: action {a} names micro-batch {a.mb_id}, stage {a.stage_id} has "
+                                f"{num_mbs[a.stage_id]} (batch {sg.batch_size} / micro-batch size "
+                                f"{sg.stages[a.stage_id].micro_batch_size})", [(d, k)])
+            if d not in stage_devices[a.stage_id]:
+                _fail(schedule, f"device {d} step {k}: action {a} belongs to stage {a.stage_id}, which runs on devices "
+                                f"{list(sg.stages[a.stage_id].devices)}, not on device {d}", [(d, k)])
+            key = (a.stage_id, a.kind, a.mb_id)
+            if key in seen:
+                _fail(schedule, f"device {d} runs {a} twice (steps {seen[key]} and {k}); each (stage, mb) needs "
+                                f"exactly one F and one B per device", [(d, seen[key]), (d, k)])
+            seen[key] = k
+    for st in sg.stages:
+        for d in st.devices:
+            for j in range(num_mbs[st.id]):
+                for kind in ("F", "B"):
+                    if (st.id, kind, j) not in positions[d]:
+                        _fail(schedule, f"device {d} never runs {Action(st.id, kind, j)}: stage {st.id} has "
+                                        f"{num_mbs[st.id]} micro-batches and every one needs an F and a B on each "
+                                        f"of its devices {list(st.devices)}")
+                f_at, b_at = positions[d][(st.id, "F", j)], positions[d][(st.id, "B", j)]
+                if b_at < f_at:
+                    _fail(schedule, f"device {d} runs {Action(st.id, 'B', j)} before {Action(st.id, 'F', j)} "
+                                    f"(backward before its forward)", [(d, b_at)])
+    # Replicas agree on the stage's relative order.
+    orders = []
+    for st in sg.stages:
+        per_device = [[a for a in schedule.device_actions[d] if a.stage_id == st.id] for d in st.devices]
+        for d, order in zip(st.devices[1:], per_device[1:]):
+            if order != per_device[0]:
+                k = next(i for i, (x, y) in enumerate(zip(per_device[0], order)) if x != y)
+                d0 = st.devices[0]
+                _fail(schedule, f"replicas of stage {st.id} disagree: device {d0} runs {per_device[0][k]} where "
+                                f"device {d} runs {order[k]} (replicas must list the stage's actions in the same order)",
+                      [(d0, positions[d0][_key(per_device[0][k])]), (d, positions[d][_key(order[k])])])
+        orders.append(per_device[0])
+    _check_link_order(sg, schedule, orders, positions)
+
+
+def _key(a: Action) -> tuple[int, str, int]:
+    return (a.stage_id, a.kind, a.mb_id)
+
+
+def _check_link_order(sg: StageGraph, schedule: Schedule, orders: Sequence[Sequence[Action]],
+                      positions: Sequence[dict]) -> None:
+    """Check 5: per stage edge, the order messages are sent equals the order they are needed."""
+    for p, c in sg.edges:
+        # Forward: the producer sends mb i when its F(i) ends; the consumer first needs it at its F(j).
+        sent = [a.mb_id for a in orders[p] if a.kind == "F"]
+        needed: list[int] = []
+        have: set[int] = set()
+        need_at: dict[int, Action] = {}
+        for a in orders[c]:
+            if a.kind != "F":
+                continue
+            for i in sg.consumed_mbs(p, c, a.mb_id):
+                if i not in have:
+                    have.add(i)
+                    needed.append(i)
+                    need_at[i] = a
+        _compare_orders(sg, schedule, positions, p, c, sent, needed, need_at)
+        # Backward: the gradient of producer mb i is complete after the last covering consumer B.
+        left = {i: len(covering_consumer_mbs(sg, p, c, i)) for i in range(sg.num_micro_batches(p))}
+        grads_sent: list[int] = []
+        sent_at: dict[int, Action] = {}
+        for a in orders[c]:
+            if a.kind != "B":
+                continue
+            for i in sg.consumed_mbs(p, c, a.mb_id):
+                left[i] -= 1
+                if left[i] == 0:
+                    grads_sent.append(i)
+                    sent_at[i] = a
+        grads_needed = [a.mb_id for a in orders[p] if a.kind == "B"]
+        if grads_sent != grads_needed:
+            k = next(i for i, (x, y) in enumerate(zip(grads_sent, grads_needed)) if x != y)
+            wanted = Action(p, "B", grads_needed[k])
+            d = sg.stages[p].devices[0]
+            _fail(schedule, f"link {c}->{p} (gradients) out of order: stage {c} completes the gradient of stage {p}'s "
+                            f"micro-batch {grads_sent[k]} next, but stage {p} runs {wanted} next; messages on a link "
+                            f"arrive in the order sent, so order stage {p}'s B like stage {c}'s",
+                  [(d, positions[d][_key(wanted)])])
+
+
+def _compare_orders(sg: StageGraph, schedule: Schedule, positions: Sequence[dict], p: int, c: int,
+                    sent: list[int], needed: list[int], need_at: dict[int, Action]) -> None:
+    if sent == needed:
+        return
+    k = next(i for i, (x, y) in enumerate(zip(sent, needed)) if x != y)
+    culprit = need_at[needed[k]]
+    d = sg.stages[c].devices[0]
+    _fail(schedule, f"link {p}->{c} (activations) out of order: stage {p} sends micro-batch {sent[k]} next, but stage {c}'s "
+                    f"{culprit} needs micro-batch {needed[k]} first; messages on a link arrive in the order sent, so "
+                    f"order stage {c}'s F like stage {p}'s", [(d, positions[d][_key(culprit)])])
+
+
+def validate_schedule(sg: StageGraph, schedule: Schedule) -> None:
+    """Raise :class:`ScheduleError` unless ``schedule`` is a valid, deadlock-free schedule of ``sg``.
+
+    See the module docstring for the checks. Deadlock freedom does not
+    depend on durations (no resource is shared but the device's own order),
+    so the engine runs with zero times.
+    """
+    check_structure(sg, schedule)
+    result = run_engine(sg, schedule.device_actions, lambda s, k: 0.0, lambda p, c: 0.0, lambda p, c: 0.0)
+    if result.stuck:
+        raise_deadlock(schedule, result.stuck)
+
+
+def raise_deadlock(schedule: Schedule, stuck) -> None:
+    """Raise :class:`DeadlockError` naming every blocked action and what it waits for."""
+    waits = "; ".join(f"device {s.device} blocked at {s.action} waiting for {s.waits_for}" for s in stuck)
+    _fail(schedule, f"schedule {schedule.name!r} deadlocks: {waits}", [(s.device, s.position) for s in stuck],
+          cls=DeadlockError)
+
+
+def validate_plan(plan) -> None:
+    """Validate a :class:`~graphpipe.plan.Plan`'s schedule against its stage graph and cluster."""
+    sg, cluster = plan.stage_graph, plan.cluster
+    if sg.num_devices != cluster.num_devices:
+        raise ScheduleError(f"plan's stage graph uses {sg.num_devices} devices but its cluster has "
+                            f"{cluster.num_devices}; regenerate the plan for this cluster")
+    validate_schedule(sg, plan.schedule)
