@@ -1,0 +1,176 @@
+"""``graphpipe plan MODEL --devices N --batch-size B``: search a plan, print it, optionally save it.
+
+Examples::
+
+    graphpipe plan mmt --devices 32 --batch-size 128                 # GraphPipe (gpp) on 32 V100s
+    graphpipe plan dlrm --devices 16 --batch-size 256 --strategy pipedream --out plan.json
+    graphpipe plan candle-uno --devices 32 --batch-size 256 --compare   # gpp vs pipedream/piper/gpipe
+    graphpipe plan ../shared/data/pipedream-profiles/vgg16 --devices 8 --batch-size 128 --json
+
+The plan file (``--out``) is written atomically, and only when planning
+succeeds, so an existing file is never half-overwritten or clobbered by a
+failed run. Human-readable output goes to stdout; notes (unused devices) to
+stderr; ``--json`` prints one JSON document.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from graphpipe.errors import InputError
+
+__all__ = ["register", "run", "format_plan", "format_compare"]
+
+
+def register(sub) -> None:
+    p = sub.add_parser("plan", help="search a pipeline plan (gpp, pipedream, piper, gpipe) and simulate it",
+                       description="Partition MODEL into a stage graph, schedule and simulate one iteration.")
+    from graphpipe.cli.common import add_model_argument
+
+    add_model_argument(p)
+    p.add_argument("--devices", "-n", type=int, required=True, metavar="N", help="number of devices (>= 1)")
+    p.add_argument("--batch-size", "-b", type=int, required=True, metavar="B", help="mini-batch size (samples)")
+    p.add_argument("--strategy", default="gpp", choices=("gpp", "pipedream", "piper", "gpipe"),
+                   help="partitioner (default gpp, GraphPipe)")
+    p.add_argument("--cluster", default="v100", metavar="PRESET|FILE", help="v100 (default), a100, h100 or a JSON file")
+    p.add_argument("--memory-gb", type=float, default=None, metavar="G", help="override device memory (GB)")
+    p.add_argument("--micro-batch-size", type=int, default=None, metavar="K", help="force one micro-batch size")
+    p.add_argument("--per-stage-micro-batch", action="store_true", help="let each stage pick its micro-batch size")
+    p.add_argument("--power-of-two", action="store_true",
+                   help="device counts and micro-batch sizes powers of two only (the paper's setting)")
+    p.add_argument("--schedule", default=None, metavar="NAME",
+                   help="override the strategy's schedule: gpipe, 1f1b, interleaved, graph-1f1b, cpsat")
+    p.add_argument("--time-limit", type=float, default=10.0, metavar="S", help="CP-SAT time limit (default 10 s)")
+    p.add_argument("--profile", default=None, metavar="FILE", help="measured per-op costs (graphpipe profile output)")
+    p.add_argument("--out", default=None, metavar="PLAN.json", help="write the plan file (atomically)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--compare", action="store_true", help="run all four strategies and print one table")
+    p.set_defaults(func=run)
+
+
+def _options(args):
+    from graphpipe.search.common import SearchOptions
+
+    if args.micro_batch_size is not None and args.micro_batch_size < 1:
+        raise InputError(f"--micro-batch-size must be a positive integer, got {args.micro_batch_size}")
+    return SearchOptions(micro_batch_size=args.micro_batch_size, per_stage_micro_batch=args.per_stage_micro_batch,
+                         power_of_two=args.power_of_two)
+
+
+def run(args) -> int:
+    from graphpipe.cli.common import load_model, print_json
+    from graphpipe.cluster import load_cluster
+
+    if args.devices < 1:
+        raise InputError(f"--devices must be >= 1, got {args.devices}")
+    if args.batch_size < 1:
+        raise InputError(f"--batch-size must be a positive integer, got {args.batch_size}")
+    if args.time_limit is not None and not args.time_limit > 0:
+        raise InputError(f"--time-limit must be > 0 seconds, got {args.time_limit}")
+    if args.compare and (args.out or args.schedule):
+        raise InputError("--compare runs every strategy with its own schedule; drop --out/--schedule")
+    cluster = load_cluster(args.cluster, args.devices, args.memory_gb)
+    options = _options(args)
+    source = load_model(args.model, cluster.device)
+    graph = source.graph
+    if args.profile:
+        from graphpipe.profile import apply_profile, read_profile
+
+        graph = apply_profile(graph, read_profile(args.profile))
+
+    from graphpipe.search.planner import compare, make_plan
+
+    if args.compare:
+        rows = compare(source.model_id, graph, cluster, args.batch_size, options)
+        if args.json:
+            print_json({"model": source.model_id, "devices": args.devices, "batch_size": args.batch_size,
+                        "cluster": cluster.name, "results": rows})
+        else:
+            sys.stdout.write(format_compare(rows))
+        return 0
+
+    plan = make_plan(source.model_id, graph, cluster, args.batch_size, args.strategy, options,
+                     schedule=args.schedule, time_limit_s=args.time_limit)
+    unused = cluster.num_devices - len(plan.stage_graph.devices_used())
+    if unused:
+        sys.stderr.write(f"graphpipe: note: the plan uses {cluster.num_devices - unused} of {cluster.num_devices} "
+                         f"devices; more do not help this model at batch size {args.batch_size} "
+                         f"(use --devices {cluster.num_devices - unused} or a larger batch)\n")
+    if args.out:
+        from graphpipe.plan import write_plan
+
+        write_plan(args.out, plan)
+    if args.json:
+        from graphpipe.plan import plan_to_dict
+
+        print_json(plan_to_dict(plan))
+    else:
+        sys.stdout.write(format_plan(plan))
+        if args.out:
+            sys.stdout.write(f"wrote {args.out}\n")
+    return 0
+
+
+# ------------------------------------------------------------------ output
+def _abbrev(names: list[str], width: int = 48) -> str:
+    text = ", ".join(names)
+    if len(text) <= width:
+        return text
+    return f"{names[0]} .. {names[-1]} ({len(names)} ops)"
+
+
+def _devices(devs: tuple[int, ...]) -> str:
+    if len(devs) > 1 and devs == tuple(range(devs[0], devs[-1] + 1)):
+        return f"{devs[0]}-{devs[-1]}"
+    return ",".join(map(str, devs))
+
+
+def format_plan(plan) -> str:
+    """The stage table and the predicted figures of a plan, as printed by ``graphpipe plan``."""
+    sg, p, s = plan.stage_graph, plan.predicted, plan.search
+    in_flight = p.get("in_flight") or [None] * sg.num_stages
+    lines = [f"{plan.model}: {plan.strategy} plan, {sg.num_stages} stages (depth {sg.depth()}) on "
+             f"{len(sg.devices_used())}/{plan.cluster.num_devices} {plan.cluster.device.name}, batch {sg.batch_size}, "
+             f"schedule {plan.schedule.name}"]
+    rows = [("stage", "ops", "devices", "mb", "in-flight")]
+    for st in sg.stages:
+        rows.append((str(st.id), _abbrev([sg.graph.ops[i].name for i in st.op_ids]), _devices(st.devices),
+                     str(st.micro_batch_size), str(in_flight[st.id])))
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    for r in rows:
+        lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    peaks = p.get("peak_memory_bytes", [])
+    used = [d for d in sg.devices_used()]
+    lines.append(f"iteration time  {p['iteration_time_s'] * 1e3:.3f} ms")
+    lines.append(f"throughput      {p['throughput']:.2f} samples/s")
+    if peaks:
+        per_device = " ".join(f"{peaks[d] / 1e9:.2f}" for d in used)
+        lines.append(f"peak memory     max {max(peaks) / 1e9:.2f} GB of {plan.cluster.memory_bytes / 1e9:g} GB; "
+                     f"per device (GB): {per_device}")
+    if plan.merged:
+        lines.append(f"merged          {len(plan.merged)} non-series-parallel region(s) into single ops")
+    lines.append(f"search time     {s.get('time_s', 0.0):.3f} s")
+    for key in ("lower_bound_s", "gap"):
+        if key in s and s[key] is not None:
+            lines.append(f"{key:<15} {s[key]}")
+    return "\n".join(lines) + "\n"
+
+
+def _fmt(value: Any, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def format_compare(rows: list[dict[str, Any]]) -> str:
+    """One table of :func:`graphpipe.search.planner.compare` rows, with throughput relative to gpp."""
+    base = next((r["throughput"] for r in rows if r["strategy"] == "gpp" and r["feasible"]), None)
+    table = [("strategy", "throughput/s", "vs gpp", "iteration ms", "stages", "depth", "peak GB", "search s", "note")]
+    for r in rows:
+        rel = (f"{r['throughput'] / base:.3f}" if base and r["feasible"] else "-")
+        table.append((r["strategy"], _fmt(r["throughput"], ".2f"), rel,
+                      _fmt(r["iteration_time_s"] and r["iteration_time_s"] * 1e3, ".3f"),
+                      _fmt(r["num_stages"], "d"), _fmt(r["depth"], "d"),
+                      _fmt(r["peak_memory_bytes"] and r["peak_memory_bytes"] / 1e9, ".2f"),
+                      _fmt(r["search_time_s"], ".3f"), r["error"] or ""))
+    widths = [max(len(t[i]) for t in table) for i in range(len(table[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(t, widths)).rstrip() for t in table) + "\n"

@@ -1,0 +1,317 @@
+"""GraphPipe's partitioner ("gpp", paper §4 and Alg. 1; DESIGN §6).
+
+``partition(graph, cluster, batch_size, options)`` turns an op graph into a
+*graph* of pipeline stages: branches of the model become concurrent stages on
+disjoint devices instead of being serialised as in SPP systems.
+
+How it searches
+---------------
+1. The graph's non-series-parallel regions are contracted (they become single
+   ops inside one stage; the planner usually did this already) and the SP
+   tree is built.
+2. For every micro-batch size ``b`` (divisors of the batch, or the forced
+   one; powers of two with ``options.power_of_two``), binary search on the
+   bottleneck time per sample ``t_max`` over the finite set of candidate stage
+   TPS values, each target decided by the DP of :mod:`graphpipe.search.gpp_dp`
+   (the exact search space is stated there). This gives the optimal
+   bottleneck ``t*(b)`` and the shallowest stage graph reaching it.
+3. The pipeline's iteration is roughly ``t * (B + b * (depth - 1))``: a
+   shallower graph at a slightly larger bottleneck can be faster. For each
+   ``b`` the search therefore also finds, for every smaller source depth
+   ``v``, the smallest target at which depth ``v`` is feasible (one more
+   binary search each -- the (t, depth) frontier).
+4. Candidates are placed on devices (contiguous blocks in tree order, so
+   neighbouring branches share a node; or blocks sorted by size, whichever
+   keeps replicated stages inside nodes better), ranked by the estimate
+   above, and the best few are scheduled with graph-1F1B and simulated. The
+   highest simulated throughput wins; ties go to fewer stages, then fewer
+   devices, then the smaller micro-batch size (deterministic).
+5. With ``options.per_stage_micro_batch`` the winner is refined one stage at
+   a time: each stage tries the other micro-batch sizes its replica count
+   allows, kept when the simulated throughput improves (the paper reports
+   such per-stage sizes give incremental gains over one size for all).
+
+Device counts per stage are the divisors of ``b`` up to ``N`` -- every useful
+count, since a stage's replicas must split its micro-batch evenly -- so no
+device grid is needed even at 1024 devices.
+
+Example
+-------
+>>> from graphpipe.cluster import preset
+>>> from graphpipe.graph import Op, OpGraph, Affine
+>>> from graphpipe.search.common import SearchOptions
+>>> ops = [Op(n, "x", Affine(0, 1e-3), Affine(0, 2e-3)) for n in "sabt"]
+>>> g = OpGraph.build("diamond", ops, [("s", "a", 1), ("s", "b", 1), ("a", "t", 1), ("b", "t", 1)])
+>>> result = partition(g, preset("v100", 4), 16, SearchOptions(micro_batch_size=2))
+>>> result.schedule_name, result.stats["micro_batch_size"]
+('graph-1f1b', 2)
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from graphpipe.cluster import Cluster
+from graphpipe.errors import InfeasibleError
+from graphpipe.graph import OpGraph
+from graphpipe.search.common import SearchOptions, SearchResult, micro_batch_candidates, stage_tps
+from graphpipe.search.gpp_dp import INF, BottleneckDP, DPStage, DPTree, build_tree
+from graphpipe.sp import make_series_parallel
+from graphpipe.stages import Stage, StageGraph
+
+__all__ = ["partition", "SCHEDULE", "place_stages", "smallest_memory_needed"]
+
+log = logging.getLogger(__name__)
+
+SCHEDULE = "graph-1f1b"
+NUM_SIMULATED = 4
+"""Candidates simulated after ranking by the analytical estimate (simulation is the costly part)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Candidate:
+    micro_batch_size: int
+    stages: tuple[DPStage, ...]
+    bottleneck_tps: float
+    depth: int
+    estimate_s: float
+
+
+def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: SearchOptions) -> SearchResult:
+    """GraphPipe's stage graph for ``graph`` on ``cluster`` (see the module docstring).
+
+    Raises :class:`~graphpipe.errors.InfeasibleError` when no stage graph fits
+    in device memory, naming the memory the smallest plan needs.
+    """
+    started = time.perf_counter()
+    sp_graph, merged = make_series_parallel(graph)
+    tree = build_tree(sp_graph)
+    sizes = micro_batch_candidates(batch_size, options)
+    candidates: list[_Candidate] = []
+    best_tps = INF * 1.0
+    tried = states = 0
+    for b in sizes:
+        dp = BottleneckDP(tree, cluster, batch_size, b, power_of_two=options.power_of_two)
+        found, n_tried = _frontier(dp)
+        tried += n_tried
+        states += dp.dp_states
+        for t, depth, stages in found:
+            best_tps = min(best_tps, t)
+            est = t * (batch_size + b * (depth - 1))
+            candidates.append(_Candidate(b, tuple(stages), t, depth, est))
+    if not candidates:
+        need = smallest_memory_needed(tree, cluster, batch_size, sizes, options.power_of_two)
+        raise InfeasibleError(
+            f"no plan fits in {cluster.memory_bytes / 1e9:g} GB per device; the smallest needs "
+            f"{need / 1e9:.3g} GB (raise --memory-gb, add devices, or use a smaller batch)")
+
+    candidates.sort(key=lambda c: (c.estimate_s, len(c.stages), sum(s.num_devices for s in c.stages),
+                                   c.micro_batch_size))
+    best = None
+    simulated = 0
+    for cand in candidates[:NUM_SIMULATED]:
+        sg = _to_stage_graph(graph, sp_graph, merged, cand, cluster, batch_size)
+        throughput, fits = _score(sg, cluster)
+        simulated += 1
+        if not fits:
+            continue
+        key = (-throughput, sg.num_stages, len(sg.devices_used()), cand.micro_batch_size)
+        if best is None or key < best[0]:
+            best = (key, sg, cand, throughput)
+    if best is None:  # the estimate-ranked few all overflow the simulated memory: try the rest
+        for cand in candidates[NUM_SIMULATED:]:
+            sg = _to_stage_graph(graph, sp_graph, merged, cand, cluster, batch_size)
+            throughput, fits = _score(sg, cluster)
+            simulated += 1
+            if fits:
+                best = ((-throughput,), sg, cand, throughput)
+                break
+    if best is None:
+        raise InfeasibleError(
+            f"no plan fits in {cluster.memory_bytes / 1e9:g} GB per device once scheduled; raise --memory-gb")
+    _, sg, cand, throughput = best
+    if options.per_stage_micro_batch and options.micro_batch_size is None:
+        sg, throughput = _refine_micro_batches(sg, cluster)
+    used = len(sg.devices_used())
+    if used < cluster.num_devices:
+        log.info("gpp uses %d of %d devices: more devices do not lower the bottleneck of %s at batch %d",
+                    used, cluster.num_devices, graph.name, batch_size)
+    stats: dict[str, Any] = {
+        "time_s": time.perf_counter() - started,
+        "bottleneck_tps": max(stage_tps(graph, s.op_ids, s.devices, s.micro_batch_size, batch_size, cluster)
+                              for s in sg.stages),
+        "model_bottleneck_tps": cand.bottleneck_tps,
+        "min_bottleneck_tps": best_tps,
+        "num_targets_tried": tried,
+        "dp_states": states,
+        "micro_batch_size": cand.micro_batch_size,
+        "micro_batch_sizes": sorted({s.micro_batch_size for s in sg.stages}),
+        "devices_used": used,
+        "unused_devices": cluster.num_devices - used,
+        "num_stages": sg.num_stages,
+        "depth": sg.depth(),
+        "candidates": len(candidates),
+        "candidates_simulated": simulated,
+        "throughput_estimate": throughput,
+    }
+    return SearchResult(stage_graph=sg, schedule_name=SCHEDULE, stats=stats)
+
+
+# ------------------------------------------------------------------ search
+def _frontier(dp: BottleneckDP) -> tuple[list[tuple[float, int, list[DPStage]]], int]:
+    """The (bottleneck, depth) trade-off for one micro-batch size.
+
+    First the optimal bottleneck ``t*`` and the shallowest graph reaching it
+    (depth ``v*``); then for each ``v < v*`` the smallest target whose DP
+    admits source depth ``<= v`` (exact again: feasibility at fixed ``v`` is
+    monotone in the target). Returns ([(t, depth, stages)], targets tried).
+    """
+    targets = dp.candidate_targets()
+    if not targets or not dp.feasible(targets[-1]):
+        return [], 1
+    tried = 1
+
+    def first_feasible(lo: int, hi: int, depth: int) -> int:
+        nonlocal tried
+        while lo < hi:  # targets[hi] is feasible at this depth
+            mid = (lo + hi) // 2
+            tried += 1
+            if dp.solve(targets[mid])[depth] < INF:
+                hi = mid
+            else:
+                lo = mid + 1
+        return hi
+
+    top = dp.kcap
+    i = first_feasible(0, len(targets) - 1, top)
+    out = []
+    best = dp.best_at(targets[i])
+    assert best is not None
+    depth, stages = best
+    out.append((targets[i], depth, stages))
+    # Shallower graphs need larger targets; stop when even the largest target cannot go shallower.
+    while depth > 1:
+        want = depth - 1
+        if dp.solve(targets[-1])[want] >= INF:
+            break
+        tried += 1
+        i = first_feasible(i, len(targets) - 1, want)
+        dp.solve(targets[i])
+        stages = dp.extract(want)
+        depth = _source_depth(stages)
+        out.append((targets[i], depth, stages))
+    return out, tried
+
+
+def _source_depth(stages: Sequence[DPStage]) -> int:
+    return max(s.in_flight for s in stages)
+
+
+def smallest_memory_needed(tree: DPTree, cluster: Cluster, batch_size: int, sizes: Sequence[int],
+                           power_of_two: bool = False) -> float:
+    """Smallest device memory at which some stage graph fits (bisection, 0.5% relative).
+
+    Feasibility is monotone in memory, so bisection between 0 and an
+    always-feasible bound (everything resident on one device for every
+    micro-batch) converges to the threshold of the DP's memory model.
+    """
+    graph = tree.graph
+    upper = cluster.state_bytes(graph.param_bytes) + sum(op.act_bytes for op in graph.ops) * batch_size + 1.0
+
+    def fits(memory: float) -> bool:
+        trial = cluster.with_memory(memory)
+        for b in sizes:
+            dp = BottleneckDP(tree, trial, batch_size, b, power_of_two=power_of_two)
+            if dp.feasible(float("inf")):
+                return True
+        return False
+
+    lo, hi = 0.0, upper
+    while hi - lo > 0.005 * hi:
+        mid = (lo + hi) / 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+# --------------------------------------------------------------- placement
+def place_stages(stages: Sequence[tuple[Sequence[int], int]], cluster: Cluster) -> list[tuple[int, ...]]:
+    """Device ids for stages given as (op ids, device count), in tree order.
+
+    Contiguous blocks in tree order keep neighbouring branches on neighbouring
+    devices (one node where possible). When that splits a replicated stage of
+    at most ``devices_per_node`` devices across two nodes (slow all-reduce),
+    blocks are laid out largest first instead, which aligns them to nodes for
+    power-of-two counts; the layout with fewer such splits wins (tree order on
+    ties).
+    """
+    counts = [d for _, d in stages]
+
+    def layout(order: Sequence[int]) -> list[tuple[int, ...]]:
+        out: list[tuple[int, ...]] = [()] * len(counts)
+        nxt = 0
+        for i in order:
+            out[i] = tuple(range(nxt, nxt + counts[i]))
+            nxt += counts[i]
+        return out
+
+    def splits(devs: Sequence[tuple[int, ...]]) -> int:
+        dpn = cluster.devices_per_node
+        return sum(1 for ds in devs if 1 < len(ds) <= dpn and cluster.node_of(ds[0]) != cluster.node_of(ds[-1]))
+
+    tree_order = layout(range(len(counts)))
+    if not splits(tree_order):
+        return tree_order
+    by_size = layout(sorted(range(len(counts)), key=lambda i: (-counts[i], i)))
+    return by_size if splits(by_size) < splits(tree_order) else tree_order
+
+
+def _to_stage_graph(graph: OpGraph, sp_graph: OpGraph, merged: dict, cand: _Candidate, cluster: Cluster,
+                    batch_size: int) -> StageGraph:
+    """Stage graph over the *original* graph: contracted ops expand back to their members."""
+    if merged:
+        members = {}
+        for op_id, op in enumerate(sp_graph.ops):
+            names = merged.get(op.name, (op.name,))
+            members[op_id] = tuple(graph.op_id(n) for n in names)
+        op_sets = [tuple(sorted(o for c in s.op_ids for o in members[c])) for s in cand.stages]
+    else:
+        op_sets = [s.op_ids for s in cand.stages]
+    devices = place_stages([(ops, s.num_devices) for ops, s in zip(op_sets, cand.stages)], cluster)
+    stages = [Stage(i, ops, devs, cand.micro_batch_size) for i, (ops, devs) in enumerate(zip(op_sets, devices))]
+    return StageGraph.build(graph, stages, batch_size, cluster.num_devices)
+
+
+# ----------------------------------------------------------------- scoring
+def _score(sg: StageGraph, cluster: Cluster) -> tuple[float, bool]:
+    """(simulated graph-1F1B throughput, whether the simulated peak memory fits)."""
+    from graphpipe.sched import make_schedule, predicted_figures, simulate
+
+    timeline = simulate(sg, make_schedule(SCHEDULE, sg, cluster), cluster)
+    figures = predicted_figures(timeline)
+    return float(figures["throughput"]), float(figures["max_peak_memory_bytes"]) <= cluster.memory_bytes
+
+
+def _refine_micro_batches(sg: StageGraph, cluster: Cluster) -> tuple[StageGraph, float]:
+    """Per-stage micro-batch sizes by coordinate descent on simulated throughput (option)."""
+    best_tp, fits = _score(sg, cluster)
+    sizes = [s for s in range(1, sg.batch_size + 1) if sg.batch_size % s == 0]
+    improved = True
+    while improved:
+        improved = False
+        for st in sg.stages:
+            for b in sizes:
+                if b == st.micro_batch_size or b % st.num_replicas:
+                    continue
+                stages = [Stage(s.id, s.op_ids, s.devices, b if s.id == st.id else s.micro_batch_size)
+                          for s in sg.stages]
+                trial = StageGraph(sg.graph, tuple(stages), sg.batch_size, sg.num_devices)
+                tp, ok = _score(trial, cluster)
+                if ok and tp > best_tp * (1 + 1e-9):
+                    sg, best_tp, improved = trial, tp, True
+    return sg, best_tp

@@ -1,0 +1,509 @@
+"""The dynamic program inside GraphPipe's partitioner (paper §4, Alg. 1; DESIGN §6).
+
+For one micro-batch size ``b`` and one bottleneck target ``t_max`` (seconds
+per sample), :class:`BottleneckDP` decides whether some stage graph of the
+search space below meets the target on ``N`` devices, and builds the one
+with the fewest in-flight micro-batches at the source; :func:`min_bottleneck`
+binary-searches ``t_max`` over the finite set of candidate stage TPS values,
+so its answer is the exact optimum of the space, not an approximation.
+
+Search space (what "optimal" means here)
+----------------------------------------
+* **Stages** are unions of SP-tree nodes (:mod:`graphpipe.sp`): a whole node,
+  a contiguous range of >= 2 children of a series node, or a contiguous run of
+  >= 2 children of a parallel node, children of a parallel node being ordered
+  by :func:`parallel_order` (descending per-sample work, then smallest op id,
+  so similar branches sit next to each other and can share a stage). Every
+  such set is convex, and any partition of the ops into such sets is a DAG of
+  stages.
+* **Devices**: each stage gets ``d`` devices (data parallelism inside the
+  stage when ``d > 1``) with ``d`` a divisor of ``b`` (each replica takes
+  ``b / d`` samples); with ``power_of_two`` only powers of two. Stage device
+  counts sum to at most ``N``. A stage's cost is computed as if its devices
+  were ``0..d-1`` (node-crossing all-reduce iff ``d > devices_per_node``);
+  :mod:`graphpipe.search.gpp` places stages so this holds where it can.
+* **One micro-batch size** ``b`` for every stage.
+* **Cost** (``search.common``): stage TPS ``stage_tps`` must be ``<= t_max``;
+  memory ``stage_memory`` with the in-flight count graph-1F1B gives the stage
+  (``min(M, 1 + max over consumer stages)``, ``M = B / b``; sinks 1) must fit
+  ``cluster.memory_bytes``.
+
+The DP (paper Alg. 1, restated)
+-------------------------------
+State ``(node, k)``: a subgraph of the SP tree whose consumers downstream hold
+``k`` micro-batches in flight (``k = 0`` below the global sink). Value: an
+array over ``v`` of the fewest devices (then fewest stages) of any partition
+of the subgraph that meets ``t_max``, fits memory, and keeps at most ``v``
+micro-batches in flight at the subgraph's source stages. The paper's
+formulation -- state (node, devices), value = fewest in-flight micro-batches
+-- is the same table read the other way; indexing by in-flight count keeps
+the table small (``v <= min(M, N, longest op path)``) and needs no grid of
+device counts. Cases:
+
+* *base*: the whole node (or a range / run of its children) is one stage with
+  in-flight ``min(k + 1, M)``, on the fewest devices that meet ``t_max`` and
+  memory;
+* *series* ``C1..Cm``: a suffix DP from ``Cm`` backwards -- the downstream
+  half is solved first because the upstream half's activation memory depends
+  on its in-flight depth; ``Ci`` is either partitioned recursively with the
+  suffix's source depth ``u`` as its downstream depth, or starts a range stage
+  ``Ci..Cj-1``;
+* *parallel* ``P1..Pp``: a DP over children in order; a child is partitioned
+  recursively on its own devices or starts a run ``Pj..Pj'-1`` that forms
+  one stage; branches run concurrently on disjoint devices, so devices add up
+  and the source depth is the max over branches.
+
+Values are exact in the in-flight and device components (memory and TPS are
+monotone), so feasibility and hence the optimal bottleneck are exact; the
+stage count is only a tie-break.
+
+Example
+-------
+>>> from graphpipe.graph import Op, OpGraph, Affine
+>>> from graphpipe.cluster import preset
+>>> ops = [Op(n, "x", Affine(0, 1e-3), Affine(0, 2e-3)) for n in "abcd"]
+>>> g = OpGraph.build("chain", ops, [("a", "b", 1), ("b", "c", 1), ("c", "d", 1)])
+>>> sol = min_bottleneck(g, preset("v100", 2), batch_size=8, micro_batch_size=2)
+>>> round(sol.bottleneck_tps, 6), [len(s.op_ids) for s in sol.stages]
+(0.006, [4])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from graphpipe.cluster import Cluster
+from graphpipe.errors import InputError
+from graphpipe.graph import OpGraph
+from graphpipe.sp import decompose
+
+__all__ = ["DPTree", "DPStage", "DPSolution", "BottleneckDP", "build_tree", "parallel_order", "min_bottleneck",
+           "device_counts"]
+
+INF = 1 << 62
+_SHIFT = 20  # value = devices << _SHIFT | stages
+_STAGE_MASK = (1 << _SHIFT) - 1
+
+
+@dataclass(frozen=True, slots=True)
+class DPTree:
+    """The SP tree as the DP sees it: ``op_ids`` refer to ``graph``, the graph searched.
+
+    kinds[x] in {"op", "series", "parallel"}; children[x] ordered (series in
+    dependency order, parallel by :func:`parallel_order`); ``sums[x][i]`` are
+    prefix sums over children ``0..i-1`` of (fwd alpha, fwd beta, bwd alpha,
+    bwd beta, param bytes, act bytes) -- a leaf counts as one child, itself.
+    """
+
+    graph: OpGraph
+    kinds: tuple[str, ...]
+    children: tuple[tuple[int, ...], ...]
+    op_ids: tuple[tuple[int, ...], ...]
+    sums: tuple[tuple[tuple[float, ...], ...], ...]
+    root: int
+    longest_path: int
+    """Ops on the longest path of the graph: no stage graph is deeper."""
+
+    def width(self, x: int) -> int:
+        """Number of children (1 for a leaf, which is its own only child)."""
+        return max(1, len(self.children[x]))
+
+    def block_ops(self, x: int, lo: int, hi: int) -> tuple[int, ...]:
+        """Ops of children ``lo..hi-1`` of node ``x`` (the whole leaf for a leaf)."""
+        if not self.children[x]:
+            return self.op_ids[x]
+        return tuple(sorted(o for c in self.children[x][lo:hi] for o in self.op_ids[c]))
+
+
+def parallel_order(graph: OpGraph, branches: Sequence[Sequence[int]]) -> list[int]:
+    """Order of parallel branches (op-id lists): most per-sample work first, then smallest op id.
+
+    Part of the search space's definition: runs of branches that share a stage
+    are contiguous in this order.
+    """
+    def work(ops: Sequence[int]) -> float:
+        return sum(graph.ops[o].fwd.beta + graph.ops[o].bwd.beta for o in ops)
+
+    return sorted(range(len(branches)), key=lambda i: (-work(branches[i]), min(branches[i])))
+
+
+def build_tree(graph: OpGraph) -> DPTree:
+    """Decompose ``graph`` (which must be series-parallel) into the DP's tree."""
+    tree = decompose(graph)
+    if tree.merged:
+        raise InputError(f"graph {graph.name!r} is not series-parallel; contract it first with "
+                         "graphpipe.sp.make_series_parallel (the planner does)")
+    n = len(tree.nodes)
+    kinds = [tree.nodes[x].kind for x in range(n)]
+    op_ids = [tuple(tree.nodes[x].op_ids) for x in range(n)]
+    children: list[tuple[int, ...]] = []
+    for x in range(n):
+        kids = tuple(tree.nodes[x].children)
+        if kinds[x] == "parallel":
+            order = parallel_order(graph, [op_ids[c] for c in kids])
+            kids = tuple(kids[i] for i in order)
+        children.append(kids)
+    sums = []
+    longest = [0] * n
+    for x in range(n):  # post-order: children first
+        if kinds[x] == "op":
+            op = graph.ops[op_ids[x][0]]
+            parts = [(op.fwd.alpha, op.fwd.beta, op.bwd.alpha, op.bwd.beta, float(op.param_bytes), float(op.act_bytes))]
+            longest[x] = 1
+        else:
+            parts = [sums[c][-1] for c in children[x]]
+            lengths = [longest[c] for c in children[x]]
+            longest[x] = sum(lengths) if kinds[x] == "series" else max(lengths)
+        prefix = [(0.0,) * 6]
+        for p in parts:
+            prefix.append(tuple(a + b for a, b in zip(prefix[-1], p)))
+        sums.append(tuple(prefix))
+    return DPTree(graph, tuple(kinds), tuple(children), tuple(op_ids), tuple(sums), tree.root, longest[tree.root])
+
+
+def device_counts(micro_batch_size: int, num_devices: int, power_of_two: bool = False) -> tuple[int, ...]:
+    """Replica counts a stage may use: divisors of ``b`` up to ``N`` (powers of two if asked)."""
+    ds = [d for d in range(1, min(micro_batch_size, num_devices) + 1) if micro_batch_size % d == 0]
+    if power_of_two:
+        ds = [d for d in ds if d & (d - 1) == 0]
+    return tuple(ds)
+
+
+@dataclass(frozen=True, slots=True)
+class DPStage:
+    op_ids: tuple[int, ...]
+    num_devices: int
+    in_flight: int
+    tps: float
+
+
+@dataclass(frozen=True, slots=True)
+class DPSolution:
+    """Optimal bottleneck for one micro-batch size, and a partition achieving it."""
+
+    micro_batch_size: int
+    bottleneck_tps: float
+    stages: tuple[DPStage, ...]
+    """In tree order (depth-first, children in order): neighbours in the tree come out together."""
+    source_in_flight: int
+    num_targets_tried: int
+    dp_states: int
+
+    @property
+    def devices_used(self) -> int:
+        return sum(s.num_devices for s in self.stages)
+
+
+class BottleneckDP:
+    """The DP for one micro-batch size; :meth:`solve` runs it for one target ``t_max``.
+
+    Not a value object: it memoises per-block costs across targets (they do
+    not depend on ``t_max``) and the DP table of the current target.
+    """
+
+    def __init__(self, tree: DPTree, cluster: Cluster, batch_size: int, micro_batch_size: int,
+                 num_devices: int | None = None, power_of_two: bool = False):
+        if batch_size % micro_batch_size:
+            raise InputError(f"micro-batch size {micro_batch_size} does not divide the batch size {batch_size}")
+        self.tree = tree
+        self.cluster = cluster
+        self.batch_size = batch_size
+        self.b = micro_batch_size
+        self.num_devices = cluster.num_devices if num_devices is None else num_devices
+        self.num_mbs = batch_size // micro_batch_size
+        self.ds = device_counts(micro_batch_size, self.num_devices, power_of_two)
+        # Longest possible in-flight count: capped by M (graph-1F1B), and no
+        # stage graph is deeper than its stage count (<= N) or longest op path.
+        self.kcap = min(self.num_mbs, self.num_devices, tree.longest_path)
+        self.capacity = cluster.memory_bytes
+        self._tps: dict[tuple[int, int, int], tuple[float, ...]] = {}
+        self.t_max = float("inf")
+        self.dp_states = 0
+        self._reset()
+
+    # ------------------------------------------------------------ block costs
+    def block_tps(self, x: int, lo: int, hi: int) -> tuple[float, ...]:
+        """stage_tps of children lo..hi-1 of x on each device count of ``self.ds``."""
+        key = (x, lo, hi)
+        got = self._tps.get(key)
+        if got is None:
+            s0, s1 = self.tree.sums[x][lo], self.tree.sums[x][hi]
+            fa, fb, ba, bb, params = (s1[i] - s0[i] for i in range(5))
+            b, out = self.b, []
+            for d in self.ds:
+                compute = fa + fb * (b / d) + ba + bb * (b / d)
+                out.append(compute / b + self.cluster.allreduce_time(range(d), params) / self.batch_size)
+            got = tuple(out)
+            self._tps[key] = got
+        return got
+
+    def candidate_targets(self) -> list[float]:
+        """Every stage TPS a block of the search space can have: the optimum is one of them."""
+        values = set()
+        tr = self.tree
+        for x in range(len(tr.kinds)):
+            m = tr.width(x)
+            if tr.kinds[x] == "op":
+                values.update(self.block_tps(x, 0, 1))
+                continue
+            for lo in range(m):
+                for hi in range(lo + 2, m + 1):
+                    values.update(self.block_tps(x, lo, hi))
+        return sorted(values)
+
+    def _base_devices(self, x: int, lo: int, hi: int, k_in: int) -> int:
+        """Fewest devices on which children lo..hi-1 of x form one stage meeting t_max and memory (0: none)."""
+        key = (x, lo, hi, k_in)
+        got = self._base.get(key)
+        if got is not None:
+            return got
+        tps = self.block_tps(x, lo, hi)
+        s0, s1 = self.tree.sums[x][lo], self.tree.sums[x][hi]
+        state = self.cluster.state_bytes(s1[4] - s0[4])
+        act = s1[5] - s0[5]
+        got = 0
+        for d, t in zip(self.ds, tps):
+            if t <= self.t_max and state + act * (self.b / d) * k_in <= self.capacity:
+                got = d
+                break
+        self._base[key] = got
+        return got
+
+    # -------------------------------------------------------------------- DP
+    def _reset(self) -> None:
+        self._base: dict[tuple[int, int, int, int], int] = {}
+        self._f: dict[tuple[int, int], list[int]] = {}
+        self._g: dict[tuple[int, int, int], list[int]] = {}
+
+    def solve(self, t_max: float) -> list[int]:
+        """Run the DP for target ``t_max``; returns the root's value array (index = in-flight bound)."""
+        self.t_max = t_max
+        self._reset()
+        return self._value(self.tree.root, 0)
+
+    def feasible(self, t_max: float) -> bool:
+        return any(v < INF for v in self.solve(t_max))
+
+    def _prune(self, arr: list[int]) -> list[int]:
+        limit = (self.num_devices + 1) << _SHIFT
+        return [v if v < limit else INF for v in arr]
+
+    def _identity(self, k: int) -> list[int]:
+        """Value of an empty suffix: its 'source' is the downstream itself, in-flight k."""
+        return [INF] * k + [0] * (self.kcap + 1 - k)
+
+    def _base_array(self, x: int, lo: int, hi: int, k: int, rest: list[int] | None = None) -> list[int]:
+        k_in = min(k + 1, self.num_mbs)
+        size = self.kcap + 1
+        if k_in > self.kcap:
+            return [INF] * size
+        d = self._base_devices(x, lo, hi, k_in)
+        if not d:
+            return [INF] * size
+        val = (d << _SHIFT) | 1
+        if rest is None:
+            return [INF] * k_in + [val] * (size - k_in)
+        return [INF] * k_in + [val + r if r < INF else INF for r in rest[k_in:]]
+
+    def _value(self, x: int, k: int) -> list[int]:
+        key = (x, k)
+        got = self._f.get(key)
+        if got is None:
+            kind = self.tree.kinds[x]
+            if kind == "op":
+                got = self._base_array(x, 0, 1, k)
+            elif kind == "series":
+                got = self._series(x, 0, k)
+            else:
+                got = self._parallel(x, 0, k)
+            self._f[key] = got
+            self.dp_states += 1
+        return got
+
+    @staticmethod
+    def _breakpoints(arr: list[int]) -> list[int]:
+        """In-flight values where a non-increasing value array strictly improves."""
+        out, prev = [], INF
+        for u, a in enumerate(arr):
+            if a < prev:
+                out.append(u)
+                prev = a
+        return out
+
+    def _series(self, x: int, i: int, k: int) -> list[int]:
+        """Children i..m-1 of series node x with downstream depth k (suffix DP)."""
+        kids = self.tree.children[x]
+        m = len(kids)
+        if i == m:
+            return self._identity(k)
+        key = (x, i, k)
+        got = self._g.get(key)
+        if got is not None:
+            return got
+        size = self.kcap + 1
+        res = [INF] * size
+        nxt = self._series(x, i + 1, k)
+        # Child i partitioned on its own; the suffix's source depth u is its downstream depth.
+        for u in self._breakpoints(nxt):
+            if u > self.kcap:
+                break
+            gu = nxt[u]
+            child = self._value(kids[i], u)
+            res = [min(r, gu + c) if c < INF else r for r, c in zip(res, child)]
+        # Children i..j-1 as one stage.
+        for j in range(i + 2, m + 1):
+            if not self._base_devices(x, i, j, 1):
+                break  # TPS and memory only grow as the range grows
+            rest = self._series(x, j, k)
+            for u in self._breakpoints(rest):
+                k_in = min(u + 1, self.num_mbs)
+                if k_in > self.kcap:
+                    break
+                d = self._base_devices(x, i, j, k_in)
+                if not d:
+                    continue
+                val = rest[u] + ((d << _SHIFT) | 1)
+                for v in range(k_in, size):
+                    if val < res[v]:
+                        res[v] = val
+        res = self._prune(res)
+        self._g[key] = res
+        self.dp_states += 1
+        return res
+
+    def _parallel(self, x: int, j: int, k: int) -> list[int]:
+        """Children j..p-1 of parallel node x, all with downstream depth k."""
+        kids = self.tree.children[x]
+        p = len(kids)
+        size = self.kcap + 1
+        if j == p:
+            return [0] * size
+        key = (x, j, k)
+        got = self._g.get(key)
+        if got is not None:
+            return got
+        nxt = self._parallel(x, j + 1, k)
+        child = self._value(kids[j], k)
+        res = [a + b if a < INF and b < INF else INF for a, b in zip(child, nxt)]
+        for j2 in range(j + 2, p + 1):
+            if not self._base_devices(x, j, j2, 1):
+                break
+            group = self._base_array(x, j, j2, k, rest=self._parallel(x, j2, k))
+            res = [min(a, b) for a, b in zip(res, group)]
+        res = self._prune(res)
+        self._g[key] = res
+        self.dp_states += 1
+        return res
+
+    # ------------------------------------------------------------- extraction
+    def extract(self, v: int) -> list[DPStage]:
+        """Stages of the root solution with source in-flight <= v (after :meth:`solve`)."""
+        out: list[DPStage] = []
+        self._extract_node(self.tree.root, 0, v, self._value(self.tree.root, 0)[v], out)
+        return out
+
+    def _stage(self, x: int, lo: int, hi: int, d: int, k_in: int) -> DPStage:
+        tps = self.block_tps(x, lo, hi)[self.ds.index(d)]
+        return DPStage(self.tree.block_ops(x, lo, hi), d, k_in, tps)
+
+    def _extract_node(self, x: int, k: int, v: int, target: int, out: list[DPStage]) -> None:
+        kind = self.tree.kinds[x]
+        if kind == "op":
+            k_in = min(k + 1, self.num_mbs)
+            out.append(self._stage(x, 0, 1, self._base_devices(x, 0, 1, k_in), k_in))
+        elif kind == "series":
+            self._extract_series(x, 0, k, v, target, out)
+        else:
+            self._extract_parallel(x, 0, k, v, target, out)
+
+    def _extract_series(self, x: int, i: int, k: int, v: int, target: int, out: list[DPStage]) -> None:
+        kids = self.tree.children[x]
+        m = len(kids)
+        if i == m:
+            return
+        nxt = self._series(x, i + 1, k)
+        for u in self._breakpoints(nxt):
+            if u > self.kcap:
+                break
+            child = self._value(kids[i], u)
+            if child[v] < INF and nxt[u] + child[v] == target:
+                self._extract_node(kids[i], u, v, child[v], out)
+                self._extract_series(x, i + 1, k, u, nxt[u], out)
+                return
+        for j in range(i + 2, m + 1):
+            if not self._base_devices(x, i, j, 1):
+                break
+            rest = self._series(x, j, k)
+            for u in self._breakpoints(rest):
+                k_in = min(u + 1, self.num_mbs)
+                if k_in > self.kcap:
+                    break
+                d = self._base_devices(x, i, j, k_in)
+                if d and k_in <= v and rest[u] + ((d << _SHIFT) | 1) == target:
+                    out.append(self._stage(x, i, j, d, k_in))
+                    self._extract_series(x, j, k, u, rest[u], out)
+                    return
+        raise AssertionError(f"DP extraction lost its way at series node {x}, child {i}")
+
+    def _extract_parallel(self, x: int, j: int, k: int, v: int, target: int, out: list[DPStage]) -> None:
+        kids = self.tree.children[x]
+        p = len(kids)
+        if j == p:
+            return
+        nxt = self._parallel(x, j + 1, k)
+        child = self._value(kids[j], k)
+        if child[v] < INF and nxt[v] < INF and child[v] + nxt[v] == target:
+            self._extract_node(kids[j], k, v, child[v], out)
+            self._extract_parallel(x, j + 1, k, v, nxt[v], out)
+            return
+        k_in = min(k + 1, self.num_mbs)
+        for j2 in range(j + 2, p + 1):
+            if not self._base_devices(x, j, j2, 1):
+                break
+            rest = self._parallel(x, j2, k)
+            d = self._base_devices(x, j, j2, k_in) if k_in <= self.kcap else 0
+            if d and k_in <= v and rest[v] < INF and rest[v] + ((d << _SHIFT) | 1) == target:
+                out.append(self._stage(x, j, j2, d, k_in))
+                self._extract_parallel(x, j2, k, v, rest[v], out)
+                return
+        raise AssertionError(f"DP extraction lost its way at parallel node {x}, child {j}")
+
+    # ----------------------------------------------------------------- search
+    def best_at(self, t_max: float) -> tuple[int, list[DPStage]] | None:
+        """(source in-flight, stages) of the shallowest solution meeting ``t_max``, or None."""
+        root = self.solve(t_max)
+        for v, val in enumerate(root):
+            if val < INF:
+                return v, self.extract(v)
+        return None
+
+
+def min_bottleneck(graph: OpGraph | DPTree, cluster: Cluster, batch_size: int, micro_batch_size: int,
+                   num_devices: int | None = None, power_of_two: bool = False) -> DPSolution | None:
+    """The smallest bottleneck TPS of the search space (module docstring) for one micro-batch size.
+
+    Binary search over the sorted candidate TPS values: feasibility is
+    monotone in ``t_max`` (a larger target only admits more stages), and the
+    optimum is the TPS of some stage, so the search is exact. Returns None
+    when nothing fits (memory, or ``b`` too small for any stage).
+    """
+    tree = graph if isinstance(graph, DPTree) else build_tree(graph)
+    dp = BottleneckDP(tree, cluster, batch_size, micro_batch_size, num_devices, power_of_two)
+    targets = dp.candidate_targets()
+    tried = 1
+    if not targets or not dp.feasible(targets[-1]):
+        return None
+    lo, hi = 0, len(targets) - 1  # targets[hi] is feasible
+    while lo < hi:
+        mid = (lo + hi) // 2
+        tried += 1
+        if dp.feasible(targets[mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    best = dp.best_at(targets[hi])
+    assert best is not None
+    v, stages = best
+    return DPSolution(micro_batch_size, max(s.tps for s in stages), tuple(stages), v, tried, dp.dp_states)
+

@@ -1,0 +1,138 @@
+"""From an op graph to a complete, simulated :class:`~graphpipe.plan.Plan` (DESIGN §1, §6, §7).
+
+``make_plan`` is the one road every strategy takes, so their plans are
+comparable: contract non-series-parallel regions (recorded in
+``plan.merged``), partition with the strategy, schedule with the strategy's
+own schedule (gpp: graph-1F1B; pipedream/piper: 1F1B; gpipe: fill-drain)
+unless ``schedule`` overrides it (``"cpsat"`` co-optimises micro-batch sizes
+and the action order, :mod:`graphpipe.search.cpsat`), validate, simulate,
+and refuse plans whose simulated peak memory exceeds the device memory.
+
+``compare`` runs all four strategies on the same inputs; a strategy that
+fails becomes a row carrying its error instead of stopping the others.
+
+Plans are deterministic: the same inputs give byte-identical plan JSON apart
+from the timing fields (``search.time_s`` and the partitioner's own
+``*time_s`` statistics).
+
+Example
+-------
+>>> from graphpipe.cluster import preset
+>>> from graphpipe.graph import Op, OpGraph, Affine
+>>> ops = [Op(n, "x", Affine(0, 1e-3), Affine(0, 2e-3), 4e6, 1e5, 1e4) for n in "sabt"]
+>>> g = OpGraph.build("diamond", ops, [("s", "a", 1e4), ("s", "b", 1e4), ("a", "t", 1e4), ("b", "t", 1e4)])
+>>> plan = make_plan("diamond.json", g, preset("v100", 4), 32)
+>>> plan.strategy, plan.schedule.name, plan.predicted["throughput"] > 0
+('gpp', 'graph-1f1b', True)
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any
+
+from graphpipe.cluster import Cluster
+from graphpipe.errors import GraphpipeError, InfeasibleError, InputError
+from graphpipe.graph import OpGraph
+from graphpipe.plan import Plan
+from graphpipe.search import DEFAULT_SCHEDULES, STRATEGIES, get_strategy
+from graphpipe.search.common import SearchOptions
+from graphpipe.sp import make_series_parallel
+
+__all__ = ["make_plan", "compare", "COMPARE_KEYS", "TIMING_KEYS"]
+
+log = logging.getLogger(__name__)
+
+COMPARE_KEYS = ("strategy", "feasible", "throughput", "iteration_time_s", "search_time_s", "num_stages", "depth",
+                "peak_memory_bytes", "error")
+"""Keys of every row :func:`compare` returns (the CLI's ``--compare --json`` rows)."""
+
+TIMING_KEYS = ("time_s", "partition_time_s", "schedule_time_s", "cpsat_time_s")
+"""``plan.search`` keys that hold wall-clock times: the only fields two identical runs may differ in."""
+
+
+def _check_batch_size(batch_size: Any) -> int:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise InputError(f"batch size must be a positive integer, got {batch_size!r}")
+    return batch_size
+
+
+def make_plan(model_id: str, graph: OpGraph, cluster: Cluster, batch_size: int, strategy: str = "gpp",
+              options: SearchOptions = SearchOptions(), schedule: str | None = None,
+              time_limit_s: float = 10.0) -> Plan:
+    """Partition, schedule and simulate ``graph`` on ``cluster``; see the module docstring.
+
+    Raises :class:`InputError` for bad arguments and :class:`InfeasibleError`
+    when no plan fits in device memory.
+    """
+    from graphpipe.sched import make_schedule, predicted_figures, simulate, validate_schedule
+
+    _check_batch_size(batch_size)
+    partition = get_strategy(strategy)
+    started = time.perf_counter()
+    sp_graph, merged = make_series_parallel(graph)
+    result = partition(sp_graph, cluster, batch_size, options)
+    partitioned = time.perf_counter()
+    sg = result.stage_graph
+    schedule_name = (schedule or result.schedule_name or DEFAULT_SCHEDULES[strategy]).lower()
+    search: dict[str, Any] = {"strategy": strategy, **dict(result.stats)}
+    search["partition_time_s"] = partitioned - started
+    base_name = result.schedule_name if schedule_name == "cpsat" else schedule_name
+    sched = make_schedule(base_name, sg, cluster)
+    validate_schedule(sg, sched)
+    predicted = predicted_figures(simulate(sg, sched, cluster))
+    plan = Plan(model=model_id, stage_graph=sg, cluster=cluster, strategy=strategy, schedule=sched,
+                predicted=predicted, search=search, merged=merged)
+    if schedule_name == "cpsat":
+        from graphpipe.search.cpsat import optimize_plan
+
+        plan = optimize_plan(plan, time_limit_s=time_limit_s, num_workers=2, seed=0,
+                             per_stage_micro_batch=options.per_stage_micro_batch)
+        validate_schedule(plan.stage_graph, plan.schedule)
+        search = {**search, **dict(plan.search)}
+    search["schedule"] = plan.schedule.name
+    search["schedule_time_s"] = time.perf_counter() - partitioned
+    search["time_s"] = time.perf_counter() - started
+    peak = float(plan.predicted.get("max_peak_memory_bytes", 0.0))
+    if peak > cluster.memory_bytes:
+        worst = max(range(len(plan.predicted["peak_memory_bytes"])), key=lambda d: plan.predicted["peak_memory_bytes"][d])
+        raise InfeasibleError(
+            f"{strategy} plan with the {plan.schedule.name} schedule needs {peak / 1e9:.3g} GB on device {worst} "
+            f"(simulated peak) but devices have {cluster.memory_bytes / 1e9:g} GB; raise --memory-gb or add devices")
+    from dataclasses import replace
+
+    return replace(plan, search=search)
+
+
+def compare(model_id: str, graph: OpGraph, cluster: Cluster, batch_size: int,
+            options: SearchOptions = SearchOptions()) -> list[dict[str, Any]]:
+    """One row per strategy (gpp, pipedream, piper, gpipe) on the same inputs, failures included.
+
+    Every row has the keys of :data:`COMPARE_KEYS`; a failed strategy has
+    ``feasible: False``, ``error`` set and the figures ``None``.
+    """
+    _check_batch_size(batch_size)
+    rows = []
+    for strategy in ("gpp", "pipedream", "piper", "gpipe"):
+        assert strategy in STRATEGIES
+        started = time.perf_counter()
+        try:
+            plan = make_plan(model_id, graph, cluster, batch_size, strategy, options)
+        except GraphpipeError as exc:
+            log.info("compare: %s failed: %s", strategy, exc)
+            rows.append({"strategy": strategy, "feasible": False, "throughput": None, "iteration_time_s": None,
+                         "search_time_s": time.perf_counter() - started, "num_stages": None, "depth": None,
+                         "peak_memory_bytes": None, "error": str(exc)})
+            continue
+        p = plan.predicted
+        rows.append({"strategy": strategy, "feasible": True, "throughput": p["throughput"],
+                     "iteration_time_s": p["iteration_time_s"], "search_time_s": plan.search["time_s"],
+                     "num_stages": plan.stage_graph.num_stages, "depth": plan.stage_graph.depth(),
+                     "peak_memory_bytes": p["max_peak_memory_bytes"], "error": None})
+    return rows
+
+
+def _finite(x: float) -> bool:
+    return x is not None and math.isfinite(x)
