@@ -117,36 +117,41 @@ def interleaved_1f1b(sg: StageGraph) -> Schedule:
     """Megatron-LM interleaved 1F1B over ``K`` device groups with ``v = num_stages / K`` virtual stages each.
 
     Rank ``r`` (device group ``r``) runs ``M*v`` forwards and backwards. Its
-    ``k``-th forward is on chunk ``(k // K) % v`` (stage ``chunk*K + r``), its
-    ``k``-th backward on chunk ``v - 1 - (k // K) % v``; micro-batches advance
-    in rounds of ``K``. The warm-up is ``(v-1)*K + 2*(K-1-r)`` forwards
-    (capped at ``M*v``): enough for the first backward of the last chunk to
-    come back. Then each step runs one forward and one backward (forward
-    first, as in Megatron and torch's ``ScheduleInterleaved1F1B``), then the
-    remaining backwards drain. Requires ``M % K == 0``.
+    ``k``-th forward is on chunk ``(k // R) % v`` (stage ``chunk*K + r``), its
+    ``k``-th backward on chunk ``v - 1 - (k // R) % v``, where micro-batches
+    advance in rounds of ``R = M / max(1, M // K)`` (``R = K`` when ``K``
+    divides ``M``, Megatron's setting). The warm-up is ``(v-1)*R + 2*(K-1-r)``
+    forwards (capped at ``M*v``): enough for the first backward of the last
+    chunk to come back. Then each step runs one forward and one backward
+    (forward first, as in Megatron and torch's ``ScheduleInterleaved1F1B``),
+    then the remaining backwards drain. The number of rounds must divide ``M``.
     """
     groups = interleaved_groups(sg)
     k_groups = len(groups)
     v = sg.num_stages // k_groups
     m = sg.num_micro_batches(0)
-    if m % k_groups:
-        raise ScheduleError(f"interleaved 1F1B runs micro-batches in rounds of K={k_groups}: the number of "
-                            f"micro-batches ({m} = batch {sg.batch_size} / {sg.stages[0].micro_batch_size}) must be a "
-                            f"multiple of {k_groups}; change the micro-batch size")
+    # Micro-batches advance in rounds of K (fewer when M < K); like torch, a
+    # round count that does not divide M is refused rather than padded.
+    rounds = max(1, m // k_groups)
+    if m % rounds:
+        raise ScheduleError(f"interleaved 1F1B runs micro-batches in {rounds} rounds of about K={k_groups}: the number "
+                            f"of micro-batches ({m} = batch {sg.batch_size} / {sg.stages[0].micro_batch_size}) must be "
+                            f"a multiple of {rounds}; use a multiple of {k_groups} micro-batches")
+    per_round = m // rounds
     total = m * v
     lists: list[list[Action]] = [[] for _ in range(sg.num_devices)]
     for r, devices in enumerate(groups):
-        warm = min((v - 1) * k_groups + 2 * (k_groups - 1 - r), total)
+        warm = min((v - 1) * per_round + 2 * (k_groups - 1 - r), total)
         f_next: dict[int, int] = {}
         b_next: dict[int, int] = {}
 
         def forward(k: int) -> Action:
-            s = ((k // k_groups) % v) * k_groups + r
+            s = ((k // per_round) % v) * k_groups + r
             f_next[s] = f_next.get(s, -1) + 1
             return Action(s, "F", f_next[s])
 
         def backward(k: int) -> Action:
-            s = (v - 1 - (k // k_groups) % v) * k_groups + r
+            s = (v - 1 - (k // per_round) % v) * k_groups + r
             b_next[s] = b_next.get(s, -1) + 1
             return Action(s, "B", b_next[s])
 

@@ -1,0 +1,125 @@
+"""Helpers for the sched tests (no tests here): clusters, stage graphs, an oracle simulator.
+
+The oracle re-derives the shared simulator semantics from their definition
+(sample-interval overlap instead of the engine's index arithmetic, and
+Bellman-Ford style relaxation instead of the engine's single topological
+pass), so agreement between the two is evidence, not tautology.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+from graphpipe.cluster import Cluster, DeviceSpec, Link
+from graphpipe.graph import Affine, Op, OpGraph
+from graphpipe.stages import Stage, StageGraph
+
+from conftest import make_op, random_sp_graph
+
+
+def free_cluster(n: int, memory: float = 1e12) -> Cluster:
+    """Communication is free: zero latency, practically infinite bandwidth."""
+    return Cluster(name="free", num_devices=n, devices_per_node=n,
+                   device=DeviceSpec(name="x", memory_bytes=memory, peak_flops=1e15, op_overhead_s=0.0),
+                   intra_node=Link(latency_s=0.0, bandwidth_Bps=1e30), inter_node=Link(latency_s=0.0, bandwidth_Bps=1e30))
+
+
+def latency_cluster(n: int, latency: float, bandwidth: float = 1e30, per_node: int | None = None) -> Cluster:
+    return Cluster(name="lat", num_devices=n, devices_per_node=per_node or n,
+                   device=DeviceSpec(name="x", memory_bytes=1e12, peak_flops=1e15, op_overhead_s=0.0),
+                   intra_node=Link(latency_s=latency, bandwidth_Bps=bandwidth),
+                   inter_node=Link(latency_s=2 * latency, bandwidth_Bps=bandwidth / 2))
+
+
+def uniform_chain(num_stages: int, batch_size: int, fwd: float = 1.0, bwd: float = 2.0, mb: int = 1) -> StageGraph:
+    """``num_stages`` equal stages (one op each, per-sample times ``fwd``/``bwd``), one device each."""
+    ops = [Op(f"l{i}", "x", Affine(0.0, fwd), Affine(0.0, bwd), 4e6, 1e5, 1e4) for i in range(num_stages)]
+    g = OpGraph.build("chain", ops, [(f"l{i}", f"l{i + 1}", 1e4) for i in range(num_stages - 1)])
+    return StageGraph.build(g, [Stage(i, (i,), (i,), mb) for i in range(num_stages)], batch_size, num_stages)
+
+
+def one_stage_per_op(graph: OpGraph, batch_size: int, mb_sizes=None) -> StageGraph:
+    n = graph.num_ops
+    mb_sizes = mb_sizes or [1] * n
+    return StageGraph.build(graph, [Stage(i, (i,), (i,), mb_sizes[i]) for i in range(n)], batch_size, n)
+
+
+def random_stage_graph(seed: int, num_ops: int = 6, batch_size: int = 16, mixed: bool = True) -> StageGraph:
+    """One stage per op of a random SP graph, micro-batch sizes from {1, 2, 4, 8} when ``mixed``."""
+    rng = random.Random(seed)
+    g = random_sp_graph(num_ops, seed)
+    sizes = [rng.choice((1, 2, 4, 8)) if mixed else 2 for _ in range(g.num_ops)]
+    return one_stage_per_op(g, batch_size, sizes)
+
+
+def linearisations(sg: StageGraph):
+    """Every topological order of the stage graph (brute force; small graphs only)."""
+    for perm in itertools.permutations(range(sg.num_stages)):
+        rank = {s: i for i, s in enumerate(perm)}
+        if all(rank[p] < rank[c] for p, c in sg.edges):
+            yield list(perm)
+
+
+def _overlaps(a_lo, a_hi, b_lo, b_hi) -> bool:
+    return a_lo < b_hi and b_lo < a_hi
+
+
+def oracle_times(sg: StageGraph, schedule, cluster: Cluster) -> dict:
+    """``{(device, action_str): (start, end)}`` by relaxation to a fixpoint (None if it never settles)."""
+    b = [st.micro_batch_size for st in sg.stages]
+
+    def delay(p, c):
+        nbytes = sg.edge_bytes(p, c) * b[p]
+        return cluster.transfer_time(sg.stages[p].devices, sg.stages[c].devices, nbytes)
+
+    def deps(a):
+        s, j = a.stage_id, a.mb_id
+        out = []
+        if a.kind == "F":
+            for p in sg.preds(s):
+                for i in range(sg.num_micro_batches(p)):
+                    if _overlaps(i * b[p], (i + 1) * b[p], j * b[s], (j + 1) * b[s]):
+                        out.append(((p, "F", i), delay(p, s)))
+        else:
+            out.append(((s, "F", j), 0.0))
+            for c in sg.succs(s):
+                for k in range(sg.num_micro_batches(c)):
+                    if _overlaps(k * b[c], (k + 1) * b[c], j * b[s], (j + 1) * b[s]):
+                        out.append(((c, "B", k), delay(s, c)))
+        return out
+
+    def dur(a):
+        return sg.fwd_time(a.stage_id) if a.kind == "F" else sg.bwd_time(a.stage_id)
+
+    start = {(d, k): 0.0 for d, acts in enumerate(schedule.device_actions) for k in range(len(acts))}
+    n_actions = len(start)
+    for _ in range(n_actions + 2):
+        end = {key: start[key] + dur(schedule.device_actions[key[0]][key[1]]) for key in start}
+        stage_end = {}
+        for (d, k), e in end.items():
+            a = schedule.device_actions[d][k]
+            key = (a.stage_id, a.kind, a.mb_id)
+            stage_end[key] = max(stage_end.get(key, 0.0), e)
+        changed = False
+        for (d, k) in start:
+            a = schedule.device_actions[d][k]
+            t = end[(d, k - 1)] if k else 0.0
+            for key, dl in deps(a):
+                t = max(t, stage_end[key] + dl)
+            if t > start[(d, k)] + 1e-12:
+                start[(d, k)] = t
+                changed = True
+        if not changed:
+            return {(d, str(schedule.device_actions[d][k])): (start[(d, k)], end[(d, k)]) for (d, k) in start}
+    return None
+
+
+def make_op_graph_diamond(fwd: float = 1.0, edge_bytes: float = 1e4) -> OpGraph:
+    ops = [Op(n, "x", Affine(0.0, fwd), Affine(0.0, 2 * fwd), 4e6, 1e5, 1e4) for n in ("in", "a", "b", "out")]
+    return OpGraph.build("diamond", ops, [("in", "a", edge_bytes), ("in", "b", edge_bytes),
+                                          ("a", "out", edge_bytes), ("b", "out", edge_bytes)])
+
+
+__all__ = ["free_cluster", "latency_cluster", "uniform_chain", "one_stage_per_op", "random_stage_graph",
+           "linearisations", "oracle_times", "make_op_graph_diamond", "make_op"]

@@ -1,0 +1,101 @@
+"""The one validator: each broken schedule is refused with a message naming the problem and a marked grid."""
+
+from __future__ import annotations
+
+import pytest
+
+from graphpipe.actions import Action, Schedule
+from graphpipe.errors import DeadlockError, ScheduleError
+from graphpipe.stages import Stage, StageGraph
+from graphpipe.sched import format_grid, make_schedule, one_f_one_b, validate_plan, validate_schedule
+from graphpipe.plan import Plan
+
+from test_sched_common import free_cluster, make_op_graph_diamond, uniform_chain
+
+
+def _text(sg, text):
+    return Schedule.from_text("t", text, sg.num_devices)
+
+
+def test_valid_schedule_passes():
+    sg = uniform_chain(2, 2)
+    validate_schedule(sg, _text(sg, "0: 0F0 0F1 0B0 0B1\n1: 1F0 1B0 1F1 1B1"))
+
+
+@pytest.mark.parametrize("text,match,marked", [
+    ("0: 0F0 0F1 0B0\n1: 1F0 1B0 1F1 1B1", "device 0 never runs 0B1", None),
+    ("0: 0F0 0F1 0B0 0B1 0B1\n1: 1F0 1B0 1F1 1B1", "device 0 runs 0B1 twice", ">0B1<"),
+    ("0: 0F0 0F1 0B0 0B1 1F0\n1: 1F0 1B0 1F1 1B1", "belongs to stage 1, which runs on devices \\[1\\]", ">1F0<"),
+    ("0: 0F0 0F1 0B0 0B1\n1: 1F0 1B0 1F1 1B1 1F2", "names micro-batch 2, stage 1 has 2", ">1F2<"),
+    ("0: 0F0 0F1 0B0 0B1\n1: 1F0 1B1 1F1 1B0", "runs 1B1 before 1F1", ">1B1<"),
+    ("0: 0F0 0F1 0B0 0B1\n1: 1F0 1B0 1F1 1B1 3F0", "names stage 3", ">3F0<"),
+    ("0: 0F0 0F1 0B0 0B1\n1: 1F0 1I0 1B0 1F1 1B1", "kind 'I'", ">1I0<"),
+    ("0: 0F1 0F0 0B0 0B1\n1: 1F0 1B0 1F1 1B1", "link 0->1 \\(activations\\) out of order", ">1F0<"),
+    ("0: 0F0 0F1 0B1 0B0\n1: 1F0 1B0 1F1 1B1", "link 1->0 \\(gradients\\) out of order", ">0B1<"),
+])
+def test_malformed_schedules_name_the_problem(text, match, marked):
+    sg = uniform_chain(2, 2)
+    with pytest.raises(ScheduleError, match=match) as info:
+        validate_schedule(sg, _text(sg, text))
+    message = str(info.value)
+    assert "device 0:" in message and "device 1:" in message  # the grid
+    if marked:
+        assert marked in message
+
+
+def test_deadlock_is_found_and_blocked_actions_named():
+    """Stage 0 waits for 0B0 before sending 0F1 while stage 1 needs 1F1 before it sends back 1B0."""
+    sg = uniform_chain(2, 2)
+    schedule = _text(sg, "0: 0F0 0B0 0F1 0B1\n1: 1F0 1F1 1B0 1B1")
+    with pytest.raises(DeadlockError, match="device 0 blocked at 0B0 waiting for 1B0; device 1 blocked at 1F1 "
+                                            "waiting for 0F1") as info:
+        validate_schedule(sg, schedule)
+    assert ">0B0<" in str(info.value) and ">1F1<" in str(info.value)
+
+
+def test_wrong_device_count():
+    sg = uniform_chain(2, 2)
+    with pytest.raises(ScheduleError, match="lists 3 devices, the stage graph has 2"):
+        validate_schedule(sg, Schedule.from_text("t", "0: 0F0", 3))
+
+
+def test_replicas_must_agree():
+    g = make_op_graph_diamond()
+    stages = [Stage(0, (0,), (0, 1), 2), Stage(1, (1,), (2,), 2), Stage(2, (2,), (3,), 2), Stage(3, (3,), (4,), 2)]
+    sg = StageGraph.build(g, stages, 4, 5)
+    good = make_schedule("graph-1f1b", sg)
+    validate_schedule(sg, good)
+    lists = [list(a) for a in good.device_actions]
+    lists[1] = [Action(0, "F", 0), Action(0, "F", 1), Action(0, "B", 1), Action(0, "B", 0)]
+    with pytest.raises(ScheduleError, match="replicas of stage 0 disagree: device 0 runs 0B0 where device 1 runs 0B1"):
+        validate_schedule(sg, Schedule.from_lists("t", lists))
+
+
+def test_mixed_micro_batch_link_order():
+    """A consumer with micro-batch 4 needs producer mbs 0 and 1 together; order checks use samples."""
+    g = make_op_graph_diamond()
+    sizes = [2, 2, 2, 4]
+    sg = StageGraph.build(g, [Stage(i, (i,), (i,), sizes[i]) for i in range(4)], 8, 4)
+    validate_schedule(sg, make_schedule("graph-1f1b", sg))
+    validate_schedule(sg, make_schedule("1f1b", sg))
+    validate_schedule(sg, make_schedule("gpipe", sg))
+
+
+def test_grid_window_keeps_long_schedules_readable():
+    sg = uniform_chain(2, 64)
+    schedule = one_f_one_b(sg)
+    grid = format_grid(schedule, [(1, 100)])
+    assert ">1F50<" in grid  # 1F1B on the last stage alternates F, B: step 100 is F50
+    assert grid.count("\n") == 1 and grid.count("...") == 4
+    assert len(grid.splitlines()[0]) < 200
+
+
+def test_validate_plan_checks_schedule_against_plan():
+    sg = uniform_chain(2, 2)
+    cluster = free_cluster(2)
+    plan = Plan(model="m", stage_graph=sg, cluster=cluster, strategy="custom",
+                schedule=_text(sg, "0: 0F0 0F1 0B0 0B1\n1: 1F0 1B0 1F1"))
+    with pytest.raises(ScheduleError, match="device 1 never runs 1B1"):
+        validate_plan(plan)
+    validate_plan(Plan(model="m", stage_graph=sg, cluster=cluster, strategy="custom",
+                       schedule=make_schedule("1f1b", sg, cluster)))
