@@ -1,0 +1,411 @@
+"""Capture an ``nn.Module`` as a layer-granularity :class:`OpGraph` with torch.fx.
+
+DESIGN §3 ("Granularity"): we trace with torch.fx but plan on *layers*.
+
+1. **Trace.** :class:`LayerTracer` keeps *layer modules* as fx leaves: every
+   zoo :class:`~graphpipe.zoo_models.Layer`, and for user models the usual
+   heavy torch layers (:data:`LAYER_TYPES`: Linear, Conv, Embedding,
+   EmbeddingBag, MultiheadAttention, TransformerEncoderLayer, RNNs, ...).
+   Other torch.nn modules (norms, activations, dropout) stay leaves too, as
+   fx does by default, but they are *glue*, not layers.
+2. **Contract.** Each call of a layer module is an *anchor* and starts an op.
+   Every other fx node (glue: ``cat``, ``add``, ``getattr``, ``view``,
+   activations, ``get_attr`` of free parameters) joins a neighbouring op by
+   these rules, repeated until every node is owned:
+
+   - *forward*: a glue node whose inputs (ignoring placeholders and
+     ``get_attr``) all belong to one op X joins X (an activation or view
+     after a layer, e.g. Linear + ReLU becomes one op);
+   - *backward*: a glue node whose users all belong to one op Y joins Y
+     (a ``cat``/``add`` of branch outputs feeding a layer, a parameter read);
+   - otherwise the first (in fx order) unowned glue node starts a glue op of
+     its own, named after the fx node (e.g. ``add_3``), and the rules run again.
+
+   Each op is therefore a connected piece of the fx graph whose inputs enter
+   at its anchor or at nodes upstream of it and whose outputs leave from the
+   anchor or nodes downstream of it, so the op graph stays acyclic and every
+   convex set of ops is a valid ``split_module`` partition. For zoo models
+   every fx node is an anchor (branches, concat, interaction and heads are
+   layers), so their op graphs are exactly their series-parallel layer DAGs.
+   Placeholders belong to no op; the runtime feeds them to the stages using them.
+3. **Cost.** The fx graph is run once (meta tensors cost nothing) under
+   ``torch.utils.flop_counter.FlopCounterMode`` and a byte meter. Per op and
+   per sample (sizes divided by the example batch size, the first input's
+   dim 0): ``fwd = overhead + flops / (peak * mfu) * b`` (DESIGN §4 affine
+   model), ``bwd`` = twice the forward FLOPs and twice the overhead (the
+   standard 2x backward estimate: gradients w.r.t. inputs and weights);
+   ``act_bytes`` = bytes of every non-view tensor the op's aten calls
+   produce (an upper estimate of what autograd saves); ``out_bytes`` = bytes
+   of its fx values used outside it; edge bytes = bytes of the values
+   flowing from one op to another. ``param_bytes`` = the op's parameters
+   (each parameter counted once, at its first use), so the graph total equals
+   the module's.
+
+Example
+-------
+>>> import torch
+>>> m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+>>> cap = capture(m, (torch.randn(3, 4),), name="mlp")
+>>> [op.name for op in cap.graph.ops], cap.op_nodes["0"]
+(['0', '2'], ('_0', '_1'))
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.fx.passes.split_module import split_module
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import FlopCounterMode
+
+from graphpipe.cluster import DeviceSpec, preset
+from graphpipe.errors import GraphCycleError, InputError
+from graphpipe.graph import Affine, Op, OpGraph
+from graphpipe.zoo_models import Layer
+
+__all__ = [
+    "LAYER_TYPES",
+    "LayerTracer",
+    "Captured",
+    "capture",
+    "trace",
+    "group_nodes",
+    "split_by_ops",
+    "load_factory",
+    "graph_from_factory",
+]
+
+log = logging.getLogger(__name__)
+
+LAYER_TYPES: tuple[type[nn.Module], ...] = (
+    nn.Linear, nn.Bilinear,
+    nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
+    nn.Embedding, nn.EmbeddingBag,
+    nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer,
+    nn.RNN, nn.LSTM, nn.GRU,
+)
+"""torch layers that anchor an op in user models (zoo Layers always do)."""
+
+_NEUTRAL = ("placeholder", "get_attr")
+
+
+class LayerTracer(fx.Tracer):
+    """fx tracer that keeps layers (and torch.nn built-ins) as leaf calls."""
+
+    def __init__(self, layer_types: Sequence[type[nn.Module]] = ()):
+        super().__init__()
+        self.layer_types = tuple(LAYER_TYPES) + tuple(layer_types)
+
+    def is_layer(self, module: nn.Module) -> bool:
+        return isinstance(module, Layer) or isinstance(module, self.layer_types)
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return self.is_layer(m) or super().is_leaf_module(m, module_qualified_name)
+
+
+@dataclass(frozen=True, slots=True)
+class Captured:
+    """A captured module: the op graph, the fx GraphModule and op -> fx node names.
+
+    Every fx node except placeholders and the output belongs to exactly one
+    op; ``op_nodes[op_name]`` lists them in fx order.
+    """
+
+    graph: OpGraph
+    gm: fx.GraphModule
+    op_nodes: dict[str, tuple[str, ...]]
+
+    def op_of_node(self) -> dict[str, str]:
+        """fx node name -> op name (the inverse of ``op_nodes``)."""
+        return {node: op for op, nodes in self.op_nodes.items() for node in nodes}
+
+
+# --------------------------------------------------------------------- trace
+def trace(module: nn.Module, num_inputs: int, layer_types: Sequence[type[nn.Module]] = ()) -> tuple[fx.GraphModule, set[str]]:
+    """Symbolically trace ``module``; returns the GraphModule and its anchor node names.
+
+    Forwards taking ``*inputs`` (the zoo's branch models) are traced with one
+    placeholder per example input.
+    """
+    from torch.fx._symbolic_trace import PH
+
+    tracer = LayerTracer(layer_types)
+    code = type(module).forward.__code__
+    varargs = bool(code.co_flags & 0x04) and code.co_argcount == 1  # forward(self, *inputs)
+    try:
+        graph = tracer.trace(module, concrete_args=tuple(PH for _ in range(num_inputs)) if varargs else None)
+    except Exception as exc:  # fx raises many types for untraceable code
+        raise InputError(f"torch.fx cannot trace {type(module).__name__}: {type(exc).__name__}: {exc}; "
+                         "make data-dependent control flow a layer (a zoo Layer subclass) so it stays a leaf") from None
+    gm = fx.GraphModule(tracer.root, graph, type(module).__name__)
+    anchors = {n.name for n in gm.graph.nodes
+               if n.op == "call_module" and tracer.is_layer(gm.get_submodule(n.target))}
+    return gm, anchors
+
+
+def group_nodes(gm: fx.GraphModule, anchors: Iterable[str]) -> tuple[dict[str, str], dict[str, str]]:
+    """Contract fx nodes into ops (rules in the module docstring).
+
+    Returns ``(op_of_node, anchor_of_op)``: fx node name -> op name, and op
+    name -> the fx node that started it, ops in creation order.
+    """
+    anchors = set(anchors)
+    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    owner: dict[fx.Node, str] = {}
+    started: dict[str, str] = {}
+    calls: dict[str, int] = {}
+
+    def start(node: fx.Node) -> None:
+        if node.name in anchors:
+            base = str(node.target)
+            calls[base] = calls.get(base, 0) + 1
+            name = base if calls[base] == 1 else f"{base}_{calls[base] - 1}"
+        else:
+            name = node.name
+        while name in started:
+            name += "_"
+        started[name] = node.name
+        owner[node] = name
+
+    for node in nodes:
+        if node.name in anchors:
+            start(node)
+    pending = [n for n in nodes if n not in owner]
+    while pending:
+        changed = True
+        while changed:
+            changed = False
+            for node in pending:  # forward rule, fx (topological) order
+                if node in owner:
+                    continue
+                ins = [m for m in node.all_input_nodes if m.op not in _NEUTRAL]
+                if ins and all(m in owner for m in ins) and len({owner[m] for m in ins}) == 1:
+                    owner[node] = owner[ins[0]]
+                    changed = True
+            for node in reversed(pending):  # backward rule
+                if node in owner:
+                    continue
+                users = list(node.users)
+                if users and all(u in owner for u in users) and len({owner[u] for u in users}) == 1:
+                    owner[node] = owner[users[0]]
+                    changed = True
+            pending = [n for n in pending if n not in owner]
+        if pending:
+            start(pending[0])
+            pending = pending[1:]
+    # report ops in fx order of their first node, which is deterministic
+    return {n.name: owner[n] for n in nodes}, started
+
+
+# ------------------------------------------------------------------ measuring
+class _ByteMeter(TorchDispatchMode):
+    """Sums bytes of the non-view tensors produced by aten calls (activation estimate)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view:
+            self.total += _nbytes(out)
+        return out
+
+
+def _nbytes(value: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tree_leaves(value) if isinstance(t, torch.Tensor))
+
+
+@dataclass(frozen=True, slots=True)
+class _NodeCost:
+    flops: float
+    act_bytes: float
+    out_bytes: float
+
+
+class _Measure(fx.Interpreter):
+    """Runs the GraphModule once, recording FLOPs, produced bytes and output bytes per node."""
+
+    def __init__(self, gm: fx.GraphModule, flops: FlopCounterMode, meter: _ByteMeter):
+        super().__init__(gm)
+        self.flops, self.meter = flops, meter
+        self.costs: dict[str, _NodeCost] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        f0, b0 = self.flops.get_total_flops(), self.meter.total
+        out = super().run_node(n)
+        self.costs[n.name] = _NodeCost(float(self.flops.get_total_flops() - f0), float(self.meter.total - b0),
+                                       float(_nbytes(out)))
+        return out
+
+
+def _measure(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> dict[str, _NodeCost]:
+    flops, meter = FlopCounterMode(display=False), _ByteMeter()
+    interp = _Measure(gm, flops, meter)
+    with torch.no_grad(), flops, meter:
+        interp.run(*example_inputs)
+    return interp.costs
+
+
+def _batch_size(example_inputs: Sequence[Any]) -> int:
+    for x in tree_leaves(list(example_inputs)):
+        if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] >= 1:
+            return int(x.shape[0])
+    raise InputError("example inputs need at least one tensor with a batch dimension (dim 0) to size per-sample costs")
+
+
+# -------------------------------------------------------------------- capture
+def capture(module: nn.Module, example_inputs: Sequence[Any], name: str | None = None,
+            device: DeviceSpec | None = None, layer_types: Sequence[type[nn.Module]] = ()) -> Captured:
+    """Trace ``module`` and build its layer-granularity OpGraph with analytical costs.
+
+    ``example_inputs`` may live on the meta device (and the module too): only
+    shapes matter. ``device`` sets the cost model (default: the v100 preset's
+    device). See the module docstring for the rules.
+    """
+    if not isinstance(module, nn.Module):
+        raise InputError(f"capture needs an nn.Module, got {type(module).__name__}")
+    example_inputs = tuple(example_inputs)
+    device = device if device is not None else preset("v100").device
+    gm, anchors = trace(module, len(example_inputs), layer_types)
+    op_of_node, started = group_nodes(gm, anchors)
+    batch = _batch_size(example_inputs)
+    costs = _measure(gm, example_inputs)
+    fx_nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+
+    members: dict[str, list[fx.Node]] = {op: [] for op in started}
+    for n in fx_nodes:
+        members[op_of_node[n.name]].append(n)
+    position = {n: i for i, n in enumerate(fx_nodes)}
+    order = sorted(started, key=lambda op: position[members[op][0]])
+
+    seen_params: set[int] = set()
+    edge_bytes: dict[tuple[str, str], float] = {}
+    ops: list[Op] = []
+    rate = device.peak_flops * device.mfu
+    for op_name in order:
+        nodes = members[op_name]
+        flops = sum(costs[n.name].flops for n in nodes) / batch
+        act = sum(costs[n.name].act_bytes for n in nodes) / batch
+        out = 0.0
+        params = 0
+        for n in nodes:
+            for p in _node_params(gm, n):
+                if id(p) not in seen_params:
+                    seen_params.add(id(p))
+                    params += p.numel() * p.element_size()
+            if any(u.op == "output" or op_of_node.get(u.name) != op_name for u in n.users):
+                out += costs[n.name].out_bytes / batch
+            for src in {m for m in n.all_input_nodes if m.op != "placeholder"}:
+                src_op = op_of_node[src.name]
+                if src_op != op_name:
+                    edge_bytes[(src_op, op_name)] = edge_bytes.get((src_op, op_name), 0.0) + costs[src.name].out_bytes / batch
+        kind = _kind(gm, started[op_name], nodes, anchors)
+        ops.append(Op(op_name, kind,
+                      fwd=Affine(device.op_overhead_s, flops / rate),
+                      bwd=Affine(2 * device.op_overhead_s, 2 * flops / rate),
+                      param_bytes=params, act_bytes=act, out_bytes=out))
+    total = sum(p.numel() * p.element_size() for p in module.parameters())
+    if sum(op.param_bytes for op in ops) != total:
+        log.warning("%s: %d parameter bytes are never used by forward; the op graph omits them",
+                    name or type(module).__name__, total - sum(op.param_bytes for op in ops))
+    try:
+        graph = OpGraph.build(name or type(module).__name__, ops, [(s, d, b) for (s, d), b in edge_bytes.items()])
+    except GraphCycleError as exc:
+        raise InputError(f"contracting fx nodes into layers made a cycle ({exc}); pass layer_types= so the "
+                         "layers on that cycle become anchors") from None
+    op_nodes = {op: tuple(n.name for n in members[op]) for op in order}
+    return Captured(graph, gm, op_nodes)
+
+
+def _node_params(gm: fx.GraphModule, node: fx.Node) -> list[nn.Parameter]:
+    if node.op == "call_module":
+        return list(gm.get_submodule(node.target).parameters())
+    if node.op == "get_attr":
+        value = gm
+        for part in str(node.target).split("."):
+            value = getattr(value, part)
+        return [value] if isinstance(value, nn.Parameter) else []
+    return []
+
+
+def _kind(gm: fx.GraphModule, start_node: str, nodes: list[fx.Node], anchors: set[str]) -> str:
+    if start_node not in anchors:
+        return "glue"
+    node = next(n for n in nodes if n.name == start_node)
+    module = gm.get_submodule(node.target)
+    return module.kind if isinstance(module, Layer) else type(module).__name__.lower()
+
+
+# ---------------------------------------------------------------------- split
+def split_by_ops(captured: Captured, part_of_op: Mapping[str, int]) -> fx.GraphModule:
+    """``split_module`` of ``captured.gm`` with op ``o`` in partition ``part_of_op[o]``.
+
+    The parts must be convex in the op graph (every stage partition of a
+    StageGraph is). Submodules are named ``submod_{part}``.
+    """
+    missing = [op for op in captured.op_nodes if op not in part_of_op]
+    if missing:
+        raise InputError(f"split_by_ops: ops without a partition: {', '.join(missing[:5])}")
+    op_of_node = captured.op_of_node()
+    return split_module(captured.gm, captured.gm, lambda node: part_of_op[op_of_node[node.name]])
+
+
+# ------------------------------------------------------------------- factories
+def load_factory(spec: str) -> tuple[nn.Module, tuple[Any, ...], Callable[[Any], torch.Tensor]]:
+    """Import ``path/to/file.py`` and call ``factory()`` from ``"path/to/file.py:factory"``.
+
+    The factory must return ``(module, example_inputs, loss_fn)`` with
+    ``example_inputs`` a tuple (or list) of tensors.
+    """
+    path, sep, func_name = spec.rpartition(":")
+    if not sep or not path.endswith(".py") or not func_name:
+        raise InputError(f"factory spec {spec!r} must look like path/to/file.py:function_name")
+    if not os.path.isfile(path):
+        raise InputError(f"factory file not found: {path}")
+    mod_name = "graphpipe_factory_" + os.path.splitext(os.path.basename(path))[0]
+    loader_spec = importlib.util.spec_from_file_location(mod_name, os.path.abspath(path))
+    if loader_spec is None or loader_spec.loader is None:
+        raise InputError(f"cannot import {path} as a Python module")
+    module = importlib.util.module_from_spec(loader_spec)
+    sys.modules[mod_name] = module
+    try:
+        loader_spec.loader.exec_module(module)
+    except Exception as exc:
+        sys.modules.pop(mod_name, None)
+        raise InputError(f"importing {path} failed: {type(exc).__name__}: {exc}") from None
+    factory = getattr(module, func_name, None)
+    if not callable(factory):
+        known = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_")
+                       and getattr(v, "__module__", None) == mod_name)
+        raise InputError(f"{path} has no function {func_name!r}; functions defined there: {', '.join(known) or 'none'}")
+    result = factory()
+    if not (isinstance(result, tuple) and len(result) == 3):
+        raise InputError(f"{spec}: factory must return (module, example_inputs, loss_fn), got "
+                         f"{type(result).__name__}{' of length ' + str(len(result)) if isinstance(result, tuple) else ''}")
+    net, inputs, loss_fn = result
+    if not isinstance(net, nn.Module):
+        raise InputError(f"{spec}: first item returned must be an nn.Module, got {type(net).__name__}")
+    if isinstance(inputs, torch.Tensor):
+        inputs = (inputs,)
+    if not (isinstance(inputs, (tuple, list)) and all(isinstance(x, torch.Tensor) for x in inputs) and inputs):
+        raise InputError(f"{spec}: example_inputs must be a non-empty tuple of tensors")
+    if not callable(loss_fn):
+        raise InputError(f"{spec}: loss_fn must be callable, got {type(loss_fn).__name__}")
+    return net, tuple(inputs), loss_fn
+
+
+def graph_from_factory(spec: str, device: DeviceSpec | None = None) -> OpGraph:
+    """Capture the module of a ``file.py:factory`` spec (see :func:`load_factory`)."""
+    net, inputs, _ = load_factory(spec)
+    name = os.path.splitext(os.path.basename(spec.rpartition(":")[0]))[0]
+    return capture(net, inputs, name=name, device=device).graph

@@ -1,0 +1,330 @@
+"""Measured op costs: time every op, fit ``t(b) = alpha + beta * b``, apply to a graph.
+
+DESIGN §4: an op's time is affine in the micro-batch size (fixed kernel
+overhead plus per-sample work). Analytical costs (:mod:`graphpipe.capture`)
+estimate alpha and beta from FLOPs; a profile measures them.
+
+How an op is timed: the captured GraphModule is split with
+``split_module`` into one submodule per op (exactly the pieces the runtime
+runs, at finer grain). For each micro-batch size ``b`` the split model is run
+once on a batch of ``b`` samples to record each submodule's real inputs; then
+each submodule is run alone: forward with autograd on (as in training), and
+backward as ``torch.autograd.grad`` of its outputs with respect to its
+non-input tensors and parameters, each after ``warmup`` untimed runs, the
+median of ``repeats`` timed runs (``torch.cuda.synchronize`` around each on
+CUDA). alpha and beta are then the non-negative least-squares fit over the
+batch sizes (``scipy.optimize.nnls``): a negative overhead or slope is
+physically meaningless and would make planners prefer odd micro-batch sizes.
+
+File format ``graphpipe.profile/1``::
+
+    {"format": "graphpipe.profile/1", "model": "transformer:small", "device": "cpu",
+     "batch_sizes": [1, 2, 4, 8],
+     "ops": {"layer0": {"fwd_s": [alpha, beta], "bwd_s": [alpha, beta]}, ...}}
+
+Example
+-------
+>>> fit_affine([1, 2, 4], [0.003, 0.004, 0.006])
+Affine(alpha=0.002, beta=0.001)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+from graphpipe.errors import FormatError, InputError
+from graphpipe.graph import Affine, OpGraph, write_json_atomic
+
+__all__ = [
+    "PROFILE_FORMAT",
+    "Profile",
+    "OpTimings",
+    "fit_affine",
+    "time_ops",
+    "profile_captured",
+    "profile_model",
+    "profile_to_dict",
+    "profile_from_dict",
+    "read_profile",
+    "write_profile",
+    "apply_profile",
+    "resize_batch",
+]
+
+log = logging.getLogger(__name__)
+
+PROFILE_FORMAT = "graphpipe.profile/1"
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    """Fitted per-op time models of one model on one device."""
+
+    model: str
+    device: str
+    batch_sizes: tuple[int, ...]
+    ops: Mapping[str, tuple[Affine, Affine]]
+    """op name -> (forward, backward) time model in seconds."""
+
+
+@dataclass(frozen=True, slots=True)
+class OpTimings:
+    """Median measured seconds of one op, one entry per batch size."""
+
+    fwd_s: tuple[float, ...]
+    bwd_s: tuple[float, ...]
+
+
+def fit_affine(batch_sizes: Sequence[float], times: Sequence[float]) -> Affine:
+    """Least-squares ``alpha + beta * b`` with alpha, beta >= 0 (``scipy.optimize.nnls``).
+
+    >>> fit_affine([1, 2, 3], [1.0, 1.0, 1.0])
+    Affine(alpha=1.0, beta=0.0)
+    """
+    import numpy as np
+    from scipy.optimize import nnls
+
+    if len(batch_sizes) != len(times) or not batch_sizes:
+        raise InputError(f"fit_affine needs one time per batch size, got {len(batch_sizes)} sizes and {len(times)} times")
+    if any(not (math.isfinite(t) and t >= 0) for t in times):
+        raise InputError(f"measured times must be finite and >= 0, got {list(times)}")
+    a = np.column_stack([np.ones(len(batch_sizes)), np.asarray(batch_sizes, dtype=float)])
+    (alpha, beta), _ = nnls(a, np.asarray(times, dtype=float))
+    # nnls returns numpy floats; round off float noise below a picosecond
+    return Affine(round(float(alpha), 15), round(float(beta), 15))
+
+
+def resize_batch(inputs: Sequence[Any], batch_size: int) -> tuple[Any, ...]:
+    """Inputs with ``batch_size`` rows, repeating the example rows cyclically (dim 0)."""
+    import torch
+
+    out = []
+    for x in inputs:
+        if isinstance(x, torch.Tensor) and x.dim() >= 1:
+            idx = torch.arange(batch_size, device=x.device) % x.shape[0]
+            out.append(x.index_select(0, idx))
+        else:
+            out.append(x)
+    return tuple(out)
+
+
+def _record_submodule_args(split, inputs: Sequence[Any]) -> dict[str, tuple[Any, ...]]:
+    """Run the split model once; return each ``submod_*`` call's positional args."""
+    import torch
+    import torch.fx as fx
+
+    recorded: dict[str, tuple[Any, ...]] = {}
+
+    class Recorder(fx.Interpreter):
+        def call_module(self, target, args, kwargs):
+            recorded[str(target)] = tuple(args)
+            return super().call_module(target, args, kwargs)
+
+    with torch.no_grad():
+        Recorder(split).run(*inputs)
+    return recorded
+
+
+def time_ops(captured, make_inputs: Callable[[int], Sequence[Any]], batch_sizes: Sequence[int],
+             repeats: int = 5, warmup: int = 2, timer: Callable[[], float] = time.perf_counter,
+             progress: Callable[[str], None] | None = None) -> dict[str, OpTimings]:
+    """Median forward and backward seconds of every op at every batch size.
+
+    ``make_inputs(b)`` gives model inputs with ``b`` samples on the module's
+    device. ``timer`` is injectable so tests can drive a fake clock.
+    """
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    from graphpipe.capture import split_by_ops
+
+    if repeats < 1 or warmup < 0:
+        raise InputError(f"repeats must be >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
+    names = [op.name for op in captured.graph.ops]
+    split = split_by_ops(captured, {name: i for i, name in enumerate(names)})
+    call_nodes = {str(n.target): n for n in split.graph.nodes if n.op == "call_module"}
+    fwd: dict[str, list[float]] = {name: [] for name in names}
+    bwd: dict[str, list[float]] = {name: [] for name in names}
+
+    def sync(values) -> None:
+        for t in tree_leaves(values):
+            if isinstance(t, torch.Tensor) and t.is_cuda:
+                torch.cuda.synchronize(t.device)
+                return
+
+    for b in batch_sizes:
+        recorded = _record_submodule_args(split, make_inputs(b))
+        for op_id, name in enumerate(names):
+            target = f"submod_{op_id}"
+            sub = getattr(split, target)
+            args = []
+            for value, node in zip(recorded[target], call_nodes[target].args):
+                # activations from other ops need grads; model inputs and parameters keep theirs
+                if isinstance(value, torch.Tensor) and isinstance(node, torch.fx.Node) and node.op not in ("placeholder", "get_attr"):
+                    value = value.detach().requires_grad_(value.is_floating_point())
+                args.append(value)
+            wrt = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+            wrt += [p for p in sub.parameters() if p.requires_grad]
+
+            def run_fwd():
+                return sub(*args)
+
+            samples: list[float] = []
+            for i in range(warmup + repeats):
+                sync(args)
+                t0 = timer()
+                out = run_fwd()
+                sync(out)
+                if i >= warmup:
+                    samples.append(timer() - t0)
+            fwd[name].append(statistics.median(samples))
+
+            samples = []
+            for i in range(warmup + repeats):
+                outs = [t for t in tree_leaves(run_fwd()) if isinstance(t, torch.Tensor) and t.requires_grad]
+                if not outs or not wrt:
+                    samples.append(0.0)
+                    continue
+                grads = [torch.ones_like(t) for t in outs]
+                sync(outs)
+                t0 = timer()
+                torch.autograd.grad(outs, wrt, grads, allow_unused=True)
+                sync(wrt)
+                if i >= warmup:
+                    samples.append(timer() - t0)
+            bwd[name].append(statistics.median(samples[-repeats:]))
+            if progress is not None:
+                progress(f"b={b} {name}")
+    return {name: OpTimings(tuple(fwd[name]), tuple(bwd[name])) for name in names}
+
+
+def profile_captured(captured, make_inputs: Callable[[int], Sequence[Any]], model: str, device: str,
+                     batch_sizes: Sequence[int] = (1, 2, 4, 8), repeats: int = 5, warmup: int = 2,
+                     timer: Callable[[], float] = time.perf_counter,
+                     progress: Callable[[str], None] | None = None) -> Profile:
+    """Time every op of ``captured`` (see :func:`time_ops`) and fit its affine models."""
+    sizes = _check_batch_sizes(batch_sizes)
+    timings = time_ops(captured, make_inputs, sizes, repeats=repeats, warmup=warmup, timer=timer, progress=progress)
+    ops = {name: (fit_affine(sizes, t.fwd_s), fit_affine(sizes, t.bwd_s)) for name, t in timings.items()}
+    return Profile(model, device, sizes, ops)
+
+
+def profile_model(spec: str, device: str = "cpu", batch_sizes: Sequence[int] = (1, 2, 4, 8), repeats: int = 5,
+                  warmup: int = 2, seed: int = 0, progress: Callable[[str], None] | None = None) -> Profile:
+    """Profile a zoo spec or ``file.py:factory`` on ``device`` ('cpu', 'cuda', 'cuda:1')."""
+    import torch
+
+    from graphpipe import capture as cap
+
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InputError(f"--device {device}: CUDA is not available here; use --device cpu")
+    if dev.type not in ("cpu", "cuda"):
+        raise InputError(f"--device must be cpu or cuda, got {device!r}")
+    if ".py:" in spec:
+        module, example, _ = cap.load_factory(spec)
+        module = module.to(dev)
+        example = tuple(x.to(dev) if isinstance(x, torch.Tensor) else x for x in example)
+
+        def make_inputs(b: int):
+            return resize_batch(example, b)
+        model_id = spec
+    else:
+        from graphpipe import zoo
+
+        built = zoo.build(spec, device=dev, seed=seed)
+        module, example, model_id = built.module, built.example_inputs, built.name
+
+        def make_inputs(b: int):
+            return built.make_inputs(b, seed)
+    captured = cap.capture(module, example, name=model_id)
+    name = "cpu" if dev.type == "cpu" else f"cuda ({torch.cuda.get_device_name(dev)})"
+    return profile_captured(captured, make_inputs, model_id, name, batch_sizes, repeats, warmup, progress=progress)
+
+
+def _check_batch_sizes(batch_sizes: Sequence[int]) -> tuple[int, ...]:
+    sizes = tuple(batch_sizes)
+    if len(sizes) < 2 or any(not isinstance(b, int) or b < 1 for b in sizes) or len(set(sizes)) != len(sizes):
+        raise InputError(f"need at least two distinct positive batch sizes to fit alpha and beta, got {list(sizes)}")
+    return sizes
+
+
+# ------------------------------------------------------------------------ I/O
+def profile_to_dict(profile: Profile) -> dict[str, Any]:
+    """The ``graphpipe.profile/1`` document."""
+    return {
+        "format": PROFILE_FORMAT,
+        "model": profile.model,
+        "device": profile.device,
+        "batch_sizes": list(profile.batch_sizes),
+        "ops": {name: {"fwd_s": [f.alpha, f.beta], "bwd_s": [b.alpha, b.beta]} for name, (f, b) in profile.ops.items()},
+    }
+
+
+def profile_from_dict(doc: Any, where: str = "profile") -> Profile:
+    """Parse a ``graphpipe.profile/1`` document; other formats are refused."""
+    if not isinstance(doc, dict):
+        raise FormatError(f"{where}: expected a JSON object")
+    if doc.get("format") != PROFILE_FORMAT:
+        raise FormatError(f"{where}: unsupported format {doc.get('format')!r}; expected {PROFILE_FORMAT!r} "
+                          "(write one with `graphpipe profile MODEL --out FILE`)")
+    try:
+        ops = {}
+        for name, entry in doc["ops"].items():
+            fwd, bwd = entry["fwd_s"], entry["bwd_s"]
+            if len(fwd) != 2 or len(bwd) != 2:
+                raise FormatError(f"{where}: op {name!r}: fwd_s and bwd_s must be [alpha, beta]")
+            ops[str(name)] = (Affine(float(fwd[0]), float(fwd[1])), Affine(float(bwd[0]), float(bwd[1])))
+        return Profile(str(doc.get("model", "")), str(doc.get("device", "")),
+                       tuple(int(b) for b in doc.get("batch_sizes", ())), ops)
+    except FormatError:
+        raise
+    except InputError as exc:
+        raise FormatError(f"{where}: {exc}") from None
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise FormatError(f"{where}: malformed profile ({type(exc).__name__}: {exc})") from None
+
+
+def read_profile(path: str) -> Profile:
+    """Read a profile JSON file."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            doc = json.load(fh)
+    except FileNotFoundError:
+        raise InputError(f"no such profile file: {path}") from None
+    except json.JSONDecodeError as exc:
+        raise FormatError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
+    return profile_from_dict(doc, where=path)
+
+
+def write_profile(path: str, profile: Profile) -> None:
+    """Write atomically (temporary file + rename)."""
+    write_json_atomic(path, profile_to_dict(profile))
+
+
+def apply_profile(graph: OpGraph, profile: Profile) -> OpGraph:
+    """``graph`` with the forward/backward models of every op named in ``profile``.
+
+    Ops the profile does not name keep their costs; a profile op the graph
+    lacks is an error (a profile of another model or config).
+    """
+    from dataclasses import replace
+
+    names = {op.name for op in graph.ops}
+    unknown = [name for name in profile.ops if name not in names]
+    if unknown:
+        raise InputError(f"profile of {profile.model!r} names ops not in graph {graph.name!r}: "
+                         f"{', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''}; "
+                         "profile the same model spec you plan")
+    missing = [op.name for op in graph.ops if op.name not in profile.ops]
+    if missing:
+        log.info("profile lacks %d ops of %s; they keep analytical costs", len(missing), graph.name)
+    ops = [replace(op, fwd=profile.ops[op.name][0], bwd=profile.ops[op.name][1]) if op.name in profile.ops else op
+           for op in graph.ops]
+    return graph.with_ops(ops)
