@@ -15,6 +15,8 @@ from graphpipe.sched.graph1f1b import graph_1f1b, warmup_counts
 from graphpipe.sched.simulator import (ActionRecord, AllReduceRecord, Timeline, TransferRecord, build_timeline,
                                        edge_delay, predicted_figures, simulate)
 from graphpipe.sched.validate import format_grid, validate_plan, validate_schedule
+from graphpipe.sched.trace import trace_document, write_trace
+from graphpipe.sched.gantt import plot_gantt, plot_gantt_pair
 
 __all__ = [
     "Action", "Schedule",
@@ -23,4 +25,5 @@ __all__ = [
     "validate_schedule", "validate_plan", "format_grid",
     "simulate", "build_timeline", "predicted_figures", "edge_delay",
     "Timeline", "ActionRecord", "TransferRecord", "AllReduceRecord",
+    "write_trace", "trace_document", "plot_gantt", "plot_gantt_pair",
 ]

@@ -1,0 +1,149 @@
+"""``graphpipe simulate`` end to end: summaries, JSON, trace, Gantt, and malformed plans refused with exit 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from graphpipe.cli import main
+from graphpipe.cluster import preset
+from graphpipe.plan import Plan, plan_to_dict, write_plan
+from graphpipe.stages import Stage, StageGraph
+from graphpipe.sched import make_schedule, predicted_figures, simulate
+
+from test_sched_common import make_op_graph_diamond
+
+
+def _plan(schedule_name: str = "graph-1f1b") -> Plan:
+    g = make_op_graph_diamond(fwd=1e-3)
+    sg = StageGraph.build(g, [Stage(i, (i,), (i,), 2) for i in range(4)], 16, 4)
+    cluster = preset("v100", 4)
+    schedule = make_schedule(schedule_name, sg, cluster)
+    return Plan(model="diamond", stage_graph=sg, cluster=cluster, strategy="custom", schedule=schedule,
+                predicted=predicted_figures(simulate(sg, schedule, cluster)))
+
+
+def _write(tmp_path, doc, name="plan.json"):
+    path = tmp_path / name
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+def test_json_output_matches_simulator(tmp_path, capsys):
+    plan = _plan()
+    path = str(tmp_path / "plan.json")
+    write_plan(path, plan)
+    assert main(["simulate", path, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    expected = predicted_figures(simulate(plan.stage_graph, plan.schedule, plan.cluster))
+    for key in ("iteration_time_s", "throughput", "bubble_fraction", "peak_memory_bytes", "in_flight"):
+        assert out[key] == pytest.approx(expected[key])
+    assert len(out["bubble_fraction"]) == len(out["peak_memory_bytes"]) == 4
+
+
+def test_summary_trace_gantt_and_regenerated_schedule(tmp_path, capsys):
+    path = str(tmp_path / "plan.json")
+    write_plan(path, _plan())
+    trace, png, out_plan = tmp_path / "t.json", tmp_path / "g.png", tmp_path / "p2.json"
+    assert main(["simulate", path, "--schedule", "gpipe", "--trace", str(trace), "--gantt", str(png),
+                 "--out", str(out_plan)]) == 0
+    text = capsys.readouterr().out
+    assert "schedule gpipe" in text and "iteration time:" in text and "in flight" in text
+    doc = json.loads(trace.read_text())
+    names = {e["name"] for e in doc["traceEvents"] if e.get("ph") == "X"}
+    assert {"F s0 mb0", "B s3 mb7", "fwd s0->s1 mb0", "bwd s3->s1 mb7"} <= names
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    saved = json.loads(out_plan.read_text())
+    assert saved["schedule"]["name"] == "gpipe"
+    assert saved["predicted"]["in_flight"] == [8, 8, 8, 8]  # fill-drain keeps every micro-batch alive
+
+
+def _breakers():
+    def non_convex(doc):
+        # {in, out} in one stage: the path in -> a -> out leaves it and comes back.
+        doc["stages"] = [{"id": 0, "ops": ["in", "out"], "devices": [0], "micro_batch_size": 2},
+                         {"id": 1, "ops": ["a"], "devices": [1], "micro_batch_size": 2},
+                         {"id": 2, "ops": ["b"], "devices": [2], "micro_batch_size": 2}]
+        doc.pop("stage_edges", None)
+
+    def overlapping(doc):
+        doc["stages"][1]["devices"] = [1, 2]
+
+    def missing_b(doc):
+        doc["schedule"]["actions"]["2"].remove("2B3")
+
+    def unknown_format(doc):
+        doc["format"] = "graphpipe.plan/9"
+
+    def bad_action(doc):
+        doc["schedule"]["actions"]["1"][0] = "one-F-zero"
+
+    def deadlock(doc):
+        # a runs its B0 right after F0 (it needs out's B0), out runs F1 before B0 (it needs a's F1).
+        a, out = doc["schedule"]["actions"]["1"], doc["schedule"]["actions"]["3"]
+        a.remove("1B0")
+        a.insert(1, "1B0")
+        out.remove("3F1")
+        out.insert(1, "3F1")
+
+    return {
+        "non_convex": (non_convex, "not convex"),
+        "overlapping": (overlapping, "device 2 is used by more than one stage"),
+        "missing_b": (missing_b, "device 2 never runs 2B3"),
+        "unknown_format": (unknown_format, "unsupported format 'graphpipe.plan/9'"),
+        "bad_action": (bad_action, "bad action 'one-F-zero'"),
+        "deadlock": (deadlock, "device 1 blocked at 1B0 waiting for 3B0; device 2 blocked at 2B0"),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_breakers()))
+def test_malformed_plan_exits_2_with_one_line(tmp_path, capsys, case):
+    breaker, message = _breakers()[case]
+    doc = plan_to_dict(_plan())
+    breaker(doc)
+    assert main(["simulate", _write(tmp_path, doc)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1
+    assert err.startswith("graphpipe: error: ")
+    assert message in err
+
+
+def test_verbose_logs_the_marked_grid(tmp_path, caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="graphpipe.cli.simulate_cmd")
+    doc = plan_to_dict(_plan())
+    _breakers()["deadlock"][0](doc)
+    assert main(["-v", "simulate", _write(tmp_path, doc)]) == 2
+    assert ">1B0<" in caplog.text and "device 3:" in caplog.text
+
+
+def test_interleaved_refused_on_a_branchy_plan(tmp_path, capsys):
+    doc = plan_to_dict(_plan())
+    doc["stages"][3]["devices"] = [0]  # out shares device 0 with in: not round-robin over 3 groups
+    doc["schedule"] = {"name": "custom", "actions": {}}
+    assert main(["simulate", _write(tmp_path, doc), "--schedule", "interleaved"]) == 2
+    assert "interleaved 1F1B needs" in capsys.readouterr().err
+
+
+def test_missing_file_and_unknown_schedule(tmp_path, capsys):
+    assert main(["simulate", str(tmp_path / "nope.json")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    path = str(tmp_path / "plan.json")
+    write_plan(path, _plan())
+    assert main(["simulate", path, "--schedule", "zb-v"]) == 2
+    assert "unknown schedule 'zb-v'" in capsys.readouterr().err
+
+
+def test_cpsat_schedule_is_validated_and_no_worse(tmp_path, capsys):
+    pytest.importorskip("ortools")
+    cpsat = pytest.importorskip("graphpipe.search.cpsat")
+    if not hasattr(cpsat, "optimize_plan"):
+        pytest.skip("graphpipe.search.cpsat.optimize_plan not available")
+    plan = _plan()
+    path = str(tmp_path / "plan.json")
+    write_plan(path, plan)
+    assert main(["simulate", path, "--schedule", "cpsat", "--time-limit", "5", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["iteration_time_s"] <= plan.predicted["iteration_time_s"] * (1 + 1e-6)
