@@ -1,0 +1,198 @@
+"""fx capture: op contraction, parameter accounting, numerics of gm and of
+``split_module`` partitions, factory loading.
+
+Oracles: the module itself (``assert_close`` of outputs), the module's
+parameter bytes, closed-form tensor sizes, and the defining properties of a
+contraction (every fx node in exactly one op, each op connected, op graph a DAG).
+"""
+
+from __future__ import annotations
+
+import random
+import textwrap
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from graphpipe import zoo
+from graphpipe.capture import capture, graph_from_factory, load_factory, split_by_ops
+from graphpipe.errors import InputError
+
+SMALL = ["mmt:small", "dlrm:small", "candle-uno:small", "transformer:small", "twobranch:small"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models run faster and steadier on one intra-op thread (shared CI cores)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _check_contraction(cap) -> None:
+    """Every non-placeholder/output fx node in exactly one op; each op's nodes connected."""
+    fx_nodes = {n.name: n for n in cap.gm.graph.nodes if n.op not in ("placeholder", "output")}
+    owned = [name for nodes in cap.op_nodes.values() for name in nodes]
+    assert sorted(owned) == sorted(fx_nodes)
+    assert set(cap.op_nodes) == {op.name for op in cap.graph.ops}
+    for nodes in cap.op_nodes.values():
+        members = set(nodes)
+        reached, frontier = {nodes[0]}, [nodes[0]]
+        while frontier:
+            n = fx_nodes[frontier.pop()]
+            for m in list(n.all_input_nodes) + list(n.users):
+                if m.name in members and m.name not in reached:
+                    reached.add(m.name)
+                    frontier.append(m.name)
+        assert reached == members
+
+
+def _params(module: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+@pytest.fixture(scope="module", params=SMALL)
+def small(request):
+    built = zoo.build(request.param)
+    return built, capture(built.module, built.example_inputs, name=built.name)
+
+
+def test_small_models_capture_exactly(small):
+    built, cap = small
+    assert cap.graph.param_bytes == _params(built.module)
+    _check_contraction(cap)
+    torch.testing.assert_close(cap.gm(*built.example_inputs), built.module(*built.example_inputs))
+    # backward through gm gives the module's gradients
+    loss = built.loss_fn(cap.gm(*built.example_inputs))
+    grads = torch.autograd.grad(loss, list(built.module.parameters()))
+    ref = torch.autograd.grad(built.loss_fn(built.module(*built.example_inputs)), list(built.module.parameters()))
+    for g, r in zip(grads, ref):
+        torch.testing.assert_close(g, r)
+
+
+def test_convex_two_way_splits_match_module(small):
+    """Any topological prefix is a convex cut; split_module on it reproduces the module."""
+    built, cap = small
+    rng = random.Random(0)
+    x = built.make_inputs(3, 11)
+    expected = built.module(*x)
+    n = cap.graph.num_ops
+    for k in sorted({1, n - 1, rng.randint(1, n - 1)}):
+        split = split_by_ops(cap, {op.name: int(i >= k) for i, op in enumerate(cap.graph.ops)})
+        torch.testing.assert_close(split(*x), expected)
+    # one partition per op (what profiling uses)
+    split = split_by_ops(cap, {op.name: i for i, op in enumerate(cap.graph.ops)})
+    torch.testing.assert_close(split(*x), expected)
+
+
+def test_edge_and_output_bytes_closed_form():
+    built = zoo.build("mmt:small,seq=8,hidden=16,heads=2")
+    g = capture(built.module, built.example_inputs, name="m").graph
+    per_sample = 8 * 16 * 4  # one fp32 (seq, hidden) tensor
+    a, b = g.op_id("branch0.layer0"), g.op_id("branch0.layer1")
+    assert g.edge_bytes(a, b) == per_sample
+    assert g.edge_bytes(b, g.op_id("concat")) == per_sample
+    assert g.edge_bytes(g.op_id("concat"), g.op_id("head")) == 2 * per_sample
+    assert g.ops[a].out_bytes == per_sample and g.ops[g.op_id("concat")].out_bytes == 2 * per_sample
+    assert g.ops[g.op_id("head")].out_bytes == 10 * 4  # logits
+    # saved activations include at least the op's own output
+    assert all(op.act_bytes >= op.out_bytes for op in g.ops if op.kind == "transformer")
+
+
+class Residual(nn.Module):
+    """A user model with glue: casts, residual adds, a free parameter, functional ops."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+        self.w = nn.Parameter(torch.randn(8, 3))
+
+    def forward(self, x):
+        x = x.float() * 2
+        h = F.relu(self.a(x))
+        y = torch.cat([self.b(h), self.c(h)], dim=-1)
+        y = y[..., :8] + y[..., 8:] + x
+        return self.norm(y) @ self.w
+
+
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        self.left, self.right = nn.Linear(8, 4), nn.Linear(8, 4)
+        self.out = nn.Linear(8, 2)
+
+    def forward(self, x):
+        h = self.enc(x)
+        return self.out(torch.cat([torch.tanh(self.left(h)), self.right(h)], dim=-1))
+
+
+def test_glue_contraction_rules_on_user_models():
+    torch.manual_seed(0)
+    m, x = Residual(), torch.randn(5, 8)
+    cap = capture(m, (x,), name="res")
+    _check_contraction(cap)
+    assert cap.graph.param_bytes == _params(m)
+    torch.testing.assert_close(cap.gm(x), m(x))
+    assert "relu" in cap.op_nodes["a"]  # forward rule: activation joins its layer
+    with_w = [op for op, nodes in cap.op_nodes.items() if "w" in nodes]
+    assert len(with_w) == 1 and cap.graph.ops[cap.graph.op_id(with_w[0])].param_bytes >= 8 * 3 * 4
+    split = split_by_ops(cap, {op.name: i for i, op in enumerate(cap.graph.ops)})
+    torch.testing.assert_close(split(x), m(x))
+
+    m, x = Branchy().eval(), torch.randn(3, 5, 8)
+    cap = capture(m, (x,), name="branchy")
+    names = [op.name for op in cap.graph.ops]
+    assert names == ["enc", "left", "right", "out"]  # enc is one op; cat joins its consumer
+    assert "cat" in cap.op_nodes["out"] and "tanh" in cap.op_nodes["left"]
+    g = cap.graph
+    assert g.succs(g.op_id("enc")) == (g.op_id("left"), g.op_id("right"))
+    assert cap.graph.ops[0].kind == "transformerencoderlayer"
+    torch.testing.assert_close(cap.gm(x), m(x))
+
+
+def _write(tmp_path, body: str) -> str:
+    path = tmp_path / "factory_mod.py"
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+def test_load_factory_and_graph_from_factory(tmp_path):
+    path = _write(tmp_path, """
+        import torch
+        def make():
+            torch.manual_seed(0)
+            m = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 2))
+            return m, (torch.randn(3, 4),), lambda out: out.pow(2).mean()
+        def not_a_triple():
+            return 1, 2
+        def not_a_module():
+            return 1, (torch.randn(2),), print
+        def bad_inputs():
+            return torch.nn.Linear(2, 2), ("x",), print
+        helper_value = 3
+    """)
+    module, inputs, loss_fn = load_factory(f"{path}:make")
+    assert isinstance(module, nn.Module) and inputs[0].shape == (3, 4)
+    graph = graph_from_factory(f"{path}:make")
+    assert [op.name for op in graph.ops] == ["0", "2"] and graph.param_bytes == _params(module)
+    cases = [
+        (f"{tmp_path}/missing.py:make", "not found"),
+        (f"{path}:nope", "no function 'nope'"),
+        (f"{path}:not_a_triple", "(module, example_inputs, loss_fn)"),
+        (f"{path}:not_a_module", "nn.Module"),
+        (f"{path}:bad_inputs", "tuple of tensors"),
+        (f"{path}", "file.py:function_name"),
+    ]
+    for spec, words in cases:
+        with pytest.raises(InputError) as err:
+            load_factory(spec)
+        assert words in str(err.value), (spec, str(err.value))
+    broken = tmp_path / "broken.py"
+    broken.write_text("raise RuntimeError('boom')\n")
+    with pytest.raises(InputError, match="boom"):
+        load_factory(f"{broken}:make")
