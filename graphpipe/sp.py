@@ -23,9 +23,11 @@ parallel -- exactly what adding DESIGN §5's virtual source and sink gives.
 Why order-based rather than two-terminal *edge* SP: edge-SP rejects graphs
 whose only defect is a transitive ("shortcut") edge such as the bridge
 ``a->b, a->c, b->c, b->d, c->d`` although a pipeline partitioner only cares
-about which op must precede which; and on the shared PipeDream profiles the
-order-based test agrees with their README (alexnet, vgg16, resnet18, resnet50,
-inception_v3 SP; nasnetamobile and gnmt not), see ``tests/test_sp.py``.
+about which op must precede which. On the shared PipeDream profiles the two
+definitions agree with each other and with their README (alexnet, vgg16,
+resnet18, resnet50, inception_v3 SP; nasnetamobile and gnmt not; checked by
+series/parallel edge reductions with a virtual source and sink), and
+``tests/test_sp.py`` checks the order-based answer against the README.
 
 Algorithm (near-linear in practice)
 -----------------------------------
@@ -78,6 +80,7 @@ __all__ = [
     "is_series_parallel",
     "num_branches",
     "prime_regions",
+    "contract",
 ]
 
 logger = logging.getLogger(__name__)
