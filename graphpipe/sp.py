@@ -108,8 +108,10 @@ class SPNode:
     def __post_init__(self) -> None:
         if self.kind not in (OP, SERIES, PARALLEL):
             raise InputError(f"SP node kind must be 'op', 'series' or 'parallel', got {self.kind!r}")
-        if (self.kind == OP) != (len(self.children) == 0):
-            raise InputError(f"SP node {self.id}: leaves have no children, inner nodes at least two")
+        if self.kind == OP and (self.children or len(self.op_ids) != 1):
+            raise InputError(f"SP leaf {self.id} must hold one op and no children, got {self.op_ids}, {self.children}")
+        if self.kind != OP and len(self.children) < 2:
+            raise InputError(f"SP {self.kind} node {self.id} needs at least two children, got {self.children}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -197,6 +197,20 @@ def test_random_dags_are_made_sp(seed):
     check_tree(decompose(graph))
 
 
+def test_leaf_of_and_node_checks():
+    from graphpipe.errors import InputError
+    from graphpipe.sp import SPNode
+    tree = decompose(nested_sp_graph())
+    for v in range(tree.graph.num_ops):
+        assert tree.nodes[tree.leaf_of(v)].op_ids == (v,)
+    with pytest.raises(InputError, match="op id 99"):
+        tree.leaf_of(99)
+    with pytest.raises(InputError, match="at least two children"):
+        SPNode(0, "series", (1,), (0, 1))
+    with pytest.raises(InputError, match="kind must be"):
+        SPNode(0, "prime", (), (0,))
+
+
 def test_contract_refuses_overlapping_regions():
     from graphpipe.errors import InputError
     with pytest.raises(InputError, match="two regions"):
