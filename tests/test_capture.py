@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.fx.passes.split_module import split_module
 
 from graphpipe import zoo
 from graphpipe.capture import capture, graph_from_factory, load_factory, split_by_ops
@@ -80,9 +81,13 @@ def test_convex_two_way_splits_match_module(small):
     x = built.make_inputs(3, 11)
     expected = built.module(*x)
     n = cap.graph.num_ops
+    op_of_node = cap.op_of_node()
     for k in sorted({1, n - 1, rng.randint(1, n - 1)}):
-        split = split_by_ops(cap, {op.name: int(i >= k) for i, op in enumerate(cap.graph.ops)})
+        stage_of_op = {op.name: int(i >= k) for i, op in enumerate(cap.graph.ops)}
+        # exactly the runtime's call: the original module as root
+        split = split_module(cap.gm, built.module, lambda node: stage_of_op[op_of_node[node.name]])
         torch.testing.assert_close(split(*x), expected)
+        assert len([m for m in split.children()]) == 2
     # one partition per op (what profiling uses)
     split = split_by_ops(cap, {op.name: i for i, op in enumerate(cap.graph.ops)})
     torch.testing.assert_close(split(*x), expected)

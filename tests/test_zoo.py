@@ -140,3 +140,22 @@ def test_option_names_and_models_listing():
     assert "branches" in zoo.option_names("candle-uno") and "rows" in zoo.option_names("dlrm")
     with pytest.raises(InputError):
         zoo.option_names("nope")
+
+
+@pytest.mark.parametrize("spec", list(zoo.MODELS) + ["dlrm:small,branches=3", "candle-uno:branches=16"])
+def test_zoo_graphs_are_series_parallel(spec):
+    sp = pytest.importorskip("graphpipe.sp", reason="graphpipe.sp (SP decomposition) not built yet")
+    graph = zoo.load_graph(spec)
+    assert sp.is_series_parallel(graph), sp.prime_regions(graph)
+
+
+def test_one_placeholder_per_input_branch():
+    from graphpipe.capture import capture
+
+    built = zoo.build("mmt", device="meta")
+    cap = capture(built.module, built.example_inputs, name="mmt")
+    placeholders = [n for n in cap.gm.graph.nodes if n.op == "placeholder"]
+    assert len(placeholders) == 4
+    # each modality input feeds exactly its own branch's first layer
+    for i, ph in enumerate(placeholders):
+        assert [u.target for u in ph.users] == [f"branch{i}.layer0"]

@@ -40,6 +40,13 @@ def _handler(args: argparse.Namespace) -> int:
     if args.repeats < 1 or args.warmup < 0:
         raise InputError(f"--repeats must be >= 1 and --warmup >= 0, got {args.repeats} and {args.warmup}")
 
+    if args.threads is not None:
+        if args.threads < 1:
+            raise InputError(f"--threads must be >= 1, got {args.threads}")
+        import torch
+
+        torch.set_num_threads(args.threads)
+
     def progress(msg: str) -> None:
         if args.verbose:
             sys.stderr.write(f"profile: {msg}\n")
@@ -64,6 +71,8 @@ def register(subparsers) -> None:
     p.add_argument("--batch-sizes", default="1,2,4,8", help="micro-batch sizes to time (default 1,2,4,8)")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per op and size; the median is kept (default 5)")
     p.add_argument("--warmup", type=int, default=2, help="untimed runs before timing (default 2)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU intra-op threads (torch.set_num_threads); default: torch's choice")
     p.add_argument("--seed", type=int, default=0, help="weights and inputs seed (default 0)")
     p.add_argument("--json", action="store_true", help="also print the profile as JSON")
     p.set_defaults(func=_handler)
