@@ -131,19 +131,28 @@ def test_generators_valid_on_random_dags_with_mixed_micro_batches(seed):
     for name in ("gpipe", "1f1b", "graph-1f1b"):
         schedule = make_schedule(name, sg, cluster)
         tl = simulate(sg, schedule, cluster)
-        # In flight never exceeds the warm-up the generator chose.
+        # A stage's B_k ends before its next F starts (same device), so the warm-up is exactly its peak.
         if name == "graph-1f1b":
-            assert all(f <= w for f, w in zip(tl.in_flight, warmup_counts(sg)))
+            assert tl.in_flight == warmup_counts(sg)
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_graph_1f1b_warmup_is_minimal_without_stretching(seed):
-    """Lowering any one stage's warm-up by one either deadlocks or makes the iteration longer (equal sizes, free links)."""
+@pytest.mark.parametrize("uniform", [True, False])
+def test_graph_1f1b_warmup_is_minimal_without_stretching(seed, uniform):
+    """Lowering any one stage's warm-up by one deadlocks or stretches the iteration (free links).
+
+    With equal stage times every stage is on a critical path, so the stretch is
+    strict; with random times a stage with slack may keep the same iteration
+    time — but never a shorter one (the rule is structural, not time-aware).
+    """
     from graphpipe.actions import Schedule
     from graphpipe.errors import DeadlockError
     from graphpipe.sched.graph1f1b import one_f_one_b_sequence
 
     sg = random_stage_graph(seed, num_ops=5, batch_size=8, mixed=False)
+    if uniform:
+        g = sg.graph.with_ops([Op(o.name, o.kind, Affine(0, 1.0), Affine(0, 2.0)) for o in sg.graph.ops])
+        sg = StageGraph.build(g, list(sg.stages), sg.batch_size, sg.num_devices)
     cluster = free_cluster(sg.num_devices)
     warm = list(warmup_counts(sg))
     base = simulate(sg, graph_1f1b(sg), cluster).iteration_time_s
@@ -158,9 +167,7 @@ def test_graph_1f1b_warmup_is_minimal_without_stretching(seed):
             t = simulate(sg, schedule, cluster).iteration_time_s
         except DeadlockError:
             continue
-        assert t >= base - 1e-9
-        # It is not the source alone that matters: the stage with fewer in flight must not be on
-        # a critical path for the iteration to stay equal; equal is allowed (the rule is structural).
+        assert t > base + 1e-9 if uniform else t >= base - 1e-9
 
 
 def test_make_schedule_refusals():
