@@ -91,6 +91,7 @@ LAYER_TYPES: tuple[type[nn.Module], ...] = (
     nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
     nn.Embedding, nn.EmbeddingBag,
     nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer,
+    nn.TransformerEncoder, nn.TransformerDecoder, nn.Transformer,
     nn.RNN, nn.LSTM, nn.GRU,
 )
 """torch layers that anchor an op in user models (zoo Layers always do)."""

@@ -256,7 +256,12 @@ def build(spec: str, device: str | torch.device = "cpu", seed: int = 0) -> Built
     """
     parsed = parse_spec(spec)
     family = _FAMILIES[parsed.name]
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise InputError(f"unknown torch device {device!r}; use cpu, cuda, cuda:N or meta") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InputError(f"device {device!r}: CUDA is not available here; use cpu (or meta for planning)")
     if dev.type == "meta":
         with torch.device("meta"):
             module = family.module(parsed.config)

@@ -185,3 +185,14 @@ def test_models_cli_lists_the_zoo(capsys):
     assert rows["candle-uno"]["branches"] == 7 and rows["dlrm"]["branches"] == 14
     assert rows["transformer"]["ops"] == 34 and rows["twobranch"]["ops"] == 19
     assert all(r["parameters"] > 1e8 for r in rows.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_profile_on_cuda(tmp_path):
+    out = str(tmp_path / "cuda.json")
+    assert main(["profile", "mmt:small,layers=1", "--device", "cuda", "--out", out, "--batch-sizes", "1,4,16",
+                 "--repeats", "3"]) == 0
+    prof = read_profile(out)
+    assert prof.device.startswith("cuda") and len(prof.ops) == 4
+    assert all(f.alpha + f.beta > 0 and b.alpha + b.beta > 0 for f, b in prof.ops.values())

@@ -135,6 +135,14 @@ def test_bad_specs_raise_input_error(spec, words):
         assert word in str(err.value)
 
 
+def test_bad_devices_raise_input_error():
+    with pytest.raises(InputError, match="unknown torch device"):
+        zoo.build("mmt:small", device="tpu9")
+    if not torch.cuda.is_available():
+        with pytest.raises(InputError, match="CUDA is not available"):
+            zoo.build("mmt:small", device="cuda")
+
+
 def test_option_names_and_models_listing():
     assert set(zoo.MODELS) == {"mmt", "dlrm", "candle-uno", "transformer", "twobranch"}
     assert "branches" in zoo.option_names("candle-uno") and "rows" in zoo.option_names("dlrm")
