@@ -81,6 +81,7 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
             for s in sg.stages
         ],
         "stage_edges": [list(e) for e in sg.edges],
+        "sequential": sg.sequential,
         "schedule": plan.schedule.to_dict(),
         "predicted": dict(plan.predicted),
         "search": dict(plan.search),
@@ -116,7 +117,8 @@ def plan_from_dict(doc: Any, where: str = "plan") -> Plan:
     schedule = Schedule.from_dict(doc["schedule"], cluster.num_devices, where=f"{where}.schedule")
     shared = schedule.name.startswith("interleaved") or _devices_shared(stages)
     edges = tuple(tuple(e) for e in doc.get("stage_edges", ()))
-    sg = StageGraph(graph, tuple(stages), batch_size, cluster.num_devices, edges=edges, allow_shared_devices=shared)
+    sg = StageGraph(graph, tuple(stages), batch_size, cluster.num_devices, edges=edges, allow_shared_devices=shared,
+                    sequential=bool(doc.get("sequential", False)))
     merged = {str(k): tuple(v) for k, v in (doc.get("merged") or {}).items()}
     return Plan(model=str(doc.get("model", graph.name)), stage_graph=sg, cluster=cluster,
                 strategy=str(doc.get("strategy", "custom")), schedule=schedule,

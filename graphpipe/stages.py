@@ -78,6 +78,11 @@ class StageGraph:
     num_devices: int
     edges: tuple[tuple[int, int], ...] = ()
     allow_shared_devices: bool = False
+    sequential: bool = False
+    """Sequential pipeline (SPP: PipeDream, Piper, GPipe, torch.distributed.pipelining):
+    stage i feeds only stage i+1, which relays every activation crossing the cut
+    after stage i. Edges are then the chain (i, i+1) and ``edge_bytes(i, i+1)`` is
+    the bytes per sample of all op edges from stages <= i to stages > i."""
     _stage_of: tuple[int, ...] = field(init=False, repr=False, compare=False)
     _succs: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
     _preds: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
@@ -129,6 +134,16 @@ class StageGraph:
             if a != b:
                 edge_bytes[(a, b)] = edge_bytes.get((a, b), 0.0) + e.bytes
         derived = tuple(sorted(edge_bytes))
+        if self.sequential:
+            for a, b in derived:
+                if a >= b:
+                    raise PlanError(f"stage edge {a}->{b} goes backwards: a sequential pipeline needs topological stage ids")
+            cut = {(i, i + 1): 0.0 for i in range(len(self.stages) - 1)}
+            for (a, b), nbytes in edge_bytes.items():
+                for i in range(a, b):
+                    cut[(i, i + 1)] += nbytes
+            edge_bytes = cut
+            derived = tuple(sorted(cut))
         if self.edges and tuple(sorted(self.edges)) != derived:
             raise PlanError(f"stage_edges {sorted(self.edges)} do not match the edges implied by the ops {list(derived)}")
         for a, b in derived:
@@ -150,8 +165,12 @@ class StageGraph:
     # ------------------------------------------------------------------ build
     @classmethod
     def build(cls, graph: OpGraph, stages: Sequence[Stage], batch_size: int, num_devices: int,
-              allow_shared_devices: bool = False) -> "StageGraph":
-        """Build from stages in any order: renumbers them topologically (ties by smallest op id)."""
+              allow_shared_devices: bool = False, sequential: bool = False) -> "StageGraph":
+        """Build from stages in any order: renumbers them topologically (ties by smallest op id).
+
+        A ``sequential`` pipeline keeps the given order (it is the pipeline's order);
+        it must be topological.
+        """
         stage_of: dict[int, int] = {}
         for idx, stage in enumerate(stages):
             for op_id in stage.op_ids:
@@ -178,9 +197,12 @@ class StageGraph:
         if len(order) < n:
             stuck = sorted(i for i in range(n) if indeg[i] > 0)
             raise PlanError(f"stage graph has a cycle among stages {stuck}: some stage is not convex")
+        if sequential:
+            order = list(range(n))
         renumbered = [Stage(new, stages[old].op_ids, stages[old].devices, stages[old].micro_batch_size)
                       for new, old in enumerate(order)]
-        return cls(graph, tuple(renumbered), batch_size, num_devices, allow_shared_devices=allow_shared_devices)
+        return cls(graph, tuple(renumbered), batch_size, num_devices, allow_shared_devices=allow_shared_devices,
+                   sequential=sequential)
 
     # ----------------------------------------------------------------- access
     @property
