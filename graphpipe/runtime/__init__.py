@@ -1,1 +1,105 @@
-"""Execute plans on torch.distributed (DESIGN §8). The only package that touches torch.distributed."""
+"""Execute plans for real on torch.distributed (DESIGN §8).
+
+The only package that touches ``torch.distributed``. One process per device:
+``graphpipe run PLAN.json`` spawns them (:func:`run_plan`), or run the same
+code under torchrun::
+
+    graphpipe run plan.json --steps 5 --check --json
+    graphpipe run plan.json --trace run.trace.json --gantt run.png
+    graphpipe run plan.json --baseline torch          # torch.distributed.pipelining, sequential plans only
+    torchrun --nproc-per-node 4 -m graphpipe.runtime plan.json --steps 5 --json
+
+Pieces:
+
+* :mod:`~graphpipe.runtime.stage_modules` cuts the captured fx graph into one
+  module per stage with explicit inputs and outputs per stage edge;
+* :mod:`~graphpipe.runtime.routing` derives which rows of which tensor go to
+  which rank, and the message order of every rank pair;
+* :mod:`~graphpipe.runtime.comm` posts non-blocking sends and in-order receives;
+* :mod:`~graphpipe.runtime.executor` interprets a rank's action list;
+* :mod:`~graphpipe.runtime.worker` builds the model on each rank, runs the
+  steps, checks gradients against a single-process run;
+* :mod:`~graphpipe.runtime.launch` spawns and watches the ranks;
+* :mod:`~graphpipe.runtime.measure` turns measured records into a
+  :class:`graphpipe.sched.Timeline`;
+* :mod:`~graphpipe.runtime.baseline` runs sequential plans on
+  ``torch.distributed.pipelining``.
+
+Failures: any rank's exception ends every rank, and :func:`run_plan` raises
+:class:`RuntimeFailure` (``graphpipe run`` exits 1) with ``rank R failed:
+<exception>``. Plans that cannot run (op names not the model's, a graph-file
+model, torch baseline of a non-sequential plan) raise
+:class:`~graphpipe.errors.PlanError` before any process starts (exit 2).
+
+Test hook: environment variables ``GRAPHPIPE_FAIL_RANK=R`` and
+``GRAPHPIPE_FAIL_AT=F|B|setup`` make rank ``R`` raise at its first F (or B,
+or before joining the process group); used to test that failures never hang.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from graphpipe.errors import InputError
+from graphpipe.plan import Plan, plan_to_dict
+from graphpipe.runtime.launch import RuntimeFailure, launch
+from graphpipe.runtime.worker import RunOptions
+
+__all__ = ["RunOptions", "RuntimeFailure", "preflight", "run_plan", "run_plans"]
+
+
+def preflight(plan: Plan, options: RunOptions) -> None:
+    """Every check that can fail before launching: schedule, model vs plan, torch expressibility, GPUs.
+
+    Builds the model on the meta device (no weights) to compare its op names
+    with the plan's and to cut it into stages.
+    """
+    from graphpipe.sched import validate_plan
+
+    from graphpipe.runtime.stage_modules import check_op_names, split_model
+    from graphpipe.runtime.worker import load_runnable
+
+    validate_plan(plan)
+    runnable = load_runnable(plan.model, options.seed, "meta" if ".py:" not in plan.model else "cpu")
+    check_op_names([op.name for op in plan.graph.ops], runnable.op_names, plan.model)
+    split = split_model(runnable.gm, runnable.op_nodes, plan.stage_graph)
+    if options.baseline == "torch":
+        from graphpipe.runtime.baseline import check_torch_expressible
+
+        check_torch_expressible(plan, split)
+    if options.backend == "nccl":
+        import torch
+
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n < plan.cluster.num_devices:
+            raise InputError(f"--backend nccl needs one GPU per rank: the plan has {plan.cluster.num_devices} devices, "
+                             f"this machine {n} GPU(s); use --backend gloo")
+
+
+def run_plans(plans: list[tuple[Plan, RunOptions]], world_size: int | None = None) -> list[dict[str, Any]]:
+    """Run several plans one after the other in one set of processes (amortises start-up).
+
+    ``world_size`` defaults to the largest plan's device count; smaller plans
+    leave the extra ranks idle. Returns rank 0's raw result per plan.
+    """
+    for plan, options in plans:
+        preflight(plan, options)
+    world = world_size or max(plan.cluster.num_devices for plan, _ in plans)
+    return launch([(plan_to_dict(plan), options) for plan, options in plans], world)
+
+
+def run_plan(plan: Plan, options: RunOptions | None = None) -> dict[str, Any]:
+    """Run ``plan`` on one process per device; the summary (measured, predicted, check) plus ``timeline``.
+
+    Example (spawns processes)::
+
+        summary = run_plan(read_plan("plan.json"), RunOptions(steps=5, check=True))
+        summary["measured"]["throughput"], summary["check"]["passed"]
+    """
+    from graphpipe.runtime.measure import measured_timeline, summarize
+
+    options = options or RunOptions()
+    raw = run_plans([(plan, options)])[0]
+    summary = summarize(plan, raw)
+    summary["timeline"] = measured_timeline(plan, raw["records"], raw["measured"]["iteration_time_s"]) if raw["records"] else None
+    return summary

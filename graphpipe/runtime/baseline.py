@@ -1,0 +1,169 @@
+"""The same plan on ``torch.distributed.pipelining`` (DESIGN §8, baseline).
+
+``graphpipe run PLAN --baseline torch`` runs a *sequential* plan with
+PyTorch's own pipeline runtime: each stage's module (the same fx stage
+programs our executor runs, from the same seed) wrapped in a
+:class:`~torch.distributed.pipelining.PipelineStage`, driven by
+``ScheduleGPipe``, ``Schedule1F1B`` or ``ScheduleInterleaved1F1B`` per the
+plan's schedule name, on the same data and ranks. Figures and ``--check``
+are computed as for our executor, so the two are directly comparable.
+
+torch's pipelines are chains of stages with one micro-batch size, inputs
+entering at stage 0, no data parallelism inside a stage, and a fixed
+stage -> rank placement (stage ``i`` on rank ``i``; round-robin for
+interleaved). :func:`torch_refusal` names the first property a plan lacks
+(stage fan-out, a non-adjacent stage edge, per-stage micro-batch sizes,
+replicated stages, model inputs read by a later stage, placement) — it is
+checked before anything is launched.
+
+``graph-1f1b`` on a chain with one micro-batch size is exactly 1F1B
+(paper Alg. 2 reduces to it), so such plans run with ``Schedule1F1B``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from graphpipe.errors import PlanError
+from graphpipe.plan import Plan
+from graphpipe.runtime.stage_modules import ModelSplit, StageProgram
+
+__all__ = ["torch_refusal", "check_torch_expressible", "run_torch_job", "TORCH_SCHEDULES"]
+
+TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "graph-1f1b": "Schedule1F1B",
+                   "interleaved": "ScheduleInterleaved1F1B"}
+
+
+def torch_refusal(plan: Plan, split: ModelSplit | None = None) -> str | None:
+    """Why torch.distributed.pipelining cannot express ``plan`` (``None`` when it can)."""
+    sg, name = plan.stage_graph, plan.schedule.name
+    if name not in TORCH_SCHEDULES:
+        return f"schedule {name!r} has no torch equivalent (torch runs {', '.join(sorted(TORCH_SCHEDULES))})"
+    for s in range(sg.num_stages):
+        succs = sg.succs(s)
+        if len(succs) > 1:
+            return f"stage {s} fans out to stages {', '.join(map(str, succs))} (torch stages form a chain)"
+    for p, c in sg.edges:
+        if c != p + 1:
+            return f"stage edge {p}->{c} skips stages (torch passes data only to the next stage)"
+    if not sg.is_chain():
+        return "the stages do not form one chain 0 -> 1 -> ... (torch stages form a chain)"
+    sizes = sorted({s.micro_batch_size for s in sg.stages})
+    if len(sizes) > 1:
+        return f"stages use different micro-batch sizes {sizes} (torch uses one for all stages)"
+    for s in sg.stages:
+        if s.num_replicas > 1:
+            return f"stage {s.id} is replicated on devices {list(s.devices)} (torch pipelining has no data parallelism inside a stage)"
+    used = sg.devices_used()
+    if used != tuple(range(len(used))) or len(used) != sg.num_devices:
+        return f"the plan leaves devices idle (uses {list(used)} of {sg.num_devices}); torch needs every rank to hold a stage"
+    k = len(used)
+    if name == "interleaved":
+        if sg.num_stages % k:
+            return f"{sg.num_stages} virtual stages do not divide evenly over {k} ranks"
+        wrong = [s.id for s in sg.stages if s.devices != (s.id % k,)]
+    else:
+        if sg.num_stages != k:
+            return f"{sg.num_stages} stages on {k} devices: torch's {TORCH_SCHEDULES[name]} runs one stage per rank"
+        wrong = [s.id for s in sg.stages if s.devices != (s.id,)]
+    if wrong:
+        return (f"stage {wrong[0]} is on device {sg.stages[wrong[0]].devices[0]}, but torch places stage i on rank "
+                f"{'i mod ranks' if name == 'interleaved' else 'i'}")
+    if split is not None:
+        late = [p.stage_id for p in split.programs if p.model_inputs and p.stage_id != 0]
+        if late:
+            return f"stage {late[0]} reads model inputs directly (torch feeds the inputs to stage 0 only)"
+        if split.sink_stage != sg.num_stages - 1:
+            return f"the model output comes from stage {split.sink_stage}, not the last stage"
+    return None
+
+
+def check_torch_expressible(plan: Plan, split: ModelSplit | None = None) -> None:
+    reason = torch_refusal(plan, split)
+    if reason:
+        raise PlanError(f"torch.distributed.pipelining cannot run this plan: {reason}. "
+                        "Run it with graphpipe's own runtime (drop --baseline torch)")
+
+
+class _TorchStage(torch.nn.Module):
+    """A stage program with torch's calling convention: positional tensors in, tensor(s) out."""
+
+    def __init__(self, prog: StageProgram, prev: StageProgram | None, is_last: bool):
+        super().__init__()
+        self.prog = prog.module
+        self.names = prog.input_names
+        self.model_inputs = dict(prog.model_inputs)
+        self.prev_outputs = prev.output_names if prev is not None else ()
+        self.is_last = is_last
+
+    def forward(self, *args):
+        if self.model_inputs:
+            values = {name: args[index] for name, index in self.model_inputs.items()}
+        else:
+            values = dict(zip(self.prev_outputs, args))
+        sent, out = self.prog(*(values[n] for n in self.names))
+        if self.is_last:
+            return out
+        return sent[0] if len(sent) == 1 else tuple(sent)
+
+
+def run_torch_job(rank: int, world_size: int, plan: Plan, options, device: torch.device) -> dict[str, Any] | None:
+    """Run ``plan`` on torch.distributed.pipelining; rank 0 returns the result (same shape as ours)."""
+    from torch.distributed import pipelining as pp
+
+    from graphpipe.runtime.stage_modules import check_op_names, split_model
+    from graphpipe.runtime.worker import compare_gradients, data_seed, finish_job, load_runnable, reference_step
+
+    sg = plan.stage_graph
+    n = sg.num_devices
+    group = dist.new_group(list(range(n))) if world_size > n else None
+    runnable = load_runnable(plan.model, options.seed, "cpu")
+    check_op_names([op.name for op in sg.graph.ops], runnable.op_names, plan.model)
+    split = split_model(runnable.gm, runnable.op_nodes, sg)
+    check_torch_expressible(plan, split)
+    my_stages = sg.stages_on_device(rank) if rank < n else ()
+    loss_fn, make_inputs = runnable.loss_fn, runnable.make_inputs
+    num_mbs = sg.num_micro_batches(0)
+    wrappers = {s: _TorchStage(split.programs[s], split.programs[s - 1] if s else None, s == sg.num_stages - 1).to(device)
+                for s in my_stages}
+    del runnable
+    schedule = None
+    if my_stages:
+        stages = [pp.PipelineStage(wrappers[s], s, sg.num_stages, device, group=group) for s in my_stages]
+        cls = getattr(pp, TORCH_SCHEDULES[plan.schedule.name])
+        loss = lambda output, target: loss_fn(output)  # noqa: E731 - torch passes (output, target)
+        schedule = cls(stages if plan.schedule.name == "interleaved" else stages[0], num_mbs, loss_fn=loss, scale_grads=True)
+    params = [p for s in my_stages for p in split.programs[s].module.parameters()]
+    optimizer = torch.optim.SGD(params, lr=options.lr) if params else None
+    reference = None
+    if options.check and my_stages:
+        reference = reference_step(plan.model, options.seed, sg.batch_size, data_seed(options.seed, 0), "cpu")
+    step_times, step_losses = [], []
+    check_stats = (0.0, 0, 0)
+    for step in range(options.steps):
+        inputs = make_inputs(sg.batch_size, data_seed(options.seed, step)) if 0 in my_stages else ()
+        inputs = tuple(x.to(device) for x in inputs)
+        for p in params:
+            p.grad = None
+        losses: list = []
+        dist.barrier()
+        t0 = time.perf_counter()
+        if schedule is not None:
+            schedule.step(*inputs, losses=losses if sg.num_stages - 1 in my_stages else None)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        step_times.append(time.perf_counter() - t0)
+        step_losses.append(float(sum(float(x) for x in losses) / num_mbs) if losses else 0.0)
+        if step == 0 and reference is not None:
+            check_stats = compare_gradients(((name, p) for s in my_stages
+                                             for name, p in split.programs[s].module.named_parameters()), reference[1], options)
+        if optimizer is not None:
+            optimizer.step()
+    return finish_job(rank, world_size, plan, options, step_times, step_losses, check_stats, reference,
+                      records=[], backend=dist.get_backend(), extra={"baseline": "torch.distributed.pipelining."
+                                                                     + TORCH_SCHEDULES[plan.schedule.name]})

@@ -1,0 +1,116 @@
+"""Point-to-point messaging for one rank: sends that never block, receives in link order.
+
+A :class:`Mailbox` is the executor's only view of the network. Every message
+has a :data:`~graphpipe.runtime.routing.MessageKey`; the
+:class:`~graphpipe.runtime.routing.Routing` tells both ends where that key
+sits in its link's sequence.
+
+* ``send`` posts ``dist.isend`` and returns at once (the tensor is kept alive
+  until :meth:`Mailbox.flush`), so compute overlaps communication, as in the
+  simulator's semantics.
+* ``recv`` posts ``dist.irecv`` for every not-yet-posted message of the link
+  up to the one it needs (receive buffers are sized from the per-sample
+  shapes computed at setup, so no metadata travels), then waits on it.
+  Messages posted early just land in their buffers and are picked up later.
+* Messages between two stages on the same rank (interleaved virtual stages)
+  never touch the network: they are handed over in a local dictionary.
+
+Tags: the position of the message in its link's sequence (unique per link
+and iteration) — gloo matches on (source, tag). NCCL ignores tags and
+matches per pair in issue order, which the link order already guarantees;
+with NCCL each direction of each pair gets its own process group so that a
+posted receive never sits in front of a send on the same stream.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Callable, Mapping
+
+import torch
+import torch.distributed as dist
+
+from graphpipe.runtime.routing import MessageKey, Routing
+
+__all__ = ["Mailbox", "make_link_groups"]
+
+
+def make_link_groups(routing: Routing, world_size: int, backend: str) -> dict[tuple[int, int], object]:
+    """One process group per directed rank pair for NCCL (``{}`` for gloo: the world group suffices).
+
+    Every rank must call this with the same routing: ``new_group`` is collective.
+    """
+    if backend != "nccl":
+        return {}
+    groups = {}
+    for link in sorted(routing.links):
+        groups[link] = dist.new_group(sorted(link))
+    return groups
+
+
+class Mailbox:
+    """Sends and receives of one rank during one iteration (call :meth:`reset` per iteration)."""
+
+    def __init__(self, rank: int, routing: Routing, buffer_spec: Callable[[MessageKey], tuple[tuple[int, ...], torch.dtype]],
+                 device: torch.device, timeout_s: float, groups: Mapping[tuple[int, int], object] | None = None):
+        self.rank = rank
+        self.routing = routing
+        self.buffer_spec = buffer_spec
+        self.device = device
+        self.timeout = timedelta(seconds=timeout_s)
+        self.groups = dict(groups or {})
+        self.reset()
+
+    def reset(self) -> None:
+        self._posted: dict[int, int] = {}
+        self._pending: dict[MessageKey, tuple[object, torch.Tensor]] = {}
+        self._local: dict[MessageKey, torch.Tensor] = {}
+        self._sends: list[tuple[object, torch.Tensor]] = []
+
+    def send(self, dst: int, key: MessageKey, tensor: torch.Tensor) -> None:
+        """Post a send (non-blocking); ``dst == rank`` hands the tensor over locally."""
+        tensor = tensor.detach()
+        if dst == self.rank:
+            self._local[key] = tensor
+            return
+        link = (self.rank, dst)
+        tag = self.routing.position[link][key]
+        tensor = tensor.contiguous()
+        work = dist.isend(tensor, dst=dst, group=self.groups.get(link), tag=tag)
+        self._sends.append((work, tensor))
+
+    def recv(self, src: int, key: MessageKey) -> torch.Tensor:
+        """The tensor of message ``key`` from ``src``, waiting for it if needed."""
+        if src == self.rank:
+            try:
+                return self._local.pop(key)
+            except KeyError:
+                raise RuntimeError(f"rank {self.rank}: local message {key} was not produced before it was needed "
+                                   "(the schedule runs a consumer before its producer on this device)") from None
+        link = (src, self.rank)
+        keys = self.routing.links.get(link, ())
+        target = self.routing.position.get(link, {}).get(key)
+        if target is None:
+            raise RuntimeError(f"rank {self.rank}: rank {src} never sends {key}; routing and schedule disagree")
+        posted = self._posted.get(src, 0)
+        while posted <= target:
+            k = keys[posted]
+            shape, dtype = self.buffer_spec(k)
+            buf = torch.empty(shape, dtype=dtype, device=self.device)
+            work = dist.irecv(buf, src=src, group=self.groups.get(link), tag=posted)
+            self._pending[k] = (work, buf)
+            posted += 1
+        self._posted[src] = posted
+        work, buf = self._pending.pop(key)
+        if not work.wait(self.timeout):
+            raise TimeoutError(f"rank {self.rank}: no message {key} from rank {src} within {self.timeout.total_seconds():g} s")
+        return buf
+
+    def flush(self) -> None:
+        """Wait for every posted send to complete (end of iteration)."""
+        for work, _ in self._sends:
+            work.wait(self.timeout)
+        self._sends.clear()
+        if self._pending or self._local:
+            left = list(self._pending)[:3] + list(self._local)[:3]
+            raise RuntimeError(f"rank {self.rank}: iteration ended with unconsumed messages, e.g. {left}")

@@ -1,0 +1,258 @@
+"""Interpret one rank's action list for one training iteration (DESIGN §8).
+
+``F s j``: gather the stage's inputs for micro-batch ``j`` (rows of the
+model inputs, pieces received from every producer stage — concatenated in
+sample order when the consumer's micro-batch is larger, a slice when it is
+smaller), run the stage module, send every outgoing piece, keep the inputs
+and outputs for the backward. On the sink stage compute the loss
+``loss_fn(output) * rows / batch_size``: ``loss_fn`` is a mean over its
+batch, so these terms sum to the mini-batch mean and the gradients equal
+single-device training on the whole mini-batch.
+
+``B s j``: sum the gradient pieces of every output from every consumer
+into one tensor per output, ``torch.autograd.backward`` from the outputs
+(and the loss on the sink), and send the gradient of every received input
+piece back to its producer. Parameter gradients accumulate over micro-batches.
+
+After the last ``B`` of a data-parallel stage its replicas all-reduce (sum)
+the stage's gradients asynchronously, in a fixed per-device-set order, so
+the all-reduce overlaps the rest of the schedule as in the simulator.
+
+Every action is timed (``time.perf_counter``; CUDA is synchronised first),
+relative to a start shared through a barrier by the caller.
+
+Test hook (documented in :mod:`graphpipe.runtime`): with
+``GRAPHPIPE_FAIL_RANK=r`` and ``GRAPHPIPE_FAIL_AT=F`` (or ``B``) rank ``r``
+raises at its first action of that kind.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from graphpipe.actions import Action
+from graphpipe.runtime.comm import Mailbox
+from graphpipe.runtime.routing import Routing
+from graphpipe.runtime.stage_modules import StageProgram, ValueMeta
+from graphpipe.stages import StageGraph
+
+__all__ = ["TimedAction", "StepResult", "RankExecutor", "InjectedFailure"]
+
+
+class InjectedFailure(RuntimeError):
+    """Raised by the GRAPHPIPE_FAIL_RANK / GRAPHPIPE_FAIL_AT test hook."""
+
+
+@dataclass(frozen=True, slots=True)
+class TimedAction:
+    """One executed action or all-reduce on one rank; times in seconds from the iteration start."""
+
+    rank: int
+    stage_id: int
+    kind: str
+    """F, B, or AR (gradient all-reduce of the stage's replicas)."""
+    mb_id: int
+    ready: float
+    """When every input had arrived (F/B) or the all-reduce was issued (AR)."""
+    start: float
+    end: float
+
+
+@dataclass(slots=True)
+class StepResult:
+    iteration_time_s: float
+    """This rank's time from the shared start until its last action and all-reduce finished."""
+    loss: float
+    """This rank's share of the mini-batch loss (sum over its sink micro-batches)."""
+    records: list[TimedAction] = field(default_factory=list)
+
+
+class RankExecutor:
+    """Runs ``schedule.device_actions[rank]`` with the stage programs hosted on this rank."""
+
+    def __init__(self, rank: int, sg: StageGraph, actions: Sequence[Action], programs: Mapping[int, StageProgram],
+                 routing: Routing, meta: Mapping[str, ValueMeta], loss_fn: Callable[[Any], torch.Tensor],
+                 device: torch.device, timeout_s: float, link_groups: Mapping | None = None,
+                 dp_groups: Mapping[tuple[int, ...], object] | None = None,
+                 allreduce_order: Mapping[tuple[int, ...], Sequence[int]] | None = None):
+        self.rank = rank
+        self.sg = sg
+        self.actions = tuple(actions)
+        self.programs = dict(programs)
+        self.routing = routing
+        self.meta = dict(meta)
+        self.loss_fn = loss_fn
+        self.device = device
+        self.timeout = timedelta(seconds=timeout_s)
+        self.mailbox = Mailbox(rank, routing, self._buffer_spec, device, timeout_s, link_groups)
+        self.dp_groups = dict(dp_groups or {})
+        self.allreduce_order = {k: tuple(v) for k, v in (allreduce_order or {}).items()}
+        last_b: dict[int, int] = {}
+        for pos, a in enumerate(self.actions):
+            if a.kind == "B":
+                last_b[a.stage_id] = pos
+        self._last_b_pos = {pos: s for s, pos in last_b.items()}
+        self._edge_values = routing.edge_values
+        self._fail_at = os.environ.get("GRAPHPIPE_FAIL_AT") if os.environ.get("GRAPHPIPE_FAIL_RANK") == str(rank) else None
+
+    # ------------------------------------------------------------ helpers
+    def _buffer_spec(self, key) -> tuple[tuple[int, ...], torch.dtype]:
+        m = self.meta[key[7]]
+        return (self.routing.rows[key], *m.sample_shape), m.dtype
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return [p for s in sorted(self.programs) for p in self.programs[s].module.parameters()]
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _shard_rows(self, stage_id: int, mb_id: int, replica: int) -> slice:
+        stage = self.sg.stages[stage_id]
+        per = stage.micro_batch_size // stage.num_replicas
+        lo = mb_id * stage.micro_batch_size + replica * per
+        return slice(lo, lo + per)
+
+    # ------------------------------------------------------------ actions
+    def _forward(self, a: Action, inputs: Sequence[torch.Tensor] | None, saved: dict, t0: float) -> tuple[float, float, float, float]:
+        prog = self.programs[a.stage_id]
+        q = self.routing.replica(a.stage_id, self.rank)
+        ready_at = time.perf_counter()
+        values: dict[str, torch.Tensor] = {}
+        rows = self._shard_rows(a.stage_id, a.mb_id, q)
+        for name, index in prog.model_inputs:
+            values[name] = inputs[index][rows].to(self.device)
+        parts: dict[str, list[torch.Tensor]] = {}
+        for piece in self.routing.incoming(a.stage_id, a.mb_id, q):
+            src = self.sg.stages[piece.producer].devices[piece.producer_replica]
+            for value in self._edge_values[(piece.producer, piece.consumer)]:
+                parts.setdefault(value, []).append(self.mailbox.recv(src, Routing.key("F", piece, value)))
+        leaves = {}
+        for value, chunks in parts.items():
+            t = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+            if self.meta[value].needs_grad:
+                t.requires_grad_(True)
+                leaves[value] = t
+            values[value] = t
+        self._sync()
+        start = time.perf_counter()
+        if self._fail_at == "F":
+            raise InjectedFailure(f"injected failure at action {a} (GRAPHPIPE_FAIL_RANK={self.rank}, GRAPHPIPE_FAIL_AT=F)")
+        sent, out = prog.module(*(values[n] for n in prog.input_names))
+        loss = None
+        if prog.is_sink:
+            loss = self.loss_fn(out) * ((rows.stop - rows.start) / self.sg.batch_size)
+        by_name = dict(zip(prog.output_names, sent))
+        for piece in self.routing.outgoing(a.stage_id, a.mb_id, q):
+            dst = self.sg.stages[piece.consumer].devices[piece.consumer_replica]
+            for value in self._edge_values[(piece.producer, piece.consumer)]:
+                self.mailbox.send(dst, Routing.key("F", piece, value), by_name[value][piece.producer_rows])
+        self._sync()
+        end = time.perf_counter()
+        saved[(a.stage_id, a.mb_id)] = (leaves, by_name, loss)
+        return ready_at - t0, start - t0, end - t0, float(loss.detach()) if loss is not None else 0.0
+
+    def _backward(self, a: Action, saved: dict, t0: float) -> tuple[float, float, float]:
+        q = self.routing.replica(a.stage_id, self.rank)
+        ready_at = time.perf_counter()
+        leaves, outputs, loss = saved.pop((a.stage_id, a.mb_id))
+        grads: dict[str, torch.Tensor] = {}
+        for piece in self.routing.outgoing(a.stage_id, a.mb_id, q):
+            src = self.sg.stages[piece.consumer].devices[piece.consumer_replica]
+            for value in self._edge_values[(piece.producer, piece.consumer)]:
+                if value not in self.routing.grad_values:
+                    continue
+                g = self.mailbox.recv(src, Routing.key("B", piece, value))
+                acc = grads.get(value)
+                if acc is None:
+                    acc = grads[value] = torch.zeros_like(outputs[value])
+                acc[piece.producer_rows] += g
+        self._sync()
+        start = time.perf_counter()
+        if self._fail_at == "B":
+            raise InjectedFailure(f"injected failure at action {a} (GRAPHPIPE_FAIL_RANK={self.rank}, GRAPHPIPE_FAIL_AT=B)")
+        tensors, grad_tensors = [], []
+        if loss is not None and loss.requires_grad:
+            tensors.append(loss)
+            grad_tensors.append(None)
+        for value, g in grads.items():
+            out = outputs[value]
+            if out.requires_grad:
+                tensors.append(out)
+                grad_tensors.append(g)
+        if tensors:
+            torch.autograd.backward(tensors, grad_tensors)
+        for piece in self.routing.incoming(a.stage_id, a.mb_id, q):
+            dst = self.sg.stages[piece.producer].devices[piece.producer_replica]
+            for value in self._edge_values[(piece.producer, piece.consumer)]:
+                if value not in self.routing.grad_values:
+                    continue
+                leaf = leaves[value]
+                g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+                self.mailbox.send(dst, Routing.key("B", piece, value), g[piece.consumer_rows])
+        self._sync()
+        end = time.perf_counter()
+        return ready_at - t0, start - t0, end - t0
+
+    # ------------------------------------------------------------ iteration
+    def run_iteration(self, inputs: Sequence[torch.Tensor] | None, t0: float) -> StepResult:
+        """Run every action of this rank once; gradients are left in ``.grad`` (all-reduced)."""
+        for p in self.parameters():
+            p.grad = torch.zeros_like(p)
+        self.mailbox.reset()
+        saved: dict = {}
+        records: list[TimedAction] = []
+        loss_sum = 0.0
+        issued: dict[tuple[int, ...], int] = {}
+        done_stages: set[int] = set()
+        pending_ar: list[tuple[int, object, torch.Tensor, list[torch.Tensor], float]] = []
+        for pos, a in enumerate(self.actions):
+            if a.kind == "F":
+                ready, start, end, loss = self._forward(a, inputs, saved, t0)
+                loss_sum += loss
+            elif a.kind == "B":
+                ready, start, end = self._backward(a, saved, t0)
+            else:
+                raise RuntimeError(f"rank {self.rank}: action {a} has kind {a.kind!r}; the runtime runs F and B only")
+            records.append(TimedAction(self.rank, a.stage_id, a.kind, a.mb_id, ready, start, end))
+            if pos in self._last_b_pos:
+                done_stages.add(self._last_b_pos[pos])
+                pending_ar.extend(self._issue_allreduces(done_stages, issued, t0))
+        if saved:
+            raise RuntimeError(f"rank {self.rank}: forward without backward for {sorted(saved)[:4]}")
+        for stage_id, work, flat, grads, issued_at in pending_ar:
+            work.wait(self.timeout)
+            for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                g.copy_(reduced)
+            self._sync()
+            now = time.perf_counter() - t0
+            records.append(TimedAction(self.rank, stage_id, "AR", 0, issued_at, issued_at, now))
+        self.mailbox.flush()
+        self._sync()
+        return StepResult(time.perf_counter() - t0, loss_sum, records)
+
+    def _issue_allreduces(self, done_stages: set[int], issued: dict, t0: float) -> list:
+        """Start the gradient all-reduce of every finished replicated stage whose turn has come."""
+        started = []
+        for devices, order in self.allreduce_order.items():
+            if self.rank not in devices:
+                continue
+            while issued.get(devices, 0) < len(order) and order[issued.get(devices, 0)] in done_stages:
+                stage_id = order[issued.get(devices, 0)]
+                issued[devices] = issued.get(devices, 0) + 1
+                grads = [p.grad for p in self.programs[stage_id].module.parameters()]
+                if not grads:
+                    continue
+                flat = _flatten_dense_tensors(grads)
+                now = time.perf_counter() - t0
+                work = dist.all_reduce(flat, group=self.dp_groups[devices], async_op=True)
+                started.append((stage_id, work, flat, grads, now))
+        return started

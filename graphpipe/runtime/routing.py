@@ -1,0 +1,173 @@
+"""Who sends which rows of which tensor to whom, and in what order (DESIGN §8).
+
+Pure planning code, no torch: from a stage graph, a schedule and the values
+crossing every stage edge it derives
+
+* the *pieces* of every stage edge. Micro-batch ``i`` of a stage with size
+  ``b`` holds the samples ``[i*b, (i+1)*b)``; replica ``q`` of ``r`` holds
+  the ``q``-th ``b/r`` of them. A piece is the non-empty intersection of a
+  producer (micro-batch, replica) with a consumer (micro-batch, replica): one
+  rectangle of rows that travels as one message per value. This one rule
+  covers equal micro-batch sizes (one piece per micro-batch), a consumer
+  with a larger micro-batch (it concatenates several producer pieces), a
+  smaller one (it takes a slice) and data-parallel stages on either side.
+* the *link order*: for every ordered rank pair ``(src, dst)``, the exact
+  sequence of messages ``src`` sends, obtained by walking ``src``'s action
+  list (F sends activations to every consumer, B sends gradients to every
+  producer). Both ends compute the same sequence, so the receiver can post
+  its receives in the sender's order — what NCCL requires (it matches
+  point-to-point operations per pair in issue order) and what makes gloo's
+  tags unique (tag = position in the link's sequence).
+
+Deadlock freedom: a rank needing message ``m`` posts receives for every
+earlier message of that link first. The sender emits those before ``m`` in
+its program order, so they cannot depend on anything the receiver has not
+done yet unless ``m`` does too — in which case the schedule itself would
+deadlock and :func:`graphpipe.sched.validate_schedule` refuses it.
+
+Example
+-------
+>>> from graphpipe.graph import Op, OpGraph
+>>> from graphpipe.stages import Stage, StageGraph
+>>> g = OpGraph.build("two", [Op("a", "x"), Op("b", "x")], [("a", "b", 4.0)])
+>>> sg = StageGraph.build(g, [Stage(0, (0,), (0,), 2), Stage(1, (1,), (1,), 4)], 8, 2)
+>>> [(p.producer_mb, p.consumer_mb, p.lo, p.hi) for p in edge_pieces(sg, 0, 1)]
+[(0, 0, 0, 2), (1, 0, 2, 4), (2, 1, 4, 6), (3, 1, 6, 8)]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Sequence
+
+from graphpipe.actions import Schedule
+from graphpipe.errors import PlanError
+from graphpipe.stages import StageGraph
+
+__all__ = ["Piece", "MessageKey", "edge_pieces", "Routing"]
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """Rows ``[lo, hi)`` of the mini-batch going from a producer shard to a consumer shard."""
+
+    producer: int
+    consumer: int
+    producer_mb: int
+    producer_replica: int
+    consumer_mb: int
+    consumer_replica: int
+    lo: int
+    hi: int
+    producer_start: int
+    """First sample held by the producer shard: its rows are ``[lo - producer_start, hi - producer_start)``."""
+    consumer_start: int
+    """First sample held by the consumer shard."""
+
+    @property
+    def producer_rows(self) -> slice:
+        return slice(self.lo - self.producer_start, self.hi - self.producer_start)
+
+    @property
+    def consumer_rows(self) -> slice:
+        return slice(self.lo - self.consumer_start, self.hi - self.consumer_start)
+
+
+# (direction "F" | "B", producer stage, consumer stage, producer mb, producer replica,
+#  consumer mb, consumer replica, value name)
+MessageKey = tuple[str, int, int, int, int, int, int, str]
+
+
+def edge_pieces(sg: StageGraph, producer: int, consumer: int) -> list[Piece]:
+    """All pieces of stage edge ``producer -> consumer``, by consumer shard then sample."""
+    ps, cs = sg.stages[producer], sg.stages[consumer]
+    sp = ps.micro_batch_size // ps.num_replicas
+    sc = cs.micro_batch_size // cs.num_replicas
+    pieces = []
+    for u in range(sg.batch_size // sc):  # consumer shards in sample order
+        j, k = divmod(u, cs.num_replicas)
+        c_lo, c_hi = u * sc, (u + 1) * sc
+        for v in range(c_lo // sp, (c_hi - 1) // sp + 1):  # producer shards overlapping it
+            i, q = divmod(v, ps.num_replicas)
+            lo, hi = max(c_lo, v * sp), min(c_hi, (v + 1) * sp)
+            pieces.append(Piece(producer, consumer, i, q, j, k, lo, hi, v * sp, c_lo))
+    return pieces
+
+
+class Routing:
+    """Pieces of every stage edge and the message order of every rank pair.
+
+    ``edge_values[(p, c)]`` lists the values crossing stage edge ``p -> c``;
+    ``grad_values`` the subset that carries gradients back (floating point).
+    """
+
+    def __init__(self, sg: StageGraph, schedule: Schedule, edge_values: Mapping[tuple[int, int], Sequence[str]],
+                 grad_values: Iterable[str]):
+        self.sg = sg
+        self.edge_values = {e: tuple(v) for e, v in edge_values.items()}
+        self.grad_values = frozenset(grad_values)
+        self.by_producer: dict[tuple[int, int, int, int], list[Piece]] = {}
+        self.by_consumer: dict[tuple[int, int, int, int], list[Piece]] = {}
+        for p, c in sg.edges:
+            for piece in edge_pieces(sg, p, c):
+                self.by_producer.setdefault((p, c, piece.producer_mb, piece.producer_replica), []).append(piece)
+                self.by_consumer.setdefault((p, c, piece.consumer_mb, piece.consumer_replica), []).append(piece)
+        self.links: dict[tuple[int, int], list[MessageKey]] = {}
+        self.rows: dict[MessageKey, int] = {}
+        """Rows (samples) each message carries."""
+        for rank, actions in enumerate(schedule.device_actions):
+            for action in actions:
+                for dst, key in self.sends(rank, action.stage_id, action.kind, action.mb_id):
+                    if dst != rank:
+                        self.links.setdefault((rank, dst), []).append(key)
+        self.position: dict[tuple[int, int], dict[MessageKey, int]] = {
+            link: {key: i for i, key in enumerate(keys)} for link, keys in self.links.items()}
+        for link, keys in self.links.items():
+            if len(self.position[link]) != len(keys):
+                raise PlanError(f"schedule sends the same message twice on link {link[0]}->{link[1]}; "
+                                "every (stage, micro-batch) must have exactly one F and one B per replica")
+
+    def replica(self, stage_id: int, rank: int) -> int:
+        return self.sg.stages[stage_id].devices.index(rank)
+
+    def outgoing(self, stage_id: int, mb_id: int, replica: int) -> list[Piece]:
+        """Pieces a producer shard sends after its F, consumer by consumer."""
+        return [piece for c in self.sg.succs(stage_id) for piece in self.by_producer.get((stage_id, c, mb_id, replica), ())]
+
+    def incoming(self, stage_id: int, mb_id: int, replica: int) -> list[Piece]:
+        """Pieces a consumer shard needs before its F, producer by producer."""
+        return [piece for p in self.sg.preds(stage_id) for piece in self.by_consumer.get((p, stage_id, mb_id, replica), ())]
+
+    def sends(self, rank: int, stage_id: int, kind: str, mb_id: int) -> list[tuple[int, MessageKey]]:
+        """``(destination rank, key)`` of every message ``rank`` sends after one action, in send order."""
+        stage = self.sg.stages[stage_id]
+        q = self.replica(stage_id, rank)
+        out = []
+        if kind == "F":
+            for piece in self.outgoing(stage_id, mb_id, q):
+                dst = self.sg.stages[piece.consumer].devices[piece.consumer_replica]
+                for value in self.edge_values[(piece.producer, piece.consumer)]:
+                    key = self.key("F", piece, value)
+                    self.rows[key] = piece.hi - piece.lo
+                    out.append((dst, key))
+        elif kind == "B":
+            for piece in self.incoming(stage_id, mb_id, q):
+                dst = self.sg.stages[piece.producer].devices[piece.producer_replica]
+                for value in self.edge_values[(piece.producer, piece.consumer)]:
+                    if value in self.grad_values:
+                        key = self.key("B", piece, value)
+                        self.rows[key] = piece.hi - piece.lo
+                        out.append((dst, key))
+        else:
+            raise PlanError(f"action {stage_id}{kind}{mb_id} on device {rank}: the runtime executes F and B only "
+                            f"(stage {stage.id}); split backward (I/W) schedules are not supported")
+        return out
+
+    @staticmethod
+    def key(direction: str, piece: Piece, value: str) -> MessageKey:
+        return (direction, piece.producer, piece.consumer, piece.producer_mb, piece.producer_replica,
+                piece.consumer_mb, piece.consumer_replica, value)
+
+    def peers(self, rank: int) -> tuple[list[int], list[int]]:
+        """Ranks ``rank`` sends to and receives from."""
+        return (sorted(d for (s, d) in self.links if s == rank), sorted(s for (s, d) in self.links if d == rank))
