@@ -23,8 +23,9 @@ DESIGN §3 ("Granularity"): we trace with torch.fx but plan on *layers*.
 
    Each op is therefore a connected piece of the fx graph whose inputs enter
    at its anchor or at nodes upstream of it and whose outputs leave from the
-   anchor or nodes downstream of it, so the op graph stays acyclic and every
-   convex set of ops is a valid ``split_module`` partition. For zoo models
+   anchor or nodes downstream of it, so the op graph stays acyclic, and any
+   grouping of ops into stages whose stage graph is a DAG (every
+   :class:`~graphpipe.stages.StageGraph`) is a valid ``split_module`` partition. For zoo models
    every fx node is an anchor (branches, concat, interaction and heads are
    layers), so their op graphs are exactly their series-parallel layer DAGs.
    Placeholders belong to no op; the runtime feeds them to the stages using them.
@@ -53,6 +54,7 @@ Example
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import logging
 import os
 import sys
@@ -140,8 +142,8 @@ def trace(module: nn.Module, num_inputs: int, layer_types: Sequence[type[nn.Modu
     from torch.fx._symbolic_trace import PH
 
     tracer = LayerTracer(layer_types)
-    code = type(module).forward.__code__
-    varargs = bool(code.co_flags & 0x04) and code.co_argcount == 1  # forward(self, *inputs)
+    code = inspect.unwrap(type(module).forward).__code__
+    varargs = bool(code.co_flags & inspect.CO_VARARGS) and code.co_argcount == 1  # forward(self, *inputs)
     try:
         graph = tracer.trace(module, concrete_args=tuple(PH for _ in range(num_inputs)) if varargs else None)
     except Exception as exc:  # fx raises many types for untraceable code

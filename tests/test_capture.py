@@ -201,3 +201,58 @@ def test_load_factory_and_graph_from_factory(tmp_path):
     broken.write_text("raise RuntimeError('boom')\n")
     with pytest.raises(InputError, match="boom"):
         load_factory(f"{broken}:make")
+
+
+class RandomProgram(nn.Module):
+    """Random straight-line mix of Linear layers and glue (add, mul, tanh, cat+slice,
+    free parameters) over earlier values: a stress case for the contraction rules."""
+
+    def __init__(self, seed: int, steps: int = 14):
+        super().__init__()
+        rng = random.Random(seed)
+        self.program: list[tuple] = []
+        self.layers = nn.ModuleList()
+        self.free = nn.ParameterList()
+        num_values = 1
+        for _ in range(steps):
+            kind = rng.choice(["layer", "layer", "add", "tanh", "cat", "param"])
+            a, b = rng.randrange(num_values), rng.randrange(num_values)
+            if kind == "layer":
+                self.layers.append(nn.Linear(6, 6))
+                self.program.append(("layer", len(self.layers) - 1, a))
+            elif kind == "param":
+                self.free.append(nn.Parameter(torch.randn(6)))
+                self.program.append(("param", len(self.free) - 1, a))
+            else:
+                self.program.append((kind, a, b))
+            num_values += 1
+        self.outputs = sorted({num_values - 1, rng.randrange(num_values)})
+
+    def forward(self, x):
+        values = [x]
+        for kind, i, j in self.program:
+            if kind == "layer":
+                values.append(self.layers[i](values[j]))
+            elif kind == "param":
+                values.append(values[j] * self.free[i])
+            elif kind == "add":
+                values.append(values[i] + values[j])
+            elif kind == "tanh":
+                values.append(torch.tanh(values[i]))
+            else:
+                values.append(torch.cat([values[i], values[j]], dim=-1)[..., 3:9])
+        return sum(values[k] for k in self.outputs)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_contraction_properties_on_random_programs(seed):
+    torch.manual_seed(seed)
+    m, x = RandomProgram(seed), torch.randn(4, 6)
+    cap = capture(m, (x,), name=f"rand{seed}")  # OpGraph.build would raise on a cyclic contraction
+    _check_contraction(cap)
+    assert cap.graph.param_bytes == _params(m)
+    expected = m(x)
+    torch.testing.assert_close(cap.gm(x), expected)
+    torch.testing.assert_close(split_by_ops(cap, {op.name: i for i, op in enumerate(cap.graph.ops)})(x), expected)
+    k = max(1, cap.graph.num_ops // 2)
+    torch.testing.assert_close(split_by_ops(cap, {op.name: int(i >= k) for i, op in enumerate(cap.graph.ops)})(x), expected)
