@@ -25,6 +25,11 @@ every stage that reads them (a trainable parameter read by two stages is
 refused: its gradient would live on two ranks); any other node joins the
 earliest stage that reads it; nodes nobody reads are dropped.
 
+A *sequential* stage graph (``StageGraph.sequential``: SPP baselines) has
+only chain edges; a value produced by stage ``p`` and read by stage
+``c > p + 1`` is then relayed: every stage in between takes it as an input
+and returns it unchanged (its gradient flows back the same way).
+
 Every value crossing a stage boundary must be a tensor whose dim 0 is the
 batch (it is sliced and concatenated along dim 0 when producer and consumer
 micro-batch sizes or replica counts differ); :func:`boundary_meta` checks
@@ -197,6 +202,12 @@ def split_model(gm: torch.fx.GraphModule, op_nodes: Mapping[str, Sequence[str]],
                 continue
             p = node_stage.get(arg)
             if p is None or p == s:
+                continue
+            if getattr(sg, "sequential", False):
+                # SPP: every stage between producer and consumer relays the value (DESIGN §6).
+                for i in range(p, s):
+                    sends.setdefault((i, i + 1), {})[arg] = None
+                    needed[i + 1][arg] = None
                 continue
             if (p, s) not in sg.edges:
                 raise PlanError(f"fx value {arg.name!r} flows from stage {p} to stage {s}, but the plan has no stage edge "

@@ -1,0 +1,84 @@
+"""``python -m graphpipe.runtime PLAN.json``: one rank of a run started by torchrun.
+
+::
+
+    torchrun --nproc-per-node 4 -m graphpipe.runtime plan.json --steps 5 --check --json
+
+Reads ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` (set by
+torchrun), runs the same worker code as ``graphpipe run`` and prints the
+summary (or JSON) on rank 0. The world size must equal the plan's device
+count. Errors end this rank with exit 1 and the message on stderr; torchrun
+then stops the other ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+__all__ = ["main"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m graphpipe.runtime", description=__doc__.split("\n")[0])
+    parser.add_argument("plan", metavar="PLAN.json")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
+    parser.add_argument("--check", action="store_true")
+    parser.add_argument("--baseline", default=None, choices=("torch",))
+    parser.add_argument("--timeout", type=float, default=60.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+
+    from graphpipe.errors import GraphpipeError
+    from graphpipe.plan import plan_to_dict, read_plan
+    from graphpipe.runtime import RunOptions, preflight
+    from graphpipe.runtime.measure import summarize
+    from graphpipe.runtime.worker import run_rank
+
+    try:
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]  # noqa: B018 - fail early with a clear message
+    except KeyError as exc:
+        sys.stderr.write(f"graphpipe.runtime: error: environment variable {exc.args[0]} is not set; "
+                         "start this module with torchrun (or use `graphpipe run`)\n")
+        return 2
+    try:
+        plan = read_plan(args.plan)
+        if world_size != plan.cluster.num_devices:
+            raise GraphpipeError(f"WORLD_SIZE={world_size} but the plan has {plan.cluster.num_devices} devices; "
+                                 f"use --nproc-per-node {plan.cluster.num_devices}")
+        options = RunOptions(steps=args.steps, warmup_steps=args.warmup, backend=args.backend, check=args.check,
+                             timeout_s=args.timeout, seed=args.seed, lr=args.lr, num_threads=args.threads,
+                             baseline=args.baseline)
+        if rank == 0:
+            preflight(plan, options)
+        result = run_rank(rank, world_size, [(plan_to_dict(plan), options)], "env://")[0]
+    except GraphpipeError as exc:
+        sys.stderr.write(f"graphpipe.runtime: error: rank {rank}: {exc}\n")
+        return 2
+    except Exception as exc:  # noqa: BLE001 - one line with the rank, torchrun stops the others
+        sys.stderr.write(f"graphpipe.runtime: error: rank {rank} failed: {type(exc).__name__}: {exc}\n")
+        return 1
+    if rank == 0 and result is not None:
+        summary = summarize(plan, result)
+        if args.json:
+            json.dump(summary, sys.stdout, indent=1)
+            sys.stdout.write("\n")
+        else:
+            from graphpipe.cli.run_cmd import _format
+
+            sys.stdout.write(_format(summary))
+        if "check" in summary and not summary["check"]["passed"]:
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

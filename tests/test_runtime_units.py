@@ -1,0 +1,228 @@
+"""Runtime pieces that need no second process: stage cutting, routing, refusals, one-rank execution.
+
+Oracles: the captured module's own output (stage programs chained in one
+process must reproduce it exactly), the definition of a piece (rows of the
+intersection of a producer shard and a consumer shard), and the
+single-process loss and gradients (``RunOptions.check``) for plans whose
+stages all live on one rank, which exercises the executor's local hand-over
+with fan-out, per-stage micro-batch sizes and sequential relays.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from graphpipe import zoo
+from graphpipe.cluster import preset
+from graphpipe.errors import PlanError
+from graphpipe.plan import Plan, plan_to_dict, write_plan
+from graphpipe.runtime.baseline import torch_refusal
+from graphpipe.runtime.routing import Routing, edge_pieces
+from graphpipe.runtime.stage_modules import check_op_names, split_model
+from graphpipe.runtime.worker import RunOptions, load_runnable
+from graphpipe.sched import make_schedule
+from graphpipe.stages import Stage, StageGraph
+
+SMALL = ("mmt:small", "dlrm:small", "candle-uno:small", "transformer:small", "twobranch:small")
+
+
+def contiguous_stages(num_ops: int, num_stages: int, rng: random.Random) -> list[tuple[int, ...]]:
+    """A random cut of the topological order into contiguous (hence convex) ranges."""
+    cuts = sorted(rng.sample(range(1, num_ops), num_stages - 1))
+    bounds = [0, *cuts, num_ops]
+    return [tuple(range(bounds[i], bounds[i + 1])) for i in range(num_stages)]
+
+
+def make_sg(graph, op_groups, devices, mbs, batch_size, num_devices, shared=False, sequential=False):
+    stages = [Stage(i, ops, tuple(devs), mb) for i, (ops, devs, mb) in enumerate(zip(op_groups, devices, mbs))]
+    return StageGraph.build(graph, stages, batch_size, num_devices, allow_shared_devices=shared, sequential=sequential)
+
+
+def run_programs_in_order(split, sg, inputs):
+    """Chain the stage programs on the whole batch in one process (no pipelining)."""
+    values, out = {}, None
+    for prog in split.programs:
+        args = [inputs[dict(prog.model_inputs)[n]] if n in dict(prog.model_inputs) else values[n] for n in prog.input_names]
+        sent, model_out = prog.module(*args)
+        values.update(zip(prog.output_names, sent))
+        if prog.is_sink:
+            out = model_out
+    return out
+
+
+@pytest.mark.parametrize("spec", SMALL)
+@pytest.mark.parametrize("sequential", [False, True])
+def test_stage_programs_reproduce_the_module(spec, sequential):
+    runnable = load_runnable(spec, seed=0)
+    graph = zoo.load_graph(spec)
+    inputs = runnable.make_inputs(4, 7)
+    with torch.no_grad():
+        expected = runnable.module(*inputs)
+        rng = random.Random(hash((spec, sequential)) % 1000)
+        for k in (2, min(4, graph.num_ops)):
+            sg = make_sg(graph, contiguous_stages(graph.num_ops, k, rng), [(i,) for i in range(k)], [4] * k, 4, k,
+                         sequential=sequential)
+            split = split_model(runnable.gm, runnable.op_nodes, sg)
+            torch.testing.assert_close(run_programs_in_order(split, sg, inputs), expected, rtol=0, atol=0)
+            # Each stage holds exactly the parameters of its own ops: together, every parameter once.
+            names = [n for p in split.programs for n, _ in p.module.named_parameters()]
+            assert sorted(names) == sorted(n for n, _ in runnable.module.named_parameters())
+            if sequential:
+                assert all(c == p + 1 for p in range(k) for c, _ in split.programs[p].send_values)
+
+
+def test_sequential_plan_relays_skip_values():
+    """twobranch cut after embed and after branch0: branch1 reads embed's output through stage 1."""
+    runnable = load_runnable("twobranch:small")
+    graph = zoo.load_graph("twobranch:small")
+    ids = lambda *names: tuple(graph.op_id(n) for n in names)  # noqa: E731
+    groups = [ids("embed"), ids("branch0.layer0", "branch0.layer1"), ids("branch1.layer0", "branch1.layer1", "concat", "head")]
+    sg = make_sg(graph, groups, [(0,), (1,), (2,)], [2, 2, 2], 4, 3, sequential=True)
+    split = split_model(runnable.gm, runnable.op_nodes, sg)
+    relayed = set(split.programs[1].input_names) & set(split.programs[1].output_names)
+    assert relayed and relayed <= set(split.programs[0].output_names)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_edge_pieces_cover_each_sample_once_inside_both_shards(seed):
+    rng = random.Random(seed)
+    batch = rng.choice([8, 12, 16, 24])
+    sizes = [b for b in range(1, batch + 1) if batch % b == 0]
+    bp, bc = rng.choice(sizes), rng.choice(sizes)
+    rp = rng.choice([r for r in (1, 2, 3, 4) if bp % r == 0])
+    rc = rng.choice([r for r in (1, 2, 3, 4) if bc % r == 0])
+    graph = zoo.load_graph("transformer:small")
+    sg = make_sg(graph, [tuple(range(3)), tuple(range(3, graph.num_ops))], [tuple(range(rp)), tuple(range(rp, rp + rc))],
+                 [bp, bc], batch, rp + rc)
+    covered = []
+    for piece in edge_pieces(sg, 0, 1):
+        p_lo = piece.producer_mb * bp + piece.producer_replica * (bp // rp)
+        c_lo = piece.consumer_mb * bc + piece.consumer_replica * (bc // rc)
+        assert p_lo <= piece.lo < piece.hi <= p_lo + bp // rp
+        assert c_lo <= piece.lo < piece.hi <= c_lo + bc // rc
+        rows = piece.producer_rows
+        assert rows.stop - rows.start == piece.hi - piece.lo == piece.consumer_rows.stop - piece.consumer_rows.start
+        covered.extend(range(piece.lo, piece.hi))
+    assert covered == list(range(batch))
+
+
+def test_routing_sends_every_piece_once_per_value_and_direction():
+    graph = zoo.load_graph("mmt:small")
+    ids = lambda *names: tuple(graph.op_id(n) for n in names)  # noqa: E731
+    sg = make_sg(graph, [ids("branch0.layer0", "branch0.layer1"), ids("branch1.layer0", "branch1.layer1"), ids("concat", "head")],
+                 [(0,), (1,), (2, 3)], [2, 4, 4], 8, 4)
+    schedule = make_schedule("graph-1f1b", sg, preset("v100", 4))
+    routing = Routing(sg, schedule, {(0, 2): ("a",), (1, 2): ("b", "c")}, grad_values=("a", "b"))
+    expected = {("F", p.producer, p.consumer, p.producer_mb, p.producer_replica, p.consumer_mb, p.consumer_replica, v)
+                for e, vals in {(0, 2): ("a",), (1, 2): ("b", "c")}.items() for p in edge_pieces(sg, *e) for v in vals}
+    expected |= {("B",) + k[1:] for k in expected if k[7] in ("a", "b")}
+    sent = [k for keys in routing.links.values() for k in keys]
+    assert sorted(sent) == sorted(expected)
+    for (src, dst), keys in routing.links.items():
+        for k in keys:
+            producer_rank = sg.stages[k[1]].devices[k[4]]
+            consumer_rank = sg.stages[k[2]].devices[k[6]]
+            assert (src, dst) == ((producer_rank, consumer_rank) if k[0] == "F" else (consumer_rank, producer_rank))
+
+
+def test_op_names_that_are_not_the_models_are_refused():
+    with pytest.raises(PlanError, match="branch9.layer0") as info:
+        check_op_names(["branch0.layer0", "branch9.layer0"], ["branch0.layer0", "concat"], "mmt:small")
+    assert "concat" in str(info.value) and "graphpipe plan" in str(info.value)
+
+
+def _plan(spec, groups, devices, mbs, batch, num_devices, schedule="graph-1f1b", shared=False, sequential=False):
+    graph = zoo.load_graph(spec)
+    ids = [tuple(graph.op_id(n) for n in g) for g in groups]
+    sg = make_sg(graph, ids, devices, mbs, batch, num_devices, shared=shared, sequential=sequential)
+    cluster = preset("v100", num_devices)
+    return Plan(model=zoo.canonical_spec(spec), stage_graph=sg, cluster=cluster, strategy="custom",
+                schedule=make_schedule(schedule, sg, cluster))
+
+
+def test_torch_refusals_name_the_reason():
+    tb = ["embed"], ["branch0.layer0", "branch0.layer1"], ["branch1.layer0", "branch1.layer1"], ["concat", "head"]
+    fan_out = _plan("twobranch:small", tb, [(0,), (1,), (2,), (3,)], [2] * 4, 8, 4)
+    assert "fans out" in torch_refusal(fan_out)
+    chain = (["embed", "layer0", "layer1"], ["layer2", "layer3", "head"])
+    assert torch_refusal(_plan("transformer:small", chain, [(0,), (1,)], [2, 2], 8, 2, "1f1b")) is None
+    assert "micro-batch sizes" in torch_refusal(_plan("transformer:small", chain, [(0,), (1,)], [2, 4], 8, 2))
+    assert "replicated" in torch_refusal(_plan("transformer:small", chain, [(0,), (1, 2)], [2, 2], 8, 3, "1f1b"))
+    skip = (["embed", "layer0"], ["layer1", "layer2"], ["layer3", "head"])
+    assert torch_refusal(_plan("transformer:small", skip, [(0,), (2,), (1,)], [2] * 3, 8, 3, "1f1b")).startswith("stage 1 is on device 2")
+
+
+def test_unknown_op_plan_is_refused_before_launch(tmp_path, monkeypatch, capsys):
+    from graphpipe.cli import main
+    import graphpipe.runtime as runtime
+
+    plan = _plan("transformer:small", (["embed", "layer0", "layer1"], ["layer2", "layer3", "head"]), [(0,), (1,)], [2, 2], 8, 2)
+    doc = plan_to_dict(plan)
+    doc["graph"]["ops"][1]["name"] = "layerX"
+    for e in doc["graph"]["edges"]:
+        for end in ("src", "dst"):
+            if e.get(end) == "layer0":
+                e[end] = "layerX"
+    doc["stages"][0]["ops"] = ["embed", "layerX", "layer1"]
+    path = tmp_path / "bad.json"
+    import json
+
+    path.write_text(json.dumps(doc))
+    monkeypatch.setattr(runtime, "launch", lambda *a, **k: pytest.fail("launched a plan that does not match its model"))
+    assert main(["run", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "layerX" in err and "does not match model" in err
+
+
+def test_graph_file_model_is_refused(tmp_path, capsys):
+    from graphpipe.cli import main
+
+    plan = _plan("transformer:small", (["embed", "layer0", "layer1"], ["layer2", "layer3", "head"]), [(0,), (1,)], [2, 2], 8, 2)
+    from dataclasses import replace
+
+    write_plan(str(tmp_path / "p.json"), replace(plan, model="some/graph.json"))
+    assert main(["run", str(tmp_path / "p.json")]) == 2
+    assert "no module to run" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- one rank, in process
+@pytest.fixture(scope="module")
+def one_rank_group():
+    import torch.distributed as dist
+
+    from graphpipe.runtime.launch import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+ONE_RANK_CASES = {
+    # fan-out from embed, join at concat; consumer micro-batch larger than its producers'
+    "twobranch-fanout-mb": ("twobranch:small", (["embed"], ["branch0.layer0", "branch0.layer1"],
+                                                ["branch1.layer0", "branch1.layer1"], ["concat", "head"]), [2, 2, 4, 8], "gpipe", False),
+    # consumer micro-batch smaller than its producer's
+    "mmt-slice": ("mmt:small", (["branch0.layer0", "branch0.layer1"], ["branch1.layer0", "branch1.layer1"], ["concat", "head"]),
+                  [4, 8, 2], "gpipe", False),
+    # sequential relay of embed's output through branch0's stage
+    "twobranch-sequential": ("twobranch:small", (["embed"], ["branch0.layer0", "branch0.layer1"],
+                                                 ["branch1.layer0", "branch1.layer1", "concat", "head"]), [2, 2, 2], "gpipe", True),
+    "dlrm-many-inputs": ("dlrm:small", (["dense0.layer0", "dense0.layer1", "dense1.layer0", "dense1.layer1"], ["emb0", "emb1"],
+                                        ["interaction", "top.layer0", "top.layer1"]), [2, 4, 2], "gpipe", False),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ONE_RANK_CASES))
+def test_all_stages_on_one_rank_match_single_process(case, one_rank_group):
+    from graphpipe.runtime.worker import run_job
+
+    spec, groups, mbs, schedule, sequential = ONE_RANK_CASES[case]
+    plan = _plan(spec, groups, [(0,)] * len(groups), mbs, 8, 1, schedule, shared=True, sequential=sequential)
+    result = run_job(0, 1, plan, RunOptions(steps=2, check=True), torch.device("cpu"), "gloo")
+    check = result["check"]
+    assert check["passed"], check
+    assert check["num_params_checked"] == check["num_params"] > 0
+    assert len(result["losses"]) == 2 and result["losses"][1] != result["losses"][0]  # the optimizer stepped
