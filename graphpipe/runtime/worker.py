@@ -244,7 +244,8 @@ def run_job(rank: int, world_size: int, plan: Plan, options: RunOptions, device:
         result = executor.run_iteration(inputs, t0)
         steps.append(result)
         if step == 0 and reference is not None:
-            check_stats = compare_gradients(((name, p) for s in sorted(programs)
+            # Replicas all compare; only a stage's first replica counts its parameters.
+            check_stats = compare_gradients(((name, p, sg.stages[s].devices[0] == rank) for s in sorted(programs)
                                              for name, p in programs[s].module.named_parameters()), reference[1], options)
         if optimizer is not None:
             optimizer.step()
@@ -253,9 +254,12 @@ def run_job(rank: int, world_size: int, plan: Plan, options: RunOptions, device:
 
 
 def compare_gradients(named_params, ref_grads: dict[str, torch.Tensor], options: RunOptions) -> tuple[float, int, int]:
-    """``(max |a - b|, elements outside atol + rtol*|b|, parameters compared)`` against the reference."""
+    """``(max |a - b|, elements outside atol + rtol*|b|, parameters counted)`` against the reference.
+
+    ``named_params`` yields ``(name, parameter, counted)``.
+    """
     max_abs, mismatches, count = 0.0, 0, 0
-    for name, p in named_params:
+    for name, p, counted in named_params:
         if name not in ref_grads:
             raise PlanError(f"--check: parameter {name!r} has no gradient in the single-process run")
         if p.grad is None:
@@ -265,7 +269,7 @@ def compare_gradients(named_params, ref_grads: dict[str, torch.Tensor], options:
         if diff.numel():
             max_abs = max(max_abs, float(diff.max()))
         mismatches += int((diff > options.atol + options.rtol * ref.abs()).sum())
-        count += 1
+        count += int(counted)
     return max_abs, mismatches, count
 
 
