@@ -1,0 +1,486 @@
+"""The CP-SAT model of one pipeline iteration, built apart from solving it (STYLE habit 6).
+
+Decisions: each stage's micro-batch size (one boolean per candidate size,
+exactly one true) and the order of every forward (F) and backward (B) task
+on every device. Objective: the iteration makespan. The model mirrors the
+simulator's semantics (DESIGN §7, the shared "simulator semantics"):
+
+* A stage with size ``b`` has ``batch_size // b`` micro-batches. Tasks are
+  created for *every* candidate size's micro-batches as optional intervals,
+  present only when that size is chosen.
+* Replicas of a data-parallel stage run the same tasks, so a stage's tasks
+  are modelled once on its device group; a task takes
+  ``fwd_time(b / replicas)`` (resp. bwd) seconds.
+* F of consumer micro-batch ``j`` waits for F of every producer micro-batch
+  it covers (:func:`covered_mbs`, i.e. ``StageGraph.consumed_mbs``) plus the
+  transfer of ``edge_bytes * producer_size`` bytes; B of the producer waits
+  for B of the same consumer micro-batches plus the same transfer back.
+* Activations of (stage, mb) (``act_bytes_per_sample * b / replicas`` on each
+  device) live from the start of F to the end of B: a reservoir per device
+  group whose capacity is device memory minus model state.
+* A replicated stage all-reduces its gradients after its last B; the
+  iteration ends when every device is done.
+
+Time scale
+----------
+One integer tick is ``unit_s`` seconds, a power of ten chosen by
+:func:`time_unit` so that the reference makespan (the heuristic's) is 10^7 to
+10^8 ticks. Every duration and transfer is rounded **up** to whole ticks
+(compute tasks to at least one tick, so intervals never have zero length and
+the order on a device is read unambiguously from start times). Hence the
+solver's schedule, replayed with exact durations in the same order (the
+simulator), can only finish earlier. For a fixed order the makespan is a
+longest path, and rounding lengthens a path by at most :func:`rounding_slack`
+seconds (the rounding of every task of the chosen sizes, one transfer into
+each task and one all-reduce). So when the solver proves optimality,
+``0 <= solver_makespan - simulated_makespan <= slack``; when it stops at a
+feasible solution its timing may be looser and only ``0 <=`` holds (the
+simulated value is reported). The same slack makes the bound rigorous for
+exact durations: ``exact optimum >= bound - slack``. Memory is in whole bytes
+(activations rounded up, capacity down), exact to a byte per micro-batch.
+
+Example
+-------
+>>> from graphpipe.graph import Op, OpGraph, Affine
+>>> from graphpipe.stages import Stage, StageGraph
+>>> from graphpipe.cluster import preset
+>>> g = OpGraph.build("c", [Op("a", "x", Affine(0, 1e-3), Affine(0, 2e-3)),
+...                         Op("b", "x", Affine(0, 1e-3), Affine(0, 2e-3))], [("a", "b", 0.0)])
+>>> sg = StageGraph.build(g, [Stage(0, (0,), (0,), 2), Stage(1, (1,), (1,), 2)], 4, 2)
+>>> data = model_data(sg, preset("v100", 2), candidates=[(2,), (2,)], reference_s=0.02)
+>>> data.unit_s, data.duration[(0, 2, "F")], data.duration[(0, 2, "B")]
+(1e-09, 2000000, 4000000)
+>>> cm = build_model(data)
+>>> sorted(cm.use)
+[(0, 2), (1, 2)]
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from ortools.sat.python import cp_model
+
+from graphpipe.actions import Action, Schedule
+from graphpipe.cluster import Cluster
+from graphpipe.errors import InfeasibleError, InputError
+from graphpipe.stages import StageGraph
+
+__all__ = [
+    "TARGET_TICKS",
+    "ModelData",
+    "CpsatModel",
+    "time_unit",
+    "covered_mbs",
+    "stage_candidates",
+    "model_data",
+    "check_memory",
+    "rounding_slack",
+    "build_model",
+    "task_graph",
+    "replay",
+    "add_hint",
+    "schedule_from_starts",
+]
+
+TARGET_TICKS = 10**7
+"""The reference makespan spans 10^7..10^8 ticks: rounding error per term is
+at most 1e-7 of it, and int64 horizons stay far from overflow."""
+
+TaskKey = tuple[int, str, int]
+"""(stage_id, kind, mb_id) once sizes are fixed."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelData:
+    """Everything the model needs, already in integer ticks and bytes."""
+
+    sg: StageGraph
+    unit_s: float
+    """Seconds per tick."""
+    slack_s: float
+    """Most that rounding durations up can add to any path of a schedule (see :func:`rounding_slack`)."""
+    candidates: tuple[tuple[int, ...], ...]
+    """Candidate micro-batch sizes per stage (sorted)."""
+    duration: Mapping[tuple[int, int, str], int]
+    """(stage_id, size, kind) -> ticks of one F or B task on one replica."""
+    delay: Mapping[tuple[int, int, int], int]
+    """(producer, consumer, producer size) -> ticks of one transfer (both directions)."""
+    act: Mapping[tuple[int, int], int]
+    """(stage_id, size) -> activation bytes one micro-batch keeps on each of the stage's devices."""
+    allreduce: tuple[int, ...]
+    """Per stage: ticks of the gradient all-reduce after its last B (0 when not replicated)."""
+    groups: tuple[tuple[int, ...], ...]
+    """Distinct device sets; tasks of all stages on a group never overlap."""
+    group_stages: tuple[tuple[int, ...], ...]
+    capacity: tuple[int, ...]
+    """Per group: bytes left for activations on each device after model state."""
+    state: tuple[float, ...]
+    """Per group: model-state bytes on each device."""
+    horizon: int
+    """An upper bound on any left-justified schedule's makespan, in ticks."""
+    uniform: bool
+    """All stages must pick the same micro-batch size."""
+
+    @property
+    def num_stages(self) -> int:
+        return self.sg.num_stages
+
+    def num_mbs(self, size: int) -> int:
+        return self.sg.batch_size // size
+
+
+@dataclass(frozen=True, slots=True)
+class CpsatModel:
+    """The built model and its variables, keyed by index tuples."""
+
+    data: ModelData
+    model: cp_model.CpModel
+    use: Mapping[tuple[int, int], cp_model.IntVar]
+    """(stage_id, size) -> true when the stage runs micro-batches of that size."""
+    start: Mapping[tuple[int, int, str, int], cp_model.IntVar]
+    """(stage_id, size, kind, mb_id) -> start tick of the task."""
+    interval: Mapping[tuple[int, int, str, int], cp_model.IntervalVar]
+    makespan: cp_model.IntVar
+    memory_groups: tuple[int, ...]
+    """Groups that received a reservoir constraint (memory can bind there)."""
+
+
+def time_unit(reference_s: float) -> float:
+    """Power-of-ten seconds per tick that puts ``reference_s`` in [TARGET, 10*TARGET) ticks.
+
+    >>> time_unit(0.02)
+    1e-09
+    """
+    if not (reference_s > 0 and math.isfinite(reference_s)):
+        return 1e-9
+    exponent = math.floor(math.log10(reference_s / TARGET_TICKS))
+    return float(f"1e{exponent}")
+
+
+def _ticks(seconds: float, unit_s: float, minimum: int = 0) -> int:
+    """Round up to whole ticks (see the module docstring for why up)."""
+    return max(minimum, math.ceil(seconds / unit_s - 1e-12 * max(1.0, seconds / unit_s)))
+
+
+def covered_mbs(producer_size: int, consumer_size: int, consumer_mb: int) -> range:
+    """Producer micro-batches sharing samples with consumer micro-batch ``consumer_mb``.
+
+    The same sample arithmetic as :meth:`StageGraph.consumed_mbs`, for any pair
+    of sizes: micro-batch ``j`` of size ``b`` holds samples ``[j*b, (j+1)*b)``.
+
+    >>> list(covered_mbs(2, 4, 1)), list(covered_mbs(4, 2, 3))
+    ([2, 3], [1])
+    """
+    lo, hi = consumer_mb * consumer_size, (consumer_mb + 1) * consumer_size
+    return range(lo // producer_size, (hi - 1) // producer_size + 1)
+
+
+def stage_candidates(sg: StageGraph, candidate_sizes: Sequence[int] | None,
+                     per_stage: bool = True) -> tuple[tuple[int, ...], ...]:
+    """Candidate sizes per stage: divisors of the batch (or ``candidate_sizes``)
+    divisible by the stage's replica count, always including its current size
+    (so the heuristic's schedule stays a feasible hint and the answer is never
+    worse than it). ``per_stage=False`` keeps each stage at its current size.
+
+    >>> from graphpipe.graph import Op, OpGraph
+    >>> from graphpipe.stages import Stage
+    >>> g = OpGraph.build("c", [Op("a", "x"), Op("b", "x")], [("a", "b", 0.0)])
+    >>> sg = StageGraph.build(g, [Stage(0, (0,), (0, 1), 2), Stage(1, (1,), (2,), 2)], 8, 3)
+    >>> stage_candidates(sg, None)
+    ((2, 4, 8), (1, 2, 4, 8))
+    """
+    batch = sg.batch_size
+    if candidate_sizes is None:
+        pool = [d for d in range(1, batch + 1) if batch % d == 0]
+    else:
+        pool = []
+        for size in candidate_sizes:
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1 or batch % size:
+                raise InputError(f"candidate micro-batch size {size!r} must be a positive integer dividing "
+                                 f"the batch size {batch}; use divisors such as "
+                                 f"{[d for d in range(1, batch + 1) if batch % d == 0][:8]}")
+            pool.append(size)
+    result = []
+    for stage in sg.stages:
+        sizes = {stage.micro_batch_size}
+        if per_stage:
+            sizes |= {b for b in pool if b % stage.num_replicas == 0}
+        result.append(tuple(sorted(sizes)))
+    return tuple(result)
+
+
+def model_data(sg: StageGraph, cluster: Cluster, candidates: Sequence[Sequence[int]],
+               reference_s: float, uniform: bool = False) -> ModelData:
+    """Durations, delays and memory in ticks and bytes for every candidate size."""
+    if len(candidates) != sg.num_stages:
+        raise InputError(f"need candidate sizes for {sg.num_stages} stages, got {len(candidates)}")
+    cands = tuple(tuple(sorted(set(c))) for c in candidates)
+    if uniform:
+        common = set(cands[0]).intersection(*map(set, cands[1:]))
+        if not common:
+            raise InputError("no micro-batch size is a candidate for every stage (replica counts differ); "
+                             "drop uniform sizes or pass candidate sizes divisible by every replica count")
+        cands = tuple(tuple(sorted(common)) for _ in cands)
+    unit = time_unit(reference_s)
+    g = sg.graph
+    duration: dict[tuple[int, int, str], int] = {}
+    act: dict[tuple[int, int], int] = {}
+    task_error = []  # per stage: worst total rounding of all its tasks over its candidate sizes
+    batch = sg.batch_size
+    for stage in sg.stages:
+        r = stage.num_replicas
+        per_sample_act = sg.act_bytes_per_sample(stage.id)
+        worst = 0.0
+        for b in cands[stage.id]:
+            fwd, bwd = g.fwd_time(stage.op_ids, b / r), g.bwd_time(stage.op_ids, b / r)
+            duration[(stage.id, b, "F")] = _ticks(fwd, unit, 1)
+            duration[(stage.id, b, "B")] = _ticks(bwd, unit, 1)
+            act[(stage.id, b)] = math.ceil(per_sample_act * b / r)
+            rounded = (duration[(stage.id, b, "F")] + duration[(stage.id, b, "B")]) * unit
+            worst = max(worst, batch // b * max(0.0, rounded - fwd - bwd))
+        task_error.append(worst)
+    delay: dict[tuple[int, int, int], int] = {}
+    delay_error = 0.0
+    for p, c in sg.edges:
+        src, dst = sg.stages[p].devices, sg.stages[c].devices
+        for bp in cands[p]:
+            seconds = cluster.transfer_time(src, dst, sg.edge_bytes(p, c) * bp)
+            delay[(p, c, bp)] = _ticks(seconds, unit)
+            delay_error = max(delay_error, delay[(p, c, bp)] * unit - seconds)
+    allreduce_s = [cluster.allreduce_time(s.devices, sg.param_bytes(s.id)) for s in sg.stages]
+    allreduce = tuple(_ticks(t, unit) for t in allreduce_s)
+    allreduce_error = max((a * unit - t for a, t in zip(allreduce, allreduce_s)), default=0.0)
+    groups = tuple(sorted({s.devices for s in sg.stages}))
+    group_stages = tuple(tuple(s.id for s in sg.stages if s.devices == grp) for grp in groups)
+    state = tuple(sum(cluster.state_bytes(sg.param_bytes(s)) for s in members) for members in group_stages)
+    capacity = tuple(math.floor(cluster.memory_bytes - st) for st in state)
+    # Horizon: a left-justified schedule idles only while waiting for a
+    # transfer, at most once per task, so work + tasks * longest delay + the
+    # longest all-reduce bounds its makespan.
+    work = sum(max(batch // b * (duration[(s, b, "F")] + duration[(s, b, "B")]) for b in cands[s])
+               for s in range(sg.num_stages))
+    max_tasks = sum(2 * batch // min(cands[s]) for s in range(sg.num_stages))
+    horizon = work + max_tasks * max(delay.values(), default=0) + max(allreduce, default=0) + 1
+    # Rounding slack: along any path every task appears at most once and each
+    # step into a task crosses at most one transfer, then one all-reduce.
+    slack = sum(task_error) + max_tasks * max(0.0, delay_error) + max(0.0, allreduce_error)
+    return ModelData(sg=sg, unit_s=unit, slack_s=slack, candidates=cands, duration=duration, delay=delay, act=act,
+                     allreduce=allreduce, groups=groups, group_stages=group_stages, capacity=capacity,
+                     state=state, horizon=horizon, uniform=uniform)
+
+
+def check_memory(data: ModelData, memory_bytes: float) -> None:
+    """Raise :class:`InfeasibleError` when no schedule can fit some device.
+
+    Necessary condition: model state plus one in-flight micro-batch of the
+    stage with the largest smallest-candidate activation (a stage must hold
+    at least one micro-batch between its F and B).
+    """
+    for gi, grp in enumerate(data.groups):
+        need_act = max(data.act[(s, data.candidates[s][0])] for s in data.group_stages[gi])
+        need = data.state[gi] + need_act
+        if need > memory_bytes:
+            stages = ", ".join(str(s) for s in data.group_stages[gi])
+            raise InfeasibleError(
+                f"device {grp[0]} (stage {stages}) needs at least {need:.4g} bytes (model state "
+                f"{data.state[gi]:.4g} + one micro-batch of activations {need_act:.4g}) but has "
+                f"{memory_bytes:.4g}; give the stage more devices, use a smaller micro-batch, or a larger device")
+
+
+def rounding_slack(data: ModelData) -> float:
+    """Seconds by which rounding up can lengthen any schedule of the model.
+
+    For a fixed order the makespan is a longest path; rounding changes a
+    path by the rounding of the tasks on it (at most all tasks of the chosen
+    sizes), of the transfers into them (at most one per task) and of one
+    all-reduce. So ``solver makespan - simulated makespan`` of the solver's
+    order lies in ``[0, slack]`` and ``exact optimum >= bound - slack``.
+    """
+    return data.slack_s
+
+
+def build_model(data: ModelData, symmetry_breaking: bool = True) -> CpsatModel:
+    """The CP-SAT model (variables keyed by index tuples, one comment per constraint block).
+
+    ``symmetry_breaking`` orders each stage's F tasks and its B tasks by
+    micro-batch id. Micro-batches of a stage are interchangeable up to the
+    sample ranges they share with neighbours, and every schedule generator
+    and the runtime's per-link FIFO order use increasing ids, so this keeps
+    the schedules the validator accepts; the tests compare against a brute
+    force over the full order space on tiny instances.
+    """
+    sg = data.sg
+    model = cp_model.CpModel()
+    horizon = data.horizon
+    use: dict[tuple[int, int], cp_model.IntVar] = {}
+    start: dict[tuple[int, int, str, int], cp_model.IntVar] = {}
+    interval: dict[tuple[int, int, str, int], cp_model.IntervalVar] = {}
+    for s in range(sg.num_stages):
+        for b in data.candidates[s]:
+            use[s, b] = model.new_bool_var(f"use_s{s}_b{b}")
+            for kind in ("F", "B"):
+                dur = data.duration[(s, b, kind)]
+                for j in range(data.num_mbs(b)):
+                    start[s, b, kind, j] = model.new_int_var(0, horizon - dur, f"start_{s}{kind}{j}_b{b}")
+                    interval[s, b, kind, j] = model.new_optional_fixed_size_interval_var(
+                        start[s, b, kind, j], dur, use[s, b], f"task_{s}{kind}{j}_b{b}")
+
+    def end(s: int, b: int, kind: str, j: int):
+        return start[s, b, kind, j] + data.duration[(s, b, kind)]
+
+    # Each stage runs exactly one micro-batch size.
+    for s in range(sg.num_stages):
+        model.add_exactly_one(use[s, b] for b in data.candidates[s])
+
+    # With uniform sizes, every stage picks the same size as stage 0.
+    if data.uniform:
+        for s in range(1, sg.num_stages):
+            for b in data.candidates[s]:
+                model.add(use[s, b] == use[0, b])
+
+    # A device runs one task at a time (replicas share their stage's tasks).
+    for members in data.group_stages:
+        model.add_no_overlap([iv for (s, _b, _k, _j), iv in interval.items() if s in members])
+
+    # The backward of a micro-batch follows its own forward.
+    for s in range(sg.num_stages):
+        for b in data.candidates[s]:
+            for j in range(data.num_mbs(b)):
+                model.add(start[s, b, "B", j] >= end(s, b, "F", j)).only_enforce_if(use[s, b])
+
+    # Symmetry breaking: a stage's forwards, and its backwards, run in micro-batch order.
+    if symmetry_breaking:
+        for s in range(sg.num_stages):
+            for b in data.candidates[s]:
+                for kind in ("F", "B"):
+                    for j in range(data.num_mbs(b) - 1):
+                        model.add(start[s, b, kind, j + 1] >= end(s, b, kind, j)).only_enforce_if(use[s, b])
+
+    # Data dependencies along stage edges, for every pair of sizes that may be
+    # chosen: consumer F waits for the producer F's it covers plus a transfer;
+    # producer B waits for those consumer B's plus the transfer back.
+    for p, c in sg.edges:
+        for bp in data.candidates[p]:
+            wait = data.delay[(p, c, bp)]
+            for bc in data.candidates[c]:
+                both = [use[p, bp], use[c, bc]]
+                for j in range(data.num_mbs(bc)):
+                    for i in covered_mbs(bp, bc, j):
+                        model.add(start[c, bc, "F", j] >= end(p, bp, "F", i) + wait).only_enforce_if(both)
+                        model.add(start[p, bp, "B", i] >= end(c, bc, "B", j) + wait).only_enforce_if(both)
+
+    # Activation memory: +act when F starts, -act when B ends, never above what
+    # model state leaves free (skipped where even all samples at once fit).
+    memory_groups = []
+    for gi, members in enumerate(data.group_stages):
+        worst = sum(max(data.act[(s, b)] * data.num_mbs(b) for b in data.candidates[s]) for s in members)
+        if worst <= data.capacity[gi]:
+            continue
+        memory_groups.append(gi)
+        times, changes, actives = [], [], []
+        for s in members:
+            for b in data.candidates[s]:
+                if data.act[(s, b)] == 0:
+                    continue
+                for j in range(data.num_mbs(b)):
+                    times += [start[s, b, "F", j], end(s, b, "B", j)]
+                    changes += [data.act[(s, b)], -data.act[(s, b)]]
+                    actives += [use[s, b], use[s, b]]
+        model.add_reservoir_constraint_with_active(times, changes, actives, 0, max(0, data.capacity[gi]))
+
+    # The iteration ends after every backward and every gradient all-reduce.
+    makespan = model.new_int_var(0, horizon, "makespan")
+    for s in range(sg.num_stages):
+        for b in data.candidates[s]:
+            last = range(data.num_mbs(b) - 1, data.num_mbs(b)) if symmetry_breaking else range(data.num_mbs(b))
+            for j in last:
+                model.add(makespan >= end(s, b, "B", j) + data.allreduce[s]).only_enforce_if(use[s, b])
+    model.minimize(makespan)
+    return CpsatModel(data=data, model=model, use=use, start=start, interval=interval, makespan=makespan,
+                      memory_groups=tuple(memory_groups))
+
+
+def task_graph(data: ModelData, sizes: Sequence[int]) -> dict[TaskKey, tuple[int, list[tuple[TaskKey, int]]]]:
+    """For fixed sizes: task -> (duration ticks, [(predecessor task, delay ticks)])."""
+    sg = data.sg
+    tasks: dict[TaskKey, tuple[int, list[tuple[TaskKey, int]]]] = {}
+    for s in range(sg.num_stages):
+        b = sizes[s]
+        for j in range(data.num_mbs(b)):
+            tasks[(s, "F", j)] = (data.duration[(s, b, "F")], [])
+            tasks[(s, "B", j)] = (data.duration[(s, b, "B")], [((s, "F", j), 0)])
+    for p, c in sg.edges:
+        bp, bc = sizes[p], sizes[c]
+        wait = data.delay[(p, c, bp)]
+        for j in range(data.num_mbs(bc)):
+            for i in covered_mbs(bp, bc, j):
+                tasks[(c, "F", j)][1].append(((p, "F", i), wait))
+                tasks[(p, "B", i)][1].append(((c, "B", j), wait))
+    return tasks
+
+
+def replay(data: ModelData, sizes: Sequence[int], schedule: Schedule) -> tuple[dict[TaskKey, int], int] | None:
+    """Left-justified start ticks of ``schedule`` run with the model's rounded durations.
+
+    The integer twin of the simulator, used to hint the solver with a
+    schedule that satisfies the model exactly. Returns ``(starts, makespan)``
+    or None when the order deadlocks or misses tasks.
+    """
+    tasks = task_graph(data, sizes)
+    orders: list[list[TaskKey]] = []
+    for grp in data.groups:
+        acts = schedule.device_actions[grp[0]] if grp[0] < schedule.num_devices else ()
+        orders.append([(a.stage_id, a.kind, a.mb_id) for a in acts])
+    if sorted(k for order in orders for k in order) != sorted(tasks):
+        return None
+    starts: dict[TaskKey, int] = {}
+    finish: dict[TaskKey, int] = {}
+    position = [0] * len(orders)
+    free = [0] * len(orders)
+    progressed = True
+    while progressed:
+        progressed = False
+        for gi, order in enumerate(orders):
+            while position[gi] < len(order):
+                key = order[position[gi]]
+                dur, preds = tasks[key]
+                if any(pred not in finish for pred, _ in preds):
+                    break
+                t = max([free[gi]] + [finish[pred] + wait for pred, wait in preds])
+                starts[key], finish[key] = t, t + dur
+                free[gi] = t + dur
+                position[gi] += 1
+                progressed = True
+    if len(starts) != len(tasks):
+        return None
+    makespan = 0
+    for s in range(data.num_stages):
+        last = max(finish[(s, "B", j)] for j in range(data.num_mbs(sizes[s])))
+        makespan = max(makespan, last + data.allreduce[s])
+    return starts, makespan
+
+
+def add_hint(cm: CpsatModel, sizes: Sequence[int], starts: Mapping[TaskKey, int], makespan: int) -> None:
+    """Hint a complete solution: chosen sizes, their task starts, 0 elsewhere."""
+    for (s, b), var in cm.use.items():
+        cm.model.add_hint(var, b == sizes[s])
+    for (s, b, kind, j), var in cm.start.items():
+        cm.model.add_hint(var, starts[(s, kind, j)] if b == sizes[s] else 0)
+    cm.model.add_hint(cm.makespan, makespan)
+
+
+def schedule_from_starts(data: ModelData, sizes: Sequence[int], starts: Mapping[TaskKey, int],
+                         name: str = "cpsat") -> Schedule:
+    """Per device, the chosen tasks sorted by start tick (replicas get identical lists)."""
+    per_device: list[list[Action]] = [[] for _ in range(data.sg.num_devices)]
+    for gi, grp in enumerate(data.groups):
+        keys = [(s, kind, j) for s in data.group_stages[gi] for kind in ("F", "B")
+                for j in range(data.num_mbs(sizes[s]))]
+        keys.sort(key=lambda k: (starts[k], k))
+        actions = [Action(s, kind, j) for s, kind, j in keys]
+        for d in grp:
+            per_device[d] = list(actions)
+    return Schedule.from_lists(name, per_device)

@@ -1,0 +1,308 @@
+"""CP-SAT co-optimiser: oracles are a brute force over every valid order (and
+size) on tiny instances, the graph-1F1B heuristic, the validator and the
+simulator (STYLE habits 3, 4, 6)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+from dataclasses import replace
+
+import pytest
+
+from graphpipe.actions import Action, Schedule
+from graphpipe.cluster import preset
+from graphpipe.errors import InfeasibleError, InputError, ScheduleError
+from graphpipe.graph import Affine, Op, OpGraph
+from graphpipe.plan import Plan
+from graphpipe.search.cpsat import optimize_plan, solve
+from graphpipe.search.cpsat_model import (
+    add_hint, build_model, covered_mbs, model_data, replay, stage_candidates,
+)
+from graphpipe.sched.graph1f1b import graph_1f1b
+from graphpipe.sched.simulator import simulate
+from graphpipe.sched.validate import validate_schedule
+from graphpipe.stages import Stage, StageGraph
+
+from conftest import branches_graph, random_sp_graph
+
+TIME_LIMIT = 10.0  # generous: the tiny instances below are proven optimal in well under a second
+
+
+# --------------------------------------------------------------- instances
+def _op(name: str, fwd: float, alpha: float = 2e-4, params: float = 4e6, act: float = 1e6) -> Op:
+    return Op(name, "layer", Affine(alpha, fwd), Affine(2 * alpha, 2 * fwd), params, act, 1e6)
+
+
+def _graph(name: str, costs: dict[str, float], edges: list[tuple[str, str]], edge_bytes: float = 2e7) -> OpGraph:
+    """Edges carry 2e7 bytes per sample: ~0.4 ms per sample on V100 NVLink, comparable to compute."""
+    return OpGraph.build(name, [_op(n, f) for n, f in costs.items()], [(a, b, edge_bytes) for a, b in edges])
+
+
+def chain(n: int) -> OpGraph:
+    return _graph(f"chain{n}", {f"l{i}": 1e-3 * (1 + i % 3) for i in range(n)},
+                  [(f"l{i}", f"l{i + 1}") for i in range(n - 1)])
+
+
+def diamond() -> OpGraph:
+    return _graph("diamond", {"s": 1e-3, "a": 3e-3, "b": 1e-3, "t": 2e-3}, [("s", "a"), ("s", "b"), ("a", "t"), ("b", "t")])
+
+
+def one_stage_per_op(graph: OpGraph, batch: int, mb, devices=None) -> StageGraph:
+    """Stage i = op i on device i (or ``devices[i]``), micro-batch size ``mb`` (int or per stage)."""
+    n = graph.num_ops
+    devs = devices or [(i,) for i in range(n)]
+    sizes = mb if isinstance(mb, (list, tuple)) else [mb] * n
+    num_devices = max(d for ds in devs for d in ds) + 1
+    return StageGraph.build(graph, [Stage(i, (i,), devs[i], sizes[i]) for i in range(n)], batch, num_devices)
+
+
+def with_sizes(sg: StageGraph, sizes) -> StageGraph:
+    return StageGraph(sg.graph, tuple(replace(s, micro_batch_size=b) for s, b in zip(sg.stages, sizes)),
+                      sg.batch_size, sg.num_devices)
+
+
+# ------------------------------------------------------------- brute force
+def stage_orders(stage_id: int, num_mbs: int):
+    """Every order of a stage's F/B tasks with each B after its own F (no micro-batch order imposed)."""
+    def rec(prefix, f_done, b_done):
+        if len(prefix) == 2 * num_mbs:
+            yield tuple(prefix)
+            return
+        for j in range(num_mbs):
+            if j not in f_done:
+                yield from rec(prefix + [Action(stage_id, "F", j)], f_done | {j}, b_done)
+            elif j not in b_done:
+                yield from rec(prefix + [Action(stage_id, "B", j)], f_done, b_done | {j})
+    yield from rec([], frozenset(), frozenset())
+
+
+def brute_force(sg: StageGraph, cluster, size_options=None) -> float:
+    """Minimum simulated makespan over every size choice and every per-stage order that the
+    validator accepts and that fits memory (one stage per device group)."""
+    size_options = size_options or [(s.micro_batch_size,) for s in sg.stages]
+    best = math.inf
+    for sizes in itertools.product(*size_options):
+        sgx = with_sizes(sg, sizes)
+        orders = [list(stage_orders(s, sgx.num_micro_batches(s))) for s in range(sg.num_stages)]
+        for combo in itertools.product(*orders):
+            lists = [[] for _ in range(sg.num_devices)]
+            for stage, acts in zip(sgx.stages, combo):
+                for d in stage.devices:
+                    lists[d] = list(acts)
+            schedule = Schedule.from_lists("brute", lists)
+            try:
+                validate_schedule(sgx, schedule)
+            except ScheduleError:
+                continue  # deadlocks or breaks per-link message order
+            tl = simulate(sgx, schedule, cluster)
+            if max(tl.peak_memory_bytes) <= cluster.memory_bytes:
+                best = min(best, tl.iteration_time_s)
+    return best
+
+
+def check_result(res, cluster) -> None:
+    """Defining properties of every answer: valid schedule, simulated == reported,
+    solver's makespan within rounding of the simulated one, memory within capacity."""
+    validate_schedule(res.stage_graph, res.schedule)
+    tl = simulate(res.stage_graph, res.schedule, cluster)
+    assert tl.iteration_time_s == pytest.approx(res.makespan_s, rel=1e-12)
+    assert max(tl.peak_memory_bytes) <= cluster.memory_bytes
+    assert res.lower_bound_s <= res.makespan_s + 1e-15
+    assert res.gap == pytest.approx((res.makespan_s - res.lower_bound_s) / res.makespan_s, abs=1e-12)
+    if not res.used_heuristic:
+        assert res.solver_makespan_s >= res.makespan_s - 1e-12
+        if res.status == "OPTIMAL":
+            assert res.solver_makespan_s - res.makespan_s <= res.rounding_slack_s + 1e-12
+
+
+# ------------------------------------------------------------------- tests
+def test_covered_mbs_matches_stage_graph():
+    g = chain(2)
+    for bp, bc in itertools.product((1, 2, 3, 6), repeat=2):
+        sg = one_stage_per_op(g, 6, [bp, bc])
+        for j in range(6 // bc):
+            assert tuple(covered_mbs(bp, bc, j)) == sg.consumed_mbs(0, 1, j)
+
+
+def test_stage_candidates_respect_replicas_and_reject_bad_sizes():
+    sg = one_stage_per_op(chain(2), 12, [2, 3], devices=[(0, 1), (2,)])
+    cands = stage_candidates(sg, [1, 2, 4, 6])
+    assert cands == ((2, 4, 6), (1, 2, 3, 4, 6))  # replicas need even sizes; current size 3 kept
+    assert stage_candidates(sg, [1, 2], per_stage=False) == ((2,), (3,))
+    with pytest.raises(InputError, match="5.*dividing the batch size 12"):
+        stage_candidates(sg, [5])
+
+
+def test_hint_replays_to_a_feasible_solution_with_the_simulated_makespan():
+    """The warm start, replayed in integer time, satisfies the model exactly (fixing
+    every variable to its hint is feasible) and its makespan rounds the simulator's."""
+    from ortools.sat.python import cp_model
+
+    cluster = preset("v100", 4)
+    sg = one_stage_per_op(diamond(), 4, 1)
+    heuristic = graph_1f1b(sg, cluster)
+    sim = simulate(sg, heuristic, cluster).iteration_time_s
+    data = model_data(sg, cluster, stage_candidates(sg, [1, 2, 4]), reference_s=sim)
+    starts, makespan = replay(data, [1] * 4, heuristic)
+    assert -1e-12 <= makespan * data.unit_s - sim <= data.slack_s
+    cm = build_model(data)
+    add_hint(cm, [1] * 4, starts, makespan)
+    solver = cp_model.CpSolver()
+    solver.parameters.fix_variables_to_their_hinted_value = True
+    solver.parameters.max_time_in_seconds = 10.0
+    solver.parameters.num_workers = 1
+    solver.parameters.random_seed = 0
+    assert solver.solve(cm.model) == cp_model.OPTIMAL
+    assert solver.objective_value == makespan
+
+
+BRUTE_CASES = {
+    # name: (stage graph, number of devices, candidate sizes or None = keep sizes)
+    "chain2x3": (lambda: one_stage_per_op(chain(2), 3, 1), 2, None),
+    "chain3x2": (lambda: one_stage_per_op(chain(3), 2, 1), 3, None),
+    "diamond4x2": (lambda: one_stage_per_op(diamond(), 2, 1), 4, None),
+    "chain2-sizes-2-3-6": (lambda: one_stage_per_op(chain(2), 6, 6), 2, [2, 3, 6]),
+    "diamond-sizes-2-4": (lambda: one_stage_per_op(diamond(), 4, 4), 4, [2, 4]),
+    "chain2-replicated": (lambda: one_stage_per_op(chain(2), 4, 2, devices=[(0, 1), (2,)]), 3, [2, 4]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BRUTE_CASES))
+def test_optimal_makespan_equals_brute_force(case):
+    build, num_devices, sizes = BRUTE_CASES[case]
+    sg, cluster = build(), preset("v100", num_devices)
+    options = stage_candidates(sg, sizes, per_stage=sizes is not None)
+    res = solve(sg, cluster, candidate_sizes=sizes, per_stage_micro_batch=sizes is not None,
+                time_limit_s=TIME_LIMIT, num_workers=2, seed=0)
+    assert res.status == "OPTIMAL"
+    check_result(res, cluster)
+    best = brute_force(sg, cluster, options)
+    # CP-SAT optimises rounded-up durations, so its order may be off by the rounding slack.
+    assert best - 1e-12 <= res.makespan_s <= best + res.rounding_slack_s + 1e-12
+    assert res.lower_bound_s <= best + 1e-12
+
+
+def test_memory_limit_binds_and_matches_brute_force():
+    """Capacity for about 1.5 micro-batches of activations beyond state on stage 0: the
+    unconstrained optimum keeps more in flight, the solver must not."""
+    sg = one_stage_per_op(chain(2), 3, 1)
+    free = preset("v100", 2)
+    state = free.state_bytes(4e6)
+    tight = free.with_memory(state + 1.5e6)  # act_bytes 1e6 per sample, micro-batch 1
+    loose = solve(sg, free, per_stage_micro_batch=False, time_limit_s=TIME_LIMIT)
+    assert max(simulate(loose.stage_graph, loose.schedule, free).peak_memory_bytes) > tight.memory_bytes
+    res = solve(sg, tight, per_stage_micro_batch=False, time_limit_s=TIME_LIMIT)
+    assert res.status == "OPTIMAL"
+    check_result(res, tight)
+    best = brute_force(sg, tight)
+    assert best - 1e-12 <= res.makespan_s <= best + res.rounding_slack_s + 1e-12
+    assert res.makespan_s > loose.makespan_s
+
+
+def _heuristic_cases():
+    yield "k-branch 3x2", one_stage_per_op(branches_graph(3, 2), 8, 1), 8
+    yield "k-branch 3x2 batch 32", one_stage_per_op(branches_graph(3, 2), 32, 1), 8
+    yield "random SP 6", one_stage_per_op(random_sp_graph(6, seed=3), 4, 1), 6
+    yield "chain4 mixed sizes", one_stage_per_op(chain(4), 8, [2, 1, 4, 2]), 4
+    g = branches_graph(2, 1)
+    yield "diamond replicated", StageGraph.build(
+        g, [Stage(0, (0,), (0, 1), 2), Stage(1, (1,), (2,), 2), Stage(2, (2,), (3,), 2), Stage(3, (3,), (4, 5), 2)], 8, 6), 6
+
+
+@pytest.mark.parametrize("name,sg,num_devices", list(_heuristic_cases()), ids=lambda x: x if isinstance(x, str) else "")
+def test_never_worse_than_graph_1f1b(name, sg, num_devices):
+    cluster = preset("v100", num_devices)
+    heuristic = simulate(sg, graph_1f1b(sg, cluster), cluster).iteration_time_s
+    res = solve(sg, cluster, time_limit_s=3.0, num_workers=2, seed=0)
+    assert res.heuristic_makespan_s == pytest.approx(heuristic, rel=1e-12)
+    assert res.status in ("OPTIMAL", "FEASIBLE")
+    assert res.makespan_s <= heuristic * (1 + 1e-12)
+    check_result(res, cluster)
+
+
+def test_uniform_size_gives_one_size_and_is_no_better_than_per_stage():
+    sg = one_stage_per_op(chain(3), 4, 2)
+    cluster = preset("v100", 3)
+    uniform = solve(sg, cluster, candidate_sizes=[2, 4], uniform_size=True, time_limit_s=TIME_LIMIT)
+    free = solve(sg, cluster, candidate_sizes=[2, 4], time_limit_s=TIME_LIMIT)
+    assert len({s.micro_batch_size for s in uniform.stage_graph.stages}) == 1
+    assert uniform.status == free.status == "OPTIMAL"
+    assert free.makespan_s <= uniform.makespan_s + free.rounding_slack_s
+    # Oracle for the uniform optimum: brute force over each common size.
+    best = min(brute_force(sg, cluster, [(b,)] * 3) for b in (2, 4))
+    assert best - 1e-12 <= uniform.makespan_s <= best + uniform.rounding_slack_s + 1e-12
+
+
+def test_memory_infeasible_names_device_and_bytes():
+    sg = one_stage_per_op(chain(2), 4, 2)
+    cluster = preset("v100", 2)
+    state = cluster.state_bytes(4e6)
+    small = cluster.with_memory(state + 0.5e6)  # one sample of activations needs 1e6 bytes
+    need = state + 1e6  # state + one micro-batch of the smallest candidate size (1)
+    with pytest.raises(InfeasibleError, match=rf"device 0 .*needs at least {re.escape(f'{need:.4g}')} bytes.*has {re.escape(f'{state + 0.5e6:.4g}')};"):
+        solve(sg, small, time_limit_s=TIME_LIMIT)
+
+
+def test_solver_proves_memory_infeasibility_with_virtual_stages():
+    """Two chained virtual stages on one device must both hold a micro-batch at once."""
+    g = chain(2)
+    sg = StageGraph(g, (Stage(0, (0,), (0,), 1), Stage(1, (1,), (0,), 1)), 2, 1, allow_shared_devices=True)
+    cluster = preset("v100", 1)
+    cluster = cluster.with_memory(2 * cluster.state_bytes(4e6) + 1.5e6)  # room for one micro-batch, not two
+    with pytest.raises(InfeasibleError, match=r"proved.*device 0.*bytes"):
+        solve(sg, cluster, per_stage_micro_batch=False, time_limit_s=TIME_LIMIT)
+
+
+def test_tiny_time_limit_returns_the_heuristic_and_says_so():
+    sg = one_stage_per_op(chain(4), 16, 1)
+    cluster = preset("v100", 4)
+    res = solve(sg, cluster, time_limit_s=1e-6, num_workers=2)
+    assert res.used_heuristic and res.status == "UNKNOWN"
+    assert "time limit" in res.message and "graph-1f1b" in res.message
+    assert res.schedule == graph_1f1b(sg, cluster)
+    assert res.makespan_s == res.heuristic_makespan_s
+
+
+def test_bad_arguments_raise_input_errors():
+    sg = one_stage_per_op(chain(2), 4, 1)
+    cluster = preset("v100", 2)
+    with pytest.raises(InputError, match="time limit.*0"):
+        solve(sg, cluster, time_limit_s=0)
+    with pytest.raises(InputError, match="num_workers.*0"):
+        solve(sg, cluster, num_workers=0)
+    with pytest.raises(InputError, match="2 devices but the cluster has 3"):
+        solve(sg, preset("v100", 3))
+
+
+def test_progress_reports_best_above_bound_and_one_worker_is_deterministic():
+    sg = one_stage_per_op(diamond(), 4, 1)
+    cluster = preset("v100", 4)
+    seen = []
+    first = solve(sg, cluster, candidate_sizes=[1, 2, 4], time_limit_s=TIME_LIMIT, num_workers=1, seed=7,
+                  progress=lambda best, bound: seen.append((best, bound)))
+    assert seen and all(bound <= best for best, bound in seen if best < math.inf)
+    assert min(best for best, _ in seen) == pytest.approx(first.solver_makespan_s, rel=1e-12)
+    again = solve(sg, cluster, candidate_sizes=[1, 2, 4], time_limit_s=TIME_LIMIT, num_workers=1, seed=7)
+    assert again.schedule == first.schedule and again.stage_graph == first.stage_graph
+
+
+def test_optimize_plan_returns_a_cpsat_plan():
+    sg = one_stage_per_op(chain(3), 4, 1)
+    cluster = preset("v100", 3)
+    schedule = graph_1f1b(sg, cluster)
+    plan = Plan(model="chain3", stage_graph=sg, cluster=cluster, strategy="custom", schedule=schedule,
+                search={"strategy": "custom", "time_s": 0.0})
+    new = optimize_plan(plan, time_limit_s=TIME_LIMIT, candidate_sizes=[1, 2, 4])
+    assert new.schedule.name == "cpsat" and new.strategy == "custom"
+    validate_schedule(new.stage_graph, new.schedule)
+    tl = simulate(new.stage_graph, new.schedule, cluster)
+    assert new.predicted["iteration_time_s"] == tl.iteration_time_s
+    assert new.predicted["iteration_time_s"] <= new.search["heuristic_makespan_s"] * (1 + 1e-12)
+    assert new.search["cpsat_status"] == "OPTIMAL"
+    assert 0 <= new.search["lower_bound_s"] <= tl.iteration_time_s
+    assert new.search["gap"] == pytest.approx(1 - new.search["lower_bound_s"] / tl.iteration_time_s)
+    assert new.search["time_s"] == 0.0  # the partitioner's statistics are kept
+    kept = optimize_plan(plan, time_limit_s=TIME_LIMIT, per_stage_micro_batch=False)
+    assert [s.micro_batch_size for s in kept.stage_graph.stages] == [1, 1, 1]
