@@ -1,0 +1,115 @@
+"""GPipe's partitioner (Huang et al., NeurIPS'19): an even split of the layer sequence.
+
+GPipe places ``K`` consecutive groups of layers on ``K`` accelerators, one
+each, balancing the work, and runs them fill-drain: all ``M`` forwards, then
+all ``M`` backwards, bubble fraction ``(K - 1) / (M + K - 1)``.
+
+Our version:
+
+* **Sequence**: the op-id order (Kahn's algorithm, ties by input position;
+  :func:`~graphpipe.search.linearize.linear_order`).
+* **K** = number of devices, or the number of ops when there are fewer; one
+  device per stage (GPipe has no data parallelism inside a stage).
+* **Even split**: the linear-partition DP that minimises the largest stage
+  forward + backward time, ``G(q, i) = min_j max(time(i..j), G(q - 1, j + 1))``
+  for the best split of the ops from ``i`` on into ``q`` stages; the time per stage is
+  :func:`~graphpipe.search.common.stage_tps` with one replica (forward +
+  backward time per micro-batch divided by its size, so ranking by it is
+  ranking by time at the chosen micro-batch size).
+* **Memory**: GPipe *without* re-materialisation: fill-drain keeps all ``M``
+  micro-batches' activations until the backward pass starts, i.e. the whole
+  mini-batch's activations, on every stage. Splits whose stages do not fit
+  are excluded. (Re-materialisation would trade ~one extra forward per
+  stage for storing only stage inputs; we model the plain schedule that the
+  simulator runs.)
+* **Micro-batch size**: every candidate is split and the plan with the best
+  simulated fill-drain throughput wins.
+
+Example
+-------
+>>> from graphpipe.graph import Affine, Op, OpGraph
+>>> from graphpipe.cluster import preset
+>>> ops = [Op(f"l{i}", "x", Affine(0, t), Affine(0, 2 * t)) for i, t in enumerate([1e-3, 1e-3, 2e-3])]
+>>> g = OpGraph.build("chain", ops, [("l0", "l1", 1.0), ("l1", "l2", 1.0)])
+>>> [ops for ops, _ in solve(g, preset("v100", 2), batch_size=8, micro_batch_size=2).stages]
+[(0, 1), (2,)]
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+
+from graphpipe.cluster import Cluster
+from graphpipe.graph import OpGraph
+from graphpipe.search.common import SearchOptions, SearchResult, micro_batch_candidates
+from graphpipe.search.linearize import (OpArrays, ReplicaCosts, SequentialPartition, choose_micro_batch,
+                                        linear_order, placed_bottleneck)
+
+__all__ = ["partition", "solve", "SCHEDULE"]
+
+log = logging.getLogger(__name__)
+
+SCHEDULE = "gpipe"
+
+
+def solve(graph: OpGraph, cluster: Cluster, batch_size: int, micro_batch_size: int) -> SequentialPartition | None:
+    """The even split into ``min(devices, ops)`` contiguous stages; None when no split fits in memory."""
+    order = linear_order(graph)
+    n = len(order)
+    num_stages = min(cluster.num_devices, n)
+    b = micro_batch_size
+    num_mbs = batch_size // b
+    arrays = OpArrays.of(graph)
+    costs = ReplicaCosts.of(cluster)
+
+    def prefix(values: np.ndarray) -> np.ndarray:
+        return np.concatenate(([0.0], np.cumsum(values[list(order)])))
+
+    pa, pb, pp, pact = (prefix(a) for a in (arrays.compute_alpha, arrays.compute_beta, arrays.params, arrays.act))
+    # cost[i, j] for the stage order[i..j] (j >= i): TPS on one device, inf when it does not fit.
+    i_idx, j_idx = np.triu_indices(n)
+    cost = np.full((n, n), np.inf)
+    params = pp[j_idx + 1] - pp[i_idx]
+    tps = costs.tps(pa[j_idx + 1] - pa[i_idx], pb[j_idx + 1] - pb[i_idx], params, 1, b, batch_size)
+    mem = costs.memory(params, pact[j_idx + 1] - pact[i_idx], 1, b, num_mbs)
+    cost[i_idx, j_idx] = np.where(mem <= costs.memory_bytes, tps, np.inf)
+
+    # best[q][i]: smallest max stage time splitting order[i..n-1] into exactly q stages.
+    best = np.full((num_stages + 1, n + 1), np.inf)
+    cut = np.zeros((num_stages + 1, n + 1), dtype=int)
+    best[0, n] = 0.0
+    for q in range(1, num_stages + 1):
+        for i in range(n - q, -1, -1):                      # need at least q ops left
+            ends = np.arange(i, n - q + 1)                  # first stage order[i..end]
+            cand = np.maximum(cost[i, ends], best[q - 1, ends + 1])
+            pick = int(np.argmin(cand))                     # earliest cut among equals
+            best[q, i], cut[q, i] = cand[pick], ends[pick]
+    if not np.isfinite(best[num_stages, 0]):
+        return None
+    stages, i = [], 0
+    for q in range(num_stages, 0, -1):
+        end = int(cut[q, i])
+        stages.append((tuple(order[i:end + 1]), 1))
+        i = end + 1
+    return SequentialPartition(tuple(stages), float(best[num_stages, 0]), b)
+
+
+def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: SearchOptions) -> SearchResult:
+    """GPipe's plan: even split at every micro-batch candidate, best simulated fill-drain throughput."""
+    started = time.perf_counter()
+    candidates = micro_batch_candidates(batch_size, options)
+    sg, part, extra = choose_micro_batch("gpipe", graph, cluster, batch_size, candidates, SCHEDULE,
+                                         lambda b: solve(graph, cluster, batch_size, b))
+    stats = {
+        "time_s": time.perf_counter() - started,
+        "bottleneck_tps": placed_bottleneck(sg, cluster),
+        "model_bottleneck_tps": part.bottleneck_tps,
+        "micro_batch_size": part.micro_batch_size,
+        "devices_used": len(sg.devices_used()),
+        "num_stages": sg.num_stages,
+        **extra,
+    }
+    return SearchResult(stage_graph=sg, schedule_name=SCHEDULE, stats=stats)

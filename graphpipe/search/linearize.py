@@ -1,0 +1,384 @@
+"""Shared machinery of the sequential (SPP) baselines: PipeDream, Piper, GPipe.
+
+What the three share, so that they differ only in the space they search:
+
+* the **linearisation** PipeDream and GPipe cut into contiguous ranges:
+  the op-id order of :class:`~graphpipe.graph.OpGraph`, which is Kahn's
+  algorithm with ties broken by input position (``OpGraph.build``); any
+  contiguous range of a topological order is convex, so every range is a
+  legal stage;
+* the **downsets** (ideals) Piper's DP runs over, enumerated breadth-first
+  from the empty set by adding one minimal op at a time, and counted first
+  (as antichains, by a memoised include/exclude recursion) so Piper's guard
+  can refuse before enumerating;
+* **vectorised stage costs**: :func:`graphpipe.search.common.stage_tps` and
+  :func:`~graphpipe.search.common.stage_memory` evaluated on numpy arrays of
+  candidate stages (the DPs score millions of candidates). A stage of ``r``
+  replicas is costed on the canonical device set ``0..r-1`` (inside one node
+  when ``r <= devices_per_node``); stages are later placed on contiguous
+  device blocks in pipeline order (:func:`place`) and the reported
+  bottleneck is recomputed with :func:`stage_tps` on the placed devices;
+* **micro-batch choice** (:func:`choose_micro_batch`): every candidate size
+  is partitioned and the resulting plans are compared by *simulated*
+  throughput under the strategy's own schedule, as ``gpp`` does.
+
+Memory model (PipeDream §3.1): under 1F1B stage ``q`` of ``K`` keeps
+``min(K - q, M)`` micro-batches in flight, ``M = batch / micro_batch``.
+
+Example
+-------
+>>> from graphpipe.graph import Op, OpGraph
+>>> g = OpGraph.build("v", [Op("s", "x"), Op("a", "x"), Op("b", "x")], [("s", "a", 1), ("s", "b", 1)])
+>>> count_downsets(g), [bin(m) for m in enumerate_downsets(g)]
+(5, ['0b0', '0b1', '0b11', '0b101', '0b111'])
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+from graphpipe.cluster import Cluster
+from graphpipe.errors import InfeasibleError, InputError
+from graphpipe.graph import OpGraph
+from graphpipe.search.common import stage_tps
+from graphpipe.stages import Stage, StageGraph
+
+__all__ = [
+    "DownsetLimitError",
+    "linear_order",
+    "count_downsets",
+    "count_downset_pairs",
+    "check_downset_limit",
+    "PAIRS_PER_DOWNSET",
+    "enumerate_downsets",
+    "OpArrays",
+    "ReplicaCosts",
+    "SequentialPartition",
+    "place",
+    "estimate_throughput",
+    "choose_micro_batch",
+    "replica_mask",
+    "placed_bottleneck",
+]
+
+log = logging.getLogger(__name__)
+
+
+PAIRS_PER_DOWNSET = 50
+"""Piper's pair guard is this many downset pairs per allowed downset (10 million by default)."""
+
+
+class DownsetLimitError(InputError):
+    """Piper's guard: the graph has more downsets (or downset pairs) than the search may visit."""
+
+    def __init__(self, graph_name: str, count: int, limit: int, pairs: int | None = None,
+                 pair_limit: int | None = None):
+        self.count = count
+        self.limit = limit
+        self.pairs = pairs
+        self.pair_limit = pair_limit
+        if pairs is None:
+            what = f"has {count} downsets, more than the limit of {limit}"
+        else:
+            what = (f"has {count} downsets (limit {limit}) but {pairs} downset pairs, more than the limit of "
+                    f"{pair_limit} pairs ({PAIRS_PER_DOWNSET} x max_downsets)")
+        super().__init__(
+            f"piper: graph {graph_name!r} {what}; Piper's DP grows like n^k for k branches of n ops. "
+            "Use --strategy gpp or pipedream, or raise SearchOptions.max_downsets (memory and time grow "
+            "with the number of pairs)")
+
+
+# ---------------------------------------------------------------- linearisation
+def linear_order(graph: OpGraph) -> tuple[int, ...]:
+    """The topological order the sequential baselines cut: op ids 0..n-1.
+
+    ``OpGraph`` ids already are Kahn's order with ties by input position, so
+    the linearisation is deterministic and shared with every other module.
+    """
+    for e in graph.edges:
+        if e.src >= e.dst:  # pragma: no cover - OpGraph guarantees it
+            raise InputError(f"op ids of {graph.name!r} are not topological at edge {e.src}->{e.dst}")
+    return tuple(range(graph.num_ops))
+
+
+# --------------------------------------------------------------------- downsets
+def _pred_masks(graph: OpGraph) -> list[int]:
+    return [sum(1 << p for p in graph.preds(v)) for v in range(graph.num_ops)]
+
+
+def _count_antichains(succs: Sequence[Sequence[int]]) -> int:
+    """Antichains of a DAG whose node ids are topological, by include/exclude on the lowest node.
+
+    ``count(rest) = count(rest - comparable(v)) + count(rest - v)`` for the
+    lowest ``v`` in the candidate set ``rest``, memoised on ``rest``; on the
+    branchy graphs of interest the memo stays small (k chains give O(k n)).
+    """
+    n = len(succs)
+    preds: list[list[int]] = [[] for _ in range(n)]
+    for v in range(n):
+        for w in succs[v]:
+            preds[w].append(v)
+    anc = [0] * n
+    for v in range(n):
+        for p in preds[v]:
+            anc[v] |= anc[p] | (1 << p)
+    desc = [0] * n
+    for v in reversed(range(n)):
+        for w in succs[v]:
+            desc[v] |= desc[w] | (1 << w)
+    comparable = [anc[v] | desc[v] | (1 << v) for v in range(n)]
+    memo: dict[int, int] = {0: 1}
+    stack = [(1 << n) - 1]
+    while stack:
+        rest = stack[-1]
+        if rest in memo:
+            stack.pop()
+            continue
+        v = (rest & -rest).bit_length() - 1
+        with_v, without_v = rest & ~comparable[v], rest & ~(1 << v)
+        missing = [x for x in (with_v, without_v) if x not in memo]
+        if missing:
+            stack.extend(missing)
+            continue
+        memo[rest] = memo[with_v] + memo[without_v]
+        stack.pop()
+    return memo[(1 << n) - 1]
+
+
+def count_downsets(graph: OpGraph) -> int:
+    """Number of downsets (= antichains: a downset is the set below its maximal ops) of the DAG."""
+    return _count_antichains([graph.succs(v) for v in range(graph.num_ops)])
+
+
+def count_downset_pairs(graph: OpGraph) -> int:
+    """Number of pairs of downsets ``D ⊊ D'``: the candidate stages Piper's DP scores.
+
+    Pairs ``D ⊆ D'`` are exactly the downsets of the graph doubled, with op
+    ``v``'s copy for ``D`` (id ``2v + 1``) placed after its copy for ``D'``
+    (id ``2v``), so ``v ∈ D`` forces ``v ∈ D'``; subtract the ``D = D'``
+    ones. Interleaving the copies keeps the counting memo as small as for
+    the graph itself.
+    """
+    n = graph.num_ops
+    succs: list[list[int]] = [[] for _ in range(2 * n)]
+    for v in range(n):
+        succs[2 * v] = [2 * w for w in graph.succs(v)] + [2 * v + 1]
+        succs[2 * v + 1] = [2 * w + 1 for w in graph.succs(v)]
+    return _count_antichains(succs) - count_downsets(graph)
+
+
+def check_downset_limit(graph: OpGraph, max_downsets: int) -> tuple[int, int]:
+    """Piper's guard, before any enumeration: (downsets, pairs), or :class:`DownsetLimitError`.
+
+    Two limits from the one knob: ``max_downsets`` downsets, and
+    ``PAIRS_PER_DOWNSET * max_downsets`` downset pairs, because the DP's time
+    and memory grow with the pairs (every pair is a candidate stage with a
+    cost per replica count); CANDLE-Uno's 7 x 4 encoders have only ~78k
+    downsets but ~171 million pairs.
+    """
+    num = count_downsets(graph)
+    if num > max_downsets:
+        raise DownsetLimitError(graph.name, num, max_downsets)
+    pairs = count_downset_pairs(graph)
+    if pairs > PAIRS_PER_DOWNSET * max_downsets:
+        raise DownsetLimitError(graph.name, num, max_downsets, pairs, PAIRS_PER_DOWNSET * max_downsets)
+    return num, pairs
+
+
+def enumerate_downsets(graph: OpGraph, limit: int | None = None) -> list[int]:
+    """All downsets as bitmasks, sorted by (size, mask); breadth-first from the empty set.
+
+    Level ``L + 1`` is every level-``L`` downset plus one op all of whose
+    predecessors it already holds. Raises :class:`DownsetLimitError` past
+    :func:`check_downset_limit` with ``limit`` (counted first, before any enumeration).
+    """
+    if limit is not None:
+        check_downset_limit(graph, limit)
+    n = graph.num_ops
+    preds = _pred_masks(graph)
+    level = [0]
+    out: list[int] = [0]
+    for _ in range(n):
+        nxt: set[int] = set()
+        for d in level:
+            for v in range(n):
+                bit = 1 << v
+                if not d & bit and preds[v] & ~d == 0:
+                    nxt.add(d | bit)
+        level = sorted(nxt)
+        out.extend(level)
+    return out
+
+
+# ------------------------------------------------------------ vectorised costs
+@dataclass(frozen=True, slots=True)
+class OpArrays:
+    """Per-op cost coefficients as arrays, so that stage sums are dot products or prefix differences."""
+
+    compute_alpha: np.ndarray
+    """fwd.alpha + bwd.alpha (seconds per call)."""
+    compute_beta: np.ndarray
+    """fwd.beta + bwd.beta (seconds per sample)."""
+    params: np.ndarray
+    act: np.ndarray
+
+    @classmethod
+    def of(cls, graph: OpGraph) -> "OpArrays":
+        return cls(np.array([op.fwd.alpha + op.bwd.alpha for op in graph.ops], dtype=float),
+                   np.array([op.fwd.beta + op.bwd.beta for op in graph.ops], dtype=float),
+                   np.array([float(op.param_bytes) for op in graph.ops], dtype=float),
+                   np.array([float(op.act_bytes) for op in graph.ops], dtype=float))
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaCosts:
+    """Per-replica-count constants of :func:`stage_tps` / ``stage_memory`` on devices ``0..r-1``.
+
+    ``Cluster.allreduce_time(devices, P)`` is affine in ``P`` for ``P > 0``
+    (ring all-reduce, DESIGN §4), so it is sampled at two sizes per ``r``
+    and evaluated for any ``P`` as ``ar_latency[r] + ar_per_byte[r] * P``.
+    Index 0 is unused (a stage has at least one replica).
+    """
+
+    num_devices: int
+    ar_latency: np.ndarray
+    ar_per_byte: np.ndarray
+    state_per_byte: float
+    memory_bytes: float
+
+    @classmethod
+    def of(cls, cluster: Cluster) -> "ReplicaCosts":
+        n = cluster.num_devices
+        lat = np.zeros(n + 1)
+        per_byte = np.zeros(n + 1)
+        for r in range(1, n + 1):
+            devices = tuple(range(r))
+            one, two = cluster.allreduce_time(devices, 1.0), cluster.allreduce_time(devices, 2.0)
+            per_byte[r] = two - one
+            lat[r] = one - per_byte[r]
+        return cls(n, lat, per_byte, cluster.state_bytes(1.0), cluster.memory_bytes)
+
+    def tps(self, compute_alpha, compute_beta, params, r, micro_batch_size: int, batch_size: int):
+        """Vectorised :func:`stage_tps`: arrays broadcast against each other and against ``r``."""
+        b = micro_batch_size
+        compute = compute_alpha + compute_beta * (b / r)
+        allreduce = np.where(params > 0, self.ar_latency[r] + self.ar_per_byte[r] * params, 0.0)
+        return compute / b + allreduce / batch_size
+
+    def memory(self, params, act, r, micro_batch_size: int, in_flight):
+        """Vectorised ``stage_memory``: model state + activations of ``in_flight`` micro-batches."""
+        return self.state_per_byte * params + act * (micro_batch_size / r) * in_flight
+
+
+# ----------------------------------------------------------- partitions, plans
+@dataclass(frozen=True, slots=True)
+class SequentialPartition:
+    """A sequence of stages (op ids, replica count) in pipeline order and its model bottleneck."""
+
+    stages: tuple[tuple[tuple[int, ...], int], ...]
+    bottleneck_tps: float
+    """max stage TPS on the canonical device sets (the DP's objective)."""
+    micro_batch_size: int
+
+
+def place(graph: OpGraph, cluster: Cluster, batch_size: int, part: SequentialPartition) -> StageGraph:
+    """Stages on contiguous device blocks in pipeline order, starting at device 0.
+
+    A ``sequential`` stage graph (SPP: stage i feeds only stage i + 1, which
+    relays everything crossing the cut) whose ids keep the pipeline order
+    (a topological order, as every stage is a range of a topological order
+    or a downset difference), which is what the 1F1B in-flight counts
+    assumed; ``StageGraph.build`` checks partition, convexity, disjoint
+    devices and edge direction.
+    """
+    stages = []
+    next_device = 0
+    for stage_id, (op_ids, replicas) in enumerate(part.stages):
+        devices = tuple(range(next_device, next_device + replicas))
+        next_device += replicas
+        stages.append(Stage(stage_id, tuple(op_ids), devices, part.micro_batch_size))
+    return StageGraph.build(graph, stages, batch_size, cluster.num_devices, sequential=True)
+
+
+def placed_bottleneck(sg: StageGraph, cluster: Cluster) -> float:
+    """max stage TPS of a placed stage graph (real device sets)."""
+    return max(stage_tps(sg.graph, s.op_ids, s.devices, s.micro_batch_size, sg.batch_size, cluster)
+               for s in sg.stages)
+
+
+def estimate_throughput(sg: StageGraph, cluster: Cluster, schedule_name: str) -> float:
+    """Samples per second of one iteration, by the simulator when :mod:`graphpipe.sched` is present.
+
+    Fallback (only while the simulator is missing): the classic pipeline
+    estimate ``sum(stage times) + (M - 1) * max(stage time) + max(all-reduce)``,
+    ignoring transfer delays.
+    """
+    try:
+        from graphpipe.sched import make_schedule, predicted_figures, simulate
+    except ImportError:
+        make_schedule = None
+    if make_schedule is not None:
+        schedule = make_schedule(schedule_name, sg, cluster)
+        return float(predicted_figures(simulate(sg, schedule, cluster))["throughput"])
+    per_mb = [sg.fwd_time(s.id) + sg.bwd_time(s.id) for s in sg.stages]
+    num_mbs = sg.num_micro_batches(0)
+    allreduce = max(cluster.allreduce_time(s.devices, sg.param_bytes(s.id)) for s in sg.stages)
+    return sg.batch_size / (sum(per_mb) + (num_mbs - 1) * max(per_mb) + allreduce)
+
+
+def choose_micro_batch(strategy: str, graph: OpGraph, cluster: Cluster, batch_size: int,
+                       candidates: Sequence[int], schedule_name: str,
+                       solve: Callable[[int], SequentialPartition | None]) -> tuple[StageGraph, SequentialPartition, dict]:
+    """Partition at every candidate micro-batch size and keep the best simulated throughput.
+
+    Ties go to the smaller model bottleneck, then to the smaller micro-batch
+    size, so the choice is deterministic. Raises :class:`InfeasibleError`
+    when no size gives a partition that fits in memory.
+    """
+    best = None
+    tried = []
+    for b in candidates:
+        part = solve(b)
+        if part is None:
+            tried.append(f"{b}: no partition fits")
+            continue
+        sg = place(graph, cluster, batch_size, part)
+        throughput = estimate_throughput(sg, cluster, schedule_name)
+        tried.append(f"{b}: {throughput:.4g} samples/s")
+        key = (-throughput, part.bottleneck_tps, b)
+        if best is None or key < best[0]:
+            best = (key, sg, part, throughput)
+    log.debug("%s micro-batch candidates: %s", strategy, "; ".join(tried))
+    if best is None:
+        gb = cluster.memory_bytes / 1e9
+        raise InfeasibleError(
+            f"{strategy}: no partition of {graph.name!r} fits in {gb:g} GB per device on {cluster.num_devices} "
+            f"devices at any micro-batch size in {list(candidates)}; use more devices or --memory-gb")
+    _, sg, part, throughput = best
+    return sg, part, {"throughput_estimate": throughput}
+
+
+def replica_mask(num_devices: int, micro_batch_size: int, power_of_two: bool = False) -> np.ndarray:
+    """``mask[r - 1]``: may a stage have ``r`` replicas? They must split the micro-batch evenly
+    (a StageGraph invariant), and be a power of two under ``SearchOptions.power_of_two``."""
+    r = np.arange(1, num_devices + 1)
+    ok = micro_batch_size % r == 0
+    if power_of_two:
+        ok &= (r & (r - 1)) == 0
+    return ok
+
+
+def lower_bound_tps(arrays: OpArrays, num_devices: int, micro_batch_size: int) -> float:
+    """A bound no partition beats: every stage has ``r * TPS >= compute(b) / b`` and ``sum r <= N``."""
+    b = micro_batch_size
+    total = float(arrays.compute_alpha.sum() + arrays.compute_beta.sum() * b)
+    return total / (b * num_devices)
+
+
+def is_finite(x: float) -> bool:
+    return math.isfinite(x)
