@@ -60,11 +60,8 @@ def correctness_plans() -> dict[str, Plan]:
     for i, spec in enumerate(SMALL):
         for j, strategy in enumerate(STRATEGIES):
             n = 2 + (i + j) % 3  # 2-4 devices
-            plans[f"{spec}/{strategy}/{n}dev"] = planned(spec, strategy, n)
-        # the other schedules on the gpp plan of this model (graph-1F1B, GPipe, 1F1B over the stage order)
-        for schedule in SCHEDULES:
-            plan = planned(spec, "gpp", 4, schedule)
-            plans[f"{spec}/gpp/4dev/{schedule}"] = plan
+            for schedule in SCHEDULES:  # the strategy's own schedule and the two others on its stages
+                plans[f"{spec}/{strategy}/{n}dev/{schedule}"] = planned(spec, strategy, n, schedule)
     mmt = ["branch0.layer0", "branch0.layer1"], ["branch1.layer0", "branch1.layer1"], ["concat", "head"]
     # per-stage micro-batch sizes: the join takes two producer micro-batches from one branch, one from the other
     plans["mmt/per-stage-mb"] = hand_built("mmt:small", mmt, [(0,), (1,), (2,)], [2, 4, 4], 3, "graph-1f1b")

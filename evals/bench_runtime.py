@@ -1,0 +1,291 @@
+"""Runtime benchmark (issue 6): real runs on CPU ranks, measured side by side.
+
+::
+
+    python -m evals.bench_runtime                 # writes out/results/bench_runtime.json, prints the summary
+    python -m evals.bench_runtime --quick         # smaller models and fewer steps (smoke run)
+
+What it measures (all on ``--ranks`` gloo processes, one torch thread each):
+
+(a) GraphPipe vs PipeDream: the ``gpp`` and ``pipedream`` plans of a branchy
+    model (CANDLE-Uno, sized so compute dominates communication), both planned
+    on the same calibrated cost model, measured throughput ratio (target >= 1.15).
+(b) Simulator error ``|predicted - measured| / measured`` of every plan run,
+    with the cost model calibrated first: op times from
+    :func:`graphpipe.profile.profile_model` (CPU, one thread, fitted
+    ``alpha + beta*b``) applied with :func:`graphpipe.profile.apply_profile`,
+    and a custom cluster whose link latency and bandwidth come from a gloo
+    ping-pong between two local processes (target < 20%). A profile taken by
+    one process on an idle core overstates the speed of a rank that shares
+    the host's cores with ``ranks - 1`` others, so the device is calibrated
+    too: the slowdown of a fixed matmul loop run by ``ranks`` processes at
+    once over one process alone scales every op time
+    (:func:`measure_cpu_share`). Both errors are reported (profile only, and
+    profile x CPU share); plans are made on the latter.
+(c) Our runtime vs ``torch.distributed.pipelining`` on the sequential
+    transformer, same partition, schedule (1F1B), data and ranks: throughput
+    ratio (target >= 0.95).
+
+Side by side: every plan is a job of one spawned world, jobs are repeated
+round-robin (``--rounds``), and each figure is the median over all measured
+steps of all rounds, so slow drifts of the machine hit every plan alike.
+The result file records the resolved config, versions, git SHA, the host's
+CPU count and load average (a 2-core host runs 4 ranks time-shared: say so
+when quoting the numbers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+__all__ = ["main", "measure_link", "cpu_cluster_doc"]
+
+UNO = "candle-uno:small,branches=4,layers=3,hidden=384,features=256,head_layers=2"
+UNO_QUICK = "candle-uno:small,branches=4,layers=2,hidden=128,features=64"
+GPT = "transformer:small,layers=8,hidden=128,seq=32,heads=4,ffn=512,vocab=256"
+GPT_QUICK = "transformer:small,layers=4,hidden=64,seq=16,heads=4,ffn=128,vocab=100"
+
+
+# ------------------------------------------------------------------ link calibration
+def _pingpong(rank: int, port: int, sizes: list[int], repeats: int, out) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    times = {}
+    for n in sizes:
+        buf = torch.zeros(n // 4, dtype=torch.float32)
+        samples = []
+        for i in range(repeats + 3):
+            dist.barrier()
+            t0 = time.perf_counter()
+            if rank == 0:
+                dist.send(buf, 1)
+                dist.recv(buf, 1)
+            else:
+                dist.recv(buf, 0)
+                dist.send(buf, 0)
+            if i >= 3:
+                samples.append((time.perf_counter() - t0) / 2)
+        times[n] = statistics.median(samples)
+    if rank == 0:
+        out.put(times)
+    dist.destroy_process_group()
+
+
+def measure_link(sizes=(1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22), repeats: int = 20) -> dict[str, Any]:
+    """One-way gloo message time between two local processes, fitted as ``latency + bytes / bandwidth``."""
+    import multiprocessing as mp
+
+    import numpy as np
+
+    from graphpipe.runtime.launch import free_port
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_pingpong, args=(r, port, list(sizes), repeats, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    times = q.get(timeout=300)
+    for p in procs:
+        p.join(timeout=60)
+    x = np.array(sorted(times), dtype=float)
+    y = np.array([times[n] for n in sorted(times)])
+    (slope, intercept), *_ = np.linalg.lstsq(np.stack([x, np.ones_like(x)], axis=1), y, rcond=None)
+    latency = max(float(intercept), float(min(y)) * 0.5, 1e-6)
+    bandwidth = 1.0 / max(float(slope), 1e-12)
+    return {"latency_s": latency, "bandwidth_Bps": bandwidth, "one_way_s": {str(k): v for k, v in times.items()}}
+
+
+def cpu_cluster_doc(link: dict[str, Any], ranks: int) -> dict[str, Any]:
+    """A custom cluster of single-thread CPU ranks on one host (op times come from the profile)."""
+    lk = {"latency_s": link["latency_s"], "bandwidth_Bps": link["bandwidth_Bps"]}
+    return {"name": "cpu-loopback", "num_devices": ranks, "devices_per_node": ranks,
+            "device": {"name": "cpu-1thread", "memory_bytes": 8e9, "peak_flops": 2e10, "op_overhead_s": 2e-5, "mfu": 0.5},
+            "intra_node": lk, "inter_node": lk, "bytes_per_param": 8.0}
+
+
+# ------------------------------------------------------------------ CPU share
+def _burn(rank: int, seconds_out, start, n: int) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    a = torch.randn(192, 192)
+    start.wait()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        a = torch.tanh(a @ a * 0.01)
+    seconds_out.put(time.perf_counter() - t0)
+
+
+def measure_cpu_share(ranks: int, n: int = 1500) -> dict[str, float]:
+    """How much slower one rank computes when ``ranks`` single-thread processes compute at once.
+
+    The same fixed matmul loop timed alone and in ``ranks`` concurrent
+    processes; the ratio of medians is the slowdown a rank's ops see when
+    the host has fewer free cores than ranks (oversubscription and whatever
+    else runs on the host at the time).
+    """
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+
+    def run(k: int) -> float:
+        out, start = ctx.Queue(), ctx.Event()
+        procs = [ctx.Process(target=_burn, args=(r, out, start, n)) for r in range(k)]
+        for p in procs:
+            p.start()
+        time.sleep(2.0)  # let every process import torch before the start signal
+        start.set()
+        times = [out.get(timeout=300) for _ in range(k)]
+        for p in procs:
+            p.join(timeout=60)
+        return statistics.median(times)
+
+    alone = run(1)
+    together = run(ranks)
+    return {"alone_s": alone, "concurrent_s": together, "slowdown": max(1.0, together / alone)}
+
+
+def scaled_graph(graph, factor: float):
+    """Every op's forward and backward time multiplied by ``factor`` (the measured CPU-share slowdown)."""
+    from dataclasses import replace
+
+    return graph.with_ops([replace(op, fwd=op.fwd.scaled(factor), bwd=op.bwd.scaled(factor)) for op in graph.ops])
+
+
+# ------------------------------------------------------------------ planning
+def calibrated_graph(spec: str, batch_sizes, repeats: int):
+    import torch
+
+    from graphpipe import zoo
+    from graphpipe.profile import apply_profile, profile_model
+
+    torch.set_num_threads(1)  # the ranks run with one thread each
+    profile = profile_model(spec, "cpu", batch_sizes=batch_sizes, repeats=repeats)
+    return apply_profile(zoo.load_graph(spec), profile)
+
+
+def plan_for(spec: str, graph, cluster, batch: int, strategy: str, schedule: str | None = None, mbs: int | None = None):
+    from graphpipe import zoo
+    from graphpipe.search.common import SearchOptions
+    from graphpipe.search.planner import make_plan
+
+    return make_plan(zoo.canonical_spec(spec), graph, cluster, batch, strategy, SearchOptions(micro_batch_size=mbs),
+                     schedule=schedule)
+
+
+def predicted_with(plan, graph) -> float:
+    """The plan's simulated iteration time with another costing of the same ops."""
+    from dataclasses import replace
+
+    from graphpipe.sched import simulate
+
+    sg = replace(plan.stage_graph, graph=graph)
+    return simulate(sg, plan.schedule, plan.cluster).iteration_time_s
+
+
+def describe(plan) -> dict[str, Any]:
+    sg = plan.stage_graph
+    return {"strategy": plan.strategy, "schedule": plan.schedule.name, "num_stages": sg.num_stages, "depth": sg.depth(),
+            "stages": [{"ops": [sg.graph.ops[i].name for i in s.op_ids], "devices": list(s.devices),
+                        "micro_batch_size": s.micro_batch_size} for s in sg.stages],
+            "predicted_iteration_time_s": plan.predicted.get("iteration_time_s"),
+            "predicted_throughput": plan.predicted.get("throughput")}
+
+
+# ------------------------------------------------------------------ main
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m evals.bench_runtime", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="out", help="results go to OUT/results/bench_runtime.json")
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=6, help="steps per job and round (first is a warm-up)")
+    parser.add_argument("--rounds", type=int, default=3, help="round-robin repetitions of all jobs")
+    parser.add_argument("--quick", action="store_true", help="small models, 2 rounds of 3 steps")
+    args = parser.parse_args(argv)
+
+    from graphpipe.cluster import cluster_from_dict
+    from graphpipe.runtime import RunOptions, run_plans
+    from graphpipe.runtime.measure import summarize
+
+    from evals.common import environment, write_result
+
+    uno, gpt = (UNO_QUICK, GPT_QUICK) if args.quick else (UNO, GPT)
+    steps, rounds = (3, 2) if args.quick else (args.steps, args.rounds)
+    started = time.perf_counter()
+    sys.stderr.write("measuring the loopback link...\n")
+    link = measure_link()
+    cluster = cluster_from_dict(cpu_cluster_doc(link, args.ranks))
+    sys.stderr.write(f"link: latency {link['latency_s'] * 1e6:.1f} us, bandwidth {link['bandwidth_Bps'] / 1e9:.2f} GB/s\n")
+    sizes = sorted({1, 2, 4, 8, 16, args.batch_size // 4, args.batch_size // 2})
+    sys.stderr.write("profiling ops...\n")
+    uno_raw = calibrated_graph(uno, sizes, 5)
+    gpt_raw = calibrated_graph(gpt, sizes, 5)
+    sys.stderr.write("measuring the CPU share of one rank...\n")
+    share = measure_cpu_share(args.ranks)
+    sys.stderr.write(f"cpu share: a rank computes {share['slowdown']:.2f}x slower with {args.ranks} ranks busy\n")
+    uno_graph, gpt_graph = scaled_graph(uno_raw, share["slowdown"]), scaled_graph(gpt_raw, share["slowdown"])
+    raw_graphs = {"uno": uno_raw, "gpt": gpt_raw}
+    plans = {
+        "uno/gpp": plan_for(uno, uno_graph, cluster, args.batch_size, "gpp"),
+        "uno/pipedream": plan_for(uno, uno_graph, cluster, args.batch_size, "pipedream"),
+        # same even partition for both runtimes: the gpipe partitioner (one stage per rank, one micro-batch size), 1F1B
+        "gpt/ours": plan_for(gpt, gpt_graph, cluster, args.batch_size, "gpipe", schedule="1f1b", mbs=args.batch_size // 8),
+    }
+    plans["gpt/torch"] = plans["gpt/ours"]
+    names = list(plans)
+    jobs = []
+    for _ in range(rounds):
+        for name in names:
+            jobs.append((name, plans[name], RunOptions(steps=steps, warmup_steps=1, timeout_s=300,
+                                                        baseline="torch" if name == "gpt/torch" else None)))
+    sys.stderr.write(f"running {len(jobs)} jobs on {args.ranks} ranks...\n")
+    raw = run_plans([(p, o) for _, p, o in jobs], args.ranks)
+    step_times: dict[str, list[float]] = {n: [] for n in names}
+    last: dict[str, dict] = {}
+    for (name, plan, _), result in zip(jobs, raw):
+        step_times[name].extend(result["measured"]["step_times_s"])
+        last[name] = summarize(plan, result)
+    rows = []
+    for name in names:
+        med = statistics.median(step_times[name])
+        pred = plans[name].predicted["iteration_time_s"]
+        pred_raw = predicted_with(plans[name], raw_graphs[name.split("/")[0]])
+        rows.append({"job": name, "measured_iteration_time_s": med, "measured_throughput": args.batch_size / med,
+                     "num_steps": len(step_times[name]), "step_times_s": step_times[name],
+                     "predicted_iteration_time_s": pred, "simulator_error": abs(pred - med) / med,
+                     "predicted_profile_only_s": pred_raw, "simulator_error_profile_only": abs(pred_raw - med) / med,
+                     "plan": describe(plans[name])})
+    by = {r["job"]: r for r in rows}
+    summary = {
+        "a_gpp_over_pipedream_throughput": by["uno/gpp"]["measured_throughput"] / by["uno/pipedream"]["measured_throughput"],
+        "a_predicted_gpp_over_pipedream": by["uno/pipedream"]["predicted_iteration_time_s"] / by["uno/gpp"]["predicted_iteration_time_s"],
+        "b_simulator_error": {n: by[n]["simulator_error"] for n in ("uno/gpp", "uno/pipedream", "gpt/ours")},
+        "b_simulator_error_profile_only": {n: by[n]["simulator_error_profile_only"]
+                                           for n in ("uno/gpp", "uno/pipedream", "gpt/ours")},
+        "cpu_slowdown": share["slowdown"],
+        "c_ours_over_torch_throughput": by["gpt/ours"]["measured_throughput"] / by["gpt/torch"]["measured_throughput"],
+        "targets": {"a": ">= 1.15", "b": "< 0.20", "c": ">= 0.95"},
+        "wall_s": time.perf_counter() - started,
+    }
+    config = {"ranks": args.ranks, "batch_size": args.batch_size, "steps": steps, "rounds": rounds, "uno": uno, "gpt": gpt,
+              "threads_per_rank": 1, "backend": "gloo", "link": link, "cluster": cpu_cluster_doc(link, args.ranks),
+              "profile_batch_sizes": sizes, "cpu_share": share, "load_average": os.getloadavg(), "cpu_count": os.cpu_count(),
+              "command": "python -m evals.bench_runtime" + (" --quick" if args.quick else "")}
+    path = write_result(args.out, "bench_runtime", config, rows, summary)
+    json.dump({"summary": summary, "result_file": path, "environment": environment()}, sys.stdout, indent=1)
+    sys.stdout.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
