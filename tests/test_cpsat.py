@@ -59,8 +59,7 @@ def one_stage_per_op(graph: OpGraph, batch: int, mb, devices=None) -> StageGraph
 
 
 def with_sizes(sg: StageGraph, sizes) -> StageGraph:
-    return StageGraph(sg.graph, tuple(replace(s, micro_batch_size=b) for s, b in zip(sg.stages, sizes)),
-                      sg.batch_size, sg.num_devices)
+    return replace(sg, stages=tuple(replace(s, micro_batch_size=b) for s, b in zip(sg.stages, sizes)))
 
 
 # ------------------------------------------------------------- brute force
@@ -135,19 +134,25 @@ def test_stage_candidates_respect_replicas_and_reject_bad_sizes():
         stage_candidates(sg, [5])
 
 
-def test_hint_replays_to_a_feasible_solution_with_the_simulated_makespan():
+@pytest.mark.parametrize("memory", ["cumulative", "reservoir", None])
+def test_hint_replays_to_a_feasible_solution_with_the_simulated_makespan(memory):
     """The warm start, replayed in integer time, satisfies the model exactly (fixing
-    every variable to its hint is feasible) and its makespan rounds the simulator's."""
+    every variable to its hint is feasible) and its makespan rounds the simulator's.
+    With ``memory`` set, capacity fits graph-1F1B's 3 in flight but not 4, so the
+    memory constraint is in the model."""
     from ortools.sat.python import cp_model
 
     cluster = preset("v100", 4)
+    if memory:
+        cluster = cluster.with_memory(cluster.state_bytes(4e6) + 3.5e6)
     sg = one_stage_per_op(diamond(), 4, 1)
     heuristic = graph_1f1b(sg, cluster)
     sim = simulate(sg, heuristic, cluster).iteration_time_s
     data = model_data(sg, cluster, stage_candidates(sg, [1, 2, 4]), reference_s=sim)
     starts, makespan = replay(data, [1] * 4, heuristic)
     assert -1e-12 <= makespan * data.unit_s - sim <= data.slack_s
-    cm = build_model(data)
+    cm = build_model(data, memory=memory or "cumulative")
+    assert bool(cm.memory_groups) == bool(memory)
     add_hint(cm, [1] * 4, starts, makespan)
     solver = cp_model.CpSolver()
     solver.parameters.fix_variables_to_their_hinted_value = True
@@ -184,16 +189,17 @@ def test_optimal_makespan_equals_brute_force(case):
     assert res.lower_bound_s <= best + 1e-12
 
 
-def test_memory_limit_binds_and_matches_brute_force():
+@pytest.mark.parametrize("memory", ["cumulative", "reservoir"])
+def test_memory_limit_binds_and_matches_brute_force(memory):
     """Capacity for about 1.5 micro-batches of activations beyond state on stage 0: the
-    unconstrained optimum keeps more in flight, the solver must not."""
+    unconstrained optimum keeps more in flight, the solver must not (both encodings)."""
     sg = one_stage_per_op(chain(2), 3, 1)
     free = preset("v100", 2)
     state = free.state_bytes(4e6)
     tight = free.with_memory(state + 1.5e6)  # act_bytes 1e6 per sample, micro-batch 1
     loose = solve(sg, free, per_stage_micro_batch=False, time_limit_s=TIME_LIMIT)
     assert max(simulate(loose.stage_graph, loose.schedule, free).peak_memory_bytes) > tight.memory_bytes
-    res = solve(sg, tight, per_stage_micro_batch=False, time_limit_s=TIME_LIMIT)
+    res = solve(sg, tight, per_stage_micro_batch=False, time_limit_s=TIME_LIMIT, memory=memory)
     assert res.status == "OPTIMAL"
     check_result(res, tight)
     best = brute_force(sg, tight)

@@ -39,6 +39,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
@@ -48,10 +49,7 @@ from graphpipe.actions import Schedule
 from graphpipe.cluster import Cluster
 from graphpipe.errors import InfeasibleError, InputError, ScheduleError
 from graphpipe.plan import Plan
-from graphpipe.sched.generators import gpipe
-from graphpipe.sched.graph1f1b import graph_1f1b
-from graphpipe.sched.simulator import predicted_figures, simulate
-from graphpipe.sched.validate import validate_schedule
+from graphpipe.sched import gpipe, graph_1f1b, predicted_figures, simulate, validate_schedule
 from graphpipe.stages import StageGraph
 
 from graphpipe.search.cpsat_model import (
@@ -59,7 +57,7 @@ from graphpipe.search.cpsat_model import (
     rounding_slack, stage_candidates,
 )
 
-__all__ = ["CpsatResult", "solve", "optimize_plan", "heuristic_schedule"]
+__all__ = ["CpsatResult", "solve", "optimize_plan", "heuristic_schedule", "progress_writer"]
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +91,29 @@ class CpsatResult:
     """Seconds per integer tick of the model."""
     rounding_slack_s: float = 0.0
     """Upper bound on ``solver_makespan_s - makespan_s`` from rounding durations up."""
+
+
+def progress_writer(stream, min_interval_s: float = 1.0) -> Progress:
+    """A ``progress`` function for the CLI: one line per update on ``stream``, at most
+    one per ``min_interval_s`` unless the incumbent improved (library code never prints).
+
+    >>> import io
+    >>> out = io.StringIO(); report = progress_writer(out)
+    >>> report(0.5, 0.4); out.getvalue()
+    'cpsat: best 0.5 s, bound 0.4 s, gap 20.0%\\n'
+    """
+    last = {"time": -math.inf, "best": math.inf}
+
+    def report(best_s: float, bound_s: float) -> None:
+        now = time.monotonic()
+        if best_s >= last["best"] and now - last["time"] < min_interval_s:
+            return
+        last.update(time=now, best=best_s)
+        gap = f"{100 * (best_s - bound_s) / best_s:.1f}%" if 0 < best_s < math.inf else "-"
+        stream.write(f"cpsat: best {best_s:.6g} s, bound {bound_s:.6g} s, gap {gap}\n")
+        stream.flush()
+
+    return report
 
 
 def heuristic_schedule(sg: StageGraph, cluster: Cluster) -> Schedule:
@@ -142,15 +163,20 @@ def _fits(figures: dict, cluster: Cluster) -> bool:
 
 
 def _with_sizes(sg: StageGraph, sizes: Sequence[int]) -> StageGraph:
-    stages = tuple(replace(st, micro_batch_size=b) for st, b in zip(sg.stages, sizes))
-    return StageGraph(sg.graph, stages, sg.batch_size, sg.num_devices, allow_shared_devices=sg.allow_shared_devices)
+    """The same stage graph (edges, flags) with new micro-batch sizes."""
+    return replace(sg, stages=tuple(replace(st, micro_batch_size=b) for st, b in zip(sg.stages, sizes)))
 
 
 def _infeasible_message(data: ModelData, memory_bytes: float) -> str:
     """Name the device whose state plus one micro-batch of each of its stages is tightest."""
-    worst = max(range(len(data.groups)), key=lambda gi: data.state[gi] + sum(
-        data.act[(s, data.candidates[s][0])] for s in data.group_stages[gi]))
-    act = sum(data.act[(s, data.candidates[s][0])] for s in data.group_stages[worst])
+    sg = data.sg
+
+    def one_each(gi: int) -> float:
+        return sum(sg.act_bytes_per_sample(s) * data.candidates[s][0] / sg.stages[s].num_replicas
+                   for s in data.group_stages[gi])
+
+    worst = max(range(len(data.groups)), key=lambda gi: data.state[gi] + one_each(gi))
+    act = one_each(worst)
     return (f"CP-SAT proved that no schedule fits device memory: device {data.groups[worst][0]} (stages "
             f"{', '.join(map(str, data.group_stages[worst]))}) needs {data.state[worst] + act:.4g} bytes for model "
             f"state {data.state[worst]:.4g} plus one smallest micro-batch per stage {act:.4g}, and other micro-batches "
@@ -160,7 +186,7 @@ def _infeasible_message(data: ModelData, memory_bytes: float) -> str:
 def solve(sg: StageGraph, cluster: Cluster, *, candidate_sizes: Sequence[int] | None = None,
           time_limit_s: float = 10.0, num_workers: int = 2, seed: int = 0, progress: Progress | None = None,
           hint_schedule: Schedule | None = None, per_stage_micro_batch: bool = True, uniform_size: bool = False,
-          symmetry_breaking: bool = True) -> CpsatResult:
+          symmetry_breaking: bool = True, memory: str = "cumulative") -> CpsatResult:
     """Choose each stage's micro-batch size and every device's F/B order minimising the makespan.
 
     ``candidate_sizes`` (default: the divisors of the batch size) are
@@ -168,7 +194,9 @@ def solve(sg: StageGraph, cluster: Cluster, *, candidate_sizes: Sequence[int] | 
     current size is always a candidate. ``per_stage_micro_batch=False`` keeps
     the current sizes (order only); ``uniform_size=True`` makes every stage
     pick one common size. ``hint_schedule`` replaces graph-1F1B as the warm
-    start (it must be a valid schedule of ``sg``).
+    start (it must be a valid schedule of ``sg``). ``memory`` chooses the
+    encoding of the activation-memory limit, ``"cumulative"`` or
+    ``"reservoir"`` (same constraint; see :mod:`graphpipe.search.cpsat_model`).
 
     Raises :class:`InfeasibleError` when memory cannot fit under any schedule.
     When the time limit is too short to find anything, the heuristic is
@@ -195,7 +223,7 @@ def solve(sg: StageGraph, cluster: Cluster, *, candidate_sizes: Sequence[int] | 
     candidates = stage_candidates(sg, candidate_sizes, per_stage=per_stage_micro_batch)
     data = model_data(sg, cluster, candidates, reference_s=heuristic_ms, uniform=uniform_size)
     check_memory(data, cluster.memory_bytes)
-    cm = build_model(data, symmetry_breaking=symmetry_breaking)
+    cm = build_model(data, symmetry_breaking=symmetry_breaking, memory=memory)
     unit = data.unit_s
     slack = rounding_slack(data)
     _hint_heuristic(cm, sg, heuristic)

@@ -16,8 +16,17 @@ simulator's semantics (DESIGN §7, the shared "simulator semantics"):
   transfer of ``edge_bytes * producer_size`` bytes; B of the producer waits
   for B of the same consumer micro-batches plus the same transfer back.
 * Activations of (stage, mb) (``act_bytes_per_sample * b / replicas`` on each
-  device) live from the start of F to the end of B: a reservoir per device
-  group whose capacity is device memory minus model state.
+  device) live from the start of F to the end of B, never above device
+  memory minus model state on any device group. Two equivalent encodings:
+  ``"cumulative"`` (default): one optional interval per (stage, size, mb)
+  from F start to B end with the activation bytes as demand, in an
+  ``add_cumulative``; ``"reservoir"``: ``add_reservoir_constraint_with_active``
+  with +act at F start and -act at B end. Both count a release before an
+  allocation at the same instant, like the simulator. The reservoir is the
+  literal statement, but CP-SAT expands it into one precedence literal per
+  pair of events: on twobranch at 8 devices, batch 128, all candidate
+  sizes, 128k booleans and 280k clauses whose presolve alone outlasts a 30 s
+  limit, while the cumulative needs no expansion.
 * A replicated stage all-reduces its gradients after its last B; the
   iteration ends when every device is done.
 
@@ -36,8 +45,13 @@ each task and one all-reduce). So when the solver proves optimality,
 ``0 <= solver_makespan - simulated_makespan <= slack``; when it stops at a
 feasible solution its timing may be looser and only ``0 <=`` holds (the
 simulated value is reported). The same slack makes the bound rigorous for
-exact durations: ``exact optimum >= bound - slack``. Memory is in whole bytes
-(activations rounded up, capacity down), exact to a byte per micro-batch.
+exact durations: ``exact optimum >= bound - slack``.
+
+Memory is counted in units of ``mem_unit_bytes``, a power of ten that puts
+the largest capacity near 10^6 units (CP-SAT multiplies demands by
+durations in its energy reasoning; bytes times ticks would overflow int64).
+Activations are rounded up and capacity down, so the model is conservative
+by less than one unit (~1e-6 of memory) per micro-batch in flight.
 
 Example
 -------
@@ -70,6 +84,8 @@ from graphpipe.stages import StageGraph
 
 __all__ = [
     "TARGET_TICKS",
+    "MEMORY_ENCODINGS",
+    "MEMORY_UNITS",
     "ModelData",
     "CpsatModel",
     "time_unit",
@@ -88,6 +104,9 @@ __all__ = [
 TARGET_TICKS = 10**7
 """The reference makespan spans 10^7..10^8 ticks: rounding error per term is
 at most 1e-7 of it, and int64 horizons stay far from overflow."""
+
+MEMORY_UNITS = 10**6
+"""Device memory spans about 10^6..10^7 memory units (see the module docstring)."""
 
 TaskKey = tuple[int, str, int]
 """(stage_id, kind, mb_id) once sizes are fixed."""
@@ -109,14 +128,16 @@ class ModelData:
     delay: Mapping[tuple[int, int, int], int]
     """(producer, consumer, producer size) -> ticks of one transfer (both directions)."""
     act: Mapping[tuple[int, int], int]
-    """(stage_id, size) -> activation bytes one micro-batch keeps on each of the stage's devices."""
+    """(stage_id, size) -> activation memory units one micro-batch keeps on each of the stage's devices."""
     allreduce: tuple[int, ...]
     """Per stage: ticks of the gradient all-reduce after its last B (0 when not replicated)."""
     groups: tuple[tuple[int, ...], ...]
     """Distinct device sets; tasks of all stages on a group never overlap."""
     group_stages: tuple[tuple[int, ...], ...]
+    mem_unit_bytes: float
+    """Bytes per memory unit."""
     capacity: tuple[int, ...]
-    """Per group: bytes left for activations on each device after model state."""
+    """Per group: memory units left for activations on each device after model state."""
     state: tuple[float, ...]
     """Per group: model-state bytes on each device."""
     horizon: int
@@ -143,9 +164,11 @@ class CpsatModel:
     start: Mapping[tuple[int, int, str, int], cp_model.IntVar]
     """(stage_id, size, kind, mb_id) -> start tick of the task."""
     interval: Mapping[tuple[int, int, str, int], cp_model.IntervalVar]
+    life: Mapping[tuple[int, int, int], cp_model.IntVar]
+    """(stage_id, size, mb_id) -> ticks from F start to B end (cumulative memory encoding only)."""
     makespan: cp_model.IntVar
     memory_groups: tuple[int, ...]
-    """Groups that received a reservoir constraint (memory can bind there)."""
+    """Groups that received a memory constraint (memory can bind there)."""
 
 
 def time_unit(reference_s: float) -> float:
@@ -225,6 +248,11 @@ def model_data(sg: StageGraph, cluster: Cluster, candidates: Sequence[Sequence[i
                              "drop uniform sizes or pass candidate sizes divisible by every replica count")
         cands = tuple(tuple(sorted(common)) for _ in cands)
     unit = time_unit(reference_s)
+    groups = tuple(sorted({s.devices for s in sg.stages}))
+    group_stages = tuple(tuple(s.id for s in sg.stages if s.devices == grp) for grp in groups)
+    state = tuple(sum(cluster.state_bytes(sg.param_bytes(s)) for s in members) for members in group_stages)
+    mem_unit = float(f"1e{max(0, math.floor(math.log10(max(cluster.memory_bytes, 1.0) / MEMORY_UNITS)))}")
+    capacity = tuple(math.floor((cluster.memory_bytes - st) / mem_unit) for st in state)
     g = sg.graph
     duration: dict[tuple[int, int, str], int] = {}
     act: dict[tuple[int, int], int] = {}
@@ -238,7 +266,7 @@ def model_data(sg: StageGraph, cluster: Cluster, candidates: Sequence[Sequence[i
             fwd, bwd = g.fwd_time(stage.op_ids, b / r), g.bwd_time(stage.op_ids, b / r)
             duration[(stage.id, b, "F")] = _ticks(fwd, unit, 1)
             duration[(stage.id, b, "B")] = _ticks(bwd, unit, 1)
-            act[(stage.id, b)] = math.ceil(per_sample_act * b / r)
+            act[(stage.id, b)] = math.ceil(per_sample_act * b / r / mem_unit)
             rounded = (duration[(stage.id, b, "F")] + duration[(stage.id, b, "B")]) * unit
             worst = max(worst, batch // b * max(0.0, rounded - fwd - bwd))
         task_error.append(worst)
@@ -253,10 +281,6 @@ def model_data(sg: StageGraph, cluster: Cluster, candidates: Sequence[Sequence[i
     allreduce_s = [cluster.allreduce_time(s.devices, sg.param_bytes(s.id)) for s in sg.stages]
     allreduce = tuple(_ticks(t, unit) for t in allreduce_s)
     allreduce_error = max((a * unit - t for a, t in zip(allreduce, allreduce_s)), default=0.0)
-    groups = tuple(sorted({s.devices for s in sg.stages}))
-    group_stages = tuple(tuple(s.id for s in sg.stages if s.devices == grp) for grp in groups)
-    state = tuple(sum(cluster.state_bytes(sg.param_bytes(s)) for s in members) for members in group_stages)
-    capacity = tuple(math.floor(cluster.memory_bytes - st) for st in state)
     # Horizon: a left-justified schedule idles only while waiting for a
     # transfer, at most once per task, so work + tasks * longest delay + the
     # longest all-reduce bounds its makespan.
@@ -268,7 +292,7 @@ def model_data(sg: StageGraph, cluster: Cluster, candidates: Sequence[Sequence[i
     # step into a task crosses at most one transfer, then one all-reduce.
     slack = sum(task_error) + max_tasks * max(0.0, delay_error) + max(0.0, allreduce_error)
     return ModelData(sg=sg, unit_s=unit, slack_s=slack, candidates=cands, duration=duration, delay=delay, act=act,
-                     allreduce=allreduce, groups=groups, group_stages=group_stages, capacity=capacity,
+                     allreduce=allreduce, groups=groups, group_stages=group_stages, mem_unit_bytes=mem_unit, capacity=capacity,
                      state=state, horizon=horizon, uniform=uniform)
 
 
@@ -280,7 +304,8 @@ def check_memory(data: ModelData, memory_bytes: float) -> None:
     at least one micro-batch between its F and B).
     """
     for gi, grp in enumerate(data.groups):
-        need_act = max(data.act[(s, data.candidates[s][0])] for s in data.group_stages[gi])
+        need_act = max(data.sg.act_bytes_per_sample(s) * data.candidates[s][0] / data.sg.stages[s].num_replicas
+                       for s in data.group_stages[gi])
         need = data.state[gi] + need_act
         if need > memory_bytes:
             stages = ", ".join(str(s) for s in data.group_stages[gi])
@@ -302,7 +327,10 @@ def rounding_slack(data: ModelData) -> float:
     return data.slack_s
 
 
-def build_model(data: ModelData, symmetry_breaking: bool = True) -> CpsatModel:
+MEMORY_ENCODINGS = ("cumulative", "reservoir")
+
+
+def build_model(data: ModelData, symmetry_breaking: bool = True, memory: str = "cumulative") -> CpsatModel:
     """The CP-SAT model (variables keyed by index tuples, one comment per constraint block).
 
     ``symmetry_breaking`` orders each stage's F tasks and its B tasks by
@@ -372,24 +400,32 @@ def build_model(data: ModelData, symmetry_breaking: bool = True) -> CpsatModel:
                         model.add(start[c, bc, "F", j] >= end(p, bp, "F", i) + wait).only_enforce_if(both)
                         model.add(start[p, bp, "B", i] >= end(c, bc, "B", j) + wait).only_enforce_if(both)
 
-    # Activation memory: +act when F starts, -act when B ends, never above what
-    # model state leaves free (skipped where even all samples at once fit).
+    # Activation memory: a micro-batch's activations live from its F start to
+    # its B end; their sum never exceeds what model state leaves free
+    # (skipped where even every sample at once fits).
     memory_groups = []
+    life: dict[tuple[int, int, int], cp_model.IntVar] = {}
     for gi, members in enumerate(data.group_stages):
         worst = sum(max(data.act[(s, b)] * data.num_mbs(b) for b in data.candidates[s]) for s in members)
         if worst <= data.capacity[gi]:
             continue
         memory_groups.append(gi)
-        times, changes, actives = [], [], []
-        for s in members:
-            for b in data.candidates[s]:
-                if data.act[(s, b)] == 0:
-                    continue
-                for j in range(data.num_mbs(b)):
-                    times += [start[s, b, "F", j], end(s, b, "B", j)]
-                    changes += [data.act[(s, b)], -data.act[(s, b)]]
-                    actives += [use[s, b], use[s, b]]
-        model.add_reservoir_constraint_with_active(times, changes, actives, 0, max(0, data.capacity[gi]))
+        lives = [(s, b, j) for s in members for b in data.candidates[s] if data.act[(s, b)] > 0
+                 for j in range(data.num_mbs(b))]
+        capacity = max(0, data.capacity[gi])
+        if memory == "cumulative":
+            intervals = []
+            for s, b, j in lives:
+                life[s, b, j] = model.new_int_var(data.duration[(s, b, "F")] + data.duration[(s, b, "B")], horizon,
+                                                  f"life_{s}_{j}_b{b}")
+                intervals.append(model.new_optional_interval_var(start[s, b, "F", j], life[s, b, j],
+                                                                 end(s, b, "B", j), use[s, b], f"life_{s}_{j}_b{b}"))
+            model.add_cumulative(intervals, [data.act[(s, b)] for s, b, _ in lives], capacity)
+        else:
+            times = [t for s, b, j in lives for t in (start[s, b, "F", j], end(s, b, "B", j))]
+            changes = [c for s, b, _ in lives for c in (data.act[(s, b)], -data.act[(s, b)])]
+            actives = [use[s, b] for s, b, _ in lives for _ in range(2)]
+            model.add_reservoir_constraint_with_active(times, changes, actives, 0, capacity)
 
     # The iteration ends after every backward and every gradient all-reduce.
     makespan = model.new_int_var(0, horizon, "makespan")
@@ -399,7 +435,7 @@ def build_model(data: ModelData, symmetry_breaking: bool = True) -> CpsatModel:
             for j in last:
                 model.add(makespan >= end(s, b, "B", j) + data.allreduce[s]).only_enforce_if(use[s, b])
     model.minimize(makespan)
-    return CpsatModel(data=data, model=model, use=use, start=start, interval=interval, makespan=makespan,
+    return CpsatModel(data=data, model=model, use=use, start=start, interval=interval, life=life, makespan=makespan,
                       memory_groups=tuple(memory_groups))
 
 
@@ -469,6 +505,11 @@ def add_hint(cm: CpsatModel, sizes: Sequence[int], starts: Mapping[TaskKey, int]
         cm.model.add_hint(var, b == sizes[s])
     for (s, b, kind, j), var in cm.start.items():
         cm.model.add_hint(var, starts[(s, kind, j)] if b == sizes[s] else 0)
+    data = cm.data
+    for (s, b, j), var in cm.life.items():
+        shortest = data.duration[(s, b, "F")] + data.duration[(s, b, "B")]
+        cm.model.add_hint(var, starts[(s, "B", j)] + data.duration[(s, b, "B")] - starts[(s, "F", j)]
+                          if b == sizes[s] else shortest)
     cm.model.add_hint(cm.makespan, makespan)
 
 
