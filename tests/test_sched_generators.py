@@ -186,6 +186,8 @@ def test_make_schedule_refusals():
                              allow_shared_devices=True)
     with pytest.raises(ScheduleError, match="not a multiple"):
         make_schedule("interleaved", three)
+    with pytest.raises(ScheduleError, match="several virtual stages per device group; all 4 stages are on different"):
+        make_schedule("interleaved", _diamond_stages())
     with pytest.raises(ScheduleError, match="not a permutation"):
         one_f_one_b(sg, [0])
     with pytest.raises(ScheduleError, match="before its producer"):

@@ -98,6 +98,10 @@ def interleaved_groups(sg: StageGraph) -> tuple[tuple[int, ...], ...]:
             break
         groups.append(st.devices)
     k = len(groups)
+    if k == sg.num_stages:
+        raise ScheduleError(f"interleaved 1F1B needs several virtual stages per device group; all {k} stages are on "
+                            f"different devices — use '1f1b' (or build the stage graph with "
+                            f"round_robin_chain(graph, num_devices, virtual_per_device >= 2, ...))")
     if sg.num_stages % k:
         raise ScheduleError(f"interleaved 1F1B needs K*v stages placed round-robin on K device groups; "
                             f"{sg.num_stages} stages on {k} groups is not a multiple — build the stage graph "
