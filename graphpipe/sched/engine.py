@@ -93,7 +93,7 @@ def run_engine(sg: StageGraph, device_actions: Sequence[Sequence[Action]],
     fdel = {(p, c): fwd_delay(p, c) for p, c in sg.edges}
     bdel = {(p, c): bwd_delay(p, c) for p, c in sg.edges}
     dur = [(duration(s, "F"), duration(s, "B")) for s in range(num_stages)]
-    # Stage-level completion: NaN-free sentinel None until all replicas are done.
+    # Stage-level completion time of (stage, kind, mb): None until every replica has run it.
     done: list[list[list[float | None]]] = [[[None] * num_mbs[s], [None] * num_mbs[s]] for s in range(num_stages)]
     partial: list[list[list[float]]] = [[[0.0] * num_mbs[s], [0.0] * num_mbs[s]] for s in range(num_stages)]
     remaining: list[list[list[int]]] = [[[replicas[s]] * num_mbs[s], [replicas[s]] * num_mbs[s]] for s in range(num_stages)]
