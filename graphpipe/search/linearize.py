@@ -15,9 +15,9 @@ What the three share, so that they differ only in the space they search:
   :func:`~graphpipe.search.common.stage_memory` evaluated on numpy arrays of
   candidate stages (the DPs score millions of candidates). A stage of ``r``
   replicas is costed on the canonical device set ``0..r-1`` (inside one node
-  when ``r <= devices_per_node``); stages are later placed on contiguous
-  device blocks in pipeline order (:func:`place`) and the reported
-  bottleneck is recomputed with :func:`stage_tps` on the placed devices;
+  when ``r <= devices_per_node``, as gpp does); stages are later placed on
+  disjoint device blocks (:func:`place`) and the reported bottleneck is
+  recomputed with :func:`stage_tps` on the placed devices;
 * **micro-batch choice** (:func:`choose_micro_batch`): every candidate size
   is partitioned and the resulting plans are compared by *simulated*
   throughput under the strategy's own schedule, as ``gpp`` does.
@@ -36,7 +36,6 @@ Example
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -287,21 +286,34 @@ class SequentialPartition:
 
 
 def place(graph: OpGraph, cluster: Cluster, batch_size: int, part: SequentialPartition) -> StageGraph:
-    """Stages on contiguous device blocks in pipeline order, starting at device 0.
+    """Put the stages on disjoint device blocks and build the sequential stage graph.
 
-    A ``sequential`` stage graph (SPP: stage i feeds only stage i + 1, which
-    relays everything crossing the cut) whose ids keep the pipeline order
-    (a topological order, as every stage is a range of a topological order
-    or a downset difference), which is what the 1F1B in-flight counts
-    assumed; ``StageGraph.build`` checks partition, convexity, disjoint
-    devices and edge direction.
+    The DPs cost ``r`` replicas as devices ``0..r-1`` (inside one node when
+    ``r <= devices_per_node``). Two layouts are tried: contiguous blocks in
+    pipeline order (neighbouring stages share a node, so transfers stay on
+    NVLink) and blocks largest first (power-of-two blocks then align with
+    nodes, so no all-reduce crosses a node needlessly); the one with the
+    smaller placed bottleneck wins, pipeline order on ties. The result is a
+    ``sequential`` stage graph (SPP: stage i feeds only stage i + 1, which
+    relays everything crossing the cut) whose ids keep the pipeline order,
+    as the 1F1B in-flight counts assumed; ``StageGraph.build`` checks
+    partition, convexity, disjoint devices and edge direction.
     """
-    stages = []
-    next_device = 0
-    for stage_id, (op_ids, replicas) in enumerate(part.stages):
-        devices = tuple(range(next_device, next_device + replicas))
-        next_device += replicas
-        stages.append(Stage(stage_id, tuple(op_ids), devices, part.micro_batch_size))
+    counts = [replicas for _, replicas in part.stages]
+    pipeline_order = list(range(len(counts)))
+    largest_first = sorted(pipeline_order, key=lambda q: (-counts[q], q))
+    best = None
+    for rank, order in enumerate((pipeline_order, largest_first)):
+        devices: list[tuple[int, ...]] = [()] * len(counts)
+        next_device = 0
+        for q in order:
+            devices[q] = tuple(range(next_device, next_device + counts[q]))
+            next_device += counts[q]
+        worst = max(stage_tps(graph, ops, devs, part.micro_batch_size, batch_size, cluster)
+                    for (ops, _), devs in zip(part.stages, devices))
+        if best is None or (worst, rank) < best[0]:
+            best = ((worst, rank), devices)
+    stages = [Stage(q, tuple(ops), best[1][q], part.micro_batch_size) for q, (ops, _) in enumerate(part.stages)]
     return StageGraph.build(graph, stages, batch_size, cluster.num_devices, sequential=True)
 
 
@@ -378,7 +390,3 @@ def lower_bound_tps(arrays: OpArrays, num_devices: int, micro_batch_size: int) -
     b = micro_batch_size
     total = float(arrays.compute_alpha.sum() + arrays.compute_beta.sum() * b)
     return total / (b * num_devices)
-
-
-def is_finite(x: float) -> bool:
-    return math.isfinite(x)

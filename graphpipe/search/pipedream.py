@@ -29,8 +29,11 @@ Our version of that DP:
   ``m`` devices as ``k`` stages. Stages that do not fit are excluded.
   ``k`` is capped at ``M``: any stage with ``M`` or more stages after it
   holds ``M`` micro-batches, so those counts share one bucket.
-* Devices need not all be used (``V(n, m, 0) = 0`` for every ``m``); the
-  stages are placed on contiguous device blocks in pipeline order.
+* **Replicas and devices**: a stage's replica count divides its micro-batch
+  (each replica gets an equal share) and is costed on devices ``0..r-1``,
+  as in gpp; devices need not all be used (``V(n, m, 0) = 0`` for every
+  ``m``); :func:`~graphpipe.search.linearize.place` then lays the stages
+  out on disjoint device blocks.
 * **Micro-batch size**: every candidate is partitioned and the plan with
   the best simulated 1F1B throughput wins (as gpp does).
 

@@ -17,7 +17,7 @@ Objective, memory and placement are PipeDream's (see
 :mod:`graphpipe.search.pipedream`): stage time = :func:`stage_tps` on the
 stage's replicas, 1F1B with ``min(K - q, M)`` micro-batches in flight on
 stage ``q`` of ``K``, replica counts dividing the micro-batch, devices not
-all required, stages on contiguous device blocks in pipeline order.
+all required, the same device layout (:func:`~graphpipe.search.linearize.place`).
 
 How the DP is evaluated. The min-max table over (downset, devices, stages)
 costs ``pairs x devices^2 x stages`` — hopeless in Python at MMT size (4
