@@ -337,3 +337,39 @@ def test_piper_on_mmt_like_graph_matches_or_beats_pipedream():
             assert a.bottleneck_tps <= c.bottleneck_tps * (1 + 1e-9)
     assert dag.stats["num_downsets"] == 4 ** 4 + 2
     assert seq.stats["bottleneck_tps"] > 0 and dag.stats["bottleneck_tps"] > 0
+
+
+@pytest.mark.parametrize("strategy", ["pipedream", "piper", "gpipe"])
+def test_plans_simulate_within_the_memory_the_partitioner_assumed(strategy):
+    """Through the planner (schedule, validate, simulate): the simulated peak memory of every
+    device stays within the partitioner's in-flight estimate, hence within capacity."""
+    planner = pytest.importorskip("graphpipe.search.planner", reason="planner not present")
+    graph = random_sp_graph(12, 11)
+    cluster = preset("v100", 6).with_memory(1.5e8)
+    plan = planner.make_plan(graph.name, graph, cluster, 24, strategy)
+    sg = plan.stage_graph
+    schedule = "gpipe" if strategy == "gpipe" else "1f1b"
+    in_flight = _in_flight(sg, schedule)
+    peaks = plan.predicted["peak_memory_bytes"]
+    for s in sg.stages:
+        estimate = stage_memory(graph, s.op_ids, s.num_replicas, s.micro_batch_size, in_flight[s.id], cluster)
+        for d in s.devices:
+            assert peaks[d] <= estimate * (1 + 1e-9) <= cluster.memory_bytes * (1 + 1e-9)
+    assert plan.predicted["throughput"] > 0
+
+
+@pytest.mark.parametrize("module", [pipedream, piper, gpipe], ids=["pipedream", "piper", "gpipe"])
+def test_micro_batch_choice_is_the_best_simulated(module):
+    from graphpipe.sched import make_schedule, predicted_figures, simulate
+
+    graph = branches_graph(2, 3)
+    cluster = preset("v100", 4)
+    result = module.partition(graph, cluster, 16, SearchOptions())
+    throughputs = {}
+    for b in (1, 2, 4, 8, 16):
+        part = module.solve(graph, cluster, 16, b)
+        sg = linearize.place(graph, cluster, 16, part)
+        schedule = make_schedule(result.schedule_name, sg, cluster)
+        throughputs[b] = predicted_figures(simulate(sg, schedule, cluster))["throughput"]
+    assert result.stats["throughput_estimate"] == pytest.approx(max(throughputs.values()), rel=1e-12)
+    assert throughputs[result.stats["micro_batch_size"]] == pytest.approx(max(throughputs.values()), rel=1e-12)

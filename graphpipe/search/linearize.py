@@ -44,6 +44,7 @@ import numpy as np
 from graphpipe.cluster import Cluster
 from graphpipe.errors import InfeasibleError, InputError
 from graphpipe.graph import OpGraph
+from graphpipe.sched import make_schedule, predicted_figures, simulate
 from graphpipe.search.common import stage_tps
 from graphpipe.stages import Stage, StageGraph
 
@@ -324,23 +325,9 @@ def placed_bottleneck(sg: StageGraph, cluster: Cluster) -> float:
 
 
 def estimate_throughput(sg: StageGraph, cluster: Cluster, schedule_name: str) -> float:
-    """Samples per second of one iteration, by the simulator when :mod:`graphpipe.sched` is present.
-
-    Fallback (only while the simulator is missing): the classic pipeline
-    estimate ``sum(stage times) + (M - 1) * max(stage time) + max(all-reduce)``,
-    ignoring transfer delays.
-    """
-    try:
-        from graphpipe.sched import make_schedule, predicted_figures, simulate
-    except ImportError:
-        make_schedule = None
-    if make_schedule is not None:
-        schedule = make_schedule(schedule_name, sg, cluster)
-        return float(predicted_figures(simulate(sg, schedule, cluster))["throughput"])
-    per_mb = [sg.fwd_time(s.id) + sg.bwd_time(s.id) for s in sg.stages]
-    num_mbs = sg.num_micro_batches(0)
-    allreduce = max(cluster.allreduce_time(s.devices, sg.param_bytes(s.id)) for s in sg.stages)
-    return sg.batch_size / (sum(per_mb) + (num_mbs - 1) * max(per_mb) + allreduce)
+    """Samples per second of one iteration of ``sg`` under ``schedule_name``, by the one simulator."""
+    schedule = make_schedule(schedule_name, sg, cluster)
+    return float(predicted_figures(simulate(sg, schedule, cluster))["throughput"])
 
 
 def choose_micro_batch(strategy: str, graph: OpGraph, cluster: Cluster, batch_size: int,
