@@ -96,6 +96,54 @@ def test_every_model_strategy_and_schedule_matches_single_process():
     # the data-parallel stages all-reduced their gradients
     replicated = results[names.index("mmt/replicated")]
     assert any(r["kind"] == "AR" for r in replicated["records"])
+    for name in ("mmt/replicated", "twobranch/fan-out", "transformer/interleaved", "dlrm:small/pipedream/4dev/1f1b"):
+        check_measured_timeline(plans[name], results[names.index(name)]["records"])
+
+
+def check_measured_timeline(plan, records):
+    """The measured iteration as a sched Timeline: every scheduled action once, in schedule order, causal."""
+    from graphpipe.runtime.measure import measured_timeline
+    from graphpipe.runtime.routing import edge_pieces
+
+    tl = measured_timeline(plan, records)
+    sg = plan.stage_graph
+    assert tl.source == "measured" and tl.iteration_time_s > 0
+    for d, acts in enumerate(plan.schedule.device_actions):
+        ran = [r.action for r in tl.actions if r.device == d]
+        assert ran == list(acts)  # each rank ran its list in order
+    end = {(r.device, r.action.stage_id, r.action.kind, r.action.mb_id): r.end for r in tl.actions}
+    for r in tl.actions:
+        assert 0 <= r.start <= r.end <= tl.iteration_time_s
+        s, j = r.action.stage_id, r.action.mb_id
+        if r.action.kind == "F":  # causality along stage edges (one host: one clock)
+            k = sg.stages[s].devices.index(r.device)
+            for p in sg.preds(s):
+                needed = [piece for piece in edge_pieces(sg, p, s) if (piece.consumer_mb, piece.consumer_replica) == (j, k)]
+                assert needed and {piece.producer_mb for piece in needed} <= set(sg.consumed_mbs(p, s, j))
+                for piece in needed:
+                    assert end[(sg.stages[p].devices[piece.producer_replica], p, "F", piece.producer_mb)] <= r.start
+        else:
+            assert end[(r.device, s, "F", j)] <= r.start
+    assert {a.stage_id for a in tl.allreduces} == {st.id for st in sg.stages if st.num_replicas > 1}
+
+
+def test_cli_run_writes_trace_and_gantt(tmp_path, capsys):
+    from graphpipe.cli import main
+
+    write_plan(str(tmp_path / "p.json"), hand_built("candle-uno:small", (["branch0.layer0", "branch0.layer1"],
+               ["branch1.layer0", "branch1.layer1"], ["concat", "head.layer0", "head.layer1"]), [(0,), (1,), (2,)], [2, 2, 4], 3,
+               "graph-1f1b"))
+    code = main(["run", str(tmp_path / "p.json"), "--steps", "2", "--json", "--trace", str(tmp_path / "t.json"),
+                 "--gantt", str(tmp_path / "g.png"), "--gantt-pair", str(tmp_path / "pair.png")])
+    assert code == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["measured"]["throughput"] == pytest.approx(BATCH / doc["measured"]["iteration_time_s"])
+    assert doc["predicted"]["iteration_time_s"] > 0 and "check" not in doc
+    trace = json.loads((tmp_path / "t.json").read_text())
+    names = {e.get("name") for e in trace["traceEvents"]}
+    assert any(n and n.startswith("F") for n in names) and any(n and n.startswith("B") for n in names)
+    for png in ("g.png", "pair.png"):
+        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_a_failing_rank_ends_the_run_with_its_message(tmp_path, monkeypatch, capsys):

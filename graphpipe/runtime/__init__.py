@@ -101,5 +101,5 @@ def run_plan(plan: Plan, options: RunOptions | None = None) -> dict[str, Any]:
     options = options or RunOptions()
     raw = run_plans([(plan, options)])[0]
     summary = summarize(plan, raw)
-    summary["timeline"] = measured_timeline(plan, raw["records"], raw["measured"]["iteration_time_s"]) if raw["records"] else None
+    summary["timeline"] = measured_timeline(plan, raw["records"]) if raw["records"] else None
     return summary

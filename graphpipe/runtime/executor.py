@@ -19,7 +19,10 @@ the stage's gradients asynchronously, in a fixed per-device-set order, so
 the all-reduce overlaps the rest of the schedule as in the simulator.
 
 Every action is timed (``time.perf_counter``; CUDA is synchronised first),
-relative to a start shared through a barrier by the caller.
+relative to a start shared through a barrier by the caller: ``ready`` when
+its inputs are in, ``start`` when compute begins, ``end`` when compute ends
+— its messages are posted right after, so a consumer never starts before
+its producer's ``end``, as in the simulator.
 
 Test hook (documented in :mod:`graphpipe.runtime`): with
 ``GRAPHPIPE_FAIL_RANK=r`` and ``GRAPHPIPE_FAIL_AT=F`` (or ``B``) rank ``r``
@@ -73,6 +76,8 @@ class StepResult:
     loss: float
     """This rank's share of the mini-batch loss (sum over its sink micro-batches)."""
     records: list[TimedAction] = field(default_factory=list)
+    t0: float = 0.0
+    """This rank's ``time.perf_counter()`` at the shared start (records are relative to it)."""
 
 
 class RankExecutor:
@@ -151,12 +156,12 @@ class RankExecutor:
         if prog.is_sink:
             loss = self.loss_fn(out) * ((rows.stop - rows.start) / self.sg.batch_size)
         by_name = dict(zip(prog.output_names, sent))
+        self._sync()
+        end = time.perf_counter()  # compute ends here; messages leave after it (the simulator's semantics)
         for piece in self.routing.outgoing(a.stage_id, a.mb_id, q):
             dst = self.sg.stages[piece.consumer].devices[piece.consumer_replica]
             for value in self._edge_values[(piece.producer, piece.consumer)]:
                 self.mailbox.send(dst, Routing.key("F", piece, value), by_name[value][piece.producer_rows])
-        self._sync()
-        end = time.perf_counter()
         saved[(a.stage_id, a.mb_id)] = (leaves, by_name, loss)
         return ready_at - t0, start - t0, end - t0, float(loss.detach()) if loss is not None else 0.0
 
@@ -190,6 +195,8 @@ class RankExecutor:
                 grad_tensors.append(g)
         if tensors:
             torch.autograd.backward(tensors, grad_tensors)
+        self._sync()
+        end = time.perf_counter()
         for piece in self.routing.incoming(a.stage_id, a.mb_id, q):
             dst = self.sg.stages[piece.producer].devices[piece.producer_replica]
             for value in self._edge_values[(piece.producer, piece.consumer)]:
@@ -198,8 +205,6 @@ class RankExecutor:
                 leaf = leaves[value]
                 g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
                 self.mailbox.send(dst, Routing.key("B", piece, value), g[piece.consumer_rows])
-        self._sync()
-        end = time.perf_counter()
         return ready_at - t0, start - t0, end - t0
 
     # ------------------------------------------------------------ iteration
@@ -214,6 +219,7 @@ class RankExecutor:
         issued: dict[tuple[int, ...], int] = {}
         done_stages: set[int] = set()
         pending_ar: list[tuple[int, object, torch.Tensor, list[torch.Tensor], float]] = []
+        finished_at: dict[int, float] = {}
         for pos, a in enumerate(self.actions):
             if a.kind == "F":
                 ready, start, end, loss = self._forward(a, inputs, saved, t0)
@@ -226,18 +232,22 @@ class RankExecutor:
             if pos in self._last_b_pos:
                 done_stages.add(self._last_b_pos[pos])
                 pending_ar.extend(self._issue_allreduces(done_stages, issued, t0))
+            # An all-reduce that finished during this action ends no later than now (best resolution
+            # without a polling thread).
+            finished_at.update({i: time.perf_counter() - t0 for i, ar in enumerate(pending_ar)
+                                if i not in finished_at and ar[1].is_completed()})
         if saved:
             raise RuntimeError(f"rank {self.rank}: forward without backward for {sorted(saved)[:4]}")
-        for stage_id, work, flat, grads, issued_at in pending_ar:
+        for i, (stage_id, work, flat, grads, issued_at) in enumerate(pending_ar):
             work.wait(self.timeout)
             for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
                 g.copy_(reduced)
             self._sync()
-            now = time.perf_counter() - t0
-            records.append(TimedAction(self.rank, stage_id, "AR", 0, issued_at, issued_at, now))
+            done = finished_at.get(i, time.perf_counter() - t0)
+            records.append(TimedAction(self.rank, stage_id, "AR", 0, issued_at, issued_at, done))
         self.mailbox.flush()
         self._sync()
-        return StepResult(time.perf_counter() - t0, loss_sum, records)
+        return StepResult(time.perf_counter() - t0, loss_sum, records, t0)
 
     def _issue_allreduces(self, done_stages: set[int], issued: dict, t0: float) -> list:
         """Start the gradient all-reduce of every finished replicated stage whose turn has come."""

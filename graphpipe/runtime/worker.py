@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -250,7 +251,8 @@ def run_job(rank: int, world_size: int, plan: Plan, options: RunOptions, device:
         if optimizer is not None:
             optimizer.step()
     return finish_job(rank, world_size, plan, options, [s.iteration_time_s for s in steps], [s.loss for s in steps],
-                      check_stats, reference, records=[[asdict(r) for r in s.records] for s in steps], backend=backend)
+                      check_stats, reference, records=[[asdict(r) for r in s.records] for s in steps], backend=backend,
+                      starts=[s.t0 for s in steps])
 
 
 def compare_gradients(named_params, ref_grads: dict[str, torch.Tensor], options: RunOptions) -> tuple[float, int, int]:
@@ -275,8 +277,16 @@ def compare_gradients(named_params, ref_grads: dict[str, torch.Tensor], options:
 
 def finish_job(rank: int, world_size: int, plan: Plan, options: RunOptions, step_times: Sequence[float],
                step_losses: Sequence[float], check_stats: tuple[float, int, int], reference, records: Sequence,
-               backend: str, extra: dict | None = None) -> dict[str, Any] | None:
-    """Combine every rank's figures on rank 0 (collective: every rank calls it)."""
+               backend: str, extra: dict | None = None, starts: Sequence[float] | None = None) -> dict[str, Any] | None:
+    """Combine every rank's figures on rank 0 (collective: every rank calls it).
+
+    Records are relative to each rank's own start after the barrier. On one
+    host ``time.perf_counter`` is one monotonic clock shared by all
+    processes, so rank 0 shifts every rank's records to the earliest start:
+    the measured timeline is then causally exact (a consumer's F never
+    starts before its producer's F ended). Across hosts each rank's barrier
+    exit stays its zero.
+    """
     sg = plan.stage_graph
     times = torch.tensor(list(step_times), dtype=torch.float64)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
@@ -291,14 +301,18 @@ def finish_job(rank: int, world_size: int, plan: Plan, options: RunOptions, step
     med = statistics.median(step_list)
     shown = min(measured_idx, key=lambda i: (abs(float(times[i]) - med), i))
     gathered = [None] * world_size if rank == 0 else None
-    dist.gather_object(list(records[shown]) if records else [], gathered, dst=0)
+    mine = (socket.gethostname(), starts[shown] if starts else 0.0, list(records[shown]) if records else [])
+    dist.gather_object(mine, gathered, dst=0)
     if rank != 0:
         return None
+    if len({host for host, _, _ in gathered}) == 1:
+        origin = min(t0 for _, t0, _ in gathered)
+        gathered = [(host, t0, [_shift(r, t0 - origin) for r in recs]) for host, t0, recs in gathered]
     out: dict[str, Any] = {
         "measured": {"iteration_time_s": med, "throughput": sg.batch_size / med,
                      "step_times_s": step_list, "warmup_steps": options.warmup_steps, "timeline_step": shown},
         "losses": [float(x) for x in losses],
-        "records": [r for per_rank in gathered for r in per_rank],
+        "records": [r for _, _, recs in gathered for r in recs],
         "backend": backend,
     }
     out.update(extra or {})
@@ -315,6 +329,10 @@ def finish_job(rank: int, world_size: int, plan: Plan, options: RunOptions, step
                         "num_params_checked": int(counts[1]), "num_params": total_params,
                         "num_mismatches": int(counts[0]), "rtol": options.rtol, "atol": options.atol}
     return out
+
+
+def _shift(record: dict, offset: float) -> dict:
+    return {**record, "ready": record["ready"] + offset, "start": record["start"] + offset, "end": record["end"] + offset}
 
 
 def run_rank(rank: int, world_size: int, jobs: Sequence[tuple[dict, RunOptions]], init_method: str,
