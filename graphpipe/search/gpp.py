@@ -54,11 +54,13 @@ import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import numpy as np
+
 from graphpipe.cluster import Cluster
 from graphpipe.errors import InfeasibleError
 from graphpipe.graph import OpGraph
 from graphpipe.search.common import SearchOptions, SearchResult, micro_batch_candidates, stage_tps
-from graphpipe.search.gpp_dp import INF, BottleneckDP, DPStage, DPTree, build_tree
+from graphpipe.search.gpp_dp import INF, BottleneckDP, DPStage, DPTree, build_tree, chain_tree, first_feasible
 from graphpipe.sp import make_series_parallel
 from graphpipe.stages import Stage, StageGraph
 
@@ -67,8 +69,11 @@ __all__ = ["partition", "SCHEDULE", "place_stages", "smallest_memory_needed"]
 log = logging.getLogger(__name__)
 
 SCHEDULE = "graph-1f1b"
-NUM_SIMULATED = 4
+NUM_SIMULATED = 8
 """Candidates simulated after ranking by the analytical estimate (simulation is the costly part)."""
+PRUNE_SLACK = 1.25
+"""A micro-batch size or depth is skipped only when its lower bound exceeds the best estimate by this factor:
+the estimate ignores transfers, so near-misses are kept for the simulator to judge."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +83,8 @@ class _Candidate:
     bottleneck_tps: float
     depth: int
     estimate_s: float
+    view: str = "sp"
+    """Which tree produced it: "sp" (the SP tree) or "chain" (the linear order, SPP's space)."""
 
 
 def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: SearchOptions) -> SearchResult:
@@ -89,19 +96,29 @@ def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: Search
     started = time.perf_counter()
     sp_graph, merged = make_series_parallel(graph)
     tree = build_tree(sp_graph)
+    trees = [("sp", tree)]
+    if any(kind == "parallel" for kind in tree.kinds):
+        trees.append(("chain", chain_tree(sp_graph)))
     sizes = micro_batch_candidates(batch_size, options)
     candidates: list[_Candidate] = []
     best_tps = INF * 1.0
     tried = states = 0
-    for b in sizes:
-        dp = BottleneckDP(tree, cluster, batch_size, b, power_of_two=options.power_of_two)
-        found, n_tried = _frontier(dp)
-        tried += n_tried
-        states += dp.dp_states
-        for t, depth, stages in found:
-            best_tps = min(best_tps, t)
-            est = t * (batch_size + b * (depth - 1))
-            candidates.append(_Candidate(b, tuple(stages), t, depth, est))
+    best_estimate = float("inf")
+    for view, view_tree in trees:
+        for b in sizes:
+            dp = BottleneckDP(view_tree, cluster, batch_size, b, power_of_two=options.power_of_two)
+            if dp.lower_bound() * batch_size > best_estimate * PRUNE_SLACK:
+                continue  # even a perfectly balanced pipeline at this size loses to a candidate in hand
+            found, n_tried = _frontier(dp, batch_size, best_estimate * PRUNE_SLACK)
+            tried += n_tried
+            states += dp.dp_states
+            for t, depth, stages in found:
+                if view == "sp":
+                    best_tps = min(best_tps, t)
+                depth = _real_depth(sp_graph, stages) if view == "chain" else depth
+                est = _estimate(sp_graph, cluster, batch_size, b, stages)
+                best_estimate = min(best_estimate, t * (batch_size + b * (depth - 1)))
+                candidates.append(_Candidate(b, tuple(stages), t, depth, est, view))
     if not candidates:
         need = smallest_memory_needed(tree, cluster, batch_size, sizes, options.power_of_two)
         raise InfeasibleError(
@@ -148,6 +165,7 @@ def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: Search
         "num_targets_tried": tried,
         "dp_states": states,
         "micro_batch_size": cand.micro_batch_size,
+        "view": cand.view,
         "micro_batch_sizes": sorted({s.micro_batch_size for s in sg.stages}),
         "devices_used": used,
         "unused_devices": cluster.num_devices - used,
@@ -161,49 +179,78 @@ def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: Search
 
 
 # ------------------------------------------------------------------ search
-def _frontier(dp: BottleneckDP) -> tuple[list[tuple[float, int, list[DPStage]]], int]:
+def _frontier(dp: BottleneckDP, batch_size: int, best_estimate: float) -> tuple[list[tuple[float, int, list[DPStage]]], int]:
     """The (bottleneck, depth) trade-off for one micro-batch size.
 
     First the optimal bottleneck ``t*`` and the shallowest graph reaching it
-    (depth ``v*``); then for each ``v < v*`` the smallest target whose DP
-    admits source depth ``<= v`` (exact again: feasibility at fixed ``v`` is
-    monotone in the target). Returns ([(t, depth, stages)], targets tried).
+    (depth ``v*``); then for each smaller source depth ``v`` the smallest
+    target whose DP admits depth ``<= v`` (exact again: feasibility at fixed
+    ``v`` is monotone in the target). Stops once ``t * B`` alone exceeds the
+    best estimate so far: shallower graphs only need larger targets.
+    Returns ([(t, depth, stages)], DP runs).
     """
     targets = dp.candidate_targets()
-    if not targets or not dp.feasible(targets[-1]):
-        return [], 1
-    tried = 1
-
-    def first_feasible(lo: int, hi: int, depth: int) -> int:
-        nonlocal tried
-        while lo < hi:  # targets[hi] is feasible at this depth
-            mid = (lo + hi) // 2
-            tried += 1
-            if dp.solve(targets[mid])[depth] < INF:
-                hi = mid
-            else:
-                lo = mid + 1
-        return hi
-
-    top = dp.kcap
-    i = first_feasible(0, len(targets) - 1, top)
+    start = int(np.searchsorted(targets, dp.lower_bound() * (1 - 1e-12)))
+    index, runs = first_feasible(dp, targets, dp.kcap, start)
+    if index is None:
+        return [], runs
     out = []
-    best = dp.best_at(targets[i])
+    best = dp.best_at(float(targets[index]))
     assert best is not None
     depth, stages = best
-    out.append((targets[i], depth, stages))
-    # Shallower graphs need larger targets; stop when even the largest target cannot go shallower.
+    t = float(targets[index])
+    out.append((t, depth, stages))
+    best_estimate = min(best_estimate, t * (batch_size + dp.b * (depth - 1)))
     while depth > 1:
-        want = depth - 1
-        if dp.solve(targets[-1])[want] >= INF:
+        found, more = first_feasible(dp, targets, depth - 1, index + 1)
+        runs += more
+        if found is None:
             break
-        tried += 1
-        i = first_feasible(i, len(targets) - 1, want)
-        dp.solve(targets[i])
-        stages = dp.extract(want)
+        index, t = found, float(targets[found])
+        if t * batch_size >= best_estimate:
+            break
+        dp.solve(t)
+        stages = dp.extract(depth - 1)
         depth = _source_depth(stages)
-        out.append((targets[i], depth, stages))
-    return out, tried
+        out.append((t, depth, stages))
+        best_estimate = min(best_estimate, t * (batch_size + dp.b * (depth - 1)))
+    return out, runs
+
+
+def _estimate(graph: OpGraph, cluster: Cluster, batch_size: int, b: int, stages: Sequence[DPStage]) -> float:
+    """Iteration time of a 1F1B-style pipeline: fill + drain along the slowest path, steady state at the
+    bottleneck, and the slowest gradient all-reduce at the end (transfers ignored).
+
+    ``(M - 1) * max_s T_s + max over stage paths of sum T_s + max_s allreduce_s``, with ``T_s`` one
+    micro-batch's forward + backward on stage ``s`` -- the classic pipeline formula (GPipe §2.3) on a DAG.
+    """
+    num_mbs = batch_size // b
+    per_mb = [graph.fwd_time(s.op_ids, b / s.num_devices) + graph.bwd_time(s.op_ids, b / s.num_devices)
+              for s in stages]
+    allreduce = [cluster.allreduce_time(range(s.num_devices), sum(graph.ops[o].param_bytes for o in s.op_ids))
+                 for s in stages]
+    stage_of = {o: i for i, s in enumerate(stages) for o in s.op_ids}
+    path = list(per_mb)
+    for i in reversed(range(len(stages))):  # stages come in a topological order
+        for o in stages[i].op_ids:
+            for w in graph.succs(o):
+                j = stage_of[w]
+                if j != i:
+                    path[i] = max(path[i], per_mb[i] + path[j])
+    return (num_mbs - 1) * max(per_mb) + max(path) + max(allreduce)
+
+
+def _real_depth(graph: OpGraph, stages: Sequence[DPStage]) -> int:
+    """Depth of the stage DAG (longest path in stages), which is what graph-1F1B's in-flight follows."""
+    stage_of = {o: i for i, s in enumerate(stages) for o in s.op_ids}
+    depth = [1] * len(stages)
+    for i in reversed(range(len(stages))):  # chain-view stages come in topological order
+        for o in stages[i].op_ids:
+            for w in graph.succs(o):
+                j = stage_of[w]
+                if j != i:
+                    depth[i] = max(depth[i], depth[j] + 1)
+    return max(depth, default=0)
 
 
 def _source_depth(stages: Sequence[DPStage]) -> int:

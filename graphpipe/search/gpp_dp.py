@@ -73,17 +73,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
+
 from graphpipe.cluster import Cluster
 from graphpipe.errors import InputError
 from graphpipe.graph import OpGraph
 from graphpipe.sp import decompose
 
 __all__ = ["DPTree", "DPStage", "DPSolution", "BottleneckDP", "build_tree", "parallel_order", "min_bottleneck",
-           "device_counts"]
+           "device_counts", "first_feasible", "chain_tree"]
 
 INF = 1 << 62
 _SHIFT = 20  # value = devices << _SHIFT | stages
 _STAGE_MASK = (1 << _SHIFT) - 1
+_SMALL = 12  # nodes with at most this many children use plain-Python block tables
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +165,32 @@ def build_tree(graph: OpGraph) -> DPTree:
     return DPTree(graph, tuple(kinds), tuple(children), tuple(op_ids), tuple(sums), tree.root, longest[tree.root])
 
 
+def chain_tree(graph: OpGraph) -> DPTree:
+    """The graph seen as one series of its ops in id (topological) order: the SPP search space.
+
+    Every contiguous range of a topological order is convex and any cut into
+    ranges is a DAG of stages, so this tree is valid input for the DP. Its
+    in-flight model is the chain's (each range waits for all later ones),
+    an upper bound on what graph-1F1B gives the real stage graph, so memory
+    is checked conservatively. gpp searches it beside the SP tree so that
+    the sequential partitions PipeDream considers are inside its space.
+    """
+    n = graph.num_ops
+    kinds = ["op"] * n + ["series"] if n > 1 else ["op"]
+    children = [()] * n + [tuple(range(n))] if n > 1 else [()]
+    op_ids = [(i,) for i in range(n)] + ([tuple(range(n))] if n > 1 else [])
+    leaf = []
+    for op in graph.ops:
+        leaf.append((op.fwd.alpha, op.fwd.beta, op.bwd.alpha, op.bwd.beta, float(op.param_bytes), float(op.act_bytes)))
+    sums = [((0.0,) * 6, leaf[i]) for i in range(n)]
+    if n > 1:
+        prefix = [(0.0,) * 6]
+        for p in leaf:
+            prefix.append(tuple(a + b for a, b in zip(prefix[-1], p)))
+        sums.append(tuple(prefix))
+    return DPTree(graph, tuple(kinds), tuple(children), tuple(op_ids), tuple(sums), len(kinds) - 1, n)
+
+
 def device_counts(micro_batch_size: int, num_devices: int, power_of_two: bool = False) -> tuple[int, ...]:
     """Replica counts a stage may use: divisors of ``b`` up to ``N`` (powers of two if asked)."""
     ds = [d for d in range(1, min(micro_batch_size, num_devices) + 1) if micro_batch_size % d == 0]
@@ -217,62 +246,187 @@ class BottleneckDP:
         # stage graph is deeper than its stage count (<= N) or longest op path.
         self.kcap = min(self.num_mbs, self.num_devices, tree.longest_path)
         self.capacity = cluster.memory_bytes
-        self._tps: dict[tuple[int, int, int], tuple[float, ...]] = {}
+        self._tables: dict[int, np.ndarray] = {}
+        self._kmax: dict[int, np.ndarray] = {}
+        self._list_cache: dict[int, tuple[list, list]] = {}
         self.t_max = float("inf")
         self.dp_states = 0
         self._reset()
 
     # ------------------------------------------------------------ block costs
-    def block_tps(self, x: int, lo: int, hi: int) -> tuple[float, ...]:
-        """stage_tps of children lo..hi-1 of x on each device count of ``self.ds``."""
-        key = (x, lo, hi)
-        got = self._tps.get(key)
+    def _node_table(self, x: int) -> np.ndarray:
+        """tps[lo, hi, di] of children lo..hi-1 of node x on ``ds[di]`` devices (``stage_tps``, vectorised)."""
+        got = self._tables.get(x)
         if got is None:
-            s0, s1 = self.tree.sums[x][lo], self.tree.sums[x][hi]
-            fa, fb, ba, bb, params = (s1[i] - s0[i] for i in range(5))
-            b, out = self.b, []
+            pre = np.asarray(self.tree.sums[x], dtype=float)          # (m+1, 6) prefix sums
+            diff = pre[None, :, :] - pre[:, None, :]                    # diff[lo, hi] = sums of lo..hi-1
+            alpha = diff[:, :, 0] + diff[:, :, 2]
+            beta = diff[:, :, 1] + diff[:, :, 3]
+            params = diff[:, :, 4]
+            b = float(self.b)
+            cols = []
             for d in self.ds:
-                compute = fa + fb * (b / d) + ba + bb * (b / d)
-                out.append(compute / b + self.cluster.allreduce_time(range(d), params) / self.batch_size)
-            got = tuple(out)
-            self._tps[key] = got
+                compute = alpha + beta * (b / d)
+                cols.append(compute / b + self._allreduce(d, params) / self.batch_size)
+            got = np.stack(cols, axis=-1)
+            self._tables[x] = got
         return got
 
-    def candidate_targets(self) -> list[float]:
-        """Every stage TPS a block of the search space can have: the optimum is one of them."""
-        values = set()
-        tr = self.tree
-        for x in range(len(tr.kinds)):
-            m = tr.width(x)
-            if tr.kinds[x] == "op":
-                values.update(self.block_tps(x, 0, 1))
-                continue
-            for lo in range(m):
-                for hi in range(lo + 2, m + 1):
-                    values.update(self.block_tps(x, lo, hi))
-        return sorted(values)
+    def _allreduce(self, d: int, params: np.ndarray) -> np.ndarray:
+        """``cluster.allreduce_time(range(d), params)`` elementwise (ring; inter-node iff d > devices_per_node)."""
+        if d <= 1:
+            return np.zeros_like(params)
+        c = self.cluster
+        link = c.inter_node if d > c.devices_per_node else c.intra_node
+        t = 2 * (d - 1) * link.latency_s + 2 * (d - 1) / d * params / link.bandwidth_Bps
+        return np.where(params > 0, t, 0.0)
+
+    def block_tps(self, x: int, lo: int, hi: int) -> tuple[float, ...]:
+        """stage_tps of children lo..hi-1 of x on each device count of ``self.ds``."""
+        return tuple(self._node_table(x)[lo, hi].tolist())
+
+    def _kmax_table(self, x: int) -> np.ndarray:
+        """kmax[lo, hi, di]: most in-flight micro-batches children lo..hi-1 of x can hold on ``ds[di]``
+        devices within memory (``stage_memory <= capacity``; -1 when even the model state does not fit),
+        capped at ``kcap``."""
+        got = self._kmax.get(x)
+        if got is None:
+            pre = np.asarray(self.tree.sums[x], dtype=float)
+            diff = pre[None, :, :] - pre[:, None, :]
+            state = diff[:, :, 4] / 4.0 * self.cluster.bytes_per_param   # cluster.state_bytes, elementwise
+            act = diff[:, :, 5]
+            cap = self.capacity
+            cols = []
+            with np.errstate(divide="ignore", invalid="ignore"):
+                for d in self.ds:
+                    per_mb = act * (self.b / d)
+                    k = np.floor(np.where(per_mb > 0, (cap - state) / np.where(per_mb > 0, per_mb, 1.0), self.kcap))
+                    k = np.clip(k, -1, self.kcap)
+                    # the division may be off by one ulp-step: settle on the exact float test
+                    k = np.where((k < self.kcap) & (state + per_mb * (k + 1) <= cap), k + 1, k)
+                    k = np.where((k >= 0) & (state + per_mb * k > cap), k - 1, k)
+                    k = np.where(state > cap, -1, k)
+                    cols.append(k)
+            got = np.stack(cols, axis=-1).astype(np.int64)
+            self._kmax[x] = got
+        return got
+
+    def candidate_targets(self) -> np.ndarray:
+        """Every stage TPS a block of the search space can have, sorted: the optimum is one of them."""
+        parts = []
+        for x in range(len(self.tree.kinds)):
+            m = self.tree.width(x)
+            table = self._node_table(x)
+            lo, hi = np.triu_indices(m + 1, k=1)
+            parts.append(table[lo, hi].ravel())
+        return np.unique(np.concatenate(parts)) if parts else np.zeros(0)
+
+    def lower_bound(self) -> float:
+        """No stage graph has a smaller bottleneck: max(total work / N, the heaviest op at its best width).
+
+        Each stage s on d_s devices has d_s * tps_s >= its compute per sample,
+        and sum d_s <= N; every op lies in some stage at least as slow as it.
+        """
+        root = self._node_table(self.tree.root)
+        m = self.tree.width(self.tree.root)
+        total = float(root[0, m, 0])  # ds[0] == 1: pure compute per sample
+        heaviest = 0.0
+        for x, kind in enumerate(self.tree.kinds):
+            if kind == "op":
+                heaviest = max(heaviest, float(self._node_table(x)[0, 1].min()))
+        return max(total / self.num_devices, heaviest)
+
+    def _reach(self, x: int) -> np.ndarray:
+        """Under the current target, reach[lo, hi, di] = the most in-flight micro-batches children
+        lo..hi-1 of x can hold as one stage on at most ``ds[di]`` devices (0: cannot be a stage).
+        Two blocks with equal rows need the same devices for every in-flight count."""
+        got = self._reach_cache.get(x)
+        if got is None:
+            keff = np.where(self._node_table(x) <= self.t_max, self._kmax_table(x), 0)
+            got = np.maximum.accumulate(np.maximum(keff, 0), axis=-1)
+            self._reach_cache[x] = got
+        return got
+
+    def _range_ends(self, x: int, lo: int) -> list[int]:
+        """Ends ``hi`` (>= lo + 2) of the ranges starting at ``lo`` worth evaluating as one stage.
+
+        Stop at the first range that cannot be a stage (TPS and memory grow
+        with the range); skip a range when the next longer one has the same
+        device profile, because a shorter remainder never needs more devices
+        or depth (the longer range dominates).
+        """
+        key = (x, lo)
+        got = self._ends.get(key)
+        if got is None and self.tree.width(x) <= _SMALL:
+            m = self.tree.width(x)
+            got = []
+            prof = self._profile(x, lo, lo + 2) if lo + 2 <= m else ()
+            for hi in range(lo + 2, m + 1):
+                if not prof:
+                    break
+                nxt = self._profile(x, lo, hi + 1) if hi < m else ()
+                if nxt != prof:
+                    got.append(hi)
+                prof = nxt
+            self._ends[key] = got
+        elif got is None:
+            reach = self._reach(x)
+            m = self.tree.width(x)
+            rows = reach[lo, lo + 2:m + 1]                       # hi = lo+2 .. m
+            ok = rows[:, -1] > 0
+            stop = int(np.argmin(ok)) if not ok.all() else len(ok)
+            rows = rows[:stop]
+            if stop == 0:
+                got = []
+            else:
+                differs = np.any(rows[:-1] != rows[1:], axis=-1) if stop > 1 else np.zeros(0, dtype=bool)
+                keep = np.append(differs, True)
+                got = [lo + 2 + int(i) for i in np.nonzero(keep)[0]]
+            self._ends[key] = got
+        return got
+
+    def _profile(self, x: int, lo: int, hi: int) -> tuple[tuple[int, int], ...]:
+        """(devices, largest in-flight that fits) pairs with both increasing: the block's whole
+        'fewest devices for in-flight k' function under the current target."""
+        key = (x, lo, hi)
+        got = self._feas.get(key)
+        if got is None:
+            out, best = [], 0
+            if self.tree.width(x) <= _SMALL:  # plain Python beats numpy's per-call overhead here
+                tps_rows, kmax_rows = self._lists(x)
+                t = self.t_max
+                for d, tt, k in zip(self.ds, tps_rows[lo][hi], kmax_rows[lo][hi]):
+                    if tt <= t and k > best:
+                        out.append((d, k))
+                        best = k
+            else:
+                for d, k in zip(self.ds, self._reach(x)[lo, hi].tolist()):
+                    if k > best:
+                        out.append((d, k))
+                        best = k
+            got = tuple(out)
+            self._feas[key] = got
+        return got
+
+    def _lists(self, x: int) -> tuple[list, list]:
+        got = self._list_cache.get(x)
+        if got is None:
+            got = (self._node_table(x).tolist(), self._kmax_table(x).tolist())
+            self._list_cache[x] = got
+        return got
 
     def _base_devices(self, x: int, lo: int, hi: int, k_in: int) -> int:
         """Fewest devices on which children lo..hi-1 of x form one stage meeting t_max and memory (0: none)."""
-        key = (x, lo, hi, k_in)
-        got = self._base.get(key)
-        if got is not None:
-            return got
-        tps = self.block_tps(x, lo, hi)
-        s0, s1 = self.tree.sums[x][lo], self.tree.sums[x][hi]
-        state = self.cluster.state_bytes(s1[4] - s0[4])
-        act = s1[5] - s0[5]
-        got = 0
-        for d, t in zip(self.ds, tps):
-            if t <= self.t_max and state + act * (self.b / d) * k_in <= self.capacity:
-                got = d
-                break
-        self._base[key] = got
-        return got
+        for d, k in self._profile(x, lo, hi):
+            if k >= k_in:
+                return d
+        return 0
 
     # -------------------------------------------------------------------- DP
     def _reset(self) -> None:
-        self._base: dict[tuple[int, int, int, int], int] = {}
+        self._feas: dict[tuple[int, int, int], tuple[tuple[int, int], ...]] = {}
+        self._reach_cache: dict[int, np.ndarray] = {}
+        self._ends: dict[tuple[int, int], list[int]] = {}
         self._f: dict[tuple[int, int], list[int]] = {}
         self._g: dict[tuple[int, int, int], list[int]] = {}
 
@@ -351,10 +505,10 @@ class BottleneckDP:
             gu = nxt[u]
             child = self._value(kids[i], u)
             res = [min(r, gu + c) if c < INF else r for r, c in zip(res, child)]
-        # Children i..j-1 as one stage.
-        for j in range(i + 2, m + 1):
-            if not self._base_devices(x, i, j, 1):
-                break  # TPS and memory only grow as the range grows
+        # Children i..j-1 as one stage. TPS and memory only grow with j, and a
+        # shorter suffix never needs more devices or depth, so among ranges with
+        # the same device profile the longest dominates: evaluate only that one.
+        for j in self._range_ends(x, i):
             rest = self._series(x, j, k)
             for u in self._breakpoints(rest):
                 k_in = min(u + 1, self.num_mbs)
@@ -386,9 +540,7 @@ class BottleneckDP:
         nxt = self._parallel(x, j + 1, k)
         child = self._value(kids[j], k)
         res = [a + b if a < INF and b < INF else INF for a, b in zip(child, nxt)]
-        for j2 in range(j + 2, p + 1):
-            if not self._base_devices(x, j, j2, 1):
-                break
+        for j2 in self._range_ends(x, j):  # same dominance as series ranges
             group = self._base_array(x, j, j2, k, rest=self._parallel(x, j2, k))
             res = [min(a, b) for a, b in zip(res, group)]
         res = self._prune(res)
@@ -431,9 +583,7 @@ class BottleneckDP:
                 self._extract_node(kids[i], u, v, child[v], out)
                 self._extract_series(x, i + 1, k, u, nxt[u], out)
                 return
-        for j in range(i + 2, m + 1):
-            if not self._base_devices(x, i, j, 1):
-                break
+        for j in self._range_ends(x, i):
             rest = self._series(x, j, k)
             for u in self._breakpoints(rest):
                 k_in = min(u + 1, self.num_mbs)
@@ -458,9 +608,7 @@ class BottleneckDP:
             self._extract_parallel(x, j + 1, k, v, nxt[v], out)
             return
         k_in = min(k + 1, self.num_mbs)
-        for j2 in range(j + 2, p + 1):
-            if not self._base_devices(x, j, j2, 1):
-                break
+        for j2 in self._range_ends(x, j):
             rest = self._parallel(x, j2, k)
             d = self._base_devices(x, j, j2, k_in) if k_in <= self.kcap else 0
             if d and k_in <= v and rest[v] < INF and rest[v] + ((d << _SHIFT) | 1) == target:
@@ -479,31 +627,65 @@ class BottleneckDP:
         return None
 
 
+def first_feasible(dp: BottleneckDP, targets: Sequence[float], depth: int, start: int = 0) -> tuple[int | None, int]:
+    """Index of the smallest target at which the root admits source depth <= ``depth`` (None: none does).
+
+    Feasibility is monotone in the target, so this is a search over a sorted
+    array: gallop up from ``start`` (a lower bound, where DP runs are cheap
+    because few large stages meet a small target), then bisect the bracket.
+    Returns (index, DP runs).
+    """
+    n = len(targets)
+    runs = 0
+
+    def ok(i: int) -> bool:
+        nonlocal runs
+        runs += 1
+        return dp.solve(float(targets[i]))[depth] < INF
+
+    start = max(0, min(start, n - 1))
+    if n == 0:
+        return None, 0
+    if ok(start):
+        return start, runs
+    below, step = start, 1
+    while True:
+        probe = start + step
+        if probe >= n - 1:
+            if not ok(n - 1):
+                return None, runs
+            above = n - 1
+            break
+        if ok(probe):
+            above = probe
+            break
+        below, step = probe, step * 2
+    while above - below > 1:  # targets[below] infeasible, targets[above] feasible
+        mid = (below + above) // 2
+        if ok(mid):
+            above = mid
+        else:
+            below = mid
+    return above, runs
+
+
 def min_bottleneck(graph: OpGraph | DPTree, cluster: Cluster, batch_size: int, micro_batch_size: int,
                    num_devices: int | None = None, power_of_two: bool = False) -> DPSolution | None:
     """The smallest bottleneck TPS of the search space (module docstring) for one micro-batch size.
 
-    Binary search over the sorted candidate TPS values: feasibility is
-    monotone in ``t_max`` (a larger target only admits more stages), and the
-    optimum is the TPS of some stage, so the search is exact. Returns None
-    when nothing fits (memory, or ``b`` too small for any stage).
+    Search over the sorted candidate TPS values (:func:`first_feasible`):
+    feasibility is monotone in ``t_max`` (a larger target only admits more
+    stages), and the optimum is the TPS of some stage, so the search is
+    exact. Returns None when nothing fits (memory, or no stage at all).
     """
     tree = graph if isinstance(graph, DPTree) else build_tree(graph)
     dp = BottleneckDP(tree, cluster, batch_size, micro_batch_size, num_devices, power_of_two)
     targets = dp.candidate_targets()
-    tried = 1
-    if not targets or not dp.feasible(targets[-1]):
+    start = int(np.searchsorted(targets, dp.lower_bound() * (1 - 1e-12)))
+    index, tried = first_feasible(dp, targets, dp.kcap, start)
+    if index is None:
         return None
-    lo, hi = 0, len(targets) - 1  # targets[hi] is feasible
-    while lo < hi:
-        mid = (lo + hi) // 2
-        tried += 1
-        if dp.feasible(targets[mid]):
-            hi = mid
-        else:
-            lo = mid + 1
-    best = dp.best_at(targets[hi])
+    best = dp.best_at(float(targets[index]))
     assert best is not None
     v, stages = best
     return DPSolution(micro_batch_size, max(s.tps for s in stages), tuple(stages), v, tried, dp.dp_states)
-
