@@ -113,14 +113,13 @@ def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: Search
             tried += n_tried
             states += dp.dp_states
             for t, depth, stages in found:
-                if view == "sp":
-                    best_tps = min(best_tps, t)
+                best_tps = min(best_tps, t)
                 depth = _real_depth(sp_graph, stages) if view == "chain" else depth
                 est = _estimate(sp_graph, cluster, batch_size, b, stages)
                 best_estimate = min(best_estimate, t * (batch_size + b * (depth - 1)))
                 candidates.append(_Candidate(b, tuple(stages), t, depth, est, view))
     if not candidates:
-        need = smallest_memory_needed(tree, cluster, batch_size, sizes, options.power_of_two)
+        need = smallest_memory_needed([t for _, t in trees], cluster, batch_size, sizes, options.power_of_two)
         raise InfeasibleError(
             f"no plan fits in {cluster.memory_bytes / 1e9:g} GB per device; the smallest needs "
             f"{need / 1e9:.3g} GB (raise --memory-gb, add devices, or use a smaller batch)")
@@ -257,7 +256,7 @@ def _source_depth(stages: Sequence[DPStage]) -> int:
     return max(s.in_flight for s in stages)
 
 
-def smallest_memory_needed(tree: DPTree, cluster: Cluster, batch_size: int, sizes: Sequence[int],
+def smallest_memory_needed(trees: Sequence[DPTree], cluster: Cluster, batch_size: int, sizes: Sequence[int],
                            power_of_two: bool = False) -> float:
     """Smallest device memory at which some stage graph fits (bisection, 0.5% relative).
 
@@ -265,15 +264,16 @@ def smallest_memory_needed(tree: DPTree, cluster: Cluster, batch_size: int, size
     always-feasible bound (everything resident on one device for every
     micro-batch) converges to the threshold of the DP's memory model.
     """
-    graph = tree.graph
+    graph = trees[0].graph
     upper = cluster.state_bytes(graph.param_bytes) + sum(op.act_bytes for op in graph.ops) * batch_size + 1.0
 
     def fits(memory: float) -> bool:
         trial = cluster.with_memory(memory)
-        for b in sizes:
-            dp = BottleneckDP(tree, trial, batch_size, b, power_of_two=power_of_two)
-            if dp.feasible(float("inf")):
-                return True
+        for tree in trees:
+            for b in sizes:
+                dp = BottleneckDP(tree, trial, batch_size, b, power_of_two=power_of_two)
+                if dp.feasible(float("inf")):
+                    return True
         return False
 
     lo, hi = 0.0, upper

@@ -1,0 +1,197 @@
+"""gpp (GraphPipe's partitioner): DP = brute force on small graphs, properties of every answer, errors.
+
+Oracles: :mod:`bruteforce` enumerates every stage graph of gpp's stated
+search space and scores it with the shared cost functions, deriving in-flight
+counts from the stage graph's own edges; properties (convex disjoint stages
+covering the graph, disjoint devices, memory within capacity) are checked
+independently of the StageGraph constructor with networkx reachability.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import networkx as nx
+import pytest
+
+from bruteforce import brute_force_gpp
+from conftest import branches_graph, chain_graph, nested_sp_graph, non_sp_graph, random_sp_graph
+from graphpipe.cluster import preset
+from graphpipe.errors import InfeasibleError, InputError
+from graphpipe.search.common import SearchOptions, stage_memory
+from graphpipe.search.gpp import partition, place_stages
+from graphpipe.search.gpp_dp import build_tree, chain_tree, min_bottleneck
+from graphpipe.sched import make_schedule, predicted_figures, simulate, warmup_counts
+
+SMALL_GRAPHS = ([chain_graph(n) for n in (3, 5, 8)]
+                + [branches_graph(2, 1, name="diamond"), branches_graph(3, 2), nested_sp_graph()]
+                + [random_sp_graph(n, seed) for n in (4, 6, 7, 8) for seed in range(5)])
+BATCH = 24
+
+
+def _tight(cluster, graph):
+    """A memory size that rules out some but not all plans: model state of ~40% of the graph."""
+    return cluster.with_memory(cluster.state_bytes(graph.param_bytes) / 2.5 + 1e6)
+
+
+@pytest.mark.parametrize("graph", SMALL_GRAPHS, ids=lambda g: g.name)
+def test_dp_equals_brute_force(graph):
+    constrained = 0
+    for num_devices, mb in itertools.product((1, 2, 3, 4), (4, 6)):
+        ample = preset("v100", num_devices)
+        for cluster in (ample, _tight(ample, graph)):
+            dp = min_bottleneck(graph, cluster, BATCH, mb)
+            brute = brute_force_gpp(graph, cluster, BATCH, mb)
+            assert (dp is None) == (brute is None), (num_devices, mb, cluster.memory_bytes)
+            if dp is None:
+                constrained += 1
+                continue
+            assert dp.bottleneck_tps == pytest.approx(brute.bottleneck_tps, rel=1e-9), (num_devices, mb, brute.stages)
+            assert dp.devices_used <= num_devices
+            if cluster is not ample:
+                free = min_bottleneck(graph, ample, BATCH, mb)
+                constrained += dp.bottleneck_tps > free.bottleneck_tps * (1 + 1e-9)
+    if graph.num_ops >= 5 and graph.param_bytes > 0:
+        # the memory-constrained variant must actually constrain somewhere, or it tests nothing
+        assert constrained > 0
+
+
+def test_dp_power_of_two_matches_brute_force():
+    for graph in SMALL_GRAPHS[::4]:
+        cluster = preset("v100", 4)
+        dp = min_bottleneck(graph, cluster, BATCH, 6, power_of_two=True)
+        brute = brute_force_gpp(graph, cluster, BATCH, 6, power_of_two=True)
+        assert dp.bottleneck_tps == pytest.approx(brute.bottleneck_tps, rel=1e-9)
+        assert all(s.num_devices in (1, 2) for s in dp.stages)  # divisors of 6 that are powers of two
+
+
+def test_chain_tree_is_the_spp_space():
+    """On a chain the SP tree and the chain view are the same space: same optimum."""
+    g = random_sp_graph(8, 3)
+    for n in (2, 3, 4):
+        c = preset("v100", n)
+        chain = min_bottleneck(chain_tree(g), c, BATCH, 4)
+        # brute force over ranges of the id order: every composition of 0..7 into ranges
+        best = None
+        for cuts in itertools.chain.from_iterable(itertools.combinations(range(1, 8), k) for k in range(n)):
+            bounds = (0,) + cuts + (8,)
+            blocks = [frozenset(range(a, b)) for a, b in zip(bounds, bounds[1:])]
+            from bruteforce import best_assignment
+            got = best_assignment(g, blocks, c, BATCH, 4, [1, 2, 4])
+            if got and (best is None or got[0] < best):
+                best = got[0]
+        assert chain.bottleneck_tps == pytest.approx(best, rel=1e-9)
+
+
+# ----------------------------------------------------------------- properties
+def _check_properties(graph, cluster, result):
+    sg = result.stage_graph
+    reach = nx.transitive_closure_dag(graph.to_networkx())
+    covered = sorted(o for s in sg.stages for o in s.op_ids)
+    assert covered == list(range(graph.num_ops)), "stages must partition the ops"
+    for s in sg.stages:
+        members = set(s.op_ids)
+        for a, c in itertools.permutations(members, 2):
+            if reach.has_edge(a, c):
+                # every op on a path between two members is a member (convexity)
+                between = {v for v in reach.successors(a) if reach.has_edge(v, c)}
+                assert between <= members, f"stage {s.id} not convex"
+    devices = [d for s in sg.stages for d in s.devices]
+    assert len(devices) == len(set(devices)) and all(0 <= d < cluster.num_devices for d in devices)
+    warm = warmup_counts(sg)
+    for s in sg.stages:
+        mem = stage_memory(graph, s.op_ids, s.num_replicas, s.micro_batch_size, warm[s.id], cluster)
+        assert mem <= cluster.memory_bytes
+        assert s.micro_batch_size % s.num_replicas == 0 and sg.batch_size % s.micro_batch_size == 0
+    figures = predicted_figures(simulate(sg, make_schedule("graph-1f1b", sg, cluster), cluster))
+    assert figures["max_peak_memory_bytes"] <= cluster.memory_bytes
+    assert result.stats["devices_used"] == len(sg.devices_used())
+    assert result.stats["bottleneck_tps"] >= result.stats["min_bottleneck_tps"] * (1 - 1e-9)
+    return figures
+
+
+@pytest.mark.parametrize("graph", [branches_graph(4, 2), nested_sp_graph(), random_sp_graph(8, 2), chain_graph(6)],
+                         ids=lambda g: g.name)
+@pytest.mark.parametrize("num_devices", [2, 5, 8])
+def test_partition_properties(graph, num_devices):
+    cluster = preset("v100", num_devices)
+    result = partition(graph, cluster, 32, SearchOptions())
+    assert result.schedule_name == "graph-1f1b"
+    _check_properties(graph, cluster, result)
+    tight = _tight(cluster, graph)
+    try:
+        constrained = partition(graph, tight, 32, SearchOptions())
+    except InfeasibleError as exc:  # then the error must say what would fit
+        assert "the smallest needs" in str(exc)
+    else:
+        _check_properties(graph, tight, constrained)
+
+
+def test_forced_micro_batch_and_power_of_two():
+    g = branches_graph(3, 2)
+    cluster = preset("v100", 6)
+    r = partition(g, cluster, 48, SearchOptions(micro_batch_size=12, power_of_two=True))
+    assert {s.micro_batch_size for s in r.stage_graph.stages} == {12}
+    assert all(s.num_replicas & (s.num_replicas - 1) == 0 for s in r.stage_graph.stages)
+    with pytest.raises(InputError, match="does not divide"):
+        partition(g, cluster, 48, SearchOptions(micro_batch_size=7))
+
+
+def test_per_stage_micro_batch_never_worse():
+    g = nested_sp_graph()
+    cluster = preset("v100", 4)
+    one = partition(g, cluster, 32, SearchOptions())
+    per = partition(g, cluster, 32, SearchOptions(per_stage_micro_batch=True))
+    def tp(sg):
+        return predicted_figures(simulate(sg, make_schedule("graph-1f1b", sg, cluster), cluster))["throughput"]
+    assert tp(per.stage_graph) >= tp(one.stage_graph) * (1 - 1e-12)
+
+
+def test_non_sp_graph_is_contracted_and_expanded():
+    g = non_sp_graph()
+    cluster = preset("v100", 3)
+    r = partition(g, cluster, 12, SearchOptions())
+    assert r.stage_graph.graph is g  # stages refer to the original ops
+    _check_properties(g, cluster, r)
+    with pytest.raises(InputError, match="not series-parallel"):
+        build_tree(g)
+
+
+def test_more_devices_than_useful_are_left_idle():
+    g = chain_graph(2)
+    cluster = preset("v100", 8)
+    r = partition(g, cluster, 2, SearchOptions())  # micro-batch <= 2: at most 2 replicas per stage
+    used = r.stats["devices_used"]
+    assert used < 8 and r.stats["unused_devices"] == 8 - used
+    _check_properties(g, cluster, r)
+
+
+def test_memory_too_small_names_the_smallest_that_fits():
+    g = branches_graph(2, 2)
+    cluster = preset("v100", 2).with_memory(1e6)
+    with pytest.raises(InfeasibleError, match=r"no plan fits in 0.001 GB per device; the smallest needs") as info:
+        partition(g, cluster, 16, SearchOptions())
+    need_gb = float(str(info.value).split("needs ")[1].split(" GB")[0])
+    ok = partition(g, cluster.with_memory(need_gb * 1e9 * 1.02), 16, SearchOptions())  # a bit above X fits
+    assert ok.stage_graph.num_stages >= 1
+    with pytest.raises(InfeasibleError):
+        partition(g, cluster.with_memory(need_gb * 1e9 * 0.97), 16, SearchOptions())
+
+
+def test_place_stages_keeps_replicated_stages_inside_nodes():
+    cluster = preset("v100", 8)  # 4 devices per node
+    devs = place_stages([((0,), 1), ((1,), 4), ((2,), 2), ((3,), 1)], cluster)
+    assert sorted(d for ds in devs for d in ds) == list(range(8))
+    for ds in devs:
+        if 1 < len(ds) <= 4:
+            assert len({cluster.node_of(d) for d in ds}) == 1
+
+
+def test_deterministic():
+    g = random_sp_graph(8, 4)
+    cluster = preset("v100", 4)
+    a = partition(g, cluster, 32, SearchOptions())
+    b = partition(g, cluster, 32, SearchOptions())
+    assert a.stage_graph == b.stage_graph
+    strip = lambda s: {k: v for k, v in s.items() if not k.endswith("time_s")}
+    assert strip(a.stats) == strip(b.stats)
