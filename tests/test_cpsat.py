@@ -18,7 +18,7 @@ from graphpipe.graph import Affine, Op, OpGraph
 from graphpipe.plan import Plan
 from graphpipe.search.cpsat import optimize_plan, solve
 from graphpipe.search.cpsat_model import (
-    add_hint, build_model, covered_mbs, model_data, replay, stage_candidates,
+    add_hint, build_model, covered_mbs, memory_peaks, model_data, replay, stage_candidates,
 )
 from graphpipe.sched.graph1f1b import graph_1f1b
 from graphpipe.sched.simulator import simulate
@@ -151,7 +151,11 @@ def test_hint_replays_to_a_feasible_solution_with_the_simulated_makespan(memory)
     data = model_data(sg, cluster, stage_candidates(sg, [1, 2, 4]), reference_s=sim)
     starts, makespan = replay(data, [1] * 4, heuristic)
     assert -1e-12 <= makespan * data.unit_s - sim <= data.slack_s
-    cm = build_model(data, memory=memory or "cumulative")
+    peaks = memory_peaks(data, [1] * 4, starts)
+    simulated_peaks = simulate(sg, heuristic, cluster).peak_memory_bytes
+    for gi, (device,) in enumerate(data.groups):
+        assert peaks[gi] * data.mem_unit_bytes == pytest.approx(simulated_peaks[device] - data.state[gi], rel=1e-6)
+    cm = build_model(data, memory=memory or "cumulative", upper_bound=makespan)
     assert bool(cm.memory_groups) == bool(memory)
     add_hint(cm, [1] * 4, starts, makespan)
     solver = cp_model.CpSolver()

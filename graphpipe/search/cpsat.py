@@ -53,7 +53,7 @@ from graphpipe.sched import gpipe, graph_1f1b, predicted_figures, simulate, vali
 from graphpipe.stages import StageGraph
 
 from graphpipe.search.cpsat_model import (
-    CpsatModel, ModelData, add_hint, build_model, check_memory, model_data, replay, schedule_from_starts,
+    ModelData, add_hint, build_model, check_memory, memory_peaks, model_data, replay, schedule_from_starts,
     rounding_slack, stage_candidates,
 )
 
@@ -266,10 +266,14 @@ def solve(sg: StageGraph, cluster: Cluster, *, candidate_sizes: Sequence[int] | 
     # Phase 2: the full model, hinted with the incumbent.
     data = model_data(sg, cluster, candidates, reference_s=heuristic_ms, uniform=uniform_size)
     check_memory(data, cluster.memory_bytes)
-    cm = build_model(data, memory=memory)
+    warm = _replay_warm_start(data, sg, incumbent.schedule)
+    # A warm start that fits the model caps the horizon (domains shrink); one
+    # that does not (memory rounding) only hints.
+    cm = build_model(data, memory=memory, upper_bound=warm[1] if warm and warm[2] else None)
+    if warm:
+        add_hint(cm, [st.micro_batch_size for st in sg.stages], warm[0], warm[1])
     unit = data.unit_s
     slack = rounding_slack(data)
-    _hint_heuristic(cm, sg, incumbent.schedule)
 
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = max(time_limit_s - spent, time_limit_s * (1 - ORDER_FIRST_SHARE))
@@ -331,18 +335,20 @@ def _gap(makespan: float, lower_bound: float) -> float:
     return max(0.0, (makespan - lower_bound) / makespan) if makespan > 0 else 0.0
 
 
-def _hint_heuristic(cm: CpsatModel, sg: StageGraph, heuristic: Schedule) -> None:
-    """Replay the heuristic in the model's integer time and hint it as a complete solution."""
-    data = cm.data
+def _replay_warm_start(data: ModelData, sg: StageGraph, schedule: Schedule):
+    """``(starts, makespan, fits)`` of ``schedule`` in the model's integer time, or None
+    when it is outside the model's space (uniform sizes exclude the input's mixed
+    sizes, or its order breaks the micro-batch order the model imposes)."""
     sizes = [st.micro_batch_size for st in sg.stages]
-    if any(b not in data.candidates[s] for s, b in enumerate(sizes)):
-        return  # uniform sizes exclude the input's mixed sizes: nothing consistent to hint
-    replayed = replay(data, sizes, heuristic)
+    if any(b not in data.candidates[s] for s, b in enumerate(sizes)) or (data.uniform and len(set(sizes)) > 1):
+        return None
+    replayed = replay(data, sizes, schedule)
     if replayed is None:
-        log.warning("cpsat: the warm-start schedule does not replay in the model (order not in its space); no hint")
-        return
+        log.warning("cpsat: the warm-start schedule is outside the model's space; solving without a hint")
+        return None
     starts, makespan = replayed
-    add_hint(cm, sizes, starts, makespan)
+    fits = all(peak <= cap for peak, cap in zip(memory_peaks(data, sizes, starts), data.capacity))
+    return starts, makespan, fits
 
 
 def optimize_plan(plan: Plan, time_limit_s: float = 10.0, num_workers: int = 2, seed: int = 0,

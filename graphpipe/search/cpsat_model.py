@@ -97,6 +97,7 @@ __all__ = [
     "build_model",
     "task_graph",
     "replay",
+    "memory_peaks",
     "add_hint",
     "schedule_from_starts",
 ]
@@ -330,7 +331,8 @@ def rounding_slack(data: ModelData) -> float:
 MEMORY_ENCODINGS = ("cumulative", "reservoir")
 
 
-def build_model(data: ModelData, symmetry_breaking: bool = True, memory: str = "cumulative") -> CpsatModel:
+def build_model(data: ModelData, symmetry_breaking: bool = True, memory: str = "cumulative",
+                upper_bound: int | None = None) -> CpsatModel:
     """The CP-SAT model (variables keyed by index tuples, one comment per constraint block).
 
     ``symmetry_breaking`` orders each stage's F tasks and its B tasks by
@@ -344,17 +346,19 @@ def build_model(data: ModelData, symmetry_breaking: bool = True, memory: str = "
     """
     sg = data.sg
     model = cp_model.CpModel()
-    horizon = data.horizon
+    horizon = data.horizon if upper_bound is None else min(data.horizon, upper_bound)
     use: dict[tuple[int, int], cp_model.IntVar] = {}
     start: dict[tuple[int, int, str, int], cp_model.IntVar] = {}
     interval: dict[tuple[int, int, str, int], cp_model.IntervalVar] = {}
     for s in range(sg.num_stages):
         for b in data.candidates[s]:
             use[s, b] = model.new_bool_var(f"use_s{s}_b{b}")
+            if data.num_mbs(b) * (data.duration[(s, b, "F")] + data.duration[(s, b, "B")]) > horizon:
+                model.add(use[s, b] == 0)  # this size's work alone outlasts the horizon
             for kind in ("F", "B"):
                 dur = data.duration[(s, b, kind)]
                 for j in range(data.num_mbs(b)):
-                    start[s, b, kind, j] = model.new_int_var(0, horizon - dur, f"start_{s}{kind}{j}_b{b}")
+                    start[s, b, kind, j] = model.new_int_var(0, max(0, horizon - dur), f"start_{s}{kind}{j}_b{b}")
                     interval[s, b, kind, j] = model.new_optional_fixed_size_interval_var(
                         start[s, b, kind, j], dur, use[s, b], f"task_{s}{kind}{j}_b{b}")
 
@@ -507,6 +511,24 @@ def replay(data: ModelData, sizes: Sequence[int], schedule: Schedule) -> tuple[d
         last = max(finish[(s, "B", j)] for j in range(data.num_mbs(sizes[s])))
         makespan = max(makespan, last + data.allreduce[s])
     return starts, makespan
+
+
+def memory_peaks(data: ModelData, sizes: Sequence[int], starts: Mapping[TaskKey, int]) -> tuple[int, ...]:
+    """Peak activation memory units per device group of a timed schedule (releases
+    before allocations at equal times, as in the model and the simulator)."""
+    peaks = []
+    for members in data.group_stages:
+        events = []
+        for s in members:
+            act, dur_b = data.act[(s, sizes[s])], data.duration[(s, sizes[s], "B")]
+            for j in range(data.num_mbs(sizes[s])):
+                events += [(starts[(s, "F", j)], act), (starts[(s, "B", j)] + dur_b, -act)]
+        level = peak = 0
+        for _, change in sorted(events, key=lambda e: (e[0], e[1])):
+            level += change
+            peak = max(peak, level)
+        peaks.append(peak)
+    return tuple(peaks)
 
 
 def add_hint(cm: CpsatModel, sizes: Sequence[int], starts: Mapping[TaskKey, int], makespan: int) -> None:
