@@ -14,21 +14,24 @@ What it measures (all on ``--ranks`` gloo processes, one torch thread each):
     with the cost model calibrated first: op times from
     :func:`graphpipe.profile.profile_model` (CPU, one thread, fitted
     ``alpha + beta*b``) applied with :func:`graphpipe.profile.apply_profile`,
-    and a custom cluster whose link latency and bandwidth come from a gloo
-    ping-pong between two local processes (target < 20%). A profile taken by
+    and a custom cluster whose link latency and bandwidth come from gloo
+    between local processes (:func:`measure_link`) (target < 20%). A profile taken by
     one process on an idle core overstates the speed of a rank that shares
     the host's cores with ``ranks - 1`` others, so the device is calibrated
-    too: the slowdown of a fixed matmul loop run by ``ranks`` processes at
-    once over one process alone scales every op time
-    (:func:`measure_cpu_share`). Both errors are reported (profile only, and
-    profile x CPU share); plans are made on the latter.
+    too: the slowdown of a fixed matmul loop run by ``k`` processes at once
+    over one alone (:func:`measure_cpu_share`, ``k = 1..ranks``), taken at
+    the plan's simulated mean number of busy ranks, scales every op time
+    (:func:`predict_calibrated`). Both errors are reported (profile only, and
+    profile x CPU share); plans are made with every rank busy.
 (c) Our runtime vs ``torch.distributed.pipelining`` on the sequential
     transformer, same partition, schedule (1F1B), data and ranks: throughput
     ratio (target >= 0.95).
 
-Side by side: every plan is a job of one spawned world, jobs are repeated
-round-robin (``--rounds``), and each figure is the median over all measured
-steps of all rounds, so slow drifts of the machine hit every plan alike.
+Side by side: every plan is a job of one spawned world and jobs are repeated
+round-robin (``--rounds``). Iteration times are medians over all measured
+steps of all rounds; ratios are the median over rounds of the ratio of the
+two jobs' medians in that round (run back to back), so load drifting on a
+shared host between rounds cancels out.
 The result file records the resolved config, versions, git SHA, the host's
 CPU count and load average (a 2-core host runs 4 ranks time-shared: say so
 when quoting the numbers).
@@ -46,21 +49,21 @@ from typing import Any
 
 __all__ = ["main", "measure_link", "cpu_cluster_doc"]
 
-UNO = "candle-uno:small,branches=4,layers=3,hidden=384,features=256,head_layers=2"
+UNO = "candle-uno:small,branches=4,layers=3,hidden=1024,features=512,head_layers=2"
 UNO_QUICK = "candle-uno:small,branches=4,layers=2,hidden=128,features=64"
 GPT = "transformer:small,layers=8,hidden=128,seq=32,heads=4,ffn=512,vocab=256"
 GPT_QUICK = "transformer:small,layers=4,hidden=64,seq=16,heads=4,ffn=128,vocab=100"
 
 
 # ------------------------------------------------------------------ link calibration
-def _pingpong(rank: int, port: int, sizes: list[int], repeats: int, out) -> None:
+def _linkbench(rank: int, world: int, port: int, sizes: list[int], ar_sizes: list[int], repeats: int, out) -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    times = {}
-    for n in sizes:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    p2p, ar = {}, {}
+    for n in sizes:  # ping-pong between ranks 0 and 1; one-way time = round trip / 2
         buf = torch.zeros(n // 4, dtype=torch.float32)
         samples = []
         for i in range(repeats + 3):
@@ -69,19 +72,39 @@ def _pingpong(rank: int, port: int, sizes: list[int], repeats: int, out) -> None
             if rank == 0:
                 dist.send(buf, 1)
                 dist.recv(buf, 1)
-            else:
+            elif rank == 1:
                 dist.recv(buf, 0)
                 dist.send(buf, 0)
             if i >= 3:
                 samples.append((time.perf_counter() - t0) / 2)
-        times[n] = statistics.median(samples)
+        p2p[n] = statistics.median(samples)
+    for n in ar_sizes:  # ring all-reduce among every rank, as a replicated stage does
+        buf = torch.ones(n // 4, dtype=torch.float32)
+        samples = []
+        for i in range(max(3, repeats // 4) + 1):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(buf)
+            if i >= 1:
+                samples.append(time.perf_counter() - t0)
+        ar[n] = statistics.median(samples)
     if rank == 0:
-        out.put(times)
+        out.put((p2p, ar))
     dist.destroy_process_group()
 
 
-def measure_link(sizes=(1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22), repeats: int = 20) -> dict[str, Any]:
-    """One-way gloo message time between two local processes, fitted as ``latency + bytes / bandwidth``."""
+def measure_link(ranks: int = 2, sizes=(1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22),
+                 ar_sizes=(1 << 20, 1 << 22, 1 << 24), repeats: int = 20) -> dict[str, Any]:
+    """Calibrate the cluster's link from gloo between local processes.
+
+    Latency: intercept of the ping-pong one-way time vs bytes. Bandwidth: the
+    smaller of the ping-pong bandwidth and the *effective* ring all-reduce
+    bandwidth of ``ranks`` processes (``2(r-1)/r * bytes / time``). On one
+    CPU host, moving and summing bytes costs the same cores that compute, so
+    a bulk all-reduce is far slower than the loopback wire; the cost model
+    has one bandwidth per link, and the bulk transfers a plan makes are its
+    gradient all-reduces (activations are small here).
+    """
     import multiprocessing as mp
 
     import numpy as np
@@ -91,18 +114,29 @@ def measure_link(sizes=(1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22), repeats: i
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_pingpong, args=(r, port, list(sizes), repeats, q)) for r in range(2)]
+    world = max(2, ranks)
+    procs = [ctx.Process(target=_linkbench, args=(r, world, port, list(sizes), list(ar_sizes), repeats, q))
+             for r in range(world)]
     for p in procs:
         p.start()
-    times = q.get(timeout=300)
+    p2p, ar = q.get(timeout=600)
     for p in procs:
         p.join(timeout=60)
-    x = np.array(sorted(times), dtype=float)
-    y = np.array([times[n] for n in sorted(times)])
-    (slope, intercept), *_ = np.linalg.lstsq(np.stack([x, np.ones_like(x)], axis=1), y, rcond=None)
-    latency = max(float(intercept), float(min(y)) * 0.5, 1e-6)
-    bandwidth = 1.0 / max(float(slope), 1e-12)
-    return {"latency_s": latency, "bandwidth_Bps": bandwidth, "one_way_s": {str(k): v for k, v in times.items()}}
+
+    def fit(xs, ys):
+        (slope, intercept), *_ = np.linalg.lstsq(np.stack([xs, np.ones_like(xs)], axis=1), ys, rcond=None)
+        return float(slope), float(intercept)
+
+    x = np.array(sorted(p2p), dtype=float)
+    slope, intercept = fit(x, np.array([p2p[n] for n in sorted(p2p)]))
+    latency = max(intercept, min(p2p.values()) * 0.5, 1e-6)
+    bw_p2p = 1.0 / max(slope, 1e-12)
+    xa = np.array(sorted(ar), dtype=float) * 2 * (world - 1) / world
+    slope_ar, _ = fit(xa, np.array([ar[n] for n in sorted(ar)]))
+    bw_ar = 1.0 / max(slope_ar, 1e-12)
+    return {"latency_s": latency, "bandwidth_Bps": min(bw_p2p, bw_ar), "p2p_bandwidth_Bps": bw_p2p,
+            "allreduce_bandwidth_Bps": bw_ar, "one_way_s": {str(k): v for k, v in p2p.items()},
+            "allreduce_s": {str(k): v for k, v in ar.items()}, "ranks": world}
 
 
 def cpu_cluster_doc(link: dict[str, Any], ranks: int) -> dict[str, Any]:
@@ -126,13 +160,14 @@ def _burn(rank: int, seconds_out, start, n: int) -> None:
     seconds_out.put(time.perf_counter() - t0)
 
 
-def measure_cpu_share(ranks: int, n: int = 1500) -> dict[str, float]:
-    """How much slower one rank computes when ``ranks`` single-thread processes compute at once.
+def measure_cpu_share(ranks: int, n: int = 1500) -> dict[str, Any]:
+    """How much slower one rank computes when ``k = 1..ranks`` single-thread processes compute at once.
 
-    The same fixed matmul loop timed alone and in ``ranks`` concurrent
-    processes; the ratio of medians is the slowdown a rank's ops see when
-    the host has fewer free cores than ranks (oversubscription and whatever
-    else runs on the host at the time).
+    A fixed matmul loop is timed alone and in ``k`` concurrent processes;
+    ``slowdown[k]`` is the ratio of medians. A simulated device is a
+    dedicated processor; a rank on a host with fewer free cores than ranks
+    (oversubscription, SMT siblings, other work) is not, and how much it is
+    slowed depends on how many ranks compute at the same moment.
     """
     import multiprocessing as mp
 
@@ -150,9 +185,42 @@ def measure_cpu_share(ranks: int, n: int = 1500) -> dict[str, float]:
             p.join(timeout=60)
         return statistics.median(times)
 
-    alone = run(1)
-    together = run(ranks)
-    return {"alone_s": alone, "concurrent_s": together, "slowdown": max(1.0, together / alone)}
+    times = {k: run(k) for k in range(1, ranks + 1)}
+    return {"seconds": {str(k): t for k, t in times.items()},
+            "slowdown": {str(k): max(1.0, t / times[1]) for k, t in times.items()}}
+
+
+def slowdown_at(share: dict[str, Any], concurrency: float) -> float:
+    """Linear interpolation of the measured slowdown at a (fractional) number of busy ranks."""
+    table = sorted((int(k), v) for k, v in share["slowdown"].items())
+    if concurrency <= table[0][0]:
+        return table[0][1]
+    for (k0, s0), (k1, s1) in zip(table, table[1:]):
+        if concurrency <= k1:
+            return s0 + (s1 - s0) * (concurrency - k0) / (k1 - k0)
+    return table[-1][1]
+
+
+def predict_calibrated(plan, raw_graph, share: dict[str, Any]) -> tuple[float, float, float]:
+    """``(iteration time, slowdown used, mean busy ranks)`` of ``plan`` with the CPU-share calibration.
+
+    The plan's mean concurrency ``sum(busy) / iteration`` comes from the
+    simulator itself (first with profile-only costs, then once more with the
+    scaled costs: a fixed point in two steps), and every op time is scaled by
+    the slowdown measured at that concurrency.
+    """
+    from dataclasses import replace
+
+    from graphpipe.sched import simulate
+
+    factor, concurrency = 1.0, 1.0
+    for _ in range(2):
+        sg = replace(plan.stage_graph, graph=scaled_graph(raw_graph, factor))
+        tl = simulate(sg, plan.schedule, plan.cluster)
+        concurrency = sum(tl.busy_s) / tl.iteration_time_s
+        factor = slowdown_at(share, concurrency)
+    sg = replace(plan.stage_graph, graph=scaled_graph(raw_graph, factor))
+    return simulate(sg, plan.schedule, plan.cluster).iteration_time_s, factor, concurrency
 
 
 def scaled_graph(graph, factor: float):
@@ -208,8 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="out", help="results go to OUT/results/bench_runtime.json")
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=6, help="steps per job and round (first is a warm-up)")
-    parser.add_argument("--rounds", type=int, default=3, help="round-robin repetitions of all jobs")
+    parser.add_argument("--steps", type=int, default=4, help="steps per job and round (first is a warm-up)")
+    parser.add_argument("--rounds", type=int, default=6, help="round-robin repetitions of all jobs")
     parser.add_argument("--quick", action="store_true", help="small models, 2 rounds of 3 steps")
     args = parser.parse_args(argv)
 
@@ -223,17 +291,20 @@ def main(argv: list[str] | None = None) -> int:
     steps, rounds = (3, 2) if args.quick else (args.steps, args.rounds)
     started = time.perf_counter()
     sys.stderr.write("measuring the loopback link...\n")
-    link = measure_link()
+    link = measure_link(args.ranks)
     cluster = cluster_from_dict(cpu_cluster_doc(link, args.ranks))
-    sys.stderr.write(f"link: latency {link['latency_s'] * 1e6:.1f} us, bandwidth {link['bandwidth_Bps'] / 1e9:.2f} GB/s\n")
+    sys.stderr.write(f"link: latency {link['latency_s'] * 1e6:.1f} us, bandwidth {link['bandwidth_Bps'] / 1e9:.2f} GB/s "
+                     f"(point-to-point {link['p2p_bandwidth_Bps'] / 1e9:.2f}, all-reduce {link['allreduce_bandwidth_Bps'] / 1e9:.2f})\n")
     sizes = sorted({1, 2, 4, 8, 16, args.batch_size // 4, args.batch_size // 2})
     sys.stderr.write("profiling ops...\n")
     uno_raw = calibrated_graph(uno, sizes, 5)
     gpt_raw = calibrated_graph(gpt, sizes, 5)
     sys.stderr.write("measuring the CPU share of one rank...\n")
     share = measure_cpu_share(args.ranks)
-    sys.stderr.write(f"cpu share: a rank computes {share['slowdown']:.2f}x slower with {args.ranks} ranks busy\n")
-    uno_graph, gpt_graph = scaled_graph(uno_raw, share["slowdown"]), scaled_graph(gpt_raw, share["slowdown"])
+    sys.stderr.write("cpu share: slowdown with k ranks busy " + ", ".join(f"k={k}: {v:.2f}x" for k, v in share["slowdown"].items()) + "\n")
+    # Plans are made for all ranks busy (the conservative end); predictions use each plan's own concurrency.
+    full = share["slowdown"][str(args.ranks)]
+    uno_graph, gpt_graph = scaled_graph(uno_raw, full), scaled_graph(gpt_raw, full)
     raw_graphs = {"uno": uno_raw, "gpt": gpt_raw}
     plans = {
         "uno/gpp": plan_for(uno, uno_graph, cluster, args.batch_size, "gpp"),
@@ -251,29 +322,42 @@ def main(argv: list[str] | None = None) -> int:
     sys.stderr.write(f"running {len(jobs)} jobs on {args.ranks} ranks...\n")
     raw = run_plans([(p, o) for _, p, o in jobs], args.ranks)
     step_times: dict[str, list[float]] = {n: [] for n in names}
-    last: dict[str, dict] = {}
+    per_round: dict[str, list[float]] = {n: [] for n in names}
     for (name, plan, _), result in zip(jobs, raw):
         step_times[name].extend(result["measured"]["step_times_s"])
-        last[name] = summarize(plan, result)
+        per_round[name].append(result["measured"]["iteration_time_s"])
+
+    def paired(a: str, b: str) -> float:
+        """Median over rounds of the throughput ratio a/b, each round's two jobs run back to back.
+
+        Robust to the host's load drifting between rounds (other work on a
+        shared machine), which a ratio of overall medians is not.
+        """
+        return statistics.median(tb / ta for ta, tb in zip(per_round[a], per_round[b]))
     rows = []
     for name in names:
         med = statistics.median(step_times[name])
-        pred = plans[name].predicted["iteration_time_s"]
-        pred_raw = predicted_with(plans[name], raw_graphs[name.split("/")[0]])
+        raw_graph = raw_graphs[name.split("/")[0]]
+        pred, factor, concurrency = predict_calibrated(plans[name], raw_graph, share)
+        pred_raw = predicted_with(plans[name], raw_graph)
         rows.append({"job": name, "measured_iteration_time_s": med, "measured_throughput": args.batch_size / med,
                      "num_steps": len(step_times[name]), "step_times_s": step_times[name],
+                     "round_medians_s": per_round[name],
                      "predicted_iteration_time_s": pred, "simulator_error": abs(pred - med) / med,
+                     "calibration_slowdown": factor, "predicted_mean_busy_ranks": concurrency,
                      "predicted_profile_only_s": pred_raw, "simulator_error_profile_only": abs(pred_raw - med) / med,
                      "plan": describe(plans[name])})
     by = {r["job"]: r for r in rows}
     summary = {
-        "a_gpp_over_pipedream_throughput": by["uno/gpp"]["measured_throughput"] / by["uno/pipedream"]["measured_throughput"],
+        "a_gpp_over_pipedream_throughput": paired("uno/gpp", "uno/pipedream"),
+        "a_ratio_of_medians": by["uno/gpp"]["measured_throughput"] / by["uno/pipedream"]["measured_throughput"],
         "a_predicted_gpp_over_pipedream": by["uno/pipedream"]["predicted_iteration_time_s"] / by["uno/gpp"]["predicted_iteration_time_s"],
         "b_simulator_error": {n: by[n]["simulator_error"] for n in ("uno/gpp", "uno/pipedream", "gpt/ours")},
         "b_simulator_error_profile_only": {n: by[n]["simulator_error_profile_only"]
                                            for n in ("uno/gpp", "uno/pipedream", "gpt/ours")},
         "cpu_slowdown": share["slowdown"],
-        "c_ours_over_torch_throughput": by["gpt/ours"]["measured_throughput"] / by["gpt/torch"]["measured_throughput"],
+        "c_ours_over_torch_throughput": paired("gpt/ours", "gpt/torch"),
+        "c_ratio_of_medians": by["gpt/ours"]["measured_throughput"] / by["gpt/torch"]["measured_throughput"],
         "targets": {"a": ">= 1.15", "b": "< 0.20", "c": ">= 0.95"},
         "wall_s": time.perf_counter() - started,
     }

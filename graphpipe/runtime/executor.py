@@ -209,9 +209,13 @@ class RankExecutor:
 
     # ------------------------------------------------------------ iteration
     def run_iteration(self, inputs: Sequence[torch.Tensor] | None, t0: float) -> StepResult:
-        """Run every action of this rank once; gradients are left in ``.grad`` (all-reduced)."""
+        """Run every action of this rank once; gradients are left in ``.grad`` (all-reduced).
+
+        Gradients start at ``None`` and accumulate over micro-batches, as in
+        single-device training.
+        """
         for p in self.parameters():
-            p.grad = torch.zeros_like(p)
+            p.grad = None
         self.mailbox.reset()
         saved: dict = {}
         records: list[TimedAction] = []
@@ -258,9 +262,13 @@ class RankExecutor:
             while issued.get(devices, 0) < len(order) and order[issued.get(devices, 0)] in done_stages:
                 stage_id = order[issued.get(devices, 0)]
                 issued[devices] = issued.get(devices, 0) + 1
-                grads = [p.grad for p in self.programs[stage_id].module.parameters()]
-                if not grads:
+                params = list(self.programs[stage_id].module.parameters())
+                if not params:
                     continue
+                for p in params:  # every replica reduces the same tensors, used or not
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                grads = [p.grad for p in params]
                 flat = _flatten_dense_tensors(grads)
                 now = time.perf_counter() - t0
                 work = dist.all_reduce(flat, group=self.dp_groups[devices], async_op=True)
