@@ -163,6 +163,20 @@ def test_a_failing_rank_ends_the_run_with_its_message(tmp_path, monkeypatch, cap
     assert elapsed < timeout  # liveness: the other ranks were stopped, nobody waited for the timeout
 
 
+def test_a_silent_rank_makes_its_peers_time_out(tmp_path, monkeypatch):
+    plan = planned("transformer:small", "pipedream", 3)
+    monkeypatch.setenv("GRAPHPIPE_FAIL_RANK", "1")
+    monkeypatch.setenv("GRAPHPIPE_FAIL_AT", "hang")
+    timeout = 5.0
+    started = time.monotonic()
+    with pytest.raises(RuntimeFailure) as info:
+        run_plans([(plan, RunOptions(steps=1, timeout_s=timeout))])
+    elapsed = time.monotonic() - started
+    message = str(info.value)
+    assert "rank 1" in message and "5 s" in message, message  # a peer names the silent rank and the timeout
+    assert elapsed < 120  # start-up + one timeout, never an endless wait
+
+
 def test_torch_baseline_refuses_fan_out_before_launch(tmp_path, capsys):
     from graphpipe.cli import main
 

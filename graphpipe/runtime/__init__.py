@@ -33,7 +33,9 @@ model, torch baseline of a non-sequential plan) raise
 
 Test hook: environment variables ``GRAPHPIPE_FAIL_RANK=R`` and
 ``GRAPHPIPE_FAIL_AT=F|B|setup`` make rank ``R`` raise at its first F (or B,
-or before joining the process group); used to test that failures never hang.
+or before joining the process group); ``GRAPHPIPE_FAIL_AT=hang`` makes it
+go silent at its first F, so its peers fail after ``--timeout`` seconds.
+Used to test that failures never hang.
 """
 
 from __future__ import annotations

@@ -102,15 +102,32 @@ class Mailbox:
             posted += 1
         self._posted[src] = posted
         work, buf = self._pending.pop(key)
-        if not work.wait(self.timeout):
-            raise TimeoutError(f"rank {self.rank}: no message {key} from rank {src} within {self.timeout.total_seconds():g} s")
+        self.wait_work(work, f"message {_describe(key)} from rank {src}")
         return buf
+
+    def wait_work(self, work, what: str) -> None:
+        """Wait with the process-group timeout; name the peer when it does not answer."""
+        limit = self.timeout.total_seconds()
+        try:
+            ok = work.wait(self.timeout)
+        except RuntimeError as exc:
+            if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+                raise TimeoutError(f"no {what} within {limit:g} s (peer silent or dead)") from None
+            raise RuntimeError(f"{what} failed: {exc}") from None
+        if ok is False:
+            raise TimeoutError(f"no {what} within {limit:g} s (peer silent or dead)")
 
     def flush(self) -> None:
         """Wait for every posted send to complete (end of iteration)."""
         for work, _ in self._sends:
-            work.wait(self.timeout)
+            self.wait_work(work, "completion of a send")
         self._sends.clear()
         if self._pending or self._local:
             left = list(self._pending)[:3] + list(self._local)[:3]
             raise RuntimeError(f"rank {self.rank}: iteration ended with unconsumed messages, e.g. {left}")
+
+
+def _describe(key: MessageKey) -> str:
+    """``3F2->5F1 (x)``-style name of a message: producer stage/mb to consumer stage/mb, value."""
+    direction, p, c, pmb, _, cmb, _, value = key
+    return (f"activation {p}F{pmb}->{c}F{cmb}" if direction == "F" else f"gradient {c}B{cmb}->{p}B{pmb}") + f" ({value})"

@@ -26,7 +26,8 @@ its producer's ``end``, as in the simulator.
 
 Test hook (documented in :mod:`graphpipe.runtime`): with
 ``GRAPHPIPE_FAIL_RANK=r`` and ``GRAPHPIPE_FAIL_AT=F`` (or ``B``) rank ``r``
-raises at its first action of that kind.
+raises at its first action of that kind; ``GRAPHPIPE_FAIL_AT=hang`` makes it
+stop answering at its first F instead.
 """
 
 from __future__ import annotations
@@ -151,6 +152,9 @@ class RankExecutor:
         start = time.perf_counter()
         if self._fail_at == "F":
             raise InjectedFailure(f"injected failure at action {a} (GRAPHPIPE_FAIL_RANK={self.rank}, GRAPHPIPE_FAIL_AT=F)")
+        if self._fail_at == "hang":
+            while True:  # a silent rank: its peers must time out, not wait forever
+                time.sleep(3600)
         sent, out = prog.module(*(values[n] for n in prog.input_names))
         loss = None
         if prog.is_sink:
@@ -243,7 +247,7 @@ class RankExecutor:
         if saved:
             raise RuntimeError(f"rank {self.rank}: forward without backward for {sorted(saved)[:4]}")
         for i, (stage_id, work, flat, grads, issued_at) in enumerate(pending_ar):
-            work.wait(self.timeout)
+            self.mailbox.wait_work(work, f"gradient all-reduce of stage {stage_id} with its replicas")
             for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
                 g.copy_(reduced)
             self._sync()
