@@ -14,7 +14,9 @@ solver chooses the order of 512 F/B tasks under the memory reservoir):
 * ``transformer-chain``: the zoo's paper-size GPT-style ``transformer`` cut
   into 8 contiguous stages of equal compute;
 * ``candle-uno-branches``: the ``candle-uno`` stage graph gpp plans at 8
-  devices (7 branch stages feeding one head stage), re-sized to micro-batch 4.
+  devices (7 branch stages feeding one head stage), re-sized to micro-batch 4;
+* ``transformer-chain-sizes``: the first case with per-stage micro-batch
+  sizes free (every divisor of 128: 255 optional micro-batches per stage).
 
 For each: graph-1F1B's simulated makespan, CP-SAT's, its proven lower
 bound, the gap reached within the limit, when the last improvement came,
@@ -117,9 +119,11 @@ def _solve_row(sg: StageGraph, cluster: Cluster, time_limit_s: float, workers: i
 def run(time_limit_s: float = 30.0, workers: int = 2, seed: int = 0) -> dict[str, Any]:
     cluster = preset("v100", NUM_DEVICES)
     rows = []
-    for name, sg in benchmark_cases(cluster).items():
-        row = _solve_row(sg, cluster, time_limit_s, workers, seed, per_stage_micro_batch=False)
-        rows.append({"case": name, "num_stages": sg.num_stages,
+    cases = benchmark_cases(cluster)
+    runs = [(name, sg, False) for name, sg in cases.items()] + [("transformer-chain-sizes", cases["transformer-chain"], True)]
+    for name, sg, free_sizes in runs:
+        row = _solve_row(sg, cluster, time_limit_s, workers, seed, per_stage_micro_batch=free_sizes)
+        rows.append({"case": name, "num_stages": sg.num_stages, "sizes_free": free_sizes,
                      "num_micro_batches": [sg.num_micro_batches(s) for s in range(sg.num_stages)], **row})
     config = {"time_limit_s": time_limit_s, "workers": workers, "seed": seed, "cluster": "v100",
               "num_devices": NUM_DEVICES, "batch_size": BATCH_SIZE, "micro_batch_size": MICRO_BATCH}
