@@ -283,7 +283,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from graphpipe.cluster import cluster_from_dict
     from graphpipe.runtime import RunOptions, run_plans
-    from graphpipe.runtime.measure import summarize
 
     from evals.common import environment, write_result
 

@@ -20,7 +20,7 @@ import pytest
 
 from graphpipe import zoo
 from graphpipe.cluster import preset
-from graphpipe.plan import Plan, plan_to_dict, write_plan
+from graphpipe.plan import Plan, write_plan
 from graphpipe.runtime import RunOptions, RuntimeFailure, run_plans
 from graphpipe.sched import make_schedule, round_robin_chain
 from graphpipe.stages import Stage, StageGraph

@@ -22,7 +22,6 @@ checked before anything is launched.
 
 from __future__ import annotations
 
-import statistics
 import time
 from typing import Any
 

@@ -78,6 +78,8 @@ class Mailbox:
         tensor = tensor.contiguous()
         work = dist.isend(tensor, dst=dst, group=self.groups.get(link), tag=tag)
         self._sends.append((work, tensor))
+        if len(self._sends) >= 64:  # release finished sends' tensors (their activations) early
+            self._sends = [(w, t) for w, t in self._sends if not w.is_completed()]
 
     def recv(self, src: int, key: MessageKey) -> torch.Tensor:
         """The tensor of message ``key`` from ``src``, waiting for it if needed."""

@@ -23,10 +23,9 @@ import multiprocessing as mp
 import os
 import queue as queue_mod
 import socket
-import sys
 import time
 import traceback
-from typing import Any, Sequence
+from typing import Sequence
 
 from graphpipe.errors import GraphpipeError
 from graphpipe.runtime.worker import RunOptions
