@@ -111,7 +111,8 @@ class _TorchStage(torch.nn.Module):
         return sent[0] if len(sent) == 1 else tuple(sent)
 
 
-def run_torch_job(rank: int, world_size: int, plan: Plan, options, device: torch.device) -> dict[str, Any] | None:
+def run_torch_job(rank: int, world_size: int, plan: Plan, options, device: torch.device,
+                  control=None) -> dict[str, Any] | None:
     """Run ``plan`` on torch.distributed.pipelining; rank 0 returns the result (same shape as ours)."""
     from torch.distributed import pipelining as pp
 
@@ -150,7 +151,7 @@ def run_torch_job(rank: int, world_size: int, plan: Plan, options, device: torch
         for p in params:
             p.grad = None
         losses: list = []
-        dist.barrier()
+        dist.barrier(group=control)
         t0 = time.perf_counter()
         if schedule is not None:
             if sg.num_stages - 1 in my_stages:
@@ -168,5 +169,5 @@ def run_torch_job(rank: int, world_size: int, plan: Plan, options, device: torch
         if optimizer is not None:
             optimizer.step()
     return finish_job(rank, world_size, plan, options, step_times, step_losses, check_stats, reference,
-                      records=[], backend=dist.get_backend(), extra={"baseline": "torch.distributed.pipelining."
+                      records=[], backend=dist.get_backend(), control=control, extra={"baseline": "torch.distributed.pipelining."
                                                                      + TORCH_SCHEDULES[plan.schedule.name]})

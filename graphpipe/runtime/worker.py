@@ -192,12 +192,16 @@ def _edge_values(split: ModelSplit) -> dict[tuple[int, int], tuple[str, ...]]:
 
 
 def run_job(rank: int, world_size: int, plan: Plan, options: RunOptions, device: torch.device,
-            backend: str) -> dict[str, Any] | None:
-    """Run one plan on this rank; rank 0 returns the job's result, other ranks ``None``."""
+            backend: str, control=None) -> dict[str, Any] | None:
+    """Run one plan on this rank; rank 0 returns the job's result, other ranks ``None``.
+
+    ``control`` is the process group for barriers and figures (a CPU gloo
+    group under NCCL; ``None``: the world group).
+    """
     if options.baseline == "torch":
         from graphpipe.runtime.baseline import run_torch_job
 
-        return run_torch_job(rank, world_size, plan, options, device)
+        return run_torch_job(rank, world_size, plan, options, device, control)
     sg, schedule = plan.stage_graph, plan.schedule
     if sg.num_devices > world_size:
         raise PlanError(f"plan needs {sg.num_devices} ranks, the job has {world_size}")
@@ -240,7 +244,7 @@ def run_job(rank: int, world_size: int, plan: Plan, options: RunOptions, device:
     check_stats = (0.0, 0, 0)
     for step in range(options.steps):
         inputs = make_inputs(sg.batch_size, data_seed(options.seed, step)) if reads_inputs else None
-        dist.barrier()
+        dist.barrier(group=control)
         t0 = time.perf_counter()
         result = executor.run_iteration(inputs, t0)
         steps.append(result)
@@ -252,7 +256,7 @@ def run_job(rank: int, world_size: int, plan: Plan, options: RunOptions, device:
             optimizer.step()
     return finish_job(rank, world_size, plan, options, [s.iteration_time_s for s in steps], [s.loss for s in steps],
                       check_stats, reference, records=[[asdict(r) for r in s.records] for s in steps], backend=backend,
-                      starts=[s.t0 for s in steps])
+                      starts=[s.t0 for s in steps], control=control)
 
 
 def compare_gradients(named_params, ref_grads: dict[str, torch.Tensor], options: RunOptions) -> tuple[float, int, int]:
@@ -277,7 +281,8 @@ def compare_gradients(named_params, ref_grads: dict[str, torch.Tensor], options:
 
 def finish_job(rank: int, world_size: int, plan: Plan, options: RunOptions, step_times: Sequence[float],
                step_losses: Sequence[float], check_stats: tuple[float, int, int], reference, records: Sequence,
-               backend: str, extra: dict | None = None, starts: Sequence[float] | None = None) -> dict[str, Any] | None:
+               backend: str, extra: dict | None = None, starts: Sequence[float] | None = None,
+               control=None) -> dict[str, Any] | None:
     """Combine every rank's figures on rank 0 (collective: every rank calls it).
 
     Records are relative to each rank's own start after the barrier. On one
@@ -289,20 +294,20 @@ def finish_job(rank: int, world_size: int, plan: Plan, options: RunOptions, step
     """
     sg = plan.stage_graph
     times = torch.tensor(list(step_times), dtype=torch.float64)
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=control)
     losses = torch.tensor(list(step_losses), dtype=torch.float64)
-    dist.all_reduce(losses, op=dist.ReduceOp.SUM)
+    dist.all_reduce(losses, op=dist.ReduceOp.SUM, group=control)
     max_abs = torch.tensor([check_stats[0]], dtype=torch.float64)
-    dist.all_reduce(max_abs, op=dist.ReduceOp.MAX)
+    dist.all_reduce(max_abs, op=dist.ReduceOp.MAX, group=control)
     counts = torch.tensor([check_stats[1], check_stats[2]], dtype=torch.float64)
-    dist.all_reduce(counts, op=dist.ReduceOp.SUM)
+    dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=control)
     measured_idx = list(range(options.warmup_steps, options.steps))
     step_list = [float(times[i]) for i in measured_idx]
     med = statistics.median(step_list)
     shown = min(measured_idx, key=lambda i: (abs(float(times[i]) - med), i))
     gathered = [None] * world_size if rank == 0 else None
     mine = (socket.gethostname(), starts[shown] if starts else 0.0, list(records[shown]) if records else [])
-    dist.gather_object(mine, gathered, dst=0)
+    dist.gather_object(mine, gathered, dst=0, group=control)
     if rank != 0:
         return None
     if len({host for host, _, _ in gathered}) == 1:
@@ -352,9 +357,11 @@ def run_rank(rank: int, world_size: int, jobs: Sequence[tuple[dict, RunOptions]]
                             device_id=device if backend == "nccl" else None)
     results = []
     try:
+        # Barriers and figures travel on CPU tensors: under NCCL they get a gloo group of their own.
+        control = dist.new_group(backend="gloo") if backend == "nccl" else None
         for index, (plan_doc, options) in enumerate(jobs):
             plan = plan_from_dict(plan_doc)
-            result = run_job(rank, world_size, plan, options, device, backend)
+            result = run_job(rank, world_size, plan, options, device, backend, control)
             results.append(result)
             if on_job_done is not None:
                 on_job_done(index, result)
