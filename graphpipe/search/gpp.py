@@ -30,6 +30,19 @@ How it searches
    a time: each stage tries the other micro-batch sizes its replica count
    allows, kept when the simulated throughput improves (the paper reports
    such per-stage sizes give incremental gains over one size for all).
+6. The schedule is graph-1F1B (paper Alg. 2), unless fill-drain (GPipe's
+   order on the same stage graph) simulates strictly faster and still fits
+   in memory -- with ample memory and few micro-batches it can, by a little;
+   ``SearchResult.schedule_name`` says which.
+
+Two views of the graph are searched. The SP tree is GraphPipe's space. The
+*chain view* -- the ops in topological order as one series -- is the
+sequential (SPP) space PipeDream searches; its stage graphs are still run
+with graph-1F1B, so branches that land in different stages overlap. A
+stage that spans the end of one branch and the op after the branches is in
+the chain view only, and on some models (mmt on 16 devices) that is what
+balances the pipeline, so gpp keeps whichever view simulates faster and is
+never worse than the SPP space on the same cost model.
 
 Device counts per stage are the divisors of ``b`` up to ``N`` -- every useful
 count, since a stage's replicas must split its micro-batch evenly -- so no
@@ -43,8 +56,8 @@ Example
 >>> ops = [Op(n, "x", Affine(0, 1e-3), Affine(0, 2e-3)) for n in "sabt"]
 >>> g = OpGraph.build("diamond", ops, [("s", "a", 1), ("s", "b", 1), ("a", "t", 1), ("b", "t", 1)])
 >>> result = partition(g, preset("v100", 4), 16, SearchOptions(micro_batch_size=2))
->>> result.schedule_name, result.stats["micro_batch_size"]
-('graph-1f1b', 2)
+>>> result.stats["micro_batch_size"], result.stage_graph.num_stages, result.stats["devices_used"]
+(2, 2, 4)
 """
 
 from __future__ import annotations
@@ -69,6 +82,7 @@ __all__ = ["partition", "SCHEDULE", "place_stages", "smallest_memory_needed"]
 log = logging.getLogger(__name__)
 
 SCHEDULE = "graph-1f1b"
+FILL_DRAIN = "gpipe"
 NUM_SIMULATED = 8
 """Candidates simulated after ranking by the analytical estimate (simulation is the costly part)."""
 PRUNE_SLACK = 1.25
@@ -151,6 +165,10 @@ def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: Search
     _, sg, cand, throughput = best
     if options.per_stage_micro_batch and options.micro_batch_size is None:
         sg, throughput = _refine_micro_batches(sg, cluster)
+    schedule_name = SCHEDULE
+    fill_drain, fits = _score(sg, cluster, FILL_DRAIN)
+    if fits and fill_drain > throughput * (1 + 1e-12):
+        schedule_name, throughput = FILL_DRAIN, fill_drain
     used = len(sg.devices_used())
     if used < cluster.num_devices:
         log.info("gpp uses %d of %d devices: more devices do not lower the bottleneck of %s at batch %d",
@@ -174,7 +192,7 @@ def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: Search
         "candidates_simulated": simulated,
         "throughput_estimate": throughput,
     }
-    return SearchResult(stage_graph=sg, schedule_name=SCHEDULE, stats=stats)
+    return SearchResult(stage_graph=sg, schedule_name=schedule_name, stats=stats)
 
 
 # ------------------------------------------------------------------ search
@@ -190,7 +208,8 @@ def _frontier(dp: BottleneckDP, batch_size: int, best_estimate: float) -> tuple[
     """
     targets = dp.candidate_targets()
     start = int(np.searchsorted(targets, dp.lower_bound() * (1 - 1e-12)))
-    index, runs = first_feasible(dp, targets, dp.kcap, start)
+    probes: dict[int, list[int]] = {}
+    index, runs = first_feasible(dp, targets, dp.kcap, start, probes)
     if index is None:
         return [], runs
     out = []
@@ -201,7 +220,7 @@ def _frontier(dp: BottleneckDP, batch_size: int, best_estimate: float) -> tuple[
     out.append((t, depth, stages))
     best_estimate = min(best_estimate, t * (batch_size + dp.b * (depth - 1)))
     while depth > 1:
-        found, more = first_feasible(dp, targets, depth - 1, index + 1)
+        found, more = first_feasible(dp, targets, depth - 1, index + 1, probes)
         runs += more
         if found is None:
             break
@@ -335,11 +354,11 @@ def _to_stage_graph(graph: OpGraph, sp_graph: OpGraph, merged: dict, cand: _Cand
 
 
 # ----------------------------------------------------------------- scoring
-def _score(sg: StageGraph, cluster: Cluster) -> tuple[float, bool]:
-    """(simulated graph-1F1B throughput, whether the simulated peak memory fits)."""
+def _score(sg: StageGraph, cluster: Cluster, schedule: str = SCHEDULE) -> tuple[float, bool]:
+    """(simulated throughput under ``schedule``, whether the simulated peak memory fits)."""
     from graphpipe.sched import make_schedule, predicted_figures, simulate
 
-    timeline = simulate(sg, make_schedule(SCHEDULE, sg, cluster), cluster)
+    timeline = simulate(sg, make_schedule(schedule, sg, cluster), cluster)
     figures = predicted_figures(timeline)
     return float(figures["throughput"]), float(figures["max_peak_memory_bytes"]) <= cluster.memory_bytes
 

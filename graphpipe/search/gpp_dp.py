@@ -627,30 +627,44 @@ class BottleneckDP:
         return None
 
 
-def first_feasible(dp: BottleneckDP, targets: Sequence[float], depth: int, start: int = 0) -> tuple[int | None, int]:
+def first_feasible(dp: BottleneckDP, targets: Sequence[float], depth: int, start: int = 0,
+                   probes: dict[int, list[int]] | None = None) -> tuple[int | None, int]:
     """Index of the smallest target at which the root admits source depth <= ``depth`` (None: none does).
 
     Feasibility is monotone in the target, so this is a search over a sorted
     array: gallop up from ``start`` (a lower bound, where DP runs are cheap
     because few large stages meet a small target), then bisect the bracket.
+    ``probes`` (target index -> root value array) carries DP runs between
+    searches for different depths: every earlier probe narrows the bracket.
     Returns (index, DP runs).
     """
     n = len(targets)
+    if n == 0:
+        return None, 0
+    probes = {} if probes is None else probes
     runs = 0
 
     def ok(i: int) -> bool:
         nonlocal runs
-        runs += 1
-        return dp.solve(float(targets[i]))[depth] < INF
+        root = probes.get(i)
+        if root is None:
+            runs += 1
+            root = dp.solve(float(targets[i]))
+            probes[i] = root
+        return root[depth] < INF
 
-    start = max(0, min(start, n - 1))
-    if n == 0:
-        return None, 0
+    below = max([i for i, r in probes.items() if r[depth] >= INF], default=-1)   # known infeasible
+    above = min([i for i, r in probes.items() if r[depth] < INF], default=n)      # known feasible
+    start = min(max(start, below + 1), n - 1)
+    if start >= above:
+        return (above if above < n else None), runs
     if ok(start):
         return start, runs
     below, step = start, 1
     while True:
-        probe = start + step
+        probe = below + step
+        if above < n and probe >= above:  # the bracket is already closed by an earlier probe
+            break
         if probe >= n - 1:
             if not ok(n - 1):
                 return None, runs
