@@ -113,6 +113,9 @@ def launch(jobs: Sequence[tuple[dict, RunOptions]], world_size: int) -> list[dic
                 stamp, rank, message = min(errors)
                 raise RuntimeFailure(f"rank {rank} failed: {message}")
     finally:
+        if not errors:  # normal end: let every rank exit on its own (killing one mid-exit leaks its semaphores)
+            for p in procs:
+                p.join(timeout=30)
         for p in procs:
             if p.is_alive():
                 p.terminate()
