@@ -213,3 +213,16 @@ def test_torchrun_entry_point_runs_one_rank(tmp_path):
     doc = json.loads(proc.stdout)
     assert doc["check"]["passed"] and doc["measured"]["throughput"] > 0
     assert set(doc["predicted"]) >= {"iteration_time_s", "throughput"}
+
+
+@pytest.mark.gpu
+def test_nccl_run_matches_single_process_when_every_rank_has_a_gpu():
+    """The same check on NCCL (one GPU per rank); skipped on CPU-only machines."""
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA devices")
+    plans = [planned("transformer:small", "pipedream", 2, "1f1b"), planned("mmt:small", "gpp", 2)]
+    results = run_plans([(p, RunOptions(steps=2, check=True, backend="nccl")) for p in plans], 2)
+    for result in results:
+        assert result["backend"] == "nccl" and result["check"]["passed"], result["check"]
