@@ -1,0 +1,119 @@
+"""``graphpipe plan``: output, --json/--out, atomic writes, --compare, and one-line errors (exit 2)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from conftest import branches_graph, chain_graph
+from graphpipe.cli import main
+from graphpipe.graph import graph_to_dict, write_json_atomic
+from graphpipe.plan import read_plan
+from graphpipe.sched import validate_schedule
+
+
+@pytest.fixture
+def model_file(tmp_path):
+    path = tmp_path / "branches.json"
+    write_json_atomic(str(path), graph_to_dict(branches_graph(3, 2)))
+    return str(path)
+
+
+def _run(capsys, *argv):
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:  # argparse usage errors exit from inside the parser
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _one_line_error(code, err, *fragments):
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("graphpipe: error: "), err
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+def test_table_output(capsys, model_file):
+    code, out, _ = _run(capsys, "plan", model_file, "--devices", "4", "--batch-size", "32")
+    assert code == 0
+    assert "gpp plan" in out and "iteration time" in out and "throughput" in out and "peak memory" in out
+    assert "search time" in out and "in-flight" in out
+
+
+def test_json_out_and_determinism(capsys, model_file, tmp_path):
+    out_path = str(tmp_path / "plan.json")
+    code, out, _ = _run(capsys, "plan", model_file, "-n", "4", "-b", "32", "--json", "--out", out_path)
+    assert code == 0
+    doc = json.loads(out)
+    assert doc["format"] == "graphpipe.plan/1" and doc["strategy"] == "gpp"
+    plan = read_plan(out_path)
+    validate_schedule(plan.stage_graph, plan.schedule)
+    with open(out_path) as fh:
+        assert json.load(fh)["stages"] == doc["stages"]
+    code, out2, _ = _run(capsys, "plan", model_file, "-n", "4", "-b", "32", "--json")
+    doc2 = json.loads(out2)
+    for d in (doc, doc2):
+        d["search"] = {k: v for k, v in d["search"].items() if not k.endswith("time_s")}
+    assert doc == doc2
+
+
+def test_failed_command_leaves_existing_file_untouched(capsys, model_file, tmp_path):
+    out_path = tmp_path / "plan.json"
+    out_path.write_text("precious\n")
+    code, _, err = _run(capsys, "plan", model_file, "-n", "2", "-b", "32", "--memory-gb", "0.001",
+                        "--out", str(out_path))
+    _one_line_error(code, err, "no plan fits in 0.001 GB per device; the smallest needs")
+    assert out_path.read_text() == "precious\n"
+    assert [p for p in os.listdir(tmp_path) if p.startswith(".tmp-")] == []
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    (("--devices", "0", "--batch-size", "8"), "--devices must be >= 1"),
+    (("--devices", "2", "--batch-size", "0"), "--batch-size must be a positive integer"),
+    (("--devices", "2", "--batch-size", "-4"), "--batch-size must be a positive integer"),
+    (("--devices", "2", "--batch-size", "abc"), "invalid int value"),
+    (("--devices", "2", "--batch-size", "8", "--micro-batch-size", "3"), "does not divide the batch size 8"),
+    (("--devices", "2", "--batch-size", "8", "--cluster", "tpu"), "unknown cluster"),
+])
+def test_bad_inputs_are_one_line_errors(capsys, model_file, argv, fragment):
+    code, _, err = _run(capsys, "plan", model_file, *argv)
+    _one_line_error(code, err, fragment)
+
+
+def test_more_devices_than_usable(capsys, tmp_path):
+    path = str(tmp_path / "chain.json")
+    write_json_atomic(path, graph_to_dict(chain_graph(2)))
+    code, out, err = _run(capsys, "plan", path, "-n", "8", "-b", "2", "--json")
+    assert code == 0
+    doc = json.loads(out)
+    used = doc["search"]["devices_used"]
+    assert used < 8 and doc["search"]["unused_devices"] == 8 - used
+    assert f"uses {used} of 8 devices" in err
+
+
+def test_compare_includes_piper_refusal(capsys, tmp_path):
+    path = str(tmp_path / "wide.json")
+    write_json_atomic(path, graph_to_dict(branches_graph(9, 4)))  # (4+1)^9 ~ 2M downsets > 200k
+    code, out, _ = _run(capsys, "plan", path, "-n", "8", "-b", "32", "--compare", "--json")
+    assert code == 0
+    rows = json.loads(out)["results"]
+    assert [r["strategy"] for r in rows] == ["gpp", "pipedream", "piper", "gpipe"]
+    keys = {"strategy", "feasible", "throughput", "iteration_time_s", "search_time_s", "num_stages", "depth",
+            "peak_memory_bytes", "error"}
+    assert all(set(r) == keys for r in rows)
+    piper = rows[2]
+    assert piper["feasible"] is False and "downsets" in piper["error"]
+    assert rows[0]["feasible"] and rows[1]["feasible"]
+    code, table, _ = _run(capsys, "plan", path, "-n", "8", "-b", "32", "--compare")
+    assert code == 0 and "piper" in table and "downsets" in table and "vs gpp" in table
+
+
+def test_zoo_model_plan(capsys):
+    pytest.importorskip("torch")
+    code, out, _ = _run(capsys, "plan", "twobranch:small", "-n", "4", "-b", "16", "--strategy", "pipedream")
+    assert code == 0 and "pipedream plan" in out
