@@ -45,7 +45,8 @@ from graphpipe.runtime.executor import RankExecutor, StepResult
 from graphpipe.runtime.routing import Routing
 from graphpipe.runtime.stage_modules import ModelSplit, boundary_meta, check_op_names, split_model
 
-__all__ = ["RunOptions", "Runnable", "load_runnable", "run_rank", "run_job", "data_seed", "CHECK_RTOL", "CHECK_ATOL"]
+__all__ = ["RunOptions", "Runnable", "load_runnable", "run_rank", "run_job", "data_seed", "reference_step",
+           "compare_gradients", "finish_job", "CHECK_RTOL", "CHECK_ATOL"]
 
 log = logging.getLogger(__name__)
 
