@@ -322,10 +322,12 @@ def run_memory(config: dict[str, Any], progress: Progress) -> tuple[list, dict]:
 # ------------------------------------------------------------------- fidelity
 def fidelity_config(quick: bool) -> dict[str, Any]:
     """Simulated vs measured iteration time on real runtime runs (CPU ranks here)."""
-    return {"points": [["candle-uno:small", "gpp", None]] if quick else [
-                ["candle-uno:small", "gpp", None], ["candle-uno:small", "pipedream", None],
-                ["mmt:small", "gpp", None], ["mmt:small", "pipedream", None],
-                ["transformer:small", "pipedream", "gpipe"], ["transformer:small", "pipedream", "1f1b"]],
+    # Full points use sizes where compute dominates per-action overheads (evals.bench_runtime's models).
+    uno = "candle-uno:small,branches=4,layers=3,hidden=1024,features=512,head_layers=2"
+    gpt = "transformer:small,layers=8,hidden=128,seq=32,heads=4,ffn=512,vocab=256"
+    return {"points": [["candle-uno:small,branches=2,layers=2", "gpp", None]] if quick else [
+                [uno, "gpp", None], [uno, "pipedream", None], [gpt, "pipedream", "1f1b"], [gpt, "pipedream", "gpipe"],
+                [gpt, "gpp", None]],
             "devices": 2 if quick else 4, "batch_size": 16, "steps": 3 if quick else 6}
 
 
@@ -335,7 +337,8 @@ def run_fidelity(config: dict[str, Any], progress: Progress) -> tuple[list, dict
     rows = []
     for model, strategy, schedule in config["points"]:
         try:
-            row = fidelity.measure(model, strategy, schedule, config["devices"], config["batch_size"], config["steps"])
+            row = fidelity.measure(model, strategy, schedule, config["devices"], config["batch_size"], config["steps"],
+                                   quick=config["quick"])
         except GraphpipeError as exc:
             row = {"error": str(exc)}
         rows.append({"model": model, "strategy": strategy, "schedule": schedule, **row})

@@ -1,0 +1,60 @@
+"""Simulator fidelity: predicted vs measured iteration time of real runtime runs.
+
+One point = (model, strategy, schedule) planned and run on ``devices`` CPU
+ranks (gloo, one torch thread per rank). The cost model is calibrated the way
+a user would (``graphpipe profile``): op times from
+:func:`graphpipe.profile.profile_model` fitted to ``alpha + beta*b``, a cluster
+whose link latency/bandwidth come from gloo between local processes, and the
+measured slowdown of ranks sharing the host's cores (see
+:mod:`evals.bench_runtime`, whose calibration helpers this reuses).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from evals import bench_runtime as br
+from graphpipe.cluster import cluster_from_dict
+
+__all__ = ["measure"]
+
+
+@functools.lru_cache(maxsize=8)
+def _graph(model: str, quick: bool):
+    return br.calibrated_graph(model, batch_sizes=(2, 8) if quick else (1, 2, 4, 8, 16), repeats=3 if quick else 7)
+
+
+@functools.lru_cache(maxsize=4)
+def _link(ranks: int) -> dict[str, Any]:
+    return br.measure_link(ranks=ranks, repeats=5)
+
+
+@functools.lru_cache(maxsize=4)
+def _share(ranks: int) -> dict[str, Any]:
+    return br.measure_cpu_share(ranks, n=400)
+
+
+def measure(model: str, strategy: str, schedule: str | None, devices: int, batch_size: int, steps: int,
+            quick: bool = False) -> dict[str, Any]:
+    """Plan on the calibrated cost model, run it for real, compare the iteration times."""
+    from graphpipe.runtime import RunOptions, run_plan
+
+    raw = _graph(model, quick)
+    cluster = cluster_from_dict(br.cpu_cluster_doc(_link(devices), devices))
+    plan = br.plan_for(model, raw, cluster, batch_size, strategy, schedule)
+    predicted_s, slowdown, concurrency = br.predict_calibrated(plan, raw, _share(devices))
+    result = run_plan(plan, RunOptions(steps=steps, warmup_steps=1))
+    measured_s = result["measured"]["iteration_time_s"]
+    return {
+        "devices": devices,
+        "schedule": plan.schedule.name,
+        "num_stages": plan.stage_graph.num_stages,
+        "predicted_s": predicted_s,
+        "predicted_profile_only_s": plan.predicted["iteration_time_s"],
+        "measured_s": measured_s,
+        "error_frac": abs(predicted_s - measured_s) / measured_s,
+        "cpu_slowdown": slowdown,
+        "mean_busy_ranks": concurrency,
+        "measured_throughput": result["measured"]["throughput"],
+    }
