@@ -363,21 +363,29 @@ def _score(sg: StageGraph, cluster: Cluster, schedule: str = SCHEDULE) -> tuple[
     return float(figures["throughput"]), float(figures["max_peak_memory_bytes"]) <= cluster.memory_bytes
 
 
-def _refine_micro_batches(sg: StageGraph, cluster: Cluster) -> tuple[StageGraph, float]:
-    """Per-stage micro-batch sizes by coordinate descent on simulated throughput (option)."""
-    best_tp, fits = _score(sg, cluster)
+def _refine_micro_batches(sg: StageGraph, cluster: Cluster, max_rounds: int = 3) -> tuple[StageGraph, float]:
+    """Per-stage micro-batch sizes by coordinate descent on simulated throughput (option).
+
+    Each stage in turn tries the neighbouring sizes (next smaller and larger
+    divisor of the batch that its replicas divide); a change is kept when the
+    simulated graph-1F1B throughput improves and memory still fits. A few
+    rounds at most: each try is one simulation.
+    """
+    best_tp, _ = _score(sg, cluster)
     sizes = [s for s in range(1, sg.batch_size + 1) if sg.batch_size % s == 0]
-    improved = True
-    while improved:
+    for _ in range(max_rounds):
         improved = False
         for st in sg.stages:
-            for b in sizes:
-                if b == st.micro_batch_size or b % st.num_replicas:
-                    continue
+            usable = [b for b in sizes if b % st.num_replicas == 0]
+            at = usable.index(sg.stages[st.id].micro_batch_size)
+            for b in usable[max(0, at - 1):at] + usable[at + 1:at + 2]:
                 stages = [Stage(s.id, s.op_ids, s.devices, b if s.id == st.id else s.micro_batch_size)
                           for s in sg.stages]
                 trial = StageGraph(sg.graph, tuple(stages), sg.batch_size, sg.num_devices)
                 tp, ok = _score(trial, cluster)
                 if ok and tp > best_tp * (1 + 1e-9):
                     sg, best_tp, improved = trial, tp, True
+                    break
+        if not improved:
+            break
     return sg, best_tp

@@ -29,8 +29,8 @@ Example
 from __future__ import annotations
 
 import logging
-import math
 import time
+from dataclasses import replace
 from typing import Any
 
 from graphpipe.cluster import Cluster
@@ -101,8 +101,6 @@ def make_plan(model_id: str, graph: OpGraph, cluster: Cluster, batch_size: int, 
         raise InfeasibleError(
             f"{strategy} plan with the {plan.schedule.name} schedule needs {peak / 1e9:.3g} GB on device {worst} "
             f"(simulated peak) but devices have {cluster.memory_bytes / 1e9:g} GB; raise --memory-gb or add devices")
-    from dataclasses import replace
-
     return replace(plan, search=search)
 
 
@@ -132,7 +130,3 @@ def compare(model_id: str, graph: OpGraph, cluster: Cluster, batch_size: int,
                      "num_stages": plan.stage_graph.num_stages, "depth": plan.stage_graph.depth(),
                      "peak_memory_bytes": p["max_peak_memory_bytes"], "error": None})
     return rows
-
-
-def _finite(x: float) -> bool:
-    return x is not None and math.isfinite(x)
