@@ -85,7 +85,7 @@ SCHEDULE = "graph-1f1b"
 FILL_DRAIN = "gpipe"
 NUM_SIMULATED = 8
 """Candidates simulated after ranking by the analytical estimate (simulation is the costly part)."""
-PRUNE_SLACK = 1.25
+PRUNE_SLACK = 1.1
 """A micro-batch size or depth is skipped only when its lower bound exceeds the best estimate by this factor:
 the estimate ignores transfers, so near-misses are kept for the simulator to judge."""
 
