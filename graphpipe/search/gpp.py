@@ -19,17 +19,21 @@ How it searches
    shallower graph at a slightly larger bottleneck can be faster. For each
    ``b`` the search therefore also finds, for every smaller source depth
    ``v``, the smallest target at which depth ``v`` is feasible (one more
-   binary search each -- the (t, depth) frontier).
-4. Candidates are placed on devices (contiguous blocks in tree order, so
-   neighbouring branches share a node; or blocks sorted by size, whichever
-   keeps replicated stages inside nodes better), ranked by the estimate
-   above, and the best few are scheduled with graph-1F1B and simulated. The
-   highest simulated throughput wins; ties go to fewer stages, then fewer
-   devices, then the smaller micro-batch size (deterministic).
+   search each -- the (t, depth) frontier; DP runs are shared between the
+   searches). Micro-batch sizes and depths whose lower bound ``t * B`` is
+   more than :data:`PRUNE_SLACK` above the best estimate are skipped.
+4. Candidates are ranked by the classic pipeline estimate on the stage DAG
+   (``(M - 1) * slowest stage + slowest path + slowest all-reduce``), placed
+   on devices (contiguous blocks in tree order, so neighbouring branches
+   share a node; or blocks sorted by size, whichever keeps replicated stages
+   inside nodes better), and the best :data:`NUM_SIMULATED` are scheduled
+   with graph-1F1B and simulated. The highest simulated throughput wins;
+   ties go to fewer stages, then fewer devices, then the smaller micro-batch
+   size (deterministic).
 5. With ``options.per_stage_micro_batch`` the winner is refined one stage at
-   a time: each stage tries the other micro-batch sizes its replica count
-   allows, kept when the simulated throughput improves (the paper reports
-   such per-stage sizes give incremental gains over one size for all).
+   a time: each stage tries the neighbouring micro-batch sizes its replica
+   count allows, kept when the simulated throughput improves (the paper
+   reports such per-stage sizes give incremental gains over one size).
 6. The schedule is graph-1F1B (paper Alg. 2), unless fill-drain (GPipe's
    order on the same stage graph) simulates strictly faster and still fits
    in memory -- with ample memory and few micro-batches it can, by a little;
@@ -41,8 +45,12 @@ sequential (SPP) space PipeDream searches; its stage graphs are still run
 with graph-1F1B, so branches that land in different stages overlap. A
 stage that spans the end of one branch and the op after the branches is in
 the chain view only, and on some models (mmt on 16 devices) that is what
-balances the pipeline, so gpp keeps whichever view simulates faster and is
-never worse than the SPP space on the same cost model.
+balances the pipeline, so gpp keeps whichever view simulates faster and
+contains PipeDream's space on the same cost model.
+
+Speed: the DP's tables are indexed by in-flight count, not device count, so
+1024 devices cost no more than 32 (``candle-uno:branches=16`` on 1024 V100s
+plans in a few seconds); see :mod:`graphpipe.search.gpp_dp`.
 
 Device counts per stage are the divisors of ``b`` up to ``N`` -- every useful
 count, since a stage's replicas must split its micro-batch evenly -- so no
