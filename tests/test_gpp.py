@@ -198,3 +198,16 @@ def test_deterministic():
     assert a.stage_graph == b.stage_graph
     strip = lambda s: {k: v for k, v in s.items() if not k.endswith("time_s")}
     assert strip(a.stats) == strip(b.stats)
+
+
+def test_docstring_examples():
+    import doctest
+
+    import graphpipe.search as search
+    import graphpipe.search.gpp as gpp
+    import graphpipe.search.gpp_dp as gpp_dp
+    import graphpipe.search.planner as planner
+
+    for module in (gpp, gpp_dp, planner, search):
+        result = doctest.testmod(module)
+        assert result.failed == 0 and result.attempted > 0, module.__name__
