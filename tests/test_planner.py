@@ -147,3 +147,15 @@ def test_gpp_never_worse_than_spp_on_profiles(name, device_counts):
         gpp = make_plan(name, graph, cluster, 64, "gpp", options).predicted["throughput"]
         spp = _best_spp(name, graph, cluster, 64, options)
         assert gpp >= spp * (1 - 1e-9), (name, n, gpp, spp)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", ["mmt", "dlrm"])
+def test_gpp_never_worse_than_spp_under_tight_memory(spec):
+    zoo = pytest.importorskip("graphpipe.zoo")
+    options = SearchOptions(max_downsets=20_000)
+    cluster = preset("v100", 8).with_memory(4e9)  # a quarter of a V100: memory now shapes every plan
+    graph = zoo.load_graph(spec, cluster.device)
+    plan = make_plan(spec, graph, cluster, 128, "gpp", options)
+    assert max(plan.predicted["peak_memory_bytes"]) <= 4e9
+    assert plan.predicted["throughput"] >= _best_spp(spec, graph, cluster, 128, options) * (1 - 1e-9)
