@@ -16,6 +16,8 @@ def register(sub) -> None:
     p.add_argument("name", metavar="NAME", help="throughput, search-time, branches, ablation, case-study, memory, fidelity, or all")
     p.add_argument("--out", default=None, help="output folder (default: the evals/ folder; evals/quick with --quick)")
     p.add_argument("--quick", action="store_true", help="small sizes and few devices (CI smoke test, ~3 min)")
+    p.add_argument("--report-only", action="store_true",
+                   help="do not run anything: redraw the figures and REPORT.md from the existing result files")
     p.set_defaults(func=run)
 
 
@@ -30,11 +32,16 @@ def run(args) -> int:
     for name in names:
         if name not in ORDER:
             raise InputError(f"unknown experiment {name!r}; known: {', '.join(ORDER)}, all")
-    here = os.path.dirname(os.path.abspath(evals.__file__))
+    here = os.path.abspath(list(evals.__path__)[0])
     out = args.out or (os.path.join(here, "quick") if args.quick else here)
-    for name in names:
-        path = run_experiment(name, out, args.quick)
-        sys.stderr.write(f"wrote {path}\n")
+    if args.report_only:
+        missing = [n for n in names if not os.path.exists(os.path.join(out, "results", f"{n}.json"))]
+        if missing:
+            raise InputError(f"no result files for {', '.join(missing)} in {out}/results; run without --report-only first")
+    else:
+        for name in names:
+            path = run_experiment(name, out, args.quick)
+            sys.stderr.write(f"wrote {path}\n")
     for path in plot_all(out, names):
         sys.stderr.write(f"wrote {path}\n")
     report = write_report(out, {} if args.quick else NOTES)
