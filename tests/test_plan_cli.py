@@ -117,3 +117,18 @@ def test_zoo_model_plan(capsys):
     pytest.importorskip("torch")
     code, out, _ = _run(capsys, "plan", "twobranch:small", "-n", "4", "-b", "16", "--strategy", "pipedream")
     assert code == 0 and "pipedream plan" in out
+
+
+def test_profile_costs_are_applied(capsys, model_file, tmp_path):
+    profile = {"format": "graphpipe.profile/1", "model": "branches", "device": "cpu", "batch_sizes": [1, 2],
+               "ops": {"b0_0": {"fwd_s": [0.5, 0.25], "bwd_s": [1.0, 0.5]}}}
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile))
+    code, out, _ = _run(capsys, "plan", model_file, "-n", "2", "-b", "8", "--profile", str(path), "--json")
+    assert code == 0
+    ops = {op["name"]: op for op in json.loads(out)["graph"]["ops"]}
+    assert ops["b0_0"]["fwd_s"] == [0.5, 0.25] and ops["b0_0"]["bwd_s"] == [1.0, 0.5]
+    profile["ops"] = {"no_such_op": profile["ops"]["b0_0"]}
+    path.write_text(json.dumps(profile))
+    code, _, err = _run(capsys, "plan", model_file, "-n", "2", "-b", "8", "--profile", str(path))
+    _one_line_error(code, err, "no_such_op")
