@@ -30,19 +30,19 @@ Search space (what "optimal" means here)
 
 The DP (paper Alg. 1, restated)
 -------------------------------
-State ``(node, k)``: a subgraph of the SP tree whose consumers downstream hold
-``k`` micro-batches in flight (``k = 0`` below the global sink). Value: an
-array over ``v`` of the fewest devices (then fewest stages) of any partition
-of the subgraph that meets ``t_max``, fits memory, and keeps at most ``v``
-micro-batches in flight at the subgraph's source stages. The paper's
-formulation -- state (node, devices), value = fewest in-flight micro-batches
--- is the same table read the other way; indexing by in-flight count keeps
-the table small (``v <= min(M, N, longest op path)``) and needs no grid of
-device counts. Cases:
+State ``(node, k)``: a subgraph of the SP tree whose consumers downstream sit
+at depth ``k`` (stages on the longest path to the sink; ``k = 0`` below the
+global sink). Value: an array over ``v`` of the fewest devices (then fewest
+stages) of any partition of the subgraph that meets ``t_max``, fits memory,
+and has depth at most ``v`` at the subgraph's source stages. Graph-1F1B
+keeps ``min(depth, M)`` micro-batches in flight on a stage, which is what
+memory is charged for. The paper's formulation -- state (node, devices),
+value = fewest in-flight micro-batches -- is the same table read the other
+way; indexing by depth keeps the table small (``v <= min(N, longest op
+path)``) and needs no grid of device counts. Cases:
 
-* *base*: the whole node (or a range / run of its children) is one stage with
-  in-flight ``min(k + 1, M)``, on the fewest devices that meet ``t_max`` and
-  memory;
+* *base*: the whole node (or a range / run of its children) is one stage at
+  depth ``k + 1``, on the fewest devices that meet ``t_max`` and memory;
 * *series* ``C1..Cm``: a suffix DP from ``Cm`` backwards -- the downstream
   half is solved first because the upstream half's activation memory depends
   on its in-flight depth; ``Ci`` is either partitioned recursively with the
@@ -242,9 +242,12 @@ class BottleneckDP:
         self.num_devices = cluster.num_devices if num_devices is None else num_devices
         self.num_mbs = batch_size // micro_batch_size
         self.ds = device_counts(micro_batch_size, self.num_devices, power_of_two)
-        # Longest possible in-flight count: capped by M (graph-1F1B), and no
+        # The DP indexes depth (stages on the longest path to the sink); no
         # stage graph is deeper than its stage count (<= N) or longest op path.
-        self.kcap = min(self.num_mbs, self.num_devices, tree.longest_path)
+        # Memory uses the in-flight count graph-1F1B gives, min(depth, M):
+        # depth itself is kept uncapped so that shallower graphs stay
+        # distinguishable when there are few micro-batches.
+        self.kcap = min(self.num_devices, tree.longest_path)
         self.capacity = cluster.memory_bytes
         self._tables: dict[int, np.ndarray] = {}
         self._kmax: dict[int, np.ndarray] = {}
@@ -415,8 +418,10 @@ class BottleneckDP:
             self._list_cache[x] = got
         return got
 
-    def _base_devices(self, x: int, lo: int, hi: int, k_in: int) -> int:
-        """Fewest devices on which children lo..hi-1 of x form one stage meeting t_max and memory (0: none)."""
+    def _base_devices(self, x: int, lo: int, hi: int, depth: int) -> int:
+        """Fewest devices on which children lo..hi-1 of x form one stage meeting t_max and memory (0: none)
+        when ``depth`` stages (itself included) lie on its longest path to the sink."""
+        k_in = min(depth, self.num_mbs)  # graph-1F1B's in-flight count
         for d, k in self._profile(x, lo, hi):
             if k >= k_in:
                 return d
@@ -448,7 +453,7 @@ class BottleneckDP:
         return [INF] * k + [0] * (self.kcap + 1 - k)
 
     def _base_array(self, x: int, lo: int, hi: int, k: int, rest: list[int] | None = None) -> list[int]:
-        k_in = min(k + 1, self.num_mbs)
+        k_in = k + 1
         size = self.kcap + 1
         if k_in > self.kcap:
             return [INF] * size
@@ -511,7 +516,7 @@ class BottleneckDP:
         for j in self._range_ends(x, i):
             rest = self._series(x, j, k)
             for u in self._breakpoints(rest):
-                k_in = min(u + 1, self.num_mbs)
+                k_in = u + 1
                 if k_in > self.kcap:
                     break
                 d = self._base_devices(x, i, j, k_in)
@@ -557,12 +562,12 @@ class BottleneckDP:
 
     def _stage(self, x: int, lo: int, hi: int, d: int, k_in: int) -> DPStage:
         tps = self.block_tps(x, lo, hi)[self.ds.index(d)]
-        return DPStage(self.tree.block_ops(x, lo, hi), d, k_in, tps)
+        return DPStage(self.tree.block_ops(x, lo, hi), d, min(k_in, self.num_mbs), tps)
 
     def _extract_node(self, x: int, k: int, v: int, target: int, out: list[DPStage]) -> None:
         kind = self.tree.kinds[x]
         if kind == "op":
-            k_in = min(k + 1, self.num_mbs)
+            k_in = k + 1
             out.append(self._stage(x, 0, 1, self._base_devices(x, 0, 1, k_in), k_in))
         elif kind == "series":
             self._extract_series(x, 0, k, v, target, out)
@@ -586,7 +591,7 @@ class BottleneckDP:
         for j in self._range_ends(x, i):
             rest = self._series(x, j, k)
             for u in self._breakpoints(rest):
-                k_in = min(u + 1, self.num_mbs)
+                k_in = u + 1
                 if k_in > self.kcap:
                     break
                 d = self._base_devices(x, i, j, k_in)
@@ -607,7 +612,7 @@ class BottleneckDP:
             self._extract_node(kids[j], k, v, child[v], out)
             self._extract_parallel(x, j + 1, k, v, nxt[v], out)
             return
-        k_in = min(k + 1, self.num_mbs)
+        k_in = k + 1
         for j2 in self._range_ends(x, j):
             rest = self._parallel(x, j2, k)
             d = self._base_devices(x, j, j2, k_in) if k_in <= self.kcap else 0
