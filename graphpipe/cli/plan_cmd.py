@@ -90,8 +90,13 @@ def run(args) -> int:
             sys.stdout.write(format_compare(rows))
         return 0
 
+    progress = None
+    if (args.schedule or "").lower() == "cpsat":
+        from graphpipe.search.cpsat import progress_writer
+
+        progress = progress_writer(sys.stderr)
     plan = make_plan(source.model_id, graph, cluster, args.batch_size, args.strategy, options,
-                     schedule=args.schedule, time_limit_s=args.time_limit)
+                     schedule=args.schedule, time_limit_s=args.time_limit, progress=progress)
     unused = cluster.num_devices - len(plan.stage_graph.devices_used())
     if unused:
         sys.stderr.write(f"graphpipe: note: the plan uses {cluster.num_devices - unused} of {cluster.num_devices} "

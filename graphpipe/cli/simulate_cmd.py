@@ -63,9 +63,9 @@ def _run(args) -> int:
     elif args.schedule.lower() == "cpsat":
         if not args.time_limit > 0:
             raise InputError(f"--time-limit must be > 0 seconds, got {args.time_limit}")
-        from graphpipe.search.cpsat import optimize_plan  # lazy: sched never imports search, the CLI may
+        from graphpipe.search.cpsat import optimize_plan, progress_writer  # lazy: sched never imports search, the CLI may
 
-        plan = optimize_plan(plan, time_limit_s=args.time_limit)
+        plan = optimize_plan(plan, time_limit_s=args.time_limit, progress=progress_writer(sys.stderr))
         validate_plan(plan)
     else:
         schedule = make_schedule(args.schedule, plan.stage_graph, plan.cluster)

@@ -61,8 +61,11 @@ def _check_batch_size(batch_size: Any) -> int:
 
 def make_plan(model_id: str, graph: OpGraph, cluster: Cluster, batch_size: int, strategy: str = "gpp",
               options: SearchOptions = SearchOptions(), schedule: str | None = None,
-              time_limit_s: float = 10.0) -> Plan:
+              time_limit_s: float = 10.0, progress=None) -> Plan:
     """Partition, schedule and simulate ``graph`` on ``cluster``; see the module docstring.
+
+    ``progress(best_s, bound_s)`` is called on every improving CP-SAT solution
+    (``schedule="cpsat"`` only); the CLI passes one that writes to stderr.
 
     Raises :class:`InputError` for bad arguments and :class:`InfeasibleError`
     when no plan fits in device memory.
@@ -89,7 +92,7 @@ def make_plan(model_id: str, graph: OpGraph, cluster: Cluster, batch_size: int, 
         from graphpipe.search.cpsat import optimize_plan
 
         plan = optimize_plan(plan, time_limit_s=time_limit_s, num_workers=2, seed=0,
-                             per_stage_micro_batch=options.per_stage_micro_batch)
+                             per_stage_micro_batch=options.per_stage_micro_batch, progress=progress)
         validate_schedule(plan.stage_graph, plan.schedule)
         search = {**search, **dict(plan.search)}
     search["schedule"] = plan.schedule.name
