@@ -25,7 +25,6 @@ Example
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Sequence
@@ -220,12 +219,9 @@ def load_cluster(spec: str, num_devices: int, memory_gb: float | None = None) ->
     if spec.lower() in PRESETS:
         cluster = preset(spec, num_devices)
     elif os.path.exists(spec):
-        try:
-            with open(spec, encoding="utf-8") as fh:
-                doc = json.load(fh)
-        except json.JSONDecodeError as exc:
-            raise FormatError(f"{spec}:{exc.lineno}: not valid JSON ({exc.msg})") from None
-        cluster = cluster_from_dict(doc, num_devices=num_devices, where=spec)
+        from graphpipe.graph import read_json_file
+
+        cluster = cluster_from_dict(read_json_file(spec, "cluster file"), num_devices=num_devices, where=spec)
     else:
         raise InputError(f"unknown cluster {spec!r}: not a preset ({', '.join(PRESETS)}) and no such file")
     if memory_gb is not None:

@@ -33,6 +33,7 @@ __all__ = [
     "graph_to_dict",
     "graph_from_dict",
     "read_graph_json",
+    "read_json_file",
     "write_json_atomic",
 ]
 
@@ -335,16 +336,24 @@ def _num(value: Any) -> float:
     return int(number) if number.is_integer() else number
 
 
-def read_graph_json(path: str) -> OpGraph:
-    """Read a graph JSON file (clear :class:`FormatError` on any problem)."""
+def read_json_file(path: str, what: str = "file") -> Any:
+    """Load a JSON file; a missing file, a folder or bad JSON is a one-line :class:`InputError`."""
     try:
         with open(path, encoding="utf-8") as fh:
-            doc = json.load(fh)
+            return json.load(fh)
     except FileNotFoundError:
-        raise InputError(f"no such file: {path}") from None
+        raise InputError(f"no such {what}: {path}") from None
+    except IsADirectoryError:
+        raise InputError(f"{path} is a directory, not a {what}") from None
     except json.JSONDecodeError as exc:
         raise FormatError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
-    return graph_from_dict(doc, where=path)
+    except UnicodeDecodeError:
+        raise FormatError(f"{path}: not a text (JSON) file") from None
+
+
+def read_graph_json(path: str) -> OpGraph:
+    """Read a graph JSON file (clear :class:`FormatError` on any problem)."""
+    return graph_from_dict(read_json_file(path, "file"), where=path)
 
 
 def write_json_atomic(path: str, doc: Any) -> None:

@@ -17,14 +17,13 @@ which every reader of a plan file must call (the CLI does).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from graphpipe.actions import Schedule
 from graphpipe.cluster import Cluster, cluster_from_dict, cluster_to_dict
 from graphpipe.errors import FormatError, InputError, PlanError
-from graphpipe.graph import OpGraph, graph_from_dict, graph_to_dict, write_json_atomic
+from graphpipe.graph import OpGraph, graph_from_dict, graph_to_dict, read_json_file, write_json_atomic
 from graphpipe.stages import Stage, StageGraph
 
 __all__ = ["Plan", "PLAN_FORMAT", "plan_to_dict", "plan_from_dict", "read_plan", "write_plan"]
@@ -133,16 +132,7 @@ def _devices_shared(stages: list[Stage]) -> bool:
 
 
 def read_plan(path: str) -> Plan:
-    try:
-        with open(path, encoding="utf-8") as fh:
-            doc = json.load(fh)
-    except FileNotFoundError:
-        raise InputError(f"no such file: {path}") from None
-    except IsADirectoryError:
-        raise InputError(f"{path} is a directory, not a plan file") from None
-    except json.JSONDecodeError as exc:
-        raise FormatError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
-    return plan_from_dict(doc, where=path)
+    return plan_from_dict(read_json_file(path, "file"), where=path)
 
 
 def write_plan(path: str, plan: Plan) -> None:

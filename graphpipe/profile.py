@@ -30,7 +30,6 @@ Affine(alpha=0.002, beta=0.001)
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import statistics
@@ -39,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 from graphpipe.errors import FormatError, InputError
-from graphpipe.graph import Affine, OpGraph, write_json_atomic
+from graphpipe.graph import Affine, OpGraph, read_json_file, write_json_atomic
 
 __all__ = [
     "PROFILE_FORMAT",
@@ -293,14 +292,7 @@ def profile_from_dict(doc: Any, where: str = "profile") -> Profile:
 
 def read_profile(path: str) -> Profile:
     """Read a profile JSON file."""
-    try:
-        with open(path, encoding="utf-8") as fh:
-            doc = json.load(fh)
-    except FileNotFoundError:
-        raise InputError(f"no such profile file: {path}") from None
-    except json.JSONDecodeError as exc:
-        raise FormatError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
-    return profile_from_dict(doc, where=path)
+    return profile_from_dict(read_json_file(path, "profile file"), where=path)
 
 
 def write_profile(path: str, profile: Profile) -> None:

@@ -36,6 +36,7 @@ Example
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -45,7 +46,7 @@ from graphpipe.cluster import Cluster
 from graphpipe.errors import InfeasibleError, InputError
 from graphpipe.graph import OpGraph
 from graphpipe.sched import make_schedule, predicted_figures, simulate
-from graphpipe.search.common import stage_tps
+from graphpipe.search.common import SearchResult, stage_tps
 from graphpipe.stages import Stage, StageGraph
 
 __all__ = [
@@ -62,6 +63,7 @@ __all__ = [
     "place",
     "estimate_throughput",
     "choose_micro_batch",
+    "sequential_result",
     "replica_mask",
     "placed_bottleneck",
 ]
@@ -377,3 +379,18 @@ def lower_bound_tps(arrays: OpArrays, num_devices: int, micro_batch_size: int) -
     b = micro_batch_size
     total = float(arrays.compute_alpha.sum() + arrays.compute_beta.sum() * b)
     return total / (b * num_devices)
+
+
+def sequential_result(strategy_schedule: str, sg: StageGraph, part: SequentialPartition, cluster: Cluster,
+                      started: float, **extra) -> SearchResult:
+    """The SearchResult every sequential baseline returns: same stats keys for all three."""
+    stats = {
+        "time_s": time.perf_counter() - started,
+        "bottleneck_tps": placed_bottleneck(sg, cluster),
+        "model_bottleneck_tps": part.bottleneck_tps,
+        "micro_batch_size": part.micro_batch_size,
+        "devices_used": len(sg.devices_used()),
+        "num_stages": sg.num_stages,
+        **extra,
+    }
+    return SearchResult(stage_graph=sg, schedule_name=strategy_schedule, stats=stats)

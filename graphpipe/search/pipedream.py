@@ -62,7 +62,7 @@ from graphpipe.cluster import Cluster
 from graphpipe.graph import OpGraph
 from graphpipe.search.common import SearchOptions, SearchResult, micro_batch_candidates
 from graphpipe.search.linearize import (OpArrays, ReplicaCosts, SequentialPartition, choose_micro_batch,
-                                        linear_order, placed_bottleneck, replica_mask)
+                                        linear_order, sequential_result, replica_mask)
 
 __all__ = ["partition", "solve", "SCHEDULE"]
 
@@ -156,13 +156,4 @@ def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: Search
     candidates = micro_batch_candidates(batch_size, options)
     sg, part, extra = choose_micro_batch("pipedream", graph, cluster, batch_size, candidates, SCHEDULE,
                                          lambda b: solve(graph, cluster, batch_size, b, options.power_of_two))
-    stats = {
-        "time_s": time.perf_counter() - started,
-        "bottleneck_tps": placed_bottleneck(sg, cluster),
-        "model_bottleneck_tps": part.bottleneck_tps,
-        "micro_batch_size": part.micro_batch_size,
-        "devices_used": len(sg.devices_used()),
-        "num_stages": sg.num_stages,
-        **extra,
-    }
-    return SearchResult(stage_graph=sg, schedule_name=SCHEDULE, stats=stats)
+    return sequential_result(SCHEDULE, sg, part, cluster, started, **extra)

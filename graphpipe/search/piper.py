@@ -62,7 +62,7 @@ from graphpipe.graph import OpGraph
 from graphpipe.search import pipedream
 from graphpipe.search.common import SearchOptions, SearchResult, micro_batch_candidates, stage_tps
 from graphpipe.search.linearize import (OpArrays, ReplicaCosts, SequentialPartition, choose_micro_batch,
-                                        enumerate_downsets, lower_bound_tps, placed_bottleneck, replica_mask)
+                                        enumerate_downsets, lower_bound_tps, sequential_result, replica_mask)
 
 __all__ = ["partition", "solve", "Lattice", "SCHEDULE"]
 
@@ -335,15 +335,5 @@ def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: Search
     sg, part, extra = choose_micro_batch(
         "piper", graph, cluster, batch_size, candidates, SCHEDULE,
         lambda b: solve(graph, cluster, batch_size, b, options.power_of_two, lattice=lattice))
-    stats = {
-        "time_s": time.perf_counter() - started,
-        "bottleneck_tps": placed_bottleneck(sg, cluster),
-        "model_bottleneck_tps": part.bottleneck_tps,
-        "micro_batch_size": part.micro_batch_size,
-        "devices_used": len(sg.devices_used()),
-        "num_stages": sg.num_stages,
-        "num_downsets": lattice.num_downsets,
-        "num_downset_pairs": lattice.num_pairs,
-        **extra,
-    }
-    return SearchResult(stage_graph=sg, schedule_name=SCHEDULE, stats=stats)
+    return sequential_result(SCHEDULE, sg, part, cluster, started, num_downsets=lattice.num_downsets,
+                             num_downset_pairs=lattice.num_pairs, **extra)
