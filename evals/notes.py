@@ -1,6 +1,45 @@
 """Hand-written commentary for REPORT.md: where our numbers differ from the paper's, and why.
 
-Written after reading a full run's results; the numbers themselves always come from the result files.
+Written after reading a full run's results (``graphpipe eval all``); the numbers in the
+tables and headlines always come from the result files, never from this text.
 """
 
-NOTES: dict[str, str] = {}
+NOTES: dict[str, str] = {
+    "throughput": (
+        "Same direction as the paper, larger on DLRM. Our baselines are sequential pipelines that relay "
+        "every live activation through the chain (StageGraph.sequential), so they serialise the branches "
+        "into 9-32 stages, while gpp runs branches side by side at depth 2-6 and picks a larger "
+        "micro-batch. DLRM's embedding branches cost little compute under our analytical V100 model "
+        "(embeddings are memory-bound; we charge only the per-op overhead), so serialising 14 branches "
+        "into a deep pipeline costs SPP the most; the paper measured real kernels on Summit. GPipe "
+        "(no re-materialisation) does not fit MMT in 16 GB at any micro-batch size."),
+    "search-time": (
+        "Piper / gpp on MMT is inside or slightly above the paper's 9-21x. Piper refuses DLRM and "
+        "CANDLE-Uno past its downset guard, as the paper reports. PipeDream's DP is faster than gpp at "
+        "small device counts because its linear space is tiny; gpp also simulates its top candidates. "
+        "gpp scales sub-linearly with devices (its DP is indexed by pipeline depth, not device count)."),
+    "branches": (
+        "The gain grows with the branch count and flattens near 1.9x at 16 branches (paper: up to 2x). "
+        "With the micro-batch size fixed, MMT still gains 1.2-1.4x from the shallower pipeline alone. "
+        "Piper is refused from 8 branches on (downsets)."),
+    "ablation": (
+        "Concurrent stages alone (gpp at the best SPP plan's micro-batch size) give most of the gain, as "
+        "in the paper. Per-stage micro-batch sizes added nothing here: gpp's refinement found no "
+        "improving per-stage change on these configs (the paper calls the gain incremental). The CP-SAT "
+        "schedule adds a few percent on MMT (graph-1F1B's distance from the proven optimum) and nothing "
+        "on DLRM / CANDLE-Uno, where graph-1F1B is already optimal (gap 0). DLRM's gains exceed the "
+        "paper's band for the reason given under throughput."),
+    "case-study": (
+        "Qualitatively the paper's result: GPP halves the depth and doubles the micro-batch size. Our "
+        "SPP plan is already shallower than the paper's (depth 4, not 8) because PipeDream's DP may "
+        "replicate stages instead of cutting 8 ways, so the gain is smaller (+10% vs +20%)."),
+    "memory": (
+        "gpp keeps far fewer micro-batches in flight (its depth). Peak memory is lower on MMT; on DLRM "
+        "gpp's plan spends the saved in-flight budget on a 4x larger micro-batch, so its peak is higher "
+        "but within the 16 GB device."),
+    "fidelity": (
+        "Measured on this 2-core CPU host with 4 gloo ranks time-sharing the cores, so concurrency is "
+        "partly fictitious; the calibration (profile + measured link + measured CPU-share slowdown, "
+        "see evals/bench_runtime.py) corrects for it only on average. Expect tighter numbers on a "
+        "multi-core or GPU host."),
+}

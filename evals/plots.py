@@ -59,7 +59,7 @@ def plot_throughput(res: dict[str, Any], out: str) -> str:
 def plot_search_time(res: dict[str, Any], out: str) -> str:
     rows = res["rows"]
     cfg = res["config"]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.3))
     ax = axes[0]
     n = max(cfg["devices"])
     width = 0.8 / len(cfg["strategies"])
@@ -72,12 +72,13 @@ def plot_search_time(res: dict[str, Any], out: str) -> str:
         xs = [j + i * width for j in range(len(cfg["models"]))]
         bars = ax.bar(xs, ys, width, label=strategy, color=COLORS.get(strategy))
         for x, y, model in zip(xs, ys, cfg["models"]):
-            if y == 0.0:
-                ax.text(x, 1e-3, "refused", rotation=90, ha="center", va="bottom", fontsize=7)
+            if y == 0.0:  # refused (piper's guard) or no plan fits: say so at the foot of the axis
+                ax.text(x, 0.03, "no plan", rotation=90, ha="center", va="bottom", fontsize=7,
+                        transform=ax.get_xaxis_transform())
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cfg["models"]))], cfg["models"])
     ax.set_yscale("log")
     ax.set_ylabel("search time (s, median)")
-    ax.set_title(f"Search time at {n} devices (paper Table 1: gpp 9-21x faster)")
+    ax.set_title(f"Search time at {n} devices\n(paper Table 1: gpp 9-21x faster than Piper)", fontsize=10)
     ax.legend(fontsize=8)
     for ax, kind, key, xlabel in ((axes[1], "devices", "devices", "devices"),
                                   (axes[2], "branches", "branches", "branches (candle-uno)")):
@@ -91,8 +92,9 @@ def plot_search_time(res: dict[str, Any], out: str) -> str:
         ax.set_ylabel("gpp search time (s)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    axes[1].set_title(f"gpp scaling with devices ({cfg['scaling_model']})")
-    axes[2].set_title(f"gpp scaling with branches ({cfg['branch_devices']} devices)")
+    axes[1].set_title(f"gpp search time vs devices\n({cfg['scaling_model']})", fontsize=10)
+    axes[2].set_title(f"gpp search time vs branches\n(candle-uno, {cfg['branch_devices']} devices)", fontsize=10)
+    fig.tight_layout()
     return _save(fig, out, "search-time")
 
 
