@@ -21,8 +21,8 @@ install: $(STAMP)
 
 demo: install
 	$(VENV)/bin/graphpipe inspect mmt
-	$(VENV)/bin/graphpipe plan mmt --devices 8 --batch-size 64 --compare
-	$(VENV)/bin/graphpipe plan mmt --devices 8 --batch-size 64 --out out/mmt-gpp.json
+	$(VENV)/bin/graphpipe plan mmt --devices 16 --batch-size 256 --compare
+	$(VENV)/bin/graphpipe plan mmt --devices 16 --batch-size 256 --out out/mmt-gpp.json
 	$(VENV)/bin/graphpipe simulate out/mmt-gpp.json --gantt out/mmt-gpp.png --trace out/mmt-gpp.trace.json
 
 test: install

@@ -1,0 +1,67 @@
+"""Sweep: is gpp ever worse than the best sequential baseline? (issue 4 acceptance, full grid)
+
+The test suite samples this grid (tests/test_planner.py); this script runs all of it:
+every zoo model (paper config) and every shared PipeDream profile at 2, 4, 8, 16 and 32
+devices, v100 preset, batch 16 x devices, all four strategies through the one simulator.
+
+    python -m evals.check_gpp_vs_spp [--out evals/results/gpp_vs_spp.json]
+
+Prints one line per point and a summary (the worst gpp / best-SPP ratio); exits 1 if
+gpp loses anywhere or the sequential transformer is more than 2% below pipedream.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from evals.common import write_result
+from graphpipe.cli.common import load_model
+from graphpipe.cluster import preset
+from graphpipe.search.planner import compare
+
+__all__ = ["main"]
+
+ZOO = ("mmt", "dlrm", "candle-uno", "transformer", "twobranch")
+PROFILES = ("alexnet", "vgg16", "resnet18", "resnet50", "inception_v3", "nasnetamobile", "gnmt")
+DEVICES = (2, 4, 8, 16, 32)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m evals.check_gpp_vs_spp", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__)))
+    parser.add_argument("--profiles-dir", default=os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data",
+                                                               "pipedream-profiles"))
+    args = parser.parse_args(argv)
+    models = list(ZOO) + [os.path.join(args.profiles_dir, p) for p in PROFILES if os.path.isdir(os.path.join(args.profiles_dir, p))]
+    rows, ok = [], True
+    for model in models:
+        graph = load_model(model, device=preset("v100", 1).device).graph
+        for n in DEVICES:
+            res = {r["strategy"]: r for r in compare(os.path.basename(model), graph, preset("v100", n), 16 * n)}
+            spp = [r for s, r in res.items() if s != "gpp" and r["feasible"]]
+            best = max(spp, key=lambda r: r["throughput"]) if spp else None
+            gpp = res["gpp"]
+            ratio = gpp["throughput"] / best["throughput"] if gpp["feasible"] and best else None
+            lost = best is not None and (not gpp["feasible"] or ratio < 1 - 1e-9)
+            ok &= not lost
+            name = os.path.basename(model)
+            rows.append({"model": name, "devices": n, "gpp": gpp["throughput"], "best_spp": best and best["strategy"],
+                         "best_spp_throughput": best and best["throughput"], "ratio": ratio, "gpp_lost": lost})
+            print(f"{name:14} {n:3d}  gpp/best-SPP = {ratio if ratio is None else round(ratio, 4)}"
+                  f"  ({best and best['strategy']})", flush=True)
+    transformer = [r for r in rows if r["model"] == "transformer"]
+    ratios = [r["ratio"] for r in rows if r["ratio"] is not None]
+    summary = {"points": len(rows), "gpp_lost": sum(r["gpp_lost"] for r in rows),
+               "min_ratio": min(ratios) if ratios else None,
+               "transformer_min_ratio": min((r["ratio"] for r in transformer if r["ratio"]), default=None)}
+    ok &= summary["transformer_min_ratio"] is None or summary["transformer_min_ratio"] >= 0.98
+    write_result(args.out, "gpp_vs_spp", {"models": [os.path.basename(m) for m in models], "devices": list(DEVICES),
+                                          "samples_per_device": 16, "cluster": "v100"}, rows, summary)
+    print(summary)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
