@@ -448,6 +448,27 @@ def build_model(data: ModelData, symmetry_breaking: bool = True, memory: str = "
         work = sum(use[s, b] * (data.num_mbs(b) * (data.duration[(s, b, "F")] + data.duration[(s, b, "B")]))
                    for s in members for b in data.candidates[s])
         model.add(makespan >= work + min(data.allreduce[s] for s in members))
+    # Redundant, for the bound (pipeline fill and drain): a stage cannot start
+    # before its first micro-batch has crossed every upstream stage (head), and
+    # after its last backward the producers still run theirs (tail). Both are
+    # linear in the size literals, so the LP sees the depth of the pipeline,
+    # not only each device's work; the transfer delay of each edge counts too.
+    dur = {(s, kind): sum(use[s, b] * data.duration[(s, b, kind)] for b in data.candidates[s])
+           for s in range(sg.num_stages) for kind in ("F", "B")}
+    head = [model.new_int_var(0, horizon, f"head_{s}") for s in range(sg.num_stages)]
+    tail = [model.new_int_var(0, horizon, f"tail_{s}") for s in range(sg.num_stages)]
+    for s in range(sg.num_stages):
+        model.add(tail[s] >= data.allreduce[s])
+        for p in sg.preds(s):
+            wait = sum(use[p, b] * data.delay[(p, s, b)] for b in data.candidates[p])
+            model.add(head[s] >= head[p] + dur[p, "F"] + wait)
+            model.add(tail[s] >= tail[p] + dur[p, "B"] + wait)
+    for members in data.group_stages:
+        if len(members) == 1:
+            (s,) = members
+            work = sum(use[s, b] * (data.num_mbs(b) * (data.duration[(s, b, "F")] + data.duration[(s, b, "B")]))
+                       for b in data.candidates[s])
+            model.add(makespan >= head[s] + work + tail[s])
     model.minimize(makespan)
     return CpsatModel(data=data, model=model, use=use, start=start, interval=interval, life=life, makespan=makespan,
                       memory_groups=tuple(memory_groups))
