@@ -11,7 +11,6 @@ import os
 from typing import Any, Iterable, Sequence
 
 from evals.common import read_result
-from graphpipe.graph import write_json_atomic  # noqa: F401  (atomic writes live in the core)
 
 __all__ = ["fmt", "build_report", "write_report", "TABLE_COLUMNS"]
 

@@ -16,6 +16,7 @@ from graphpipe.graph import Affine, Op, OpGraph
 
 SHARED = os.path.join(os.path.dirname(__file__), "..", "..", "shared")
 PROFILES_DIR = os.path.join(SHARED, "data", "pipedream-profiles")
+ZOO_SMALL = ["mmt:small", "dlrm:small", "candle-uno:small", "transformer:small", "twobranch:small"]
 PROFILE_NAMES = ("alexnet", "gnmt", "inception_v3", "nasnetamobile", "resnet18", "resnet50", "vgg16")
 
 
@@ -124,3 +125,18 @@ def profiles_dir():
     if not os.path.isdir(PROFILES_DIR):
         pytest.skip("../shared/data/pipedream-profiles not present")
     return PROFILES_DIR
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models and ops run faster and steadier on one intra-op thread (shared CI cores).
+
+    Use with ``pytestmark = pytest.mark.usefixtures("one_thread")``; torch is
+    imported here lazily so planning-only tests never need it.
+    """
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -12,6 +12,7 @@ import random
 import textwrap
 
 import pytest
+from conftest import ZOO_SMALL
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -21,16 +22,7 @@ from graphpipe import zoo
 from graphpipe.capture import capture, graph_from_factory, load_factory, split_by_ops
 from graphpipe.errors import InputError
 
-SMALL = ["mmt:small", "dlrm:small", "candle-uno:small", "transformer:small", "twobranch:small"]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run faster and steadier on one intra-op thread (shared CI cores)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _check_contraction(cap) -> None:
@@ -55,7 +47,7 @@ def _params(module: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
-@pytest.fixture(scope="module", params=SMALL)
+@pytest.fixture(scope="module", params=ZOO_SMALL)
 def small(request):
     built = zoo.build(request.param)
     return built, capture(built.module, built.example_inputs, name=built.name)

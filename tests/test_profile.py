@@ -23,14 +23,7 @@ from graphpipe.profile import (PROFILE_FORMAT, Profile, apply_profile, fit_affin
                                profile_from_dict, profile_to_dict, read_profile, resize_batch, write_profile)
 from graphpipe.zoo_models import Layer
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny ops run faster and steadier on one intra-op thread (shared CI cores)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_fit_affine_recovers_coefficients():

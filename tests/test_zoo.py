@@ -7,22 +7,14 @@ branch structure each spec asks for, and real forward/backward runs.
 from __future__ import annotations
 
 import pytest
+from conftest import ZOO_SMALL
 import torch
 
 from graphpipe import zoo
 from graphpipe.cluster import preset
 from graphpipe.errors import InputError
 
-SMALL = ["mmt:small", "dlrm:small", "candle-uno:small", "transformer:small", "twobranch:small"]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run faster and steadier on one intra-op thread (shared CI cores)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _chain_lengths(graph) -> list[int]:
@@ -37,7 +29,7 @@ def _chain_lengths(graph) -> list[int]:
     return lengths
 
 
-@pytest.mark.parametrize("spec", SMALL)
+@pytest.mark.parametrize("spec", ZOO_SMALL)
 def test_small_model_trains_one_step(spec):
     built = zoo.build(spec)
     params = list(built.module.parameters())
