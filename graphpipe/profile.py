@@ -8,11 +8,18 @@ How an op is timed: the captured GraphModule is split with
 ``split_module`` into one submodule per op (exactly the pieces the runtime
 runs, at finer grain). For each micro-batch size ``b`` the split model is run
 once on a batch of ``b`` samples to record each submodule's real inputs; then
-each submodule is run alone: forward with autograd on (as in training), and
-backward as ``torch.autograd.grad`` of its outputs with respect to its
-non-input tensors and parameters, each after ``warmup`` untimed runs, the
-median of ``repeats`` timed runs (``torch.cuda.synchronize`` around each on
-CUDA). alpha and beta are then the non-negative least-squares fit over the
+``warmup + repeats`` training passes replay them: every submodule's forward
+(autograd on) in topological order, then every submodule's backward in
+reverse order (``torch.autograd.backward`` of its outputs into its
+non-input tensors and parameters), each timed alone
+(``torch.cuda.synchronize`` around each on CUDA); an op's time is the median
+over the timed passes. Two things make this match what a pipeline stage
+pays, where timing one op back to back would not: the ops run in training
+order, so an op's weights are not still in cache from its own previous run
+(on a CPU a 4 MB weight matrix costs more to stream than a small
+micro-batch costs to multiply), and the weight gradients *accumulate* into
+``.grad`` as they do over micro-batches (an extra read and write of every
+gradient per micro-batch). alpha and beta are then the non-negative least-squares fit over the
 batch sizes (``scipy.optimize.nnls``): a negative overhead or slope is
 physically meaningless and would make planners prefer odd micro-batch sizes.
 
@@ -159,47 +166,58 @@ def time_ops(captured, make_inputs: Callable[[int], Sequence[Any]], batch_sizes:
 
     for b in batch_sizes:
         recorded = _record_submodule_args(split, make_inputs(b))
+        prepared = []
         for op_id, name in enumerate(names):
             target = f"submod_{op_id}"
             sub = getattr(split, target)
-            args = []
+            args, leaves = [], []
             for value, node in zip(recorded[target], call_nodes[target].args):
                 # activations from other ops need grads; model inputs and parameters keep theirs
                 if isinstance(value, torch.Tensor) and isinstance(node, torch.fx.Node) and node.op not in ("placeholder", "get_attr"):
                     value = value.detach().requires_grad_(value.is_floating_point())
+                    if value.requires_grad:
+                        leaves.append(value)
                 args.append(value)
-            wrt = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
-            wrt += [p for p in sub.parameters() if p.requires_grad]
-
-            def run_fwd():
-                return sub(*args)
-
-            samples: list[float] = []
-            for i in range(warmup + repeats):
+            wrt = leaves + [p for p in sub.parameters() if p.requires_grad]
+            prepared.append((name, sub, args, leaves, wrt))
+        fs: dict[str, list[float]] = {name: [] for name in names}
+        bs: dict[str, list[float]] = {name: [] for name in names}
+        for i in range(warmup + repeats):
+            # One training pass at batch b: every forward in topological order, then every
+            # backward in reverse, so each op finds the caches as a stage does between micro-batches.
+            outs: dict[str, list[Any]] = {}
+            for name, sub, args, _, _ in prepared:
                 sync(args)
                 t0 = timer()
-                out = run_fwd()
+                out = sub(*args)
                 sync(out)
                 if i >= warmup:
-                    samples.append(timer() - t0)
-            fwd[name].append(statistics.median(samples))
-
-            samples = []
-            for i in range(warmup + repeats):
-                outs = [t for t in tree_leaves(run_fwd()) if isinstance(t, torch.Tensor) and t.requires_grad]
-                if not outs or not wrt:
-                    samples.append(0.0)
+                    fs[name].append(timer() - t0)
+                outs[name] = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+            for name, sub, args, leaves, wrt in reversed(prepared):
+                tensors = outs.pop(name)
+                if not tensors or not wrt:
+                    if i >= warmup:
+                        bs[name].append(0.0)
                     continue
-                grads = [torch.ones_like(t) for t in outs]
-                sync(outs)
+                grads = [torch.ones_like(t) for t in tensors]
+                sync(tensors)
                 t0 = timer()
-                torch.autograd.grad(outs, wrt, grads, allow_unused=True)
+                # accumulates into .grad as the runtime's backward does (the first pass allocates)
+                torch.autograd.backward(tensors, grads, inputs=wrt)
                 sync(wrt)
                 if i >= warmup:
-                    samples.append(timer() - t0)
-            bwd[name].append(statistics.median(samples[-repeats:]))
-            if progress is not None:
-                progress(f"b={b} {name}")
+                    bs[name].append(timer() - t0)
+                for leaf in leaves:
+                    leaf.grad = None
+        for _, sub, _, _, _ in prepared:
+            for p in sub.parameters():
+                p.grad = None
+        for name in names:
+            fwd[name].append(statistics.median(fs[name]))
+            bwd[name].append(statistics.median(bs[name]))
+        if progress is not None:
+            progress(f"b={b}")
     return {name: OpTimings(tuple(fwd[name]), tuple(bwd[name])) for name in names}
 
 
