@@ -9,14 +9,17 @@ Usage::
 
 Benchmark cases (V100 preset, 16 GB, one device per stage, batch 128 at
 micro-batch 4 = 32 micro-batches per stage, micro-batch sizes kept: the
-solver chooses the order of 512 F/B tasks under the memory reservoir):
+solver chooses the order of 512 F/B tasks under the memory limit):
 
 * ``transformer-chain``: the zoo's paper-size GPT-style ``transformer`` cut
   into 8 contiguous stages of equal compute;
 * ``candle-uno-branches``: the ``candle-uno`` stage graph gpp plans at 8
   devices (7 branch stages feeding one head stage), re-sized to micro-batch 4;
 * ``transformer-chain-sizes``: the first case with per-stage micro-batch
-  sizes free (every divisor of 128: 255 optional micro-batches per stage).
+  sizes free (every divisor of 128: 255 optional micro-batches per stage,
+  before :func:`graphpipe.search.cpsat_model.prune_sizes` leaves out the
+  sizes that cannot beat the first phase's schedule; ``pruned_sizes`` lists
+  them per stage).
 
 For each: graph-1F1B's simulated makespan, CP-SAT's, its proven lower
 bound, the gap reached within the limit, when the last improvement came,
@@ -108,6 +111,7 @@ def _solve_row(sg: StageGraph, cluster: Cluster, time_limit_s: float, workers: i
         "last_improvement_s": last_improvement,
         "used_heuristic": res.used_heuristic,
         "micro_batch_sizes": [s.micro_batch_size for s in res.stage_graph.stages],
+        "pruned_sizes": [list(sizes) for sizes in res.pruned_sizes],
         "num_tasks": sum(2 * res.stage_graph.num_micro_batches(s) for s in range(res.stage_graph.num_stages)),
         "time_unit_s": res.time_unit_s,
         "rounding_slack_s": res.rounding_slack_s,

@@ -4,6 +4,7 @@ simulator (STYLE habits 3, 4, 6)."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import re
@@ -18,7 +19,7 @@ from graphpipe.graph import Affine, Op, OpGraph
 from graphpipe.plan import Plan
 from graphpipe.search.cpsat import optimize_plan, solve
 from graphpipe.search.cpsat_model import (
-    add_hint, build_model, covered_mbs, memory_peaks, model_data, replay, stage_candidates,
+    add_hint, build_model, covered_mbs, memory_peaks, model_data, replay, size_lower_bounds, stage_candidates,
 )
 from graphpipe.sched.graph1f1b import graph_1f1b
 from graphpipe.sched.simulator import simulate
@@ -314,5 +315,73 @@ def test_optimize_plan_returns_a_cpsat_plan():
     assert 0 <= new.search["lower_bound_s"] <= tl.iteration_time_s
     assert new.search["gap"] == pytest.approx(1 - new.search["lower_bound_s"] / tl.iteration_time_s)
     assert new.search["time_s"] == 0.0  # the partitioner's statistics are kept
+    for stage_id, sizes in new.search["cpsat_pruned_sizes"].items():
+        assert new.stage_graph.stages[int(stage_id)].micro_batch_size not in sizes
     kept = optimize_plan(plan, time_limit_s=TIME_LIMIT, per_stage_micro_batch=False)
     assert [s.micro_batch_size for s in kept.stage_graph.stages] == [1, 1, 1]
+
+
+# ------------------------------------------------- size bounds and pruning
+BOUND_CASES = {
+    # name: (stage graph, number of devices, candidate sizes, activation room per device beyond model state)
+    "chain2-sizes-2-3-6": (lambda: one_stage_per_op(chain(2), 6, 6), 2, [2, 3, 6], None),
+    "diamond-sizes-2-4": (lambda: one_stage_per_op(diamond(), 4, 4), 4, [2, 4], None),
+    "chain2-tight-memory": (lambda: one_stage_per_op(chain(2), 3, 1), 2, [1, 3], 1.5e6),
+    "chain3-tight-memory": (lambda: one_stage_per_op(chain(3), 2, 1), 3, [1, 2], 1.5e6),
+}
+
+
+def _bound_case(case: str):
+    build, num_devices, sizes, room = BOUND_CASES[case]
+    sg, cluster = build(), preset("v100", num_devices)
+    if room is not None:  # 1e6 bytes of activations per sample: room for one micro-batch of size 1
+        cluster = cluster.with_memory(cluster.state_bytes(4e6) + room)
+    return sg, cluster, sizes, stage_candidates(sg, sizes)
+
+
+@functools.lru_cache(maxsize=None)
+def _brute_force_by_sizes(case: str) -> dict[tuple[int, ...], float]:
+    """Brute-force optimum for every combination of candidate sizes (inf where nothing fits)."""
+    sg, cluster, _, cands = _bound_case(case)
+    return {combo: brute_force(sg, cluster, [(b,) for b in combo]) for combo in itertools.product(*cands)}
+
+
+@pytest.mark.parametrize("case", sorted(BOUND_CASES))
+def test_size_lower_bounds_never_exceed_brute_force(case):
+    """Defining property: no schedule running stage s at size b beats bound(s, b), less the
+    rounding slack (infinite bounds: nothing with that size fits memory)."""
+    sg, cluster, _, cands = _bound_case(case)
+    reference = simulate(sg, graph_1f1b(sg, cluster), cluster).iteration_time_s
+    data = model_data(sg, cluster, cands, reference_s=reference)
+    bounds = size_lower_bounds(data)
+    assert set(bounds) == {(s, b) for s in range(sg.num_stages) for b in cands[s]}
+    for combo, best in _brute_force_by_sizes(case).items():
+        for s, b in enumerate(combo):
+            assert bounds[s, b] * data.unit_s - data.slack_s <= best + 1e-12, (combo, s, b)
+    if "tight" in case:
+        # Stage 0 of a chain has no fill or drain: only the round trip and the
+        # one-in-flight memory limit lift its bound above its own work.
+        work = data.num_mbs(1) * (data.duration[(0, 1, "F")] + data.duration[(0, 1, "B")])
+        assert bounds[0, 1] > work
+        assert bounds[0, cands[0][-1]] == math.inf  # the whole batch as one micro-batch does not fit
+
+
+@pytest.mark.parametrize("case", ["chain2-sizes-2-3-6", "diamond-sizes-2-4"])
+def test_pruning_keeps_the_brute_force_optimum(case):
+    """Pruned sizes cannot beat the answer (brute force with the size forced), and the
+    optimum with pruning equals the one without and the brute force over all sizes."""
+    sg, cluster, sizes, _ = _bound_case(case)
+    pruned = solve(sg, cluster, candidate_sizes=sizes, time_limit_s=TIME_LIMIT, num_workers=2, seed=0)
+    unpruned = solve(sg, cluster, candidate_sizes=sizes, time_limit_s=TIME_LIMIT, num_workers=2, seed=0, prune=False)
+    assert pruned.status == unpruned.status == "OPTIMAL"
+    assert any(pruned.pruned_sizes) and not any(unpruned.pruned_sizes)
+    check_result(pruned, cluster)
+    by_sizes = _brute_force_by_sizes(case)
+    best = min(by_sizes.values())
+    for res in (pruned, unpruned):
+        assert best - 1e-12 <= res.makespan_s <= best + res.rounding_slack_s + 1e-12
+        assert res.lower_bound_s <= best + 1e-12
+    for s, left_out in enumerate(pruned.pruned_sizes):
+        for b in left_out:
+            forced = min(ms for combo, ms in by_sizes.items() if combo[s] == b)
+            assert forced >= pruned.makespan_s - pruned.rounding_slack_s - 1e-12, (s, b)

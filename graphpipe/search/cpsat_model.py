@@ -94,6 +94,8 @@ __all__ = [
     "model_data",
     "check_memory",
     "rounding_slack",
+    "size_lower_bounds",
+    "prune_sizes",
     "build_model",
     "task_graph",
     "replay",
@@ -328,6 +330,125 @@ def rounding_slack(data: ModelData) -> float:
     return data.slack_s
 
 
+def size_lower_bounds(data: ModelData, candidates: Sequence[Sequence[int]] | None = None) -> dict[tuple[int, int], int]:
+    """Per (stage, size): a lower bound in ticks on the makespan of any schedule of the
+    model in which the stage runs micro-batches of that size (the other stages at
+    any of their ``candidates``, default the model's).
+
+    Three terms, each the cheapest over the other stages' sizes, found by a
+    dynamic programme over the stage DAG (stage ids are topological):
+
+    * ``head``: the stage's first F waits for the producer micro-batches it
+      covers (``covered_mbs``; a larger consumer size waits for several, run
+      one after another on the producer), each producer after its own head,
+      plus the transfer; ``tail``: after the stage's last B, every producer
+      micro-batch covering the same samples still runs its B, then the
+      producer's own tail (at least the stage's all-reduce).
+    * ``down``: from the end of a micro-batch's F to the start of its B, the
+      samples travel through every downstream stage and back (F and B of the
+      consumer micro-batches covering them, with both transfers), computed
+      for the first, the last and any micro-batch.
+    * memory: at most ``k = capacity // activation`` micro-batches are in
+      flight, so before the first B starts at most ``k`` F's ran, and before
+      the last F starts at least ``M - k`` B's ended (F's and B's of a stage
+      run in micro-batch order in the model).
+
+    The bound is ``head + max(M (F + B), F + down_first + M B + (M - k) F,
+    M F + (M - k) B + down_last + B) + tail``; infinite when one micro-batch
+    does not fit. It relies on the model's symmetry breaking (in-order F's
+    and B's), which :func:`graphpipe.search.cpsat.solve` always imposes.
+
+    >>> from graphpipe.graph import Op, OpGraph, Affine
+    >>> from graphpipe.stages import Stage, StageGraph
+    >>> from graphpipe.cluster import preset
+    >>> g = OpGraph.build("c", [Op(n, "x", Affine(0, 1e-3), Affine(0, 2e-3)) for n in "ab"], [("a", "b", 0.0)])
+    >>> sg = StageGraph.build(g, [Stage(0, (0,), (0,), 1), Stage(1, (1,), (1,), 1)], 4, 2)
+    >>> data = model_data(sg, preset("v100", 2), candidates=[(1, 2, 4)] * 2, reference_s=0.02)
+    >>> bounds = size_lower_bounds(data)
+    >>> bounds[(0, 1)], bounds[(0, 4)]   # 12 ms of own work; one micro-batch of 4 also waits >= 9 ms for stage 1
+    (12000000, 21000000)
+    """
+    sg = data.sg
+    cands = tuple(tuple(c) for c in (candidates or data.candidates))
+    n_st = sg.num_stages
+    dur = data.duration
+
+    def count(producer: int, consumer: int, mb: int) -> int:
+        return len(covered_mbs(producer, consumer, mb))
+
+    head: dict[tuple[int, int], int] = {}
+    tail: dict[tuple[int, int], int] = {}
+    for s in range(n_st):  # producers before consumers
+        for b in cands[s]:
+            last = data.num_mbs(b) - 1
+            head[s, b] = max((min(head[p, bp] + count(bp, b, 0) * dur[p, bp, "F"] + data.delay[p, s, bp]
+                                  for bp in cands[p]) for p in sg.preds(s)), default=0)
+            tail[s, b] = max([data.allreduce[s]] + [
+                min(data.delay[p, s, bp] + count(bp, b, last) * dur[p, bp, "B"] + tail[p, bp] for bp in cands[p])
+                for p in sg.preds(s)])
+    down: dict[tuple[str, int, int], int] = {}
+    for s in reversed(range(n_st)):  # consumers before producers
+        for b in cands[s]:
+            num = data.num_mbs(b)
+            for which, mb in (("first", 0), ("last", num - 1), ("any", None)):
+                value = 0
+                for c in sg.succs(s):
+                    options = []
+                    for bc in cands[c]:
+                        f, bwd, wait = dur[c, bc, "F"], dur[c, bc, "B"], data.delay[s, c, b]
+                        # m: consumer micro-batches that hold samples of this micro-batch.
+                        m = count(bc, b, mb) if mb is not None else min(count(bc, b, j) for j in range(num))
+                        inner = down["last" if which == "last" else "any", c, bc]
+                        via_first = down["first" if which == "first" else "any", c, bc]
+                        extra = (count(b, bc, 0) - 1) * dur[s, b, "F"] if which == "first" else 0
+                        options.append(2 * wait + extra + max(m * f + inner + bwd, f + via_first + m * bwd))
+                    value = max(value, min(options))
+                down[which, s, b] = value
+    group_of = {s: gi for gi, members in enumerate(data.group_stages) for s in members}
+    bounds: dict[tuple[int, int], int] = {}
+    for s in range(n_st):
+        for b in cands[s]:
+            num, f, bwd = data.num_mbs(b), dur[s, b, "F"], dur[s, b, "B"]
+            act, capacity = data.act[s, b], data.capacity[group_of[s]]
+            k = num if act <= 0 else min(num, max(0, capacity) // act)
+            if k == 0:
+                bounds[s, b] = math.inf
+                continue
+            busy = max(num * (f + bwd), f + down["first", s, b] + num * bwd + (num - k) * f,
+                       num * f + (num - k) * bwd + down["last", s, b] + bwd)
+            bounds[s, b] = head[s, b] + busy + tail[s, b]
+    return bounds
+
+
+def prune_sizes(data: ModelData, upper_ticks: int) -> tuple[tuple[tuple[int, ...], ...], dict[tuple[int, int], int]]:
+    """Candidate sizes that a schedule no slower than ``upper_ticks`` may use.
+
+    Sound: a size whose :func:`size_lower_bounds` exceeds the makespan of a
+    known schedule (the warm start) appears in no schedule at least as good,
+    so the model's optimum and its bound are unchanged when the optimum is
+    below ``upper_ticks``, and otherwise the known schedule is optimal. The
+    bounds are recomputed over the surviving sizes until nothing changes
+    (a schedule at most ``upper_ticks`` long uses survivors only).
+    Returns the surviving candidates and, per pruned (stage, size), its bound
+    (``math.inf`` when one micro-batch does not fit memory).
+    """
+    cands = [list(c) for c in data.candidates]
+    pruned: dict[tuple[int, int], int] = {}
+    changed = True
+    while changed:
+        changed = False
+        bounds = size_lower_bounds(data, cands)
+        for s, sizes in enumerate(cands):
+            keep = [b for b in sizes if bounds[s, b] <= upper_ticks]
+            if not keep:  # upper_ticks was not a schedule's makespan: keep the most promising size
+                keep = [min(sizes, key=lambda b: bounds[s, b])]
+            if len(keep) < len(sizes):
+                pruned.update({(s, b): bounds[s, b] for b in sizes if b not in keep})
+                cands[s] = keep
+                changed = True
+    return tuple(tuple(c) for c in cands), pruned
+
+
 MEMORY_ENCODINGS = ("cumulative", "reservoir")
 
 
@@ -347,6 +468,7 @@ def build_model(data: ModelData, symmetry_breaking: bool = True, memory: str = "
     sg = data.sg
     model = cp_model.CpModel()
     horizon = data.horizon if upper_bound is None else min(data.horizon, upper_bound)
+    size_bound = size_lower_bounds(data)
     use: dict[tuple[int, int], cp_model.IntVar] = {}
     start: dict[tuple[int, int, str, int], cp_model.IntVar] = {}
     interval: dict[tuple[int, int, str, int], cp_model.IntervalVar] = {}
@@ -469,6 +591,17 @@ def build_model(data: ModelData, symmetry_breaking: bool = True, memory: str = "
             work = sum(use[s, b] * (data.num_mbs(b) * (data.duration[(s, b, "F")] + data.duration[(s, b, "B")]))
                        for b in data.candidates[s])
             model.add(makespan >= head[s] + work + tail[s])
+    # Redundant, for the bound: per stage, the size-conditional bound of
+    # :func:`size_lower_bounds` (fill, drain, round trip, memory), linear in
+    # the size literals; sizes whose bound exceeds the horizon are out.
+    for s in range(sg.num_stages):
+        terms = []
+        for b in data.candidates[s]:
+            if size_bound[s, b] > horizon:
+                model.add(use[s, b] == 0)
+            else:
+                terms.append(use[s, b] * size_bound[s, b])
+        model.add(makespan >= sum(terms))
     model.minimize(makespan)
     return CpsatModel(data=data, model=model, use=use, start=start, interval=interval, life=life, makespan=makespan,
                       memory_groups=tuple(memory_groups))
