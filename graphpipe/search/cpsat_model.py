@@ -468,7 +468,7 @@ def build_model(data: ModelData, symmetry_breaking: bool = True, memory: str = "
     sg = data.sg
     model = cp_model.CpModel()
     horizon = data.horizon if upper_bound is None else min(data.horizon, upper_bound)
-    size_bound = size_lower_bounds(data)
+    size_bound = size_lower_bounds(data) if symmetry_breaking else {}
     use: dict[tuple[int, int], cp_model.IntVar] = {}
     start: dict[tuple[int, int, str, int], cp_model.IntVar] = {}
     interval: dict[tuple[int, int, str, int], cp_model.IntervalVar] = {}
@@ -593,8 +593,9 @@ def build_model(data: ModelData, symmetry_breaking: bool = True, memory: str = "
             model.add(makespan >= head[s] + work + tail[s])
     # Redundant, for the bound: per stage, the size-conditional bound of
     # :func:`size_lower_bounds` (fill, drain, round trip, memory), linear in
-    # the size literals; sizes whose bound exceeds the horizon are out.
-    for s in range(sg.num_stages):
+    # the size literals; sizes whose bound exceeds the horizon are out. The
+    # bound assumes in-order micro-batches, so only with symmetry breaking.
+    for s in range(sg.num_stages) if symmetry_breaking else ():
         terms = []
         for b in data.candidates[s]:
             if size_bound[s, b] > horizon:
