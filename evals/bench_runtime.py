@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import statistics
 import sys
 import time
@@ -148,45 +149,83 @@ def cpu_cluster_doc(link: dict[str, Any], ranks: int) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------ CPU share
-def _burn(rank: int, seconds_out, start, n: int) -> None:
+def _burn(rank: int, seconds_out, ready, start, n: int, spec: str | None, batch_size: int) -> None:
     import torch
 
     torch.set_num_threads(1)
-    a = torch.randn(192, 192)
+    if spec is None:
+        a = torch.randn(192, 192)
+
+        def work() -> None:
+            nonlocal a
+            a = torch.tanh(a @ a * 0.01)
+    else:
+        from graphpipe import zoo
+
+        built = zoo.build(spec, device="cpu", seed=rank)
+        inputs = built.make_inputs(batch_size, rank)
+        params = list(built.module.parameters())
+        for p in params:
+            p.grad = torch.zeros_like(p)
+
+        def work() -> None:  # one training step on persistent gradient buffers, as a rank runs its stage
+            for p in params:
+                p.grad.zero_()
+            built.loss_fn(built.module(*inputs)).backward()
+    for _ in range(2):
+        work()
+    ready.put(rank)
     start.wait()
     t0 = time.perf_counter()
     for _ in range(n):
-        a = torch.tanh(a @ a * 0.01)
+        work()
     seconds_out.put(time.perf_counter() - t0)
 
 
-def measure_cpu_share(ranks: int, n: int = 1500) -> dict[str, Any]:
+def measure_cpu_share(ranks: int, n: int = 1500, spec: str | None = None, batch_size: int = 16) -> dict[str, Any]:
     """How much slower one rank computes when ``k = 1..ranks`` single-thread processes compute at once.
 
-    A fixed matmul loop is timed alone and in ``k`` concurrent processes;
-    ``slowdown[k]`` is the ratio of medians. A simulated device is a
+    A fixed workload is timed alone and in ``k`` concurrent processes;
+    ``slowdown[k]`` is the ratio of medians, for ``k`` in 1, 2, 4, ... and
+    ``ranks`` (:func:`slowdown_at` interpolates between them). A simulated device is a
     dedicated processor; a rank on a host with fewer free cores than ranks
-    (oversubscription, SMT siblings, other work) is not, and how much it is
-    slowed depends on how many ranks compute at the same moment.
+    (oversubscription, SMT siblings, other work) is not, and neither is one
+    whose memory bandwidth and last-level cache the other ranks share. How
+    much it is slowed depends on how many ranks compute at the same moment
+    and on the workload: a small matmul that lives in a core's cache only
+    sees lost cores, so with ``spec`` the workload is ``n`` training steps
+    of that model at ``batch_size`` (its weights stream from memory as a
+    stage's do); without, ``n`` products of a 192x192 matrix.
     """
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
 
     def run(k: int) -> float:
-        out, start = ctx.Queue(), ctx.Event()
-        procs = [ctx.Process(target=_burn, args=(r, out, start, n)) for r in range(k)]
+        out, ready, start = ctx.Queue(), ctx.Queue(), ctx.Event()
+        procs = [ctx.Process(target=_burn, args=(r, out, ready, start, n, spec, batch_size)) for r in range(k)]
         for p in procs:
             p.start()
-        time.sleep(2.0)  # let every process import torch before the start signal
+        waiting, deadline = k, time.monotonic() + 300
+        while waiting:  # every process has imported torch, built its workload and warmed up
+            try:
+                ready.get(timeout=1.0)
+                waiting -= 1
+            except queue.Empty:
+                dead = [p.exitcode for p in procs if p.exitcode is not None]
+                if dead or time.monotonic() > deadline:
+                    for p in procs:
+                        p.kill()
+                    raise RuntimeError(f"CPU-share workers did not start (exit codes {dead})")
         start.set()
         times = [out.get(timeout=300) for _ in range(k)]
         for p in procs:
             p.join(timeout=60)
         return statistics.median(times)
 
-    times = {k: run(k) for k in range(1, ranks + 1)}
-    return {"seconds": {str(k): t for k, t in times.items()},
+    counts = sorted({1, ranks} | {k for k in (2, 4, 8, 16) if k < ranks})
+    times = {k: run(k) for k in counts}
+    return {"workload": spec or "matmul 192x192", "seconds": {str(k): t for k, t in times.items()},
             "slowdown": {str(k): max(1.0, t / times[1]) for k, t in times.items()}}
 
 
@@ -298,12 +337,15 @@ def main(argv: list[str] | None = None) -> int:
     sys.stderr.write("profiling ops...\n")
     uno_raw = calibrated_graph(uno, sizes, 5)
     gpt_raw = calibrated_graph(gpt, sizes, 5)
-    sys.stderr.write("measuring the CPU share of one rank...\n")
-    share = measure_cpu_share(args.ranks)
-    sys.stderr.write("cpu share: slowdown with k ranks busy " + ", ".join(f"k={k}: {v:.2f}x" for k, v in share["slowdown"].items()) + "\n")
+    sys.stderr.write("measuring the CPU share of one rank (each model's training step in k processes at once)...\n")
+    shares = {"uno": measure_cpu_share(args.ranks, n=4 if args.quick else 30, spec=uno),
+              "gpt": measure_cpu_share(args.ranks, n=4 if args.quick else 30, spec=gpt)}
+    for key, share in shares.items():
+        sys.stderr.write(f"cpu share ({key}): slowdown with k ranks busy "
+                         + ", ".join(f"k={k}: {v:.2f}x" for k, v in share["slowdown"].items()) + "\n")
     # Plans are made for all ranks busy (the conservative end); predictions use each plan's own concurrency.
-    full = share["slowdown"][str(args.ranks)]
-    uno_graph, gpt_graph = scaled_graph(uno_raw, full), scaled_graph(gpt_raw, full)
+    uno_graph = scaled_graph(uno_raw, shares["uno"]["slowdown"][str(args.ranks)])
+    gpt_graph = scaled_graph(gpt_raw, shares["gpt"]["slowdown"][str(args.ranks)])
     raw_graphs = {"uno": uno_raw, "gpt": gpt_raw}
     plans = {
         "uno/gpp": plan_for(uno, uno_graph, cluster, args.batch_size, "gpp"),
@@ -337,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         med = statistics.median(step_times[name])
         raw_graph = raw_graphs[name.split("/")[0]]
-        pred, factor, concurrency = predict_calibrated(plans[name], raw_graph, share)
+        pred, factor, concurrency = predict_calibrated(plans[name], raw_graph, shares[name.split("/")[0]])
         pred_raw = predicted_with(plans[name], raw_graph)
         rows.append({"job": name, "measured_iteration_time_s": med, "measured_throughput": args.batch_size / med,
                      "num_steps": len(step_times[name]), "step_times_s": step_times[name],
@@ -354,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         "b_simulator_error": {n: by[n]["simulator_error"] for n in ("uno/gpp", "uno/pipedream", "gpt/ours")},
         "b_simulator_error_profile_only": {n: by[n]["simulator_error_profile_only"]
                                            for n in ("uno/gpp", "uno/pipedream", "gpt/ours")},
-        "cpu_slowdown": share["slowdown"],
+        "cpu_slowdown": {key: share["slowdown"] for key, share in shares.items()},
         "c_ours_over_torch_throughput": paired("gpt/ours", "gpt/torch"),
         "c_ratio_of_medians": by["gpt/ours"]["measured_throughput"] / by["gpt/torch"]["measured_throughput"],
         "targets": {"a": ">= 1.15", "b": "< 0.20", "c": ">= 0.95"},
@@ -362,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     config = {"ranks": args.ranks, "batch_size": args.batch_size, "steps": steps, "rounds": rounds, "uno": uno, "gpt": gpt,
               "threads_per_rank": 1, "backend": "gloo", "link": link, "cluster": cpu_cluster_doc(link, args.ranks),
-              "profile_batch_sizes": sizes, "cpu_share": share, "load_average": os.getloadavg(), "cpu_count": os.cpu_count(),
+              "profile_batch_sizes": sizes, "cpu_share": shares, "load_average": os.getloadavg(), "cpu_count": os.cpu_count(),
               "command": "python -m evals.bench_runtime" + (" --quick" if args.quick else "")}
     path = write_result(args.out, "bench_runtime", config, rows, summary)
     json.dump({"summary": summary, "result_file": path, "environment": environment()}, sys.stdout, indent=1)

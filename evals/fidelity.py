@@ -5,7 +5,8 @@ ranks (gloo, one torch thread per rank). The cost model is calibrated the way
 a user would (``graphpipe profile``): op times from
 :func:`graphpipe.profile.profile_model` fitted to ``alpha + beta*b``, a cluster
 whose link latency/bandwidth come from gloo between local processes, and the
-measured slowdown of ranks sharing the host's cores (see
+measured slowdown of the model's training step when several ranks compute at
+once (cores, memory bandwidth and cache shared) (see
 :mod:`evals.bench_runtime`, whose calibration helpers this reuses).
 """
 
@@ -30,9 +31,9 @@ def _link(ranks: int) -> dict[str, Any]:
     return br.measure_link(ranks=ranks, repeats=5)
 
 
-@functools.lru_cache(maxsize=4)
-def _share(ranks: int) -> dict[str, Any]:
-    return br.measure_cpu_share(ranks, n=400)
+@functools.lru_cache(maxsize=8)
+def _share(ranks: int, model: str, quick: bool) -> dict[str, Any]:
+    return br.measure_cpu_share(ranks, n=4 if quick else 20, spec=model)
 
 
 def measure(model: str, strategy: str, schedule: str | None, devices: int, batch_size: int, steps: int,
@@ -43,7 +44,7 @@ def measure(model: str, strategy: str, schedule: str | None, devices: int, batch
     raw = _graph(model, quick)
     cluster = cluster_from_dict(br.cpu_cluster_doc(_link(devices), devices))
     plan = br.plan_for(model, raw, cluster, batch_size, strategy, schedule)
-    predicted_s, slowdown, concurrency = br.predict_calibrated(plan, raw, _share(devices))
+    predicted_s, slowdown, concurrency = br.predict_calibrated(plan, raw, _share(devices, model, quick))
     result = run_plan(plan, RunOptions(steps=steps, warmup_steps=1))
     measured_s = result["measured"]["iteration_time_s"]
     return {

@@ -148,8 +148,11 @@ def run_torch_job(rank: int, world_size: int, plan: Plan, options, device: torch
     for step in range(options.steps):
         inputs = make_inputs(sg.batch_size, data_seed(options.seed, step)) if 0 in my_stages else ()
         inputs = tuple(x.to(device) for x in inputs)
-        for p in params:
-            p.grad = None
+        for p in params:  # persistent buffers zeroed in place, as our executor does (RankExecutor.zero_grad)
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            else:
+                p.grad.zero_()
         losses: list = []
         dist.barrier(group=control)
         t0 = time.perf_counter()

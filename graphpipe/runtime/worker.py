@@ -245,6 +245,7 @@ def run_job(rank: int, world_size: int, plan: Plan, options: RunOptions, device:
     check_stats = (0.0, 0, 0)
     for step in range(options.steps):
         inputs = make_inputs(sg.batch_size, data_seed(options.seed, step)) if reads_inputs else None
+        executor.zero_grad()
         dist.barrier(group=control)
         t0 = time.perf_counter()
         result = executor.run_iteration(inputs, t0)
