@@ -203,9 +203,9 @@ def _infeasible_message(data: ModelData, memory_bytes: float) -> str:
 ORDER_FIRST_SHARE = 0.25
 """With free micro-batch sizes, this share of the time limit first orders the
 tasks at fixed sizes (the input's, or one size for all stages where graph-1F1B
-runs faster with it): a model without size choices, often proven optimal
-in seconds, whose schedule then hints the full model and prunes its sizes. Without it the full
-model's search can stall above that schedule: on the transformer's
+runs faster with it): a model without size choices, often proven optimal in
+seconds, whose schedule then hints the full model and prunes its sizes.
+Without it the full model's search can stall above that schedule: on the transformer's
 pipedream plan (8 devices, batch 128, 2 workers, 30 s) the full model
 stopped FEASIBLE at 0.27659 s with a 12% gap; with it, 0.27514 s was proven
 optimal in 6.3 s."""
@@ -372,8 +372,8 @@ def solve(sg: StageGraph, cluster: Cluster, *, candidate_sizes: Sequence[int] | 
 def _start_sizes(sg: StageGraph, cluster: Cluster, candidates: Sequence[Sequence[int]], heuristic: Schedule,
                  heuristic_ms: float, uniform: bool) -> tuple[StageGraph, Schedule] | None:
     """The sizes phase 1 orders: the input's, or one candidate size for every stage
-    when graph-1F1B runs strictly faster with it within memory (the paper's
-    planner picks one size for all stages, §5). A good start matters twice:
+    when graph-1F1B runs strictly faster with it within memory (the setting
+    GraphPipe evaluates: one size for all stages). A good start matters twice:
     the full model is hinted with it and its makespan prunes sizes. None when
     the sizes must be uniform, the input's are not, and no uniform size fits."""
     mixed = len({st.micro_batch_size for st in sg.stages}) > 1

@@ -53,6 +53,16 @@ durations in its energy reasoning; bytes times ticks would overflow int64).
 Activations are rounded up and capacity down, so the model is conservative
 by less than one unit (~1e-6 of memory) per micro-batch in flight.
 
+Bounds and pruning
+------------------
+Optional intervals relax weakly in the LP, so the model carries redundant
+constraints linear in the size literals: per device the work of the chosen
+sizes, per stage a fill/drain chain, and per (stage, size) the bound of
+:func:`size_lower_bounds` (fill, drain, the round trip of a micro-batch
+through the downstream stages, and the in-flight limit that memory
+imposes). The same bounds let :func:`prune_sizes` drop, before building the
+model, every size that cannot beat a known schedule.
+
 Example
 -------
 >>> from graphpipe.graph import Op, OpGraph, Affine
