@@ -38,8 +38,12 @@ NOTES: dict[str, str] = {
         "gpp's plan spends the saved in-flight budget on a 4x larger micro-batch, so its peak is higher "
         "but within the 16 GB device."),
     "fidelity": (
-        "Measured on this 2-core CPU host with 4 gloo ranks time-sharing the cores, so concurrency is "
-        "partly fictitious; the calibration (profile + measured link + measured CPU-share slowdown, "
-        "see evals/bench_runtime.py) corrects for it only on average. Expect tighter numbers on a "
-        "multi-core or GPU host."),
+        "Measured on the 16 CPU cores of a lent GPU machine (4 gloo ranks, one thread and one core "
+        "each), calibrated with `graphpipe profile` (ops timed in training order with gradient "
+        "accumulation), a measured gloo link and the measured slowdown of the model's training step "
+        "when k ranks compute at once. Each device run is a fresh VM and the error moves with it: "
+        "the median of these five points was 17%, 21%, 13% and 26% in four runs during development "
+        "(this table is the last, with the current code); the per-plan errors at 8 ranks are in "
+        "evals/results/device/. The biggest misses are plans whose measured time is above the "
+        "prediction (memory-bound 1024-wide layers on shared memory bandwidth)."),
 }
