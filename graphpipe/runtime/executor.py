@@ -108,6 +108,7 @@ class RankExecutor:
         self._last_b_pos = {pos: s for s, pos in last_b.items()}
         self._edge_values = routing.edge_values
         self._grad_buffers: dict[int, torch.Tensor] = {}
+        self._grads_allocated = False
         self._fail_at = os.environ.get("GRAPHPIPE_FAIL_AT") if os.environ.get("GRAPHPIPE_FAIL_RANK") == str(rank) else None
 
     # ------------------------------------------------------------ helpers
@@ -132,10 +133,15 @@ class RankExecutor:
         that buffer as is: no flatten and unflatten copies on the
         iteration's tail.
         """
-        if not self._grad_buffers:
+        if not self._grads_allocated:
+            self._grads_allocated = True
             for stage_id in sorted(self.programs):
                 params = list(self.programs[stage_id].module.parameters())
                 if not params:
+                    continue
+                if len({(p.dtype, p.device) for p in params}) > 1:  # mixed dtypes: one buffer per tensor
+                    for p in params:
+                        p.grad = torch.zeros_like(p)
                     continue
                 flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=self.device)
                 offset = 0
@@ -145,6 +151,10 @@ class RankExecutor:
                 self._grad_buffers[stage_id] = flat
         for flat in self._grad_buffers.values():
             flat.zero_()
+        for stage_id in self.programs:
+            if stage_id not in self._grad_buffers:
+                for p in self.programs[stage_id].module.parameters():
+                    p.grad.zero_()
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
