@@ -161,16 +161,14 @@ def _burn(rank: int, seconds_out, ready, start, n: int, spec: str | None, batch_
             a = torch.tanh(a @ a * 0.01)
     else:
         from graphpipe import zoo
+        from graphpipe.runtime.executor import zero_grads
 
         built = zoo.build(spec, device="cpu", seed=rank)
         inputs = built.make_inputs(batch_size, rank)
         params = list(built.module.parameters())
-        for p in params:
-            p.grad = torch.zeros_like(p)
 
         def work() -> None:  # one training step on persistent gradient buffers, as a rank runs its stage
-            for p in params:
-                p.grad.zero_()
+            zero_grads(params)
             built.loss_fn(built.module(*inputs)).backward()
     for _ in range(2):
         work()
@@ -378,8 +376,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name in names:
         med = statistics.median(step_times[name])
-        raw_graph = raw_graphs[name.split("/")[0]]
-        pred, factor, concurrency = predict_calibrated(plans[name], raw_graph, shares[name.split("/")[0]])
+        model_key = name.split("/")[0]
+        raw_graph = raw_graphs[model_key]
+        pred, factor, concurrency = predict_calibrated(plans[name], raw_graph, shares[model_key])
         pred_raw = predicted_with(plans[name], raw_graph)
         rows.append({"job": name, "measured_iteration_time_s": med, "measured_throughput": args.batch_size / med,
                      "num_steps": len(step_times[name]), "step_times_s": step_times[name],

@@ -20,6 +20,7 @@ from graphpipe.cluster import preset
 from graphpipe.errors import PlanError
 from graphpipe.plan import Plan, plan_to_dict, write_plan
 from graphpipe.runtime.baseline import torch_refusal
+from graphpipe.runtime.executor import flat_grad_buffer, zero_grads
 from graphpipe.runtime.routing import Routing, edge_pieces
 from graphpipe.runtime.stage_modules import check_op_names, split_model
 from graphpipe.runtime.worker import RunOptions, load_runnable
@@ -226,3 +227,37 @@ def test_all_stages_on_one_rank_match_single_process(case, one_rank_group):
     assert check["passed"], check
     assert check["num_params_checked"] == check["num_params"] > 0
     assert len(result["losses"]) == 2 and result["losses"][1] != result["losses"][0]  # the optimizer stepped
+
+
+def test_flat_grad_buffer_holds_the_accumulated_gradients():
+    """Gradients stay views of the stage's buffer through backward passes, so all-reducing the
+    buffer reduces them; the sum over two passes equals two separate backward passes."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+    params = list(model.parameters())
+    x1, x2 = torch.randn(5, 4), torch.randn(5, 4)
+    expected = [torch.zeros_like(p) for p in params]
+    for x in (x1, x2):
+        for e, g in zip(expected, torch.autograd.grad(model(x).sum(), params)):
+            e += g
+    flat = flat_grad_buffer(params)
+    assert flat is not None and flat.numel() == sum(p.numel() for p in params) and not flat.any()
+    for x in (x1, x2):
+        model(x).sum().backward()
+    assert all(p.grad._base is flat for p in params)
+    for p, e in zip(params, expected):
+        torch.testing.assert_close(p.grad, e)
+    flat.mul_(2.0)  # what an all-reduce does to the buffer reaches every .grad
+    torch.testing.assert_close(params[0].grad, 2 * expected[0])
+
+
+def test_flat_grad_buffer_refuses_mixed_dtypes_and_zero_grads_allocates_then_clears():
+    a = torch.nn.Parameter(torch.ones(3))
+    b = torch.nn.Parameter(torch.ones(2, dtype=torch.float64))
+    assert flat_grad_buffer([a, b]) is None and a.grad is None and flat_grad_buffer([]) is None
+    zero_grads([a, b])
+    assert a.grad is not None and b.grad.dtype == torch.float64 and not a.grad.any()
+    kept = a.grad
+    (a.sum() * 3).backward()
+    zero_grads([a, b])
+    assert a.grad is kept and not a.grad.any()

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from graphpipe.errors import PlanError
 from graphpipe.plan import Plan
+from graphpipe.runtime.executor import zero_grads
 from graphpipe.runtime.stage_modules import ModelSplit, StageProgram
 
 __all__ = ["torch_refusal", "check_torch_expressible", "run_torch_job", "TORCH_SCHEDULES"]
@@ -148,11 +149,7 @@ def run_torch_job(rank: int, world_size: int, plan: Plan, options, device: torch
     for step in range(options.steps):
         inputs = make_inputs(sg.batch_size, data_seed(options.seed, step)) if 0 in my_stages else ()
         inputs = tuple(x.to(device) for x in inputs)
-        for p in params:  # persistent buffers zeroed in place, as our executor does (RankExecutor.zero_grad)
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            else:
-                p.grad.zero_()
+        zero_grads(params)  # persistent buffers zeroed in place, as our executor does
         losses: list = []
         dist.barrier(group=control)
         t0 = time.perf_counter()

@@ -48,7 +48,7 @@ from graphpipe.runtime.routing import Routing
 from graphpipe.runtime.stage_modules import StageProgram, ValueMeta
 from graphpipe.stages import StageGraph
 
-__all__ = ["TimedAction", "StepResult", "RankExecutor", "InjectedFailure"]
+__all__ = ["TimedAction", "StepResult", "RankExecutor", "InjectedFailure", "zero_grads", "flat_grad_buffer"]
 
 
 class InjectedFailure(RuntimeError):
@@ -81,6 +81,39 @@ class StepResult:
     """This rank's ``time.perf_counter()`` at the shared start (records are relative to it)."""
 
 
+def zero_grads(params: Sequence[torch.nn.Parameter]) -> None:
+    """Zero each parameter's ``.grad`` in place, allocating it on first use (persistent buffers).
+
+    With ``grad = None`` an iteration's first backward allocates (and, on a
+    CPU, page-faults) fresh gradient tensors and only later micro-batches
+    accumulate; with persistent buffers every backward accumulates, which is
+    what ``graphpipe profile`` times.
+    """
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        else:
+            p.grad.zero_()
+
+
+def flat_grad_buffer(params: Sequence[torch.nn.Parameter]) -> torch.Tensor | None:
+    """One zeroed buffer holding every gradient of ``params``, each ``.grad`` a view into it.
+
+    Autograd accumulates into an existing ``.grad`` in place, so the buffer
+    always holds the current gradients and an all-reduce can take it as is.
+    ``None`` (gradients left alone) when there are no parameters or they mix
+    dtypes or devices.
+    """
+    if not params or len({(p.dtype, p.device) for p in params}) > 1:
+        return None
+    flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+    offset = 0
+    for p in params:
+        p.grad = flat[offset:offset + p.numel()].view_as(p)
+        offset += p.numel()
+    return flat
+
+
 class RankExecutor:
     """Runs ``schedule.device_actions[rank]`` with the stage programs hosted on this rank."""
 
@@ -107,8 +140,12 @@ class RankExecutor:
                 last_b[a.stage_id] = pos
         self._last_b_pos = {pos: s for s, pos in last_b.items()}
         self._edge_values = routing.edge_values
+        # Persistent gradient storage, one flat buffer per stage (see zero_grad).
         self._grad_buffers: dict[int, torch.Tensor] = {}
-        self._grads_allocated = False
+        for stage_id in sorted(self.programs):
+            flat = flat_grad_buffer(list(self.programs[stage_id].module.parameters()))
+            if flat is not None:
+                self._grad_buffers[stage_id] = flat
         self._fail_at = os.environ.get("GRAPHPIPE_FAIL_AT") if os.environ.get("GRAPHPIPE_FAIL_RANK") == str(rank) else None
 
     # ------------------------------------------------------------ helpers
@@ -120,41 +157,18 @@ class RankExecutor:
         return [p for s in sorted(self.programs) for p in self.programs[s].module.parameters()]
 
     def zero_grad(self) -> None:
-        """Clear the gradient buffers in place (allocating them once), before an iteration's timed region.
+        """Clear the gradient buffers in place, before an iteration's timed region.
 
-        Persistent buffers, as Megatron-style runtimes keep: with
-        ``grad = None`` every iteration's first backward would allocate and
-        page-fault fresh gradient tensors (milliseconds for a 16 MB weight on
-        a CPU) and only later micro-batches would accumulate; with buffers
-        every backward accumulates, which is what ``graphpipe profile``
-        times, so the simulator and the run agree. Each stage's gradients
-        are views into one flat buffer per stage (autograd accumulates into
-        an existing ``.grad`` in place), so a replicated stage all-reduces
-        that buffer as is: no flatten and unflatten copies on the
-        iteration's tail.
+        Persistent buffers, as Megatron-style runtimes keep (see
+        :func:`zero_grads`), so the run pays what the profile timed. Each
+        stage's gradients are views into one flat buffer
+        (:func:`flat_grad_buffer`), so a replicated stage all-reduces that
+        buffer as is: no flatten and unflatten copies on the iteration's tail.
         """
-        if not self._grads_allocated:
-            self._grads_allocated = True
-            for stage_id in sorted(self.programs):
-                params = list(self.programs[stage_id].module.parameters())
-                if not params:
-                    continue
-                if len({(p.dtype, p.device) for p in params}) > 1:  # mixed dtypes: one buffer per tensor
-                    for p in params:
-                        p.grad = torch.zeros_like(p)
-                    continue
-                flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=self.device)
-                offset = 0
-                for p in params:
-                    p.grad = flat[offset:offset + p.numel()].view_as(p)
-                    offset += p.numel()
-                self._grad_buffers[stage_id] = flat
         for flat in self._grad_buffers.values():
             flat.zero_()
-        for stage_id in self.programs:
-            if stage_id not in self._grad_buffers:
-                for p in self.programs[stage_id].module.parameters():
-                    p.grad.zero_()
+        zero_grads([p for s in sorted(self.programs) if s not in self._grad_buffers
+                    for p in self.programs[s].module.parameters()])
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -307,13 +321,11 @@ class RankExecutor:
                 params = list(self.programs[stage_id].module.parameters())
                 if not params:
                     continue
-                for p in params:  # every replica reduces the same tensors, used or not
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
+                zero_grads([p for p in params if p.grad is None])  # every replica reduces the same tensors
                 flat = self._grad_buffers.get(stage_id)
                 grads = None
                 if flat is None or any(p.grad._base is not flat for p in params):
-                    # gradients no longer views of the stage's buffer (zero_grad not called): reduce a copy
+                    # no flat buffer (mixed dtypes) or a .grad replaced by another tensor: reduce a copy
                     grads = [p.grad for p in params]
                     flat = _flatten_dense_tensors(grads)
                 now = time.perf_counter() - t0
