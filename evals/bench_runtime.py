@@ -57,10 +57,20 @@ GPT_QUICK = "transformer:small,layers=4,hidden=64,seq=16,heads=4,ffn=128,vocab=1
 
 
 # ------------------------------------------------------------------ link calibration
-def _linkbench(rank: int, world: int, port: int, sizes: list[int], ar_sizes: list[int], repeats: int, out) -> None:
+def _pin(rank: int, cpus_per_rank: int) -> None:
+    """Pin this process as rank ``rank`` of a run with ``cpus_per_rank`` (0: leave it free)."""
+    if cpus_per_rank:
+        from graphpipe.runtime.worker import rank_cpus
+
+        os.sched_setaffinity(0, rank_cpus(rank, cpus_per_rank))
+
+
+def _linkbench(rank: int, world: int, port: int, sizes: list[int], ar_sizes: list[int], repeats: int, out,
+               cpus_per_rank: int = 0) -> None:
     import torch
     import torch.distributed as dist
 
+    _pin(rank, cpus_per_rank)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     p2p, ar = {}, {}
@@ -95,7 +105,7 @@ def _linkbench(rank: int, world: int, port: int, sizes: list[int], ar_sizes: lis
 
 
 def measure_link(ranks: int = 2, sizes=(1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22),
-                 ar_sizes=(1 << 20, 1 << 22, 1 << 24), repeats: int = 20) -> dict[str, Any]:
+                 ar_sizes=(1 << 20, 1 << 22, 1 << 24), repeats: int = 20, cpus_per_rank: int = 0) -> dict[str, Any]:
     """Calibrate the cluster's link from gloo between local processes.
 
     Latency: intercept of the ping-pong one-way time vs bytes. Bandwidth: the
@@ -116,7 +126,7 @@ def measure_link(ranks: int = 2, sizes=(1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 <<
     q = ctx.Queue()
     port = free_port()
     world = max(2, ranks)
-    procs = [ctx.Process(target=_linkbench, args=(r, world, port, list(sizes), list(ar_sizes), repeats, q))
+    procs = [ctx.Process(target=_linkbench, args=(r, world, port, list(sizes), list(ar_sizes), repeats, q, cpus_per_rank))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -149,9 +159,10 @@ def cpu_cluster_doc(link: dict[str, Any], ranks: int) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------ CPU share
-def _burn(rank: int, seconds_out, ready, start, n: int, spec: str | None, batch_size: int) -> None:
+def _burn(rank: int, seconds_out, ready, start, n: int, spec: str | None, batch_size: int, cpus_per_rank: int) -> None:
     import torch
 
+    _pin(rank, cpus_per_rank)
     torch.set_num_threads(1)
     if spec is None:
         a = torch.randn(192, 192)
@@ -180,7 +191,8 @@ def _burn(rank: int, seconds_out, ready, start, n: int, spec: str | None, batch_
     seconds_out.put(time.perf_counter() - t0)
 
 
-def measure_cpu_share(ranks: int, n: int = 1500, spec: str | None = None, batch_size: int = 16) -> dict[str, Any]:
+def measure_cpu_share(ranks: int, n: int = 1500, spec: str | None = None, batch_size: int = 16,
+                      cpus_per_rank: int = 0) -> dict[str, Any]:
     """How much slower one rank computes when ``k = 1..ranks`` single-thread processes compute at once.
 
     A fixed workload is timed alone and in ``k`` concurrent processes;
@@ -193,7 +205,8 @@ def measure_cpu_share(ranks: int, n: int = 1500, spec: str | None = None, batch_
     and on the workload: a small matmul that lives in a core's cache only
     sees lost cores, so with ``spec`` the workload is ``n`` training steps
     of that model at ``batch_size`` (its weights stream from memory as a
-    stage's do); without, ``n`` products of a 192x192 matrix.
+    stage's do); without, ``n`` products of a 192x192 matrix. With
+    ``cpus_per_rank`` process ``r`` is pinned as rank ``r`` of a run would be.
     """
     import multiprocessing as mp
 
@@ -201,7 +214,8 @@ def measure_cpu_share(ranks: int, n: int = 1500, spec: str | None = None, batch_
 
     def run(k: int) -> float:
         out, ready, start = ctx.Queue(), ctx.Queue(), ctx.Event()
-        procs = [ctx.Process(target=_burn, args=(r, out, ready, start, n, spec, batch_size)) for r in range(k)]
+        procs = [ctx.Process(target=_burn, args=(r, out, ready, start, n, spec, batch_size, cpus_per_rank))
+                 for r in range(k)]
         for p in procs:
             p.start()
         waiting, deadline = k, time.monotonic() + 300
@@ -268,15 +282,26 @@ def scaled_graph(graph, factor: float):
 
 
 # ------------------------------------------------------------------ planning
-def calibrated_graph(spec: str, batch_sizes, repeats: int):
+def calibrated_graph(spec: str, batch_sizes, repeats: int, cpus_per_rank: int = 0):
+    """``spec``'s graph costed by ``graphpipe profile`` on one thread (pinned as rank 0 when ranks are)."""
     import torch
 
     from graphpipe import zoo
     from graphpipe.profile import apply_profile, profile_model
 
     torch.set_num_threads(1)  # the ranks run with one thread each
-    profile = profile_model(spec, "cpu", batch_sizes=batch_sizes, repeats=repeats)
+    allowed = os.sched_getaffinity(0)
+    try:
+        _pin(0, cpus_per_rank)
+        profile = profile_model(spec, "cpu", batch_sizes=batch_sizes, repeats=repeats)
+    finally:
+        os.sched_setaffinity(0, allowed)
     return apply_profile(zoo.load_graph(spec), profile)
+
+
+def auto_cpus_per_rank(ranks: int) -> int:
+    """Two CPUs per rank when the host has them (compute thread + gloo's threads), else one, else 0 (no pinning)."""
+    return min(2, len(os.sched_getaffinity(0)) // ranks)
 
 
 def plan_for(spec: str, graph, cluster, batch: int, strategy: str, schedule: str | None = None, mbs: int | None = None):
@@ -313,8 +338,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="out", help="results go to OUT/results/bench_runtime.json")
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=4, help="steps per job and round (first is a warm-up)")
-    parser.add_argument("--rounds", type=int, default=6, help="round-robin repetitions of all jobs")
+    parser.add_argument("--steps", type=int, default=10, help="steps per job and round (first is a warm-up)")
+    parser.add_argument("--rounds", type=int, default=8, help="round-robin repetitions of all jobs")
+    parser.add_argument("--cpus-per-rank", default="auto",
+                        help="pin each rank (and the profile and calibration processes) to N CPUs of its own; "
+                             "auto: 2 when the host has 2 per rank, else 1, else 0 (no pinning)")
     parser.add_argument("--quick", action="store_true", help="small models, 2 rounds of 3 steps")
     args = parser.parse_args(argv)
 
@@ -323,21 +351,28 @@ def main(argv: list[str] | None = None) -> int:
 
     from evals.common import environment, write_result
 
+    if args.cpus_per_rank == "auto":
+        pin = auto_cpus_per_rank(args.ranks)
+    elif args.cpus_per_rank.isdigit():
+        pin = int(args.cpus_per_rank)
+    else:
+        parser.error(f"--cpus-per-rank must be auto or a non-negative integer, got {args.cpus_per_rank!r}")
     uno, gpt = (UNO_QUICK, GPT_QUICK) if args.quick else (UNO, GPT)
     steps, rounds = (3, 2) if args.quick else (args.steps, args.rounds)
     started = time.perf_counter()
+    sys.stderr.write(f"pinning: {pin} CPU(s) per rank\n" if pin else "pinning: off\n")
     sys.stderr.write("measuring the loopback link...\n")
-    link = measure_link(args.ranks)
+    link = measure_link(args.ranks, cpus_per_rank=pin)
     cluster = cluster_from_dict(cpu_cluster_doc(link, args.ranks))
     sys.stderr.write(f"link: latency {link['latency_s'] * 1e6:.1f} us, bandwidth {link['bandwidth_Bps'] / 1e9:.2f} GB/s "
                      f"(point-to-point {link['p2p_bandwidth_Bps'] / 1e9:.2f}, all-reduce {link['allreduce_bandwidth_Bps'] / 1e9:.2f})\n")
     sizes = sorted({1, 2, 4, 8, 16, args.batch_size // 4, args.batch_size // 2})
     sys.stderr.write("profiling ops...\n")
-    uno_raw = calibrated_graph(uno, sizes, 5)
-    gpt_raw = calibrated_graph(gpt, sizes, 5)
+    uno_raw = calibrated_graph(uno, sizes, 5, pin)
+    gpt_raw = calibrated_graph(gpt, sizes, 5, pin)
     sys.stderr.write("measuring the CPU share of one rank (each model's training step in k processes at once)...\n")
-    shares = {"uno": measure_cpu_share(args.ranks, n=4 if args.quick else 30, spec=uno),
-              "gpt": measure_cpu_share(args.ranks, n=4 if args.quick else 30, spec=gpt)}
+    shares = {"uno": measure_cpu_share(args.ranks, n=4 if args.quick else 30, spec=uno, cpus_per_rank=pin),
+              "gpt": measure_cpu_share(args.ranks, n=4 if args.quick else 30, spec=gpt, cpus_per_rank=pin)}
     for key, share in shares.items():
         sys.stderr.write(f"cpu share ({key}): slowdown with k ranks busy "
                          + ", ".join(f"k={k}: {v:.2f}x" for k, v in share["slowdown"].items()) + "\n")
@@ -356,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     jobs = []
     for _ in range(rounds):
         for name in names:
-            jobs.append((name, plans[name], RunOptions(steps=steps, warmup_steps=1, timeout_s=300,
+            jobs.append((name, plans[name], RunOptions(steps=steps, warmup_steps=1, timeout_s=300, cpus_per_rank=pin,
                                                         baseline="torch" if name == "gpt/torch" else None)))
     sys.stderr.write(f"running {len(jobs)} jobs on {args.ranks} ranks...\n")
     raw = run_plans([(p, o) for _, p, o in jobs], args.ranks)
@@ -402,9 +437,10 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": time.perf_counter() - started,
     }
     config = {"ranks": args.ranks, "batch_size": args.batch_size, "steps": steps, "rounds": rounds, "uno": uno, "gpt": gpt,
-              "threads_per_rank": 1, "backend": "gloo", "link": link, "cluster": cpu_cluster_doc(link, args.ranks),
+              "threads_per_rank": 1, "cpus_per_rank": pin, "rank_cpus": raw[0].get("rank_cpus"), "backend": "gloo", "link": link, "cluster": cpu_cluster_doc(link, args.ranks),
               "profile_batch_sizes": sizes, "cpu_share": shares, "load_average": os.getloadavg(), "cpu_count": os.cpu_count(),
-              "command": "python -m evals.bench_runtime" + (" --quick" if args.quick else "")}
+              "command": "python -m evals.bench_runtime" + (" --quick" if args.quick else "")
+              + f" --ranks {args.ranks} --batch-size {args.batch_size} --steps {steps} --rounds {rounds} --cpus-per-rank {pin}"}
     path = write_result(args.out, "bench_runtime", config, rows, summary)
     json.dump({"summary": summary, "result_file": path, "environment": environment()}, sys.stdout, indent=1)
     sys.stdout.write("\n")

@@ -7,7 +7,9 @@ a user would (``graphpipe profile``): op times from
 whose link latency/bandwidth come from gloo between local processes, and the
 measured slowdown of the model's training step when several ranks compute at
 once (cores, memory bandwidth and cache shared) (see
-:mod:`evals.bench_runtime`, whose calibration helpers this reuses).
+:mod:`evals.bench_runtime`, whose calibration helpers this reuses). Ranks,
+profile and calibration are pinned to CPUs of their own when the host has
+enough (:func:`evals.bench_runtime.auto_cpus_per_rank`).
 """
 
 from __future__ import annotations
@@ -22,18 +24,19 @@ __all__ = ["measure"]
 
 
 @functools.lru_cache(maxsize=8)
-def _graph(model: str, quick: bool):
-    return br.calibrated_graph(model, batch_sizes=(2, 8) if quick else (1, 2, 4, 8, 16), repeats=3 if quick else 7)
+def _graph(model: str, quick: bool, pin: int):
+    return br.calibrated_graph(model, batch_sizes=(2, 8) if quick else (1, 2, 4, 8, 16), repeats=3 if quick else 7,
+                               cpus_per_rank=pin)
 
 
 @functools.lru_cache(maxsize=4)
-def _link(ranks: int) -> dict[str, Any]:
-    return br.measure_link(ranks=ranks, repeats=5)
+def _link(ranks: int, pin: int) -> dict[str, Any]:
+    return br.measure_link(ranks=ranks, repeats=5, cpus_per_rank=pin)
 
 
 @functools.lru_cache(maxsize=8)
-def _share(ranks: int, model: str, quick: bool) -> dict[str, Any]:
-    return br.measure_cpu_share(ranks, n=4 if quick else 20, spec=model)
+def _share(ranks: int, model: str, quick: bool, pin: int) -> dict[str, Any]:
+    return br.measure_cpu_share(ranks, n=4 if quick else 20, spec=model, cpus_per_rank=pin)
 
 
 def measure(model: str, strategy: str, schedule: str | None, devices: int, batch_size: int, steps: int,
@@ -41,11 +44,12 @@ def measure(model: str, strategy: str, schedule: str | None, devices: int, batch
     """Plan on the calibrated cost model, run it for real, compare the iteration times."""
     from graphpipe.runtime import RunOptions, run_plan
 
-    raw = _graph(model, quick)
-    cluster = cluster_from_dict(br.cpu_cluster_doc(_link(devices), devices))
+    pin = br.auto_cpus_per_rank(devices)
+    raw = _graph(model, quick, pin)
+    cluster = cluster_from_dict(br.cpu_cluster_doc(_link(devices, pin), devices))
     plan = br.plan_for(model, raw, cluster, batch_size, strategy, schedule)
-    predicted_s, slowdown, concurrency = br.predict_calibrated(plan, raw, _share(devices, model, quick))
-    result = run_plan(plan, RunOptions(steps=steps, warmup_steps=1))
+    predicted_s, slowdown, concurrency = br.predict_calibrated(plan, raw, _share(devices, model, quick, pin))
+    result = run_plan(plan, RunOptions(steps=steps, warmup_steps=1, cpus_per_rank=pin))
     measured_s = result["measured"]["iteration_time_s"]
     return {
         "devices": devices,
@@ -56,6 +60,7 @@ def measure(model: str, strategy: str, schedule: str | None, devices: int, batch
         "measured_s": measured_s,
         "error_frac": abs(predicted_s - measured_s) / measured_s,
         "cpu_slowdown": slowdown,
+        "cpus_per_rank": pin,
         "mean_busy_ranks": concurrency,
         "measured_throughput": result["measured"]["throughput"],
     }

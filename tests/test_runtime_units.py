@@ -178,6 +178,32 @@ def test_unknown_op_plan_is_refused_before_launch(tmp_path, monkeypatch, capsys)
     assert err.count("\n") == 1 and "layerX" in err and "does not match model" in err
 
 
+def test_rank_cpus_gives_each_rank_its_own_run_of_cpus():
+    from graphpipe.errors import InputError
+    from graphpipe.runtime.worker import rank_cpus
+
+    allowed = [9, 1, 3, 5, 7, 11]  # an affinity set need not start at 0 nor be contiguous
+    per_rank = [rank_cpus(r, 2, allowed) for r in range(3)]
+    assert per_rank == [[1, 3], [5, 7], [9, 11]]
+    assert rank_cpus(5, 1, allowed) == [11]
+    with pytest.raises(InputError, match="rank 3 needs CPUs up to the 8th, but this process may use 6"):
+        rank_cpus(3, 2, allowed)
+    with pytest.raises(InputError, match="--cpus-per-rank"):
+        RunOptions(cpus_per_rank=-1)
+
+
+def test_pinning_more_cpus_than_the_host_has_is_refused_before_launch(tmp_path, monkeypatch, capsys):
+    from graphpipe.cli import main
+    import graphpipe.runtime as runtime
+
+    plan = _plan("transformer:small", (["embed", "layer0", "layer1"], ["layer2", "layer3", "head"]), [(0,), (1,)], [2, 2], 8, 2)
+    write_plan(str(tmp_path / "p.json"), plan)
+    monkeypatch.setattr(runtime, "launch", lambda *a, **k: pytest.fail("launched ranks the host cannot pin"))
+    assert main(["run", str(tmp_path / "p.json"), "--cpus-per-rank", "100000"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--cpus-per-rank 100000: rank 1 needs" in err
+
+
 def test_graph_file_model_is_refused(tmp_path, capsys):
     from graphpipe.cli import main
 

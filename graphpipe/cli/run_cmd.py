@@ -41,6 +41,8 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="model weights and data seed (default 0)")
     p.add_argument("--lr", type=float, default=0.01, help="SGD learning rate (default 0.01)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    p.add_argument("--cpus-per-rank", type=int, default=0, metavar="N",
+                   help="pin each rank to N CPUs of its own (default 0: no pinning); steadier CPU timings")
     p.add_argument("--trace", default=None, metavar="OUT.json", help="Chrome/Perfetto trace of a measured iteration")
     p.add_argument("--gantt", default=None, metavar="OUT.png", help="Gantt chart of a measured iteration")
     p.add_argument("--gantt-pair", default=None, metavar="OUT.png", help="simulated and measured Gantt charts side by side")
@@ -57,7 +59,7 @@ def run(args) -> int:
     plan = read_plan(args.plan)
     options = RunOptions(steps=args.steps, warmup_steps=args.warmup, backend=args.backend, check=args.check,
                          timeout_s=args.timeout, seed=args.seed, lr=args.lr, num_threads=args.threads,
-                         baseline=args.baseline)
+                         cpus_per_rank=args.cpus_per_rank, baseline=args.baseline)
     try:
         summary = run_plan(plan, options)
     except RuntimeFailure as exc:

@@ -82,11 +82,17 @@ def run_plans(plans: list[tuple[Plan, RunOptions]], world_size: int | None = Non
     """Run several plans one after the other in one set of processes (amortises start-up).
 
     ``world_size`` defaults to the largest plan's device count; smaller plans
-    leave the extra ranks idle. Returns rank 0's raw result per plan.
+    leave the extra ranks idle. Returns rank 0's raw result per plan. The
+    processes start with the first plan's ``num_threads`` and
+    ``cpus_per_rank``.
     """
     for plan, options in plans:
         preflight(plan, options)
     world = world_size or max(plan.cluster.num_devices for plan, _ in plans)
+    if plans and plans[0][1].cpus_per_rank:
+        from graphpipe.runtime.worker import rank_cpus
+
+        rank_cpus(world - 1, plans[0][1].cpus_per_rank)  # enough CPUs for the last rank, or refuse before spawning
     return launch([(plan_to_dict(plan), options) for plan, options in plans], world)
 
 

@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--cpus-per-rank", type=int, default=0, help="pin each local rank to N CPUs (0: no pinning)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
 
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
                                  f"use --nproc-per-node {plan.cluster.num_devices}")
         options = RunOptions(steps=args.steps, warmup_steps=args.warmup, backend=args.backend, check=args.check,
                              timeout_s=args.timeout, seed=args.seed, lr=args.lr, num_threads=args.threads,
-                             baseline=args.baseline)
+                             cpus_per_rank=args.cpus_per_rank, baseline=args.baseline)
         if rank == 0:
             preflight(plan, options)
         result = run_rank(rank, world_size, [(plan_to_dict(plan), options)], "env://")[0]

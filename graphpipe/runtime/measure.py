@@ -65,6 +65,8 @@ def summarize(plan: Plan, result: Mapping[str, Any]) -> dict[str, Any]:
         "losses": result.get("losses", []),
         "backend": result.get("backend"),
     }
+    if result.get("rank_cpus"):
+        doc["rank_cpus"] = result["rank_cpus"]
     if "iteration_time_s" in predicted and measured.get("iteration_time_s"):
         doc["prediction_error"] = abs(predicted["iteration_time_s"] - measured["iteration_time_s"]) / measured["iteration_time_s"]
     if "check" in result:

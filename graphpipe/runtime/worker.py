@@ -45,7 +45,7 @@ from graphpipe.runtime.executor import RankExecutor, StepResult
 from graphpipe.runtime.routing import Routing
 from graphpipe.runtime.stage_modules import ModelSplit, boundary_meta, check_op_names, split_model
 
-__all__ = ["RunOptions", "Runnable", "load_runnable", "run_rank", "run_job", "data_seed", "reference_step",
+__all__ = ["RunOptions", "rank_cpus", "Runnable", "load_runnable", "run_rank", "run_job", "data_seed", "reference_step",
            "compare_gradients", "finish_job", "CHECK_RTOL", "CHECK_ATOL"]
 
 log = logging.getLogger(__name__)
@@ -70,6 +70,8 @@ class RunOptions:
     """SGD learning rate of the per-rank optimizer step."""
     num_threads: int = 1
     """torch intra-op threads per rank (1: ranks share the host's cores fairly)."""
+    cpus_per_rank: int = 0
+    """Pin each rank to this many CPUs of its own (0: no pinning); see :func:`rank_cpus`."""
     baseline: str | None = None
     """None for our executor, ``"torch"`` for torch.distributed.pipelining."""
     rtol: float = CHECK_RTOL
@@ -86,8 +88,35 @@ class RunOptions:
             raise InputError(f"--backend must be gloo, nccl or auto, got {self.backend!r}")
         if not self.timeout_s > 0:
             raise InputError(f"--timeout must be > 0 seconds, got {self.timeout_s!r}")
+        if not isinstance(self.cpus_per_rank, int) or self.cpus_per_rank < 0:
+            raise InputError(f"--cpus-per-rank must be a non-negative integer, got {self.cpus_per_rank!r}")
         if self.baseline not in (None, "torch"):
             raise InputError(f"--baseline must be 'torch', got {self.baseline!r}")
+
+
+def rank_cpus(local_rank: int, per_rank: int, allowed: Sequence[int] | None = None) -> list[int]:
+    """The CPUs local rank ``local_rank`` is pinned to: its own ``per_rank`` of the allowed set.
+
+    Rank ``r`` gets the ``r``-th run of ``per_rank`` consecutive CPUs of
+    ``allowed`` (default: this process's affinity, sorted), so no two ranks
+    of one host share a CPU. Pinning keeps the OS from moving a rank's
+    compute thread between cores mid-iteration and from stacking two ranks on
+    one core while another idles; with two CPUs per rank its gloo threads
+    have a core of their own next to the compute thread. Raises
+    :class:`~graphpipe.errors.InputError` when the set is too small.
+    """
+    from graphpipe.errors import InputError
+
+    cpus = sorted(os.sched_getaffinity(0) if allowed is None else allowed)
+    need = (local_rank + 1) * per_rank
+    if need > len(cpus):
+        raise InputError(f"--cpus-per-rank {per_rank}: rank {local_rank} needs CPUs up to the {need}th, "
+                         f"but this process may use {len(cpus)} ({_cpu_list(cpus)})")
+    return cpus[local_rank * per_rank:need]
+
+
+def _cpu_list(cpus: Sequence[int]) -> str:
+    return ",".join(map(str, cpus[:8])) + (",..." if len(cpus) > 8 else "")
 
 
 def data_seed(seed: int, step: int) -> int:
@@ -308,19 +337,21 @@ def finish_job(rank: int, world_size: int, plan: Plan, options: RunOptions, step
     med = statistics.median(step_list)
     shown = min(measured_idx, key=lambda i: (abs(float(times[i]) - med), i))
     gathered = [None] * world_size if rank == 0 else None
-    mine = (socket.gethostname(), starts[shown] if starts else 0.0, list(records[shown]) if records else [])
+    mine = (socket.gethostname(), starts[shown] if starts else 0.0, list(records[shown]) if records else [],
+            sorted(os.sched_getaffinity(0)))
     dist.gather_object(mine, gathered, dst=0, group=control)
     if rank != 0:
         return None
-    if len({host for host, _, _ in gathered}) == 1:
-        origin = min(t0 for _, t0, _ in gathered)
-        gathered = [(host, t0, [_shift(r, t0 - origin) for r in recs]) for host, t0, recs in gathered]
+    if len({host for host, _, _, _ in gathered}) == 1:
+        origin = min(t0 for _, t0, _, _ in gathered)
+        gathered = [(host, t0, [_shift(r, t0 - origin) for r in recs], cpus) for host, t0, recs, cpus in gathered]
     out: dict[str, Any] = {
         "measured": {"iteration_time_s": med, "throughput": sg.batch_size / med,
                      "step_times_s": step_list, "warmup_steps": options.warmup_steps, "timeline_step": shown},
         "losses": [float(x) for x in losses],
-        "records": [r for _, _, recs in gathered for r in recs],
+        "records": [r for _, _, recs, _ in gathered for r in recs],
         "backend": backend,
+        "rank_cpus": [cpus for _, _, _, cpus in gathered],
     }
     out.update(extra or {})
     if options.check:
@@ -346,6 +377,8 @@ def run_rank(rank: int, world_size: int, jobs: Sequence[tuple[dict, RunOptions]]
              on_job_done: Callable[[int, dict | None], None] | None = None) -> list[dict | None]:
     """Join the process group and run every job in order; returns rank 0's results (``None`` elsewhere)."""
     options0 = jobs[0][1]
+    if options0.cpus_per_rank:  # before any thread starts: gloo's and torch's threads inherit it
+        os.sched_setaffinity(0, rank_cpus(int(os.environ.get("LOCAL_RANK", rank)), options0.cpus_per_rank))
     torch.set_num_threads(options0.num_threads)
     backend = _pick_backend(options0.backend, world_size)
     device = torch.device("cpu")
