@@ -5,7 +5,7 @@
     python -m evals.bench_runtime                 # writes out/results/bench_runtime.json, prints the summary
     python -m evals.bench_runtime --quick         # smaller models and fewer steps (smoke run)
 
-What it measures (all on ``--ranks`` gloo processes, one torch thread each):
+What it measures (all on ``--ranks`` gloo processes, one torch thread each, pinned):
 
 (a) GraphPipe vs PipeDream: the ``gpp`` and ``pipedream`` plans of a branchy
     model (CANDLE-Uno, sized so compute dominates communication), both planned
@@ -31,7 +31,14 @@ Side by side: every plan is a job of one spawned world and jobs are repeated
 round-robin (``--rounds``). Iteration times are medians over all measured
 steps of all rounds; ratios are the median over rounds of the ratio of the
 two jobs' medians in that round (run back to back), so load drifting on a
-shared host between rounds cancels out.
+shared host between rounds cancels out; ``a_ci95``/``c_ci95`` are percentile
+bootstrap 95% intervals of those medians over the rounds. With
+``--cpus-per-rank`` (default auto) every rank, the profile and the
+calibration processes run on CPUs of their own (:func:`auto_cpus_per_rank`),
+which on a 2-core host made runs faster and steadier: ranks stop migrating
+and sharing a core. Pinned to one CPU, a rank's gloo thread shares its
+core, so the ping-pong latency measured for the cluster rises (0.1 ms to
+about 1 ms here); in pipelined runs that latency overlaps compute.
 The result file records the resolved config, versions, git SHA, the host's
 CPU count and load average (a 2-core host runs 4 ranks time-shared: say so
 when quoting the numbers).
@@ -332,6 +339,17 @@ def describe(plan) -> dict[str, Any]:
             "predicted_throughput": plan.predicted.get("throughput")}
 
 
+def bootstrap_ci(values: list[float], level: float = 0.95, resamples: int = 2000, seed: int = 0) -> list[float]:
+    """Percentile bootstrap interval of the median of ``values`` (seeded: same values, same interval)."""
+    import random
+
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
+    lo = medians[int((1 - level) / 2 * (resamples - 1))]
+    hi = medians[int((1 + level) / 2 * (resamples - 1))]
+    return [lo, hi]
+
+
 # ------------------------------------------------------------------ main
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m evals.bench_runtime", description=__doc__.split("\n")[0])
@@ -407,7 +425,10 @@ def main(argv: list[str] | None = None) -> int:
         Robust to the host's load drifting between rounds (other work on a
         shared machine), which a ratio of overall medians is not.
         """
-        return statistics.median(tb / ta for ta, tb in zip(per_round[a], per_round[b]))
+        return statistics.median(round_ratios(a, b))
+
+    def round_ratios(a: str, b: str) -> list[float]:
+        return [tb / ta for ta, tb in zip(per_round[a], per_round[b])]
     rows = []
     for name in names:
         med = statistics.median(step_times[name])
@@ -433,6 +454,10 @@ def main(argv: list[str] | None = None) -> int:
         "cpu_slowdown": {key: share["slowdown"] for key, share in shares.items()},
         "c_ours_over_torch_throughput": paired("gpt/ours", "gpt/torch"),
         "c_ratio_of_medians": by["gpt/ours"]["measured_throughput"] / by["gpt/torch"]["measured_throughput"],
+        "a_ci95": bootstrap_ci(round_ratios("uno/gpp", "uno/pipedream")),
+        "c_ci95": bootstrap_ci(round_ratios("gpt/ours", "gpt/torch")),
+        "a_round_ratios": round_ratios("uno/gpp", "uno/pipedream"),
+        "c_round_ratios": round_ratios("gpt/ours", "gpt/torch"),
         "targets": {"a": ">= 1.15", "b": "< 0.20", "c": ">= 0.95"},
         "wall_s": time.perf_counter() - started,
     }

@@ -80,3 +80,19 @@ def test_unknown_experiment_is_refused(capsys):
     assert main(["eval", "nonsense", "--quick"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [err[0]] and err[0].startswith("graphpipe: error: unknown experiment 'nonsense'")
+
+
+def test_bootstrap_interval_brackets_the_median_and_is_reproducible():
+    import random
+    import statistics
+
+    from evals.bench_runtime import bootstrap_ci
+
+    rng = random.Random(3)
+    values = [rng.gauss(1.0, 0.1) for _ in range(9)]
+    lo, hi = bootstrap_ci(values)
+    assert min(values) <= lo <= statistics.median(values) <= hi <= max(values)
+    assert bootstrap_ci(values) == [lo, hi]
+    assert bootstrap_ci([2.0] * 5) == [2.0, 2.0]  # no spread, no width
+    wide, narrow = bootstrap_ci(values, level=0.95), bootstrap_ci(values, level=0.5)
+    assert wide[0] <= narrow[0] <= narrow[1] <= wide[1]
