@@ -214,10 +214,12 @@ def test_torchrun_entry_point_runs_one_rank(tmp_path):
     env = dict(os.environ, RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     env.pop("GRAPHPIPE_FAIL_RANK", None)
     proc = subprocess.run([sys.executable, "-m", "graphpipe.runtime", str(tmp_path / "p.json"), "--steps", "2",
-                           "--check", "--json"], env=env, capture_output=True, text=True, timeout=300)
+                           "--check", "--json", "--cpus-per-rank", "1"], env=env, capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     assert doc["check"]["passed"] and doc["measured"]["throughput"] > 0
+    assert doc["rank_cpus"] == [[min(os.sched_getaffinity(0))]]  # local rank 0 pinned to the first allowed CPU
     assert set(doc["predicted"]) >= {"iteration_time_s", "throughput"}
 
 
@@ -232,3 +234,16 @@ def test_nccl_run_matches_single_process_when_every_rank_has_a_gpu():
     results = run_plans([(p, RunOptions(steps=2, check=True, backend="nccl")) for p in plans], 2)
     for result in results:
         assert result["backend"] == "nccl" and result["check"]["passed"], result["check"]
+
+
+def test_torchrun_entry_point_refuses_pinning_beyond_the_hosts_cpus(tmp_path):
+    from graphpipe.runtime.launch import free_port
+
+    plan = planned("candle-uno:small", "gpp", 1)
+    write_plan(str(tmp_path / "p.json"), plan)
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    env.pop("GRAPHPIPE_FAIL_RANK", None)
+    proc = subprocess.run([sys.executable, "-m", "graphpipe.runtime", str(tmp_path / "p.json"), "--steps", "1",
+                           "--cpus-per-rank", "100000"], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "--cpus-per-rank 100000: rank 0 needs" in proc.stderr
