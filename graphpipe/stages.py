@@ -28,7 +28,7 @@ from typing import Iterable, Mapping, Sequence
 from graphpipe.errors import PlanError
 from graphpipe.graph import OpGraph
 
-__all__ = ["Stage", "StageGraph"]
+__all__ = ["Stage", "StageGraph", "covered_mbs"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,10 +265,22 @@ class StageGraph:
         a consumer with a larger micro-batch needs several producer micro-batches
         (DESIGN §7: a consumer with micro-batch 4 needs two of its producer's 2s).
         """
-        bp = self.stages[producer].micro_batch_size
-        bc = self.stages[consumer].micro_batch_size
-        lo, hi = consumer_mb * bc, (consumer_mb + 1) * bc
-        return tuple(range(lo // bp, (hi - 1) // bp + 1))
+        return tuple(covered_mbs(self.stages[producer].micro_batch_size, self.stages[consumer].micro_batch_size,
+                                 consumer_mb))
+
+
+def covered_mbs(producer_size: int, consumer_size: int, consumer_mb: int) -> range:
+    """Producer micro-batches sharing samples with consumer micro-batch ``consumer_mb``, for any pair of sizes.
+
+    Micro-batch ``j`` of size ``b`` holds samples ``[j*b, (j+1)*b)``. With
+    the sizes swapped it gives the mirror image: the consumer micro-batches
+    holding any sample of a producer micro-batch.
+
+    >>> list(covered_mbs(2, 4, 1)), list(covered_mbs(4, 2, 3))
+    ([2, 3], [1])
+    """
+    lo, hi = consumer_mb * consumer_size, (consumer_mb + 1) * consumer_size
+    return range(lo // producer_size, (hi - 1) // producer_size + 1)
 
 
 def _check_convex(graph: OpGraph, stage: Stage, stage_of: Sequence[int]) -> None:

@@ -19,7 +19,7 @@ from graphpipe.graph import Affine, Op, OpGraph
 from graphpipe.plan import Plan
 from graphpipe.search.cpsat import optimize_plan, solve
 from graphpipe.search.cpsat_model import (
-    add_hint, build_model, covered_mbs, memory_peaks, model_data, replay, size_lower_bounds, stage_candidates,
+    add_hint, build_model, memory_peaks, model_data, replay, size_lower_bounds, stage_candidates,
 )
 from graphpipe.sched.graph1f1b import graph_1f1b
 from graphpipe.sched.simulator import simulate
@@ -118,14 +118,6 @@ def check_result(res, cluster) -> None:
 
 
 # ------------------------------------------------------------------- tests
-def test_covered_mbs_matches_stage_graph():
-    g = chain(2)
-    for bp, bc in itertools.product((1, 2, 3, 6), repeat=2):
-        sg = one_stage_per_op(g, 6, [bp, bc])
-        for j in range(6 // bc):
-            assert tuple(covered_mbs(bp, bc, j)) == sg.consumed_mbs(0, 1, j)
-
-
 def test_stage_candidates_respect_replicas_and_reject_bad_sizes():
     sg = one_stage_per_op(chain(2), 12, [2, 3], devices=[(0, 1), (2,)])
     cands = stage_candidates(sg, [1, 2, 4, 6])

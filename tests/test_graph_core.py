@@ -6,6 +6,7 @@ so a message that stops naming the culprit fails the test.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import random
@@ -201,6 +202,21 @@ def test_consumed_mbs_covers_exactly_the_samples(bp, bc):
         samples = set(range(j * bc, (j + 1) * bc))
         expected = tuple(i for i in range(16 // bp) if samples & set(range(i * bp, (i + 1) * bp)))
         assert sg.consumed_mbs(0, 1, j) == expected
+
+
+def test_covered_mbs_is_the_sample_overlap_for_any_sizes_both_ways():
+    from graphpipe.stages import covered_mbs
+
+    def overlap(size_a: int, size_b: int, j: int) -> tuple[int, ...]:
+        """Micro-batches of size ``size_a`` sharing a sample with micro-batch ``j`` of size ``size_b`` (batch 6)."""
+        samples = set(range(j * size_b, (j + 1) * size_b))
+        return tuple(i for i in range(6 // size_a) if samples & set(range(i * size_a, (i + 1) * size_a)))
+
+    for bp, bc in itertools.product((1, 2, 3, 6), repeat=2):  # 2 and 3 do not divide each other
+        for j in range(6 // bc):
+            assert tuple(covered_mbs(bp, bc, j)) == overlap(bp, bc, j)  # producers a consumer needs
+        for i in range(6 // bp):
+            assert tuple(covered_mbs(bc, bp, i)) == overlap(bc, bp, i)  # consumers holding a producer's samples
 
 
 @pytest.mark.parametrize("mutate,fragment", [

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from graphpipe.actions import Action
-from graphpipe.stages import StageGraph
+from graphpipe.stages import StageGraph, covered_mbs
 
 __all__ = ["EngineResult", "Stuck", "run_engine", "covering_consumer_mbs", "KIND_INDEX"]
 
@@ -45,10 +45,7 @@ def covering_consumer_mbs(sg: StageGraph, producer: int, consumer: int, producer
     The mirror image of :meth:`StageGraph.consumed_mbs`: the gradient of
     producer mb ``i`` is complete once every one of these consumers ran ``B``.
     """
-    bp = sg.stages[producer].micro_batch_size
-    bc = sg.stages[consumer].micro_batch_size
-    lo, hi = producer_mb * bp, (producer_mb + 1) * bp
-    return range(lo // bc, (hi - 1) // bc + 1)
+    return covered_mbs(sg.stages[consumer].micro_batch_size, sg.stages[producer].micro_batch_size, producer_mb)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +99,7 @@ def run_engine(sg: StageGraph, device_actions: Sequence[Sequence[Action]],
     def deps_of(action: Action) -> list[tuple[int, int, int, float]]:
         s, j = action.stage_id, action.mb_id
         if action.kind == "F":
+            # covered_mbs(mb_size[p], bc, j), inlined: this runs for every action of every simulation
             out = []
             bc = mb_size[s]
             for p in preds[s]:
@@ -112,7 +110,7 @@ def run_engine(sg: StageGraph, device_actions: Sequence[Sequence[Action]],
             return out
         out = [(s, 0, j, 0.0)]
         bp = mb_size[s]
-        for c in succs[s]:
+        for c in succs[s]:  # covered_mbs(mb_size[c], bp, j), inlined
             bc = mb_size[c]
             delay = bdel[(s, c)]
             for k in range(j * bp // bc, ((j + 1) * bp - 1) // bc + 1):

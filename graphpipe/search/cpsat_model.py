@@ -12,7 +12,7 @@ simulator's semantics (DESIGN §7, the shared "simulator semantics"):
   are modelled once on its device group; a task takes
   ``fwd_time(b / replicas)`` (resp. bwd) seconds.
 * F of consumer micro-batch ``j`` waits for F of every producer micro-batch
-  it covers (:func:`covered_mbs`, i.e. ``StageGraph.consumed_mbs``) plus the
+  it covers (:func:`graphpipe.stages.covered_mbs`, as ``StageGraph.consumed_mbs``) plus the
   transfer of ``edge_bytes * producer_size`` bytes; B of the producer waits
   for B of the same consumer micro-batches plus the same transfer back.
 * Activations of (stage, mb) (``act_bytes_per_sample * b / replicas`` on each
@@ -90,7 +90,7 @@ from ortools.sat.python import cp_model
 from graphpipe.actions import Action, Schedule
 from graphpipe.cluster import Cluster
 from graphpipe.errors import InfeasibleError, InputError
-from graphpipe.stages import StageGraph
+from graphpipe.stages import StageGraph, covered_mbs
 
 __all__ = [
     "TARGET_TICKS",
@@ -99,7 +99,6 @@ __all__ = [
     "ModelData",
     "CpsatModel",
     "time_unit",
-    "covered_mbs",
     "stage_candidates",
     "model_data",
     "check_memory",
@@ -199,19 +198,6 @@ def time_unit(reference_s: float) -> float:
 def _ticks(seconds: float, unit_s: float, minimum: int = 0) -> int:
     """Round up to whole ticks (see the module docstring for why up)."""
     return max(minimum, math.ceil(seconds / unit_s - 1e-12 * max(1.0, seconds / unit_s)))
-
-
-def covered_mbs(producer_size: int, consumer_size: int, consumer_mb: int) -> range:
-    """Producer micro-batches sharing samples with consumer micro-batch ``consumer_mb``.
-
-    The same sample arithmetic as :meth:`StageGraph.consumed_mbs`, for any pair
-    of sizes: micro-batch ``j`` of size ``b`` holds samples ``[j*b, (j+1)*b)``.
-
-    >>> list(covered_mbs(2, 4, 1)), list(covered_mbs(4, 2, 3))
-    ([2, 3], [1])
-    """
-    lo, hi = consumer_mb * consumer_size, (consumer_mb + 1) * consumer_size
-    return range(lo // producer_size, (hi - 1) // producer_size + 1)
 
 
 def stage_candidates(sg: StageGraph, candidate_sizes: Sequence[int] | None,
