@@ -64,20 +64,14 @@ GPT_QUICK = "transformer:small,layers=4,hidden=64,seq=16,heads=4,ffn=128,vocab=1
 
 
 # ------------------------------------------------------------------ link calibration
-def _pin(rank: int, cpus_per_rank: int) -> None:
-    """Pin this process as rank ``rank`` of a run with ``cpus_per_rank`` (0: leave it free)."""
-    if cpus_per_rank:
-        from graphpipe.runtime.worker import rank_cpus
-
-        os.sched_setaffinity(0, rank_cpus(rank, cpus_per_rank))
-
-
 def _linkbench(rank: int, world: int, port: int, sizes: list[int], ar_sizes: list[int], repeats: int, out,
                cpus_per_rank: int = 0) -> None:
     import torch
     import torch.distributed as dist
 
-    _pin(rank, cpus_per_rank)
+    from graphpipe.runtime.worker import pin_rank
+
+    pin_rank(rank, cpus_per_rank)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     p2p, ar = {}, {}
@@ -169,7 +163,9 @@ def cpu_cluster_doc(link: dict[str, Any], ranks: int) -> dict[str, Any]:
 def _burn(rank: int, seconds_out, ready, start, n: int, spec: str | None, batch_size: int, cpus_per_rank: int) -> None:
     import torch
 
-    _pin(rank, cpus_per_rank)
+    from graphpipe.runtime.worker import pin_rank
+
+    pin_rank(rank, cpus_per_rank)
     torch.set_num_threads(1)
     if spec is None:
         a = torch.randn(192, 192)
@@ -295,11 +291,12 @@ def calibrated_graph(spec: str, batch_sizes, repeats: int, cpus_per_rank: int = 
 
     from graphpipe import zoo
     from graphpipe.profile import apply_profile, profile_model
+    from graphpipe.runtime.worker import pin_rank
 
     torch.set_num_threads(1)  # the ranks run with one thread each
     allowed = os.sched_getaffinity(0)
     try:
-        _pin(0, cpus_per_rank)
+        pin_rank(0, cpus_per_rank)
         profile = profile_model(spec, "cpu", batch_sizes=batch_sizes, repeats=repeats)
     finally:
         os.sched_setaffinity(0, allowed)
@@ -462,7 +459,8 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": time.perf_counter() - started,
     }
     config = {"ranks": args.ranks, "batch_size": args.batch_size, "steps": steps, "rounds": rounds, "uno": uno, "gpt": gpt,
-              "threads_per_rank": 1, "cpus_per_rank": pin, "rank_cpus": raw[0].get("rank_cpus"), "backend": "gloo", "link": link, "cluster": cpu_cluster_doc(link, args.ranks),
+              "threads_per_rank": 1, "cpus_per_rank": pin, "rank_cpus": raw[0].get("rank_cpus"), "backend": "gloo",
+              "link": link, "cluster": cpu_cluster_doc(link, args.ranks),
               "profile_batch_sizes": sizes, "cpu_share": shares, "load_average": os.getloadavg(), "cpu_count": os.cpu_count(),
               "command": "python -m evals.bench_runtime" + (" --quick" if args.quick else "")
               + f" --ranks {args.ranks} --batch-size {args.batch_size} --steps {steps} --rounds {rounds} --cpus-per-rank {pin}"}

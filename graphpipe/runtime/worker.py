@@ -45,7 +45,7 @@ from graphpipe.runtime.executor import RankExecutor, StepResult
 from graphpipe.runtime.routing import Routing
 from graphpipe.runtime.stage_modules import ModelSplit, boundary_meta, check_op_names, split_model
 
-__all__ = ["RunOptions", "rank_cpus", "Runnable", "load_runnable", "run_rank", "run_job", "data_seed", "reference_step",
+__all__ = ["RunOptions", "rank_cpus", "pin_rank", "Runnable", "load_runnable", "run_rank", "run_job", "data_seed", "reference_step",
            "compare_gradients", "finish_job", "CHECK_RTOL", "CHECK_ATOL"]
 
 log = logging.getLogger(__name__)
@@ -113,6 +113,15 @@ def rank_cpus(local_rank: int, per_rank: int, allowed: Sequence[int] | None = No
         raise InputError(f"--cpus-per-rank {per_rank}: rank {local_rank} needs CPUs up to the {need}th, "
                          f"but this process may use {len(cpus)} ({_cpu_list(cpus)})")
     return cpus[local_rank * per_rank:need]
+
+
+def pin_rank(local_rank: int, per_rank: int) -> None:
+    """Pin this process to local rank ``local_rank``'s CPUs (:func:`rank_cpus`); ``per_rank`` 0 leaves it free.
+
+    Call it before threads start: gloo's and torch's threads inherit it.
+    """
+    if per_rank:
+        os.sched_setaffinity(0, rank_cpus(local_rank, per_rank))
 
 
 def _cpu_list(cpus: Sequence[int]) -> str:
@@ -377,8 +386,7 @@ def run_rank(rank: int, world_size: int, jobs: Sequence[tuple[dict, RunOptions]]
              on_job_done: Callable[[int, dict | None], None] | None = None) -> list[dict | None]:
     """Join the process group and run every job in order; returns rank 0's results (``None`` elsewhere)."""
     options0 = jobs[0][1]
-    if options0.cpus_per_rank:  # before any thread starts: gloo's and torch's threads inherit it
-        os.sched_setaffinity(0, rank_cpus(int(os.environ.get("LOCAL_RANK", rank)), options0.cpus_per_rank))
+    pin_rank(int(os.environ.get("LOCAL_RANK", rank)), options0.cpus_per_rank)
     torch.set_num_threads(options0.num_threads)
     backend = _pick_backend(options0.backend, world_size)
     device = torch.device("cpu")
