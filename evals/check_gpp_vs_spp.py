@@ -4,7 +4,7 @@ The test suite samples this grid (tests/test_planner.py); this script runs all o
 every zoo model (paper config) and every shared PipeDream profile at 2, 4, 8, 16 and 32
 devices, v100 preset, batch 16 x devices, all four strategies through the one simulator.
 
-    python -m evals.check_gpp_vs_spp [--out evals/results/gpp_vs_spp.json]
+    python -m evals.check_gpp_vs_spp [--out evals] [--jobs 2]
 
 Prints one line per point and a summary (the worst gpp / best-SPP ratio); exits 1 if
 gpp loses anywhere or the sequential transformer is more than 2% below pipedream.
@@ -13,6 +13,7 @@ gpp loses anywhere or the sequential transformer is more than 2% below pipedream
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import sys
 
@@ -28,29 +29,40 @@ PROFILES = ("alexnet", "vgg16", "resnet18", "resnet50", "inception_v3", "nasneta
 DEVICES = (2, 4, 8, 16, 32)
 
 
+def _model_rows(model: str) -> list[dict]:
+    """One model at every device count: gpp against the best feasible sequential baseline."""
+    graph = load_model(model, device=preset("v100", 1).device).graph
+    name = os.path.basename(model)
+    rows = []
+    for n in DEVICES:
+        res = {r["strategy"]: r for r in compare(name, graph, preset("v100", n), 16 * n)}
+        spp = [r for s, r in res.items() if s != "gpp" and r["feasible"]]
+        best = max(spp, key=lambda r: r["throughput"]) if spp else None
+        gpp = res["gpp"]
+        ratio = gpp["throughput"] / best["throughput"] if gpp["feasible"] and best else None
+        lost = best is not None and (not gpp["feasible"] or ratio < 1 - 1e-9)
+        rows.append({"model": name, "devices": n, "gpp": gpp["throughput"], "best_spp": best and best["strategy"],
+                     "best_spp_throughput": best and best["throughput"], "ratio": ratio, "gpp_lost": lost})
+        print(f"{name:14} {n:3d}  gpp/best-SPP = {ratio if ratio is None else round(ratio, 4)}"
+              f"  ({best and best['strategy']})", flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m evals.check_gpp_vs_spp", description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__)))
+    parser.add_argument("--jobs", type=int, default=1, help="models swept in parallel processes")
     parser.add_argument("--profiles-dir", default=os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data",
                                                                "pipedream-profiles"))
     args = parser.parse_args(argv)
     models = list(ZOO) + [os.path.join(args.profiles_dir, p) for p in PROFILES if os.path.isdir(os.path.join(args.profiles_dir, p))]
-    rows, ok = [], True
-    for model in models:
-        graph = load_model(model, device=preset("v100", 1).device).graph
-        for n in DEVICES:
-            res = {r["strategy"]: r for r in compare(os.path.basename(model), graph, preset("v100", n), 16 * n)}
-            spp = [r for s, r in res.items() if s != "gpp" and r["feasible"]]
-            best = max(spp, key=lambda r: r["throughput"]) if spp else None
-            gpp = res["gpp"]
-            ratio = gpp["throughput"] / best["throughput"] if gpp["feasible"] and best else None
-            lost = best is not None and (not gpp["feasible"] or ratio < 1 - 1e-9)
-            ok &= not lost
-            name = os.path.basename(model)
-            rows.append({"model": name, "devices": n, "gpp": gpp["throughput"], "best_spp": best and best["strategy"],
-                         "best_spp_throughput": best and best["throughput"], "ratio": ratio, "gpp_lost": lost})
-            print(f"{name:14} {n:3d}  gpp/best-SPP = {ratio if ratio is None else round(ratio, 4)}"
-                  f"  ({best and best['strategy']})", flush=True)
+    if args.jobs > 1:  # one model per task; rows come back in model order whatever finishes first
+        with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
+            per_model = pool.map(_model_rows, models, chunksize=1)
+    else:
+        per_model = [_model_rows(m) for m in models]
+    rows = [r for model_rows in per_model for r in model_rows]
+    ok = not any(r["gpp_lost"] for r in rows)
     transformer = [r for r in rows if r["model"] == "transformer"]
     ratios = [r["ratio"] for r in rows if r["ratio"] is not None]
     summary = {"points": len(rows), "gpp_lost": sum(r["gpp_lost"] for r in rows),

@@ -10,6 +10,8 @@ nodes, contiguous ranges (>= 2) of a series node's children, or contiguous
 runs (>= 2) of a parallel node's children ordered by descending per-sample
 work then smallest op id; stage device counts divide the micro-batch size
 and sum to at most N; a stage on d devices is costed on devices 0..d-1.
+With a link, a stage costs max(stage_tps, cut_tps of the bytes on the edges
+leaving it), the edges counted here from the graph's edge list.
 """
 
 from __future__ import annotations
@@ -18,9 +20,9 @@ import itertools
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
 
-from graphpipe.cluster import Cluster
+from graphpipe.cluster import Cluster, Link
 from graphpipe.graph import OpGraph
-from graphpipe.search.common import stage_memory, stage_tps
+from graphpipe.search.common import cut_tps, stage_memory, stage_tps
 from graphpipe.sp import decompose
 
 __all__ = ["BruteResult", "sp_blocks", "partitions_into", "in_flight_counts", "best_assignment", "brute_force_gpp"]
@@ -111,7 +113,8 @@ def in_flight_counts(graph: OpGraph, stages: Sequence[frozenset[int]], num_mbs: 
 
 
 def best_assignment(graph: OpGraph, stages: Sequence[frozenset[int]], cluster: Cluster, batch_size: int,
-                    micro_batch_size: int, device_choices: Sequence[int]) -> tuple[float, tuple[int, ...]] | None:
+                    micro_batch_size: int, device_choices: Sequence[int],
+                    link: Link | None = None) -> tuple[float, tuple[int, ...]] | None:
     """Min over device counts (sum <= N) of the bottleneck TPS, memory respected; None if nothing fits."""
     n = cluster.num_devices
     flights = in_flight_counts(graph, stages, batch_size // micro_batch_size)
@@ -120,11 +123,14 @@ def best_assignment(graph: OpGraph, stages: Sequence[frozenset[int]], cluster: C
     best = None
     per_stage = []
     for s, k in zip(stages, flights):
+        leaving = sum(e.bytes for e in graph.edges if e.src in s and e.dst not in s)
+        cut = float(cut_tps(leaving, link, micro_batch_size))
         opts = []
         for d in device_choices:
             mem = stage_memory(graph, sorted(s), d, micro_batch_size, k, cluster)
             if mem <= cluster.memory_bytes:
-                opts.append((d, stage_tps(graph, sorted(s), tuple(range(d)), micro_batch_size, batch_size, cluster)))
+                tps = stage_tps(graph, sorted(s), tuple(range(d)), micro_batch_size, batch_size, cluster)
+                opts.append((d, max(tps, cut)))
         if not opts:
             return None
         per_stage.append(opts)
@@ -138,7 +144,7 @@ def best_assignment(graph: OpGraph, stages: Sequence[frozenset[int]], cluster: C
 
 
 def brute_force_gpp(graph: OpGraph, cluster: Cluster, batch_size: int, micro_batch_size: int,
-                    power_of_two: bool = False) -> BruteResult | None:
+                    power_of_two: bool = False, link: Link | None = None) -> BruteResult | None:
     """Optimal bottleneck TPS over gpp's whole search space, by enumeration."""
     choices = [d for d in range(1, cluster.num_devices + 1) if micro_batch_size % d == 0
                and (not power_of_two or d & (d - 1) == 0)]
@@ -146,7 +152,7 @@ def brute_force_gpp(graph: OpGraph, cluster: Cluster, batch_size: int, micro_bat
     count = 0
     for stages in partitions_into(graph.num_ops, sp_blocks(graph)):
         count += 1
-        got = best_assignment(graph, stages, cluster, batch_size, micro_batch_size, choices)
+        got = best_assignment(graph, stages, cluster, batch_size, micro_batch_size, choices, link)
         if got is not None and (best is None or got[0] < best[0]):
             best = (got[0], tuple((tuple(sorted(s)), d) for s, d in zip(stages, got[1])))
     if best is None:

@@ -19,7 +19,7 @@ from conftest import branches_graph, chain_graph, make_op, nested_sp_graph, non_
 from graphpipe.cluster import preset
 from graphpipe.errors import InfeasibleError, InputError
 from graphpipe.graph import OpGraph
-from graphpipe.search import gpipe, linearize, pipedream, piper
+from graphpipe.search import common, gpipe, linearize, pipedream, piper
 from graphpipe.search.common import SearchOptions, stage_memory, stage_tps
 from graphpipe.search.linearize import (PAIRS_PER_DOWNSET, DownsetLimitError, count_downset_pairs, count_downsets,
                                         enumerate_downsets)
@@ -359,17 +359,23 @@ def test_plans_simulate_within_the_memory_the_partitioner_assumed(strategy):
 
 
 @pytest.mark.parametrize("module", [pipedream, piper, gpipe], ids=["pipedream", "piper", "gpipe"])
-def test_micro_batch_choice_is_the_best_simulated(module):
+def test_plan_choice_is_the_best_simulated(module):
+    """The plan kept is the fastest simulated over every micro-batch size, cut costing and layout."""
     from graphpipe.sched import make_schedule, predicted_figures, simulate
 
     graph = branches_graph(2, 3)
-    cluster = preset("v100", 4)
+    cluster = preset("v100", 8)  # two nodes: cuts costed on no link, NVLink and the inter-node link
+    links = common.comm_links(cluster) if module is not gpipe else (None,)
+    assert module is gpipe or links == (None, cluster.intra_node, cluster.inter_node)
     result = module.partition(graph, cluster, 16, SearchOptions())
     throughputs = {}
     for b in (1, 2, 4, 8, 16):
-        part = module.solve(graph, cluster, 16, b)
-        sg = linearize.place(graph, cluster, 16, part)
-        schedule = make_schedule(result.schedule_name, sg, cluster)
-        throughputs[b] = predicted_figures(simulate(sg, schedule, cluster))["throughput"]
-    assert result.stats["throughput_estimate"] == pytest.approx(max(throughputs.values()), rel=1e-12)
-    assert throughputs[result.stats["micro_batch_size"]] == pytest.approx(max(throughputs.values()), rel=1e-12)
+        for link in links:
+            part = module.solve(graph, cluster, 16, b, link=link) if link else module.solve(graph, cluster, 16, b)
+            for sg in linearize.layouts(graph, cluster, 16, part):
+                schedule = make_schedule(result.schedule_name, sg, cluster)
+                throughputs[(b, link, sg.stages)] = predicted_figures(simulate(sg, schedule, cluster))["throughput"]
+    best = max(throughputs.values())
+    assert result.stats["throughput_estimate"] == pytest.approx(best, rel=1e-12)
+    chosen = [t for (b, _, stages), t in throughputs.items() if stages == result.stage_graph.stages]
+    assert chosen and max(chosen) == pytest.approx(best, rel=1e-12)

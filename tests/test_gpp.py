@@ -10,16 +10,18 @@ independently of the StageGraph constructor with networkx reachability.
 from __future__ import annotations
 
 import itertools
+import os
 
 import networkx as nx
 import pytest
 
 from bruteforce import brute_force_gpp
 from conftest import branches_graph, chain_graph, nested_sp_graph, non_sp_graph, random_sp_graph
-from graphpipe.cluster import preset
+from graphpipe.cluster import Link, preset
 from graphpipe.errors import InfeasibleError, InputError
-from graphpipe.search.common import SearchOptions, stage_memory
+from graphpipe.search.common import SearchOptions, cut_tps, stage_memory, stage_out_bytes, stage_tps
 from graphpipe.search.gpp import partition, place_stages
+from graphpipe.search import gpp_dp
 from graphpipe.search.gpp_dp import build_tree, chain_tree, min_bottleneck
 from graphpipe.sched import make_schedule, predicted_figures, simulate, warmup_counts
 
@@ -34,8 +36,11 @@ def _tight(cluster, graph):
     return cluster.with_memory(cluster.state_bytes(graph.param_bytes) / 2.5 + 1e6)
 
 
+@pytest.mark.parametrize("table_path", ["lists", "numpy"])
 @pytest.mark.parametrize("graph", SMALL_GRAPHS, ids=lambda g: g.name)
-def test_dp_equals_brute_force(graph):
+def test_dp_equals_brute_force(graph, table_path, monkeypatch):
+    if table_path == "numpy":  # every node through the path of nodes wider than _SMALL children
+        monkeypatch.setattr(gpp_dp, "_SMALL", 0)
     constrained = 0
     for num_devices, mb in itertools.product((1, 2, 3, 4), (4, 6)):
         ample = preset("v100", num_devices)
@@ -54,6 +59,50 @@ def test_dp_equals_brute_force(graph):
     if graph.num_ops >= 5 and graph.param_bytes > 0:
         # the memory-constrained variant must actually constrain somewhere, or it tests nothing
         assert constrained > 0
+
+
+SLOW_LINK = Link(latency_s=1e-4, bandwidth_Bps=3e6)
+"""Slow enough that a cut of the test graphs' 1-4e4 bytes per sample costs as much as their ops."""
+
+
+@pytest.mark.parametrize("table_path", ["lists", "numpy"])
+@pytest.mark.parametrize("graph", SMALL_GRAPHS, ids=lambda g: g.name)
+def test_dp_with_cut_costs_equals_brute_force(graph, table_path, monkeypatch):
+    """Cuts costed on a link (max(stage_tps, cut), not monotone in a series range): still the exact optimum.
+
+    ``numpy`` runs every node through the vectorised path the DP takes for
+    nodes wider than ``_SMALL`` children (small graphs never reach it).
+    """
+    if table_path == "numpy":
+        monkeypatch.setattr(gpp_dp, "_SMALL", 0)
+    for num_devices, mb in itertools.product((2, 3, 4), (4, 6)):
+        ample = preset("v100", num_devices)
+        for cluster in (ample, _tight(ample, graph)):
+            dp = min_bottleneck(graph, cluster, BATCH, mb, link=SLOW_LINK)
+            brute = brute_force_gpp(graph, cluster, BATCH, mb, link=SLOW_LINK)
+            assert (dp is None) == (brute is None), (num_devices, mb, cluster.memory_bytes)
+            if dp is None:
+                continue
+            assert dp.bottleneck_tps == pytest.approx(brute.bottleneck_tps, rel=1e-9), (num_devices, mb, brute.stages)
+            for st in dp.stages:  # the reported stage cost is the oracle's for that stage
+                cut = float(cut_tps(stage_out_bytes(graph, st.op_ids), SLOW_LINK, mb))
+                tps = stage_tps(graph, st.op_ids, tuple(range(st.num_devices)), mb, BATCH, cluster)
+                assert st.tps == pytest.approx(max(tps, cut), rel=1e-9)
+
+
+def test_cut_costs_change_the_optimum():
+    """The link of the test above matters on most small graphs, or that test checks nothing new."""
+    changed = 0
+    for graph in SMALL_GRAPHS:
+        cluster = preset("v100", 4)
+        for mb in (4, 6):
+            costed = min_bottleneck(graph, cluster, BATCH, mb, link=SLOW_LINK)
+            free = min_bottleneck(graph, cluster, BATCH, mb)
+            assert costed.bottleneck_tps >= free.bottleneck_tps * (1 - 1e-12)  # a cost term never helps
+            if costed.bottleneck_tps > free.bottleneck_tps * (1 + 1e-9):
+                changed += 1
+                break
+    assert changed >= len(SMALL_GRAPHS) // 2
 
 
 def test_dp_power_of_two_matches_brute_force():
@@ -167,6 +216,29 @@ def test_more_devices_than_useful_are_left_idle():
     used = r.stats["devices_used"]
     assert used < 8 and r.stats["unused_devices"] == 8 - used
     _check_properties(g, cluster, r)
+
+
+def test_idle_devices_are_spread_when_that_simulates_faster(profiles_dir):
+    """AlexNet on 32 V100s: the DP's fewest-device winner leaves 12 idle and all-reduces the FC layers over
+    4 replicas; splitting that stage over the idle devices is faster. The split graph is checked against
+    the simulator and the stage-graph properties, and never loses to the graph it started from."""
+    from graphpipe.pipedream import read_pipedream
+    from graphpipe.search.gpp import _Candidate, _score_best, _spread_idle, _to_stage_graph
+
+    graph = read_pipedream(os.path.join(profiles_dir, "alexnet", "graph.txt"))
+    cluster = preset("v100", 32)
+    start = min_bottleneck(graph, cluster, 64, 16)
+    assert start.devices_used < 32
+    cand = _Candidate(16, start.stages, start.bottleneck_tps, start.source_in_flight, 0.0)
+    sg = _to_stage_graph(graph, graph, {}, cand, cluster, 64)
+    before, schedule = _score_best(sg, cluster)
+    after_sg, after, after_schedule, runs = _spread_idle(sg, cluster, None, before, schedule)
+    assert runs >= 1 and after > before * 1.01
+    assert len(after_sg.devices_used()) > len(sg.devices_used()) and after_sg.num_stages > sg.num_stages
+    assert (after, after_schedule) == _score_best(after_sg, cluster)
+    result = partition(graph, cluster, 64, SearchOptions())
+    assert result.stats["throughput_estimate"] >= after * (1 - 1e-9)
+    _check_properties(graph, cluster, result)
 
 
 def test_memory_too_small_names_the_smallest_that_fits():

@@ -12,6 +12,15 @@ replicas, so the stage spends ``fwd(b/r) + bwd(b/r)`` seconds per ``b``
 samples, plus the gradient all-reduce once per iteration of ``batch_size``
 samples. The pipeline's throughput is bounded by ``1 / max_stage TPS``.
 
+Communication (PipeDream's ``2 C``): the edges leaving a stage carry
+``out`` bytes per sample forward and as many gradient bytes back, one
+message each way per micro-batch, ``2 (latency / b + out / bandwidth)`` per
+sample on one link (:func:`cut_tps`). Transfers run beside compute, so a
+partitioner that costs cuts treats each as a pipeline stage of its own:
+a stage's cost is ``max(stage_tps, cut_tps)``. Which link a cut lands on is
+known only after placement, so every partitioner solves once per link of
+:func:`comm_links` (``None`` = cuts free) and lets the simulator pick.
+
 Example
 -------
 >>> from graphpipe.graph import Op, OpGraph, Affine
@@ -26,12 +35,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
-from graphpipe.cluster import Cluster
+import numpy as np
+
+from graphpipe.cluster import Cluster, Link
 from graphpipe.errors import InputError
 from graphpipe.graph import OpGraph
 from graphpipe.stages import StageGraph
 
-__all__ = ["SearchOptions", "SearchResult", "stage_tps", "stage_memory", "divisors", "micro_batch_candidates"]
+__all__ = ["SearchOptions", "SearchResult", "stage_tps", "stage_memory", "cut_tps", "stage_out_bytes", "comm_links",
+           "link_name", "divisors", "micro_batch_candidates"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -77,6 +89,44 @@ def stage_memory(graph: OpGraph, op_ids: Iterable[int], num_replicas: int, micro
     params = sum(graph.ops[i].param_bytes for i in op_ids)
     act = sum(graph.ops[i].act_bytes for i in op_ids)
     return cluster.state_bytes(params) + act * (micro_batch_size / num_replicas) * in_flight
+
+
+def stage_out_bytes(graph: OpGraph, op_ids: Iterable[int]) -> float:
+    """Bytes per sample on the edges from the stage's ops to ops outside it (what its cut carries)."""
+    members = set(op_ids)
+    return float(sum(e.bytes for e in graph.edges if e.src in members and e.dst not in members))
+
+
+def cut_tps(cut_bytes, link: Link | None, micro_batch_size: int) -> np.ndarray:
+    """PipeDream's ``2 C`` per sample of cuts carrying ``cut_bytes`` per sample (0 without a link or bytes).
+
+    One message per micro-batch each way: ``2 (latency / b + bytes / bandwidth)``; elementwise.
+    """
+    cut_bytes = np.asarray(cut_bytes, dtype=float)
+    if link is None:
+        return np.zeros_like(cut_bytes)
+    per_sample = 2 * (link.latency_s / micro_batch_size + cut_bytes / link.bandwidth_Bps)
+    return np.where(cut_bytes > 0, per_sample, 0.0)
+
+
+def comm_links(cluster: Cluster) -> tuple[Link | None, ...]:
+    """The links a partitioner costs its cuts on: none, intra-node, and inter-node when there are several nodes.
+
+    Which level of the hierarchy a cut lands on is known only once the
+    stages are placed, so each partitioner solves once per entry and keeps
+    the plan the simulator rates fastest (never worse than any single one).
+    """
+    links: list[Link | None] = [None, cluster.intra_node]
+    if cluster.num_devices > cluster.devices_per_node and cluster.inter_node != cluster.intra_node:
+        links.append(cluster.inter_node)
+    return tuple(links)
+
+
+def link_name(cluster: Cluster, link: Link | None) -> str:
+    """``none``, ``intra-node`` or ``inter-node``: how a plan's cuts were costed (``stats["cut_link"]``)."""
+    if link is None:
+        return "none"
+    return "intra-node" if link == cluster.intra_node else "inter-node"
 
 
 def divisors(n: int) -> tuple[int, ...]:

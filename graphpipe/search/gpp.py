@@ -22,22 +22,34 @@ How it searches
    search each -- the (t, depth) frontier; DP runs are shared between the
    searches). Micro-batch sizes and depths whose lower bound ``t * B`` is
    more than :data:`PRUNE_SLACK` above the best estimate are skipped.
+   All of this runs once per cut costing
+   (:func:`~graphpipe.search.common.comm_links`: cuts free, then costed on
+   each link of the cluster as PipeDream's ``2 C``, a stage costing
+   ``max(stage_tps, cut)``), since which link a cut lands on is known only
+   after placement.
 4. Candidates are ranked by the classic pipeline estimate on the stage DAG
    (``(M - 1) * slowest stage + slowest path + slowest all-reduce``), placed
    on devices (contiguous blocks in tree order, so neighbouring branches
    share a node; or blocks sorted by size, whichever keeps replicated stages
-   inside nodes better), and the best :data:`NUM_SIMULATED` are scheduled
-   with graph-1F1B and simulated. The highest simulated throughput wins;
-   ties go to fewer stages, then fewer devices, then the smaller micro-batch
-   size (deterministic).
-5. With ``options.per_stage_micro_batch`` the winner is refined one stage at
+   inside nodes better), and the best :data:`NUM_SIMULATED` of each cut
+   costing are scheduled with graph-1F1B and simulated. The highest
+   simulated throughput wins; ties go to fewer stages, then fewer devices,
+   then the smaller micro-batch size (deterministic).
+5. Idle devices: the DP breaks ties towards fewer devices, so the winner
+   may leave some idle while one stage carries a large all-reduce or a long
+   fill and drain. :func:`_spread_idle` re-partitions one stage at a time
+   over its own devices plus the idle ones (the chain view of that stage's
+   ops, same DP, same cut costing) and keeps the best simulated split.
+6. With ``options.per_stage_micro_batch`` the winner is refined one stage at
    a time: each stage tries the neighbouring micro-batch sizes its replica
    count allows, kept when the simulated throughput improves (the paper
    reports such per-stage sizes give incremental gains over one size).
-6. The schedule is graph-1F1B (paper Alg. 2), unless fill-drain (GPipe's
+7. The schedule is graph-1F1B (paper Alg. 2), unless fill-drain (GPipe's
    order on the same stage graph) simulates strictly faster and still fits
-   in memory -- with ample memory and few micro-batches it can, by a little;
-   ``SearchResult.schedule_name`` says which.
+   in memory -- with ample memory and few micro-batches it can, and with
+   slow cuts it hides transfers that 1F1B waits on; every simulated
+   candidate is scored under both, and ``SearchResult.schedule_name`` says
+   which won.
 
 Two views of the graph are searched. The SP tree is GraphPipe's space. The
 *chain view* -- the ops in topological order as one series -- is the
@@ -77,11 +89,13 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from graphpipe.cluster import Cluster
+from graphpipe.cluster import Cluster, Link
 from graphpipe.errors import InfeasibleError
 from graphpipe.graph import OpGraph
-from graphpipe.search.common import SearchOptions, SearchResult, micro_batch_candidates, stage_tps
-from graphpipe.search.gpp_dp import INF, BottleneckDP, DPStage, DPTree, build_tree, chain_tree, first_feasible
+from graphpipe.search.common import (SearchOptions, SearchResult, comm_links, link_name, micro_batch_candidates,
+                                     stage_tps)
+from graphpipe.search.gpp_dp import (INF, BottleneckDP, DPStage, DPTree, build_tree, chain_tree, first_feasible,
+                                     min_bottleneck)
 from graphpipe.sp import make_series_parallel
 from graphpipe.stages import Stage, StageGraph
 
@@ -107,6 +121,37 @@ class _Candidate:
     estimate_s: float
     view: str = "sp"
     """Which tree produced it: "sp" (the SP tree) or "chain" (the linear order, SPP's space)."""
+    link: int = 0
+    """Index into :func:`~graphpipe.search.common.comm_links` of the link its cuts were costed on."""
+
+
+def _to_simulate(candidates: Sequence[_Candidate], num_links: int) -> tuple[list[_Candidate], list[_Candidate]]:
+    """(the best :data:`NUM_SIMULATED` by estimate of every cut costing, the others), both in estimate order.
+
+    The estimate ignores transfers, so costings are ranked apart: pooled,
+    the free-cut candidates would crowd out those that avoid heavy cuts.
+    A stage graph found under several costings is simulated once.
+    """
+    def rank(c: _Candidate):
+        return c.estimate_s, len(c.stages), sum(s.num_devices for s in c.stages), c.micro_batch_size, c.link
+
+    def same(c: _Candidate):
+        return c.micro_batch_size, tuple((s.op_ids, s.num_devices) for s in c.stages)
+
+    ordered = sorted(candidates, key=rank)
+    chosen: dict = {}
+    for li in range(num_links):
+        for c in [c for c in ordered if c.link == li][:NUM_SIMULATED]:
+            chosen.setdefault(same(c), c)
+    first = sorted(chosen.values(), key=rank)
+    picked = {id(c) for c in first}
+    seen = set(chosen)
+    rest = []
+    for c in ordered:
+        if id(c) not in picked and same(c) not in seen:
+            seen.add(same(c))
+            rest.append(c)
+    return first, rest
 
 
 def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: SearchOptions) -> SearchResult:
@@ -122,61 +167,63 @@ def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: Search
     if any(kind == "parallel" for kind in tree.kinds):
         trees.append(("chain", chain_tree(sp_graph)))
     sizes = micro_batch_candidates(batch_size, options)
+    links = comm_links(cluster)
     candidates: list[_Candidate] = []
     best_tps = INF * 1.0
     tried = states = 0
-    best_estimate = float("inf")
-    for view, view_tree in trees:
-        for b in sizes:
-            dp = BottleneckDP(view_tree, cluster, batch_size, b, power_of_two=options.power_of_two)
-            if dp.lower_bound() * batch_size > best_estimate * PRUNE_SLACK:
-                continue  # even a perfectly balanced pipeline at this size loses to a candidate in hand
-            found, n_tried = _frontier(dp, batch_size, best_estimate * PRUNE_SLACK)
-            tried += n_tried
-            states += dp.dp_states
-            for t, depth, stages in found:
-                best_tps = min(best_tps, t)
-                depth = _real_depth(sp_graph, stages) if view == "chain" else depth
-                est = _estimate(sp_graph, cluster, batch_size, b, stages)
-                best_estimate = min(best_estimate, t * (batch_size + b * (depth - 1)))
-                candidates.append(_Candidate(b, tuple(stages), t, depth, est, view))
+    for li, link in enumerate(links):
+        best_estimate = float("inf")  # per cut costing: each is a search of its own
+        for view, view_tree in trees:
+            for b in sizes:
+                dp = BottleneckDP(view_tree, cluster, batch_size, b, power_of_two=options.power_of_two, link=link)
+                if dp.lower_bound() * batch_size > best_estimate * PRUNE_SLACK:
+                    continue  # even a perfectly balanced pipeline at this size loses to a candidate in hand
+                found, n_tried = _frontier(dp, batch_size, best_estimate * PRUNE_SLACK)
+                tried += n_tried
+                states += dp.dp_states
+                for t, depth, stages in found:
+                    if link is None:  # the compute-only optimum of the space, reported as such
+                        best_tps = min(best_tps, t)
+                    depth = _real_depth(sp_graph, stages) if view == "chain" else depth
+                    est = _estimate(sp_graph, cluster, batch_size, b, stages)
+                    best_estimate = min(best_estimate, t * (batch_size + b * (depth - 1)))
+                    candidates.append(_Candidate(b, tuple(stages), t, depth, est, view, li))
     if not candidates:
         need = smallest_memory_needed([t for _, t in trees], cluster, batch_size, sizes, options.power_of_two)
         raise InfeasibleError(
             f"no plan fits in {cluster.memory_bytes / 1e9:g} GB per device; the smallest needs "
             f"{need / 1e9:.3g} GB (raise --memory-gb, add devices, or use a smaller batch)")
 
-    candidates.sort(key=lambda c: (c.estimate_s, len(c.stages), sum(s.num_devices for s in c.stages),
-                                   c.micro_batch_size))
     best = None
     simulated = 0
-    for cand in candidates[:NUM_SIMULATED]:
+    first, rest = _to_simulate(candidates, len(links))
+    for cand in first:
         sg = _to_stage_graph(graph, sp_graph, merged, cand, cluster, batch_size)
-        throughput, fits = _score(sg, cluster)
+        scored = _score_best(sg, cluster)
         simulated += 1
-        if not fits:
+        if scored is None:
             continue
-        key = (-throughput, sg.num_stages, len(sg.devices_used()), cand.micro_batch_size)
+        throughput, schedule_name = scored
+        key = (-throughput, sg.num_stages, len(sg.devices_used()), cand.micro_batch_size, cand.link)
         if best is None or key < best[0]:
-            best = (key, sg, cand, throughput)
+            best = (key, sg, cand, throughput, schedule_name)
     if best is None:  # the estimate-ranked few all overflow the simulated memory: try the rest
-        for cand in candidates[NUM_SIMULATED:]:
+        for cand in rest:
             sg = _to_stage_graph(graph, sp_graph, merged, cand, cluster, batch_size)
-            throughput, fits = _score(sg, cluster)
+            scored = _score_best(sg, cluster)
             simulated += 1
-            if fits:
-                best = ((-throughput,), sg, cand, throughput)
+            if scored is not None:
+                best = ((), sg, cand) + scored
                 break
     if best is None:
         raise InfeasibleError(
             f"no plan fits in {cluster.memory_bytes / 1e9:g} GB per device once scheduled; raise --memory-gb")
-    _, sg, cand, throughput = best
+    _, sg, cand, throughput, schedule_name = best
+    sg, throughput, schedule_name, spread = _spread_idle(sg, cluster, links[cand.link], throughput, schedule_name,
+                                                         options.power_of_two)
+    simulated += spread
     if options.per_stage_micro_batch and options.micro_batch_size is None:
-        sg, throughput = _refine_micro_batches(sg, cluster)
-    schedule_name = SCHEDULE
-    fill_drain, fits = _score(sg, cluster, FILL_DRAIN)
-    if fits and fill_drain > throughput * (1 + 1e-12):
-        schedule_name, throughput = FILL_DRAIN, fill_drain
+        sg, throughput, schedule_name = _refine_micro_batches(sg, cluster, throughput, schedule_name)
     used = len(sg.devices_used())
     if used < cluster.num_devices:
         log.info("gpp uses %d of %d devices: more devices do not lower the bottleneck of %s at batch %d",
@@ -191,6 +238,7 @@ def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: Search
         "dp_states": states,
         "micro_batch_size": cand.micro_batch_size,
         "view": cand.view,
+        "cut_link": link_name(cluster, links[cand.link]),
         "micro_batch_sizes": sorted({s.micro_batch_size for s in sg.stages}),
         "devices_used": used,
         "unused_devices": cluster.num_devices - used,
@@ -371,15 +419,75 @@ def _score(sg: StageGraph, cluster: Cluster, schedule: str = SCHEDULE) -> tuple[
     return float(figures["throughput"]), float(figures["max_peak_memory_bytes"]) <= cluster.memory_bytes
 
 
-def _refine_micro_batches(sg: StageGraph, cluster: Cluster, max_rounds: int = 3) -> tuple[StageGraph, float]:
+def _spread_idle(sg: StageGraph, cluster: Cluster, link: Link | None, throughput: float, schedule_name: str,
+                 power_of_two: bool = False) -> tuple[StageGraph, float, str, int]:
+    """Give the idle devices to one stage, split by the DP: the best simulated such graph, if it beats ``sg``.
+
+    For every stage of >= 2 ops, the DP solves the stage's ops alone (in op
+    order, :func:`~graphpipe.search.gpp_dp.chain_tree`) on its devices plus
+    the idle ones; the stage is replaced by that split and the graph is
+    simulated (memory included: the split's stages hold as many in-flight
+    micro-batches as graph-1F1B gives them in the whole graph). Returns
+    (stage graph, throughput, schedule, simulations run).
+    """
+    graph = sg.graph
+    used = set(sg.devices_used())
+    idle = [d for d in range(cluster.num_devices) if d not in used]
+    best, runs = (throughput, sg, schedule_name), 0
+    if not idle:
+        return sg, throughput, schedule_name, 0
+    for st in sg.stages:
+        if len(st.op_ids) < 2:
+            continue
+        pool = sorted(st.devices + tuple(idle))
+        ops = sorted(st.op_ids)
+        names = {o: graph.ops[o].name for o in ops}
+        sub = OpGraph.build(f"{graph.name}/stage{st.id}", [graph.ops[o] for o in ops],
+                            [(names[e.src], names[e.dst], e.bytes) for e in graph.edges
+                             if e.src in names and e.dst in names])
+        sol = min_bottleneck(chain_tree(sub), cluster, sg.batch_size, st.micro_batch_size, len(pool),
+                             power_of_two, link)
+        if sol is None or len(sol.stages) < 2:
+            continue
+        stages, nxt = [], 0
+        for other in sg.stages:
+            if other.id != st.id:
+                stages.append(Stage(len(stages), other.op_ids, other.devices, other.micro_batch_size))
+        for part in sol.stages:
+            devices = tuple(pool[nxt:nxt + part.num_devices])
+            nxt += part.num_devices
+            stages.append(Stage(len(stages), tuple(ops[i] for i in part.op_ids), devices, st.micro_batch_size))
+        trial = StageGraph.build(graph, stages, sg.batch_size, sg.num_devices)
+        scored = _score_best(trial, cluster)
+        runs += 1
+        if scored is not None and scored[0] > best[0] * (1 + 1e-9):
+            best = (scored[0], trial, scored[1])
+    return best[1], best[0], best[2], runs
+
+
+def _score_best(sg: StageGraph, cluster: Cluster) -> tuple[float, str] | None:
+    """(throughput, schedule) of the faster of graph-1F1B and fill-drain that fits in memory; None if neither.
+
+    Ties go to graph-1F1B (fewer micro-batches in flight).
+    """
+    best = None
+    for schedule in (SCHEDULE, FILL_DRAIN):
+        throughput, fits = _score(sg, cluster, schedule)
+        if fits and (best is None or throughput > best[0] * (1 + 1e-12)):
+            best = (throughput, schedule)
+    return best
+
+
+def _refine_micro_batches(sg: StageGraph, cluster: Cluster, throughput: float, schedule_name: str,
+                          max_rounds: int = 3) -> tuple[StageGraph, float, str]:
     """Per-stage micro-batch sizes by coordinate descent on simulated throughput (option).
 
     Each stage in turn tries the neighbouring sizes (next smaller and larger
     divisor of the batch that its replicas divide); a change is kept when the
-    simulated graph-1F1B throughput improves and memory still fits. A few
-    rounds at most: each try is one simulation.
+    simulated throughput (the faster schedule, :func:`_score_best`) improves
+    and memory still fits. A few rounds at most: each try is two simulations.
     """
-    best_tp, _ = _score(sg, cluster)
+    best_tp, best_schedule = throughput, schedule_name
     sizes = [s for s in range(1, sg.batch_size + 1) if sg.batch_size % s == 0]
     for _ in range(max_rounds):
         improved = False
@@ -390,10 +498,10 @@ def _refine_micro_batches(sg: StageGraph, cluster: Cluster, max_rounds: int = 3)
                 stages = [Stage(s.id, s.op_ids, s.devices, b if s.id == st.id else s.micro_batch_size)
                           for s in sg.stages]
                 trial = StageGraph(sg.graph, tuple(stages), sg.batch_size, sg.num_devices)
-                tp, ok = _score(trial, cluster)
-                if ok and tp > best_tp * (1 + 1e-9):
-                    sg, best_tp, improved = trial, tp, True
+                scored = _score_best(trial, cluster)
+                if scored is not None and scored[0] > best_tp * (1 + 1e-9):
+                    sg, (best_tp, best_schedule), improved = trial, scored, True
                     break
         if not improved:
             break
-    return sg, best_tp
+    return sg, best_tp, best_schedule

@@ -26,7 +26,9 @@ Search space (what "optimal" means here)
 * **Cost** (``search.common``): stage TPS ``stage_tps`` must be ``<= t_max``;
   memory ``stage_memory`` with the in-flight count graph-1F1B gives the stage
   (``min(M, 1 + max over consumer stages)``, ``M = B / b``; sinks 1) must fit
-  ``cluster.memory_bytes``.
+  ``cluster.memory_bytes``. With a ``link``, the stage's cut (the bytes on
+  the edges leaving it, :func:`~graphpipe.search.common.cut_tps` on that
+  link) must also be ``<= t_max``: a stage costs ``max(stage_tps, cut)``.
 
 The DP (paper Alg. 1, restated)
 -------------------------------
@@ -57,6 +59,13 @@ Values are exact in the in-flight and device components (memory and TPS are
 monotone), so feasibility and hence the optimal bottleneck are exact; the
 stage count is only a tie-break.
 
+The cut term is not monotone in a series range (a longer stage may end at a
+smaller activation), so ranges stop growing on compute and memory alone
+(both grow with the range) and the cut only decides whether a range is a
+stage. Dominance still holds: dropping the first child of a range, or a
+branch of a run, never adds an edge leaving the stage, because every edge
+inside a node goes forward in child order (checked).
+
 Example
 -------
 >>> from graphpipe.graph import Op, OpGraph, Affine
@@ -75,9 +84,10 @@ from typing import Sequence
 
 import numpy as np
 
-from graphpipe.cluster import Cluster
+from graphpipe.cluster import Cluster, Link
 from graphpipe.errors import InputError
 from graphpipe.graph import OpGraph
+from graphpipe.search.common import cut_tps
 from graphpipe.sp import decompose
 
 __all__ = ["DPTree", "DPStage", "DPSolution", "BottleneckDP", "build_tree", "parallel_order", "min_bottleneck",
@@ -232,7 +242,7 @@ class BottleneckDP:
     """
 
     def __init__(self, tree: DPTree, cluster: Cluster, batch_size: int, micro_batch_size: int,
-                 num_devices: int | None = None, power_of_two: bool = False):
+                 num_devices: int | None = None, power_of_two: bool = False, link: Link | None = None):
         if batch_size % micro_batch_size:
             raise InputError(f"micro-batch size {micro_batch_size} does not divide the batch size {batch_size}")
         self.tree = tree
@@ -249,7 +259,10 @@ class BottleneckDP:
         # distinguishable when there are few micro-batches.
         self.kcap = min(self.num_devices, tree.longest_path)
         self.capacity = cluster.memory_bytes
+        self.link = link
+        """Cuts are costed on this link (None: free, the stage cost is ``stage_tps`` alone)."""
         self._tables: dict[int, np.ndarray] = {}
+        self._compute: dict[int, np.ndarray] = {}
         self._kmax: dict[int, np.ndarray] = {}
         self._list_cache: dict[int, tuple[list, list]] = {}
         self.t_max = float("inf")
@@ -258,8 +271,20 @@ class BottleneckDP:
 
     # ------------------------------------------------------------ block costs
     def _node_table(self, x: int) -> np.ndarray:
-        """tps[lo, hi, di] of children lo..hi-1 of node x on ``ds[di]`` devices (``stage_tps``, vectorised)."""
+        """tps[lo, hi, di]: cost of children lo..hi-1 of x as one stage on ``ds[di]`` devices,
+        ``max(stage_tps, cut)`` (just ``stage_tps`` without a link)."""
         got = self._tables.get(x)
+        if got is None:
+            got = self._compute_table(x)
+            if self.link is not None:
+                cut = cut_tps(self._out_bytes(x), self.link, self.b)
+                got = np.maximum(got, cut[:, :, None])
+            self._tables[x] = got
+        return got
+
+    def _compute_table(self, x: int) -> np.ndarray:
+        """stage_tps[lo, hi, di] of children lo..hi-1 of node x on ``ds[di]`` devices (vectorised)."""
+        got = self._compute.get(x)
         if got is None:
             pre = np.asarray(self.tree.sums[x], dtype=float)          # (m+1, 6) prefix sums
             diff = pre[None, :, :] - pre[:, None, :]                    # diff[lo, hi] = sums of lo..hi-1
@@ -272,8 +297,41 @@ class BottleneckDP:
                 compute = alpha + beta * (b / d)
                 cols.append(compute / b + self._allreduce(d, params) / self.batch_size)
             got = np.stack(cols, axis=-1)
-            self._tables[x] = got
+            self._compute[x] = got
         return got
+
+    def _out_bytes(self, x: int) -> np.ndarray:
+        """out[lo, hi]: bytes per sample on the edges leaving children lo..hi-1 of x (to anything else).
+
+        Every edge between two children of x goes forward in child order
+        (series children in dependency order, the chain view in topological
+        order, parallel children unconnected), so an edge from child ``c``
+        leaves ``lo..hi-1`` iff ``lo <= c < hi`` and its target is outside x
+        or a child ``>= hi``.
+        """
+        tree = self.tree
+        kids = tree.children[x] or (x,)  # a leaf is its own only child
+        m = len(kids)
+        child_of = {o: i for i, c in enumerate(kids) for o in tree.op_ids[c]}
+        external = np.zeros(m)
+        between = np.zeros((m, m + 1))   # between[c, c2]: bytes from child c to child c2
+        for e in tree.graph.edges:
+            c = child_of.get(e.src)
+            if c is None:
+                continue
+            c2 = child_of.get(e.dst)
+            if c2 is None:
+                external[c] += e.bytes
+            elif c2 < c:
+                raise AssertionError(f"edge {e.src}->{e.dst} runs backwards between children of node {x}")
+            elif c2 > c:
+                between[c, c2] += e.bytes
+        reaching = np.cumsum(between[:, ::-1], axis=1)[:, ::-1]        # reaching[c, h]: to children >= h
+        upto = np.vstack([np.zeros(m + 1), np.cumsum(reaching, axis=0)])  # upto[i, h]: children < i, to >= h
+        ext = np.concatenate(([0.0], np.cumsum(external)))
+        hi = np.arange(m + 1)
+        out = ext[None, :] - ext[:, None] + upto[hi, hi][None, :] - upto
+        return np.maximum(out, 0.0)  # float noise of the subtractions
 
     def _allreduce(self, d: int, params: np.ndarray) -> np.ndarray:
         """``cluster.allreduce_time(range(d), params)`` elementwise (ring; inter-node iff d > devices_per_node)."""
@@ -329,14 +387,15 @@ class BottleneckDP:
 
         Each stage s on d_s devices has d_s * tps_s >= its compute per sample,
         and sum d_s <= N; every op lies in some stage at least as slow as it.
+        Compute only: an op's cut is not charged when its stage holds its consumers too.
         """
-        root = self._node_table(self.tree.root)
+        root = self._compute_table(self.tree.root)
         m = self.tree.width(self.tree.root)
         total = float(root[0, m, 0])  # ds[0] == 1: pure compute per sample
         heaviest = 0.0
         for x, kind in enumerate(self.tree.kinds):
             if kind == "op":
-                heaviest = max(heaviest, float(self._node_table(x)[0, 1].min()))
+                heaviest = max(heaviest, float(self._compute_table(x)[0, 1].min()))
         return max(total / self.num_devices, heaviest)
 
     def _reach(self, x: int) -> np.ndarray:
@@ -353,39 +412,48 @@ class BottleneckDP:
     def _range_ends(self, x: int, lo: int) -> list[int]:
         """Ends ``hi`` (>= lo + 2) of the ranges starting at ``lo`` worth evaluating as one stage.
 
-        Stop at the first range that cannot be a stage (TPS and memory grow
-        with the range); skip a range when the next longer one has the same
-        device profile, because a shorter remainder never needs more devices
-        or depth (the longer range dominates).
+        Stop at the first range too slow or too big to be a stage on compute
+        and memory alone (both grow with the range; a cut may not, so a range
+        rejected only for its cut is skipped, not a stop); skip a range when
+        the next longer one has the same device profile, because a shorter
+        remainder never needs more devices or depth (the longer range
+        dominates).
         """
         key = (x, lo)
         got = self._ends.get(key)
-        if got is None and self.tree.width(x) <= _SMALL:
-            m = self.tree.width(x)
+        if got is not None:
+            return got
+        m = self.tree.width(x)
+        if m <= _SMALL:
             got = []
-            prof = self._profile(x, lo, lo + 2) if lo + 2 <= m else ()
             for hi in range(lo + 2, m + 1):
-                if not prof:
+                prof = self._profile(x, lo, hi)
+                if not prof and (self.link is None or not self._grows_ok(x)[lo, hi]):
                     break
                 nxt = self._profile(x, lo, hi + 1) if hi < m else ()
-                if nxt != prof:
+                if prof and nxt != prof:
                     got.append(hi)
-                prof = nxt
-            self._ends[key] = got
-        elif got is None:
-            reach = self._reach(x)
-            m = self.tree.width(x)
-            rows = reach[lo, lo + 2:m + 1]                       # hi = lo+2 .. m
-            ok = rows[:, -1] > 0
+        else:
+            rows = self._reach(x)[lo, lo + 2:m + 1]                       # hi = lo+2 .. m
+            ok = rows[:, -1] > 0 if self.link is None else self._grows_ok(x)[lo, lo + 2:m + 1]
             stop = int(np.argmin(ok)) if not ok.all() else len(ok)
             rows = rows[:stop]
             if stop == 0:
                 got = []
             else:
                 differs = np.any(rows[:-1] != rows[1:], axis=-1) if stop > 1 else np.zeros(0, dtype=bool)
-                keep = np.append(differs, True)
+                keep = np.append(differs, True) & (rows[:, -1] > 0)
                 got = [lo + 2 + int(i) for i in np.nonzero(keep)[0]]
-            self._ends[key] = got
+        self._ends[key] = got
+        return got
+
+    def _grows_ok(self, x: int) -> np.ndarray:
+        """ok[lo, hi]: children lo..hi-1 of x meet the current target on compute and fit memory on some
+        device count, the cut aside (both only get worse as a range grows)."""
+        got = self._grows_cache.get(x)
+        if got is None:
+            got = np.any((self._compute_table(x) <= self.t_max) & (self._kmax_table(x) > 0), axis=-1)
+            self._grows_cache[x] = got
         return got
 
     def _profile(self, x: int, lo: int, hi: int) -> tuple[tuple[int, int], ...]:
@@ -431,6 +499,7 @@ class BottleneckDP:
     def _reset(self) -> None:
         self._feas: dict[tuple[int, int, int], tuple[tuple[int, int], ...]] = {}
         self._reach_cache: dict[int, np.ndarray] = {}
+        self._grows_cache: dict[int, np.ndarray] = {}
         self._ends: dict[tuple[int, int], list[int]] = {}
         self._f: dict[tuple[int, int], list[int]] = {}
         self._g: dict[tuple[int, int, int], list[int]] = {}
@@ -689,8 +758,10 @@ def first_feasible(dp: BottleneckDP, targets: Sequence[float], depth: int, start
 
 
 def min_bottleneck(graph: OpGraph | DPTree, cluster: Cluster, batch_size: int, micro_batch_size: int,
-                   num_devices: int | None = None, power_of_two: bool = False) -> DPSolution | None:
-    """The smallest bottleneck TPS of the search space (module docstring) for one micro-batch size.
+                   num_devices: int | None = None, power_of_two: bool = False,
+                   link: Link | None = None) -> DPSolution | None:
+    """The smallest bottleneck TPS of the search space (module docstring) for one micro-batch size,
+    cuts costed on ``link`` (None: free).
 
     Search over the sorted candidate TPS values (:func:`first_feasible`):
     feasibility is monotone in ``t_max`` (a larger target only admits more
@@ -698,7 +769,7 @@ def min_bottleneck(graph: OpGraph | DPTree, cluster: Cluster, batch_size: int, m
     exact. Returns None when nothing fits (memory, or no stage at all).
     """
     tree = graph if isinstance(graph, DPTree) else build_tree(graph)
-    dp = BottleneckDP(tree, cluster, batch_size, micro_batch_size, num_devices, power_of_two)
+    dp = BottleneckDP(tree, cluster, batch_size, micro_batch_size, num_devices, power_of_two, link)
     targets = dp.candidate_targets()
     start = int(np.searchsorted(targets, dp.lower_bound() * (1 - 1e-12)))
     index, tried = first_feasible(dp, targets, dp.kcap, start)

@@ -16,11 +16,19 @@ What the three share, so that they differ only in the space they search:
   candidate stages (the DPs score millions of candidates). A stage of ``r``
   replicas is costed on the canonical device set ``0..r-1`` (inside one node
   when ``r <= devices_per_node``, as gpp does); stages are later placed on
-  disjoint device blocks (:func:`place`) and the reported bottleneck is
+  disjoint device blocks (:func:`layouts`) and the reported bottleneck is
   recomputed with :func:`stage_tps` on the placed devices;
-* **micro-batch choice** (:func:`choose_micro_batch`): every candidate size
-  is partitioned and the resulting plans are compared by *simulated*
-  throughput under the strategy's own schedule, as ``gpp`` does.
+* **communication** (PipeDream's ``2 C`` term): a cut carrying ``B`` bytes
+  per sample costs ``2 (latency / b + B / bandwidth)`` per sample
+  (:func:`~graphpipe.search.common.cut_tps`), a pipeline stage of its own
+  in the min-max objective. The bandwidth is that of the hierarchy level the cut lands on, which the
+  DP cannot know before placement, so PipeDream and Piper are solved
+  without the term and with each link of the cluster
+  (:func:`~graphpipe.search.common.comm_links`);
+* **plan choice** (:func:`choose_micro_batch`): every candidate micro-batch
+  size x cut costing is partitioned, each answer placed in each layout,
+  and the plans are compared by *simulated* throughput under the
+  strategy's own schedule, as ``gpp`` does.
 
 Memory model (PipeDream §3.1): under 1F1B stage ``q`` of ``K`` keeps
 ``min(K - q, M)`` micro-batches in flight, ``M = batch / micro_batch``.
@@ -42,11 +50,11 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from graphpipe.cluster import Cluster
+from graphpipe.cluster import Cluster, Link
 from graphpipe.errors import InfeasibleError, InputError
 from graphpipe.graph import OpGraph
 from graphpipe.sched import make_schedule, predicted_figures, simulate
-from graphpipe.search.common import SearchResult, stage_tps
+from graphpipe.search.common import SearchResult, link_name, stage_tps
 from graphpipe.stages import Stage, StageGraph
 
 __all__ = [
@@ -60,7 +68,8 @@ __all__ = [
     "OpArrays",
     "ReplicaCosts",
     "SequentialPartition",
-    "place",
+    "layouts",
+    "linear_cut_bytes",
     "estimate_throughput",
     "choose_micro_batch",
     "sequential_result",
@@ -288,15 +297,15 @@ class SequentialPartition:
     micro_batch_size: int
 
 
-def place(graph: OpGraph, cluster: Cluster, batch_size: int, part: SequentialPartition) -> StageGraph:
-    """Put the stages on disjoint device blocks and build the sequential stage graph.
+def layouts(graph: OpGraph, cluster: Cluster, batch_size: int, part: SequentialPartition) -> list[StageGraph]:
+    """The stages on disjoint device blocks, in each distinct layout tried; sequential stage graphs.
 
     The DPs cost ``r`` replicas as devices ``0..r-1`` (inside one node when
     ``r <= devices_per_node``). Two layouts are tried: contiguous blocks in
     pipeline order (neighbouring stages share a node, so transfers stay on
     NVLink) and blocks largest first (power-of-two blocks then align with
-    nodes, so no all-reduce crosses a node needlessly); the one with the
-    smaller placed bottleneck wins, pipeline order on ties. The result is a
+    nodes, so no all-reduce crosses a node needlessly); the caller keeps the
+    one the simulator rates faster, pipeline order on ties. Each is a
     ``sequential`` stage graph (SPP: stage i feeds only stage i + 1, which
     relays everything crossing the cut) whose ids keep the pipeline order,
     as the 1F1B in-flight counts assumed; ``StageGraph.build`` checks
@@ -305,19 +314,33 @@ def place(graph: OpGraph, cluster: Cluster, batch_size: int, part: SequentialPar
     counts = [replicas for _, replicas in part.stages]
     pipeline_order = list(range(len(counts)))
     largest_first = sorted(pipeline_order, key=lambda q: (-counts[q], q))
-    best = None
-    for rank, order in enumerate((pipeline_order, largest_first)):
+    out, seen = [], set()
+    for order in (pipeline_order, largest_first):
         devices: list[tuple[int, ...]] = [()] * len(counts)
         next_device = 0
         for q in order:
             devices[q] = tuple(range(next_device, next_device + counts[q]))
             next_device += counts[q]
-        worst = max(stage_tps(graph, ops, devs, part.micro_batch_size, batch_size, cluster)
-                    for (ops, _), devs in zip(part.stages, devices))
-        if best is None or (worst, rank) < best[0]:
-            best = ((worst, rank), devices)
-    stages = [Stage(q, tuple(ops), best[1][q], part.micro_batch_size) for q, (ops, _) in enumerate(part.stages)]
-    return StageGraph.build(graph, stages, batch_size, cluster.num_devices, sequential=True)
+        if tuple(devices) in seen:
+            continue
+        seen.add(tuple(devices))
+        stages = [Stage(q, tuple(ops), devices[q], part.micro_batch_size) for q, (ops, _) in enumerate(part.stages)]
+        out.append(StageGraph.build(graph, stages, batch_size, cluster.num_devices, sequential=True))
+    return out
+
+
+def linear_cut_bytes(graph: OpGraph, order: Sequence[int]) -> np.ndarray:
+    """Bytes per sample crossing the cut after position ``j`` of ``order`` (``j = 0..n-1``; the last is 0).
+
+    Every edge from position ``p`` to ``q > p`` crosses the cuts ``p..q-1``
+    (a sequential pipeline relays it through the stages between).
+    """
+    pos = {v: i for i, v in enumerate(order)}
+    diff = np.zeros(len(order) + 1)
+    for e in graph.edges:
+        diff[pos[e.src]] += e.bytes
+        diff[pos[e.dst]] -= e.bytes
+    return np.cumsum(diff)[: len(order)]
 
 
 def placed_bottleneck(sg: StageGraph, cluster: Cluster) -> float:
@@ -334,34 +357,46 @@ def estimate_throughput(sg: StageGraph, cluster: Cluster, schedule_name: str) ->
 
 def choose_micro_batch(strategy: str, graph: OpGraph, cluster: Cluster, batch_size: int,
                        candidates: Sequence[int], schedule_name: str,
-                       solve: Callable[[int], SequentialPartition | None]) -> tuple[StageGraph, SequentialPartition, dict]:
-    """Partition at every candidate micro-batch size and keep the best simulated throughput.
+                       solve: Callable[[int, Link | None], SequentialPartition | None],
+                       links: Sequence[Link | None] = (None,)) -> tuple[StageGraph, SequentialPartition, dict]:
+    """Partition at every candidate micro-batch size and cut cost, keep the best simulated throughput.
 
-    Ties go to the smaller model bottleneck, then to the smaller micro-batch
-    size, so the choice is deterministic. Raises :class:`InfeasibleError`
-    when no size gives a partition that fits in memory.
+    ``solve(b, link)`` is the strategy's DP at micro-batch size ``b`` with
+    cuts costed on ``link`` (``None``: not costed); every distinct answer is
+    simulated in every distinct :func:`layouts`. Ties go to the smaller
+    model bottleneck, then to the smaller micro-batch size, then to the
+    earlier link and layout, so the choice is deterministic. Raises
+    :class:`InfeasibleError` when no size gives a partition that fits in
+    memory.
     """
     best = None
     tried = []
     for b in candidates:
-        part = solve(b)
-        if part is None:
-            tried.append(f"{b}: no partition fits")
-            continue
-        sg = place(graph, cluster, batch_size, part)
-        throughput = estimate_throughput(sg, cluster, schedule_name)
-        tried.append(f"{b}: {throughput:.4g} samples/s")
-        key = (-throughput, part.bottleneck_tps, b)
-        if best is None or key < best[0]:
-            best = (key, sg, part, throughput)
+        seen: set = set()
+        for li, link in enumerate(links):
+            part = solve(b, link)
+            if part is None:
+                tried.append(f"{b}: no partition fits")
+                break  # the cut term never changes which partitions fit in memory
+            if part.stages in seen:
+                continue
+            seen.add(part.stages)
+            for lay, sg in enumerate(layouts(graph, cluster, batch_size, part)):
+                throughput = estimate_throughput(sg, cluster, schedule_name)
+                tried.append(f"{b}/{li}/{lay}: {throughput:.4g} samples/s")
+                key = (-throughput, part.bottleneck_tps, b, li, lay)
+                if best is None or key < best[0]:
+                    best = (key, sg, part, throughput)
     log.debug("%s micro-batch candidates: %s", strategy, "; ".join(tried))
     if best is None:
         gb = cluster.memory_bytes / 1e9
         raise InfeasibleError(
             f"{strategy}: no partition of {graph.name!r} fits in {gb:g} GB per device on {cluster.num_devices} "
             f"devices at any micro-batch size in {list(candidates)}; use more devices or --memory-gb")
-    _, sg, part, throughput = best
-    return sg, part, {"throughput_estimate": throughput}
+    (_, _, _, li, _), sg, part, throughput = best
+    return sg, part, {"throughput_estimate": throughput, "cut_link": link_name(cluster, links[li])}
+
+
 
 
 def replica_mask(num_devices: int, micro_batch_size: int, power_of_two: bool = False) -> np.ndarray:

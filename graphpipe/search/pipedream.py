@@ -3,7 +3,7 @@
 PipeDream cuts a *linearised* model into contiguous stages, each replicated
 over some number of machines, minimising the slowest stage. Its DP is
 
-    A(j, m) = min over i < j, m' <= m of max(A(i, m - m'), T(i+1..j, m'), C_i)
+    A(j, m) = min over i < j, m' <= m of max(A(i, m - m'), 2 C_i, T(i+1..j, m'))
 
 over prefixes ``1..j`` of the layer order on ``m`` machines, where ``T`` is
 the stage's time per sample with ``m'`` replicas (compute split over the
@@ -14,13 +14,17 @@ Our version of that DP:
 * **Linearisation**: the op-id order of the graph (Kahn's algorithm, ties
   by input position; :func:`~graphpipe.search.linearize.linear_order`).
 * **Stage time**: :func:`graphpipe.search.common.stage_tps`, the objective
-  shared by every partitioner. The communication term ``C_i`` is left out
-  on purpose: in the simulator every transfer is a pure delay on a link that
-  overlaps compute and carries concurrent messages without contention
-  (DESIGN §7), so it lengthens fill and drain but never limits the
-  steady-state rate that the bottleneck measures; keeping it would make
-  PipeDream optimise a different objective from the one it is judged by.
-  The micro-batch choice, which *is* scored by simulation, sees the delays.
+  shared by every partitioner, and the cut after the stage as a stage of
+  its own, ``2 C`` per sample (:func:`~graphpipe.search.common.cut_tps`:
+  the bytes of every edge crossing the cut, forward and back, at one
+  link's latency and bandwidth). PipeDream takes the bandwidth of the
+  hierarchy level the cut sits on, known here only after placement, so
+  :func:`partition` solves without the term and with each of the cluster's
+  links (:func:`~graphpipe.search.common.comm_links`) and lets the
+  simulator pick. Without it a slow link can make PipeDream cut where
+  activations are largest: 1F1B keeps only ``K - q`` micro-batches in
+  flight, so transfer delays longer than the downstream work stall it
+  (VGG-16 at 16 V100s lost 2x that way).
 * **Memory**: 1F1B keeps ``min(K - q, M)`` micro-batches in flight on stage
   ``q`` of ``K`` (§3.1; ``M`` micro-batches per iteration), so a stage's
   memory depends on how many stages *follow* it. The recursion therefore
@@ -32,10 +36,10 @@ Our version of that DP:
 * **Replicas and devices**: a stage's replica count divides its micro-batch
   (each replica gets an equal share) and is costed on devices ``0..r-1``,
   as in gpp; devices need not all be used (``V(n, m, 0) = 0`` for every
-  ``m``); :func:`~graphpipe.search.linearize.place` then lays the stages
+  ``m``); :func:`~graphpipe.search.linearize.layouts` then lays the stages
   out on disjoint device blocks.
-* **Micro-batch size**: every candidate is partitioned and the plan with
-  the best simulated 1F1B throughput wins (as gpp does).
+* **Micro-batch size**: every candidate x cut costing is partitioned and
+  the plan with the best simulated 1F1B throughput wins (as gpp does).
 
 Ties are broken toward fewer stages, then the earliest cut, then fewer
 replicas for the earlier stage, so results are deterministic.
@@ -58,11 +62,11 @@ import time
 
 import numpy as np
 
-from graphpipe.cluster import Cluster
+from graphpipe.cluster import Cluster, Link
 from graphpipe.graph import OpGraph
-from graphpipe.search.common import SearchOptions, SearchResult, micro_batch_candidates
+from graphpipe.search.common import SearchOptions, SearchResult, comm_links, cut_tps, micro_batch_candidates
 from graphpipe.search.linearize import (OpArrays, ReplicaCosts, SequentialPartition, choose_micro_batch,
-                                        linear_order, sequential_result, replica_mask)
+                                        linear_cut_bytes, linear_order, sequential_result, replica_mask)
 
 __all__ = ["partition", "solve", "SCHEDULE"]
 
@@ -72,11 +76,13 @@ SCHEDULE = "1f1b"
 
 
 def solve(graph: OpGraph, cluster: Cluster, batch_size: int, micro_batch_size: int,
-          power_of_two: bool = False) -> SequentialPartition | None:
+          power_of_two: bool = False, link: Link | None = None) -> SequentialPartition | None:
     """PipeDream's DP at one micro-batch size; None when no partition fits in memory.
 
     Replica counts divide the micro-batch size (and are powers of two when
     ``power_of_two``), see :func:`~graphpipe.search.linearize.replica_mask`.
+    With ``link``, the cut after every stage but the last costs
+    :func:`~graphpipe.search.common.cut_tps` on it (PipeDream's ``2 C``).
     """
     order = linear_order(graph)
     n, num_devices = len(order), cluster.num_devices
@@ -91,6 +97,7 @@ def solve(graph: OpGraph, cluster: Cluster, batch_size: int, micro_batch_size: i
         return np.concatenate(([0.0], np.cumsum(values[list(order)])))
 
     pa, pb, pp, pact = (prefix(a) for a in (arrays.compute_alpha, arrays.compute_beta, arrays.params, arrays.act))
+    cut = cut_tps(linear_cut_bytes(graph, order), link, b)  # cut[j]: after position j (0 after the last op)
     r = np.arange(1, num_devices + 1)                      # replica counts, axis "r"
     replicas_ok = replica_mask(num_devices, b, power_of_two)
     k = np.arange(1, max_k + 1)                            # stages in the suffix, axis "k"
@@ -110,6 +117,7 @@ def solve(graph: OpGraph, cluster: Cluster, batch_size: int, micro_batch_size: i
         sa, sb = pa[j + 1] - pa[i], pb[j + 1] - pb[i]
         sp, sact = pp[j + 1] - pp[i], pact[j + 1] - pact[i]
         tps = costs.tps(sa[:, None], sb[:, None], sp[:, None], r[None, :], b, batch_size)      # (j, r)
+        tps = np.maximum(tps, cut[j][:, None])                                               # + the cut after it
         mem = costs.memory(sp[:, None, None], sact[:, None, None], r[None, :, None], b, k[None, None, :])
         fits = (mem <= costs.memory_bytes) & replicas_ok[None, :, None]                       # (j, r, k)
         # Following suffix: V(j + 1, m - r, k - 1); the capped bucket also accepts max_k after it.
@@ -148,12 +156,13 @@ def solve(graph: OpGraph, cluster: Cluster, batch_size: int, micro_batch_size: i
 
 
 def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: SearchOptions) -> SearchResult:
-    """PipeDream's plan: the DP at every micro-batch candidate, best simulated 1F1B throughput.
+    """PipeDream's plan: the DP at every micro-batch candidate and cut costing, best simulated 1F1B throughput.
 
     Raises :class:`~graphpipe.errors.InfeasibleError` when nothing fits.
     """
     started = time.perf_counter()
     candidates = micro_batch_candidates(batch_size, options)
     sg, part, extra = choose_micro_batch("pipedream", graph, cluster, batch_size, candidates, SCHEDULE,
-                                         lambda b: solve(graph, cluster, batch_size, b, options.power_of_two))
+                                         lambda b, link: solve(graph, cluster, batch_size, b, options.power_of_two, link),
+                                         comm_links(cluster))
     return sequential_result(SCHEDULE, sg, part, cluster, started, **extra)

@@ -15,9 +15,11 @@ them first (:class:`~graphpipe.search.linearize.DownsetLimitError`, limit
 
 Objective, memory and placement are PipeDream's (see
 :mod:`graphpipe.search.pipedream`): stage time = :func:`stage_tps` on the
-stage's replicas, 1F1B with ``min(K - q, M)`` micro-batches in flight on
+stage's replicas, the cut after a stage (the edges leaving its downset)
+costed like PipeDream's ``2 C`` and solved once per cluster link and once
+without, 1F1B with ``min(K - q, M)`` micro-batches in flight on
 stage ``q`` of ``K``, replica counts dividing the micro-batch, devices not
-all required, the same device layout (:func:`~graphpipe.search.linearize.place`).
+all required, the same device layouts (:func:`~graphpipe.search.linearize.layouts`).
 
 How the DP is evaluated. The min-max table over (downset, devices, stages)
 costs ``pairs x devices^2 x stages`` — hopeless in Python at MMT size (4
@@ -57,10 +59,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from graphpipe.cluster import Cluster
+from graphpipe.cluster import Cluster, Link
 from graphpipe.graph import OpGraph
 from graphpipe.search import pipedream
-from graphpipe.search.common import SearchOptions, SearchResult, micro_batch_candidates, stage_tps
+from graphpipe.search.common import (SearchOptions, SearchResult, comm_links, cut_tps, micro_batch_candidates,
+                                     stage_tps)
 from graphpipe.search.linearize import (OpArrays, ReplicaCosts, SequentialPartition, choose_micro_batch,
                                         enumerate_downsets, lower_bound_tps, sequential_result, replica_mask)
 
@@ -93,6 +96,8 @@ class Lattice:
     compute_beta: np.ndarray
     params: np.ndarray
     act: np.ndarray
+    cut_bytes: np.ndarray
+    """Per downset: bytes per sample on the edges leaving it (what crosses a cut there)."""
 
     @property
     def num_downsets(self) -> int:
@@ -116,6 +121,9 @@ class Lattice:
             bits[:, v] = (words[:, v // 64] >> np.uint64(v % 64)) & np.uint64(1)
         arrays = OpArrays.of(graph)
         sums = bits @ np.stack([arrays.compute_alpha, arrays.compute_beta, arrays.params, arrays.act], axis=1)
+        cut_bytes = np.zeros(num)
+        for e in graph.edges:
+            cut_bytes += e.bytes * bits[:, e.src] * (1.0 - bits[:, e.dst])
         srcs, dsts = [], []
         for src in range(num):
             sup = np.all((words & words[src]) == words[src], axis=1)
@@ -128,7 +136,7 @@ class Lattice:
         diff = sums[pair_dst] - sums[pair_src]
         diff = np.maximum(diff, 0.0)                               # float noise of the subtraction
         return cls(tuple(masks), level_start, pair_src, pair_dst, pair_start,
-                   diff[:, 0], diff[:, 1], diff[:, 2], diff[:, 3])
+                   diff[:, 0], diff[:, 1], diff[:, 2], diff[:, 3], cut_bytes)
 
     def ops_of(self, src: int, dst: int) -> tuple[int, ...]:
         stage = self.masks[dst] & ~self.masks[src]
@@ -165,12 +173,13 @@ class _Tables:
 
 
 def _tables(lat: Lattice, costs: ReplicaCosts, graph: OpGraph, batch_size: int, b: int,
-            power_of_two: bool, t_max: float) -> _Tables:
+            power_of_two: bool, t_max: float, link: Link | None = None) -> _Tables:
     num_mbs = batch_size // b
     cap = min(costs.num_devices, graph.num_ops, num_mbs)
     replicas = np.flatnonzero(replica_mask(costs.num_devices, b, power_of_two)) + 1
     r = replicas[None, :]
     tps = costs.tps(lat.compute_alpha[:, None], lat.compute_beta[:, None], lat.params[:, None], r, b, batch_size)
+    tps = np.maximum(tps, cut_tps(lat.cut_bytes[lat.pair_dst], link, b)[:, None])  # + the cut after the stage
     tps_min = tps.min(axis=1)
     keep = np.flatnonzero(tps_min <= t_max)
     tps, tps_min = tps[keep], tps_min[keep]
@@ -285,17 +294,21 @@ def _reconstruct(tables: _Tables, g: np.ndarray, t: float, num_devices: int):
 
 def solve(graph: OpGraph, cluster: Cluster, batch_size: int, micro_batch_size: int,
           power_of_two: bool = False, max_downsets: int = 200_000,
-          lattice: Lattice | None = None) -> SequentialPartition | None:
-    """Piper's optimum at one micro-batch size; None when no chain of stages fits in memory."""
+          lattice: Lattice | None = None, link: Link | None = None) -> SequentialPartition | None:
+    """Piper's optimum at one micro-batch size; None when no chain of stages fits in memory.
+
+    With ``link``, the cut after every stage but the last costs
+    :func:`~graphpipe.search.common.cut_tps` on it, as in PipeDream.
+    """
     lat = lattice if lattice is not None else Lattice.of(graph, max_downsets)
     costs = ReplicaCosts.of(cluster)
     b = micro_batch_size
     n_dev = cluster.num_devices
     # Upper end: PipeDream's chain is one of Piper's, so its bottleneck is feasible; stages slower
     # than it with every replica count can be in no better chain and are dropped up front.
-    seed = pipedream.solve(graph, cluster, batch_size, b, power_of_two)
+    seed = pipedream.solve(graph, cluster, batch_size, b, power_of_two, link)
     t_max = seed.bottleneck_tps * (1 + REL_TOL) if seed is not None else np.inf
-    tables = _tables(lat, costs, graph, batch_size, b, power_of_two, t_max)
+    tables = _tables(lat, costs, graph, batch_size, b, power_of_two, t_max, link)
 
     def probe(t: float):
         chain = _reconstruct(tables, _min_devices(lat, tables, t), t, n_dev)
@@ -318,7 +331,9 @@ def solve(graph: OpGraph, cluster: Cluster, batch_size: int, micro_batch_size: i
         t = (lo + hi) / 2
     stages = tuple((lat.ops_of(int(tables.src[p]), int(tables.dst[p])), int(tables.replicas[ri]))
                    for p, ri in best)
-    bottleneck = max(stage_tps(graph, ops, tuple(range(r)), b, batch_size, cluster) for ops, r in stages)
+    cuts = cut_tps(lat.cut_bytes[[int(tables.dst[p]) for p, _ in best]], link, b)
+    bottleneck = max(max(stage_tps(graph, ops, tuple(range(r)), b, batch_size, cluster), float(c))
+                     for (ops, r), c in zip(stages, cuts))
     return SequentialPartition(stages, bottleneck, b)
 
 
@@ -334,6 +349,7 @@ def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: Search
     candidates = micro_batch_candidates(batch_size, options)
     sg, part, extra = choose_micro_batch(
         "piper", graph, cluster, batch_size, candidates, SCHEDULE,
-        lambda b: solve(graph, cluster, batch_size, b, options.power_of_two, lattice=lattice))
+        lambda b, link: solve(graph, cluster, batch_size, b, options.power_of_two, lattice=lattice, link=link),
+        comm_links(cluster))
     return sequential_result(SCHEDULE, sg, part, cluster, started, num_downsets=lattice.num_downsets,
                              num_downset_pairs=lattice.num_pairs, **extra)
