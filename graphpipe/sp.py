@@ -81,6 +81,7 @@ __all__ = [
     "num_branches",
     "prime_regions",
     "contract",
+    "induced_subgraph",
 ]
 
 logger = logging.getLogger(__name__)
@@ -454,7 +455,7 @@ def _region_fixes(graph: OpGraph, region: Sequence[int], anc: Sequence[int], des
     return [tuple(_bits(m)) for m in fixes]
 
 
-def _induced(graph: OpGraph, op_ids: Sequence[int]) -> OpGraph:
+def induced_subgraph(graph: OpGraph, op_ids: Sequence[int]) -> OpGraph:
     """The subgraph on ``op_ids`` (sorted ids keep the topological order)."""
     new_id = {v: i for i, v in enumerate(op_ids)}
     edges = tuple(Edge(new_id[e.src], new_id[e.dst], e.bytes) for e in graph.edges
@@ -492,7 +493,7 @@ def make_series_parallel(graph: OpGraph) -> tuple[OpGraph, dict[str, tuple[str, 
         for region in prime_regions(current):
             # A prime region is a module, so it is fixed on its own induced
             # subgraph: later rounds cost the region's size, not the graph's.
-            sub = _induced(current, region)
+            sub = induced_subgraph(current, region)
             rounds += 1
             anc, desc = _ancestor_masks(sub), _descendant_masks(sub)
             fixes = _region_fixes(sub, range(sub.num_ops), anc, desc)

@@ -96,7 +96,7 @@ from graphpipe.search.common import (SearchOptions, SearchResult, comm_links, li
                                      stage_tps)
 from graphpipe.search.gpp_dp import (INF, BottleneckDP, DPStage, DPTree, build_tree, chain_tree, first_feasible,
                                      min_bottleneck)
-from graphpipe.sp import make_series_parallel
+from graphpipe.sp import induced_subgraph, make_series_parallel
 from graphpipe.stages import Stage, StageGraph
 
 __all__ = ["partition", "SCHEDULE", "place_stages", "smallest_memory_needed"]
@@ -144,12 +144,10 @@ def _to_simulate(candidates: Sequence[_Candidate], num_links: int) -> tuple[list
         for c in [c for c in ordered if c.link == li][:NUM_SIMULATED]:
             chosen.setdefault(same(c), c)
     first = sorted(chosen.values(), key=rank)
-    picked = {id(c) for c in first}
-    seen = set(chosen)
     rest = []
     for c in ordered:
-        if id(c) not in picked and same(c) not in seen:
-            seen.add(same(c))
+        if same(c) not in chosen:
+            chosen[same(c)] = c
             rest.append(c)
     return first, rest
 
@@ -441,11 +439,7 @@ def _spread_idle(sg: StageGraph, cluster: Cluster, link: Link | None, throughput
             continue
         pool = sorted(st.devices + tuple(idle))
         ops = sorted(st.op_ids)
-        names = {o: graph.ops[o].name for o in ops}
-        sub = OpGraph.build(f"{graph.name}/stage{st.id}", [graph.ops[o] for o in ops],
-                            [(names[e.src], names[e.dst], e.bytes) for e in graph.edges
-                             if e.src in names and e.dst in names])
-        sol = min_bottleneck(chain_tree(sub), cluster, sg.batch_size, st.micro_batch_size, len(pool),
+        sol = min_bottleneck(chain_tree(induced_subgraph(graph, ops)), cluster, sg.batch_size, st.micro_batch_size, len(pool),
                              power_of_two, link)
         if sol is None or len(sol.stages) < 2:
             continue
