@@ -18,11 +18,14 @@ What it measures (all on ``--ranks`` gloo processes, one torch thread each, pinn
     between local processes (:func:`measure_link`) (target < 20%). A profile taken by
     one process on an idle core overstates the speed of a rank that shares
     the host's cores with ``ranks - 1`` others, so the device is calibrated
-    too: the slowdown of a fixed matmul loop run by ``k`` processes at once
-    over one alone (:func:`measure_cpu_share`, ``k = 1..ranks``), taken at
-    the plan's simulated mean number of busy ranks, scales every op time
-    (:func:`predict_calibrated`). Both errors are reported (profile only, and
-    profile x CPU share); plans are made with every rank busy.
+    too: the slowdown of the model's training step run by ``k`` processes at
+    once over one alone (:func:`measure_cpu_share`, ``k = 1..ranks``) becomes
+    the simulator's :class:`graphpipe.sched.SharedHost`, so every action is
+    slowed by the number of ranks computing at that instant
+    (:func:`predict_calibrated`). Three errors are reported: profile only;
+    the previous calibration (every op scaled by the slowdown at the plan's
+    mean number of busy ranks, :func:`predict_mean_share`); and the shared
+    host, the one quoted. Plans are made with every rank busy.
 (c) Our runtime vs ``torch.distributed.pipelining`` on the sequential
     transformer, same partition, schedule (1F1B), data and ranks: throughput
     ratio (target >= 0.95).
@@ -200,7 +203,7 @@ def measure_cpu_share(ranks: int, n: int = 1500, spec: str | None = None, batch_
 
     A fixed workload is timed alone and in ``k`` concurrent processes;
     ``slowdown[k]`` is the ratio of medians, for ``k`` in 1, 2, 4, ... and
-    ``ranks`` (:func:`slowdown_at` interpolates between them). A simulated device is a
+    ``ranks`` (:func:`shared_host` makes it the simulator's table). A simulated device is a
     dedicated processor; a rank on a host with fewer free cores than ranks
     (oversubscription, SMT siblings, other work) is not, and neither is one
     whose memory bandwidth and last-level cache the other ranks share. How
@@ -244,37 +247,60 @@ def measure_cpu_share(ranks: int, n: int = 1500, spec: str | None = None, batch_
             "slowdown": {str(k): max(1.0, t / times[1]) for k, t in times.items()}}
 
 
-def slowdown_at(share: dict[str, Any], concurrency: float) -> float:
-    """Linear interpolation of the measured slowdown at a (fractional) number of busy ranks."""
-    table = sorted((int(k), v) for k, v in share["slowdown"].items())
-    if concurrency <= table[0][0]:
-        return table[0][1]
-    for (k0, s0), (k1, s1) in zip(table, table[1:]):
-        if concurrency <= k1:
-            return s0 + (s1 - s0) * (concurrency - k0) / (k1 - k0)
-    return table[-1][1]
+def shared_host(share: dict[str, Any]):
+    """The measured slowdown table as the simulator's :class:`graphpipe.sched.SharedHost`."""
+    from graphpipe.sched import SharedHost
+
+    return SharedHost(tuple(sorted((int(k), float(v)) for k, v in share["slowdown"].items())))
 
 
 def predict_calibrated(plan, raw_graph, share: dict[str, Any]) -> tuple[float, float, float]:
-    """``(iteration time, slowdown used, mean busy ranks)`` of ``plan`` with the CPU-share calibration.
+    """``(iteration time, mean slowdown, mean busy ranks)`` of ``plan`` on the host the share was measured on.
 
-    The plan's mean concurrency ``sum(busy) / iteration`` comes from the
-    simulator itself (first with profile-only costs, then once more with the
-    scaled costs: a fixed point in two steps), and every op time is scaled by
-    the slowdown measured at that concurrency.
+    The plan is simulated with profile-only op times on a
+    :class:`graphpipe.sched.SharedHost` built from the measured slowdown
+    table: while ``k`` ranks compute, each runs ``slowdown(k)`` times
+    slower, at every instant of the iteration. So when more ranks than cores
+    are busy, concurrent branch stages take turns on the cores, as they do.
+    The mean slowdown is compute time on the shared host over compute time
+    alone; the mean busy ranks, compute time over iteration time.
     """
     from dataclasses import replace
 
     from graphpipe.sched import simulate
 
-    factor, concurrency = 1.0, 1.0
+    sg = replace(plan.stage_graph, graph=raw_graph)
+    alone = simulate(sg, plan.schedule, plan.cluster)
+    shared = simulate(sg, plan.schedule, plan.cluster, host=shared_host(share))
+    busy = sum(shared.busy_s)
+    return shared.iteration_time_s, busy / sum(alone.busy_s), busy / shared.iteration_time_s
+
+
+def predict_mean_share(plan, raw_graph, share: dict[str, Any]) -> float:
+    """The previous calibration, kept for comparison: every op scaled by the slowdown at the plan's *mean* concurrency.
+
+    A fixed point in two steps: simulate, take ``sum(busy) / iteration`` as
+    the number of busy ranks, scale every op time by the slowdown there,
+    simulate again. It ignores when the ranks are busy, so it credits
+    concurrent branches with cores the host does not have.
+    """
+    from dataclasses import replace
+
+    from graphpipe.sched import simulate
+
+    host, factor = shared_host(share), 1.0
     for _ in range(2):
         sg = replace(plan.stage_graph, graph=scaled_graph(raw_graph, factor))
         tl = simulate(sg, plan.schedule, plan.cluster)
-        concurrency = sum(tl.busy_s) / tl.iteration_time_s
-        factor = slowdown_at(share, concurrency)
+        factor = _interpolated(host, sum(tl.busy_s) / tl.iteration_time_s)
     sg = replace(plan.stage_graph, graph=scaled_graph(raw_graph, factor))
-    return simulate(sg, plan.schedule, plan.cluster).iteration_time_s, factor, concurrency
+    return simulate(sg, plan.schedule, plan.cluster).iteration_time_s
+
+
+def _interpolated(host, concurrency: float) -> float:
+    """``host.slowdown`` at a fractional number of busy ranks (linear between the integers)."""
+    lo = max(1, int(concurrency))
+    return host.slowdown(lo) + (host.slowdown(lo + 1) - host.slowdown(lo)) * max(0.0, concurrency - lo)
 
 
 def scaled_graph(graph, factor: float):
@@ -433,12 +459,14 @@ def main(argv: list[str] | None = None) -> int:
         raw_graph = raw_graphs[model_key]
         pred, factor, concurrency = predict_calibrated(plans[name], raw_graph, shares[model_key])
         pred_raw = predicted_with(plans[name], raw_graph)
+        pred_mean = predict_mean_share(plans[name], raw_graph, shares[model_key])
         rows.append({"job": name, "measured_iteration_time_s": med, "measured_throughput": args.batch_size / med,
                      "num_steps": len(step_times[name]), "step_times_s": step_times[name],
                      "round_medians_s": per_round[name],
                      "predicted_iteration_time_s": pred, "simulator_error": abs(pred - med) / med,
                      "calibration_slowdown": factor, "predicted_mean_busy_ranks": concurrency,
                      "predicted_profile_only_s": pred_raw, "simulator_error_profile_only": abs(pred_raw - med) / med,
+                     "predicted_mean_share_s": pred_mean, "simulator_error_mean_share": abs(pred_mean - med) / med,
                      "plan": describe(plans[name])})
     by = {r["job"]: r for r in rows}
     summary = {
@@ -448,6 +476,9 @@ def main(argv: list[str] | None = None) -> int:
         "b_simulator_error": {n: by[n]["simulator_error"] for n in ("uno/gpp", "uno/pipedream", "gpt/ours")},
         "b_simulator_error_profile_only": {n: by[n]["simulator_error_profile_only"]
                                            for n in ("uno/gpp", "uno/pipedream", "gpt/ours")},
+        "b_simulator_error_mean_share": {n: by[n]["simulator_error_mean_share"]
+                                         for n in ("uno/gpp", "uno/pipedream", "gpt/ours")},
+        "a_predicted_mean_share": by["uno/pipedream"]["predicted_mean_share_s"] / by["uno/gpp"]["predicted_mean_share_s"],
         "cpu_slowdown": {key: share["slowdown"] for key, share in shares.items()},
         "c_ours_over_torch_throughput": paired("gpt/ours", "gpt/torch"),
         "c_ratio_of_medians": by["gpt/ours"]["measured_throughput"] / by["gpt/torch"]["measured_throughput"],

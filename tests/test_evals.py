@@ -96,3 +96,27 @@ def test_bootstrap_interval_brackets_the_median_and_is_reproducible():
     assert bootstrap_ci([2.0] * 5) == [2.0, 2.0]  # no spread, no width
     wide, narrow = bootstrap_ci(values, level=0.95), bootstrap_ci(values, level=0.5)
     assert wide[0] <= narrow[0] <= narrow[1] <= wide[1]
+
+
+def test_runtime_prediction_on_a_shared_host():
+    """No slowdown: the plain simulator. One core for four ranks: every action's time, back to back."""
+    from graphpipe import zoo
+    from graphpipe.cluster import preset
+    from graphpipe.sched import simulate
+
+    from evals.bench_runtime import plan_for, predict_calibrated
+
+    spec = "candle-uno:small,branches=4,layers=2,hidden=64,features=32"
+    graph = zoo.load_graph(spec)
+    cluster = preset("v100", 4)
+    plan = plan_for(spec, graph, cluster, 32, "gpp")
+    alone = simulate(plan.stage_graph, plan.schedule, cluster)
+    flat = {"slowdown": {"1": 1.0, "2": 1.0, "4": 1.0}}
+    t, slowdown, busy = predict_calibrated(plan, plan.stage_graph.graph, flat)
+    assert (t, slowdown) == (pytest.approx(alone.iteration_time_s), pytest.approx(1.0))
+    assert busy == pytest.approx(sum(alone.busy_s) / alone.iteration_time_s)
+    one_core = {"slowdown": {"1": 1.0, "2": 2.0, "4": 4.0}}
+    t1, slowdown1, busy1 = predict_calibrated(plan, plan.stage_graph.graph, one_core)
+    assert t1 >= sum(alone.busy_s) * (1 - 1e-9)  # at most one unit of work per second
+    assert slowdown1 > 1  # gpp runs branches at once, and they share the core
+    assert busy1 / slowdown1 <= 1 + 1e-9  # dedicated-time work per second of the iteration

@@ -147,3 +147,22 @@ def test_cpsat_schedule_is_validated_and_no_worse(tmp_path, capsys):
     assert main(["simulate", path, "--schedule", "cpsat", "--time-limit", "5", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["iteration_time_s"] <= plan.predicted["iteration_time_s"] * (1 + 1e-6)
+
+
+def test_host_cores_time_shares_the_devices(tmp_path, capsys):
+    """--host-cores N simulates on SharedHost.cores(N); with one core the diamond's branches take turns."""
+    from graphpipe.sched import SharedHost
+
+    plan = _plan()
+    path = str(tmp_path / "plan.json")
+    write_plan(path, plan)
+    times = {}
+    for cores in (4, 1):
+        assert main(["simulate", path, "--json", "--host-cores", str(cores)]) == 0
+        times[cores] = json.loads(capsys.readouterr().out)["iteration_time_s"]
+        host = SharedHost.cores(cores)
+        assert times[cores] == pytest.approx(simulate(plan.stage_graph, plan.schedule, plan.cluster, host=host).iteration_time_s)
+    assert times[4] == pytest.approx(plan.predicted["iteration_time_s"])
+    assert times[1] > times[4]
+    assert main(["simulate", path, "--host-cores", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "graphpipe: error: --host-cores must be at least 1, got 0"

@@ -6,6 +6,7 @@ Examples::
     graphpipe simulate plan.json --json                   # one JSON object
     graphpipe simulate plan.json --schedule 1f1b --gantt 1f1b.png --trace 1f1b.trace.json
     graphpipe simulate plan.json --schedule cpsat --time-limit 30 --out plan-cpsat.json
+    graphpipe simulate plan.json --host-cores 2            # the plan's ranks time-share 2 CPU cores
 
 Every plan read from disk goes through the one validator
 (:func:`graphpipe.sched.validate_plan`); a malformed plan (non-convex stage,
@@ -34,6 +35,9 @@ def register(sub) -> None:
                    help="replace the plan's schedule: gpipe, 1f1b, interleaved, graph-1f1b, or cpsat")
     p.add_argument("--time-limit", type=float, default=10.0, metavar="S",
                    help="CP-SAT time limit in seconds for --schedule cpsat (default 10)")
+    p.add_argument("--host-cores", type=int, default=None, metavar="N",
+                   help="the devices time-share N cores of one host (CPU ranks on a smaller machine): while k "
+                        "compute at once, each runs max(1, k/N) times slower")
     p.add_argument("--trace", default=None, metavar="OUT.json", help="write a Chrome/Perfetto trace")
     p.add_argument("--gantt", default=None, metavar="OUT.png", help="write a Gantt chart")
     p.add_argument("--out", default=None, metavar="PLAN.json", help="write the plan with this schedule and its figures")
@@ -55,8 +59,10 @@ def run(args) -> int:
 
 def _run(args) -> int:
     from graphpipe.plan import read_plan, write_plan
-    from graphpipe.sched import make_schedule, predicted_figures, simulate, validate_plan
+    from graphpipe.sched import SharedHost, make_schedule, predicted_figures, simulate, validate_plan
 
+    if args.host_cores is not None and args.host_cores < 1:
+        raise InputError(f"--host-cores must be at least 1, got {args.host_cores}")
     plan = read_plan(args.plan)
     if args.schedule is None:
         validate_plan(plan)
@@ -70,7 +76,8 @@ def _run(args) -> int:
     else:
         schedule = make_schedule(args.schedule, plan.stage_graph, plan.cluster)
         plan = plan.with_schedule(schedule)
-    timeline = simulate(plan.stage_graph, plan.schedule, plan.cluster)
+    host = SharedHost.cores(args.host_cores) if args.host_cores else None
+    timeline = simulate(plan.stage_graph, plan.schedule, plan.cluster, host=host)
     figures = predicted_figures(timeline)
     if args.trace:
         from graphpipe.sched.trace import write_trace

@@ -12,8 +12,8 @@ from graphpipe.actions import Action, Schedule
 from graphpipe.sched.generators import (SCHEDULE_NAMES, gpipe, interleaved_1f1b, make_schedule, one_f_one_b,
                                         round_robin_chain)
 from graphpipe.sched.graph1f1b import graph_1f1b, warmup_counts
-from graphpipe.sched.simulator import (ActionRecord, AllReduceRecord, Timeline, TransferRecord, build_timeline,
-                                       edge_delay, predicted_figures, simulate)
+from graphpipe.sched.simulator import (ActionRecord, AllReduceRecord, SharedHost, Timeline, TransferRecord,
+                                       build_timeline, edge_delay, predicted_figures, simulate)
 from graphpipe.sched.validate import format_grid, validate_plan, validate_schedule
 from graphpipe.sched.trace import trace_document, write_trace
 from graphpipe.sched.gantt import plot_gantt, plot_gantt_pair
@@ -23,7 +23,7 @@ __all__ = [
     "SCHEDULE_NAMES", "gpipe", "one_f_one_b", "interleaved_1f1b", "graph_1f1b", "make_schedule",
     "round_robin_chain", "warmup_counts",
     "validate_schedule", "validate_plan", "format_grid",
-    "simulate", "build_timeline", "predicted_figures", "edge_delay",
+    "simulate", "SharedHost", "build_timeline", "predicted_figures", "edge_delay",
     "Timeline", "ActionRecord", "TransferRecord", "AllReduceRecord",
     "write_trace", "trace_document", "plot_gantt", "plot_gantt_pair",
 ]

@@ -34,7 +34,8 @@ from typing import Callable, Sequence
 from graphpipe.actions import Action
 from graphpipe.stages import StageGraph, covered_mbs
 
-__all__ = ["EngineResult", "Stuck", "run_engine", "covering_consumer_mbs", "KIND_INDEX"]
+__all__ = ["EngineResult", "Stuck", "run_engine", "run_engine_shared", "action_deps", "covering_consumer_mbs",
+           "KIND_INDEX"]
 
 KIND_INDEX = {"F": 0, "B": 1}
 
@@ -69,6 +70,33 @@ class EngineResult:
     stuck: tuple[Stuck, ...]
 
 
+def action_deps(action: Action, preds, succs, mb_size, fdel, bdel) -> list[tuple[int, int, int, float]]:
+    """``(stage, kind index, mb, delay)`` of every action ``action`` waits for (module docstring).
+
+    ``preds``/``succs``/``mb_size`` are per-stage lists of the stage graph,
+    ``fdel``/``bdel`` the forward/backward delay of each edge. This runs for
+    every action of every simulation, so :func:`covered_mbs` is inlined.
+    """
+    s, j = action.stage_id, action.mb_id
+    if action.kind == "F":
+        out = []
+        bc = mb_size[s]
+        for p in preds[s]:
+            bp = mb_size[p]
+            delay = fdel[(p, s)]
+            for i in range(j * bc // bp, ((j + 1) * bc - 1) // bp + 1):
+                out.append((p, 0, i, delay))
+        return out
+    out = [(s, 0, j, 0.0)]
+    bp = mb_size[s]
+    for c in succs[s]:
+        bc = mb_size[c]
+        delay = bdel[(s, c)]
+        for k in range(j * bp // bc, ((j + 1) * bp - 1) // bc + 1):
+            out.append((c, 1, k, delay))
+    return out
+
+
 def run_engine(sg: StageGraph, device_actions: Sequence[Sequence[Action]],
                duration: Callable[[int, str], float],
                fwd_delay: Callable[[int, int], float],
@@ -81,41 +109,9 @@ def run_engine(sg: StageGraph, device_actions: Sequence[Sequence[Action]],
     ``duration(stage, kind)`` is the compute time of one action.
     """
     num_devices = len(device_actions)
-    num_stages = sg.num_stages
-    preds = [sg.preds(s) for s in range(num_stages)]
-    succs = [sg.succs(s) for s in range(num_stages)]
-    mb_size = [st.micro_batch_size for st in sg.stages]
-    num_mbs = [sg.num_micro_batches(s) for s in range(num_stages)]
-    replicas = [len(st.devices) for st in sg.stages]
-    fdel = {(p, c): fwd_delay(p, c) for p, c in sg.edges}
-    bdel = {(p, c): bwd_delay(p, c) for p, c in sg.edges}
-    dur = [(duration(s, "F"), duration(s, "B")) for s in range(num_stages)]
-    # Stage-level completion time of (stage, kind, mb): None until every replica has run it.
-    done: list[list[list[float | None]]] = [[[None] * num_mbs[s], [None] * num_mbs[s]] for s in range(num_stages)]
-    partial: list[list[list[float]]] = [[[0.0] * num_mbs[s], [0.0] * num_mbs[s]] for s in range(num_stages)]
-    remaining: list[list[list[int]]] = [[[replicas[s]] * num_mbs[s], [replicas[s]] * num_mbs[s]] for s in range(num_stages)]
+    tab = _Tables(sg, duration, fwd_delay, bwd_delay)
+    preds, succs, mb_size, fdel, bdel, dur, done = tab.preds, tab.succs, tab.mb_size, tab.fdel, tab.bdel, tab.dur, tab.done
     waiters: dict[tuple[int, int, int], list[int]] = {}
-
-    def deps_of(action: Action) -> list[tuple[int, int, int, float]]:
-        s, j = action.stage_id, action.mb_id
-        if action.kind == "F":
-            # covered_mbs(mb_size[p], bc, j), inlined: this runs for every action of every simulation
-            out = []
-            bc = mb_size[s]
-            for p in preds[s]:
-                bp = mb_size[p]
-                delay = fdel[(p, s)]
-                for i in range(j * bc // bp, ((j + 1) * bc - 1) // bp + 1):
-                    out.append((p, 0, i, delay))
-            return out
-        out = [(s, 0, j, 0.0)]
-        bp = mb_size[s]
-        for c in succs[s]:  # covered_mbs(mb_size[c], bp, j), inlined
-            bc = mb_size[c]
-            delay = bdel[(s, c)]
-            for k in range(j * bp // bc, ((j + 1) * bp - 1) // bc + 1):
-                out.append((c, 1, k, delay))
-        return out
 
     pos = [0] * num_devices
     free = [0.0] * num_devices
@@ -134,7 +130,7 @@ def run_engine(sg: StageGraph, device_actions: Sequence[Sequence[Action]],
             action = acts[pos[d]]
             deps = head_deps[d]
             if deps is None:
-                deps = head_deps[d] = deps_of(action)
+                deps = head_deps[d] = action_deps(action, preds, succs, mb_size, fdel, bdel)
                 head_cursor[d] = 0
                 head_ready[d] = free[d]
             ready = head_ready[d]
@@ -161,19 +157,126 @@ def run_engine(sg: StageGraph, device_actions: Sequence[Sequence[Action]],
             free[d] = end
             pos[d] += 1
             head_deps[d] = None
-            if end > partial[s][k][j]:
-                partial[s][k][j] = end
-            remaining[s][k][j] -= 1
-            if remaining[s][k][j] == 0:
-                done[s][k][j] = partial[s][k][j]
+            if tab.finish(s, k, j, end):
                 for w in waiters.pop((s, k, j), ()):
                     stack.append(w)
-    stuck = []
+    return tab.result(device_actions, pos, blocked_on, starts, ends)
+
+
+def run_engine_shared(sg: StageGraph, device_actions: Sequence[Sequence[Action]],
+                      duration: Callable[[int, str], float],
+                      fwd_delay: Callable[[int, int], float],
+                      bwd_delay: Callable[[int, int], float],
+                      slowdown: Callable[[int], float]) -> EngineResult:
+    """:func:`run_engine` for devices that share one host's processors.
+
+    The dependencies and per-device order are the same; what changes is
+    speed: while ``k`` actions run at once, each progresses at
+    ``1 / slowdown(k)`` of its dedicated rate (processor sharing, the fluid
+    model of a time-shared CPU: ``slowdown(k) = max(1, k / cores)`` for
+    ``cores`` cores, or a measured table that also carries memory-bandwidth
+    contention). Start times then depend on what else runs, so this is a
+    time-ordered event loop, not a longest-path pass: O(events x devices).
+    With ``slowdown(k) == 1`` it returns :func:`run_engine`'s times (up to
+    rounding).
+    """
+    num_devices = len(device_actions)
+    tab = _Tables(sg, duration, fwd_delay, bwd_delay)
+    pos = [0] * num_devices
+    free = [0.0] * num_devices
+    starts: list[list[float]] = [[] for _ in range(num_devices)]
+    ends: list[list[float]] = [[] for _ in range(num_devices)]
+    ready: list[float | None] = [None] * num_devices  # head action's earliest start, once its inputs are known
+    left: list[float | None] = [None] * num_devices  # dedicated-time work left of the running head action
+    blocked_on: list[tuple[int, int, int] | None] = [None] * num_devices
+
+    def resolve(d: int) -> None:
+        """Set ``ready[d]`` when every input of device ``d``'s next action has finished (else note the blocker)."""
+        at = free[d]
+        for s2, k2, mb2, delay in action_deps(device_actions[d][pos[d]], tab.preds, tab.succs, tab.mb_size,
+                                              tab.fdel, tab.bdel):
+            end = tab.done[s2][k2][mb2]
+            if end is None:
+                blocked_on[d] = (s2, k2, mb2)
+                return
+            at = max(at, end + delay)
+        blocked_on[d], ready[d] = None, at
+
     for d in range(num_devices):
-        if pos[d] < len(device_actions[d]):
-            key = blocked_on[d]
-            waits = Action(key[0], "FB"[key[1]], key[2]) if key else device_actions[d][pos[d]]
-            stuck.append(Stuck(d, pos[d], device_actions[d][pos[d]], waits))
-    stage_end = tuple(tuple(tuple(x if x is not None else float("nan") for x in done[s][k]) for k in (0, 1))
-                      for s in range(num_stages))
-    return EngineResult(tuple(map(tuple, starts)), tuple(map(tuple, ends)), stage_end, tuple(stuck))
+        if device_actions[d]:
+            resolve(d)
+    now = 0.0
+    while True:
+        for d in range(num_devices):  # start every head action whose inputs are in and whose device is free
+            if left[d] is None and ready[d] is not None and ready[d] <= now:
+                action = device_actions[d][pos[d]]
+                left[d] = tab.dur[action.stage_id][KIND_INDEX[action.kind]]
+                starts[d].append(now)
+        running = [d for d in range(num_devices) if left[d] is not None]
+        later = [ready[d] for d in range(num_devices) if left[d] is None and ready[d] is not None]
+        if not running:
+            if not later:
+                break  # finished, or stuck (blocked_on says on what)
+            now = min(later)
+            continue
+        rate = 1.0 / slowdown(len(running))
+        step = min(left[d] for d in running) / rate
+        if later:
+            step = min(step, min(later) - now)
+        now += step
+        finished = []
+        for d in running:
+            left[d] -= step * rate
+            if left[d] <= 1e-12 * max(1.0, now):
+                finished.append(d)
+        for d in finished:
+            action = device_actions[d][pos[d]]
+            ends[d].append(now)
+            free[d], left[d], ready[d] = now, None, None
+            pos[d] += 1
+            tab.finish(action.stage_id, KIND_INDEX[action.kind], action.mb_id, now)
+        if finished:  # a finished action may release any device's head
+            for d in range(num_devices):
+                if left[d] is None and ready[d] is None and pos[d] < len(device_actions[d]):
+                    resolve(d)
+    return tab.result(device_actions, pos, blocked_on, starts, ends)
+
+
+class _Tables:
+    """Per-stage inputs and per-(stage, kind, mb) completion state shared by both engines."""
+
+    def __init__(self, sg: StageGraph, duration, fwd_delay, bwd_delay) -> None:
+        num_stages = sg.num_stages
+        self.preds = [sg.preds(s) for s in range(num_stages)]
+        self.succs = [sg.succs(s) for s in range(num_stages)]
+        self.mb_size = [st.micro_batch_size for st in sg.stages]
+        num_mbs = [sg.num_micro_batches(s) for s in range(num_stages)]
+        replicas = [len(st.devices) for st in sg.stages]
+        self.fdel = {(p, c): fwd_delay(p, c) for p, c in sg.edges}
+        self.bdel = {(p, c): bwd_delay(p, c) for p, c in sg.edges}
+        self.dur = [(duration(s, "F"), duration(s, "B")) for s in range(num_stages)]
+        # Stage-level completion time of (stage, kind, mb): None until every replica has run it.
+        self.done: list[list[list[float | None]]] = [[[None] * n, [None] * n] for n in num_mbs]
+        self.partial: list[list[list[float]]] = [[[0.0] * n, [0.0] * n] for n in num_mbs]
+        self.remaining: list[list[list[int]]] = [[[r] * n, [r] * n] for n, r in zip(num_mbs, replicas)]
+
+    def finish(self, s: int, k: int, j: int, end: float) -> bool:
+        """Record one replica's end of ``(s, k, j)``; True when that was the last replica."""
+        if end > self.partial[s][k][j]:
+            self.partial[s][k][j] = end
+        self.remaining[s][k][j] -= 1
+        if self.remaining[s][k][j]:
+            return False
+        self.done[s][k][j] = self.partial[s][k][j]
+        return True
+
+    def result(self, device_actions, pos, blocked_on, starts, ends) -> EngineResult:
+        stuck = []
+        for d, acts in enumerate(device_actions):
+            if pos[d] < len(acts):
+                key = blocked_on[d]
+                waits = Action(key[0], "FB"[key[1]], key[2]) if key else acts[pos[d]]
+                stuck.append(Stuck(d, pos[d], acts[pos[d]], waits))
+        stage_end = tuple(tuple(tuple(x if x is not None else float("nan") for x in per_kind) for per_kind in per_stage)
+                          for per_stage in self.done)
+        return EngineResult(tuple(map(tuple, starts)), tuple(map(tuple, ends)), stage_end, tuple(stuck))

@@ -62,11 +62,55 @@ from graphpipe.cluster import Cluster
 from graphpipe.errors import ScheduleError
 from graphpipe.stages import StageGraph
 
-from graphpipe.sched.engine import covering_consumer_mbs, run_engine
+from graphpipe.sched.engine import covering_consumer_mbs, run_engine, run_engine_shared
 from graphpipe.sched.validate import check_structure, raise_deadlock
 
-__all__ = ["ActionRecord", "TransferRecord", "AllReduceRecord", "Timeline", "simulate", "build_timeline",
+__all__ = ["SharedHost", "ActionRecord", "TransferRecord", "AllReduceRecord", "Timeline", "simulate", "build_timeline",
            "predicted_figures", "edge_delay"]
+
+
+@dataclass(frozen=True, slots=True)
+class SharedHost:
+    """Devices that are not dedicated processors but share one host (CPU ranks on fewer free cores).
+
+    ``points`` are ``(k, slowdown)`` pairs, ``k`` ascending from 1: while
+    ``k`` devices compute at once, each runs ``slowdown`` times slower than
+    alone. Between points the slowdown is interpolated linearly; past the
+    last point it grows in proportion to ``k`` (every core already shared).
+    :meth:`cores` is pure time sharing; a table measured on the host (the
+    runtime benchmark times one training step in ``k`` processes at once)
+    also carries the memory-bandwidth and cache contention of ``k`` ranks.
+
+    >>> SharedHost.cores(2).slowdown(3), SharedHost(((1, 1.0), (4, 2.5))).slowdown(2)
+    (1.5, 1.5)
+    """
+
+    points: tuple[tuple[int, float], ...]
+
+    def __post_init__(self) -> None:
+        ks = [k for k, _ in self.points]
+        if not ks or ks[0] != 1 or any(b <= a for a, b in zip(ks, ks[1:])):
+            raise ValueError(f"SharedHost points need k = 1, 2, ... strictly ascending from 1, got k = {ks}")
+        bad = [(k, v) for k, v in self.points if not (math.isfinite(v) and v > 0)]
+        if bad:
+            raise ValueError(f"SharedHost slowdowns must be positive and finite, got {bad}")
+
+    @classmethod
+    def cores(cls, num_cores: int) -> "SharedHost":
+        """Pure time sharing of ``num_cores`` cores: ``slowdown(k) = max(1, k / num_cores)``."""
+        if num_cores < 1:
+            raise ValueError(f"a host needs at least one core, got {num_cores}")
+        return cls(((1, 1.0), (num_cores, 1.0)) if num_cores > 1 else ((1, 1.0),))
+
+    def slowdown(self, k: int) -> float:
+        pts = self.points
+        if k <= pts[0][0]:
+            return pts[0][1]
+        for (k0, s0), (k1, s1) in zip(pts, pts[1:]):
+            if k <= k1:
+                return s0 + (s1 - s0) * (k - k0) / (k1 - k0)
+        k_last, s_last = pts[-1]
+        return s_last * k / k_last
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,8 +198,14 @@ def edge_delay(sg: StageGraph, cluster: Cluster, producer: int, consumer: int) -
     return cluster.transfer_time(sg.stages[producer].devices, sg.stages[consumer].devices, nbytes)
 
 
-def simulate(sg: StageGraph, schedule: Schedule, cluster: Cluster) -> Timeline:
+def simulate(sg: StageGraph, schedule: Schedule, cluster: Cluster, host: SharedHost | None = None) -> Timeline:
     """Simulate one iteration of ``schedule`` on ``sg`` and ``cluster`` (semantics in the module docstring).
+
+    With ``host``, the devices share one host's processors: every action
+    that runs while ``k`` devices compute is ``host.slowdown(k)`` times
+    slower (:func:`graphpipe.sched.engine.run_engine_shared`); transfers and
+    all-reduces stay pure delays. This predicts CPU ranks time-sharing fewer
+    cores, where concurrent branch stages gain nothing once every core is busy.
 
     Raises :class:`ScheduleError` for a malformed schedule and
     :class:`DeadlockError` (naming the blocked actions) when it cannot finish.
@@ -167,8 +217,9 @@ def simulate(sg: StageGraph, schedule: Schedule, cluster: Cluster) -> Timeline:
     delays = {(p, c): edge_delay(sg, cluster, p, c) for p, c in sg.edges}
     fwd = [sg.fwd_time(s) for s in range(sg.num_stages)]
     bwd = [sg.bwd_time(s) for s in range(sg.num_stages)]
-    result = run_engine(sg, schedule.device_actions, lambda s, k: fwd[s] if k == "F" else bwd[s],
-                        lambda p, c: delays[(p, c)], lambda p, c: delays[(p, c)])
+    args = (sg, schedule.device_actions, lambda s, k: fwd[s] if k == "F" else bwd[s],
+            lambda p, c: delays[(p, c)], lambda p, c: delays[(p, c)])
+    result = run_engine(*args) if host is None else run_engine_shared(*args, host.slowdown)
     if result.stuck:
         raise_deadlock(schedule, result.stuck)
     actions = [ActionRecord(d, a, result.starts[d][k], result.ends[d][k])
