@@ -42,8 +42,8 @@ from graphpipe.errors import InputError
 from graphpipe.graph import OpGraph
 from graphpipe.stages import StageGraph
 
-__all__ = ["SearchOptions", "SearchResult", "stage_tps", "stage_memory", "cut_tps", "stage_out_bytes", "comm_links",
-           "link_name", "divisors", "micro_batch_candidates"]
+__all__ = ["SearchOptions", "SearchResult", "stage_tps", "placed_bottleneck", "simulated", "stage_memory", "cut_tps",
+           "stage_out_bytes", "comm_links", "link_name", "divisors", "micro_batch_candidates"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -81,6 +81,19 @@ def stage_tps(graph: OpGraph, op_ids: Iterable[int], devices: Sequence[int], mic
     params = sum(graph.ops[i].param_bytes for i in op_ids)
     return compute / micro_batch_size + cluster.allreduce_time(devices, params) / batch_size
 
+
+
+def placed_bottleneck(sg: StageGraph, cluster: Cluster) -> float:
+    """Largest :func:`stage_tps` of a placed stage graph (its real device sets): the partitioners' objective."""
+    return max(stage_tps(sg.graph, s.op_ids, s.devices, s.micro_batch_size, sg.batch_size, cluster) for s in sg.stages)
+
+
+def simulated(sg: StageGraph, cluster: Cluster, schedule_name: str) -> tuple[float, bool]:
+    """(throughput, whether the peak memory fits) of one iteration of ``sg`` under ``schedule_name``, by the one simulator."""
+    from graphpipe.sched import make_schedule, predicted_figures, simulate
+
+    figures = predicted_figures(simulate(sg, make_schedule(schedule_name, sg, cluster), cluster))
+    return float(figures["throughput"]), float(figures["max_peak_memory_bytes"]) <= cluster.memory_bytes
 
 def stage_memory(graph: OpGraph, op_ids: Iterable[int], num_replicas: int, micro_batch_size: int,
                  in_flight: int, cluster: Cluster) -> float:

@@ -93,7 +93,7 @@ from graphpipe.cluster import Cluster, Link
 from graphpipe.errors import InfeasibleError
 from graphpipe.graph import OpGraph
 from graphpipe.search.common import (SearchOptions, SearchResult, comm_links, link_name, micro_batch_candidates,
-                                     stage_tps)
+                                     placed_bottleneck, simulated)
 from graphpipe.search.gpp_dp import (INF, BottleneckDP, DPStage, DPTree, build_tree, chain_tree, first_feasible,
                                      min_bottleneck)
 from graphpipe.sp import induced_subgraph, make_series_parallel
@@ -228,8 +228,7 @@ def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: Search
                     used, cluster.num_devices, graph.name, batch_size)
     stats: dict[str, Any] = {
         "time_s": time.perf_counter() - started,
-        "bottleneck_tps": max(stage_tps(graph, s.op_ids, s.devices, s.micro_batch_size, batch_size, cluster)
-                              for s in sg.stages),
+        "bottleneck_tps": placed_bottleneck(sg, cluster),
         "model_bottleneck_tps": cand.bottleneck_tps,
         "min_bottleneck_tps": best_tps,
         "num_targets_tried": tried,
@@ -408,15 +407,6 @@ def _to_stage_graph(graph: OpGraph, sp_graph: OpGraph, merged: dict, cand: _Cand
 
 
 # ----------------------------------------------------------------- scoring
-def _score(sg: StageGraph, cluster: Cluster, schedule: str = SCHEDULE) -> tuple[float, bool]:
-    """(simulated throughput under ``schedule``, whether the simulated peak memory fits)."""
-    from graphpipe.sched import make_schedule, predicted_figures, simulate
-
-    timeline = simulate(sg, make_schedule(schedule, sg, cluster), cluster)
-    figures = predicted_figures(timeline)
-    return float(figures["throughput"]), float(figures["max_peak_memory_bytes"]) <= cluster.memory_bytes
-
-
 def _spread_idle(sg: StageGraph, cluster: Cluster, link: Link | None, throughput: float, schedule_name: str,
                  power_of_two: bool = False) -> tuple[StageGraph, float, str, int]:
     """Give the idle devices to one stage, split by the DP: the best simulated such graph, if it beats ``sg``.
@@ -466,7 +456,7 @@ def _score_best(sg: StageGraph, cluster: Cluster) -> tuple[float, str] | None:
     """
     best = None
     for schedule in (SCHEDULE, FILL_DRAIN):
-        throughput, fits = _score(sg, cluster, schedule)
+        throughput, fits = simulated(sg, cluster, schedule)
         if fits and (best is None or throughput > best[0] * (1 + 1e-12)):
             best = (throughput, schedule)
     return best

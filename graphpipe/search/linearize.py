@@ -53,8 +53,7 @@ import numpy as np
 from graphpipe.cluster import Cluster, Link
 from graphpipe.errors import InfeasibleError, InputError
 from graphpipe.graph import OpGraph
-from graphpipe.sched import make_schedule, predicted_figures, simulate
-from graphpipe.search.common import SearchResult, link_name, stage_tps
+from graphpipe.search.common import SearchResult, link_name, placed_bottleneck, simulated
 from graphpipe.stages import Stage, StageGraph
 
 __all__ = [
@@ -70,11 +69,9 @@ __all__ = [
     "SequentialPartition",
     "layouts",
     "linear_cut_bytes",
-    "estimate_throughput",
     "choose_micro_batch",
     "sequential_result",
     "replica_mask",
-    "placed_bottleneck",
 ]
 
 log = logging.getLogger(__name__)
@@ -343,18 +340,6 @@ def linear_cut_bytes(graph: OpGraph, order: Sequence[int]) -> np.ndarray:
     return np.cumsum(diff)[: len(order)]
 
 
-def placed_bottleneck(sg: StageGraph, cluster: Cluster) -> float:
-    """max stage TPS of a placed stage graph (real device sets)."""
-    return max(stage_tps(sg.graph, s.op_ids, s.devices, s.micro_batch_size, sg.batch_size, cluster)
-               for s in sg.stages)
-
-
-def estimate_throughput(sg: StageGraph, cluster: Cluster, schedule_name: str) -> float:
-    """Samples per second of one iteration of ``sg`` under ``schedule_name``, by the one simulator."""
-    schedule = make_schedule(schedule_name, sg, cluster)
-    return float(predicted_figures(simulate(sg, schedule, cluster))["throughput"])
-
-
 def choose_micro_batch(strategy: str, graph: OpGraph, cluster: Cluster, batch_size: int,
                        candidates: Sequence[int], schedule_name: str,
                        solve: Callable[[int, Link | None], SequentialPartition | None],
@@ -382,7 +367,7 @@ def choose_micro_batch(strategy: str, graph: OpGraph, cluster: Cluster, batch_si
                 continue
             seen.add(part.stages)
             for lay, sg in enumerate(layouts(graph, cluster, batch_size, part)):
-                throughput = estimate_throughput(sg, cluster, schedule_name)
+                throughput = simulated(sg, cluster, schedule_name)[0]
                 tried.append(f"{b}/{li}/{lay}: {throughput:.4g} samples/s")
                 key = (-throughput, part.bottleneck_tps, b, li, lay)
                 if best is None or key < best[0]:
