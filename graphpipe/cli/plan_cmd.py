@@ -39,6 +39,9 @@ def register(sub) -> None:
     p.add_argument("--per-stage-micro-batch", action="store_true", help="let each stage pick its micro-batch size")
     p.add_argument("--power-of-two", action="store_true",
                    help="device counts and micro-batch sizes powers of two only (the paper's setting)")
+    p.add_argument("--host-cores", type=int, default=None, metavar="N",
+                   help="the devices are ranks time-sharing N cores of one host (CPU runs on a smaller machine): "
+                        "plan for that host, trying 1..devices ranks")
     p.add_argument("--schedule", default=None, metavar="NAME",
                    help="override the strategy's schedule: gpipe, 1f1b, interleaved, graph-1f1b, cpsat")
     p.add_argument("--time-limit", type=float, default=10.0, metavar="S", help="CP-SAT time limit (default 10 s)")
@@ -54,8 +57,15 @@ def _options(args):
 
     if args.micro_batch_size is not None and args.micro_batch_size < 1:
         raise InputError(f"--micro-batch-size must be a positive integer, got {args.micro_batch_size}")
+    host = None
+    if args.host_cores is not None:
+        if args.host_cores < 1:
+            raise InputError(f"--host-cores must be at least 1, got {args.host_cores}")
+        from graphpipe.sched import SharedHost
+
+        host = SharedHost.cores(args.host_cores)
     return SearchOptions(micro_batch_size=args.micro_batch_size, per_stage_micro_batch=args.per_stage_micro_batch,
-                         power_of_two=args.power_of_two)
+                         power_of_two=args.power_of_two, host=host)
 
 
 def run(args) -> int:

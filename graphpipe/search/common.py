@@ -33,7 +33,7 @@ Example
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -41,6 +41,9 @@ from graphpipe.cluster import Cluster, Link
 from graphpipe.errors import InputError
 from graphpipe.graph import OpGraph
 from graphpipe.stages import StageGraph
+
+if TYPE_CHECKING:
+    from graphpipe.sched import SharedHost
 
 __all__ = ["SearchOptions", "SearchResult", "stage_tps", "placed_bottleneck", "simulated", "stage_memory", "cut_tps",
            "stage_out_bytes", "comm_links", "link_name", "divisors", "micro_batch_candidates"]
@@ -56,6 +59,10 @@ class SearchOptions:
     """Piper's guard: refuse graphs with more downsets than this."""
     power_of_two: bool = False
     """Restrict device counts and micro-batch sizes to powers of two (the paper's setting)."""
+    host: "SharedHost | None" = None
+    """The devices time-share one host's processors (CPU ranks on fewer cores than ranks): every strategy
+    scores its candidates by the shared-host simulation, and :func:`~graphpipe.search.planner.make_plan`
+    also tries fewer devices, since on a saturated host an extra rank only adds work. None: dedicated devices."""
 
     def __post_init__(self) -> None:
         if self.micro_batch_size is not None and (not isinstance(self.micro_batch_size, int) or self.micro_batch_size < 1):
@@ -88,11 +95,11 @@ def placed_bottleneck(sg: StageGraph, cluster: Cluster) -> float:
     return max(stage_tps(sg.graph, s.op_ids, s.devices, s.micro_batch_size, sg.batch_size, cluster) for s in sg.stages)
 
 
-def simulated(sg: StageGraph, cluster: Cluster, schedule_name: str) -> tuple[float, bool]:
+def simulated(sg: StageGraph, cluster: Cluster, schedule_name: str, host: SharedHost | None = None) -> tuple[float, bool]:
     """(throughput, whether the peak memory fits) of one iteration of ``sg`` under ``schedule_name``, by the one simulator."""
     from graphpipe.sched import make_schedule, predicted_figures, simulate
 
-    figures = predicted_figures(simulate(sg, make_schedule(schedule_name, sg, cluster), cluster))
+    figures = predicted_figures(simulate(sg, make_schedule(schedule_name, sg, cluster), cluster, host=host))
     return float(figures["throughput"]), float(figures["max_peak_memory_bytes"]) <= cluster.memory_bytes
 
 def stage_memory(graph: OpGraph, op_ids: Iterable[int], num_replicas: int, micro_batch_size: int,

@@ -102,5 +102,5 @@ def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: Search
     started = time.perf_counter()
     candidates = micro_batch_candidates(batch_size, options)
     sg, part, extra = choose_micro_batch("gpipe", graph, cluster, batch_size, candidates, SCHEDULE,
-                                         lambda b, _link: solve(graph, cluster, batch_size, b))
+                                         lambda b, _link: solve(graph, cluster, batch_size, b), host=options.host)
     return sequential_result(SCHEDULE, sg, part, cluster, started, **extra)

@@ -193,12 +193,12 @@ def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: Search
             f"{need / 1e9:.3g} GB (raise --memory-gb, add devices, or use a smaller batch)")
 
     best = None
-    simulated = 0
+    num_simulated = 0
     first, rest = _to_simulate(candidates, len(links))
     for cand in first:
         sg = _to_stage_graph(graph, sp_graph, merged, cand, cluster, batch_size)
-        scored = _score_best(sg, cluster)
-        simulated += 1
+        scored = _score_best(sg, cluster, options.host)
+        num_simulated += 1
         if scored is None:
             continue
         throughput, schedule_name = scored
@@ -208,8 +208,8 @@ def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: Search
     if best is None:  # the estimate-ranked few all overflow the simulated memory: try the rest
         for cand in rest:
             sg = _to_stage_graph(graph, sp_graph, merged, cand, cluster, batch_size)
-            scored = _score_best(sg, cluster)
-            simulated += 1
+            scored = _score_best(sg, cluster, options.host)
+            num_simulated += 1
             if scored is not None:
                 best = ((), sg, cand) + scored
                 break
@@ -218,10 +218,11 @@ def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: Search
             f"no plan fits in {cluster.memory_bytes / 1e9:g} GB per device once scheduled; raise --memory-gb")
     _, sg, cand, throughput, schedule_name = best
     sg, throughput, schedule_name, spread = _spread_idle(sg, cluster, links[cand.link], throughput, schedule_name,
-                                                         options.power_of_two)
-    simulated += spread
+                                                         options.power_of_two, options.host)
+    num_simulated += spread
     if options.per_stage_micro_batch and options.micro_batch_size is None:
-        sg, throughput, schedule_name = _refine_micro_batches(sg, cluster, throughput, schedule_name)
+        sg, throughput, schedule_name = _refine_micro_batches(sg, cluster, throughput, schedule_name,
+                                                              host=options.host)
     used = len(sg.devices_used())
     if used < cluster.num_devices:
         log.info("gpp uses %d of %d devices: more devices do not lower the bottleneck of %s at batch %d",
@@ -242,7 +243,7 @@ def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: Search
         "num_stages": sg.num_stages,
         "depth": sg.depth(),
         "candidates": len(candidates),
-        "candidates_simulated": simulated,
+        "candidates_simulated": num_simulated,
         "throughput_estimate": throughput,
     }
     return SearchResult(stage_graph=sg, schedule_name=schedule_name, stats=stats)
@@ -408,7 +409,7 @@ def _to_stage_graph(graph: OpGraph, sp_graph: OpGraph, merged: dict, cand: _Cand
 
 # ----------------------------------------------------------------- scoring
 def _spread_idle(sg: StageGraph, cluster: Cluster, link: Link | None, throughput: float, schedule_name: str,
-                 power_of_two: bool = False) -> tuple[StageGraph, float, str, int]:
+                 power_of_two: bool = False, host=None) -> tuple[StageGraph, float, str, int]:
     """Give the idle devices to one stage, split by the DP: the best simulated such graph, if it beats ``sg``.
 
     For every stage of >= 2 ops, the DP solves the stage's ops alone (in op
@@ -442,28 +443,29 @@ def _spread_idle(sg: StageGraph, cluster: Cluster, link: Link | None, throughput
             nxt += part.num_devices
             stages.append(Stage(len(stages), tuple(ops[i] for i in part.op_ids), devices, st.micro_batch_size))
         trial = StageGraph.build(graph, stages, sg.batch_size, sg.num_devices)
-        scored = _score_best(trial, cluster)
+        scored = _score_best(trial, cluster, host)
         runs += 1
         if scored is not None and scored[0] > best[0] * (1 + 1e-9):
             best = (scored[0], trial, scored[1])
     return best[1], best[0], best[2], runs
 
 
-def _score_best(sg: StageGraph, cluster: Cluster) -> tuple[float, str] | None:
+def _score_best(sg: StageGraph, cluster: Cluster, host=None) -> tuple[float, str] | None:
     """(throughput, schedule) of the faster of graph-1F1B and fill-drain that fits in memory; None if neither.
 
-    Ties go to graph-1F1B (fewer micro-batches in flight).
+    Ties go to graph-1F1B (fewer micro-batches in flight). ``host``: simulate on a shared host
+    (:attr:`SearchOptions.host`).
     """
     best = None
     for schedule in (SCHEDULE, FILL_DRAIN):
-        throughput, fits = simulated(sg, cluster, schedule)
+        throughput, fits = simulated(sg, cluster, schedule, host)
         if fits and (best is None or throughput > best[0] * (1 + 1e-12)):
             best = (throughput, schedule)
     return best
 
 
 def _refine_micro_batches(sg: StageGraph, cluster: Cluster, throughput: float, schedule_name: str,
-                          max_rounds: int = 3) -> tuple[StageGraph, float, str]:
+                          max_rounds: int = 3, host=None) -> tuple[StageGraph, float, str]:
     """Per-stage micro-batch sizes by coordinate descent on simulated throughput (option).
 
     Each stage in turn tries the neighbouring sizes (next smaller and larger
@@ -482,7 +484,7 @@ def _refine_micro_batches(sg: StageGraph, cluster: Cluster, throughput: float, s
                 stages = [Stage(s.id, s.op_ids, s.devices, b if s.id == st.id else s.micro_batch_size)
                           for s in sg.stages]
                 trial = StageGraph(sg.graph, tuple(stages), sg.batch_size, sg.num_devices)
-                scored = _score_best(trial, cluster)
+                scored = _score_best(trial, cluster, host)
                 if scored is not None and scored[0] > best_tp * (1 + 1e-9):
                     sg, (best_tp, best_schedule), improved = trial, scored, True
                     break

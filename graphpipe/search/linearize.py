@@ -343,7 +343,7 @@ def linear_cut_bytes(graph: OpGraph, order: Sequence[int]) -> np.ndarray:
 def choose_micro_batch(strategy: str, graph: OpGraph, cluster: Cluster, batch_size: int,
                        candidates: Sequence[int], schedule_name: str,
                        solve: Callable[[int, Link | None], SequentialPartition | None],
-                       links: Sequence[Link | None] = (None,)) -> tuple[StageGraph, SequentialPartition, dict]:
+                       links: Sequence[Link | None] = (None,), host=None) -> tuple[StageGraph, SequentialPartition, dict]:
     """Partition at every candidate micro-batch size and cut cost, keep the best simulated throughput.
 
     ``solve(b, link)`` is the strategy's DP at micro-batch size ``b`` with
@@ -352,7 +352,8 @@ def choose_micro_batch(strategy: str, graph: OpGraph, cluster: Cluster, batch_si
     model bottleneck, then to the smaller micro-batch size, then to the
     earlier link and layout, so the choice is deterministic. Raises
     :class:`InfeasibleError` when no size gives a partition that fits in
-    memory.
+    memory. ``host`` (a :class:`graphpipe.sched.SharedHost`) simulates on a
+    shared host.
     """
     best = None
     tried = []
@@ -367,7 +368,7 @@ def choose_micro_batch(strategy: str, graph: OpGraph, cluster: Cluster, batch_si
                 continue
             seen.add(part.stages)
             for lay, sg in enumerate(layouts(graph, cluster, batch_size, part)):
-                throughput = simulated(sg, cluster, schedule_name)[0]
+                throughput = simulated(sg, cluster, schedule_name, host)[0]
                 tried.append(f"{b}/{li}/{lay}: {throughput:.4g} samples/s")
                 key = (-throughput, part.bottleneck_tps, b, li, lay)
                 if best is None or key < best[0]:

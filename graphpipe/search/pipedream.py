@@ -164,5 +164,5 @@ def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: Search
     candidates = micro_batch_candidates(batch_size, options)
     sg, part, extra = choose_micro_batch("pipedream", graph, cluster, batch_size, candidates, SCHEDULE,
                                          lambda b, link: solve(graph, cluster, batch_size, b, options.power_of_two, link),
-                                         comm_links(cluster))
+                                         comm_links(cluster), host=options.host)
     return sequential_result(SCHEDULE, sg, part, cluster, started, **extra)

@@ -350,6 +350,6 @@ def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: Search
     sg, part, extra = choose_micro_batch(
         "piper", graph, cluster, batch_size, candidates, SCHEDULE,
         lambda b, link: solve(graph, cluster, batch_size, b, options.power_of_two, lattice=lattice, link=link),
-        comm_links(cluster))
+        comm_links(cluster), host=options.host)
     return sequential_result(SCHEDULE, sg, part, cluster, started, num_downsets=lattice.num_downsets,
                              num_downset_pairs=lattice.num_pairs, **extra)

@@ -8,6 +8,12 @@ unless ``schedule`` overrides it (``"cpsat"`` co-optimises micro-batch sizes
 and the action order, :mod:`graphpipe.search.cpsat`), validate, simulate,
 and refuse plans whose simulated peak memory exceeds the device memory.
 
+With ``options.host`` (devices time-sharing one host's cores, e.g. CPU
+ranks on a smaller machine) every strategy scores its candidates by the
+shared-host simulation, and ``make_plan`` searches on 1..N devices and keeps
+the fastest there: on a saturated host an extra rank adds transfers and
+all-reduces but no compute. Idle ranks get no stage.
+
 ``compare`` runs all four strategies on the same inputs; a strategy that
 fails becomes a row carrying its error instead of stopping the others.
 
@@ -38,7 +44,7 @@ from graphpipe.errors import GraphpipeError, InfeasibleError, InputError
 from graphpipe.graph import OpGraph
 from graphpipe.plan import Plan
 from graphpipe.search import DEFAULT_SCHEDULES, STRATEGIES, get_strategy
-from graphpipe.search.common import SearchOptions
+from graphpipe.search.common import SearchOptions, SearchResult
 from graphpipe.sp import make_series_parallel
 
 __all__ = ["make_plan", "compare", "COMPARE_KEYS", "TIMING_KEYS"]
@@ -74,9 +80,15 @@ def make_plan(model_id: str, graph: OpGraph, cluster: Cluster, batch_size: int, 
 
     _check_batch_size(batch_size)
     partition = get_strategy(strategy)
+    if options.host is not None and (schedule or "").lower() == "cpsat":
+        raise InputError("the CP-SAT schedule models dedicated devices, not a shared host; "
+                         "drop the host option or pick another schedule")
     started = time.perf_counter()
     sp_graph, merged = make_series_parallel(graph)
-    result = partition(sp_graph, cluster, batch_size, options)
+    if options.host is None:
+        result = partition(sp_graph, cluster, batch_size, options)
+    else:
+        result = _best_device_count(partition, sp_graph, cluster, batch_size, options, schedule)
     partitioned = time.perf_counter()
     sg = result.stage_graph
     schedule_name = (schedule or result.schedule_name or DEFAULT_SCHEDULES[strategy]).lower()
@@ -85,7 +97,7 @@ def make_plan(model_id: str, graph: OpGraph, cluster: Cluster, batch_size: int, 
     base_name = result.schedule_name if schedule_name == "cpsat" else schedule_name
     sched = make_schedule(base_name, sg, cluster)
     validate_schedule(sg, sched)
-    predicted = predicted_figures(simulate(sg, sched, cluster))
+    predicted = predicted_figures(simulate(sg, sched, cluster, host=options.host))
     plan = Plan(model=model_id, stage_graph=sg, cluster=cluster, strategy=strategy, schedule=sched,
                 predicted=predicted, search=search, merged=merged)
     if schedule_name == "cpsat":
@@ -105,6 +117,34 @@ def make_plan(model_id: str, graph: OpGraph, cluster: Cluster, batch_size: int, 
             f"{strategy} plan with the {plan.schedule.name} schedule needs {peak / 1e9:.3g} GB on device {worst} "
             f"(simulated peak) but devices have {cluster.memory_bytes / 1e9:g} GB; raise --memory-gb or add devices")
     return replace(plan, search=search)
+
+
+def _best_device_count(partition, graph: OpGraph, cluster: Cluster, batch_size: int, options: SearchOptions,
+                       schedule: str | None) -> SearchResult:
+    """The strategy on the first ``n`` devices, ``n = 1..N``: the fastest under the shared-host simulation.
+
+    Ties go to fewer devices. The stage graph keeps the cluster's ``N``
+    devices; those past ``n`` hold no stage. Raises the last
+    :class:`InfeasibleError` when no device count fits.
+    """
+    from graphpipe.search.common import simulated
+
+    best, error = None, None
+    for n in range(1, cluster.num_devices + 1):
+        try:
+            result = partition(graph, replace(cluster, num_devices=n), batch_size, options)
+        except InfeasibleError as exc:
+            error = exc
+            continue
+        sg = replace(result.stage_graph, num_devices=cluster.num_devices)
+        throughput, fits = simulated(sg, cluster, schedule or result.schedule_name, options.host)
+        if fits and (best is None or throughput > best[0] * (1 + 1e-9)):
+            best = (throughput, n, replace(result, stage_graph=sg))
+    if best is None:
+        raise error or InfeasibleError(f"no plan fits on 1..{cluster.num_devices} devices of the shared host")
+    throughput, n, result = best
+    return replace(result, stats={**dict(result.stats), "host_devices_used": n,
+                                  "host_slowdown": [list(p) for p in options.host.points]})
 
 
 def compare(model_id: str, graph: OpGraph, cluster: Cluster, batch_size: int,
