@@ -67,6 +67,8 @@ UNO = "candle-uno:small,branches=4,layers=3,hidden=1024,features=512,head_layers
 UNO_QUICK = "candle-uno:small,branches=4,layers=2,hidden=128,features=64"
 GPT = "transformer:small,layers=8,hidden=128,seq=32,heads=4,ffn=512,vocab=256"
 GPT_QUICK = "transformer:small,layers=4,hidden=64,seq=16,heads=4,ffn=128,vocab=100"
+BUSY_S = 0.03
+"""Seconds the ranks outside a ping-pong compute after each start (longer than the largest round trip)."""
 
 
 # ------------------------------------------------------------------ link calibration
@@ -81,6 +83,7 @@ def _linkbench(rank: int, world: int, port: int, sizes: list[int], ar_sizes: lis
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     p2p, ar = {}, {}
+    work = torch.randn(128, 128)
     for n in sizes:  # ping-pong between ranks 0 and 1; one-way time = round trip / 2
         buf = torch.zeros(n // 4, dtype=torch.float32)
         samples = []
@@ -93,6 +96,9 @@ def _linkbench(rank: int, world: int, port: int, sizes: list[int], ar_sizes: lis
             elif rank == 1:
                 dist.recv(buf, 0)
                 dist.send(buf, 0)
+            else:  # the other ranks compute meanwhile, as in a run: the two must win cores to move the bytes
+                while time.perf_counter() - t0 < BUSY_S:
+                    work = torch.tanh(work @ work * 0.01)
             if i >= 3:
                 samples.append((time.perf_counter() - t0) / 2)
         p2p[n] = statistics.median(samples)
