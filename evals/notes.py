@@ -14,7 +14,8 @@ NOTES: dict[str, str] = {
         "into a deep pipeline costs SPP the most; the paper measured real kernels on Summit. GPipe "
         "(no re-materialisation) does not fit MMT in 16 GB at any micro-batch size."),
     "search-time": (
-        "Piper / gpp on MMT is inside or slightly above the paper's 9-21x. Piper refuses DLRM and "
+        "Piper / gpp on MMT is 15-21x, inside the paper's 9-21x, with every partitioner costing its cuts "
+        "on each cluster link (which made every search about 2-3x slower). Piper refuses DLRM and "
         "CANDLE-Uno past its downset guard, as the paper reports. PipeDream's DP is faster than gpp at "
         "small device counts because its linear space is tiny; gpp also simulates its top candidates. "
         "gpp scales sub-linearly with devices (its DP is indexed by pipeline depth, not device count)."),
