@@ -1,4 +1,4 @@
-"""Helpers shared by the CLI verbs: resolving MODEL, printing JSON."""
+"""Helpers shared by the CLI verbs: resolving MODEL, printing JSON, the shared-host option."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from graphpipe.cluster import DeviceSpec
 from graphpipe.errors import InputError
 from graphpipe.graph import OpGraph, read_graph_json
 
-__all__ = ["ModelSource", "load_model", "print_json", "add_model_argument"]
+__all__ = ["ModelSource", "load_model", "print_json", "add_model_argument", "shared_host"]
 
 MODEL_HELP = ("zoo name with options (mmt, mmt:small, candle-uno:branches=3), a graph JSON file, "
               "a PipeDream graph.txt, or path/to/file.py:factory")
@@ -59,3 +59,14 @@ def load_model(spec: str, device: DeviceSpec | None = None, pipedream_batch_size
 def print_json(doc: Any) -> None:
     json.dump(doc, sys.stdout, indent=1)
     sys.stdout.write("\n")
+
+
+def shared_host(host_cores: int | None):
+    """``--host-cores N`` as a :class:`graphpipe.sched.SharedHost` (None when not given)."""
+    if host_cores is None:
+        return None
+    if host_cores < 1:
+        raise InputError(f"--host-cores must be at least 1, got {host_cores}")
+    from graphpipe.sched import SharedHost
+
+    return SharedHost.cores(host_cores)

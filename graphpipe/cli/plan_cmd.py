@@ -53,19 +53,13 @@ def register(sub) -> None:
 
 
 def _options(args):
+    from graphpipe.cli.common import shared_host
     from graphpipe.search.common import SearchOptions
 
     if args.micro_batch_size is not None and args.micro_batch_size < 1:
         raise InputError(f"--micro-batch-size must be a positive integer, got {args.micro_batch_size}")
-    host = None
-    if args.host_cores is not None:
-        if args.host_cores < 1:
-            raise InputError(f"--host-cores must be at least 1, got {args.host_cores}")
-        from graphpipe.sched import SharedHost
-
-        host = SharedHost.cores(args.host_cores)
     return SearchOptions(micro_batch_size=args.micro_batch_size, per_stage_micro_batch=args.per_stage_micro_batch,
-                         power_of_two=args.power_of_two, host=host)
+                         power_of_two=args.power_of_two, host=shared_host(args.host_cores))
 
 
 def run(args) -> int:

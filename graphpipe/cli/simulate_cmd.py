@@ -59,10 +59,10 @@ def run(args) -> int:
 
 def _run(args) -> int:
     from graphpipe.plan import read_plan, write_plan
-    from graphpipe.sched import SharedHost, make_schedule, predicted_figures, simulate, validate_plan
+    from graphpipe.cli.common import shared_host
+    from graphpipe.sched import make_schedule, predicted_figures, simulate, validate_plan
 
-    if args.host_cores is not None and args.host_cores < 1:
-        raise InputError(f"--host-cores must be at least 1, got {args.host_cores}")
+    host = shared_host(args.host_cores)
     plan = read_plan(args.plan)
     if args.schedule is None:
         validate_plan(plan)
@@ -76,7 +76,6 @@ def _run(args) -> int:
     else:
         schedule = make_schedule(args.schedule, plan.stage_graph, plan.cluster)
         plan = plan.with_schedule(schedule)
-    host = SharedHost.cores(args.host_cores) if args.host_cores else None
     timeline = simulate(plan.stage_graph, plan.schedule, plan.cluster, host=host)
     figures = predicted_figures(timeline)
     if args.trace:

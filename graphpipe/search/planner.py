@@ -44,7 +44,7 @@ from graphpipe.errors import GraphpipeError, InfeasibleError, InputError
 from graphpipe.graph import OpGraph
 from graphpipe.plan import Plan
 from graphpipe.search import DEFAULT_SCHEDULES, STRATEGIES, get_strategy
-from graphpipe.search.common import SearchOptions, SearchResult
+from graphpipe.search.common import SearchOptions, SearchResult, simulated
 from graphpipe.sp import make_series_parallel
 
 __all__ = ["make_plan", "compare", "COMPARE_KEYS", "TIMING_KEYS"]
@@ -127,8 +127,6 @@ def _best_device_count(partition, graph: OpGraph, cluster: Cluster, batch_size: 
     devices; those past ``n`` hold no stage. Raises the last
     :class:`InfeasibleError` when no device count fits.
     """
-    from graphpipe.search.common import simulated
-
     best, error = None, None
     for n in range(1, cluster.num_devices + 1):
         try:
