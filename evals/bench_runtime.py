@@ -274,13 +274,8 @@ def predict_calibrated(plan, raw_graph, share: dict[str, Any]) -> tuple[float, f
     The mean slowdown is compute time on the shared host over compute time
     alone; the mean busy ranks, compute time over iteration time.
     """
-    from dataclasses import replace
-
-    from graphpipe.sched import simulate
-
-    sg = replace(plan.stage_graph, graph=raw_graph)
-    alone = simulate(sg, plan.schedule, plan.cluster)
-    shared = simulate(sg, plan.schedule, plan.cluster, host=shared_host(share))
+    alone = simulated_with(plan, raw_graph)
+    shared = simulated_with(plan, raw_graph, shared_host(share))
     busy = sum(shared.busy_s)
     return shared.iteration_time_s, busy / sum(alone.busy_s), busy / shared.iteration_time_s
 
@@ -293,17 +288,11 @@ def predict_mean_share(plan, raw_graph, share: dict[str, Any]) -> float:
     simulate again. It ignores when the ranks are busy, so it credits
     concurrent branches with cores the host does not have.
     """
-    from dataclasses import replace
-
-    from graphpipe.sched import simulate
-
     host, factor = shared_host(share), 1.0
     for _ in range(2):
-        sg = replace(plan.stage_graph, graph=scaled_graph(raw_graph, factor))
-        tl = simulate(sg, plan.schedule, plan.cluster)
+        tl = simulated_with(plan, scaled_graph(raw_graph, factor))
         factor = _interpolated(host, sum(tl.busy_s) / tl.iteration_time_s)
-    sg = replace(plan.stage_graph, graph=scaled_graph(raw_graph, factor))
-    return simulate(sg, plan.schedule, plan.cluster).iteration_time_s
+    return simulated_with(plan, scaled_graph(raw_graph, factor)).iteration_time_s
 
 
 def _interpolated(host, concurrency: float) -> float:
@@ -353,14 +342,13 @@ def plan_for(spec: str, graph, cluster, batch: int, strategy: str, schedule: str
                      SearchOptions(micro_batch_size=mbs, host=host), schedule=schedule)
 
 
-def predicted_with(plan, graph) -> float:
-    """The plan's simulated iteration time with another costing of the same ops."""
+def simulated_with(plan, graph, host=None):
+    """The plan's simulated :class:`~graphpipe.sched.Timeline` with another costing of the same ops (on ``host``)."""
     from dataclasses import replace
 
     from graphpipe.sched import simulate
 
-    sg = replace(plan.stage_graph, graph=graph)
-    return simulate(sg, plan.schedule, plan.cluster).iteration_time_s
+    return simulate(replace(plan.stage_graph, graph=graph), plan.schedule, plan.cluster, host=host)
 
 
 def describe(plan) -> dict[str, Any]:
@@ -471,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
         model_key = name.split("/")[0]
         raw_graph = raw_graphs[model_key]
         pred, factor, concurrency = predict_calibrated(plans[name], raw_graph, shares[model_key])
-        pred_raw = predicted_with(plans[name], raw_graph)
+        pred_raw = simulated_with(plans[name], raw_graph).iteration_time_s
         pred_mean = predict_mean_share(plans[name], raw_graph, shares[model_key])
         rows.append({"job": name, "measured_iteration_time_s": med, "measured_throughput": args.batch_size / med,
                      "num_steps": len(step_times[name]), "step_times_s": step_times[name],
