@@ -26,11 +26,11 @@ demo: install
 	$(VENV)/bin/graphpipe simulate out/mmt-gpp.json --gantt out/mmt-gpp.png --trace out/mmt-gpp.trace.json
 
 test: install
-	$(PY) -m pytest -q -x
+	$(PY) -m pytest -q -x --doctest-modules graphpipe evals tests
 
 bench: install
 	$(VENV)/bin/graphpipe eval search-time
-	$(PY) -m evals.bench_simulator
+	$(PY) -m graphpipe.evals.bench_simulator
 
 clean:
 	rm -rf $(VENV) out

@@ -2,10 +2,10 @@
 
 Usage::
 
-    python -m evals.bench_cpsat                       # the benchmark, one JSON object on stdout
-    python -m evals.bench_cpsat --time-limit 60 --workers 4
-    python -m evals.bench_cpsat --paper               # paper configs at 8 devices (gpp plans), see below
-    python -m evals.bench_cpsat --out out             # also writes out/results/bench_cpsat[_paper].json
+    python -m graphpipe.evals.bench_cpsat                       # the benchmark, one JSON object on stdout
+    python -m graphpipe.evals.bench_cpsat --time-limit 60 --workers 4
+    python -m graphpipe.evals.bench_cpsat --paper               # paper configs at 8 devices (gpp plans), see below
+    python -m graphpipe.evals.bench_cpsat --out out             # also writes out/results/bench_cpsat[_paper].json
 
 Benchmark cases (V100 preset, 16 GB, one device per stage, batch 128 at
 micro-batch 4 = 32 micro-batches per stage, micro-batch sizes kept: the
@@ -43,7 +43,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from evals.common import environment, write_result
+from .common import environment, write_result
 from graphpipe import zoo
 from graphpipe.cluster import Cluster, preset
 from graphpipe.search.common import SearchOptions
@@ -171,7 +171,7 @@ def run_paper(time_limit_s: float = 30.0, workers: int = 2, seed: int = 0) -> di
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m evals.bench_cpsat", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m graphpipe.evals.bench_cpsat", description=__doc__.splitlines()[0])
     parser.add_argument("--time-limit", type=float, default=30.0, help="CP-SAT seconds per solve (default 30)")
     parser.add_argument("--workers", type=int, default=2, help="CP-SAT workers (default 2)")
     parser.add_argument("--seed", type=int, default=0)

@@ -2,8 +2,8 @@
 
 ::
 
-    python -m evals.bench_runtime                 # writes out/results/bench_runtime.json, prints the summary
-    python -m evals.bench_runtime --quick         # smaller models and fewer steps (smoke run)
+    python -m graphpipe.evals.bench_runtime                 # writes out/results/bench_runtime.json, prints the summary
+    python -m graphpipe.evals.bench_runtime --quick         # smaller models and fewer steps (smoke run)
 
 What it measures (all on ``--ranks`` gloo processes, one torch thread each, pinned):
 
@@ -373,7 +373,7 @@ def bootstrap_ci(values: list[float], level: float = 0.95, resamples: int = 2000
 
 # ------------------------------------------------------------------ main
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m evals.bench_runtime", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m graphpipe.evals.bench_runtime", description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="out", help="results go to OUT/results/bench_runtime.json")
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=64)
@@ -388,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     from graphpipe.cluster import cluster_from_dict
     from graphpipe.runtime import RunOptions, run_plans
 
-    from evals.common import environment, write_result
+    from .common import environment, write_result
 
     if args.cpus_per_rank == "auto":
         pin = auto_cpus_per_rank(args.ranks)
@@ -494,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
               "threads_per_rank": 1, "cpus_per_rank": pin, "rank_cpus": raw[0].get("rank_cpus"), "backend": "gloo",
               "link": link, "cluster": cpu_cluster_doc(link, args.ranks),
               "profile_batch_sizes": sizes, "cpu_share": shares, "load_average": os.getloadavg(), "cpu_count": os.cpu_count(),
-              "command": "python -m evals.bench_runtime" + (" --quick" if args.quick else "")
+              "command": "python -m graphpipe.evals.bench_runtime" + (" --quick" if args.quick else "")
               + f" --ranks {args.ranks} --batch-size {args.batch_size} --steps {steps} --rounds {rounds} --cpus-per-rank {pin}"}
     path = write_result(args.out, "bench_runtime", config, rows, summary)
     json.dump({"summary": summary, "result_file": path, "environment": environment()}, sys.stdout, indent=1)

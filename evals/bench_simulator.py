@@ -2,8 +2,8 @@
 
 Usage::
 
-    python -m evals.bench_simulator            # prints one JSON object
-    python -m evals.bench_simulator --stages 64 --micro-batches 512 --repeats 7
+    python -m graphpipe.evals.bench_simulator            # prints one JSON object
+    python -m graphpipe.evals.bench_simulator --stages 64 --micro-batches 512 --repeats 7
 
 Cases, each on a V100 preset cluster with one device per stage:
 
@@ -24,7 +24,7 @@ import argparse
 import json
 import sys
 
-from evals.common import environment, median_time
+from .common import environment, median_time
 from graphpipe.cluster import preset
 from graphpipe.graph import Affine, Op, OpGraph
 from graphpipe.sched import make_schedule, round_robin_chain, simulate, validate_schedule
@@ -86,7 +86,7 @@ def run(num_stages: int = 32, micro_batches: int = 256, repeats: int = 5) -> dic
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m evals.bench_simulator", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m graphpipe.evals.bench_simulator", description=__doc__.splitlines()[0])
     parser.add_argument("--stages", type=int, default=32)
     parser.add_argument("--micro-batches", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5)

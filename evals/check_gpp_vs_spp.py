@@ -4,7 +4,7 @@ The test suite samples this grid (tests/test_planner.py); this script runs all o
 every zoo model (paper config) and every shared PipeDream profile at 2, 4, 8, 16 and 32
 devices, v100 preset, batch 16 x devices, all four strategies through the one simulator.
 
-    python -m evals.check_gpp_vs_spp [--out evals] [--jobs 2]
+    python -m graphpipe.evals.check_gpp_vs_spp [--out evals] [--jobs 2]
 
 Prints one line per point and a summary (the worst gpp / best-SPP ratio); exits 1 if
 gpp loses anywhere or the sequential transformer is more than 2% below pipedream.
@@ -17,8 +17,8 @@ import multiprocessing
 import os
 import sys
 
-from evals.common import write_result
-from graphpipe.cli.common import load_model
+from .common import write_result
+from graphpipe.models import load_model
 from graphpipe.cluster import preset
 from graphpipe.search.planner import compare
 
@@ -49,7 +49,7 @@ def _model_rows(model: str) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m evals.check_gpp_vs_spp", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m graphpipe.evals.check_gpp_vs_spp", description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__)))
     parser.add_argument("--jobs", type=int, default=1, help="models swept in parallel processes")
     parser.add_argument("--profiles-dir", default=os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data",

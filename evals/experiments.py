@@ -19,7 +19,7 @@ import logging
 import statistics
 from typing import Any, Callable
 
-from evals.common import Progress, write_result
+from .common import Progress, write_result
 from graphpipe.cluster import preset
 from graphpipe.errors import GraphpipeError
 from graphpipe.search.common import SearchOptions
@@ -332,7 +332,7 @@ def fidelity_config(quick: bool) -> dict[str, Any]:
 
 
 def run_fidelity(config: dict[str, Any], progress: Progress) -> tuple[list, dict]:
-    from evals import fidelity
+    from . import fidelity
 
     rows = []
     for model, strategy, schedule in config["points"]:

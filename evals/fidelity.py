@@ -7,9 +7,9 @@ a user would (``graphpipe profile``): op times from
 whose link latency/bandwidth come from gloo between local processes, and the
 measured slowdown of the model's training step when several ranks compute at
 once (cores, memory bandwidth and cache shared) (see
-:mod:`evals.bench_runtime`, whose calibration helpers this reuses). Ranks,
+:mod:`graphpipe.evals.bench_runtime`, whose calibration helpers this reuses). Ranks,
 profile and calibration are pinned to CPUs of their own when the host has
-enough (:func:`evals.bench_runtime.auto_cpus_per_rank`).
+enough (:func:`graphpipe.evals.bench_runtime.auto_cpus_per_rank`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from evals import bench_runtime as br
+from . import bench_runtime as br
 from graphpipe.cluster import cluster_from_dict
 
 __all__ = ["measure"]

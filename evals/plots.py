@@ -14,7 +14,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from evals.common import read_result  # noqa: E402
+from .common import read_result  # noqa: E402
 
 __all__ = ["PLOTS", "plot_all"]
 

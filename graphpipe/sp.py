@@ -420,9 +420,9 @@ def _pair_fix(n: tuple[int, int, int, int], anc: Sequence[int], desc: Sequence[i
     """
     a, b, c, d = n
     best_key, best_mask = None, 0
-    for rank, pair in enumerate(((b, d), (a, c), (a, d), (a, b), (c, d), (b, c))):
+    for position, pair in enumerate(((b, d), (a, c), (a, d), (a, b), (c, d), (b, c))):
         mask = _hull(pair, anc, desc)
-        key = (bin(mask).count("1"), rank)
+        key = (bin(mask).count("1"), position)
         if best_key is None or key < best_key:
             best_key, best_mask = key, mask
     return best_mask

@@ -19,10 +19,10 @@ from conftest import branches_graph, chain_graph, make_op, nested_sp_graph, non_
 from graphpipe.cluster import preset
 from graphpipe.errors import InfeasibleError, InputError
 from graphpipe.graph import OpGraph
-from graphpipe.search import common, gpipe, linearize, pipedream, piper
+from graphpipe.search import common, gpipe, pipedream, piper, sequential
 from graphpipe.search.common import SearchOptions, stage_memory, stage_tps
-from graphpipe.search.linearize import (PAIRS_PER_DOWNSET, DownsetLimitError, count_downset_pairs, count_downsets,
-                                        enumerate_downsets)
+from graphpipe.search.downsets import (PAIRS_PER_DOWNSET, DownsetLimitError, count_downset_pairs, count_downsets,
+                                       enumerate_downsets)
 
 BATCH = 8
 GRAPHS = [chain_graph(5), branches_graph(2, 1, name="diamond"), nested_sp_graph(), non_sp_graph(),
@@ -136,7 +136,7 @@ def test_pipedream_equals_brute_force(graph):
         assert_partition_matches(part, graph, cluster, b, one_f_one_b(b), brute_pipedream(graph, cluster, b))
         if part is not None:
             flat = [op for ops, _ in part.stages for op in ops]
-            assert flat == list(linearize.linear_order(graph))   # contiguous ranges of the linearisation
+            assert flat == list(sequential.linear_order(graph))   # contiguous ranges of the linearisation
 
 
 @pytest.mark.parametrize("graph", GRAPHS, ids=IDS)
@@ -372,7 +372,7 @@ def test_plan_choice_is_the_best_simulated(module):
     for b in (1, 2, 4, 8, 16):
         for link in links:
             part = module.solve(graph, cluster, 16, b, link=link) if link else module.solve(graph, cluster, 16, b)
-            for sg in linearize.layouts(graph, cluster, 16, part):
+            for sg in sequential.layouts(graph, cluster, 16, part):
                 schedule = make_schedule(result.schedule_name, sg, cluster)
                 throughputs[(b, link, sg.stages)] = predicted_figures(simulate(sg, schedule, cluster))["throughput"]
     best = max(throughputs.values())

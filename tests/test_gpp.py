@@ -222,7 +222,7 @@ def test_idle_devices_are_spread_when_that_simulates_faster(profiles_dir):
     """AlexNet on 32 V100s: the DP's fewest-device winner leaves 12 idle and all-reduces the FC layers over
     4 replicas; splitting that stage over the idle devices is faster. The split graph is checked against
     the simulator and the stage-graph properties, and never loses to the graph it started from."""
-    from graphpipe.pipedream import read_pipedream
+    from graphpipe.importers.pipedream_txt import read_pipedream
     from graphpipe.search.gpp import _Candidate, _score_best, _spread_idle, _to_stage_graph
 
     graph = read_pipedream(os.path.join(profiles_dir, "alexnet", "graph.txt"))

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import PROFILE_NAMES
 from graphpipe.errors import FormatError, GraphCycleError, InputError
-from graphpipe.pipedream import parse_pipedream, read_pipedream
+from graphpipe.importers.pipedream_txt import parse_pipedream, read_pipedream
 
 LINE = ("{node} -- {desc} -- forward_compute_time={fwd}, backward_compute_time={bwd}, "
         "activation_size={act}, parameter_size={params}")

@@ -136,7 +136,7 @@ def test_gpp_never_worse_than_spp_on_profiles(name, device_counts):
     path = os.path.join(PROFILES_DIR, name, "graph.txt")
     if not os.path.exists(path):
         pytest.skip("../shared/data/pipedream-profiles not present")
-    from graphpipe.pipedream import read_pipedream
+    from graphpipe.importers.pipedream_txt import read_pipedream
 
     graph = read_pipedream(path)
     # the larger profiles at one fixed micro-batch size keep the test within its time budget

@@ -23,7 +23,7 @@ from graphpipe.runtime.baseline import torch_refusal
 from graphpipe.runtime.executor import flat_grad_buffer, zero_grads
 from graphpipe.runtime.routing import Routing, edge_pieces
 from graphpipe.runtime.stage_modules import check_op_names, split_model
-from graphpipe.runtime.worker import RunOptions, load_runnable
+from graphpipe.runtime.jobs import RunOptions, load_runnable
 from graphpipe.sched import make_schedule
 from graphpipe.stages import Stage, StageGraph
 

@@ -13,7 +13,7 @@ import pytest
 from conftest import (PROFILES_DIR, branches_graph, chain_graph, make_op, nested_sp_graph, non_sp_graph,
                       random_sp_graph)
 from graphpipe.graph import OpGraph
-from graphpipe.pipedream import read_pipedream
+from graphpipe.importers.pipedream_txt import read_pipedream
 from graphpipe.sp import SPTree, contract, decompose, is_series_parallel, make_series_parallel, num_branches
 
 

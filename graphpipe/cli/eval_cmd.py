@@ -7,14 +7,19 @@ import sys
 
 from graphpipe.errors import InputError
 
-__all__ = ["register"]
+__all__ = ["register", "DEFAULT_OUT"]
+
+DEFAULT_OUT = "eval-out"
+"""Results go under the working directory, never into the installed package."""
 
 
 def register(sub) -> None:
     p = sub.add_parser("eval", help="reproduce the paper's evaluations (plots, tables, REPORT.md)",
                        description="Run one experiment or all of them; write results/<name>.json, <name>.png and REPORT.md.")
     p.add_argument("name", metavar="NAME", help="throughput, search-time, branches, ablation, case-study, memory, fidelity, or all")
-    p.add_argument("--out", default=None, help="output folder (default: the evals/ folder; evals/quick with --quick)")
+    p.add_argument("--out", default=None,
+                   help="output folder (default ./eval-out, ./eval-out/quick with --quick; --out evals regenerates "
+                        "the repository's committed REPORT.md)")
     p.add_argument("--quick", action="store_true", help="small sizes and few devices (CI smoke test, ~3 min)")
     p.add_argument("--report-only", action="store_true",
                    help="do not run anything: redraw the figures and REPORT.md from the existing result files")
@@ -22,18 +27,16 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    import evals
-    from evals.experiments import ORDER, run_experiment
-    from evals.notes import NOTES
-    from evals.plots import plot_all
-    from evals.report import write_report
+    from graphpipe.evals.experiments import ORDER, run_experiment
+    from graphpipe.evals.notes import NOTES
+    from graphpipe.evals.plots import plot_all
+    from graphpipe.evals.report import write_report
 
     names = list(ORDER) if args.name == "all" else [args.name]
     for name in names:
         if name not in ORDER:
             raise InputError(f"unknown experiment {name!r}; known: {', '.join(ORDER)}, all")
-    here = os.path.abspath(list(evals.__path__)[0])
-    out = args.out or (os.path.join(here, "quick") if args.quick else here)
+    out = args.out or (os.path.join(DEFAULT_OUT, "quick") if args.quick else DEFAULT_OUT)
     if args.report_only:
         missing = [n for n in names if not os.path.exists(os.path.join(out, "results", f"{n}.json"))]
         if missing:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import sys
 
-from graphpipe.errors import InputError
+from graphpipe.runtime.flags import add_run_arguments
 
 __all__ = ["register", "run"]
 
@@ -28,21 +28,7 @@ def register(sub) -> None:
                        description="Run PLAN.json on one process per device (gloo on CPU, NCCL with one GPU per "
                                    "rank), time every action, and compare with the plan's prediction.")
     p.add_argument("plan", metavar="PLAN.json", help="a graphpipe.plan/1 file whose model is a zoo spec or file.py:factory")
-    p.add_argument("--steps", type=int, default=5, help="training iterations (default 5; the first is a warm-up)")
-    p.add_argument("--warmup", type=int, default=1, help="iterations excluded from the measurement (default 1)")
-    p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"),
-                   help="auto: nccl when every rank has its own GPU, else gloo")
-    p.add_argument("--check", action="store_true",
-                   help="compare the first iteration's loss and every gradient with a single-process run")
-    p.add_argument("--baseline", default=None, choices=("torch",),
-                   help="run on torch.distributed.pipelining instead (sequential plans only)")
-    p.add_argument("--timeout", type=float, default=60.0, metavar="S",
-                   help="process-group timeout in seconds: a rank waiting longer fails the run (default 60)")
-    p.add_argument("--seed", type=int, default=0, help="model weights and data seed (default 0)")
-    p.add_argument("--lr", type=float, default=0.01, help="SGD learning rate (default 0.01)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
-    p.add_argument("--cpus-per-rank", type=int, default=0, metavar="N",
-                   help="pin each rank to N CPUs of its own (default 0: no pinning); steadier CPU timings")
+    add_run_arguments(p)
     p.add_argument("--trace", default=None, metavar="OUT.json", help="Chrome/Perfetto trace of a measured iteration")
     p.add_argument("--gantt", default=None, metavar="OUT.png", help="Gantt chart of a measured iteration")
     p.add_argument("--gantt-pair", default=None, metavar="OUT.png", help="simulated and measured Gantt charts side by side")
@@ -52,14 +38,12 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from graphpipe.plan import read_plan
-    from graphpipe.runtime import RunOptions, RuntimeFailure, run_plan
+    from graphpipe.runtime import RuntimeFailure, run_plan
+    from graphpipe.runtime.measure import format_summary
+    from graphpipe.runtime.flags import options_from_args
 
-    if args.threads < 1:
-        raise InputError(f"--threads must be >= 1, got {args.threads}")
     plan = read_plan(args.plan)
-    options = RunOptions(steps=args.steps, warmup_steps=args.warmup, backend=args.backend, check=args.check,
-                         timeout_s=args.timeout, seed=args.seed, lr=args.lr, num_threads=args.threads,
-                         cpus_per_rank=args.cpus_per_rank, baseline=args.baseline)
+    options = options_from_args(args)
     try:
         summary = run_plan(plan, options)
     except RuntimeFailure as exc:
@@ -71,7 +55,7 @@ def run(args) -> int:
         json.dump(summary, sys.stdout, indent=1)
         sys.stdout.write("\n")
     else:
-        sys.stdout.write(_format(summary))
+        sys.stdout.write(format_summary(summary))
     check = summary.get("check")
     return 1 if check is not None and not check["passed"] else 0
 
@@ -99,24 +83,3 @@ def _write_outputs(args, plan, timeline) -> None:
         simulated = simulate(plan.stage_graph, plan.schedule, plan.cluster)
         plot_gantt_pair(simulated, timeline, args.gantt_pair, titles=("simulated", "measured"))
         sys.stderr.write(f"wrote {args.gantt_pair}\n")
-
-
-def _format(summary: dict) -> str:
-    m, p = summary["measured"], summary.get("predicted", {})
-    lines = [f"plan: {summary['plan']['model']} strategy={summary['plan']['strategy']} "
-             f"schedule={summary['plan']['schedule']} devices={summary['plan']['num_devices']} "
-             f"batch={summary['plan']['batch_size']} backend={summary.get('backend')}"
-             + (f" baseline={summary['baseline']}" if summary.get("baseline") else ""),
-             f"measured:  iteration {m['iteration_time_s'] * 1e3:.3f} ms  throughput {m['throughput']:.1f} samples/s"
-             f"  (median of {len(m['step_times_s'])} steps after {m['warmup_steps']} warm-up)"]
-    if "iteration_time_s" in p:
-        lines.append(f"predicted: iteration {p['iteration_time_s'] * 1e3:.3f} ms  throughput {p['throughput']:.1f} samples/s"
-                     f"  (error {summary.get('prediction_error', float('nan')) * 100:.1f}% of measured)")
-    if summary.get("losses"):
-        lines.append("loss per step: " + " ".join(f"{x:.6g}" for x in summary["losses"]))
-    if "check" in summary:
-        c = summary["check"]
-        lines.append(f"check: {'PASSED' if c['passed'] else 'FAILED'}  max_abs_diff {c['max_abs_diff']:.3g}  "
-                     f"loss {c['loss']:.6g} vs {c['reference_loss']:.6g}  params {c['num_params_checked']}/{c['num_params']}"
-                     f"  mismatches {c['num_mismatches']} (rtol {c['rtol']:g}, atol {c['atol']:g})")
-    return "\n".join(lines) + "\n"

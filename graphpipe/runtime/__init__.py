@@ -31,23 +31,26 @@ Failures: any rank's exception ends every rank, and :func:`run_plan` raises
 model, torch baseline of a non-sequential plan) raise
 :class:`~graphpipe.errors.PlanError` before any process starts (exit 2).
 
-Test hook: environment variables ``GRAPHPIPE_FAIL_RANK=R`` and
-``GRAPHPIPE_FAIL_AT=F|B|setup`` make rank ``R`` raise at its first F (or B,
-or before joining the process group); ``GRAPHPIPE_FAIL_AT=hang`` makes it
-go silent at its first F, so its peers fail after ``--timeout`` seconds.
-Used to test that failures never hang.
+Test hook: ``RunOptions.fault`` (:class:`FaultInjection`) makes rank ``R``
+raise at its first F (or B, or before joining the process group), or go
+silent at its first F (``hang``), so its peers fail after ``--timeout``
+seconds. Used to test that failures never hang. Runs started from the
+shell take it from the environment variables ``GRAPHPIPE_FAIL_RANK=R`` and
+``GRAPHPIPE_FAIL_AT=F|B|setup|hang``, read once by :func:`run_plans` and
+``python -m graphpipe.runtime``.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from graphpipe.errors import InputError
 from graphpipe.plan import Plan, plan_to_dict
+from graphpipe.runtime.jobs import FaultInjection, RunOptions, fault_from_env
 from graphpipe.runtime.launch import RuntimeFailure, launch
-from graphpipe.runtime.worker import RunOptions
 
-__all__ = ["RunOptions", "RuntimeFailure", "preflight", "run_plan", "run_plans"]
+__all__ = ["RunOptions", "FaultInjection", "RuntimeFailure", "preflight", "run_plan", "run_plans"]
 
 
 def preflight(plan: Plan, options: RunOptions) -> None:
@@ -59,7 +62,7 @@ def preflight(plan: Plan, options: RunOptions) -> None:
     from graphpipe.sched import validate_plan
 
     from graphpipe.runtime.stage_modules import check_op_names, split_model
-    from graphpipe.runtime.worker import load_runnable
+    from graphpipe.runtime.jobs import load_runnable
 
     validate_plan(plan)
     runnable = load_runnable(plan.model, options.seed, "meta" if ".py:" not in plan.model else "cpu")
@@ -86,6 +89,9 @@ def run_plans(plans: list[tuple[Plan, RunOptions]], world_size: int | None = Non
     processes start with the first plan's ``num_threads`` and
     ``cpus_per_rank``.
     """
+    fault = fault_from_env()  # the test hook's way in; RunOptions.fault carries it from here on
+    if fault is not None:
+        plans = [(plan, options if options.fault is not None else replace(options, fault=fault)) for plan, options in plans]
     for plan, options in plans:
         preflight(plan, options)
     world = world_size or max(plan.cluster.num_devices for plan, _ in plans)

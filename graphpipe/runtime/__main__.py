@@ -17,6 +17,9 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import replace
+
+from graphpipe.runtime.flags import add_run_arguments
 
 __all__ = ["main"]
 
@@ -24,23 +27,16 @@ __all__ = ["main"]
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m graphpipe.runtime", description=__doc__.split("\n")[0])
     parser.add_argument("plan", metavar="PLAN.json")
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
-    parser.add_argument("--check", action="store_true")
-    parser.add_argument("--baseline", default=None, choices=("torch",))
-    parser.add_argument("--timeout", type=float, default=60.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--lr", type=float, default=0.01)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--cpus-per-rank", type=int, default=0, help="pin each local rank to N CPUs (0: no pinning)")
+    add_run_arguments(parser)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
 
     from graphpipe.errors import GraphpipeError
     from graphpipe.plan import plan_to_dict, read_plan
-    from graphpipe.runtime import RunOptions, preflight
-    from graphpipe.runtime.measure import summarize
+    from graphpipe.runtime import preflight
+    from graphpipe.runtime.flags import options_from_args
+    from graphpipe.runtime.jobs import fault_from_env
+    from graphpipe.runtime.measure import format_summary, summarize
     from graphpipe.runtime.worker import run_rank
 
     try:
@@ -55,9 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         if world_size != plan.cluster.num_devices:
             raise GraphpipeError(f"WORLD_SIZE={world_size} but the plan has {plan.cluster.num_devices} devices; "
                                  f"use --nproc-per-node {plan.cluster.num_devices}")
-        options = RunOptions(steps=args.steps, warmup_steps=args.warmup, backend=args.backend, check=args.check,
-                             timeout_s=args.timeout, seed=args.seed, lr=args.lr, num_threads=args.threads,
-                             cpus_per_rank=args.cpus_per_rank, baseline=args.baseline)
+        options = replace(options_from_args(args), fault=fault_from_env())
         if rank == 0:
             preflight(plan, options)
         result = run_rank(rank, world_size, [(plan_to_dict(plan), options)], "env://")[0]
@@ -73,9 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(summary, sys.stdout, indent=1)
             sys.stdout.write("\n")
         else:
-            from graphpipe.cli.run_cmd import _format
-
-            sys.stdout.write(_format(summary))
+            sys.stdout.write(format_summary(summary))
         if "check" in summary and not summary["check"]["passed"]:
             return 1
     return 0

@@ -118,7 +118,7 @@ def run_torch_job(rank: int, world_size: int, plan: Plan, options, device: torch
     from torch.distributed import pipelining as pp
 
     from graphpipe.runtime.stage_modules import check_op_names, split_model
-    from graphpipe.runtime.worker import compare_gradients, data_seed, finish_job, load_runnable, reference_step
+    from graphpipe.runtime.jobs import compare_gradients, data_seed, finish_job, load_runnable, reference_step
 
     sg = plan.stage_graph
     n = sg.num_devices

@@ -24,15 +24,14 @@ its inputs are in, ``start`` when compute begins, ``end`` when compute ends
 — its messages are posted right after, so a consumer never starts before
 its producer's ``end``, as in the simulator.
 
-Test hook (documented in :mod:`graphpipe.runtime`): with
-``GRAPHPIPE_FAIL_RANK=r`` and ``GRAPHPIPE_FAIL_AT=F`` (or ``B``) rank ``r``
-raises at its first action of that kind; ``GRAPHPIPE_FAIL_AT=hang`` makes it
-stop answering at its first F instead.
+Test hook (documented in :mod:`graphpipe.runtime`): ``fault`` (a
+:class:`~graphpipe.runtime.jobs.FaultInjection` for rank ``r`` at ``F`` or
+``B``) makes rank ``r`` raise at its first action of that kind; at ``hang``
+it stops answering at its first F instead.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -52,7 +51,7 @@ __all__ = ["TimedAction", "StepResult", "RankExecutor", "InjectedFailure", "zero
 
 
 class InjectedFailure(RuntimeError):
-    """Raised by the GRAPHPIPE_FAIL_RANK / GRAPHPIPE_FAIL_AT test hook."""
+    """Raised by the fault-injection test hook (:class:`~graphpipe.runtime.jobs.FaultInjection`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +120,7 @@ class RankExecutor:
                  routing: Routing, meta: Mapping[str, ValueMeta], loss_fn: Callable[[Any], torch.Tensor],
                  device: torch.device, timeout_s: float, link_groups: Mapping | None = None,
                  dp_groups: Mapping[tuple[int, ...], object] | None = None,
-                 allreduce_order: Mapping[tuple[int, ...], Sequence[int]] | None = None):
+                 allreduce_order: Mapping[tuple[int, ...], Sequence[int]] | None = None, fault=None):
         self.rank = rank
         self.sg = sg
         self.actions = tuple(actions)
@@ -146,7 +145,8 @@ class RankExecutor:
             flat = flat_grad_buffer(list(self.programs[stage_id].module.parameters()))
             if flat is not None:
                 self._grad_buffers[stage_id] = flat
-        self._fail_at = os.environ.get("GRAPHPIPE_FAIL_AT") if os.environ.get("GRAPHPIPE_FAIL_RANK") == str(rank) else None
+        self._fail_at = fault.at if fault is not None and fault.rank == rank else None
+        self._fault_text = fault.describe() if fault is not None else ""
 
     # ------------------------------------------------------------ helpers
     def _buffer_spec(self, key) -> tuple[tuple[int, ...], torch.dtype]:
@@ -204,7 +204,7 @@ class RankExecutor:
         self._sync()
         start = time.perf_counter()
         if self._fail_at == "F":
-            raise InjectedFailure(f"injected failure at action {a} (GRAPHPIPE_FAIL_RANK={self.rank}, GRAPHPIPE_FAIL_AT=F)")
+            raise InjectedFailure(f"injected failure at action {a} ({self._fault_text})")
         if self._fail_at == "hang":
             while True:  # a silent rank: its peers must time out, not wait forever
                 time.sleep(3600)
@@ -244,7 +244,7 @@ class RankExecutor:
         self._sync()
         start = time.perf_counter()
         if self._fail_at == "B":
-            raise InjectedFailure(f"injected failure at action {a} (GRAPHPIPE_FAIL_RANK={self.rank}, GRAPHPIPE_FAIL_AT=B)")
+            raise InjectedFailure(f"injected failure at action {a} ({self._fault_text})")
         tensors, grad_tensors = [], []
         if loss is not None and loss.requires_grad:
             tensors.append(loss)

@@ -28,7 +28,7 @@ import traceback
 from typing import Sequence
 
 from graphpipe.errors import GraphpipeError
-from graphpipe.runtime.worker import RunOptions
+from graphpipe.runtime.jobs import RunOptions
 
 __all__ = ["RuntimeFailure", "launch", "free_port"]
 

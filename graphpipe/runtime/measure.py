@@ -20,7 +20,7 @@ from typing import Any, Iterable, Mapping
 from graphpipe.actions import Action
 from graphpipe.plan import Plan
 
-__all__ = ["measured_timeline", "summarize"]
+__all__ = ["measured_timeline", "summarize", "format_summary"]
 
 
 def measured_timeline(plan: Plan, records: Iterable[Mapping[str, Any]], iteration_time_s: float | None = None):
@@ -74,3 +74,25 @@ def summarize(plan: Plan, result: Mapping[str, Any]) -> dict[str, Any]:
     if "baseline" in result:
         doc["baseline"] = result["baseline"]
     return doc
+
+
+def format_summary(summary: dict) -> str:
+    """The human-readable lines of a run's summary (:func:`summarize`): measured, predicted, losses, check."""
+    m, p = summary["measured"], summary.get("predicted", {})
+    lines = [f"plan: {summary['plan']['model']} strategy={summary['plan']['strategy']} "
+             f"schedule={summary['plan']['schedule']} devices={summary['plan']['num_devices']} "
+             f"batch={summary['plan']['batch_size']} backend={summary.get('backend')}"
+             + (f" baseline={summary['baseline']}" if summary.get("baseline") else ""),
+             f"measured:  iteration {m['iteration_time_s'] * 1e3:.3f} ms  throughput {m['throughput']:.1f} samples/s"
+             f"  (median of {len(m['step_times_s'])} steps after {m['warmup_steps']} warm-up)"]
+    if "iteration_time_s" in p:
+        lines.append(f"predicted: iteration {p['iteration_time_s'] * 1e3:.3f} ms  throughput {p['throughput']:.1f} samples/s"
+                     f"  (error {summary.get('prediction_error', float('nan')) * 100:.1f}% of measured)")
+    if summary.get("losses"):
+        lines.append("loss per step: " + " ".join(f"{x:.6g}" for x in summary["losses"]))
+    if "check" in summary:
+        c = summary["check"]
+        lines.append(f"check: {'PASSED' if c['passed'] else 'FAILED'}  max_abs_diff {c['max_abs_diff']:.3g}  "
+                     f"loss {c['loss']:.6g} vs {c['reference_loss']:.6g}  params {c['num_params_checked']}/{c['num_params']}"
+                     f"  mismatches {c['num_mismatches']} (rtol {c['rtol']:g}, atol {c['atol']:g})")
+    return "\n".join(lines) + "\n"

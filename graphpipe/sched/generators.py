@@ -76,14 +76,14 @@ def one_f_one_b(sg: StageGraph, order: Sequence[int] | None = None) -> Schedule:
     order = list(range(n)) if order is None else list(order)
     if sorted(order) != list(range(n)):
         raise ScheduleError(f"1f1b order {order} is not a permutation of the stage ids 0..{n - 1}")
-    rank = {s: i for i, s in enumerate(order)}
+    position = {s: i for i, s in enumerate(order)}
     for p, c in sg.edges:
-        if rank[p] > rank[c]:
+        if position[p] > position[c]:
             raise ScheduleError(f"1f1b order {order} puts stage {c} before its producer {p}; pass a topological order")
     # The chain successor plus the real successors: with equal sizes the chain
     # successor dominates (warm-ups strictly decrease along the order), with
     # mixed sizes the real edges keep the rule deadlock-free.
-    successors = [tuple(sorted(set(sg.succs(s)) | ({order[rank[s] + 1]} if rank[s] + 1 < n else set())))
+    successors = [tuple(sorted(set(sg.succs(s)) | ({order[position[s] + 1]} if position[s] + 1 < n else set())))
                   for s in range(n)]
     warm = warmup_counts(sg, successors)
     per_stage = [one_f_one_b_sequence(s, sg.num_micro_batches(s), warm[s]) for s in range(n)]

@@ -31,7 +31,7 @@ Semantics (shared with the CP-SAT model and relied on by the partitioners):
 The evaluation is a longest-path pass over the action DAG
 (:mod:`graphpipe.sched.engine`), linear in actions plus dependencies: 32
 stages x 256 micro-batches take a few tens of milliseconds
-(``python -m evals.bench_simulator``).
+(``python -m graphpipe.evals.bench_simulator``).
 
 Devices without any stage report bubble fraction 1.0 (idle the whole
 iteration) and memory 0, so every per-device list has one entry per device

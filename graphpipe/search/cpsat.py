@@ -21,7 +21,7 @@ whose own lower bound (fill, drain, round trip, memory:
 :func:`graphpipe.search.cpsat_model.size_lower_bounds`) exceeds it, and the
 same bounds, linear in the size literals, lift the solver's bound. On the
 8-stage transformer chain with every divisor of 128 free, this took the gap
-at 30 s on 2 workers from 7.1% to about 3% (``python -m evals.bench_cpsat``).
+at 30 s on 2 workers from 7.1% to about 3% (``python -m graphpipe.evals.bench_cpsat``).
 
 Reproducibility: a solve that proves optimality within the limit always
 returns the same makespan; with one worker it also returns the same

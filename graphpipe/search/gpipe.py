@@ -7,7 +7,7 @@ all ``M`` backwards, bubble fraction ``(K - 1) / (M + K - 1)``.
 Our version:
 
 * **Sequence**: the op-id order (Kahn's algorithm, ties by input position;
-  :func:`~graphpipe.search.linearize.linear_order`).
+  :func:`~graphpipe.search.sequential.linear_order`).
 * **K** = number of devices, or the number of ops when there are fewer; one
   device per stage (GPipe has no data parallelism inside a stage).
 * **Even split**: the linear-partition DP that minimises the largest stage
@@ -45,8 +45,8 @@ import numpy as np
 from graphpipe.cluster import Cluster
 from graphpipe.graph import OpGraph
 from graphpipe.search.common import SearchOptions, SearchResult, micro_batch_candidates
-from graphpipe.search.linearize import (OpArrays, ReplicaCosts, SequentialPartition, choose_micro_batch,
-                                        linear_order, sequential_result)
+from graphpipe.search.sequential import (OpArrays, ReplicaCosts, SequentialPartition, choose_micro_batch,
+                                         linear_order, sequential_result)
 
 __all__ = ["partition", "solve", "SCHEDULE"]
 

@@ -132,18 +132,18 @@ def _to_simulate(candidates: Sequence[_Candidate], num_links: int) -> tuple[list
     the free-cut candidates would crowd out those that avoid heavy cuts.
     A stage graph found under several costings is simulated once.
     """
-    def rank(c: _Candidate):
+    def estimate_order(c: _Candidate):
         return c.estimate_s, len(c.stages), sum(s.num_devices for s in c.stages), c.micro_batch_size, c.link
 
     def same(c: _Candidate):
         return c.micro_batch_size, tuple((s.op_ids, s.num_devices) for s in c.stages)
 
-    ordered = sorted(candidates, key=rank)
+    ordered = sorted(candidates, key=estimate_order)
     chosen: dict = {}
     for li in range(num_links):
         for c in [c for c in ordered if c.link == li][:NUM_SIMULATED]:
             chosen.setdefault(same(c), c)
-    first = sorted(chosen.values(), key=rank)
+    first = sorted(chosen.values(), key=estimate_order)
     rest = []
     for c in ordered:
         if same(c) not in chosen:

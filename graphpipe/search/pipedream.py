@@ -12,7 +12,7 @@ replicas plus the weight all-reduce) and ``C_i`` the cut's communication.
 Our version of that DP:
 
 * **Linearisation**: the op-id order of the graph (Kahn's algorithm, ties
-  by input position; :func:`~graphpipe.search.linearize.linear_order`).
+  by input position; :func:`~graphpipe.search.sequential.linear_order`).
 * **Stage time**: :func:`graphpipe.search.common.stage_tps`, the objective
   shared by every partitioner, and the cut after the stage as a stage of
   its own, ``2 C`` per sample (:func:`~graphpipe.search.common.cut_tps`:
@@ -36,7 +36,7 @@ Our version of that DP:
 * **Replicas and devices**: a stage's replica count divides its micro-batch
   (each replica gets an equal share) and is costed on devices ``0..r-1``,
   as in gpp; devices need not all be used (``V(n, m, 0) = 0`` for every
-  ``m``); :func:`~graphpipe.search.linearize.layouts` then lays the stages
+  ``m``); :func:`~graphpipe.search.sequential.layouts` then lays the stages
   out on disjoint device blocks.
 * **Micro-batch size**: every candidate x cut costing is partitioned and
   the plan with the best simulated 1F1B throughput wins (as gpp does).
@@ -65,8 +65,8 @@ import numpy as np
 from graphpipe.cluster import Cluster, Link
 from graphpipe.graph import OpGraph
 from graphpipe.search.common import SearchOptions, SearchResult, comm_links, cut_tps, micro_batch_candidates
-from graphpipe.search.linearize import (OpArrays, ReplicaCosts, SequentialPartition, choose_micro_batch,
-                                        linear_cut_bytes, linear_order, sequential_result, replica_mask)
+from graphpipe.search.sequential import (OpArrays, ReplicaCosts, SequentialPartition, choose_micro_batch,
+                                         linear_cut_bytes, linear_order, sequential_result, replica_mask)
 
 __all__ = ["partition", "solve", "SCHEDULE"]
 
@@ -80,7 +80,7 @@ def solve(graph: OpGraph, cluster: Cluster, batch_size: int, micro_batch_size: i
     """PipeDream's DP at one micro-batch size; None when no partition fits in memory.
 
     Replica counts divide the micro-batch size (and are powers of two when
-    ``power_of_two``), see :func:`~graphpipe.search.linearize.replica_mask`.
+    ``power_of_two``), see :func:`~graphpipe.search.sequential.replica_mask`.
     With ``link``, the cut after every stage but the last costs
     :func:`~graphpipe.search.common.cut_tps` on it (PipeDream's ``2 C``).
     """

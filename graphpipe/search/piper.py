@@ -10,7 +10,7 @@ linearisation is such a chain, so Piper is never worse than PipeDream; the
 price is the number of downsets, which grows like ``n^k`` for ``k`` parallel
 branches of ``n`` ops. Piper itself refuses graphs with too many downsets
 (GraphPipe paper: no strategy for DLRM or CANDLE-Uno); so do we, counting
-them first (:class:`~graphpipe.search.linearize.DownsetLimitError`, limit
+them first (:class:`~graphpipe.search.downsets.DownsetLimitError`, limit
 ``SearchOptions.max_downsets``).
 
 Objective, memory and placement are PipeDream's (see
@@ -19,7 +19,7 @@ stage's replicas, the cut after a stage (the edges leaving its downset)
 costed like PipeDream's ``2 C`` and solved once per cluster link and once
 without, 1F1B with ``min(K - q, M)`` micro-batches in flight on
 stage ``q`` of ``K``, replica counts dividing the micro-batch, devices not
-all required, the same device layouts (:func:`~graphpipe.search.linearize.layouts`).
+all required, the same device layouts (:func:`~graphpipe.search.sequential.layouts`).
 
 How the DP is evaluated. The min-max table over (downset, devices, stages)
 costs ``pairs x devices^2 x stages`` — hopeless in Python at MMT size (4
@@ -64,8 +64,9 @@ from graphpipe.graph import OpGraph
 from graphpipe.search import pipedream
 from graphpipe.search.common import (SearchOptions, SearchResult, comm_links, cut_tps, micro_batch_candidates,
                                      stage_tps)
-from graphpipe.search.linearize import (OpArrays, ReplicaCosts, SequentialPartition, choose_micro_batch,
-                                        enumerate_downsets, lower_bound_tps, sequential_result, replica_mask)
+from graphpipe.search.downsets import enumerate_downsets
+from graphpipe.search.sequential import (OpArrays, ReplicaCosts, SequentialPartition, choose_micro_batch,
+                                         lower_bound_tps, sequential_result, replica_mask)
 
 __all__ = ["partition", "solve", "Lattice", "SCHEDULE"]
 
@@ -340,7 +341,7 @@ def solve(graph: OpGraph, cluster: Cluster, batch_size: int, micro_batch_size: i
 def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: SearchOptions) -> SearchResult:
     """Piper's plan: the downset DP at every micro-batch candidate, best simulated 1F1B throughput.
 
-    Raises :class:`~graphpipe.search.linearize.DownsetLimitError` (an
+    Raises :class:`~graphpipe.search.downsets.DownsetLimitError` (an
     ``InputError``) past ``options.max_downsets`` and
     :class:`~graphpipe.errors.InfeasibleError` when nothing fits.
     """

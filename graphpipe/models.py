@@ -1,0 +1,72 @@
+"""Resolve a MODEL spec into an :class:`~graphpipe.graph.OpGraph`: the one place that knows the spec forms.
+
+A MODEL is one of
+
+* a zoo name with options (``mmt``, ``mmt:small``, ``candle-uno:branches=3``),
+  built on the meta device and costed analytically;
+* a graph JSON file (``graphpipe.graph/1``) or a PipeDream ``graph.txt``
+  (or the folder holding it), which carry their own costs;
+* ``path/to/file.py:factory`` where ``factory()`` returns
+  ``(module, example_inputs, loss_fn)``, captured with torch.fx.
+
+The CLI, the runtime and the evals all resolve models through
+:func:`load_model`, so a spec means the same thing everywhere.
+
+Example
+-------
+>>> source = load_model("twobranch:small")
+>>> source.kind, source.model_id, source.graph.num_ops > 0
+('zoo', 'twobranch:small', True)
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from graphpipe.cluster import DeviceSpec
+from graphpipe.errors import InputError
+from graphpipe.graph import OpGraph, read_graph_json
+
+__all__ = ["ModelSource", "load_model", "MODEL_HELP"]
+
+MODEL_HELP = ("zoo name with options (mmt, mmt:small, candle-uno:branches=3), a graph JSON file, "
+              "a PipeDream graph.txt, or path/to/file.py:factory")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSource:
+    """A resolved MODEL spec."""
+
+    graph: OpGraph
+    model_id: str
+    """What a plan records in ``model`` so the runtime can rebuild the module."""
+    kind: str
+    """zoo | factory | graph-json | pipedream"""
+
+
+def load_model(spec: str, device: DeviceSpec | None = None, pipedream_batch_size: int = 128) -> ModelSource:
+    """Resolve MODEL: ``file.py:factory``, a graph JSON, a PipeDream graph.txt, or a zoo spec.
+
+    ``device`` sets the analytical costs of captured modules (zoo, factory);
+    files carry their own costs. ``pipedream_batch_size`` is the batch a
+    PipeDream profile was measured at (its times are per batch).
+    """
+    if ".py:" in spec:
+        from graphpipe.capture import graph_from_factory
+
+        path, factory = spec.rsplit(":", 1)
+        return ModelSource(graph_from_factory(spec, device=device), os.path.abspath(path) + ":" + factory, "factory")
+    if os.path.isdir(spec) and os.path.exists(os.path.join(spec, "graph.txt")):
+        spec = os.path.join(spec, "graph.txt")
+    if os.path.exists(spec) or spec.endswith((".json", ".txt")):
+        if not os.path.isfile(spec):
+            raise InputError(f"no such file: {spec}")
+        if spec.endswith(".json"):
+            return ModelSource(read_graph_json(spec), spec, "graph-json")
+        from graphpipe.importers.pipedream_txt import read_pipedream
+
+        return ModelSource(read_pipedream(spec, batch_size=pipedream_batch_size), spec, "pipedream")
+    from graphpipe import zoo
+
+    return ModelSource(zoo.load_graph(spec, device=device), zoo.canonical_spec(spec), "zoo")

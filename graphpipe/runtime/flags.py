@@ -1,0 +1,45 @@
+"""The flags of a run, declared once for ``graphpipe run`` and ``python -m graphpipe.runtime``.
+
+Example
+-------
+>>> import argparse
+>>> parser = argparse.ArgumentParser()
+>>> add_run_arguments(parser)
+>>> options = options_from_args(parser.parse_args(["--steps", "4", "--check"]))
+>>> options.steps, options.check, options.warmup_steps
+(4, True, 1)
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from graphpipe.runtime.jobs import RunOptions
+
+__all__ = ["add_run_arguments", "options_from_args"]
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the flags that become a :class:`~graphpipe.runtime.jobs.RunOptions` (not the outputs)."""
+    parser.add_argument("--steps", type=int, default=5, help="training iterations (default 5; the first is a warm-up)")
+    parser.add_argument("--warmup", type=int, default=1, help="iterations excluded from the measurement (default 1)")
+    parser.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"),
+                        help="auto: nccl when every rank has its own GPU, else gloo")
+    parser.add_argument("--check", action="store_true",
+                        help="compare the first iteration's loss and every gradient with a single-process run")
+    parser.add_argument("--baseline", default=None, choices=("torch",),
+                        help="run on torch.distributed.pipelining instead (sequential plans only)")
+    parser.add_argument("--timeout", type=float, default=60.0, metavar="S",
+                        help="process-group timeout in seconds: a rank waiting longer fails the run (default 60)")
+    parser.add_argument("--seed", type=int, default=0, help="model weights and data seed (default 0)")
+    parser.add_argument("--lr", type=float, default=0.01, help="SGD learning rate (default 0.01)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    parser.add_argument("--cpus-per-rank", type=int, default=0, metavar="N",
+                        help="pin each rank to N CPUs of its own (default 0: no pinning); steadier CPU timings")
+
+
+def options_from_args(args: argparse.Namespace) -> RunOptions:
+    """The :class:`RunOptions` of parsed :func:`add_run_arguments` flags (checked in its ``__post_init__``)."""
+    return RunOptions(steps=args.steps, warmup_steps=args.warmup, backend=args.backend, check=args.check,
+                      timeout_s=args.timeout, seed=args.seed, lr=args.lr, num_threads=args.threads,
+                      cpus_per_rank=args.cpus_per_rank, baseline=args.baseline)

@@ -1,0 +1,125 @@
+"""The package's edges (DESIGN §2): which modules may import which, no cycles, one top-level name.
+
+The import graph is read from the source with :mod:`ast` (every ``import``,
+at module level or inside a function: a lazy import still ties two modules
+together), so the test needs nothing installed and runs in milliseconds.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import tomllib
+
+import networkx as nx
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SUBPACKAGES = ("graphpipe.search", "graphpipe.sched", "graphpipe.runtime", "graphpipe.cli", "graphpipe.evals")
+
+
+def _modules() -> dict[str, str]:
+    """Module name -> file, for graphpipe/ and evals/ (installed as graphpipe.evals)."""
+    found = {}
+    for folder, package in (("graphpipe", "graphpipe"), ("evals", "graphpipe.evals")):
+        base = os.path.join(ROOT, folder)
+        for dirpath, _, files in os.walk(base):
+            rel = os.path.relpath(dirpath, base)
+            prefix = package if rel == "." else package + "." + rel.replace(os.sep, ".")
+            for f in files:
+                if f.endswith(".py"):
+                    name = prefix if f == "__init__.py" else f"{prefix}.{f[:-3]}"
+                    found[name] = os.path.join(dirpath, f)
+    return found
+
+
+def _resolve(name: str, known: set[str]) -> str | None:
+    """The module ``name`` names, or its longest known prefix (``pkg.attr`` -> ``pkg``)."""
+    while name and name not in known:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def import_graph() -> nx.DiGraph:
+    modules = _modules()
+    known = set(modules)
+    graph = nx.DiGraph()
+    graph.add_nodes_from(known)
+    for name, path in modules.items():
+        package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
+        tree = ast.parse(open(path, encoding="utf-8").read(), path)
+        for node in ast.walk(tree):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                    mod = f"{base}.{node.module}" if node.module else base
+                else:
+                    mod = node.module or ""
+                if mod == "evals" or mod.startswith("evals."):
+                    mod = "graphpipe." + mod
+                targets = [f"{mod}.{a.name}" for a in node.names]  # a submodule, or an attribute of mod
+            for target in targets:
+                resolved = _resolve(target, known)
+                if resolved and resolved != name:
+                    graph.add_edge(name, resolved)
+    return graph
+
+
+def _in(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def test_the_import_graph_has_no_cycle():
+    graph = import_graph()
+    cycles = list(nx.simple_cycles(graph))
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c + [c[0]]) for c in cycles[:5])
+
+
+def test_library_code_never_imports_the_cli():
+    graph = import_graph()
+    bad = [(a, b) for a, b in graph.edges if _in(b, "graphpipe.cli") and not _in(a, "graphpipe.cli")
+           and a != "graphpipe.__main__"]
+    assert not bad, bad
+
+
+def test_the_layers_point_down():
+    """The core imports no subpackage; sched never imports search; only the CLI and evals import runtime."""
+    graph = import_graph()
+    core = [m for m in graph if not any(_in(m, p) for p in SUBPACKAGES)]
+    for a, b in graph.edges:
+        if a in core and a not in ("graphpipe", "graphpipe.__main__"):
+            assert not any(_in(b, p) for p in SUBPACKAGES), f"core module {a} imports {b}"
+        if _in(a, "graphpipe.sched"):
+            assert not _in(b, "graphpipe.search"), f"{a} imports {b}"
+        if _in(b, "graphpipe.runtime") and not _in(a, "graphpipe.runtime"):
+            assert _in(a, "graphpipe.cli") or _in(a, "graphpipe.evals"), f"{a} imports {b}"
+
+
+def test_the_check_sees_a_planted_cycle(tmp_path, monkeypatch):
+    """The cycle check can fail: two modules that import each other are found."""
+    pkg = tmp_path / "graphpipe"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("def f():\n    from graphpipe.b import g\n")
+    (pkg / "b.py").write_text("from graphpipe import a\n")
+    (tmp_path / "evals").mkdir()
+    monkeypatch.setattr(__import__(__name__), "ROOT", str(tmp_path))
+    assert ["graphpipe.a", "graphpipe.b"] in [sorted(c) for c in nx.simple_cycles(import_graph())]
+
+
+def test_the_wheel_lists_every_package_folder_and_one_top_level_name():
+    config = tomllib.load(open(os.path.join(ROOT, "pyproject.toml"), "rb"))["tool"]["setuptools"]
+    listed = set(config["packages"])
+    assert {p.split(".")[0] for p in listed} == {"graphpipe"}
+    assert config["package-dir"] == {"graphpipe.evals": "evals"}
+    on_disk = {m for m, path in _modules().items() if path.endswith("__init__.py")}
+    assert listed == on_disk, f"pyproject packages {sorted(listed ^ on_disk)} out of step with the folders"
+
+
+@pytest.mark.parametrize("module", ["graphpipe.runtime.worker", "graphpipe.runtime.baseline"])
+def test_the_executor_and_the_torch_baseline_share_the_job_helpers(module):
+    graph = import_graph()
+    assert graph.has_edge(module, "graphpipe.runtime.jobs")
