@@ -44,19 +44,22 @@ def test_every_profile_loads_with_file_counts_and_costs(profiles_dir, name):
     assert graph.name == name
     # per-op conversion, checked against each node line independently of the parser
     act_of = {}
+    has_input = {ln.split(" -- ")[1].strip() for ln in text.splitlines() if ln.startswith("\t")}
     for line in text.splitlines():
         if not line.strip() or line.startswith("\t"):
             continue
-        node = line.split(" -- ")[0]
+        node, desc = line.split(" -- ")[:2]
         fields = dict(kv.split("=", 1) for kv in line.rsplit(" -- ", 1)[1].split(", "))
         op = graph.ops[graph.op_id(node)]
         act_of[node] = expected_activation(fields["activation_size"])
         assert op.fwd.alpha == 0 and op.bwd.alpha == 0
-        assert op.fwd.beta == pytest.approx(float(fields["forward_compute_time"]) / 1000 / 128)
-        assert op.bwd.beta == pytest.approx(float(fields["backward_compute_time"]) / 1000 / 128)
+        # Input sources are data loading: zeroed, as the real optimizer does.
+        free = desc.startswith("Input") and node not in has_input
+        assert op.fwd.beta == pytest.approx(0.0 if free else float(fields["forward_compute_time"]) / 1000 / 128)
+        assert op.bwd.beta == pytest.approx(0.0 if free else float(fields["backward_compute_time"]) / 1000 / 128)
         assert op.act_bytes == pytest.approx(act_of[node] / 128)
         assert op.out_bytes == op.act_bytes
-        assert op.param_bytes == pytest.approx(float(fields["parameter_size"]))
+        assert op.param_bytes == pytest.approx(0.0 if free else float(fields["parameter_size"]))
     for line in text.splitlines():
         if line.startswith("\t"):
             src, dst = (x.strip() for x in line.split(" -- "))
@@ -129,3 +132,34 @@ def test_cycle_missing_file_and_empty(tmp_path):
         read_pipedream(str(path))
     with pytest.raises(InputError, match="batch_size"):
         parse_pipedream(node_line("a"), batch_size=0)
+
+
+def test_input_sources_cost_nothing_and_are_reported(profiles_dir):
+    """alexnet's Input node carries 635.9 ms of data loading (vs 85.3 ms for the model): zeroed, and listed
+    by zeroed_inputs (what `graphpipe inspect` notes); the input tensor's bytes still flow to its consumer."""
+    from graphpipe.importers.pipedream_txt import read_zeroed_inputs
+
+    g = read_pipedream(os.path.join(profiles_dir, "alexnet"))
+    inp = g.ops[g.op_id("node1")]
+    assert inp.kind == "Input" and inp.fwd.beta == inp.bwd.beta == inp.param_bytes == 0
+    assert inp.out_bytes == pytest.approx(154140672.0 / 128)
+    assert g.edge_bytes(0, g.succs(0)[0]) == pytest.approx(154140672.0 / 128)
+    assert g.fwd_time(range(g.num_ops), 128) + g.bwd_time(range(g.num_ops), 128) == pytest.approx(0.0853, abs=1e-3)
+    assert read_zeroed_inputs(os.path.join(profiles_dir, "alexnet")) == [("node1", 635.902, 0.0)]
+    assert read_zeroed_inputs(os.path.join(profiles_dir, "gnmt")) == []      # its Input0..2 are already 0
+
+
+def test_input_with_predecessor_is_not_zeroed():
+    """Only Input *sources* are data loading (the real optimizer zeroes gr.sources() named Input*)."""
+    text = "\n".join([node_line("node1", desc="Input0", fwd="5.0", bwd="0.0"), node_line("node2", desc="Input1"),
+                      "\tnode1 -- node2"])
+    g = parse_pipedream(text)
+    assert g.ops[0].fwd.beta == 0 and g.ops[1].fwd.beta == pytest.approx(1.0 / 1000 / 128)
+
+
+def test_inspect_notes_zeroed_input(profiles_dir, capsys):
+    from graphpipe.cli import main
+
+    assert main(["inspect", os.path.join(profiles_dir, "alexnet")]) == 0
+    out = capsys.readouterr().out
+    assert "note: Input node node1's forward time 635.902 ms (data loading) was zeroed" in out

@@ -112,8 +112,14 @@ def run(args) -> int:
     source = load_model(args.model, device=device, pipedream_batch_size=args.pipedream_batch_size)
     summary = inspect_summary(source.graph)
     summary = {"model_id": source.model_id, "source": source.kind, **summary}
+    if source.kind == "pipedream":
+        from graphpipe.importers.pipedream_txt import read_zeroed_inputs
+
+        summary["notes"] = [f"Input node {node}'s forward time {fwd:g} ms (data loading) was zeroed, as the real "
+                            f"PipeDream optimizer does" + (f"; backward {bwd:g} ms too" if bwd else "")
+                            for node, fwd, bwd in read_zeroed_inputs(args.model)]
     if args.json:
         print_json(summary)
     else:
-        sys.stdout.write(_table(summary) + "\n")
+        sys.stdout.write(_table(summary) + "\n" + "".join(f"note: {n}\n" for n in summary.get("notes", ())))
     return 0
