@@ -26,9 +26,12 @@ from graphpipe.errors import FormatError, InputError, PlanError
 from graphpipe.graph import OpGraph, graph_from_dict, graph_to_dict, read_json_file, write_json_atomic
 from graphpipe.stages import Stage, StageGraph
 
-__all__ = ["Plan", "PLAN_FORMAT", "plan_to_dict", "plan_from_dict", "read_plan", "write_plan"]
+__all__ = ["Plan", "PLAN_FORMAT", "BATCHNORM_MODES", "plan_to_dict", "plan_from_dict", "read_plan", "write_plan"]
 
 PLAN_FORMAT = "graphpipe.plan/1"
+
+BATCHNORM_MODES = ("per-micro-batch", "sync")
+"""How BatchNorm normalises under micro-batching: each replica's rows, or each micro-batch across replicas."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -46,12 +49,16 @@ class Plan:
     """Search statistics: strategy, time_s, and (cpsat) lower_bound_s, gap."""
     merged: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     """Ops created by contracting non-series-parallel regions -> original op names."""
+    batchnorm: str = "per-micro-batch"
+    """BatchNorm semantics under micro-batching (:data:`BATCHNORM_MODES`; see :mod:`graphpipe.runtime.batchnorm`)."""
 
     def __post_init__(self) -> None:
         if self.stage_graph.num_devices != self.cluster.num_devices:
             raise PlanError(f"stage graph is for {self.stage_graph.num_devices} devices, cluster has {self.cluster.num_devices}")
         if self.schedule.num_devices != self.cluster.num_devices:
             raise PlanError(f"schedule lists {self.schedule.num_devices} devices, cluster has {self.cluster.num_devices}")
+        if self.batchnorm not in BATCHNORM_MODES:
+            raise InputError(f"--batchnorm must be one of {', '.join(BATCHNORM_MODES)}, got {self.batchnorm!r}")
 
     @property
     def graph(self) -> OpGraph:
@@ -85,6 +92,7 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         "predicted": dict(plan.predicted),
         "search": dict(plan.search),
         "merged": {k: list(v) for k, v in plan.merged.items()},
+        "batchnorm": plan.batchnorm,
     }
 
 
@@ -121,7 +129,14 @@ def plan_from_dict(doc: Any, where: str = "plan") -> Plan:
     merged = {str(k): tuple(v) for k, v in (doc.get("merged") or {}).items()}
     return Plan(model=str(doc.get("model", graph.name)), stage_graph=sg, cluster=cluster,
                 strategy=str(doc.get("strategy", "custom")), schedule=schedule,
-                predicted=dict(doc.get("predicted") or {}), search=dict(doc.get("search") or {}), merged=merged)
+                predicted=dict(doc.get("predicted") or {}), search=dict(doc.get("search") or {}), merged=merged,
+                batchnorm=_batchnorm(doc.get("batchnorm", "per-micro-batch"), f"{where}.batchnorm"))
+
+
+def _batchnorm(value: Any, where: str) -> str:
+    if value not in BATCHNORM_MODES:
+        raise FormatError(f"{where} must be one of {', '.join(BATCHNORM_MODES)}, got {value!r}")
+    return value
 
 
 def _devices_shared(stages: list[Stage]) -> bool:

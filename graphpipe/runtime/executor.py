@@ -18,6 +18,16 @@ After the last ``B`` of a data-parallel stage its replicas all-reduce (sum)
 the stage's gradients asynchronously, in a fixed per-device-set order, so
 the all-reduce overlaps the rest of the schedule as in the simulator.
 
+Every stage call gets a :class:`~graphpipe.runtime.rng.ShardContext` (seed,
+step, the rows it holds) as its last argument: dropout masks and BatchNorm
+statistics then depend on those rows only, never on rank or schedule
+(issue 21). At the end of the iteration, in one fixed order on every rank
+(so collectives of overlapping groups cannot cross): the replicas' gradient
+all-reduces complete; every BatchNorm commits its deferred running
+statistics (:meth:`~graphpipe.runtime.batchnorm.ShardedBatchNorm.commit`);
+the copies of every tied parameter get the sum of their gradients
+(:class:`TiedSync`).
+
 Every action is timed (``time.perf_counter``; CUDA is synchronised first),
 relative to a start shared through a barrier by the caller: ``ready`` when
 its inputs are in, ``start`` when compute begins, ``end`` when compute ends
@@ -42,12 +52,14 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from graphpipe.actions import Action
+from graphpipe.runtime.batchnorm import sharded_batchnorms
 from graphpipe.runtime.comm import Mailbox
+from graphpipe.runtime.rng import ShardContext
 from graphpipe.runtime.routing import Routing
 from graphpipe.runtime.stage_modules import StageProgram, ValueMeta
 from graphpipe.stages import StageGraph
 
-__all__ = ["TimedAction", "StepResult", "RankExecutor", "InjectedFailure", "zero_grads", "flat_grad_buffer"]
+__all__ = ["TimedAction", "StepResult", "RankExecutor", "InjectedFailure", "TiedSync", "zero_grads", "flat_grad_buffer"]
 
 
 class InjectedFailure(RuntimeError):
@@ -113,6 +125,20 @@ def flat_grad_buffer(params: Sequence[torch.nn.Parameter]) -> torch.Tensor | Non
     return flat
 
 
+@dataclass(frozen=True, slots=True)
+class TiedSync:
+    """One tied parameter as this rank sees it: the copies it hosts and the group of every owning rank.
+
+    ``copies``: ``(stage, parameter name in the stage's module)`` on this
+    rank; ``group``: the ranks of every stage owning a copy (None when that
+    is this rank alone).
+    """
+
+    name: str
+    copies: tuple[tuple[int, str], ...]
+    group: object | None
+
+
 class RankExecutor:
     """Runs ``schedule.device_actions[rank]`` with the stage programs hosted on this rank."""
 
@@ -120,7 +146,8 @@ class RankExecutor:
                  routing: Routing, meta: Mapping[str, ValueMeta], loss_fn: Callable[[Any], torch.Tensor],
                  device: torch.device, timeout_s: float, link_groups: Mapping | None = None,
                  dp_groups: Mapping[tuple[int, ...], object] | None = None,
-                 allreduce_order: Mapping[tuple[int, ...], Sequence[int]] | None = None, fault=None):
+                 allreduce_order: Mapping[tuple[int, ...], Sequence[int]] | None = None, fault=None,
+                 seed: int = 0, batchnorm: str = "per-micro-batch", tied: Sequence[TiedSync] = ()):
         self.rank = rank
         self.sg = sg
         self.actions = tuple(actions)
@@ -145,6 +172,10 @@ class RankExecutor:
             flat = flat_grad_buffer(list(self.programs[stage_id].module.parameters()))
             if flat is not None:
                 self._grad_buffers[stage_id] = flat
+        self.seed = seed
+        self.step = 0
+        self.batchnorm = batchnorm
+        self.tied = tuple(tied)
         self._fail_at = fault.at if fault is not None and fault.rank == rank else None
         self._fault_text = fault.describe() if fault is not None else ""
 
@@ -208,7 +239,10 @@ class RankExecutor:
         if self._fail_at == "hang":
             while True:  # a silent rank: its peers must time out, not wait forever
                 time.sleep(3600)
-        sent, out = prog.module(*(values[n] for n in prog.input_names))
+        stage = self.sg.stages[a.stage_id]
+        ctx = ShardContext(self.seed, self.step, rows.start, rows.stop - rows.start,
+                           a.mb_id * stage.micro_batch_size, stage.micro_batch_size)
+        sent, out = prog.module(*(values[n] for n in prog.input_names), ctx)
         loss = None
         if prog.is_sink:
             loss = self.loss_fn(out) * ((rows.stop - rows.start) / self.sg.batch_size)
@@ -269,12 +303,13 @@ class RankExecutor:
         return ready_at - t0, start - t0, end - t0
 
     # ------------------------------------------------------------ iteration
-    def run_iteration(self, inputs: Sequence[torch.Tensor] | None, t0: float) -> StepResult:
-        """Run every action of this rank once; gradients are left in ``.grad`` (all-reduced).
+    def run_iteration(self, inputs: Sequence[torch.Tensor] | None, t0: float, step: int = 0) -> StepResult:
+        """Run every action of this rank once (step ``step``); gradients are left in ``.grad`` (all-reduced).
 
         Gradients accumulate over micro-batches into the buffers
         :meth:`zero_grad` cleared, as in single-device training.
         """
+        self.step = step
         self.mailbox.reset()
         saved: dict = {}
         records: list[TimedAction] = []
@@ -309,9 +344,44 @@ class RankExecutor:
             self._sync()
             done = finished_at.get(i, time.perf_counter() - t0)
             records.append(TimedAction(self.rank, stage_id, "AR", 0, issued_at, issued_at, done))
+        self._commit_batchnorms()
+        self._sum_tied_gradients()
         self.mailbox.flush()
         self._sync()
         return StepResult(time.perf_counter() - t0, loss_sum, records, t0)
+
+    def _commit_batchnorms(self) -> None:
+        """Deferred running statistics of every BatchNorm here, stage by stage (replicas merge their shards)."""
+        for stage_id in sorted(self.programs):
+            stage = self.sg.stages[stage_id]
+            group = None
+            if stage.num_replicas > 1 and self.batchnorm != "sync":
+                group = self.dp_groups[stage.devices]
+            for bn in sharded_batchnorms(self.programs[stage_id].module):
+                bn.commit(group, stage.micro_batch_size // stage.num_replicas, self.sg.batch_size)
+
+    def _sum_tied_gradients(self) -> None:
+        """Every copy of a tied parameter gets the sum of all copies' gradients (each stage's counted once)."""
+        for tie in self.tied:
+            params = [self._param(s, name) for s, name in tie.copies]
+            total = None
+            for (s, _), p in zip(tie.copies, params):
+                if self.sg.stages[s].devices[0] != self.rank or p.grad is None:
+                    continue  # replicas hold the same, already all-reduced gradient: count the stage once
+                total = p.grad.clone() if total is None else total.add_(p.grad)
+            if total is None:
+                total = torch.zeros_like(params[0])
+            if tie.group is not None:
+                self.mailbox.wait_work(dist.all_reduce(total, group=tie.group, async_op=True),
+                                       f"gradient sum of tied parameter {tie.name}")
+            for p in params:
+                if p.grad is None:
+                    p.grad = total.clone()
+                else:
+                    p.grad.copy_(total)
+
+    def _param(self, stage_id: int, name: str) -> torch.nn.Parameter:
+        return self.programs[stage_id].module.get_parameter(name)
 
     def _issue_allreduces(self, done_stages: set[int], issued: dict, t0: float) -> list:
         """Start the gradient all-reduce of every finished replicated stage whose turn has come."""

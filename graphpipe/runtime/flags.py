@@ -36,10 +36,16 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     parser.add_argument("--cpus-per-rank", type=int, default=0, metavar="N",
                         help="pin each rank to N CPUs of its own (default 0: no pinning); steadier CPU timings")
+    # Not argparse choices: a bad value is the one-line InputError of RunOptions (exit 2) like every other flag.
+    parser.add_argument("--batchnorm", default=None, metavar="MODE",
+                        help="BatchNorm under micro-batching: per-micro-batch (normalise each replica's rows; running "
+                             "statistics over the mini-batch) or sync (statistics across a stage's replicas); "
+                             "default: the plan's (per-micro-batch)")
 
 
 def options_from_args(args: argparse.Namespace) -> RunOptions:
     """The :class:`RunOptions` of parsed :func:`add_run_arguments` flags (checked in its ``__post_init__``)."""
     return RunOptions(steps=args.steps, warmup_steps=args.warmup, backend=args.backend, check=args.check,
                       timeout_s=args.timeout, seed=args.seed, lr=args.lr, num_threads=args.threads,
-                      cpus_per_rank=args.cpus_per_rank, baseline=args.baseline)
+                      cpus_per_rank=args.cpus_per_rank, baseline=args.baseline,
+                      batchnorm=getattr(args, "batchnorm", None))

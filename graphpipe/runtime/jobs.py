@@ -7,9 +7,31 @@ import these, so the two runtimes are measured and checked the same way:
 * :class:`RunOptions`, the settings of one job (``graphpipe run``'s flags);
 * :func:`load_runnable`, the model named by a plan's ``model`` with its
   capture, loss and synthetic data (:func:`data_seed` seeds step ``k``);
-* :func:`reference_step` and :func:`compare_gradients`, the single-process
-  run ``--check`` compares with;
+* :func:`reference_run` (and the plain :func:`reference_step`) and
+  :func:`compare_gradients`, the single-process run ``--check`` compares with;
 * :func:`finish_job`, which gathers every rank's figures on rank 0.
+
+What ``--check`` compares (issue 21). The reference is one process running
+the whole mini-batch of every step through the captured model, with the
+*same training semantics* as the pipeline, for as many steps as the run
+(SGD with the run's learning rate in between):
+
+* dropout masks from the same per-(seed, step, op, shard) generators
+  (:mod:`graphpipe.runtime.rng`): the reference cuts each dropout's input at
+  the pipeline's shard boundaries of that op's stage;
+* BatchNorm per micro-batch or synchronised across a stage's replicas, as
+  ``--batchnorm`` says (:mod:`graphpipe.runtime.batchnorm`): the reference
+  normalises the same groups of rows and defers running statistics the same way;
+* tied parameters: one parameter in the reference, copies in the pipeline
+  whose gradients are summed; every copy is compared with the reference.
+
+After every step each rank compares, with ``|a - b| <= atol + rtol*|b|``
+(fp32 defaults of ``torch.testing.assert_close``), the step's loss, the
+gradient of every parameter it hosts and every buffer (running statistics)
+after the step's commit. A second comparison, with *full-batch* training
+(BatchNorm over the whole mini-batch, one dropout draw per op), is reported
+in ``check.full_batch`` and never asserted: with micro-batches smaller than
+the mini-batch the two are different training algorithms.
 
 Example
 -------
@@ -33,7 +55,8 @@ from graphpipe.errors import InputError, PlanError
 from graphpipe.plan import Plan
 
 __all__ = ["RunOptions", "FaultInjection", "fault_from_env", "Runnable", "load_runnable", "data_seed",
-           "reference_step", "compare_gradients", "finish_job", "CHECK_RTOL", "CHECK_ATOL"]
+           "Reference", "reference_run", "reference_layout", "reference_step", "compare_gradients", "compare_buffers",
+           "finish_job", "CHECK_RTOL", "CHECK_ATOL"]
 
 CHECK_RTOL = 1.3e-6
 CHECK_ATOL = 1e-5
@@ -105,13 +128,17 @@ class RunOptions:
     atol: float = CHECK_ATOL
     fault: FaultInjection | None = None
     """Test hook: make one rank fail on purpose (:class:`FaultInjection`); None in real runs."""
+    batchnorm: str | None = None
+    """BatchNorm semantics, ``per-micro-batch`` or ``sync`` (:mod:`graphpipe.runtime.batchnorm`); None: the plan's."""
 
     def __post_init__(self) -> None:
         from graphpipe.errors import InputError
 
         if not isinstance(self.steps, int) or self.steps < 1:
             raise InputError(f"--steps must be a positive integer, got {self.steps!r}")
-        if not 0 <= self.warmup_steps < self.steps:
+        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise InputError(f"--warmup must be a non-negative integer, got {self.warmup_steps!r}")
+        if not self.warmup_steps < self.steps:  # one step: it is measured; the CLI refuses other cases
             object.__setattr__(self, "warmup_steps", 0 if self.steps == 1 else min(self.warmup_steps, self.steps - 1))
         if self.backend not in ("auto", "gloo", "nccl"):
             raise InputError(f"--backend must be gloo, nccl or auto, got {self.backend!r}")
@@ -123,6 +150,14 @@ class RunOptions:
             raise InputError(f"--cpus-per-rank must be a non-negative integer, got {self.cpus_per_rank!r}")
         if self.baseline not in (None, "torch"):
             raise InputError(f"--baseline must be 'torch', got {self.baseline!r}")
+        if self.batchnorm is not None:
+            from graphpipe.runtime.batchnorm import check_batchnorm_mode
+
+            check_batchnorm_mode(self.batchnorm)
+
+    def batchnorm_for(self, plan: Plan) -> str:
+        """The BatchNorm mode of a run of ``plan``: this option, else the plan's, else per-micro-batch."""
+        return self.batchnorm or getattr(plan, "batchnorm", None) or "per-micro-batch"
 
 
 def data_seed(seed: int, step: int) -> int:
@@ -168,8 +203,10 @@ def load_runnable(spec: str, seed: int = 0, device: str = "cpu", capture: bool =
         module, example, loss_fn, make_inputs = built.module, built.example_inputs, built.loss_fn, built.make_inputs
     if not capture:
         return Runnable(spec, module, None, {}, (), loss_fn, make_inputs)  # type: ignore[arg-type]
+    from graphpipe.runtime.stage_modules import instrument
+
     gm, op_nodes = _trace_ops(cap, module, example, spec)
-    return Runnable(spec, module, gm, op_nodes, tuple(op_nodes), loss_fn, make_inputs)
+    return Runnable(spec, module, instrument(gm), op_nodes, tuple(op_nodes), loss_fn, make_inputs)
 
 
 def _trace_ops(cap, module: torch.nn.Module, example: Sequence[torch.Tensor], spec: str):
@@ -208,8 +245,74 @@ def _synthetic_inputs(example: Sequence[torch.Tensor], device: str):
     return make_inputs
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class Reference:
+    """What the single-process run produced, per step: loss, gradients (by model name), buffers after the step."""
+
+    losses: tuple[float, ...]
+    grads: tuple[dict[str, torch.Tensor], ...]
+    buffers: tuple[dict[str, torch.Tensor], ...]
+    unbatched: tuple[str, ...] = ()
+    """Stochastic or BatchNorm ops whose input had no batch dimension (their draws cannot match the pipeline's)."""
+
+    @property
+    def num_params(self) -> int:
+        return len(self.grads[0]) if self.grads else 0
+
+
+def reference_layout(plan: Plan, node_stages: dict[str, int], batchnorm: str) -> dict[str, dict[str, int]]:
+    """Rows per call of every context-taking op in the pipeline: ``{op: {"dropout": n, "batchnorm": n}}``.
+
+    A stage replica holds ``micro_batch_size / replicas`` rows; synchronised
+    BatchNorm normalises the whole micro-batch.
+    """
+    layout = {}
+    for node, stage_id in node_stages.items():
+        stage = plan.stage_graph.stages[stage_id]
+        shard = stage.micro_batch_size // stage.num_replicas
+        layout[node] = {"dropout": shard, "batchnorm": stage.micro_batch_size if batchnorm == "sync" else shard}
+    return layout
+
+
+def reference_run(spec: str, seed: int, batch_size: int, layout: dict[str, dict[str, int]], steps: int, lr: float,
+                  device: str = "cpu") -> Reference:
+    """``steps`` SGD steps of a fresh copy of the model on one process with the pipeline's semantics.
+
+    ``layout`` (:func:`reference_layout`) says at which rows every dropout
+    and BatchNorm call is cut; an empty layout is full-batch training. Step
+    ``k`` reads ``make_inputs(batch_size, data_seed(seed, k))`` like the
+    pipeline.
+    """
+    from graphpipe.runtime.batchnorm import sharded_batchnorms
+    from graphpipe.runtime.rng import ReferenceContext
+
+    ref = load_runnable(spec, seed, device)
+    gm = ref.gm
+    gm.train()
+    params = dict(gm.named_parameters())
+    optimizer = torch.optim.SGD(list(params.values()), lr=lr)
+    losses, grads, buffers, unbatched = [], [], [], set()
+    for step in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        inputs = ref.make_inputs(batch_size, data_seed(seed, step))
+        ctx = ReferenceContext(seed, step, batch_size, layout)
+        loss = ref.loss_fn(gm(*inputs, ctx))
+        loss.backward()
+        unbatched.update(ctx.unbatched)
+        for bn in sharded_batchnorms(gm):
+            bn.commit()
+        losses.append(float(loss.detach()))
+        grads.append({n: p.grad.detach().clone() for n, p in params.items() if p.grad is not None})
+        buffers.append({n: b.detach().clone() for n, b in gm.named_buffers()})
+        optimizer.step()
+    return Reference(tuple(losses), tuple(grads), tuple(buffers), tuple(sorted(unbatched)))
+
+
 def reference_step(spec: str, seed: int, batch_size: int, step_seed: int, device: str) -> tuple[float, dict[str, torch.Tensor]]:
-    """Single-process loss and gradients of a fresh copy of the model on the whole mini-batch."""
+    """Single-process loss and gradients of a fresh copy of the model on the whole mini-batch (PyTorch's semantics).
+
+    The torch.distributed.pipelining baseline's reference; ours is :func:`reference_run`.
+    """
     ref = load_runnable(spec, seed, device, capture=False)
     inputs = ref.make_inputs(batch_size, step_seed)
     loss = ref.loss_fn(ref.module(*inputs))
@@ -217,10 +320,26 @@ def reference_step(spec: str, seed: int, batch_size: int, step_seed: int, device
     return float(loss.detach()), {n: p.grad for n, p in ref.module.named_parameters() if p.grad is not None}
 
 
+def compare_buffers(named_buffers, ref_buffers: dict[str, torch.Tensor], options: RunOptions) -> tuple[float, int, int]:
+    """``(max |a - b|, elements outside tolerance, buffers counted)``; ``named_buffers`` yields ``(name, buffer, counted)``."""
+    max_abs, mismatches, count = 0.0, 0, 0
+    for name, b, counted in named_buffers:
+        if name not in ref_buffers:
+            raise PlanError(f"--check: buffer {name!r} is not a buffer of the single-process model")
+        ref = ref_buffers[name].to(b.device)
+        diff = (b.double() - ref.double()).abs()
+        if diff.numel():
+            max_abs = max(max_abs, float(diff.max()))
+        mismatches += int((diff > options.atol + options.rtol * ref.double().abs()).sum())
+        count += int(counted)
+    return max_abs, mismatches, count
+
+
 def compare_gradients(named_params, ref_grads: dict[str, torch.Tensor], options: RunOptions) -> tuple[float, int, int]:
     """``(max |a - b|, elements outside atol + rtol*|b|, parameters counted)`` against the reference.
 
-    ``named_params`` yields ``(name, parameter, counted)``.
+    ``named_params`` yields ``(name, parameter, counted)``; ``name`` is the
+    parameter's name in the whole model.
     """
     max_abs, mismatches, count = 0.0, 0, 0
     for name, p, counted in named_params:
@@ -257,7 +376,8 @@ def finish_job(rank: int, world_size: int, plan: Plan, options: RunOptions, step
     dist.all_reduce(losses, op=dist.ReduceOp.SUM, group=control)
     max_abs = torch.tensor([check_stats[0]], dtype=torch.float64)
     dist.all_reduce(max_abs, op=dist.ReduceOp.MAX, group=control)
-    counts = torch.tensor([check_stats[1], check_stats[2]], dtype=torch.float64)
+    counts = torch.tensor([check_stats[1], check_stats[2], check_stats[3] if len(check_stats) > 3 else 0],
+                          dtype=torch.float64)
     dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=control)
     measured_idx = list(range(options.warmup_steps, options.steps))
     step_list = [float(times[i]) for i in measured_idx]
@@ -281,7 +401,9 @@ def finish_job(rank: int, world_size: int, plan: Plan, options: RunOptions, step
         "rank_cpus": [cpus for _, _, _, cpus in gathered],
     }
     out.update(extra or {})
-    if options.check:
+    if options.check and isinstance(reference, Reference):
+        out["check"] = _check_summary(plan, options, [float(x) for x in losses], reference, float(max_abs[0]), counts)
+    elif options.check:
         if reference is None:
             reference = reference_step(plan.model, options.seed, sg.batch_size, data_seed(options.seed, 0), "cpu")
         ref_loss = reference[0]
@@ -294,6 +416,33 @@ def finish_job(rank: int, world_size: int, plan: Plan, options: RunOptions, step
                         "num_params_checked": int(counts[1]), "num_params": total_params,
                         "num_mismatches": int(counts[0]), "rtol": options.rtol, "atol": options.atol}
     return out
+
+
+def _check_summary(plan: Plan, options: RunOptions, losses: list[float], reference: Reference, max_abs: float,
+                   counts: torch.Tensor) -> dict[str, Any]:
+    """Rank 0's verdict over every step: losses, gradients and buffers; plus the full-batch comparison (reported)."""
+    steps = len(reference.losses)
+    loss_diffs = [abs(losses[k] - reference.losses[k]) for k in range(steps)]
+    losses_ok = all(d <= options.atol + options.rtol * abs(r) for d, r in zip(loss_diffs, reference.losses))
+    num_buffers = len(reference.buffers[0]) if reference.buffers else 0
+    passed = (counts[0] == 0 and losses_ok and int(counts[1]) == reference.num_params
+              and int(counts[2]) == num_buffers)
+    check = {"passed": bool(passed), "max_abs_diff": max([max_abs, *loss_diffs]),
+             "loss": losses[0], "reference_loss": reference.losses[0], "loss_abs_diff": loss_diffs[0],
+             "steps_checked": steps, "losses_checked": losses[:steps], "reference_losses": list(reference.losses),
+             "num_params_checked": int(counts[1]), "num_params": reference.num_params,
+             "num_buffers_checked": int(counts[2]), "num_buffers": num_buffers,
+             "num_mismatches": int(counts[0]), "rtol": options.rtol, "atol": options.atol,
+             "batchnorm": options.batchnorm_for(plan)}
+    if reference.unbatched:
+        check["inexact_ops"] = list(reference.unbatched)
+    full = reference_run(plan.model, options.seed, plan.stage_graph.batch_size, {}, 1, options.lr)
+    check["full_batch"] = {
+        "loss": full.losses[0], "loss_abs_diff": abs(full.losses[0] - reference.losses[0]),
+        "max_grad_abs_diff": max((float((g - reference.grads[0][n]).abs().max()) for n, g in full.grads[0].items()
+                                  if n in reference.grads[0] and g.numel()), default=0.0),
+        "note": "full-batch training (BatchNorm over the whole mini-batch, one dropout draw per op): reported, not asserted"}
+    return check
 
 
 def _shift(record: dict, offset: float) -> dict:

@@ -21,9 +21,28 @@ pipeline.
 
 Rules for fx nodes that belong to no op (the capture contract says there are
 none, but user factories may produce them): ``get_attr`` nodes are copied into
-every stage that reads them (a trainable parameter read by two stages is
-refused: its gradient would live on two ranks); any other node joins the
-earliest stage that reads it; nodes nobody reads are dropped.
+every stage that reads them; any other node joins the earliest stage that
+reads it; nodes nobody reads are dropped.
+
+Tied parameters (one ``nn.Parameter`` read by several stages: a GPT's
+embedding and output head, a layer called from two branches): the first
+stage (in stage order) keeps the parameter, every other stage gets a copy
+of its own (:attr:`ModelSplit.tied` lists them), and the executor sums the
+copies' gradients across the owning stages before the optimizer step, as
+Megatron does for tied embeddings, so the copies stay equal. Buffers that a
+forward mutates (BatchNorm running statistics) must live in exactly one
+stage; a BatchNorm called from two stages is refused.
+
+Semantics (issue 21, :func:`instrument`): before the split, every dropout
+and BatchNorm call of the captured graph is rewritten to take a context,
+the ``rng_ctx`` placeholder every stage module gets as its *last* argument
+(default ``None``: plain PyTorch semantics). The executor passes a
+:class:`~graphpipe.runtime.rng.ShardContext` naming the rows the call holds;
+dropout masks then depend only on (seed, step, op, rows) and BatchNorm
+normalises per micro-batch (:mod:`graphpipe.runtime.rng`,
+:mod:`graphpipe.runtime.batchnorm`). A wrapper that recomputes the forward
+(``torch.utils.checkpoint``) must pass the same context again: it is an
+argument, so checkpoint does.
 
 A *sequential* stage graph (``StageGraph.sequential``: SPP baselines) has
 only chain edges; a value produced by stage ``p`` and read by stage
@@ -55,8 +74,9 @@ Example
 
 from __future__ import annotations
 
+import copy
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -65,7 +85,11 @@ import torch.fx
 from graphpipe.errors import PlanError
 from graphpipe.stages import StageGraph
 
-__all__ = ["StageProgram", "ModelSplit", "ValueMeta", "split_model", "boundary_meta", "check_op_names"]
+__all__ = ["StageProgram", "ModelSplit", "ValueMeta", "TiedParameter", "split_model", "boundary_meta", "check_op_names",
+           "instrument", "CTX_NAME"]
+
+CTX_NAME = "rng_ctx"
+"""Name of the context placeholder :func:`instrument` adds (the last argument of every stage module)."""
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +113,8 @@ class StageProgram:
     """Values in the ``sent`` tuple the module returns (the union of :attr:`send_values`)."""
     is_sink: bool
     """True on the stage that produces the model output (and computes the loss)."""
+    param_names: Mapping[str, str] = field(default_factory=dict)
+    """Parameter name in :attr:`module` -> its name in the whole model (differs for tied copies)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,12 +130,29 @@ class ValueMeta:
         return self.dtype.is_floating_point or self.dtype.is_complex
 
 
+@dataclass(frozen=True, slots=True)
+class TiedParameter:
+    """One parameter read by several stages: its model name and ``(stage, name in that stage's module)`` per copy."""
+
+    name: str
+    copies: tuple[tuple[int, str], ...]
+    """First entry: the stage that keeps the original; the others hold copies."""
+
+    @property
+    def stages(self) -> tuple[int, ...]:
+        return tuple(s for s, _ in self.copies)
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class ModelSplit:
     programs: tuple[StageProgram, ...]
     sink_stage: int
     boundary_values: tuple[str, ...]
     """Every fx value some stage sends to another, in graph order."""
+    tied: tuple[TiedParameter, ...] = ()
+    """Parameters read by more than one stage (their gradients are summed across the copies)."""
+    node_stages: Mapping[str, int] = field(default_factory=dict)
+    """Stage of every fx node that takes the context (dropout, BatchNorm): the reference cuts its input the same way."""
 
 
 def check_op_names(plan_ops: Sequence[str], captured_ops: Sequence[str], model: str) -> None:
@@ -176,7 +219,8 @@ def split_model(gm: torch.fx.GraphModule, op_nodes: Mapping[str, Sequence[str]],
     """Build every stage's module from the captured ``gm`` (see the module docstring)."""
     node_stage, attr_stages = _assign_stages(gm, op_nodes, sg)
     nodes = list(gm.graph.nodes)
-    placeholders = [n for n in nodes if n.op == "placeholder"]
+    ctx_node = next((n for n in nodes if n.op == "placeholder" and n.name == CTX_NAME), None)
+    placeholders = [n for n in nodes if n.op == "placeholder" and n is not ctx_node]
     input_index = {n: i for i, n in enumerate(placeholders)}
     output_node = next(n for n in nodes if n.op == "output")
     out_nodes = output_node.all_input_nodes
@@ -195,7 +239,7 @@ def split_model(gm: torch.fx.GraphModule, op_nodes: Mapping[str, Sequence[str]],
         if s is None:
             continue
         for arg in node.all_input_nodes:
-            if arg.op == "get_attr" and arg in attr_stages:
+            if arg.op == "get_attr" and arg in attr_stages or arg is ctx_node:
                 continue
             if arg.op == "placeholder":
                 needed[s][arg] = None
@@ -214,12 +258,6 @@ def split_model(gm: torch.fx.GraphModule, op_nodes: Mapping[str, Sequence[str]],
                                 f"{p}->{s}; the plan's graph and the captured model disagree (re-plan the model)")
             needed[s][arg] = None
             sends.setdefault((p, s), {})[arg] = None
-    for node, stages in attr_stages.items():
-        attr = _resolve_attr(gm, node.target)
-        if isinstance(attr, torch.nn.Parameter) and attr.requires_grad and len(stages) > 1:
-            raise PlanError(f"parameter {node.target!r} is read by stages {sorted(stages)}: a parameter shared between "
-                            "stages is not supported; put its users in one stage")
-
     order = {n: i for i, n in enumerate(nodes)}
     programs = []
     for s in range(sg.num_stages):
@@ -228,6 +266,8 @@ def split_model(gm: torch.fx.GraphModule, op_nodes: Mapping[str, Sequence[str]],
         inputs = sorted(needed[s], key=order.__getitem__)
         for arg in inputs:
             env[arg] = graph.placeholder(arg.name)
+        if ctx_node is not None:
+            env[ctx_node] = graph.placeholder(CTX_NAME, default_value=None)
         for node in nodes:
             if node_stage.get(node) == s or (node in attr_stages and s in attr_stages[node]):
                 env[node] = graph.node_copy(node, lambda a: env[a])
@@ -245,9 +285,12 @@ def split_model(gm: torch.fx.GraphModule, op_nodes: Mapping[str, Sequence[str]],
             model_inputs=tuple((a.name, input_index[a]) for a in inputs if a.op == "placeholder"),
             recv_values=recv_values, send_values=send_values, output_names=tuple(n.name for n in sent_nodes),
             is_sink=(s == sink)))
-    _check_disjoint_parameters(programs)
+    tied = _untie_parameters(gm, programs)
+    _check_buffers_owned_once(programs)
     boundary = tuple(n.name for n in sorted({n for v in sends.values() for n in v}, key=order.__getitem__))
-    return ModelSplit(tuple(programs), sink, boundary)
+    node_stages = {n.name: node_stage[n] for n in nodes if ctx_node is not None and ctx_node in n.all_input_nodes
+                   and n in node_stage}
+    return ModelSplit(tuple(programs), sink, boundary, tied, node_stages)
 
 
 def _resolve_attr(module: torch.nn.Module, target: str) -> Any:
@@ -257,15 +300,93 @@ def _resolve_attr(module: torch.nn.Module, target: str) -> Any:
     return obj
 
 
-def _check_disjoint_parameters(programs: Sequence[StageProgram]) -> None:
+def _untie_parameters(gm: torch.fx.GraphModule, programs: list[StageProgram]) -> tuple[TiedParameter, ...]:
+    """Give every stage but the first its own copy of each parameter several stages read (in place).
+
+    Stage modules share submodule objects with ``gm`` (``GraphModule``
+    copies attribute references), so a module reached from another stage is
+    shallow-copied along the path before its parameter is replaced: the
+    other stages keep theirs. Fills each program's ``param_names``.
+    """
+    model_name = {id(p): name for name, p in gm.named_parameters()}
+    users: dict[int, list[tuple[int, str]]] = {}
+    for prog in programs:
+        seen: set[int] = set()
+        for name, p in prog.module.named_parameters(remove_duplicate=False):
+            if id(p) not in seen:
+                seen.add(id(p))
+                users.setdefault(id(p), []).append((prog.stage_id, name))
+            prog.param_names[name] = model_name.get(id(p), name)  # type: ignore[index]
+    shared = {pid: copies for pid, copies in users.items() if len(copies) > 1}
+    if not shared:
+        return ()
+    for prog in programs:
+        mine = {pid for pid, copies in shared.items() if any(s == prog.stage_id for s, _ in copies[1:])}
+        if not mine:
+            continue
+        others = {id(m) for other in programs if other is not prog for m in other.module.modules()}
+        clones: dict[int, torch.nn.Parameter] = {}
+        for path, holder in list(prog.module.named_modules(remove_duplicate=False)):
+            names = [n for n, p in holder._parameters.items() if p is not None and id(p) in mine]
+            if not names:
+                continue
+            holder = _private(prog.module, path, others)
+            for n in names:
+                p = holder._parameters[n]
+                holder._parameters[n] = clones.setdefault(id(p), torch.nn.Parameter(p.detach().clone(),
+                                                                                     requires_grad=p.requires_grad))
+    return tuple(TiedParameter(model_name.get(pid, copies[0][1]), tuple(copies)) for pid, copies in shared.items())
+
+
+def _private(root: torch.nn.Module, path: str, others: set[int]) -> torch.nn.Module:
+    """The module at ``path`` of ``root``, shallow-copied (with its parents) where another stage reaches it."""
+    module = root
+    for part in path.split(".") if path else ():
+        child = module._modules[part]
+        if id(child) in others:
+            child = copy.copy(child)
+            for attr in ("_parameters", "_buffers", "_modules"):
+                object.__setattr__(child, attr, dict(getattr(child, attr)))
+            module._modules[part] = child
+        module = child
+    return module
+
+
+def _check_buffers_owned_once(programs: Sequence[StageProgram]) -> None:
+    """A BatchNorm's running statistics change in its forward: they must live in one stage."""
+    from graphpipe.runtime.batchnorm import ShardedBatchNorm
+
     owner: dict[int, tuple[int, str]] = {}
     for prog in programs:
-        for name, param in prog.module.named_parameters():
-            if id(param) in owner and owner[id(param)][0] != prog.stage_id:
-                s0, n0 = owner[id(param)]
-                raise PlanError(f"parameter {n0!r} is used by stages {s0} and {prog.stage_id} (tied weights); "
-                                "a parameter shared between stages is not supported: keep its users in one stage")
-            owner[id(param)] = (prog.stage_id, name)
+        for name, m in prog.module.named_modules():
+            if not isinstance(m, (ShardedBatchNorm, torch.nn.modules.batchnorm._BatchNorm)):
+                continue
+            if id(m) in owner and owner[id(m)][0] != prog.stage_id:
+                s0, n0 = owner[id(m)]
+                raise PlanError(f"BatchNorm {n0!r} is called by stages {s0} and {prog.stage_id}: its running statistics "
+                                "must live in one stage; keep the ops that call it in one stage")
+            owner[id(m)] = (prog.stage_id, name)
+
+
+def instrument(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Add the ``rng_ctx`` placeholder and route every dropout and BatchNorm call through it (in place).
+
+    See the module docstring; returns ``gm``. Idempotent.
+    """
+    from graphpipe.runtime.batchnorm import instrument_batchnorm
+    from graphpipe.runtime.rng import instrument_dropout
+
+    nodes = list(gm.graph.nodes)
+    if any(n.op == "placeholder" and n.name == CTX_NAME for n in nodes):
+        return gm
+    last = [n for n in nodes if n.op == "placeholder"]
+    with gm.graph.inserting_after(last[-1]) if last else gm.graph.inserting_before(nodes[0]):
+        ctx = gm.graph.placeholder(CTX_NAME, default_value=None)
+    instrument_dropout(gm, ctx)
+    instrument_batchnorm(gm, ctx)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
 
 
 class _Recorder(torch.fx.Interpreter):
@@ -294,11 +415,16 @@ def boundary_meta(gm: torch.fx.GraphModule, values: Sequence[str],
     """
     keep = set(values)
     runs = []
-    with torch.no_grad():
-        for n in (2, 3):
-            rec = _Recorder(gm, keep)
-            rec.run(*make_inputs(n, 0))
-            runs.append((n, rec.values))
+    training = gm.training
+    gm.eval()  # shapes only: BatchNorm must not move its running statistics, dropout must not draw
+    try:
+        with torch.no_grad():
+            for n in (2, 3):
+                rec = _Recorder(gm, keep)
+                rec.run(*make_inputs(n, 0))
+                runs.append((n, rec.values))
+    finally:
+        gm.train(training)
     meta = {}
     for name in values:
         shapes = []

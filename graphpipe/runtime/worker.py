@@ -19,10 +19,14 @@ the simulator). The reported figure is the median over the steps after the
 warm-up steps.
 
 ``--check`` (``RunOptions.check``): before the first step each rank runs
-the same model on one process on the whole mini-batch (a fresh copy from
-the same seed) and, after the first step's all-reduce, compares the loss and
-the gradient of every parameter it owns with ``|a - b| <= atol + rtol*|b|``
-(fp32 defaults of ``torch.testing.assert_close``: rtol 1.3e-6, atol 1e-5).
+the same model on one process on the whole mini-batch for every step, with
+the pipeline's dropout streams and BatchNorm mode
+(:func:`~graphpipe.runtime.jobs.reference_run`), and after every step
+compares the loss, the gradient of every parameter it owns and every buffer
+with ``|a - b| <= atol + rtol*|b|`` (fp32 defaults of
+``torch.testing.assert_close``: rtol 1.3e-6, atol 1e-5). Rank 0 also looks
+for ops drawing from the global RNG (:func:`~graphpipe.runtime.rng.find_unseeded_random`)
+and warns, naming them: ``--check`` cannot be exact for those.
 """
 
 from __future__ import annotations
@@ -39,9 +43,9 @@ import torch.distributed as dist
 
 from graphpipe.errors import PlanError
 from graphpipe.plan import Plan, plan_from_dict
-from graphpipe.runtime.executor import RankExecutor, StepResult
-from graphpipe.runtime.jobs import (RunOptions, compare_gradients, data_seed, finish_job, load_runnable,
-                                    reference_step)
+from graphpipe.runtime.executor import RankExecutor, StepResult, TiedSync
+from graphpipe.runtime.jobs import (RunOptions, compare_buffers, compare_gradients, data_seed, finish_job, load_runnable,
+                                    reference_layout, reference_run)
 from graphpipe.runtime.routing import Routing
 from graphpipe.runtime.stage_modules import ModelSplit, boundary_meta, check_op_names, split_model
 
@@ -111,6 +115,8 @@ def run_job(rank: int, world_size: int, plan: Plan, options: RunOptions, device:
     # Every rank builds the model, so all agree on the boundary values and shapes.
     runnable = load_runnable(plan.model, options.seed, "cpu")
     check_op_names([op.name for op in sg.graph.ops], runnable.op_names, plan.model)
+    batchnorm = options.batchnorm_for(plan)
+    unseeded = _warn_unseeded(runnable, plan.model) if rank == 0 else {}
     split = split_model(runnable.gm, runnable.op_nodes, sg)
     meta = boundary_meta(runnable.gm, split.boundary_values, runnable.make_inputs)
     routing = Routing(sg, schedule, _edge_values(split), [v for v, m in meta.items() if m.needs_grad])
@@ -127,7 +133,23 @@ def run_job(rank: int, world_size: int, plan: Plan, options: RunOptions, device:
                 if a.kind == "B":
                     last_b[a.stage_id] = pos
             ar_order[stage.devices] = sorted((s for s in last_b if sg.stages[s].devices == stage.devices), key=last_b.get)
+    tied = []
+    for tie in split.tied:  # every rank creates every group, in the same order (new_group is collective)
+        ranks = sorted({d for s in tie.stages for d in sg.stages[s].devices})
+        group = dist.new_group(ranks) if len(ranks) > 1 else None
+        if rank in ranks:
+            tied.append(TiedSync(tie.name, tuple(c for c in tie.copies if c[0] in my_stages), group))
     programs = {s: split.programs[s] for s in my_stages}
+    if batchnorm == "sync":
+        from graphpipe.runtime.batchnorm import sharded_batchnorms
+
+        for s, prog in programs.items():
+            if sg.stages[s].num_replicas > 1:
+                for bn in sharded_batchnorms(prog.module):
+                    bn.group = dp_groups[sg.stages[s].devices]
+    layout = reference_layout(plan, dict(split.node_stages), batchnorm)
+    # only the stage keeping a tied parameter counts it (its copies are compared too)
+    tied_copies = {c for tie in split.tied for c in tie.copies[1:]}
     for prog in programs.values():
         prog.module.to(device)
     loss_fn, make_inputs = runnable.loss_fn, runnable.make_inputs
@@ -135,31 +157,57 @@ def run_job(rank: int, world_size: int, plan: Plan, options: RunOptions, device:
     del runnable, split  # drop every other stage's parameters
     executor = RankExecutor(rank, sg, schedule.device_actions[rank] if rank < sg.num_devices else (), programs, routing,
                             meta, loss_fn, device, options.timeout_s, link_groups,
-                            {k: v for k, v in dp_groups.items() if rank in k}, ar_order, fault=options.fault)
+                            {k: v for k, v in dp_groups.items() if rank in k}, ar_order, fault=options.fault,
+                            seed=options.seed, batchnorm=batchnorm, tied=tied)
     params = executor.parameters()
     optimizer = torch.optim.SGD(params, lr=options.lr) if params else None
     reference = None
-    if options.check and my_stages:
-        reference = reference_step(plan.model, options.seed, sg.batch_size, data_seed(options.seed, 0), "cpu")
+    if options.check and (my_stages or rank == 0):
+        reference = reference_run(plan.model, options.seed, sg.batch_size, layout, options.steps, options.lr)
 
     steps: list[StepResult] = []
-    check_stats = (0.0, 0, 0)
+    check_stats = [0.0, 0, 0, 0]
     for step in range(options.steps):
         inputs = make_inputs(sg.batch_size, data_seed(options.seed, step)) if reads_inputs else None
         executor.zero_grad()
         dist.barrier(group=control)
         t0 = time.perf_counter()
-        result = executor.run_iteration(inputs, t0)
+        result = executor.run_iteration(inputs, t0, step)
         steps.append(result)
-        if step == 0 and reference is not None:
-            # Replicas all compare; only a stage's first replica counts its parameters.
-            check_stats = compare_gradients(((name, p, sg.stages[s].devices[0] == rank) for s in sorted(programs)
-                                             for name, p in programs[s].module.named_parameters()), reference[1], options)
+        if reference is not None and my_stages:
+            # Replicas all compare; only a stage's first replica counts (and only the owner of a tied parameter).
+            grads = compare_gradients(((programs[s].param_names.get(name, name), p,
+                                        step == 0 and sg.stages[s].devices[0] == rank and (s, name) not in tied_copies)
+                                       for s in sorted(programs) for name, p in programs[s].module.named_parameters()),
+                                      reference.grads[step], options)
+            bufs = compare_buffers(((name, b, step == 0 and sg.stages[s].devices[0] == rank) for s in sorted(programs)
+                                    for name, b in programs[s].module.named_buffers()), reference.buffers[step], options)
+            check_stats = [max(check_stats[0], grads[0], bufs[0]), check_stats[1] + grads[1] + bufs[1],
+                           check_stats[2] + grads[2], check_stats[3] + bufs[2]]
         if optimizer is not None:
             optimizer.step()
-    return finish_job(rank, world_size, plan, options, [s.iteration_time_s for s in steps], [s.loss for s in steps],
-                      check_stats, reference, records=[[asdict(r) for r in s.records] for s in steps], backend=backend,
-                      starts=[s.t0 for s in steps], control=control)
+    out = finish_job(rank, world_size, plan, options, [s.iteration_time_s for s in steps], [s.loss for s in steps],
+                     tuple(check_stats), reference, records=[[asdict(r) for r in s.records] for s in steps],
+                     backend=backend, starts=[s.t0 for s in steps], control=control)
+    if out is not None and "check" in out and unseeded:
+        out["check"]["unseeded_ops"] = unseeded
+    return out
+
+
+def _warn_unseeded(runnable, model: str) -> dict[str, str]:
+    """Ops of the model that draw from the global RNG (a warning each): their draws cannot be replayed."""
+    from graphpipe.runtime.batchnorm import sharded_batchnorms
+    from graphpipe.runtime.rng import ShardContext, find_unseeded_random
+
+    inputs = runnable.make_inputs(2, 0)
+    found = find_unseeded_random(runnable.gm, inputs, ShardContext(0, 0, 0, 2, 0, 2))
+    for bn in sharded_batchnorms(runnable.gm):
+        bn.pending.clear()
+    for node, what in found.items():
+        log.warning("%s: op %s (%s) draws from the global random generator, not a per-micro-batch stream: "
+                    "--check cannot be exact for it (use nn.Dropout / F.dropout, or seed it from the shard)",
+                    model, node, what)
+    return found
 
 
 def run_rank(rank: int, world_size: int, jobs: Sequence[tuple[dict, RunOptions]], init_method: str,
