@@ -70,7 +70,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from graphpipe.cluster import DeviceSpec, preset
-from graphpipe.errors import GraphCycleError, InputError
+from graphpipe.errors import GraphCycleError, GraphpipeError, InputError, UserCodeError, user_code_error, user_location
 from graphpipe.graph import Affine, Op, OpGraph
 from graphpipe.zoo_models import Layer
 
@@ -142,13 +142,16 @@ def trace(module: nn.Module, num_inputs: int, layer_types: Sequence[type[nn.Modu
     from torch.fx._symbolic_trace import PH
 
     tracer = LayerTracer(layer_types)
+    tracer.record_stack_traces = True  # a node that fails later names the user's source line
     code = inspect.unwrap(type(module).forward).__code__
     varargs = bool(code.co_flags & inspect.CO_VARARGS) and code.co_argcount == 1  # forward(self, *inputs)
     try:
         graph = tracer.trace(module, concrete_args=tuple(PH for _ in range(num_inputs)) if varargs else None)
     except Exception as exc:  # fx raises many types for untraceable code
-        raise InputError(f"torch.fx cannot trace {type(module).__name__}: {type(exc).__name__}: {exc}; "
-                         "make data-dependent control flow a layer (a zoo Layer subclass) so it stays a leaf") from None
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise UserCodeError(f"{user_location(exc)}torch.fx cannot trace {type(module).__name__}: "
+                            f"{type(exc).__name__}: {first}; make data-dependent control flow a layer "
+                            "(a zoo Layer subclass) so it stays a leaf") from exc
     gm = fx.GraphModule(tracer.root, graph, type(module).__name__)
     anchors = {n.name for n in gm.graph.nodes
                if n.op == "call_module" and tracer.is_layer(gm.get_submodule(n.target))}
@@ -268,21 +271,35 @@ def _batch_size(example_inputs: Sequence[Any]) -> int:
 
 # -------------------------------------------------------------------- capture
 def capture(module: nn.Module, example_inputs: Sequence[Any], name: str | None = None,
-            device: DeviceSpec | None = None, layer_types: Sequence[type[nn.Module]] = ()) -> Captured:
+            device: DeviceSpec | None = None, layer_types: Sequence[type[nn.Module]] = (),
+            user_file: str | None = None) -> Captured:
     """Trace ``module`` and build its layer-granularity OpGraph with analytical costs.
 
     ``example_inputs`` may live on the meta device (and the module too): only
     shapes matter. ``device`` sets the cost model (default: the v100 preset's
-    device). See the module docstring for the rules.
+    device). See the module docstring for the rules. A failure of the
+    module's own code while tracing or running it is a one-line
+    :class:`~graphpipe.errors.UserCodeError` naming the line in ``user_file``
+    (or the deepest frame outside torch and graphpipe).
     """
     if not isinstance(module, nn.Module):
         raise InputError(f"capture needs an nn.Module, got {type(module).__name__}")
     example_inputs = tuple(example_inputs)
     device = device if device is not None else preset("v100").device
-    gm, anchors = trace(module, len(example_inputs), layer_types)
+    try:
+        gm, anchors = trace(module, len(example_inputs), layer_types)
+    except GraphpipeError:
+        raise
+    except Exception as exc:
+        raise user_code_error(exc, "tracing the module's forward (torch.fx)", user_file) from exc
     op_of_node, started = group_nodes(gm, anchors)
     batch = _batch_size(example_inputs)
-    costs = _measure(gm, example_inputs)
+    try:
+        costs = _measure(gm, example_inputs)
+    except GraphpipeError:
+        raise
+    except Exception as exc:
+        raise user_code_error(exc, "running the module's forward on its example inputs", user_file) from exc
     fx_nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
 
     members: dict[str, list[fx.Node]] = {op: [] for op in started}
@@ -385,13 +402,16 @@ def load_factory(spec: str) -> tuple[nn.Module, tuple[Any, ...], Callable[[Any],
         loader_spec.loader.exec_module(module)
     except Exception as exc:
         sys.modules.pop(mod_name, None)
-        raise InputError(f"importing {path} failed: {type(exc).__name__}: {exc}") from None
+        raise user_code_error(exc, f"importing {path}", path) from exc
     factory = getattr(module, func_name, None)
     if not callable(factory):
         known = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_")
                        and getattr(v, "__module__", None) == mod_name)
         raise InputError(f"{path} has no function {func_name!r}; functions defined there: {', '.join(known) or 'none'}")
-    result = factory()
+    try:
+        result = factory()
+    except Exception as exc:
+        raise user_code_error(exc, f"calling {func_name}()", path) from exc
     if not (isinstance(result, tuple) and len(result) == 3):
         raise InputError(f"{spec}: factory must return (module, example_inputs, loss_fn), got "
                          f"{type(result).__name__}{' of length ' + str(len(result)) if isinstance(result, tuple) else ''}")
@@ -411,4 +431,4 @@ def graph_from_factory(spec: str, device: DeviceSpec | None = None) -> OpGraph:
     """Capture the module of a ``file.py:factory`` spec (see :func:`load_factory`)."""
     net, inputs, _ = load_factory(spec)
     name = os.path.splitext(os.path.basename(spec.rpartition(":")[0]))[0]
-    return capture(net, inputs, name=name, device=device).graph
+    return capture(net, inputs, name=name, device=device, user_file=spec.rpartition(":")[0]).graph

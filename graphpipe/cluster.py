@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
+from graphpipe import costs
 from graphpipe.errors import FormatError, InputError
 
-__all__ = ["DeviceSpec", "Link", "Cluster", "PRESETS", "preset", "load_cluster", "cluster_to_dict", "cluster_from_dict"]
+__all__ = ["DeviceSpec", "Link", "Cluster", "PRESETS", "MAX_DEVICES", "preset", "load_cluster", "cluster_to_dict", "cluster_from_dict"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -121,18 +122,19 @@ class Cluster:
         lanes = max(1, min(len(src_devices), len(dst_devices)))
         return link.latency_s + nbytes / (link.bandwidth_Bps * lanes)
 
-    def allreduce_time(self, devices: Sequence[int], nbytes: float) -> float:
-        """Ring all-reduce of ``nbytes`` over ``devices``: 2(r-1)/r * bytes / bw + 2(r-1) latencies."""
-        r = len(devices)
-        if r <= 1 or nbytes <= 0:
-            return 0.0
+    def allreduce_link(self, devices: Iterable[int]) -> Link:
+        """The link a ring over ``devices`` is as slow as: inter-node when they span nodes."""
         cross = len({self.node_of(d) for d in devices}) > 1
-        link = self.inter_node if cross else self.intra_node
-        return 2 * (r - 1) * link.latency_s + 2 * (r - 1) / r * nbytes / link.bandwidth_Bps
+        return self.inter_node if cross else self.intra_node
+
+    def allreduce_time(self, devices: Sequence[int], nbytes: float) -> float:
+        """Ring all-reduce of ``nbytes`` over ``devices`` (:func:`graphpipe.costs.ring_allreduce_s`)."""
+        link = self.allreduce_link(devices)
+        return costs.ring_allreduce_s(len(devices), link.latency_s, link.bandwidth_Bps, nbytes)
 
     def state_bytes(self, param_bytes: float) -> float:
         """Weights + gradients + optimizer state for ``param_bytes`` of fp32 parameters."""
-        return param_bytes / 4.0 * self.bytes_per_param
+        return costs.state_bytes(param_bytes, self.bytes_per_param)
 
     def with_devices(self, num_devices: int) -> "Cluster":
         return replace(self, num_devices=num_devices)
@@ -163,31 +165,66 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+MAX_DEVICES = 4096
+"""Most devices a cluster may have: the searches are polynomial in it, and 4,096 is past every published run."""
+
+_DEVICE_KEYS = ("name", "memory_bytes", "peak_flops", "op_overhead_s", "mfu")
+_LINK_KEYS = ("latency_s", "bandwidth_Bps")
+_SHAPE = ("expected keys devices_per_node, device{name,memory_bytes,peak_flops,op_overhead_s}, "
+          "intra_node{latency_s,bandwidth_Bps}, inter_node{...}")
+
+
+def _fields(doc: Any, keys: Sequence[str], where: str, required: Sequence[str]) -> dict[str, Any]:
+    from graphpipe import files as f
+
+    f.mapping(doc, where)
+    unknown = [k for k in doc if k not in keys]
+    if unknown:
+        raise FormatError(f"{where}: unknown key {unknown[0]!r}; known: {', '.join(keys)}")
+    missing = [k for k in required if k not in doc]
+    if missing:
+        raise FormatError(f"{where}: missing key {missing[0]!r}; {_SHAPE}")
+    return {k: (f.string(v, f"{where}.{k}") if k == "name" else float(f.number(v, f"{where}.{k}")))
+            for k, v in doc.items()}
+
+
 def cluster_from_dict(doc: Any, num_devices: int | None = None, where: str = "cluster") -> Cluster:
     """Parse a cluster object: the custom-file shape, optionally with
-    ``name``/``num_devices``/``bytes_per_param``, or ``{"preset": NAME, "num_devices": N}``."""
-    if not isinstance(doc, dict):
-        raise FormatError(f"{where}: expected a JSON object")
+    ``name``/``num_devices``/``bytes_per_param``, or ``{"preset": NAME, "num_devices": N}``.
+
+    Every field is type-checked (``true`` is not a number, ``"4"`` is not a
+    count) and the device count is at most :data:`MAX_DEVICES`.
+    """
+    from graphpipe import files as f
+
+    f.mapping(doc, where)
+    n = num_devices
+    if n is None:
+        n = f.integer(doc.get("num_devices", 1), f"{where}.num_devices", 1)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise InputError(f"number of devices must be a positive integer, got {n!r}")
+    if n > MAX_DEVICES:
+        raise InputError(f"{n} devices is more than the {MAX_DEVICES} the planners handle in reasonable time")
     if "preset" in doc:
-        n = num_devices if num_devices is not None else doc.get("num_devices")
-        return preset(doc["preset"], n if n is not None else 1)
-    try:
-        n = num_devices if num_devices is not None else int(doc.get("num_devices", 1))
-        return Cluster(
-            name=str(doc.get("name", doc["device"].get("name", "custom"))),
-            num_devices=n,
-            devices_per_node=int(doc["devices_per_node"]),
-            device=DeviceSpec(**{k: (v if k == "name" else float(v)) for k, v in doc["device"].items()}),
-            intra_node=Link(**{k: float(v) for k, v in doc["intra_node"].items()}),
-            inter_node=Link(**{k: float(v) for k, v in doc["inter_node"].items()}),
-            bytes_per_param=float(doc.get("bytes_per_param", 16.0)),
-        )
-    except InputError:
-        raise
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise FormatError(f"{where}: malformed cluster ({type(exc).__name__}: {exc}); expected keys "
-                          "devices_per_node, device{name,memory_bytes,peak_flops,op_overhead_s}, "
-                          "intra_node{latency_s,bandwidth_Bps}, inter_node{...}") from None
+        return preset(f.string(doc["preset"], f"{where}.preset"), n)
+    if "device" not in doc:
+        raise FormatError(f"{where}: malformed cluster (missing key 'device'); {_SHAPE}")
+    device = _fields(doc["device"], _DEVICE_KEYS, f"{where}.device", _DEVICE_KEYS[1:4])
+    for key in ("devices_per_node", "intra_node", "inter_node"):
+        if key not in doc:
+            raise FormatError(f"{where}: malformed cluster (missing key {key!r}); {_SHAPE}")
+    links = {key: _fields(doc[key], _LINK_KEYS, f"{where}.{key}", _LINK_KEYS) for key in ("intra_node", "inter_node")}
+    name = f.string(doc.get("name", device.get("name", "custom")), f"{where}.name")
+    device.setdefault("name", name)
+    return Cluster(
+        name=name,
+        num_devices=n,
+        devices_per_node=f.integer(doc.get("devices_per_node"), f"{where}.devices_per_node", 1),
+        device=DeviceSpec(**device),
+        intra_node=Link(**links["intra_node"]),
+        inter_node=Link(**links["inter_node"]),
+        bytes_per_param=float(f.number(doc.get("bytes_per_param", 16.0), f"{where}.bytes_per_param", 0)),
+    )
 
 
 def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
@@ -219,7 +256,7 @@ def load_cluster(spec: str, num_devices: int, memory_gb: float | None = None) ->
     if spec.lower() in PRESETS:
         cluster = preset(spec, num_devices)
     elif os.path.exists(spec):
-        from graphpipe.graph import read_json_file
+        from graphpipe.files import read_json_file
 
         cluster = cluster_from_dict(read_json_file(spec, "cluster file"), num_devices=num_devices, where=spec)
     else:

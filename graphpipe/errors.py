@@ -1,5 +1,21 @@
 """Exceptions with meaning. The CLI turns any :class:`GraphpipeError` into
-one line ``graphpipe: error: ...`` and exit code 2."""
+one line ``graphpipe: error: ...`` and exit code 2; anything else is our bug
+(exit 1, one line, the traceback under ``-v``).
+
+:func:`user_code_error` turns an exception raised inside the user's own code
+(a ``file.py:factory`` or its module's ``forward``) into a
+:class:`UserCodeError` whose message names the user's file and line:
+
+>>> try:
+...     exec(compile("1 / 0", "/home/me/model.py", "exec"))
+... except ZeroDivisionError as exc:
+...     print(user_code_error(exc, "calling factory()", "/home/me/model.py"))
+/home/me/model.py:1: calling factory() failed: ZeroDivisionError: division by zero
+"""
+
+import os
+import re
+import traceback
 
 __all__ = [
     "GraphpipeError",
@@ -10,6 +26,9 @@ __all__ = [
     "ScheduleError",
     "InfeasibleError",
     "DeadlockError",
+    "UserCodeError",
+    "user_code_error",
+    "user_location",
 ]
 
 
@@ -47,3 +66,61 @@ class DeadlockError(ScheduleError):
 
 class InfeasibleError(GraphpipeError):
     """No plan/schedule satisfies the constraints (e.g. memory)."""
+
+
+class UserCodeError(InputError):
+    """The user's own code (a factory, a module's ``forward``) raised; the message names its file and line."""
+
+
+# Frames in these folders are ours or the interpreter's, never the user's.
+_NOT_USER = (os.path.dirname(os.path.abspath(traceback.__file__)) + os.sep,
+             os.path.dirname(os.path.abspath(__file__)) + os.sep)
+
+
+def _user_frame(exc: BaseException, user_file: str | None):
+    """The deepest traceback frame in ``user_file`` (or, without one, outside graphpipe, torch and the stdlib)."""
+    frames = traceback.extract_tb(exc.__traceback__) if exc.__traceback__ else []
+    want = os.path.realpath(user_file) if user_file else None
+    for frame in reversed(frames):
+        name = frame.filename
+        if want is not None:
+            if os.path.realpath(name) == want:
+                return frame
+        elif (not name.startswith("<") and not name.startswith(_NOT_USER)
+              and f"{os.sep}site-packages{os.sep}" not in name):
+            return frame
+    return None
+
+
+_FILE_LINE = re.compile(r'File "([^"]+)", line (\d+)')
+
+
+def user_location(exc: BaseException, user_file: str | None = None) -> str:
+    """``"file:line: "`` of the user's code that raised ``exc`` ("" when none is found).
+
+    Looks through the traceback first, then through a traceback quoted in the
+    message (torch.fx quotes the traced source line of a failing node).
+    """
+    frame = _user_frame(exc, user_file) or (_user_frame(exc, None) if user_file else None)
+    if frame is not None:
+        return f"{frame.filename}:{frame.lineno}: "
+    want = os.path.realpath(user_file) if user_file else None
+    quoted = [(f, n) for f, n in _FILE_LINE.findall(str(exc))
+              if (os.path.realpath(f) == want if want else not f.startswith(_NOT_USER))]
+    if quoted:
+        return f"{quoted[-1][0]}:{quoted[-1][1]}: "
+    return f"{user_file}: " if user_file else ""
+
+
+def user_code_error(exc: BaseException, doing: str, user_file: str | None = None) -> UserCodeError:
+    """One line for a failure in the user's code: ``file:line: <doing> failed: Type: message``.
+
+    The original exception stays the ``__cause__`` (raise it ``from exc``), so
+    ``graphpipe -v`` can print the full traceback.
+    """
+    where = user_location(exc, user_file)
+    text = str(exc).strip().splitlines()
+    message = f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+    if len(message) > 300:
+        message = message[:297] + "..."
+    return UserCodeError(f"{where}{doing} failed: {message}")

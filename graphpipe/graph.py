@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 from graphpipe.errors import FormatError, GraphCycleError, InputError
+from graphpipe.files import read_json_file, write_json_atomic  # re-exported: graph readers and writers
 
 __all__ = [
     "Affine",
@@ -38,6 +39,8 @@ __all__ = [
 ]
 
 GRAPH_FORMAT = "graphpipe.graph/1"
+MAX_OPS = 20_000
+"""Most ops a graph document may have: searches over larger graphs do not finish in hours."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -299,36 +302,45 @@ def graph_to_dict(graph: OpGraph) -> dict[str, Any]:
 
 
 def graph_from_dict(doc: Any, where: str = "graph") -> OpGraph:
-    """Parse a ``graphpipe.graph/1`` document; other formats are refused."""
-    if not isinstance(doc, dict):
-        raise FormatError(f"{where}: expected a JSON object")
+    """Parse a ``graphpipe.graph/1`` document; other formats are refused, every field is type-checked."""
+    from graphpipe import files as f
+
+    f.mapping(doc, where)
     fmt = doc.get("format")
     if fmt != GRAPH_FORMAT:
         raise FormatError(f"{where}: unsupported format {fmt!r}; expected {GRAPH_FORMAT!r}")
-    try:
-        ops = []
-        for i, o in enumerate(doc["ops"]):
-            fwd, bwd = o["fwd_s"], o["bwd_s"]
-            if len(fwd) != 2 or len(bwd) != 2:
+    for key in ("ops", "edges"):
+        if key not in doc:
+            raise FormatError(f"{where}: missing key {key!r}")
+    raw_ops, raw_edges = f.array(doc["ops"], f"{where}.ops"), f.array(doc["edges"], f"{where}.edges")
+    if len(raw_ops) > MAX_OPS:
+        raise InputError(f"{where}: {len(raw_ops)} ops is more than the {MAX_OPS} a plan search finishes with")
+    ops = []
+    for i, o in enumerate(raw_ops):
+        at = f"{where}.ops[{i}]"
+        f.mapping(o, at)
+        if "name" not in o or "fwd_s" not in o or "bwd_s" not in o:
+            raise FormatError(f"{where}: malformed graph document: ops[{i}] needs name, fwd_s and bwd_s")
+        costs = []
+        for key in ("fwd_s", "bwd_s"):
+            pair = f.array(o[key], f"{at}.{key}")
+            if len(pair) != 2:
                 raise FormatError(f"{where}: op {i}: fwd_s and bwd_s must be [alpha, beta]")
-            ops.append(
-                Op(
-                    name=o["name"],
-                    kind=o.get("kind", "op"),
-                    fwd=Affine(float(fwd[0]), float(fwd[1])),
-                    bwd=Affine(float(bwd[0]), float(bwd[1])),
-                    param_bytes=_num(o.get("param_bytes", 0)),
-                    act_bytes=_num(o.get("act_bytes", 0)),
-                    out_bytes=_num(o.get("out_bytes", 0)),
-                )
-            )
-        edges = [(e["src"], e["dst"], float(e.get("bytes", 0))) for e in doc["edges"]]
-        name = doc.get("name", "graph")
-    except (KeyError, TypeError, ValueError) as exc:
-        if isinstance(exc, InputError):
-            raise
-        raise FormatError(f"{where}: malformed graph document ({type(exc).__name__}: {exc})") from None
-    return OpGraph.build(str(name), ops, edges)
+            costs.append(Affine(*(f.number(v, f"{at}.{key}[{k}]", 0) for k, v in enumerate(pair))))
+        ops.append(Op(name=f.string(o["name"], f"{at}.name"), kind=f.string(o.get("kind", "op"), f"{at}.kind"),
+                      fwd=costs[0], bwd=costs[1],
+                      **{key: _num(f.number(o.get(key, 0), f"{at}.{key}", 0))
+                         for key in ("param_bytes", "act_bytes", "out_bytes")}))
+    edges = []
+    for i, e in enumerate(raw_edges):
+        at = f"{where}.edges[{i}]"
+        f.mapping(e, at)
+        if "src" not in e or "dst" not in e:
+            raise FormatError(f"{at}: needs src and dst (op names)")
+        edges.append((f.string(e["src"], f"{at}.src"), f.string(e["dst"], f"{at}.dst"),
+                      float(f.number(e.get("bytes", 0), f"{at}.bytes", 0))))
+    name = f.string(doc.get("name", "graph"), f"{where}.name")
+    return OpGraph.build(name, ops, edges)
 
 
 def _num(value: Any) -> float:
@@ -336,40 +348,6 @@ def _num(value: Any) -> float:
     return int(number) if number.is_integer() else number
 
 
-def read_json_file(path: str, what: str = "file") -> Any:
-    """Load a JSON file; a missing file, a folder or bad JSON is a one-line :class:`InputError`."""
-    try:
-        with open(path, encoding="utf-8") as fh:
-            return json.load(fh)
-    except FileNotFoundError:
-        raise InputError(f"no such {what}: {path}") from None
-    except IsADirectoryError:
-        raise InputError(f"{path} is a directory, not a {what}") from None
-    except json.JSONDecodeError as exc:
-        raise FormatError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
-    except UnicodeDecodeError:
-        raise FormatError(f"{path}: not a text (JSON) file") from None
-
-
 def read_graph_json(path: str) -> OpGraph:
     """Read a graph JSON file (clear :class:`FormatError` on any problem)."""
     return graph_from_dict(read_json_file(path, "file"), where=path)
-
-
-def write_json_atomic(path: str, doc: Any) -> None:
-    """Write JSON to ``path`` via a temporary file and rename: never half-written."""
-    import os
-    import tempfile
-
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=directory)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(doc, fh, indent=1, sort_keys=False)
-            fh.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise

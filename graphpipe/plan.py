@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from graphpipe.actions import Schedule
+from graphpipe import files
 from graphpipe.cluster import Cluster, cluster_from_dict, cluster_to_dict
 from graphpipe.errors import FormatError, InputError, PlanError
 from graphpipe.graph import OpGraph, graph_from_dict, graph_to_dict, read_json_file, write_json_atomic
@@ -83,7 +84,7 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         "strategy": plan.strategy,
         "stages": [
             {"id": s.id, "ops": [plan.graph.ops[i].name for i in s.op_ids], "devices": list(s.devices),
-             "micro_batch_size": s.micro_batch_size}
+             "micro_batch_size": s.micro_batch_size, "recompute": s.recompute, "replica_mode": s.replica_mode}
             for s in sg.stages
         ],
         "stage_edges": [list(e) for e in sg.edges],
@@ -113,9 +114,16 @@ def plan_from_dict(doc: Any, where: str = "plan") -> Plan:
         raise PlanError(f"{where}: batch_size must be a positive integer, got {batch_size!r}")
     stages = []
     try:
-        for i, s in enumerate(doc["stages"]):
-            stages.append(Stage(int(s["id"]), tuple(graph.op_id(name) for name in s["ops"]),
-                                tuple(int(d) for d in s["devices"]), s["micro_batch_size"]))
+        for i, s in enumerate(files.array(doc["stages"], f"{where}.stages")):
+            at = f"{where}.stages[{i}]"
+            files.mapping(s, at)
+            stages.append(Stage(files.integer(s["id"], f"{at}.id", 0),
+                                tuple(graph.op_id(files.string(name, f"{at}.ops[{k}]"))
+                                      for k, name in enumerate(files.array(s["ops"], f"{at}.ops"))),
+                                tuple(files.integer(d, f"{at}.devices[{k}]", 0, cluster.num_devices - 1)
+                                      for k, d in enumerate(files.array(s["devices"], f"{at}.devices"))),
+                                files.integer(s["micro_batch_size"], f"{at}.micro_batch_size", 1),
+                                s.get("recompute", False), replica_mode=s.get("replica_mode", "split")))
     except (KeyError, TypeError, ValueError) as exc:
         if isinstance(exc, InputError):
             raise
@@ -123,13 +131,19 @@ def plan_from_dict(doc: Any, where: str = "plan") -> Plan:
     stages.sort(key=lambda s: s.id)
     schedule = Schedule.from_dict(doc["schedule"], cluster.num_devices, where=f"{where}.schedule")
     shared = schedule.name.startswith("interleaved") or _devices_shared(stages)
-    edges = tuple(tuple(e) for e in doc.get("stage_edges", ()))
+    edges = tuple(_stage_edge(e, f"{where}.stage_edges[{i}]")
+                  for i, e in enumerate(files.array(doc.get("stage_edges", []), f"{where}.stage_edges")))
+    sequential = doc.get("sequential", False)
+    if not isinstance(sequential, bool):
+        raise FormatError(f"{where}.sequential must be true or false, got {sequential!r}")
     sg = StageGraph(graph, tuple(stages), batch_size, cluster.num_devices, edges=edges, allow_shared_devices=shared,
-                    sequential=bool(doc.get("sequential", False)))
-    merged = {str(k): tuple(v) for k, v in (doc.get("merged") or {}).items()}
-    return Plan(model=str(doc.get("model", graph.name)), stage_graph=sg, cluster=cluster,
-                strategy=str(doc.get("strategy", "custom")), schedule=schedule,
-                predicted=dict(doc.get("predicted") or {}), search=dict(doc.get("search") or {}), merged=merged,
+                    sequential=sequential)
+    merged = {k: tuple(files.string(n, f"{where}.merged.{k}[]") for n in files.array(v, f"{where}.merged.{k}"))
+              for k, v in files.mapping(doc.get("merged") or {}, f"{where}.merged").items()}
+    return Plan(model=files.string(doc.get("model", graph.name), f"{where}.model"), stage_graph=sg, cluster=cluster,
+                strategy=files.string(doc.get("strategy", "custom"), f"{where}.strategy"), schedule=schedule,
+                predicted=_figures(doc.get("predicted"), f"{where}.predicted"),
+                search=_figures(doc.get("search"), f"{where}.search"), merged=merged,
                 batchnorm=_batchnorm(doc.get("batchnorm", "per-micro-batch"), f"{where}.batchnorm"))
 
 
@@ -137,6 +151,31 @@ def _batchnorm(value: Any, where: str) -> str:
     if value not in BATCHNORM_MODES:
         raise FormatError(f"{where} must be one of {', '.join(BATCHNORM_MODES)}, got {value!r}")
     return value
+
+
+def _stage_edge(value: Any, where: str) -> tuple[int, int]:
+    pair = files.array(value, where)
+    if len(pair) != 2:
+        raise FormatError(f"{where} must be [from_stage, to_stage], got {value!r}")
+    return files.integer(pair[0], f"{where}[0]", 0), files.integer(pair[1], f"{where}[1]", 0)
+
+
+# Figures whose type readers rely on (others pass through as they are).
+_NUMBERS = ("iteration_time_s", "throughput", "max_peak_memory_bytes", "mean_bubble_fraction", "time_s",
+            "lower_bound_s", "gap")
+_NUMBER_LISTS = ("peak_memory_bytes", "bubble_fraction", "in_flight")
+
+
+def _figures(doc: Any, where: str) -> dict[str, Any]:
+    """``predicted`` or ``search``: an object (or null); known figures must be numbers or lists of numbers."""
+    figures = dict(files.mapping(doc if doc is not None else {}, where))
+    for key, value in figures.items():
+        if key in _NUMBERS and value is not None:
+            files.number(value, f"{where}.{key}")
+        elif key in _NUMBER_LISTS:
+            for i, v in enumerate(files.array(value, f"{where}.{key}")):
+                files.number(v, f"{where}.{key}[{i}]")
+    return figures
 
 
 def _devices_shared(stages: list[Stage]) -> bool:

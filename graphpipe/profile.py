@@ -229,7 +229,33 @@ def profile_captured(captured, make_inputs: Callable[[int], Sequence[Any]], mode
     sizes = _check_batch_sizes(batch_sizes)
     timings = time_ops(captured, make_inputs, sizes, repeats=repeats, warmup=warmup, timer=timer, progress=progress)
     ops = {name: (fit_affine(sizes, t.fwd_s), fit_affine(sizes, t.bwd_s)) for name, t in timings.items()}
+    _warn_poor_fits(sizes, timings, ops)
     return Profile(model, device, sizes, ops)
+
+
+# An op's fit is poor when it misses the measured times by more than this
+# share (root-mean-square, relative to the mean time); only ops that carry at
+# least POOR_FIT_SHARE of the model's time are worth a warning.
+POOR_FIT_ERROR = 0.25
+POOR_FIT_SHARE = 0.05
+
+
+def _warn_poor_fits(sizes, timings: Mapping[str, OpTimings], ops) -> list[str]:
+    total = sum(sum(t.fwd_s) + sum(t.bwd_s) for t in timings.values()) or 1.0
+    poor = []
+    for name, t in timings.items():
+        for kind, times, model in (("forward", t.fwd_s, ops[name][0]), ("backward", t.bwd_s, ops[name][1])):
+            mean = sum(times) / len(times)
+            if mean <= 0 or sum(times) < POOR_FIT_SHARE * total:
+                continue
+            rms = math.sqrt(sum((model(b) - x) ** 2 for b, x in zip(sizes, times)) / len(times))
+            if rms > POOR_FIT_ERROR * mean:
+                poor.append(f"{name} {kind} ({100 * rms / mean:.0f}%)")
+    if poor:
+        log.warning("t(b) = alpha + beta*b fits %d op time(s) poorly (rms error vs mean): %s%s; "
+                    "more --repeats or other --batch-sizes may help", len(poor), ", ".join(poor[:4]),
+                    " ..." if len(poor) > 4 else "")
+    return poor
 
 
 def profile_model(spec: str, device: str = "cpu", batch_sizes: Sequence[int] = (1, 2, 4, 8), repeats: int = 5,
@@ -239,7 +265,10 @@ def profile_model(spec: str, device: str = "cpu", batch_sizes: Sequence[int] = (
 
     from graphpipe import capture as cap
 
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise InputError(f"--device must be cpu, cuda or cuda:N, got {device!r}") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise InputError(f"--device {device}: CUDA is not available here; use --device cpu")
     if dev.type not in ("cpu", "cuda"):
@@ -260,7 +289,7 @@ def profile_model(spec: str, device: str = "cpu", batch_sizes: Sequence[int] = (
 
         def make_inputs(b: int):
             return built.make_inputs(b, seed)
-    captured = cap.capture(module, example, name=model_id)
+    captured = cap.capture(module, example, name=model_id, user_file=spec.rpartition(":")[0] if ".py:" in spec else None)
     name = "cpu" if dev.type == "cpu" else f"cuda ({torch.cuda.get_device_name(dev)})"
     return profile_captured(captured, make_inputs, model_id, name, batch_sizes, repeats, warmup, progress=progress)
 
@@ -291,21 +320,23 @@ def profile_from_dict(doc: Any, where: str = "profile") -> Profile:
     if doc.get("format") != PROFILE_FORMAT:
         raise FormatError(f"{where}: unsupported format {doc.get('format')!r}; expected {PROFILE_FORMAT!r} "
                           "(write one with `graphpipe profile MODEL --out FILE`)")
-    try:
-        ops = {}
-        for name, entry in doc["ops"].items():
-            fwd, bwd = entry["fwd_s"], entry["bwd_s"]
-            if len(fwd) != 2 or len(bwd) != 2:
+    from graphpipe import files as f
+
+    ops = {}
+    for name, entry in f.mapping(doc.get("ops"), f"{where}.ops").items():
+        at = f"{where}.ops.{name}"
+        f.mapping(entry, at)
+        pair = []
+        for key in ("fwd_s", "bwd_s"):
+            coeffs = f.array(entry.get(key), f"{at}.{key}")
+            if len(coeffs) != 2:
                 raise FormatError(f"{where}: op {name!r}: fwd_s and bwd_s must be [alpha, beta]")
-            ops[str(name)] = (Affine(float(fwd[0]), float(fwd[1])), Affine(float(bwd[0]), float(bwd[1])))
-        return Profile(str(doc.get("model", "")), str(doc.get("device", "")),
-                       tuple(int(b) for b in doc.get("batch_sizes", ())), ops)
-    except FormatError:
-        raise
-    except InputError as exc:
-        raise FormatError(f"{where}: {exc}") from None
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise FormatError(f"{where}: malformed profile ({type(exc).__name__}: {exc})") from None
+            pair.append(Affine(*(float(f.number(v, f"{at}.{key}[{k}]", 0)) for k, v in enumerate(coeffs))))
+        ops[name] = (pair[0], pair[1])
+    sizes = tuple(f.integer(b, f"{where}.batch_sizes[{i}]", 1)
+                  for i, b in enumerate(f.array(doc.get("batch_sizes", []), f"{where}.batch_sizes")))
+    return Profile(f.string(doc.get("model", ""), f"{where}.model"), f.string(doc.get("device", ""), f"{where}.device"),
+                   sizes, ops)
 
 
 def read_profile(path: str) -> Profile:
@@ -318,11 +349,14 @@ def write_profile(path: str, profile: Profile) -> None:
     write_json_atomic(path, profile_to_dict(profile))
 
 
-def apply_profile(graph: OpGraph, profile: Profile) -> OpGraph:
+def apply_profile(graph: OpGraph, profile: Profile, model: str | None = None) -> OpGraph:
     """``graph`` with the forward/backward models of every op named in ``profile``.
 
-    Ops the profile does not name keep their costs; a profile op the graph
-    lacks is an error (a profile of another model or config).
+    Ops the profile does not name keep their costs (a warning says how
+    many); a profile op the graph lacks is an error (a profile of another
+    model or config). ``model``, the spec being planned, is compared with the
+    profile's: a profile of ``mmt:small`` applied to ``mmt`` names the same
+    ops but measured other sizes, so it is accepted with a warning.
     """
     from dataclasses import replace
 
@@ -332,9 +366,30 @@ def apply_profile(graph: OpGraph, profile: Profile) -> OpGraph:
         raise InputError(f"profile of {profile.model!r} names ops not in graph {graph.name!r}: "
                          f"{', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''}; "
                          "profile the same model spec you plan")
+    if model is not None and profile.model and not _same_model(model, profile.model):
+        log.warning("the profile was measured on %r, not %r: its op names match but its costs are of another "
+                    "configuration (profile the model you plan)", profile.model, model)
     missing = [op.name for op in graph.ops if op.name not in profile.ops]
     if missing:
-        log.info("profile lacks %d ops of %s; they keep analytical costs", len(missing), graph.name)
+        log.warning("the profile has no entry for %d of %d ops of %s (%s%s); they keep analytical costs",
+                    len(missing), graph.num_ops, graph.name, ", ".join(missing[:3]), " ..." if len(missing) > 3 else "")
     ops = [replace(op, fwd=profile.ops[op.name][0], bwd=profile.ops[op.name][1]) if op.name in profile.ops else op
            for op in graph.ops]
     return graph.with_ops(ops)
+
+
+def _same_model(a: str, b: str) -> bool:
+    """Two MODEL specs name the same model: equal zoo specs, or the same factory file and function."""
+    import os
+
+    def norm(spec: str) -> str:
+        if ".py:" in spec:
+            path, _, func = spec.rpartition(":")
+            return os.path.realpath(path) + ":" + func
+        try:
+            from graphpipe.zoo import canonical_spec
+
+            return canonical_spec(spec)
+        except (InputError, ImportError):
+            return spec
+    return norm(a) == norm(b)

@@ -2,8 +2,18 @@
 
 Verbs: ``models``, ``inspect``, ``profile``, ``plan``, ``simulate``, ``run``,
 ``eval``. Each lives in its own module here with a ``register(subparsers)``
-function. Bad input raises :class:`graphpipe.errors.GraphpipeError`, which
-``main`` prints as one line ``graphpipe: error: ...`` with exit code 2.
+function.
+
+:func:`main` is the one boundary between the process and everything below it:
+
+* bad input raises :class:`graphpipe.errors.GraphpipeError` (the user's code
+  failing is a :class:`~graphpipe.errors.UserCodeError` naming their file and
+  line): one line ``graphpipe: error: ...``, exit 2;
+* any other exception is our bug: one line ``graphpipe: internal error: ...``
+  with the hint to re-run with ``-v``, exit 1; ``-v`` prints the traceback;
+* Ctrl-C (exit 130) and SIGTERM (exit 143) unwind the stack like an
+  exception, so every ``finally`` runs: temporary output files are removed and
+  the ranks of a run are ended (:mod:`graphpipe.runtime.launch`).
 """
 
 from __future__ import annotations
@@ -11,14 +21,28 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import signal
 import sys
+import traceback
 
 from graphpipe import __version__
 from graphpipe.errors import GraphpipeError
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "Terminated"]
 
 VERBS = ("models", "inspect", "profile", "plan", "simulate", "run", "eval")
+
+
+class Terminated(BaseException):
+    """SIGTERM (or SIGHUP) arrived: raised in the main thread so cleanup code runs; not an error of anyone's."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(f"terminated by signal {signal.Signals(signum).name}")
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated(signum)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -29,10 +53,21 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+class _Formatter(logging.Formatter):
+    """Warnings read ``graphpipe: warning: ...``; -v progress ``graphpipe: <module>: ...``."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        message = record.getMessage()
+        if record.levelno >= logging.WARNING:
+            return f"graphpipe: warning: {message}"
+        return f"graphpipe: {record.name.rpartition('.')[2]}: {message}"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="graphpipe", description="Graph pipeline parallelism toolkit (GraphPipe, ASPLOS'25).")
     parser.add_argument("--version", action="version", version=f"graphpipe {__version__}")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log progress at INFO level on stderr")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="log progress at INFO level on stderr; full tracebacks on failures")
     sub = parser.add_subparsers(dest="verb", metavar="VERB", parser_class=_Parser)
     for verb in VERBS:
         try:
@@ -45,24 +80,71 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _one_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(name)s: %(message)s", stream=sys.stderr)
-    if not getattr(args, "func", None):
-        parser.print_help(sys.stderr)
-        return 2
+    words = sys.argv[1:] if argv is None else list(argv)
+    verbose = "-v" in words or "--verbose" in words  # before parsing, for failures while parsing
+    root = logging.getLogger()
+    handler = logging.StreamHandler(sys.stderr)  # ours for this call only: tests call main() many times
+    handler.setFormatter(_Formatter())
+    level = root.level
+    previous = {}
     try:
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            previous[signum] = signal.signal(signum, _raise_terminated)
+    except ValueError:  # not the main thread (tests calling main()): leave signals alone
+        previous = {}
+    try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        verbose = args.verbose
+        root.setLevel(logging.INFO if args.verbose else logging.WARNING)
+        root.addHandler(handler)
+        if not getattr(args, "func", None):
+            parser.print_help(sys.stderr)
+            return 2
         return int(args.func(args) or 0)
     except GraphpipeError as exc:
+        if verbose and exc.__cause__ is not None:
+            traceback.print_exception(exc.__cause__, file=sys.stderr)
         sys.stderr.write(f"graphpipe: error: {exc}\n")
         return 2
     except KeyboardInterrupt:
         sys.stderr.write("graphpipe: interrupted\n")
         return 130
+    except Terminated as exc:
+        sys.stderr.write(f"graphpipe: {exc}\n")
+        return 128 + exc.signum
     except BrokenPipeError:
         return 0
+    except SystemExit:
+        raise
+    except RecursionError:
+        if verbose:
+            traceback.print_exc(file=sys.stderr)
+        sys.stderr.write("graphpipe: error: input nested too deeply to process (RecursionError); "
+                         "re-run with -v for the traceback\n")
+        return 1
+    except MemoryError:
+        sys.stderr.write("graphpipe: error: out of memory; try a smaller model, batch or device count\n")
+        return 1
+    except Exception as exc:  # noqa: BLE001 - the one place that turns our bugs into one line
+        if verbose:
+            traceback.print_exc(file=sys.stderr)
+            sys.stderr.write(f"graphpipe: internal error: {type(exc).__name__}: {_one_line(exc)}\n")
+        else:
+            sys.stderr.write(f"graphpipe: internal error: {type(exc).__name__}: {_one_line(exc)} "
+                             "(a bug in graphpipe; re-run with -v for the traceback and report it)\n")
+        return 1
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+        for signum, old in previous.items():
+            signal.signal(signum, old if old is not None else signal.SIG_DFL)
 
 
 if __name__ == "__main__":

@@ -6,13 +6,24 @@ MODEL resolution itself is library logic: :mod:`graphpipe.models`.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Any
 
 from graphpipe.errors import InputError
 from graphpipe.models import MODEL_HELP, ModelSource, load_model
 
-__all__ = ["ModelSource", "load_model", "print_json", "add_model_argument", "shared_host"]
+__all__ = ["ModelSource", "load_model", "print_json", "add_model_argument", "shared_host", "check_outputs",
+           "JSON_SUFFIXES", "IMAGE_SUFFIXES", "MAX_BATCH_SIZE", "MAX_MICRO_BATCHES", "check_batch"]
+
+JSON_SUFFIXES = (".json",)
+IMAGE_SUFFIXES = (".png", ".svg", ".pdf", ".jpg", ".jpeg", ".eps", ".ps")
+"""What matplotlib writes without extra packages (Gantt charts)."""
+
+MAX_BATCH_SIZE = 1 << 20
+"""Largest mini-batch planned (1,048,576 samples): micro-batch counts beyond it make schedules too long to build."""
+MAX_MICRO_BATCHES = 4096
+"""Most micro-batches per stage for a forced --micro-batch-size (a schedule of 4,096 takes seconds to build)."""
 
 
 def add_model_argument(parser) -> None:
@@ -33,3 +44,38 @@ def shared_host(host_cores: int | None):
     from graphpipe.sched import SharedHost
 
     return SharedHost.cores(host_cores)
+
+
+def check_outputs(*outputs: tuple[str | None, str, tuple[str, ...] | None]) -> None:
+    """Check every ``(path, flag, suffixes)`` before the work starts (:func:`graphpipe.files.check_output`).
+
+    Paths that are None (flag not given) are skipped; two flags naming the
+    same file are refused (the second would overwrite the first).
+    """
+    from graphpipe.files import check_output
+
+    seen: dict[str, str] = {}
+    for path, flag, suffixes in outputs:
+        if path is None:
+            continue
+        check_output(path, flag, suffixes)
+        key = os.path.realpath(path)
+        if key in seen:
+            raise InputError(f"{seen[key]} and {flag} both name {path}; give each its own file")
+        seen[key] = flag
+
+
+def check_batch(batch_size: int, micro_batch_size: int | None = None) -> None:
+    """Refuse batch sizes whose plans would not finish, naming the limit."""
+    if batch_size < 1:
+        raise InputError(f"--batch-size must be a positive integer, got {batch_size}")
+    if batch_size > MAX_BATCH_SIZE:
+        raise InputError(f"--batch-size {batch_size} is larger than the limit of {MAX_BATCH_SIZE} samples "
+                         "(plans of larger batches take too long to schedule)")
+    if micro_batch_size is not None:
+        if micro_batch_size < 1:
+            raise InputError(f"--micro-batch-size must be a positive integer, got {micro_batch_size}")
+        if batch_size // micro_batch_size > MAX_MICRO_BATCHES:
+            raise InputError(f"--micro-batch-size {micro_batch_size} gives {batch_size // micro_batch_size} "
+                             f"micro-batches, more than the limit of {MAX_MICRO_BATCHES}; use a micro-batch of at "
+                             f"least {-(-batch_size // MAX_MICRO_BATCHES)}")

@@ -15,12 +15,15 @@ stderr; ``--json`` prints one JSON document.
 
 from __future__ import annotations
 
+import logging
 import sys
 from typing import Any
 
 from graphpipe.errors import InputError
 
 __all__ = ["register", "run", "format_plan", "format_compare"]
+
+log = logging.getLogger(__name__)
 
 
 def register(sub) -> None:
@@ -37,6 +40,9 @@ def register(sub) -> None:
     p.add_argument("--memory-gb", type=float, default=None, metavar="G", help="override device memory (GB)")
     p.add_argument("--micro-batch-size", type=int, default=None, metavar="K", help="force one micro-batch size")
     p.add_argument("--per-stage-micro-batch", action="store_true", help="let each stage pick its micro-batch size")
+    p.add_argument("--recompute", default=None, metavar="none|all|auto",
+                   help="re-materialization per stage: none, all, or auto where memory or throughput needs it "
+                        "(default: all for gpipe, auto for the others)")
     p.add_argument("--power-of-two", action="store_true",
                    help="device counts and micro-batch sizes powers of two only (the paper's setting)")
     p.add_argument("--host-cores", type=int, default=None, metavar="N",
@@ -59,29 +65,36 @@ def _options(args):
     if args.micro_batch_size is not None and args.micro_batch_size < 1:
         raise InputError(f"--micro-batch-size must be a positive integer, got {args.micro_batch_size}")
     return SearchOptions(micro_batch_size=args.micro_batch_size, per_stage_micro_batch=args.per_stage_micro_batch,
+                         recompute=args.recompute,
                          power_of_two=args.power_of_two, host=shared_host(args.host_cores))
 
 
 def run(args) -> int:
-    from graphpipe.cli.common import load_model, print_json
+    from graphpipe.cli.common import JSON_SUFFIXES, check_batch, check_outputs, load_model, print_json
     from graphpipe.cluster import load_cluster
 
     if args.devices < 1:
         raise InputError(f"--devices must be >= 1, got {args.devices}")
-    if args.batch_size < 1:
-        raise InputError(f"--batch-size must be a positive integer, got {args.batch_size}")
+    check_batch(args.batch_size, args.micro_batch_size)
     if args.time_limit is not None and not args.time_limit > 0:
         raise InputError(f"--time-limit must be > 0 seconds, got {args.time_limit}")
     if args.compare and (args.out or args.schedule):
         raise InputError("--compare runs every strategy with its own schedule; drop --out/--schedule")
+    check_outputs((args.out, "--out", JSON_SUFFIXES))
     cluster = load_cluster(args.cluster, args.devices, args.memory_gb)
     options = _options(args)
-    source = load_model(args.model, cluster.device)
-    graph = source.graph
+    profile = None
     if args.profile:
         from graphpipe.profile import apply_profile, read_profile
 
-        graph = apply_profile(graph, read_profile(args.profile))
+        profile = read_profile(args.profile)  # a bad profile fails before the model is built
+    log.info("building %s for %d x %s", args.model, cluster.num_devices, cluster.device.name)
+    source = load_model(args.model, cluster.device)
+    graph = source.graph
+    if profile is not None:
+        graph = apply_profile(graph, profile, model=source.model_id if source.kind in ("zoo", "factory") else None)
+    log.info("%s: %d ops, %d edges; searching (%s)", source.model_id, graph.num_ops, graph.num_edges,
+             "all four strategies" if args.compare else args.strategy)
 
     from graphpipe.search.planner import compare, make_plan
 
@@ -92,6 +105,11 @@ def run(args) -> int:
                         "cluster": cluster.name, "results": rows})
         else:
             sys.stdout.write(format_compare(rows))
+        if not any(r["feasible"] for r in rows):
+            from graphpipe.errors import InfeasibleError
+
+            raise InfeasibleError(f"every strategy failed for {source.model_id} on {args.devices} devices at batch "
+                                  f"size {args.batch_size} (reasons in the table); try more devices or memory")
         return 0
 
     progress = None
@@ -101,6 +119,8 @@ def run(args) -> int:
         progress = progress_writer(sys.stderr)
     plan = make_plan(source.model_id, graph, cluster, args.batch_size, args.strategy, options,
                      schedule=args.schedule, time_limit_s=args.time_limit, progress=progress)
+    log.info("%s plan found in %.2f s: %d stages", plan.strategy, plan.search.get("time_s", 0.0),
+             plan.stage_graph.num_stages)
     unused = cluster.num_devices - len(plan.stage_graph.devices_used())
     if unused:
         sys.stderr.write(f"graphpipe: note: the plan uses {cluster.num_devices - unused} of {cluster.num_devices} "
@@ -157,6 +177,9 @@ def format_plan(plan) -> str:
         per_device = " ".join(f"{peaks[d] / 1e9:.2f}" for d in used)
         lines.append(f"peak memory     max {max(peaks) / 1e9:.2f} GB of {plan.cluster.memory_bytes / 1e9:g} GB; "
                      f"per device (GB): {per_device}")
+    recompute = [str(st.id) for st in sg.stages if st.recompute]
+    lines.append(f"recompute       {'stages ' + ', '.join(recompute) if recompute else 'none'}"
+                 f" (--recompute {s.get('recompute', '-')})")
     if plan.merged:
         lines.append(f"merged          {len(plan.merged)} non-series-parallel region(s) into single ops")
     lines.append(f"search time     {s.get('time_s', 0.0):.3f} s")

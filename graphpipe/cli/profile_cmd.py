@@ -20,7 +20,9 @@ import sys
 from graphpipe.cli.common import print_json
 from graphpipe.errors import InputError
 
-__all__ = ["register"]
+__all__ = ["register", "MAX_PROFILE_BATCH"]
+
+MAX_PROFILE_BATCH = 65536
 
 
 def _batch_sizes(text: str) -> tuple[int, ...]:
@@ -28,12 +30,19 @@ def _batch_sizes(text: str) -> tuple[int, ...]:
         sizes = tuple(int(t) for t in text.split(",") if t.strip())
     except ValueError:
         raise InputError(f"--batch-sizes must be comma-separated integers like 1,2,4,8, got {text!r}") from None
+    too_big = [b for b in sizes if b > MAX_PROFILE_BATCH]
+    if too_big:
+        raise InputError(f"--batch-sizes: {too_big[0]} is larger than the limit of {MAX_PROFILE_BATCH} samples "
+                         "(the profile runs the whole model at each size)")
     return sizes
 
 
 def _handler(args: argparse.Namespace) -> int:
     from graphpipe.profile import profile_model, profile_to_dict, write_profile
 
+    from graphpipe.cli.common import JSON_SUFFIXES, check_outputs
+
+    check_outputs((args.out, "--out", JSON_SUFFIXES))  # before minutes of timing, not after
     spec = args.model
     if spec.endswith((".json", ".txt")) or os.path.isdir(spec):
         raise InputError(f"cannot profile {spec!r}: profiling runs a module; give a zoo spec or file.py:factory")

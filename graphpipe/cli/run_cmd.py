@@ -16,11 +16,15 @@ any process starts.
 from __future__ import annotations
 
 import json
+import logging
 import sys
 
+from graphpipe.errors import InputError
 from graphpipe.runtime.flags import add_run_arguments
 
-__all__ = ["register", "run"]
+log = logging.getLogger(__name__)
+
+__all__ = ["register", "run", "run_device"]
 
 
 def register(sub) -> None:
@@ -42,13 +46,23 @@ def run(args) -> int:
     from graphpipe.runtime.measure import format_summary
     from graphpipe.runtime.flags import options_from_args
 
+    from graphpipe.cli.common import IMAGE_SUFFIXES, JSON_SUFFIXES, check_outputs
+
+    _check_steps(args)
+    check_outputs((args.trace, "--trace", JSON_SUFFIXES), (args.gantt, "--gantt", IMAGE_SUFFIXES),
+                  (args.gantt_pair, "--gantt-pair", IMAGE_SUFFIXES))  # before the run, not after it
     plan = read_plan(args.plan)
     options = options_from_args(args)
+    devices = _note_device(plan, options)
+    log.info("running %s (%s, %s) on %d ranks, %d steps", args.plan, plan.model, plan.schedule.name,
+             plan.cluster.num_devices, options.steps)
     try:
         summary = run_plan(plan, options)
     except RuntimeFailure as exc:
         sys.stderr.write(f"graphpipe: error: {exc}\n")
         return 1
+    log.info("all ranks finished")
+    summary["devices"] = devices
     timeline = summary.pop("timeline", None)
     _write_outputs(args, plan, timeline)
     if args.json:
@@ -58,6 +72,48 @@ def run(args) -> int:
         sys.stdout.write(format_summary(summary))
     check = summary.get("check")
     return 1 if check is not None and not check["passed"] else 0
+
+
+def _check_steps(args) -> None:
+    """--steps/--warmup that would report something else than asked are refused (not clamped)."""
+    if args.warmup < 0:
+        raise InputError(f"--warmup must be >= 0, got {args.warmup}")
+    if args.steps >= 1 and args.warmup >= args.steps:
+        if args.steps == 1 and args.warmup == 1:  # the default warm-up with one step: measure that step
+            sys.stderr.write("graphpipe: note: --steps 1 leaves no warm-up step; the one step is measured\n")
+            args.warmup = 0
+        else:
+            raise InputError(f"--warmup {args.warmup} leaves nothing to measure of --steps {args.steps}; "
+                             f"use --steps {args.warmup + 1} or more, or a smaller --warmup")
+
+
+def run_device(backend: str, num_ranks: int) -> str:
+    """What a run of ``num_ranks`` ranks executes on: the GPU's name under NCCL, else the host CPU."""
+    import platform
+
+    import torch
+
+    if backend != "gloo" and torch.cuda.is_available() and torch.cuda.device_count() >= num_ranks:
+        return torch.cuda.get_device_name(0)
+    if backend == "nccl":
+        return "GPU"
+    return f"CPU ({platform.processor() or platform.machine()})"
+
+
+def _same_device(planned: str, actual: str) -> bool:
+    """``V100-16GB`` vs ``Tesla V100-SXM2-16GB``: the first word of the plan's device in the run's name."""
+    key = planned.lower().replace("-", " ").split()
+    return bool(key) and key[0] in actual.lower()
+
+
+def _note_device(plan, options) -> dict[str, str]:
+    actual = run_device(options.backend, plan.cluster.num_devices)
+    planned = plan.cluster.device.name
+    if not _same_device(planned, actual):
+        sys.stderr.write(f"graphpipe: note: the plan was made for {planned}; this run is on {actual}. The predicted "
+                         "figures are for the planned device, so the prediction error below compares two devices "
+                         "(plan for this host with a profile or a cluster file to compare like with like)\n")
+    return {"planned": planned, "run": actual}
 
 
 def _write_outputs(args, plan, timeline) -> None:

@@ -23,7 +23,7 @@ from graphpipe.errors import InputError, ScheduleError
 
 __all__ = ["register", "run", "format_summary"]
 
-logger = logging.getLogger(__name__)
+logger = log = logging.getLogger(__name__)
 
 
 def register(sub) -> None:
@@ -62,8 +62,14 @@ def _run(args) -> int:
     from graphpipe.cli.common import shared_host
     from graphpipe.sched import make_schedule, predicted_figures, simulate, validate_plan
 
+    from graphpipe.cli.common import IMAGE_SUFFIXES, JSON_SUFFIXES, check_outputs
+
     host = shared_host(args.host_cores)
+    check_outputs((args.out, "--out", JSON_SUFFIXES), (args.trace, "--trace", JSON_SUFFIXES),
+                  (args.gantt, "--gantt", IMAGE_SUFFIXES))
     plan = read_plan(args.plan)
+    log.info("read %s: %s (%s), %d stages on %d devices", args.plan, plan.model, plan.strategy,
+             plan.stage_graph.num_stages, plan.cluster.num_devices)
     if args.schedule is None:
         validate_plan(plan)
     elif args.schedule.lower() == "cpsat":
@@ -76,6 +82,8 @@ def _run(args) -> int:
     else:
         schedule = make_schedule(args.schedule, plan.stage_graph, plan.cluster)
         plan = plan.with_schedule(schedule)
+    log.info("simulating schedule %s (%d actions)", plan.schedule.name,
+             sum(len(a) for a in plan.schedule.device_actions))
     timeline = simulate(plan.stage_graph, plan.schedule, plan.cluster, host=host)
     figures = predicted_figures(timeline)
     if args.trace:

@@ -16,8 +16,6 @@ Example (writes a file)::
 
 from __future__ import annotations
 
-import os
-import tempfile
 from typing import Sequence
 
 from graphpipe.sched.simulator import Timeline
@@ -91,18 +89,10 @@ def _legend(fig, timeline: Timeline) -> None:
 
 
 def _save(fig, path: str) -> None:
-    """Save atomically: render to a temporary file beside ``path``, then rename."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    suffix = os.path.splitext(path)[1] or ".png"
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=suffix, dir=directory)
-    os.close(fd)
-    try:
-        fig.savefig(tmp, dpi=_DPI)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    """Save atomically (:func:`graphpipe.files.write_atomic`): render beside ``path``, then rename over a regular file."""
+    from graphpipe.files import write_atomic
+
+    write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=_DPI))
 
 
 def _figure(rows: Sequence[int]):
