@@ -28,7 +28,11 @@ from typing import Iterable, Mapping, Sequence
 from graphpipe.errors import PlanError
 from graphpipe.graph import OpGraph
 
-__all__ = ["Stage", "StageGraph", "covered_mbs"]
+__all__ = ["Stage", "StageGraph", "covered_mbs", "REPLICA_MODES"]
+
+REPLICA_MODES = ("split", "round-robin")
+"""How a replicated stage shares work: ``split`` every micro-batch evenly over its replicas (gpp), or
+``round-robin`` whole micro-batches, micro-batch ``i`` to replica ``i mod r`` (PipeDream's 1F1B-RR)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +43,8 @@ class Stage:
     op_ids: tuple[int, ...]
     devices: tuple[int, ...]
     micro_batch_size: int
+    replica_mode: str = "split"
+    """:data:`REPLICA_MODES`: ``split`` micro-batches over the replicas, or ``round-robin`` whole ones."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "op_ids", tuple(sorted(self.op_ids)))
@@ -51,6 +57,9 @@ class Stage:
             raise PlanError(f"stage {self.id} lists a device twice: {self.devices}")
         if not isinstance(self.micro_batch_size, int) or self.micro_batch_size < 1:
             raise PlanError(f"stage {self.id}: micro_batch_size must be a positive integer, got {self.micro_batch_size!r}")
+        if self.replica_mode not in REPLICA_MODES:
+            raise PlanError(f"stage {self.id}: replica_mode must be one of {', '.join(REPLICA_MODES)}, "
+                            f"got {self.replica_mode!r}")
 
     @property
     def num_replicas(self) -> int:
@@ -58,8 +67,16 @@ class Stage:
 
     @property
     def samples_per_replica(self) -> float:
-        """Samples one device processes per micro-batch of this stage."""
-        return self.micro_batch_size / len(self.devices)
+        """Samples one device processes per micro-batch of this stage (all of them under round-robin)."""
+        return self.micro_batch_size if self.round_robin else self.micro_batch_size / len(self.devices)
+
+    @property
+    def round_robin(self) -> bool:
+        return self.replica_mode == "round-robin"
+
+    def replica_of(self, mb_id: int) -> int:
+        """The device that runs micro-batch ``mb_id`` of a round-robin stage (PipeDream: ``i mod r``)."""
+        return self.devices[mb_id % len(self.devices)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +139,7 @@ class StageGraph:
         for stage in self.stages:
             if self.batch_size % stage.micro_batch_size:
                 raise PlanError(f"stage {stage.id}: micro-batch size {stage.micro_batch_size} does not divide the batch size {self.batch_size}")
-            if stage.micro_batch_size % stage.num_replicas:
+            if not stage.round_robin and stage.micro_batch_size % stage.num_replicas:
                 raise PlanError(f"stage {stage.id}: micro-batch size {stage.micro_batch_size} is not divisible by its {stage.num_replicas} replicas")
         # Convexity of each stage: no path leaves the stage and comes back.
         for stage in self.stages:
@@ -199,8 +216,8 @@ class StageGraph:
             raise PlanError(f"stage graph has a cycle among stages {stuck}: some stage is not convex")
         if sequential:
             order = list(range(n))
-        renumbered = [Stage(new, stages[old].op_ids, stages[old].devices, stages[old].micro_batch_size)
-                      for new, old in enumerate(order)]
+        renumbered = [Stage(new, stages[old].op_ids, stages[old].devices, stages[old].micro_batch_size,
+                            replica_mode=stages[old].replica_mode) for new, old in enumerate(order)]
         return cls(graph, tuple(renumbered), batch_size, num_devices, allow_shared_devices=allow_shared_devices,
                    sequential=sequential)
 

@@ -251,7 +251,7 @@ class _Tables:
         self.succs = [sg.succs(s) for s in range(num_stages)]
         self.mb_size = [st.micro_batch_size for st in sg.stages]
         num_mbs = [sg.num_micro_batches(s) for s in range(num_stages)]
-        replicas = [len(st.devices) for st in sg.stages]
+        replicas = [1 if st.round_robin else len(st.devices) for st in sg.stages]  # round-robin: one runs each mb
         self.fdel = {(p, c): fwd_delay(p, c) for p, c in sg.edges}
         self.bdel = {(p, c): bwd_delay(p, c) for p, c in sg.edges}
         self.dur = [(duration(s, "F"), duration(s, "B")) for s in range(num_stages)]

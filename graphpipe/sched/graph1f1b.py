@@ -130,7 +130,9 @@ def assemble(sg: StageGraph, name: str, per_stage: Sequence[Sequence[Action]]) -
                 raise ScheduleError(f"{name}: device {d} hosts several stages ({list(sg.stages_on_device(d))}); "
                                     f"this schedule needs one stage per device — use 'interleaved' or 'gpipe' "
                                     f"for virtual stages")
-            lists[d] = list(per_stage[st.id])
+            # Round-robin replicas (PipeDream's 1F1B-RR) each run their own micro-batches, i mod r,
+            # in the stage's order; split replicas all run every action.
+            lists[d] = [a for a in per_stage[st.id] if not st.round_robin or st.replica_of(a.mb_id) == d]
     return Schedule.from_lists(name, lists)
 
 

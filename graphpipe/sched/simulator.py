@@ -194,8 +194,13 @@ class Timeline:
 
 def edge_delay(sg: StageGraph, cluster: Cluster, producer: int, consumer: int) -> float:
     """Seconds one producer micro-batch's message takes along ``producer -> consumer`` (either direction)."""
-    nbytes = sg.edge_bytes(producer, consumer) * sg.stages[producer].micro_batch_size
-    return cluster.transfer_time(sg.stages[producer].devices, sg.stages[consumer].devices, nbytes)
+    src, dst = sg.stages[producer], sg.stages[consumer]
+    nbytes = sg.edge_bytes(producer, consumer) * src.micro_batch_size
+    if src.round_robin or dst.round_robin:
+        # 1F1B-RR: a micro-batch goes whole from one replica to one replica, over one link (transfer_time
+        # shards it over min(|src|, |dst|) links, so hand it that many copies' bytes).
+        nbytes *= min(src.num_replicas, dst.num_replicas)
+    return cluster.transfer_time(src.devices, dst.devices, nbytes)
 
 
 def simulate(sg: StageGraph, schedule: Schedule, cluster: Cluster, host: SharedHost | None = None) -> Timeline:

@@ -108,6 +108,10 @@ def check_structure(sg: StageGraph, schedule: Schedule) -> None:
                 _fail(schedule, f"device {d} step {k}: action {a} names micro-batch {a.mb_id}, stage {a.stage_id} has "
                                 f"{num_mbs[a.stage_id]} (batch {sg.batch_size} / micro-batch size "
                                 f"{sg.stages[a.stage_id].micro_batch_size})", [(d, k)])
+            if sg.stages[a.stage_id].round_robin and d != sg.stages[a.stage_id].replica_of(a.mb_id):
+                _fail(schedule, f"device {d} step {k}: action {a} belongs to device "
+                                f"{sg.stages[a.stage_id].replica_of(a.mb_id)}: round-robin stage {a.stage_id} runs "
+                                f"micro-batch i on replica i mod {sg.stages[a.stage_id].num_replicas}", [(d, k)])
             if d not in stage_devices[a.stage_id]:
                 _fail(schedule, f"device {d} step {k}: action {a} belongs to stage {a.stage_id}, which runs on devices "
                                 f"{list(sg.stages[a.stage_id].devices)}, not on device {d}", [(d, k)])
@@ -119,6 +123,8 @@ def check_structure(sg: StageGraph, schedule: Schedule) -> None:
     for st in sg.stages:
         for d in st.devices:
             for j in range(num_mbs[st.id]):
+                if st.round_robin and st.replica_of(j) != d:
+                    continue
                 for kind in ("F", "B"):
                     if (st.id, kind, j) not in positions[d]:
                         _fail(schedule, f"device {d} never runs {Action(st.id, kind, j)}: stage {st.id} has "
@@ -131,6 +137,9 @@ def check_structure(sg: StageGraph, schedule: Schedule) -> None:
     # Replicas agree on the stage's relative order.
     orders = []
     for st in sg.stages:
+        if st.round_robin:  # each replica has its own micro-batches: no common order; links checked per pair below
+            orders.append(None)
+            continue
         per_device = [[a for a in schedule.device_actions[d] if a.stage_id == st.id] for d in st.devices]
         for d, order in zip(st.devices[1:], per_device[1:]):
             if order != per_device[0]:
@@ -151,6 +160,8 @@ def _check_link_order(sg: StageGraph, schedule: Schedule, orders: Sequence[Seque
                       positions: Sequence[dict]) -> None:
     """Check 5: per stage edge, the order messages are sent equals the order they are needed."""
     for p, c in sg.edges:
+        if orders[p] is None or orders[c] is None:
+            continue  # round-robin: one channel per replica pair, each message matched by its micro-batch id
         # Forward: the producer sends mb i when its F(i) ends; the consumer first needs it at its F(j).
         sent = [a.mb_id for a in orders[p] if a.kind == "F"]
         needed: list[int] = []

@@ -1,58 +1,44 @@
-"""PipeDream's partitioner (Narayanan et al., SOSP'19, §3.1): the SPP baseline.
+"""PipeDream's partitioner (Narayanan et al., SOSP'19, §3.1) as its optimizer computes it: the SPP baseline.
 
-PipeDream cuts a *linearised* model into contiguous stages, each replicated
-over some number of machines, minimising the slowest stage. Its DP is
+``--strategy pipedream`` runs the hierarchical DP of msr-fiddle/pipedream's
+``optimizer/optimizer_graph_hierarchical.py`` over the antichain DAG
+(:mod:`graphpipe.search.pipedream_dp`, which states the formulas), places
+the stages level by level, feeds replicas whole micro-batches round-robin
+(1F1B-RR: micro-batch ``i`` to replica ``i mod r``, so any replica count
+works, 3 + 1 included) and schedules them with 1F1B.
 
-    A(j, m) = min over i < j, m' <= m of max(A(i, m - m'), 2 C_i, T(i+1..j, m'))
-
-over prefixes ``1..j`` of the layer order on ``m`` machines, where ``T`` is
-the stage's time per sample with ``m'`` replicas (compute split over the
-replicas plus the weight all-reduce) and ``C_i`` the cut's communication.
-
-Our version of that DP:
-
-* **Linearisation**: the op-id order of the graph (Kahn's algorithm, ties
-  by input position; :func:`~graphpipe.search.sequential.linear_order`).
-* **Stage time**: :func:`graphpipe.search.common.stage_tps`, the objective
-  shared by every partitioner, and the cut after the stage as a stage of
-  its own, ``2 C`` per sample (:func:`~graphpipe.search.common.cut_tps`:
-  the bytes of every edge crossing the cut, forward and back, at one
-  link's latency and bandwidth). PipeDream takes the bandwidth of the
-  hierarchy level the cut sits on, known here only after placement, so
-  :func:`partition` solves without the term and with each of the cluster's
-  links (:func:`~graphpipe.search.common.comm_links`) and lets the
-  simulator pick. Without it a slow link can make PipeDream cut where
-  activations are largest: 1F1B keeps only ``K - q`` micro-batches in
-  flight, so transfer delays longer than the downstream work stall it
-  (VGG-16 at 16 V100s lost 2x that way).
-* **Memory**: 1F1B keeps ``min(K - q, M)`` micro-batches in flight on stage
-  ``q`` of ``K`` (§3.1; ``M`` micro-batches per iteration), so a stage's
-  memory depends on how many stages *follow* it. The recursion therefore
-  runs over suffixes, with the number of stages in the suffix as an extra
-  index: ``V(i, m, k)`` = best bottleneck of ops ``i..n-1`` on at most
-  ``m`` devices as ``k`` stages. Stages that do not fit are excluded.
-  ``k`` is capped at ``M``: any stage with ``M`` or more stages after it
-  holds ``M`` micro-batches, so those counts share one bucket.
-* **Replicas and devices**: a stage's replica count divides its micro-batch
-  (each replica gets an equal share) and is costed on devices ``0..r-1``,
-  as in gpp; devices need not all be used (``V(n, m, 0) = 0`` for every
-  ``m``); :func:`~graphpipe.search.sequential.layouts` then lays the stages
-  out on disjoint device blocks.
-* **Micro-batch size**: every candidate x cut costing is partitioned and
-  the plan with the best simulated 1F1B throughput wins (as gpp does).
-
-Ties are broken toward fewer stages, then the earliest cut, then fewer
-replicas for the earlier stage, so results are deterministic.
+* **Levels from the cluster**: devices per node at the intra-node bandwidth,
+  then nodes at the inter-node bandwidth (the optimizer's
+  ``-n DPN NODES -b INTRA INTER``). A cluster whose links are identical is
+  one flat level of ``N`` devices (a hierarchy with equal links only
+  restricts the search), as is one whose ``N`` fits in a node. ``N`` that
+  neither fits in a node nor is a multiple of the node size is refused:
+  the levels cannot hold it (:class:`InfeasibleError`, so that a search
+  over device counts skips it; one line and exit 2 on the command line).
+* **Micro-batch**: PipeDream's unit of work is one replica's minibatch, the
+  batch the profile was taken at; with ``--batch-size`` ``B`` on ``N``
+  devices that is the data-parallel share ``B / N`` (``128 N`` on ``N``
+  devices gives PipeDream's 128), or ``--micro-batch-size``. The DP's
+  times are per micro-batch; ``search.model_bottleneck_tps`` is the DP's
+  objective (the optimizer's "time per stage in pipeline") divided by it.
+* **Memory** is kept as an extra constraint (see the kernel); the 1F1B
+  plan is then simulated like every other strategy's and refused if its
+  simulated peak does not fit.
+* Link latency and ``power_of_two`` are not part of PipeDream's search and
+  are ignored by it (the simulator still charges latency).
 
 Example
 -------
 >>> from graphpipe.graph import Affine, Op, OpGraph
 >>> from graphpipe.cluster import preset
->>> ops = [Op(f"l{i}", "x", Affine(0, 1e-3), Affine(0, 2e-3), 4e6, 1e5) for i in range(4)]
->>> g = OpGraph.build("chain", ops, [(f"l{i}", f"l{i+1}", 1e4) for i in range(3)])
->>> part = solve(g, preset("v100", 2), batch_size=8, micro_batch_size=2)
->>> [(ops, r) for ops, r in part.stages]
-[((0, 1), 1), ((2, 3), 1)]
+>>> heavy = Op("l0", "x", Affine(0, 3e-3), Affine(0, 6e-3), 0, 1e3, 1e3)   # heavy, no weights: replicate it
+>>> ops = [heavy] + [Op(f"l{i}", "x", Affine(0, 1e-3), Affine(0, 2e-3), 4e8, 1e3, 1e3) for i in (1, 2)]
+>>> g = OpGraph.build("chain", ops, [("l0", "l1", 1e3), ("l1", "l2", 1e3)])
+>>> result = partition(g, preset("v100", 4).with_memory(1e12), 32, SearchOptions())
+>>> [(s.op_ids, s.devices, s.replica_mode) for s in result.stage_graph.stages]
+[((0,), (0, 1), 'round-robin'), ((1,), (2,), 'split'), ((2,), (3,), 'split')]
+>>> cluster_levels(preset("v100", 8))
+((4, 50000000000.0), (2, 12500000000.0))
 """
 
 from __future__ import annotations
@@ -60,109 +46,74 @@ from __future__ import annotations
 import logging
 import time
 
-import numpy as np
-
-from graphpipe.cluster import Cluster, Link
+from graphpipe.cluster import Cluster
+from graphpipe.errors import InfeasibleError, InputError
 from graphpipe.graph import OpGraph
-from graphpipe.search.common import SearchOptions, SearchResult, comm_links, cut_tps, micro_batch_candidates
-from graphpipe.search.sequential import (OpArrays, ReplicaCosts, SequentialPartition, choose_micro_batch,
-                                         linear_cut_bytes, linear_order, sequential_result, replica_mask)
+from graphpipe.search.common import SearchOptions, SearchResult, divisors, placed_bottleneck
+from graphpipe.search.pipedream_dp import antichain_states, solve_levels
+from graphpipe.stages import Stage, StageGraph
 
-__all__ = ["partition", "solve", "SCHEDULE"]
+__all__ = ["partition", "cluster_levels", "pipedream_micro_batch", "SCHEDULE", "REPLICA_MODE"]
 
 log = logging.getLogger(__name__)
 
 SCHEDULE = "1f1b"
+REPLICA_MODE = "round-robin"
+"""How PipeDream's replicas share work (1F1B-RR); recorded in ``search.replica_mode``."""
 
 
-def solve(graph: OpGraph, cluster: Cluster, batch_size: int, micro_batch_size: int,
-          power_of_two: bool = False, link: Link | None = None) -> SequentialPartition | None:
-    """PipeDream's DP at one micro-batch size; None when no partition fits in memory.
+def cluster_levels(cluster: Cluster) -> tuple[tuple[int, float], ...]:
+    """``(machines, bandwidth)`` per level, lowest first, as the optimizer's ``-n`` / ``-b`` (module docstring)."""
+    n, per_node = cluster.num_devices, cluster.devices_per_node
+    intra, inter = cluster.intra_node.bandwidth_Bps, cluster.inter_node.bandwidth_Bps
+    if n <= per_node or intra == inter:
+        return ((n, intra if n <= per_node else inter),)
+    if per_node == 1:
+        return ((n, inter),)
+    if n % per_node:
+        raise InfeasibleError(f"pipedream: the cluster's levels ({per_node} devices per node, then nodes) cannot hold "
+                         f"{n} devices; use a multiple of {per_node} devices (or at most {per_node})")
+    return ((per_node, intra), (n // per_node, inter))
 
-    Replica counts divide the micro-batch size (and are powers of two when
-    ``power_of_two``), see :func:`~graphpipe.search.sequential.replica_mask`.
-    With ``link``, the cut after every stage but the last costs
-    :func:`~graphpipe.search.common.cut_tps` on it (PipeDream's ``2 C``).
-    """
-    order = linear_order(graph)
-    n, num_devices = len(order), cluster.num_devices
-    b = micro_batch_size
-    num_mbs = batch_size // b
-    max_k = min(num_devices, n, num_mbs)  # last index is the ">= max_k stages" bucket when num_mbs is the cap
-    arrays = OpArrays.of(graph)
-    costs = ReplicaCosts.of(cluster)
 
-    # Prefix sums along the linear order: a stage i..j sums to prefix[j + 1] - prefix[i].
-    def prefix(values: np.ndarray) -> np.ndarray:
-        return np.concatenate(([0.0], np.cumsum(values[list(order)])))
-
-    pa, pb, pp, pact = (prefix(a) for a in (arrays.compute_alpha, arrays.compute_beta, arrays.params, arrays.act))
-    cut = cut_tps(linear_cut_bytes(graph, order), link, b)  # cut[j]: after position j (0 after the last op)
-    r = np.arange(1, num_devices + 1)                      # replica counts, axis "r"
-    replicas_ok = replica_mask(num_devices, b, power_of_two)
-    k = np.arange(1, max_k + 1)                            # stages in the suffix, axis "k"
-    m = np.arange(0, num_devices + 1)                      # devices available, axis "m"
-    # rest[m, r] = m - r devices left for the following stages (-1 = not enough).
-    rest = m[:, None] - r[None, :]
-    rest_ok = rest >= 0
-    rest = np.where(rest_ok, rest, 0)
-
-    # value[i][m, k]: the DP table V(i, m, k) (axis k = 0..max_k); choice[i][m, k] = (j, r, k_next).
-    inf = np.inf
-    value = [np.full((num_devices + 1, max_k + 1), inf) for _ in range(n + 1)]
-    value[n][:, 0] = 0.0
-    choice: list[np.ndarray | None] = [None] * (n + 1)
-    for i in range(n - 1, -1, -1):
-        j = np.arange(i, n)                                # stage = order[i..j], axis "j"
-        sa, sb = pa[j + 1] - pa[i], pb[j + 1] - pb[i]
-        sp, sact = pp[j + 1] - pp[i], pact[j + 1] - pact[i]
-        tps = costs.tps(sa[:, None], sb[:, None], sp[:, None], r[None, :], b, batch_size)      # (j, r)
-        tps = np.maximum(tps, cut[j][:, None])                                               # + the cut after it
-        mem = costs.memory(sp[:, None, None], sact[:, None, None], r[None, :, None], b, k[None, None, :])
-        fits = (mem <= costs.memory_bytes) & replicas_ok[None, :, None]                       # (j, r, k)
-        # Following suffix: V(j + 1, m - r, k - 1); the capped bucket also accepts max_k after it.
-        nxt = np.stack([value[jj + 1] for jj in j])                                          # (j, m, k)
-        follow = nxt[:, :, :-1]                                                              # k-1 for k=1..max_k
-        follow_from = np.broadcast_to(k - 1, follow.shape).copy()
-        if num_mbs == max_k:
-            cap = nxt[:, :, max_k]
-            better = cap < follow[:, :, -1]
-            follow[:, :, -1] = np.where(better, cap, follow[:, :, -1])
-            follow_from[:, :, -1] = np.where(better, max_k, max_k - 1)
-        after = follow[:, rest, :]                                                           # (j, m, r, k)
-        after_from = follow_from[:, rest, :]
-        cand = np.maximum(tps[:, None, :, None], after)
-        cand = np.where(rest_ok[None, :, :, None] & fits[:, None, :, :], cand, inf)
-        # Minimise over (j, r); argmin takes the first, i.e. the earliest cut, then fewest replicas.
-        flat = cand.transpose(1, 3, 0, 2).reshape(num_devices + 1, max_k, -1)                 # (m, k, j*r)
-        best = flat.argmin(axis=2)
-        value[i][:, 1:] = np.take_along_axis(flat, best[:, :, None], axis=2)[:, :, 0]
-        best_j, best_r = np.divmod(best, num_devices)
-        from_flat = after_from.transpose(1, 3, 0, 2).reshape(num_devices + 1, max_k, -1)
-        best_from = np.take_along_axis(from_flat, best[:, :, None], axis=2)[:, :, 0]
-        choice[i] = np.stack([best_j + i, best_r + 1, best_from], axis=-1)
-
-    top = value[0][num_devices]
-    num_stages = int(np.argmin(top))                       # fewest stages among the best
-    if not np.isfinite(top[num_stages]):
-        return None
-    stages = []
-    i, avail, kk = 0, num_devices, num_stages
-    while i < n:
-        j_end, replicas, k_next = (int(x) for x in choice[i][avail, kk - 1])
-        stages.append((tuple(order[i:j_end + 1]), replicas))
-        i, avail, kk = j_end + 1, avail - replicas, k_next
-    return SequentialPartition(tuple(stages), float(top[num_stages]), b)
+def pipedream_micro_batch(batch_size: int, num_devices: int, options: SearchOptions) -> int:
+    """The forced micro-batch, else the data-parallel share ``batch / N`` (largest divisor of the batch not above it)."""
+    if options.micro_batch_size is not None:
+        if batch_size % options.micro_batch_size:
+            raise InputError(f"--micro-batch-size {options.micro_batch_size} does not divide the batch size {batch_size}")
+        return options.micro_batch_size
+    share = max(1, batch_size // num_devices)
+    return max(d for d in divisors(batch_size) if d <= share)
 
 
 def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: SearchOptions) -> SearchResult:
-    """PipeDream's plan: the DP at every micro-batch candidate and cut costing, best simulated 1F1B throughput.
-
-    Raises :class:`~graphpipe.errors.InfeasibleError` when nothing fits.
-    """
+    """PipeDream's plan (module docstring). Raises :class:`InfeasibleError` when no stage layout fits in memory."""
     started = time.perf_counter()
-    candidates = micro_batch_candidates(batch_size, options)
-    sg, part, extra = choose_micro_batch("pipedream", graph, cluster, batch_size, candidates, SCHEDULE,
-                                         lambda b, link: solve(graph, cluster, batch_size, b, options.power_of_two, link),
-                                         comm_links(cluster), host=options.host)
-    return sequential_result(SCHEDULE, sg, part, cluster, started, **extra)
+    levels = cluster_levels(cluster)
+    b = pipedream_micro_batch(batch_size, cluster.num_devices, options)
+    states = antichain_states(graph)
+    sol = solve_levels(states, graph, b, levels, memory_bytes=cluster.memory_bytes,
+                       state_per_byte=cluster.state_bytes(1.0), num_micro_batches=batch_size // b)
+    if sol is None:
+        raise InfeasibleError(f"pipedream: no partition of {graph.name!r} fits in {cluster.memory_bytes / 1e9:g} GB "
+                              f"per device on {cluster.num_devices} devices at micro-batch {b}; use more devices "
+                              f"or --memory-gb")
+    stages = [Stage(q, ops, devices, b, replica_mode=REPLICA_MODE if r > 1 else "split")
+              for q, (ops, r, devices) in enumerate(sol.stages)]
+    sg = StageGraph.build(graph, stages, batch_size, cluster.num_devices, sequential=True)
+    stats = {
+        "time_s": time.perf_counter() - started,
+        "bottleneck_tps": placed_bottleneck(sg, cluster),
+        "model_bottleneck_tps": sol.time_per_batch / b,
+        "pipedream_time_per_stage_s": sol.time_per_batch,
+        "micro_batch_size": b,
+        "devices_used": len(sg.devices_used()),
+        "num_stages": sg.num_stages,
+        "replica_mode": REPLICA_MODE,
+        "replicas": [r for _, r, _ in sol.stages],
+        "levels": [[m, bw] for m, bw in levels],
+        "num_states": len(states.members),
+    }
+    log.debug("pipedream: %d states, levels %s, replicas %s, %.6g s per micro-batch of %d", len(states.members),
+              levels, stats["replicas"], sol.time_per_batch, b)
+    return SearchResult(stage_graph=sg, schedule_name=SCHEDULE, stats=stats)

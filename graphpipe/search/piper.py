@@ -61,7 +61,7 @@ import numpy as np
 
 from graphpipe.cluster import Cluster, Link
 from graphpipe.graph import OpGraph
-from graphpipe.search import pipedream
+from graphpipe.search import linear_dp
 from graphpipe.search.common import (SearchOptions, SearchResult, comm_links, cut_tps, micro_batch_candidates,
                                      stage_tps)
 from graphpipe.search.downsets import enumerate_downsets
@@ -307,7 +307,7 @@ def solve(graph: OpGraph, cluster: Cluster, batch_size: int, micro_batch_size: i
     n_dev = cluster.num_devices
     # Upper end: PipeDream's chain is one of Piper's, so its bottleneck is feasible; stages slower
     # than it with every replica count can be in no better chain and are dropped up front.
-    seed = pipedream.solve(graph, cluster, batch_size, b, power_of_two, link)
+    seed = linear_dp.solve(graph, cluster, batch_size, b, power_of_two, link)
     t_max = seed.bottleneck_tps * (1 + REL_TOL) if seed is not None else np.inf
     tables = _tables(lat, costs, graph, batch_size, b, power_of_two, t_max, link)
 

@@ -1,0 +1,179 @@
+"""--strategy pipedream against the real optimizer (msr-fiddle/pipedream optimizer_graph_hierarchical.py).
+
+The constants are the real optimizer's output on the shared profiles
+(``-n N -b BW --activation_compression_ratio 1``, issue 14): per-stage
+replica counts and "Time per stage in pipeline" (seconds per profiled batch
+of 128). Ours must give the same replica counts and
+``search.model_bottleneck_tps * 128`` within 1%. A brute force over the
+optimizer's own formulas checks the DP on small chains.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+
+import pytest
+
+from conftest import branches_graph, chain_graph
+from graphpipe.cluster import cluster_from_dict, preset
+from graphpipe.errors import InfeasibleError
+from graphpipe.importers.pipedream_txt import read_pipedream
+from graphpipe.search.common import SearchOptions
+from graphpipe.search.pipedream import cluster_levels, partition, pipedream_micro_batch
+from graphpipe.search.pipedream_dp import antichain_states, solve_levels
+
+PROFILE_BATCH = 128
+
+# (model, devices, bandwidth B/s) -> (replicas per stage, the real optimizer's time per stage, s per 128 samples)
+REAL_ONE_LEVEL = {
+    ("vgg16", 4, 1e9): ([3, 1], 0.205520896),
+    ("vgg16", 4, 12.5e9): ([3, 1], 1.3286e-3 * 128),
+    ("alexnet", 4, 1e9): ([3, 1], 0.2673e-3 * 128),
+    ("alexnet", 4, 12.5e9): ([2, 1, 1], 0.1733e-3 * 128),
+    ("resnet50", 8, 1e9): ([5, 3], 0.7188e-3 * 128),
+    ("resnet50", 8, 12.5e9): ([2, 2, 1, 1, 1, 1], 0.4368e-3 * 128),
+}
+# Two levels, -n 4 2 -b 12.5e9 1.25e9: replicas per (flattened) stage and time per stage.
+REAL_TWO_LEVEL = {
+    "vgg16": ([4, 1, 1, 1, 1], 0.15736246),
+    "resnet50": ([2, 2, 2, 2], 0.0761941256),
+}
+
+
+def cluster_file(tmp_path, devices_per_node, intra, inter, name="c.json"):
+    path = tmp_path / name
+    path.write_text(json.dumps({
+        "devices_per_node": devices_per_node,
+        "device": {"name": "test", "memory_bytes": 1e12, "peak_flops": 1e14, "op_overhead_s": 0.0},
+        "intra_node": {"latency_s": 0.0, "bandwidth_Bps": intra},
+        "inter_node": {"latency_s": 0.0, "bandwidth_Bps": inter}}))
+    return str(path)
+
+
+def plan_json(capsys, profile, devices, cluster):
+    from graphpipe.cli import main
+
+    assert main(["plan", profile, "--devices", str(devices), "--batch-size", str(PROFILE_BATCH * devices),
+                 "--strategy", "pipedream", "--cluster", cluster, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("key", sorted(REAL_ONE_LEVEL), ids=lambda k: f"{k[0]}@{k[1]}-{k[2]:g}")
+def test_one_level_matches_real_optimizer(profiles_dir, tmp_path, capsys, key):
+    model, devices, bandwidth = key
+    replicas, real_time = REAL_ONE_LEVEL[key]
+    plan = plan_json(capsys, os.path.join(profiles_dir, model), devices,
+                     cluster_file(tmp_path, devices, bandwidth, bandwidth))
+    assert [len(s["devices"]) for s in plan["stages"]] == replicas
+    assert plan["search"]["model_bottleneck_tps"] * PROFILE_BATCH == pytest.approx(real_time, rel=0.01)
+    assert plan["search"]["replica_mode"] == "round-robin"
+    assert all(s["replica_mode"] == ("round-robin" if len(s["devices"]) > 1 else "split") for s in plan["stages"])
+    # pipeline order: stage i's devices follow stage i-1's; together they are all N devices
+    flat = [d for s in plan["stages"] for d in s["devices"]]
+    assert flat == list(range(devices))
+
+
+def test_vgg16_split_points_are_the_real_optimizers(profiles_dir):
+    """Real: node1-18 x3 | node19-41 x1 at 1 GB/s, node1-16 x3 | node17-41 x1 at 12.5 GB/s."""
+    g = read_pipedream(os.path.join(profiles_dir, "vgg16"))
+    states = antichain_states(g)
+    for bandwidth, last_of_first in ((1e9, "node18"), (12.5e9, "node16")):
+        sol = solve_levels(states, g, PROFILE_BATCH, ((4, bandwidth),))
+        first = {g.ops[i].name for i in sol.stages[0][0]}
+        assert first == {f"node{i}" for i in range(1, int(last_of_first[4:]) + 1)}
+
+
+@pytest.mark.parametrize("model", sorted(REAL_TWO_LEVEL))
+def test_two_level_cluster_matches_real_optimizer(profiles_dir, tmp_path, capsys, model):
+    """2 nodes of 4 devices, 12.5 GB/s inside a node, 1.25 GB/s between (-n 4 2 -b 12.5e9 1.25e9)."""
+    replicas, real_time = REAL_TWO_LEVEL[model]
+    plan = plan_json(capsys, os.path.join(profiles_dir, model), 8, cluster_file(tmp_path, 4, 12.5e9, 1.25e9))
+    assert [len(s["devices"]) for s in plan["stages"]] == replicas
+    assert plan["search"]["model_bottleneck_tps"] * PROFILE_BATCH == pytest.approx(real_time, rel=0.01)
+    devices = [s["devices"] for s in plan["stages"]]
+    if model == "vgg16":
+        # level 2: one node each for the two halves; level 1: node 0 replicates x4, node 1 is 4 stages
+        assert devices == [[0, 1, 2, 3], [4], [5], [6], [7]]
+    else:
+        # one stage over both nodes, each node a 4-stage pipeline: stage s on device s of each node
+        assert devices == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+def test_levels_from_the_cluster_and_refusal(tmp_path):
+    assert cluster_levels(preset("v100", 4)) == ((4, 50e9),)
+    assert cluster_levels(preset("v100", 8)) == ((4, 50e9), (2, 12.5e9))
+    flat = cluster_from_dict(json.load(open(cluster_file(tmp_path, 4, 1e9, 1e9))), num_devices=6)
+    assert cluster_levels(flat) == ((6, 1e9),)     # equal links: one flat level
+    with pytest.raises(InfeasibleError, match="cannot hold 6 devices"):
+        cluster_levels(preset("v100", 6))
+
+
+def test_cluster_that_cannot_hold_n_devices_exits_2(profiles_dir, capsys):
+    from graphpipe.cli import main
+
+    code = main(["plan", os.path.join(profiles_dir, "vgg16"), "--devices", "6", "--batch-size", "768",
+                 "--strategy", "pipedream", "--cluster", "v100"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "cannot hold 6 devices" in err
+
+
+def test_micro_batch_is_the_data_parallel_share():
+    assert pipedream_micro_batch(512, 4, SearchOptions()) == 128
+    assert pipedream_micro_batch(30, 4, SearchOptions()) == 6
+    assert pipedream_micro_batch(32, 4, SearchOptions(micro_batch_size=2)) == 2
+
+
+# ------------------------------------------------------------- brute force over the optimizer's formulas
+def brute_chain(compute, params, out, machines, bandwidth):
+    """Every split of a chain into contiguous stages and every replica count summing to ``machines``,
+    scored with the optimizer's one-level terms: a stage of ``r`` replicas costs
+    ``(T + 4 (r-1) P / (B r)) / r``, the cut after a stage ``2 a / (B r')`` for the receiving ``r'`` and,
+    for all but the last stage, ``2 a_out / (B r)`` for its own output."""
+    n = len(compute)
+    best = math.inf
+    for k in range(1, n + 1):
+        for cuts in itertools.combinations(range(1, n), k - 1):
+            bounds = (0,) + cuts + (n,)
+            for rs in itertools.product(range(1, machines + 1), repeat=k):
+                if sum(rs) != machines:
+                    continue
+                worst = 0.0
+                for q in range(k):
+                    a, b, r = bounds[q], bounds[q + 1], rs[q]
+                    T, P = sum(compute[a:b]), sum(params[a:b])
+                    worst = max(worst, (T + 4 * (r - 1) * P / (bandwidth * r)) / r)
+                    if q > 0:
+                        worst = max(worst, 2 * out[a - 1] / (bandwidth * r))
+                    if q < k - 1:
+                        worst = max(worst, 2 * out[b - 1] / (bandwidth * r))
+                best = min(best, worst)
+    return best
+
+
+@pytest.mark.parametrize("n,machines", [(3, 2), (4, 3), (5, 4), (6, 3)])
+def test_flat_dp_equals_brute_force_on_chains(n, machines):
+    g = chain_graph(n)
+    b = 4
+    states = antichain_states(g)
+    assert len(states.members) == n          # a chain's antichains are its ops
+    sol = solve_levels(states, g, b, ((machines, 1e8),))
+    compute = [op.fwd(b) + op.bwd(b) for op in g.ops]
+    params = [op.param_bytes for op in g.ops]
+    out = [op.out_bytes * b for op in g.ops]
+    assert sol.time_per_batch == pytest.approx(brute_chain(compute, params, out, machines, 1e8), rel=1e-9)
+    assert sum(r for _, r, _ in sol.stages) == machines
+
+
+def test_antichain_stages_are_convex_downset_differences():
+    g = branches_graph(3, 2)
+    states = antichain_states(g)
+    for j, members in enumerate(states.members):
+        assert all(p in members for v in members for p in g.preds(v))          # each state is a downset
+        for k in range(len(states.members)):
+            if states.ancestors[j, k]:
+                assert states.members[k] < members
+    result = partition(g, preset("v100", 4), 16, SearchOptions())
+    assert sorted(op for s in result.stage_graph.stages for op in s.op_ids) == list(range(g.num_ops))
