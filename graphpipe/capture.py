@@ -40,7 +40,10 @@ DESIGN §3 ("Granularity"): we trace with torch.fx but plan on *layers*.
    of its fx values used outside it; edge bytes = bytes of the values
    flowing from one op to another. ``param_bytes`` = the op's parameters
    (each parameter counted once, at its first use), so the graph total equals
-   the module's.
+   the module's. A parameter several ops read (tied weights) is also listed
+   in ``OpGraph.shared`` (:class:`~graphpipe.graph.SharedParams`: the ops and
+   its bytes), so a planner can charge the copy and the gradient all-reduce
+   a split costs.
 
 Example
 -------
@@ -71,7 +74,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from graphpipe.cluster import DeviceSpec, preset
 from graphpipe.errors import GraphCycleError, GraphpipeError, InputError, UserCodeError, user_code_error, user_location
-from graphpipe.graph import Affine, Op, OpGraph
+from graphpipe.graph import Affine, Op, OpGraph, SharedParams
 from graphpipe.zoo_models import Layer
 
 __all__ = [
@@ -309,6 +312,8 @@ def capture(module: nn.Module, example_inputs: Sequence[Any], name: str | None =
     order = sorted(started, key=lambda op: position[members[op][0]])
 
     seen_params: set[int] = set()
+    param_ops: dict[int, list[str]] = {}  # parameter -> ops reading it (tied weights: more than one)
+    param_size: dict[int, int] = {}
     edge_bytes: dict[tuple[str, str], float] = {}
     ops: list[Op] = []
     rate = device.peak_flops * device.mfu
@@ -320,6 +325,10 @@ def capture(module: nn.Module, example_inputs: Sequence[Any], name: str | None =
         params = 0
         for n in nodes:
             for p in _node_params(gm, n):
+                users = param_ops.setdefault(id(p), [])
+                if op_name not in users:
+                    users.append(op_name)
+                param_size[id(p)] = p.numel() * p.element_size()
                 if id(p) not in seen_params:
                     seen_params.add(id(p))
                     params += p.numel() * p.element_size()
@@ -339,12 +348,22 @@ def capture(module: nn.Module, example_inputs: Sequence[Any], name: str | None =
         log.warning("%s: %d parameter bytes are never used by forward; the op graph omits them",
                     name or type(module).__name__, total - sum(op.param_bytes for op in ops))
     try:
-        graph = OpGraph.build(name or type(module).__name__, ops, [(s, d, b) for (s, d), b in edge_bytes.items()])
+        graph = OpGraph.build(name or type(module).__name__, ops, [(s, d, b) for (s, d), b in edge_bytes.items()],
+                              _shared_params(param_ops, param_size))
     except GraphCycleError as exc:
         raise InputError(f"contracting fx nodes into layers made a cycle ({exc}); pass layer_types= so the "
                          "layers on that cycle become anchors") from None
     op_nodes = {op: tuple(n.name for n in members[op]) for op in order}
     return Captured(graph, gm, op_nodes)
+
+
+def _shared_params(param_ops: Mapping[int, list[str]], param_size: Mapping[int, int]) -> tuple[SharedParams, ...]:
+    """One :class:`SharedParams` per set of ops sharing parameters (bytes summed), in order of first use."""
+    groups: dict[tuple[str, ...], int] = {}
+    for pid, users in param_ops.items():
+        if len(users) > 1:
+            groups[tuple(users)] = groups.get(tuple(users), 0) + param_size[pid]
+    return tuple(SharedParams(users, float(nbytes)) for users, nbytes in groups.items())
 
 
 def _node_params(gm: fx.GraphModule, node: fx.Node) -> list[nn.Parameter]:

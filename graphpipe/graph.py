@@ -30,6 +30,7 @@ __all__ = [
     "Op",
     "Edge",
     "OpGraph",
+    "SharedParams",
     "GRAPH_FORMAT",
     "graph_to_dict",
     "graph_from_dict",
@@ -111,6 +112,26 @@ class Edge:
 
 
 @dataclass(frozen=True, slots=True)
+class SharedParams:
+    """Parameters several ops read (tied weights: a GPT's embedding and output head).
+
+    ``ops``: the op names, in graph order; ``bytes``: the shared parameters'
+    size, counted in the first op's ``param_bytes`` only. Ops in different
+    stages each hold a copy, and the copies' gradients are summed every
+    iteration (the runtime's tied-parameter all-reduce).
+    """
+
+    ops: tuple[str, ...]
+    bytes: float
+
+    def __post_init__(self) -> None:
+        if len(self.ops) < 2 or len(set(self.ops)) != len(self.ops):
+            raise InputError(f"shared parameters need two or more distinct ops, got {list(self.ops)!r}")
+        if not (math.isfinite(self.bytes) and self.bytes >= 0):
+            raise InputError(f"shared parameters of {list(self.ops)!r}: bytes must be finite and >= 0, got {self.bytes!r}")
+
+
+@dataclass(frozen=True, slots=True)
 class OpGraph:
     """A frozen DAG of ops whose ids are a topological order.
 
@@ -121,6 +142,8 @@ class OpGraph:
     name: str
     ops: tuple[Op, ...]
     edges: tuple[Edge, ...]
+    shared: tuple[SharedParams, ...] = ()
+    """Tied parameters (capture finds them); graphs rebuilt by contraction (:mod:`graphpipe.sp`) drop them."""
     _succs: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
     _preds: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
     _index: Mapping[str, int] = field(init=False, repr=False, compare=False)
@@ -150,10 +173,15 @@ class OpGraph:
         object.__setattr__(self, "_preds", tuple(tuple(sorted(p)) for p in preds))
         object.__setattr__(self, "_index", index)
         object.__setattr__(self, "_edge_bytes", edge_bytes)
+        for group in self.shared:
+            unknown = [name for name in group.ops if name not in index]
+            if unknown:
+                raise InputError(f"shared parameters name op(s) the graph lacks: {', '.join(unknown)}")
 
     # ----------------------------------------------------------------- build
     @classmethod
-    def build(cls, name: str, ops: Sequence[Op], edges: Iterable[tuple[str, str, float]]) -> "OpGraph":
+    def build(cls, name: str, ops: Sequence[Op], edges: Iterable[tuple[str, str, float]],
+              shared: Sequence[SharedParams] = ()) -> "OpGraph":
         """Build from ops in any order and ``(src_name, dst_name, bytes)`` edges.
 
         Ops are renumbered in a deterministic topological order (Kahn's
@@ -199,7 +227,7 @@ class OpGraph:
         new_id = {old: new for new, old in enumerate(order)}
         new_ops = tuple(ops[old] for old in order)
         new_edges = tuple(sorted((Edge(new_id[s], new_id[d], b) for s, d, b in raw), key=lambda e: (e.src, e.dst)))
-        return cls(name, new_ops, new_edges)
+        return cls(name, new_ops, new_edges, tuple(shared))
 
     # ---------------------------------------------------------------- access
     @property
@@ -261,7 +289,7 @@ class OpGraph:
         """Same structure, new op annotations (same names, same order)."""
         if [o.name for o in ops] != [o.name for o in self.ops]:
             raise InputError("with_ops needs the same op names in the same order")
-        return OpGraph(self.name, tuple(ops), self.edges)
+        return OpGraph(self.name, tuple(ops), self.edges, self.shared)
 
 
 def _find_cycle(succs: list[list[int]], remaining: set[int]) -> list[int]:
@@ -298,6 +326,7 @@ def graph_to_dict(graph: OpGraph) -> dict[str, Any]:
         "edges": [
             {"src": graph.ops[e.src].name, "dst": graph.ops[e.dst].name, "bytes": e.bytes} for e in graph.edges
         ],
+        **({"shared_params": [{"ops": list(g.ops), "bytes": g.bytes} for g in graph.shared]} if graph.shared else {}),
     }
 
 
@@ -340,7 +369,13 @@ def graph_from_dict(doc: Any, where: str = "graph") -> OpGraph:
         edges.append((f.string(e["src"], f"{at}.src"), f.string(e["dst"], f"{at}.dst"),
                       float(f.number(e.get("bytes", 0), f"{at}.bytes", 0))))
     name = f.string(doc.get("name", "graph"), f"{where}.name")
-    return OpGraph.build(name, ops, edges)
+    shared = []
+    for i, g in enumerate(f.array(doc.get("shared_params", []), f"{where}.shared_params")):
+        at = f"{where}.shared_params[{i}]"
+        f.mapping(g, at)
+        shared.append(SharedParams(tuple(f.string(n, f"{at}.ops[{k}]") for k, n in enumerate(f.array(g.get("ops", []), f"{at}.ops"))),
+                                   float(f.number(g.get("bytes", 0), f"{at}.bytes", 0))))
+    return OpGraph.build(name, ops, edges, shared)
 
 
 def _num(value: Any) -> float:

@@ -174,6 +174,60 @@ def test_every_strategy_plans_the_tied_model_into_something_the_runtime_runs():
             assert (len(split.tied) == 1) == (len(owners) > 1), (strategy, num_devices)
 
 
+def test_stage_module_under_checkpoint_replays_masks_and_records_batchnorm_once():
+    """Re-materialization (torch.utils.checkpoint) runs the stage's forward again inside B: same masks, same stats."""
+    from torch.utils.checkpoint import checkpoint
+
+    from graphpipe.runtime.batchnorm import sharded_batchnorms
+    from graphpipe.runtime.jobs import load_runnable
+    from graphpipe.runtime.rng import ShardContext
+    from graphpipe.runtime.stage_modules import split_model
+
+    plan = hand_built(BRANCHY, (["stem", "a1", "a2", "b1", "b2", "head"],), [(0,)], [4], 1, "gpipe")
+    runs = []
+    for recompute in (False, True):
+        runnable = load_runnable(BRANCHY)
+        (prog,) = split_model(runnable.gm, runnable.op_nodes, plan.stage_graph).programs
+        x = runnable.make_inputs(BATCH, 0)[0][4:8]
+        ctx = ShardContext(0, 2, 4, 4, 4, 4)
+        torch.manual_seed(recompute)  # the global generator plays no part
+        if recompute:
+            _, out = checkpoint(prog.module, x, ctx, use_reentrant=False, preserve_rng_state=False)
+        else:
+            _, out = prog.module(x, ctx)
+        runnable.loss_fn(out).backward()
+        bns = sharded_batchnorms(prog.module)
+        assert all(list(bn.pending) == [(key, 4)] for bn, key in zip(bns, ("stem_bn", "a_bn", "b_bn")))
+        runs.append(({n: p.grad.clone() for n, p in prog.module.named_parameters()},
+                     [bn.pending[k].clone() for bn in bns for k in bn.pending]))
+    for name, grad in runs[0][0].items():
+        torch.testing.assert_close(runs[1][0][name], grad, rtol=0, atol=0)
+    for a, b in zip(runs[0][1], runs[1][1]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_capture_finds_tied_parameters_and_the_plan_pays_for_splitting_them():
+    from graphpipe.graph import graph_from_dict, graph_to_dict
+    from graphpipe.sched import predicted_figures, simulate
+
+    graph = graph_of(TIED)
+    assert [(g.ops, g.bytes) for g in graph.shared] == [(("embed", "head"), 32 * 16 * 4.0)]
+    assert graph_from_dict(graph_to_dict(graph)).shared == graph.shared
+    assert graph_of(BRANCHY).shared == ()
+    split = planned(TIED, "gpipe", 4)
+    assert split.stage_graph.stage_of(split.graph.op_id("embed")) != split.stage_graph.stage_of(split.graph.op_id("head"))
+    sim = predicted_figures(simulate(split.stage_graph, split.schedule, split.cluster))
+    p = split.predicted
+    head_devices = split.stage_graph.stages[split.stage_graph.stage_of(split.graph.op_id("head"))].devices
+    assert p["shared_params_copy_bytes"] == len(head_devices) * split.cluster.state_bytes(2048.0)
+    assert p["iteration_time_s"] == pytest.approx(sim["iteration_time_s"] + p["shared_params_allreduce_s"])
+    assert p["shared_params_allreduce_s"] > 0
+    for d in head_devices:
+        assert p["peak_memory_bytes"][d] == pytest.approx(sim["peak_memory_bytes"][d] + split.cluster.state_bytes(2048.0))
+    together = planned(TIED, "gpp", 1)  # one stage: nothing to charge
+    assert "shared_params_allreduce_s" not in together.predicted
+
+
 # ------------------------------------------------------------------ multi-rank
 BRANCHES = (["stem"], ["a1", "a2"], ["b1", "b2", "head"])
 TIED_STAGES = (["embed", "block0"], ["add", "block1", "add_1"], ["block2", "head"])

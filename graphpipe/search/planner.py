@@ -98,6 +98,10 @@ def make_plan(model_id: str, graph: OpGraph, cluster: Cluster, batch_size: int, 
     sched = make_schedule(base_name, sg, cluster)
     validate_schedule(sg, sched)
     predicted = predicted_figures(simulate(sg, sched, cluster, host=options.host))
+    if graph.shared:  # tied parameters split across stages: copies and their gradient all-reduce (search/tied.py)
+        from graphpipe.search.tied import charge_shared_params
+
+        predicted = charge_shared_params(predicted, sg, graph.shared, merged, cluster)
     plan = Plan(model=model_id, stage_graph=sg, cluster=cluster, strategy=strategy, schedule=sched,
                 predicted=predicted, search=search, merged=merged)
     if schedule_name == "cpsat":

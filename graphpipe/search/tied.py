@@ -1,0 +1,91 @@
+"""What splitting tied parameters across stages costs a plan (issue 21).
+
+When ops sharing parameters (:class:`~graphpipe.graph.SharedParams`, found
+by the capture: a GPT's embedding and output head) land in different
+stages, the runtime keeps the parameter in the first of those stages and a
+copy in every other one, and sums the copies' gradients once per iteration
+before the optimizer step (Megatron's tied-embedding all-reduce; see
+:mod:`graphpipe.runtime.stage_modules`). Every partitioner's plan is thus
+runnable whatever it does with tied ops; the plan's prediction is charged
+
+* memory: model state (:meth:`~graphpipe.cluster.Cluster.state_bytes`) of
+  the shared bytes on every device of every stage holding a copy;
+* time: a ring all-reduce of the shared bytes over the devices of every
+  owning stage, on the iteration's tail (after the last backward, as the
+  runtime does it), added to the simulated iteration time.
+
+The search itself does not see this term (the DPs cost stages one at a
+time, and a tie couples two stages); it is small beside a stage's time for
+the models we know (one embedding matrix per iteration), and the memory
+check of :func:`~graphpipe.search.planner.make_plan` runs on the charged
+figures, so a plan whose copies do not fit is refused.
+
+Example
+-------
+>>> from graphpipe.cluster import preset
+>>> from graphpipe.graph import Op, OpGraph, SharedParams
+>>> from graphpipe.stages import Stage, StageGraph
+>>> g = OpGraph.build("lm", [Op("embed", "x", param_bytes=4e6), Op("head", "x")], [("embed", "head", 1.0)],
+...                   [SharedParams(("embed", "head"), 4e6)])
+>>> sg = StageGraph.build(g, [Stage(0, (0,), (0,), 2), Stage(1, (1,), (1,), 2)], 8, 2)
+>>> seconds, extra = shared_params_cost(sg, g.shared, {}, preset("v100", 2))
+>>> seconds > 0, extra == {1: preset("v100", 2).state_bytes(4e6)}
+(True, True)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from graphpipe.cluster import Cluster
+from graphpipe.graph import SharedParams
+from graphpipe.stages import StageGraph
+
+__all__ = ["shared_params_cost", "charge_shared_params"]
+
+
+def _stage_of_name(sg: StageGraph, name: str, merged: Mapping[str, Sequence[str]]) -> int | None:
+    for op_id, op in enumerate(sg.graph.ops):
+        if op.name == name or name in merged.get(op.name, ()):
+            return sg.stage_of(op_id)
+    return None
+
+
+def shared_params_cost(sg: StageGraph, shared: Sequence[SharedParams], merged: Mapping[str, Sequence[str]],
+                       cluster: Cluster) -> tuple[float, dict[int, float]]:
+    """``(all-reduce seconds per iteration, extra bytes per device)`` of the ties ``sg`` splits.
+
+    ``merged`` maps ops of ``sg.graph`` made by contraction to the original
+    names (``Plan.merged``), so ties of the original graph are found in them.
+    """
+    seconds, extra = 0.0, {}
+    for group in shared:
+        stages = sorted({s for s in (_stage_of_name(sg, name, merged) for name in group.ops) if s is not None})
+        if len(stages) < 2:
+            continue
+        devices = sorted({d for s in stages for d in sg.stages[s].devices})
+        if len(devices) > 1:
+            seconds += cluster.allreduce_time(devices, group.bytes)
+        for s in stages[1:]:  # the first stage keeps the parameter; each other one holds a copy
+            for d in sg.stages[s].devices:
+                extra[d] = extra.get(d, 0.0) + cluster.state_bytes(group.bytes)
+    return seconds, extra
+
+
+def charge_shared_params(predicted: Mapping[str, Any], sg: StageGraph, shared: Sequence[SharedParams],
+                         merged: Mapping[str, Sequence[str]], cluster: Cluster) -> dict[str, Any]:
+    """The simulator's ``predicted`` figures with :func:`shared_params_cost` added (unchanged when no tie is split)."""
+    seconds, extra = shared_params_cost(sg, shared, merged, cluster)
+    out = dict(predicted)
+    if not seconds and not extra:
+        return out
+    if "iteration_time_s" in out:
+        out["iteration_time_s"] = float(out["iteration_time_s"]) + seconds
+        out["throughput"] = sg.batch_size / out["iteration_time_s"]
+    if "peak_memory_bytes" in out:
+        peaks = [float(b) + extra.get(d, 0.0) for d, b in enumerate(out["peak_memory_bytes"])]
+        out["peak_memory_bytes"] = peaks
+        out["max_peak_memory_bytes"] = max(peaks) if peaks else 0.0
+    out["shared_params_allreduce_s"] = seconds
+    out["shared_params_copy_bytes"] = sum(extra.values())
+    return out
