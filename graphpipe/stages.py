@@ -25,6 +25,7 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
+from graphpipe import costs
 from graphpipe.errors import PlanError
 from graphpipe.graph import OpGraph
 
@@ -37,12 +38,15 @@ REPLICA_MODES = ("split", "round-robin")
 
 @dataclass(frozen=True, slots=True)
 class Stage:
-    """One pipeline stage: ``op_ids`` (sorted), ``devices`` (sorted), micro-batch size."""
+    """One pipeline stage: ``op_ids`` (sorted), ``devices`` (sorted), micro-batch size, re-materialization."""
 
     id: int
     op_ids: tuple[int, ...]
     devices: tuple[int, ...]
     micro_batch_size: int
+    recompute: bool = False
+    """Re-materialize (GPipe §2.3): keep only the stage's inputs per in-flight micro-batch and run its
+    forward again inside B (:mod:`graphpipe.costs`; torch.utils.checkpoint in the runtime)."""
     replica_mode: str = "split"
     """:data:`REPLICA_MODES`: ``split`` micro-batches over the replicas, or ``round-robin`` whole ones."""
 
@@ -57,6 +61,8 @@ class Stage:
             raise PlanError(f"stage {self.id} lists a device twice: {self.devices}")
         if not isinstance(self.micro_batch_size, int) or self.micro_batch_size < 1:
             raise PlanError(f"stage {self.id}: micro_batch_size must be a positive integer, got {self.micro_batch_size!r}")
+        if not isinstance(self.recompute, bool):
+            raise PlanError(f"stage {self.id}: recompute must be true or false, got {self.recompute!r}")
         if self.replica_mode not in REPLICA_MODES:
             raise PlanError(f"stage {self.id}: replica_mode must be one of {', '.join(REPLICA_MODES)}, "
                             f"got {self.replica_mode!r}")
@@ -217,7 +223,7 @@ class StageGraph:
         if sequential:
             order = list(range(n))
         renumbered = [Stage(new, stages[old].op_ids, stages[old].devices, stages[old].micro_batch_size,
-                            replica_mode=stages[old].replica_mode) for new, old in enumerate(order)]
+                            stages[old].recompute, replica_mode=stages[old].replica_mode) for new, old in enumerate(order)]
         return cls(graph, tuple(renumbered), batch_size, num_devices, allow_shared_devices=allow_shared_devices,
                    sequential=sequential)
 
@@ -250,18 +256,40 @@ class StageGraph:
 
     def fwd_time(self, stage_id: int) -> float:
         """Seconds for one forward micro-batch on one replica of the stage."""
-        s = self.stages[stage_id]
-        return self.graph.fwd_time(s.op_ids, s.samples_per_replica)
+        return self._action_times(stage_id)[0]
 
     def bwd_time(self, stage_id: int) -> float:
+        """Seconds for one backward micro-batch on one replica, the re-run forward included when the stage recomputes."""
+        return self._action_times(stage_id)[1]
+
+    def recompute_time(self, stage_id: int) -> float:
+        """Seconds of re-run forward at the start of each B (0 without re-materialization)."""
+        return self.fwd_time(stage_id) if self.stages[stage_id].recompute else 0.0
+
+    def _action_times(self, stage_id: int) -> tuple[float, float]:
         s = self.stages[stage_id]
-        return self.graph.bwd_time(s.op_ids, s.samples_per_replica)
+        sums = costs.stage_sums(self.graph, s.op_ids, 0.0, 0.0)
+        return costs.action_times(sums.fwd_alpha, sums.fwd_beta, sums.bwd_alpha, sums.bwd_beta,
+                                  s.samples_per_replica, s.recompute)
 
     def param_bytes(self, stage_id: int) -> float:
         return sum(self.graph.ops[i].param_bytes for i in self.stages[stage_id].op_ids)
 
     def act_bytes_per_sample(self, stage_id: int) -> float:
         return sum(self.graph.ops[i].act_bytes for i in self.stages[stage_id].op_ids)
+
+    def input_bytes_per_sample(self, stage_id: int) -> float:
+        """Bytes per sample the stage receives along its stage edges (relayed bytes in a sequential pipeline)."""
+        return float(sum(self._edge_bytes[(p, stage_id)] for p in self._preds[stage_id]))
+
+    def output_bytes_per_sample(self, stage_id: int) -> float:
+        """Bytes per sample the stage sends along its stage edges."""
+        return float(sum(self._edge_bytes[(stage_id, c)] for c in self._succs[stage_id]))
+
+    def stage_sums(self, stage_id: int) -> costs.StageSums:
+        """The stage's cost coefficients (:class:`graphpipe.costs.StageSums`), inputs and outputs as its edges carry."""
+        return costs.stage_sums(self.graph, self.stages[stage_id].op_ids, self.input_bytes_per_sample(stage_id),
+                                self.output_bytes_per_sample(stage_id))
 
     def depth(self) -> int:
         """Stages on the longest source-to-sink path."""

@@ -137,7 +137,8 @@ def test_hint_replays_to_a_feasible_solution_with_the_simulated_makespan(memory)
 
     cluster = preset("v100", 4)
     if memory:
-        cluster = cluster.with_memory(cluster.state_bytes(4e6) + 3.5e6)
+        # + communication buffers: one micro-batch of 2e7-byte inputs and output gradients per edge end
+        cluster = cluster.with_memory(cluster.state_bytes(4e6) + 4e7 + 3.5e6)
     sg = one_stage_per_op(diamond(), 4, 1)
     heuristic = graph_1f1b(sg, cluster)
     sim = simulate(sg, heuristic, cluster).iteration_time_s
@@ -193,7 +194,7 @@ def test_memory_limit_binds_and_matches_brute_force(memory):
     sg = one_stage_per_op(chain(2), 3, 1)
     free = preset("v100", 2)
     state = free.state_bytes(4e6)
-    tight = free.with_memory(state + 1.5e6)  # act_bytes 1e6 per sample, micro-batch 1
+    tight = free.with_memory(state + 2e7 + 1.5e6)  # buffers 2e7; act_bytes 1e6 per sample, micro-batch 1
     loose = solve(sg, free, per_stage_micro_batch=False, time_limit_s=TIME_LIMIT)
     assert max(simulate(loose.stage_graph, loose.schedule, free).peak_memory_bytes) > tight.memory_bytes
     res = solve(sg, tight, per_stage_micro_batch=False, time_limit_s=TIME_LIMIT, memory=memory)
@@ -243,7 +244,7 @@ def test_memory_infeasible_names_device_and_bytes():
     cluster = preset("v100", 2)
     state = cluster.state_bytes(4e6)
     small = cluster.with_memory(state + 0.5e6)  # one sample of activations needs 1e6 bytes
-    need = state + 1e6  # state + one micro-batch of the smallest candidate size (1)
+    need = state + 1e6 + 2e7  # state + one micro-batch of the smallest candidate size (1) + its buffers
     with pytest.raises(InfeasibleError, match=rf"device 0 .*needs at least {re.escape(f'{need:.4g}')} bytes.*has {re.escape(f'{state + 0.5e6:.4g}')};"):
         solve(sg, small, time_limit_s=TIME_LIMIT)
 
@@ -253,7 +254,7 @@ def test_solver_proves_memory_infeasibility_with_virtual_stages():
     g = chain(2)
     sg = StageGraph(g, (Stage(0, (0,), (0,), 1), Stage(1, (1,), (0,), 1)), 2, 1, allow_shared_devices=True)
     cluster = preset("v100", 1)
-    cluster = cluster.with_memory(2 * cluster.state_bytes(4e6) + 1.5e6)  # room for one micro-batch, not two
+    cluster = cluster.with_memory(2 * cluster.state_bytes(4e6) + 4e7 + 1.5e6)  # room for one micro-batch, not two
     with pytest.raises(InfeasibleError, match=r"proved.*device 0.*bytes"):
         solve(sg, cluster, per_stage_micro_batch=False, time_limit_s=TIME_LIMIT)
 

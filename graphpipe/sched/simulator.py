@@ -16,11 +16,14 @@ Semantics (shared with the CP-SAT model and relied on by the partitioners):
 * ``B`` of producer ``p`` mb ``i`` waits for ``B`` of every consumer mb
   covering any of ``i``'s samples plus the same transfer time back, and for
   its own ``F``;
-* activation memory of stage ``s`` on each of its devices:
-  ``act_bytes_per_sample(s) * samples_per_replica`` from the start of ``F``
-  to the end of its ``B``; plus ``cluster.state_bytes(param bytes)`` of every
-  stage on the device for the whole iteration (at equal times a release is
-  counted before an allocation);
+* memory (:mod:`graphpipe.costs`, the one model): activations of stage
+  ``s`` on each of its devices, ``act_bytes_per_sample(s) *
+  samples_per_replica`` from the start of ``F`` to the end of its ``B``; a
+  re-materializing stage keeps only its input bytes from ``F`` to ``B`` and
+  its full activations from the start of ``B`` (the re-run forward, inside
+  ``B``'s duration) to its end; plus model state and communication buffers
+  of every stage on the device for the whole iteration (at equal times a
+  release is counted before an allocation);
 * after a replicated stage's last ``B`` (latest over replicas) its devices
   all-reduce gradients for ``cluster.allreduce_time(devices, param_bytes)``;
   the all-reduce is communication, it overlaps later compute of other
@@ -57,6 +60,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+from graphpipe import costs
 from graphpipe.actions import Action, Schedule
 from graphpipe.cluster import Cluster
 from graphpipe.errors import ScheduleError
@@ -183,6 +187,11 @@ class Timeline:
     """Model state (weights, gradients, optimizer) per device."""
     in_flight: tuple[int, ...]
     """Most micro-batches of each stage alive at once (F started, B not ended), in the stage's own micro-batches."""
+    activation_peak_bytes: tuple[float, ...] = ()
+    """Peak live activation bytes per device (stashes + re-materialized working sets), state and buffers excluded:
+    what a run measures as the peak bytes of tensors saved for backward."""
+    buffer_bytes: tuple[float, ...] = ()
+    """Communication buffers per device (:func:`graphpipe.costs.buffer_bytes`)."""
 
     @property
     def num_stages(self) -> int:
@@ -274,41 +283,54 @@ def build_timeline(sg: StageGraph, cluster: Cluster, name: str, actions: Iterabl
     used = set(sg.devices_used())
     bubble = tuple((1.0 - busy[d] / iteration_time_s if iteration_time_s > 0 else 0.0) if d in used else 1.0
                    for d in range(num_devices))
+    # Memory (graphpipe.costs): state and communication buffers for the whole iteration; a micro-batch's
+    # stash from its F start to its B end; a re-materializing stage's working set from B start to B end.
     state = [0.0] * num_devices
+    buffers = [0.0] * num_devices
+    stash, working = [], []
     for st in sg.stages:
+        sums = sg.stage_sums(st.id)
+        samples = st.samples_per_replica
+        stash.append(costs.stashed_bytes(sums.act, sums.inputs, samples, st.recompute))
+        working.append(sums.act * samples if st.recompute else 0.0)
         for d in st.devices:
-            state[d] += cluster.state_bytes(sg.param_bytes(st.id))
-    act_size = [sg.act_bytes_per_sample(s) * sg.stages[s].samples_per_replica for s in range(sg.num_stages)]
-    # Sweep allocation (F start) and release (B end) events; releases first at equal times.
+            state[d] += cluster.state_bytes(sums.param_bytes)
+            buffers[d] += costs.buffer_bytes(sums.inputs, sums.outputs, samples)
+    # Sweep allocations and releases; releases first at equal times.
     events: list[list[tuple[float, int, int, float]]] = [[] for _ in range(num_devices)]
     for r in actions:
         s = r.action.stage_id
         if r.action.kind == "F":
-            events[r.device].append((r.start, 1, s, act_size[s]))
+            events[r.device].append((r.start, 1, s, stash[s]))
         elif r.action.kind == "B":
-            events[r.device].append((r.end, 0, s, -act_size[s]))
-    peak = list(state)
+            if working[s]:
+                events[r.device].append((r.start, 2, s, working[s]))
+            events[r.device].append((r.end, 0, s, -stash[s] - working[s]))
+    act_peak = [0.0] * num_devices
     in_flight = [0] * sg.num_stages
     for d in range(num_devices):
-        live, count = state[d], {}
-        for _, is_alloc, s, delta in sorted(events[d], key=lambda e: (e[0], e[1])):
+        live, count = 0.0, {}
+        for _, kind, s, delta in sorted(events[d], key=lambda e: (e[0], e[1] > 0)):
             live += delta
-            count[s] = count.get(s, 0) + (1 if is_alloc else -1)
-            peak[d] = max(peak[d], live)
-            in_flight[s] = max(in_flight[s], count[s])
+            if kind != 2:
+                count[s] = count.get(s, 0) + (1 if kind else -1)
+                in_flight[s] = max(in_flight[s], count[s])
+            act_peak[d] = max(act_peak[d], live)
+    peak = [state[d] + buffers[d] + act_peak[d] for d in range(num_devices)]
     throughput = sg.batch_size / iteration_time_s if iteration_time_s > 0 else math.inf
     return Timeline(name=name, source=source, batch_size=sg.batch_size, num_devices=num_devices,
                     stage_devices=tuple(st.devices for st in sg.stages), actions=actions, transfers=transfers,
                     allreduces=allreduces, iteration_time_s=iteration_time_s, throughput=throughput,
                     busy_s=tuple(busy), bubble_fraction=bubble, peak_memory_bytes=tuple(peak),
-                    state_bytes=tuple(state), in_flight=tuple(in_flight))
+                    state_bytes=tuple(state), in_flight=tuple(in_flight), activation_peak_bytes=tuple(act_peak),
+                    buffer_bytes=tuple(buffers))
 
 
 def predicted_figures(timeline: Timeline) -> dict[str, Any]:
     """The plan's ``predicted`` object: JSON-ready figures of a timeline.
 
     Keys: ``iteration_time_s``, ``throughput``, ``bubble_fraction`` and
-    ``peak_memory_bytes`` (one entry per device of the cluster),
+    ``peak_memory_bytes`` and ``peak_activation_bytes`` (one entry per device of the cluster),
     ``in_flight`` (per stage), ``busy_s`` (per device),
     ``mean_bubble_fraction`` (over devices in use), ``max_peak_memory_bytes``,
     ``devices_used``, ``schedule``, ``source``.
@@ -319,6 +341,7 @@ def predicted_figures(timeline: Timeline) -> dict[str, Any]:
         "throughput": timeline.throughput,
         "bubble_fraction": list(timeline.bubble_fraction),
         "peak_memory_bytes": list(timeline.peak_memory_bytes),
+        "peak_activation_bytes": list(timeline.activation_peak_bytes),
         "in_flight": list(timeline.in_flight),
         "busy_s": list(timeline.busy_s),
         "mean_bubble_fraction": (sum(timeline.bubble_fraction[d] for d in used) / len(used)) if used else 1.0,

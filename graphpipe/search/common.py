@@ -2,9 +2,9 @@
 
 Every strategy module (``gpp``, ``pipedream``, ``piper``, ``gpipe``) exposes
 ``partition(graph, cluster, batch_size, options) -> SearchResult``. They all
-score a candidate stage with :func:`stage_tps` and :func:`stage_memory`, so
-the brute-force oracles in the tests and the partitioners agree on the
-objective. Final plans are then scored by the one simulator.
+score a candidate stage with :func:`stage_tps` and :func:`stage_memory`
+(both :mod:`graphpipe.costs`, the one cost model), so the brute-force
+oracles in the tests and the partitioners agree on the objective. Final plans are then scored by the one simulator.
 
 Time per sample (TPS) of a stage (GraphPipe §4, "bottleneck TPS"): one
 replica processes ``b / r`` samples per micro-batch of size ``b`` over ``r``
@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from graphpipe import costs
 from graphpipe.cluster import Cluster, Link
 from graphpipe.errors import InputError
 from graphpipe.graph import OpGraph
@@ -45,7 +46,7 @@ from graphpipe.stages import StageGraph
 if TYPE_CHECKING:
     from graphpipe.sched import SharedHost
 
-__all__ = ["SearchOptions", "SearchResult", "stage_tps", "placed_bottleneck", "simulated", "stage_memory", "cut_tps",
+__all__ = ["SearchOptions", "SearchResult", "stage_tps", "recompute_all", "placed_bottleneck", "simulated", "stage_memory", "cut_tps",
            "stage_out_bytes", "comm_links", "link_name", "divisors", "micro_batch_candidates"]
 
 
@@ -53,6 +54,9 @@ __all__ = ["SearchOptions", "SearchResult", "stage_tps", "placed_bottleneck", "s
 class SearchOptions:
     micro_batch_size: int | None = None
     """Force one micro-batch size for every stage; None lets the search choose."""
+    recompute: str | None = None
+    """Re-materialization: ``none``, ``all`` or ``auto`` (the search turns it on per stage where memory needs
+    it or throughput gains); None is the strategy's default (gpipe ``all``, the others ``auto``)."""
     per_stage_micro_batch: bool = False
     """Let each stage pick its own micro-batch size (GraphPipe option; default off as in the paper)."""
     max_downsets: int = 200_000
@@ -67,6 +71,8 @@ class SearchOptions:
     def __post_init__(self) -> None:
         if self.micro_batch_size is not None and (not isinstance(self.micro_batch_size, int) or self.micro_batch_size < 1):
             raise InputError(f"--micro-batch-size must be a positive integer, got {self.micro_batch_size!r}")
+        if self.recompute is not None and self.recompute not in costs.RECOMPUTE_CHOICES:
+            raise InputError(f"--recompute must be one of {', '.join(costs.RECOMPUTE_CHOICES)}, got {self.recompute!r}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -79,20 +85,24 @@ class SearchResult:
 
 
 def stage_tps(graph: OpGraph, op_ids: Iterable[int], devices: Sequence[int], micro_batch_size: int,
-              batch_size: int, cluster: Cluster) -> float:
-    """Seconds per sample the stage needs: compute per micro-batch / b, plus all-reduce / batch."""
-    op_ids = tuple(op_ids)
-    r = len(devices)
-    per_replica = micro_batch_size / r
-    compute = graph.fwd_time(op_ids, per_replica) + graph.bwd_time(op_ids, per_replica)
-    params = sum(graph.ops[i].param_bytes for i in op_ids)
-    return compute / micro_batch_size + cluster.allreduce_time(devices, params) / batch_size
+              batch_size: int, cluster: Cluster, recompute: bool = False) -> float:
+    """Seconds per sample the stage needs (:func:`graphpipe.costs.stage_tps`)."""
+    return costs.stage_tps(graph, op_ids, devices, micro_batch_size, batch_size, cluster, recompute)
 
+
+def recompute_all(options: SearchOptions, default: bool) -> bool:
+    """Whether a partitioner costs every stage as re-materializing: ``all`` yes, ``none`` no, None the
+    strategy's ``default``. ``auto`` searches without it: :func:`~graphpipe.search.planner.make_plan` runs
+    the search both ways and keeps re-materialization only on the stages that need it."""
+    if options.recompute is None:
+        return default
+    return options.recompute == "all"
 
 
 def placed_bottleneck(sg: StageGraph, cluster: Cluster) -> float:
     """Largest :func:`stage_tps` of a placed stage graph (its real device sets): the partitioners' objective."""
-    return max(stage_tps(sg.graph, s.op_ids, s.devices, s.micro_batch_size, sg.batch_size, cluster) for s in sg.stages)
+    return max(stage_tps(sg.graph, s.op_ids, s.devices, s.micro_batch_size, sg.batch_size, cluster, s.recompute)
+               for s in sg.stages)
 
 
 def simulated(sg: StageGraph, cluster: Cluster, schedule_name: str, host: SharedHost | None = None) -> tuple[float, bool]:
@@ -103,12 +113,11 @@ def simulated(sg: StageGraph, cluster: Cluster, schedule_name: str, host: Shared
     return float(figures["throughput"]), float(figures["max_peak_memory_bytes"]) <= cluster.memory_bytes
 
 def stage_memory(graph: OpGraph, op_ids: Iterable[int], num_replicas: int, micro_batch_size: int,
-                 in_flight: int, cluster: Cluster) -> float:
-    """Peak bytes on one device of the stage: model state + saved activations of ``in_flight`` micro-batches."""
-    op_ids = tuple(op_ids)
-    params = sum(graph.ops[i].param_bytes for i in op_ids)
-    act = sum(graph.ops[i].act_bytes for i in op_ids)
-    return cluster.state_bytes(params) + act * (micro_batch_size / num_replicas) * in_flight
+                 in_flight: int, cluster: Cluster, recompute: bool = False, inputs: float | None = None,
+                 outputs: float | None = None) -> float:
+    """Peak bytes on one device of the stage with ``in_flight`` micro-batches (:func:`graphpipe.costs.stage_memory`)."""
+    return costs.stage_memory(graph, op_ids, num_replicas, micro_batch_size, in_flight, cluster, recompute,
+                              inputs, outputs)
 
 
 def stage_out_bytes(graph: OpGraph, op_ids: Iterable[int]) -> float:
@@ -170,7 +179,8 @@ def check_fits(sg: StageGraph, cluster: Cluster, in_flight: Mapping[int, int]) -
     over = []
     per_device: dict[int, float] = {}
     for s in sg.stages:
-        mem = stage_memory(sg.graph, s.op_ids, s.num_replicas, s.micro_batch_size, in_flight[s.id], cluster)
+        mem = stage_memory(sg.graph, s.op_ids, s.num_replicas, s.micro_batch_size, in_flight[s.id], cluster,
+                           s.recompute, sg.input_bytes_per_sample(s.id), sg.output_bytes_per_sample(s.id))
         for d in s.devices:
             per_device[d] = per_device.get(d, 0.0) + mem
     for d, mem in sorted(per_device.items()):

@@ -15,7 +15,7 @@ simulator's semantics (DESIGN §7, the shared "simulator semantics"):
   it covers (:func:`graphpipe.stages.covered_mbs`, as ``StageGraph.consumed_mbs``) plus the
   transfer of ``edge_bytes * producer_size`` bytes; B of the producer waits
   for B of the same consumer micro-batches plus the same transfer back.
-* Activations of (stage, mb) (``act_bytes_per_sample * b / replicas`` on each
+* Activations of (stage, mb) (:mod:`graphpipe.costs`: ``act_bytes_per_sample * b / replicas`` on each
   device) live from the start of F to the end of B, never above device
   memory minus model state on any device group. Two equivalent encodings:
   ``"cumulative"`` (default): one optional interval per (stage, size, mb)
@@ -87,6 +87,7 @@ from typing import Mapping, Sequence
 
 from ortools.sat.python import cp_model
 
+from graphpipe import costs
 from graphpipe.actions import Action, Schedule
 from graphpipe.cluster import Cluster
 from graphpipe.errors import InfeasibleError, InputError
@@ -140,7 +141,10 @@ class ModelData:
     delay: Mapping[tuple[int, int, int], int]
     """(producer, consumer, producer size) -> ticks of one transfer (both directions)."""
     act: Mapping[tuple[int, int], int]
-    """(stage_id, size) -> activation memory units one micro-batch keeps on each of the stage's devices."""
+    """(stage_id, size) -> activation memory units one micro-batch keeps on each of the stage's devices from its
+    F start to its B end (only the stage inputs when the stage re-materializes)."""
+    working: Mapping[tuple[int, int], int]
+    """(stage_id, size) -> units a re-materializing stage's micro-batch adds during its B (0 otherwise)."""
     allreduce: tuple[int, ...]
     """Per stage: ticks of the gradient all-reduce after its last B (0 when not replicated)."""
     groups: tuple[tuple[int, ...], ...]
@@ -152,6 +156,9 @@ class ModelData:
     """Per group: memory units left for activations on each device after model state."""
     state: tuple[float, ...]
     """Per group: model-state bytes on each device."""
+    buffers: Mapping[tuple[int, int], int]
+    """(stage_id, size) -> communication-buffer units resident for the whole iteration when the size is chosen
+    (:func:`graphpipe.costs.buffer_bytes`)."""
     horizon: int
     """An upper bound on any left-justified schedule's makespan, in ticks."""
     uniform: bool
@@ -249,23 +256,28 @@ def model_data(sg: StageGraph, cluster: Cluster, candidates: Sequence[Sequence[i
     unit = time_unit(reference_s)
     groups = tuple(sorted({s.devices for s in sg.stages}))
     group_stages = tuple(tuple(s.id for s in sg.stages if s.devices == grp) for grp in groups)
-    state = tuple(sum(cluster.state_bytes(sg.param_bytes(s)) for s in members) for members in group_stages)
+    sums = [sg.stage_sums(s) for s in range(sg.num_stages)]
+    state = tuple(sum(cluster.state_bytes(sums[s].param_bytes) for s in members) for members in group_stages)
     mem_unit = float(f"1e{max(0, math.floor(math.log10(max(cluster.memory_bytes, 1.0) / MEMORY_UNITS)))}")
     capacity = tuple(math.floor((cluster.memory_bytes - st) / mem_unit) for st in state)
     g = sg.graph
     duration: dict[tuple[int, int, str], int] = {}
     act: dict[tuple[int, int], int] = {}
+    working: dict[tuple[int, int], int] = {}
+    buffers: dict[tuple[int, int], int] = {}
     task_error = []  # per stage: worst total rounding of all its tasks over its candidate sizes
     batch = sg.batch_size
     for stage in sg.stages:
         r = stage.num_replicas
-        per_sample_act = sg.act_bytes_per_sample(stage.id)
+        sm, rc = sums[stage.id], stage.recompute
         worst = 0.0
         for b in cands[stage.id]:
-            fwd, bwd = g.fwd_time(stage.op_ids, b / r), g.bwd_time(stage.op_ids, b / r)
+            fwd, bwd = costs.action_times(sm.fwd_alpha, sm.fwd_beta, sm.bwd_alpha, sm.bwd_beta, b / r, rc)
             duration[(stage.id, b, "F")] = _ticks(fwd, unit, 1)
             duration[(stage.id, b, "B")] = _ticks(bwd, unit, 1)
-            act[(stage.id, b)] = math.ceil(per_sample_act * b / r / mem_unit)
+            act[(stage.id, b)] = math.ceil(costs.stashed_bytes(sm.act, sm.inputs, b / r, rc) / mem_unit)
+            working[(stage.id, b)] = math.ceil(sm.act * b / r / mem_unit) if rc else 0
+            buffers[(stage.id, b)] = math.ceil(costs.buffer_bytes(sm.inputs, sm.outputs, b / r) / mem_unit)
             rounded = (duration[(stage.id, b, "F")] + duration[(stage.id, b, "B")]) * unit
             worst = max(worst, batch // b * max(0.0, rounded - fwd - bwd))
         task_error.append(worst)
@@ -291,6 +303,7 @@ def model_data(sg: StageGraph, cluster: Cluster, candidates: Sequence[Sequence[i
     # step into a task crosses at most one transfer, then one all-reduce.
     slack = sum(task_error) + max_tasks * max(0.0, delay_error) + max(0.0, allreduce_error)
     return ModelData(sg=sg, unit_s=unit, slack_s=slack, candidates=cands, duration=duration, delay=delay, act=act,
+                     working=working, buffers=buffers,
                      allreduce=allreduce, groups=groups, group_stages=group_stages, mem_unit_bytes=mem_unit, capacity=capacity,
                      state=state, horizon=horizon, uniform=uniform)
 
@@ -303,14 +316,14 @@ def check_memory(data: ModelData, memory_bytes: float) -> None:
     at least one micro-batch between its F and B).
     """
     for gi, grp in enumerate(data.groups):
-        need_act = max(data.sg.act_bytes_per_sample(s) * data.candidates[s][0] / data.sg.stages[s].num_replicas
-                       for s in data.group_stages[gi])
+        need_act = max(min(data.act[(s, b)] + data.working[(s, b)] + data.buffers[(s, b)] for b in data.candidates[s])
+                       * data.mem_unit_bytes for s in data.group_stages[gi])
         need = data.state[gi] + need_act
         if need > memory_bytes:
             stages = ", ".join(str(s) for s in data.group_stages[gi])
             raise InfeasibleError(
                 f"device {grp[0]} (stage {stages}) needs at least {need:.4g} bytes (model state "
-                f"{data.state[gi]:.4g} + one micro-batch of activations {need_act:.4g}) but has "
+                f"{data.state[gi]:.4g} + one micro-batch of activations and buffers {need_act:.4g}) but has "
                 f"{memory_bytes:.4g}; give the stage more devices, use a smaller micro-batch, or a larger device")
 
 
@@ -405,8 +418,10 @@ def size_lower_bounds(data: ModelData, candidates: Sequence[Sequence[int]] | Non
     for s in range(n_st):
         for b in cands[s]:
             num, f, bwd = data.num_mbs(b), dur[s, b, "F"], dur[s, b, "B"]
-            act, capacity = data.act[s, b], data.capacity[group_of[s]]
+            act, capacity = data.act[s, b], data.capacity[group_of[s]] - data.working[s, b] - data.buffers[s, b]
             k = num if act <= 0 else min(num, max(0, capacity) // act)
+            if capacity < act or capacity < 0:  # not even one micro-batch (and its re-materialized working set)
+                k = 0
             if k == 0:
                 bounds[s, b] = math.inf
                 continue
@@ -530,7 +545,8 @@ def build_model(data: ModelData, symmetry_breaking: bool = True, memory: str = "
     memory_groups = []
     life: dict[tuple[int, int, int], cp_model.IntVar] = {}
     for gi, members in enumerate(data.group_stages):
-        worst = sum(max(data.act[(s, b)] * data.num_mbs(b) for b in data.candidates[s]) for s in members)
+        worst = sum(max(data.act[(s, b)] * data.num_mbs(b) + data.working[(s, b)] + data.buffers[(s, b)]
+                        for b in data.candidates[s]) for s in members)
         if worst <= data.capacity[gi]:
             continue
         memory_groups.append(gi)
@@ -544,11 +560,33 @@ def build_model(data: ModelData, symmetry_breaking: bool = True, memory: str = "
                                                   f"life_{s}_{j}_b{b}")
                 intervals.append(model.new_optional_interval_var(start[s, b, "F", j], life[s, b, j],
                                                                  end(s, b, "B", j), use[s, b], f"life_{s}_{j}_b{b}"))
-            model.add_cumulative(intervals, [data.act[(s, b)] for s, b, _ in lives], capacity)
+            demands = [data.act[(s, b)] for s, b, _ in lives]
+            # a re-materializing stage holds its full activations while B re-runs the forward and goes back
+            redo = [(s, b, j) for s in members for b in data.candidates[s] if data.working[(s, b)] > 0
+                    for j in range(data.num_mbs(b))]
+            intervals += [interval[s, b, "B", j] for s, b, j in redo]
+            demands += [data.working[(s, b)] for s, b, _ in redo]
+            # communication buffers of the chosen size, resident the whole iteration
+            held = [(s, b) for s in members for b in data.candidates[s] if data.buffers[(s, b)] > 0]
+            intervals += [model.new_optional_fixed_size_interval_var(0, horizon, use[s, b], f"buffers_{s}_b{b}")
+                          for s, b in held]
+            demands += [data.buffers[(s, b)] for s, b in held]
+            model.add_cumulative(intervals, demands, capacity)
         else:
             times = [t for s, b, j in lives for t in (start[s, b, "F", j], end(s, b, "B", j))]
             changes = [c for s, b, _ in lives for c in (data.act[(s, b)], -data.act[(s, b)])]
             actives = [use[s, b] for s, b, _ in lives for _ in range(2)]
+            for s in members:
+                for b in data.candidates[s]:
+                    if data.working[(s, b)] > 0:
+                        for j in range(data.num_mbs(b)):
+                            times += [start[s, b, "B", j], end(s, b, "B", j)]
+                            changes += [data.working[(s, b)], -data.working[(s, b)]]
+                            actives += [use[s, b], use[s, b]]
+                    if data.buffers[(s, b)] > 0:
+                        times.append(0)
+                        changes.append(data.buffers[(s, b)])
+                        actives.append(use[s, b])
             model.add_reservoir_constraint_with_active(times, changes, actives, 0, capacity)
 
     # The iteration ends after every backward and every gradient all-reduce.
@@ -665,15 +703,18 @@ def replay(data: ModelData, sizes: Sequence[int], schedule: Schedule) -> tuple[d
 
 
 def memory_peaks(data: ModelData, sizes: Sequence[int], starts: Mapping[TaskKey, int]) -> tuple[int, ...]:
-    """Peak activation memory units per device group of a timed schedule (releases
+    """Peak activation and communication-buffer units per device group of a timed schedule (releases
     before allocations at equal times, as in the model and the simulator)."""
     peaks = []
     for members in data.group_stages:
-        events = []
+        events = [(-1, data.buffers[(s, sizes[s])]) for s in members]
         for s in members:
             act, dur_b = data.act[(s, sizes[s])], data.duration[(s, sizes[s], "B")]
+            redo = data.working[(s, sizes[s])]
             for j in range(data.num_mbs(sizes[s])):
                 events += [(starts[(s, "F", j)], act), (starts[(s, "B", j)] + dur_b, -act)]
+                if redo:
+                    events += [(starts[(s, "B", j)], redo), (starts[(s, "B", j)] + dur_b, -redo)]
         level = peak = 0
         for _, change in sorted(events, key=lambda e: (e[0], e[1])):
             level += change

@@ -16,12 +16,13 @@ Our version:
   :func:`~graphpipe.search.common.stage_tps` with one replica (forward +
   backward time per micro-batch divided by its size, so ranking by it is
   ranking by time at the chosen micro-batch size).
-* **Memory**: GPipe *without* re-materialisation: fill-drain keeps all ``M``
-  micro-batches' activations until the backward pass starts, i.e. the whole
-  mini-batch's activations, on every stage. Splits whose stages do not fit
-  are excluded. (Re-materialisation would trade ~one extra forward per
-  stage for storing only stage inputs; we model the plain schedule that the
-  simulator runs.)
+* **Re-materialization** (GPipe §2.3, on by default, ``--recompute none``
+  turns it off): each stage keeps only its input activations for the ``M``
+  micro-batches fill-drain holds in flight, plus one micro-batch's full
+  activations while its backward re-runs the forward; the time per stage
+  then includes one more forward (:mod:`graphpipe.costs`). Without it
+  fill-drain keeps the whole mini-batch's activations on every stage.
+  Splits whose stages do not fit are excluded.
 * **Micro-batch size**: every candidate is split and the plan with the best
   simulated fill-drain throughput wins.
 
@@ -44,9 +45,9 @@ import numpy as np
 
 from graphpipe.cluster import Cluster
 from graphpipe.graph import OpGraph
-from graphpipe.search.common import SearchOptions, SearchResult, micro_batch_candidates
+from graphpipe.search.common import SearchOptions, SearchResult, micro_batch_candidates, recompute_all
 from graphpipe.search.sequential import (OpArrays, ReplicaCosts, SequentialPartition, choose_micro_batch,
-                                         linear_order, sequential_result)
+                                         linear_cut_bytes, linear_order, sequential_result)
 
 __all__ = ["partition", "solve", "SCHEDULE"]
 
@@ -55,7 +56,8 @@ log = logging.getLogger(__name__)
 SCHEDULE = "gpipe"
 
 
-def solve(graph: OpGraph, cluster: Cluster, batch_size: int, micro_batch_size: int) -> SequentialPartition | None:
+def solve(graph: OpGraph, cluster: Cluster, batch_size: int, micro_batch_size: int,
+          recompute: bool = True) -> SequentialPartition | None:
     """The even split into ``min(devices, ops)`` contiguous stages; None when no split fits in memory."""
     order = linear_order(graph)
     n = len(order)
@@ -68,13 +70,16 @@ def solve(graph: OpGraph, cluster: Cluster, batch_size: int, micro_batch_size: i
     def prefix(values: np.ndarray) -> np.ndarray:
         return np.concatenate(([0.0], np.cumsum(values[list(order)])))
 
-    pa, pb, pp, pact = (prefix(a) for a in (arrays.compute_alpha, arrays.compute_beta, arrays.params, arrays.act))
+    pa, pb, pp, pact, pfa, pfb = (prefix(a) for a in (arrays.compute_alpha, arrays.compute_beta, arrays.params,
+                                                      arrays.act, arrays.fwd_alpha, arrays.fwd_beta))
+    cut = np.concatenate(([0.0], linear_cut_bytes(graph, order)))  # cut[i]: bytes crossing into position i
     # cost[i, j] for the stage order[i..j] (j >= i): TPS on one device, inf when it does not fit.
     i_idx, j_idx = np.triu_indices(n)
     cost = np.full((n, n), np.inf)
     params = pp[j_idx + 1] - pp[i_idx]
-    tps = costs.tps(pa[j_idx + 1] - pa[i_idx], pb[j_idx + 1] - pb[i_idx], params, 1, b, batch_size)
-    mem = costs.memory(params, pact[j_idx + 1] - pact[i_idx], 1, b, num_mbs)
+    tps = costs.tps(pa[j_idx + 1] - pa[i_idx], pb[j_idx + 1] - pb[i_idx], params, 1, b, batch_size,
+                    pfa[j_idx + 1] - pfa[i_idx], pfb[j_idx + 1] - pfb[i_idx], recompute)
+    mem = costs.memory(params, pact[j_idx + 1] - pact[i_idx], 1, b, num_mbs, cut[i_idx], cut[j_idx + 1], recompute)
     cost[i_idx, j_idx] = np.where(mem <= costs.memory_bytes, tps, np.inf)
 
     # best[q][i]: smallest max stage time splitting order[i..n-1] into exactly q stages.
@@ -94,13 +99,18 @@ def solve(graph: OpGraph, cluster: Cluster, batch_size: int, micro_batch_size: i
         end = int(cut[q, i])
         stages.append((tuple(order[i:end + 1]), 1))
         i = end + 1
-    return SequentialPartition(tuple(stages), float(best[num_stages, 0]), b)
+    return SequentialPartition(tuple(stages), float(best[num_stages, 0]), b, recompute)
 
 
 def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: SearchOptions) -> SearchResult:
-    """GPipe's plan: even split at every micro-batch candidate, best simulated fill-drain throughput."""
+    """GPipe's plan: even split at every micro-batch candidate, best simulated fill-drain throughput.
+
+    Every stage re-materializes unless ``options.recompute`` is ``none`` (or ``auto``, which the planner
+    resolves by searching both ways)."""
     started = time.perf_counter()
     candidates = micro_batch_candidates(batch_size, options)
+    recompute = recompute_all(options, default=True)
     sg, part, extra = choose_micro_batch("gpipe", graph, cluster, batch_size, candidates, SCHEDULE,
-                                         lambda b, _link: solve(graph, cluster, batch_size, b), host=options.host)
+                                         lambda b, _link: solve(graph, cluster, batch_size, b, recompute),
+                                         host=options.host)
     return sequential_result(SCHEDULE, sg, part, cluster, started, **extra)

@@ -89,11 +89,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from graphpipe import costs
 from graphpipe.cluster import Cluster, Link
 from graphpipe.errors import InfeasibleError
 from graphpipe.graph import OpGraph
 from graphpipe.search.common import (SearchOptions, SearchResult, comm_links, link_name, micro_batch_candidates,
-                                     placed_bottleneck, simulated)
+                                     placed_bottleneck, recompute_all, simulated)
 from graphpipe.search.gpp_dp import (INF, BottleneckDP, DPStage, DPTree, build_tree, chain_tree, first_feasible,
                                      min_bottleneck)
 from graphpipe.sp import induced_subgraph, make_series_parallel
@@ -166,6 +167,7 @@ def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: Search
         trees.append(("chain", chain_tree(sp_graph)))
     sizes = micro_batch_candidates(batch_size, options)
     links = comm_links(cluster)
+    recompute = recompute_all(options, default=False)
     candidates: list[_Candidate] = []
     best_tps = INF * 1.0
     tried = states = 0
@@ -173,7 +175,8 @@ def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: Search
         best_estimate = float("inf")  # per cut costing: each is a search of its own
         for view, view_tree in trees:
             for b in sizes:
-                dp = BottleneckDP(view_tree, cluster, batch_size, b, power_of_two=options.power_of_two, link=link)
+                dp = BottleneckDP(view_tree, cluster, batch_size, b, power_of_two=options.power_of_two, link=link,
+                                  recompute=recompute)
                 if dp.lower_bound() * batch_size > best_estimate * PRUNE_SLACK:
                     continue  # even a perfectly balanced pipeline at this size loses to a candidate in hand
                 found, n_tried = _frontier(dp, batch_size, best_estimate * PRUNE_SLACK)
@@ -183,20 +186,22 @@ def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: Search
                     if link is None:  # the compute-only optimum of the space, reported as such
                         best_tps = min(best_tps, t)
                     depth = _real_depth(sp_graph, stages) if view == "chain" else depth
-                    est = _estimate(sp_graph, cluster, batch_size, b, stages)
+                    est = _estimate(sp_graph, cluster, batch_size, b, stages, recompute)
                     best_estimate = min(best_estimate, t * (batch_size + b * (depth - 1)))
                     candidates.append(_Candidate(b, tuple(stages), t, depth, est, view, li))
     if not candidates:
-        need = smallest_memory_needed([t for _, t in trees], cluster, batch_size, sizes, options.power_of_two)
+        need = smallest_memory_needed([t for _, t in trees], cluster, batch_size, sizes, options.power_of_two,
+                                      recompute)
         raise InfeasibleError(
             f"no plan fits in {cluster.memory_bytes / 1e9:g} GB per device; the smallest needs "
-            f"{need / 1e9:.3g} GB (raise --memory-gb, add devices, or use a smaller batch)")
+            f"{need / 1e9:.3g} GB (raise --memory-gb, add devices, use a smaller batch"
+            + (")" if recompute else ", or --recompute all)"))
 
     best = None
     num_simulated = 0
     first, rest = _to_simulate(candidates, len(links))
     for cand in first:
-        sg = _to_stage_graph(graph, sp_graph, merged, cand, cluster, batch_size)
+        sg = _to_stage_graph(graph, sp_graph, merged, cand, cluster, batch_size, recompute)
         scored = _score_best(sg, cluster, options.host)
         num_simulated += 1
         if scored is None:
@@ -207,7 +212,7 @@ def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: Search
             best = (key, sg, cand, throughput, schedule_name)
     if best is None:  # the estimate-ranked few all overflow the simulated memory: try the rest
         for cand in rest:
-            sg = _to_stage_graph(graph, sp_graph, merged, cand, cluster, batch_size)
+            sg = _to_stage_graph(graph, sp_graph, merged, cand, cluster, batch_size, recompute)
             scored = _score_best(sg, cluster, options.host)
             num_simulated += 1
             if scored is not None:
@@ -218,7 +223,7 @@ def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: Search
             f"no plan fits in {cluster.memory_bytes / 1e9:g} GB per device once scheduled; raise --memory-gb")
     _, sg, cand, throughput, schedule_name = best
     sg, throughput, schedule_name, spread = _spread_idle(sg, cluster, links[cand.link], throughput, schedule_name,
-                                                         options.power_of_two, options.host)
+                                                         options.power_of_two, options.host, recompute)
     num_simulated += spread
     if options.per_stage_micro_batch and options.micro_batch_size is None:
         sg, throughput, schedule_name = _refine_micro_batches(sg, cluster, throughput, schedule_name,
@@ -289,7 +294,8 @@ def _frontier(dp: BottleneckDP, batch_size: int, best_estimate: float) -> tuple[
     return out, runs
 
 
-def _estimate(graph: OpGraph, cluster: Cluster, batch_size: int, b: int, stages: Sequence[DPStage]) -> float:
+def _estimate(graph: OpGraph, cluster: Cluster, batch_size: int, b: int, stages: Sequence[DPStage],
+              recompute: bool = False) -> float:
     """Iteration time of a 1F1B-style pipeline: fill + drain along the slowest path, steady state at the
     bottleneck, and the slowest gradient all-reduce at the end (transfers ignored).
 
@@ -297,8 +303,7 @@ def _estimate(graph: OpGraph, cluster: Cluster, batch_size: int, b: int, stages:
     micro-batch's forward + backward on stage ``s`` -- the classic pipeline formula (GPipe §2.3) on a DAG.
     """
     num_mbs = batch_size // b
-    per_mb = [graph.fwd_time(s.op_ids, b / s.num_devices) + graph.bwd_time(s.op_ids, b / s.num_devices)
-              for s in stages]
+    per_mb = [sum(costs.action_times(*_coeffs(graph, s.op_ids), b / s.num_devices, recompute)) for s in stages]
     allreduce = [cluster.allreduce_time(range(s.num_devices), sum(graph.ops[o].param_bytes for o in s.op_ids))
                  for s in stages]
     stage_of = {o: i for i, s in enumerate(stages) for o in s.op_ids}
@@ -310,6 +315,11 @@ def _estimate(graph: OpGraph, cluster: Cluster, batch_size: int, b: int, stages:
                 if j != i:
                     path[i] = max(path[i], per_mb[i] + path[j])
     return (num_mbs - 1) * max(per_mb) + max(path) + max(allreduce)
+
+
+def _coeffs(graph: OpGraph, op_ids: Sequence[int]) -> tuple[float, float, float, float]:
+    sums = costs.stage_sums(graph, op_ids, 0.0, 0.0)
+    return sums.fwd_alpha, sums.fwd_beta, sums.bwd_alpha, sums.bwd_beta
 
 
 def _real_depth(graph: OpGraph, stages: Sequence[DPStage]) -> int:
@@ -330,7 +340,7 @@ def _source_depth(stages: Sequence[DPStage]) -> int:
 
 
 def smallest_memory_needed(trees: Sequence[DPTree], cluster: Cluster, batch_size: int, sizes: Sequence[int],
-                           power_of_two: bool = False) -> float:
+                           power_of_two: bool = False, recompute: bool = False) -> float:
     """Smallest device memory at which some stage graph fits (bisection, 0.5% relative).
 
     Feasibility is monotone in memory, so bisection between 0 and an
@@ -344,7 +354,7 @@ def smallest_memory_needed(trees: Sequence[DPTree], cluster: Cluster, batch_size
         trial = cluster.with_memory(memory)
         for tree in trees:
             for b in sizes:
-                dp = BottleneckDP(tree, trial, batch_size, b, power_of_two=power_of_two)
+                dp = BottleneckDP(tree, trial, batch_size, b, power_of_two=power_of_two, recompute=recompute)
                 if dp.feasible(float("inf")):
                     return True
         return False
@@ -392,7 +402,7 @@ def place_stages(stages: Sequence[tuple[Sequence[int], int]], cluster: Cluster) 
 
 
 def _to_stage_graph(graph: OpGraph, sp_graph: OpGraph, merged: dict, cand: _Candidate, cluster: Cluster,
-                    batch_size: int) -> StageGraph:
+                    batch_size: int, recompute: bool = False) -> StageGraph:
     """Stage graph over the *original* graph: contracted ops expand back to their members."""
     if merged:
         members = {}
@@ -403,13 +413,13 @@ def _to_stage_graph(graph: OpGraph, sp_graph: OpGraph, merged: dict, cand: _Cand
     else:
         op_sets = [s.op_ids for s in cand.stages]
     devices = place_stages([(ops, s.num_devices) for ops, s in zip(op_sets, cand.stages)], cluster)
-    stages = [Stage(i, ops, devs, cand.micro_batch_size) for i, (ops, devs) in enumerate(zip(op_sets, devices))]
+    stages = [Stage(i, ops, devs, cand.micro_batch_size, recompute) for i, (ops, devs) in enumerate(zip(op_sets, devices))]
     return StageGraph.build(graph, stages, batch_size, cluster.num_devices)
 
 
 # ----------------------------------------------------------------- scoring
 def _spread_idle(sg: StageGraph, cluster: Cluster, link: Link | None, throughput: float, schedule_name: str,
-                 power_of_two: bool = False, host=None) -> tuple[StageGraph, float, str, int]:
+                 power_of_two: bool = False, host=None, recompute: bool = False) -> tuple[StageGraph, float, str, int]:
     """Give the idle devices to one stage, split by the DP: the best simulated such graph, if it beats ``sg``.
 
     For every stage of >= 2 ops, the DP solves the stage's ops alone (in op
@@ -431,17 +441,18 @@ def _spread_idle(sg: StageGraph, cluster: Cluster, link: Link | None, throughput
         pool = sorted(st.devices + tuple(idle))
         ops = sorted(st.op_ids)
         sol = min_bottleneck(chain_tree(induced_subgraph(graph, ops)), cluster, sg.batch_size, st.micro_batch_size, len(pool),
-                             power_of_two, link)
+                             power_of_two, link, recompute)
         if sol is None or len(sol.stages) < 2:
             continue
         stages, nxt = [], 0
         for other in sg.stages:
             if other.id != st.id:
-                stages.append(Stage(len(stages), other.op_ids, other.devices, other.micro_batch_size))
+                stages.append(Stage(len(stages), other.op_ids, other.devices, other.micro_batch_size, other.recompute))
         for part in sol.stages:
             devices = tuple(pool[nxt:nxt + part.num_devices])
             nxt += part.num_devices
-            stages.append(Stage(len(stages), tuple(ops[i] for i in part.op_ids), devices, st.micro_batch_size))
+            stages.append(Stage(len(stages), tuple(ops[i] for i in part.op_ids), devices, st.micro_batch_size,
+                                recompute))
         trial = StageGraph.build(graph, stages, sg.batch_size, sg.num_devices)
         scored = _score_best(trial, cluster, host)
         runs += 1
@@ -481,7 +492,7 @@ def _refine_micro_batches(sg: StageGraph, cluster: Cluster, throughput: float, s
             usable = [b for b in sizes if b % st.num_replicas == 0]
             at = usable.index(sg.stages[st.id].micro_batch_size)
             for b in usable[max(0, at - 1):at] + usable[at + 1:at + 2]:
-                stages = [Stage(s.id, s.op_ids, s.devices, b if s.id == st.id else s.micro_batch_size)
+                stages = [Stage(s.id, s.op_ids, s.devices, b if s.id == st.id else s.micro_batch_size, s.recompute)
                           for s in sg.stages]
                 trial = StageGraph(sg.graph, tuple(stages), sg.batch_size, sg.num_devices)
                 scored = _score_best(trial, cluster, host)

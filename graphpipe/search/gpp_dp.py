@@ -23,8 +23,10 @@ Search space (what "optimal" means here)
   were ``0..d-1`` (node-crossing all-reduce iff ``d > devices_per_node``);
   :mod:`graphpipe.search.gpp` places stages so this holds where it can.
 * **One micro-batch size** ``b`` for every stage.
-* **Cost** (``search.common``): stage TPS ``stage_tps`` must be ``<= t_max``;
-  memory ``stage_memory`` with the in-flight count graph-1F1B gives the stage
+* **Cost** (:mod:`graphpipe.costs`, vectorised by ``CostArrays``): stage TPS
+  ``stage_tps`` must be ``<= t_max``; memory ``stage_memory`` (with the
+  block's boundary bytes as inputs/outputs, and re-materialization when the
+  DP runs with ``recompute``) with the in-flight count graph-1F1B gives the stage
   (``min(M, 1 + max over consumer stages)``, ``M = B / b``; sinks 1) must fit
   ``cluster.memory_bytes``. With a ``link``, the stage's cut (the bytes on
   the edges leaving it, :func:`~graphpipe.search.common.cut_tps` on that
@@ -85,6 +87,7 @@ from typing import Sequence
 import numpy as np
 
 from graphpipe.cluster import Cluster, Link
+from graphpipe.costs import CostArrays
 from graphpipe.errors import InputError
 from graphpipe.graph import OpGraph
 from graphpipe.search.common import cut_tps
@@ -242,7 +245,8 @@ class BottleneckDP:
     """
 
     def __init__(self, tree: DPTree, cluster: Cluster, batch_size: int, micro_batch_size: int,
-                 num_devices: int | None = None, power_of_two: bool = False, link: Link | None = None):
+                 num_devices: int | None = None, power_of_two: bool = False, link: Link | None = None,
+                 recompute: bool = False):
         if batch_size % micro_batch_size:
             raise InputError(f"micro-batch size {micro_batch_size} does not divide the batch size {batch_size}")
         self.tree = tree
@@ -261,6 +265,10 @@ class BottleneckDP:
         self.capacity = cluster.memory_bytes
         self.link = link
         """Cuts are costed on this link (None: free, the stage cost is ``stage_tps`` alone)."""
+        self.recompute = bool(recompute)
+        """Every stage re-materializes (the search's ``--recompute all``; ``auto`` compares both in gpp)."""
+        self.costs = CostArrays.of(tree.graph, cluster)
+        self._io: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._tables: dict[int, np.ndarray] = {}
         self._compute: dict[int, np.ndarray] = {}
         self._kmax: dict[int, np.ndarray] = {}
@@ -288,59 +296,61 @@ class BottleneckDP:
         if got is None:
             pre = np.asarray(self.tree.sums[x], dtype=float)          # (m+1, 6) prefix sums
             diff = pre[None, :, :] - pre[:, None, :]                    # diff[lo, hi] = sums of lo..hi-1
-            alpha = diff[:, :, 0] + diff[:, :, 2]
-            beta = diff[:, :, 1] + diff[:, :, 3]
             params = diff[:, :, 4]
-            b = float(self.b)
-            cols = []
-            for d in self.ds:
-                compute = alpha + beta * (b / d)
-                cols.append(compute / b + self._allreduce(d, params) / self.batch_size)
+            cols = [self.costs.tps(diff[:, :, 0], diff[:, :, 1], diff[:, :, 2], diff[:, :, 3], params, d, self.b,
+                                   self.batch_size, self.recompute) for d in self.ds]
             got = np.stack(cols, axis=-1)
             self._compute[x] = got
         return got
 
     def _out_bytes(self, x: int) -> np.ndarray:
-        """out[lo, hi]: bytes per sample on the edges leaving children lo..hi-1 of x (to anything else).
+        """out[lo, hi]: bytes per sample on the edges leaving children lo..hi-1 of x (to anything else)."""
+        return self._boundary_bytes(x)[1]
+
+    def _boundary_bytes(self, x: int) -> tuple[np.ndarray, np.ndarray]:
+        """(in, out)[lo, hi]: bytes per sample on the edges entering / leaving children lo..hi-1 of x.
 
         Every edge between two children of x goes forward in child order
         (series children in dependency order, the chain view in topological
         order, parallel children unconnected), so an edge from child ``c``
         leaves ``lo..hi-1`` iff ``lo <= c < hi`` and its target is outside x
-        or a child ``>= hi``.
+        or a child ``>= hi``; an edge into child ``c2`` enters it iff
+        ``lo <= c2 < hi`` and its source is outside x or a child ``< lo``.
         """
+        got = self._io.get(x)
+        if got is not None:
+            return got
         tree = self.tree
         kids = tree.children[x] or (x,)  # a leaf is its own only child
         m = len(kids)
         child_of = {o: i for i, c in enumerate(kids) for o in tree.op_ids[c]}
-        external = np.zeros(m)
+        ext_out, ext_in = np.zeros(m), np.zeros(m)
         between = np.zeros((m, m + 1))   # between[c, c2]: bytes from child c to child c2
         for e in tree.graph.edges:
-            c = child_of.get(e.src)
-            if c is None:
+            c, c2 = child_of.get(e.src), child_of.get(e.dst)
+            if c is None and c2 is None:
                 continue
-            c2 = child_of.get(e.dst)
             if c2 is None:
-                external[c] += e.bytes
+                ext_out[c] += e.bytes
+            elif c is None:
+                ext_in[c2] += e.bytes
             elif c2 < c:
                 raise AssertionError(f"edge {e.src}->{e.dst} runs backwards between children of node {x}")
             elif c2 > c:
                 between[c, c2] += e.bytes
+        hi = np.arange(m + 1)
         reaching = np.cumsum(between[:, ::-1], axis=1)[:, ::-1]        # reaching[c, h]: to children >= h
         upto = np.vstack([np.zeros(m + 1), np.cumsum(reaching, axis=0)])  # upto[i, h]: children < i, to >= h
-        ext = np.concatenate(([0.0], np.cumsum(external)))
-        hi = np.arange(m + 1)
-        out = ext[None, :] - ext[:, None] + upto[hi, hi][None, :] - upto
-        return np.maximum(out, 0.0)  # float noise of the subtractions
-
-    def _allreduce(self, d: int, params: np.ndarray) -> np.ndarray:
-        """``cluster.allreduce_time(range(d), params)`` elementwise (ring; inter-node iff d > devices_per_node)."""
-        if d <= 1:
-            return np.zeros_like(params)
-        c = self.cluster
-        link = c.inter_node if d > c.devices_per_node else c.intra_node
-        t = 2 * (d - 1) * link.latency_s + 2 * (d - 1) / d * params / link.bandwidth_Bps
-        return np.where(params > 0, t, 0.0)
+        ext = np.concatenate(([0.0], np.cumsum(ext_out)))
+        out = np.maximum(ext[None, :] - ext[:, None] + upto[hi, hi][None, :] - upto, 0.0)  # float noise
+        # in[lo, hi] = external inputs of lo..hi-1 + bytes from children < lo into lo..hi-1
+        before = np.vstack([np.zeros(m + 1), np.cumsum(between, axis=0)])[:, :m]   # before[lo, c2]: from children < lo
+        into = np.concatenate([np.zeros((m + 1, 1)), np.cumsum(before, axis=1)], axis=1)  # into[lo, h]: to c2 < h
+        ext = np.concatenate(([0.0], np.cumsum(ext_in)))
+        inp = np.maximum(ext[None, :] - ext[:, None] + into - into[hi, hi][:, None], 0.0)
+        got = (inp, out)
+        self._io[x] = got
+        return got
 
     def block_tps(self, x: int, lo: int, hi: int) -> tuple[float, ...]:
         """stage_tps of children lo..hi-1 of x on each device count of ``self.ds``."""
@@ -354,20 +364,9 @@ class BottleneckDP:
         if got is None:
             pre = np.asarray(self.tree.sums[x], dtype=float)
             diff = pre[None, :, :] - pre[:, None, :]
-            state = diff[:, :, 4] / 4.0 * self.cluster.bytes_per_param   # cluster.state_bytes, elementwise
-            act = diff[:, :, 5]
-            cap = self.capacity
-            cols = []
-            with np.errstate(divide="ignore", invalid="ignore"):
-                for d in self.ds:
-                    per_mb = act * (self.b / d)
-                    k = np.floor(np.where(per_mb > 0, (cap - state) / np.where(per_mb > 0, per_mb, 1.0), self.kcap))
-                    k = np.clip(k, -1, self.kcap)
-                    # the division may be off by one ulp-step: settle on the exact float test
-                    k = np.where((k < self.kcap) & (state + per_mb * (k + 1) <= cap), k + 1, k)
-                    k = np.where((k >= 0) & (state + per_mb * k > cap), k - 1, k)
-                    k = np.where(state > cap, -1, k)
-                    cols.append(k)
+            inputs, outputs = self._boundary_bytes(x)
+            cols = [self.costs.max_in_flight(diff[:, :, 4], diff[:, :, 5], d, self.b, self.kcap, inputs, outputs,
+                                             self.recompute) for d in self.ds]
             got = np.stack(cols, axis=-1).astype(np.int64)
             self._kmax[x] = got
         return got
@@ -759,7 +758,7 @@ def first_feasible(dp: BottleneckDP, targets: Sequence[float], depth: int, start
 
 def min_bottleneck(graph: OpGraph | DPTree, cluster: Cluster, batch_size: int, micro_batch_size: int,
                    num_devices: int | None = None, power_of_two: bool = False,
-                   link: Link | None = None) -> DPSolution | None:
+                   link: Link | None = None, recompute: bool = False) -> DPSolution | None:
     """The smallest bottleneck TPS of the search space (module docstring) for one micro-batch size,
     cuts costed on ``link`` (None: free).
 
@@ -769,7 +768,7 @@ def min_bottleneck(graph: OpGraph | DPTree, cluster: Cluster, batch_size: int, m
     exact. Returns None when nothing fits (memory, or no stage at all).
     """
     tree = graph if isinstance(graph, DPTree) else build_tree(graph)
-    dp = BottleneckDP(tree, cluster, batch_size, micro_batch_size, num_devices, power_of_two, link)
+    dp = BottleneckDP(tree, cluster, batch_size, micro_batch_size, num_devices, power_of_two, link, recompute)
     targets = dp.candidate_targets()
     start = int(np.searchsorted(targets, dp.lower_bound() * (1 - 1e-12)))
     index, tried = first_feasible(dp, targets, dp.kcap, start)

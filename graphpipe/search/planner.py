@@ -7,6 +7,10 @@ own schedule (gpp: graph-1F1B; pipedream/piper: 1F1B; gpipe: fill-drain)
 unless ``schedule`` overrides it (``"cpsat"`` co-optimises micro-batch sizes
 and the action order, :mod:`graphpipe.search.cpsat`), validate, simulate,
 and refuse plans whose simulated peak memory exceeds the device memory.
+Re-materialization (``options.recompute``, default :data:`DEFAULT_RECOMPUTE`)
+is a planning decision: ``none``/``all`` are passed to the strategy,
+``auto`` searches both ways and keeps it only on the stages that need it
+(:func:`_auto_recompute`).
 
 With ``options.host`` (devices time-sharing one host's cores, e.g. CPU
 ranks on a smaller machine) every strategy scores its candidates by the
@@ -44,16 +48,23 @@ from graphpipe.errors import GraphpipeError, InfeasibleError, InputError
 from graphpipe.graph import OpGraph
 from graphpipe.plan import Plan
 from graphpipe.search import DEFAULT_SCHEDULES, STRATEGIES, get_strategy
+from graphpipe.stages import StageGraph
 from graphpipe.search.common import SearchOptions, SearchResult, simulated
 from graphpipe.sp import make_series_parallel
 
-__all__ = ["make_plan", "compare", "COMPARE_KEYS", "TIMING_KEYS"]
+__all__ = ["make_plan", "compare", "strip_recompute", "COMPARE_KEYS", "TIMING_KEYS", "DEFAULT_RECOMPUTE"]
 
 log = logging.getLogger(__name__)
 
 COMPARE_KEYS = ("strategy", "feasible", "throughput", "iteration_time_s", "search_time_s", "num_stages", "depth",
                 "peak_memory_bytes", "error")
 """Keys of every row :func:`compare` returns (the CLI's ``--compare --json`` rows)."""
+
+DEFAULT_RECOMPUTE = {"gpp": "auto", "pipedream": "auto", "piper": "auto", "gpipe": "all"}
+"""Re-materialization when ``SearchOptions.recompute`` is None: GPipe as in its paper, the others where needed."""
+
+RECOMPUTE_AWARE = ("gpp", "gpipe")
+"""Strategies whose search costs re-materialization (time and memory); PipeDream's and Piper's DPs do not yet."""
 
 TIMING_KEYS = ("time_s", "partition_time_s", "schedule_time_s", "cpsat_time_s")
 """``plan.search`` keys that hold wall-clock times: the only fields two identical runs may differ in."""
@@ -85,6 +96,15 @@ def make_plan(model_id: str, graph: OpGraph, cluster: Cluster, batch_size: int, 
                          "drop the host option or pick another schedule")
     started = time.perf_counter()
     sp_graph, merged = make_series_parallel(graph)
+    recompute = options.recompute or DEFAULT_RECOMPUTE[strategy]
+    options = replace(options, recompute=recompute)
+    base = partition
+    if strategy not in RECOMPUTE_AWARE:
+        # Its DP costs stages without re-materialization: ``all`` marks every stage of its plan
+        # (which only lowers memory), ``auto`` cannot find more than the plain search.
+        partition = lambda g, c, b, o: _mark_all(base(g, c, b, replace(o, recompute="none")), o)  # noqa: E731
+    elif recompute == "auto":
+        partition = lambda g, c, b, o: _auto_recompute(base, g, c, b, o, schedule)  # noqa: E731
     if options.host is None:
         result = partition(sp_graph, cluster, batch_size, options)
     else:
@@ -92,7 +112,8 @@ def make_plan(model_id: str, graph: OpGraph, cluster: Cluster, batch_size: int, 
     partitioned = time.perf_counter()
     sg = result.stage_graph
     schedule_name = (schedule or result.schedule_name or DEFAULT_SCHEDULES[strategy]).lower()
-    search: dict[str, Any] = {"strategy": strategy, **dict(result.stats)}
+    search: dict[str, Any] = {"strategy": strategy, "recompute": recompute, **dict(result.stats)}
+    search["recompute_stages"] = [s.id for s in sg.stages if s.recompute]
     search["partition_time_s"] = partitioned - started
     base_name = result.schedule_name if schedule_name == "cpsat" else schedule_name
     sched = make_schedule(base_name, sg, cluster)
@@ -121,6 +142,66 @@ def make_plan(model_id: str, graph: OpGraph, cluster: Cluster, batch_size: int, 
             f"{strategy} plan with the {plan.schedule.name} schedule needs {peak / 1e9:.3g} GB on device {worst} "
             f"(simulated peak) but devices have {cluster.memory_bytes / 1e9:g} GB; raise --memory-gb or add devices")
     return replace(plan, search=search)
+
+
+def _mark_all(result: SearchResult, options: SearchOptions) -> SearchResult:
+    if options.recompute != "all":
+        return result
+    sg = result.stage_graph
+    return replace(result, stage_graph=replace(sg, stages=tuple(replace(s, recompute=True) for s in sg.stages)))
+
+
+def _auto_recompute(partition, graph: OpGraph, cluster: Cluster, batch_size: int, options: SearchOptions,
+                    schedule: str | None) -> SearchResult:
+    """``--recompute auto``: re-materialize only the stages that need it (DESIGN §11).
+
+    The strategy searches twice, without re-materialization and with it on
+    every stage (so a deeper pipeline, a larger micro-batch or any plan at
+    all may fit); the latter then drops it, stage by stage, wherever the
+    simulated peak memory still fits (that only shortens B). That plan is
+    kept when it still re-materializes somewhere and simulates strictly
+    faster, or when nothing fits without: with ample memory every stage
+    drops it and the plan without re-materialization stands unchanged.
+    """
+    plain, error = None, None
+    try:
+        plain = partition(graph, cluster, batch_size, replace(options, recompute="none"))
+    except InfeasibleError as exc:
+        error = exc
+    try:
+        full = partition(graph, cluster, batch_size, replace(options, recompute="all"))
+    except InfeasibleError:
+        if plain is None:
+            raise error
+        return plain
+    schedule_name = schedule if schedule and schedule != "cpsat" else full.schedule_name
+    sg = strip_recompute(full.stage_graph, cluster, schedule_name, options.host)
+    if not any(s.recompute for s in sg.stages):
+        return plain if plain is not None else replace(full, stage_graph=sg)
+    if plain is not None:
+        plain_name = schedule if schedule and schedule != "cpsat" else plain.schedule_name
+        if simulated(sg, cluster, schedule_name, options.host)[0] <= \
+                simulated(plain.stage_graph, cluster, plain_name, options.host)[0] * (1 + 1e-9):
+            return plain
+    return replace(full, stage_graph=sg)
+
+
+def strip_recompute(sg: StageGraph, cluster: Cluster, schedule_name: str, host=None) -> StageGraph:
+    """Turn re-materialization off on every stage where the simulated plan still fits in memory.
+
+    Stages are tried in order of the time re-materialization costs them
+    (the re-run forward per sample, largest first), so the costliest are
+    freed first; each change is kept only if the simulated peak memory of
+    every device stays within the cluster's.
+    """
+    order = sorted((s.id for s in sg.stages if s.recompute),
+                   key=lambda i: (-sg.recompute_time(i) / sg.stages[i].micro_batch_size, i))
+    for stage_id in order:
+        stages = tuple(replace(s, recompute=False) if s.id == stage_id else s for s in sg.stages)
+        trial = replace(sg, stages=stages)
+        if simulated(trial, cluster, schedule_name, host)[1]:
+            sg = trial
+    return sg
 
 
 def _best_device_count(partition, graph: OpGraph, cluster: Cluster, batch_size: int, options: SearchOptions,

@@ -9,9 +9,8 @@ What the three share, so that they differ only in the space they search:
   legal stage;
 * the **downsets** (ideals) Piper's DP runs over live in
   :mod:`graphpipe.search.downsets`;
-* **vectorised stage costs**: :func:`graphpipe.search.common.stage_tps` and
-  :func:`~graphpipe.search.common.stage_memory` evaluated on numpy arrays of
-  candidate stages (the DPs score millions of candidates). A stage of ``r``
+* **vectorised stage costs**: the formulas of :mod:`graphpipe.costs`
+  evaluated on numpy arrays of candidate stages (the DPs score millions of candidates). A stage of ``r``
   replicas is costed on the canonical device set ``0..r-1`` (inside one node
   when ``r <= devices_per_node``, as gpp does); stages are later placed on
   disjoint device blocks (:func:`layouts`) and the reported bottleneck is
@@ -48,6 +47,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from graphpipe import costs
 from graphpipe.cluster import Cluster, Link
 from graphpipe.errors import InfeasibleError, InputError
 from graphpipe.graph import OpGraph
@@ -94,53 +94,70 @@ class OpArrays:
     """fwd.beta + bwd.beta (seconds per sample)."""
     params: np.ndarray
     act: np.ndarray
+    fwd_alpha: np.ndarray
+    """fwd.alpha alone: what a re-materializing stage runs again inside B."""
+    fwd_beta: np.ndarray
 
     @classmethod
     def of(cls, graph: OpGraph) -> "OpArrays":
-        return cls(np.array([op.fwd.alpha + op.bwd.alpha for op in graph.ops], dtype=float),
-                   np.array([op.fwd.beta + op.bwd.beta for op in graph.ops], dtype=float),
-                   np.array([float(op.param_bytes) for op in graph.ops], dtype=float),
-                   np.array([float(op.act_bytes) for op in graph.ops], dtype=float))
+        ops = graph.ops
+        return cls(np.array([op.fwd.alpha + op.bwd.alpha for op in ops], dtype=float),
+                   np.array([op.fwd.beta + op.bwd.beta for op in ops], dtype=float),
+                   np.array([float(op.param_bytes) for op in ops], dtype=float),
+                   np.array([float(op.act_bytes) for op in ops], dtype=float),
+                   np.array([op.fwd.alpha for op in ops], dtype=float),
+                   np.array([op.fwd.beta for op in ops], dtype=float))
 
 
 @dataclass(frozen=True, slots=True)
 class ReplicaCosts:
-    """Per-replica-count constants of :func:`stage_tps` / ``stage_memory`` on devices ``0..r-1``.
+    """The formulas of :mod:`graphpipe.costs` for stages of ``r`` replicas on devices ``0..r-1``.
 
-    ``Cluster.allreduce_time(devices, P)`` is affine in ``P`` for ``P > 0``
-    (ring all-reduce, DESIGN §4), so it is sampled at two sizes per ``r``
-    and evaluated for any ``P`` as ``ar_latency[r] + ar_per_byte[r] * P``.
-    Index 0 is unused (a stage has at least one replica).
+    ``link_latency[r]`` / ``link_bandwidth[r]`` are the link a ring over
+    ``0..r-1`` runs on (inter-node iff ``r > devices_per_node``); index 0 is
+    unused (a stage has at least one replica). :meth:`tps` and
+    :meth:`memory` are :func:`graphpipe.costs.time_per_sample` and
+    :func:`graphpipe.costs.memory_bytes` on arrays.
     """
 
     num_devices: int
-    ar_latency: np.ndarray
-    ar_per_byte: np.ndarray
-    state_per_byte: float
+    link_latency: np.ndarray
+    link_bandwidth: np.ndarray
+    bytes_per_param: float
     memory_bytes: float
 
     @classmethod
     def of(cls, cluster: Cluster) -> "ReplicaCosts":
         n = cluster.num_devices
-        lat = np.zeros(n + 1)
-        per_byte = np.zeros(n + 1)
+        lat, bandwidth = np.zeros(n + 1), np.ones(n + 1)
         for r in range(1, n + 1):
-            devices = tuple(range(r))
-            one, two = cluster.allreduce_time(devices, 1.0), cluster.allreduce_time(devices, 2.0)
-            per_byte[r] = two - one
-            lat[r] = one - per_byte[r]
-        return cls(n, lat, per_byte, cluster.state_bytes(1.0), cluster.memory_bytes)
+            link = cluster.allreduce_link(range(r))
+            lat[r], bandwidth[r] = link.latency_s, link.bandwidth_Bps
+        return cls(n, lat, bandwidth, float(cluster.bytes_per_param), cluster.memory_bytes)
 
-    def tps(self, compute_alpha, compute_beta, params, r, micro_batch_size: int, batch_size: int):
-        """Vectorised :func:`stage_tps`: arrays broadcast against each other and against ``r``."""
-        b = micro_batch_size
-        compute = compute_alpha + compute_beta * (b / r)
-        allreduce = np.where(params > 0, self.ar_latency[r] + self.ar_per_byte[r] * params, 0.0)
-        return compute / b + allreduce / batch_size
+    @property
+    def state_per_byte(self) -> float:
+        """Model-state bytes per parameter byte (:func:`graphpipe.costs.state_bytes` of one byte)."""
+        return costs.state_bytes(1.0, self.bytes_per_param)
 
-    def memory(self, params, act, r, micro_batch_size: int, in_flight):
-        """Vectorised ``stage_memory``: model state + activations of ``in_flight`` micro-batches."""
-        return self.state_per_byte * params + act * (micro_batch_size / r) * in_flight
+    def tps(self, compute_alpha, compute_beta, params, r, micro_batch_size: int, batch_size: int,
+            fwd_alpha=0.0, fwd_beta=0.0, recompute=False):
+        """Vectorised stage time per sample: arrays broadcast against each other and against ``r``.
+
+        ``compute_*`` are forward + backward sums; ``fwd_*`` the forward alone, needed only with ``recompute``.
+        """
+        return costs.time_per_sample(fwd_alpha, fwd_beta, compute_alpha - fwd_alpha, compute_beta - fwd_beta, params,
+                                     r, micro_batch_size, batch_size, self.link_latency[r], self.link_bandwidth[r],
+                                     recompute)
+
+    def memory(self, params, act, r, micro_batch_size: int, in_flight, inputs=0.0, outputs=0.0, recompute=False):
+        """Vectorised stage memory: state + buffers + activations of ``in_flight`` micro-batches.
+
+        ``inputs``/``outputs``: bytes per sample entering / leaving the stage (the cuts around it);
+        left at 0 the buffer term is not charged.
+        """
+        return costs.memory_bytes(params, act, inputs, outputs, micro_batch_size / r, in_flight, recompute,
+                                  self.bytes_per_param)
 
 
 # ----------------------------------------------------------- partitions, plans
@@ -152,6 +169,8 @@ class SequentialPartition:
     bottleneck_tps: float
     """max stage TPS on the canonical device sets (the DP's objective)."""
     micro_batch_size: int
+    recompute: bool = False
+    """Every stage re-materializes (GPipe's default)."""
 
 
 def layouts(graph: OpGraph, cluster: Cluster, batch_size: int, part: SequentialPartition) -> list[StageGraph]:
@@ -181,7 +200,8 @@ def layouts(graph: OpGraph, cluster: Cluster, batch_size: int, part: SequentialP
         if tuple(devices) in seen:
             continue
         seen.add(tuple(devices))
-        stages = [Stage(q, tuple(ops), devices[q], part.micro_batch_size) for q, (ops, _) in enumerate(part.stages)]
+        stages = [Stage(q, tuple(ops), devices[q], part.micro_batch_size, part.recompute)
+                  for q, (ops, _) in enumerate(part.stages)]
         out.append(StageGraph.build(graph, stages, batch_size, cluster.num_devices, sequential=True))
     return out
 

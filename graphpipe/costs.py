@@ -1,0 +1,282 @@
+"""The one cost and memory model (DESIGN §4): stage time, all-reduce, per-device memory.
+
+Every partitioner, the simulator and the CP-SAT model take their numbers
+from here, so that a plan's estimate and its simulation cannot drift apart.
+The formulas are written once, as functions of plain numbers that work on
+numpy arrays too; :class:`CostArrays` evaluates the same functions on arrays
+of candidate stages (the DPs score millions of them), and the scalar
+helpers (:func:`stage_tps`, :func:`stage_memory`) evaluate them for one
+stage of a graph.
+
+Time (one replica, ``s = b / r`` samples per micro-batch of size ``b`` over
+``r`` replicas, ops with affine ``t(s) = alpha + beta s``):
+
+* ``F = fwd(s)``; ``B = bwd(s)``, plus ``fwd(s)`` again when the stage
+  **re-materializes** (GPipe §2.3): its forward runs a second time inside B
+  to rebuild the activations it did not keep (:func:`action_times`);
+* a stage's time per sample is ``(F + B) / b + allreduce / batch``
+  (:func:`time_per_sample`; GraphPipe §4's bottleneck TPS);
+* ring all-reduce of ``P`` bytes over ``r`` devices:
+  ``2 (r - 1) latency + 2 (r - 1) / r * P / bandwidth`` (:func:`ring_allreduce_s`).
+
+Memory on one device of a stage (:func:`memory_bytes`):
+
+* model state: ``param_bytes / 4 * bytes_per_param`` (weights, gradients,
+  Adam moments of fp32 parameters);
+* communication buffers: one micro-batch of the stage's inputs being
+  received and one of its output gradients being received,
+  ``(in + out) * s`` (DESIGN §4's buffer term);
+* activations of ``k`` micro-batches in flight (F started, B not ended):
+  without re-materialization ``act * s * k``; with it only the stage's
+  inputs are stashed, ``in * s * k``, plus one micro-batch's full
+  activations while its backward runs, ``act * s``
+  (:func:`activation_bytes`).
+
+``act`` is the op's saved-activation bytes per sample and ``in``/``out``
+the bytes per sample on the stage's incoming/outgoing edges.
+
+Example
+-------
+>>> time_per_sample(1e-3, 1e-3, 2e-3, 2e-3, 0.0, 1, 4, 8, 0.0, 1.0, False)   # (1e-3+4e-3 + 2e-3+8e-3) / 4
+0.00375
+>>> activation_bytes(act=10.0, inputs=1.0, samples=2, in_flight=3, recompute=False)
+60.0
+>>> activation_bytes(act=10.0, inputs=1.0, samples=2, in_flight=3, recompute=True)    # 3 stashed inputs + one working set
+26.0
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import numpy as np
+
+# Cluster and OpGraph are only named in annotations (strings): cluster.py imports this module, and the
+# package's import graph must stay acyclic (tests/test_package_edges.py).
+
+__all__ = [
+    "RECOMPUTE_CHOICES",
+    "ring_allreduce_s",
+    "action_times",
+    "time_per_sample",
+    "state_bytes",
+    "activation_bytes",
+    "stashed_bytes",
+    "buffer_bytes",
+    "memory_bytes",
+    "StageSums",
+    "stage_sums",
+    "stage_tps",
+    "stage_memory",
+    "CostArrays",
+]
+
+RECOMPUTE_CHOICES = ("none", "all", "auto")
+"""``--recompute``: no stage, every stage, or where memory or throughput asks for it (the search decides)."""
+
+
+# ------------------------------------------------------------------ formulas
+# Each works on Python floats and on numpy arrays alike (broadcasting), so
+# the vectorised form below is these functions and nothing else.
+
+def ring_allreduce_s(num_replicas, latency_s, bandwidth_Bps, nbytes):
+    """Ring all-reduce seconds: ``2(r-1) latency + 2(r-1)/r * bytes / bandwidth``; 0 for one replica or no bytes."""
+    r = num_replicas
+    if not any(isinstance(v, np.ndarray) for v in (r, latency_s, bandwidth_Bps, nbytes)):
+        if r <= 1 or not nbytes > 0:
+            return 0.0
+        return 2 * (r - 1) * latency_s + 2 * (r - 1) / r * nbytes / bandwidth_Bps
+    r = np.maximum(np.asarray(r, dtype=float), 1.0)
+    t = 2 * (r - 1) * latency_s + 2 * (r - 1) / r * nbytes / bandwidth_Bps
+    return np.where((r > 1) & (np.asarray(nbytes) > 0), t, 0.0)
+
+
+def action_times(fwd_alpha, fwd_beta, bwd_alpha, bwd_beta, samples, recompute):
+    """(F, B) seconds of one micro-batch on one replica; B includes the re-run forward when ``recompute``."""
+    fwd = fwd_alpha + fwd_beta * samples
+    bwd = bwd_alpha + bwd_beta * samples + recompute * fwd
+    return fwd, bwd
+
+
+def time_per_sample(fwd_alpha, fwd_beta, bwd_alpha, bwd_beta, param_bytes, num_replicas, micro_batch_size,
+                    batch_size, link_latency_s, link_bandwidth_Bps, recompute):
+    """Seconds per sample a stage needs: ``(F + B) / b + allreduce / batch`` (module docstring).
+
+    ``link_*`` describe the link the stage's all-reduce runs over (inter-node
+    when its devices span nodes, :meth:`graphpipe.cluster.Cluster.allreduce_link`).
+    """
+    fwd, bwd = action_times(fwd_alpha, fwd_beta, bwd_alpha, bwd_beta, micro_batch_size / num_replicas, recompute)
+    allreduce = ring_allreduce_s(num_replicas, link_latency_s, link_bandwidth_Bps, param_bytes)
+    return (fwd + bwd) / micro_batch_size + allreduce / batch_size
+
+
+def state_bytes(param_bytes, bytes_per_param):
+    """Weights + gradients + optimizer state of ``param_bytes`` of fp32 parameters."""
+    return param_bytes / 4.0 * bytes_per_param
+
+
+def stashed_bytes(act, inputs, samples, recompute):
+    """Bytes one in-flight micro-batch keeps from its F to its B: all activations, or only the inputs."""
+    return (inputs * recompute + act * (1 - recompute)) * samples
+
+
+def activation_bytes(act, inputs, samples, in_flight, recompute):
+    """Peak activation bytes of a stage with ``in_flight`` micro-batches (module docstring)."""
+    working = act * samples * recompute  # the re-materialized micro-batch during its B
+    return stashed_bytes(act, inputs, samples, recompute) * in_flight + working
+
+
+def buffer_bytes(inputs, outputs, samples):
+    """Communication buffers: one micro-batch of inputs and one of output gradients being received."""
+    return (inputs + outputs) * samples
+
+
+def memory_bytes(param_bytes, act, inputs, outputs, samples, in_flight, recompute, bytes_per_param):
+    """Peak bytes on one device of a stage: state + buffers + activations (module docstring)."""
+    return (state_bytes(param_bytes, bytes_per_param) + buffer_bytes(inputs, outputs, samples)
+            + activation_bytes(act, inputs, samples, in_flight, recompute))
+
+
+# ---------------------------------------------------------- one stage of a graph
+@dataclass(frozen=True, slots=True)
+class StageSums:
+    """Per-sample sums over a stage's ops: what every formula above needs."""
+
+    fwd_alpha: float
+    fwd_beta: float
+    bwd_alpha: float
+    bwd_beta: float
+    param_bytes: float
+    act: float
+    inputs: float
+    """Bytes per sample on edges entering the stage from other ops."""
+    outputs: float
+    """Bytes per sample on edges leaving the stage to other ops."""
+
+
+def stage_sums(graph: "OpGraph", op_ids: Iterable[int], inputs: float | None = None,
+               outputs: float | None = None) -> StageSums:
+    """Sum the ops' coefficients; ``inputs``/``outputs`` default to the op edges crossing the stage boundary.
+
+    A sequential pipeline relays every activation crossing a cut, so its
+    stage graph passes its own (relayed) edge bytes instead.
+    """
+    op_ids = tuple(op_ids)
+    ops = [graph.ops[i] for i in op_ids]
+    if inputs is None or outputs is None:
+        members = set(op_ids)
+        into = sum(e.bytes for e in graph.edges if e.dst in members and e.src not in members)
+        out_of = sum(e.bytes for e in graph.edges if e.src in members and e.dst not in members)
+        inputs = into if inputs is None else inputs
+        outputs = out_of if outputs is None else outputs
+    return StageSums(sum(o.fwd.alpha for o in ops), sum(o.fwd.beta for o in ops), sum(o.bwd.alpha for o in ops),
+                     sum(o.bwd.beta for o in ops), float(sum(o.param_bytes for o in ops)),
+                     float(sum(o.act_bytes for o in ops)), float(inputs), float(outputs))
+
+
+def stage_tps(graph: "OpGraph", op_ids: Iterable[int], devices: Sequence[int], micro_batch_size: int,
+              batch_size: int, cluster: "Cluster", recompute: bool = False) -> float:
+    """:func:`time_per_sample` of the ops ``op_ids`` on ``devices``.
+
+    >>> from graphpipe.graph import Op, OpGraph, Affine
+    >>> from graphpipe.cluster import preset
+    >>> g = OpGraph.build("one", [Op("a", "x", Affine(1e-3, 1e-3), Affine(2e-3, 2e-3))], [])
+    >>> round(stage_tps(g, (0,), (0,), 4, 8, preset("v100", 1)), 6), round(stage_tps(g, (0,), (0,), 4, 8, preset("v100", 1), True), 6)
+    (0.00375, 0.005)
+    """
+    s = stage_sums(graph, op_ids, 0.0, 0.0)
+    link = cluster.allreduce_link(devices)
+    return float(time_per_sample(s.fwd_alpha, s.fwd_beta, s.bwd_alpha, s.bwd_beta, s.param_bytes, len(devices),
+                                 micro_batch_size, batch_size, link.latency_s, link.bandwidth_Bps, bool(recompute)))
+
+
+def stage_memory(graph: "OpGraph", op_ids: Iterable[int], num_replicas: int, micro_batch_size: int,
+                 in_flight: int, cluster: "Cluster", recompute: bool = False, inputs: float | None = None,
+                 outputs: float | None = None) -> float:
+    """:func:`memory_bytes` of one device of the stage with ``in_flight`` micro-batches alive."""
+    s = stage_sums(graph, op_ids, inputs, outputs)
+    return float(memory_bytes(s.param_bytes, s.act, s.inputs, s.outputs, micro_batch_size / num_replicas, in_flight,
+                              bool(recompute), cluster.bytes_per_param))
+
+
+# ------------------------------------------------------------- vectorised form
+@dataclass(frozen=True, slots=True)
+class CostArrays:
+    """The formulas on arrays of candidate stages, with per-replica-count constants of one cluster.
+
+    ``per-op`` arrays (``fwd_alpha`` ... ``act``) are indexed by op id, so a
+    stage's sums are prefix differences or dot products; the all-reduce of
+    ``r`` replicas is costed on the canonical device set ``0..r-1`` (inside
+    one node when ``r <= devices_per_node``): ``link_latency[r]`` and
+    ``link_bandwidth[r]`` are that set's link. Index 0 of the per-``r`` arrays is unused.
+    """
+
+    fwd_alpha: np.ndarray
+    fwd_beta: np.ndarray
+    bwd_alpha: np.ndarray
+    bwd_beta: np.ndarray
+    params: np.ndarray
+    act: np.ndarray
+    num_devices: int
+    link_latency: np.ndarray
+    link_bandwidth: np.ndarray
+    bytes_per_param: float
+    memory_capacity: float
+
+    @classmethod
+    def of(cls, graph: "OpGraph", cluster: "Cluster") -> "CostArrays":
+        n = cluster.num_devices
+        lat, bandwidth = np.zeros(n + 1), np.ones(n + 1)
+        for r in range(1, n + 1):
+            link = cluster.allreduce_link(range(r))
+            lat[r], bandwidth[r] = link.latency_s, link.bandwidth_Bps
+        ops = graph.ops
+        return cls(np.array([o.fwd.alpha for o in ops], dtype=float), np.array([o.fwd.beta for o in ops], dtype=float),
+                   np.array([o.bwd.alpha for o in ops], dtype=float), np.array([o.bwd.beta for o in ops], dtype=float),
+                   np.array([float(o.param_bytes) for o in ops], dtype=float),
+                   np.array([float(o.act_bytes) for o in ops], dtype=float),
+                   n, lat, bandwidth, float(cluster.bytes_per_param), float(cluster.memory_bytes))
+
+    @property
+    def compute_alpha(self) -> np.ndarray:
+        """fwd.alpha + bwd.alpha per op (seconds per call)."""
+        return self.fwd_alpha + self.bwd_alpha
+
+    @property
+    def compute_beta(self) -> np.ndarray:
+        """fwd.beta + bwd.beta per op (seconds per sample)."""
+        return self.fwd_beta + self.bwd_beta
+
+    def tps(self, fwd_alpha, fwd_beta, bwd_alpha, bwd_beta, params, r, micro_batch_size: int, batch_size: int,
+            recompute=False):
+        """:func:`time_per_sample` of stages given by their sums; ``r`` an int or an int array (broadcast)."""
+        return time_per_sample(fwd_alpha, fwd_beta, bwd_alpha, bwd_beta, params, r, micro_batch_size, batch_size,
+                               self.link_latency[r], self.link_bandwidth[r], recompute)
+
+    def memory(self, params, act, r, micro_batch_size: int, in_flight, inputs=0.0, outputs=0.0, recompute=False):
+        """:func:`memory_bytes` of stages given by their sums (broadcast)."""
+        return memory_bytes(params, act, inputs, outputs, micro_batch_size / r, in_flight, recompute,
+                            self.bytes_per_param)
+
+    def max_in_flight(self, params, act, r, micro_batch_size: int, cap: int, inputs=0.0, outputs=0.0,
+                      recompute=False) -> np.ndarray:
+        """Most micro-batches in flight (``<= cap``) within memory; -1 where not even one fits.
+
+        Memory is affine in the in-flight count, so this inverts
+        :func:`memory_bytes` and then settles on the exact float test (the
+        division may be one step off).
+        """
+        samples = micro_batch_size / np.asarray(r, dtype=float)
+        base = self.memory(params, act, r, micro_batch_size, 0, inputs, outputs, recompute)
+        per_mb = np.asarray(stashed_bytes(act, inputs, samples, recompute), dtype=float)
+        base, per_mb = np.broadcast_arrays(np.asarray(base, dtype=float), per_mb)
+        capacity = self.memory_capacity
+        with np.errstate(divide="ignore", invalid="ignore"):
+            k = np.floor(np.where(per_mb > 0, (capacity - base) / np.where(per_mb > 0, per_mb, 1.0), cap))
+        k = np.clip(k, -1, cap)
+        k = np.where((k < cap) & (base + per_mb * (k + 1) <= capacity), k + 1, k)
+        k = np.where((k >= 1) & (base + per_mb * k > capacity), k - 1, k)
+        # one micro-batch must fit; with re-materialization its working set is in ``base``
+        k = np.where(base + per_mb > capacity, -1, np.maximum(k, 1))
+        return k.astype(np.int64)

@@ -1,0 +1,246 @@
+"""The one cost model (graphpipe.costs): vectorised == scalar, every partitioner's memory estimate against
+the simulator (the reference), and re-materialization as a planning decision."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from graphpipe import costs
+from graphpipe.cluster import preset
+from graphpipe.errors import InfeasibleError, InputError, PlanError
+from graphpipe.sched import make_schedule, simulate, validate_schedule
+from graphpipe.search.common import SearchOptions
+from graphpipe.search.sequential import OpArrays, ReplicaCosts
+from graphpipe.stages import Stage, StageGraph
+
+from conftest import branches_graph, chain_graph, random_sp_graph
+
+
+# ------------------------------------------------------------------ formulas
+@pytest.mark.parametrize("seed", range(20))
+def test_vectorised_equals_scalar_on_random_stages(seed):
+    """CostArrays / ReplicaCosts on arrays of random contiguous stages == the scalar functions, one stage at a time."""
+    rng = random.Random(seed)
+    graph = random_sp_graph(rng.randint(3, 12), seed)
+    cluster = preset("v100", rng.choice((4, 8, 16)))
+    arrays = costs.CostArrays.of(graph, cluster)
+    seq, rep = OpArrays.of(graph), ReplicaCosts.of(cluster)
+    n = graph.num_ops
+    lo = np.array([rng.randrange(n) for _ in range(16)])
+    hi = np.array([rng.randrange(int(a), n) + 1 for a in lo])
+    r = np.array([rng.choice([d for d in (1, 2, 4, 8) if d <= cluster.num_devices]) for _ in lo])
+    rc = np.array([rng.random() < 0.5 for _ in lo])
+    b, batch = 8 * rng.choice((1, 2)), 64
+    k = np.array([rng.randint(1, 6) for _ in lo])
+
+    def sums(values):
+        pre = np.concatenate(([0.0], np.cumsum(values)))
+        return pre[hi] - pre[lo]
+
+    ins = np.array([costs.stage_sums(graph, range(a, z)).inputs for a, z in zip(lo, hi)])
+    outs = np.array([costs.stage_sums(graph, range(a, z)).outputs for a, z in zip(lo, hi)])
+    tps = arrays.tps(sums(arrays.fwd_alpha), sums(arrays.fwd_beta), sums(arrays.bwd_alpha), sums(arrays.bwd_beta),
+                     sums(arrays.params), r, b, batch, rc)
+    tps_seq = rep.tps(sums(seq.compute_alpha), sums(seq.compute_beta), sums(seq.params), r, b, batch,
+                      sums(seq.fwd_alpha), sums(seq.fwd_beta), rc)
+    mem = arrays.memory(sums(arrays.params), sums(arrays.act), r, b, k, ins, outs, rc)
+    mem_seq = rep.memory(sums(seq.params), sums(seq.act), r, b, k, ins, outs, rc)
+    kmax = arrays.max_in_flight(sums(arrays.params), sums(arrays.act), r, b, 6, ins, outs, rc)
+    for i in range(len(lo)):
+        ops, devices = tuple(range(lo[i], hi[i])), tuple(range(r[i]))
+        want_t = costs.stage_tps(graph, ops, devices, b, batch, cluster, bool(rc[i]))
+        want_m = costs.stage_memory(graph, ops, int(r[i]), b, int(k[i]), cluster, bool(rc[i]))
+        assert tps[i] == pytest.approx(want_t, rel=1e-12) and tps_seq[i] == pytest.approx(want_t, rel=1e-12)
+        assert mem[i] == pytest.approx(want_m, rel=1e-12) and mem_seq[i] == pytest.approx(want_m, rel=1e-12)
+        # max_in_flight is the exact inverse of stage_memory under the capacity
+        fits = [j for j in range(1, 7) if costs.stage_memory(graph, ops, int(r[i]), b, j, cluster, bool(rc[i]))
+                <= cluster.memory_bytes]
+        assert kmax[i] == (max(fits) if fits else -1)
+
+
+def test_recompute_formulas_by_hand():
+    """One more forward inside B; memory keeps inputs per in-flight micro-batch plus one full working set."""
+    f, bwd = costs.action_times(1.0, 0.5, 2.0, 1.0, 4, True)
+    assert (f, bwd) == (3.0, 9.0)  # F = 1 + 0.5*4, B = 2 + 1*4 + F
+    assert costs.activation_bytes(100.0, 10.0, 2, 5, False) == 1000.0
+    assert costs.activation_bytes(100.0, 10.0, 2, 5, True) == 5 * 20.0 + 200.0
+    assert costs.buffer_bytes(10.0, 30.0, 2) == 80.0
+    assert costs.ring_allreduce_s(1, 1.0, 1.0, 5.0) == 0.0
+    assert costs.ring_allreduce_s(4, 1e-6, 1e9, 1e9) == pytest.approx(6e-6 + 1.5)
+
+
+# ----------------------------------------------- the simulator is the reference
+def _one_device_per_stage(sg):
+    return {s.devices[0]: s.id for s in sg.stages if all(len(sg.stages_on_device(d)) == 1 for d in s.devices)}
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "graph-1f1b"])
+def test_simulated_peak_equals_the_formula_at_the_simulated_in_flight(recompute, schedule):
+    """Per device: simulated peak == costs.stage_memory at the simulator's own in-flight count, with and without
+    re-materialization; peak_activation_bytes is the activation term alone."""
+    graph = chain_graph(4)
+    cluster = preset("v100", 4)
+    stages = [Stage(i, (i,), (i,), 2, recompute) for i in range(4)]
+    sg = StageGraph.build(graph, stages, 16, 4)
+    tl = simulate(sg, make_schedule(schedule, sg, cluster), cluster)
+    for d, s in _one_device_per_stage(sg).items():
+        st = sg.stages[s]
+        want = costs.stage_memory(graph, st.op_ids, 1, 2, tl.in_flight[s], cluster, recompute)
+        assert tl.peak_memory_bytes[d] == pytest.approx(want)
+        sums = sg.stage_sums(s)
+        assert tl.activation_peak_bytes[d] == pytest.approx(
+            costs.activation_bytes(sums.act, sums.inputs, 2, tl.in_flight[s], recompute))
+    # B carries the re-run forward
+    assert sg.bwd_time(0) == pytest.approx(graph.bwd_time((0,), 2) + (graph.fwd_time((0,), 2) if recompute else 0))
+
+
+def test_recompute_lowers_simulated_memory_and_lengthens_the_iteration():
+    graph = chain_graph(4)
+    cluster = preset("v100", 4)
+    plain = StageGraph.build(graph, [Stage(i, (i,), (i,), 2) for i in range(4)], 16, 4)
+    redo = StageGraph.build(graph, [Stage(i, (i,), (i,), 2, True) for i in range(4)], 16, 4)
+    a = simulate(plain, make_schedule("gpipe", plain, cluster), cluster)
+    b = simulate(redo, make_schedule("gpipe", redo, cluster), cluster)
+    assert max(b.activation_peak_bytes) < max(a.activation_peak_bytes)
+    assert b.iteration_time_s > a.iteration_time_s
+
+
+@pytest.mark.parametrize("strategy", ["gpp", "gpipe"])
+@pytest.mark.parametrize("recompute", ["none", "all"])
+def test_partitioner_memory_estimate_bounds_the_simulator(strategy, recompute):
+    """Each partitioner's estimate (costs.stage_memory at the in-flight count its search charges) is at least
+    the simulated peak of every device, and equal where the simulated in-flight count is the one charged."""
+    from graphpipe.search.planner import make_plan
+
+    graph = branches_graph(3, 3)
+    cluster = preset("v100", 8)
+    plan = make_plan("branches.json", graph, cluster, 64, strategy, SearchOptions(recompute=recompute))
+    sg, p = plan.stage_graph, plan.predicted
+    for d, s in _one_device_per_stage(sg).items():
+        st = sg.stages[s]
+        # gpipe charges every micro-batch in flight (fill-drain); gpp graph-1F1B's min(depth, M)
+        charged = sg.num_micro_batches(s) if plan.schedule.name == "gpipe" else min(_depth_below(sg, s),
+                                                                                    sg.num_micro_batches(s))
+        sums = sg.stage_sums(s)
+        est = costs.memory_bytes(sums.param_bytes, sums.act, sums.inputs, sums.outputs, st.samples_per_replica,
+                                 charged, st.recompute, cluster.bytes_per_param)
+        assert p["peak_memory_bytes"][d] <= est * (1 + 1e-9)
+        if p["in_flight"][s] == charged:
+            assert p["peak_memory_bytes"][d] == pytest.approx(est)
+
+
+def _depth_below(sg, s):
+    """Stages on the longest path from ``s`` to a sink, ``s`` included (graph-1F1B's in-flight)."""
+    depth = [1] * sg.num_stages
+    for a in reversed(range(sg.num_stages)):
+        for b in sg.succs(a):
+            depth[a] = max(depth[a], depth[b] + 1)
+    return depth[s]
+
+
+# ------------------------------------------------- re-materialization decisions
+@pytest.mark.parametrize("num_devices", [4, 8, 16, 32])
+def test_gpipe_fits_the_mmt_paper_config_on_v100s(num_devices):
+    """The issue's acceptance point: GPipe (fill-drain, recompute all) plans MMT (4 x 8 layers, seq 256,
+    hidden 1024) on N V100-16GB at batch 16 N; without re-materialization nothing fits."""
+    from graphpipe.models import load_model
+    from graphpipe.search.planner import make_plan
+
+    graph = load_model("mmt", preset("v100", 1).device).graph
+    cluster = preset("v100", num_devices)
+    plan = make_plan("mmt", graph, cluster, 16 * num_devices, "gpipe")
+    assert plan.schedule.name == "gpipe"
+    assert all(s.recompute for s in plan.stage_graph.stages)
+    assert plan.predicted["max_peak_memory_bytes"] <= cluster.memory_bytes
+    if num_devices == 8:
+        with pytest.raises(InfeasibleError):
+            make_plan("mmt", graph, cluster, 16 * num_devices, "gpipe", SearchOptions(recompute="none"))
+
+
+def _tight_case():
+    graph = branches_graph(2, 4)
+    return graph, preset("v100", 4), 64
+
+
+def test_auto_never_changes_the_plan_with_ample_memory():
+    from graphpipe.plan import plan_to_dict
+    from graphpipe.search.planner import make_plan
+
+    graph, cluster, batch = _tight_case()
+    for strategy in ("gpp", "gpipe"):
+        auto = make_plan("g.json", graph, cluster, batch, strategy, SearchOptions(recompute="auto"))
+        none = make_plan("g.json", graph, cluster, batch, strategy, SearchOptions(recompute="none"))
+        assert not any(s.recompute for s in auto.stage_graph.stages)
+        assert plan_to_dict(auto)["stages"] == plan_to_dict(none)["stages"]
+        assert auto.schedule == none.schedule
+
+
+def test_auto_finds_a_plan_under_tight_memory_where_none_does_not():
+    """8 layers whose weights force 2 per device on 4 devices, activations 1 GB per sample: any plan without
+    re-materialization holds the whole batch's activations of a stage (8 GB) beside 8 GB of state in 12.5 GB;
+    gpp with auto re-materializes and fits (the pipeline stashes only the 10 kB stage inputs)."""
+    from graphpipe.graph import OpGraph
+    from graphpipe.search.planner import make_plan
+
+    from conftest import make_op
+
+    ops = [make_op(f"l{i}", 1e-3, params=1e9, act=1e9) for i in range(8)]
+    graph = OpGraph.build("heavy", ops, [(f"l{i}", f"l{i + 1}", 1e4) for i in range(7)])
+    tight = preset("v100", 4).with_memory(12.5e9)
+    with pytest.raises(InfeasibleError):
+        make_plan("g.json", graph, tight, 4, "gpp", SearchOptions(recompute="none"))
+    auto = make_plan("g.json", graph, tight, 4, "gpp", SearchOptions(recompute="auto"))
+    assert any(s.recompute for s in auto.stage_graph.stages)
+    assert auto.predicted["max_peak_memory_bytes"] <= tight.memory_bytes
+    validate_schedule(auto.stage_graph, auto.schedule)
+
+
+def test_recompute_round_trips_through_plan_json_and_bad_values_are_refused(tmp_path):
+    from graphpipe.plan import plan_from_dict, plan_to_dict, read_plan, write_plan
+    from graphpipe.search.planner import make_plan
+
+    graph, cluster, batch = _tight_case()
+    plan = make_plan("g.json", graph, cluster, batch, "gpipe")
+    path = tmp_path / "p.json"
+    write_plan(str(path), plan)
+    again = read_plan(str(path))
+    assert [s.recompute for s in again.stage_graph.stages] == [True] * again.stage_graph.num_stages
+    doc = plan_to_dict(plan)
+    doc["stages"][0]["recompute"] = "yes"
+    with pytest.raises(PlanError, match="recompute must be true or false"):
+        plan_from_dict(doc)
+    del doc["stages"][0]["recompute"]  # older plan files: no re-materialization
+    assert not plan_from_dict(doc).stage_graph.stages[0].recompute
+
+
+def test_bad_recompute_option_is_one_line_exit_2():
+    with pytest.raises(InputError, match="--recompute must be one of none, all, auto"):
+        SearchOptions(recompute="some")
+    out = subprocess.run([sys.executable, "-m", "graphpipe", "plan", "transformer:small", "--devices", "2",
+                          "--batch-size", "8", "--recompute", "some"], capture_output=True, text=True)
+    assert out.returncode == 2
+    assert out.stderr.strip().count("\n") == 0 and "graphpipe: error: --recompute" in out.stderr
+
+
+def test_cpsat_counts_the_rematerialized_working_set():
+    """CP-SAT's memory model (stash from F to B, working set during B) peaks where the simulator does."""
+    from graphpipe.search.cpsat_model import memory_peaks, model_data
+
+    graph = chain_graph(3)
+    cluster = preset("v100", 3)
+    sg = StageGraph.build(graph, [Stage(i, (i,), (i,), 2, True) for i in range(3)], 8, 3)
+    tl = simulate(sg, make_schedule("1f1b", sg, cluster), cluster)
+    data = model_data(sg, cluster, [(2,)] * 3, reference_s=tl.iteration_time_s)
+    unit = data.unit_s
+    starts = {(r.action.stage_id, r.action.kind, r.action.mb_id): round(r.start / unit) for r in tl.actions}
+    peaks = memory_peaks(data, [2, 2, 2], starts)
+    for gi, grp in enumerate(data.groups):
+        d = grp[0]
+        assert peaks[gi] * data.mem_unit_bytes == pytest.approx(tl.activation_peak_bytes[d] + tl.buffer_bytes[d],
+                                                                rel=1e-3)
