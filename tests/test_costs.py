@@ -244,3 +244,23 @@ def test_cpsat_counts_the_rematerialized_working_set():
         d = grp[0]
         assert peaks[gi] * data.mem_unit_bytes == pytest.approx(tl.activation_peak_bytes[d] + tl.buffer_bytes[d],
                                                                 rel=1e-3)
+
+
+def test_trace_and_gantt_show_the_recomputed_forward_inside_b(tmp_path):
+    from graphpipe.sched.gantt import plot_gantt
+    from graphpipe.sched.trace import trace_document
+
+    graph = chain_graph(2)
+    cluster = preset("v100", 2)
+    sg = StageGraph.build(graph, [Stage(0, (0,), (0,), 2, True), Stage(1, (1,), (1,), 2)], 4, 2)
+    tl = simulate(sg, make_schedule("gpipe", sg, cluster), cluster)
+    assert tl.recompute_s[0] == pytest.approx(sg.fwd_time(0)) and tl.recompute_s[1] == 0.0
+    events = trace_document(tl)["traceEvents"]
+    redo = [e for e in events if e.get("cat") == "recompute"]
+    backs = {e["name"][2:]: e for e in events if e.get("cat") == "B"}
+    assert len(redo) == 2 and all(e["name"].startswith("recompute s0") for e in redo)
+    for e in redo:  # nested inside its B: same start, shorter
+        b = backs[e["name"][len("recompute "):]]
+        assert e["ts"] == b["ts"] and e["dur"] < b["dur"]
+    plot_gantt(tl, str(tmp_path / "g.png"))
+    assert (tmp_path / "g.png").stat().st_size > 0

@@ -61,6 +61,15 @@ def _draw(ax, timeline: Timeline, title: str, xmax_ms: float, width_px: float) -
     # One collection per (device, colour): fast even for tens of thousands of actions.
     for (device, colour), spans in bars.items():
         ax.broken_barh(spans, (device - 0.4, 0.8), facecolors=colour, edgecolors="white", linewidth=0.4)
+    # Re-materialization: the re-run forward at the start of each B, hatched over the B bar.
+    redo: dict[int, list[tuple[float, float]]] = {}
+    for r in timeline.actions:
+        t = timeline.recompute_s[r.action.stage_id] if r.action.kind == "B" and timeline.recompute_s else 0.0
+        if t > 0:
+            redo.setdefault(r.device, []).append((r.start * scale, min(t, r.end - r.start) * scale))
+    for device, spans in redo.items():
+        ax.broken_barh(spans, (device - 0.4, 0.8), facecolors="none", edgecolors=_F_SHADES[0], hatch="///",
+                       linewidth=0)
     for ar in timeline.allreduces:
         for d in ar.devices:
             ax.broken_barh([(ar.start * scale, (ar.end - ar.start) * scale)], (d + 0.28, 0.12), facecolors=_ALLREDUCE)
@@ -83,6 +92,8 @@ def _legend(fig, timeline: Timeline) -> None:
         handles += [Patch(color=_B_SHADES[i % len(_B_SHADES)], label=f"B, virtual stage {i}") for i in range(chunks)]
     else:
         handles = [Patch(color=_F_SHADES[0], label="forward (F)"), Patch(color=_B_SHADES[0], label="backward (B)")]
+    if any(timeline.recompute_s):
+        handles.append(Patch(facecolor="none", edgecolor=_F_SHADES[0], hatch="///", label="re-run forward (recompute)"))
     if timeline.allreduces:
         handles.append(Patch(color=_ALLREDUCE, label="gradient all-reduce"))
     fig.legend(handles=handles, loc="upper right", ncol=len(handles), fontsize=8, frameon=False)

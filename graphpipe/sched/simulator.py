@@ -192,6 +192,8 @@ class Timeline:
     what a run measures as the peak bytes of tensors saved for backward."""
     buffer_bytes: tuple[float, ...] = ()
     """Communication buffers per device (:func:`graphpipe.costs.buffer_bytes`)."""
+    recompute_s: tuple[float, ...] = ()
+    """Per stage: seconds of re-run forward at the start of each of its B actions (0 without re-materialization)."""
 
     @property
     def num_stages(self) -> int:
@@ -323,7 +325,8 @@ def build_timeline(sg: StageGraph, cluster: Cluster, name: str, actions: Iterabl
                     allreduces=allreduces, iteration_time_s=iteration_time_s, throughput=throughput,
                     busy_s=tuple(busy), bubble_fraction=bubble, peak_memory_bytes=tuple(peak),
                     state_bytes=tuple(state), in_flight=tuple(in_flight), activation_peak_bytes=tuple(act_peak),
-                    buffer_bytes=tuple(buffers))
+                    buffer_bytes=tuple(buffers),
+                    recompute_s=tuple(sg.recompute_time(s) for s in range(sg.num_stages)))
 
 
 def predicted_figures(timeline: Timeline) -> dict[str, Any]:

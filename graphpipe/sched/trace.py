@@ -48,6 +48,11 @@ def trace_document(timeline: Timeline) -> dict[str, Any]:
         events.append({"name": f"{a.kind} s{a.stage_id} mb{a.mb_id}", "cat": a.kind, "ph": "X", "pid": r.device,
                        "tid": _COMPUTE, "ts": r.start * _US, "dur": (r.end - r.start) * _US,
                        "args": {"stage": a.stage_id, "mb": a.mb_id, "action": str(a)}})
+        redo = timeline.recompute_s[a.stage_id] if a.kind == "B" and timeline.recompute_s else 0.0
+        if redo > 0:  # re-materialization: the forward re-run at the start of B, nested inside it
+            events.append({"name": f"recompute s{a.stage_id} mb{a.mb_id}", "cat": "recompute", "ph": "X",
+                           "pid": r.device, "tid": _COMPUTE, "ts": r.start * _US,
+                           "dur": min(redo, r.end - r.start) * _US, "args": {"stage": a.stage_id, "mb": a.mb_id}})
     for t in timeline.transfers:
         if t.end <= t.start:
             continue  # free messages (same device set or zero bytes) would only clutter the view
