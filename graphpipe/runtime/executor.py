@@ -48,6 +48,7 @@ from datetime import timedelta
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
+import torch.utils.checkpoint
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
@@ -242,7 +243,11 @@ class RankExecutor:
         stage = self.sg.stages[a.stage_id]
         ctx = ShardContext(self.seed, self.step, rows.start, rows.stop - rows.start,
                            a.mb_id * stage.micro_batch_size, stage.micro_batch_size)
-        sent, out = prog.module(*(values[n] for n in prog.input_names), ctx)
+        args = [values[n] for n in prog.input_names]
+        if stage.recompute:  # re-materialization: keep the inputs, re-run the forward inside B (non-reentrant)
+            sent, out = torch.utils.checkpoint.checkpoint(prog.module, *args, ctx, use_reentrant=False)
+        else:
+            sent, out = prog.module(*args, ctx)
         loss = None
         if prog.is_sink:
             loss = self.loss_fn(out) * ((rows.stop - rows.start) / self.sg.batch_size)
