@@ -138,7 +138,8 @@ def search_time_config(quick: bool) -> dict[str, Any]:
 def _search_time(model: str, n: int, batch: int, strategy: str, repeats: int) -> dict[str, Any]:
     times, row = [], {}
     for _ in range(repeats):
-        plan, row = _try_plan(model, n, batch, strategy)
+        # recompute none: the partitioner's own search (auto would search twice, GPipe would re-materialize)
+        plan, row = _try_plan(model, n, batch, strategy, SearchOptions(recompute="none"))
         if plan is None:
             break
         times.append(plan.search["time_s"])
@@ -249,7 +250,9 @@ def run_ablation(config: dict[str, Any], progress: Progress) -> tuple[list, dict
             mb = best["micro_batch_sizes"][0]
             variants.append(("concurrent stages only", lambda: _try_plan(model, n, batch, "gpp", SearchOptions(micro_batch_size=mb))))
         variants += [
-            ("gpp", lambda: _try_plan(model, n, batch, "gpp")),
+            ("gpp", lambda: _try_plan(model, n, batch, "gpp", SearchOptions(recompute="none"))),
+            # re-materialization where memory or throughput asks for it (equal to gpp when memory is ample)
+            ("gpp + re-materialization", lambda: _try_plan(model, n, batch, "gpp", SearchOptions(recompute="auto"))),
             ("gpp + per-stage micro-batch", lambda: _try_plan(model, n, batch, "gpp", SearchOptions(per_stage_micro_batch=True))),
             ("gpp + cpsat schedule", lambda: _try_plan(model, n, batch, "gpp", schedule="cpsat",
                                                        time_limit_s=config["cpsat_time_limit_s"])),
