@@ -267,6 +267,15 @@ def _in_flight(sg, schedule):
     return {s.id: (num_mbs if schedule == "gpipe" else min(k - s.id, num_mbs)) for s in sg.stages}
 
 
+def _max_open(actions):
+    """Most micro-batches a device holds at once: forwards run minus backwards run, at its peak."""
+    open_, peak = 0, 0
+    for a in actions:
+        open_ += 1 if a.kind == "F" else -1
+        peak = max(peak, open_)
+    return peak
+
+
 def _is_convex(graph, ops):
     members = set(ops)
     frontier = [w for v in members for w in graph.succs(v) if w not in members]
@@ -356,9 +365,10 @@ def test_plans_simulate_within_the_memory_the_partitioner_assumed(strategy):
     in_flight = _in_flight(sg, schedule)
     peaks = plan.predicted["peak_memory_bytes"]
     for s in sg.stages:
-        if s.round_robin:  # 1F1B-RR: each replica holds whole micro-batches, its share of those in flight
-            estimate = stage_memory(graph, s.op_ids, 1, s.micro_batch_size, -(-in_flight[s.id] // s.num_replicas),
-                                    cluster)
+        if strategy == "pipedream":  # 1F1B-RR warm-ups: count what each device's list holds at once
+            held = max(_max_open(plan.schedule.device_actions[d]) for d in s.devices)
+            estimate = stage_memory(graph, s.op_ids, 1 if s.round_robin else s.num_replicas, s.micro_batch_size,
+                                    held, cluster)
         else:
             estimate = stage_memory(graph, s.op_ids, s.num_replicas, s.micro_batch_size, in_flight[s.id], cluster)
         for d in s.devices:

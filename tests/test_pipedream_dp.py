@@ -177,3 +177,51 @@ def test_antichain_stages_are_convex_downset_differences():
                 assert states.members[k] < members
     result = partition(g, preset("v100", 4), 16, SearchOptions())
     assert sorted(op for s in result.stage_graph.stages for op in s.op_ids) == list(range(g.num_ops))
+
+
+# ------------------------------------------------------------- 1F1B-RR in the simulator
+def test_round_robin_3_plus_1_simulated_by_hand():
+    """Stage 0 on 3 round-robin replicas (F 3, B 6 per micro-batch), stage 1 on one device (F 1, B 2),
+    6 micro-batches of 1 sample, free transfers, no weights. Warm-ups: stage 1 one micro-batch, stage 0
+    r (K - 0) = 6, i.e. two of its own per replica. Replica k runs micro-batches k and k + 3.
+    By hand:
+      dev0: F0 [0,3] F3 [3,6] B0 [6,12]  B3 [15,21]
+      dev1: F1 [0,3] F4 [3,6] B1 [9,15]  B4 [18,24]
+      dev2: F2 [0,3] F5 [3,6] B2 [12,18] B5 [21,27]
+      dev3: F0 [3,4] B0 [4,6] F1 [6,7] B1 [7,9] F2 [9,10] B2 [10,12] F3 [12,13] B3 [13,15]
+            F4 [15,16] B4 [16,18] F5 [18,19] B5 [19,21]
+    so the iteration takes 27 (split replicas could not even hold this layout: 3 does not divide 1)."""
+    from graphpipe.graph import Affine, Op, OpGraph
+    from graphpipe.sched import make_schedule, simulate, validate_schedule
+    from graphpipe.stages import Stage, StageGraph
+
+    g = OpGraph.build("two", [Op("a", "x", Affine(0, 3.0), Affine(0, 6.0)), Op("b", "x", Affine(0, 1.0), Affine(0, 2.0))],
+                      [("a", "b", 0.0)])
+    sg = StageGraph.build(g, [Stage(0, (0,), (0, 1, 2), 1, replica_mode="round-robin"), Stage(1, (1,), (3,), 1)],
+                          batch_size=6, num_devices=4, sequential=True)
+    cluster = preset("v100", 4)
+    schedule = make_schedule("1f1b", sg, cluster)
+    validate_schedule(sg, schedule)
+    assert [[str(a) for a in acts] for acts in schedule.device_actions] == [
+        ["0F0", "0F3", "0B0", "0B3"], ["0F1", "0F4", "0B1", "0B4"], ["0F2", "0F5", "0B2", "0B5"],
+        ["1F0", "1B0", "1F1", "1B1", "1F2", "1B2", "1F3", "1B3", "1F4", "1B4", "1F5", "1B5"]]
+    timeline = simulate(sg, schedule, cluster)
+    ends = {(r.device, str(r.action)): (r.start, r.end) for r in timeline.actions}
+    assert ends[(0, "0B3")] == (15.0, 21.0) and ends[(2, "0B5")] == (21.0, 27.0) and ends[(3, "1B5")] == (19.0, 21.0)
+    assert timeline.iteration_time_s == pytest.approx(27.0)
+
+
+def test_round_robin_validator_rejects_wrong_replica():
+    from graphpipe.actions import Action, Schedule
+    from graphpipe.graph import Affine, Op, OpGraph
+    from graphpipe.sched import validate_schedule
+    from graphpipe.sched.validate import ScheduleError
+    from graphpipe.stages import Stage, StageGraph
+
+    g = OpGraph.build("one", [Op("a", "x", Affine(0, 1.0), Affine(0, 1.0))], [])
+    sg = StageGraph.build(g, [Stage(0, (0,), (0, 1), 1, replica_mode="round-robin")], batch_size=2, num_devices=2)
+    good = Schedule.from_lists("x", [[Action(0, "F", 0), Action(0, "B", 0)], [Action(0, "F", 1), Action(0, "B", 1)]])
+    validate_schedule(sg, good)
+    bad = Schedule.from_lists("x", [[Action(0, "F", 1), Action(0, "B", 1)], [Action(0, "F", 0), Action(0, "B", 0)]])
+    with pytest.raises(ScheduleError, match="replica i mod 2"):
+        validate_schedule(sg, bad)

@@ -21,9 +21,16 @@ works, 3 + 1 included) and schedules them with 1F1B.
   devices gives PipeDream's 128), or ``--micro-batch-size``. The DP's
   times are per micro-batch; ``search.model_bottleneck_tps`` is the DP's
   objective (the optimizer's "time per stage in pipeline") divided by it.
-* **Memory** is kept as an extra constraint (see the kernel); the 1F1B
-  plan is then simulated like every other strategy's and refused if its
-  simulated peak does not fit.
+* **Memory** is kept as an extra constraint (see the kernel), and the plan
+  is simulated: when its simulated peak does not fit, the next smaller
+  divisor of the batch is tried as the micro-batch (what a PipeDream user
+  does on running out of memory: lower the per-worker minibatch);
+  ``search.micro_batch_share`` keeps the data-parallel share.
+* **Branchy graphs**: past :data:`~graphpipe.search.pipedream_dp.MAX_STATES`
+  antichain states (mmt has about 6,600, candle-uno and dlrm far more; the
+  real optimizer cannot run there either) the same DP runs over the prefixes
+  of the linearisation (``search.states`` says ``linearised``, else
+  ``antichains``).
 * Link latency and ``power_of_two`` are not part of PipeDream's search and
   are ignored by it (the simulator still charges latency).
 
@@ -49,8 +56,8 @@ import time
 from graphpipe.cluster import Cluster
 from graphpipe.errors import InfeasibleError, InputError
 from graphpipe.graph import OpGraph
-from graphpipe.search.common import SearchOptions, SearchResult, divisors, placed_bottleneck
-from graphpipe.search.pipedream_dp import antichain_states, solve_levels
+from graphpipe.search.common import SearchOptions, SearchResult, divisors, placed_bottleneck, simulated
+from graphpipe.search.pipedream_dp import StateLimitError, antichain_states, prefix_states, solve_levels
 from graphpipe.stages import Stage, StageGraph
 
 __all__ = ["partition", "cluster_levels", "pipedream_micro_batch", "SCHEDULE", "REPLICA_MODE"]
@@ -90,29 +97,46 @@ def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: Search
     """PipeDream's plan (module docstring). Raises :class:`InfeasibleError` when no stage layout fits in memory."""
     started = time.perf_counter()
     levels = cluster_levels(cluster)
-    b = pipedream_micro_batch(batch_size, cluster.num_devices, options)
-    states = antichain_states(graph)
-    sol = solve_levels(states, graph, b, levels, memory_bytes=cluster.memory_bytes,
-                       state_per_byte=cluster.state_bytes(1.0), num_micro_batches=batch_size // b)
-    if sol is None:
+    share = pipedream_micro_batch(batch_size, cluster.num_devices, options)
+    try:
+        states, state_kind = antichain_states(graph), "antichains"
+    except StateLimitError as exc:
+        log.info("%s; cutting the linearisation instead", exc)
+        states, state_kind = prefix_states(graph), "linearised"
+    sizes = [share] if options.micro_batch_size is not None else \
+        [d for d in sorted(divisors(batch_size), reverse=True) if d <= share]
+    found = None
+    for b in sizes:
+        sol = solve_levels(states, graph, b, levels, memory_bytes=cluster.memory_bytes,
+                           state_per_byte=cluster.state_bytes(1.0), num_micro_batches=batch_size // b)
+        if sol is None:
+            continue
+        stages = [Stage(q, ops, devices, b, replica_mode=REPLICA_MODE if r > 1 else "split")
+                  for q, (ops, r, devices) in enumerate(sol.stages)]
+        sg = StageGraph.build(graph, stages, batch_size, cluster.num_devices, sequential=True)
+        if simulated(sg, cluster, SCHEDULE, options.host)[1]:
+            found = (b, sol, sg)
+            break
+        log.info("pipedream: the plan at micro-batch %d does not fit in memory (simulated); trying smaller", b)
+    if found is None:
         raise InfeasibleError(f"pipedream: no partition of {graph.name!r} fits in {cluster.memory_bytes / 1e9:g} GB "
-                              f"per device on {cluster.num_devices} devices at micro-batch {b}; use more devices "
-                              f"or --memory-gb")
-    stages = [Stage(q, ops, devices, b, replica_mode=REPLICA_MODE if r > 1 else "split")
-              for q, (ops, r, devices) in enumerate(sol.stages)]
-    sg = StageGraph.build(graph, stages, batch_size, cluster.num_devices, sequential=True)
+                              f"per device on {cluster.num_devices} devices at micro-batch {share} or below; "
+                              f"use more devices or --memory-gb")
+    b, sol, sg = found
     stats = {
         "time_s": time.perf_counter() - started,
         "bottleneck_tps": placed_bottleneck(sg, cluster),
         "model_bottleneck_tps": sol.time_per_batch / b,
         "pipedream_time_per_stage_s": sol.time_per_batch,
         "micro_batch_size": b,
+        "micro_batch_share": share,
         "devices_used": len(sg.devices_used()),
         "num_stages": sg.num_stages,
         "replica_mode": REPLICA_MODE,
         "replicas": [r for _, r, _ in sol.stages],
         "levels": [[m, bw] for m, bw in levels],
         "num_states": len(states.members),
+        "states": state_kind,
     }
     log.debug("pipedream: %d states, levels %s, replicas %s, %.6g s per micro-batch of %d", len(states.members),
               levels, stats["replicas"], sol.time_per_batch, b)

@@ -53,12 +53,15 @@ What differs (each stated where the code does it):
   ``--use_memory_constraint`` is off by default), in our cost model's terms:
   a replica holds the model state of its stage (weights, gradients,
   optimizer: ``Cluster.state_bytes``) plus the saved activations of the
-  micro-batches in flight on it. How many are in flight is the optimizer's
-  own count, ``ceil((M - m) / m')`` for a stage whose prefix uses ``m`` of
-  the level's ``M`` machines (the machines after it, over its replicas),
-  at least 1 and at most the iteration's micro-batches per replica. Its
-  rule also stashes a weight copy per in-flight micro-batch (asynchronous
-  PipeDream); our 1F1B flushes, so weights are not stashed.
+  micro-batches in flight on it. Under our 1F1B(-RR) a replica of the stage
+  at position ``i`` of ``K`` holds ``K - i`` of its micro-batches, at most
+  one more than the devices after it: ``M - m + 1`` for a stage whose prefix
+  uses ``m`` of the ``M`` devices (the optimizer's own rule counts
+  ``ceil((M - m) / m')`` and stashes a weight copy per micro-batch, as
+  asynchronous PipeDream does; our 1F1B flushes). It is checked at the
+  lowest level, where a machine is a device; a node-level DP cannot know the
+  nodes after it, so it assumes they all follow (an upper bound). The
+  strategy then has the simulator check the plan (:mod:`~graphpipe.search.pipedream`).
 * **Several sources**: the optimizer starts its antichains at the first
   source only (after dropping Input nodes), so a graph with several real
   sources would lose ops; we start from a virtual, free root above them.
@@ -90,7 +93,8 @@ import numpy as np
 from graphpipe.errors import InputError
 from graphpipe.graph import OpGraph
 
-__all__ = ["AntichainStates", "LevelSolution", "antichain_states", "state_sums", "solve_levels", "REMOVED_KINDS"]
+__all__ = ["AntichainStates", "LevelSolution", "StateLimitError", "antichain_states", "prefix_states", "state_sums",
+           "solve_levels", "REMOVED_KINDS", "MAX_STATES"]
 
 REMOVED_KINDS = ("Input", "__getitem__")
 """Kinds the optimizer drops before its DP: Input sources (zeroed, kept in the first stage) and
@@ -121,23 +125,58 @@ def _bits(x: int):
 
 
 MAX_STATES = 4000
-"""Refuse graphs with more antichain states than this: the DP is cubic in them (inception_v3 has
-about 221,000, which the real optimizer cannot handle either)."""
+"""Stop enumerating antichain states past this many: the DP is cubic in them (inception_v3 has about
+221,000 and the zoo's mmt about 6,600, which the real optimizer cannot handle either)."""
+
+
+class StateLimitError(InputError):
+    """More antichain states than the limit (:data:`MAX_STATES`)."""
+
+
+def _removed(graph: OpGraph) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(Input sources, ``__getitem__`` sinks once the inputs are gone): what ``main`` drops before its DP."""
+    n = graph.num_ops
+    inputs = tuple(v for v in range(n) if graph.ops[v].kind == "Input" and not graph.preds(v))
+    gone = set(inputs)
+    dropped = tuple(v for v in range(n) if v not in gone and graph.ops[v].kind == "__getitem__"
+                    and not [w for w in graph.succs(v) if w not in gone])
+    return inputs, dropped
+
+
+def prefix_states(graph: OpGraph) -> AntichainStates:
+    """States = the prefixes of the op-id linearisation: the antichain DAG of the graph's chain version.
+
+    What :mod:`graphpipe.search.pipedream` falls back to past :data:`MAX_STATES` antichain states: the
+    DP is unchanged, cuts are restricted to the linear order, and a prefix's output is every op in it
+    with a consumer outside it (the augmented antichain of the prefix).
+
+    >>> from graphpipe.graph import Op, OpGraph
+    >>> g = OpGraph.build("d", [Op(n, "x") for n in "sabt"], [("s", "a", 1), ("s", "b", 1), ("a", "t", 1), ("b", "t", 1)])
+    >>> prefix_states(g).outputs
+    ((0,), (0, 1), (1, 2), (3,))
+    """
+    inputs, dropped = _removed(graph)
+    gone = set(inputs) | set(dropped)
+    order = [v for v in range(graph.num_ops) if v not in gone]
+    members, outputs = [], []
+    for j in range(len(order)):
+        prefix = frozenset(order[:j + 1])
+        members.append(prefix)
+        outputs.append(tuple(v for v in order[:j + 1] if any(w not in prefix and w not in gone
+                                                              for w in graph.succs(v))) or (order[j],))
+    s = len(order)
+    ancestors = np.tril(np.ones((s, s), dtype=bool), k=-1)
+    return AntichainStates(tuple(members), tuple(outputs), ancestors, inputs, dropped)
 
 
 def antichain_states(graph: OpGraph, max_states: int = MAX_STATES) -> AntichainStates:
     """The antichain DAG's states in the optimizer's order (module docstring; ``graph.py``).
 
-    Raises :class:`~graphpipe.errors.InputError` past ``max_states`` states.
+    Raises :class:`StateLimitError` past ``max_states`` states.
     """
     n = graph.num_ops
-    preds_all = [set(graph.preds(v)) for v in range(n)]
-    inputs = tuple(v for v in range(n) if graph.ops[v].kind == "Input" and not preds_all[v])
-    removed = set(inputs)
-    # Sinks are taken once the inputs are gone (main(): gr.sinks() after remove_node).
-    succ_left = {v: [w for w in graph.succs(v) if w not in removed] for v in range(n) if v not in removed}
-    dropped = tuple(v for v in succ_left if graph.ops[v].kind == "__getitem__" and not succ_left[v])
-    removed |= set(dropped)
+    inputs, dropped = _removed(graph)
+    removed = set(inputs) | set(dropped)
     keep = [v for v in range(n) if v not in removed]
     succs = {v: [w for w in graph.succs(v) if w not in removed] for v in keep}
     preds = {v: [u for u in graph.preds(v) if u not in removed] for v in keep}
@@ -216,7 +255,7 @@ def antichain_states(graph: OpGraph, max_states: int = MAX_STATES) -> AntichainS
             nkey = frozenset(nxt)
             if nkey not in node_of:
                 if len(antichain_of) >= max_states:
-                    raise InputError(f"pipedream: {graph.name!r} has more than {max_states} antichain states (the "
+                    raise StateLimitError(f"pipedream: {graph.name!r} has more than {max_states} antichain states (the "
                                      f"optimizer's DP is cubic in them); use --strategy gpp or piper for this graph")
                 node_of[nkey] = len(antichain_of)
                 antichain_of.append(nxt)
@@ -327,16 +366,15 @@ class _Level:
     """Machines of the last stage."""
 
 
-def _in_flight(machines: int, used, replicas, num_mbs: int):
-    """Micro-batches in flight on one replica (module docstring, "Memory"): the optimizer's
-    ``ceil((M - m) / m')``, at least 1, at most the iteration's micro-batches over the replicas."""
-    count = np.maximum(1.0, np.ceil((machines - used) / replicas))
-    return np.minimum(count, np.ceil(num_mbs / replicas))
+def _in_flight(machines: int, used, replicas, num_mbs: int, outside: int):
+    """Micro-batches in flight on one replica (module docstring, "Memory"): one more than the devices
+    after the stage (``outside`` of them beyond this level), at most the iteration's share of a replica."""
+    return np.minimum(machines - used + 1 + outside, np.ceil(num_mbs / replicas))
 
 
 def _level(compute: np.ndarray, act: np.ndarray, params: np.ndarray, output: np.ndarray, ancestors: np.ndarray,
            num_machines: int, within: int, bandwidth: float, final: bool, memory: float,
-           state_per_byte: float, num_mbs: int) -> _Level:
+           state_per_byte: float, num_mbs: int, outside: int) -> _Level:
     """One ``compute_partitioning`` call (module docstring), vectorised over split points and replica counts."""
     rows, s = compute.shape
     M, bw = num_machines, bandwidth
@@ -344,7 +382,7 @@ def _level(compute: np.ndarray, act: np.ndarray, params: np.ndarray, output: np.
     with np.errstate(invalid="ignore"):
         # No split: (T + 4 m P / (B (m+1)) / w) / (m+1); memory: ceil((M - (m+1)) / (m+1)) stashed copies.
         dp = (compute[:, :, None] + 4 * (m1 - 1) * params[:, :, None] / (bw * m1) / within) / m1
-        held = _in_flight(M, m1, m1, num_mbs) * act[:, :, None] + state_per_byte * params[:, :, None]
+        held = _in_flight(M, m1, m1, num_mbs, outside) * act[:, :, None] + state_per_byte * params[:, :, None]
         dp = np.where(held > memory, np.nan, dp)
     time = dp
     split = np.full(time.shape, -1, dtype=np.int64)
@@ -366,7 +404,8 @@ def _level(compute: np.ndarray, act: np.ndarray, params: np.ndarray, output: np.
             prev = time[i][:, m - mp]                                          # (k, m'): A[i][k][m - m']
             with np.errstate(invalid="ignore"):
                 last = (last_c[:, js, None] + 4 * (mp - 1) * last_p[:, js, None] / (bw * mp)) / mp   # (k, j, m')
-                held = _in_flight(M, m + 1, mp, num_mbs) * last_a[:, js, None] + state_per_byte * last_p[:, js, None]
+                held = _in_flight(M, m + 1, mp, num_mbs, outside) * last_a[:, js, None] \
+                    + state_per_byte * last_p[:, js, None]
                 cand = np.maximum(np.maximum(prev[:, None, :], last), in_t[:, None, mp - 1])
                 cand = np.maximum(cand, out_t[None, js][:, :, mp - 1])
             ok = allowed[js].T[:, :, None] & ~np.isnan(cand) & (held <= memory)
@@ -411,10 +450,13 @@ def solve_levels(states: AntichainStates, graph: OpGraph, micro_batch_size: int,
     act, params = _ranges(sums.activation), _ranges(sums.params)
     tables: list[_Level] = []
     within = 1
+    total = math.prod(machines for machines, _ in levels)
     for index, (machines, bandwidth) in enumerate(levels):
+        # Memory is checked where a machine is a device (module docstring); above, every range fits.
+        memory = memory_bytes if index == 0 else math.inf
         table = _level(compute, act, params, sums.output, states.ancestors, machines, within, bandwidth,
-                       index == len(levels) - 1, memory_bytes, state_per_byte,
-                       num_micro_batches if num_micro_batches is not None else 1 << 40)
+                       index == len(levels) - 1, memory, state_per_byte,
+                       num_micro_batches if num_micro_batches is not None else 1 << 40, total - machines)
         tables.append(table)
         compute = table.time[:, :, -1]
         within = machines
