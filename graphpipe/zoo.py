@@ -189,6 +189,12 @@ def mean_square_loss(output: torch.Tensor) -> torch.Tensor:
     return output.float().pow(2).mean()
 
 
+MAX_OPTION = 1 << 24
+"""Largest value of any ``key=N`` option (16,777,216): larger sizes overflow tensor shapes."""
+MAX_LAYERS = 1024
+"""Most layers (branches x layers) a zoo model may have: capture costs ~20 ms per layer and planning grows faster."""
+
+
 def parse_spec(spec: str) -> ModelSpec:
     """Parse ``NAME[:small|paper][,key=value...]``; errors list what is known.
 
@@ -221,8 +227,15 @@ def parse_spec(spec: str) -> ModelSpec:
             raise InputError(f"option {key} of model {name!r} must be an integer, got {value!r}") from None
         if number < 1:
             raise InputError(f"option {key} of model {name!r} must be >= 1, got {number}")
+        if number > MAX_OPTION:
+            raise InputError(f"option {key} of model {name!r} is {number}, more than the limit of {MAX_OPTION}")
         overrides[key] = number
     config = family.config(**{**family.presets[chosen], **overrides})
+    layers = (getattr(config, "branches", 1) * getattr(config, "layers", 1) + getattr(config, "head_layers", 0)
+              + getattr(config, "top_layers", 0))
+    if layers > MAX_LAYERS:
+        raise InputError(f"model {spec.strip()!r} has about {layers} layers (branches x layers), more than the "
+                         f"limit of {MAX_LAYERS}: capturing and planning it would not finish; use fewer")
     heads = getattr(config, "heads", None)
     if heads is not None and config.hidden % heads:
         raise InputError(f"model {name!r}: hidden ({config.hidden}) must be divisible by heads ({heads}); "

@@ -53,6 +53,9 @@ def run(args) -> int:
                   (args.gantt_pair, "--gantt-pair", IMAGE_SUFFIXES))  # before the run, not after it
     plan = read_plan(args.plan)
     options = options_from_args(args)
+    from graphpipe.runtime.launch import check_host_capacity
+
+    check_host_capacity(plan.cluster.num_devices)  # before the notes: nothing will run
     devices = _note_device(plan, options)
     log.info("running %s (%s, %s) on %d ranks, %d steps", args.plan, plan.model, plan.schedule.name,
              plan.cluster.num_devices, options.steps)

@@ -24,13 +24,22 @@ same bounds, linear in the size literals, lift the solver's bound. On the
 at 30 s on 2 workers from 7.1% to about 3% (``python -m graphpipe.evals.bench_cpsat``).
 
 Reproducibility: a solve that proves optimality within the limit always
-returns the same makespan; with one worker it also returns the same
-schedule. With several workers, the schedule among equal optima, and any
-result stopped by the time limit, depend on thread timing. CP-SAT's
-deterministic parallel mode (``interleave_search`` with a deterministic time
-limit) was tried and rejected: on the 8 x 32 transformer chain it stopped
-0.35% above the optimum after 55 s, where the default search proves the
-optimum in about 20 s.
+returns the same makespan, but with several workers the schedule among equal
+optima depends on thread timing (two runs of the same plan gave different
+orders and a different peak memory on one device). So an OPTIMAL answer is
+made canonical (:func:`_canonical_solve`): the optimum M is re-solved on a
+model built only from the inputs (no incumbent, no timing-dependent hint or
+pruning), constrained to makespan <= M, on one worker with a
+*deterministic* time limit (:data:`CANONICAL_SHARE` of the limit), stopping
+at the first solution. One worker with a deterministic limit is
+deterministic, so the same inputs and seed give the same sizes and order.
+Should it find nothing in its budget, the parallel solver's schedule is kept
+(same makespan) and ``canonical`` is False in the result. A FEASIBLE answer
+(stopped by the time limit) still depends on timing. CP-SAT's deterministic
+parallel mode (``interleave_search`` with a deterministic time limit) was
+tried for the whole solve and rejected: on the 8 x 32 transformer chain it
+stopped 0.35% above the optimum after 55 s, where the default search proves
+the optimum in about 20 s.
 
 Usage
 -----
@@ -108,6 +117,8 @@ class CpsatResult:
     pruned_sizes: tuple[tuple[int, ...], ...] = ()
     """Per stage, the candidate sizes left out of the full model because no schedule using
     them can beat the warm start (:func:`graphpipe.search.cpsat_model.prune_sizes`)."""
+    canonical: bool = False
+    """True when the schedule is the canonical one among the optima (reproducible; see the module docstring)."""
 
 
 def progress_writer(stream, min_interval_s: float = 1.0) -> Progress:
@@ -200,6 +211,9 @@ def _infeasible_message(data: ModelData, memory_bytes: float) -> str:
             f"must stay in flight meanwhile, but has {memory_bytes:.4g}; use more devices or smaller micro-batches")
 
 
+CANONICAL_SHARE = 0.2
+"""Share of the time limit reserved, in CP-SAT's deterministic time, for making an OPTIMAL schedule canonical."""
+
 ORDER_FIRST_SHARE = 0.25
 """With free micro-batch sizes, this share of the time limit first orders the
 tasks at fixed sizes (the input's, or one size for all stages where graph-1F1B
@@ -226,7 +240,8 @@ class _Incumbent:
 def solve(sg: StageGraph, cluster: Cluster, *, candidate_sizes: Sequence[int] | None = None,
           time_limit_s: float = 10.0, num_workers: int = 2, seed: int = 0, progress: Progress | None = None,
           hint_schedule: Schedule | None = None, per_stage_micro_batch: bool = True, uniform_size: bool = False,
-          memory: str = "cumulative", order_first: bool = True, prune: bool = True) -> CpsatResult:
+          memory: str = "cumulative", order_first: bool = True, prune: bool = True,
+          canonical: bool = True) -> CpsatResult:
     """Choose each stage's micro-batch size and every device's F/B order minimising the makespan.
 
     ``candidate_sizes`` (default: the divisors of the batch size) are
@@ -282,7 +297,7 @@ def solve(sg: StageGraph, cluster: Cluster, *, candidate_sizes: Sequence[int] | 
         try:
             first = solve(start_sg, cluster, time_limit_s=time_limit_s * ORDER_FIRST_SHARE, num_workers=num_workers,
                           seed=seed, progress=progress, hint_schedule=start_schedule, per_stage_micro_batch=False,
-                          memory=memory, order_first=False)
+                          memory=memory, order_first=False, canonical=False)
         except InfeasibleError:
             first = None  # these sizes cannot fit; smaller ones may
         if first is not None and not first.used_heuristic and first.makespan_s <= incumbent.makespan_s:
@@ -312,7 +327,9 @@ def solve(sg: StageGraph, cluster: Cluster, *, candidate_sizes: Sequence[int] | 
     solver = cp_model.CpSolver()
     # The whole call stays within the limit: phase 2 gets what phase 1 and
     # model building left (at least a tenth, should phase 1 overrun).
-    solver.parameters.max_time_in_seconds = max(time_limit_s - (time.monotonic() - began), 0.1 * time_limit_s)
+    reserve = CANONICAL_SHARE * time_limit_s if canonical else 0.0
+    solver.parameters.max_time_in_seconds = max(time_limit_s - reserve - (time.monotonic() - began),
+                                                0.1 * time_limit_s)
     solver.parameters.num_workers = num_workers
     solver.parameters.random_seed = seed
     callback = None
@@ -347,6 +364,16 @@ def solve(sg: StageGraph, cluster: Cluster, *, candidate_sizes: Sequence[int] | 
         return fallback("UNKNOWN", f"CP-SAT found no schedule within the {time_limit_s:g} s time limit "
                                    f"({status_name}); raise the time limit")
 
+    is_canonical = False
+    if canonical and status == cp_model.OPTIMAL:
+        found = _canonical_solve(sg, cluster, candidates, heuristic, heuristic_ms, uniform_size, memory,
+                                 round(solver.objective_value), unit, seed, reserve)
+        if found is not None:
+            data, cm, solver = found
+            is_canonical = True
+        else:
+            log.warning("cpsat: no canonical schedule within %.1f s of deterministic time; keeping the solver's "
+                        "(same makespan, order may differ between runs)", reserve)
     sizes = [next(b for b in data.candidates[s] if solver.boolean_value(cm.use[s, b])) for s in range(sg.num_stages)]
     starts = {(s, kind, j): solver.value(cm.start[s, sizes[s], kind, j])
               for s in range(sg.num_stages) for kind in ("F", "B") for j in range(data.num_mbs(sizes[s]))}
@@ -366,7 +393,38 @@ def solve(sg: StageGraph, cluster: Cluster, *, candidate_sizes: Sequence[int] | 
     log.info("cpsat: %s", message)
     return CpsatResult(stage_graph=new_sg, schedule=schedule, makespan_s=simulated, lower_bound_s=lower_bound,
                        gap=gap, status=status_name, used_heuristic=False, message=message, solver_makespan_s=solver_ms,
-                       **common)
+                       canonical=is_canonical, **common)
+
+
+def _canonical_solve(sg: StageGraph, cluster: Cluster, candidates, heuristic: Schedule, heuristic_ms: float,
+                     uniform: bool, memory: str, optimum_ticks: int, unit_s: float, seed: int, budget_s: float):
+    """The first schedule of makespan <= the optimum that one deterministic worker finds; None if none in budget.
+
+    Everything it sees is a function of the inputs: the model is rebuilt from
+    the candidates (not from the incumbent-pruned model), pruned by the
+    optimum, and hinted with graph-1F1B; the limit is deterministic time.
+    """
+    data = model_data(sg, cluster, candidates, reference_s=heuristic_ms, uniform=uniform)
+    if data.unit_s != unit_s:  # same inputs give the same tick; anything else is a bug worth not hiding
+        return None
+    kept, pruned = prune_sizes(data, optimum_ticks)
+    if pruned:
+        data = model_data(sg, cluster, kept, reference_s=heuristic_ms, uniform=uniform)
+    cm = build_model(data, memory=memory, upper_bound=optimum_ticks)
+    cm.model.add(cm.makespan <= optimum_ticks)
+    warm = _replay_warm_start(data, sg, heuristic)
+    if warm:
+        add_hint(cm, [st.micro_batch_size for st in sg.stages], warm[0], warm[1])
+    solver = cp_model.CpSolver()
+    solver.parameters.num_workers = 1
+    solver.parameters.random_seed = seed
+    solver.parameters.stop_after_first_solution = True
+    solver.parameters.max_deterministic_time = max(budget_s, 1.0)
+    solver.parameters.max_time_in_seconds = 4 * max(budget_s, 1.0) + 5  # a safety net only: det. time decides
+    status = solver.solve(cm.model)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return None
+    return data, cm, solver
 
 
 def _start_sizes(sg: StageGraph, cluster: Cluster, candidates: Sequence[Sequence[int]], heuristic: Schedule,
@@ -427,5 +485,5 @@ def optimize_plan(plan: Plan, time_limit_s: float = 10.0, num_workers: int = 2, 
     search.update(lower_bound_s=result.lower_bound_s, gap=result.gap, cpsat_status=result.status,
                   cpsat_time_s=result.solve_time_s, heuristic_makespan_s=result.heuristic_makespan_s,
                   cpsat_used_heuristic=result.used_heuristic, cpsat_message=result.message,
-                  cpsat_pruned_sizes=pruned)
+                  cpsat_pruned_sizes=pruned, cpsat_canonical=result.canonical)
     return replace(plan, stage_graph=result.stage_graph, schedule=schedule, predicted=predicted, search=search)
