@@ -56,6 +56,7 @@ from graphpipe.actions import Action
 from graphpipe.runtime.batchnorm import sharded_batchnorms
 from graphpipe.runtime.comm import Mailbox
 from graphpipe.runtime.rng import ShardContext
+from graphpipe.runtime.measure import SavedBytesMeter
 from graphpipe.runtime.routing import Routing
 from graphpipe.runtime.stage_modules import StageProgram, ValueMeta
 from graphpipe.stages import StageGraph
@@ -91,6 +92,10 @@ class StepResult:
     records: list[TimedAction] = field(default_factory=list)
     t0: float = 0.0
     """This rank's ``time.perf_counter()`` at the shared start (records are relative to it)."""
+    peak_saved_bytes: int = 0
+    """Peak bytes of tensors saved for backward on this rank during the iteration (:class:`SavedBytesMeter`)."""
+    cuda_peak_bytes: int | None = None
+    """``torch.cuda.max_memory_allocated`` over the iteration on a CUDA rank; None on CPU."""
 
 
 def zero_grads(params: Sequence[torch.nn.Parameter]) -> None:
@@ -177,6 +182,9 @@ class RankExecutor:
         self.step = 0
         self.batchnorm = batchnorm
         self.tied = tuple(tied)
+        self.saved_meter = SavedBytesMeter(p for prog in self.programs.values() for p in prog.module.parameters())
+        self._redo_bytes: dict[int, int] = {}  # per re-materializing stage: its B's working set (probed once)
+        self._stash: dict[tuple[int, int], list] = {}  # inputs a checkpointed (stage, mb) keeps until its B
         self._fail_at = fault.at if fault is not None and fault.rank == rank else None
         self._fault_text = fault.describe() if fault is not None else ""
 
@@ -208,6 +216,8 @@ class RankExecutor:
 
     def _shard_rows(self, stage_id: int, mb_id: int, replica: int) -> slice:
         stage = self.sg.stages[stage_id]
+        if stage.round_robin:  # 1F1B-RR: this replica holds the whole micro-batch
+            return slice(mb_id * stage.micro_batch_size, (mb_id + 1) * stage.micro_batch_size)
         per = stage.micro_batch_size // stage.num_replicas
         lo = mb_id * stage.micro_batch_size + replica * per
         return slice(lo, lo + per)
@@ -244,13 +254,16 @@ class RankExecutor:
         ctx = ShardContext(self.seed, self.step, rows.start, rows.stop - rows.start,
                            a.mb_id * stage.micro_batch_size, stage.micro_batch_size)
         args = [values[n] for n in prog.input_names]
-        if stage.recompute:  # re-materialization: keep the inputs, re-run the forward inside B (non-reentrant)
-            sent, out = torch.utils.checkpoint.checkpoint(prog.module, *args, ctx, use_reentrant=False)
-        else:
-            sent, out = prog.module(*args, ctx)
-        loss = None
-        if prog.is_sink:
-            loss = self.loss_fn(out) * ((rows.stop - rows.start) / self.sg.batch_size)
+        with self.saved_meter.hooks():  # activation memory, measured (runtime/measure.py)
+            if stage.recompute:  # re-materialization: keep the inputs, re-run the forward inside B (non-reentrant)
+                sent, out = torch.utils.checkpoint.checkpoint(prog.module, *args, ctx, use_reentrant=False)
+                self._stash[(a.stage_id, a.mb_id)] = [self.saved_meter.hold(t) for t in args
+                                                     if isinstance(t, torch.Tensor)]
+            else:
+                sent, out = prog.module(*args, ctx)
+            loss = None
+            if prog.is_sink:
+                loss = self.loss_fn(out) * ((rows.stop - rows.start) / self.sg.batch_size)
         by_name = dict(zip(prog.output_names, sent))
         self._sync()
         end = time.perf_counter()  # compute ends here; messages leave after it (the simulator's semantics)
@@ -259,6 +272,8 @@ class RankExecutor:
             for value in self._edge_values[(piece.producer, piece.consumer)]:
                 self.mailbox.send(dst, Routing.key("F", piece, value), by_name[value][piece.producer_rows])
         saved[(a.stage_id, a.mb_id)] = (leaves, by_name, loss)
+        if stage.recompute and a.stage_id not in self._redo_bytes:  # once, after the timed compute
+            self._redo_bytes[a.stage_id] = self.saved_meter.probe(prog.module, *args, ctx)
         return ready_at - t0, start - t0, end - t0, float(loss.detach()) if loss is not None else 0.0
 
     def _backward(self, a: Action, saved: dict, t0: float) -> tuple[float, float, float]:
@@ -293,8 +308,12 @@ class RankExecutor:
             if out.requires_grad:
                 tensors.append(out)
                 grad_tensors.append(g)
+        redo = self._redo_bytes.get(a.stage_id, 0) if self.sg.stages[a.stage_id].recompute else 0
+        self.saved_meter.add(redo)  # the checkpoint rebuilds the stage's activations for this backward
         if tensors:
             torch.autograd.backward(tensors, grad_tensors)
+        self.saved_meter.add(-redo)
+        self._stash.pop((a.stage_id, a.mb_id), None)
         self._sync()
         end = time.perf_counter()
         for piece in self.routing.incoming(a.stage_id, a.mb_id, q):
@@ -316,6 +335,10 @@ class RankExecutor:
         """
         self.step = step
         self.mailbox.reset()
+        self.saved_meter.reset()
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
         saved: dict = {}
         records: list[TimedAction] = []
         loss_sum = 0.0
@@ -353,7 +376,8 @@ class RankExecutor:
         self._sum_tied_gradients()
         self.mailbox.flush()
         self._sync()
-        return StepResult(time.perf_counter() - t0, loss_sum, records, t0)
+        return StepResult(time.perf_counter() - t0, loss_sum, records, t0, self.saved_meter.peak,
+                          torch.cuda.max_memory_allocated(self.device) if cuda else None)
 
     def _commit_batchnorms(self) -> None:
         """Deferred running statistics of every BatchNorm here, stage by stage (replicas merge their shards)."""
@@ -363,7 +387,7 @@ class RankExecutor:
             if stage.num_replicas > 1 and self.batchnorm != "sync":
                 group = self.dp_groups[stage.devices]
             for bn in sharded_batchnorms(self.programs[stage_id].module):
-                bn.commit(group, stage.micro_batch_size // stage.num_replicas, self.sg.batch_size)
+                bn.commit(group, int(stage.samples_per_replica), self.sg.batch_size)
 
     def _sum_tied_gradients(self) -> None:
         """Every copy of a tied parameter gets the sum of all copies' gradients (each stage's counted once)."""

@@ -15,12 +15,109 @@ issue to observed completion. The iteration time is the measured one
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Iterable, Mapping
 
 from graphpipe.actions import Action
 from graphpipe.plan import Plan
 
-__all__ = ["measured_timeline", "summarize", "format_summary"]
+__all__ = ["measured_timeline", "summarize", "format_summary", "memory_error", "SavedBytesMeter"]
+
+
+class SavedBytesMeter:
+    """Live and peak bytes of the tensors autograd keeps for backward on one rank (DESIGN §4's activations).
+
+    :meth:`hooks` installs ``torch.autograd.graph.saved_tensors_hooks``:
+    every tensor a forward saves is counted once per storage (views of one
+    activation share it) until autograd releases it -- the packed handle's
+    finalizer runs when the saved variable is freed, after the node's
+    backward or with its graph -- so on CPU the peak is exact. Parameters
+    (model state, not activations) are not counted.
+
+    A re-materializing stage runs under ``torch.utils.checkpoint``, whose
+    own hooks take its saves: :meth:`hold` counts the inputs the checkpoint
+    keeps (the stash), and :meth:`add` / ``add(-n)`` the working set its B
+    rebuilds, measured once per stage by :meth:`probe` (the same forward
+    under these hooks, outside the timed region).
+
+    >>> import torch
+    >>> meter = SavedBytesMeter(())
+    >>> x = torch.ones(4, 8, requires_grad=True)
+    >>> with meter.hooks():
+    ...     y = (x * x).sum()           # mul saves both operands: one storage, counted once
+    >>> meter.live, meter.peak
+    (128, 128)
+    >>> y.backward(); del y
+    >>> meter.live
+    0
+    """
+
+    def __init__(self, exclude: Iterable[Any]) -> None:
+        self._excluded = {t.untyped_storage().data_ptr() for t in exclude}
+        self._count: dict[int, int] = {}
+        self._size: dict[int, int] = {}
+        self.live = 0
+        self.peak = 0
+
+    def reset(self) -> None:
+        """Start a new iteration's peak at what is live now."""
+        self.peak = self.live
+
+    def add(self, nbytes: int) -> None:
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+
+    def hold(self, tensor: Any) -> Any:
+        """Count ``tensor`` as saved until the returned handle is dropped (a parameter: not counted)."""
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key in self._excluded or storage.nbytes() == 0:
+            return tensor
+        if key not in self._count:
+            self._count[key] = 0
+            self._size[key] = storage.nbytes()
+            self.add(storage.nbytes())
+        self._count[key] += 1
+        return _Held(tensor, self, key)
+
+    def _release(self, key: int) -> None:
+        self._count[key] -= 1
+        if not self._count[key]:
+            del self._count[key]
+            self.live -= self._size.pop(key)
+
+    @contextlib.contextmanager
+    def hooks(self):
+        import torch
+
+        def unpack(packed):
+            return packed.tensor if isinstance(packed, _Held) else packed
+
+        with torch.autograd.graph.saved_tensors_hooks(self.hold, unpack):
+            yield self
+
+    def probe(self, fn, *args) -> int:
+        """Peak saved bytes of ``fn(*args)`` under autograd, counted apart and then discarded."""
+        import torch
+
+        probe = SavedBytesMeter(())
+        probe._excluded = self._excluded
+        with torch.enable_grad(), probe.hooks():
+            out = fn(*args)
+        del out
+        return probe.peak
+
+
+class _Held:
+    """A saved tensor and the meter counting it; the count drops when autograd frees the saved variable."""
+
+    __slots__ = ("tensor", "_meter", "_key", "__weakref__")
+
+    def __init__(self, tensor: Any, meter: SavedBytesMeter, key: int) -> None:
+        self.tensor, self._meter, self._key = tensor, meter, key
+
+    def __del__(self) -> None:
+        self._meter._release(self._key)
 
 
 def measured_timeline(plan: Plan, records: Iterable[Mapping[str, Any]], iteration_time_s: float | None = None):
@@ -50,7 +147,7 @@ def measured_timeline(plan: Plan, records: Iterable[Mapping[str, Any]], iteratio
 def summarize(plan: Plan, result: Mapping[str, Any]) -> dict[str, Any]:
     """The ``--json`` object: measured figures, the plan's predicted figures, the check."""
     predicted = dict(plan.predicted)
-    if not predicted:
+    if not predicted or "peak_activation_bytes" not in predicted:  # plans made before issue 15 lack it
         from graphpipe.sched import predicted_figures, simulate
 
         predicted = predicted_figures(simulate(plan.stage_graph, plan.schedule, plan.cluster))
@@ -61,7 +158,7 @@ def summarize(plan: Plan, result: Mapping[str, Any]) -> dict[str, Any]:
                  "num_stages": plan.stage_graph.num_stages},
         "measured": measured,
         "predicted": {k: predicted[k] for k in ("iteration_time_s", "throughput", "bubble_fraction",
-                                                "peak_memory_bytes") if k in predicted},
+                                                "peak_memory_bytes", "peak_activation_bytes") if k in predicted},
         "losses": result.get("losses", []),
         "backend": result.get("backend"),
     }
@@ -69,11 +166,23 @@ def summarize(plan: Plan, result: Mapping[str, Any]) -> dict[str, Any]:
         doc["rank_cpus"] = result["rank_cpus"]
     if "iteration_time_s" in predicted and measured.get("iteration_time_s"):
         doc["prediction_error"] = abs(predicted["iteration_time_s"] - measured["iteration_time_s"]) / measured["iteration_time_s"]
+    if measured.get("peak_activation_bytes") and predicted.get("peak_activation_bytes"):
+        doc["memory_error"] = memory_error(measured["peak_activation_bytes"], predicted["peak_activation_bytes"])
     if "check" in result:
         doc["check"] = result["check"]
     if "baseline" in result:
         doc["baseline"] = result["baseline"]
     return doc
+
+
+def memory_error(measured: Iterable[float], predicted: Iterable[float]) -> float:
+    """Worst relative error of measured activation bytes against predicted, over devices with a prediction.
+
+    >>> memory_error([90.0, 0.0], [100.0, 0.0])
+    0.1
+    """
+    errors = [abs(m - p) / p for m, p in zip(measured, predicted) if p > 0]
+    return max(errors, default=0.0)
 
 
 def format_summary(summary: dict) -> str:
@@ -88,6 +197,11 @@ def format_summary(summary: dict) -> str:
     if "iteration_time_s" in p:
         lines.append(f"predicted: iteration {p['iteration_time_s'] * 1e3:.3f} ms  throughput {p['throughput']:.1f} samples/s"
                      f"  (error {summary.get('prediction_error', float('nan')) * 100:.1f}% of measured)")
+    if "memory_error" in summary:
+        mm, pp = m["peak_activation_bytes"], p["peak_activation_bytes"]
+        lines.append("activations (MB per device, measured / predicted): "
+                     + " ".join(f"{a / 1e6:.3g}/{b / 1e6:.3g}" for a, b in zip(mm, pp))
+                     + f"  (worst error {summary['memory_error'] * 100:.1f}% of predicted)")
     if summary.get("losses"):
         lines.append("loss per step: " + " ".join(f"{x:.6g}" for x in summary["losses"]))
     if "check" in summary:

@@ -144,7 +144,7 @@ def run_job(rank: int, world_size: int, plan: Plan, options: RunOptions, device:
         from graphpipe.runtime.batchnorm import sharded_batchnorms
 
         for s, prog in programs.items():
-            if sg.stages[s].num_replicas > 1:
+            if sg.stages[s].num_replicas > 1 and not sg.stages[s].round_robin:  # round-robin: whole mbs already
                 for bn in sharded_batchnorms(prog.module):
                     bn.group = dp_groups[sg.stages[s].devices]
     layout = reference_layout(plan, dict(split.node_stages), batchnorm)
@@ -186,9 +186,19 @@ def run_job(rank: int, world_size: int, plan: Plan, options: RunOptions, device:
                            check_stats[2] + grads[2], check_stats[3] + bufs[2]]
         if optimizer is not None:
             optimizer.step()
+    # Activation memory per device (rank = device): peak bytes saved for backward, and CUDA's allocator peak.
+    timed = steps[options.warmup_steps:] or steps
+    mem = torch.tensor([float(max(s.peak_saved_bytes for s in timed)),
+                        float(max(s.cuda_peak_bytes or 0 for s in timed))], dtype=torch.float64)
+    mems = [torch.zeros_like(mem) for _ in range(world_size)]
+    dist.all_gather(mems, mem, group=control)
     out = finish_job(rank, world_size, plan, options, [s.iteration_time_s for s in steps], [s.loss for s in steps],
                      tuple(check_stats), reference, records=[[asdict(r) for r in s.records] for s in steps],
                      backend=backend, starts=[s.t0 for s in steps], control=control)
+    if out is not None:
+        out["measured"]["peak_activation_bytes"] = [float(m[0]) for m in mems]
+        if any(s.cuda_peak_bytes is not None for s in timed):
+            out["measured"]["cuda_max_memory_allocated_bytes"] = [float(m[1]) for m in mems]
     if out is not None and "check" in out and unseeded:
         out["check"]["unseeded_ops"] = unseeded
     return out
