@@ -145,6 +145,9 @@ class StageGraph:
         for stage in self.stages:
             if self.batch_size % stage.micro_batch_size:
                 raise PlanError(f"stage {stage.id}: micro-batch size {stage.micro_batch_size} does not divide the batch size {self.batch_size}")
+            if stage.round_robin and self.batch_size // stage.micro_batch_size < stage.num_replicas:
+                raise PlanError(f"stage {stage.id}: {stage.num_replicas} round-robin replicas but only "
+                                f"{self.batch_size // stage.micro_batch_size} micro-batches; each replica needs one")
             if not stage.round_robin and stage.micro_batch_size % stage.num_replicas:
                 raise PlanError(f"stage {stage.id}: micro-batch size {stage.micro_batch_size} is not divisible by its {stage.num_replicas} replicas")
         # Convexity of each stage: no path leaves the stage and comes back.

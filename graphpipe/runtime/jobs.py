@@ -269,7 +269,7 @@ def reference_layout(plan: Plan, node_stages: dict[str, int], batchnorm: str) ->
     layout = {}
     for node, stage_id in node_stages.items():
         stage = plan.stage_graph.stages[stage_id]
-        shard = stage.micro_batch_size // stage.num_replicas
+        shard = int(stage.samples_per_replica)  # round-robin replicas hold whole micro-batches
         layout[node] = {"dropout": shard, "batchnorm": stage.micro_batch_size if batchnorm == "sync" else shard}
     return layout
 

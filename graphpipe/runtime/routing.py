@@ -5,7 +5,9 @@ crossing every stage edge it derives
 
 * the *pieces* of every stage edge. Micro-batch ``i`` of a stage with size
   ``b`` holds the samples ``[i*b, (i+1)*b)``; replica ``q`` of ``r`` holds
-  the ``q``-th ``b/r`` of them. A piece is the non-empty intersection of a
+  the ``q``-th ``b/r`` of them (``split`` replicas); a ``round-robin``
+  stage's micro-batch ``i`` is held whole by replica ``i mod r`` (PipeDream's
+  1F1B-RR). A piece is the non-empty intersection of a
   producer (micro-batch, replica) with a consumer (micro-batch, replica): one
   rectangle of rows that travels as one message per value. This one rule
   covers equal micro-batch sizes (one piece per micro-batch), a consumer
@@ -44,7 +46,7 @@ from graphpipe.actions import Schedule
 from graphpipe.errors import PlanError
 from graphpipe.stages import StageGraph
 
-__all__ = ["Piece", "MessageKey", "edge_pieces", "Routing"]
+__all__ = ["Piece", "MessageKey", "edge_pieces", "shard_size", "Routing"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,17 +80,35 @@ class Piece:
 MessageKey = tuple[str, int, int, int, int, int, int, str]
 
 
+def _shard(stage, v: int) -> tuple[int, int]:
+    """(micro-batch, replica) of a stage's ``v``-th shard in sample order (:func:`shard_size` rows each)."""
+    return (v, v % stage.num_replicas) if stage.round_robin else divmod(v, stage.num_replicas)
+
+
+def shard_size(stage) -> int:
+    """Rows one replica holds per micro-batch: all of them round-robin, ``b / r`` split."""
+    return stage.micro_batch_size if stage.round_robin else stage.micro_batch_size // stage.num_replicas
+
+
 def edge_pieces(sg: StageGraph, producer: int, consumer: int) -> list[Piece]:
-    """All pieces of stage edge ``producer -> consumer``, by consumer shard then sample."""
+    """All pieces of stage edge ``producer -> consumer``, by consumer shard then sample.
+
+    >>> from graphpipe.graph import Op, OpGraph
+    >>> from graphpipe.stages import Stage, StageGraph
+    >>> g = OpGraph.build("two", [Op("a", "x"), Op("b", "x")], [("a", "b", 4.0)])
+    >>> sg = StageGraph.build(g, [Stage(0, (0,), (0, 1, 2), 2, replica_mode="round-robin"),
+    ...                           Stage(1, (1,), (3,), 2)], 8, 4)
+    >>> [(p.producer_mb, p.producer_replica, p.lo, p.hi) for p in edge_pieces(sg, 0, 1)]
+    [(0, 0, 0, 2), (1, 1, 2, 4), (2, 2, 4, 6), (3, 0, 6, 8)]
+    """
     ps, cs = sg.stages[producer], sg.stages[consumer]
-    sp = ps.micro_batch_size // ps.num_replicas
-    sc = cs.micro_batch_size // cs.num_replicas
+    sp, sc = shard_size(ps), shard_size(cs)
     pieces = []
     for u in range(sg.batch_size // sc):  # consumer shards in sample order
-        j, k = divmod(u, cs.num_replicas)
+        j, k = _shard(cs, u)
         c_lo, c_hi = u * sc, (u + 1) * sc
         for v in range(c_lo // sp, (c_hi - 1) // sp + 1):  # producer shards overlapping it
-            i, q = divmod(v, ps.num_replicas)
+            i, q = _shard(ps, v)
             lo, hi = max(c_lo, v * sp), min(c_hi, (v + 1) * sp)
             pieces.append(Piece(producer, consumer, i, q, j, k, lo, hi, v * sp, c_lo))
     return pieces

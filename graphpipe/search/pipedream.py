@@ -109,8 +109,8 @@ def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: Search
     for b in sizes:
         sol = solve_levels(states, graph, b, levels, memory_bytes=cluster.memory_bytes,
                            state_per_byte=cluster.state_bytes(1.0), num_micro_batches=batch_size // b)
-        if sol is None:
-            continue
+        if sol is None or max(r for _, r, _ in sol.stages) > batch_size // b:
+            continue  # nothing fits, or a round-robin stage has more replicas than micro-batches
         stages = [Stage(q, ops, devices, b, replica_mode=REPLICA_MODE if r > 1 else "split")
                   for q, (ops, r, devices) in enumerate(sol.stages)]
         sg = StageGraph.build(graph, stages, batch_size, cluster.num_devices, sequential=True)
