@@ -1,0 +1,138 @@
+"""Issue 20, runs: signals end every rank, a hung rank is named, -v shows progress, devices are compared.
+
+Every test drives ``graphpipe run`` as a process, as a scheduler or a
+terminal would: SIGTERM (a scheduler's kill), SIGKILL, Ctrl-C (SIGINT to the
+terminal's foreground process group) while the ranks start. "No rank alive"
+means no rank process exists any more (a zombie waiting to be reaped counts
+as dead: it runs nothing).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+GRAPHPIPE = [sys.executable, "-m", "graphpipe"]
+STARTED = re.compile(r"started (\d+) ranks \(pids ([\d, ]+)\)")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+def _wait_all_gone(pids: list[int], within_s: float) -> list[int]:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        left = [p for p in pids if _alive(p)]
+        if not left:
+            return []
+        time.sleep(0.2)
+    return [p for p in pids if _alive(p)]
+
+
+@pytest.fixture(scope="module")
+def plan_file(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("runs") / "plan.json"
+    proc = subprocess.run(GRAPHPIPE + ["plan", "mmt:small", "-n", "2", "-b", "4", "--out", str(path)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return str(path)
+
+
+def _start_run(plan_file: str, *extra: str, new_session: bool = False):
+    """Start ``graphpipe -v run`` for many steps; return (process, rank pids) once it says the ranks started."""
+    proc = subprocess.Popen(GRAPHPIPE + ["-v", "run", plan_file, "--steps", "100000", *extra],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=new_session)
+    lines = []
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        if not line:
+            break
+        lines.append(line)
+        match = STARTED.search(line)
+        if match:
+            return proc, [int(p) for p in match.group(2).split(",")], lines
+    proc.kill()
+    pytest.fail("graphpipe run never said its ranks started:\n" + "".join(lines))
+
+
+def _finish(proc) -> tuple[int, str]:
+    try:
+        _, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+        pytest.fail("graphpipe run did not exit after the signal")
+    return proc.returncode, err
+
+
+def test_sigterm_ends_every_rank(plan_file):
+    """A scheduler's kill: the launcher exits 143 and no rank is alive 10 s later."""
+    proc, pids, _ = _start_run(plan_file)
+    time.sleep(3)  # the ranks are importing torch / joining the process group
+    proc.send_signal(signal.SIGTERM)
+    code, err = _finish(proc)
+    assert code == 128 + signal.SIGTERM, err
+    assert "Traceback" not in err, err
+    assert _wait_all_gone(pids, 10) == []
+
+
+def test_sigkill_of_the_launcher_ends_every_rank(plan_file):
+    """No Python code runs on SIGKILL: the kernel's parent-death signal ends the ranks."""
+    proc, pids, _ = _start_run(plan_file)
+    time.sleep(3)
+    proc.kill()
+    proc.wait(timeout=30)
+    assert _wait_all_gone(pids, 10) == []
+
+
+def test_ctrl_c_during_rank_start_up_is_one_line(plan_file):
+    """Ctrl-C reaches the terminal's foreground group: the launcher only (ranks have their own groups),
+    so there is no KeyboardInterrupt traceback per rank; exit 130 and every rank ends."""
+    proc, pids, _ = _start_run(plan_file, new_session=True)
+    os.killpg(proc.pid, signal.SIGINT)  # what the terminal does on Ctrl-C, while the ranks start
+    code, err = _finish(proc)
+    assert code == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert "graphpipe: interrupted" in err
+    assert _wait_all_gone(pids, 10) == []
+
+
+def test_a_hung_rank_0_is_named_not_the_idle_rank_that_timed_out(tmp_path):
+    """Rank 0 goes silent at its first F; its peers (and an idle rank 3) time out: rank 0 is reported."""
+    plan = tmp_path / "p4.json"
+    proc = subprocess.run(GRAPHPIPE + ["plan", "mmt:small", "-n", "4", "-b", "8", "--out", str(plan)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "uses 3 of 4 devices" in proc.stderr  # rank 3 is idle, as in the issue
+    proc = subprocess.run(GRAPHPIPE + ["run", str(plan), "--steps", "2", "--timeout", "5"], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "GRAPHPIPE_FAIL_RANK": "0",
+                                                       "GRAPHPIPE_FAIL_AT": "hang"})
+    assert proc.returncode == 1, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("graphpipe: error: rank 0 stopped answering"), proc.stderr
+
+
+def test_verbose_run_shows_progress_and_both_devices(plan_file):
+    """-v prints progress; a V100 plan run on CPU says so next to the prediction error."""
+    proc = subprocess.run(GRAPHPIPE + ["-v", "run", plan_file, "--steps", "2", "--json"], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "graphpipe: launch: started 2 ranks" in proc.stderr
+    assert "graphpipe: run_cmd: all ranks finished" in proc.stderr
+    assert "the plan was made for V100-16GB; this run is on CPU" in proc.stderr
+    summary = json.loads(proc.stdout)
+    assert summary["devices"]["planned"] == "V100-16GB" and summary["devices"]["run"].startswith("CPU")
