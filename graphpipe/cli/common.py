@@ -14,7 +14,7 @@ from graphpipe.errors import InputError
 from graphpipe.models import MODEL_HELP, ModelSource, load_model
 
 __all__ = ["ModelSource", "load_model", "print_json", "add_model_argument", "shared_host", "check_outputs",
-           "JSON_SUFFIXES", "IMAGE_SUFFIXES", "MAX_BATCH_SIZE", "MAX_MICRO_BATCHES", "check_batch"]
+           "JSON_SUFFIXES", "IMAGE_SUFFIXES", "MAX_BATCH_SIZE", "MAX_TIME_LIMIT_S", "MAX_MICRO_BATCHES", "check_batch"]
 
 JSON_SUFFIXES = (".json",)
 IMAGE_SUFFIXES = (".png", ".svg", ".pdf", ".jpg", ".jpeg", ".eps", ".ps")
@@ -22,6 +22,8 @@ IMAGE_SUFFIXES = (".png", ".svg", ".pdf", ".jpg", ".jpeg", ".eps", ".ps")
 
 MAX_BATCH_SIZE = 1 << 20
 """Largest mini-batch planned (1,048,576 samples): micro-batch counts beyond it make schedules too long to build."""
+MAX_TIME_LIMIT_S = 86400.0
+"""Longest CP-SAT time limit (a day): ``inf`` or ``nan`` would let a solve run until killed."""
 MAX_MICRO_BATCHES = 4096
 """Most micro-batches per stage for a forced --micro-batch-size (a schedule of 4,096 takes seconds to build)."""
 

@@ -19,6 +19,7 @@ import logging
 import sys
 from typing import Any
 
+from graphpipe.cli.common import MAX_TIME_LIMIT_S
 from graphpipe.errors import InputError
 
 __all__ = ["register", "run", "format_plan", "format_compare"]
@@ -76,8 +77,8 @@ def run(args) -> int:
     if args.devices < 1:
         raise InputError(f"--devices must be >= 1, got {args.devices}")
     check_batch(args.batch_size, args.micro_batch_size)
-    if args.time_limit is not None and not args.time_limit > 0:
-        raise InputError(f"--time-limit must be > 0 seconds, got {args.time_limit}")
+    if args.time_limit is not None and not 0 < args.time_limit <= MAX_TIME_LIMIT_S:
+        raise InputError(f"--time-limit must be > 0 and at most {MAX_TIME_LIMIT_S:g} seconds, got {args.time_limit}")
     if args.compare and (args.out or args.schedule):
         raise InputError("--compare runs every strategy with its own schedule; drop --out/--schedule")
     check_outputs((args.out, "--out", JSON_SUFFIXES))

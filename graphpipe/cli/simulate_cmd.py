@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import sys
 
+from graphpipe.cli.common import MAX_TIME_LIMIT_S
 from graphpipe.errors import InputError, ScheduleError
 
 __all__ = ["register", "run", "format_summary"]
@@ -73,8 +74,8 @@ def _run(args) -> int:
     if args.schedule is None:
         validate_plan(plan)
     elif args.schedule.lower() == "cpsat":
-        if not args.time_limit > 0:
-            raise InputError(f"--time-limit must be > 0 seconds, got {args.time_limit}")
+        if not 0 < args.time_limit <= MAX_TIME_LIMIT_S:
+            raise InputError(f"--time-limit must be > 0 and at most {MAX_TIME_LIMIT_S:g} seconds, got {args.time_limit}")
         from graphpipe.search.cpsat import optimize_plan, progress_writer  # lazy: sched never imports search, the CLI may
 
         plan = optimize_plan(plan, time_limit_s=args.time_limit, progress=progress_writer(sys.stderr))
