@@ -19,8 +19,8 @@ in the plan (``Plan.batchnorm``) and used by the single-process reference of
     table per BatchNorm once per step.
 ``sync``
     replicas of a stage normalise a micro-batch with the statistics of all
-    its shards (as ``nn.SyncBatchNorm``): two differentiable all-reduces of
-    ``C`` floats per BatchNorm call in the forward and two in the backward,
+    its shards (as ``nn.SyncBatchNorm``): two all-reduces of ``C`` floats per
+    BatchNorm call in the forward (mean, then variance) and two in the backward,
     on the critical path of every micro-batch. Running statistics as above.
     Stages with one replica behave as ``per-micro-batch``.
 
@@ -124,21 +124,19 @@ class ShardedBatchNorm(nn.Module):
 
     def _sync_piece(self, piece: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Normalise with the mean and variance over every replica's shard (differentiable all-reduces)."""
-        from torch.distributed.nn.functional import all_reduce
-
         dims = [0] + list(range(2, piece.dim()))
         shape = (1, -1) + (1,) * (piece.dim() - 2)
-        count = torch.tensor(float(piece.numel() // piece.shape[1]), dtype=piece.dtype)
-        count = all_reduce(count, group=self.group)
-        mean = all_reduce(piece.sum(dims), group=self.group) / count
+        # replicas hold equal shards of a micro-batch (routing's rule), so the count needs no message
+        count = float(piece.numel() // piece.shape[1] * dist.get_world_size(self.group))
+        mean = _AllReduceSum.apply(piece.sum(dims), self.group) / count
         centred = piece - mean.reshape(shape)
-        var = all_reduce((centred * centred).sum(dims), group=self.group) / count
+        var = _AllReduceSum.apply((centred * centred).sum(dims), self.group) / count
         y = centred * torch.rsqrt(var + self.eps).reshape(shape)
         if self.weight is not None:
             y = y * self.weight.reshape(shape) + self.bias.reshape(shape)
         with torch.no_grad():
-            n = count.double()
-            stats = torch.cat([n.reshape(1), mean.double() * n, (var.double() + mean.double() ** 2) * n])
+            n = torch.tensor([count], dtype=torch.float64)
+            stats = torch.cat([n, mean.double() * count, (var.double() + mean.double() ** 2) * count])
         return y, stats
 
     @torch.no_grad()
@@ -178,6 +176,23 @@ class ShardedBatchNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, sync={self.group is not None}"
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over ``group``; the gradient of a sum over replicas is the sum of their gradients."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
 
 
 def _stats(piece: torch.Tensor) -> torch.Tensor:

@@ -384,8 +384,8 @@ class RankExecutor:
         for stage_id in sorted(self.programs):
             stage = self.sg.stages[stage_id]
             group = None
-            if stage.num_replicas > 1 and self.batchnorm != "sync":
-                group = self.dp_groups[stage.devices]
+            if stage.num_replicas > 1 and (self.batchnorm != "sync" or stage.round_robin):
+                group = self.dp_groups[stage.devices]  # replicas hold different rows' statistics: merge them
             for bn in sharded_batchnorms(self.programs[stage_id].module):
                 bn.commit(group, int(stage.samples_per_replica), self.sg.batch_size)
 
