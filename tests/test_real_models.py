@@ -42,9 +42,9 @@ def planned(spec: str, strategy: str, num_devices: int, micro_batch_size: int = 
                      SearchOptions(micro_batch_size=micro_batch_size))
 
 
-def hand_built(spec, groups, devices, mbs, num_devices, schedule, batchnorm="per-micro-batch") -> Plan:
+def hand_built(spec, groups, devices, mbs, num_devices, schedule, batchnorm="per-micro-batch", recompute=False) -> Plan:
     graph = graph_of(spec)
-    stages = [Stage(i, tuple(graph.op_id(n) for n in ops), tuple(devs), mb)
+    stages = [Stage(i, tuple(graph.op_id(n) for n in ops), tuple(devs), mb, recompute=recompute)
               for i, (ops, devs, mb) in enumerate(zip(groups, devices, mbs))]
     sg = StageGraph.build(graph, stages, BATCH, num_devices)
     cluster = preset("v100", num_devices)
@@ -244,6 +244,11 @@ def real_model_plans() -> dict[str, Plan]:
                                                          "graph-1f1b", batchnorm=mode)
     # the embedding replicated, the tied head elsewhere: a data-parallel all-reduce then the tie's sum
     plans["tied/replicated"] = hand_built(TIED, TIED_STAGES, [(0, 1), (2,), (3,)], [4, 2, 2], 4, "graph-1f1b")
+    # re-materialization: every stage's forward runs again inside its B (torch.utils.checkpoint)
+    plans["branchy/replicated/sync/recompute"] = hand_built(BRANCHY, BRANCHES, [(0,), (1, 2), (3,)], [2, 4, 2], 4,
+                                                            "graph-1f1b", batchnorm="sync", recompute=True)
+    plans["tied/replicated/recompute"] = hand_built(TIED, TIED_STAGES, [(0, 1), (2,), (3,)], [4, 2, 2], 4, "graph-1f1b",
+                                                    recompute=True)
     return plans
 
 
@@ -279,3 +284,4 @@ def _run_real_model_plans():
         sg = plans[name].stage_graph
         assert all(s.micro_batch_size < BATCH for s in sg.stages), name
     assert any(s.num_replicas > 1 for s in plans["tied/replicated"].stage_graph.stages)
+    assert all(s.recompute for s in plans["branchy/gpipe"].stage_graph.stages)  # GPipe re-materializes by default
