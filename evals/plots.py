@@ -24,10 +24,12 @@ MARKERS = {"gpp": "o", "pipedream": "s", "piper": "^", "gpipe": "v"}
 
 def _save(fig, out: str, name: str) -> str:
     path = os.path.join(out, f"{name}.png")
-    tmp = path + ".tmp.png"
-    fig.savefig(tmp, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    os.replace(tmp, path)
+    from graphpipe.files import write_atomic
+
+    try:
+        write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=110, bbox_inches="tight"))
+    finally:
+        plt.close(fig)
     return path
 
 

@@ -158,8 +158,7 @@ def _config_line(config: dict[str, Any]) -> str:
 def write_report(out: str, notes: dict[str, str] | None = None) -> str:
     path = os.path.join(out, "REPORT.md")
     text = build_report(out, notes)
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-    os.replace(tmp, path)
+    from graphpipe.files import write_text_atomic
+
+    write_text_atomic(path, text)
     return path

@@ -56,6 +56,7 @@ __all__ = [
     "check_output",
     "write_atomic",
     "write_json_atomic",
+    "write_text_atomic",
     "number",
     "integer",
     "string",
@@ -306,5 +307,15 @@ def write_json_atomic(path: str, doc: Any) -> None:
         with open(tmp, "x", encoding="utf-8") as fh:
             json.dump(doc, fh, indent=1, sort_keys=False)
             fh.write("\n")
+
+    write_atomic(path, write)
+
+
+def write_text_atomic(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` via :func:`write_atomic`."""
+
+    def write(tmp: str) -> None:
+        with open(tmp, "x", encoding="utf-8") as fh:
+            fh.write(text)
 
     write_atomic(path, write)

@@ -46,12 +46,14 @@ def _handler(args: argparse.Namespace) -> int:
     spec = args.model
     if spec.endswith((".json", ".txt")) or os.path.isdir(spec):
         raise InputError(f"cannot profile {spec!r}: profiling runs a module; give a zoo spec or file.py:factory")
+    if not -2**31 <= args.seed < 2**31:
+        raise InputError(f"--seed must be a 32-bit integer, got {args.seed}")
     if args.repeats < 1 or args.warmup < 0:
         raise InputError(f"--repeats must be >= 1 and --warmup >= 0, got {args.repeats} and {args.warmup}")
 
     if args.threads is not None:
-        if args.threads < 1:
-            raise InputError(f"--threads must be >= 1, got {args.threads}")
+        if not 1 <= args.threads <= 4096:
+            raise InputError(f"--threads must be between 1 and 4096, got {args.threads}")
         import torch
 
         torch.set_num_threads(args.threads)

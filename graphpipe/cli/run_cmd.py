@@ -24,6 +24,9 @@ from graphpipe.runtime.flags import add_run_arguments
 
 log = logging.getLogger(__name__)
 
+MAX_TIMEOUT_S = 86400.0
+"""Longest --timeout (a day): a wait longer than that is a hang."""
+
 __all__ = ["register", "run", "run_device"]
 
 
@@ -79,6 +82,16 @@ def run(args) -> int:
 
 def _check_steps(args) -> None:
     """--steps/--warmup that would report something else than asked are refused (not clamped)."""
+    import math
+
+    if not 0 < args.timeout <= MAX_TIMEOUT_S:  # inf and 1e300 overflow the process group's timedelta
+        raise InputError(f"--timeout must be > 0 and at most {MAX_TIMEOUT_S:g} seconds, got {args.timeout}")
+    if not (math.isfinite(args.lr) and args.lr >= 0):
+        raise InputError(f"--lr must be a finite number >= 0, got {args.lr}")
+    if not -2**31 <= args.seed < 2**31:
+        raise InputError(f"--seed must be a 32-bit integer, got {args.seed}")
+    if not 1 <= args.threads <= 4096:
+        raise InputError(f"--threads must be between 1 and 4096, got {args.threads}")
     if args.warmup < 0:
         raise InputError(f"--warmup must be >= 0, got {args.warmup}")
     if args.steps >= 1 and args.warmup >= args.steps:
