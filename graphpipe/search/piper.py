@@ -13,13 +13,30 @@ branches of ``n`` ops. Piper itself refuses graphs with too many downsets
 them first (:class:`~graphpipe.search.downsets.DownsetLimitError`, limit
 ``SearchOptions.max_downsets``).
 
-Objective, memory and placement are PipeDream's (see
-:mod:`graphpipe.search.pipedream`): stage time = :func:`stage_tps` on the
-stage's replicas, the cut after a stage (the edges leaving its downset)
-costed like PipeDream's ``2 C`` and solved once per cluster link and once
-without, 1F1B with ``min(K - q, M)`` micro-batches in flight on
-stage ``q`` of ``K``, replica counts dividing the micro-batch, devices not
-all required, the same device layouts (:func:`~graphpipe.search.sequential.layouts`).
+Objective and refusal rule are the real planner's (msr-fiddle/piper
+``algo.cpp``, ``getAllTPSsForIdealPair``, pipeline + data parallelism, one
+configuration per layer): a stage ``S`` with data-parallel degree ``d``
+costs, per micro-batch ("sample" in Piper's terms) of ``b`` samples,
+
+    T(S, d) = C(S) / d + ( 2 sum_{e in boundary(S)} c_e / d + 4 (d - 1) P(S) / (d M) ) / B
+
+where ``C`` is the forward + backward time of a micro-batch, the boundary
+holds every edge entering or leaving ``S`` (``c_e`` its bytes per
+micro-batch), the second term is Piper's data-parallel resync
+(``getDataParallelResyncCost``: PipeDream's parameter-server factor 4, once
+per batch of ``M`` micro-batches) and ``B`` the one bandwidth of the
+instance (:func:`piper_bandwidth`). Transfers are *added* to compute, not
+overlapped. ``d`` must divide ``M`` (``mbsInBatch % d == 0``): replicas take
+whole micro-batches, so their stages run round-robin (1F1B-RR). Our time
+per sample is ``T / b``. Piper refuses more than 40,000 ideals
+(``IDEALS_LIMIT``); so do we (:data:`IDEALS_LIMIT`, or
+``SearchOptions.max_downsets`` when lower).
+
+Memory is ours (Piper's per-layer ``A y + B`` needs a profile we do not
+have): model state plus the activations of ``k`` micro-batches in flight on
+a stage followed by ``k - 1`` others, spread over its replicas; devices
+need not all be used, and the stages are laid out as PipeDream's are
+(:func:`~graphpipe.search.sequential.layouts`).
 
 How the DP is evaluated. The min-max table over (downset, devices, stages)
 costs ``pairs x devices^2 x stages`` — hopeless in Python at MMT size (4
@@ -55,26 +72,45 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from graphpipe.cluster import Cluster, Link
+from graphpipe.cluster import Cluster
 from graphpipe.graph import OpGraph
 from graphpipe.search import linear_dp
-from graphpipe.search.common import (SearchOptions, SearchResult, comm_links, cut_tps, micro_batch_candidates,
-                                     stage_tps)
+from graphpipe.search.common import SearchOptions, SearchResult, micro_batch_candidates
 from graphpipe.search.downsets import enumerate_downsets
 from graphpipe.search.sequential import (OpArrays, ReplicaCosts, SequentialPartition, choose_micro_batch,
                                          lower_bound_tps, sequential_result, replica_mask)
 
-__all__ = ["partition", "solve", "Lattice", "SCHEDULE"]
+__all__ = ["partition", "solve", "Lattice", "SCHEDULE", "IDEALS_LIMIT", "piper_bandwidth", "stage_time"]
 
 log = logging.getLogger(__name__)
 
 SCHEDULE = "1f1b"
 REL_TOL = 1e-9
 """Bisection stops when the bracket on the optimal bottleneck is this tight (relative)."""
+IDEALS_LIMIT = 40_000
+"""algo.cpp's ``IDEALS_LIMIT``: the real planner refuses graphs with more ideals (downsets)."""
+
+
+def piper_bandwidth(cluster: Cluster) -> float:
+    """The one bandwidth of Piper's instance: the intra-node link when every device is on one node,
+    else the inter-node link (the slowest a stage boundary may cross)."""
+    if cluster.num_devices <= cluster.devices_per_node:
+        return cluster.intra_node.bandwidth_Bps
+    return cluster.inter_node.bandwidth_Bps
+
+
+def stage_time(compute_s: float, boundary_bytes: float, param_bytes: float, d: int, num_mbs: int,
+               bandwidth: float) -> float:
+    """algo.cpp's time per micro-batch of a stage on ``d`` data-parallel replicas (module docstring).
+
+    >>> stage_time(6.0, 100.0, 40.0, 2, 4, 10.0)   # 6/2 + (2*100/2 + 4*1*40/(2*4)) / 10
+    15.0
+    """
+    return compute_s / d + (2.0 * boundary_bytes / d + 4.0 * (d - 1) * param_bytes / (d * num_mbs)) / bandwidth
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +135,8 @@ class Lattice:
     act: np.ndarray
     cut_bytes: np.ndarray
     """Per downset: bytes per sample on the edges leaving it (what crosses a cut there)."""
+    boundary: np.ndarray
+    """Per pair: bytes per sample on the edges entering or leaving the stage ``D' \\ D``."""
 
     @property
     def num_downsets(self) -> int:
@@ -136,8 +174,14 @@ class Lattice:
         pair_start = np.searchsorted(pair_src, np.arange(num + 1))
         diff = sums[pair_dst] - sums[pair_src]
         diff = np.maximum(diff, 0.0)                               # float noise of the subtraction
+        # in + out of S = D' \ D: cut(D) + cut(D') minus twice the edges jumping from D past D'
+        through = np.zeros(len(pair_src))
+        for e in graph.edges:
+            if e.bytes:
+                through += e.bytes * bits[pair_src, e.src] * (1.0 - bits[pair_dst, e.dst])
+        boundary = np.maximum(cut_bytes[pair_src] + cut_bytes[pair_dst] - 2.0 * through, 0.0)
         return cls(tuple(masks), level_start, pair_src, pair_dst, pair_start,
-                   diff[:, 0], diff[:, 1], diff[:, 2], diff[:, 3], cut_bytes)
+                   diff[:, 0], diff[:, 1], diff[:, 2], diff[:, 3], cut_bytes, boundary)
 
     def ops_of(self, src: int, dst: int) -> tuple[int, ...]:
         stage = self.masks[dst] & ~self.masks[src]
@@ -174,13 +218,14 @@ class _Tables:
 
 
 def _tables(lat: Lattice, costs: ReplicaCosts, graph: OpGraph, batch_size: int, b: int,
-            power_of_two: bool, t_max: float, link: Link | None = None) -> _Tables:
+            power_of_two: bool, t_max: float, bandwidth: float) -> _Tables:
     num_mbs = batch_size // b
     cap = min(costs.num_devices, graph.num_ops, num_mbs)
-    replicas = np.flatnonzero(replica_mask(costs.num_devices, b, power_of_two)) + 1
+    # mbsInBatch % d == 0: replicas take whole micro-batches
+    replicas = np.flatnonzero(replica_mask(costs.num_devices, num_mbs, power_of_two)) + 1
     r = replicas[None, :]
-    tps = costs.tps(lat.compute_alpha[:, None], lat.compute_beta[:, None], lat.params[:, None], r, b, batch_size)
-    tps = np.maximum(tps, cut_tps(lat.cut_bytes[lat.pair_dst], link, b)[:, None])  # + the cut after the stage
+    compute = lat.compute_alpha[:, None] + lat.compute_beta[:, None] * b
+    tps = stage_time(compute, lat.boundary[:, None] * b, lat.params[:, None], r, num_mbs, bandwidth) / b
     tps_min = tps.min(axis=1)
     keep = np.flatnonzero(tps_min <= t_max)
     tps, tps_min = tps[keep], tps_min[keep]
@@ -293,31 +338,52 @@ def _reconstruct(tables: _Tables, g: np.ndarray, t: float, num_devices: int):
     return chain
 
 
+def _seed(lat: Lattice, graph: OpGraph, cluster: Cluster, batch_size: int, b: int, power_of_two: bool,
+          bandwidth: float) -> float:
+    """An upper bound on the optimum to prune stages with: the linear DP's chain (prefixes of a
+    topological order are downsets) with each replica count lowered to one dividing ``M``, under
+    Piper's objective; inf when there is none. Only a hint: :func:`solve` checks it is feasible."""
+    seed = linear_dp.solve(graph, cluster, batch_size, b, power_of_two)
+    if seed is None:
+        return np.inf
+    num_mbs = batch_size // b
+    worst = 0.0
+    for ops, r in seed.stages:
+        d = max(x for x in range(1, r + 1) if num_mbs % x == 0)
+        members = set(ops)
+        compute = sum(graph.ops[v].fwd(b) + graph.ops[v].bwd(b) for v in ops)
+        boundary = sum(e.bytes for e in graph.edges if (e.src in members) != (e.dst in members))
+        params = sum(graph.ops[v].param_bytes for v in ops)
+        worst = max(worst, stage_time(compute, boundary * b, params, d, num_mbs, bandwidth) / b)
+    return worst * (1 + REL_TOL)
+
+
 def solve(graph: OpGraph, cluster: Cluster, batch_size: int, micro_batch_size: int,
-          power_of_two: bool = False, max_downsets: int = 200_000,
-          lattice: Lattice | None = None, link: Link | None = None) -> SequentialPartition | None:
+          power_of_two: bool = False, max_downsets: int = IDEALS_LIMIT,
+          lattice: Lattice | None = None, bandwidth: float | None = None) -> SequentialPartition | None:
     """Piper's optimum at one micro-batch size; None when no chain of stages fits in memory.
 
-    With ``link``, the cut after every stage but the last costs
-    :func:`~graphpipe.search.common.cut_tps` on it, as in PipeDream.
+    ``bandwidth``: the instance's (default :func:`piper_bandwidth`). The returned bottleneck is
+    the objective of the module docstring per sample (``T / b``).
     """
     lat = lattice if lattice is not None else Lattice.of(graph, max_downsets)
     costs = ReplicaCosts.of(cluster)
     b = micro_batch_size
     n_dev = cluster.num_devices
-    # Upper end: PipeDream's chain is one of Piper's, so its bottleneck is feasible; stages slower
-    # than it with every replica count can be in no better chain and are dropped up front.
-    seed = linear_dp.solve(graph, cluster, batch_size, b, power_of_two, link)
-    t_max = seed.bottleneck_tps * (1 + REL_TOL) if seed is not None else np.inf
-    tables = _tables(lat, costs, graph, batch_size, b, power_of_two, t_max, link)
+    bandwidth = piper_bandwidth(cluster) if bandwidth is None else bandwidth
+    found = None
+    for t_max in (_seed(lat, graph, cluster, batch_size, b, power_of_two, bandwidth), np.inf):
+        tables = _tables(lat, costs, graph, batch_size, b, power_of_two, t_max, bandwidth)
 
-    def probe(t: float):
-        chain = _reconstruct(tables, _min_devices(lat, tables, t), t, n_dev)
-        if chain is None:
-            return None
-        return chain, max(float(tables.tps[pair, ri]) for pair, ri in chain)
+        def probe(t: float):
+            chain = _reconstruct(tables, _min_devices(lat, tables, t), t, n_dev)
+            if chain is None:
+                return None
+            return chain, max(float(tables.tps[pair, ri]) for pair, ri in chain)
 
-    found = probe(t_max)
+        found = probe(t_max)
+        if found is not None or not np.isfinite(t_max):
+            break
     if found is None:
         return None
     best, hi = found
@@ -332,10 +398,12 @@ def solve(graph: OpGraph, cluster: Cluster, batch_size: int, micro_batch_size: i
         t = (lo + hi) / 2
     stages = tuple((lat.ops_of(int(tables.src[p]), int(tables.dst[p])), int(tables.replicas[ri]))
                    for p, ri in best)
-    cuts = cut_tps(lat.cut_bytes[[int(tables.dst[p]) for p, _ in best]], link, b)
-    bottleneck = max(max(stage_tps(graph, ops, tuple(range(r)), b, batch_size, cluster), float(c))
-                     for (ops, r), c in zip(stages, cuts))
-    return SequentialPartition(stages, bottleneck, b)
+    return SequentialPartition(stages, hi, b)
+
+
+def _round_robin(part: SequentialPartition | None) -> SequentialPartition | None:
+    """Piper's replicas take whole micro-batches (``d`` divides ``M``, not ``b``): lay them out round-robin."""
+    return None if part is None else replace(part, replica_mode="round-robin")
 
 
 def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: SearchOptions) -> SearchResult:
@@ -346,11 +414,13 @@ def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: Search
     :class:`~graphpipe.errors.InfeasibleError` when nothing fits.
     """
     started = time.perf_counter()
-    lattice = Lattice.of(graph, options.max_downsets)
+    lattice = Lattice.of(graph, min(options.max_downsets, IDEALS_LIMIT))
     candidates = micro_batch_candidates(batch_size, options)
     sg, part, extra = choose_micro_batch(
         "piper", graph, cluster, batch_size, candidates, SCHEDULE,
-        lambda b, link: solve(graph, cluster, batch_size, b, options.power_of_two, lattice=lattice, link=link),
-        comm_links(cluster), host=options.host)
-    return sequential_result(SCHEDULE, sg, part, cluster, started, num_downsets=lattice.num_downsets,
-                             num_downset_pairs=lattice.num_pairs, **extra)
+        lambda b, link: _round_robin(solve(graph, cluster, batch_size, b, options.power_of_two, lattice=lattice)),
+        (None,), host=options.host)
+    result = sequential_result(SCHEDULE, sg, part, cluster, started, num_downsets=lattice.num_downsets,
+                               num_downset_pairs=lattice.num_pairs, **extra)
+    return replace(result, stats={**dict(result.stats), "replica_mode": "round-robin",
+                                  "bandwidth_Bps": piper_bandwidth(cluster)})

@@ -171,6 +171,8 @@ class SequentialPartition:
     micro_batch_size: int
     recompute: bool = False
     """Every stage re-materializes (GPipe's default)."""
+    replica_mode: str = "split"
+    """How replicated stages share micro-batches (``graphpipe.stages.REPLICA_MODES``; Piper: round-robin)."""
 
 
 def layouts(graph: OpGraph, cluster: Cluster, batch_size: int, part: SequentialPartition) -> list[StageGraph]:
@@ -200,7 +202,8 @@ def layouts(graph: OpGraph, cluster: Cluster, batch_size: int, part: SequentialP
         if tuple(devices) in seen:
             continue
         seen.add(tuple(devices))
-        stages = [Stage(q, tuple(ops), devices[q], part.micro_batch_size, part.recompute)
+        stages = [Stage(q, tuple(ops), devices[q], part.micro_batch_size, part.recompute,
+                        replica_mode=part.replica_mode if len(devices[q]) > 1 else "split")
                   for q, (ops, _) in enumerate(part.stages)]
         out.append(StageGraph.build(graph, stages, batch_size, cluster.num_devices, sequential=True))
     return out
