@@ -225,3 +225,12 @@ def test_round_robin_validator_rejects_wrong_replica():
     bad = Schedule.from_lists("x", [[Action(0, "F", 1), Action(0, "B", 1)], [Action(0, "F", 0), Action(0, "B", 0)]])
     with pytest.raises(ScheduleError, match="replica i mod 2"):
         validate_schedule(sg, bad)
+
+
+def test_cpsat_schedule_refuses_round_robin_stages(profiles_dir, tmp_path, capsys):
+    from graphpipe.cli import main
+
+    code = main(["plan", os.path.join(profiles_dir, "vgg16"), "--devices", "4", "--batch-size", "512",
+                 "--strategy", "pipedream", "--cluster", cluster_file(tmp_path, 4, 1e9, 1e9), "--schedule", "cpsat"])
+    err = capsys.readouterr().err
+    assert code == 2 and "round-robin" in err and err.count("\n") == 1
