@@ -199,6 +199,17 @@ def test_devices_beyond_the_limit():
     assert_one_line_error(code, err, "devices", str(MAX_DEVICES))
 
 
+def test_graph_documents_beyond_the_op_limit(tmp_path, capsys):
+    from graphpipe.graph import MAX_OPS
+
+    doc = {"format": "graphpipe.graph/1", "ops": [{"name": f"o{i}", "fwd_s": [0, 0], "bwd_s": [0, 0]}
+                                                  for i in range(MAX_OPS + 1)], "edges": []}
+    path = tmp_path / "big.json"
+    path.write_text(json.dumps(doc))
+    code, _, err = in_process(capsys, "inspect", str(path))
+    assert_one_line_error(code, err, f"more than the {MAX_OPS}")
+
+
 def test_run_refuses_more_ranks_than_the_host_can_start(tmp_path):
     from importlib import import_module
 

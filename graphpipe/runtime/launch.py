@@ -57,6 +57,7 @@ _GRACE_S = 1.0
 RANK_MEMORY_BYTES = 400 * 2**20
 RANKS_PER_CPU = 8
 _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_PROGRESS_S = 10.0  # -v: a line this often while the ranks work
 
 
 class RuntimeFailure(GraphpipeError):
@@ -168,6 +169,7 @@ def launch(jobs: Sequence[tuple[dict, RunOptions]], world_size: int) -> list[dic
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         log.info("started %d ranks (pids %s)", world_size, ", ".join(str(p.pid) for p in procs))
+        began = last_note = time.monotonic()
         while len(finished) < world_size:
             try:
                 kind, rank, index, payload, stamp = results.get(timeout=0.1)
@@ -181,6 +183,10 @@ def launch(jobs: Sequence[tuple[dict, RunOptions]], world_size: int) -> list[dic
             elif kind == "error":
                 errors.append((stamp, rank, payload))
                 first_error_at = first_error_at or time.monotonic()
+            if kind is None and time.monotonic() - last_note > _PROGRESS_S:
+                last_note = time.monotonic()
+                log.info("%.0f s: %d of %d jobs done, %d of %d ranks finished", last_note - began, len(job_results),
+                         len(jobs), len(finished), world_size)
             if kind is None:
                 for r, p in enumerate(procs):
                     if r not in finished and p.exitcode is not None and p.exitcode != 0 and not any(e[1] == r for e in errors):
