@@ -234,3 +234,22 @@ def test_cpsat_schedule_refuses_round_robin_stages(profiles_dir, tmp_path, capsy
                  "--strategy", "pipedream", "--cluster", cluster_file(tmp_path, 4, 1e9, 1e9), "--schedule", "cpsat"])
     err = capsys.readouterr().err
     assert code == 2 and "round-robin" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "graph-1f1b"])
+def test_every_schedule_dispatches_round_robin(schedule):
+    """Each generator gives replica i mod r the micro-batches i of a round-robin stage, and nothing else."""
+    from graphpipe.graph import Affine, Op, OpGraph
+    from graphpipe.sched import make_schedule, simulate, validate_schedule
+    from graphpipe.stages import Stage, StageGraph
+
+    g = OpGraph.build("two", [Op("a", "x", Affine(0, 3.0), Affine(0, 6.0)), Op("b", "x", Affine(0, 1.0), Affine(0, 2.0))],
+                      [("a", "b", 1.0)])
+    sg = StageGraph.build(g, [Stage(0, (0,), (0, 1, 2), 2, replica_mode="round-robin"), Stage(1, (1,), (3,), 2)],
+                          batch_size=14, num_devices=4, sequential=True)
+    cluster = preset("v100", 4)
+    sched = make_schedule(schedule, sg, cluster)
+    validate_schedule(sg, sched)
+    for d in range(3):
+        assert sorted({a.mb_id for a in sched.device_actions[d]}) == list(range(d, 7, 3))
+    assert simulate(sg, sched, cluster).iteration_time_s > 0

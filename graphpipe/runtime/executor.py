@@ -254,16 +254,19 @@ class RankExecutor:
         ctx = ShardContext(self.seed, self.step, rows.start, rows.stop - rows.start,
                            a.mb_id * stage.micro_batch_size, stage.micro_batch_size)
         args = [values[n] for n in prog.input_names]
+        scale = (rows.stop - rows.start) / self.sg.batch_size
+
+        def run_stage(*xs):  # the stage's forward, and the loss on the sink (so re-materialization covers it)
+            sent, out = prog.module(*xs)
+            return sent, out, (self.loss_fn(out) * scale if prog.is_sink else None)
+
         with self.saved_meter.hooks():  # activation memory, measured (runtime/measure.py)
             if stage.recompute:  # re-materialization: keep the inputs, re-run the forward inside B (non-reentrant)
-                sent, out = torch.utils.checkpoint.checkpoint(prog.module, *args, ctx, use_reentrant=False)
+                sent, out, loss = torch.utils.checkpoint.checkpoint(run_stage, *args, ctx, use_reentrant=False)
                 self._stash[(a.stage_id, a.mb_id)] = [self.saved_meter.hold(t) for t in args
                                                      if isinstance(t, torch.Tensor)]
             else:
-                sent, out = prog.module(*args, ctx)
-            loss = None
-            if prog.is_sink:
-                loss = self.loss_fn(out) * ((rows.stop - rows.start) / self.sg.batch_size)
+                sent, out, loss = run_stage(*args, ctx)
         by_name = dict(zip(prog.output_names, sent))
         self._sync()
         end = time.perf_counter()  # compute ends here; messages leave after it (the simulator's semantics)
@@ -273,7 +276,7 @@ class RankExecutor:
                 self.mailbox.send(dst, Routing.key("F", piece, value), by_name[value][piece.producer_rows])
         saved[(a.stage_id, a.mb_id)] = (leaves, by_name, loss)
         if stage.recompute and a.stage_id not in self._redo_bytes:  # once, after the timed compute
-            self._redo_bytes[a.stage_id] = self.saved_meter.probe(prog.module, *args, ctx)
+            self._redo_bytes[a.stage_id] = self.saved_meter.probe(run_stage, *args, ctx)
         return ready_at - t0, start - t0, end - t0, float(loss.detach()) if loss is not None else 0.0
 
     def _backward(self, a: Action, saved: dict, t0: float) -> tuple[float, float, float]:
@@ -335,7 +338,7 @@ class RankExecutor:
         """
         self.step = step
         self.mailbox.reset()
-        self.saved_meter.reset()
+        self.saved_meter.reset(inputs or ())
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.reset_peak_memory_stats(self.device)

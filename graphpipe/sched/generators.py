@@ -56,10 +56,12 @@ def gpipe(sg: StageGraph) -> Schedule:
     lists: list[list[Action]] = [[] for _ in range(sg.num_devices)]
     for d in range(sg.num_devices):
         stages = sg.stages_on_device(d)
+        mine = {s: [j for j in range(sg.num_micro_batches(s))  # round-robin replicas: micro-batches i mod r only
+                    if not sg.stages[s].round_robin or sg.stages[s].replica_of(j) == d] for s in stages}
         for s in stages:
-            lists[d].extend(Action(s, "F", j) for j in range(sg.num_micro_batches(s)))
+            lists[d].extend(Action(s, "F", j) for j in mine[s])
         for s in reversed(stages):
-            lists[d].extend(Action(s, "B", j) for j in range(sg.num_micro_batches(s)))
+            lists[d].extend(Action(s, "B", j) for j in mine[s])
     return Schedule.from_lists("gpipe", lists)
 
 
