@@ -35,8 +35,10 @@ DESIGN §3 ("Granularity"): we trace with torch.fx but plan on *layers*.
    dim 0): ``fwd = overhead + flops / (peak * mfu) * b`` (DESIGN §4 affine
    model), ``bwd`` = twice the forward FLOPs and twice the overhead (the
    standard 2x backward estimate: gradients w.r.t. inputs and weights);
-   ``act_bytes`` = bytes of every non-view tensor the op's aten calls
-   produce (an upper estimate of what autograd saves); ``out_bytes`` = bytes
+   ``act_bytes`` = bytes of the tensors autograd saves for backward while
+   the op runs (``saved_tensors_hooks``, each storage once, parameters
+   excluded: what a run measures, issue 15; with ``loss_fn``, what the
+   loss keeps is charged to the op producing the output); ``out_bytes`` = bytes
    of its fx values used outside it; edge bytes = bytes of the values
    flowing from one op to another. ``param_bytes`` = the op's parameters
    (each parameter counted once, at its first use), so the graph total equals
@@ -68,7 +70,6 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch.fx.passes.split_module import split_module
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -216,20 +217,6 @@ def group_nodes(gm: fx.GraphModule, anchors: Iterable[str]) -> tuple[dict[str, s
 
 
 # ------------------------------------------------------------------ measuring
-class _ByteMeter(TorchDispatchMode):
-    """Sums bytes of the non-view tensors produced by aten calls (activation estimate)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.total = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if not func.is_view:
-            self.total += _nbytes(out)
-        return out
-
-
 def _nbytes(value: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tree_leaves(value) if isinstance(t, torch.Tensor))
 
@@ -241,10 +228,45 @@ class _NodeCost:
     out_bytes: float
 
 
-class _Measure(fx.Interpreter):
-    """Runs the GraphModule once, recording FLOPs, produced bytes and output bytes per node."""
+class _SavedMeter:
+    """Bytes of the tensors autograd saves for backward (``saved_tensors_hooks``), each storage once,
+    parameters excluded: what a training step keeps per sample between a micro-batch's F and its B
+    (the runtime measures the same quantity, :class:`graphpipe.runtime.measure.SavedBytesMeter`)."""
 
-    def __init__(self, gm: fx.GraphModule, flops: FlopCounterMode, meter: _ByteMeter):
+    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+        self._seen = {p.untyped_storage()._cdata for p in params}
+        self.total = 0
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage._cdata not in self._seen:
+            self._seen.add(storage._cdata)
+            self.total += storage.nbytes()
+        return t
+
+
+class _FlashAttentionSaves(torch.overrides.TorchFunctionMode):
+    """On meta tensors ``F.scaled_dot_product_attention`` takes the math path, which saves the
+    seq x seq attention probabilities; CPU and GPU runs take a fused kernel that saves q, k, v, the
+    output and the log-sum-exp. Run the fused CPU kernel's meta form instead, so the saved bytes are
+    the ones a run keeps, and the math path under no_grad for its FLOPs (the fused op has no formula)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if (func is torch.nn.functional.scaled_dot_product_attention and len(args) == 3
+                and isinstance(args[0], torch.Tensor) and args[0].device.type == "meta"
+                and set(kwargs) <= {"is_causal", "scale"}):
+            with torch.no_grad():
+                func(*args, **kwargs)  # counted by FlopCounterMode
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                *args, 0.0, bool(kwargs.get("is_causal", False)), scale=kwargs.get("scale"))[0]
+        return func(*args, **kwargs)
+
+
+class _Measure(fx.Interpreter):
+    """Runs the GraphModule once, recording FLOPs, saved bytes and output bytes per node."""
+
+    def __init__(self, gm: fx.GraphModule, flops: FlopCounterMode, meter: _SavedMeter):
         super().__init__(gm)
         self.flops, self.meter = flops, meter
         self.costs: dict[str, _NodeCost] = {}
@@ -257,11 +279,22 @@ class _Measure(fx.Interpreter):
         return out
 
 
-def _measure(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> dict[str, _NodeCost]:
-    flops, meter = FlopCounterMode(display=False), _ByteMeter()
+def _measure(gm: fx.GraphModule, example_inputs: Sequence[Any], loss_fn=None) -> dict[str, _NodeCost]:
+    # parameters, buffers and the input data are resident anyway: not activations (the runtime agrees)
+    resident = list(gm.parameters()) + list(gm.buffers()) + [x for x in tree_leaves(list(example_inputs))
+                                                             if isinstance(x, torch.Tensor)]
+    flops, meter = FlopCounterMode(display=False), _SavedMeter(resident)
     interp = _Measure(gm, flops, meter)
-    with torch.no_grad(), flops, meter:
-        interp.run(*example_inputs)
+    with torch.enable_grad(), flops, torch.autograd.graph.saved_tensors_hooks(meter.pack, lambda t: t), \
+            _FlashAttentionSaves():
+        out = interp.run(*example_inputs)
+        if loss_fn is not None:  # what the loss keeps for backward belongs to the op producing the output
+            before = meter.total
+            loss_fn(out)
+            node = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+            if isinstance(node, fx.Node) and node.name in interp.costs:
+                c = interp.costs[node.name]
+                interp.costs[node.name] = _NodeCost(c.flops, c.act_bytes + meter.total - before, c.out_bytes)
     return interp.costs
 
 
@@ -275,7 +308,7 @@ def _batch_size(example_inputs: Sequence[Any]) -> int:
 # -------------------------------------------------------------------- capture
 def capture(module: nn.Module, example_inputs: Sequence[Any], name: str | None = None,
             device: DeviceSpec | None = None, layer_types: Sequence[type[nn.Module]] = (),
-            user_file: str | None = None) -> Captured:
+            user_file: str | None = None, loss_fn=None) -> Captured:
     """Trace ``module`` and build its layer-granularity OpGraph with analytical costs.
 
     ``example_inputs`` may live on the meta device (and the module too): only
@@ -298,7 +331,7 @@ def capture(module: nn.Module, example_inputs: Sequence[Any], name: str | None =
     op_of_node, started = group_nodes(gm, anchors)
     batch = _batch_size(example_inputs)
     try:
-        costs = _measure(gm, example_inputs)
+        costs = _measure(gm, example_inputs, loss_fn)
     except GraphpipeError:
         raise
     except Exception as exc:

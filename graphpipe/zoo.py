@@ -299,7 +299,7 @@ def _load_graph_cached(canonical: str, device: DeviceSpec) -> OpGraph:
     from graphpipe.capture import capture
 
     built = build(canonical, device="meta")
-    return capture(built.module, built.example_inputs, name=canonical, device=device).graph
+    return capture(built.module, built.example_inputs, name=canonical, device=device, loss_fn=built.loss_fn).graph
 
 
 def load_graph(spec: str, device: DeviceSpec | None = None) -> OpGraph:

@@ -32,7 +32,8 @@ class SavedBytesMeter:
     activation share it) until autograd releases it -- the packed handle's
     finalizer runs when the saved variable is freed, after the node's
     backward or with its graph -- so on CPU the peak is exact. Parameters
-    (model state, not activations) are not counted.
+    (model state) and the iteration's input data (resident anyway) are not
+    counted: ``graphpipe.capture`` charges neither to an op's ``act_bytes``.
 
     A re-materializing stage runs under ``torch.utils.checkpoint``, whose
     own hooks take its saves: :meth:`hold` counts the inputs the checkpoint
@@ -53,15 +54,20 @@ class SavedBytesMeter:
     """
 
     def __init__(self, exclude: Iterable[Any]) -> None:
-        self._excluded = {t.untyped_storage().data_ptr() for t in exclude}
+        self._params = frozenset(t.untyped_storage().data_ptr() for t in exclude)
+        self._excluded = set(self._params)
         self._count: dict[int, int] = {}
         self._size: dict[int, int] = {}
         self.live = 0
         self.peak = 0
 
-    def reset(self) -> None:
-        """Start a new iteration's peak at what is live now."""
+    def reset(self, resident: Iterable[Any] = ()) -> None:
+        """Start a new iteration's peak at what is live now; ``resident`` tensors (the iteration's input
+        data, alive anyway) are not counted when saved."""
         self.peak = self.live
+        # replaced, not accumulated: a freed input's address may hold an activation next iteration
+        self._excluded = self._params | {t.untyped_storage().data_ptr() for t in resident
+                                         if hasattr(t, "untyped_storage")}
 
     def add(self, nbytes: int) -> None:
         self.live += nbytes
