@@ -58,8 +58,7 @@ def run(args) -> int:
     options = options_from_args(args)
     from graphpipe.runtime.launch import check_host_capacity
 
-    check_host_capacity(plan.cluster.num_devices)  # before the notes: nothing will run
-    devices = _note_device(plan, options)
+    check_host_capacity(plan.cluster.num_devices)
     log.info("running %s (%s, %s) on %d ranks, %d steps", args.plan, plan.model, plan.schedule.name,
              plan.cluster.num_devices, options.steps)
     try:
@@ -68,7 +67,7 @@ def run(args) -> int:
         sys.stderr.write(f"graphpipe: error: {exc}\n")
         return 1
     log.info("all ranks finished")
-    summary["devices"] = devices
+    summary["devices"] = _note_device(plan, options)  # after the run: beside the prediction error it explains
     timeline = summary.pop("timeline", None)
     _write_outputs(args, plan, timeline)
     if args.json:
