@@ -88,3 +88,22 @@ def noisy():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 6), NoisyLayer(), nn.Linear(6, 2))
     return model, (torch.randn(BATCH, 6),), lambda out: out.pow(2).mean()
+
+
+class SharedLayer(nn.Module):
+    """One ``nn.Linear`` called twice (weights shared between two ops, which a plan may put in two stages)."""
+
+    def __init__(self, dim: int = 6):
+        super().__init__()
+        self.inp = nn.Linear(dim, dim)
+        self.shared = nn.Linear(dim, dim)
+        self.out = nn.Linear(dim, 2)
+
+    def forward(self, x):
+        h = torch.relu(self.shared(self.inp(x)))
+        return self.out(torch.tanh(self.shared(h)))
+
+
+def shared_layer():
+    torch.manual_seed(0)
+    return SharedLayer(), (torch.randn(BATCH, 6),), lambda out: out.pow(2).mean()

@@ -24,6 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 BRANCHY = os.path.join(HERE, "real_models.py") + ":branchy"
 TIED = os.path.join(HERE, "real_models.py") + ":tied_lm"
 NOISY = os.path.join(HERE, "real_models.py") + ":noisy"
+SHARED = os.path.join(HERE, "real_models.py") + ":shared_layer"
 BATCH = 8
 ALL_STRATEGIES = ("gpp", "pipedream", "gpipe", "piper")
 
@@ -125,6 +126,22 @@ def test_split_keeps_tied_copies_apart_and_names_them():
     assert split.programs[2].param_names["head.weight"] == "embed.weight"
 
 
+def test_a_layer_called_from_two_stages_gets_a_private_copy_in_the_second():
+    from graphpipe.runtime.jobs import load_runnable
+    from graphpipe.runtime.stage_modules import split_model
+
+    plan = hand_built(SHARED, (["inp", "shared"], ["shared_1", "out"]), [(0,), (1,)], [2, 2], 2, "gpipe")
+    runnable = load_runnable(plan.model)
+    original = runnable.gm.get_submodule("shared")
+    split = split_model(runnable.gm, runnable.op_nodes, plan.stage_graph)
+    assert [(t.name, t.copies) for t in split.tied] == [("shared.weight", ((0, "shared.weight"), (1, "shared.weight"))),
+                                                         ("shared.bias", ((0, "shared.bias"), (1, "shared.bias")))]
+    first, second = (p.module.get_submodule("shared") for p in split.programs)
+    assert first is original and second is not original  # stage 1 holds a shallow copy with its own parameters
+    assert first.weight is original.weight and second.weight is not original.weight
+    assert torch.equal(first.weight, second.weight)
+
+
 def test_unseeded_random_op_is_named():
     from graphpipe.runtime.jobs import load_runnable
     from graphpipe.runtime.rng import ShardContext, find_unseeded_random
@@ -132,8 +149,9 @@ def test_unseeded_random_op_is_named():
     runnable = load_runnable(NOISY)
     found = find_unseeded_random(runnable.gm, runnable.make_inputs(2, 0), ShardContext(0, 0, 0, 2, 0, 2))
     assert list(found) == ["randn_like"] and "randn" in found["randn_like"]
-    seeded = load_runnable(BRANCHY)
-    assert find_unseeded_random(seeded.gm, seeded.make_inputs(2, 0), ShardContext(0, 0, 0, 2, 0, 2)) == {}
+    for spec in (BRANCHY, TIED, "mmt:small", "twobranch:small"):  # seeded dropout; attention kernels at dropout_p=0
+        seeded = load_runnable(spec)
+        assert find_unseeded_random(seeded.gm, seeded.make_inputs(2, 0), ShardContext(0, 0, 0, 2, 0, 2)) == {}, spec
 
 
 def test_bad_batchnorm_mode_is_one_line_exit_2(tmp_path, capsys):
@@ -247,6 +265,8 @@ def real_model_plans() -> dict[str, Plan]:
     # re-materialization: every stage's forward runs again inside its B (torch.utils.checkpoint)
     plans["branchy/replicated/sync/recompute"] = hand_built(BRANCHY, BRANCHES, [(0,), (1, 2), (3,)], [2, 4, 2], 4,
                                                             "graph-1f1b", batchnorm="sync", recompute=True)
+    plans["shared-layer/2-stages"] = hand_built(SHARED, (["inp", "shared"], ["shared_1", "out"]), [(0, 1), (2,)], [4, 2],
+                                                3, "1f1b")
     plans["tied/replicated/recompute"] = hand_built(TIED, TIED_STAGES, [(0, 1), (2,), (3,)], [4, 2, 2], 4, "graph-1f1b",
                                                     recompute=True)
     return plans

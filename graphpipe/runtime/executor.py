@@ -396,6 +396,8 @@ class RankExecutor:
         """Every copy of a tied parameter gets the sum of all copies' gradients (each stage's counted once)."""
         for tie in self.tied:
             params = [self._param(s, name) for s, name in tie.copies]
+            if not params[0].requires_grad:
+                continue  # frozen: the copies never change
             total = None
             for (s, _), p in zip(tie.copies, params):
                 if self.sg.stages[s].devices[0] != self.rank or p.grad is None:

@@ -218,10 +218,29 @@ class _RandomSpy(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if torch.Tag.nondeterministic_seeded in func.tags and not any(
-                isinstance(a, torch.Generator) for a in tree_leaves((args, kwargs))):
+        if torch.Tag.nondeterministic_seeded in func.tags and _draws(func, args, kwargs):
             self.hits.append(str(func.overloadpacket.__name__))
         return func(*args, **kwargs)
+
+
+def _draws(func, args, kwargs) -> bool:
+    """Whether a random-tagged aten call really draws from the global generator.
+
+    Not when it was given a generator, and not when its probability is zero
+    or it is told it is not training (attention kernels carry ``dropout_p``
+    and are tagged random even at 0).
+    """
+    if any(isinstance(a, torch.Generator) for a in tree_leaves((args, kwargs))):
+        return False
+    named = dict(kwargs)
+    for i, arg in enumerate(func._schema.arguments):
+        if i < len(args):
+            named[arg.name] = args[i]
+        elif arg.name not in named and arg.has_default_value():
+            named[arg.name] = arg.default_value
+    if named.get("dropout_p", None) == 0 or named.get("train", True) is False:
+        return False
+    return not ("dropout" in func.overloadpacket.__name__ and named.get("p", None) == 0)
 
 
 def find_unseeded_random(gm: torch.fx.GraphModule, inputs: Sequence[Any], ctx) -> dict[str, str]:

@@ -201,6 +201,10 @@ def run_job(rank: int, world_size: int, plan: Plan, options: RunOptions, device:
             out["measured"]["cuda_max_memory_allocated_bytes"] = [float(m[1]) for m in mems]
     if out is not None and "check" in out and unseeded:
         out["check"]["unseeded_ops"] = unseeded
+    if out is not None and out.get("check", {}).get("inexact_ops"):
+        log.warning("%s: op(s) %s take an input without a batch dimension: their dropout masks or BatchNorm "
+                    "statistics cannot be cut per micro-batch, so --check cannot be exact for them",
+                    plan.model, ", ".join(out["check"]["inexact_ops"]))
     return out
 
 
