@@ -264,3 +264,20 @@ def test_trace_and_gantt_show_the_recomputed_forward_inside_b(tmp_path):
         assert e["ts"] == b["ts"] and e["dur"] < b["dur"]
     plot_gantt(tl, str(tmp_path / "g.png"))
     assert (tmp_path / "g.png").stat().st_size > 0
+
+
+def test_recompute_plan_refused_by_the_torch_baseline_one_line_exit_2(tmp_path):
+    """torch.distributed.pipelining stages do not re-materialize: refused before launch."""
+    from graphpipe import zoo
+    from graphpipe.plan import write_plan
+    from graphpipe.search.planner import make_plan
+
+    plan = make_plan("transformer:small", zoo.load_graph("transformer:small"), preset("v100", 2), 8, "gpipe",
+                     SearchOptions(micro_batch_size=2))
+    assert all(s.recompute for s in plan.stage_graph.stages)
+    path = tmp_path / "p.json"
+    write_plan(str(path), plan)
+    out = subprocess.run([sys.executable, "-m", "graphpipe", "run", str(path), "--baseline", "torch", "--steps", "2"],
+                         capture_output=True, text=True)
+    assert out.returncode == 2
+    assert out.stderr.strip().count("\n") == 0 and "re-materialize" in out.stderr

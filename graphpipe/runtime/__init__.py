@@ -71,6 +71,11 @@ def preflight(plan: Plan, options: RunOptions) -> None:
     if options.baseline == "torch":
         from graphpipe.runtime.baseline import check_torch_expressible
 
+        redo = [s.id for s in plan.stage_graph.stages if s.recompute]
+        if redo:
+            raise InputError(f"stages {redo} re-materialize (recompute), which the torch.distributed.pipelining "
+                             "baseline does not run; drop --baseline torch or re-plan with --recompute none")
+
         check_torch_expressible(plan, split)
     if options.backend == "nccl":
         import torch
