@@ -39,12 +39,13 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import statistics
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-from graphpipe.errors import FormatError, InputError
+from graphpipe.errors import FormatError, GraphpipeError, InputError, user_code_error
 from graphpipe.graph import Affine, OpGraph, read_json_file, write_json_atomic
 
 __all__ = [
@@ -68,6 +69,10 @@ log = logging.getLogger(__name__)
 PROFILE_FORMAT = "graphpipe.profile/1"
 
 
+PROFILE_PRECISIONS = ("fp32", "bf16")
+"""Precisions ``graphpipe profile --precision`` times ops at."""
+
+
 @dataclass(frozen=True, slots=True)
 class Profile:
     """Fitted per-op time models of one model on one device."""
@@ -77,6 +82,8 @@ class Profile:
     batch_sizes: tuple[int, ...]
     ops: Mapping[str, tuple[Affine, Affine]]
     """op name -> (forward, backward) time model in seconds."""
+    precision: str = "fp32"
+    """Precision the ops were timed at: ``fp32``, or ``bf16`` under ``torch.autocast``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +146,7 @@ def _record_submodule_args(split, inputs: Sequence[Any]) -> dict[str, tuple[Any,
 
 def time_ops(captured, make_inputs: Callable[[int], Sequence[Any]], batch_sizes: Sequence[int],
              repeats: int = 5, warmup: int = 2, timer: Callable[[], float] = time.perf_counter,
-             progress: Callable[[str], None] | None = None) -> dict[str, OpTimings]:
+             progress: Callable[[str], None] | None = None, precision: str = "fp32") -> dict[str, OpTimings]:
     """Median forward and backward seconds of every op at every batch size.
 
     ``make_inputs(b)`` gives model inputs with ``b`` samples on the module's
@@ -183,33 +190,34 @@ def time_ops(captured, make_inputs: Callable[[int], Sequence[Any]], batch_sizes:
         fs: dict[str, list[float]] = {name: [] for name in names}
         bs: dict[str, list[float]] = {name: [] for name in names}
         for i in range(warmup + repeats):
-            # One training pass at batch b: every forward in topological order, then every
-            # backward in reverse, so each op finds the caches as a stage does between micro-batches.
-            outs: dict[str, list[Any]] = {}
-            for name, sub, args, _, _ in prepared:
-                sync(args)
-                t0 = timer()
-                out = sub(*args)
-                sync(out)
-                if i >= warmup:
-                    fs[name].append(timer() - t0)
-                outs[name] = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
-            for name, sub, args, leaves, wrt in reversed(prepared):
-                tensors = outs.pop(name)
-                if not tensors or not wrt:
+            with _autocast(precision, make_inputs):  # bf16: the run's torch.autocast
+                # One training pass at batch b: every forward in topological order, then every
+                # backward in reverse, so each op finds the caches as a stage does between micro-batches.
+                outs: dict[str, list[Any]] = {}
+                for name, sub, args, _, _ in prepared:
+                    sync(args)
+                    t0 = timer()
+                    out = sub(*args)
+                    sync(out)
                     if i >= warmup:
-                        bs[name].append(0.0)
-                    continue
-                grads = [torch.ones_like(t) for t in tensors]
-                sync(tensors)
-                t0 = timer()
-                # accumulates into .grad as the runtime's backward does (the first pass allocates)
-                torch.autograd.backward(tensors, grads, inputs=wrt)
-                sync(wrt)
-                if i >= warmup:
-                    bs[name].append(timer() - t0)
-                for leaf in leaves:
-                    leaf.grad = None
+                        fs[name].append(timer() - t0)
+                    outs[name] = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+                for name, sub, args, leaves, wrt in reversed(prepared):
+                    tensors = outs.pop(name)
+                    if not tensors or not wrt:
+                        if i >= warmup:
+                            bs[name].append(0.0)
+                        continue
+                    grads = [torch.ones_like(t) for t in tensors]
+                    sync(tensors)
+                    t0 = timer()
+                    # accumulates into .grad as the runtime's backward does (the first pass allocates)
+                    torch.autograd.backward(tensors, grads, inputs=wrt)
+                    sync(wrt)
+                    if i >= warmup:
+                        bs[name].append(timer() - t0)
+                    for leaf in leaves:
+                        leaf.grad = None
         for _, sub, _, _, _ in prepared:
             for p in sub.parameters():
                 p.grad = None
@@ -221,16 +229,26 @@ def time_ops(captured, make_inputs: Callable[[int], Sequence[Any]], batch_sizes:
     return {name: OpTimings(tuple(fwd[name]), tuple(bwd[name])) for name in names}
 
 
+def _autocast(precision: str, make_inputs):
+    """``torch.autocast`` to bfloat16 on the inputs' device for ``bf16``; a no-op for ``fp32``."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    device = next((t.device.type for t in tree_leaves(list(make_inputs(1))) if isinstance(t, torch.Tensor)), "cpu")
+    return torch.autocast(device, dtype=torch.bfloat16, enabled=precision == "bf16")
+
+
 def profile_captured(captured, make_inputs: Callable[[int], Sequence[Any]], model: str, device: str,
                      batch_sizes: Sequence[int] = (1, 2, 4, 8), repeats: int = 5, warmup: int = 2,
                      timer: Callable[[], float] = time.perf_counter,
-                     progress: Callable[[str], None] | None = None) -> Profile:
+                     progress: Callable[[str], None] | None = None, precision: str = "fp32") -> Profile:
     """Time every op of ``captured`` (see :func:`time_ops`) and fit its affine models."""
     sizes = _check_batch_sizes(batch_sizes)
-    timings = time_ops(captured, make_inputs, sizes, repeats=repeats, warmup=warmup, timer=timer, progress=progress)
+    timings = time_ops(captured, make_inputs, sizes, repeats=repeats, warmup=warmup, timer=timer, progress=progress,
+                       precision=precision)
     ops = {name: (fit_affine(sizes, t.fwd_s), fit_affine(sizes, t.bwd_s)) for name, t in timings.items()}
     _warn_poor_fits(sizes, timings, ops)
-    return Profile(model, device, sizes, ops)
+    return Profile(model, device, sizes, ops, precision)
 
 
 # An op's fit is poor when it misses the measured times by more than this
@@ -259,9 +277,13 @@ def _warn_poor_fits(sizes, timings: Mapping[str, OpTimings], ops) -> list[str]:
 
 
 def profile_model(spec: str, device: str = "cpu", batch_sizes: Sequence[int] = (1, 2, 4, 8), repeats: int = 5,
-                  warmup: int = 2, seed: int = 0, progress: Callable[[str], None] | None = None) -> Profile:
-    """Profile a zoo spec or ``file.py:factory`` on ``device`` ('cpu', 'cuda', 'cuda:1')."""
+                  warmup: int = 2, seed: int = 0, progress: Callable[[str], None] | None = None,
+                  precision: str = "fp32") -> Profile:
+    """Profile a zoo spec or ``file.py:factory`` on ``device`` ('cpu', 'cuda', 'cuda:1') at ``precision``."""
     import torch
+
+    if precision not in PROFILE_PRECISIONS:
+        raise InputError(f"--precision must be one of {', '.join(PROFILE_PRECISIONS)}, got {precision!r}")
 
     from graphpipe import capture as cap
 
@@ -271,6 +293,9 @@ def profile_model(spec: str, device: str = "cpu", batch_sizes: Sequence[int] = (
         raise InputError(f"--device must be cpu, cuda or cuda:N, got {device!r}") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise InputError(f"--device {device}: CUDA is not available here; use --device cpu")
+    if precision == "bf16" and dev.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise InputError(f"--precision bf16: {torch.cuda.get_device_name(dev)} has no bfloat16 support; "
+                         "use --precision fp32")
     if dev.type not in ("cpu", "cuda"):
         raise InputError(f"--device must be cpu or cuda, got {device!r}")
     if ".py:" in spec:
@@ -291,7 +316,19 @@ def profile_model(spec: str, device: str = "cpu", batch_sizes: Sequence[int] = (
             return built.make_inputs(b, seed)
     captured = cap.capture(module, example, name=model_id, user_file=spec.rpartition(":")[0] if ".py:" in spec else None)
     name = "cpu" if dev.type == "cpu" else f"cuda ({torch.cuda.get_device_name(dev)})"
-    return profile_captured(captured, make_inputs, model_id, name, batch_sizes, repeats, warmup, progress=progress)
+    user_file = spec.rpartition(":")[0] if ".py:" in spec else None
+    try:
+        return profile_captured(captured, make_inputs, model_id, name, batch_sizes, repeats, warmup, progress=progress,
+                                precision=precision)
+    except GraphpipeError:
+        raise
+    except Exception as exc:
+        import traceback
+
+        frames = traceback.extract_tb(exc.__traceback__)
+        if user_file is None or not any(os.path.realpath(f.filename) == os.path.realpath(user_file) for f in frames):
+            raise  # not the user's code: our bug, reported as such
+        raise user_code_error(exc, "running the module while profiling it", user_file) from exc
 
 
 def _check_batch_sizes(batch_sizes: Sequence[int]) -> tuple[int, ...]:
@@ -309,6 +346,7 @@ def profile_to_dict(profile: Profile) -> dict[str, Any]:
         "model": profile.model,
         "device": profile.device,
         "batch_sizes": list(profile.batch_sizes),
+        "precision": profile.precision,
         "ops": {name: {"fwd_s": [f.alpha, f.beta], "bwd_s": [b.alpha, b.beta]} for name, (f, b) in profile.ops.items()},
     }
 
@@ -335,8 +373,11 @@ def profile_from_dict(doc: Any, where: str = "profile") -> Profile:
         ops[name] = (pair[0], pair[1])
     sizes = tuple(f.integer(b, f"{where}.batch_sizes[{i}]", 1)
                   for i, b in enumerate(f.array(doc.get("batch_sizes", []), f"{where}.batch_sizes")))
+    precision = f.string(doc.get("precision", "fp32"), f"{where}.precision")  # profiles before issue 15: fp32
+    if precision not in PROFILE_PRECISIONS:
+        raise FormatError(f"{where}: precision must be one of {', '.join(PROFILE_PRECISIONS)}, got {precision!r}")
     return Profile(f.string(doc.get("model", ""), f"{where}.model"), f.string(doc.get("device", ""), f"{where}.device"),
-                   sizes, ops)
+                   sizes, ops, precision)
 
 
 def read_profile(path: str) -> Profile:

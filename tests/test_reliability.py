@@ -329,6 +329,19 @@ def test_profile_of_another_configuration_warns(tmp_path):
     assert code == 0 and "warning" not in err, err
 
 
+def test_ops_without_a_profile_entry_warn(caplog):
+    from graphpipe.graph import Affine
+    from graphpipe.profile import Profile, apply_profile
+    from graphpipe.zoo import load_graph
+
+    graph = load_graph("mmt:small")
+    first = graph.ops[0].name
+    profile = Profile("mmt:small", "cpu", (1, 2), {first: (Affine(1e-4, 1e-5), Affine(2e-4, 2e-5))})
+    applied = apply_profile(graph, profile, model="mmt:small")
+    assert applied.ops[0].fwd == Affine(1e-4, 1e-5)
+    assert f"no entry for {graph.num_ops - 1} of {graph.num_ops} ops" in caplog.text
+
+
 def test_poor_fit_warns(caplog):
     from graphpipe.profile import OpTimings, _warn_poor_fits, fit_affine
 
