@@ -11,6 +11,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from graphpipe.zoo_models import Layer
+
 BATCH = 8
 
 
@@ -78,15 +80,45 @@ def tied_lm():
 
 
 class NoisyLayer(nn.Module):
-    """A custom op with its own RNG (``torch.randn_like`` from the global generator): cannot be replayed."""
+    """Noise from the global generator (``torch.randn_like``): the runtime seeds it per shard."""
 
     def forward(self, x):
         return x + 0.01 * torch.randn_like(x)
 
 
+class TransformerBlock(nn.Module):
+    """``nn.TransformerEncoderLayer`` with dropout: a capture leaf whose dropouts (and attention's) are inside."""
+
+    def __init__(self, dim: int = 8):
+        super().__init__()
+        self.inp = nn.Linear(6, dim)
+        self.block = nn.TransformerEncoderLayer(dim, 2, 16, dropout=0.2, batch_first=True)
+        self.noise = NoisyLayer()
+        self.out = nn.Linear(dim, 2)
+
+    def forward(self, x):
+        return self.out(self.noise(self.block(self.inp(x))))
+
+
 def noisy():
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 6), NoisyLayer(), nn.Linear(6, 2))
+    return TransformerBlock(), (torch.randn(BATCH, 3, 6),), lambda out: out.pow(2).mean()
+
+
+class OwnGenerator(Layer):
+    """A custom op with a generator of its own: its draws depend on how often it ran, where (cannot be replayed)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gen = torch.Generator().manual_seed(1)
+
+    def forward(self, x):
+        return x + 0.01 * torch.randn(x.shape, generator=self.gen)
+
+
+def own_generator():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), OwnGenerator(), nn.Linear(6, 2))
     return model, (torch.randn(BATCH, 6),), lambda out: out.pow(2).mean()
 
 

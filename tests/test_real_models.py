@@ -25,6 +25,7 @@ BRANCHY = os.path.join(HERE, "real_models.py") + ":branchy"
 TIED = os.path.join(HERE, "real_models.py") + ":tied_lm"
 NOISY = os.path.join(HERE, "real_models.py") + ":noisy"
 SHARED = os.path.join(HERE, "real_models.py") + ":shared_layer"
+OWN_RNG = os.path.join(HERE, "real_models.py") + ":own_generator"
 BATCH = 8
 ALL_STRATEGIES = ("gpp", "pipedream", "gpipe", "piper")
 
@@ -142,14 +143,32 @@ def test_a_layer_called_from_two_stages_gets_a_private_copy_in_the_second():
     assert torch.equal(first.weight, second.weight)
 
 
+def test_global_generator_draws_are_seeded_per_shard_and_replayed_by_the_reference():
+    from graphpipe.runtime.jobs import load_runnable
+    from graphpipe.runtime.rng import ReferenceContext, ShardContext
+
+    runnable = load_runnable(NOISY)
+    gm, x = runnable.gm, runnable.make_inputs(BATCH, 3)[0]
+    assert "rng_ctx" in gm.code and "seeded_randn_like" in gm.code
+    layout = {node: {"dropout": 2} for node in ("block", "randn_like")}
+    full = gm(x, ReferenceContext(0, 1, BATCH, layout))
+    torch.manual_seed(7)  # the global generator's state plays no part
+    for lo in (6, 0, 2, 4):
+        torch.testing.assert_close(gm(x[lo:lo + 2], ShardContext(0, 1, lo, 2, lo, 2)), full[lo:lo + 2])
+    again = gm(x[0:2], ShardContext(0, 2, 0, 2, 0, 2))  # another step, another draw
+    assert not torch.allclose(again, full[0:2])
+
+
 def test_unseeded_random_op_is_named():
     from graphpipe.runtime.jobs import load_runnable
     from graphpipe.runtime.rng import ShardContext, find_unseeded_random
 
-    runnable = load_runnable(NOISY)
+    runnable = load_runnable(OWN_RNG)
     found = find_unseeded_random(runnable.gm, runnable.make_inputs(2, 0), ShardContext(0, 0, 0, 2, 0, 2))
-    assert list(found) == ["randn_like"] and "randn" in found["randn_like"]
-    for spec in (BRANCHY, TIED, "mmt:small", "twobranch:small"):  # seeded dropout; attention kernels at dropout_p=0
+    assert list(found) == ["_1"] and "generator of its own" in found["_1"] and "OwnGenerator" in found["_1"]
+    # seeded dropout; global-generator draws (randn_like, TransformerEncoderLayer's dropouts) seeded per shard;
+    # attention kernels at dropout_p=0 draw nothing
+    for spec in (BRANCHY, TIED, NOISY, "mmt:small", "twobranch:small"):
         seeded = load_runnable(spec)
         assert find_unseeded_random(seeded.gm, seeded.make_inputs(2, 0), ShardContext(0, 0, 0, 2, 0, 2)) == {}, spec
 
@@ -265,6 +284,9 @@ def real_model_plans() -> dict[str, Plan]:
     # re-materialization: every stage's forward runs again inside its B (torch.utils.checkpoint)
     plans["branchy/replicated/sync/recompute"] = hand_built(BRANCHY, BRANCHES, [(0,), (1, 2), (3,)], [2, 4, 2], 4,
                                                             "graph-1f1b", batchnorm="sync", recompute=True)
+    # global-generator noise and nn.TransformerEncoderLayer's inner dropouts, a replicated stage
+    plans["noisy/replicated"] = hand_built(NOISY, (["inp", "block"], ["out"]), [(0, 1), (2,)],
+                                           [4, 2], 3, "1f1b")
     plans["shared-layer/2-stages"] = hand_built(SHARED, (["inp", "shared"], ["shared_1", "out"]), [(0, 1), (2,)], [4, 2],
                                                 3, "1f1b")
     plans["tied/replicated/recompute"] = hand_built(TIED, TIED_STAGES, [(0, 1), (2,), (3,)], [4, 2, 2], 4, "graph-1f1b",
@@ -282,11 +304,11 @@ def _run_real_model_plans():
 
     plans = real_model_plans()
     names = sorted(plans)
-    noisy = planned(NOISY, "gpipe", 2)
-    *results, noisy_result = run_plans([(plans[n], RunOptions(steps=3, warmup_steps=1, check=True, timeout_s=120))
-                                        for n in names] + [(noisy, RunOptions(steps=1, check=True))], 4)
-    # a custom op with its own RNG: named, and --check cannot be exact for it
-    assert list(noisy_result["check"]["unseeded_ops"]) == ["randn_like"]
+    own = planned(OWN_RNG, "gpipe", 2)
+    *results, own_result = run_plans([(plans[n], RunOptions(steps=3, warmup_steps=1, check=True, timeout_s=120))
+                                      for n in names] + [(own, RunOptions(steps=1, check=True))], 4)
+    # a custom op with a generator of its own: named, and --check cannot be exact for it
+    assert list(own_result["check"]["unseeded_ops"]) == ["_1"]
     failures = {}
     for name, result in zip(names, results):
         check = result["check"]

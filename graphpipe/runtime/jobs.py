@@ -206,7 +206,9 @@ def load_runnable(spec: str, seed: int = 0, device: str = "cpu", capture: bool =
     from graphpipe.runtime.stage_modules import instrument
 
     gm, op_nodes = _trace_ops(cap, module, example, spec)
-    return Runnable(spec, module, instrument(gm), op_nodes, tuple(op_nodes), loss_fn, make_inputs)
+    # the meta device (preflight) only cuts the model: no run to find random calls
+    gm = instrument(gm, make_inputs(2, 0) if device != "meta" else None)
+    return Runnable(spec, module, gm, op_nodes, tuple(op_nodes), loss_fn, make_inputs)
 
 
 def _trace_ops(cap, module: torch.nn.Module, example: Sequence[torch.Tensor], spec: str):

@@ -27,11 +27,17 @@ reference. :mod:`graphpipe.runtime.batchnorm` uses the same contexts to
 normalise per micro-batch.
 
 Ops seeded this way: ``nn.Dropout``, ``nn.Dropout1d/2d/3d`` and
-``F.dropout``, ``F.dropout1d/2d/3d``, ``torch.dropout``. Any other op that
-draws random numbers from the global generator (``torch.rand`` in a
-forward, ``nn.RReLU``, ``nn.AlphaDropout``, a custom layer with its own RNG)
-is found by :func:`find_unseeded_random`, and the run warns, naming the op,
-that ``--check`` cannot be exact.
+``F.dropout``, ``F.dropout1d/2d/3d``, ``torch.dropout`` draw their masks
+from generators of their own (:func:`seeded_dropout`). Any other op that
+draws from the *global* generator (``torch.randn_like`` in a forward,
+``nn.RReLU``, a layer kept whole by the capture such as
+``nn.TransformerEncoderLayer`` with its dropouts) is found by running the
+graph once under a dispatch spy (:func:`instrument_random`) and then runs
+inside :func:`seeded_call`: the global generator is forked and seeded from
+the same key around the call, and the reference calls it once per shard.
+What remains is an op with a generator of its *own* (its draws depend on
+how often it ran, on which rank): :func:`find_unseeded_random` names it,
+and the run warns that ``--check`` cannot be exact for it.
 
 Example
 -------
@@ -48,8 +54,10 @@ True
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -60,8 +68,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["ShardContext", "ReferenceContext", "stream_seed", "seeded_dropout", "SeededDropout",
-           "instrument_dropout", "find_unseeded_random", "DROPOUT_MODULES"]
+__all__ = ["ShardContext", "ReferenceContext", "stream_seed", "seeded_dropout", "SeededDropout", "seeded_call",
+           "instrument_dropout", "instrument_random", "find_unseeded_random", "DROPOUT_MODULES"]
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +150,20 @@ class ReferenceContext:
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
+_region = threading.local()
+"""Which draws are ours right now: ``ours`` (our generators, in :func:`seeded_dropout`) and ``seeded``
+(the global generator, forked and seeded by :func:`seeded_call`); the spy counts only the others."""
+
+
+@contextlib.contextmanager
+def _mark(kind: str):
+    setattr(_region, kind, getattr(_region, kind, 0) + 1)
+    try:
+        yield
+    finally:
+        setattr(_region, kind, getattr(_region, kind) - 1)
+
+
 def seeded_dropout(x: torch.Tensor, p: float, training: bool, ctx, op: str, channelwise: bool = False) -> torch.Tensor:
     """``F.dropout`` (or ``dropout2d``-style when ``channelwise``) with masks from :func:`stream_seed`.
 
@@ -159,7 +181,8 @@ def seeded_dropout(x: torch.Tensor, p: float, training: bool, ctx, op: str, chan
     for lo, piece in ctx.pieces(op, "dropout", x):
         gen = torch.Generator(device=piece.device).manual_seed(stream_seed(ctx.seed, ctx.step, op, lo))
         shape = (*piece.shape[:2], *([1] * (piece.dim() - 2))) if channelwise and piece.dim() > 2 else piece.shape
-        keep = torch.empty(shape, dtype=piece.dtype, device=piece.device).bernoulli_(1.0 - p, generator=gen)
+        with _mark("ours"):
+            keep = torch.empty(shape, dtype=piece.dtype, device=piece.device).bernoulli_(1.0 - p, generator=gen)
         outs.append(piece * keep * (1.0 / (1.0 - p)))
     return ctx.join(outs)
 
@@ -176,6 +199,109 @@ class SeededDropout(nn.Module):
 
     def extra_repr(self) -> str:
         return f"p={self.p}, channelwise={self.channelwise}"
+
+
+def seeded_call(fn, args: tuple, kwargs: dict, ctx, op: str):
+    """``fn(*args, **kwargs)`` with the global generator seeded per shard (:func:`stream_seed`), then restored.
+
+    In the reference (:class:`ReferenceContext`) ``fn`` runs once per shard
+    of the op's stage: every argument whose dim 0 is the batch is sliced and
+    tensor outputs are concatenated, so each shard draws what it draws in the
+    pipeline. Only valid for ops that treat samples independently (the ops
+    that draw random numbers usually do: dropout, noise, transformer layers).
+    """
+    if ctx is None:
+        return fn(*args, **kwargs)
+    first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.dim() > 0), None)
+    if first is None:
+        ctx.unbatched.append(op)
+        return fn(*args, **kwargs)
+    pieces = ctx.pieces(op, "dropout", first)
+    rows = first.shape[0]
+    outs = []
+    for lo, piece in pieces:
+        if len(pieces) == 1:
+            a, k = args, kwargs
+        else:
+            cut = slice(lo - pieces[0][0], lo - pieces[0][0] + piece.shape[0])
+            a = tuple(_rows(x, rows, cut) for x in args)
+            k = {key: _rows(x, rows, cut) for key, x in kwargs.items()}
+        devices = sorted({x.device for x in (*a, *k.values()) if isinstance(x, torch.Tensor) and x.device.type == "cuda"},
+                         key=str)
+        seed = stream_seed(ctx.seed, ctx.step, op, lo)
+        with torch.random.fork_rng(devices=devices), _mark("seeded"):
+            torch.default_generator.manual_seed(seed)
+            for d in devices:
+                with torch.cuda.device(d):
+                    torch.cuda.manual_seed(seed)
+            outs.append(fn(*a, **k))
+    return outs[0] if len(outs) == 1 else _cat_outputs(outs)
+
+
+def _rows(x, rows: int, cut: slice):
+    return x[cut] if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == rows else x
+
+
+def _cat_outputs(outs: list):
+    first = outs[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(outs)
+    if isinstance(first, (tuple, list)):
+        return type(first)(_cat_outputs([o[i] for o in outs]) for i in range(len(first)))
+    return first
+
+
+_SEEDED_CLASSES: dict[type, type] = {}
+
+
+def _seeded_class(cls: type) -> type:
+    """A subclass of module class ``cls`` whose forward takes ``rng_ctx``/``rng_op`` and runs in :func:`seeded_call`."""
+    if cls not in _SEEDED_CLASSES:
+        def forward(self, *args, rng_ctx=None, rng_op: str = "", **kwargs):
+            return seeded_call(lambda *a, **k: cls.forward(self, *a, **k), args, kwargs, rng_ctx, rng_op)
+
+        _SEEDED_CLASSES[cls] = type(f"Seeded{cls.__name__}", (cls,), {"forward": forward, "__module__": cls.__module__})
+    return _SEEDED_CLASSES[cls]
+
+
+def _seeded_function(fn, method: str | None = None):
+    """A function calling ``fn`` (or ``args[0].method``) inside :func:`seeded_call`; fx names it after ``fn``."""
+    def call(*args, rng_ctx=None, rng_op: str = "", **kwargs):
+        target = (lambda self, *a, **k: getattr(self, method)(*a, **k)) if method else fn
+        return seeded_call(target, args, kwargs, rng_ctx, rng_op)
+
+    call.__name__ = call.__qualname__ = f"seeded_{method or getattr(fn, '__name__', 'op')}"
+    return call
+
+
+def instrument_random(gm: torch.fx.GraphModule, ctx_node: torch.fx.Node, inputs: Sequence[Any]) -> list[str]:
+    """Route every call drawing from the global generator through :func:`seeded_call` (in place).
+
+    Runs ``gm`` once on ``inputs`` (training mode, no grad) to find them;
+    returns the rewritten node names.
+    """
+    from graphpipe.runtime.batchnorm import sharded_batchnorms
+
+    rows = next((x.shape[0] for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 0), 1)
+    found = _spy(gm, inputs, ShardContext(0, 0, 0, rows, 0, rows))
+    for bn in sharded_batchnorms(gm):
+        bn.pending.clear()
+    done = []
+    for node in list(gm.graph.nodes):
+        if node.name not in found or found[node.name][1]:  # own generators cannot be seeded from outside
+            continue
+        if node.op == "call_module":
+            module = gm.get_submodule(node.target)
+            module.__class__ = _seeded_class(type(module))
+        elif node.op == "call_function":
+            node.target = _seeded_function(node.target)
+        elif node.op == "call_method":
+            node.op, node.target = "call_function", _seeded_function(None, node.target)
+        else:
+            continue
+        node.kwargs = {**node.kwargs, "rng_ctx": ctx_node, "rng_op": node.name}
+        done.append(node.name)
+    return done
 
 
 def instrument_dropout(gm: torch.fx.GraphModule, ctx_node: torch.fx.Node) -> list[str]:
@@ -210,28 +336,27 @@ def _set_submodule(root: nn.Module, target: str, module: nn.Module) -> None:
 
 
 class _RandomSpy(TorchDispatchMode):
-    """Records aten calls that draw from the global generator (no ``generator=`` argument)."""
+    """Records aten calls that draw random numbers we did not seed: ``(op name, with a generator of its own)``."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.hits: list[str] = []
+        self.hits: list[tuple[str, bool]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if torch.Tag.nondeterministic_seeded in func.tags and _draws(func, args, kwargs):
-            self.hits.append(str(func.overloadpacket.__name__))
+            own = any(isinstance(a, torch.Generator) for a in tree_leaves((args, kwargs)))
+            if not (getattr(_region, "ours", 0) if own else getattr(_region, "seeded", 0)):
+                self.hits.append((str(func.overloadpacket.__name__), own))
         return func(*args, **kwargs)
 
 
 def _draws(func, args, kwargs) -> bool:
     """Whether a random-tagged aten call really draws from the global generator.
 
-    Not when it was given a generator, and not when its probability is zero
-    or it is told it is not training (attention kernels carry ``dropout_p``
-    and are tagged random even at 0).
+    Not when its probability is zero or it is told it is not training
+    (attention kernels carry ``dropout_p`` and are tagged random even at 0).
     """
-    if any(isinstance(a, torch.Generator) for a in tree_leaves((args, kwargs))):
-        return False
     named = dict(kwargs)
     for i, arg in enumerate(func._schema.arguments):
         if i < len(args):
@@ -244,13 +369,17 @@ def _draws(func, args, kwargs) -> bool:
 
 
 def find_unseeded_random(gm: torch.fx.GraphModule, inputs: Sequence[Any], ctx) -> dict[str, str]:
-    """fx node -> what it calls, for every node that draws from the global RNG when run with ``ctx``.
+    """fx node -> what it calls, for every node whose draws are not seeded per shard when run with ``ctx``.
 
     Runs the (instrumented) graph once, node by node, in training mode. Such
     an op's draws differ between the pipeline and the reference, so
     ``--check`` cannot be exact for it.
     """
-    found: dict[str, str] = {}
+    return {name: what for name, (what, _) in _spy(gm, inputs, ctx).items()}
+
+
+def _spy(gm: torch.fx.GraphModule, inputs: Sequence[Any], ctx) -> dict[str, tuple[str, bool]]:
+    found: dict[str, tuple[str, bool]] = {}
 
     class Spy(torch.fx.Interpreter):
         def run_node(self, n):
@@ -261,7 +390,9 @@ def find_unseeded_random(gm: torch.fx.GraphModule, inputs: Sequence[Any], ctx) -
                 what = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
                 if n.op == "call_module":
                     what = f"{what} ({type(gm.get_submodule(n.target)).__name__})"
-                found[n.name] = f"{what} -> aten.{spy.hits[0]}"
+                own = any(o for _, o in spy.hits)
+                name = next((h for h, o in spy.hits if o), spy.hits[0][0])
+                found[n.name] = (f"{what} -> aten.{name}" + (" with a generator of its own" if own else ""), own)
             return out
 
     with torch.no_grad():

@@ -368,13 +368,16 @@ def _check_buffers_owned_once(programs: Sequence[StageProgram]) -> None:
             owner[id(m)] = (prog.stage_id, name)
 
 
-def instrument(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+def instrument(gm: torch.fx.GraphModule, example_inputs: Sequence[Any] | None = None) -> torch.fx.GraphModule:
     """Add the ``rng_ctx`` placeholder and route every dropout and BatchNorm call through it (in place).
 
-    See the module docstring; returns ``gm``. Idempotent.
+    With ``example_inputs`` the graph also runs once to find every other
+    call drawing from the global generator, which then runs seeded per shard
+    (:func:`~graphpipe.runtime.rng.instrument_random`). See the module
+    docstring; returns ``gm``. Idempotent.
     """
     from graphpipe.runtime.batchnorm import instrument_batchnorm
-    from graphpipe.runtime.rng import instrument_dropout
+    from graphpipe.runtime.rng import instrument_dropout, instrument_random
 
     nodes = list(gm.graph.nodes)
     if any(n.op == "placeholder" and n.name == CTX_NAME for n in nodes):
@@ -386,6 +389,9 @@ def instrument(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     instrument_batchnorm(gm, ctx)
     gm.graph.lint()
     gm.recompile()
+    if example_inputs is not None and instrument_random(gm, ctx, example_inputs):
+        gm.graph.lint()
+        gm.recompile()
     return gm
 
 
