@@ -134,9 +134,12 @@ def run_job(rank: int, world_size: int, plan: Plan, options: RunOptions, device:
                     last_b[a.stage_id] = pos
             ar_order[stage.devices] = sorted((s for s in last_b if sg.stages[s].devices == stage.devices), key=last_b.get)
     tied = []
+    tie_groups: dict[tuple[int, ...], object] = {}
     for tie in split.tied:  # every rank creates every group, in the same order (new_group is collective)
-        ranks = sorted({d for s in tie.stages for d in sg.stages[s].devices})
-        group = dist.new_group(ranks) if len(ranks) > 1 else None
+        ranks = tuple(sorted({d for s in tie.stages for d in sg.stages[s].devices}))
+        if len(ranks) > 1 and ranks not in tie_groups:
+            tie_groups[ranks] = dist.new_group(list(ranks))
+        group = tie_groups.get(ranks)
         if rank in ranks:
             tied.append(TiedSync(tie.name, tuple(c for c in tie.copies if c[0] in my_stages), group))
     programs = {s: split.programs[s] for s in my_stages}
