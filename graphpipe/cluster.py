@@ -13,7 +13,8 @@ Presets
 ``a100``  8 x A100-80GB per node, NVLink 3 (300 GB/s per direction), 200 Gb/s IB.
 ``h100``  8 x H100-80GB SXM per node, NVLink 4 (450 GB/s per direction), 400 Gb/s IB.
 
-Peak FLOP/s are dense fp16/bf16 tensor-core peaks; ``mfu`` is the fraction of
+Peak FLOP/s are dense tensor-core peaks at the precision each preset states
+(``device.precision``: v100 fp16, a100 and h100 bf16); ``mfu`` is the fraction of
 peak a layer-sized kernel achieves, used by analytical costing.
 
 Example
@@ -32,7 +33,7 @@ from typing import Any, Iterable, Sequence
 from graphpipe import costs
 from graphpipe.errors import FormatError, InputError
 
-__all__ = ["DeviceSpec", "Link", "Cluster", "PRESETS", "MAX_DEVICES", "preset", "load_cluster", "cluster_to_dict", "cluster_from_dict"]
+__all__ = ["DeviceSpec", "Link", "Cluster", "PRESETS", "PRECISIONS", "MAX_DEVICES", "preset", "load_cluster", "cluster_to_dict", "cluster_from_dict"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -47,8 +48,13 @@ class DeviceSpec:
     """Fixed cost of one layer-op call (kernel launches): the alpha of t(b)."""
     mfu: float = 0.5
     """Fraction of peak reached by layer-sized kernels (analytical costing)."""
+    precision: str = "bf16"
+    """The training precision ``peak_flops`` assumes (:data:`PRECISIONS`): a plan made with these costs is
+    for runs at this precision (``graphpipe run --precision``)."""
 
     def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise InputError(f"device.precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         for key in ("memory_bytes", "peak_flops"):
             value = getattr(self, key)
             if not (math.isfinite(value) and value > 0):
@@ -146,19 +152,22 @@ class Cluster:
 PRESETS: dict[str, dict[str, Any]] = {
     "v100": {
         "devices_per_node": 4,
-        "device": {"name": "V100-16GB", "memory_bytes": 16e9, "peak_flops": 125e12, "op_overhead_s": 2e-5, "mfu": 0.4},
+        "device": {"name": "V100-16GB", "memory_bytes": 16e9, "peak_flops": 125e12, "op_overhead_s": 2e-5, "mfu": 0.4,
+                   "precision": "fp16"},
         "intra_node": {"latency_s": 5e-6, "bandwidth_Bps": 50e9},
         "inter_node": {"latency_s": 1e-5, "bandwidth_Bps": 12.5e9},
     },
     "a100": {
         "devices_per_node": 8,
-        "device": {"name": "A100-80GB", "memory_bytes": 80e9, "peak_flops": 312e12, "op_overhead_s": 1e-5, "mfu": 0.5},
+        "device": {"name": "A100-80GB", "memory_bytes": 80e9, "peak_flops": 312e12, "op_overhead_s": 1e-5, "mfu": 0.5,
+                   "precision": "bf16"},
         "intra_node": {"latency_s": 3e-6, "bandwidth_Bps": 300e9},
         "inter_node": {"latency_s": 8e-6, "bandwidth_Bps": 25e9},
     },
     "h100": {
         "devices_per_node": 8,
-        "device": {"name": "H100-80GB", "memory_bytes": 80e9, "peak_flops": 989e12, "op_overhead_s": 8e-6, "mfu": 0.5},
+        "device": {"name": "H100-80GB", "memory_bytes": 80e9, "peak_flops": 989e12, "op_overhead_s": 8e-6, "mfu": 0.5,
+                   "precision": "bf16"},
         "intra_node": {"latency_s": 2e-6, "bandwidth_Bps": 450e9},
         "inter_node": {"latency_s": 6e-6, "bandwidth_Bps": 50e9},
     },
@@ -169,7 +178,10 @@ MAX_DEVICES = 1024
 """Most devices a cluster may have: gpp plans mmt:small on 1,024 devices at the largest batch in about 20 s on
 one core, and on 4,096 did not finish in 2 minutes (searches are polynomial in the device count)."""
 
-_DEVICE_KEYS = ("name", "memory_bytes", "peak_flops", "op_overhead_s", "mfu")
+PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
+"""Training precisions a device's ``peak_flops`` may assume; runs take ``fp32`` or ``bf16`` (torch.autocast)."""
+
+_DEVICE_KEYS = ("name", "memory_bytes", "peak_flops", "op_overhead_s", "mfu", "precision")
 _LINK_KEYS = ("latency_s", "bandwidth_Bps")
 _SHAPE = ("expected keys devices_per_node, device{name,memory_bytes,peak_flops,op_overhead_s}, "
           "intra_node{latency_s,bandwidth_Bps}, inter_node{...}")
@@ -185,7 +197,7 @@ def _fields(doc: Any, keys: Sequence[str], where: str, required: Sequence[str]) 
     missing = [k for k in required if k not in doc]
     if missing:
         raise FormatError(f"{where}: missing key {missing[0]!r}; {_SHAPE}")
-    return {k: (f.string(v, f"{where}.{k}") if k == "name" else float(f.number(v, f"{where}.{k}")))
+    return {k: (f.string(v, f"{where}.{k}") if k in ("name", "precision") else float(f.number(v, f"{where}.{k}")))
             for k, v in doc.items()}
 
 

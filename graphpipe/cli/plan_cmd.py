@@ -120,6 +120,10 @@ def run(args) -> int:
         progress = progress_writer(sys.stderr)
     plan = make_plan(source.model_id, graph, cluster, args.batch_size, args.strategy, options,
                      schedule=args.schedule, time_limit_s=args.time_limit, progress=progress)
+    if profile is not None:  # the costs are the profile's: so is the precision they hold for
+        from dataclasses import replace
+
+        plan = replace(plan, search={**plan.search, "precision": profile.precision, "precision_from": "profile"})
     log.info("%s plan found in %.2f s: %d stages", plan.strategy, plan.search.get("time_s", 0.0),
              plan.stage_graph.num_stages)
     unused = cluster.num_devices - len(plan.stage_graph.devices_used())

@@ -63,12 +63,13 @@ def _handler(args: argparse.Namespace) -> int:
             sys.stderr.write(f"profile: {msg}\n")
 
     profile = profile_model(spec, device=args.device, batch_sizes=_batch_sizes(args.batch_sizes),
-                            repeats=args.repeats, warmup=args.warmup, seed=args.seed, progress=progress)
+                            repeats=args.repeats, warmup=args.warmup, seed=args.seed, progress=progress,
+                            precision=args.precision)
     write_profile(args.out, profile)
     if args.json:
         print_json(profile_to_dict(profile))
     else:
-        print(f"wrote {args.out}: {len(profile.ops)} ops of {profile.model} on {profile.device}, "
+        print(f"wrote {args.out}: {len(profile.ops)} ops of {profile.model} on {profile.device} at {profile.precision}, "
               f"batch sizes {','.join(map(str, profile.batch_sizes))}")
     return 0
 
@@ -85,5 +86,7 @@ def register(subparsers) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="CPU intra-op threads (torch.set_num_threads); default: torch's choice")
     p.add_argument("--seed", type=int, default=0, help="weights and inputs seed (default 0)")
+    p.add_argument("--precision", default="fp32", metavar="fp32|bf16",
+                   help="time ops at fp32 (default) or bf16 (torch.autocast); recorded in the profile and in plans made from it")
     p.add_argument("--json", action="store_true", help="also print the profile as JSON")
     p.set_defaults(func=_handler)

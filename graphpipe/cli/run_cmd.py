@@ -56,6 +56,10 @@ def run(args) -> int:
                   (args.gantt_pair, "--gantt-pair", IMAGE_SUFFIXES))  # before the run, not after it
     plan = read_plan(args.plan)
     options = options_from_args(args)
+    planned = plan.search.get("precision")
+    if plan.search.get("precision_from") == "profile" and planned != options.precision:
+        sys.stderr.write(f"graphpipe: warning: the plan's costs were profiled at {planned}; this run trains at "
+                         f"{options.precision} (--precision {planned} to match)\n")
     from graphpipe.runtime.launch import check_host_capacity
 
     check_host_capacity(plan.cluster.num_devices)

@@ -68,6 +68,14 @@ def preflight(plan: Plan, options: RunOptions) -> None:
     runnable = load_runnable(plan.model, options.seed, "meta" if ".py:" not in plan.model else "cpu")
     check_op_names([op.name for op in plan.graph.ops], runnable.op_names, plan.model)
     split = split_model(runnable.gm, runnable.op_nodes, plan.stage_graph)
+    if options.precision == "bf16":
+        import torch
+
+        if options.baseline == "torch":
+            raise InputError("--precision bf16 is not supported with --baseline torch; drop one of them")
+        if options.backend == "nccl" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+            raise InputError(f"--precision bf16: {torch.cuda.get_device_name()} has no bfloat16 support; "
+                             "use --precision fp32")
     if options.baseline == "torch":
         from graphpipe.runtime.baseline import check_torch_expressible
 

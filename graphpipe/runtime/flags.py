@@ -36,6 +36,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     parser.add_argument("--cpus-per-rank", type=int, default=0, metavar="N",
                         help="pin each rank to N CPUs of its own (default 0: no pinning); steadier CPU timings")
+    parser.add_argument("--precision", default="fp32", metavar="fp32|bf16",
+                        help="training precision: fp32 (default) or bf16 (torch.autocast); recorded in the output, "
+                             "warned about when the plan's profile was measured at another")
     # Not argparse choices: a bad value is the one-line InputError of RunOptions (exit 2) like every other flag.
     parser.add_argument("--batchnorm", default=None, metavar="MODE",
                         help="BatchNorm under micro-batching: per-micro-batch (normalise each replica's rows; running "
@@ -43,9 +46,16 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                              "default: the plan's (per-micro-batch)")
 
 
+BF16_CHECK_TOLERANCE = {"rtol": 1.6e-2, "atol": 1e-2}
+"""``--check`` at bf16: the run and its single-process reference round differently (micro-batches, sums in another
+order), by up to a bfloat16 ulp (2^-7 relative) per value; torch.testing's bf16 rtol, an atol of the same size."""
+
+
 def options_from_args(args: argparse.Namespace) -> RunOptions:
     """The :class:`RunOptions` of parsed :func:`add_run_arguments` flags (checked in its ``__post_init__``)."""
-    return RunOptions(steps=args.steps, warmup_steps=args.warmup, backend=args.backend, check=args.check,
+    precision = getattr(args, "precision", "fp32")
+    return RunOptions(**(BF16_CHECK_TOLERANCE if precision == "bf16" else {}),
+                      steps=args.steps, warmup_steps=args.warmup, backend=args.backend, check=args.check,
                       timeout_s=args.timeout, seed=args.seed, lr=args.lr, num_threads=args.threads,
                       cpus_per_rank=args.cpus_per_rank, baseline=args.baseline,
-                      batchnorm=getattr(args, "batchnorm", None))
+                      batchnorm=getattr(args, "batchnorm", None), precision=precision)

@@ -104,6 +104,16 @@ def fault_from_env(environ=None) -> FaultInjection | None:
         raise InputError(f"GRAPHPIPE_FAIL_RANK must be an integer rank, got {rank!r}") from None
 
 
+PRECISIONS = ("fp32", "bf16")
+"""Precisions a run trains at (``graphpipe run --precision``)."""
+
+
+def autocast(precision: str, device: torch.device | str):
+    """``torch.autocast`` to bfloat16 for ``bf16``, a no-op context for ``fp32``."""
+    dev = torch.device(device)
+    return torch.autocast(dev.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RunOptions:
     steps: int = 3
@@ -131,8 +141,13 @@ class RunOptions:
     batchnorm: str | None = None
     """BatchNorm semantics, ``per-micro-batch`` or ``sync`` (:mod:`graphpipe.runtime.batchnorm`); None: the plan's."""
 
+    precision: str = "fp32"
+    """Training precision: ``fp32``, or ``bf16`` under ``torch.autocast`` (forward, backward and the --check reference)."""
+
     def __post_init__(self) -> None:
         from graphpipe.errors import InputError
+        if self.precision not in PRECISIONS:
+            raise InputError(f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
 
         if not isinstance(self.steps, int) or self.steps < 1:
             raise InputError(f"--steps must be a positive integer, got {self.steps!r}")

@@ -167,6 +167,8 @@ def summarize(plan: Plan, result: Mapping[str, Any]) -> dict[str, Any]:
                                                 "peak_memory_bytes", "peak_activation_bytes") if k in predicted},
         "losses": result.get("losses", []),
         "backend": result.get("backend"),
+        "precision": result.get("precision", "fp32"),
+        "plan_precision": plan.search.get("precision"),
     }
     if result.get("rank_cpus"):
         doc["rank_cpus"] = result["rank_cpus"]
@@ -196,7 +198,8 @@ def format_summary(summary: dict) -> str:
     m, p = summary["measured"], summary.get("predicted", {})
     lines = [f"plan: {summary['plan']['model']} strategy={summary['plan']['strategy']} "
              f"schedule={summary['plan']['schedule']} devices={summary['plan']['num_devices']} "
-             f"batch={summary['plan']['batch_size']} backend={summary.get('backend')}"
+             f"batch={summary['plan']['batch_size']} backend={summary.get('backend')} "
+             f"precision={summary.get('precision', 'fp32')}"
              + (f" baseline={summary['baseline']}" if summary.get("baseline") else ""),
              f"measured:  iteration {m['iteration_time_s'] * 1e3:.3f} ms  throughput {m['throughput']:.1f} samples/s"
              f"  (median of {len(m['step_times_s'])} steps after {m['warmup_steps']} warm-up)"]

@@ -44,8 +44,8 @@ import torch.distributed as dist
 from graphpipe.errors import PlanError
 from graphpipe.plan import Plan, plan_from_dict
 from graphpipe.runtime.executor import RankExecutor, StepResult, TiedSync
-from graphpipe.runtime.jobs import (RunOptions, compare_buffers, compare_gradients, data_seed, finish_job, load_runnable,
-                                    reference_layout, reference_run)
+from graphpipe.runtime.jobs import (RunOptions, autocast, compare_buffers, compare_gradients, data_seed, finish_job,
+                                    load_runnable, reference_layout, reference_run)
 from graphpipe.runtime.routing import Routing
 from graphpipe.runtime.stage_modules import ModelSplit, boundary_meta, check_op_names, split_model
 
@@ -166,7 +166,8 @@ def run_job(rank: int, world_size: int, plan: Plan, options: RunOptions, device:
     optimizer = torch.optim.SGD(params, lr=options.lr) if params else None
     reference = None
     if options.check and (my_stages or rank == 0):
-        reference = reference_run(plan.model, options.seed, sg.batch_size, layout, options.steps, options.lr)
+        with autocast(options.precision, "cpu"):  # the reference trains at the run's precision too
+            reference = reference_run(plan.model, options.seed, sg.batch_size, layout, options.steps, options.lr)
 
     steps: list[StepResult] = []
     check_stats = [0.0, 0, 0, 0]
@@ -175,7 +176,8 @@ def run_job(rank: int, world_size: int, plan: Plan, options: RunOptions, device:
         executor.zero_grad()
         dist.barrier(group=control)
         t0 = time.perf_counter()
-        result = executor.run_iteration(inputs, t0, step)
+        with autocast(options.precision, device):
+            result = executor.run_iteration(inputs, t0, step)
         steps.append(result)
         if reference is not None and my_stages:
             # Replicas all compare; only a stage's first replica counts (and only the owner of a tied parameter).
@@ -199,6 +201,7 @@ def run_job(rank: int, world_size: int, plan: Plan, options: RunOptions, device:
                      tuple(check_stats), reference, records=[[asdict(r) for r in s.records] for s in steps],
                      backend=backend, starts=[s.t0 for s in steps], control=control)
     if out is not None:
+        out["precision"] = options.precision
         out["measured"]["peak_activation_bytes"] = [float(m[0]) for m in mems]
         if any(s.cuda_peak_bytes is not None for s in timed):
             out["measured"]["cuda_max_memory_allocated_bytes"] = [float(m[1]) for m in mems]

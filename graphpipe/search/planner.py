@@ -115,7 +115,8 @@ def make_plan(model_id: str, graph: OpGraph, cluster: Cluster, batch_size: int, 
     if schedule_name == "cpsat" and any(st.round_robin for st in sg.stages):
         raise InputError(f"the CP-SAT schedule models replicas that split micro-batches, not {strategy}'s "
                          f"round-robin replicas (1F1B-RR); use its own schedule (1f1b)")
-    search: dict[str, Any] = {"strategy": strategy, "recompute": recompute, **dict(result.stats)}
+    search: dict[str, Any] = {"strategy": strategy, "recompute": recompute, **dict(result.stats),
+                              "precision": cluster.device.precision, "precision_from": "cluster"}
     search["recompute_stages"] = [s.id for s in sg.stages if s.recompute]
     search["partition_time_s"] = partitioned - started
     base_name = result.schedule_name if schedule_name == "cpsat" else schedule_name
