@@ -11,6 +11,7 @@ spawned 4-rank world (CI has 2 cores).
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -275,6 +276,9 @@ def real_model_plans() -> dict[str, Plan]:
     for strategy, n in (("gpp", 4), ("pipedream", 3), ("gpipe", 3)):
         for spec, name in ((BRANCHY, "branchy"), (TIED, "tied")):
             plans[f"{name}/{strategy}"] = planned(spec, strategy, n)
+    # PipeDream replicates both stages on 4 devices (1F1B-RR: whole micro-batches round-robin over replicas)
+    plans["branchy/pipedream-4/per-micro-batch"] = planned(BRANCHY, "pipedream", 4)
+    plans["branchy/pipedream-4/sync"] = replace(plans["branchy/pipedream-4/per-micro-batch"], batchnorm="sync")
     # a replicated stage (micro-batch 4 split over 2 replicas) between stages of micro-batch 2
     for mode in ("per-micro-batch", "sync"):
         plans[f"branchy/replicated/{mode}"] = hand_built(BRANCHY, BRANCHES, [(0,), (1, 2), (3,)], [2, 4, 2], 4,
@@ -326,4 +330,5 @@ def _run_real_model_plans():
         sg = plans[name].stage_graph
         assert all(s.micro_batch_size < BATCH for s in sg.stages), name
     assert any(s.num_replicas > 1 for s in plans["tied/replicated"].stage_graph.stages)
+    assert any(s.num_replicas > 1 for s in plans["branchy/pipedream-4/sync"].stage_graph.stages)
     assert all(s.recompute for s in plans["branchy/gpipe"].stage_graph.stages)  # GPipe re-materializes by default
