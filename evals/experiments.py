@@ -347,7 +347,10 @@ def run_fidelity(config: dict[str, Any], progress: Progress) -> tuple[list, dict
         rows.append({"model": model, "strategy": strategy, "schedule": schedule, **row})
         progress.step(f"{model} {strategy}")
     errors = [r["error_frac"] for r in rows if r.get("error_frac") is not None]
-    return rows, {"median_error": statistics.median(errors) if errors else None}
+    memory = [r["memory_error_frac"] for r in rows if r.get("memory_error_frac") is not None]
+    return rows, {"median_error": statistics.median(errors) if errors else None,
+                  "median_memory_error": statistics.median(memory) if memory else None,
+                  "worst_memory_error": max(memory) if memory else None}
 
 
 # -------------------------------------------------------------------- runner

@@ -1,4 +1,4 @@
-"""Simulator fidelity: predicted vs measured iteration time of real runtime runs.
+"""Simulator fidelity: predicted vs measured iteration time and activation memory of real runtime runs.
 
 One point = (model, strategy, schedule) planned and run on ``devices`` CPU
 ranks (gloo, one torch thread per rank). The cost model is calibrated the way
@@ -10,6 +10,11 @@ once (cores, memory bandwidth and cache shared) (see
 :mod:`graphpipe.evals.bench_runtime`, whose calibration helpers this reuses). Ranks,
 profile and calibration are pinned to CPUs of their own when the host has
 enough (:func:`graphpipe.evals.bench_runtime.auto_cpus_per_rank`).
+
+Beside the time error, each point reports the memory error of the same run:
+the per-device peak bytes saved for backward, measured
+(:class:`graphpipe.runtime.measure.SavedBytesMeter`) against the simulator's
+``peak_activation_bytes`` (worst device of the plan).
 """
 
 from __future__ import annotations
@@ -51,6 +56,11 @@ def measure(model: str, strategy: str, schedule: str | None, devices: int, batch
     predicted_s, slowdown, concurrency = br.predict_calibrated(plan, raw, _share(devices, model, quick, pin))
     result = run_plan(plan, RunOptions(steps=steps, warmup_steps=1, cpus_per_rank=pin))
     measured_s = result["measured"]["iteration_time_s"]
+    from graphpipe.runtime.measure import memory_error
+
+    used = plan.stage_graph.devices_used()
+    mem_measured = [result["measured"]["peak_activation_bytes"][d] for d in used]
+    mem_predicted = [plan.predicted["peak_activation_bytes"][d] for d in used]
     return {
         "devices": devices,
         "schedule": plan.schedule.name,
@@ -59,6 +69,9 @@ def measure(model: str, strategy: str, schedule: str | None, devices: int, batch
         "predicted_profile_only_s": plan.predicted["iteration_time_s"],
         "measured_s": measured_s,
         "error_frac": abs(predicted_s - measured_s) / measured_s,
+        "memory_error_frac": memory_error(mem_measured, mem_predicted),
+        "measured_activation_bytes": mem_measured,
+        "predicted_activation_bytes": mem_predicted,
         "cpu_slowdown": slowdown,
         "cpus_per_rank": pin,
         "mean_busy_ranks": concurrency,

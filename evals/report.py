@@ -67,7 +67,8 @@ TABLE_COLUMNS: dict[str, list[tuple[str, str]]] = {
     "memory": [("model", "model"), ("strategy", "strategy"), ("peak GB (fullest device)", "peak_memory_gb"),
                ("max in-flight", "max_in_flight"), ("depth", "depth"), ("samples/s", "throughput")],
     "fidelity": [("model", "model"), ("strategy", "strategy"), ("schedule", "schedule"), ("devices", "devices"),
-                 ("predicted (s)", "predicted_s"), ("measured (s)", "measured_s"), ("error", "error_frac")],
+                 ("predicted (s)", "predicted_s"), ("measured (s)", "measured_s"), ("error", "error_frac"),
+                 ("memory error", "memory_error_frac")],
 }
 
 
@@ -113,7 +114,9 @@ def _headline(name: str, res: dict[str, Any]) -> str:
         return (f"depth {s['depth_spp']} -> {s['depth_gpp']}, micro-batch {fmt(s['micro_batch_spp'])} -> "
                 f"{fmt(s['micro_batch_gpp'])}, throughput x{fmt(s['throughput_gain'])}")
     if name == "fidelity":
-        return f"median |predicted - measured| / measured = {fmt(s.get('median_error'))}"
+        return (f"median |predicted - measured| / measured = {fmt(s.get('median_error'))}"
+                + (f"; activation memory: worst device per plan, median {fmt(s['median_memory_error'])}"
+                   if s.get("median_memory_error") is not None else ""))
     if name == "ablation":
         parts = []
         for r in res["rows"]:
