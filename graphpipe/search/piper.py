@@ -80,7 +80,7 @@ from graphpipe.cluster import Cluster
 from graphpipe.graph import OpGraph
 from graphpipe.search import linear_dp
 from graphpipe.search.common import SearchOptions, SearchResult, micro_batch_candidates
-from graphpipe.search.downsets import enumerate_downsets
+from graphpipe.search.downsets import DownsetLimitError, count_downsets, enumerate_downsets
 from graphpipe.search.sequential import (OpArrays, ReplicaCosts, SequentialPartition, choose_micro_batch,
                                          lower_bound_tps, sequential_result, replica_mask)
 
@@ -414,7 +414,10 @@ def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: Search
     :class:`~graphpipe.errors.InfeasibleError` when nothing fits.
     """
     started = time.perf_counter()
-    lattice = Lattice.of(graph, min(options.max_downsets, IDEALS_LIMIT))
+    num = count_downsets(graph)          # algo.cpp's rule: more than IDEALS_LIMIT ideals and it fails
+    if num > min(options.max_downsets, IDEALS_LIMIT):
+        raise DownsetLimitError(graph.name, num, min(options.max_downsets, IDEALS_LIMIT))
+    lattice = Lattice.of(graph, options.max_downsets)   # our pair guard keeps its own scale
     candidates = micro_batch_candidates(batch_size, options)
     sg, part, extra = choose_micro_batch(
         "piper", graph, cluster, batch_size, candidates, SCHEDULE,
