@@ -83,9 +83,8 @@ _DROPOUT_FUNCTIONS = {F.dropout: False, F.dropout1d: True, F.dropout2d: True, F.
 def stream_seed(seed: int, step: int, op: str, lo: int) -> int:
     """The 63-bit seed of op ``op``'s generator for the rows starting at ``lo`` in step ``step``.
 
-    A hash, so neighbouring rows or steps do not get correlated streams
-    (``manual_seed(k)`` and ``manual_seed(k + 1)`` are independent in
-    Philox/MT, but a hash also keeps op names apart).
+    A hash of the whole key: an arithmetic mix of four numbers would let
+    two ops, or a row offset and a step, land on the same seed.
 
     >>> stream_seed(0, 0, "drop", 0) == stream_seed(0, 0, "drop", 0) != stream_seed(0, 0, "drop", 2)
     True
