@@ -135,7 +135,7 @@ class ShardedBatchNorm(nn.Module):
         if self.weight is not None:
             y = y * self.weight.reshape(shape) + self.bias.reshape(shape)
         with torch.no_grad():
-            n = torch.tensor([count], dtype=torch.float64)
+            n = torch.tensor([count], dtype=torch.float64, device=piece.device)
             stats = torch.cat([n, mean.double() * count, (var.double() + mean.double() ** 2) * count])
         return y, stats
 
@@ -153,7 +153,9 @@ class ShardedBatchNorm(nn.Module):
         for op in sorted({op for op, _ in self.pending}):
             rows = {lo: s for (o, lo), s in self.pending.items() if o == op}
             if group is not None:
-                table = torch.zeros(batch_size // shard_rows, 2 * self.num_features + 1, dtype=torch.float64)
+                # on the statistics' device: an NCCL group reduces CUDA tensors only
+                device = next(iter(rows.values())).device if rows else self.running_mean.device
+                table = torch.zeros(batch_size // shard_rows, 2 * self.num_features + 1, dtype=torch.float64, device=device)
                 for lo, s in rows.items():
                     table[lo // shard_rows] = s
                 dist.all_reduce(table, group=group)
@@ -198,7 +200,7 @@ class _AllReduceSum(torch.autograd.Function):
 def _stats(piece: torch.Tensor) -> torch.Tensor:
     dims = [0] + list(range(2, piece.dim()))
     x = piece.detach().double()
-    n = torch.tensor([float(x.numel() // x.shape[1])], dtype=torch.float64)
+    n = torch.tensor([float(x.numel() // x.shape[1])], dtype=torch.float64, device=x.device)
     return torch.cat([n, x.sum(dims), (x * x).sum(dims)])
 
 
