@@ -12,10 +12,12 @@ NOTES: dict[str, str] = {
         "micro-batch. DLRM's embedding branches cost little compute under our analytical V100 model "
         "(embeddings are memory-bound; we charge only the per-op overhead), so serialising 14 branches "
         "into a deep pipeline costs SPP the most; the paper measured real kernels on Summit. GPipe "
-        "re-materializes every stage, as in its paper (without it MMT fits in 16 GB at no micro-batch "
-        "size); on 8 V100s with memory ample for both, that costs it 25% of its throughput "
-        "(501 -> 377 samples/s, `graphpipe plan mmt --strategy gpipe --devices 8 --batch-size 128 "
-        "--memory-gb 1000 --recompute none|all`). Tables made before issue 15 show no GPipe row for MMT."),
+        "re-materializes every stage, as in its paper; on 8 V100s that costs it 25% of its throughput "
+        "(501 -> 377 samples/s) for a 6x smaller peak (10.0 -> 1.6 GB; `graphpipe plan mmt --strategy gpipe "
+        "--devices 8 --batch-size 128 --recompute none|all`). Tables made before issue 15 show no GPipe "
+        "row for MMT: activation bytes were then every tensor an op produced, with attention's seq x seq "
+        "probabilities (meta tensors take the math path), 2.6x what autograd saves; they are now the "
+        "saved bytes, as a run measures them, and plain GPipe fits too."),
     "search-time": (
         "Piper / gpp on MMT is 15-21x, inside the paper's 9-21x, with every partitioner costing its cuts "
         "on each cluster link (which made every search about 2-3x slower). Piper refuses DLRM and "
