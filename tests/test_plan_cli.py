@@ -132,3 +132,23 @@ def test_profile_costs_are_applied(capsys, model_file, tmp_path):
     path.write_text(json.dumps(profile))
     code, _, err = _run(capsys, "plan", model_file, "-n", "2", "-b", "8", "--profile", str(path))
     _one_line_error(code, err, "no_such_op")
+
+
+def test_compare_streams_rows_and_stops_slow_baselines(capsys, model_file):
+    import multiprocessing
+
+    code, out, err = _run(capsys, "plan", model_file, "-n", "4", "-b", "16", "--compare",
+                          "--baseline-time-limit", "1e-6")
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0].startswith("strategy") and [ln.split()[0] for ln in lines[1:]] == \
+        ["gpp", "pipedream", "piper", "gpipe"]
+    assert "stopped" not in lines[1]  # gpp is never stopped
+    assert all("stopped after 1e-06 s" in ln for ln in lines[2:])
+    assert multiprocessing.active_children() == []  # the stopped searches left nothing behind
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "nan"])
+def test_baseline_time_limit_must_be_positive(capsys, model_file, value):
+    code, _, err = _run(capsys, "plan", model_file, "-n", "4", "-b", "16", "--compare", "--baseline-time-limit", value)
+    _one_line_error(code, err, "--baseline-time-limit")

@@ -159,3 +159,14 @@ def test_gpp_never_worse_than_spp_under_tight_memory(spec):
     plan = make_plan(spec, graph, cluster, 128, "gpp", options)
     assert max(plan.predicted["peak_memory_bytes"]) <= 4e9
     assert plan.predicted["throughput"] >= _best_spp(spec, graph, cluster, 128, options) * (1 - 1e-9)
+
+
+def test_compare_reports_rows_and_progress_as_strategies_run():
+    g = branches_graph(3, 2)
+    seen, ticks = [], []
+    rows = compare("g", g, preset("v100", 4), 32, SearchOptions(max_downsets=4), baseline_time_limit_s=60.0,
+                   on_row=lambda r: seen.append(r["strategy"]), progress=lambda s, t: ticks.append((s, t)))
+    assert seen == [r["strategy"] for r in rows] == ["gpp", "pipedream", "piper", "gpipe"]
+    in_process = compare("g", g, preset("v100", 4), 32, SearchOptions(max_downsets=4))
+    assert [r["throughput"] for r in rows] == [r["throughput"] for r in in_process]  # same plans in a child process
+    assert all(s in seen and t >= 0 for s, t in ticks)

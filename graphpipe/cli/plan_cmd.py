@@ -55,7 +55,11 @@ def register(sub) -> None:
     p.add_argument("--profile", default=None, metavar="FILE", help="measured per-op costs (graphpipe profile output)")
     p.add_argument("--out", default=None, metavar="PLAN.json", help="write the plan file (atomically)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.add_argument("--compare", action="store_true", help="run all four strategies and print one table")
+    p.add_argument("--compare", action="store_true",
+                   help="run all four strategies and print one table (a row as each finishes)")
+    p.add_argument("--baseline-time-limit", type=float, default=30.0, metavar="S",
+                   help="with --compare: stop a baseline (pipedream, piper, gpipe) still searching after S "
+                        "seconds; its row says so (default 30)")
     p.set_defaults(func=run)
 
 
@@ -79,6 +83,9 @@ def run(args) -> int:
     check_batch(args.batch_size, args.micro_batch_size)
     if args.time_limit is not None and not 0 < args.time_limit <= MAX_TIME_LIMIT_S:
         raise InputError(f"--time-limit must be > 0 and at most {MAX_TIME_LIMIT_S:g} seconds, got {args.time_limit}")
+    limit = args.baseline_time_limit
+    if not (limit > 0 and limit <= MAX_TIME_LIMIT_S):  # also refuses nan
+        raise InputError(f"--baseline-time-limit must be > 0 and at most {MAX_TIME_LIMIT_S:g} seconds, got {limit}")
     if args.compare and (args.out or args.schedule):
         raise InputError("--compare runs every strategy with its own schedule; drop --out/--schedule")
     check_outputs((args.out, "--out", JSON_SUFFIXES))
@@ -100,12 +107,16 @@ def run(args) -> int:
     from graphpipe.search.planner import compare, make_plan
 
     if args.compare:
-        rows = compare(source.model_id, graph, cluster, args.batch_size, options)
+        status = _Progress(sys.stderr)
+        printer = None if args.json else _RowPrinter(sys.stdout, status)
+        try:
+            rows = compare(source.model_id, graph, cluster, args.batch_size, options, baseline_time_limit_s=limit,
+                           on_row=printer, progress=status)
+        finally:
+            status.clear()
         if args.json:
             print_json({"model": source.model_id, "devices": args.devices, "batch_size": args.batch_size,
                         "cluster": cluster.name, "results": rows})
-        else:
-            sys.stdout.write(format_compare(rows))
         if not any(r["feasible"] for r in rows):
             from graphpipe.errors import InfeasibleError
 
@@ -198,16 +209,66 @@ def _fmt(value: Any, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+_HEADER = ("strategy", "throughput/s", "vs gpp", "iteration ms", "stages", "depth", "peak GB", "search s", "note")
+_WIDTHS = (9, 12, 6, 12, 6, 5, 7, 8, 0)  # fixed, so rows can be printed as they arrive
+
+
+def _line(cells) -> str:
+    return "  ".join(str(c).ljust(w) for c, w in zip(cells, _WIDTHS)).rstrip() + "\n"
+
+
+def _compare_line(r: dict[str, Any], base: float | None) -> str:
+    rel = (f"{r['throughput'] / base:.3f}" if base and r["feasible"] else "-")
+    return _line((r["strategy"], _fmt(r["throughput"], ".2f"), rel,
+                  _fmt(r["iteration_time_s"] and r["iteration_time_s"] * 1e3, ".3f"),
+                  _fmt(r["num_stages"], "d"), _fmt(r["depth"], "d"),
+                  _fmt(r["peak_memory_bytes"] and r["peak_memory_bytes"] / 1e9, ".2f"),
+                  _fmt(r["search_time_s"], ".3f"), r["error"] or ""))
+
+
 def format_compare(rows: list[dict[str, Any]]) -> str:
     """One table of :func:`graphpipe.search.planner.compare` rows, with throughput relative to gpp."""
     base = next((r["throughput"] for r in rows if r["strategy"] == "gpp" and r["feasible"]), None)
-    table = [("strategy", "throughput/s", "vs gpp", "iteration ms", "stages", "depth", "peak GB", "search s", "note")]
-    for r in rows:
-        rel = (f"{r['throughput'] / base:.3f}" if base and r["feasible"] else "-")
-        table.append((r["strategy"], _fmt(r["throughput"], ".2f"), rel,
-                      _fmt(r["iteration_time_s"] and r["iteration_time_s"] * 1e3, ".3f"),
-                      _fmt(r["num_stages"], "d"), _fmt(r["depth"], "d"),
-                      _fmt(r["peak_memory_bytes"] and r["peak_memory_bytes"] / 1e9, ".2f"),
-                      _fmt(r["search_time_s"], ".3f"), r["error"] or ""))
-    widths = [max(len(t[i]) for t in table) for i in range(len(table[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(t, widths)).rstrip() for t in table) + "\n"
+    return _line(_HEADER) + "".join(_compare_line(r, base) for r in rows)
+
+
+class _Progress:
+    """``--compare``'s progress on stderr: one line rewritten in place on a terminal, a line every 10 s otherwise."""
+
+    def __init__(self, stream) -> None:
+        self.stream, self.tty = stream, stream.isatty()
+        self.shown, self.last = False, None
+
+    def __call__(self, strategy: str, elapsed_s: float) -> None:
+        if self.tty:
+            self.stream.write(f"\r\033[K  {strategy}: searching, {elapsed_s:.1f} s")
+            self.shown = True
+        else:
+            step = int(elapsed_s // 10)
+            if step >= 1 and self.last != (strategy, step):
+                self.stream.write(f"graphpipe: compare: {strategy} still searching, {step * 10} s\n")
+                self.last = (strategy, step)
+        self.stream.flush()
+
+    def clear(self) -> None:
+        if self.shown:
+            self.stream.write("\r\033[K")
+            self.stream.flush()
+            self.shown = False
+
+
+class _RowPrinter:
+    """Prints the header, then each ``--compare`` row as soon as its strategy finishes."""
+
+    def __init__(self, stream, status: _Progress) -> None:
+        self.stream, self.status, self.base, self.started = stream, status, None, False
+
+    def __call__(self, row: dict[str, Any]) -> None:
+        self.status.clear()
+        if not self.started:
+            self.stream.write(_line(_HEADER))
+            self.started = True
+        if row["strategy"] == "gpp" and row["feasible"]:
+            self.base = row["throughput"]
+        self.stream.write(_compare_line(row, self.base))
+        self.stream.flush()

@@ -234,29 +234,136 @@ def _best_device_count(partition, graph: OpGraph, cluster: Cluster, batch_size: 
                                   "host_slowdown": [list(p) for p in options.host.points]})
 
 
+def _row(strategy: str, plan: Plan | None, search_time_s: float, error: str | None = None) -> dict[str, Any]:
+    if plan is None:
+        return {"strategy": strategy, "feasible": False, "throughput": None, "iteration_time_s": None,
+                "search_time_s": search_time_s, "num_stages": None, "depth": None, "peak_memory_bytes": None,
+                "error": error}
+    p = plan.predicted
+    return {"strategy": strategy, "feasible": True, "throughput": p["throughput"],
+            "iteration_time_s": p["iteration_time_s"], "search_time_s": plan.search["time_s"],
+            "num_stages": plan.stage_graph.num_stages, "depth": plan.stage_graph.depth(),
+            "peak_memory_bytes": p["max_peak_memory_bytes"], "error": None}
+
+
+def _plan_row(model_id: str, graph: OpGraph, cluster: Cluster, batch_size: int, strategy: str,
+              options: SearchOptions) -> dict[str, Any]:
+    started = time.perf_counter()
+    try:
+        plan = make_plan(model_id, graph, cluster, batch_size, strategy, options)
+    except GraphpipeError as exc:
+        log.info("compare: %s failed: %s", strategy, exc)
+        return _row(strategy, None, time.perf_counter() - started, str(exc))
+    return _row(strategy, plan, plan.search["time_s"])
+
+
+def _child(conn, args) -> None:  # runs in the forked process of _row_in_child
+    import os
+
+    try:
+        os.setpgid(0, 0)  # its own process group, so the parent can stop it and anything it started
+    except OSError:
+        pass
+    try:
+        conn.send(("row", _plan_row(*args)))
+    except BaseException as exc:  # noqa: BLE001 -- reported by the parent, which raises it
+        conn.send(("crash", f"{type(exc).__name__}: {exc}"))
+    finally:
+        conn.close()
+
+
+def _stop(proc) -> None:
+    import os
+    import signal
+
+    for kill in (lambda: os.killpg(proc.pid, signal.SIGKILL), proc.kill):
+        try:
+            kill()
+        except (OSError, ProcessLookupError):
+            pass
+    proc.join(5.0)
+
+
+def _row_in_child(args: tuple, strategy: str, time_limit_s: float | None, progress, tick_s: float = 0.25
+                  ) -> dict[str, Any]:
+    """``_plan_row(*args)`` in a forked process: stopped (with its process group) after ``time_limit_s``.
+
+    A search cannot be interrupted from outside in-process (the DPs are
+    plain loops), so the deadline is enforced on a process: when it passes,
+    the process group is killed and the row says so.
+    """
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    receive, send = ctx.Pipe(duplex=False)
+    started = time.perf_counter()
+    proc = ctx.Process(target=_child, args=(send, args), daemon=True)
+    proc.start()
+    send.close()
+    try:
+        import os
+
+        os.setpgid(proc.pid, proc.pid)  # also here: the child may not have run its own call yet
+    except OSError:
+        pass
+    try:
+        while True:
+            elapsed = time.perf_counter() - started
+            wait = tick_s if time_limit_s is None else max(0.0, min(tick_s, time_limit_s - elapsed))
+            if receive.poll(wait):
+                try:
+                    kind, payload = receive.recv()
+                except EOFError:
+                    kind, payload = "crash", "the search process ended without a result"
+                break
+            elapsed = time.perf_counter() - started
+            if not proc.is_alive() and not receive.poll(0):
+                kind, payload = "crash", f"the search process ended without a result (exit code {proc.exitcode})"
+                break
+            if time_limit_s is not None and elapsed >= time_limit_s:
+                _stop(proc)
+                return _row(strategy, None, time_limit_s, f"stopped after {time_limit_s:g} s")
+            if progress is not None:
+                progress(strategy, elapsed)
+    finally:
+        if proc.is_alive():
+            proc.join(1.0)
+        if proc.is_alive():
+            _stop(proc)
+        receive.close()
+    if kind == "crash":
+        raise RuntimeError(f"compare: {strategy} failed unexpectedly: {payload}")
+    return payload
+
+
 def compare(model_id: str, graph: OpGraph, cluster: Cluster, batch_size: int,
-            options: SearchOptions = SearchOptions()) -> list[dict[str, Any]]:
+            options: SearchOptions = SearchOptions(), *, baseline_time_limit_s: float | None = None,
+            on_row=None, progress=None) -> list[dict[str, Any]]:
     """One row per strategy (gpp, pipedream, piper, gpipe) on the same inputs, failures included.
 
     Every row has the keys of :data:`COMPARE_KEYS`; a failed strategy has
     ``feasible: False``, ``error`` set and the figures ``None``.
+
+    ``on_row(row)`` is called as soon as each strategy finishes. With
+    ``baseline_time_limit_s`` or ``progress`` each strategy runs in a forked
+    process: ``progress(strategy, elapsed_s)`` is called a few times a
+    second while it runs, and a baseline (not gpp) still running after
+    ``baseline_time_limit_s`` is killed and becomes the row
+    ``"stopped after S s"``.
     """
     _check_batch_size(batch_size)
+    if baseline_time_limit_s is not None and not baseline_time_limit_s > 0:
+        raise InputError(f"the baseline time limit must be positive, got {baseline_time_limit_s}")
+    isolate = baseline_time_limit_s is not None or progress is not None
     rows = []
     for strategy in ("gpp", "pipedream", "piper", "gpipe"):
         assert strategy in STRATEGIES
-        started = time.perf_counter()
-        try:
-            plan = make_plan(model_id, graph, cluster, batch_size, strategy, options)
-        except GraphpipeError as exc:
-            log.info("compare: %s failed: %s", strategy, exc)
-            rows.append({"strategy": strategy, "feasible": False, "throughput": None, "iteration_time_s": None,
-                         "search_time_s": time.perf_counter() - started, "num_stages": None, "depth": None,
-                         "peak_memory_bytes": None, "error": str(exc)})
-            continue
-        p = plan.predicted
-        rows.append({"strategy": strategy, "feasible": True, "throughput": p["throughput"],
-                     "iteration_time_s": p["iteration_time_s"], "search_time_s": plan.search["time_s"],
-                     "num_stages": plan.stage_graph.num_stages, "depth": plan.stage_graph.depth(),
-                     "peak_memory_bytes": p["max_peak_memory_bytes"], "error": None})
+        args = (model_id, graph, cluster, batch_size, strategy, options)
+        if isolate:
+            row = _row_in_child(args, strategy, None if strategy == "gpp" else baseline_time_limit_s, progress)
+        else:
+            row = _plan_row(*args)
+        rows.append(row)
+        if on_row is not None:
+            on_row(row)
     return rows
