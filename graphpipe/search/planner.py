@@ -78,18 +78,130 @@ def _check_batch_size(batch_size: Any) -> int:
 
 def make_plan(model_id: str, graph: OpGraph, cluster: Cluster, batch_size: int, strategy: str = "gpp",
               options: SearchOptions = SearchOptions(), schedule: str | None = None,
-              time_limit_s: float = 10.0, progress=None) -> Plan:
+              time_limit_s: float = 10.0, progress=None, monotone: bool = True) -> Plan:
     """Partition, schedule and simulate ``graph`` on ``cluster``; see the module docstring.
 
     ``progress(best_s, bound_s)`` is called on every improving CP-SAT solution
     (``schedule="cpsat"`` only); the CLI passes one that writes to stderr.
 
+    With ``monotone`` (the default) the plan is the fastest the strategy
+    finds on any device count it may use up to the cluster's
+    (:func:`_over_device_counts`), so more devices never give a slower plan;
+    ``plan.search["devices_searched"]`` says which count won. gpp also
+    ranks the sequential partitioners' plans on the same devices by the same
+    simulation (:data:`SPP_CANDIDATES`) and keeps the fastest;
+    ``plan.search["space"]`` says whose space the winner came from.
+
     Raises :class:`InputError` for bad arguments and :class:`InfeasibleError`
     when no plan fits in device memory.
     """
+    _check_batch_size(batch_size)
+    get_strategy(strategy)
+    if options.host is not None and (schedule or "").lower() == "cpsat":
+        raise InputError("the CP-SAT schedule models dedicated devices, not a shared host; "
+                         "drop the host option or pick another schedule")
+    started = time.perf_counter()
+    one = lambda n: _plan_on(model_id, graph, cluster, batch_size, strategy, options, schedule,  # noqa: E731
+                             time_limit_s, progress, n)
+    if not monotone or options.host is not None or (schedule or "").lower() == "cpsat" or cluster.num_devices == 1:
+        plan = one(cluster.num_devices)
+        plan = replace(plan, search={**plan.search, "device_counts_tried": [cluster.num_devices]})
+    else:
+        plan = _over_device_counts(one, graph, cluster, batch_size, options)
+    return replace(plan, search={**plan.search, "time_s": time.perf_counter() - started})
+
+
+MONOTONE_EXACT_UP_TO = 64
+"""Device counts searched: every count up to this one, then the powers of two and the cluster's own count."""
+
+
+def _work_bound(graph: OpGraph, batch_size: int) -> float:
+    """Seconds of compute one iteration needs on one device: a lower bound of ``n`` devices' iteration times ``n``.
+
+    Every op runs ``fwd(b) + bwd(b)`` on each of its ``r`` replicas for each of
+    the ``B / (b r)`` or more micro-batches that reach it, at least
+    ``fwd(B) + bwd(B)`` of device time in all (the coefficients are >= 0);
+    re-materialization, transfers and idle time only add to it.
+    """
+    return sum(o.fwd(batch_size) + o.bwd(batch_size) for o in graph.ops)
+
+
+def _over_device_counts(one, graph: OpGraph, cluster: Cluster, batch_size: int, options: SearchOptions) -> Plan:
+    """The fastest of ``one(n)`` over the device counts ``n <= N`` the strategy may use (ties: fewer devices).
+
+    Counts are tried from ``N`` down and the search stops at the first ``n``
+    whose perfect-scaling bound (:func:`_work_bound`) cannot beat the plan in
+    hand -- no smaller count can either. Past :data:`MONOTONE_EXACT_UP_TO`
+    devices only powers of two are tried below ``N`` (each count is a full
+    search); up to it the result never falls as ``N`` grows.
+    """
+    n_max = cluster.num_devices
+    counts = [n for n in range(n_max, 0, -1)
+              if n == n_max or (n <= MONOTONE_EXACT_UP_TO or n & (n - 1) == 0)
+              and (not options.power_of_two or n & (n - 1) == 0)]
+    work = _work_bound(graph, batch_size)
+    best, error, tried = None, None, []
+    for n in counts:
+        if best is not None and work > 0 and n * batch_size / work <= best.predicted["throughput"] * (1 + 1e-9):
+            break
+        tried.append(n)
+        try:
+            plan = one(n)
+        except InfeasibleError as exc:
+            error = error or exc
+            continue
+        except GraphpipeError as exc:  # a strategy's own failure on a smaller count must not cost the larger
+            if n == n_max:
+                raise
+            log.warning("%s on %d of %d devices failed (%s); that count is skipped", graph.name, n, n_max, exc)
+            continue
+        if best is None or plan.predicted["throughput"] >= best.predicted["throughput"] * (1 + 1e-9) or (
+                plan.predicted["throughput"] >= best.predicted["throughput"] * (1 - 1e-9)
+                and len(plan.stage_graph.devices_used()) < len(best.stage_graph.devices_used())):
+            best = plan
+    if best is None:
+        raise error
+    return replace(best, search={**best.search, "device_counts_tried": tried})
+
+
+SPP_CANDIDATES = ("pipedream", "piper")
+"""Sequential partitioners whose best plan gpp also ranks (never worse than them by construction)."""
+
+SPP_PIPER_DOWNSETS = 2000
+"""Piper's plan is a gpp candidate only on graphs with at most this many downsets (its search grows with them)."""
+
+
+def _plan_on(model_id, graph, cluster, batch_size, strategy, options, schedule, time_limit_s, progress,
+             devices: int) -> Plan:
+    """The strategy's plan using at most ``devices`` of the cluster's (gpp: with the sequential candidates)."""
+    plan = _make_plan_at(model_id, graph, cluster, batch_size, strategy, options, schedule, time_limit_s, progress,
+                         devices)
+    if strategy != "gpp" or schedule is not None or options.host is not None:
+        return plan
+    best, space = plan, "gpp"
+    for other in SPP_CANDIDATES:
+        opts = options if other != "piper" else replace(options, max_downsets=min(options.max_downsets,
+                                                                                   SPP_PIPER_DOWNSETS))
+        try:
+            cand = _make_plan_at(model_id, graph, cluster, batch_size, other, opts, None, time_limit_s, None, devices)
+        except GraphpipeError as exc:  # refused (downsets) or infeasible: not a candidate
+            log.info("gpp: no %s candidate: %s", other, exc)
+            continue
+        if cand.predicted["throughput"] > best.predicted["throughput"] * (1 + 1e-9):
+            best, space = cand, other
+    if best is plan:
+        return replace(plan, search={**plan.search, "space": "gpp"})
+    own = plan.search
+    search = {**best.search, "strategy": "gpp", "space": space, "recompute": own["recompute"],
+              "gpp_throughput": plan.predicted["throughput"]}
+    return replace(best, strategy="gpp", search=search)
+
+
+def _make_plan_at(model_id: str, graph: OpGraph, cluster: Cluster, batch_size: int, strategy: str,
+                  options: SearchOptions, schedule: str | None, time_limit_s: float, progress,
+                  devices: int) -> Plan:
     from graphpipe.sched import make_schedule, predicted_figures, simulate, validate_schedule
 
-    _check_batch_size(batch_size)
     partition = get_strategy(strategy)
     if options.host is not None and (schedule or "").lower() == "cpsat":
         raise InputError("the CP-SAT schedule models dedicated devices, not a shared host; "
@@ -106,7 +218,9 @@ def make_plan(model_id: str, graph: OpGraph, cluster: Cluster, batch_size: int, 
     elif recompute == "auto":
         partition = lambda g, c, b, o: _auto_recompute(base, g, c, b, o, schedule)  # noqa: E731
     if options.host is None:
-        result = partition(sp_graph, cluster, batch_size, options)
+        result = partition(sp_graph, replace(cluster, num_devices=devices), batch_size, options)
+        if devices < cluster.num_devices:  # the devices past ``devices`` hold no stage
+            result = replace(result, stage_graph=replace(result.stage_graph, num_devices=cluster.num_devices))
     else:
         result = _best_device_count(partition, sp_graph, cluster, batch_size, options, schedule)
     partitioned = time.perf_counter()

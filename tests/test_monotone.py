@@ -1,0 +1,79 @@
+"""More devices never give a slower plan, and gpp is never slower than the sequential partitioners.
+
+Both hold by construction (:func:`graphpipe.search.planner.make_plan`): every
+strategy keeps its best plan over the device counts it may use, and gpp ranks
+pipedream's and piper's plans on the same devices by the same simulation.
+These tests are the oracle: the plain comparison of simulated throughputs.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from conftest import random_sp_graph
+from graphpipe.cluster import preset
+from graphpipe.errors import GraphpipeError
+from graphpipe.search.common import SearchOptions
+from graphpipe.search.planner import SPP_CANDIDATES, make_plan
+
+STRATEGIES = ("gpp", "pipedream", "piper", "gpipe")
+
+
+def _throughput(spec, graph, n, batch, strategy, options=SearchOptions()):
+    try:
+        plan = make_plan(spec, graph, preset("v100", n), batch, strategy, options)
+    except GraphpipeError:  # nothing fits, or piper over its downset limit: no plan at this count
+        return None, None
+    assert len(plan.stage_graph.devices_used()) <= n
+    assert plan.search["device_counts_tried"][0] == n
+    return plan.predicted["throughput"], plan
+
+
+# A few device counts per model keep this affordable; the counts straddle the points where
+# the issue saw throughput fall (mmt:small at batch 32: 3-5 devices faster than 6-16).
+MONOTONE_CASES = [("mmt:small", 32, (3, 5, 6, 8, 16)), ("twobranch:small", 16, (1, 2, 3, 4, 8))]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("spec,batch,counts", MONOTONE_CASES, ids=[c[0] for c in MONOTONE_CASES])
+def test_throughput_never_falls_as_devices_grow(spec, batch, counts, strategy):
+    pytest.importorskip("torch")
+    from graphpipe.models import load_model
+
+    graph = load_model(spec, preset("v100", 1).device).graph
+    previous = None
+    for n in counts:
+        throughput, _ = _throughput(spec, graph, n, batch, strategy)
+        if previous is not None:
+            assert throughput is not None and throughput >= previous * (1 - 1e-9), (strategy, n, throughput, previous)
+        previous = throughput if throughput is not None else previous
+
+
+def test_gpp_never_worse_than_sequential_on_random_graphs():
+    rng = random.Random(16)
+    for trial in range(6):
+        graph = random_sp_graph(rng.randint(4, 9), seed=rng.randrange(1 << 30))
+        n = rng.choice((2, 3, 4, 6, 8))
+        batch = rng.choice((8, 16, 32))
+        gpp, plan = _throughput("g", graph, n, batch, "gpp")
+        assert plan is not None and plan.search["space"] in ("gpp",) + SPP_CANDIDATES
+        for other in ("pipedream", "piper"):
+            spp, _ = _throughput("g", graph, n, batch, other)
+            if spp is not None:
+                assert gpp >= spp * (1 - 1e-9), (trial, n, batch, other, gpp, spp)
+        # and no fewer devices give gpp a faster plan
+        for m in range(1, n):
+            fewer, _ = _throughput("g", graph, m, batch, "gpp")
+            assert fewer is None or gpp >= fewer * (1 - 1e-9), (trial, m, n, gpp, fewer)
+
+
+def test_plan_says_which_space_and_device_count_won():
+    from conftest import branches_graph
+
+    plan = make_plan("g", branches_graph(3, 2), preset("v100", 4), 32, "gpp")
+    assert plan.strategy == "gpp" and plan.search["space"] in ("gpp",) + SPP_CANDIDATES
+    assert plan.search["device_counts_tried"][0] == 4
+    plain = make_plan("g", branches_graph(3, 2), preset("v100", 4), 32, "gpp", monotone=False)
+    assert plain.predicted["throughput"] <= plan.predicted["throughput"] * (1 + 1e-9)
