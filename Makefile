@@ -21,9 +21,8 @@ install: $(STAMP)
 
 demo: install
 	$(VENV)/bin/graphpipe inspect mmt
-	$(VENV)/bin/graphpipe plan mmt --devices 16 --batch-size 256 --compare --baseline-time-limit 10
 	mkdir -p out
-	$(VENV)/bin/graphpipe plan mmt --devices 16 --batch-size 256 --out out/mmt-gpp.json
+	$(VENV)/bin/graphpipe plan mmt --devices 16 --batch-size 256 --compare --baseline-time-limit 10 --out out/mmt-gpp.json
 	$(VENV)/bin/graphpipe simulate out/mmt-gpp.json --gantt out/mmt-gpp.png --trace out/mmt-gpp.trace.json
 
 test: install

@@ -152,3 +152,13 @@ def test_compare_streams_rows_and_stops_slow_baselines(capsys, model_file):
 def test_baseline_time_limit_must_be_positive(capsys, model_file, value):
     code, _, err = _run(capsys, "plan", model_file, "-n", "4", "-b", "16", "--compare", "--baseline-time-limit", value)
     _one_line_error(code, err, "--baseline-time-limit")
+
+
+def test_compare_writes_the_gpp_plan(capsys, model_file, tmp_path):
+    out_path = str(tmp_path / "gpp.json")
+    code, out, _ = _run(capsys, "plan", model_file, "-n", "4", "-b", "16", "--compare", "--out", out_path)
+    assert code == 0 and f"wrote {out_path}" in out
+    plan = read_plan(out_path)
+    assert plan.strategy == "gpp"
+    gpp_row = next(ln for ln in out.splitlines() if ln.startswith("gpp "))
+    assert f"{plan.predicted['throughput']:.2f}" in gpp_row

@@ -53,7 +53,8 @@ def register(sub) -> None:
                    help="override the strategy's schedule: gpipe, 1f1b, interleaved, graph-1f1b, cpsat")
     p.add_argument("--time-limit", type=float, default=10.0, metavar="S", help="CP-SAT time limit (default 10 s)")
     p.add_argument("--profile", default=None, metavar="FILE", help="measured per-op costs (graphpipe profile output)")
-    p.add_argument("--out", default=None, metavar="PLAN.json", help="write the plan file (atomically)")
+    p.add_argument("--out", default=None, metavar="PLAN.json",
+                   help="write the plan file (atomically); with --compare, gpp's plan")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--compare", action="store_true",
                    help="run all four strategies and print one table (a row as each finishes)")
@@ -86,8 +87,8 @@ def run(args) -> int:
     limit = args.baseline_time_limit
     if not (limit > 0 and limit <= MAX_TIME_LIMIT_S):  # also refuses nan
         raise InputError(f"--baseline-time-limit must be > 0 and at most {MAX_TIME_LIMIT_S:g} seconds, got {limit}")
-    if args.compare and (args.out or args.schedule):
-        raise InputError("--compare runs every strategy with its own schedule; drop --out/--schedule")
+    if args.compare and args.schedule:
+        raise InputError("--compare runs every strategy with its own schedule; drop --schedule")
     check_outputs((args.out, "--out", JSON_SUFFIXES))
     cluster = load_cluster(args.cluster, args.devices, args.memory_gb)
     options = _options(args)
@@ -109,11 +110,18 @@ def run(args) -> int:
     if args.compare:
         status = _Progress(sys.stderr)
         printer = None if args.json else _RowPrinter(sys.stdout, status)
+        plans: dict = {}
         try:
             rows = compare(source.model_id, graph, cluster, args.batch_size, options, baseline_time_limit_s=limit,
-                           on_row=printer, progress=status)
+                           on_row=printer, progress=status, plans=plans)
         finally:
             status.clear()
+        if args.out and "gpp" in plans:  # the compared gpp plan, so a demo need not search it twice
+            from graphpipe.plan import write_plan
+
+            write_plan(args.out, _with_profile(plans["gpp"], profile))
+            if not args.json:
+                sys.stdout.write(f"wrote {args.out} (the gpp plan)\n")
         if args.json:
             print_json({"model": source.model_id, "devices": args.devices, "batch_size": args.batch_size,
                         "cluster": cluster.name, "results": rows})
@@ -131,10 +139,7 @@ def run(args) -> int:
         progress = progress_writer(sys.stderr)
     plan = make_plan(source.model_id, graph, cluster, args.batch_size, args.strategy, options,
                      schedule=args.schedule, time_limit_s=args.time_limit, progress=progress)
-    if profile is not None:  # the costs are the profile's: so is the precision they hold for
-        from dataclasses import replace
-
-        plan = replace(plan, search={**plan.search, "precision": profile.precision, "precision_from": "profile"})
+    plan = _with_profile(plan, profile)
     log.info("%s plan found in %.2f s: %d stages", plan.strategy, plan.search.get("time_s", 0.0),
              plan.stage_graph.num_stages)
     unused = cluster.num_devices - len(plan.stage_graph.devices_used())
@@ -155,6 +160,14 @@ def run(args) -> int:
         if args.out:
             sys.stdout.write(f"wrote {args.out}\n")
     return 0
+
+
+def _with_profile(plan, profile):
+    if profile is None:
+        return plan
+    from dataclasses import replace  # the costs are the profile's: so is the precision they hold for
+
+    return replace(plan, search={**plan.search, "precision": profile.precision, "precision_from": "profile"})
 
 
 # ------------------------------------------------------------------ output

@@ -153,11 +153,19 @@ def _to_simulate(candidates: Sequence[_Candidate], num_links: int) -> tuple[list
     return first, rest
 
 
-def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: SearchOptions) -> SearchResult:
+def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: SearchOptions,
+              beat_iteration_s: float | None = None) -> SearchResult:
     """GraphPipe's stage graph for ``graph`` on ``cluster`` (see the module docstring).
 
     Raises :class:`~graphpipe.errors.InfeasibleError` when no stage graph fits
     in device memory, naming the memory the smallest plan needs.
+
+    ``beat_iteration_s``: the simulated iteration time of a plan the caller
+    already has. A view and micro-batch size whose compute-only lower bound
+    (:meth:`BottleneckDP.lower_bound` without cut costs or
+    re-materialization, times the batch) is above it cannot give a faster
+    plan and is not searched; when nothing is left this raises
+    :class:`InfeasibleError` saying so.
     """
     started = time.perf_counter()
     sp_graph, merged = make_series_parallel(graph)
@@ -170,11 +178,26 @@ def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: Search
     recompute = recompute_all(options, default=False)
     candidates: list[_Candidate] = []
     best_tps = INF * 1.0
-    tried = states = 0
+    tried = states = pruned = 0
+    beaten: dict[tuple[str, int], bool] = {}
+
+    def cannot_beat(view: str, view_tree: DPTree, b: int) -> bool:
+        if beat_iteration_s is None:
+            return False
+        got = beaten.get((view, b))
+        if got is None:  # the bound holds whatever a cut costs or re-materialization does (DESIGN §6)
+            bound = BottleneckDP(view_tree, cluster, batch_size, b, power_of_two=options.power_of_two, link=None,
+                                 recompute=False).lower_bound()
+            got = beaten[(view, b)] = bound * batch_size > beat_iteration_s * (1 + 1e-9)
+        return got
+
     for li, link in enumerate(links):
         best_estimate = float("inf")  # per cut costing: each is a search of its own
         for view, view_tree in trees:
             for b in sizes:
+                if cannot_beat(view, view_tree, b):
+                    pruned += 1
+                    continue
                 dp = BottleneckDP(view_tree, cluster, batch_size, b, power_of_two=options.power_of_two, link=link,
                                   recompute=recompute)
                 if dp.lower_bound() * batch_size > best_estimate * PRUNE_SLACK:
@@ -189,6 +212,9 @@ def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: Search
                     est = _estimate(sp_graph, cluster, batch_size, b, stages, recompute)
                     best_estimate = min(best_estimate, t * (batch_size + b * (depth - 1)))
                     candidates.append(_Candidate(b, tuple(stages), t, depth, est, view, li))
+    if not candidates and beat_iteration_s is not None and pruned:
+        raise InfeasibleError(f"gpp: no plan on {cluster.num_devices} devices can beat an iteration of "
+                              f"{beat_iteration_s:.4g} s")
     if not candidates:
         need = smallest_memory_needed([t for _, t in trees], cluster, batch_size, sizes, options.power_of_two,
                                       recompute)
@@ -238,6 +264,7 @@ def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: Search
         "model_bottleneck_tps": cand.bottleneck_tps,
         "min_bottleneck_tps": best_tps,
         "num_targets_tried": tried,
+        "searches_pruned": pruned,
         "dp_states": states,
         "micro_batch_size": cand.micro_batch_size,
         "view": cand.view,

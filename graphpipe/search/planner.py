@@ -101,8 +101,8 @@ def make_plan(model_id: str, graph: OpGraph, cluster: Cluster, batch_size: int, 
         raise InputError("the CP-SAT schedule models dedicated devices, not a shared host; "
                          "drop the host option or pick another schedule")
     started = time.perf_counter()
-    one = lambda n: _plan_on(model_id, graph, cluster, batch_size, strategy, options, schedule,  # noqa: E731
-                             time_limit_s, progress, n)
+    one = lambda n, beat=None: _plan_on(model_id, graph, cluster, batch_size, strategy, options,  # noqa: E731
+                                        schedule, time_limit_s, progress, n, beat)
     if not monotone or options.host is not None or (schedule or "").lower() == "cpsat" or cluster.num_devices == 1:
         plan = one(cluster.num_devices)
         plan = replace(plan, search={**plan.search, "device_counts_tried": [cluster.num_devices]})
@@ -146,7 +146,7 @@ def _over_device_counts(one, graph: OpGraph, cluster: Cluster, batch_size: int, 
             break
         tried.append(n)
         try:
-            plan = one(n)
+            plan = one(n, None if best is None else best.predicted["iteration_time_s"])
         except InfeasibleError as exc:
             error = error or exc
             continue
@@ -172,10 +172,15 @@ SPP_PIPER_DOWNSETS = 2000
 
 
 def _plan_on(model_id, graph, cluster, batch_size, strategy, options, schedule, time_limit_s, progress,
-             devices: int) -> Plan:
-    """The strategy's plan using at most ``devices`` of the cluster's (gpp: with the sequential candidates)."""
+             devices: int, beat: float | None = None) -> Plan:
+    """The strategy's plan using at most ``devices`` of the cluster's (gpp: with the sequential candidates).
+
+    ``beat``: the iteration time of a plan in hand; gpp may then skip the
+    parts of its space that provably cannot beat it (and raises
+    :class:`InfeasibleError` when nothing can).
+    """
     plan = _make_plan_at(model_id, graph, cluster, batch_size, strategy, options, schedule, time_limit_s, progress,
-                         devices)
+                         devices, beat)
     if strategy != "gpp" or schedule is not None or options.host is not None:
         return plan
     best, space = plan, "gpp"
@@ -199,10 +204,14 @@ def _plan_on(model_id, graph, cluster, batch_size, strategy, options, schedule, 
 
 def _make_plan_at(model_id: str, graph: OpGraph, cluster: Cluster, batch_size: int, strategy: str,
                   options: SearchOptions, schedule: str | None, time_limit_s: float, progress,
-                  devices: int) -> Plan:
+                  devices: int, beat: float | None = None) -> Plan:
     from graphpipe.sched import make_schedule, predicted_figures, simulate, validate_schedule
 
     partition = get_strategy(strategy)
+    if strategy == "gpp" and options.host is None:  # the one strategy that prunes by a plan in hand
+        from graphpipe.search import gpp
+
+        partition = lambda g, c, b, o, beat=beat: gpp.partition(g, c, b, o, beat_iteration_s=beat)  # noqa: E731
     if options.host is not None and (schedule or "").lower() == "cpsat":
         raise InputError("the CP-SAT schedule models dedicated devices, not a shared host; "
                          "drop the host option or pick another schedule")
@@ -216,7 +225,8 @@ def _make_plan_at(model_id: str, graph: OpGraph, cluster: Cluster, batch_size: i
         # (which only lowers memory), ``auto`` cannot find more than the plain search.
         partition = lambda g, c, b, o: _mark_all(base(g, c, b, replace(o, recompute="none")), o)  # noqa: E731
     elif recompute == "auto":
-        partition = lambda g, c, b, o: _auto_recompute(base, g, c, b, o, schedule)  # noqa: E731
+        partition = lambda g, c, b, o: _auto_recompute(base, g, c, b, o, schedule,  # noqa: E731
+                                                       prunes=strategy == "gpp" and options.host is None, beat=beat)
     if options.host is None:
         result = partition(sp_graph, replace(cluster, num_devices=devices), batch_size, options)
         if devices < cluster.num_devices:  # the devices past ``devices`` hold no stage
@@ -270,7 +280,7 @@ def _mark_all(result: SearchResult, options: SearchOptions) -> SearchResult:
 
 
 def _auto_recompute(partition, graph: OpGraph, cluster: Cluster, batch_size: int, options: SearchOptions,
-                    schedule: str | None) -> SearchResult:
+                    schedule: str | None, prunes: bool = False, beat: float | None = None) -> SearchResult:
     """``--recompute auto``: re-materialize only the stages that need it (DESIGN §11).
 
     The strategy searches twice, without re-materialization and with it on
@@ -287,7 +297,13 @@ def _auto_recompute(partition, graph: OpGraph, cluster: Cluster, batch_size: int
     except InfeasibleError as exc:
         error = exc
     try:
-        full = partition(graph, cluster, batch_size, replace(options, recompute="all"))
+        if prunes and plain is not None:  # only a faster plan could replace it: gpp skips what cannot be
+            plain_s = batch_size / simulated(plain.stage_graph, cluster, schedule if schedule and schedule != "cpsat"
+                                             else plain.schedule_name, options.host)[0]
+            full = partition(graph, cluster, batch_size, replace(options, recompute="all"),
+                             beat=plain_s if beat is None else min(beat, plain_s))
+        else:
+            full = partition(graph, cluster, batch_size, replace(options, recompute="all"))
     except InfeasibleError:
         if plain is None:
             raise error
@@ -361,14 +377,14 @@ def _row(strategy: str, plan: Plan | None, search_time_s: float, error: str | No
 
 
 def _plan_row(model_id: str, graph: OpGraph, cluster: Cluster, batch_size: int, strategy: str,
-              options: SearchOptions) -> dict[str, Any]:
+              options: SearchOptions) -> tuple[dict[str, Any], Plan | None]:
     started = time.perf_counter()
     try:
         plan = make_plan(model_id, graph, cluster, batch_size, strategy, options)
     except GraphpipeError as exc:
         log.info("compare: %s failed: %s", strategy, exc)
-        return _row(strategy, None, time.perf_counter() - started, str(exc))
-    return _row(strategy, plan, plan.search["time_s"])
+        return _row(strategy, None, time.perf_counter() - started, str(exc)), None
+    return _row(strategy, plan, plan.search["time_s"]), plan
 
 
 def _child(conn, args) -> None:  # runs in the forked process of _row_in_child
@@ -379,7 +395,7 @@ def _child(conn, args) -> None:  # runs in the forked process of _row_in_child
     except OSError:
         pass
     try:
-        conn.send(("row", _plan_row(*args)))
+        conn.send(("row", _plan_row(*args)))  # the plan too: the CLI may write gpp's
     except BaseException as exc:  # noqa: BLE001 -- reported by the parent, which raises it
         conn.send(("crash", f"{type(exc).__name__}: {exc}"))
     finally:
@@ -399,7 +415,7 @@ def _stop(proc) -> None:
 
 
 def _row_in_child(args: tuple, strategy: str, time_limit_s: float | None, progress, tick_s: float = 0.25
-                  ) -> dict[str, Any]:
+                  ) -> tuple[dict[str, Any], Plan | None]:
     """``_plan_row(*args)`` in a forked process: stopped (with its process group) after ``time_limit_s``.
 
     A search cannot be interrupted from outside in-process (the DPs are
@@ -436,7 +452,7 @@ def _row_in_child(args: tuple, strategy: str, time_limit_s: float | None, progre
                 break
             if time_limit_s is not None and elapsed >= time_limit_s:
                 _stop(proc)
-                return _row(strategy, None, time_limit_s, f"stopped after {time_limit_s:g} s")
+                return _row(strategy, None, time_limit_s, f"stopped after {time_limit_s:g} s"), None
             if progress is not None:
                 progress(strategy, elapsed)
     finally:
@@ -452,7 +468,7 @@ def _row_in_child(args: tuple, strategy: str, time_limit_s: float | None, progre
 
 def compare(model_id: str, graph: OpGraph, cluster: Cluster, batch_size: int,
             options: SearchOptions = SearchOptions(), *, baseline_time_limit_s: float | None = None,
-            on_row=None, progress=None) -> list[dict[str, Any]]:
+            on_row=None, progress=None, plans: dict[str, Plan] | None = None) -> list[dict[str, Any]]:
     """One row per strategy (gpp, pipedream, piper, gpipe) on the same inputs, failures included.
 
     Every row has the keys of :data:`COMPARE_KEYS`; a failed strategy has
@@ -463,7 +479,8 @@ def compare(model_id: str, graph: OpGraph, cluster: Cluster, batch_size: int,
     process: ``progress(strategy, elapsed_s)`` is called a few times a
     second while it runs, and a baseline (not gpp) still running after
     ``baseline_time_limit_s`` is killed and becomes the row
-    ``"stopped after S s"``.
+    ``"stopped after S s"``. ``plans``, when given, receives each found
+    plan by strategy name.
     """
     _check_batch_size(batch_size)
     if baseline_time_limit_s is not None and not baseline_time_limit_s > 0:
@@ -474,9 +491,11 @@ def compare(model_id: str, graph: OpGraph, cluster: Cluster, batch_size: int,
         assert strategy in STRATEGIES
         args = (model_id, graph, cluster, batch_size, strategy, options)
         if isolate:
-            row = _row_in_child(args, strategy, None if strategy == "gpp" else baseline_time_limit_s, progress)
+            row, plan = _row_in_child(args, strategy, None if strategy == "gpp" else baseline_time_limit_s, progress)
         else:
-            row = _plan_row(*args)
+            row, plan = _plan_row(*args)
+        if plans is not None and plan is not None:
+            plans[strategy] = plan
         rows.append(row)
         if on_row is not None:
             on_row(row)
