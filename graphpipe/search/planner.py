@@ -88,7 +88,8 @@ def make_plan(model_id: str, graph: OpGraph, cluster: Cluster, batch_size: int, 
     finds on the cluster's device count, every count up to
     :data:`MONOTONE_EXACT_UP_TO` and the powers of two below it
     (:func:`_over_device_counts`), so adding devices never gives a slower
-    plan up to 8 devices and between powers of two;
+    plan up to 8 devices and between powers of two up to
+    :data:`MONOTONE_MAX_DEVICES`;
     ``plan.search["device_counts_tried"]`` lists the counts searched. gpp also
     ranks the sequential partitioners' plans on the same devices by the same
     simulation (:data:`SPP_CANDIDATES`) and keeps the fastest;
@@ -105,7 +106,8 @@ def make_plan(model_id: str, graph: OpGraph, cluster: Cluster, batch_size: int, 
     started = time.perf_counter()
     one = lambda n, beat=None: _plan_on(model_id, graph, cluster, batch_size, strategy, options,  # noqa: E731
                                         schedule, time_limit_s, progress, n, beat)
-    if not monotone or options.host is not None or (schedule or "").lower() == "cpsat" or cluster.num_devices == 1:
+    if not monotone or options.host is not None or (schedule or "").lower() == "cpsat" or \
+            not 1 < cluster.num_devices <= MONOTONE_MAX_DEVICES:
         plan = one(cluster.num_devices)
         plan = replace(plan, search={**plan.search, "device_counts_tried": [cluster.num_devices]})
     else:
@@ -120,6 +122,10 @@ Each count is a full search, so trying every count up to 32 costs gpp up to
 25 searches on dlrm; with this set a plan is never slower than the plan on
 any count up to 8 or any power of two below its own (so exactly monotone up
 to 8 devices and along powers of two), at a few searches' cost."""
+
+MONOTONE_MAX_DEVICES = 64
+"""Past this many devices only the cluster's own count is searched: on 1024 devices the powers of two
+below would add ten full searches (candle-uno:branches=16: ~50 s instead of ~12 s)."""
 
 
 def _work_bound(graph: OpGraph, batch_size: int) -> float:
