@@ -77,3 +77,15 @@ def test_plan_says_which_space_and_device_count_won():
     assert plan.search["device_counts_tried"][0] == 4
     plain = make_plan("g", branches_graph(3, 2), preset("v100", 4), 32, "gpp", monotone=False)
     assert plain.predicted["throughput"] <= plan.predicted["throughput"] * (1 + 1e-9)
+
+
+def test_a_plan_found_on_fewer_devices_lives_on_the_whole_cluster():
+    pytest.importorskip("torch")
+    from graphpipe.models import load_model
+
+    graph = load_model("mmt:small", preset("v100", 1).device).graph
+    plan = make_plan("mmt:small", graph, preset("v100", 6), 32, "gpp")
+    used = len(plan.stage_graph.devices_used())
+    assert plan.cluster.num_devices == plan.stage_graph.num_devices == 6
+    assert len(plan.predicted["peak_memory_bytes"]) == 6
+    assert plan.search["unused_devices"] == 6 - used

@@ -174,7 +174,10 @@ def _over_device_counts(one, graph: OpGraph, cluster: Cluster, batch_size: int, 
             best = plan
     if best is None:
         raise error
-    return replace(best, search={**best.search, "device_counts_tried": tried})
+    search = {**best.search, "device_counts_tried": tried}
+    if "unused_devices" in search:  # the partitioner counted against the count it searched, not the cluster's
+        search["unused_devices"] = n_max - len(best.stage_graph.devices_used())
+    return replace(best, search=search)
 
 
 SPP_CANDIDATES = ("pipedream", "piper")
