@@ -84,7 +84,7 @@ def make_plan(model_id: str, graph: OpGraph, cluster: Cluster, batch_size: int, 
     ``progress(best_s, bound_s)`` is called on every improving CP-SAT solution
     (``schedule="cpsat"`` only); the CLI passes one that writes to stderr.
 
-    With ``monotone`` (the default) the plan is the fastest the strategy
+    With ``monotone`` (the default; not for :data:`EXACT_DEVICE_STRATEGIES`) the plan is the fastest the strategy
     finds on the cluster's device count, every count up to
     :data:`MONOTONE_EXACT_UP_TO` and the powers of two below it
     (:func:`_over_device_counts`), so adding devices never gives a slower
@@ -106,14 +106,21 @@ def make_plan(model_id: str, graph: OpGraph, cluster: Cluster, batch_size: int, 
     started = time.perf_counter()
     one = lambda n, beat=None: _plan_on(model_id, graph, cluster, batch_size, strategy, options,  # noqa: E731
                                         schedule, time_limit_s, progress, n, beat)
-    if not monotone or options.host is not None or (schedule or "").lower() == "cpsat" or \
-            not 1 < cluster.num_devices <= MONOTONE_MAX_DEVICES:
+    if not monotone or strategy in EXACT_DEVICE_STRATEGIES or options.host is not None or \
+            (schedule or "").lower() == "cpsat" or not 1 < cluster.num_devices <= MONOTONE_MAX_DEVICES:
         plan = one(cluster.num_devices)
         plan = replace(plan, search={**plan.search, "device_counts_tried": [cluster.num_devices]})
     else:
         plan = _over_device_counts(one, graph, cluster, batch_size, options)
     return replace(plan, search={**plan.search, "time_s": time.perf_counter() - started})
 
+
+EXACT_DEVICE_STRATEGIES = ("pipedream",)
+"""Strategies planned on exactly the cluster's devices: PipeDream's optimizer always spreads its
+stages over all N machines (its DP splits m machines between the last stage and the rest, never
+leaving one idle), and ``--strategy pipedream`` must give the real optimizer's answer (issue 14:
+same replica counts and time per stage); searching fewer devices by our simulator would replace
+it with a plan PipeDream never makes. gpp still ranks PipeDream's plan among its candidates."""
 
 MONOTONE_EXACT_UP_TO = 8
 """Device counts searched below the cluster's own: every count up to this one, and the powers of two.
