@@ -130,9 +130,12 @@ Each count is a full search, so trying every count up to 32 costs gpp up to
 any count up to 8 or any power of two below its own (so exactly monotone up
 to 8 devices and along powers of two), at a few searches' cost."""
 
-MONOTONE_MAX_DEVICES = 64
-"""Past this many devices only the cluster's own count is searched: on 1024 devices the powers of two
-below would add ten full searches (candle-uno:branches=16: ~50 s instead of ~12 s)."""
+MONOTONE_MAX_DEVICES = 16
+"""Past this many devices only the cluster's own count is searched. Each extra count is a full search
+and the perfect-scaling bound rarely stops early on communication-bound models: at 32 V100s dlrm
+tried 32, 16, 8, 7 (7.7 s against 1.9 s for one count) and candle-uno seven counts (10 s against
+1.4 s), for the same plan. gpp's DP already places a plan on fewer than N devices when that meets
+its target on fewer."""
 
 
 def _work_bound(graph: OpGraph, batch_size: int) -> float:
