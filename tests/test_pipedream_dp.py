@@ -253,3 +253,21 @@ def test_every_schedule_dispatches_round_robin(schedule):
     for d in range(3):
         assert sorted({a.mb_id for a in sched.device_actions[d]}) == list(range(d, 7, 3))
     assert simulate(sg, sched, cluster).iteration_time_s > 0
+
+
+@pytest.mark.parametrize("spec,devices,batch", [("candle-uno:branches=2", 16, 256), ("mmt:small", 12, 32)])
+def test_an_antichain_answer_that_is_not_a_partition_falls_back_to_the_linearisation(spec, devices, batch):
+    """On these branchy graphs the optimizer's antichain order is not nested and its DP answer names an
+    empty stage or an op in two stages; the plan is then PipeDream's DP over the linearisation, a valid
+    sequential partition that says so."""
+    pytest.importorskip("torch")
+    from graphpipe.models import load_model
+    from graphpipe.search.planner import make_plan
+
+    cluster = preset("v100", devices)
+    graph = load_model(spec, cluster.device).graph
+    plan = make_plan(spec, graph, cluster, batch, "pipedream")
+    assert plan.search["states"].startswith("linearised")
+    owners = sorted(v for stage in plan.stage_graph.stages for v in stage.op_ids)
+    assert owners == list(range(graph.num_ops))   # every op in exactly one stage
+    assert all(stage.op_ids for stage in plan.stage_graph.stages)

@@ -54,7 +54,7 @@ import logging
 import time
 
 from graphpipe.cluster import Cluster
-from graphpipe.errors import InfeasibleError, InputError
+from graphpipe.errors import InfeasibleError, InputError, PlanError
 from graphpipe.graph import OpGraph
 from graphpipe.search.common import SearchOptions, SearchResult, divisors, placed_bottleneck, simulated
 from graphpipe.search.pipedream_dp import StateLimitError, antichain_states, prefix_states, solve_levels
@@ -105,19 +105,15 @@ def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: Search
         states, state_kind = prefix_states(graph), "linearised"
     sizes = [share] if options.micro_batch_size is not None else \
         [d for d in sorted(divisors(batch_size), reverse=True) if d <= share]
-    found = None
-    for b in sizes:
-        sol = solve_levels(states, graph, b, levels, memory_bytes=cluster.memory_bytes,
-                           state_per_byte=cluster.state_bytes(1.0), num_micro_batches=batch_size // b)
-        if sol is None or max(r for _, r, _ in sol.stages) > batch_size // b:
-            continue  # nothing fits, or a round-robin stage has more replicas than micro-batches
-        stages = [Stage(q, ops, devices, b, replica_mode=REPLICA_MODE if r > 1 else "split")
-                  for q, (ops, r, devices) in enumerate(sol.stages)]
-        sg = StageGraph.build(graph, stages, batch_size, cluster.num_devices, sequential=True)
-        if simulated(sg, cluster, SCHEDULE, options.host)[1]:
-            found = (b, sol, sg)
-            break
-        log.info("pipedream: the plan at micro-batch %d does not fit in memory (simulated); trying smaller", b)
+    found, not_a_partition = _solve(graph, cluster, batch_size, options, states, levels, sizes)
+    if not_a_partition:
+        # On some branchy graphs the optimizer's antichain order is not nested, and its answer
+        # then names a stage that is not a set of ops (empty, or an op in two stages): PipeDream's
+        # own optimizer would emit it; we cut the linearisation instead, as past the state limit.
+        log.info("pipedream: the antichain DP's answer is not a partition of %s; cutting the linearisation",
+                 graph.name)
+        states, state_kind = prefix_states(graph), "linearised (antichain answer not a partition)"
+        found, _ = _solve(graph, cluster, batch_size, options, states, levels, sizes)
     if found is None:
         raise InfeasibleError(f"pipedream: no partition of {graph.name!r} fits in {cluster.memory_bytes / 1e9:g} GB "
                               f"per device on {cluster.num_devices} devices at micro-batch {share} or below; "
@@ -141,3 +137,25 @@ def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: Search
     log.debug("pipedream: %d states, levels %s, replicas %s, %.6g s per micro-batch of %d", len(states.members),
               levels, stats["replicas"], sol.time_per_batch, b)
     return SearchResult(stage_graph=sg, schedule_name=SCHEDULE, stats=stats)
+
+
+def _solve(graph: OpGraph, cluster: Cluster, batch_size: int, options: SearchOptions, states, levels,
+           sizes) -> tuple[tuple | None, bool]:
+    """The first micro-batch size whose DP answer is a partition that fits (simulated): ``((b, sol, sg), False)``;
+    ``(None, True)`` when the DP's answer is not a partition of the graph, ``(None, False)`` when nothing fits."""
+    for b in sizes:
+        sol = solve_levels(states, graph, b, levels, memory_bytes=cluster.memory_bytes,
+                           state_per_byte=cluster.state_bytes(1.0), num_micro_batches=batch_size // b)
+        if sol is None or max(r for _, r, _ in sol.stages) > batch_size // b:
+            continue  # nothing fits, or a round-robin stage has more replicas than micro-batches
+        try:
+            stages = [Stage(q, ops, devices, b, replica_mode=REPLICA_MODE if r > 1 else "split")
+                      for q, (ops, r, devices) in enumerate(sol.stages)]
+            sg = StageGraph.build(graph, stages, batch_size, cluster.num_devices, sequential=True)
+        except PlanError as exc:
+            log.info("pipedream: the DP's answer at micro-batch %d is not a partition (%s)", b, exc)
+            return None, True
+        if simulated(sg, cluster, SCHEDULE, options.host)[1]:
+            return (b, sol, sg), False
+        log.info("pipedream: the plan at micro-batch %d does not fit in memory (simulated); trying smaller", b)
+    return None, False
