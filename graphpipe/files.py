@@ -143,22 +143,22 @@ def integer(value: Any, where: str, minimum: int | None = None, maximum: int | N
     return value
 
 
-def string(value: Any, where: str) -> str:
-    if not isinstance(value, str):
-        raise FormatError(f"{where} must be a string, got {_show(value)}")
+def _of_type(value: Any, where: str, kind: type, name: str) -> Any:
+    if not isinstance(value, kind):
+        raise FormatError(f"{where} must be {name}, got {_show(value)}")
     return value
+
+
+def string(value: Any, where: str) -> str:
+    return _of_type(value, where, str, "a string")
 
 
 def array(value: Any, where: str) -> list:
-    if not isinstance(value, list):
-        raise FormatError(f"{where} must be a JSON array, got {_show(value)}")
-    return value
+    return _of_type(value, where, list, "a JSON array")
 
 
 def mapping(value: Any, where: str) -> dict:
-    if not isinstance(value, dict):
-        raise FormatError(f"{where} must be a JSON object, got {_show(value)}")
-    return value
+    return _of_type(value, where, dict, "a JSON object")
 
 
 def _show(value: Any) -> str:

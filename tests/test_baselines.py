@@ -19,7 +19,7 @@ from conftest import branches_graph, chain_graph, make_op, nested_sp_graph, non_
 from graphpipe.cluster import preset
 from graphpipe.errors import InfeasibleError, InputError
 from graphpipe.graph import OpGraph
-from graphpipe.search import common, gpipe, linear_dp, pipedream, piper, sequential
+from graphpipe.search import gpipe, linear_dp, pipedream, piper, sequential
 from graphpipe.search.common import SearchOptions, stage_memory, stage_tps
 from graphpipe.search.downsets import (PAIRS_PER_DOWNSET, DownsetLimitError, count_downset_pairs, count_downsets,
                                        enumerate_downsets)
@@ -87,24 +87,27 @@ def all_downsets(graph) -> list[frozenset]:
     return out
 
 
-def brute_piper(graph, cluster, b) -> float:
+def downset_chains(graph, num_devices: int):
+    """Every chain of downsets from the empty set to the whole graph with at most ``num_devices`` stages."""
     downsets = all_downsets(graph)
     full = frozenset(range(graph.num_ops))
-    chains = []
 
     def extend(chain):
         if chain[-1] == full:
-            chains.append(chain)
+            yield chain
             return
-        if len(chain) > cluster.num_devices:
+        if len(chain) > num_devices:
             return
         for d in downsets:
             if chain[-1] < d:
-                extend(chain + [d])
+                yield from extend(chain + [d])
 
-    extend([frozenset()])
+    return extend([frozenset()])
+
+
+def brute_piper(graph, cluster, b) -> float:
     best = math.inf
-    for chain in chains:
+    for chain in downset_chains(graph, cluster.num_devices):
         stages = [tuple(sorted(b2 - a)) for a, b2 in zip(chain, chain[1:])]
         for rs in replica_tuples(len(stages), cluster.num_devices):
             best = min(best, score(graph, cluster, list(zip(stages, rs)), b, one_f_one_b(b)))
@@ -139,10 +142,10 @@ def test_pipedream_equals_brute_force(graph):
             assert flat == list(sequential.linear_order(graph))   # contiguous ranges of the linearisation
 
 
-def piper_score(graph, cluster, stages, b) -> float:
+def piper_score(graph, cluster, stages, b, batch=BATCH) -> float:
     """algo.cpp's objective of a stage chain, per sample; inf if a replica count does not divide the
     micro-batches, devices run out, or memory (ours: 1F1B in-flight counts) does not fit."""
-    num_mbs = BATCH // b
+    num_mbs = batch // b
     if sum(r for _, r in stages) > cluster.num_devices:
         return math.inf
     worst = 0.0
@@ -160,36 +163,13 @@ def piper_score(graph, cluster, stages, b) -> float:
     return worst
 
 
-def piper_score_batch(graph, cluster, stages, b, batch) -> float:
-    """:func:`piper_score` for a batch other than ``BATCH``."""
-    global BATCH
-    saved, BATCH = BATCH, batch
-    try:
-        return piper_score(graph, cluster, stages, b)
-    finally:
-        BATCH = saved
-
-
 def brute_piper_real(graph, cluster, b) -> float:
     """Every chain of downsets and every replica tuple, scored by :func:`piper_score`."""
-    downsets = all_downsets(graph)
-    full = frozenset(range(graph.num_ops))
     best = math.inf
-
-    def extend(chain):
-        nonlocal best
-        if chain[-1] == full:
-            stages = [tuple(sorted(b2 - a)) for a, b2 in zip(chain, chain[1:])]
-            for rs in replica_tuples(len(stages), cluster.num_devices):
-                best = min(best, piper_score(graph, cluster, list(zip(stages, rs)), b))
-            return
-        if len(chain) > cluster.num_devices:
-            return
-        for d in downsets:
-            if chain[-1] < d:
-                extend(chain + [d])
-
-    extend([frozenset()])
+    for chain in downset_chains(graph, cluster.num_devices):
+        stages = [tuple(sorted(b2 - a)) for a, b2 in zip(chain, chain[1:])]
+        for rs in replica_tuples(len(stages), cluster.num_devices):
+            best = min(best, piper_score(graph, cluster, list(zip(stages, rs)), b))
     return best
 
 
@@ -441,8 +421,8 @@ def test_piper_on_mmt_like_graph_matches_or_beats_pipedream():
     for b in (1, 2, 4, 8):  # the linearisation's chains are among Piper's (its objective on both)
         a, c = piper.solve(g, cluster, 32, b), linear_dp.solve(g, cluster, 32, b)
         if c is not None and a is not None and all((32 // b) % r == 0 for _, r in c.stages) and \
-                math.isfinite(piper_score_batch(g, cluster, c.stages, b, 32)):
-            assert a.bottleneck_tps <= piper_score_batch(g, cluster, c.stages, b, 32) * (1 + 1e-9)
+                math.isfinite(piper_score(g, cluster, c.stages, b, 32)):
+            assert a.bottleneck_tps <= piper_score(g, cluster, c.stages, b, 32) * (1 + 1e-9)
     assert dag.stats["num_downsets"] == 4 ** 4 + 2
     assert seq.stats["bottleneck_tps"] > 0 and dag.stats["bottleneck_tps"] > 0
 

@@ -106,26 +106,16 @@ def _write(folder, name: str, doc) -> str:
     return path
 
 
-def test_fuzz_graph_documents(base, capsys):
+@pytest.mark.parametrize("kind,argv", [("graph", ["inspect", "g.json", "--json"]),
+                                       ("plan", ["simulate", "p.json", "--json"])], ids=["graph", "plan"])
+def test_fuzz_graph_and_plan_documents(base, capsys, kind, argv):
     docs, folder = base
 
     @SETTINGS
-    @given(mutated(docs["graph"]))
+    @given(mutated(docs[kind]))
     def check(doc):
-        argv = ["inspect", _write(folder, "g.json", doc), "--json"]
-        assert_success_or_one_line(*run_cli(capsys, *argv), argv)
-
-    check()
-
-
-def test_fuzz_plan_documents(base, capsys):
-    docs, folder = base
-
-    @SETTINGS
-    @given(mutated(docs["plan"]))
-    def check(doc):
-        argv = ["simulate", _write(folder, "p.json", doc), "--json"]
-        assert_success_or_one_line(*run_cli(capsys, *argv), argv)
+        args = [argv[0], _write(folder, argv[1], doc), *argv[2:]]
+        assert_success_or_one_line(*run_cli(capsys, *args), args)
 
     check()
 
