@@ -238,9 +238,6 @@ def _make_plan_at(model_id: str, graph: OpGraph, cluster: Cluster, batch_size: i
         from graphpipe.search import gpp
 
         partition = lambda g, c, b, o, beat=beat: gpp.partition(g, c, b, o, beat_iteration_s=beat)  # noqa: E731
-    if options.host is not None and (schedule or "").lower() == "cpsat":
-        raise InputError("the CP-SAT schedule models dedicated devices, not a shared host; "
-                         "drop the host option or pick another schedule")
     started = time.perf_counter()
     sp_graph, merged = make_series_parallel(graph)
     recompute = options.recompute or DEFAULT_RECOMPUTE[strategy]
