@@ -59,6 +59,9 @@ __all__ = [
     "RECOMPUTE_CHOICES",
     "ring_allreduce_s",
     "action_times",
+    "WEIGHT_GRAD_SHARE",
+    "split_backward",
+    "weight_grad_time",
     "time_per_sample",
     "state_bytes",
     "activation_bytes",
@@ -97,6 +100,32 @@ def action_times(fwd_alpha, fwd_beta, bwd_alpha, bwd_beta, samples, recompute):
     fwd = fwd_alpha + fwd_beta * samples
     bwd = bwd_alpha + bwd_beta * samples + recompute * fwd
     return fwd, bwd
+
+
+WEIGHT_GRAD_SHARE = 0.5
+"""Share of an op's backward that computes its weight gradients (zero bubble's W), for profiles that time only B.
+
+For a linear or matmul layer ``Y = X Wᵀ`` the input gradient ``dX = dY W`` and
+the weight gradient ``dW = dYᵀ X`` are two matmuls of the same FLOPs, so B
+splits evenly; an op without parameters has no W and its whole backward is
+input gradient (I). Zero Bubble (Qi et al. ICLR'24 §2) assumes the same even
+split (T_B = T_W) for transformer layers."""
+
+
+def split_backward(bwd, weight_bwd, fwd, recompute):
+    """(I, W) seconds of a backward split for zero bubble: ``W = weight_bwd``, ``I = bwd - W`` plus the
+    re-run forward of a re-materializing stage (I needs the activations first; W reuses them).
+
+    >>> split_backward(bwd=4.0, weight_bwd=2.0, fwd=1.0, recompute=False), split_backward(4.0, 2.0, 1.0, True)
+    ((2.0, 2.0), (3.0, 2.0))
+    """
+    return bwd - weight_bwd + recompute * fwd, weight_bwd
+
+
+def weight_grad_time(graph: "OpGraph", op_ids: Iterable[int], samples: float) -> float:
+    """Seconds of the weight-gradient part (W) of the backward of ``op_ids`` on ``samples`` samples:
+    :data:`WEIGHT_GRAD_SHARE` of each parameterised op's backward, nothing for the others."""
+    return float(sum(WEIGHT_GRAD_SHARE * graph.ops[i].bwd(samples) for i in op_ids if graph.ops[i].param_bytes > 0))
 
 
 def time_per_sample(fwd_alpha, fwd_beta, bwd_alpha, bwd_beta, param_bytes, num_replicas, micro_batch_size,

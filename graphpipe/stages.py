@@ -275,6 +275,14 @@ class StageGraph:
         return costs.action_times(sums.fwd_alpha, sums.fwd_beta, sums.bwd_alpha, sums.bwd_beta,
                                   s.samples_per_replica, s.recompute)
 
+    def split_backward_times(self, stage_id: int) -> tuple[float, float]:
+        """(I, W) seconds of one split backward micro-batch on one replica (:func:`graphpipe.costs.split_backward`):
+        I + W = :meth:`bwd_time`."""
+        s = self.stages[stage_id]
+        fwd, bwd = self._action_times(stage_id)
+        weight = costs.weight_grad_time(self.graph, s.op_ids, s.samples_per_replica)
+        return costs.split_backward(bwd - s.recompute * fwd, weight, fwd, s.recompute)
+
     def param_bytes(self, stage_id: int) -> float:
         return sum(self.graph.ops[i].param_bytes for i in self.stages[stage_id].op_ids)
 

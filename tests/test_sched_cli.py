@@ -166,3 +166,23 @@ def test_host_cores_time_shares_the_devices(tmp_path, capsys):
     assert times[1] > times[4]
     assert main(["simulate", path, "--host-cores", "0"]) == 2
     assert capsys.readouterr().err.strip() == "graphpipe: error: --host-cores must be at least 1, got 0"
+
+
+def test_zero_bubble_schedules_from_the_cli(tmp_path, capsys):
+    """graph-zb simulates a branchy plan; zb-h1 on it is one line pointing to graph-zb; a W before its I exits 2."""
+    path = str(tmp_path / "plan.json")
+    write_plan(path, _plan())
+    assert main(["simulate", path, "--schedule", "graph-zb", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["schedule"] == "graph-zb"
+    assert main(["simulate", path, "--schedule", "zb-h1"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "use 'graph-zb'" in err
+    doc = plan_to_dict(_plan("graph-zb"))
+    acts = doc["schedule"]["actions"]["3"]
+    first_w = next(i for i, a in enumerate(acts) if "W" in a)
+    i_pos = acts.index(acts[first_w].replace("W", "I"))
+    acts[i_pos], acts[first_w] = acts[first_w], acts[i_pos]
+    assert main(["simulate", _write(tmp_path, doc)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "before" in err and "device x step grid" in err

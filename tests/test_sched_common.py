@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import random
 
+from graphpipe import costs
 from graphpipe.cluster import Cluster, DeviceSpec, Link
 from graphpipe.graph import Affine, Op, OpGraph
 from graphpipe.stages import Stage, StageGraph
@@ -68,6 +69,8 @@ def _overlaps(a_lo, a_hi, b_lo, b_hi) -> bool:
 def oracle_times(sg: StageGraph, schedule, cluster: Cluster) -> dict:
     """``{(device, action_str): (start, end)}`` by relaxation to a fixpoint (None if it never settles)."""
     b = [st.micro_batch_size for st in sg.stages]
+    # Zero bubble: a stage whose backward is split sends its gradients from I; its W waits for its own I.
+    grad_kind = {a.stage_id: "I" for acts in schedule.device_actions for a in acts if a.kind == "I"}
 
     def delay(p, c):
         nbytes = sg.edge_bytes(p, c) * b[p]
@@ -76,6 +79,8 @@ def oracle_times(sg: StageGraph, schedule, cluster: Cluster) -> dict:
     def deps(a):
         s, j = a.stage_id, a.mb_id
         out = []
+        if a.kind == "W":
+            return [((s, "I", j), 0.0)]
         if a.kind == "F":
             for p in sg.preds(s):
                 for i in range(sg.num_micro_batches(p)):
@@ -86,10 +91,15 @@ def oracle_times(sg: StageGraph, schedule, cluster: Cluster) -> dict:
             for c in sg.succs(s):
                 for k in range(sg.num_micro_batches(c)):
                     if _overlaps(k * b[c], (k + 1) * b[c], j * b[s], (j + 1) * b[s]):
-                        out.append(((c, "B", k), delay(s, c)))
+                        out.append(((c, grad_kind.get(c, "B"), k), delay(s, c)))
         return out
 
     def dur(a):
+        if a.kind in ("I", "W"):  # the defining split: W is the parameterised ops' share of B, I the rest
+            g, st = sg.graph, sg.stages[a.stage_id]
+            w = sum(costs.WEIGHT_GRAD_SHARE * g.ops[i].bwd(st.samples_per_replica) for i in st.op_ids
+                    if g.ops[i].param_bytes > 0)
+            return w if a.kind == "W" else sg.bwd_time(a.stage_id) - w
         return sg.fwd_time(a.stage_id) if a.kind == "F" else sg.bwd_time(a.stage_id)
 
     start = {(d, k): 0.0 for d, acts in enumerate(schedule.device_actions) for k in range(len(acts))}

@@ -79,7 +79,7 @@ def test_replicated_stage_splits_micro_batch_and_all_reduces():
 
 
 @pytest.mark.parametrize("seed", range(10))
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "graph-1f1b"])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "graph-1f1b", "graph-zb"])
 def test_simulator_agrees_with_relaxation_oracle(seed, name):
     sg = random_stage_graph(seed, num_ops=5 + seed % 3)
     cluster = preset("v100", sg.num_devices)

@@ -29,7 +29,14 @@ def test_valid_schedule_passes():
     ("0: 0F0 0F1 0B0 0B1\n1: 1F0 1B0 1F1 1B1 1F2", "names micro-batch 2, stage 1 has 2", ">1F2<"),
     ("0: 0F0 0F1 0B0 0B1\n1: 1F0 1B1 1F1 1B0", "runs 1B1 before 1F1", ">1B1<"),
     ("0: 0F0 0F1 0B0 0B1\n1: 1F0 1B0 1F1 1B1 3F0", "names stage 3", ">3F0<"),
-    ("0: 0F0 0F1 0B0 0B1\n1: 1F0 1I0 1B0 1F1 1B1", "kind 'I'", ">1I0<"),
+    ("0: 0F0 0F1 0B0 0B1\n1: 1F0 1I0 1B0 1F1 1B1", "runs 1B0 and a split backward \\(1I0/1W0\\)", ">1I0<"),
+    # Zero bubble's split backward: W after its I, every I with a W, no W without its I.
+    ("0: 0F0 0F1 0B0 0B1\n1: 1F0 1W0 1I0 1F1 1B1", "runs 1W0 before 1I0", ">1W0<"),
+    ("0: 0F0 0F1 0B0 0B1\n1: 1F0 1I0 1F1 1B1", "runs 1I0 without a later 1W0", ">1I0<"),
+    ("0: 0F0 0F1 0B0 0W1 0B1\n1: 1F0 1B0 1F1 1B1", "runs 0B1 and a split backward \\(0I1/0W1\\)", ">0W1<"),
+    ("0: 0F0 0F1 0B0 0W1\n1: 1F0 1B0 1F1 1B1", "runs 0W1 without its 0I1", ">0W1<"),
+    ("0: 0F0 0F1 0B0 0B1\n1: 1I0 1W0 1F0 1F1 1B1", "runs 1I0 before 1F0", ">1I0<"),
+    ("0: 0F0 0F1 0B0 0B1\n1: 1F0 1F1 1I1 1W1 1I0 1W0", "link 1->0 \\(gradients\\) out of order", ">0B0<"),
     ("0: 0F1 0F0 0B0 0B1\n1: 1F0 1B0 1F1 1B1", "link 0->1 \\(activations\\) out of order", ">1F0<"),
     ("0: 0F0 0F1 0B1 0B0\n1: 1F0 1B0 1F1 1B1", "link 1->0 \\(gradients\\) out of order", ">0B1<"),
 ])
@@ -51,6 +58,18 @@ def test_deadlock_is_found_and_blocked_actions_named():
                                             "waiting for 0F1") as info:
         validate_schedule(sg, schedule)
     assert ">0B0<" in str(info.value) and ">1F1<" in str(info.value)
+
+
+def test_split_backward_waits_for_the_consumers_input_gradient():
+    """Stage 0's I of mb 0 needs stage 1's I of mb 0, which stage 1 runs after its F of mb 1, which stage 0
+    sends only after its I of mb 0: a deadlock, named with I (slot 1 of the engine is B or I)."""
+    sg = uniform_chain(2, 2)
+    validate_schedule(sg, _text(sg, "0: 0F0 0F1 0I0 0I1 0W1 0W0\n1: 1F0 1I0 1F1 1I1 1W0 1W1"))
+    schedule = _text(sg, "0: 0F0 0I0 0F1 0I1 0W0 0W1\n1: 1F0 1F1 1I0 1W0 1I1 1W1")
+    with pytest.raises(DeadlockError, match="device 0 blocked at 0I0 waiting for 1I0; device 1 blocked at 1F1 "
+                                            "waiting for 0F1") as info:
+        validate_schedule(sg, schedule)
+    assert ">0I0<" in str(info.value)
 
 
 def test_wrong_device_count():

@@ -20,6 +20,11 @@ Dependencies (the shared semantics; CP-SAT mirrors them):
   mb ``i`` in ``sg.consumed_mbs(p, c, j)``, plus the forward delay of ``p->c``.
 * ``B`` of stage ``s``, mb ``i``: its own ``F`` (delay 0), and ``B`` of every
   consumer micro-batch covering any of ``i``'s samples, plus the backward delay.
+* zero bubble splits ``B`` into ``I`` (input gradients) and ``W`` (weight
+  gradients): ``I`` has ``B``'s dependencies and sends the gradients, so a
+  consumer's ``I`` stands for its ``B`` (kind index 1 is "the gradient of the
+  inputs is done", by ``B`` or by ``I``); ``W`` waits for its own ``I``
+  (index 2 records it; it sends nothing).
 
 The delay of an edge ``p->c`` is one message of one *producer* micro-batch:
 ``cluster.transfer_time(p.devices, c.devices, edge_bytes(p, c) * b_p)``,
@@ -37,7 +42,10 @@ from graphpipe.stages import StageGraph, covered_mbs
 __all__ = ["EngineResult", "Stuck", "run_engine", "run_engine_shared", "action_deps", "covering_consumer_mbs",
            "KIND_INDEX"]
 
-KIND_INDEX = {"F": 0, "B": 1}
+KIND_INDEX = {"F": 0, "B": 1, "I": 1, "W": 2}
+"""Completion slot of each kind: F, input gradients (B or I), W."""
+
+_DURATION_INDEX = {"F": 0, "B": 1, "I": 2, "W": 3}
 
 
 def covering_consumer_mbs(sg: StageGraph, producer: int, consumer: int, producer_mb: int) -> range:
@@ -78,6 +86,8 @@ def action_deps(action: Action, preds, succs, mb_size, fdel, bdel) -> list[tuple
     every action of every simulation, so :func:`covered_mbs` is inlined.
     """
     s, j = action.stage_id, action.mb_id
+    if action.kind == "W":
+        return [(s, 1, j, 0.0)]
     if action.kind == "F":
         out = []
         bc = mb_size[s]
@@ -104,7 +114,7 @@ def run_engine(sg: StageGraph, device_actions: Sequence[Sequence[Action]],
     """Evaluate start/end times of every action (see module docstring).
 
     Preconditions (checked by :func:`graphpipe.sched.validate.check_structure`):
-    kinds are F/B, stage and mb ids in range, each (stage, kind, mb) appears
+    kinds are F/B/I/W, stage and mb ids in range, each (stage, kind, mb) appears
     exactly once on each device of its stage and nowhere else.
     ``duration(stage, kind)`` is the compute time of one action.
     """
@@ -151,7 +161,7 @@ def run_engine(sg: StageGraph, device_actions: Sequence[Sequence[Action]],
                 blocked_on[d] = key
                 break
             s, k, j = action.stage_id, KIND_INDEX[action.kind], action.mb_id
-            end = ready + dur[s][k]
+            end = ready + dur[s][_DURATION_INDEX[action.kind]]
             starts[d].append(ready)
             ends[d].append(end)
             free[d] = end
@@ -210,7 +220,7 @@ def run_engine_shared(sg: StageGraph, device_actions: Sequence[Sequence[Action]]
         for d in range(num_devices):  # start every head action whose inputs are in and whose device is free
             if left[d] is None and ready[d] is not None and ready[d] <= now:
                 action = device_actions[d][pos[d]]
-                left[d] = tab.dur[action.stage_id][KIND_INDEX[action.kind]]
+                left[d] = tab.dur[action.stage_id][_DURATION_INDEX[action.kind]]
                 starts[d].append(now)
         running = [d for d in range(num_devices) if left[d] is not None]
         later = [ready[d] for d in range(num_devices) if left[d] is None and ready[d] is not None]
@@ -254,11 +264,11 @@ class _Tables:
         replicas = [1 if st.round_robin else len(st.devices) for st in sg.stages]  # round-robin: one runs each mb
         self.fdel = {(p, c): fwd_delay(p, c) for p, c in sg.edges}
         self.bdel = {(p, c): bwd_delay(p, c) for p, c in sg.edges}
-        self.dur = [(duration(s, "F"), duration(s, "B")) for s in range(num_stages)]
-        # Stage-level completion time of (stage, kind, mb): None until every replica has run it.
-        self.done: list[list[list[float | None]]] = [[[None] * n, [None] * n] for n in num_mbs]
-        self.partial: list[list[list[float]]] = [[[0.0] * n, [0.0] * n] for n in num_mbs]
-        self.remaining: list[list[list[int]]] = [[[r] * n, [r] * n] for n, r in zip(num_mbs, replicas)]
+        self.dur = [tuple(duration(s, kind) for kind in _DURATION_INDEX) for s in range(num_stages)]
+        # Stage-level completion time of (stage, kind slot, mb): None until every replica has run it.
+        self.done: list[list[list[float | None]]] = [[[None] * n for _ in range(3)] for n in num_mbs]
+        self.partial: list[list[list[float]]] = [[[0.0] * n for _ in range(3)] for n in num_mbs]
+        self.remaining: list[list[list[int]]] = [[[r] * n for _ in range(3)] for n, r in zip(num_mbs, replicas)]
 
     def finish(self, s: int, k: int, j: int, end: float) -> bool:
         """Record one replica's end of ``(s, k, j)``; True when that was the last replica."""
@@ -275,8 +285,16 @@ class _Tables:
         for d, acts in enumerate(device_actions):
             if pos[d] < len(acts):
                 key = blocked_on[d]
-                waits = Action(key[0], "FB"[key[1]], key[2]) if key else acts[pos[d]]
+                waits = Action(key[0], _slot_kind(device_actions, key), key[2]) if key else acts[pos[d]]
                 stuck.append(Stuck(d, pos[d], acts[pos[d]], waits))
         stage_end = tuple(tuple(tuple(x if x is not None else float("nan") for x in per_kind) for per_kind in per_stage)
                           for per_stage in self.done)
         return EngineResult(tuple(map(tuple, starts)), tuple(map(tuple, ends)), stage_end, tuple(stuck))
+
+
+def _slot_kind(device_actions: Sequence[Sequence[Action]], key: tuple[int, int, int]) -> str:
+    """The kind a blocked device waits for: slot 1 is ``I`` where the stage splits its backward, else ``B``."""
+    if key[1] != 1:
+        return "FBW"[key[1]]
+    split = any(a.stage_id == key[0] and a.kind == "I" for acts in device_actions for a in acts)
+    return "I" if split else "B"

@@ -1,7 +1,8 @@
 """Gantt charts of timelines (matplotlib, Agg backend) (DESIGN §7).
 
 One row per device, time in milliseconds on the x axis. Forward actions are
-blue, backward actions orange; when a device hosts several (virtual) stages,
+blue, backward actions orange (zero bubble's input-gradient I too; its
+weight-gradient W green); when a device hosts several (virtual) stages,
 each gets its own shade so the interleaving is visible. The micro-batch id
 is written inside each bar wide enough to hold it. A thin grey bar under a
 row marks a gradient all-reduce. :func:`plot_gantt_pair` stacks two
@@ -24,6 +25,7 @@ __all__ = ["plot_gantt", "plot_gantt_pair"]
 
 _F_SHADES = ("#1f77b4", "#6baed6", "#08519c", "#9ecae1")
 _B_SHADES = ("#ff7f0e", "#fdae6b", "#a63603", "#fdd0a2")
+_W_SHADES = ("#2ca02c", "#74c476", "#006d2c", "#c7e9c0")
 _ALLREDUCE = "#7f7f7f"
 _FIG_WIDTH_IN = 14.0
 _DPI = 120
@@ -50,21 +52,21 @@ def _draw(ax, timeline: Timeline, title: str, xmax_ms: float, width_px: float) -
     bars: dict[tuple[int, str], list[tuple[float, float]]] = {}
     for r in timeline.actions:
         a = r.action
-        colours = _F_SHADES if a.kind == "F" else _B_SHADES
+        colours = _F_SHADES if a.kind == "F" else _W_SHADES if a.kind == "W" else _B_SHADES
         colour = colours[shade[a.stage_id] % len(colours)]
         start, width = r.start * scale, (r.end - r.start) * scale
         bars.setdefault((r.device, colour), []).append((start, width))
         label = f"{a.stage_id}.{a.mb_id}" if multi else str(a.mb_id)
         if width * px_per_ms >= _CHAR_PX * (len(label) + 1):
             ax.text(start + width / 2, r.device, label, ha="center", va="center", fontsize=7,
-                    color="white" if colour in (_F_SHADES[0], _F_SHADES[2], _B_SHADES[2]) else "black")
+                    color="white" if colour in (_F_SHADES[0], _F_SHADES[2], _B_SHADES[2], _W_SHADES[2]) else "black")
     # One collection per (device, colour): fast even for tens of thousands of actions.
     for (device, colour), spans in bars.items():
         ax.broken_barh(spans, (device - 0.4, 0.8), facecolors=colour, edgecolors="white", linewidth=0.4)
     # Re-materialization: the re-run forward at the start of each B, hatched over the B bar.
     redo: dict[int, list[tuple[float, float]]] = {}
     for r in timeline.actions:
-        t = timeline.recompute_s[r.action.stage_id] if r.action.kind == "B" and timeline.recompute_s else 0.0
+        t = timeline.recompute_s[r.action.stage_id] if r.action.kind in ("B", "I") and timeline.recompute_s else 0.0
         if t > 0:
             redo.setdefault(r.device, []).append((r.start * scale, min(t, r.end - r.start) * scale))
     for device, spans in redo.items():
@@ -92,6 +94,12 @@ def _legend(fig, timeline: Timeline) -> None:
         handles += [Patch(color=_B_SHADES[i % len(_B_SHADES)], label=f"B, virtual stage {i}") for i in range(chunks)]
     else:
         handles = [Patch(color=_F_SHADES[0], label="forward (F)"), Patch(color=_B_SHADES[0], label="backward (B)")]
+    if any(r.action.kind == "W" for r in timeline.actions):  # zero bubble: I is drawn like B, W apart
+        if chunks > 1:
+            handles += [Patch(color=_W_SHADES[i % len(_W_SHADES)], label=f"W, virtual stage {i}") for i in range(chunks)]
+        else:
+            handles[1] = Patch(color=_B_SHADES[0], label="backward / input gradient (B, I)")
+            handles.append(Patch(color=_W_SHADES[0], label="weight gradient (W)"))
     if any(timeline.recompute_s):
         handles.append(Patch(facecolor="none", edgecolor=_F_SHADES[0], hatch="///", label="re-run forward (recompute)"))
     if timeline.allreduces:

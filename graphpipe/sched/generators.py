@@ -41,6 +41,7 @@ from graphpipe.stages import Stage, StageGraph
 
 from graphpipe.sched.graph1f1b import assemble, graph_1f1b, one_f_one_b_sequence, warmup_counts
 from graphpipe.sched.validate import validate_schedule
+from graphpipe.sched.zero_bubble import graph_zb, zb_h1
 
 __all__ = ["gpipe", "one_f_one_b", "interleaved_1f1b", "round_robin_chain", "make_schedule", "SCHEDULE_NAMES",
            "interleaved_groups"]
@@ -258,18 +259,21 @@ def _balanced_cuts(cost: Sequence[float], pieces: int) -> list[int]:
     return cuts
 
 
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "graph-1f1b")
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "graph-1f1b", "zb-h1", "graph-zb")
 
 _GENERATORS: dict[str, Callable[[StageGraph, Cluster | None], Schedule]] = {
     "gpipe": lambda sg, cluster: gpipe(sg),
     "1f1b": lambda sg, cluster: one_f_one_b(sg),
     "interleaved": lambda sg, cluster: interleaved_1f1b(sg),
     "graph-1f1b": graph_1f1b,
+    "zb-h1": zb_h1,
+    "graph-zb": graph_zb,
 }
 
 
 def make_schedule(name: str, sg: StageGraph, cluster: Cluster | None = None) -> Schedule:
-    """The schedule ``name`` for ``sg``, validated (``gpipe``, ``1f1b``, ``interleaved``, ``graph-1f1b``).
+    """The schedule ``name`` for ``sg``, validated (``gpipe``, ``1f1b``, ``interleaved``, ``graph-1f1b``,
+    and zero bubble's ``zb-h1`` and ``graph-zb``, :mod:`graphpipe.sched.zero_bubble`).
 
     ``"cpsat"`` is an optimiser over plans and lives in
     :mod:`graphpipe.search.cpsat`, not here.

@@ -24,6 +24,13 @@ Semantics (shared with the CP-SAT model and relied on by the partitioners):
   ``B``'s duration) to its end; plus model state and communication buffers
   of every stage on the device for the whole iteration (at equal times a
   release is counted before an allocation);
+* zero bubble's split backward: ``I`` (input gradients) has ``B``'s
+  dependencies and sends its gradients, ``W`` (weight gradients) follows its
+  ``I`` on the device and sends nothing; their times split ``B`` by
+  :meth:`StageGraph.split_backward_times` (half of a parameterised op's
+  backward is W unless measured, :data:`graphpipe.costs.WEIGHT_GRAD_SHARE`);
+  a micro-batch's activations live until its ``W`` ends (W reads them), a
+  re-materialized working set from the start of ``I`` to the end of ``W``;
 * after a replicated stage's last ``B`` (latest over replicas) its devices
   all-reduce gradients for ``cluster.allreduce_time(devices, param_bytes)``;
   the all-reduce is communication, it overlaps later compute of other
@@ -186,7 +193,8 @@ class Timeline:
     state_bytes: tuple[float, ...]
     """Model state (weights, gradients, optimizer) per device."""
     in_flight: tuple[int, ...]
-    """Most micro-batches of each stage alive at once (F started, B not ended), in the stage's own micro-batches."""
+    """Most micro-batches of each stage alive at once (F started, B — or W of a split backward — not ended), in the
+    stage's own micro-batches."""
     activation_peak_bytes: tuple[float, ...] = ()
     """Peak live activation bytes per device (stashes + re-materialized working sets), state and buffers excluded:
     what a run measures as the peak bytes of tensors saved for backward."""
@@ -233,7 +241,9 @@ def simulate(sg: StageGraph, schedule: Schedule, cluster: Cluster, host: SharedH
     delays = {(p, c): edge_delay(sg, cluster, p, c) for p, c in sg.edges}
     fwd = [sg.fwd_time(s) for s in range(sg.num_stages)]
     bwd = [sg.bwd_time(s) for s in range(sg.num_stages)]
-    args = (sg, schedule.device_actions, lambda s, k: fwd[s] if k == "F" else bwd[s],
+    split = [sg.split_backward_times(s) for s in range(sg.num_stages)]
+    times = {"F": fwd, "B": bwd, "I": [i for i, _ in split], "W": [w for _, w in split]}
+    args = (sg, schedule.device_actions, lambda s, k: times[k][s],
             lambda p, c: delays[(p, c)], lambda p, c: delays[(p, c)])
     result = run_engine(*args) if host is None else run_engine_shared(*args, host.slowdown)
     if result.stuck:
@@ -257,7 +267,7 @@ def simulate(sg: StageGraph, schedule: Schedule, cluster: Cluster, host: SharedH
     for st in sg.stages:
         if st.num_replicas > 1:
             nbytes = sg.param_bytes(st.id)
-            start = max(result.stage_end[st.id][1])
+            start = max(t for slot in (1, 2) for t in result.stage_end[st.id][slot] if not math.isnan(t))
             allreduces.append(AllReduceRecord(st.id, st.devices, start,
                                               start + cluster.allreduce_time(st.devices, nbytes), nbytes))
     return build_timeline(sg, cluster, schedule.name, actions, transfers, allreduces, source="simulated")
@@ -304,9 +314,12 @@ def build_timeline(sg: StageGraph, cluster: Cluster, name: str, actions: Iterabl
         s = r.action.stage_id
         if r.action.kind == "F":
             events[r.device].append((r.start, 1, s, stash[s]))
-        elif r.action.kind == "B":
+        elif r.action.kind in ("B", "I"):
             if working[s]:
                 events[r.device].append((r.start, 2, s, working[s]))
+            if r.action.kind == "B":
+                events[r.device].append((r.end, 0, s, -stash[s] - working[s]))
+        else:  # W: the activations its I left for it go now
             events[r.device].append((r.end, 0, s, -stash[s] - working[s]))
     act_peak = [0.0] * num_devices
     in_flight = [0] * sg.num_stages

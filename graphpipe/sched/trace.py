@@ -2,7 +2,8 @@
 
 Open the file in ``chrome://tracing`` or https://ui.perfetto.dev. Layout:
 one *process* row per device (``device 3``), and inside it one *thread*
-row each for compute (``F s3 mb2``, ``B s3 mb2``), outgoing messages
+row each for compute (``F s3 mb2``, ``B s3 mb2``; split backwards ``I``/``W``
+in colours of their own), outgoing messages
 (``fwd s3->s5 mb2``, ``bwd s5->s3 mb2``) and gradient all-reduces, so
 communication overlapping compute is visible at a glance. Times are in
 microseconds, as the trace format requires.
@@ -29,6 +30,8 @@ __all__ = ["trace_document", "write_trace"]
 _COMPUTE, _SEND, _ALLREDUCE = 0, 1, 2
 _THREADS = {_COMPUTE: "compute", _SEND: "send", _ALLREDUCE: "all-reduce"}
 _US = 1e6
+_SPLIT_COLOURS = {"I": "rail_response", "W": "good"}
+"""Zero bubble's input- and weight-gradient actions in two of the trace viewer's reserved colours."""
 
 
 def _mbs(ids: tuple[int, ...]) -> str:
@@ -48,7 +51,9 @@ def trace_document(timeline: Timeline) -> dict[str, Any]:
         events.append({"name": f"{a.kind} s{a.stage_id} mb{a.mb_id}", "cat": a.kind, "ph": "X", "pid": r.device,
                        "tid": _COMPUTE, "ts": r.start * _US, "dur": (r.end - r.start) * _US,
                        "args": {"stage": a.stage_id, "mb": a.mb_id, "action": str(a)}})
-        redo = timeline.recompute_s[a.stage_id] if a.kind == "B" and timeline.recompute_s else 0.0
+        if a.kind in _SPLIT_COLOURS:
+            events[-1]["cname"] = _SPLIT_COLOURS[a.kind]
+        redo = timeline.recompute_s[a.stage_id] if a.kind in ("B", "I") and timeline.recompute_s else 0.0
         if redo > 0:  # re-materialization: the forward re-run at the start of B, nested inside it
             events.append({"name": f"recompute s{a.stage_id} mb{a.mb_id}", "cat": "recompute", "ph": "X",
                            "pid": r.device, "tid": _COMPUTE, "ts": r.start * _US,

@@ -4,11 +4,12 @@ Every schedule — generated here, solved by CP-SAT, or read from a plan file �
 passes :func:`validate_schedule` before anything simulates or runs it. The
 checks, in order:
 
-1. shape: one action list per device of the stage graph; kinds F/B only;
+1. shape: one action list per device of the stage graph; kinds F/B/I/W;
    stage and micro-batch ids in range; an action only on its stage's devices;
 2. coverage: every (stage, mb) has exactly one F and one B on every device
-   of the stage;
-3. B after F of the same (stage, mb) on the same device;
+   of the stage — or, split for zero bubble, one I (input gradients) and one
+   W (weight gradients) instead of the B;
+3. B (or I) after F of the same (stage, mb) on the same device, W after its I;
 4. replicas of a data-parallel stage list the stage's actions in the same
    relative order (they exchange nothing, but all-reduce together and the
    runtime's messages are matched by order);
@@ -98,9 +99,9 @@ def check_structure(sg: StageGraph, schedule: Schedule) -> None:
     for d, acts in enumerate(schedule.device_actions):
         seen = positions[d]
         for k, a in enumerate(acts):
-            if a.kind not in ("F", "B"):
-                _fail(schedule, f"device {d} step {k}: action {a} has kind {a.kind!r}; this simulator knows only "
-                                f"F and B (zero-bubble I/W splits are not supported)", [(d, k)])
+            if a.kind not in ("F", "B", "I", "W"):
+                _fail(schedule, f"device {d} step {k}: action {a} has kind {a.kind!r}; expected F, B, I or W",
+                      [(d, k)])
             if not 0 <= a.stage_id < sg.num_stages:
                 _fail(schedule, f"device {d} step {k}: action {a} names stage {a.stage_id}, the plan has stages "
                                 f"0..{sg.num_stages - 1}", [(d, k)])
@@ -125,14 +126,15 @@ def check_structure(sg: StageGraph, schedule: Schedule) -> None:
             for j in range(num_mbs[st.id]):
                 if st.round_robin and st.replica_of(j) != d:
                     continue
-                for kind in ("F", "B"):
+                grad = "I" if _check_split(schedule, st.id, j, d, positions[d]) else "B"
+                for kind in ("F", grad):
                     if (st.id, kind, j) not in positions[d]:
                         _fail(schedule, f"device {d} never runs {Action(st.id, kind, j)}: stage {st.id} has "
                                         f"{num_mbs[st.id]} micro-batches and every one needs an F and a B on each "
                                         f"of its devices {list(st.devices)}")
-                f_at, b_at = positions[d][(st.id, "F", j)], positions[d][(st.id, "B", j)]
+                f_at, b_at = positions[d][(st.id, "F", j)], positions[d][(st.id, grad, j)]
                 if b_at < f_at:
-                    _fail(schedule, f"device {d} runs {Action(st.id, 'B', j)} before {Action(st.id, 'F', j)} "
+                    _fail(schedule, f"device {d} runs {Action(st.id, grad, j)} before {Action(st.id, 'F', j)} "
                                     f"(backward before its forward)", [(d, b_at)])
     # Replicas agree on the stage's relative order.
     orders = []
@@ -150,6 +152,31 @@ def check_structure(sg: StageGraph, schedule: Schedule) -> None:
                       [(d0, positions[d0][_key(per_device[0][k])]), (d, positions[d][_key(order[k])])])
         orders.append(per_device[0])
     _check_link_order(sg, schedule, orders, positions)
+
+
+def _check_split(schedule: Schedule, stage_id: int, mb_id: int, device: int, seen: dict) -> bool:
+    """Zero bubble's split backward of ``(stage_id, mb_id)`` on ``device``: I then W, never beside a B.
+
+    True when the backward is split (the caller then checks the I like a B).
+    """
+    i_key, w_key, b_key = (stage_id, "I", mb_id), (stage_id, "W", mb_id), (stage_id, "B", mb_id)
+    i_at, w_at = seen.get(i_key), seen.get(w_key)
+    if i_at is None and w_at is None:
+        return False
+    i_act, w_act = Action(*i_key), Action(*w_key)
+    if b_key in seen:
+        _fail(schedule, f"device {device} runs {Action(*b_key)} and a split backward ({i_act}/{w_act}) of the same "
+                        f"micro-batch; run either B or I then W", [(device, seen[b_key]), (device, i_at if i_at is not None else w_at)])
+    if w_at is None:
+        _fail(schedule, f"device {device} runs {i_act} without a later {w_act}: the weight gradients of a split "
+                        f"backward must be computed by a W after its I", [(device, i_at)])
+    if i_at is None:
+        _fail(schedule, f"device {device} runs {w_act} without its {i_act}: a W needs the I of its micro-batch "
+                        f"first", [(device, w_at)])
+    if w_at < i_at:
+        _fail(schedule, f"device {device} runs {w_act} before {i_act} (weight gradients before the input "
+                        f"gradients they reuse)", [(device, w_at)])
+    return True
 
 
 def _key(a: Action) -> tuple[int, str, int]:
@@ -181,17 +208,18 @@ def _check_link_order(sg: StageGraph, schedule: Schedule, orders: Sequence[Seque
         grads_sent: list[int] = []
         sent_at: dict[int, Action] = {}
         for a in orders[c]:
-            if a.kind != "B":
+            if a.kind not in ("B", "I"):
                 continue
             for i in sg.consumed_mbs(p, c, a.mb_id):
                 left[i] -= 1
                 if left[i] == 0:
                     grads_sent.append(i)
                     sent_at[i] = a
-        grads_needed = [a.mb_id for a in orders[p] if a.kind == "B"]
+        grads_needed = [a.mb_id for a in orders[p] if a.kind in ("B", "I")]
         if grads_sent != grads_needed:
             k = next(i for i, (x, y) in enumerate(zip(grads_sent, grads_needed)) if x != y)
-            wanted = Action(p, "B", grads_needed[k])
+            kind = next(a.kind for a in orders[p] if a.kind in ("B", "I") and a.mb_id == grads_needed[k])
+            wanted = Action(p, kind, grads_needed[k])
             d = sg.stages[p].devices[0]
             _fail(schedule, f"link {c}->{p} (gradients) out of order: stage {c} completes the gradient of stage {p}'s "
                             f"micro-batch {grads_sent[k]} next, but stage {p} runs {wanted} next; messages on a link "

@@ -1,0 +1,133 @@
+"""Zero-bubble schedules: the backward split into I (input gradients) and W (weight gradients) (DESIGN §11).
+
+Qi et al., "Zero Bubble Pipeline Parallelism" (ICLR'24): a stage's backward
+is two passes. ``I`` computes the gradients of the stage's inputs — the only
+thing the producer stage waits for — and ``W`` the gradients of its weights,
+which nothing downstream of it needs before the optimizer step. Running I
+first shortens the critical path of gradients back through the pipeline, and
+the W passes become filler for the slots where a device would otherwise idle.
+The price is memory: a micro-batch's activations live until its W.
+
+* :func:`zb_h1` — the paper's ZB-H1 for a chain of stages: 1F1B's warm-up
+  (``K - i`` forwards on stage ``i`` of ``K``), then per step ``I_k``,
+  ``W_{k - i}``, ``F``: stage ``i``'s weight gradients trail its input
+  gradients by ``i`` micro-batches, and the ``i`` W's left at the end fill
+  the cool-down, where 1F1B idles. Every stage then holds at most ``K``
+  micro-batches (the first stage's 1F1B count, so the peak over devices is
+  1F1B's) and, with ``F = I = W`` and free communication, each device idles
+  ``(K-1)(F + I - W)`` instead of 1F1B's ``(K-1)(F + I + W)``: a third
+  (tests/test_zero_bubble.py derives it).
+* :func:`graph_zb` — the same on a graph of stages: graph-1F1B's warm-ups
+  (:func:`graphpipe.sched.graph1f1b.warmup_counts`) and order with each B
+  split, stage ``s``'s W's trailing its I's by ``lag_s = min(L, D - w_s)``
+  micro-batches, where ``D`` is the deepest warm-up (the source's in-flight
+  count under graph-1F1B) — so no stage holds more micro-batches than
+  graph-1F1B's source does. A branch's W's fill the slots its join leaves
+  idle. ``L`` is chosen by simulation among ``0..D-1``: ``L = 0`` is
+  graph-1F1B with each backward split in place — the same memory, and never
+  slower, because producers wait for I instead of the whole B — and a larger
+  ``L`` is taken only when it is faster, its peak activation bytes over
+  devices stay within ``L = 0``'s (ZB-H1's memory criterion: the device
+  holding the most activations holds no more) and every device still fits
+  its memory capacity; ties keep the smaller ``L``.
+
+Both run on one stage per device (like 1F1B and graph-1F1B); the V-shaped
+ZBV layout with two virtual stages per device is not generated here.
+
+Example
+-------
+>>> from graphpipe.graph import Op, OpGraph, Affine
+>>> from graphpipe.stages import Stage, StageGraph
+>>> g = OpGraph.build("c", [Op(n, "x", Affine(0, 1), Affine(0, 2), 4.0) for n in "ab"], [("a", "b", 0.0)])
+>>> sg = StageGraph.build(g, [Stage(0, (0,), (0,), 1), Stage(1, (1,), (1,), 1)], 3, 2)
+>>> print(zb_h1(sg).to_text())
+0: 0F0 0F1 0I0 0W0 0F2 0I1 0W1 0I2 0W2
+1: 1F0 1I0 1F1 1I1 1W0 1F2 1I2 1W1 1W2
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from graphpipe.actions import Action, Schedule
+from graphpipe.cluster import Cluster, DeviceSpec, Link
+from graphpipe.errors import ScheduleError
+from graphpipe.stages import StageGraph
+
+from graphpipe.sched.graph1f1b import assemble, warmup_counts
+from graphpipe.sched.simulator import simulate
+
+__all__ = ["zb_h1", "graph_zb", "lagged_sequence"]
+
+
+def lagged_sequence(stage_id: int, num_mbs: int, warmup: int, lag: int) -> list[Action]:
+    """``warmup`` forwards, then per micro-batch ``k``: ``I_k``, ``W_{k-lag}`` (once ``k >= lag``), the next
+    forward; then the ``lag`` W's left. ``lag = 0`` is 1F1B with each B split in place.
+
+    >>> " ".join(map(str, lagged_sequence(0, 4, 2, 1)))
+    '0F0 0F1 0I0 0F2 0I1 0W0 0F3 0I2 0W1 0I3 0W2 0W3'
+    """
+    warmup = max(1, min(warmup, num_mbs))
+    lag = max(0, min(lag, num_mbs))
+    out = [Action(stage_id, "F", j) for j in range(warmup)]
+    for k in range(num_mbs):
+        out.append(Action(stage_id, "I", k))
+        if k >= lag:
+            out.append(Action(stage_id, "W", k - lag))
+        if warmup + k < num_mbs:
+            out.append(Action(stage_id, "F", warmup + k))
+    out.extend(Action(stage_id, "W", j) for j in range(num_mbs - lag, num_mbs))
+    return out
+
+
+def _lagged_schedule(sg: StageGraph, name: str, warm: Sequence[int], cap: int) -> Schedule:
+    """Each stage's W's trail its I's by ``min(cap, max(warm) - warm_s)`` micro-batches."""
+    deepest = max(warm, default=1)
+    per_stage = [lagged_sequence(s, sg.num_micro_batches(s), warm[s], min(cap, deepest - warm[s]))
+                 for s in range(sg.num_stages)]
+    return assemble(sg, name, per_stage)
+
+
+def zb_h1(sg: StageGraph, cluster: Cluster | None = None) -> Schedule:
+    """ZB-H1 (module docstring) for a chain of stages, one stage per device.
+
+    A stage graph with branches is refused: its schedule is :func:`graph_zb`.
+    """
+    if cluster is not None and cluster.num_devices != sg.num_devices:
+        raise ScheduleError(f"cluster has {cluster.num_devices} devices, the stage graph {sg.num_devices}")
+    if not sg.is_chain():
+        raise ScheduleError("zb-h1 needs a chain of stages and this stage graph has branches; use 'graph-zb', "
+                            "zero bubble for stage graphs")
+    warm = warmup_counts(sg)
+    return _lagged_schedule(sg, "zb-h1", warm, max(warm, default=1))
+
+
+def graph_zb(sg: StageGraph, cluster: Cluster | None = None) -> Schedule:
+    """Graph-1F1B with the backward split and W's deferred (module docstring), best lag cap by simulation.
+
+    Without a cluster the candidates are compared on compute alone (free
+    communication), as the structural graph-1F1B needs none.
+    """
+    if cluster is not None and cluster.num_devices != sg.num_devices:
+        raise ScheduleError(f"cluster has {cluster.num_devices} devices, the stage graph {sg.num_devices}")
+    warm = warmup_counts(sg)
+    deepest = max(warm, default=1)
+    if cluster is None:  # compare on compute alone: free communication (memory needs no links)
+        cluster = Cluster(name="compute-only", num_devices=sg.num_devices, devices_per_node=sg.num_devices,
+                          device=DeviceSpec(name="any", memory_bytes=math.inf, peak_flops=1.0, op_overhead_s=0.0),
+                          intra_node=Link(0.0, math.inf), inter_node=Link(0.0, math.inf))
+    best: tuple[float, Schedule] | None = None
+    act_limit = mem_limit = math.inf
+    for cap in range(deepest):  # cap 0 first: it holds what graph-1F1B holds, and ties keep the least memory
+        schedule = _lagged_schedule(sg, "graph-zb", warm, cap)
+        timeline = simulate(sg, schedule, cluster)
+        act = max(timeline.activation_peak_bytes, default=0.0)
+        mem = timeline.peak_memory_bytes
+        if best is None:
+            best = (timeline.iteration_time_s, schedule)
+            act_limit = act * (1 + 1e-12)
+            mem_limit = max(max(mem, default=0.0), cluster.device.memory_bytes)
+        elif act <= act_limit and max(mem, default=0.0) <= mem_limit and timeline.iteration_time_s < best[0] * (1 - 1e-12):
+            best = (timeline.iteration_time_s, schedule)
+    return best[1]
