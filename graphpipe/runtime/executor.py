@@ -14,7 +14,12 @@ into one tensor per output, ``torch.autograd.backward`` from the outputs
 (and the loss on the sink), and send the gradient of every received input
 piece back to its producer. Parameter gradients accumulate over micro-batches.
 
-After the last ``B`` of a data-parallel stage its replicas all-reduce (sum)
+``I s j`` / ``W s j`` (zero bubble's split backward,
+:mod:`graphpipe.runtime.split_backward`): I receives the gradients like B,
+computes only the gradients of the stage inputs (graph retained) and sends
+them; W computes the weight gradients later and sends nothing.
+
+After the last ``B`` (or ``W``) of a data-parallel stage its replicas all-reduce (sum)
 the stage's gradients asynchronously, in a fixed per-device-set order, so
 the all-reduce overlaps the rest of the schedule as in the simulator.
 
@@ -58,6 +63,7 @@ from graphpipe.runtime.comm import Mailbox
 from graphpipe.runtime.rng import ShardContext
 from graphpipe.runtime.measure import SavedBytesMeter
 from graphpipe.runtime.routing import Routing
+from graphpipe.runtime.split_backward import PendingWeightGrad, backward_input, backward_weight
 from graphpipe.runtime.stage_modules import StageProgram, ValueMeta
 from graphpipe.stages import StageGraph
 
@@ -75,7 +81,7 @@ class TimedAction:
     rank: int
     stage_id: int
     kind: str
-    """F, B, or AR (gradient all-reduce of the stage's replicas)."""
+    """F, B, I, W (zero bubble's split backward), or AR (gradient all-reduce of the stage's replicas)."""
     mb_id: int
     ready: float
     """When every input had arrived (F/B) or the all-reduce was issued (AR)."""
@@ -168,7 +174,7 @@ class RankExecutor:
         self.allreduce_order = {k: tuple(v) for k, v in (allreduce_order or {}).items()}
         last_b: dict[int, int] = {}
         for pos, a in enumerate(self.actions):
-            if a.kind == "B":
+            if a.kind in ("B", "W"):
                 last_b[a.stage_id] = pos
         self._last_b_pos = {pos: s for s, pos in last_b.items()}
         self._edge_values = routing.edge_values
@@ -185,6 +191,7 @@ class RankExecutor:
         self.saved_meter = SavedBytesMeter(p for prog in self.programs.values() for p in prog.module.parameters())
         self._redo_bytes: dict[int, int] = {}  # per re-materializing stage: its B's working set (probed once)
         self._stash: dict[tuple[int, int], list] = {}  # inputs a checkpointed (stage, mb) keeps until its B
+        self._pending_w: dict[tuple[int, int], PendingWeightGrad] = {}  # (stage, mb) whose I ran, W not yet
         self._fail_at = fault.at if fault is not None and fault.rank == rank else None
         self._fault_text = fault.describe() if fault is not None else ""
 
@@ -280,6 +287,7 @@ class RankExecutor:
         return ready_at - t0, start - t0, end - t0, float(loss.detach()) if loss is not None else 0.0
 
     def _backward(self, a: Action, saved: dict, t0: float) -> tuple[float, float, float]:
+        """B, or zero bubble's I (input gradients only; the weight gradients wait for :meth:`_weight`)."""
         q = self.routing.replica(a.stage_id, self.rank)
         ready_at = time.perf_counter()
         leaves, outputs, loss = saved.pop((a.stage_id, a.mb_id))
@@ -313,10 +321,17 @@ class RankExecutor:
                 grad_tensors.append(g)
         redo = self._redo_bytes.get(a.stage_id, 0) if self.sg.stages[a.stage_id].recompute else 0
         self.saved_meter.add(redo)  # the checkpoint rebuilds the stage's activations for this backward
-        if tensors:
+        if a.kind == "I":
+            leaves_in = [leaves[v] for v in sorted(leaves)]
+            dinputs, self._pending_w[(a.stage_id, a.mb_id)] = backward_input(
+                tensors, grad_tensors, leaves_in, list(self.programs[a.stage_id].module.parameters()))
+            for leaf, g in zip(leaves_in, dinputs):
+                leaf.grad = g
+        elif tensors:
             torch.autograd.backward(tensors, grad_tensors)
         self.saved_meter.add(-redo)
-        self._stash.pop((a.stage_id, a.mb_id), None)
+        if a.kind == "B":
+            self._stash.pop((a.stage_id, a.mb_id), None)
         self._sync()
         end = time.perf_counter()
         for piece in self.routing.incoming(a.stage_id, a.mb_id, q):
@@ -328,6 +343,19 @@ class RankExecutor:
                 g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
                 self.mailbox.send(dst, Routing.key("B", piece, value), g[piece.consumer_rows])
         return ready_at - t0, start - t0, end - t0
+
+    def _weight(self, a: Action, t0: float) -> tuple[float, float, float]:
+        """W: the weight gradients of a micro-batch whose I ran; frees the graph I retained."""
+        self._sync()
+        start = time.perf_counter()
+        redo = self._redo_bytes.get(a.stage_id, 0) if self.sg.stages[a.stage_id].recompute else 0
+        self.saved_meter.add(redo)
+        backward_weight(self._pending_w.pop((a.stage_id, a.mb_id)))
+        self.saved_meter.add(-redo)
+        self._stash.pop((a.stage_id, a.mb_id), None)
+        self._sync()
+        end = time.perf_counter()
+        return start - t0, start - t0, end - t0
 
     # ------------------------------------------------------------ iteration
     def run_iteration(self, inputs: Sequence[torch.Tensor] | None, t0: float, step: int = 0) -> StepResult:
@@ -353,10 +381,12 @@ class RankExecutor:
             if a.kind == "F":
                 ready, start, end, loss = self._forward(a, inputs, saved, t0)
                 loss_sum += loss
-            elif a.kind == "B":
+            elif a.kind in ("B", "I"):
                 ready, start, end = self._backward(a, saved, t0)
+            elif a.kind == "W":
+                ready, start, end = self._weight(a, t0)
             else:
-                raise RuntimeError(f"rank {self.rank}: action {a} has kind {a.kind!r}; the runtime runs F and B only")
+                raise RuntimeError(f"rank {self.rank}: action {a} has kind {a.kind!r}; the runtime runs F, B, I, W")
             records.append(TimedAction(self.rank, a.stage_id, a.kind, a.mb_id, ready, start, end))
             if pos in self._last_b_pos:
                 done_stages.add(self._last_b_pos[pos])
@@ -365,8 +395,9 @@ class RankExecutor:
             # without a polling thread).
             finished_at.update({i: time.perf_counter() - t0 for i, ar in enumerate(pending_ar)
                                 if i not in finished_at and ar[1].is_completed()})
-        if saved:
-            raise RuntimeError(f"rank {self.rank}: forward without backward for {sorted(saved)[:4]}")
+        if saved or self._pending_w:
+            raise RuntimeError(f"rank {self.rank}: forward without backward for {sorted(saved)[:4]}, input "
+                               f"gradients without weight gradients for {sorted(self._pending_w)[:4]}")
         for i, (stage_id, work, flat, grads, issued_at) in enumerate(pending_ar):
             self.mailbox.wait_work(work, f"gradient all-reduce of stage {stage_id} with its replicas")
             if grads is not None:

@@ -170,7 +170,7 @@ class Routing:
                     key = self.key("F", piece, value)
                     self.rows[key] = piece.hi - piece.lo
                     out.append((dst, key))
-        elif kind == "B":
+        elif kind in ("B", "I"):  # zero bubble's I sends the input gradients, W nothing
             for piece in self.incoming(stage_id, mb_id, q):
                 dst = self.sg.stages[piece.producer].devices[piece.producer_replica]
                 for value in self.edge_values[(piece.producer, piece.consumer)]:
@@ -178,9 +178,9 @@ class Routing:
                         key = self.key("B", piece, value)
                         self.rows[key] = piece.hi - piece.lo
                         out.append((dst, key))
-        else:
-            raise PlanError(f"action {stage_id}{kind}{mb_id} on device {rank}: the runtime executes F and B only "
-                            f"(stage {stage.id}); split backward (I/W) schedules are not supported")
+        elif kind != "W":
+            raise PlanError(f"action {stage_id}{kind}{mb_id} on device {rank}: the runtime executes F, B, I and W "
+                            f"(stage {stage.id})")
         return out
 
     @staticmethod

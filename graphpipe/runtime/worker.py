@@ -130,7 +130,7 @@ def run_job(rank: int, world_size: int, plan: Plan, options: RunOptions, device:
             first = schedule.device_actions[stage.devices[0]]
             last_b = {}
             for pos, a in enumerate(first):
-                if a.kind == "B":
+                if a.kind in ("B", "W"):
                     last_b[a.stage_id] = pos
             ar_order[stage.devices] = sorted((s for s in last_b if sg.stages[s].devices == stage.devices), key=last_b.get)
     tied = []

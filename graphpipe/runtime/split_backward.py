@@ -1,0 +1,168 @@
+"""Zero bubble's split backward at runtime: I (input gradients) now, W (weight gradients) later (DESIGN §11).
+
+Autograd computes a layer's input and weight gradients in one node call
+(``AddmmBackward`` returns both), but only the outputs somebody asked for:
+``torch.autograd.grad(outputs, stage_inputs)`` runs every node on the path
+from the stage's outputs to its inputs and skips the weight-gradient halves.
+That is the I action. For W we need the gradient that flowed *into* every
+node that consumes a parameter; a pre-hook on those nodes captures it during
+I, and W asks autograd for the parameters' gradients from those nodes only
+(``GradientEdge`` roots), so the input-gradient path is not walked twice.
+This is how ``torch.distributed.pipelining``'s ``stage_backward_input`` /
+``stage_backward_weight`` work; written here for our stage programs.
+
+When some parameter consumer is not on any path to a stage input (the
+first stage, whose inputs are data; a parameter feeding only a branch that
+does not reach an input), I cannot capture its gradient, and W runs the
+ordinary backward from the stage outputs restricted to the parameters
+(``inputs=params``): the same numbers, with the input-gradient path computed
+a second time. I retains the autograd graph for W; W frees it.
+
+Example
+-------
+>>> import torch
+>>> lin = torch.nn.Linear(3, 2)
+>>> x = torch.randn(4, 3, requires_grad=True)
+>>> y = lin(x)
+>>> g = torch.ones_like(y)
+>>> (dx,), pending = backward_input([y], [g], [x], list(lin.parameters()))
+>>> lin.weight.grad is None and pending.captured is not None
+True
+>>> backward_weight(pending)
+>>> torch.allclose(lin.weight.grad, g.t() @ x) and torch.allclose(dx, g @ lin.weight)
+True
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch.autograd.graph import GradientEdge, Node
+
+__all__ = ["PendingWeightGrad", "backward_input", "backward_weight"]
+
+
+@dataclass(slots=True)
+class PendingWeightGrad:
+    """What W needs: the stage's roots and their gradients (fallback), its parameters, and the captured
+    gradients flowing into each parameter-consuming autograd node (None: recompute from the roots)."""
+
+    roots: list[torch.Tensor]
+    root_grads: list[torch.Tensor | None]
+    params: list[torch.nn.Parameter]
+    captured: dict[Node, tuple[torch.Tensor | None, ...]] | None
+
+
+def _grad_accumulator(p: torch.Tensor) -> Node:
+    """The AccumulateGrad node of leaf ``p`` (created lazily by autograd; a view reaches it)."""
+    return p.view_as(p).grad_fn.next_functions[0][0]
+
+
+def _capture_points(roots: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
+                    params: Sequence[torch.Tensor]) -> list[Node] | None:
+    """Nodes on I's path (from a root to an input) that a parameter's gradient flows through first, walking up
+    from the parameter; None when some parameter is reachable from a root without crossing I's path."""
+    accumulators = [_grad_accumulator(p) for p in params]
+    parents: dict[Node, list[Node]] = {}
+    root_nodes = {t.grad_fn for t in roots if t.grad_fn is not None}
+    stack = [t.grad_fn for t in roots if t.grad_fn is not None]
+    found = {n: i for i, n in enumerate(dict.fromkeys(stack))}  # discovery order: a deterministic order of W's roots
+    while stack:  # reverse edges of the graph below the roots
+        node = stack.pop()
+        for fn, _ in node.next_functions:
+            if fn is None:
+                continue
+            parents.setdefault(fn, []).append(node)
+            if fn not in found:
+                found[fn] = len(found)
+                stack.append(fn)
+
+    def up(starts, stop):
+        closure, hit = set(), set()
+        stack = [n for n in starts if n in parents or n in root_nodes]
+        closure.update(stack)
+        while stack:
+            for q in parents.get(stack.pop(), ()):
+                if q in stop:
+                    hit.add(q)
+                elif q not in closure:
+                    closure.add(q)
+                    stack.append(q)
+        return closure, hit
+
+    on_path, _ = up([_grad_accumulator(x) for x in inputs if x.requires_grad and x.grad_fn is None]
+                    + [x.grad_fn for x in inputs if x.grad_fn is not None], set())
+    points: set[Node] = set()
+    for acc in accumulators:
+        closure, hit = up([acc], on_path)
+        if closure & root_nodes:
+            return None
+        points |= hit
+    return sorted(points, key=found.get)
+
+
+def backward_input(roots: Sequence[torch.Tensor], root_grads: Sequence[torch.Tensor | None],
+                   inputs: Sequence[torch.Tensor], params: Sequence[torch.nn.Parameter]
+                   ) -> tuple[list[torch.Tensor | None], PendingWeightGrad]:
+    """I: gradients of ``inputs`` (None where unused) from ``roots`` with gradients ``root_grads`` (None for a
+    scalar loss), the graph retained; parameter gradients are left for :func:`backward_weight`."""
+    roots, root_grads = list(roots), list(root_grads)
+    params = [p for p in params if p.requires_grad]
+    consumers = _capture_points(roots, inputs, params) if params and inputs else None
+    captured: dict[Node, tuple[torch.Tensor | None, ...]] = {}
+    handles = []
+
+    def capture(node):
+        def hook(grad_outputs):
+            captured[node] = tuple(grad_outputs)
+        return hook
+
+    try:
+        for node in consumers or ():
+            handles.append(node.register_prehook(capture(node)))
+        if inputs and roots:
+            dinputs = list(torch.autograd.grad(roots, list(inputs), root_grads, retain_graph=True, allow_unused=True))
+        else:
+            dinputs = [None] * len(inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    complete = consumers is not None and len(captured) == len(consumers)
+    return dinputs, PendingWeightGrad(roots, root_grads, params, captured if complete else None)
+
+
+def backward_weight(pending: PendingWeightGrad) -> None:
+    """W: accumulate the parameters' gradients into ``.grad`` and free the graph I retained."""
+    if not pending.params or not pending.roots:
+        return
+    if pending.captured is None:
+        torch.autograd.backward(pending.roots, pending.root_grads, inputs=pending.params)
+        return
+    edges, grads = [], []
+    for node, grad_outputs in pending.captured.items():
+        for k, g in enumerate(grad_outputs):
+            if g is not None:
+                edges.append(GradientEdge(node, k))
+                grads.append(g)
+    # A consumer downstream of another is reached twice (as a root and through the other): pin each
+    # consumer's incoming gradient to the captured one so nothing is counted twice.
+    handles = []
+    if len(pending.captured) > 1:
+        for node, grad_outputs in pending.captured.items():
+            handles.append(node.register_prehook(lambda _, saved=grad_outputs: saved))
+    try:
+        if edges:
+            dweights = torch.autograd.grad(edges, pending.params, grads, allow_unused=True)
+            for p, dw in zip(pending.params, dweights):
+                if dw is None:
+                    continue
+                if p.grad is None:
+                    p.grad = dw
+                else:
+                    p.grad += dw
+    finally:
+        for h in handles:
+            h.remove()
+    pending.captured = None
