@@ -20,6 +20,7 @@ import statistics
 from typing import Any, Callable
 
 from .common import Progress, write_result
+from .zero_bubble import num_points as zero_bubble_points, zero_bubble_config
 from graphpipe.cluster import preset
 from graphpipe.errors import GraphpipeError
 from graphpipe.search.common import SearchOptions
@@ -353,6 +354,14 @@ def run_fidelity(config: dict[str, Any], progress: Progress) -> tuple[list, dict
                   "worst_memory_error": max(memory) if memory else None}
 
 
+# ---------------------------------------------------------------- zero bubble
+def run_zero_bubble(config: dict[str, Any], progress: Progress) -> tuple[list, dict]:
+    from . import zero_bubble
+
+    return zero_bubble.run_zero_bubble(config, progress, lambda model, n, batch, strategy: _plan(model, n, batch,
+                                                                                                   strategy))
+
+
 # -------------------------------------------------------------------- runner
 EXPERIMENTS: dict[str, tuple[Callable[[bool], dict], Callable]] = {
     "throughput": (throughput_config, run_throughput),
@@ -362,6 +371,7 @@ EXPERIMENTS: dict[str, tuple[Callable[[bool], dict], Callable]] = {
     "case-study": (case_study_config, run_case_study),
     "memory": (memory_config, run_memory),
     "fidelity": (fidelity_config, run_fidelity),
+    "zero-bubble": (zero_bubble_config, run_zero_bubble),
 }
 ORDER = tuple(EXPERIMENTS)
 
@@ -380,6 +390,8 @@ def _num_points(name: str, config: dict[str, Any]) -> int:
         return 2
     if name == "memory":
         return 2 * len(config["models"])
+    if name == "zero-bubble":
+        return zero_bubble_points(config)
     return len(config["points"])
 
 

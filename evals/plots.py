@@ -209,6 +209,35 @@ def plot_fidelity(res: dict[str, Any], out: str) -> str:
     return _save(fig, out, "fidelity")
 
 
+def plot_zero_bubble(res: dict[str, Any], out: str) -> str:
+    """Throughput gain of each zero-bubble schedule over its reference (graph-1F1B / 1F1B), per model and devices."""
+    rows = [r for r in res["rows"] if r.get("gain") is not None and r["schedule"] not in ("graph-1f1b", "1f1b")]
+    models = list(dict.fromkeys(r["model"] for r in res["rows"]))
+    devices = res["config"]["devices"]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    width = 0.8 / max(1, len(devices))
+    for i, n in enumerate(devices):
+        ys, labels = [], []
+        for model in models:
+            r = next((r for r in rows if r["model"] == model and r["devices"] == n), None)
+            ys.append(r["gain"] if r else 0.0)
+            labels.append(f"{r['memory_ratio']:.2f}" if r and r.get("memory_ratio") else "")
+        bars = ax.bar([j + i * width for j in range(len(models))], ys, width, label=f"{n} devices")
+        for bar, text in zip(bars, labels):
+            if text:
+                ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), f"mem x{text}", ha="center",
+                        va="bottom", fontsize=6, rotation=90)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(models))],
+                  [f"{m}\n({'zb-h1 / 1f1b' if m == res['config']['chain_model'] else 'graph-zb / graph-1f1b'})"
+                   for m in models], fontsize=8)
+    ax.set_ylabel("simulated throughput gain (x)")
+    ax.set_title("Zero bubble: split backward, W deferred into idle slots (same stages and micro-batches)")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.grid(alpha=0.3, axis="y")
+    return _save(fig, out, "zero-bubble")
+
+
 PLOTS: dict[str, Callable[[dict, str], str]] = {
     "throughput": plot_throughput,
     "search-time": plot_search_time,
@@ -217,6 +246,7 @@ PLOTS: dict[str, Callable[[dict, str], str]] = {
     "case-study": plot_case_study,
     "memory": plot_memory,
     "fidelity": plot_fidelity,
+    "zero-bubble": plot_zero_bubble,
 }
 
 

@@ -22,6 +22,8 @@ PAPER = {
     "case-study": "2-branch transformer on 8 devices: depth 8 -> 4, micro-batch 2 -> 4, +20% throughput (Figs. 8/10)",
     "memory": "GPP's shallower pipeline keeps fewer micro-batches in flight, so less activation memory (Sec. 3)",
     "fidelity": "(no paper figure; our target: simulator error under 20% once calibrated with `graphpipe profile`)",
+    "zero-bubble": "(Zero Bubble, Qi et al. ICLR'24: ZB-H1 cuts 1F1B's bubble to a third at 1F1B's peak activation "
+                   "memory; no paper schedules zero bubble on a graph of stages)",
 }
 
 
@@ -69,6 +71,9 @@ TABLE_COLUMNS: dict[str, list[tuple[str, str]]] = {
     "fidelity": [("model", "model"), ("strategy", "strategy"), ("schedule", "schedule"), ("devices", "devices"),
                  ("predicted (s)", "predicted_s"), ("measured (s)", "measured_s"), ("error", "error_frac"),
                  ("memory error", "memory_error_frac")],
+    "zero-bubble": [("model", "model"), ("devices", "devices"), ("schedule", "schedule"), ("samples/s", "throughput"),
+                    ("gain", "gain"), ("bubble", "mean_bubble_fraction"), ("peak GB", "peak_memory_gb"),
+                    ("memory ratio", "memory_ratio"), ("max in-flight", "max_in_flight"), ("depth", "depth")],
 }
 
 
@@ -117,6 +122,15 @@ def _headline(name: str, res: dict[str, Any]) -> str:
         return (f"median |predicted - measured| / measured = {fmt(s.get('median_error'))}"
                 + (f"; activation memory: worst device per plan, median {fmt(s['median_memory_error'])}"
                    if s.get("median_memory_error") is not None else ""))
+    if name == "zero-bubble":
+        gains = [x for x in s.get("gain_over_reference", []) if x["gain"]]
+        if not gains:
+            return "no feasible pair"
+        top_n = max(x["devices"] for x in gains)
+        parts = ", ".join(f"{x['model']} {fmt(x['gain'])}x (memory x{fmt(x['memory_ratio'])})"
+                          for x in gains if x["devices"] == top_n)
+        return (f"graph-zb / graph-1f1b and zb-h1 / 1f1b at {top_n} devices: {parts}; over all points "
+                f"{fmt(min(x['gain'] for x in gains))}-{fmt(max(x['gain'] for x in gains))}x")
     if name == "ablation":
         parts = []
         for r in res["rows"]:

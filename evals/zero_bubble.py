@@ -1,0 +1,89 @@
+"""Zero bubble on graph pipelines (issue 17): graph-ZB vs graph-1F1B on gpp's plans, ZB-H1 vs 1F1B on a chain.
+
+Each point plans the model once with gpp (on the sequential transformer
+its stages form a chain) and re-schedules that same stage graph with every schedule of
+the comparison, so the gain is the schedule's alone: same stages, devices
+and micro-batch sizes. Figures are simulated on the ``v100`` preset with the
+cost model's I/W split (W = half of each parameterised op's backward,
+:data:`graphpipe.costs.WEIGHT_GRAD_SHARE`). Peak memory is the fullest
+device's (model state + buffers + activations, which live until their W).
+
+    graphpipe eval zero-bubble --out evals
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .common import Progress
+from graphpipe.errors import GraphpipeError
+
+__all__ = ["zero_bubble_config", "run_zero_bubble", "num_points"]
+
+
+def zero_bubble_config(quick: bool) -> dict[str, Any]:
+    """Graph models with gpp at 8/16/32 devices; the sequential transformer with PipeDream's chain."""
+    return {
+        "graph_models": ["mmt:layers=2", "candle-uno:branches=3"] if quick else ["mmt", "dlrm", "candle-uno"],
+        "devices": [4] if quick else [8, 16, 32],
+        "graph_schedules": ["graph-1f1b", "graph-zb"],
+        "chain_model": "transformer:layers=4" if quick else "transformer",
+        "chain_strategy": "gpp",  # on a chain gpp's plan is a sequential pipeline (its stages are a chain)
+        "chain_schedules": ["1f1b", "zb-h1"],
+        "samples_per_device": 16,
+        "cluster": "v100",
+    }
+
+
+def num_points(config: dict[str, Any]) -> int:
+    return (len(config["graph_models"]) + 1) * len(config["devices"])
+
+
+def _rows_for(model: str, n: int, batch: int, strategy: str, schedules: list[str], plan_fn) -> list[dict[str, Any]]:
+    from graphpipe.sched import make_schedule, simulate
+
+    base = {"model": model, "devices": n, "batch_size": batch, "strategy": strategy}
+    try:
+        plan = plan_fn(model, n, batch, strategy)
+    except GraphpipeError as exc:
+        return [{**base, "schedule": s, "feasible": False, "throughput": None, "error": str(exc)} for s in schedules]
+    sg, cluster = plan.stage_graph, plan.cluster
+    rows = []
+    for name in schedules:
+        try:
+            tl = simulate(sg, make_schedule(name, sg, cluster), cluster)
+        except GraphpipeError as exc:
+            rows.append({**base, "schedule": name, "feasible": False, "throughput": None, "error": str(exc)})
+            continue
+        used = sg.devices_used()
+        rows.append({**base, "schedule": name, "feasible": True, "throughput": tl.throughput,
+                     "iteration_time_s": tl.iteration_time_s, "num_stages": sg.num_stages, "depth": sg.depth(),
+                     "micro_batch_sizes": sorted({s.micro_batch_size for s in sg.stages}),
+                     "peak_memory_bytes": max(tl.peak_memory_bytes),
+                     "peak_memory_gb": max(tl.peak_memory_bytes) / 1e9,
+                     "mean_bubble_fraction": sum(tl.bubble_fraction[d] for d in used) / len(used),
+                     "max_in_flight": max(tl.in_flight), "error": None})
+    reference = rows[0]
+    for r in rows:
+        ok = r["feasible"] and reference["feasible"]
+        r["gain"] = r["throughput"] / reference["throughput"] if ok else None
+        r["memory_ratio"] = r["peak_memory_bytes"] / reference["peak_memory_bytes"] if ok else None
+    return rows
+
+
+def run_zero_bubble(config: dict[str, Any], progress: Progress, plan_fn) -> tuple[list, dict]:
+    """``plan_fn(model, devices, batch, strategy)`` makes the plan each point re-schedules."""
+    rows = []
+    for model in config["graph_models"]:
+        for n in config["devices"]:
+            batch = config["samples_per_device"] * n
+            rows += _rows_for(model, n, batch, "gpp", config["graph_schedules"], plan_fn)
+            progress.step(f"{model} {n}")
+    for n in config["devices"]:
+        batch = config["samples_per_device"] * n
+        rows += _rows_for(config["chain_model"], n, batch, config["chain_strategy"], config["chain_schedules"], plan_fn)
+        progress.step(f"{config['chain_model']} {n}")
+    gains = [{"model": r["model"], "devices": r["devices"], "schedule": r["schedule"], "gain": r["gain"],
+              "memory_ratio": r["memory_ratio"]}
+             for r in rows if r["schedule"] not in (config["graph_schedules"][0], config["chain_schedules"][0])]
+    return rows, {"gain_over_reference": gains}
