@@ -7,7 +7,7 @@ import pytest
 from graphpipe.actions import Action, Schedule
 from graphpipe.errors import ScheduleError
 from graphpipe.graph import Affine, Op, OpGraph
-from graphpipe.sched import graph_zb, make_schedule, one_f_one_b, simulate, validate_schedule, zb_h1
+from graphpipe.sched import graph_zb, make_schedule, one_f_one_b, simulate, v_shape_chain, validate_schedule, zb_h1
 from graphpipe.sched.graph1f1b import warmup_counts
 from graphpipe.stages import Stage, StageGraph
 
@@ -180,3 +180,74 @@ def test_graph_zb_mixed_micro_batch_sizes_validate():
     for seed in range(8):
         sg = random_stage_graph(seed, num_ops=6)
         validate_schedule(sg, graph_zb(sg, latency_cluster(sg.num_devices, 1e-4)))
+
+
+def _layers(n: int) -> OpGraph:
+    return OpGraph.build("c", [Op(f"l{i}", "x", Affine(0, 1.0), Affine(0, 2.0), 4.0, 10.0) for i in range(n)],
+                         [(f"l{i}", f"l{i + 1}", 0.0) for i in range(n - 1)])
+
+
+def _torch_zbv_orders(k: int, m: int) -> list[list[str]] | None:
+    """Per-rank actions of torch's ScheduleZBVZeroBubble (its ``pipeline_order``), built on stand-in stages."""
+    torch = pytest.importorskip("torch")
+    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    stage_mod = pytest.importorskip("torch.distributed.pipelining.stage")
+    if not hasattr(schedules, "ScheduleZBVZeroBubble"):
+        pytest.skip("this torch has no ScheduleZBVZeroBubble")
+
+    class StandIn(stage_mod._PipelineStageBase):  # what the schedule's constructor reads, nothing more
+        def __init__(self, stage_index, rank):
+            self.stage_index, self.num_stages, self.group_size, self.group_rank = stage_index, 2 * k, k, rank
+            self.submod = torch.nn.Identity()
+            self.stage_index_to_group_rank = {}
+
+        def _create_grad_recv_info(self, *args, **kwargs):
+            return ()
+
+        def _prepare_forward_infra(self, *args, **kwargs):
+            return ()
+
+        def _prepare_backward_infra(self, *args, **kwargs):
+            return None
+
+    out = []
+    for rank in range(k):
+        schedule = schedules.ScheduleZBVZeroBubble([StandIn(rank, rank), StandIn(2 * k - 1 - rank, rank)], m)
+        out.append([str(a) for a in schedule.pipeline_order[rank] if a is not None])
+    return out
+
+
+@pytest.mark.parametrize("k", [2, 3, 4])
+def test_zbv_per_rank_orders_equal_torch(k):
+    """The actions each rank executes, F/I/W, in order: ours (on v_shape_chain's layout) and torch 2.13's."""
+    for m in (1, k, 2 * k - 1, 2 * k, 4 * k):
+        sg = v_shape_chain(_layers(2 * k), k, m, 1)
+        ours = make_schedule("zbv", sg)
+        assert [[str(a) for a in acts] for acts in ours.device_actions] == _torch_zbv_orders(k, m), (k, m)
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_zbv_bubble_and_memory(k):
+    """F = I = W per chunk, free communication, M >= 2K: each device idles (K-1)F (1F1B on the same layers in K
+    stages idles (K-1)(F+I+W) of its two-chunk stage, 6(K-1)F), and no device holds more activation bytes
+    than 1F1B's first stage (paper §6: ZB-V keeps 1F1B's activation memory)."""
+    g = _layers(2 * k)
+    cluster = free_cluster(k)
+    for m in (2 * k, 4 * k):
+        tl = simulate(v_shape := v_shape_chain(g, k, m, 1), make_schedule("zbv", v_shape), cluster)
+        chain = StageGraph.build(g, [Stage(i, (2 * i, 2 * i + 1), (i,), 1) for i in range(k)], m, k)
+        base = simulate(chain, make_schedule("1f1b", chain), cluster)
+        for d in range(k):
+            assert tl.iteration_time_s - tl.busy_s[d] == pytest.approx((k - 1) * 1.0)
+            assert base.iteration_time_s - base.busy_s[d] == pytest.approx((k - 1) * 6.0)
+        assert max(tl.activation_peak_bytes) <= max(base.activation_peak_bytes)
+
+
+def test_zbv_refuses_a_layout_that_is_not_a_v():
+    g = _layers(8)
+    from graphpipe.sched import round_robin_chain
+
+    with pytest.raises(ScheduleError, match="zbv needs stage 2 on the devices of stage 1"):
+        make_schedule("zbv", round_robin_chain(g, 2, 2, 4, 1))
+    with pytest.raises(ScheduleError, match="zbv needs 2K stages"):
+        make_schedule("zbv", uniform_chain(3, 4))

@@ -1,17 +1,21 @@
 """Zero-bubble schedules executed for real on 4 CPU ranks (gloo): loss and every gradient equal one process.
 
 One spawned 4-rank world runs every plan (process start-up dominates on a 2-core box): each zoo small model's
-gpp plan with graph-zb, the sequential transformer's with zb-h1, and two hand-built stage graphs that
-exercise I/W with mixed micro-batch sizes and a replicated join stage (its all-reduce after the last W).
+gpp plan with graph-zb, the sequential transformer's with zb-h1 and in ZB-V's V layout (two stages per rank),
+and two hand-built stage graphs that exercise I/W with mixed micro-batch sizes and a replicated join stage (its
+all-reduce after the last W).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from graphpipe.sched import make_schedule
+from graphpipe import zoo
+from graphpipe.cluster import preset
+from graphpipe.plan import Plan
+from graphpipe.sched import make_schedule, v_shape_chain
 
-from test_runtime_dist import SMALL, check_measured_timeline, hand_built, planned
+from test_runtime_dist import BATCH, SMALL, check_measured_timeline, hand_built, planned
 
 pytestmark = pytest.mark.slow
 
@@ -26,6 +30,13 @@ def zero_bubble_plans():
     tb = ["embed"], ["branch0.layer0", "branch0.layer1"], ["branch1.layer0", "branch1.layer1"], ["concat", "head"]
     plans["twobranch/fan-out/graph-zb"] = hand_built("twobranch:small", tb, [(0,), (1,), (2,), (3,)], [2, 2, 2, 4], 4,
                                                      "graph-zb")
+    # ZB-V: 8 layers in a V on 4 ranks (two stages per rank: the d-th from each end)
+    spec = "transformer:small,layers=6"
+    graph = zoo.load_graph(spec)
+    sg = v_shape_chain(graph, 4, BATCH, 1)
+    cluster = preset("v100", 4)
+    plans["transformer/v-shape/zbv"] = Plan(model=zoo.canonical_spec(spec), stage_graph=sg, cluster=cluster,
+                                            strategy="custom", schedule=make_schedule("zbv", sg, cluster))
     return plans
 
 

@@ -31,6 +31,7 @@ Example
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable, Sequence
 
 from graphpipe.actions import Action, Schedule
@@ -41,10 +42,10 @@ from graphpipe.stages import Stage, StageGraph
 
 from graphpipe.sched.graph1f1b import assemble, graph_1f1b, one_f_one_b_sequence, warmup_counts
 from graphpipe.sched.validate import validate_schedule
-from graphpipe.sched.zero_bubble import graph_zb, zb_h1
+from graphpipe.sched.zero_bubble import graph_zb, zb_h1, zbv
 
-__all__ = ["gpipe", "one_f_one_b", "interleaved_1f1b", "round_robin_chain", "make_schedule", "SCHEDULE_NAMES",
-           "interleaved_groups"]
+__all__ = ["gpipe", "one_f_one_b", "interleaved_1f1b", "round_robin_chain", "v_shape_chain", "make_schedule",
+           "SCHEDULE_NAMES", "interleaved_groups"]
 
 
 def gpipe(sg: StageGraph) -> Schedule:
@@ -226,6 +227,23 @@ def round_robin_chain(graph: OpGraph, num_devices: int, virtual_per_device: int,
     return StageGraph.build(graph, stages, batch_size, num_devices, allow_shared_devices=virtual_per_device > 1)
 
 
+def v_shape_chain(graph: OpGraph, num_devices: int, batch_size: int, micro_batch_size: int) -> StageGraph:
+    """Cut the op order into ``2K`` balanced contiguous pieces placed in a V (zero bubble's ZB-V layout):
+    piece ``s`` on device ``s`` for ``s < K`` and on device ``2K-1-s`` after, so device ``d`` hosts the
+    ``d``-th stage from the start and the ``d``-th from the end.
+
+    >>> from graphpipe.graph import Op, OpGraph, Affine
+    >>> g = OpGraph.build("c", [Op(f"l{i}", "x", Affine(0, 1), Affine(0, 2)) for i in range(8)],
+    ...                   [(f"l{i}", f"l{i+1}", 1) for i in range(7)])
+    >>> [s.devices for s in v_shape_chain(g, 2, 4, 1).stages]
+    [(0,), (1,), (1,), (0,)]
+    """
+    sg = round_robin_chain(graph, num_devices, 2, batch_size, micro_batch_size)
+    k = num_devices
+    stages = [replace(st, devices=(s if s < k else 2 * k - 1 - s,)) for s, st in enumerate(sg.stages)]
+    return StageGraph.build(graph, stages, batch_size, num_devices, allow_shared_devices=True)
+
+
 def _balanced_cuts(cost: Sequence[float], pieces: int) -> list[int]:
     """Cut positions splitting ``cost`` into exactly ``pieces`` non-empty runs, minimising the largest sum."""
     n = len(cost)
@@ -259,7 +277,7 @@ def _balanced_cuts(cost: Sequence[float], pieces: int) -> list[int]:
     return cuts
 
 
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "graph-1f1b", "zb-h1", "graph-zb")
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "graph-1f1b", "zb-h1", "graph-zb", "zbv")
 
 _GENERATORS: dict[str, Callable[[StageGraph, Cluster | None], Schedule]] = {
     "gpipe": lambda sg, cluster: gpipe(sg),
@@ -268,12 +286,13 @@ _GENERATORS: dict[str, Callable[[StageGraph, Cluster | None], Schedule]] = {
     "graph-1f1b": graph_1f1b,
     "zb-h1": zb_h1,
     "graph-zb": graph_zb,
+    "zbv": zbv,
 }
 
 
 def make_schedule(name: str, sg: StageGraph, cluster: Cluster | None = None) -> Schedule:
     """The schedule ``name`` for ``sg``, validated (``gpipe``, ``1f1b``, ``interleaved``, ``graph-1f1b``,
-    and zero bubble's ``zb-h1`` and ``graph-zb``, :mod:`graphpipe.sched.zero_bubble`).
+    and zero bubble's ``zb-h1``, ``graph-zb`` and ``zbv``, :mod:`graphpipe.sched.zero_bubble`).
 
     ``"cpsat"`` is an optimiser over plans and lives in
     :mod:`graphpipe.search.cpsat`, not here.

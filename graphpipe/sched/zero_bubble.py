@@ -31,8 +31,14 @@ The price is memory: a micro-batch's activations live until its W.
   holding the most activations holds no more) and every device still fits
   its memory capacity; ties keep the smaller ``L``.
 
-Both run on one stage per device (like 1F1B and graph-1F1B); the V-shaped
-ZBV layout with two virtual stages per device is not generated here.
+* :func:`zbv` — the paper's ZB-V (§6; torch's ``ScheduleZBVZeroBubble``):
+  ``2K`` stages of a chain on ``K`` devices in a V, device ``d`` hosting
+  stage ``d`` (chunk 0, going down) and stage ``2K-1-d`` (chunk 1, coming
+  back), so the last stage sits on device 0 beside the first and each
+  device's two chunks balance each other's memory. Build the layout with
+  :func:`graphpipe.sched.generators.v_shape_chain`.
+
+zb-h1 and graph-zb run one stage per device (like 1F1B and graph-1F1B).
 
 Example
 -------
@@ -58,7 +64,7 @@ from graphpipe.stages import StageGraph
 from graphpipe.sched.graph1f1b import assemble, warmup_counts
 from graphpipe.sched.simulator import simulate
 
-__all__ = ["zb_h1", "graph_zb", "lagged_sequence"]
+__all__ = ["zb_h1", "graph_zb", "zbv", "v_shape_groups", "lagged_sequence"]
 
 
 def lagged_sequence(stage_id: int, num_mbs: int, warmup: int, lag: int) -> list[Action]:
@@ -131,3 +137,90 @@ def graph_zb(sg: StageGraph, cluster: Cluster | None = None) -> Schedule:
         elif act <= act_limit and max(mem, default=0.0) <= mem_limit and timeline.iteration_time_s < best[0] * (1 - 1e-12):
             best = (timeline.iteration_time_s, schedule)
     return best[1]
+
+
+def v_shape_groups(sg: StageGraph) -> tuple[tuple[int, ...], ...]:
+    """The ``K`` device groups of a V-shaped layout (stage ``s`` and ``2K-1-s`` on group ``s``), or a
+    :class:`ScheduleError` naming what is wrong."""
+    n = sg.num_stages
+    hint = "build the stage graph with v_shape_chain(graph, num_devices, batch_size, micro_batch_size)"
+    if n % 2 or n < 2:
+        raise ScheduleError(f"zbv needs 2K stages in a V on K device groups; the stage graph has {n} stages — {hint}")
+    k = n // 2
+    if not sg.is_chain() or any(sg.succs(s) != (s + 1,) for s in range(n - 1)):
+        raise ScheduleError(f"zbv needs a chain of stages 0 -> 1 -> ... -> {n - 1}; {hint}")
+    groups = tuple(sg.stages[s].devices for s in range(k))
+    for s in range(k, n):
+        if sg.stages[s].devices != groups[n - 1 - s]:
+            raise ScheduleError(f"zbv needs stage {s} on the devices of stage {n - 1 - s} "
+                                f"({list(groups[n - 1 - s])}), found {list(sg.stages[s].devices)}; {hint}")
+    if len(set(groups)) != k:
+        raise ScheduleError(f"zbv needs the first {k} stages on {k} different device groups; {hint}")
+    if len({st.micro_batch_size for st in sg.stages}) > 1:
+        raise ScheduleError("zbv needs one micro-batch size for all stages")
+    return groups
+
+
+def zbv(sg: StageGraph, cluster: Cluster | None = None) -> Schedule:
+    """ZB-V (module docstring): per rank ``r`` of ``K``, chunk 0 = stage ``r``, chunk 1 = stage ``2K-1-r``.
+
+    Phases (Qi et al. §6, Fig. 8; the order torch 2.13's ``ScheduleZBVZeroBubble`` runs):
+
+    1. warm-up: ``2(K-r)-1`` forwards of chunk 0 (the V's descent needs that many in flight below);
+       ``r`` pairs (F chunk 1, F chunk 0); ``K-r`` triples (F, I, W) of chunk 1 — the bottom of the V
+       turns the first micro-batches around at once;
+    2. steady state, while chunk 0 has forwards left or chunk 1 lags behind: (F, I, W) of chunk 0
+       (F only while micro-batches remain), then (F, I, W) of chunk 1;
+    3. cool-down: ``r`` pairs (I chunk 0, I chunk 1) with their W's deferred, then ``K-r`` pairs
+       (I, W) of chunk 0, then every W left (chunk 1's first): the deferred W's fill the drain.
+
+    Counts assume at least ``2K-1`` micro-batches; with fewer the phases are laid out for ``2K-1`` and the
+    actions of micro-batches that do not exist are dropped, as torch does.
+    """
+    if cluster is not None and cluster.num_devices != sg.num_devices:
+        raise ScheduleError(f"cluster has {cluster.num_devices} devices, the stage graph {sg.num_devices}")
+    groups = v_shape_groups(sg)
+    k = len(groups)
+    m = sg.num_micro_batches(0)
+    padded = max(2 * k - 1, m)
+    lists: list[list[Action]] = [[] for _ in range(sg.num_devices)]
+    for r, devices in enumerate(groups):
+        chunk0, chunk1 = r, 2 * k - 1 - r
+        count: dict[tuple[int, str], int] = {}
+        acts: list[Action] = []
+
+        def emit(stage: int, kind: str, mb: int | None = None) -> None:
+            j = count.get((stage, kind), 0) if mb is None else mb
+            count[(stage, kind)] = j + 1
+            acts.append(Action(stage, kind, j))
+
+        def done(stage: int, kind: str) -> int:
+            return count.get((stage, kind), 0)
+
+        for _ in range(2 * (k - r) - 1):
+            emit(chunk0, "F")
+        for _ in range(r):
+            emit(chunk1, "F")
+            emit(chunk0, "F")
+        for _ in range(k - r):
+            for kind in "FIW":
+                emit(chunk1, kind)
+        while done(chunk1, "F") < done(chunk0, "F") or done(chunk0, "F") < padded:
+            if done(chunk0, "F") < padded:
+                emit(chunk0, "F")
+            for stage in (chunk0, chunk1):
+                for kind in ("IW" if stage == chunk0 else "FIW"):
+                    emit(stage, kind)
+        for _ in range(r):  # W's of these I's are deferred to the drain
+            emit(chunk0, "I")
+            emit(chunk1, "I")
+        for _ in range(k - r):
+            emit(chunk0, "I")
+            emit(chunk0, "W")
+        for stage in (chunk1, chunk0):
+            while done(stage, "W") < done(stage, "I"):
+                emit(stage, "W")
+        kept = [a for a in acts if a.mb_id < m]
+        for d in devices:
+            lists[d] = list(kept)
+    return Schedule.from_lists("zbv", lists)
