@@ -52,4 +52,14 @@ NOTES: dict[str, str] = {
         "(this table is the last, with the current code); the per-plan errors at 8 ranks are in "
         "evals/results/device/. The biggest misses are plans whose measured time is above the "
         "prediction (memory-bound 1024-wide layers on shared memory bandwidth)."),
+    "zero-bubble": (
+        "Simulated only, with the cost model's I/W split (W = half of each parameterised op's backward, "
+        "nothing for parameter-free ops; no profile here measures the split). graph-zb keeps graph-1F1B's "
+        "peak activation bytes over devices by construction, so its peak memory equals graph-1F1B's on "
+        "every point; its gain comes from producers waiting for the consumers' I instead of the whole B "
+        "and from W's filling the drain. ZB-H1 lets later stages hold up to the first stage's 1F1B count "
+        "(the paper's rule), which on the transformer's uneven stages (embedding and head) raises the "
+        "fullest device's peak by up to 15% at 8 and 32 devices. Gains are below the paper's 1F1B / 3 "
+        "bubble because gpp's plans already have small bubbles (many micro-batches per stage) and "
+        "communication is not free."),
 }

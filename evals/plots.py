@@ -225,8 +225,8 @@ def plot_zero_bubble(res: dict[str, Any], out: str) -> str:
         bars = ax.bar([j + i * width for j in range(len(models))], ys, width, label=f"{n} devices")
         for bar, text in zip(bars, labels):
             if text:
-                ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), f"mem x{text}", ha="center",
-                        va="bottom", fontsize=6, rotation=90)
+                ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height() / 2, f"peak memory x{text}",
+                        ha="center", va="center", fontsize=7, rotation=90, color="white")
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(models))],
                   [f"{m}\n({'zb-h1 / 1f1b' if m == res['config']['chain_model'] else 'graph-zb / graph-1f1b'})"
