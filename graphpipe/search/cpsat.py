@@ -68,11 +68,11 @@ from typing import Callable, Sequence
 
 from ortools.sat.python import cp_model
 
-from graphpipe.actions import Schedule
+from graphpipe.actions import Action, Schedule
 from graphpipe.cluster import Cluster
 from graphpipe.errors import InfeasibleError, InputError, ScheduleError
 from graphpipe.plan import Plan
-from graphpipe.sched import gpipe, graph_1f1b, predicted_figures, simulate, validate_schedule
+from graphpipe.sched import gpipe, graph_1f1b, graph_zb, predicted_figures, simulate, validate_schedule
 from graphpipe.stages import StageGraph
 
 from graphpipe.search.cpsat_model import (
@@ -80,7 +80,8 @@ from graphpipe.search.cpsat_model import (
     rounding_slack, schedule_from_starts, stage_candidates,
 )
 
-__all__ = ["CpsatResult", "ORDER_FIRST_SHARE", "solve", "optimize_plan", "heuristic_schedule", "progress_writer"]
+__all__ = ["CpsatResult", "ORDER_FIRST_SHARE", "solve", "optimize_plan", "heuristic_schedule", "progress_writer",
+           "split_allowed"]
 
 log = logging.getLogger(__name__)
 
@@ -144,12 +145,24 @@ def progress_writer(stream, min_interval_s: float = 1.0) -> Progress:
     return report
 
 
-def heuristic_schedule(sg: StageGraph, cluster: Cluster) -> Schedule:
-    """The warm start: graph-1F1B (GraphPipe Alg. 2), or GPipe where stages share devices."""
+def heuristic_schedule(sg: StageGraph, cluster: Cluster, split: bool = False) -> Schedule:
+    """The warm start: graph-1F1B (GraphPipe Alg. 2), or GPipe where stages share devices; with ``split``
+    (zero bubble) graph-ZB, or GPipe with each B split in place into I, W."""
     try:
-        return graph_1f1b(sg, cluster)
+        return graph_zb(sg, cluster) if split else graph_1f1b(sg, cluster)
     except ScheduleError:
-        return gpipe(sg)
+        plain = gpipe(sg)
+        if not split:
+            return plain
+        return Schedule.from_lists(plain.name, [[x for a in acts for x in (
+            (Action(a.stage_id, "I", a.mb_id), Action(a.stage_id, "W", a.mb_id)) if a.kind == "B" else (a,))]
+            for acts in plain.device_actions])
+
+
+def split_allowed(sg: StageGraph) -> bool:
+    """Whether the CP-SAT model may split backwards into I and W: no stage re-materializes (the model
+    has no interval for a split stage's re-run forward)."""
+    return not any(st.recompute for st in sg.stages)
 
 
 class _Callback(cp_model.CpSolverSolutionCallback):
@@ -241,7 +254,7 @@ def solve(sg: StageGraph, cluster: Cluster, *, candidate_sizes: Sequence[int] | 
           time_limit_s: float = 10.0, num_workers: int = 2, seed: int = 0, progress: Progress | None = None,
           hint_schedule: Schedule | None = None, per_stage_micro_batch: bool = True, uniform_size: bool = False,
           memory: str = "cumulative", order_first: bool = True, prune: bool = True,
-          canonical: bool = True) -> CpsatResult:
+          canonical: bool = True, split_backward: bool = False) -> CpsatResult:
     """Choose each stage's micro-batch size and every device's F/B order minimising the makespan.
 
     ``candidate_sizes`` (default: the divisors of the batch size) are
@@ -261,6 +274,10 @@ def solve(sg: StageGraph, cluster: Cluster, *, candidate_sizes: Sequence[int] | 
     model: any schedule with a pruned size is slower than the warm start,
     so the full model's optimum is at least min(warm start, pruned model's
     optimum) = the pruned model's optimum, and its bound bounds it too.
+    ``split_backward`` (zero bubble) lets every backward be two tasks, I and
+    W, warm-started from graph-ZB; an unsplit schedule is one of its
+    solutions (W right after its I), so up to time rounding it is never
+    worse, and its bound covers the split schedules.
 
     Raises :class:`InfeasibleError` when memory cannot fit under any schedule.
     When the time limit is too short to find anything, the heuristic is
@@ -281,7 +298,9 @@ def solve(sg: StageGraph, cluster: Cluster, *, candidate_sizes: Sequence[int] | 
     if cluster.num_devices != sg.num_devices:
         raise InputError(f"stage graph is for {sg.num_devices} devices but the cluster has {cluster.num_devices}; "
                          "build the cluster with the same device count")
-    heuristic = hint_schedule if hint_schedule is not None else heuristic_schedule(sg, cluster)
+    if split_backward and not split_allowed(sg):
+        raise InputError("split backward (I/W) needs stages without re-materialization; solve without it")
+    heuristic = hint_schedule if hint_schedule is not None else heuristic_schedule(sg, cluster, split_backward)
     validate_schedule(sg, heuristic)
     heuristic_figures = _figures(sg, heuristic, cluster)
     heuristic_ms = float(heuristic_figures["iteration_time_s"])
@@ -291,13 +310,14 @@ def solve(sg: StageGraph, cluster: Cluster, *, candidate_sizes: Sequence[int] | 
     # Phase 1 (sizes free only): order the tasks at the most promising sizes,
     # the input's or one size for all stages, whichever graph-1F1B runs fastest.
     free = order_first and any(len(c) > 1 for c in candidates)
-    start = _start_sizes(sg, cluster, candidates, heuristic, heuristic_ms, uniform_size) if free else None
+    start = _start_sizes(sg, cluster, candidates, heuristic, heuristic_ms, uniform_size,
+                         split_backward) if free else None
     if start is not None:
         start_sg, start_schedule = start
         try:
             first = solve(start_sg, cluster, time_limit_s=time_limit_s * ORDER_FIRST_SHARE, num_workers=num_workers,
                           seed=seed, progress=progress, hint_schedule=start_schedule, per_stage_micro_batch=False,
-                          memory=memory, order_first=False, canonical=False)
+                          memory=memory, order_first=False, canonical=False, split_backward=split_backward)
         except InfeasibleError:
             first = None  # these sizes cannot fit; smaller ones may
         if first is not None and not first.used_heuristic and first.makespan_s <= incumbent.makespan_s:
@@ -306,7 +326,7 @@ def solve(sg: StageGraph, cluster: Cluster, *, candidate_sizes: Sequence[int] | 
                                    f"CP-SAT at micro-batch sizes {sizes}", first.solver_makespan_s)
 
     # Phase 2: the full model, hinted with the incumbent.
-    data = model_data(sg, cluster, candidates, reference_s=heuristic_ms, uniform=uniform_size)
+    data = model_data(sg, cluster, candidates, reference_s=heuristic_ms, uniform=uniform_size, split=split_backward)
     check_memory(data, cluster.memory_bytes)
     slack = rounding_slack(data)  # of every candidate size: the bound must also cover pruned ones
     warm = _replay_warm_start(data, incumbent.stage_graph, incumbent.schedule)
@@ -318,7 +338,7 @@ def solve(sg: StageGraph, cluster: Cluster, *, candidate_sizes: Sequence[int] | 
     if upper is not None and prune:
         kept, pruned = prune_sizes(data, upper)
         if pruned:
-            data = model_data(sg, cluster, kept, reference_s=heuristic_ms, uniform=uniform_size)
+            data = model_data(sg, cluster, kept, reference_s=heuristic_ms, uniform=uniform_size, split=split_backward)
     cm = build_model(data, memory=memory, upper_bound=upper)
     if warm:
         add_hint(cm, [st.micro_batch_size for st in incumbent.stage_graph.stages], warm[0], warm[1])
@@ -367,7 +387,7 @@ def solve(sg: StageGraph, cluster: Cluster, *, candidate_sizes: Sequence[int] | 
     is_canonical = False
     if canonical and status == cp_model.OPTIMAL:
         found = _canonical_solve(sg, cluster, candidates, heuristic, heuristic_ms, uniform_size, memory,
-                                 round(solver.objective_value), unit, seed, reserve)
+                                 round(solver.objective_value), unit, seed, reserve, split_backward)
         if found is not None:
             data, cm, solver = found
             is_canonical = True
@@ -376,7 +396,7 @@ def solve(sg: StageGraph, cluster: Cluster, *, candidate_sizes: Sequence[int] | 
                         "(same makespan, order may differ between runs)", reserve)
     sizes = [next(b for b in data.candidates[s] if solver.boolean_value(cm.use[s, b])) for s in range(sg.num_stages)]
     starts = {(s, kind, j): solver.value(cm.start[s, sizes[s], kind, j])
-              for s in range(sg.num_stages) for kind in ("F", "B") for j in range(data.num_mbs(sizes[s]))}
+              for s in range(sg.num_stages) for kind in data.kinds for j in range(data.num_mbs(sizes[s]))}
     new_sg = _with_sizes(sg, sizes)
     schedule = schedule_from_starts(data, sizes, starts)
     validate_schedule(new_sg, schedule)
@@ -397,19 +417,20 @@ def solve(sg: StageGraph, cluster: Cluster, *, candidate_sizes: Sequence[int] | 
 
 
 def _canonical_solve(sg: StageGraph, cluster: Cluster, candidates, heuristic: Schedule, heuristic_ms: float,
-                     uniform: bool, memory: str, optimum_ticks: int, unit_s: float, seed: int, budget_s: float):
+                     uniform: bool, memory: str, optimum_ticks: int, unit_s: float, seed: int, budget_s: float,
+                     split: bool = False):
     """The first schedule of makespan <= the optimum that one deterministic worker finds; None if none in budget.
 
     Everything it sees is a function of the inputs: the model is rebuilt from
     the candidates (not from the incumbent-pruned model), pruned by the
     optimum, and hinted with graph-1F1B; the limit is deterministic time.
     """
-    data = model_data(sg, cluster, candidates, reference_s=heuristic_ms, uniform=uniform)
+    data = model_data(sg, cluster, candidates, reference_s=heuristic_ms, uniform=uniform, split=split)
     if data.unit_s != unit_s:  # same inputs give the same tick; anything else is a bug worth not hiding
         return None
     kept, pruned = prune_sizes(data, optimum_ticks)
     if pruned:
-        data = model_data(sg, cluster, kept, reference_s=heuristic_ms, uniform=uniform)
+        data = model_data(sg, cluster, kept, reference_s=heuristic_ms, uniform=uniform, split=split)
     cm = build_model(data, memory=memory, upper_bound=optimum_ticks)
     cm.model.add(cm.makespan <= optimum_ticks)
     warm = _replay_warm_start(data, sg, heuristic)
@@ -428,7 +449,7 @@ def _canonical_solve(sg: StageGraph, cluster: Cluster, candidates, heuristic: Sc
 
 
 def _start_sizes(sg: StageGraph, cluster: Cluster, candidates: Sequence[Sequence[int]], heuristic: Schedule,
-                 heuristic_ms: float, uniform: bool) -> tuple[StageGraph, Schedule] | None:
+                 heuristic_ms: float, uniform: bool, split: bool = False) -> tuple[StageGraph, Schedule] | None:
     """The sizes phase 1 orders: the input's, or one candidate size for every stage
     when graph-1F1B runs strictly faster with it within memory (the setting
     GraphPipe evaluates: one size for all stages). A good start matters twice:
@@ -438,7 +459,7 @@ def _start_sizes(sg: StageGraph, cluster: Cluster, candidates: Sequence[Sequence
     best = (math.inf if uniform and mixed else heuristic_ms, sg, heuristic)
     for b in sorted(set(candidates[0]).intersection(*map(set, candidates[1:]))):
         trial = _with_sizes(sg, [b] * sg.num_stages)
-        schedule = heuristic_schedule(trial, cluster)
+        schedule = heuristic_schedule(trial, cluster, split)
         figures = _figures(trial, schedule, cluster)
         if _fits(figures, cluster) and figures["iteration_time_s"] < best[0]:
             best = (float(figures["iteration_time_s"]), trial, schedule)
@@ -467,7 +488,7 @@ def _replay_warm_start(data: ModelData, sg: StageGraph, schedule: Schedule):
 
 def optimize_plan(plan: Plan, time_limit_s: float = 10.0, num_workers: int = 2, seed: int = 0,
                   candidate_sizes: Sequence[int] | None = None, per_stage_micro_batch: bool = True,
-                  progress: Progress | None = None) -> Plan:
+                  progress: Progress | None = None, split_backward: bool | None = None) -> Plan:
     """A new plan with CP-SAT's micro-batch sizes and schedule (named ``cpsat``).
 
     ``predicted`` comes from the simulator; ``search`` gains ``lower_bound_s``,
@@ -475,9 +496,14 @@ def optimize_plan(plan: Plan, time_limit_s: float = 10.0, num_workers: int = 2, 
     ``cpsat_used_heuristic``, ``cpsat_message`` and ``cpsat_pruned_sizes``
     (stage id -> sizes left out as unable to beat the warm start). With
     ``per_stage_micro_batch=False`` every stage keeps its current size.
+    ``split_backward`` (zero bubble's I/W, see :func:`solve`): ``None``, the
+    default, splits wherever the stage graph allows it (:func:`split_allowed`);
+    ``search["cpsat_split_backward"]`` records what was used.
     """
+    split = split_allowed(plan.stage_graph) if split_backward is None else bool(split_backward)
     result = solve(plan.stage_graph, plan.cluster, candidate_sizes=candidate_sizes, time_limit_s=time_limit_s,
-                   num_workers=num_workers, seed=seed, progress=progress, per_stage_micro_batch=per_stage_micro_batch)
+                   num_workers=num_workers, seed=seed, progress=progress, per_stage_micro_batch=per_stage_micro_batch,
+                   split_backward=split)
     pruned = {str(s): list(sizes) for s, sizes in enumerate(result.pruned_sizes) if sizes}
     schedule = Schedule("cpsat", result.schedule.device_actions)
     predicted = _figures(result.stage_graph, schedule, plan.cluster)
@@ -485,5 +511,5 @@ def optimize_plan(plan: Plan, time_limit_s: float = 10.0, num_workers: int = 2, 
     search.update(lower_bound_s=result.lower_bound_s, gap=result.gap, cpsat_status=result.status,
                   cpsat_time_s=result.solve_time_s, heuristic_makespan_s=result.heuristic_makespan_s,
                   cpsat_used_heuristic=result.used_heuristic, cpsat_message=result.message,
-                  cpsat_pruned_sizes=pruned, cpsat_canonical=result.canonical)
+                  cpsat_pruned_sizes=pruned, cpsat_canonical=result.canonical, cpsat_split_backward=split)
     return replace(plan, stage_graph=result.stage_graph, schedule=schedule, predicted=predicted, search=search)

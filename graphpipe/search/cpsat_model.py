@@ -29,6 +29,14 @@ simulator's semantics (DESIGN §7, the shared "simulator semantics"):
   limit, while the cumulative needs no expansion.
 * A replicated stage all-reduces its gradients after its last B; the
   iteration ends when every device is done.
+* Split backward (zero bubble, ``split=True`` in :func:`model_data`): each B
+  becomes two tasks, I (input gradients: B's dependencies, and what the
+  producer's I waits for) and W (weight gradients, after its I on the same
+  device, free to move into idle time); the activations live from F start
+  to W end. Their durations split B by the cost model
+  (:meth:`StageGraph.split_backward_times`). Re-materializing stages are not
+  split (their working set would need its own interval), so a stage graph
+  with one is modelled unsplit.
 
 Time scale
 ----------
@@ -163,6 +171,27 @@ class ModelData:
     """An upper bound on any left-justified schedule's makespan, in ticks."""
     uniform: bool
     """All stages must pick the same micro-batch size."""
+    split: bool = False
+    """Zero bubble: tasks F, I, W instead of F, B (module docstring)."""
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """Task kinds per micro-batch: ``F, B`` or, split, ``F, I, W``."""
+        return ("F", "I", "W") if self.split else ("F", "B")
+
+    @property
+    def grad(self) -> str:
+        """The kind that sends gradients to the producers: B, or I when split."""
+        return "I" if self.split else "B"
+
+    @property
+    def last(self) -> str:
+        """The kind after which a micro-batch's activations are released: B, or W when split."""
+        return "W" if self.split else "B"
+
+    def work(self, s: int, b: int) -> int:
+        """Ticks of one micro-batch's tasks of stage ``s`` at size ``b`` (F + B, or F + I + W)."""
+        return sum(self.duration[(s, b, kind)] for kind in self.kinds)
 
     @property
     def num_stages(self) -> int:
@@ -242,8 +271,11 @@ def stage_candidates(sg: StageGraph, candidate_sizes: Sequence[int] | None,
 
 
 def model_data(sg: StageGraph, cluster: Cluster, candidates: Sequence[Sequence[int]],
-               reference_s: float, uniform: bool = False) -> ModelData:
-    """Durations, delays and memory in ticks and bytes for every candidate size."""
+               reference_s: float, uniform: bool = False, split: bool = False) -> ModelData:
+    """Durations, delays and memory in ticks and bytes for every candidate size (``split``: I and W too)."""
+    if split and any(st.recompute for st in sg.stages):
+        raise InputError("the CP-SAT model splits backwards only for stages without re-materialization; "
+                         "model this stage graph unsplit")
     if len(candidates) != sg.num_stages:
         raise InputError(f"need candidate sizes for {sg.num_stages} stages, got {len(candidates)}")
     cands = tuple(tuple(sorted(set(c))) for c in candidates)
@@ -275,10 +307,15 @@ def model_data(sg: StageGraph, cluster: Cluster, candidates: Sequence[Sequence[i
             fwd, bwd = costs.action_times(sm.fwd_alpha, sm.fwd_beta, sm.bwd_alpha, sm.bwd_beta, b / r, rc)
             duration[(stage.id, b, "F")] = _ticks(fwd, unit, 1)
             duration[(stage.id, b, "B")] = _ticks(bwd, unit, 1)
+            if split:  # the cost model's split (graphpipe.costs.split_backward); each part at least one tick
+                weight = costs.weight_grad_time(g, stage.op_ids, b / r)
+                i_s, w_s = costs.split_backward(bwd, weight, fwd, False)
+                duration[(stage.id, b, "I")] = _ticks(i_s, unit, 1)
+                duration[(stage.id, b, "W")] = _ticks(w_s, unit, 1)
             act[(stage.id, b)] = math.ceil(costs.stashed_bytes(sm.act, sm.inputs, b / r, rc) / mem_unit)
             working[(stage.id, b)] = math.ceil(sm.act * b / r / mem_unit) if rc else 0
             buffers[(stage.id, b)] = math.ceil(costs.buffer_bytes(sm.inputs, sm.outputs, b / r) / mem_unit)
-            rounded = (duration[(stage.id, b, "F")] + duration[(stage.id, b, "B")]) * unit
+            rounded = sum(duration[(stage.id, b, kind)] for kind in (("F", "I", "W") if split else ("F", "B"))) * unit
             worst = max(worst, batch // b * max(0.0, rounded - fwd - bwd))
         task_error.append(worst)
     delay: dict[tuple[int, int, int], int] = {}
@@ -295,9 +332,10 @@ def model_data(sg: StageGraph, cluster: Cluster, candidates: Sequence[Sequence[i
     # Horizon: a left-justified schedule idles only while waiting for a
     # transfer, at most once per task, so work + tasks * longest delay + the
     # longest all-reduce bounds its makespan.
-    work = sum(max(batch // b * (duration[(s, b, "F")] + duration[(s, b, "B")]) for b in cands[s])
+    kinds = ("F", "I", "W") if split else ("F", "B")
+    work = sum(max(batch // b * sum(duration[(s, b, kind)] for kind in kinds) for b in cands[s])
                for s in range(sg.num_stages))
-    max_tasks = sum(2 * batch // min(cands[s]) for s in range(sg.num_stages))
+    max_tasks = sum(len(kinds) * batch // min(cands[s]) for s in range(sg.num_stages))
     horizon = work + max_tasks * max(delay.values(), default=0) + max(allreduce, default=0) + 1
     # Rounding slack: along any path every task appears at most once and each
     # step into a task crosses at most one transfer, then one all-reduce.
@@ -305,7 +343,7 @@ def model_data(sg: StageGraph, cluster: Cluster, candidates: Sequence[Sequence[i
     return ModelData(sg=sg, unit_s=unit, slack_s=slack, candidates=cands, duration=duration, delay=delay, act=act,
                      working=working, buffers=buffers,
                      allreduce=allreduce, groups=groups, group_stages=group_stages, mem_unit_bytes=mem_unit, capacity=capacity,
-                     state=state, horizon=horizon, uniform=uniform)
+                     state=state, horizon=horizon, uniform=uniform, split=split)
 
 
 def check_memory(data: ModelData, memory_bytes: float) -> None:
@@ -364,7 +402,9 @@ def size_lower_bounds(data: ModelData, candidates: Sequence[Sequence[int]] | Non
 
     The bound is ``head + max(M (F + B), F + down_first + M B + (M - k) F,
     M F + (M - k) B + down_last + B) + tail``; infinite when one micro-batch
-    does not fit. It relies on the model's symmetry breaking (in-order F's
+    does not fit. Split into I and W, B's role on the gradient path is I's
+    (``tail`` follows the stage's last I), and a second bound counts every W
+    too up to the stage's last W, followed only by its all-reduce. It relies on the model's symmetry breaking (in-order F's
     and B's), which :func:`graphpipe.search.cpsat.solve` always imposes.
 
     >>> from graphpipe.graph import Op, OpGraph, Affine
@@ -381,6 +421,7 @@ def size_lower_bounds(data: ModelData, candidates: Sequence[Sequence[int]] | Non
     cands = tuple(tuple(c) for c in (candidates or data.candidates))
     n_st = sg.num_stages
     dur = data.duration
+    grad = data.grad  # gradients travel with B, or with I when the backward is split
 
     def count(producer: int, consumer: int, mb: int) -> int:
         return len(covered_mbs(producer, consumer, mb))
@@ -393,7 +434,7 @@ def size_lower_bounds(data: ModelData, candidates: Sequence[Sequence[int]] | Non
             head[s, b] = max((min(head[p, bp] + count(bp, b, 0) * dur[p, bp, "F"] + data.delay[p, s, bp]
                                   for bp in cands[p]) for p in sg.preds(s)), default=0)
             tail[s, b] = max([data.allreduce[s]] + [
-                min(data.delay[p, s, bp] + count(bp, b, last) * dur[p, bp, "B"] + tail[p, bp] for bp in cands[p])
+                min(data.delay[p, s, bp] + count(bp, b, last) * dur[p, bp, grad] + tail[p, bp] for bp in cands[p])
                 for p in sg.preds(s)])
     down: dict[tuple[str, int, int], int] = {}
     for s in reversed(range(n_st)):  # consumers before producers
@@ -404,7 +445,7 @@ def size_lower_bounds(data: ModelData, candidates: Sequence[Sequence[int]] | Non
                 for c in sg.succs(s):
                     options = []
                     for bc in cands[c]:
-                        f, bwd, wait = dur[c, bc, "F"], dur[c, bc, "B"], data.delay[s, c, b]
+                        f, bwd, wait = dur[c, bc, "F"], dur[c, bc, grad], data.delay[s, c, b]
                         # m: consumer micro-batches that hold samples of this micro-batch.
                         m = count(bc, b, mb) if mb is not None else min(count(bc, b, j) for j in range(num))
                         inner = down["last" if which == "last" else "any", c, bc]
@@ -417,7 +458,7 @@ def size_lower_bounds(data: ModelData, candidates: Sequence[Sequence[int]] | Non
     bounds: dict[tuple[int, int], int] = {}
     for s in range(n_st):
         for b in cands[s]:
-            num, f, bwd = data.num_mbs(b), dur[s, b, "F"], dur[s, b, "B"]
+            num, f = data.num_mbs(b), dur[s, b, "F"]
             act, capacity = data.act[s, b], data.capacity[group_of[s]] - data.working[s, b] - data.buffers[s, b]
             k = num if act <= 0 else min(num, max(0, capacity) // act)
             if capacity < act or capacity < 0:  # not even one micro-batch (and its re-materialized working set)
@@ -425,9 +466,15 @@ def size_lower_bounds(data: ModelData, candidates: Sequence[Sequence[int]] | Non
             if k == 0:
                 bounds[s, b] = math.inf
                 continue
-            busy = max(num * (f + bwd), f + down["first", s, b] + num * bwd + (num - k) * f,
-                       num * f + (num - k) * bwd + down["last", s, b] + bwd)
-            bounds[s, b] = head[s, b] + busy + tail[s, b]
+            # Split: B's terms are I's up to the stage's last I (the producers' tail follows it), and the
+            # W's come on top up to the stage's last W (only its own all-reduce follows that).
+            bwd = dur[s, b, grad]
+            w = dur[s, b, "W"] if data.split else 0
+            to_last_grad = max(num * (f + bwd), f + down["first", s, b] + num * bwd + (num - k) * f,
+                               num * f + (num - k) * (bwd + w) + down["last", s, b] + bwd)
+            to_last_w = max(num * (f + bwd + w), f + down["first", s, b] + num * (bwd + w) + (num - k) * f,
+                            num * f + (num - k) * (bwd + w) + down["last", s, b] + bwd + w)
+            bounds[s, b] = head[s, b] + max(to_last_grad + tail[s, b], to_last_w + data.allreduce[s])
     return bounds
 
 
@@ -486,9 +533,9 @@ def build_model(data: ModelData, symmetry_breaking: bool = True, memory: str = "
     for s in range(sg.num_stages):
         for b in data.candidates[s]:
             use[s, b] = model.new_bool_var(f"use_s{s}_b{b}")
-            if data.num_mbs(b) * (data.duration[(s, b, "F")] + data.duration[(s, b, "B")]) > horizon:
+            if data.num_mbs(b) * data.work(s, b) > horizon:
                 model.add(use[s, b] == 0)  # this size's work alone outlasts the horizon
-            for kind in ("F", "B"):
+            for kind in data.kinds:
                 dur = data.duration[(s, b, kind)]
                 for j in range(data.num_mbs(b)):
                     start[s, b, kind, j] = model.new_int_var(0, max(0, horizon - dur), f"start_{s}{kind}{j}_b{b}")
@@ -512,17 +559,20 @@ def build_model(data: ModelData, symmetry_breaking: bool = True, memory: str = "
     for members in data.group_stages:
         model.add_no_overlap([iv for (s, _b, _k, _j), iv in interval.items() if s in members])
 
-    # The backward of a micro-batch follows its own forward.
+    # The backward of a micro-batch follows its own forward (split: I follows F, W follows I).
+    grad, last_kind = data.grad, data.last
     for s in range(sg.num_stages):
         for b in data.candidates[s]:
             for j in range(data.num_mbs(b)):
-                model.add(start[s, b, "B", j] >= end(s, b, "F", j)).only_enforce_if(use[s, b])
+                model.add(start[s, b, grad, j] >= end(s, b, "F", j)).only_enforce_if(use[s, b])
+                if data.split:
+                    model.add(start[s, b, "W", j] >= end(s, b, "I", j)).only_enforce_if(use[s, b])
 
     # Symmetry breaking: a stage's forwards, and its backwards, run in micro-batch order.
     if symmetry_breaking:
         for s in range(sg.num_stages):
             for b in data.candidates[s]:
-                for kind in ("F", "B"):
+                for kind in data.kinds:
                     for j in range(data.num_mbs(b) - 1):
                         model.add(start[s, b, kind, j + 1] >= end(s, b, kind, j)).only_enforce_if(use[s, b])
 
@@ -537,7 +587,7 @@ def build_model(data: ModelData, symmetry_breaking: bool = True, memory: str = "
                 for j in range(data.num_mbs(bc)):
                     for i in covered_mbs(bp, bc, j):
                         model.add(start[c, bc, "F", j] >= end(p, bp, "F", i) + wait).only_enforce_if(both)
-                        model.add(start[p, bp, "B", i] >= end(c, bc, "B", j) + wait).only_enforce_if(both)
+                        model.add(start[p, bp, grad, i] >= end(c, bc, grad, j) + wait).only_enforce_if(both)
 
     # Activation memory: a micro-batch's activations live from its F start to
     # its B end; their sum never exceeds what model state leaves free
@@ -556,10 +606,10 @@ def build_model(data: ModelData, symmetry_breaking: bool = True, memory: str = "
         if memory == "cumulative":
             intervals = []
             for s, b, j in lives:
-                life[s, b, j] = model.new_int_var(data.duration[(s, b, "F")] + data.duration[(s, b, "B")], horizon,
-                                                  f"life_{s}_{j}_b{b}")
+                life[s, b, j] = model.new_int_var(data.work(s, b), horizon, f"life_{s}_{j}_b{b}")
                 intervals.append(model.new_optional_interval_var(start[s, b, "F", j], life[s, b, j],
-                                                                 end(s, b, "B", j), use[s, b], f"life_{s}_{j}_b{b}"))
+                                                                 end(s, b, last_kind, j), use[s, b],
+                                                                 f"life_{s}_{j}_b{b}"))
             demands = [data.act[(s, b)] for s, b, _ in lives]
             # a re-materializing stage holds its full activations while B re-runs the forward and goes back
             redo = [(s, b, j) for s in members for b in data.candidates[s] if data.working[(s, b)] > 0
@@ -573,7 +623,7 @@ def build_model(data: ModelData, symmetry_breaking: bool = True, memory: str = "
             demands += [data.buffers[(s, b)] for s, b in held]
             model.add_cumulative(intervals, demands, capacity)
         else:
-            times = [t for s, b, j in lives for t in (start[s, b, "F", j], end(s, b, "B", j))]
+            times = [t for s, b, j in lives for t in (start[s, b, "F", j], end(s, b, last_kind, j))]
             changes = [c for s, b, _ in lives for c in (data.act[(s, b)], -data.act[(s, b)])]
             actives = [use[s, b] for s, b, _ in lives for _ in range(2)]
             for s in members:
@@ -595,14 +645,13 @@ def build_model(data: ModelData, symmetry_breaking: bool = True, memory: str = "
         for b in data.candidates[s]:
             last = range(data.num_mbs(b) - 1, data.num_mbs(b)) if symmetry_breaking else range(data.num_mbs(b))
             for j in last:
-                model.add(makespan >= end(s, b, "B", j) + data.allreduce[s]).only_enforce_if(use[s, b])
+                model.add(makespan >= end(s, b, last_kind, j) + data.allreduce[s]).only_enforce_if(use[s, b])
     # Redundant, for the bound: a device works through all its tasks (for the
     # chosen sizes) one at a time, and the stage that finishes last then
     # all-reduces. Optional intervals relax weakly in the LP; this is linear in
     # the size literals and lifts the bound when sizes are free.
     for members in data.group_stages:
-        work = sum(use[s, b] * (data.num_mbs(b) * (data.duration[(s, b, "F")] + data.duration[(s, b, "B")]))
-                   for s in members for b in data.candidates[s])
+        work = sum(use[s, b] * (data.num_mbs(b) * data.work(s, b)) for s in members for b in data.candidates[s])
         model.add(makespan >= work + min(data.allreduce[s] for s in members))
     # Redundant, for the bound (pipeline fill and drain): a stage cannot start
     # before its first micro-batch has crossed every upstream stage (head), and
@@ -610,7 +659,7 @@ def build_model(data: ModelData, symmetry_breaking: bool = True, memory: str = "
     # linear in the size literals, so the LP sees the depth of the pipeline,
     # not only each device's work; the transfer delay of each edge counts too.
     dur = {(s, kind): sum(use[s, b] * data.duration[(s, b, kind)] for b in data.candidates[s])
-           for s in range(sg.num_stages) for kind in ("F", "B")}
+           for s in range(sg.num_stages) for kind in data.kinds}
     head = [model.new_int_var(0, horizon, f"head_{s}") for s in range(sg.num_stages)]
     tail = [model.new_int_var(0, horizon, f"tail_{s}") for s in range(sg.num_stages)]
     for s in range(sg.num_stages):
@@ -618,13 +667,18 @@ def build_model(data: ModelData, symmetry_breaking: bool = True, memory: str = "
         for p in sg.preds(s):
             wait = sum(use[p, b] * data.delay[(p, s, b)] for b in data.candidates[p])
             model.add(head[s] >= head[p] + dur[p, "F"] + wait)
-            model.add(tail[s] >= tail[p] + dur[p, "B"] + wait)
+            model.add(tail[s] >= tail[p] + dur[p, grad] + wait)
     for members in data.group_stages:
         if len(members) == 1:
             (s,) = members
-            work = sum(use[s, b] * (data.num_mbs(b) * (data.duration[(s, b, "F")] + data.duration[(s, b, "B")]))
-                       for b in data.candidates[s])
-            model.add(makespan >= head[s] + work + tail[s])
+            # every F and every B (or I) of the stage precede its last B (or I), and the tail follows that;
+            # split, the W's come on top, followed only by the stage's all-reduce
+            to_grad = sum(use[s, b] * (data.num_mbs(b) * (data.duration[(s, b, "F")] + data.duration[(s, b, grad)]))
+                          for b in data.candidates[s])
+            model.add(makespan >= head[s] + to_grad + tail[s])
+            if data.split:
+                work = sum(use[s, b] * (data.num_mbs(b) * data.work(s, b)) for b in data.candidates[s])
+                model.add(makespan >= head[s] + work + data.allreduce[s])
     # Redundant, for the bound: per stage, the size-conditional bound of
     # :func:`size_lower_bounds` (fill, drain, round trip, memory), linear in
     # the size literals; sizes whose bound exceeds the horizon are out. The
@@ -650,14 +704,16 @@ def task_graph(data: ModelData, sizes: Sequence[int]) -> dict[TaskKey, tuple[int
         b = sizes[s]
         for j in range(data.num_mbs(b)):
             tasks[(s, "F", j)] = (data.duration[(s, b, "F")], [])
-            tasks[(s, "B", j)] = (data.duration[(s, b, "B")], [((s, "F", j), 0)])
+            tasks[(s, data.grad, j)] = (data.duration[(s, b, data.grad)], [((s, "F", j), 0)])
+            if data.split:
+                tasks[(s, "W", j)] = (data.duration[(s, b, "W")], [((s, "I", j), 0)])
     for p, c in sg.edges:
         bp, bc = sizes[p], sizes[c]
         wait = data.delay[(p, c, bp)]
         for j in range(data.num_mbs(bc)):
             for i in covered_mbs(bp, bc, j):
                 tasks[(c, "F", j)][1].append(((p, "F", i), wait))
-                tasks[(p, "B", i)][1].append(((c, "B", j), wait))
+                tasks[(p, data.grad, i)][1].append(((c, data.grad, j), wait))
     return tasks
 
 
@@ -697,7 +753,7 @@ def replay(data: ModelData, sizes: Sequence[int], schedule: Schedule) -> tuple[d
         return None
     makespan = 0
     for s in range(data.num_stages):
-        last = max(finish[(s, "B", j)] for j in range(data.num_mbs(sizes[s])))
+        last = max(finish[(s, data.last, j)] for j in range(data.num_mbs(sizes[s])))
         makespan = max(makespan, last + data.allreduce[s])
     return starts, makespan
 
@@ -709,10 +765,10 @@ def memory_peaks(data: ModelData, sizes: Sequence[int], starts: Mapping[TaskKey,
     for members in data.group_stages:
         events = [(-1, data.buffers[(s, sizes[s])]) for s in members]
         for s in members:
-            act, dur_b = data.act[(s, sizes[s])], data.duration[(s, sizes[s], "B")]
+            act, dur_b = data.act[(s, sizes[s])], data.duration[(s, sizes[s], data.last)]
             redo = data.working[(s, sizes[s])]
             for j in range(data.num_mbs(sizes[s])):
-                events += [(starts[(s, "F", j)], act), (starts[(s, "B", j)] + dur_b, -act)]
+                events += [(starts[(s, "F", j)], act), (starts[(s, data.last, j)] + dur_b, -act)]
                 if redo:
                     events += [(starts[(s, "B", j)], redo), (starts[(s, "B", j)] + dur_b, -redo)]
         level = peak = 0
@@ -731,8 +787,8 @@ def add_hint(cm: CpsatModel, sizes: Sequence[int], starts: Mapping[TaskKey, int]
         cm.model.add_hint(var, starts[(s, kind, j)] if b == sizes[s] else 0)
     data = cm.data
     for (s, b, j), var in cm.life.items():
-        shortest = data.duration[(s, b, "F")] + data.duration[(s, b, "B")]
-        cm.model.add_hint(var, starts[(s, "B", j)] + data.duration[(s, b, "B")] - starts[(s, "F", j)]
+        shortest = data.work(s, b)
+        cm.model.add_hint(var, starts[(s, data.last, j)] + data.duration[(s, b, data.last)] - starts[(s, "F", j)]
                           if b == sizes[s] else shortest)
     cm.model.add_hint(cm.makespan, makespan)
 
@@ -742,7 +798,7 @@ def schedule_from_starts(data: ModelData, sizes: Sequence[int], starts: Mapping[
     """Per device, the chosen tasks sorted by start tick (replicas get identical lists)."""
     per_device: list[list[Action]] = [[] for _ in range(data.sg.num_devices)]
     for gi, grp in enumerate(data.groups):
-        keys = [(s, kind, j) for s in data.group_stages[gi] for kind in ("F", "B")
+        keys = [(s, kind, j) for s in data.group_stages[gi] for kind in data.kinds
                 for j in range(data.num_mbs(sizes[s]))]
         keys.sort(key=lambda k: (starts[k], k))
         actions = [Action(s, kind, j) for s, kind, j in keys]
