@@ -73,7 +73,8 @@ TABLE_COLUMNS: dict[str, list[tuple[str, str]]] = {
                  ("memory error", "memory_error_frac")],
     "zero-bubble": [("model", "model"), ("devices", "devices"), ("schedule", "schedule"), ("samples/s", "throughput"),
                     ("gain", "gain"), ("bubble", "mean_bubble_fraction"), ("peak GB", "peak_memory_gb"),
-                    ("memory ratio", "memory_ratio"), ("max in-flight", "max_in_flight"), ("depth", "depth")],
+                    ("memory ratio", "memory_ratio"), ("max in-flight", "max_in_flight"), ("depth", "depth"),
+                    ("cpsat gap", "cpsat_gap")],
 }
 
 
@@ -127,9 +128,9 @@ def _headline(name: str, res: dict[str, Any]) -> str:
         if not gains:
             return "no feasible pair"
         top_n = max(x["devices"] for x in gains)
-        parts = ", ".join(f"{x['model']} {fmt(x['gain'])}x (memory x{fmt(x['memory_ratio'])})"
+        parts = ", ".join(f"{x['model']} {x['schedule']} {fmt(x['gain'])}x (memory x{fmt(x['memory_ratio'])})"
                           for x in gains if x["devices"] == top_n)
-        return (f"graph-zb / graph-1f1b and zb-h1 / 1f1b at {top_n} devices: {parts}; over all points "
+        return (f"throughput over graph-1f1b (zb-h1: over 1f1b) at {top_n} devices: {parts}; over all points "
                 f"{fmt(min(x['gain'] for x in gains))}-{fmt(max(x['gain'] for x in gains))}x")
     if name == "ablation":
         parts = []

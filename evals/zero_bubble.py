@@ -3,7 +3,9 @@
 Each point plans the model once with gpp (on the sequential transformer
 its stages form a chain) and re-schedules that same stage graph with every schedule of
 the comparison, so the gain is the schedule's alone: same stages, devices
-and micro-batch sizes. Figures are simulated on the ``v100`` preset with the
+and micro-batch sizes. ``cpsat`` is the CP-SAT co-optimiser with split
+backward (I/W) at the plan's micro-batch sizes (order only, a fixed time
+limit per point; its status and optimality gap are in the rows). Figures are simulated on the ``v100`` preset with the
 cost model's I/W split (W = half of each parameterised op's backward,
 :data:`graphpipe.costs.WEIGHT_GRAD_SHARE`). Peak memory is the fullest
 device's (model state + buffers + activations, which live until their W).
@@ -26,7 +28,8 @@ def zero_bubble_config(quick: bool) -> dict[str, Any]:
     return {
         "graph_models": ["mmt:layers=2", "candle-uno:branches=3"] if quick else ["mmt", "dlrm", "candle-uno"],
         "devices": [4] if quick else [8, 16, 32],
-        "graph_schedules": ["graph-1f1b", "graph-zb"],
+        "graph_schedules": ["graph-1f1b", "graph-zb", "cpsat"],
+        "cpsat_time_limit_s": 2.0 if quick else 10.0,  # per point; micro-batch sizes kept (order and I/W only)
         "chain_model": "transformer:layers=4" if quick else "transformer",
         "chain_strategy": "gpp",  # on a chain gpp's plan is a sequential pipeline (its stages are a chain)
         "chain_schedules": ["1f1b", "zb-h1"],
@@ -39,8 +42,22 @@ def num_points(config: dict[str, Any]) -> int:
     return (len(config["graph_models"]) + 1) * len(config["devices"])
 
 
-def _rows_for(model: str, n: int, batch: int, strategy: str, schedules: list[str], plan_fn) -> list[dict[str, Any]]:
-    from graphpipe.sched import make_schedule, simulate
+def _schedule(name: str, plan, time_limit_s: float):
+    """``(schedule, extra row fields)``; ``cpsat`` is CP-SAT with split backward at the plan's sizes."""
+    from graphpipe.sched import make_schedule
+
+    if name != "cpsat":
+        return make_schedule(name, plan.stage_graph, plan.cluster), {}
+    from graphpipe.search.cpsat import optimize_plan
+
+    solved = optimize_plan(plan, time_limit_s=time_limit_s, num_workers=2, seed=0, per_stage_micro_batch=False)
+    return solved.schedule, {"cpsat_status": solved.search["cpsat_status"], "cpsat_gap": solved.search["gap"],
+                             "split_backward": solved.search["cpsat_split_backward"]}
+
+
+def _rows_for(model: str, n: int, batch: int, strategy: str, schedules: list[str], plan_fn,
+              time_limit_s: float = 10.0) -> list[dict[str, Any]]:
+    from graphpipe.sched import simulate
 
     base = {"model": model, "devices": n, "batch_size": batch, "strategy": strategy}
     try:
@@ -51,7 +68,8 @@ def _rows_for(model: str, n: int, batch: int, strategy: str, schedules: list[str
     rows = []
     for name in schedules:
         try:
-            tl = simulate(sg, make_schedule(name, sg, cluster), cluster)
+            schedule, extra = _schedule(name, plan, time_limit_s)
+            tl = simulate(sg, schedule, cluster)
         except GraphpipeError as exc:
             rows.append({**base, "schedule": name, "feasible": False, "throughput": None, "error": str(exc)})
             continue
@@ -62,7 +80,7 @@ def _rows_for(model: str, n: int, batch: int, strategy: str, schedules: list[str
                      "peak_memory_bytes": max(tl.peak_memory_bytes),
                      "peak_memory_gb": max(tl.peak_memory_bytes) / 1e9,
                      "mean_bubble_fraction": sum(tl.bubble_fraction[d] for d in used) / len(used),
-                     "max_in_flight": max(tl.in_flight), "error": None})
+                     "max_in_flight": max(tl.in_flight), "error": None, **extra})
     reference = rows[0]
     for r in rows:
         ok = r["feasible"] and reference["feasible"]
@@ -77,7 +95,8 @@ def run_zero_bubble(config: dict[str, Any], progress: Progress, plan_fn) -> tupl
     for model in config["graph_models"]:
         for n in config["devices"]:
             batch = config["samples_per_device"] * n
-            rows += _rows_for(model, n, batch, "gpp", config["graph_schedules"], plan_fn)
+            rows += _rows_for(model, n, batch, "gpp", config["graph_schedules"], plan_fn,
+                              config["cpsat_time_limit_s"])
             progress.step(f"{model} {n}")
     for n in config["devices"]:
         batch = config["samples_per_device"] * n
