@@ -236,7 +236,7 @@ def plot_zero_bubble(res: dict[str, Any], out: str) -> str:
         schedule_of = {r["model"]: r["schedule"] for r in rows if r["schedule"] in names}
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(models))],
-                      [f"{m}\n({schedule_of[m]} / {'1f1b' if schedule_of[m] == 'zb-h1' else 'graph-1f1b'})"
+                      [f"{m}\n{schedule_of[m]}\n/ {'1f1b' if schedule_of[m] == 'zb-h1' else 'graph-1f1b'}"
                        for m in models], fontsize=8)
         ax.set_ylabel("simulated throughput gain (x)")
         ax.set_title(" / ".join(names) + (": CP-SAT with split backward, same micro-batch sizes"

@@ -251,3 +251,16 @@ def test_zbv_refuses_a_layout_that_is_not_a_v():
         make_schedule("zbv", round_robin_chain(g, 2, 2, 4, 1))
     with pytest.raises(ScheduleError, match="zbv needs 2K stages"):
         make_schedule("zbv", uniform_chain(3, 4))
+
+
+def test_trace_and_gantt_colour_i_and_w_apart(tmp_path):
+    from graphpipe.sched import plot_gantt, trace_document
+
+    sg = uniform_chain(2, 4)
+    tl = simulate(sg, zb_h1(sg), free_cluster(2))
+    events = [e for e in trace_document(tl)["traceEvents"] if e.get("ph") == "X" and e.get("cat") in "FIW"]
+    colours = {e["cat"]: e.get("cname") for e in events}
+    assert set(colours) == {"F", "I", "W"} and colours["I"] != colours["W"] and colours["I"] and colours["W"]
+    path = tmp_path / "zb.png"
+    plot_gantt(tl, str(path))
+    assert path.stat().st_size > 5000
