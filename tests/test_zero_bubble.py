@@ -7,7 +7,8 @@ import pytest
 from graphpipe.actions import Action, Schedule
 from graphpipe.errors import ScheduleError
 from graphpipe.graph import Affine, Op, OpGraph
-from graphpipe.sched import graph_zb, make_schedule, one_f_one_b, simulate, v_shape_chain, validate_schedule, zb_h1
+from graphpipe.sched import (graph_zb, make_schedule, one_f_one_b, round_robin_chain, simulate, v_shape_chain,
+                             validate_schedule, zb_h1)
 from graphpipe.sched.graph1f1b import warmup_counts
 from graphpipe.stages import Stage, StageGraph
 
@@ -187,17 +188,18 @@ def _layers(n: int) -> OpGraph:
                          [(f"l{i}", f"l{i + 1}", 0.0) for i in range(n - 1)])
 
 
-def _torch_zbv_orders(k: int, m: int) -> list[list[str]] | None:
-    """Per-rank actions of torch's ScheduleZBVZeroBubble (its ``pipeline_order``), built on stand-in stages."""
+def _torch_orders(class_name: str, k: int, m: int, v: int = 2) -> list[list[str]]:
+    """Per-rank actions of torch's ``class_name`` schedule (its ``pipeline_order``, bubbles dropped), built on
+    stand-in stages: ZBV's V (stages ``r`` and ``2K-1-r`` on rank ``r``) or the loop layout (``r + jK``)."""
     torch = pytest.importorskip("torch")
     schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
     stage_mod = pytest.importorskip("torch.distributed.pipelining.stage")
-    if not hasattr(schedules, "ScheduleZBVZeroBubble"):
-        pytest.skip("this torch has no ScheduleZBVZeroBubble")
+    if not hasattr(schedules, class_name):
+        pytest.skip(f"this torch has no {class_name}")
 
     class StandIn(stage_mod._PipelineStageBase):  # what the schedule's constructor reads, nothing more
         def __init__(self, stage_index, rank):
-            self.stage_index, self.num_stages, self.group_size, self.group_rank = stage_index, 2 * k, k, rank
+            self.stage_index, self.num_stages, self.group_size, self.group_rank = stage_index, v * k, k, rank
             self.submod = torch.nn.Identity()
             self.stage_index_to_group_rank = {}
 
@@ -212,7 +214,8 @@ def _torch_zbv_orders(k: int, m: int) -> list[list[str]] | None:
 
     out = []
     for rank in range(k):
-        schedule = schedules.ScheduleZBVZeroBubble([StandIn(rank, rank), StandIn(2 * k - 1 - rank, rank)], m)
+        ids = [rank, 2 * k - 1 - rank] if class_name == "ScheduleZBVZeroBubble" else [rank + j * k for j in range(v)]
+        schedule = getattr(schedules, class_name)([StandIn(i, rank) for i in ids], m)
         out.append([str(a) for a in schedule.pipeline_order[rank] if a is not None])
     return out
 
@@ -223,7 +226,24 @@ def test_zbv_per_rank_orders_equal_torch(k):
     for m in (1, k, 2 * k - 1, 2 * k, 4 * k):
         sg = v_shape_chain(_layers(2 * k), k, m, 1)
         ours = make_schedule("zbv", sg)
-        assert [[str(a) for a in acts] for acts in ours.device_actions] == _torch_zbv_orders(k, m), (k, m)
+        assert [[str(a) for a in acts] for acts in ours.device_actions] == _torch_orders("ScheduleZBVZeroBubble", k, m)
+
+
+@pytest.mark.parametrize("k", [2, 3, 4])
+@pytest.mark.parametrize("v", [2, 3])
+def test_interleaved_zb_per_rank_orders_equal_torch_and_beat_interleaved(k, v):
+    """On the loop layout both use (stage s on rank s % K): torch 2.13's ScheduleInterleavedZeroBubble orders;
+    and with F = I = W and free communication, faster than interleaved 1F1B on the same stages."""
+    cluster = free_cluster(k)
+    for m in (k, k + 1, 2 * k, 4 * k):
+        if m % max(1, m // k):
+            continue  # rounds of about K must divide M (both refuse)
+        sg = round_robin_chain(_layers(v * k), k, v, m, 1)
+        ours = make_schedule("interleaved-zb", sg)
+        assert [[str(a) for a in acts] for acts in ours.device_actions] == _torch_orders(
+            "ScheduleInterleavedZeroBubble", k, m, v), (k, v, m)
+        base = simulate(sg, make_schedule("interleaved", sg), cluster)
+        assert simulate(sg, ours, cluster).iteration_time_s < base.iteration_time_s
 
 
 @pytest.mark.parametrize("k", [2, 4])
@@ -245,8 +265,6 @@ def test_zbv_bubble_and_memory(k):
 
 def test_zbv_refuses_a_layout_that_is_not_a_v():
     g = _layers(8)
-    from graphpipe.sched import round_robin_chain
-
     with pytest.raises(ScheduleError, match="zbv needs stage 2 on the devices of stage 1"):
         make_schedule("zbv", round_robin_chain(g, 2, 2, 4, 1))
     with pytest.raises(ScheduleError, match="zbv needs 2K stages"):

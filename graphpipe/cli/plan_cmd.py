@@ -50,7 +50,8 @@ def register(sub) -> None:
                    help="the devices are ranks time-sharing N cores of one host (CPU runs on a smaller machine): "
                         "plan for that host, trying 1..devices ranks")
     p.add_argument("--schedule", default=None, metavar="NAME",
-                   help="override the strategy's schedule: gpipe, 1f1b, interleaved, graph-1f1b, zb-h1, graph-zb, cpsat")
+                   help="override the strategy's schedule: gpipe, 1f1b, interleaved, graph-1f1b, zb-h1, graph-zb, zbv, "
+                        "interleaved-zb, cpsat")
     p.add_argument("--time-limit", type=float, default=10.0, metavar="S", help="CP-SAT time limit (default 10 s)")
     p.add_argument("--profile", default=None, metavar="FILE", help="measured per-op costs (graphpipe profile output)")
     p.add_argument("--out", default=None, metavar="PLAN.json",

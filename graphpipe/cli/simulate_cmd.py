@@ -33,7 +33,8 @@ def register(sub) -> None:
                                    "simulate one iteration and print iteration time, throughput, bubbles and memory.")
     p.add_argument("plan", metavar="PLAN.json", help="a graphpipe.plan/1 file (graphpipe plan --out)")
     p.add_argument("--schedule", default=None, metavar="NAME",
-                   help="replace the plan's schedule: gpipe, 1f1b, interleaved, graph-1f1b, zb-h1, graph-zb, or cpsat")
+                   help="replace the plan's schedule: gpipe, 1f1b, interleaved, graph-1f1b, zb-h1, graph-zb, zbv, "
+                        "interleaved-zb, or cpsat")
     p.add_argument("--time-limit", type=float, default=10.0, metavar="S",
                    help="CP-SAT time limit in seconds for --schedule cpsat (default 10)")
     p.add_argument("--host-cores", type=int, default=None, metavar="N",

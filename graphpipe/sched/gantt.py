@@ -96,7 +96,8 @@ def _legend(fig, timeline: Timeline) -> None:
         handles = [Patch(color=_F_SHADES[0], label="forward (F)"), Patch(color=_B_SHADES[0], label="backward (B)")]
     if any(r.action.kind == "W" for r in timeline.actions):  # zero bubble: I is drawn like B, W apart
         if chunks > 1:
-            handles += [Patch(color=_W_SHADES[i % len(_W_SHADES)], label=f"W, virtual stage {i}") for i in range(chunks)]
+            handles += [Patch(color=_W_SHADES[i % len(_W_SHADES)], label=f"W, virtual stage {i}")
+                        for i in range(chunks)]
         else:
             handles[1] = Patch(color=_B_SHADES[0], label="backward / input gradient (B, I)")
             handles.append(Patch(color=_W_SHADES[0], label="weight gradient (W)"))

@@ -42,7 +42,7 @@ from graphpipe.stages import Stage, StageGraph
 
 from graphpipe.sched.graph1f1b import assemble, graph_1f1b, one_f_one_b_sequence, warmup_counts
 from graphpipe.sched.validate import validate_schedule
-from graphpipe.sched.zero_bubble import graph_zb, zb_h1, zbv
+from graphpipe.sched.zero_bubble import graph_zb, interleaved_zb, zb_h1, zbv
 
 __all__ = ["gpipe", "one_f_one_b", "interleaved_1f1b", "round_robin_chain", "v_shape_chain", "make_schedule",
            "SCHEDULE_NAMES", "interleaved_groups"]
@@ -277,7 +277,7 @@ def _balanced_cuts(cost: Sequence[float], pieces: int) -> list[int]:
     return cuts
 
 
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "graph-1f1b", "zb-h1", "graph-zb", "zbv")
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "graph-1f1b", "zb-h1", "graph-zb", "zbv", "interleaved-zb")
 
 _GENERATORS: dict[str, Callable[[StageGraph, Cluster | None], Schedule]] = {
     "gpipe": lambda sg, cluster: gpipe(sg),
@@ -287,12 +287,13 @@ _GENERATORS: dict[str, Callable[[StageGraph, Cluster | None], Schedule]] = {
     "zb-h1": zb_h1,
     "graph-zb": graph_zb,
     "zbv": zbv,
+    "interleaved-zb": lambda sg, cluster: interleaved_zb(sg, interleaved_groups(sg)),
 }
 
 
 def make_schedule(name: str, sg: StageGraph, cluster: Cluster | None = None) -> Schedule:
     """The schedule ``name`` for ``sg``, validated (``gpipe``, ``1f1b``, ``interleaved``, ``graph-1f1b``,
-    and zero bubble's ``zb-h1``, ``graph-zb`` and ``zbv``, :mod:`graphpipe.sched.zero_bubble`).
+    and zero bubble's ``zb-h1``, ``graph-zb``, ``zbv`` and ``interleaved-zb``, :mod:`graphpipe.sched.zero_bubble`).
 
     ``"cpsat"`` is an optimiser over plans and lives in
     :mod:`graphpipe.search.cpsat`, not here.

@@ -166,7 +166,8 @@ def _check_split(schedule: Schedule, stage_id: int, mb_id: int, device: int, see
     i_act, w_act = Action(*i_key), Action(*w_key)
     if b_key in seen:
         _fail(schedule, f"device {device} runs {Action(*b_key)} and a split backward ({i_act}/{w_act}) of the same "
-                        f"micro-batch; run either B or I then W", [(device, seen[b_key]), (device, i_at if i_at is not None else w_at)])
+                        f"micro-batch; run either B or I then W",
+              [(device, seen[b_key]), (device, i_at if i_at is not None else w_at)])
     if w_at is None:
         _fail(schedule, f"device {device} runs {i_act} without a later {w_act}: the weight gradients of a split "
                         f"backward must be computed by a W after its I", [(device, i_at)])

@@ -38,6 +38,11 @@ The price is memory: a micro-batch's activations live until its W.
   device's two chunks balance each other's memory. Build the layout with
   :func:`graphpipe.sched.generators.v_shape_chain`.
 
+* :func:`interleaved_zb` — interleaved 1F1B's layout (``K*v`` stages
+  round-robin, :func:`graphpipe.sched.generators.round_robin_chain`) with
+  each backward split and rank ``r``'s W's trailing its I's by ``r``
+  backwards (torch's ``ScheduleInterleavedZeroBubble``).
+
 zb-h1 and graph-zb run one stage per device (like 1F1B and graph-1F1B).
 
 Example
@@ -64,7 +69,7 @@ from graphpipe.stages import StageGraph
 from graphpipe.sched.graph1f1b import assemble, warmup_counts
 from graphpipe.sched.simulator import simulate
 
-__all__ = ["zb_h1", "graph_zb", "zbv", "v_shape_groups", "lagged_sequence"]
+__all__ = ["zb_h1", "graph_zb", "zbv", "interleaved_zb", "v_shape_groups", "lagged_sequence"]
 
 
 def lagged_sequence(stage_id: int, num_mbs: int, warmup: int, lag: int) -> list[Action]:
@@ -134,7 +139,8 @@ def graph_zb(sg: StageGraph, cluster: Cluster | None = None) -> Schedule:
             best = (timeline.iteration_time_s, schedule)
             act_limit = act * (1 + 1e-12)
             mem_limit = max(max(mem, default=0.0), cluster.device.memory_bytes)
-        elif act <= act_limit and max(mem, default=0.0) <= mem_limit and timeline.iteration_time_s < best[0] * (1 - 1e-12):
+        elif (act <= act_limit and max(mem, default=0.0) <= mem_limit
+              and timeline.iteration_time_s < best[0] * (1 - 1e-12)):
             best = (timeline.iteration_time_s, schedule)
     return best[1]
 
@@ -224,3 +230,60 @@ def zbv(sg: StageGraph, cluster: Cluster | None = None) -> Schedule:
         for d in devices:
             lists[d] = list(kept)
     return Schedule.from_lists("zbv", lists)
+
+
+def interleaved_zb(sg: StageGraph, groups: Sequence[Sequence[int]]) -> Schedule:
+    """Interleaved 1F1B with split backward on the round-robin layout ``groups`` (stage ``s`` on group
+    ``s % K``; :func:`graphpipe.sched.generators.interleaved_groups` checks it).
+
+    Rank ``r`` of ``K`` with ``v`` chunks runs ``M*v`` forwards; micro-batches advance in rounds of
+    ``R = M / max(1, M // K)``. Its ``k``-th forward is on chunk ``(k // R) % v`` and its ``k``-th input
+    gradient on chunk ``v - 1 - (k // R) % v``. The warm-up is ``(v-1) R + (K-1-r)`` forwards — one per hop
+    from the last rank, not interleaved 1F1B's two, because an I comes back sooner than a B — then each
+    step runs F then I, and from the ``r``-th step on also the W of the oldest I not yet followed by
+    one; the cool-down runs the remaining I's the same way, then the W's left. This is the order of torch
+    2.13's ``ScheduleInterleavedZeroBubble`` (tested against it).
+    """
+    k_groups = len(groups)
+    v = sg.num_stages // k_groups
+    m = sg.num_micro_batches(0)
+    rounds = max(1, m // k_groups)
+    if m % rounds:
+        raise ScheduleError(f"interleaved-zb runs micro-batches in {rounds} rounds of about K={k_groups}: the "
+                            f"number of micro-batches ({m}) must be a multiple of {rounds}; use a multiple of "
+                            f"{k_groups} micro-batches")
+    per_round = m // rounds
+    total = m * v
+    lists: list[list[Action]] = [[] for _ in range(sg.num_devices)]
+    for r, devices in enumerate(groups):
+        warm = min((v - 1) * per_round + (k_groups - 1 - r), total)
+        count: dict[tuple[int, str], int] = {}
+        acts: list[Action] = []
+        grad_steps: list[int] = []  # the step of every I issued, oldest first: its W follows in that order
+
+        def emit(stage: int, kind: str) -> None:
+            j = count.get((stage, kind), 0)
+            count[(stage, kind)] = j + 1
+            acts.append(Action(stage, kind, j))
+
+        def forward_stage(step: int) -> int:
+            return ((step // per_round) % v) * k_groups + r
+
+        def grad_stage(step: int) -> int:
+            return (v - 1 - ((step - warm) // per_round) % v) * k_groups + r
+
+        for step in range(total + warm):
+            if step < warm:
+                emit(forward_stage(step), "F")
+                continue
+            if step < total:
+                emit(forward_stage(step), "F")
+            emit(grad_stage(step), "I")
+            grad_steps.append(step)
+            if step - warm >= r:
+                emit(grad_stage(grad_steps[len(grad_steps) - 1 - r]), "W")
+        for step in grad_steps[len(grad_steps) - min(r, len(grad_steps)):]:
+            emit(grad_stage(step), "W")
+        for d in devices:
+            lists[d] = list(acts)
+    return Schedule.from_lists("interleaved-zb", lists)

@@ -404,8 +404,9 @@ def size_lower_bounds(data: ModelData, candidates: Sequence[Sequence[int]] | Non
     M F + (M - k) B + down_last + B) + tail``; infinite when one micro-batch
     does not fit. Split into I and W, B's role on the gradient path is I's
     (``tail`` follows the stage's last I), and a second bound counts every W
-    too up to the stage's last W, followed only by its all-reduce. It relies on the model's symmetry breaking (in-order F's
-    and B's), which :func:`graphpipe.search.cpsat.solve` always imposes.
+    too up to the stage's last W, followed only by its all-reduce. It relies
+    on the model's symmetry breaking (in-order F's and B's, or F's, I's and
+    W's), which :func:`graphpipe.search.cpsat.solve` always imposes.
 
     >>> from graphpipe.graph import Op, OpGraph, Affine
     >>> from graphpipe.stages import Stage, StageGraph
