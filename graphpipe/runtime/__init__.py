@@ -65,6 +65,11 @@ def preflight(plan: Plan, options: RunOptions) -> None:
     from graphpipe.runtime.jobs import load_runnable
 
     validate_plan(plan)
+    from graphpipe.sched.async_pipe import plan_spec
+
+    if plan_spec(plan) is not None:
+        raise InputError(f"schedule {plan.schedule.name!r} is simulated but not executed yet; run the plan with "
+                         f"'graphpipe simulate', or re-plan with --schedule 1f1b")
     runnable = load_runnable(plan.model, options.seed, "meta" if ".py:" not in plan.model else "cpu")
     check_op_names([op.name for op in plan.graph.ops], runnable.op_names, plan.model)
     split = split_model(runnable.gm, runnable.op_nodes, plan.stage_graph)

@@ -258,13 +258,17 @@ def _balanced_cuts(cost: Sequence[float], pieces: int) -> list[int]:
     return cuts
 
 
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "graph-1f1b")
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "graph-1f1b", "1f1b-async", "2bw")
 
 _GENERATORS: dict[str, Callable[[StageGraph, Cluster | None], Schedule]] = {
     "gpipe": lambda sg, cluster: gpipe(sg),
     "1f1b": lambda sg, cluster: one_f_one_b(sg),
     "interleaved": lambda sg, cluster: interleaved_1f1b(sg),
     "graph-1f1b": graph_1f1b,
+    # PipeDream's asynchronous pipelines (graphpipe.sched.async_pipe): the plan keeps one mini-batch of the
+    # 1F1B order for display and validation; simulator and runtime stream it without a flush.
+    "1f1b-async": lambda sg, cluster: Schedule("1f1b-async", one_f_one_b(sg).device_actions),
+    "2bw": lambda sg, cluster: Schedule("2bw", one_f_one_b(sg).device_actions),
 }
 
 
