@@ -71,7 +71,7 @@ def _run(args) -> int:
     check_outputs((args.out, "--out", JSON_SUFFIXES), (args.trace, "--trace", JSON_SUFFIXES),
                   (args.gantt, "--gantt", IMAGE_SUFFIXES))
     plan = read_plan(args.plan)
-    if args.schedule is None and (args.vertical_sync or args.update_every is not None):
+    if args.schedule is None and (args.vertical_sync or args.update_every is not None or args.no_stash):
         args.schedule = plan.schedule.name  # the plan's own schedule, with other asynchronous options
     wants_async = async_requested(args)
     log.info("read %s: %s (%s), %d stages on %d devices", args.plan, plan.model, plan.strategy,
