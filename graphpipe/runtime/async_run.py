@@ -127,7 +127,6 @@ def run_async_job(rank: int, world_size: int, plan: Plan, spec: AsyncSpec, optio
     from graphpipe.runtime.routing import Routing
     from graphpipe.runtime.stage_modules import boundary_meta, check_op_names, split_model
     from graphpipe.runtime.stash import WeightVersions
-    from graphpipe.runtime.worker import _edge_values
 
     sg, steps = plan.stage_graph, options.steps
     if sg.num_devices > world_size:
@@ -143,7 +142,8 @@ def run_async_job(rank: int, world_size: int, plan: Plan, spec: AsyncSpec, optio
         raise InputError(f"{plan.model} ties parameters across stages ({split.tied[0].name}); asynchronous schedules "
                          f"keep one version history per stage and do not run tied copies yet")
     meta = boundary_meta(runnable.gm, split.boundary_values, runnable.make_inputs)
-    routing = Routing(ssg, stream, _edge_values(split), [v for v, m in meta.items() if m.needs_grad])
+    edge_values = {(prog.stage_id, c): values for prog in split.programs for c, values in prog.send_values}
+    routing = Routing(ssg, stream, edge_values, [v for v, m in meta.items() if m.needs_grad])
     link_groups = make_link_groups(routing, world_size, backend)
     dp_groups = {}
     for stage in sg.stages:  # every rank creates every group, in stage order (new_group is collective)
