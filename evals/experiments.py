@@ -19,6 +19,7 @@ import logging
 import statistics
 from typing import Any, Callable
 
+from . import staleness
 from .common import Progress, write_result
 from graphpipe.cluster import preset
 from graphpipe.errors import GraphpipeError
@@ -362,6 +363,8 @@ EXPERIMENTS: dict[str, tuple[Callable[[bool], dict], Callable]] = {
     "case-study": (case_study_config, run_case_study),
     "memory": (memory_config, run_memory),
     "fidelity": (fidelity_config, run_fidelity),
+    "async-throughput": (staleness.async_throughput_config, staleness.run_async_throughput),
+    "staleness": (staleness.staleness_config, staleness.run_staleness),
 }
 ORDER = tuple(EXPERIMENTS)
 
@@ -380,6 +383,10 @@ def _num_points(name: str, config: dict[str, Any]) -> int:
         return 2
     if name == "memory":
         return 2 * len(config["models"])
+    if name == "async-throughput":
+        return len(config["models"]) * len(config["devices"]) + 1
+    if name == "staleness":
+        return len(config["variants"])
     return len(config["points"])
 
 

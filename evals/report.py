@@ -22,6 +22,13 @@ PAPER = {
     "case-study": "2-branch transformer on 8 devices: depth 8 -> 4, micro-batch 2 -> 4, +20% throughput (Figs. 8/10)",
     "memory": "GPP's shallower pipeline keeps fewer micro-batches in flight, so less activation memory (Sec. 3)",
     "fidelity": "(no paper figure; our target: simulator error under 20% once calibrated with `graphpipe profile`)",
+    "async-throughput": ("PipeDream (SOSP'19): no pipeline flush, so no fill/drain bubble; 1F1B with weight stashing "
+                         "keeps up to K-i weight versions on stage i of K (Sec. 3.3). PipeDream-2BW (ICML'21): "
+                         "throughput of the asynchronous pipeline with only 2 weight versions per stage (Sec. 3.1)"),
+    "staleness": ("PipeDream (SOSP'19, Fig. 10 and Sec. 3.3): weight stashing is needed for correct gradients and "
+                  "reaches the flushing pipeline's accuracy per epoch, faster in wall-clock time; without stashing "
+                  "training is inconsistent. 2BW (ICML'21, Fig. 6): its delay-1 update W(t+1) = W(t) - lr grad(W(t-1)) "
+                  "matches the loss curve of synchronous training"),
 }
 
 
@@ -69,6 +76,13 @@ TABLE_COLUMNS: dict[str, list[tuple[str, str]]] = {
     "fidelity": [("model", "model"), ("strategy", "strategy"), ("schedule", "schedule"), ("devices", "devices"),
                  ("predicted (s)", "predicted_s"), ("measured (s)", "measured_s"), ("error", "error_frac"),
                  ("memory error", "memory_error_frac")],
+    "async-throughput": [("source", "source"), ("model", "model"), ("devices", "devices"), ("schedule", "schedule"),
+                         ("samples/s", "throughput"), ("x 1f1b", "x_1f1b"), ("peak GB", "peak_memory_gb"),
+                         ("stashed GB (fullest device)", "stashed_gb"), ("replicated stage", "replicated")],
+    "staleness": [("schedule", "schedule"), ("first loss", "first_loss"), ("final loss (last 10%)", "final_loss"),
+                  ("wall-clock (s)", "wall_clock_s"), ("steady iteration (ms)", "steady_iteration_ms"),
+                  ("stashed bytes (fullest device)", "stashed_weight_bytes"),
+                  ("predicted peak bytes", "peak_memory_bytes_predicted")],
 }
 
 
@@ -117,6 +131,13 @@ def _headline(name: str, res: dict[str, Any]) -> str:
         return (f"median |predicted - measured| / measured = {fmt(s.get('median_error'))}"
                 + (f"; activation memory: worst device per plan, median {fmt(s['median_memory_error'])}"
                    if s.get("median_memory_error") is not None else ""))
+    if name == "async-throughput":
+        measured = ", ".join(f"{m} {fmt(x)}x" for m, x in (s.get("async_over_flush_measured") or {}).items())
+        return (f"simulated 1f1b-async / 1f1b >= {fmt(s.get('min_async_over_flush_simulated'))}x at every point; "
+                f"measured on 4 CPU ranks: {measured}")
+    if name == "staleness":
+        return "final loss: " + ", ".join(f"{k} {fmt(v)}" for k, v in (s.get("final_loss") or {}).items()) + \
+            "; wall-clock speed vs 1f1b: " + ", ".join(f"{k} {fmt(v)}x" for k, v in (s.get("speed_vs_flush") or {}).items())
     if name == "ablation":
         parts = []
         for r in res["rows"]:

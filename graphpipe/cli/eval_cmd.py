@@ -16,7 +16,8 @@ DEFAULT_OUT = "eval-out"
 def register(sub) -> None:
     p = sub.add_parser("eval", help="reproduce the paper's evaluations (plots, tables, REPORT.md)",
                        description="Run one experiment or all of them; write results/<name>.json, <name>.png and REPORT.md.")
-    p.add_argument("name", metavar="NAME", help="throughput, search-time, branches, ablation, case-study, memory, fidelity, or all")
+    p.add_argument("name", metavar="NAME", help="throughput, search-time, branches, ablation, case-study, memory, fidelity, "
+                                                     "async-throughput, staleness, or all")
     p.add_argument("--out", default=None,
                    help="output folder (default ./eval-out, ./eval-out/quick with --quick; --out evals regenerates "
                         "the repository's committed REPORT.md)")
