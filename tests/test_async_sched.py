@@ -17,7 +17,7 @@ from graphpipe.sched.async_pipe import (AsyncSpec, async_figures, async_spec_for
                                         stream_schedule, version_table, with_async)
 from graphpipe.stages import Stage, StageGraph
 
-from conftest import chain_graph, branches_graph
+from conftest import branches_graph
 
 
 def _free_cluster(n: int):
@@ -186,3 +186,19 @@ def test_cli_simulates_async_and_refuses_bad_flags(tmp_path, capsys):
         assert main(["simulate", path, *flags]) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("model", ["transformer", "candle-uno"])
+def test_async_steady_state_is_never_below_the_flush_on_pipedream_plans(model):
+    """Acceptance: PipeDream's plans at 4/8/16 devices (round-robin replicas among them); the stream drops the
+    flush bubble and pays each update's all-reduce, and still beats the flushing 1F1B (PipeDream-Flush)."""
+    from graphpipe import zoo
+    from graphpipe.search.planner import make_plan
+
+    graph = zoo.load_graph(model)
+    for n in (4, 8, 16):
+        plan = make_plan(model, graph, preset("v100", n), 16 * n, "pipedream", schedule="1f1b")
+        for name in ("1f1b-async", "2bw"):
+            figures = with_async(plan, async_spec_for(name, plan.stage_graph)).predicted
+            assert figures["throughput"] >= plan.predicted["throughput"], (model, n, name)
+            assert figures["max_peak_memory_bytes"] >= plan.predicted["max_peak_memory_bytes"]

@@ -67,7 +67,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from graphpipe import costs
-from graphpipe.actions import Action, Schedule
+from graphpipe.actions import Schedule
 from graphpipe.cluster import Cluster
 from graphpipe.errors import InputError, ScheduleError
 from graphpipe.stages import StageGraph
