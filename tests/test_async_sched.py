@@ -202,3 +202,24 @@ def test_async_steady_state_is_never_below_the_flush_on_pipedream_plans(model):
             figures = with_async(plan, async_spec_for(name, plan.stage_graph)).predicted
             assert figures["throughput"] >= plan.predicted["throughput"], (model, n, name)
             assert figures["max_peak_memory_bytes"] >= plan.predicted["max_peak_memory_bytes"]
+
+
+def test_run_refuses_2bw_whose_m_does_not_divide_the_streamed_micro_batches(tmp_path, capsys):
+    from graphpipe import zoo
+    from graphpipe.plan import write_plan
+
+    graph = zoo.load_graph("transformer:small")
+    sg = StageGraph.build(graph, [Stage(0, tuple(range(3)), (0,), 2), Stage(1, tuple(range(3, graph.num_ops)), (1,), 2)],
+                          8, 2)
+    cluster = preset("v100", 2)
+    plan = Plan(model="transformer:small", stage_graph=sg, cluster=cluster, strategy="custom",
+                schedule=make_schedule("1f1b", sg, cluster))
+    path = str(tmp_path / "p.json")
+    write_plan(path, with_async(plan, async_spec_for("2bw", sg, update_every=8)))
+    assert main(["run", path, "--steps", "3"]) == 2  # 3 steps x 4 micro-batches = 12, not a multiple of 8
+    err = capsys.readouterr().err
+    assert "needs a multiple of 8 micro-batches" in err and err.count("\n") == 1
+    # switching back to a flushing schedule drops the async options
+    out = str(tmp_path / "flush.json")
+    assert main(["simulate", path, "--schedule", "1f1b", "--out", out]) == 0
+    assert "async" not in json.loads(open(out).read())

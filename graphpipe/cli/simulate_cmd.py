@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from dataclasses import replace
 
 from graphpipe.cli.async_flags import add_async_arguments, async_requested, to_async
 from graphpipe.cli.common import MAX_TIME_LIMIT_S
@@ -89,7 +90,7 @@ def _run(args) -> int:
         plan = to_async(plan, args, host)
     else:
         schedule = make_schedule(args.schedule, plan.stage_graph, plan.cluster)
-        plan = plan.with_schedule(schedule)
+        plan = replace(plan.with_schedule(schedule), asynchrony={})  # a flushing schedule has no versions
     from graphpipe.sched.async_pipe import async_figures, plan_spec, stream_graph, stream_schedule
 
     spec = plan_spec(plan)

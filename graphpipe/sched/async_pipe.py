@@ -378,9 +378,6 @@ def with_async(plan, spec: AsyncSpec, host=None):
 def plan_spec(plan) -> AsyncSpec | None:
     """The :class:`AsyncSpec` of a plan whose schedule is asynchronous, else None (its window is checked)."""
     if plan.schedule.name not in ASYNC_SCHEDULES:
-        if plan.asynchrony.get("vertical_sync"):
-            raise InputError(f"the plan asks for vertical sync but its schedule {plan.schedule.name!r} flushes; "
-                             f"vertical sync needs 1f1b-async")
         return None
     check_async_stage_graph(plan.stage_graph)
     window = stream_schedule(plan.stage_graph, plan.schedule.name, 1)
