@@ -19,6 +19,7 @@ import logging
 import statistics
 from typing import Any, Callable
 
+from . import staleness
 from .common import Progress, write_result
 from .zero_bubble import num_points as zero_bubble_points, zero_bubble_config
 from graphpipe.cluster import preset
@@ -372,6 +373,8 @@ EXPERIMENTS: dict[str, tuple[Callable[[bool], dict], Callable]] = {
     "memory": (memory_config, run_memory),
     "fidelity": (fidelity_config, run_fidelity),
     "zero-bubble": (zero_bubble_config, run_zero_bubble),
+    "async-throughput": (staleness.async_throughput_config, staleness.run_async_throughput),
+    "staleness": (staleness.staleness_config, staleness.run_staleness),
 }
 ORDER = tuple(EXPERIMENTS)
 
@@ -392,6 +395,10 @@ def _num_points(name: str, config: dict[str, Any]) -> int:
         return 2 * len(config["models"])
     if name == "zero-bubble":
         return zero_bubble_points(config)
+    if name == "async-throughput":
+        return len(config["models"]) * len(config["devices"]) + 1
+    if name == "staleness":
+        return len(config["variants"])
     return len(config["points"])
 
 

@@ -245,6 +245,49 @@ def plot_zero_bubble(res: dict[str, Any], out: str) -> str:
     axes[0][-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.suptitle("Zero bubble on gpp's plans (same stages re-scheduled), v100 preset")
     return _save(fig, out, "zero-bubble")
+def plot_async_throughput(res: dict[str, Any], out: str) -> str:
+    rows = [r for r in res["rows"] if r["source"] == "simulated"]
+    models = sorted({r["model"] for r in rows})
+    fig, axes = plt.subplots(1, len(models) + 1, figsize=(4.2 * (len(models) + 1), 3.8))
+    for ax, model in zip(axes, models):
+        for name, marker in (("1f1b", "s"), ("1f1b-async", "o"), ("2bw", "^")):
+            pts = sorted((r["devices"], r["throughput"]) for r in rows if r["model"] == model and r["schedule"] == name)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("devices (V100 preset)")
+        ax.set_ylabel("simulated samples/s (steady state)")
+        ax.set_title(f"{model}: PipeDream plan")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    ax = axes[-1]
+    measured = [r for r in res["rows"] if r["source"] != "simulated"]
+    labels = [f"{r['model'].split(':')[0]}\n{r['schedule']}" for r in measured]
+    ax.bar(range(len(measured)), [r["throughput"] for r in measured], color="#1f77b4")
+    ax.set_xticks(range(len(measured)), labels, fontsize=6)
+    ax.set_ylabel("measured samples/s")
+    ax.set_title("measured, 4 CPU ranks (small presets)")
+    return _save(fig, out, "async-throughput")
+
+
+def plot_staleness(res: dict[str, Any], out: str) -> str:
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    for r in res["rows"]:
+        axes[0].plot(range(1, len(r["losses"]) + 1), r["losses"], label=r["schedule"], lw=1)
+        axes[1].plot(r["clock_s"], r["losses"][:len(r["clock_s"])], label=r["schedule"], lw=1)
+    for ax, xlabel in ((axes[0], "step (mini-batch)"), (axes[1], "measured wall-clock (s, shared CPU host)")):
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("training loss (mean square of the output)")
+        ax.set_yscale("log")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    axes[0].set_title("loss vs step")
+    axes[1].set_title("loss vs time (PipeDream Fig. 10 style)")
+    names = [r["schedule"] for r in res["rows"]]
+    axes[2].bar(range(len(names)), [r["stashed_weight_bytes"] / 1e3 for r in res["rows"]], color="#9467bd")
+    axes[2].set_xticks(range(len(names)), names, fontsize=7, rotation=15)
+    axes[2].set_ylabel("stashed weight kB (fullest device, measured)")
+    axes[2].set_title("memory for weight versions")
+    return _save(fig, out, "staleness")
 
 
 PLOTS: dict[str, Callable[[dict, str], str]] = {
@@ -256,6 +299,8 @@ PLOTS: dict[str, Callable[[dict, str], str]] = {
     "memory": plot_memory,
     "fidelity": plot_fidelity,
     "zero-bubble": plot_zero_bubble,
+    "async-throughput": plot_async_throughput,
+    "staleness": plot_staleness,
 }
 
 

@@ -68,6 +68,7 @@ __all__ = [
     "stashed_bytes",
     "buffer_bytes",
     "memory_bytes",
+    "weight_versions_bytes",
     "StageSums",
     "stage_sums",
     "stage_tps",
@@ -159,6 +160,18 @@ def activation_bytes(act, inputs, samples, in_flight, recompute):
 def buffer_bytes(inputs, outputs, samples):
     """Communication buffers: one micro-batch of inputs and one of output gradients being received."""
     return (inputs + outputs) * samples
+
+
+def weight_versions_bytes(param_bytes, versions):
+    """Stashed weight versions of an asynchronous pipeline (PipeDream weight stashing, 2BW's second buffer).
+
+    A version is a copy of the weights only (no gradients, no optimizer
+    state): ``param_bytes`` per version kept besides the live weights.
+
+    >>> weight_versions_bytes(4e6, 2)
+    8000000.0
+    """
+    return float(param_bytes) * versions
 
 
 def memory_bytes(param_bytes, act, inputs, outputs, samples, in_flight, recompute, bytes_per_param):

@@ -52,6 +52,9 @@ class Plan:
     """Ops created by contracting non-series-parallel regions -> original op names."""
     batchnorm: str = "per-micro-batch"
     """BatchNorm semantics under micro-batching (:data:`BATCHNORM_MODES`; see :mod:`graphpipe.runtime.batchnorm`)."""
+    asynchrony: Mapping[str, Any] = field(default_factory=dict)
+    """Asynchronous schedules only (``1f1b-async``, ``2bw``): ``vertical_sync``, ``update_every``, ``stash``
+    (:class:`graphpipe.sched.async_pipe.AsyncSpec`); written as the plan's ``async`` key."""
 
     def __post_init__(self) -> None:
         if self.stage_graph.num_devices != self.cluster.num_devices:
@@ -94,6 +97,7 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         "search": dict(plan.search),
         "merged": {k: list(v) for k, v in plan.merged.items()},
         "batchnorm": plan.batchnorm,
+        **({"async": dict(plan.asynchrony)} if plan.asynchrony else {}),
     }
 
 
@@ -144,7 +148,19 @@ def plan_from_dict(doc: Any, where: str = "plan") -> Plan:
                 strategy=files.string(doc.get("strategy", "custom"), f"{where}.strategy"), schedule=schedule,
                 predicted=_figures(doc.get("predicted"), f"{where}.predicted"),
                 search=_figures(doc.get("search"), f"{where}.search"), merged=merged,
-                batchnorm=_batchnorm(doc.get("batchnorm", "per-micro-batch"), f"{where}.batchnorm"))
+                batchnorm=_batchnorm(doc.get("batchnorm", "per-micro-batch"), f"{where}.batchnorm"),
+                asynchrony=_asynchrony(doc.get("async"), f"{where}.async"))
+
+
+def _asynchrony(value: Any, where: str) -> dict[str, Any]:
+    """The ``async`` object: ``vertical_sync`` / ``stash`` booleans, ``update_every`` a positive integer."""
+    doc = dict(files.mapping(value if value is not None else {}, where))
+    for key, v in doc.items():
+        if key in ("vertical_sync", "stash") and not isinstance(v, bool):
+            raise FormatError(f"{where}.{key} must be true or false, got {v!r}")
+        if key == "update_every":
+            files.integer(v, f"{where}.{key}", 1)
+    return doc
 
 
 def _batchnorm(value: Any, where: str) -> str:

@@ -9,7 +9,8 @@ import pytest
 
 from graphpipe.cli import main
 
-EXPERIMENTS = ("throughput", "search-time", "branches", "ablation", "case-study", "memory", "fidelity", "zero-bubble")
+EXPERIMENTS = ("throughput", "search-time", "branches", "ablation", "case-study", "memory", "fidelity", "zero-bubble",
+               "async-throughput", "staleness")
 
 
 def _parse_tables(report: str) -> dict[str, list[list[str]]]:

@@ -19,6 +19,7 @@ import logging
 import sys
 from typing import Any
 
+from graphpipe.cli.async_flags import add_async_arguments, async_requested, to_async
 from graphpipe.cli.common import MAX_TIME_LIMIT_S
 from graphpipe.errors import InputError
 
@@ -51,7 +52,9 @@ def register(sub) -> None:
                         "plan for that host, trying 1..devices ranks")
     p.add_argument("--schedule", default=None, metavar="NAME",
                    help="override the strategy's schedule: gpipe, 1f1b, interleaved, graph-1f1b, zb-h1, graph-zb, zbv, "
-                        "interleaved-zb, cpsat")
+                        "interleaved-zb, cpsat, or PipeDream's asynchronous 1f1b-async / 2bw (no flush; sequential-style "
+                        "1F1B order)")
+    add_async_arguments(p)
     p.add_argument("--time-limit", type=float, default=10.0, metavar="S", help="CP-SAT time limit (default 10 s)")
     p.add_argument("--profile", default=None, metavar="FILE", help="measured per-op costs (graphpipe profile output)")
     p.add_argument("--out", default=None, metavar="PLAN.json",
@@ -91,6 +94,7 @@ def run(args) -> int:
     if args.compare and args.schedule:
         raise InputError("--compare runs every strategy with its own schedule; drop --schedule")
     check_outputs((args.out, "--out", JSON_SUFFIXES))
+    wants_async = async_requested(args)
     cluster = load_cluster(args.cluster, args.devices, args.memory_gb)
     options = _options(args)
     profile = None
@@ -139,7 +143,10 @@ def run(args) -> int:
 
         progress = progress_writer(sys.stderr)
     plan = make_plan(source.model_id, graph, cluster, args.batch_size, args.strategy, options,
-                     schedule=args.schedule, time_limit_s=args.time_limit, progress=progress)
+                     schedule="1f1b" if wants_async else args.schedule, time_limit_s=args.time_limit,
+                     progress=progress)
+    if wants_async:  # the partition is the 1F1B one; the stream and its versions replace the flush
+        plan = to_async(plan, args, options.host)
     plan = _with_profile(plan, profile)
     log.info("%s plan found in %.2f s: %d stages", plan.strategy, plan.search.get("time_s", 0.0),
              plan.stage_graph.num_stages)

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import logging
 import sys
+from dataclasses import replace
 
+from graphpipe.cli.async_flags import add_async_arguments, async_requested, to_async
 from graphpipe.cli.common import MAX_TIME_LIMIT_S
 from graphpipe.errors import InputError, ScheduleError
 
@@ -34,7 +36,8 @@ def register(sub) -> None:
     p.add_argument("plan", metavar="PLAN.json", help="a graphpipe.plan/1 file (graphpipe plan --out)")
     p.add_argument("--schedule", default=None, metavar="NAME",
                    help="replace the plan's schedule: gpipe, 1f1b, interleaved, graph-1f1b, zb-h1, graph-zb, zbv, "
-                        "interleaved-zb, or cpsat")
+                        "interleaved-zb, cpsat, 1f1b-async or 2bw")
+    add_async_arguments(p)
     p.add_argument("--time-limit", type=float, default=10.0, metavar="S",
                    help="CP-SAT time limit in seconds for --schedule cpsat (default 10)")
     p.add_argument("--host-cores", type=int, default=None, metavar="N",
@@ -70,6 +73,9 @@ def _run(args) -> int:
     check_outputs((args.out, "--out", JSON_SUFFIXES), (args.trace, "--trace", JSON_SUFFIXES),
                   (args.gantt, "--gantt", IMAGE_SUFFIXES))
     plan = read_plan(args.plan)
+    if args.schedule is None and (args.vertical_sync or args.update_every is not None or args.no_stash):
+        args.schedule = plan.schedule.name  # the plan's own schedule, with other asynchronous options
+    wants_async = async_requested(args)
     log.info("read %s: %s (%s), %d stages on %d devices", args.plan, plan.model, plan.strategy,
              plan.stage_graph.num_stages, plan.cluster.num_devices)
     if args.schedule is None:
@@ -81,13 +87,23 @@ def _run(args) -> int:
 
         plan = optimize_plan(plan, time_limit_s=args.time_limit, progress=progress_writer(sys.stderr))
         validate_plan(plan)
+    elif wants_async:
+        plan = to_async(plan, args, host)
     else:
         schedule = make_schedule(args.schedule, plan.stage_graph, plan.cluster)
-        plan = plan.with_schedule(schedule)
+        plan = replace(plan.with_schedule(schedule), asynchrony={})  # a flushing schedule has no versions
+    from graphpipe.sched.async_pipe import async_figures, plan_spec, stream_graph, stream_schedule
+
+    spec = plan_spec(plan)
     log.info("simulating schedule %s (%d actions)", plan.schedule.name,
              sum(len(a) for a in plan.schedule.device_actions))
-    timeline = simulate(plan.stage_graph, plan.schedule, plan.cluster, host=host)
-    figures = predicted_figures(timeline)
+    if spec is None:
+        timeline = simulate(plan.stage_graph, plan.schedule, plan.cluster, host=host)
+        figures = predicted_figures(timeline)
+    else:  # the figures are the steady state; the trace and Gantt chart show two mini-batches of the stream
+        timeline = simulate(stream_graph(plan.stage_graph, 2), stream_schedule(plan.stage_graph, spec.name, 2),
+                            plan.cluster, host=host)
+        figures = async_figures(plan.stage_graph, plan.cluster, spec, host=host)
     if args.trace:
         from graphpipe.sched.trace import write_trace
 

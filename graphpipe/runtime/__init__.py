@@ -65,6 +65,17 @@ def preflight(plan: Plan, options: RunOptions) -> None:
     from graphpipe.runtime.jobs import load_runnable
 
     validate_plan(plan)
+    from graphpipe.sched.async_pipe import plan_spec
+
+    spec = plan_spec(plan)
+    if spec is not None:
+        from graphpipe.sched.async_pipe import version_table
+
+        if options.baseline == "torch":
+            raise InputError(f"--baseline torch runs flushing schedules only; {spec.name} streams without a flush")
+        if options.precision != "fp32":
+            raise InputError(f"{spec.name} runs at fp32 only (its replay check is exact); drop --precision")
+        version_table(plan.stage_graph, spec, options.steps)  # 2bw's m must divide steps x micro-batches
     runnable = load_runnable(plan.model, options.seed, "meta" if ".py:" not in plan.model else "cpu")
     check_op_names([op.name for op in plan.graph.ops], runnable.op_names, plan.model)
     split = split_model(runnable.gm, runnable.op_nodes, plan.stage_graph)
@@ -128,5 +139,11 @@ def run_plan(plan: Plan, options: RunOptions | None = None) -> dict[str, Any]:
     options = options or RunOptions()
     raw = run_plans([(plan, options)])[0]
     summary = summarize(plan, raw)
-    summary["timeline"] = measured_timeline(plan, raw["records"]) if raw["records"] else None
+    shown = plan
+    if "async" in raw:  # the measured timeline of a stream is the whole run
+        from graphpipe.sched.async_pipe import stream_graph, stream_schedule
+
+        shown = replace(plan, stage_graph=stream_graph(plan.stage_graph, options.steps),
+                        schedule=stream_schedule(plan.stage_graph, plan.schedule.name, options.steps))
+    summary["timeline"] = measured_timeline(shown, raw["records"]) if raw["records"] else None
     return summary

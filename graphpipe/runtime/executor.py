@@ -159,7 +159,8 @@ class RankExecutor:
                  device: torch.device, timeout_s: float, link_groups: Mapping | None = None,
                  dp_groups: Mapping[tuple[int, ...], object] | None = None,
                  allreduce_order: Mapping[tuple[int, ...], Sequence[int]] | None = None, fault=None,
-                 seed: int = 0, batchnorm: str = "per-micro-batch", tied: Sequence[TiedSync] = ()):
+                 seed: int = 0, batchnorm: str = "per-micro-batch", tied: Sequence[TiedSync] = (),
+                 weights: Mapping[int, Any] | None = None, loss_batch_size: int | None = None):
         self.rank = rank
         self.sg = sg
         self.actions = tuple(actions)
@@ -194,6 +195,11 @@ class RankExecutor:
         self._pending_w: dict[tuple[int, int], PendingWeightGrad] = {}  # (stage, mb) whose I ran, W not yet
         self._fail_at = fault.at if fault is not None and fault.rank == rank else None
         self._fault_text = fault.describe() if fault is not None else ""
+        # Asynchronous schedules (runtime/stash.py): per stage, the weight versions F and B run on; the
+        # stream's loss terms are scaled by the mini-batch, not by the stream's rows.
+        self.weights = dict(weights or {})
+        self.loss_batch_size = loss_batch_size or sg.batch_size
+        self.sink_losses: dict[int, float] = {}  # micro-batch -> this rank's loss term (sink stages)
 
     # ------------------------------------------------------------ helpers
     def _buffer_spec(self, key) -> tuple[tuple[int, ...], torch.dtype]:
@@ -261,10 +267,11 @@ class RankExecutor:
         ctx = ShardContext(self.seed, self.step, rows.start, rows.stop - rows.start,
                            a.mb_id * stage.micro_batch_size, stage.micro_batch_size)
         args = [values[n] for n in prog.input_names]
-        scale = (rows.stop - rows.start) / self.sg.batch_size
+        scale = (rows.stop - rows.start) / self.loss_batch_size
+        versions = self.weights.get(a.stage_id)
 
         def run_stage(*xs):  # the stage's forward, and the loss on the sink (so re-materialization covers it)
-            sent, out = prog.module(*xs)
+            sent, out = prog.module(*xs) if versions is None else versions.call(a.mb_id, *xs)
             return sent, out, (self.loss_fn(out) * scale if prog.is_sink else None)
 
         with self.saved_meter.hooks():  # activation memory, measured (runtime/measure.py)
@@ -282,6 +289,8 @@ class RankExecutor:
             for value in self._edge_values[(piece.producer, piece.consumer)]:
                 self.mailbox.send(dst, Routing.key("F", piece, value), by_name[value][piece.producer_rows])
         saved[(a.stage_id, a.mb_id)] = (leaves, by_name, loss)
+        if loss is not None:
+            self.sink_losses[a.mb_id] = self.sink_losses.get(a.mb_id, 0.0) + float(loss.detach())
         if stage.recompute and a.stage_id not in self._redo_bytes:  # once, after the timed compute
             self._redo_bytes[a.stage_id] = self.saved_meter.probe(run_stage, *args, ctx)
         return ready_at - t0, start - t0, end - t0, float(loss.detach()) if loss is not None else 0.0
@@ -330,6 +339,8 @@ class RankExecutor:
         elif tensors:
             torch.autograd.backward(tensors, grad_tensors)
         self.saved_meter.add(-redo)
+        if a.stage_id in self.weights:
+            self.weights[a.stage_id].after_backward(a.mb_id)
         if a.kind == "B":
             self._stash.pop((a.stage_id, a.mb_id), None)
         self._sync()

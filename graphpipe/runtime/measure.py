@@ -164,7 +164,8 @@ def summarize(plan: Plan, result: Mapping[str, Any]) -> dict[str, Any]:
                  "num_stages": plan.stage_graph.num_stages},
         "measured": measured,
         "predicted": {k: predicted[k] for k in ("iteration_time_s", "throughput", "bubble_fraction",
-                                                "peak_memory_bytes", "peak_activation_bytes") if k in predicted},
+                                                "peak_memory_bytes", "peak_activation_bytes",
+                                                "stashed_weight_bytes") if k in predicted},
         "losses": result.get("losses", []),
         "backend": result.get("backend"),
         "precision": result.get("precision", "fp32"),
@@ -178,6 +179,8 @@ def summarize(plan: Plan, result: Mapping[str, Any]) -> dict[str, Any]:
         doc["memory_error"] = memory_error(measured["peak_activation_bytes"], predicted["peak_activation_bytes"])
     if "check" in result:
         doc["check"] = result["check"]
+    if "async" in result:
+        doc["async"] = result["async"]
     if "baseline" in result:
         doc["baseline"] = result["baseline"]
     return doc
@@ -211,6 +214,11 @@ def format_summary(summary: dict) -> str:
         lines.append("activations (MB per device, measured / predicted): "
                      + " ".join(f"{a / 1e6:.3g}/{b / 1e6:.3g}" for a, b in zip(mm, pp))
                      + f"  (worst error {summary['memory_error'] * 100:.1f}% of predicted)")
+    if "stashed_weight_bytes" in m:
+        pp = m.get("stashed_weight_bytes_predicted", [float("nan")] * len(m["stashed_weight_bytes"]))
+        lines.append("stashed weights (bytes per device, measured / predicted for this run): "
+                     + " ".join(f"{a:.0f}/{b:.0f}" for a, b in zip(m["stashed_weight_bytes"], pp))
+                     + f"  (steady-state iteration; whole stream {m['stream_time_s'] * 1e3:.3f} ms)")
     if summary.get("losses"):
         lines.append("loss per step: " + " ".join(f"{x:.6g}" for x in summary["losses"]))
     if "check" in summary:

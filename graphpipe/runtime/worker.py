@@ -108,6 +108,13 @@ def run_job(rank: int, world_size: int, plan: Plan, options: RunOptions, device:
         from graphpipe.runtime.baseline import run_torch_job
 
         return run_torch_job(rank, world_size, plan, options, device, control)
+    from graphpipe.sched.async_pipe import plan_spec
+
+    spec = plan_spec(plan)
+    if spec is not None:  # PipeDream's asynchronous schedules: one stream, weight versions (runtime/async_run.py)
+        from graphpipe.runtime.async_run import run_async_job
+
+        return run_async_job(rank, world_size, plan, spec, options, device, backend, control)
     sg, schedule = plan.stage_graph, plan.schedule
     if sg.num_devices > world_size:
         raise PlanError(f"plan needs {sg.num_devices} ranks, the job has {world_size}")

@@ -277,7 +277,8 @@ def _balanced_cuts(cost: Sequence[float], pieces: int) -> list[int]:
     return cuts
 
 
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "graph-1f1b", "zb-h1", "graph-zb", "zbv", "interleaved-zb")
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "graph-1f1b", "zb-h1", "graph-zb", "zbv", "interleaved-zb",
+                  "1f1b-async", "2bw")
 
 _GENERATORS: dict[str, Callable[[StageGraph, Cluster | None], Schedule]] = {
     "gpipe": lambda sg, cluster: gpipe(sg),
@@ -288,6 +289,10 @@ _GENERATORS: dict[str, Callable[[StageGraph, Cluster | None], Schedule]] = {
     "graph-zb": graph_zb,
     "zbv": zbv,
     "interleaved-zb": lambda sg, cluster: interleaved_zb(sg, interleaved_groups(sg)),
+    # PipeDream's asynchronous pipelines (graphpipe.sched.async_pipe): the plan keeps one mini-batch of the
+    # 1F1B order for display and validation; simulator and runtime stream it without a flush.
+    "1f1b-async": lambda sg, cluster: Schedule("1f1b-async", one_f_one_b(sg).device_actions),
+    "2bw": lambda sg, cluster: Schedule("2bw", one_f_one_b(sg).device_actions),
 }
 
 

@@ -100,6 +100,9 @@ def make_plan(model_id: str, graph: OpGraph, cluster: Cluster, batch_size: int, 
     """
     _check_batch_size(batch_size)
     get_strategy(strategy)
+    if (schedule or "").lower() in ("1f1b-async", "2bw"):  # scored as a steady state, not one flushed iteration
+        raise InputError(f"plan with schedule='1f1b' and then graphpipe.sched.async_pipe.with_async for "
+                         f"{schedule!r} (graphpipe plan --schedule {schedule} does this)")
     if options.host is not None and (schedule or "").lower() == "cpsat":
         raise InputError("the CP-SAT schedule models dedicated devices, not a shared host; "
                          "drop the host option or pick another schedule")

@@ -1,0 +1,250 @@
+"""Run PipeDream's asynchronous schedules (1f1b-async, 2bw) for real, and their single-process replay oracle.
+
+A run of ``K`` steps is one stream of ``K * M`` micro-batches through the
+1F1B order without a flush (:func:`graphpipe.sched.async_pipe.stream_schedule`):
+the stage graph of the stream is the plan's with ``K`` mini-batches
+(:func:`~graphpipe.sched.async_pipe.stream_graph`), its rows are step ``k``'s
+data at rows ``kB .. kB+B-1``, and every micro-batch's loss term is scaled
+by the mini-batch ``B`` as in a flushing run. Each stage's weights live in a
+:class:`~graphpipe.runtime.stash.WeightVersions`: F and B of micro-batch
+``i`` run on version ``v(s, i)``, each update group's summed gradients step
+SGD (``--lr``) on the latest version, replicas all-reduce at every update.
+
+Measured figures: a stream has no per-step barrier, so the steady-state
+iteration is the median over windows ``w >= 1`` of the time between the
+ends of the last backward of windows ``w - 1`` and ``w`` (max over ranks;
+one clock on one host); ``stream_time_s`` is the whole run. Stashed-weight
+bytes are counted per rank (:attr:`WeightVersions.peak_stashed_bytes`) and
+laid beside the prediction (stashed versions x the plan's weight bytes).
+
+``--check`` replays the same version schedule in one process
+(:func:`replay_reference`): micro-batch ``i`` runs through the whole
+captured model with every parameter at its stage's version ``v(s, i)``
+(``torch.func.functional_call``), all versions are kept, and each group's
+summed gradients make the next version. Every rank compares the losses of its
+sink micro-batches and the final weights of its stages with
+``|a - b| <= atol + rtol |b|`` (fp32: rtol 1.3e-6, atol 1e-5).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from graphpipe.errors import InputError, PlanError
+from graphpipe.plan import Plan
+from graphpipe.runtime.jobs import RunOptions, data_seed, load_runnable
+from graphpipe.runtime.rng import ShardContext
+from graphpipe.sched.async_pipe import AsyncSpec, VersionTable, stream_graph, stream_schedule, version_table
+
+__all__ = ["ReplayResult", "replay_reference", "stream_inputs", "run_async_job", "stage_of_params",
+           "predicted_stash_bytes"]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ReplayResult:
+    """What the single-process replay produced: each micro-batch's loss term and every stage's final weights."""
+
+    mb_losses: tuple[float, ...]
+    """Micro-batch ``i``'s loss, scaled by ``rows / batch_size`` as in the pipeline."""
+    weights: dict[str, torch.Tensor]
+    """Whole-model parameter name -> its value after the last update."""
+
+
+def stream_inputs(make_inputs, batch_size: int, seed: int, steps: int) -> tuple[torch.Tensor, ...]:
+    """The stream's data: step ``k``'s mini-batch (``data_seed(seed, k)``) at rows ``k B .. (k+1) B - 1``."""
+    batches = [make_inputs(batch_size, data_seed(seed, k)) for k in range(steps)]
+    return tuple(torch.cat(parts) for parts in zip(*batches))
+
+
+def stage_of_params(split) -> dict[str, int]:
+    """Whole-model parameter name -> the stage that owns it."""
+    out = {}
+    for prog in split.programs:
+        for name, _ in prog.module.named_parameters():
+            out[prog.param_names.get(name, name)] = prog.stage_id
+    return out
+
+
+def replay_reference(plan: Plan, table: VersionTable, seed: int, lr: float, steps: int) -> ReplayResult:
+    """The replay oracle (module docstring): one process, micro-batches in order, versions from ``table``."""
+    from graphpipe.runtime.stage_modules import split_model
+
+    sg = plan.stage_graph
+    ref = load_runnable(plan.model, seed, "cpu")
+    owner = stage_of_params(split_model(ref.gm, ref.op_nodes, sg))
+    gm = ref.gm
+    gm.train()
+    names = [n for n, _ in gm.named_parameters()]
+    versions = [[{n: p.detach().clone() for n, p in gm.named_parameters() if owner[n] == s}]
+                for s in range(sg.num_stages)]
+    sums: list[dict[str, torch.Tensor] | None] = [None] * sg.num_stages
+    inputs = stream_inputs(ref.make_inputs, sg.batch_size, seed, steps)
+    b = sg.stages[0].micro_batch_size
+    losses = []
+    for i in range(table.num_micro_batches):
+        params = {}
+        for n in names:
+            s = owner[n]
+            params[n] = versions[s][table.version[s][i]][n].clone().requires_grad_(True)
+        ctx = ShardContext(seed, 0, i * b, b, i * b, b)
+        out = torch.func.functional_call(gm, params, (*(x[i * b:(i + 1) * b] for x in inputs), ctx))
+        loss = ref.loss_fn(out) * b / sg.batch_size
+        loss.backward()
+        losses.append(float(loss.detach()))
+        for s in range(sg.num_stages):
+            mine = {n: params[n].grad if params[n].grad is not None else torch.zeros_like(params[n])
+                    for n in names if owner[n] == s}
+            sums[s] = mine if sums[s] is None else {n: sums[s][n] + g for n, g in mine.items()}
+            if (i + 1) % table.group_size[s] == 0:
+                latest = versions[s][-1]
+                versions[s].append({n: latest[n] - lr * sums[s][n] for n in latest})
+                sums[s] = None
+    weights = {n: versions[s][-1][n] for s in range(sg.num_stages) for n in versions[s][-1]}
+    return ReplayResult(tuple(losses), weights)
+
+
+def _window_times(records: list[dict], num_mbs_per_window: int, steps: int) -> list[float]:
+    """End of each window's last backward (max over ranks), in the shared clock."""
+    ends = [0.0] * steps
+    for r in records:
+        if r["kind"] == "B":
+            w = r["mb_id"] // num_mbs_per_window
+            ends[w] = max(ends[w], r["end"])
+    return ends
+
+
+def run_async_job(rank: int, world_size: int, plan: Plan, spec: AsyncSpec, options: RunOptions,
+                  device: torch.device, backend: str, control=None) -> dict[str, Any] | None:
+    """Run ``plan``'s stream of ``options.steps`` mini-batches on this rank; rank 0 returns the result."""
+    from graphpipe.runtime.comm import make_link_groups
+    from graphpipe.runtime.executor import RankExecutor
+    from graphpipe.runtime.routing import Routing
+    from graphpipe.runtime.stage_modules import boundary_meta, check_op_names, split_model
+    from graphpipe.runtime.stash import WeightVersions
+
+    sg, steps = plan.stage_graph, options.steps
+    if sg.num_devices > world_size:
+        raise PlanError(f"plan needs {sg.num_devices} ranks, the job has {world_size}")
+    table = version_table(sg, spec, steps)
+    ssg = stream_graph(sg, steps)
+    stream = stream_schedule(sg, spec.name, steps)
+    my_stages = sg.stages_on_device(rank) if rank < sg.num_devices else ()
+    runnable = load_runnable(plan.model, options.seed, "cpu")
+    check_op_names([op.name for op in sg.graph.ops], runnable.op_names, plan.model)
+    split = split_model(runnable.gm, runnable.op_nodes, ssg)
+    if split.tied:
+        raise InputError(f"{plan.model} ties parameters across stages ({split.tied[0].name}); asynchronous schedules "
+                         f"keep one version history per stage and do not run tied copies yet")
+    meta = boundary_meta(runnable.gm, split.boundary_values, runnable.make_inputs)
+    edge_values = {(prog.stage_id, c): values for prog in split.programs for c, values in prog.send_values}
+    routing = Routing(ssg, stream, edge_values, [v for v, m in meta.items() if m.needs_grad])
+    link_groups = make_link_groups(routing, world_size, backend)
+    dp_groups = {}
+    for stage in sg.stages:  # every rank creates every group, in stage order (new_group is collective)
+        if stage.num_replicas > 1 and stage.devices not in dp_groups:
+            dp_groups[stage.devices] = dist.new_group(list(stage.devices))
+    programs = {s: split.programs[s] for s in my_stages}
+    for prog in programs.values():
+        prog.module.to(device)
+    loss_fn, make_inputs = runnable.loss_fn, runnable.make_inputs
+    reads_inputs = any(programs[s].model_inputs for s in my_stages)
+    del runnable, split
+    actions = stream.device_actions[rank] if rank < sg.num_devices else ()
+    executor = RankExecutor(rank, ssg, actions, programs, routing, meta, loss_fn, device, options.timeout_s,
+                            link_groups, {k: v for k, v in dp_groups.items() if rank in k}, {}, fault=options.fault,
+                            seed=options.seed, loss_batch_size=sg.batch_size)
+    for s, prog in programs.items():
+        stage = sg.stages[s]
+        mbs = [a.mb_id for a in actions if a.stage_id == s and a.kind == "F"]
+        executor.weights[s] = WeightVersions(
+            s, prog.module, table, mbs, options.lr, stage.num_replicas if stage.round_robin else 1,
+            dp_groups.get(stage.devices), stash=spec.stash, wait=executor.mailbox.wait_work)
+    reference = (replay_reference(plan, table, options.seed, options.lr, steps)
+                 if options.check and (my_stages or rank == 0) else None)
+
+    inputs = stream_inputs(make_inputs, sg.batch_size, options.seed, steps) if reads_inputs else None
+    dist.barrier(group=control)
+    t0 = time.perf_counter()
+    result = executor.run_iteration(inputs, t0, 0)
+    records = [{"rank": r.rank, "stage_id": r.stage_id, "kind": r.kind, "mb_id": r.mb_id, "ready": r.ready + t0,
+                "start": r.start + t0, "end": r.end + t0} for r in result.records]
+    check = [0.0, 0, 0]  # max |a - b|, mismatches, parameters compared (a stage's first replica counts them)
+    if reference is not None and my_stages:
+        for s in sorted(programs):
+            for name, p in programs[s].module.named_parameters():
+                model_name = programs[s].param_names.get(name, name)
+                _compare(p.detach(), reference.weights[model_name], options, check,
+                         sg.stages[s].devices[0] == rank)
+    stash_bytes = sum(w.peak_stashed_bytes for w in executor.weights.values())
+    mine = {"records": records, "t0": t0, "end": t0 + result.iteration_time_s, "sink_losses": dict(executor.sink_losses),
+            "stash_bytes": stash_bytes, "check": check}
+    gathered = [None] * world_size if rank == 0 else None
+    dist.gather_object(mine, gathered, dst=0, group=control)
+    if rank != 0:
+        return None
+    origin = min(g["t0"] for g in gathered)
+    all_records = [{**r, "ready": r["ready"] - origin, "start": r["start"] - origin, "end": r["end"] - origin}
+                   for g in gathered for r in g["records"]]
+    m = sg.num_micro_batches(0)
+    ends = _window_times(all_records, m, steps)
+    diffs = [b - a for a, b in zip(ends, ends[1:])]
+    iteration = statistics.median(diffs) if diffs else ends[0]
+    stream_s = max(g["end"] for g in gathered) - origin
+    losses_by_mb: dict[int, float] = {}
+    for g in gathered:  # replicas of a split sink each hold their rows' share of a micro-batch's loss
+        for i, loss in g["sink_losses"].items():
+            losses_by_mb[i] = losses_by_mb.get(i, 0.0) + loss
+    step_losses = [sum(losses_by_mb.get(i, 0.0) for i in range(k * m, (k + 1) * m)) for k in range(steps)]
+    out: dict[str, Any] = {
+        "measured": {"iteration_time_s": iteration, "throughput": sg.batch_size / iteration,
+                     "step_times_s": diffs or [iteration], "warmup_steps": 1 if diffs else 0,
+                     "stream_time_s": stream_s, "stream_throughput": sg.batch_size * steps / stream_s,
+                     "stashed_weight_bytes": [float(g["stash_bytes"]) for g in gathered][:sg.num_devices],
+                     "stashed_weight_bytes_predicted": predicted_stash_bytes(sg, table),
+                     "iteration": "median over windows w >= 1 of the gap between windows' last backward ends"},
+        "losses": step_losses,
+        "records": all_records,
+        "backend": backend,
+        "async": {"schedule": spec.name, **spec.to_dict(), "stashed_versions": [list(v) for v in table.peak_stashed]},
+    }
+    if options.check and reference is not None:
+        max_abs = max(g["check"][0] for g in gathered)
+        mismatches = sum(g["check"][1] for g in gathered)
+        compared = sum(g["check"][2] for g in gathered)
+        loss_diffs = [abs(losses_by_mb[i] - reference.mb_losses[i]) for i in sorted(losses_by_mb)]
+        loss_bad = sum(1 for i in losses_by_mb
+                       if abs(losses_by_mb[i] - reference.mb_losses[i])
+                       > options.atol + options.rtol * abs(reference.mb_losses[i]))
+        out["check"] = {"passed": (mismatches == 0 and loss_bad == 0 and len(losses_by_mb) == table.num_micro_batches
+                                   and compared == len(reference.weights)),
+                        "max_abs_diff": max([max_abs, *loss_diffs]), "num_mismatches": mismatches + loss_bad,
+                        "num_params_checked": compared, "num_params": len(reference.weights),
+                        "losses_checked": len(losses_by_mb), "what": "every micro-batch's loss and the final weights",
+                        "reference": "single-process replay of the version schedule", "loss": step_losses[0],
+                        "reference_loss": sum(reference.mb_losses[:m]), "rtol": options.rtol, "atol": options.atol}
+    return out
+
+
+def predicted_stash_bytes(sg, table: VersionTable) -> list[float]:
+    """Per device: stashed versions of this run's version schedule x the plan's weight bytes (graphpipe.costs)."""
+    from graphpipe import costs
+
+    out = [0.0] * sg.num_devices
+    for st in sg.stages:
+        for q, d in enumerate(st.devices):
+            out[d] += costs.weight_versions_bytes(sg.param_bytes(st.id), table.peak_stashed[st.id][q])
+    return out
+
+
+def _compare(a: torch.Tensor, b: torch.Tensor, options: RunOptions, acc: list, counted: bool) -> None:
+    diff = (a.double() - b.double()).abs()
+    if diff.numel():
+        acc[0] = max(acc[0], float(diff.max()))
+    acc[1] += int((diff > options.atol + options.rtol * b.double().abs()).sum())
+    acc[2] += int(counted)
