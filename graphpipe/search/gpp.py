@@ -95,8 +95,9 @@ from graphpipe.errors import InfeasibleError
 from graphpipe.graph import OpGraph
 from graphpipe.search.common import (SearchOptions, SearchResult, comm_links, link_name, micro_batch_candidates,
                                      placed_bottleneck, recompute_all, simulated)
-from graphpipe.search.gpp_dp import (INF, BottleneckDP, DPStage, DPTree, build_tree, chain_tree, first_feasible,
-                                     min_bottleneck)
+from graphpipe.search.gpp_blocks import BlockCosts
+from graphpipe.search.gpp_dp import INF, BottleneckDP, DPStage, Table, first_feasible, min_bottleneck
+from graphpipe.search.gpp_tree import DPTree, build_tree, chain_tree
 from graphpipe.sp import induced_subgraph, make_series_parallel
 from graphpipe.stages import Stage, StageGraph
 
@@ -180,14 +181,23 @@ def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: Search
     best_tps = INF * 1.0
     tried = states = pruned = 0
     beaten: dict[tuple[str, int], bool] = {}
+    tables: dict[tuple[str, int, bool], BlockCosts] = {}
+    free_optimum: dict[tuple[str, int], float] = {}  # (view, b) -> optimal bottleneck with cuts free
+
+    def blocks(view: str, view_tree: DPTree, b: int, rc: bool) -> BlockCosts:
+        # The block cost tables do not depend on the cut costing: every link shares them.
+        got = tables.get((view, b, rc))
+        if got is None:
+            got = tables[(view, b, rc)] = BlockCosts(view_tree, cluster, batch_size, b,
+                                                     power_of_two=options.power_of_two, recompute=rc)
+        return got
 
     def cannot_beat(view: str, view_tree: DPTree, b: int) -> bool:
         if beat_iteration_s is None:
             return False
         got = beaten.get((view, b))
         if got is None:  # the bound holds whatever a cut costs or re-materialization does (DESIGN §6)
-            bound = BottleneckDP(view_tree, cluster, batch_size, b, power_of_two=options.power_of_two, link=None,
-                                 recompute=False).lower_bound()
+            bound = blocks(view, view_tree, b, False).lower_bound()
             got = beaten[(view, b)] = bound * batch_size > beat_iteration_s * (1 + 1e-9)
         return got
 
@@ -198,11 +208,15 @@ def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: Search
                 if cannot_beat(view, view_tree, b):
                     pruned += 1
                     continue
-                dp = BottleneckDP(view_tree, cluster, batch_size, b, power_of_two=options.power_of_two, link=link,
-                                  recompute=recompute)
+                dp = BottleneckDP(view_tree, cluster, batch_size, b, link=link,
+                                  blocks=blocks(view, view_tree, b, recompute))
                 if dp.lower_bound() * batch_size > best_estimate * PRUNE_SLACK:
                     continue  # even a perfectly balanced pipeline at this size loses to a candidate in hand
-                found, n_tried = _frontier(dp, batch_size, best_estimate * PRUNE_SLACK)
+                # A costed cut only adds to a stage's cost, so no target below the free-cut optimum is feasible.
+                found, n_tried = _frontier(dp, batch_size, best_estimate * PRUNE_SLACK,
+                                           free_optimum.get((view, b), 0.0))
+                if link is None and found:
+                    free_optimum[(view, b)] = found[0][0]
                 tried += n_tried
                 states += dp.dp_states
                 for t, depth, stages in found:
@@ -282,7 +296,8 @@ def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: Search
 
 
 # ------------------------------------------------------------------ search
-def _frontier(dp: BottleneckDP, batch_size: int, best_estimate: float) -> tuple[list[tuple[float, int, list[DPStage]]], int]:
+def _frontier(dp: BottleneckDP, batch_size: int, best_estimate: float,
+              known_lower: float = 0.0) -> tuple[list[tuple[float, int, list[DPStage]]], int]:
     """The (bottleneck, depth) trade-off for one micro-batch size.
 
     First the optimal bottleneck ``t*`` and the shallowest graph reaching it
@@ -290,11 +305,12 @@ def _frontier(dp: BottleneckDP, batch_size: int, best_estimate: float) -> tuple[
     target whose DP admits depth ``<= v`` (exact again: feasibility at fixed
     ``v`` is monotone in the target). Stops once ``t * B`` alone exceeds the
     best estimate so far: shallower graphs only need larger targets.
+    ``known_lower``: a bottleneck no stage graph of this DP beats (0: none known).
     Returns ([(t, depth, stages)], DP runs).
     """
     targets = dp.candidate_targets()
-    start = int(np.searchsorted(targets, dp.lower_bound() * (1 - 1e-12)))
-    probes: dict[int, list[int]] = {}
+    start = int(np.searchsorted(targets, max(dp.lower_bound() * (1 - 1e-12), known_lower), side="left"))
+    probes: dict[int, Table] = {}
     index, runs = first_feasible(dp, targets, dp.kcap, start, probes)
     if index is None:
         return [], runs
@@ -305,8 +321,11 @@ def _frontier(dp: BottleneckDP, batch_size: int, best_estimate: float) -> tuple[
     t = float(targets[index])
     out.append((t, depth, stages))
     best_estimate = min(best_estimate, t * (batch_size + dp.b * (depth - 1)))
+    scaled = targets * batch_size
     while depth > 1:
-        found, more = first_feasible(dp, targets, depth - 1, index + 1, probes)
+        # Only targets with t * B below the best estimate can give a candidate: search no further.
+        stop = int(np.searchsorted(scaled, best_estimate, side="left"))
+        found, more = first_feasible(dp, targets, depth - 1, index + 1, probes, stop)
         runs += more
         if found is None:
             break
