@@ -101,7 +101,7 @@ from graphpipe.search.gpp_tree import DPTree, build_tree, chain_tree
 from graphpipe.sp import induced_subgraph, make_series_parallel
 from graphpipe.stages import Stage, StageGraph
 
-__all__ = ["partition", "SCHEDULE", "place_stages", "smallest_memory_needed"]
+__all__ = ["partition", "SCHEDULE", "place_stages", "smallest_memory_needed", "busy_bound_s"]
 
 log = logging.getLogger(__name__)
 
@@ -242,6 +242,8 @@ def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: Search
     first, rest = _to_simulate(candidates, len(links))
     for cand in first:
         sg = _to_stage_graph(graph, sp_graph, merged, cand, cluster, batch_size, recompute)
+        if best is not None and _slower_than(sg, cluster, best[3], options.host):
+            continue  # even perfectly packed it loses to the plan in hand: no simulation needed
         scored = _score_best(sg, cluster, options.host)
         num_simulated += 1
         if scored is None:
@@ -500,11 +502,40 @@ def _spread_idle(sg: StageGraph, cluster: Cluster, link: Link | None, throughput
             stages.append(Stage(len(stages), tuple(ops[i] for i in part.op_ids), devices, st.micro_batch_size,
                                 recompute))
         trial = StageGraph.build(graph, stages, sg.batch_size, sg.num_devices)
+        if _slower_than(trial, cluster, best[0], host):
+            continue
         scored = _score_best(trial, cluster, host)
         runs += 1
         if scored is not None and scored[0] > best[0] * (1 + 1e-9):
             best = (scored[0], trial, scored[1])
     return best[1], best[0], best[2], runs
+
+
+def busy_bound_s(sg: StageGraph, cluster: Cluster) -> float:
+    """No schedule runs an iteration of ``sg`` faster on dedicated devices (the simulator's model, DESIGN §7).
+
+    Each replica of a stage that splits micro-batches runs every micro-batch's F and B, one action at a
+    time, and the stage's gradient all-reduce starts after its last B; transfers and waiting only add.
+    Stages whose replicas take whole micro-batches round-robin are left out (a weaker bound, still one).
+    """
+    bound = 0.0
+    for st in sg.stages:
+        if st.round_robin:
+            continue
+        busy = sg.num_micro_batches(st.id) * (sg.fwd_time(st.id) + sg.bwd_time(st.id))
+        if st.num_replicas > 1:
+            busy += cluster.allreduce_time(st.devices, sg.param_bytes(st.id))
+        bound = max(bound, busy)
+    return bound
+
+
+def _slower_than(sg: StageGraph, cluster: Cluster, throughput: float, host=None) -> bool:
+    """Whether ``sg`` provably simulates slower than ``throughput`` (:func:`busy_bound_s`; with a margin far
+    above the simulator's rounding). Never on a shared host, whose slowdowns the bound does not model."""
+    if host is not None:
+        return False
+    bound = busy_bound_s(sg, cluster)
+    return bound > 0 and sg.batch_size / bound < throughput * (1 - 1e-6)
 
 
 def _score_best(sg: StageGraph, cluster: Cluster, host=None) -> tuple[float, str] | None:

@@ -135,18 +135,21 @@ class Table:
     devices: tuple[int, ...]
     stages: tuple[int, ...]
     choice: tuple[tuple | None, ...]
+    breakpoints: tuple[int, ...] = ()
+    """Bounds ``v`` where the (devices, stages) pair strictly improves on every smaller bound
+    (:meth:`of` fills it in): only these are worth handing to an upstream neighbour."""
+
+    @classmethod
+    def of(cls, devices: Sequence[int], stages: Sequence[int], choice: Sequence[tuple | None]) -> "Table":
+        points, best = [], (INF, 0)
+        for v, pair in enumerate(zip(devices, stages)):
+            if pair[0] < INF and pair < best:
+                points.append(v)
+                best = pair
+        return cls(tuple(devices), tuple(stages), tuple(choice), tuple(points))
 
     def feasible(self, v: int) -> bool:
         return self.devices[v] < INF
-
-    def breakpoints(self) -> list[int]:
-        """Bounds ``v`` where the (devices, stages) pair strictly improves on every smaller bound."""
-        out, best = [], (INF, 0)
-        for v, pair in enumerate(zip(self.devices, self.stages)):
-            if pair[0] < INF and pair < best:
-                out.append(v)
-                best = pair
-        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -301,11 +304,7 @@ class BottleneckDP:
     def _base_devices(self, x: int, lo: int, hi: int, depth: int) -> int:
         """Fewest devices on which children lo..hi-1 of x form one stage meeting t_max and memory (0: none)
         when ``depth`` stages (itself included) lie on its longest path to the sink."""
-        k_in = min(depth, self.num_mbs)  # graph-1F1B's in-flight count
-        for d, k in self._profile(x, lo, hi):
-            if k >= k_in:
-                return d
-        return 0
+        return _fewest_devices(self._profile(x, lo, hi), min(depth, self.num_mbs))  # graph-1F1B's in-flight
 
     # ------------------------------------------------------- memo by scope
     def _scope_costs(self, x: int, i: int) -> list[float]:
@@ -329,7 +328,11 @@ class BottleneckDP:
     def _rank(self, x: int, i: int) -> int:
         """How many costs in the scope of children i.. of x are ``<= t_max``: states with equal ranks
         make the same comparisons, so they have the same value."""
-        return bisect_right(self._scope_costs(x, i), self.t_max)
+        key = (x, i)
+        got = self._ranks.get(key)
+        if got is None:
+            got = self._ranks[key] = bisect_right(self._scope_costs(x, i), self.t_max)
+        return got
 
     # ------------------------------------------------------------------- DP
     def _reset(self) -> None:
@@ -338,6 +341,7 @@ class BottleneckDP:
         self._reach_cache: dict[int, np.ndarray] = {}
         self._grows_cache: dict[int, np.ndarray] = {}
         self._ends: dict[tuple[int, int], list[int]] = {}
+        self._ranks: dict[tuple[int, int], int] = {}
 
     def solve(self, t_max: float) -> Table:
         """Run the DP for target ``t_max``; returns the root's table (index = bound on the source depth)."""
@@ -355,14 +359,14 @@ class BottleneckDP:
             if d > n:
                 devices[v], stages[v], choice[v] = INF, 0, None
         self.dp_states += 1
-        return Table(tuple(devices), tuple(stages), tuple(choice))
+        return Table.of(devices, stages, choice)
 
     def _identity(self, k: int) -> Table:
         """Value of an empty suffix: its 'source' is the downstream itself, depth k."""
         got = self._identities.get(k)
         if got is None:
             size = self.kcap + 1
-            got = Table((INF,) * k + (0,) * (size - k), (0,) * size, (None,) * size)
+            got = Table.of((INF,) * k + (0,) * (size - k), (0,) * size, (None,) * size)
             self._identities[k] = got
         return got
 
@@ -399,24 +403,25 @@ class BottleneckDP:
         devices, stages, choice = [INF] * size, [0] * size, [None] * size
         nxt = self._series(x, i + 1, k)
         # Child i partitioned on its own; the suffix's source depth u is its downstream depth.
-        for u in nxt.breakpoints():
+        for u in nxt.breakpoints:
             rest_d, rest_s, how = nxt.devices[u], nxt.stages[u], ("child", u)
             child = self._value(kids[i], u)
-            for v, (cd, cs) in enumerate(zip(child.devices, child.stages)):
-                if cd < INF:
-                    d, s = rest_d + cd, rest_s + cs
-                    if d < devices[v] or (d == devices[v] and s < stages[v]):
-                        devices[v], stages[v], choice[v] = d, s, how
+            if not child.breakpoints:
+                continue
+            for v in range(child.breakpoints[0], size):  # nothing is feasible below its first breakpoint
+                d, s = rest_d + child.devices[v], rest_s + child.stages[v]
+                if child.devices[v] < INF and (d < devices[v] or (d == devices[v] and s < stages[v])):
+                    devices[v], stages[v], choice[v] = d, s, how
         # Children i..j-1 as one stage. TPS and memory only grow with j, and a
         # shorter suffix never needs more devices or depth, so among ranges with
         # the same device profile the longest dominates: evaluate only that one.
         for j in self._range_ends(x, i):
-            rest = self._series(x, j, k)
-            for u in rest.breakpoints():
+            rest, profile = self._series(x, j, k), self._profile(x, i, j)
+            for u in rest.breakpoints:
                 k_in = u + 1
                 if k_in > self.kcap:
                     break
-                need = self._base_devices(x, i, j, k_in)
+                need = _fewest_devices(profile, min(k_in, self.num_mbs))
                 if not need:
                     continue
                 d, s, how = rest.devices[u] + need, rest.stages[u] + 1, ("range", j, u, need)
@@ -431,7 +436,7 @@ class BottleneckDP:
         kids = self.tree.children[x]
         size = self.kcap + 1
         if j == len(kids):
-            return Table((0,) * size, (0,) * size, (None,) * size)
+            return self._identity(0)  # no branch left: nothing to add, at any bound
         key = (x, j, k, self._rank(x, j))
         got = self._memo.get(key)
         if got is not None:
@@ -509,6 +514,14 @@ class BottleneckDP:
             if d < INF:
                 return v, self.extract(v)
         return None
+
+
+def _fewest_devices(profile: tuple[tuple[int, int], ...], in_flight: int) -> int:
+    """The first device count of a block's profile that holds ``in_flight`` micro-batches (0: none does)."""
+    for d, k in profile:
+        if k >= in_flight:
+            return d
+    return 0
 
 
 def first_feasible(dp: BottleneckDP, targets: Sequence[float], depth: int, start: int = 0,
