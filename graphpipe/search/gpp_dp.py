@@ -415,6 +415,10 @@ class BottleneckDP:
         # Children i..j-1 as one stage. TPS and memory only grow with j, and a
         # shorter suffix never needs more devices or depth, so among ranges with
         # the same device profile the longest dominates: evaluate only that one.
+        # A range stage at depth u + 1 serves every bound v >= u + 1 alike, so
+        # keep the best per first bound (ties: the earlier option) and sweep.
+        first_at: list[tuple | None] = [None] * size   # (devices, stages, order, choice)
+        order = 0
         for j in self._range_ends(x, i):
             rest, profile = self._series(x, j, k), self._profile(x, i, j)
             for u in rest.breakpoints:
@@ -424,10 +428,18 @@ class BottleneckDP:
                 need = _fewest_devices(profile, min(k_in, self.num_mbs))
                 if not need:
                     continue
-                d, s, how = rest.devices[u] + need, rest.stages[u] + 1, ("range", j, u, need)
-                for v in range(k_in, size):
-                    if d < devices[v] or (d == devices[v] and s < stages[v]):
-                        devices[v], stages[v], choice[v] = d, s, how
+                option = (rest.devices[u] + need, rest.stages[u] + 1, order, ("range", j, u, need))
+                order += 1
+                held = first_at[k_in]
+                if held is None or option[:2] < held[:2]:
+                    first_at[k_in] = option
+        best = None
+        for v in range(size):
+            here = first_at[v]
+            if here is not None and (best is None or here[:3] < best[:3]):
+                best = here
+            if best is not None and (best[0] < devices[v] or (best[0] == devices[v] and best[1] < stages[v])):
+                devices[v], stages[v], choice[v] = best[0], best[1], best[3]
         got = self._memo[key] = self._table(devices, stages, choice)
         return got
 
