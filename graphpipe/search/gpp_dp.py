@@ -207,7 +207,10 @@ class BottleneckDP:
         self.t_max = float("inf")
         self.dp_states = 0
         self._memo: dict[tuple, Table] = {}
+        self._feas: dict[tuple[int, int, int, int], tuple[tuple[int, int], ...]] = {}
+        self._ends: dict[tuple[int, int, int], list[int]] = {}
         self._scopes: dict[tuple[int, int], list[float]] = {}
+        self._rows: dict[tuple[int, int], list[float]] = {}
         self._identities: dict[int, Table] = {}
         self._reset()
 
@@ -241,7 +244,7 @@ class BottleneckDP:
         remainder never needs more devices or depth (the longer range
         dominates).
         """
-        key = (x, lo)
+        key = (x, lo, self._row_rank(x, lo))
         got = self._ends.get(key)
         if got is not None:
             return got
@@ -281,7 +284,7 @@ class BottleneckDP:
     def _profile(self, x: int, lo: int, hi: int) -> tuple[tuple[int, int], ...]:
         """(devices, largest in-flight that fits) pairs with both increasing: the block's whole
         'fewest devices for in-flight k' function under the current target."""
-        key = (x, lo, hi)
+        key = (x, lo, hi, self._row_rank(x, lo))
         got = self._feas.get(key)
         if got is None:
             out, best = [], 0
@@ -307,6 +310,27 @@ class BottleneckDP:
         return _fewest_devices(self._profile(x, lo, hi), min(depth, self.num_mbs))  # graph-1F1B's in-flight
 
     # ------------------------------------------------------- memo by scope
+    def _row_costs(self, x: int, lo: int) -> list[float]:
+        """Sorted costs (with and without the cut) of the blocks starting at child ``lo`` of node x: all the
+        values :meth:`_profile` and :meth:`_range_ends` compare with ``t_max`` for them."""
+        key = (x, lo)
+        got = self._rows.get(key)
+        if got is None:
+            parts = [self.blocks.stage_cost(x, self.link)[lo, lo + 1:].ravel()]
+            if self.link is not None:  # ranges stop on compute alone (_grows_ok)
+                parts.append(self.blocks.stage_tps(x)[lo, lo + 1:].ravel())
+            got = self._rows[key] = np.unique(np.concatenate(parts)).tolist()
+        return got
+
+    def _row_rank(self, x: int, lo: int) -> int:
+        """How many of :meth:`_row_costs` are ``<= t_max``: the blocks starting at ``lo`` look the same to
+        every target of equal row rank, so their profiles and range ends are kept under it."""
+        key = (x, lo)
+        got = self._row_ranks.get(key)
+        if got is None:
+            got = self._row_ranks[key] = bisect_right(self._row_costs(x, lo), self.t_max)
+        return got
+
     def _scope_costs(self, x: int, i: int) -> list[float]:
         """Sorted costs (with and without the cut) of every block inside children i.. of node x:
         all the values a state over them compares with ``t_max``."""
@@ -314,9 +338,7 @@ class BottleneckDP:
         got = self._scopes.get(key)
         if got is None:
             kids = self.tree.children[x]
-            parts = [self.blocks.stage_cost(x, self.link)[i, i + 1:].ravel()]
-            if self.link is not None:  # ranges stop on compute alone (_grows_ok)
-                parts.append(self.blocks.stage_tps(x)[i, i + 1:].ravel())
+            parts = [np.asarray(self._row_costs(x, i))]
             if kids:
                 parts.append(np.asarray(self._scope_costs(kids[i], 0)))
                 if i + 1 < len(kids):
@@ -336,12 +358,11 @@ class BottleneckDP:
 
     # ------------------------------------------------------------------- DP
     def _reset(self) -> None:
-        """Forget what depends on the target itself (the memo of states is keyed by rank and stays)."""
-        self._feas: dict[tuple[int, int, int], tuple[tuple[int, int], ...]] = {}
+        """Forget what depends on the target itself (what is keyed by a rank stays)."""
         self._reach_cache: dict[int, np.ndarray] = {}
         self._grows_cache: dict[int, np.ndarray] = {}
-        self._ends: dict[tuple[int, int], list[int]] = {}
         self._ranks: dict[tuple[int, int], int] = {}
+        self._row_ranks: dict[tuple[int, int], int] = {}
 
     def solve(self, t_max: float) -> Table:
         """Run the DP for target ``t_max``; returns the root's table (index = bound on the source depth)."""
