@@ -61,8 +61,15 @@ balances the pipeline, so gpp keeps whichever view simulates faster and
 contains PipeDream's space on the same cost model.
 
 Speed: the DP's tables are indexed by in-flight count, not device count, so
-1024 devices cost no more than 32 (``candle-uno:branches=16`` on 1024 V100s
-plans in a few seconds); see :mod:`graphpipe.search.gpp_dp`.
+1024 devices cost no more than 32; see :mod:`graphpipe.search.gpp_dp`.
+What the search does not redo (issue 16; each leaves the plan unchanged):
+one set of block cost tables per micro-batch size serves every cut costing
+(:class:`~graphpipe.search.gpp_blocks.BlockCosts`); the DP keeps states
+across targets under the rank of the target among their scope's costs; the
+free-cut optimum is a lower bound for the costed searches; the depth
+frontier searches only targets below the best estimate; and a candidate
+whose busy bound (:func:`busy_bound_s`) already loses to the best simulated
+plan is not simulated.
 
 Device counts per stage are the divisors of ``b`` up to ``N`` -- every useful
 count, since a stage's replicas must split its micro-batch evenly -- so no
@@ -182,14 +189,15 @@ def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: Search
     tried = states = pruned = 0
     beaten: dict[tuple[str, int], bool] = {}
     tables: dict[tuple[str, int, bool], BlockCosts] = {}
+    boundary: dict[str, dict] = {view: {} for view, _ in trees}  # bytes across block boundaries, per view
     free_optimum: dict[tuple[str, int], float] = {}  # (view, b) -> optimal bottleneck with cuts free
 
     def blocks(view: str, view_tree: DPTree, b: int, rc: bool) -> BlockCosts:
         # The block cost tables do not depend on the cut costing: every link shares them.
         got = tables.get((view, b, rc))
         if got is None:
-            got = tables[(view, b, rc)] = BlockCosts(view_tree, cluster, batch_size, b,
-                                                     power_of_two=options.power_of_two, recompute=rc)
+            got = tables[(view, b, rc)] = BlockCosts(view_tree, cluster, batch_size, b, power_of_two=options.power_of_two,
+                                                     recompute=rc, boundary=boundary[view])
         return got
 
     def cannot_beat(view: str, view_tree: DPTree, b: int) -> bool:

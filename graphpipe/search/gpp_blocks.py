@@ -63,7 +63,8 @@ class BlockCosts:
     """
 
     def __init__(self, tree: DPTree, cluster: Cluster, batch_size: int, micro_batch_size: int,
-                 num_devices: int | None = None, power_of_two: bool = False, recompute: bool = False):
+                 num_devices: int | None = None, power_of_two: bool = False, recompute: bool = False,
+                 boundary: dict[int, tuple[np.ndarray, np.ndarray]] | None = None):
         if batch_size % micro_batch_size:
             raise InputError(f"micro-batch size {micro_batch_size} does not divide the batch size {batch_size}")
         self.tree = tree
@@ -81,7 +82,8 @@ class BlockCosts:
         self._replicas = np.array(self.device_counts, dtype=np.int64)
         self._stage_tps: dict[int, np.ndarray] = {}
         self._max_in_flight: dict[int, np.ndarray] = {}
-        self._boundary: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._boundary = {} if boundary is None else boundary
+        """Boundary bytes depend on the tree alone: tables of other micro-batch sizes may share this dict."""
         self._stage_cost: dict[tuple[int, Link | None], np.ndarray] = {}
         self._lists: dict[tuple[int, Link | None], tuple[list, list]] = {}
         self._targets: dict[Link | None, np.ndarray] = {}

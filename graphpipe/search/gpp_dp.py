@@ -209,7 +209,6 @@ class BottleneckDP:
         self._memo: dict[tuple, Table] = {}
         self._feas: dict[tuple[int, int, int, int], tuple[tuple[int, int], ...]] = {}
         self._ends: dict[tuple[int, int, int], list[int]] = {}
-        self._scopes: dict[tuple[int, int], list[float]] = {}
         self._rows: dict[tuple[int, int], list[float]] = {}
         self._identities: dict[int, Table] = {}
         self._reset()
@@ -319,7 +318,7 @@ class BottleneckDP:
             parts = [self.blocks.stage_cost(x, self.link)[lo, lo + 1:].ravel()]
             if self.link is not None:  # ranges stop on compute alone (_grows_ok)
                 parts.append(self.blocks.stage_tps(x)[lo, lo + 1:].ravel())
-            got = self._rows[key] = np.unique(np.concatenate(parts)).tolist()
+            got = self._rows[key] = np.sort(np.concatenate(parts)).tolist()
         return got
 
     def _row_rank(self, x: int, lo: int) -> int:
@@ -331,29 +330,18 @@ class BottleneckDP:
             got = self._row_ranks[key] = bisect_right(self._row_costs(x, lo), self.t_max)
         return got
 
-    def _scope_costs(self, x: int, i: int) -> list[float]:
-        """Sorted costs (with and without the cut) of every block inside children i.. of node x:
-        all the values a state over them compares with ``t_max``."""
-        key = (x, i)
-        got = self._scopes.get(key)
-        if got is None:
-            kids = self.tree.children[x]
-            parts = [np.asarray(self._row_costs(x, i))]
-            if kids:
-                parts.append(np.asarray(self._scope_costs(kids[i], 0)))
-                if i + 1 < len(kids):
-                    parts.append(np.asarray(self._scope_costs(x, i + 1)))
-            got = np.unique(np.concatenate(parts)).tolist()
-            self._scopes[key] = got
-        return got
-
     def _rank(self, x: int, i: int) -> int:
-        """How many costs in the scope of children i.. of x are ``<= t_max``: states with equal ranks
-        make the same comparisons, so they have the same value."""
+        """How many block costs inside children i.. of x are ``<= t_max`` (the rows starting there and
+        everything inside those children): states with equal ranks make the same comparisons, so they have
+        the same value. Counted part by part, the parts being disjoint."""
         key = (x, i)
         got = self._ranks.get(key)
         if got is None:
-            got = self._ranks[key] = bisect_right(self._scope_costs(x, i), self.t_max)
+            kids = self.tree.children[x]
+            got = self._row_rank(x, i)
+            if kids:
+                got += self._rank(kids[i], 0) + (self._rank(x, i + 1) if i + 1 < len(kids) else 0)
+            self._ranks[key] = got
         return got
 
     # ------------------------------------------------------------------- DP
