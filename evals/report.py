@@ -22,6 +22,8 @@ PAPER = {
     "case-study": "2-branch transformer on 8 devices: depth 8 -> 4, micro-batch 2 -> 4, +20% throughput (Figs. 8/10)",
     "memory": "GPP's shallower pipeline keeps fewer micro-batches in flight, so less activation memory (Sec. 3)",
     "fidelity": "(no paper figure; our target: simulator error under 20% once calibrated with `graphpipe profile`)",
+    "bench_gpp": "(no paper figure; issue 16's target: gpp's `make_plan` under 1 s at 32 devices, and "
+                 "16-branch candle-uno on 1024 devices under 10 s, on a 2-core machine)",
 }
 
 
@@ -69,6 +71,10 @@ TABLE_COLUMNS: dict[str, list[tuple[str, str]]] = {
     "fidelity": [("model", "model"), ("strategy", "strategy"), ("schedule", "schedule"), ("devices", "devices"),
                  ("predicted (s)", "predicted_s"), ("measured (s)", "measured_s"), ("error", "error_frac"),
                  ("memory error", "memory_error_frac")],
+    "bench_gpp": [("case", "case"), ("devices", "devices"), ("batch", "batch_size"),
+                  ("before median (s)", "before_median_s"), ("after median (s)", "after_median_s"),
+                  ("after min-max (s)", "after_range_s"), ("speedup", "speedup"), ("calls before", "before_calls"),
+                  ("calls after", "after_calls"), ("same plan throughput", "same_throughput")],
 }
 
 
@@ -77,6 +83,9 @@ def _rows_for_table(name: str, res: dict[str, Any]) -> list[dict[str, Any]]:
     if name == "memory":
         for r in rows:
             r["peak_memory_gb"] = r["peak_memory_bytes"] / 1e9 if r.get("peak_memory_bytes") else None
+    if name == "bench_gpp":
+        for r in rows:
+            r["after_range_s"] = [r["after_min_s"], r["after_max_s"]] if "after_min_s" in r else None
     return rows
 
 
@@ -117,6 +126,13 @@ def _headline(name: str, res: dict[str, Any]) -> str:
         return (f"median |predicted - measured| / measured = {fmt(s.get('median_error'))}"
                 + (f"; activation memory: worst device per plan, median {fmt(s['median_memory_error'])}"
                    if s.get("median_memory_error") is not None else ""))
+    if name == "bench_gpp":
+        rows = [r for r in res["rows"] if r.get("speedup")]
+        if not rows:
+            return "no side-by-side rows (run with --before)"
+        return ("gpp `make_plan` time, before / after (medians, side by side): "
+                + ", ".join(f"{r['case']} {fmt(r['before_median_s'])} / {fmt(r['after_median_s'])} s" for r in rows)
+                + f"; load average during the run {fmt(list(res['config'].get('load_average') or []))}")
     if name == "ablation":
         parts = []
         for r in res["rows"]:
