@@ -1,6 +1,7 @@
 """gpp's search time (issue 16): the in-process ``plan.search["time_s"]``, median of ``--repeat`` runs.
 
     python -m graphpipe.evals.bench_gpp [--repeat 5] [--cases mmt,dlrm,...] [--out evals] [--piper]
+                                        [--before DIR] [--calls]
 
 Cases (v100 preset): mmt, dlrm, candle-uno at 32 devices and batch 16 per
 device; the MMT-shaped graphs of ``../shared/data/synthetic`` at 32 devices
@@ -11,14 +12,25 @@ how the time splits: how many device counts were searched
 (``device_counts_tried``) and which space won. ``--piper`` adds Piper's time
 beside gpp's on mmt at 8, 16 and 32 devices (one run each: it is slow).
 
+``--before DIR`` (a checkout's root, e.g. ``git worktree add /tmp/old REV``
+or ``git archive REV graphpipe | tar -x -C DIR``): every repetition runs the
+same ``make_plan`` once with that code and once with this one, alternately,
+each in a fresh process, so both see the same load; the row gains the
+before median, the ratio of medians and whether the two plans' throughputs
+are equal. ``--calls`` adds the Python function calls of one run (cProfile;
+with ``--before``, of both): a measure of work that other jobs on the
+machine do not change.
+
 Timings are of the machine it runs on; the figures in REPORT.md say which.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -65,6 +77,55 @@ def bench(name: str, repeat: int) -> dict:
             "devices_used": len(plan.stage_graph.devices_used())}
 
 
+_ONE_RUN = """
+import cProfile, json, pstats, sys
+sys.path.insert(0, sys.argv[1])
+from graphpipe.cluster import preset
+from graphpipe.models import load_model
+from graphpipe.search.planner import make_plan
+spec, n, batch, calls = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
+cluster = preset("v100", n)
+graph = load_model(spec, cluster.device).graph
+profile = cProfile.Profile() if calls else None
+if calls:
+    profile.enable()
+plan = make_plan("bench", graph, cluster, batch, "gpp")
+if calls:
+    profile.disable()
+print(json.dumps({"time_s": plan.search["time_s"], "throughput": plan.predicted["throughput"],
+                  "calls": pstats.Stats(profile).total_calls if calls else None}))
+"""
+
+
+def _run(root: str, name: str, calls: bool = False) -> dict:
+    """One ``make_plan`` of case ``name`` with the graphpipe package under ``root``, in a fresh process."""
+    spec, n, batch = CASES[name]
+    out = subprocess.run([sys.executable, "-c", _ONE_RUN, os.path.abspath(root), _spec(spec), str(n), str(batch),
+                          "1" if calls else "0"], capture_output=True, text=True, check=True, cwd=os.path.dirname(
+                              os.path.abspath(root)))
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def side_by_side(name: str, repeat: int, before: str, calls: bool = False) -> dict:
+    """Case ``name`` with the code under ``before`` and with this checkout, alternately (module docstring)."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec, n, batch = CASES[name]
+    runs: dict[str, list[dict]] = {"before": [], "after": []}
+    for _ in range(repeat):
+        for label, root in (("before", before), ("after", here)):
+            runs[label].append(_run(root, name))
+    row = {"case": name, "devices": n, "batch_size": batch, "repeat": repeat}
+    for label in ("before", "after"):
+        times = [r["time_s"] for r in runs[label]]
+        row.update({f"{label}_median_s": statistics.median(times), f"{label}_min_s": min(times),
+                    f"{label}_max_s": max(times), f"{label}_throughput": runs[label][-1]["throughput"]})
+        if calls:
+            row[f"{label}_calls"] = _run(before if label == "before" else here, name, calls=True)["calls"]
+    row["speedup"] = row["before_median_s"] / row["after_median_s"]
+    row["same_throughput"] = row["before_throughput"] == row["after_throughput"]
+    return row
+
+
 def piper_vs_gpp(counts=(8, 16, 32)) -> list[dict]:
     rows = []
     for n in counts:
@@ -90,22 +151,37 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--out", default="evals")
     ap.add_argument("--piper", action="store_true")
+    ap.add_argument("--before", help="root of a checkout of earlier code to time side by side")
+    ap.add_argument("--calls", action="store_true", help="also count function calls (cProfile) of one run")
     args = ap.parse_args(argv)
-    rows = []
-    for name in args.cases.split(","):
+    if args.repeat < 1:
+        ap.error(f"--repeat must be at least 1, got {args.repeat}")
+    if args.before is not None and not os.path.isdir(os.path.join(args.before, "graphpipe")):
+        ap.error(f"--before {args.before!r} holds no graphpipe package")
+    names = args.cases.split(",")
+    for name in names:
         if name not in CASES:
             ap.error(f"unknown case {name!r}; one of {', '.join(CASES)}")
-        row = bench(name, args.repeat)
+    rows = []
+    for name in names:
+        if args.before is not None:
+            row = side_by_side(name, args.repeat, args.before, args.calls)
+            print(f"{name:22s} {row['devices']:5d} dev  before {row['before_median_s']:7.2f} s  after "
+                  f"{row['after_median_s']:7.2f} s  [{row['after_min_s']:.2f}, {row['after_max_s']:.2f}]  "
+                  f"x{row['speedup']:.2f}  same plan throughput: {row['same_throughput']}"
+                  + (f"  calls {row['before_calls']:,} -> {row['after_calls']:,}" if args.calls else ""), flush=True)
+        else:
+            row = bench(name, args.repeat)
+            print(f"{name:22s} {row['devices']:5d} dev  median {row['median_s']:7.2f} s  [{row['min_s']:.2f}, "
+                  f"{row['max_s']:.2f}]  {row['throughput']:10.1f}/s  space {row['space']}  "
+                  f"counts {row['device_counts_tried']}", flush=True)
         rows.append(row)
-        print(f"{name:22s} {row['devices']:5d} dev  median {row['median_s']:7.2f} s  [{row['min_s']:.2f}, "
-              f"{row['max_s']:.2f}]  {row['throughput']:10.1f}/s  space {row['space']}  "
-              f"counts {row['device_counts_tried']}", flush=True)
     if args.piper:
         for row in piper_vs_gpp():
             rows.append(row)
             print(row, flush=True)
-    path = write_result(args.out, "bench_gpp", {"repeat": args.repeat, "cases": args.cases, "cpus": os.cpu_count()},
-                        rows)
+    path = write_result(args.out, "bench_gpp", {"repeat": args.repeat, "cases": args.cases, "cpus": os.cpu_count(),
+                                                "before": args.before, "load_average": os.getloadavg()}, rows)
     print(f"wrote {path}", file=sys.stderr)
     return 0
 

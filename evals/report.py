@@ -31,6 +31,8 @@ PAPER = {
                   "reaches the flushing pipeline's accuracy per epoch, faster in wall-clock time; without stashing "
                   "training is inconsistent. 2BW (ICML'21, Fig. 6): its delay-1 update W(t+1) = W(t) - lr grad(W(t-1)) "
                   "matches the loss curve of synchronous training"),
+    "bench_gpp": "(no paper figure; issue 16's target: gpp's `make_plan` under 1 s at 32 devices, and "
+                 "16-branch candle-uno on 1024 devices under 10 s, on a 2-core machine)",
 }
 
 
@@ -89,6 +91,10 @@ TABLE_COLUMNS: dict[str, list[tuple[str, str]]] = {
                   ("wall-clock (s)", "wall_clock_s"), ("steady iteration (ms)", "steady_iteration_ms"),
                   ("stashed bytes (fullest device)", "stashed_weight_bytes"),
                   ("predicted peak bytes", "peak_memory_bytes_predicted")],
+    "bench_gpp": [("case", "case"), ("devices", "devices"), ("batch", "batch_size"),
+                  ("before median (s)", "before_median_s"), ("after median (s)", "after_median_s"),
+                  ("after min-max (s)", "after_range_s"), ("speedup", "speedup"), ("calls before", "before_calls"),
+                  ("calls after", "after_calls"), ("same plan throughput", "same_throughput")],
 }
 
 
@@ -97,6 +103,9 @@ def _rows_for_table(name: str, res: dict[str, Any]) -> list[dict[str, Any]]:
     if name == "memory":
         for r in rows:
             r["peak_memory_gb"] = r["peak_memory_bytes"] / 1e9 if r.get("peak_memory_bytes") else None
+    if name == "bench_gpp":
+        for r in rows:
+            r["after_range_s"] = [r["after_min_s"], r["after_max_s"]] if "after_min_s" in r else None
     return rows
 
 
@@ -153,6 +162,13 @@ def _headline(name: str, res: dict[str, Any]) -> str:
     if name == "staleness":
         return "final loss: " + ", ".join(f"{k} {fmt(v)}" for k, v in (s.get("final_loss") or {}).items()) + \
             "; wall-clock speed vs 1f1b: " + ", ".join(f"{k} {fmt(v)}x" for k, v in (s.get("speed_vs_flush") or {}).items())
+    if name == "bench_gpp":
+        rows = [r for r in res["rows"] if r.get("speedup")]
+        if not rows:
+            return "no side-by-side rows (run with --before)"
+        return ("gpp `make_plan` time, before / after (medians, side by side): "
+                + ", ".join(f"{r['case']} {fmt(r['before_median_s'])} / {fmt(r['after_median_s'])} s" for r in rows)
+                + f"; load average during the run {fmt(list(res['config'].get('load_average') or []))}")
     if name == "ablation":
         parts = []
         for r in res["rows"]:

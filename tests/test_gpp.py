@@ -22,7 +22,8 @@ from graphpipe.errors import InfeasibleError, InputError
 from graphpipe.search.common import SearchOptions, cut_tps, stage_memory, stage_out_bytes, stage_tps
 from graphpipe.search.gpp import partition, place_stages
 from graphpipe.search import gpp_dp
-from graphpipe.search.gpp_dp import build_tree, chain_tree, min_bottleneck
+from graphpipe.search.gpp_dp import min_bottleneck
+from graphpipe.search.gpp_tree import build_tree, chain_tree
 from graphpipe.sched import make_schedule, predicted_figures, simulate, warmup_counts
 
 SMALL_GRAPHS = ([chain_graph(n) for n in (3, 5, 8)]
@@ -88,6 +89,53 @@ def test_dp_with_cut_costs_equals_brute_force(graph, table_path, monkeypatch):
                 cut = float(cut_tps(stage_out_bytes(graph, st.op_ids), SLOW_LINK, mb))
                 tps = stage_tps(graph, st.op_ids, tuple(range(st.num_devices)), mb, BATCH, cluster)
                 assert st.tps == pytest.approx(max(tps, cut), rel=1e-9)
+
+
+@pytest.mark.parametrize("link", [None, SLOW_LINK], ids=["free", "slow-link"])
+def test_dp_memo_across_targets_equals_a_fresh_dp(link):
+    """States memoised across targets (keyed by how many scope costs meet the target) give the tables and
+    stages a DP that never solved another target gives; the back-pointers' stages add up to the table."""
+    import random
+
+    rng = random.Random(7)
+    for graph in SMALL_GRAPHS[::4] + [random_sp_graph(12, 1)]:
+        for num_devices, mb in ((3, 4), (4, 6)):
+            ample = preset("v100", num_devices)
+            for cluster in (ample, _tight(ample, graph)):
+                for tree in (build_tree(graph), chain_tree(graph)):
+                    shared = gpp_dp.BottleneckDP(tree, cluster, BATCH, mb, link=link)
+                    targets = list(shared.candidate_targets())
+                    for t in rng.sample(targets, min(8, len(targets))) + targets[:2]:
+                        fresh = gpp_dp.BottleneckDP(tree, cluster, BATCH, mb, link=link)
+                        got, want = shared.solve(t), fresh.solve(t)
+                        assert (got.devices, got.stages) == (want.devices, want.stages)
+                        for v, d in enumerate(got.devices):
+                            if d < gpp_dp.INF:
+                                stages = shared.extract(v)
+                                assert stages == fresh.extract(v)
+                                assert sum(st.num_devices for st in stages) == d and len(stages) == got.stages[v]
+                                assert max(st.tps for st in stages) <= t
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_busy_bound_never_exceeds_the_simulated_iteration(recompute):
+    """gpp skips simulating a candidate whose busy bound already loses: the bound must hold for every schedule."""
+    from graphpipe.search.gpp import busy_bound_s
+    from graphpipe.stages import Stage, StageGraph
+
+    checked = 0
+    for graph in SMALL_GRAPHS[::2]:
+        cluster = preset("v100", 8)
+        for mb in (2, 4):
+            sg = partition(graph, cluster, BATCH, SearchOptions(micro_batch_size=mb)).stage_graph
+            sg = StageGraph.build(graph, [Stage(s.id, s.op_ids, s.devices, s.micro_batch_size, recompute)
+                                          for s in sg.stages], BATCH, cluster.num_devices)
+            bound = busy_bound_s(sg, cluster)
+            for schedule in ("graph-1f1b", "gpipe"):
+                timeline = simulate(sg, make_schedule(schedule, sg, cluster), cluster)
+                assert 0 < bound <= timeline.iteration_time_s * (1 + 1e-12), (graph.name, mb, schedule)
+                checked += any(s.num_replicas > 1 for s in sg.stages)
+    assert checked  # replicated stages (their all-reduce term) were among the cases
 
 
 def test_cut_costs_change_the_optimum():

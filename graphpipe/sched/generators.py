@@ -296,12 +296,15 @@ _GENERATORS: dict[str, Callable[[StageGraph, Cluster | None], Schedule]] = {
 }
 
 
-def make_schedule(name: str, sg: StageGraph, cluster: Cluster | None = None) -> Schedule:
+def make_schedule(name: str, sg: StageGraph, cluster: Cluster | None = None, *, validate: bool = True) -> Schedule:
     """The schedule ``name`` for ``sg``, validated (``gpipe``, ``1f1b``, ``interleaved``, ``graph-1f1b``,
     and zero bubble's ``zb-h1``, ``graph-zb``, ``zbv`` and ``interleaved-zb``, :mod:`graphpipe.sched.zero_bubble`).
 
     ``"cpsat"`` is an optimiser over plans and lives in
-    :mod:`graphpipe.search.cpsat`, not here.
+    :mod:`graphpipe.search.cpsat`, not here. ``validate=False`` is for a
+    caller that simulates the schedule at once: :func:`~graphpipe.sched.simulate`
+    runs the validator's own checks (``check_structure``, then the deadlock
+    check on the engine it runs anyway), so validating first would run them twice.
     """
     key = name.lower()
     if key not in _GENERATORS:
@@ -310,5 +313,6 @@ def make_schedule(name: str, sg: StageGraph, cluster: Cluster | None = None) -> 
     if cluster is not None and cluster.num_devices != sg.num_devices:
         raise ScheduleError(f"cluster has {cluster.num_devices} devices, the stage graph {sg.num_devices}")
     schedule = _GENERATORS[key](sg, cluster)
-    validate_schedule(sg, schedule)
+    if validate:
+        validate_schedule(sg, schedule)
     return schedule

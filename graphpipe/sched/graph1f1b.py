@@ -132,7 +132,8 @@ def assemble(sg: StageGraph, name: str, per_stage: Sequence[Sequence[Action]]) -
                                     f"for virtual stages")
             # Round-robin replicas (PipeDream's 1F1B-RR) each run their own micro-batches, i mod r,
             # in the stage's order; split replicas all run every action.
-            lists[d] = [a for a in per_stage[st.id] if not st.round_robin or st.replica_of(a.mb_id) == d]
+            round_robin = st.round_robin
+            lists[d] = [a for a in per_stage[st.id] if not round_robin or st.replica_of(a.mb_id) == d]
     return Schedule.from_lists(name, lists)
 
 

@@ -61,8 +61,15 @@ balances the pipeline, so gpp keeps whichever view simulates faster and
 contains PipeDream's space on the same cost model.
 
 Speed: the DP's tables are indexed by in-flight count, not device count, so
-1024 devices cost no more than 32 (``candle-uno:branches=16`` on 1024 V100s
-plans in a few seconds); see :mod:`graphpipe.search.gpp_dp`.
+1024 devices cost no more than 32; see :mod:`graphpipe.search.gpp_dp`.
+What the search does not redo (issue 16; each leaves the plan unchanged):
+one set of block cost tables per micro-batch size serves every cut costing
+(:class:`~graphpipe.search.gpp_blocks.BlockCosts`); the DP keeps states
+across targets under the rank of the target among their scope's costs; the
+free-cut optimum is a lower bound for the costed searches; the depth
+frontier searches only targets below the best estimate; and a candidate
+whose busy bound (:func:`busy_bound_s`) already loses to the best simulated
+plan is not simulated.
 
 Device counts per stage are the divisors of ``b`` up to ``N`` -- every useful
 count, since a stage's replicas must split its micro-batch evenly -- so no
@@ -95,12 +102,13 @@ from graphpipe.errors import InfeasibleError
 from graphpipe.graph import OpGraph
 from graphpipe.search.common import (SearchOptions, SearchResult, comm_links, link_name, micro_batch_candidates,
                                      placed_bottleneck, recompute_all, simulated)
-from graphpipe.search.gpp_dp import (INF, BottleneckDP, DPStage, DPTree, build_tree, chain_tree, first_feasible,
-                                     min_bottleneck)
+from graphpipe.search.gpp_blocks import BlockCosts
+from graphpipe.search.gpp_dp import INF, BottleneckDP, DPStage, Table, first_feasible, min_bottleneck
+from graphpipe.search.gpp_tree import DPTree, build_tree, chain_tree
 from graphpipe.sp import induced_subgraph, make_series_parallel
 from graphpipe.stages import Stage, StageGraph
 
-__all__ = ["partition", "SCHEDULE", "place_stages", "smallest_memory_needed"]
+__all__ = ["partition", "SCHEDULE", "place_stages", "smallest_memory_needed", "busy_bound_s"]
 
 log = logging.getLogger(__name__)
 
@@ -180,14 +188,24 @@ def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: Search
     best_tps = INF * 1.0
     tried = states = pruned = 0
     beaten: dict[tuple[str, int], bool] = {}
+    tables: dict[tuple[str, int, bool], BlockCosts] = {}
+    boundary: dict[str, dict] = {view: {} for view, _ in trees}  # bytes across block boundaries, per view
+    free_optimum: dict[tuple[str, int], float] = {}  # (view, b) -> optimal bottleneck with cuts free
+
+    def blocks(view: str, view_tree: DPTree, b: int, rc: bool) -> BlockCosts:
+        # The block cost tables do not depend on the cut costing: every link shares them.
+        got = tables.get((view, b, rc))
+        if got is None:
+            got = tables[(view, b, rc)] = BlockCosts(view_tree, cluster, batch_size, b, power_of_two=options.power_of_two,
+                                                     recompute=rc, boundary=boundary[view])
+        return got
 
     def cannot_beat(view: str, view_tree: DPTree, b: int) -> bool:
         if beat_iteration_s is None:
             return False
         got = beaten.get((view, b))
         if got is None:  # the bound holds whatever a cut costs or re-materialization does (DESIGN §6)
-            bound = BottleneckDP(view_tree, cluster, batch_size, b, power_of_two=options.power_of_two, link=None,
-                                 recompute=False).lower_bound()
+            bound = blocks(view, view_tree, b, False).lower_bound()
             got = beaten[(view, b)] = bound * batch_size > beat_iteration_s * (1 + 1e-9)
         return got
 
@@ -198,11 +216,15 @@ def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: Search
                 if cannot_beat(view, view_tree, b):
                     pruned += 1
                     continue
-                dp = BottleneckDP(view_tree, cluster, batch_size, b, power_of_two=options.power_of_two, link=link,
-                                  recompute=recompute)
+                dp = BottleneckDP(view_tree, cluster, batch_size, b, link=link,
+                                  blocks=blocks(view, view_tree, b, recompute))
                 if dp.lower_bound() * batch_size > best_estimate * PRUNE_SLACK:
                     continue  # even a perfectly balanced pipeline at this size loses to a candidate in hand
-                found, n_tried = _frontier(dp, batch_size, best_estimate * PRUNE_SLACK)
+                # A costed cut only adds to a stage's cost, so no target below the free-cut optimum is feasible.
+                found, n_tried = _frontier(dp, batch_size, best_estimate * PRUNE_SLACK,
+                                           free_optimum.get((view, b), 0.0))
+                if link is None and found:
+                    free_optimum[(view, b)] = found[0][0]
                 tried += n_tried
                 states += dp.dp_states
                 for t, depth, stages in found:
@@ -228,6 +250,8 @@ def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: Search
     first, rest = _to_simulate(candidates, len(links))
     for cand in first:
         sg = _to_stage_graph(graph, sp_graph, merged, cand, cluster, batch_size, recompute)
+        if best is not None and _slower_than(sg, cluster, best[3], options.host):
+            continue  # even perfectly packed it loses to the plan in hand: no simulation needed
         scored = _score_best(sg, cluster, options.host)
         num_simulated += 1
         if scored is None:
@@ -282,7 +306,8 @@ def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: Search
 
 
 # ------------------------------------------------------------------ search
-def _frontier(dp: BottleneckDP, batch_size: int, best_estimate: float) -> tuple[list[tuple[float, int, list[DPStage]]], int]:
+def _frontier(dp: BottleneckDP, batch_size: int, best_estimate: float,
+              known_lower: float = 0.0) -> tuple[list[tuple[float, int, list[DPStage]]], int]:
     """The (bottleneck, depth) trade-off for one micro-batch size.
 
     First the optimal bottleneck ``t*`` and the shallowest graph reaching it
@@ -290,11 +315,12 @@ def _frontier(dp: BottleneckDP, batch_size: int, best_estimate: float) -> tuple[
     target whose DP admits depth ``<= v`` (exact again: feasibility at fixed
     ``v`` is monotone in the target). Stops once ``t * B`` alone exceeds the
     best estimate so far: shallower graphs only need larger targets.
+    ``known_lower``: a bottleneck no stage graph of this DP beats (0: none known).
     Returns ([(t, depth, stages)], DP runs).
     """
     targets = dp.candidate_targets()
-    start = int(np.searchsorted(targets, dp.lower_bound() * (1 - 1e-12)))
-    probes: dict[int, list[int]] = {}
+    start = int(np.searchsorted(targets, max(dp.lower_bound() * (1 - 1e-12), known_lower), side="left"))
+    probes: dict[int, Table] = {}
     index, runs = first_feasible(dp, targets, dp.kcap, start, probes)
     if index is None:
         return [], runs
@@ -305,8 +331,11 @@ def _frontier(dp: BottleneckDP, batch_size: int, best_estimate: float) -> tuple[
     t = float(targets[index])
     out.append((t, depth, stages))
     best_estimate = min(best_estimate, t * (batch_size + dp.b * (depth - 1)))
+    scaled = targets * batch_size
     while depth > 1:
-        found, more = first_feasible(dp, targets, depth - 1, index + 1, probes)
+        # Only targets with t * B below the best estimate can give a candidate: search no further.
+        stop = int(np.searchsorted(scaled, best_estimate, side="left"))
+        found, more = first_feasible(dp, targets, depth - 1, index + 1, probes, stop)
         runs += more
         if found is None:
             break
@@ -481,11 +510,40 @@ def _spread_idle(sg: StageGraph, cluster: Cluster, link: Link | None, throughput
             stages.append(Stage(len(stages), tuple(ops[i] for i in part.op_ids), devices, st.micro_batch_size,
                                 recompute))
         trial = StageGraph.build(graph, stages, sg.batch_size, sg.num_devices)
+        if _slower_than(trial, cluster, best[0], host):
+            continue
         scored = _score_best(trial, cluster, host)
         runs += 1
         if scored is not None and scored[0] > best[0] * (1 + 1e-9):
             best = (scored[0], trial, scored[1])
     return best[1], best[0], best[2], runs
+
+
+def busy_bound_s(sg: StageGraph, cluster: Cluster) -> float:
+    """No schedule runs an iteration of ``sg`` faster on dedicated devices (the simulator's model, DESIGN §7).
+
+    Each replica of a stage that splits micro-batches runs every micro-batch's F and B, one action at a
+    time, and the stage's gradient all-reduce starts after its last B; transfers and waiting only add.
+    Stages whose replicas take whole micro-batches round-robin are left out (a weaker bound, still one).
+    """
+    bound = 0.0
+    for st in sg.stages:
+        if st.round_robin:
+            continue
+        busy = sg.num_micro_batches(st.id) * (sg.fwd_time(st.id) + sg.bwd_time(st.id))
+        if st.num_replicas > 1:
+            busy += cluster.allreduce_time(st.devices, sg.param_bytes(st.id))
+        bound = max(bound, busy)
+    return bound
+
+
+def _slower_than(sg: StageGraph, cluster: Cluster, throughput: float, host=None) -> bool:
+    """Whether ``sg`` provably simulates slower than ``throughput`` (:func:`busy_bound_s`; with a margin far
+    above the simulator's rounding). Never on a shared host, whose slowdowns the bound does not model."""
+    if host is not None:
+        return False
+    bound = busy_bound_s(sg, cluster)
+    return bound > 0 and sg.batch_size / bound < throughput * (1 - 1e-6)
 
 
 def _score_best(sg: StageGraph, cluster: Cluster, host=None) -> tuple[float, str] | None:

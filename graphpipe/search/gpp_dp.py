@@ -12,7 +12,7 @@ Search space (what "optimal" means here)
 * **Stages** are unions of SP-tree nodes (:mod:`graphpipe.sp`): a whole node,
   a contiguous range of >= 2 children of a series node, or a contiguous run of
   >= 2 children of a parallel node, children of a parallel node being ordered
-  by :func:`parallel_order` (descending per-sample work, then smallest op id,
+  by :func:`~graphpipe.search.gpp_tree.parallel_order` (descending per-sample work, then smallest op id,
   so similar branches sit next to each other and can share a stage). Every
   such set is convex, and any partition of the ops into such sets is a DAG of
   stages.
@@ -31,6 +31,10 @@ Search space (what "optimal" means here)
   ``cluster.memory_bytes``. With a ``link``, the stage's cut (the bytes on
   the edges leaving it, :func:`~graphpipe.search.common.cut_tps` on that
   link) must also be ``<= t_max``: a stage costs ``max(stage_tps, cut)``.
+
+Modules: the tree (:mod:`graphpipe.search.gpp_tree`), the block cost
+tables on the one cost model (:mod:`graphpipe.search.gpp_blocks`), and here
+the recurrence and the search over targets.
 
 The DP (paper Alg. 1, restated)
 -------------------------------
@@ -59,7 +63,17 @@ path)``) and needs no grid of device counts. Cases:
 
 Values are exact in the in-flight and device components (memory and TPS are
 monotone), so feasibility and hence the optimal bottleneck are exact; the
-stage count is only a tie-break.
+stage count is only a tie-break. A state's value is a :class:`Table`: per
+bound ``v`` a (devices, stages) pair and the choice that reached it (the
+back-pointer :meth:`BottleneckDP.extract` follows), recorded while solving:
+among equal pairs the first option in the order above wins.
+
+Between targets nothing is recomputed that cannot have changed: a state's
+value depends on ``t_max`` only through which block costs in its scope
+(the blocks inside its subgraph) are ``<= t_max``, so states are memoised
+under the number of those costs at or below the target (:meth:`BottleneckDP._rank`).
+The bisection's later probes differ in one block and reuse all states but
+that block's ancestors.
 
 The cut term is not monotone in a series range (a longer stage may end at a
 smaller activation), so ranges stop growing on compute and memory alone
@@ -81,135 +95,61 @@ Example
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 
 from graphpipe.cluster import Cluster, Link
-from graphpipe.costs import CostArrays
-from graphpipe.errors import InputError
 from graphpipe.graph import OpGraph
-from graphpipe.search.common import cut_tps
-from graphpipe.sp import decompose
+from graphpipe.search.gpp_blocks import BlockCosts
+from graphpipe.search.gpp_tree import DPTree, build_tree
 
-__all__ = ["DPTree", "DPStage", "DPSolution", "BottleneckDP", "build_tree", "parallel_order", "min_bottleneck",
-           "device_counts", "first_feasible", "chain_tree"]
+__all__ = ["Table", "DPStage", "DPSolution", "BottleneckDP", "min_bottleneck", "first_feasible", "INF"]
 
 INF = 1 << 62
-_SHIFT = 20  # value = devices << _SHIFT | stages
-_STAGE_MASK = (1 << _SHIFT) - 1
+"""Devices of a bound no partition meets (more than any cluster has)."""
 _SMALL = 12  # nodes with at most this many children use plain-Python block tables
 
 
 @dataclass(frozen=True, slots=True)
-class DPTree:
-    """The SP tree as the DP sees it: ``op_ids`` refer to ``graph``, the graph searched.
+class Table:
+    """A DP state's value, indexed by ``v``, the bound on the depth at the subgraph's source.
 
-    kinds[x] in {"op", "series", "parallel"}; children[x] ordered (series in
-    dependency order, parallel by :func:`parallel_order`); ``sums[x][i]`` are
-    prefix sums over children ``0..i-1`` of (fwd alpha, fwd beta, bwd alpha,
-    bwd beta, param bytes, act bytes) -- a leaf counts as one child, itself.
+    ``devices[v]`` and ``stages[v]``: the fewest devices, then the fewest
+    stages, of a partition meeting the target with source depth ``<= v``
+    (``devices[v] == INF``: none). ``choice[v]``: how that partition starts
+    (the back-pointer), one of
+
+    * ``("stage", d)``: a leaf as one stage on ``d`` devices;
+    * ``("child", u)`` (series): the child partitioned with downstream depth
+      ``u``, the rest of the series with source depth ``<= u``;
+    * ``("range", j, u, d)`` (series): children ``i..j-1`` one stage on ``d``
+      devices at depth ``u + 1``, the rest with source depth ``<= u``;
+    * ``("child",)`` (parallel): the child partitioned on its own devices beside the other branches;
+    * ``("run", j, d)`` (parallel): children ``i..j-1`` one stage on ``d`` devices;
+    * None: an empty rest.
     """
 
-    graph: OpGraph
-    kinds: tuple[str, ...]
-    children: tuple[tuple[int, ...], ...]
-    op_ids: tuple[tuple[int, ...], ...]
-    sums: tuple[tuple[tuple[float, ...], ...], ...]
-    root: int
-    longest_path: int
-    """Ops on the longest path of the graph: no stage graph is deeper."""
+    devices: tuple[int, ...]
+    stages: tuple[int, ...]
+    choice: tuple[tuple | None, ...]
+    breakpoints: tuple[int, ...] = ()
+    """Bounds ``v`` where the (devices, stages) pair strictly improves on every smaller bound
+    (:meth:`of` fills it in): only these are worth handing to an upstream neighbour."""
 
-    def width(self, x: int) -> int:
-        """Number of children (1 for a leaf, which is its own only child)."""
-        return max(1, len(self.children[x]))
+    @classmethod
+    def of(cls, devices: Sequence[int], stages: Sequence[int], choice: Sequence[tuple | None]) -> "Table":
+        points, best = [], (INF, 0)
+        for v, pair in enumerate(zip(devices, stages)):
+            if pair[0] < INF and pair < best:
+                points.append(v)
+                best = pair
+        return cls(tuple(devices), tuple(stages), tuple(choice), tuple(points))
 
-    def block_ops(self, x: int, lo: int, hi: int) -> tuple[int, ...]:
-        """Ops of children ``lo..hi-1`` of node ``x`` (the whole leaf for a leaf)."""
-        if not self.children[x]:
-            return self.op_ids[x]
-        return tuple(sorted(o for c in self.children[x][lo:hi] for o in self.op_ids[c]))
-
-
-def parallel_order(graph: OpGraph, branches: Sequence[Sequence[int]]) -> list[int]:
-    """Order of parallel branches (op-id lists): most per-sample work first, then smallest op id.
-
-    Part of the search space's definition: runs of branches that share a stage
-    are contiguous in this order.
-    """
-    def work(ops: Sequence[int]) -> float:
-        return sum(graph.ops[o].fwd.beta + graph.ops[o].bwd.beta for o in ops)
-
-    return sorted(range(len(branches)), key=lambda i: (-work(branches[i]), min(branches[i])))
-
-
-def build_tree(graph: OpGraph) -> DPTree:
-    """Decompose ``graph`` (which must be series-parallel) into the DP's tree."""
-    tree = decompose(graph)
-    if tree.merged:
-        raise InputError(f"graph {graph.name!r} is not series-parallel; contract it first with "
-                         "graphpipe.sp.make_series_parallel (the planner does)")
-    n = len(tree.nodes)
-    kinds = [tree.nodes[x].kind for x in range(n)]
-    op_ids = [tuple(tree.nodes[x].op_ids) for x in range(n)]
-    children: list[tuple[int, ...]] = []
-    for x in range(n):
-        kids = tuple(tree.nodes[x].children)
-        if kinds[x] == "parallel":
-            order = parallel_order(graph, [op_ids[c] for c in kids])
-            kids = tuple(kids[i] for i in order)
-        children.append(kids)
-    sums = []
-    longest = [0] * n
-    for x in range(n):  # post-order: children first
-        if kinds[x] == "op":
-            op = graph.ops[op_ids[x][0]]
-            parts = [(op.fwd.alpha, op.fwd.beta, op.bwd.alpha, op.bwd.beta, float(op.param_bytes), float(op.act_bytes))]
-            longest[x] = 1
-        else:
-            parts = [sums[c][-1] for c in children[x]]
-            lengths = [longest[c] for c in children[x]]
-            longest[x] = sum(lengths) if kinds[x] == "series" else max(lengths)
-        prefix = [(0.0,) * 6]
-        for p in parts:
-            prefix.append(tuple(a + b for a, b in zip(prefix[-1], p)))
-        sums.append(tuple(prefix))
-    return DPTree(graph, tuple(kinds), tuple(children), tuple(op_ids), tuple(sums), tree.root, longest[tree.root])
-
-
-def chain_tree(graph: OpGraph) -> DPTree:
-    """The graph seen as one series of its ops in id (topological) order: the SPP search space.
-
-    Every contiguous range of a topological order is convex and any cut into
-    ranges is a DAG of stages, so this tree is valid input for the DP. Its
-    in-flight model is the chain's (each range waits for all later ones),
-    an upper bound on what graph-1F1B gives the real stage graph, so memory
-    is checked conservatively. gpp searches it beside the SP tree so that
-    the sequential partitions PipeDream considers are inside its space.
-    """
-    n = graph.num_ops
-    kinds = ["op"] * n + ["series"] if n > 1 else ["op"]
-    children = [()] * n + [tuple(range(n))] if n > 1 else [()]
-    op_ids = [(i,) for i in range(n)] + ([tuple(range(n))] if n > 1 else [])
-    leaf = []
-    for op in graph.ops:
-        leaf.append((op.fwd.alpha, op.fwd.beta, op.bwd.alpha, op.bwd.beta, float(op.param_bytes), float(op.act_bytes)))
-    sums = [((0.0,) * 6, leaf[i]) for i in range(n)]
-    if n > 1:
-        prefix = [(0.0,) * 6]
-        for p in leaf:
-            prefix.append(tuple(a + b for a, b in zip(prefix[-1], p)))
-        sums.append(tuple(prefix))
-    return DPTree(graph, tuple(kinds), tuple(children), tuple(op_ids), tuple(sums), len(kinds) - 1, n)
-
-
-def device_counts(micro_batch_size: int, num_devices: int, power_of_two: bool = False) -> tuple[int, ...]:
-    """Replica counts a stage may use: divisors of ``b`` up to ``N`` (powers of two if asked)."""
-    ds = [d for d in range(1, min(micro_batch_size, num_devices) + 1) if micro_batch_size % d == 0]
-    if power_of_two:
-        ds = [d for d in ds if d & (d - 1) == 0]
-    return tuple(ds)
+    def feasible(self, v: int) -> bool:
+        return self.devices[v] < INF
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,172 +178,57 @@ class DPSolution:
 
 
 class BottleneckDP:
-    """The DP for one micro-batch size; :meth:`solve` runs it for one target ``t_max``.
+    """The DP for one micro-batch size and cut costing; :meth:`solve` runs it for one target ``t_max``.
 
-    Not a value object: it memoises per-block costs across targets (they do
-    not depend on ``t_max``) and the DP table of the current target.
+    Not a value object: it memoises states across targets (module docstring).
+    ``blocks`` (the same tree, cluster, sizes and ``recompute``) lets several
+    cut costings share one set of block cost tables.
     """
 
     def __init__(self, tree: DPTree, cluster: Cluster, batch_size: int, micro_batch_size: int,
                  num_devices: int | None = None, power_of_two: bool = False, link: Link | None = None,
-                 recompute: bool = False):
-        if batch_size % micro_batch_size:
-            raise InputError(f"micro-batch size {micro_batch_size} does not divide the batch size {batch_size}")
+                 recompute: bool = False, blocks: BlockCosts | None = None):
+        if blocks is None:
+            blocks = BlockCosts(tree, cluster, batch_size, micro_batch_size, num_devices, power_of_two, recompute)
+        self.blocks = blocks
         self.tree = tree
-        self.cluster = cluster
         self.batch_size = batch_size
         self.b = micro_batch_size
-        self.num_devices = cluster.num_devices if num_devices is None else num_devices
-        self.num_mbs = batch_size // micro_batch_size
-        self.ds = device_counts(micro_batch_size, self.num_devices, power_of_two)
-        # The DP indexes depth (stages on the longest path to the sink); no
-        # stage graph is deeper than its stage count (<= N) or longest op path.
+        self.num_devices = blocks.num_devices
+        self.num_mbs = blocks.num_mbs
+        self.ds = blocks.device_counts
         # Memory uses the in-flight count graph-1F1B gives, min(depth, M):
         # depth itself is kept uncapped so that shallower graphs stay
         # distinguishable when there are few micro-batches.
-        self.kcap = min(self.num_devices, tree.longest_path)
-        self.capacity = cluster.memory_bytes
+        self.kcap = blocks.kcap
         self.link = link
         """Cuts are costed on this link (None: free, the stage cost is ``stage_tps`` alone)."""
-        self.recompute = bool(recompute)
-        """Every stage re-materializes (the search's ``--recompute all``; ``auto`` compares both in gpp)."""
-        self.costs = CostArrays.of(tree.graph, cluster)
-        self._io: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        self._tables: dict[int, np.ndarray] = {}
-        self._compute: dict[int, np.ndarray] = {}
-        self._kmax: dict[int, np.ndarray] = {}
-        self._list_cache: dict[int, tuple[list, list]] = {}
+        self.recompute = blocks.recompute
         self.t_max = float("inf")
         self.dp_states = 0
+        self._memo: dict[tuple, Table] = {}
+        self._feas: dict[tuple[int, int, int, int], tuple[tuple[int, int], ...]] = {}
+        self._ends: dict[tuple[int, int, int], list[int]] = {}
+        self._rows: dict[tuple[int, int], list[float]] = {}
+        self._identities: dict[int, Table] = {}
         self._reset()
 
-    # ------------------------------------------------------------ block costs
-    def _node_table(self, x: int) -> np.ndarray:
-        """tps[lo, hi, di]: cost of children lo..hi-1 of x as one stage on ``ds[di]`` devices,
-        ``max(stage_tps, cut)`` (just ``stage_tps`` without a link)."""
-        got = self._tables.get(x)
-        if got is None:
-            got = self._compute_table(x)
-            if self.link is not None:
-                cut = cut_tps(self._out_bytes(x), self.link, self.b)
-                got = np.maximum(got, cut[:, :, None])
-            self._tables[x] = got
-        return got
-
-    def _compute_table(self, x: int) -> np.ndarray:
-        """stage_tps[lo, hi, di] of children lo..hi-1 of node x on ``ds[di]`` devices (vectorised)."""
-        got = self._compute.get(x)
-        if got is None:
-            pre = np.asarray(self.tree.sums[x], dtype=float)          # (m+1, 6) prefix sums
-            diff = pre[None, :, :] - pre[:, None, :]                    # diff[lo, hi] = sums of lo..hi-1
-            params = diff[:, :, 4]
-            cols = [self.costs.tps(diff[:, :, 0], diff[:, :, 1], diff[:, :, 2], diff[:, :, 3], params, d, self.b,
-                                   self.batch_size, self.recompute) for d in self.ds]
-            got = np.stack(cols, axis=-1)
-            self._compute[x] = got
-        return got
-
-    def _out_bytes(self, x: int) -> np.ndarray:
-        """out[lo, hi]: bytes per sample on the edges leaving children lo..hi-1 of x (to anything else)."""
-        return self._boundary_bytes(x)[1]
-
-    def _boundary_bytes(self, x: int) -> tuple[np.ndarray, np.ndarray]:
-        """(in, out)[lo, hi]: bytes per sample on the edges entering / leaving children lo..hi-1 of x.
-
-        Every edge between two children of x goes forward in child order
-        (series children in dependency order, the chain view in topological
-        order, parallel children unconnected), so an edge from child ``c``
-        leaves ``lo..hi-1`` iff ``lo <= c < hi`` and its target is outside x
-        or a child ``>= hi``; an edge into child ``c2`` enters it iff
-        ``lo <= c2 < hi`` and its source is outside x or a child ``< lo``.
-        """
-        got = self._io.get(x)
-        if got is not None:
-            return got
-        tree = self.tree
-        kids = tree.children[x] or (x,)  # a leaf is its own only child
-        m = len(kids)
-        child_of = {o: i for i, c in enumerate(kids) for o in tree.op_ids[c]}
-        ext_out, ext_in = np.zeros(m), np.zeros(m)
-        between = np.zeros((m, m + 1))   # between[c, c2]: bytes from child c to child c2
-        for e in tree.graph.edges:
-            c, c2 = child_of.get(e.src), child_of.get(e.dst)
-            if c is None and c2 is None:
-                continue
-            if c2 is None:
-                ext_out[c] += e.bytes
-            elif c is None:
-                ext_in[c2] += e.bytes
-            elif c2 < c:
-                raise AssertionError(f"edge {e.src}->{e.dst} runs backwards between children of node {x}")
-            elif c2 > c:
-                between[c, c2] += e.bytes
-        hi = np.arange(m + 1)
-        reaching = np.cumsum(between[:, ::-1], axis=1)[:, ::-1]        # reaching[c, h]: to children >= h
-        upto = np.vstack([np.zeros(m + 1), np.cumsum(reaching, axis=0)])  # upto[i, h]: children < i, to >= h
-        ext = np.concatenate(([0.0], np.cumsum(ext_out)))
-        out = np.maximum(ext[None, :] - ext[:, None] + upto[hi, hi][None, :] - upto, 0.0)  # float noise
-        # in[lo, hi] = external inputs of lo..hi-1 + bytes from children < lo into lo..hi-1
-        before = np.vstack([np.zeros(m + 1), np.cumsum(between, axis=0)])[:, :m]   # before[lo, c2]: from children < lo
-        into = np.concatenate([np.zeros((m + 1, 1)), np.cumsum(before, axis=1)], axis=1)  # into[lo, h]: to c2 < h
-        ext = np.concatenate(([0.0], np.cumsum(ext_in)))
-        inp = np.maximum(ext[None, :] - ext[:, None] + into - into[hi, hi][:, None], 0.0)
-        got = (inp, out)
-        self._io[x] = got
-        return got
-
-    def block_tps(self, x: int, lo: int, hi: int) -> tuple[float, ...]:
-        """stage_tps of children lo..hi-1 of x on each device count of ``self.ds``."""
-        return tuple(self._node_table(x)[lo, hi].tolist())
-
-    def _kmax_table(self, x: int) -> np.ndarray:
-        """kmax[lo, hi, di]: most in-flight micro-batches children lo..hi-1 of x can hold on ``ds[di]``
-        devices within memory (``stage_memory <= capacity``; -1 when even the model state does not fit),
-        capped at ``kcap``."""
-        got = self._kmax.get(x)
-        if got is None:
-            pre = np.asarray(self.tree.sums[x], dtype=float)
-            diff = pre[None, :, :] - pre[:, None, :]
-            inputs, outputs = self._boundary_bytes(x)
-            cols = [self.costs.max_in_flight(diff[:, :, 4], diff[:, :, 5], d, self.b, self.kcap, inputs, outputs,
-                                             self.recompute) for d in self.ds]
-            got = np.stack(cols, axis=-1).astype(np.int64)
-            self._kmax[x] = got
-        return got
-
     def candidate_targets(self) -> np.ndarray:
-        """Every stage TPS a block of the search space can have, sorted: the optimum is one of them."""
-        parts = []
-        for x in range(len(self.tree.kinds)):
-            m = self.tree.width(x)
-            table = self._node_table(x)
-            lo, hi = np.triu_indices(m + 1, k=1)
-            parts.append(table[lo, hi].ravel())
-        return np.unique(np.concatenate(parts)) if parts else np.zeros(0)
+        """Every stage cost a block can have, sorted: the optimum is one of them."""
+        return self.blocks.candidate_targets(self.link)
 
     def lower_bound(self) -> float:
-        """No stage graph has a smaller bottleneck: max(total work / N, the heaviest op at its best width).
+        """:meth:`BlockCosts.lower_bound <graphpipe.search.gpp_blocks.BlockCosts.lower_bound>`."""
+        return self.blocks.lower_bound()
 
-        Each stage s on d_s devices has d_s * tps_s >= its compute per sample,
-        and sum d_s <= N; every op lies in some stage at least as slow as it.
-        Compute only: an op's cut is not charged when its stage holds its consumers too.
-        """
-        root = self._compute_table(self.tree.root)
-        m = self.tree.width(self.tree.root)
-        total = float(root[0, m, 0])  # ds[0] == 1: pure compute per sample
-        heaviest = 0.0
-        for x, kind in enumerate(self.tree.kinds):
-            if kind == "op":
-                heaviest = max(heaviest, float(self._compute_table(x)[0, 1].min()))
-        return max(total / self.num_devices, heaviest)
-
+    # ------------------------------------------------------- blocks at t_max
     def _reach(self, x: int) -> np.ndarray:
-        """Under the current target, reach[lo, hi, di] = the most in-flight micro-batches children
-        lo..hi-1 of x can hold as one stage on at most ``ds[di]`` devices (0: cannot be a stage).
+        """Under the current target, reach[lo, hi, c] = the most in-flight micro-batches children
+        lo..hi-1 of x can hold as one stage on at most ``ds[c]`` devices (0: cannot be a stage).
         Two blocks with equal rows need the same devices for every in-flight count."""
         got = self._reach_cache.get(x)
         if got is None:
-            keff = np.where(self._node_table(x) <= self.t_max, self._kmax_table(x), 0)
+            keff = np.where(self.blocks.stage_cost(x, self.link) <= self.t_max, self.blocks.max_in_flight(x), 0)
             got = np.maximum.accumulate(np.maximum(keff, 0), axis=-1)
             self._reach_cache[x] = got
         return got
@@ -418,7 +243,7 @@ class BottleneckDP:
         remainder never needs more devices or depth (the longer range
         dominates).
         """
-        key = (x, lo)
+        key = (x, lo, self._row_rank(x, lo))
         got = self._ends.get(key)
         if got is not None:
             return got
@@ -451,21 +276,21 @@ class BottleneckDP:
         device count, the cut aside (both only get worse as a range grows)."""
         got = self._grows_cache.get(x)
         if got is None:
-            got = np.any((self._compute_table(x) <= self.t_max) & (self._kmax_table(x) > 0), axis=-1)
+            got = np.any((self.blocks.stage_tps(x) <= self.t_max) & (self.blocks.max_in_flight(x) > 0), axis=-1)
             self._grows_cache[x] = got
         return got
 
     def _profile(self, x: int, lo: int, hi: int) -> tuple[tuple[int, int], ...]:
         """(devices, largest in-flight that fits) pairs with both increasing: the block's whole
         'fewest devices for in-flight k' function under the current target."""
-        key = (x, lo, hi)
+        key = (x, lo, hi, self._row_rank(x, lo))
         got = self._feas.get(key)
         if got is None:
             out, best = [], 0
             if self.tree.width(x) <= _SMALL:  # plain Python beats numpy's per-call overhead here
-                tps_rows, kmax_rows = self._lists(x)
+                cost_rows, in_flight_rows = self.blocks.rows(x, self.link)
                 t = self.t_max
-                for d, tt, k in zip(self.ds, tps_rows[lo][hi], kmax_rows[lo][hi]):
+                for d, tt, k in zip(self.ds, cost_rows[lo][hi], in_flight_rows[lo][hi]):
                     if tt <= t and k > best:
                         out.append((d, k))
                         best = k
@@ -478,241 +303,262 @@ class BottleneckDP:
             self._feas[key] = got
         return got
 
-    def _lists(self, x: int) -> tuple[list, list]:
-        got = self._list_cache.get(x)
-        if got is None:
-            got = (self._node_table(x).tolist(), self._kmax_table(x).tolist())
-            self._list_cache[x] = got
-        return got
-
     def _base_devices(self, x: int, lo: int, hi: int, depth: int) -> int:
         """Fewest devices on which children lo..hi-1 of x form one stage meeting t_max and memory (0: none)
         when ``depth`` stages (itself included) lie on its longest path to the sink."""
-        k_in = min(depth, self.num_mbs)  # graph-1F1B's in-flight count
-        for d, k in self._profile(x, lo, hi):
-            if k >= k_in:
-                return d
-        return 0
+        return _fewest_devices(self._profile(x, lo, hi), min(depth, self.num_mbs))  # graph-1F1B's in-flight
 
-    # -------------------------------------------------------------------- DP
+    # ------------------------------------------------------- memo by scope
+    def _row_costs(self, x: int, lo: int) -> list[float]:
+        """Sorted costs (with and without the cut) of the blocks starting at child ``lo`` of node x: all the
+        values :meth:`_profile` and :meth:`_range_ends` compare with ``t_max`` for them."""
+        key = (x, lo)
+        got = self._rows.get(key)
+        if got is None:
+            parts = [self.blocks.stage_cost(x, self.link)[lo, lo + 1:].ravel()]
+            if self.link is not None:  # ranges stop on compute alone (_grows_ok)
+                parts.append(self.blocks.stage_tps(x)[lo, lo + 1:].ravel())
+            got = self._rows[key] = np.sort(np.concatenate(parts)).tolist()
+        return got
+
+    def _row_rank(self, x: int, lo: int) -> int:
+        """How many of :meth:`_row_costs` are ``<= t_max``: the blocks starting at ``lo`` look the same to
+        every target of equal row rank, so their profiles and range ends are kept under it."""
+        key = (x, lo)
+        got = self._row_ranks.get(key)
+        if got is None:
+            got = self._row_ranks[key] = bisect_right(self._row_costs(x, lo), self.t_max)
+        return got
+
+    def _rank(self, x: int, i: int) -> int:
+        """How many block costs inside children i.. of x are ``<= t_max`` (the rows starting there and
+        everything inside those children): states with equal ranks make the same comparisons, so they have
+        the same value. Counted part by part, the parts being disjoint."""
+        key = (x, i)
+        got = self._ranks.get(key)
+        if got is None:
+            kids = self.tree.children[x]
+            got = self._row_rank(x, i)
+            if kids:
+                got += self._rank(kids[i], 0) + (self._rank(x, i + 1) if i + 1 < len(kids) else 0)
+            self._ranks[key] = got
+        return got
+
+    # ------------------------------------------------------------------- DP
     def _reset(self) -> None:
-        self._feas: dict[tuple[int, int, int], tuple[tuple[int, int], ...]] = {}
+        """Forget what depends on the target itself (what is keyed by a rank stays)."""
         self._reach_cache: dict[int, np.ndarray] = {}
         self._grows_cache: dict[int, np.ndarray] = {}
-        self._ends: dict[tuple[int, int], list[int]] = {}
-        self._f: dict[tuple[int, int], list[int]] = {}
-        self._g: dict[tuple[int, int, int], list[int]] = {}
+        self._ranks: dict[tuple[int, int], int] = {}
+        self._row_ranks: dict[tuple[int, int], int] = {}
 
-    def solve(self, t_max: float) -> list[int]:
-        """Run the DP for target ``t_max``; returns the root's value array (index = in-flight bound)."""
+    def solve(self, t_max: float) -> Table:
+        """Run the DP for target ``t_max``; returns the root's table (index = bound on the source depth)."""
         self.t_max = t_max
         self._reset()
         return self._value(self.tree.root, 0)
 
     def feasible(self, t_max: float) -> bool:
-        return any(v < INF for v in self.solve(t_max))
+        return any(d < INF for d in self.solve(t_max).devices)
 
-    def _prune(self, arr: list[int]) -> list[int]:
-        limit = (self.num_devices + 1) << _SHIFT
-        return [v if v < limit else INF for v in arr]
+    def _table(self, devices: list[int], stages: list[int], choice: list) -> Table:
+        """A state's table, bounds needing more devices than there are marked infeasible."""
+        n = self.num_devices
+        for v, d in enumerate(devices):
+            if d > n:
+                devices[v], stages[v], choice[v] = INF, 0, None
+        self.dp_states += 1
+        return Table.of(devices, stages, choice)
 
-    def _identity(self, k: int) -> list[int]:
-        """Value of an empty suffix: its 'source' is the downstream itself, in-flight k."""
-        return [INF] * k + [0] * (self.kcap + 1 - k)
-
-    def _base_array(self, x: int, lo: int, hi: int, k: int, rest: list[int] | None = None) -> list[int]:
-        k_in = k + 1
-        size = self.kcap + 1
-        if k_in > self.kcap:
-            return [INF] * size
-        d = self._base_devices(x, lo, hi, k_in)
-        if not d:
-            return [INF] * size
-        val = (d << _SHIFT) | 1
-        if rest is None:
-            return [INF] * k_in + [val] * (size - k_in)
-        return [INF] * k_in + [val + r if r < INF else INF for r in rest[k_in:]]
-
-    def _value(self, x: int, k: int) -> list[int]:
-        key = (x, k)
-        got = self._f.get(key)
+    def _identity(self, k: int) -> Table:
+        """Value of an empty suffix: its 'source' is the downstream itself, depth k."""
+        got = self._identities.get(k)
         if got is None:
-            kind = self.tree.kinds[x]
-            if kind == "op":
-                got = self._base_array(x, 0, 1, k)
-            elif kind == "series":
-                got = self._series(x, 0, k)
-            else:
-                got = self._parallel(x, 0, k)
-            self._f[key] = got
-            self.dp_states += 1
+            size = self.kcap + 1
+            got = Table.of((INF,) * k + (0,) * (size - k), (0,) * size, (None,) * size)
+            self._identities[k] = got
         return got
 
-    @staticmethod
-    def _breakpoints(arr: list[int]) -> list[int]:
-        """In-flight values where a non-increasing value array strictly improves."""
-        out, prev = [], INF
-        for u, a in enumerate(arr):
-            if a < prev:
-                out.append(u)
-                prev = a
-        return out
+    def _value(self, x: int, k: int) -> Table:
+        """Node x partitioned with its downstream consumers at depth k."""
+        kind = self.tree.kinds[x]
+        if kind == "series":
+            return self._series(x, 0, k)
+        if kind == "parallel":
+            return self._parallel(x, 0, k)
+        key = (x, 0, k, self._rank(x, 0))
+        got = self._memo.get(key)
+        if got is None:  # base: the leaf is one stage at depth k + 1
+            size, k_in = self.kcap + 1, k + 1
+            d = self._base_devices(x, 0, 1, k_in) if k_in <= self.kcap else 0
+            if not d:
+                got = self._table([INF] * size, [0] * size, [None] * size)
+            else:
+                got = self._table([INF] * k_in + [d] * (size - k_in), [0] * k_in + [1] * (size - k_in),
+                                  [None] * k_in + [("stage", d)] * (size - k_in))
+            self._memo[key] = got
+        return got
 
-    def _series(self, x: int, i: int, k: int) -> list[int]:
+    def _series(self, x: int, i: int, k: int) -> Table:
         """Children i..m-1 of series node x with downstream depth k (suffix DP)."""
         kids = self.tree.children[x]
-        m = len(kids)
-        if i == m:
+        if i == len(kids):
             return self._identity(k)
-        key = (x, i, k)
-        got = self._g.get(key)
+        key = (x, i, k, self._rank(x, i))
+        got = self._memo.get(key)
         if got is not None:
             return got
         size = self.kcap + 1
-        res = [INF] * size
+        devices, stages, choice = [INF] * size, [0] * size, [None] * size
         nxt = self._series(x, i + 1, k)
         # Child i partitioned on its own; the suffix's source depth u is its downstream depth.
-        for u in self._breakpoints(nxt):
-            if u > self.kcap:
-                break
-            gu = nxt[u]
+        for u in nxt.breakpoints:
+            rest_d, rest_s, how = nxt.devices[u], nxt.stages[u], ("child", u)
             child = self._value(kids[i], u)
-            res = [min(r, gu + c) if c < INF else r for r, c in zip(res, child)]
+            if not child.breakpoints:
+                continue
+            for v in range(child.breakpoints[0], size):  # nothing is feasible below its first breakpoint
+                d, s = rest_d + child.devices[v], rest_s + child.stages[v]
+                if child.devices[v] < INF and (d < devices[v] or (d == devices[v] and s < stages[v])):
+                    devices[v], stages[v], choice[v] = d, s, how
         # Children i..j-1 as one stage. TPS and memory only grow with j, and a
         # shorter suffix never needs more devices or depth, so among ranges with
         # the same device profile the longest dominates: evaluate only that one.
+        # A range stage at depth u + 1 serves every bound v >= u + 1 alike, so
+        # keep the best per first bound (ties: the earlier option) and sweep.
+        first_at: list[tuple | None] = [None] * size   # (devices, stages, order, choice)
+        order = 0
         for j in self._range_ends(x, i):
-            rest = self._series(x, j, k)
-            for u in self._breakpoints(rest):
+            rest, profile = self._series(x, j, k), self._profile(x, i, j)
+            for u in rest.breakpoints:
                 k_in = u + 1
                 if k_in > self.kcap:
                     break
-                d = self._base_devices(x, i, j, k_in)
-                if not d:
+                need = _fewest_devices(profile, min(k_in, self.num_mbs))
+                if not need:
                     continue
-                val = rest[u] + ((d << _SHIFT) | 1)
-                for v in range(k_in, size):
-                    if val < res[v]:
-                        res[v] = val
-        res = self._prune(res)
-        self._g[key] = res
-        self.dp_states += 1
-        return res
+                option = (rest.devices[u] + need, rest.stages[u] + 1, order, ("range", j, u, need))
+                order += 1
+                held = first_at[k_in]
+                if held is None or option[:2] < held[:2]:
+                    first_at[k_in] = option
+        best = None
+        for v in range(size):
+            here = first_at[v]
+            if here is not None and (best is None or here[:3] < best[:3]):
+                best = here
+            if best is not None and (best[0] < devices[v] or (best[0] == devices[v] and best[1] < stages[v])):
+                devices[v], stages[v], choice[v] = best[0], best[1], best[3]
+        got = self._memo[key] = self._table(devices, stages, choice)
+        return got
 
-    def _parallel(self, x: int, j: int, k: int) -> list[int]:
+    def _parallel(self, x: int, j: int, k: int) -> Table:
         """Children j..p-1 of parallel node x, all with downstream depth k."""
         kids = self.tree.children[x]
-        p = len(kids)
         size = self.kcap + 1
-        if j == p:
-            return [0] * size
-        key = (x, j, k)
-        got = self._g.get(key)
+        if j == len(kids):
+            return self._identity(0)  # no branch left: nothing to add, at any bound
+        key = (x, j, k, self._rank(x, j))
+        got = self._memo.get(key)
         if got is not None:
             return got
         nxt = self._parallel(x, j + 1, k)
         child = self._value(kids[j], k)
-        res = [a + b if a < INF and b < INF else INF for a, b in zip(child, nxt)]
+        devices, stages, choice = [INF] * size, [0] * size, [None] * size
+        for v in range(size):  # branches on disjoint devices: devices and stages add up
+            if child.devices[v] < INF and nxt.devices[v] < INF:
+                devices[v], stages[v] = child.devices[v] + nxt.devices[v], child.stages[v] + nxt.stages[v]
+                choice[v] = ("child",)
+        k_in = k + 1
         for j2 in self._range_ends(x, j):  # same dominance as series ranges
-            group = self._base_array(x, j, j2, k, rest=self._parallel(x, j2, k))
-            res = [min(a, b) for a, b in zip(res, group)]
-        res = self._prune(res)
-        self._g[key] = res
-        self.dp_states += 1
-        return res
+            need = self._base_devices(x, j, j2, k_in) if k_in <= self.kcap else 0
+            if not need:
+                continue
+            rest, how = self._parallel(x, j2, k), ("run", j2, need)
+            for v in range(k_in, size):
+                if rest.devices[v] < INF:
+                    d, s = rest.devices[v] + need, rest.stages[v] + 1
+                    if d < devices[v] or (d == devices[v] and s < stages[v]):
+                        devices[v], stages[v], choice[v] = d, s, how
+        got = self._memo[key] = self._table(devices, stages, choice)
+        return got
 
     # ------------------------------------------------------------- extraction
     def extract(self, v: int) -> list[DPStage]:
-        """Stages of the root solution with source in-flight <= v (after :meth:`solve`)."""
+        """Stages of the root solution with source depth <= v (after :meth:`solve`), by the back-pointers."""
         out: list[DPStage] = []
-        self._extract_node(self.tree.root, 0, v, self._value(self.tree.root, 0)[v], out)
+        self._collect(self.tree.root, 0, v, out)
         return out
 
     def _stage(self, x: int, lo: int, hi: int, d: int, k_in: int) -> DPStage:
-        tps = self.block_tps(x, lo, hi)[self.ds.index(d)]
+        tps = float(self.blocks.stage_cost(x, self.link)[lo, hi, self.ds.index(d)])
         return DPStage(self.tree.block_ops(x, lo, hi), d, min(k_in, self.num_mbs), tps)
 
-    def _extract_node(self, x: int, k: int, v: int, target: int, out: list[DPStage]) -> None:
+    def _collect(self, x: int, k: int, v: int, out: list[DPStage]) -> None:
         kind = self.tree.kinds[x]
-        if kind == "op":
-            k_in = k + 1
-            out.append(self._stage(x, 0, 1, self._base_devices(x, 0, 1, k_in), k_in))
-        elif kind == "series":
-            self._extract_series(x, 0, k, v, target, out)
+        if kind == "series":
+            self._collect_series(x, 0, k, v, out)
+        elif kind == "parallel":
+            self._collect_parallel(x, 0, k, v, out)
         else:
-            self._extract_parallel(x, 0, k, v, target, out)
+            _, d = self._value(x, k).choice[v]
+            out.append(self._stage(x, 0, 1, d, k + 1))
 
-    def _extract_series(self, x: int, i: int, k: int, v: int, target: int, out: list[DPStage]) -> None:
-        kids = self.tree.children[x]
-        m = len(kids)
-        if i == m:
-            return
-        nxt = self._series(x, i + 1, k)
-        for u in self._breakpoints(nxt):
-            if u > self.kcap:
-                break
-            child = self._value(kids[i], u)
-            if child[v] < INF and nxt[u] + child[v] == target:
-                self._extract_node(kids[i], u, v, child[v], out)
-                self._extract_series(x, i + 1, k, u, nxt[u], out)
-                return
-        for j in self._range_ends(x, i):
-            rest = self._series(x, j, k)
-            for u in self._breakpoints(rest):
-                k_in = u + 1
-                if k_in > self.kcap:
-                    break
-                d = self._base_devices(x, i, j, k_in)
-                if d and k_in <= v and rest[u] + ((d << _SHIFT) | 1) == target:
-                    out.append(self._stage(x, i, j, d, k_in))
-                    self._extract_series(x, j, k, u, rest[u], out)
-                    return
-        raise AssertionError(f"DP extraction lost its way at series node {x}, child {i}")
+    def _collect_series(self, x: int, i: int, k: int, v: int, out: list[DPStage]) -> None:
+        while i < len(self.tree.children[x]):
+            how = self._series(x, i, k).choice[v]
+            if how[0] == "child":
+                u = how[1]
+                self._collect(self.tree.children[x][i], u, v, out)
+                i, v = i + 1, u
+            else:
+                _, j, u, d = how
+                out.append(self._stage(x, i, j, d, u + 1))
+                i, v = j, u
 
-    def _extract_parallel(self, x: int, j: int, k: int, v: int, target: int, out: list[DPStage]) -> None:
-        kids = self.tree.children[x]
-        p = len(kids)
-        if j == p:
-            return
-        nxt = self._parallel(x, j + 1, k)
-        child = self._value(kids[j], k)
-        if child[v] < INF and nxt[v] < INF and child[v] + nxt[v] == target:
-            self._extract_node(kids[j], k, v, child[v], out)
-            self._extract_parallel(x, j + 1, k, v, nxt[v], out)
-            return
-        k_in = k + 1
-        for j2 in self._range_ends(x, j):
-            rest = self._parallel(x, j2, k)
-            d = self._base_devices(x, j, j2, k_in) if k_in <= self.kcap else 0
-            if d and k_in <= v and rest[v] < INF and rest[v] + ((d << _SHIFT) | 1) == target:
-                out.append(self._stage(x, j, j2, d, k_in))
-                self._extract_parallel(x, j2, k, v, rest[v], out)
-                return
-        raise AssertionError(f"DP extraction lost its way at parallel node {x}, child {j}")
+    def _collect_parallel(self, x: int, j: int, k: int, v: int, out: list[DPStage]) -> None:
+        while j < len(self.tree.children[x]):
+            how = self._parallel(x, j, k).choice[v]
+            if how[0] == "child":
+                self._collect(self.tree.children[x][j], k, v, out)
+                j += 1
+            else:
+                _, j2, d = how
+                out.append(self._stage(x, j, j2, d, k + 1))
+                j = j2
 
     # ----------------------------------------------------------------- search
     def best_at(self, t_max: float) -> tuple[int, list[DPStage]] | None:
         """(source in-flight, stages) of the shallowest solution meeting ``t_max``, or None."""
         root = self.solve(t_max)
-        for v, val in enumerate(root):
-            if val < INF:
+        for v, d in enumerate(root.devices):
+            if d < INF:
                 return v, self.extract(v)
         return None
 
 
+def _fewest_devices(profile: tuple[tuple[int, int], ...], in_flight: int) -> int:
+    """The first device count of a block's profile that holds ``in_flight`` micro-batches (0: none does)."""
+    for d, k in profile:
+        if k >= in_flight:
+            return d
+    return 0
+
+
 def first_feasible(dp: BottleneckDP, targets: Sequence[float], depth: int, start: int = 0,
-                   probes: dict[int, list[int]] | None = None) -> tuple[int | None, int]:
+                   probes: dict[int, Table] | None = None, stop: int | None = None) -> tuple[int | None, int]:
     """Index of the smallest target at which the root admits source depth <= ``depth`` (None: none does).
 
     Feasibility is monotone in the target, so this is a search over a sorted
     array: gallop up from ``start`` (a lower bound, where DP runs are cheap
     because few large stages meet a small target), then bisect the bracket.
-    ``probes`` (target index -> root value array) carries DP runs between
+    ``probes`` (target index -> root table) carries DP runs between
     searches for different depths: every earlier probe narrows the bracket.
-    Returns (index, DP runs).
+    ``stop``: only indices below it are of use to the caller; None is
+    returned when none of them is feasible. Returns (index, DP runs).
     """
-    n = len(targets)
-    if n == 0:
+    n = len(targets) if stop is None else min(stop, len(targets))
+    if n <= 0:
         return None, 0
     probes = {} if probes is None else probes
     runs = 0
@@ -724,10 +570,12 @@ def first_feasible(dp: BottleneckDP, targets: Sequence[float], depth: int, start
             runs += 1
             root = dp.solve(float(targets[i]))
             probes[i] = root
-        return root[depth] < INF
+        return root.feasible(depth)
 
-    below = max([i for i, r in probes.items() if r[depth] >= INF], default=-1)   # known infeasible
-    above = min([i for i, r in probes.items() if r[depth] < INF], default=n)      # known feasible
+    below = max([i for i, r in probes.items() if not r.feasible(depth)], default=-1)   # known infeasible
+    above = min([i for i, r in probes.items() if r.feasible(depth)], default=n)        # known feasible
+    if below >= n - 1:
+        return None, runs
     start = min(max(start, below + 1), n - 1)
     if start >= above:
         return (above if above < n else None), runs

@@ -270,8 +270,7 @@ def _make_plan_at(model_id: str, graph: OpGraph, cluster: Cluster, batch_size: i
     search["recompute_stages"] = [s.id for s in sg.stages if s.recompute]
     search["partition_time_s"] = partitioned - started
     base_name = result.schedule_name if schedule_name == "cpsat" else schedule_name
-    sched = make_schedule(base_name, sg, cluster)
-    validate_schedule(sg, sched)
+    sched = make_schedule(base_name, sg, cluster, validate=False)  # simulate() runs the validator's checks
     predicted = predicted_figures(simulate(sg, sched, cluster, host=options.host))
     if graph.shared:  # tied parameters split across stages: copies and their gradient all-reduce (search/tied.py)
         from graphpipe.search.tied import charge_shared_params
@@ -317,15 +316,21 @@ def _auto_recompute(partition, graph: OpGraph, cluster: Cluster, batch_size: int
     faster, or when nothing fits without: with ample memory every stage
     drops it and the plan without re-materialization stands unchanged.
     """
-    plain, error = None, None
+    plain, error, plain_scored = None, None, []
     try:
         plain = partition(graph, cluster, batch_size, replace(options, recompute="none"))
     except InfeasibleError as exc:
         error = exc
+
+    def plain_throughput() -> float:  # simulated once, when first needed
+        if not plain_scored:
+            name = schedule if schedule and schedule != "cpsat" else plain.schedule_name
+            plain_scored.append(simulated(plain.stage_graph, cluster, name, options.host)[0])
+        return plain_scored[0]
+
     try:
         if prunes and plain is not None:  # only a faster plan could replace it: gpp skips what cannot be
-            plain_s = batch_size / simulated(plain.stage_graph, cluster, schedule if schedule and schedule != "cpsat"
-                                             else plain.schedule_name, options.host)[0]
+            plain_s = batch_size / plain_throughput()
             full = partition(graph, cluster, batch_size, replace(options, recompute="all"),
                              beat=plain_s if beat is None else min(beat, plain_s))
         else:
@@ -338,11 +343,8 @@ def _auto_recompute(partition, graph: OpGraph, cluster: Cluster, batch_size: int
     sg = strip_recompute(full.stage_graph, cluster, schedule_name, options.host)
     if not any(s.recompute for s in sg.stages):
         return plain if plain is not None else replace(full, stage_graph=sg)
-    if plain is not None:
-        plain_name = schedule if schedule and schedule != "cpsat" else plain.schedule_name
-        if simulated(sg, cluster, schedule_name, options.host)[0] <= \
-                simulated(plain.stage_graph, cluster, plain_name, options.host)[0] * (1 + 1e-9):
-            return plain
+    if plain is not None and simulated(sg, cluster, schedule_name, options.host)[0] <= plain_throughput() * (1 + 1e-9):
+        return plain
     return replace(full, stage_graph=sg)
 
 

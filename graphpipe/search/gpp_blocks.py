@@ -1,0 +1,208 @@
+"""Cost tables of the blocks GraphPipe's DP may make stages of (paper §4; DESIGN §4, §6).
+
+A *block* is children ``lo..hi-1`` of one node of the DP's tree
+(:mod:`graphpipe.search.gpp_tree`); a leaf is a block of its one op. For one
+micro-batch size :class:`BlockCosts` holds, per node ``x``, tables over
+``[lo, hi, device_choice]`` -- the axes of alpa's stage construction
+(``compute_cost[start, end, submesh_choice]``), with ``device_choice``
+indexing :attr:`BlockCosts.device_counts` (the stage's replica count):
+
+* ``stage_tps[x][lo, hi, c]``: seconds per sample of the block as one stage
+  on ``device_counts[c]`` replicas (:meth:`CostArrays.tps
+  <graphpipe.costs.CostArrays.tps>`, the one cost model);
+* ``stage_cost(x, link)[lo, hi, c]``: ``max(stage_tps, cut)``, the cut being
+  PipeDream's ``2 C`` of the bytes leaving the block on ``link``
+  (:func:`~graphpipe.search.common.cut_tps`; just ``stage_tps`` without a link);
+* ``max_in_flight[x][lo, hi, c]``: the most micro-batches the block can hold
+  in flight within device memory (:meth:`CostArrays.max_in_flight
+  <graphpipe.costs.CostArrays.max_in_flight>`, capped at ``kcap``; -1 when
+  not even the model state fits) -- alpa's ``max_n_succ_stages``.
+
+None of these depends on the DP's target ``t_max`` nor (but the cut) on the
+link cuts are costed on, so one :class:`BlockCosts` serves every target and
+every cut costing of a micro-batch size: gpp's search builds it once.
+
+Example
+-------
+>>> from graphpipe.graph import Op, OpGraph, Affine
+>>> from graphpipe.cluster import preset
+>>> from graphpipe.search.gpp_tree import build_tree
+>>> ops = [Op(n, "x", Affine(0, 1e-3), Affine(0, 2e-3)) for n in "abc"]
+>>> g = OpGraph.build("chain", ops, [("a", "b", 1), ("b", "c", 1)])
+>>> blocks = BlockCosts(build_tree(g), preset("v100", 2), batch_size=8, micro_batch_size=2)
+>>> blocks.device_counts, round(float(blocks.stage_tps(blocks.tree.root)[0, 3, 0]), 6)
+((1, 2), 0.009)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from graphpipe.cluster import Cluster, Link
+from graphpipe.costs import CostArrays
+from graphpipe.errors import InputError
+from graphpipe.search.common import cut_tps
+from graphpipe.search.gpp_tree import DPTree
+
+__all__ = ["BlockCosts", "device_counts"]
+
+
+def device_counts(micro_batch_size: int, num_devices: int, power_of_two: bool = False) -> tuple[int, ...]:
+    """Replica counts a stage may use: divisors of ``b`` up to ``N`` (powers of two if asked)."""
+    ds = [d for d in range(1, min(micro_batch_size, num_devices) + 1) if micro_batch_size % d == 0]
+    if power_of_two:
+        ds = [d for d in ds if d & (d - 1) == 0]
+    return tuple(ds)
+
+
+class BlockCosts:
+    """Every block's tables for one micro-batch size (module docstring); computed per node on first use.
+
+    Not a value object: it memoises the tables. ``kcap`` bounds the depth of
+    any stage graph (its stage count, at most ``N``, and the longest op path).
+    """
+
+    def __init__(self, tree: DPTree, cluster: Cluster, batch_size: int, micro_batch_size: int,
+                 num_devices: int | None = None, power_of_two: bool = False, recompute: bool = False,
+                 boundary: dict[int, tuple[np.ndarray, np.ndarray]] | None = None):
+        if batch_size % micro_batch_size:
+            raise InputError(f"micro-batch size {micro_batch_size} does not divide the batch size {batch_size}")
+        self.tree = tree
+        self.batch_size = batch_size
+        self.micro_batch_size = micro_batch_size
+        self.num_devices = cluster.num_devices if num_devices is None else num_devices
+        self.num_mbs = batch_size // micro_batch_size
+        self.device_counts = device_counts(micro_batch_size, self.num_devices, power_of_two)
+        # The DP indexes depth (stages on the longest path to the sink); no
+        # stage graph is deeper than its stage count (<= N) or longest op path.
+        self.kcap = min(self.num_devices, tree.longest_path)
+        self.recompute = bool(recompute)
+        """Every stage re-materializes (the search's ``--recompute all``; ``auto`` compares both in gpp)."""
+        self.costs = CostArrays.of(tree.graph, cluster)
+        self._replicas = np.array(self.device_counts, dtype=np.int64)
+        self._stage_tps: dict[int, np.ndarray] = {}
+        self._max_in_flight: dict[int, np.ndarray] = {}
+        self._boundary = {} if boundary is None else boundary
+        """Boundary bytes depend on the tree alone: tables of other micro-batch sizes may share this dict."""
+        self._stage_cost: dict[tuple[int, Link | None], np.ndarray] = {}
+        self._lists: dict[tuple[int, Link | None], tuple[list, list]] = {}
+        self._targets: dict[Link | None, np.ndarray] = {}
+        self._lower_bound: float | None = None
+
+    def _block_sums(self, x: int) -> np.ndarray:
+        """sums[lo, hi, :] of children lo..hi-1 of x: (fwd alpha, fwd beta, bwd alpha, bwd beta, params, act)."""
+        prefix = np.asarray(self.tree.sums[x], dtype=float)          # (m+1, 6) prefix sums
+        return prefix[None, :, :] - prefix[:, None, :]
+
+    def stage_tps(self, x: int) -> np.ndarray:
+        """stage_tps[lo, hi, c]: children lo..hi-1 of node x as one stage on ``device_counts[c]`` replicas."""
+        got = self._stage_tps.get(x)
+        if got is None:
+            s = self._block_sums(x)[:, :, :, None]                     # the device-choice axis last
+            got = self._stage_tps[x] = self.costs.tps(s[:, :, 0], s[:, :, 1], s[:, :, 2], s[:, :, 3], s[:, :, 4],
+                                                      self._replicas, self.micro_batch_size, self.batch_size,
+                                                      self.recompute)
+        return got
+
+    def stage_cost(self, x: int, link: Link | None) -> np.ndarray:
+        """cost[lo, hi, c] = ``max(stage_tps, cut on link)`` of children lo..hi-1 of x (``stage_tps`` without a link)."""
+        key = (x, link)
+        got = self._stage_cost.get(key)
+        if got is None:
+            got = self.stage_tps(x)
+            if link is not None:
+                cut = cut_tps(self.boundary_bytes(x)[1], link, self.micro_batch_size)
+                got = np.maximum(got, cut[:, :, None])
+            self._stage_cost[key] = got
+        return got
+
+    def max_in_flight(self, x: int) -> np.ndarray:
+        """max_in_flight[lo, hi, c]: most micro-batches in flight children lo..hi-1 of x hold within memory on
+        ``device_counts[c]`` replicas (``stage_memory <= capacity``, capped at ``kcap``; -1: not even one)."""
+        got = self._max_in_flight.get(x)
+        if got is None:
+            s = self._block_sums(x)[:, :, :, None]
+            inputs, outputs = self.boundary_bytes(x)
+            got = self._max_in_flight[x] = self.costs.max_in_flight(
+                s[:, :, 4], s[:, :, 5], self._replicas, self.micro_batch_size, self.kcap, inputs[:, :, None],
+                outputs[:, :, None], self.recompute)
+        return got
+
+    def rows(self, x: int, link: Link | None) -> tuple[list, list]:
+        """``stage_cost(x, link)`` and ``max_in_flight(x)`` as nested lists: plain Python indexes them faster."""
+        key = (x, link)
+        got = self._lists.get(key)
+        if got is None:
+            got = self._lists[key] = (self.stage_cost(x, link).tolist(), self.max_in_flight(x).tolist())
+        return got
+
+    def boundary_bytes(self, x: int) -> tuple[np.ndarray, np.ndarray]:
+        """(in, out)[lo, hi]: bytes per sample on the edges entering / leaving children lo..hi-1 of x.
+
+        Every edge between two children of x goes forward in child order
+        (series children in dependency order, the chain view in topological
+        order, parallel children unconnected), so an edge from child ``c``
+        leaves ``lo..hi-1`` iff ``lo <= c < hi`` and its target is outside x
+        or a child ``>= hi``; an edge into child ``c2`` enters it iff
+        ``lo <= c2 < hi`` and its source is outside x or a child ``< lo``.
+        """
+        got = self._boundary.get(x)
+        if got is not None:
+            return got
+        tree = self.tree
+        kids = tree.children[x] or (x,)  # a leaf is its own only child
+        m = len(kids)
+        child_of = {o: i for i, c in enumerate(kids) for o in tree.op_ids[c]}
+        ext_out, ext_in = np.zeros(m), np.zeros(m)
+        between = np.zeros((m, m + 1))   # between[c, c2]: bytes from child c to child c2
+        for e in tree.graph.edges:
+            c, c2 = child_of.get(e.src), child_of.get(e.dst)
+            if c is None and c2 is None:
+                continue
+            if c2 is None:
+                ext_out[c] += e.bytes
+            elif c is None:
+                ext_in[c2] += e.bytes
+            elif c2 < c:
+                raise AssertionError(f"edge {e.src}->{e.dst} runs backwards between children of node {x}")
+            elif c2 > c:
+                between[c, c2] += e.bytes
+        hi = np.arange(m + 1)
+        reaching = np.cumsum(between[:, ::-1], axis=1)[:, ::-1]        # reaching[c, h]: to children >= h
+        upto = np.vstack([np.zeros(m + 1), np.cumsum(reaching, axis=0)])  # upto[i, h]: children < i, to >= h
+        ext = np.concatenate(([0.0], np.cumsum(ext_out)))
+        out = np.maximum(ext[None, :] - ext[:, None] + upto[hi, hi][None, :] - upto, 0.0)  # float noise
+        # in[lo, hi] = external inputs of lo..hi-1 + bytes from children < lo into lo..hi-1
+        before = np.vstack([np.zeros(m + 1), np.cumsum(between, axis=0)])[:, :m]   # before[lo, c2]: from children < lo
+        into = np.concatenate([np.zeros((m + 1, 1)), np.cumsum(before, axis=1)], axis=1)  # into[lo, h]: to c2 < h
+        ext = np.concatenate(([0.0], np.cumsum(ext_in)))
+        inp = np.maximum(ext[None, :] - ext[:, None] + into - into[hi, hi][:, None], 0.0)
+        got = (inp, out)
+        self._boundary[x] = got
+        return got
+
+    def candidate_targets(self, link: Link | None) -> np.ndarray:
+        """Every stage cost a block can have on ``link``, sorted: the optimal bottleneck is one of them."""
+        got = self._targets.get(link)
+        if got is None:
+            parts = []
+            for x in range(len(self.tree.kinds)):
+                lo, hi = np.triu_indices(self.tree.width(x) + 1, k=1)
+                parts.append(self.stage_cost(x, link)[lo, hi].ravel())
+            got = self._targets[link] = np.unique(np.concatenate(parts)) if parts else np.zeros(0)
+        return got
+
+    def lower_bound(self) -> float:
+        """No stage graph has a smaller bottleneck: max(total work / N, the heaviest op at its best width).
+
+        Each stage s on d_s devices has d_s * tps_s >= its compute per sample,
+        and sum d_s <= N; every op lies in some stage at least as slow as it.
+        Compute only: an op's cut is not charged when its stage holds its consumers too.
+        """
+        if self._lower_bound is None:
+            tree = self.tree
+            total = float(self.stage_tps(tree.root)[0, tree.width(tree.root), 0])  # one replica: compute per sample
+            heaviest = max((float(self.stage_tps(x)[0, 1].min()) for x, kind in enumerate(tree.kinds) if kind == "op"),
+                           default=0.0)
+            self._lower_bound = max(total / self.num_devices, heaviest)
+        return self._lower_bound
