@@ -307,8 +307,9 @@ class BottleneckDP:
         """out[lo, hi]: bytes per sample on the edges leaving children lo..hi-1 of x (to anything else)."""
         return self._boundary_bytes(x)[1]
 
-    def _boundary_bytes(self, x: int) -> tuple[np.ndarray, np.ndarray]:
-        """(in, out)[lo, hi]: bytes per sample on the edges entering / leaving children lo..hi-1 of x.
+    def _boundary_bytes(self, x: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(in, out, saved)[lo, hi]: bytes per sample on the edges entering / leaving children lo..hi-1 of x,
+        and the ``Edge.saved`` of the entering ones (:func:`graphpipe.costs.received_saved_bytes`).
 
         Every edge between two children of x goes forward in child order
         (series children in dependency order, the chain view in topological
@@ -324,8 +325,9 @@ class BottleneckDP:
         kids = tree.children[x] or (x,)  # a leaf is its own only child
         m = len(kids)
         child_of = {o: i for i, c in enumerate(kids) for o in tree.op_ids[c]}
-        ext_out, ext_in = np.zeros(m), np.zeros(m)
+        ext_out, ext_in, ext_saved = np.zeros(m), np.zeros(m), np.zeros(m)
         between = np.zeros((m, m + 1))   # between[c, c2]: bytes from child c to child c2
+        between_saved = np.zeros((m, m + 1))
         for e in tree.graph.edges:
             c, c2 = child_of.get(e.src), child_of.get(e.dst)
             if c is None and c2 is None:
@@ -334,21 +336,26 @@ class BottleneckDP:
                 ext_out[c] += e.bytes
             elif c is None:
                 ext_in[c2] += e.bytes
+                ext_saved[c2] += e.saved
             elif c2 < c:
                 raise AssertionError(f"edge {e.src}->{e.dst} runs backwards between children of node {x}")
             elif c2 > c:
                 between[c, c2] += e.bytes
+                between_saved[c, c2] += e.saved
         hi = np.arange(m + 1)
         reaching = np.cumsum(between[:, ::-1], axis=1)[:, ::-1]        # reaching[c, h]: to children >= h
         upto = np.vstack([np.zeros(m + 1), np.cumsum(reaching, axis=0)])  # upto[i, h]: children < i, to >= h
         ext = np.concatenate(([0.0], np.cumsum(ext_out)))
         out = np.maximum(ext[None, :] - ext[:, None] + upto[hi, hi][None, :] - upto, 0.0)  # float noise
-        # in[lo, hi] = external inputs of lo..hi-1 + bytes from children < lo into lo..hi-1
-        before = np.vstack([np.zeros(m + 1), np.cumsum(between, axis=0)])[:, :m]   # before[lo, c2]: from children < lo
-        into = np.concatenate([np.zeros((m + 1, 1)), np.cumsum(before, axis=1)], axis=1)  # into[lo, h]: to c2 < h
-        ext = np.concatenate(([0.0], np.cumsum(ext_in)))
-        inp = np.maximum(ext[None, :] - ext[:, None] + into - into[hi, hi][:, None], 0.0)
-        got = (inp, out)
+
+        def entering(ext_in: np.ndarray, between: np.ndarray) -> np.ndarray:
+            # in[lo, hi] = external inputs of lo..hi-1 + bytes from children < lo into lo..hi-1
+            before = np.vstack([np.zeros(m + 1), np.cumsum(between, axis=0)])[:, :m]   # before[lo, c2]: from children < lo
+            into = np.concatenate([np.zeros((m + 1, 1)), np.cumsum(before, axis=1)], axis=1)  # into[lo, h]: to c2 < h
+            ext = np.concatenate(([0.0], np.cumsum(ext_in)))
+            return np.maximum(ext[None, :] - ext[:, None] + into - into[hi, hi][:, None], 0.0)
+
+        got = (entering(ext_in, between), out, entering(ext_saved, between_saved))
         self._io[x] = got
         return got
 
@@ -364,8 +371,8 @@ class BottleneckDP:
         if got is None:
             pre = np.asarray(self.tree.sums[x], dtype=float)
             diff = pre[None, :, :] - pre[:, None, :]
-            inputs, outputs = self._boundary_bytes(x)
-            cols = [self.costs.max_in_flight(diff[:, :, 4], diff[:, :, 5], d, self.b, self.kcap, inputs, outputs,
+            inputs, outputs, saved = self._boundary_bytes(x)
+            cols = [self.costs.max_in_flight(diff[:, :, 4], diff[:, :, 5] + saved, d, self.b, self.kcap, inputs, outputs,
                                              self.recompute) for d in self.ds]
             got = np.stack(cols, axis=-1).astype(np.int64)
             self._kmax[x] = got
