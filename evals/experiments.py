@@ -353,6 +353,19 @@ def run_fidelity(config: dict[str, Any], progress: Progress) -> tuple[list, dict
                   "worst_memory_error": max(memory) if memory else None}
 
 
+# ------------------------------------------------------- memory measured on real runs
+def memory_runtime_config(quick: bool) -> dict[str, Any]:
+    from . import memory_runtime
+
+    return memory_runtime.config(quick)
+
+
+def run_memory_runtime(config: dict[str, Any], progress: Progress) -> tuple[list, dict]:
+    from . import memory_runtime
+
+    return memory_runtime.run(config, progress)
+
+
 # -------------------------------------------------------------------- runner
 EXPERIMENTS: dict[str, tuple[Callable[[bool], dict], Callable]] = {
     "throughput": (throughput_config, run_throughput),
@@ -362,6 +375,7 @@ EXPERIMENTS: dict[str, tuple[Callable[[bool], dict], Callable]] = {
     "case-study": (case_study_config, run_case_study),
     "memory": (memory_config, run_memory),
     "fidelity": (fidelity_config, run_fidelity),
+    "memory-runtime": (memory_runtime_config, run_memory_runtime),
 }
 ORDER = tuple(EXPERIMENTS)
 
@@ -380,6 +394,8 @@ def _num_points(name: str, config: dict[str, Any]) -> int:
         return 2
     if name == "memory":
         return 2 * len(config["models"])
+    if name == "memory-runtime":
+        return 2 * len(config["models"]) * len(config["strategies"]) * len(config["schedules"])
     return len(config["points"])
 
 

@@ -40,7 +40,13 @@ DESIGN §3 ("Granularity"): we trace with torch.fx but plan on *layers*.
    excluded: what a run measures, issue 15; with ``loss_fn``, what the
    loss keeps is charged to the op producing the output); ``out_bytes`` = bytes
    of its fx values used outside it; edge bytes = bytes of the values
-   flowing from one op to another. ``param_bytes`` = the op's parameters
+   flowing from one op to another, and an edge's ``saved`` = bytes of
+   those values its consumer saves although another op was charged for
+   the same storage (a ReLU output the next Linear saves as its input:
+   one tensor on one device, two across a cut; see
+   :func:`graphpipe.costs.received_saved_bytes`). ``F.embedding_bag``'s
+   saves are the CPU kernel's, not the meta kernel's (it saves an int64
+   per index that the CPU kernel does not). ``param_bytes`` = the op's parameters
    (each parameter counted once, at its first use), so the graph total equals
    the module's. A parameter several ops read (tied weights) is also listed
    in ``OpGraph.shared`` (:class:`~graphpipe.graph.SharedParams`: the ops and
@@ -247,6 +253,7 @@ class _SavedMeter:
         self.total = 0
         self.saves: set[int] | None = None
         self.keep: list[Any] = []
+        """Stand-in tensors held to the end of the run (a freed storage's key may be reused)."""
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
@@ -257,6 +264,9 @@ class _SavedMeter:
         if self.saves is not None and key not in self._resident:
             self.saves.add(key)
         return t
+
+    def is_resident(self, t: torch.Tensor) -> bool:
+        return t.untyped_storage()._cdata in self._resident
 
     def resident(self, t: torch.Tensor) -> None:
         """Never count ``t`` (a stand-in for resident data)."""
@@ -303,13 +313,12 @@ class _EmbeddingBagSaves(torch.overrides.TorchFunctionMode):
         with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):  # the meta kernel's saves: not counted
             out = func(*args, **kwargs)
         cpu_indices = torch.zeros(indices.shape, dtype=indices.dtype)
-        if indices.untyped_storage()._cdata in self.meter._resident:
+        if self.meter.is_resident(indices):
             self.meter.resident(cpu_indices)
         on_cpu = lambda v: torch.zeros(v.shape, dtype=v.dtype) if isinstance(v, torch.Tensor) else v  # noqa: E731
         table = torch.zeros(1, weight.shape[1], dtype=weight.dtype, requires_grad=weight.requires_grad)
         stand_in = func(cpu_indices, table, *(on_cpu(v) for v in rest), **{k: on_cpu(v) for k, v in kwargs.items()})
-        # kept alive (with the saves its graph holds) to the end of the run: a freed storage's key may be reused
-        self.meter.keep.append((cpu_indices, stand_in))
+        self.meter.keep.append((cpu_indices, stand_in))  # with the saves its graph holds
         return out
 
 

@@ -167,7 +167,10 @@ def received_saved_bytes(graph: "OpGraph", op_ids: Iterable[int]) -> float:
 
     The sum of :attr:`graphpipe.graph.Edge.saved` over the op edges entering
     the stage: each such tensor was charged to an op elsewhere (its producer,
-    or an earlier consumer), and the stage keeps its own received copy.
+    or an earlier consumer), and the stage keeps its own received copy. A sum
+    over edges, so that the DPs take it as prefix sums like the edge bytes:
+    when two ops of one stage save the same received tensor it is charged
+    twice (an upper bound; no plan of the zoo's small models has such a stage).
 
     >>> from graphpipe.graph import Op, OpGraph
     >>> g = OpGraph.build("relu-linear", [Op("a", "mlp", act_bytes=8.0), Op("b", "mlp", act_bytes=1.0)],
