@@ -361,6 +361,17 @@ def run_zero_bubble(config: dict[str, Any], progress: Progress) -> tuple[list, d
 
     return zero_bubble.run_zero_bubble(config, progress, lambda model, n, batch, strategy: _plan(model, n, batch,
                                                                                                    strategy))
+# ------------------------------------------------------- memory measured on real runs
+def memory_runtime_config(quick: bool) -> dict[str, Any]:
+    from . import memory_runtime
+
+    return memory_runtime.config(quick)
+
+
+def run_memory_runtime(config: dict[str, Any], progress: Progress) -> tuple[list, dict]:
+    from . import memory_runtime
+
+    return memory_runtime.run(config, progress)
 
 
 # -------------------------------------------------------------------- runner
@@ -375,6 +386,7 @@ EXPERIMENTS: dict[str, tuple[Callable[[bool], dict], Callable]] = {
     "zero-bubble": (zero_bubble_config, run_zero_bubble),
     "async-throughput": (staleness.async_throughput_config, staleness.run_async_throughput),
     "staleness": (staleness.staleness_config, staleness.run_staleness),
+    "memory-runtime": (memory_runtime_config, run_memory_runtime),
 }
 ORDER = tuple(EXPERIMENTS)
 
@@ -399,6 +411,8 @@ def _num_points(name: str, config: dict[str, Any]) -> int:
         return len(config["models"]) * len(config["devices"]) + 1
     if name == "staleness":
         return len(config["variants"])
+    if name == "memory-runtime":
+        return 2 * len(config["models"]) * len(config["strategies"]) * len(config["schedules"])
     return len(config["points"])
 
 

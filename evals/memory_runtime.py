@@ -7,21 +7,20 @@ peak bytes of tensors saved for backward (measured with
 ``saved_tensors_hooks``, :class:`graphpipe.runtime.measure.SavedBytesMeter`)
 beside the simulator's ``peak_activation_bytes``, and the iteration-time
 error beside it. Prints one row per run and the worst memory error; writes
-``eval-out/memory_runtime.json``.
+``OUT/results/memory-runtime.json`` (``graphpipe eval memory-runtime`` runs the same and adds the
+REPORT section).
 
-    python -m graphpipe.evals.memory_runtime --ranks 4            # the full matrix (90 runs)
-    python -m graphpipe.evals.memory_runtime --ranks 3 --quick    # two models
+    python -m graphpipe.evals.memory_runtime --out evals          # the full matrix (90 runs, 4 ranks; ~1.5 min)
+    python -m graphpipe.evals.memory_runtime --quick              # one model, 2 ranks
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 from typing import Any
 
-__all__ = ["matrix_plans", "memory_rows", "main"]
+__all__ = ["matrix_plans", "memory_rows", "summary", "config", "run", "main"]
 
 SMALL = ("mmt:small", "dlrm:small", "candle-uno:small", "transformer:small", "twobranch:small")
 STRATEGIES = ("gpp", "pipedream", "gpipe")
@@ -62,7 +61,11 @@ def matrix_plans(models, strategies, schedules, num_devices: int, recompute=("no
 
 
 def memory_rows(plans: dict[str, Any], results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per run: check, per-device measured / predicted activation bytes, worst memory and time errors."""
+    """One row per run: check, per-device measured / predicted activation bytes, worst memory and time errors.
+
+    ``time_error`` compares the measured iteration with the plan's simulation on the ``v100`` preset it was
+    planned for (not calibrated to this host: ``graphpipe eval fidelity`` is the calibrated time error).
+    """
     rows = []
     for (name, plan), result in zip(plans.items(), results):
         used = plan.stage_graph.devices_used()
@@ -70,36 +73,76 @@ def memory_rows(plans: dict[str, Any], results: list[dict[str, Any]]) -> list[di
         predicted = plan.predicted["peak_activation_bytes"]
         errors = [abs(measured[d] - predicted[d]) / predicted[d] for d in used if predicted[d] > 0]
         t_pred, t_meas = plan.predicted["iteration_time_s"], result["measured"]["iteration_time_s"]
-        rows.append({"run": name, "check": bool(result["check"]["passed"]),
+        model, strategy, schedule, recompute = name.split("/")
+        rows.append({"run": name, "model": model, "strategy": strategy, "schedule": schedule, "recompute": recompute,
+                     "check": bool(result["check"]["passed"]),
                      "measured_bytes": [measured[d] for d in used], "predicted_bytes": [predicted[d] for d in used],
+                     "peak_measured_bytes": max(measured[d] for d in used),
+                     "peak_predicted_bytes": max(predicted[d] for d in used),
+                     "in_flight": list(plan.predicted.get("in_flight", [])),
                      "memory_error": max(errors, default=0.0), "time_error": abs(t_pred - t_meas) / t_meas})
+    none = {r["run"][: -len("/none")]: r for r in rows if r["recompute"] == "none"}
+    for r in rows:  # re-materialization against the same plan without it, on the fullest device
+        other = none.get(r["run"][: -len("/all")]) if r["recompute"] == "all" else None
+        r["below_none"] = None if other is None else r["peak_measured_bytes"] < other["peak_measured_bytes"]
     return rows
+
+
+def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Checks passed, runs within 10%, the worst memory error, and where recompute all is not below none."""
+    worst = max(rows, key=lambda r: r["memory_error"], default=None)
+    pairs = [r for r in rows if r["below_none"] is not None]
+    return {"runs": len(rows), "checks_passed": sum(r["check"] for r in rows),
+            "within_10pct": sum(r["memory_error"] <= 0.10 for r in rows),
+            "worst_memory_error": worst["memory_error"] if worst else None, "worst_run": worst["run"] if worst else None,
+            "pairs": len(pairs), "all_below_none": sum(r["below_none"] for r in pairs),
+            "not_below": [r["run"] for r in pairs if not r["below_none"]]}
+
+
+def config(quick: bool) -> dict[str, Any]:
+    """The matrix (quick: one model, strategy and schedule on 2 ranks)."""
+    if quick:
+        return {"models": ["mmt:small"], "strategies": ["gpp"], "schedules": ["graph-1f1b"], "ranks": 2,
+                "batch_size": BATCH, "micro_batch_size": 2}
+    return {"models": list(SMALL), "strategies": list(STRATEGIES), "schedules": list(SCHEDULES), "ranks": 4,
+            "batch_size": BATCH, "micro_batch_size": 2}
+
+
+def run(config: dict[str, Any], progress=None) -> tuple[list, dict]:
+    """Plan the matrix, run every plan once on ``ranks`` CPU ranks (``--check``), return rows and summary."""
+    from graphpipe.runtime import RunOptions, run_plans
+
+    plans = matrix_plans(config["models"], config["strategies"], config["schedules"], config["ranks"])
+    results = run_plans([(p, RunOptions(steps=2, warmup_steps=1, check=True, timeout_s=300)) for p in plans.values()],
+                        config["ranks"])
+    rows = memory_rows(plans, results)
+    if progress is not None:
+        for r in rows:
+            progress.step(r["run"])
+    return rows, summary(rows)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", type=int, default=4)
-    parser.add_argument("--quick", action="store_true", help="mmt:small and candle-uno:small only")
-    parser.add_argument("--out", default=os.path.join("eval-out", "memory_runtime.json"))
+    parser.add_argument("--ranks", type=int, default=None, help="CPU ranks (default 4; 2 with --quick)")
+    parser.add_argument("--quick", action="store_true", help="one model, strategy and schedule")
+    parser.add_argument("--out", default="eval-out", help="writes OUT/results/memory-runtime.json")
     args = parser.parse_args(argv)
-    from graphpipe.runtime import RunOptions, run_plans
+    from .common import write_result
 
-    models = ("mmt:small", "candle-uno:small") if args.quick else SMALL
-    plans = matrix_plans(models, STRATEGIES, SCHEDULES, args.ranks)
-    results = run_plans([(p, RunOptions(steps=2, warmup_steps=1, check=True, timeout_s=300)) for p in plans.values()],
-                        args.ranks)
-    rows = memory_rows(plans, results)
+    cfg = dict(config(args.quick), quick=args.quick)
+    if args.ranks is not None:
+        cfg["ranks"] = args.ranks
+    rows, summ = run(cfg)
     for r in rows:
         print(f"{r['run']:<48} check={'ok' if r['check'] else 'FAIL'}  memory error {r['memory_error'] * 100:5.1f}%"
               f"  time error {r['time_error'] * 100:5.1f}%  measured/predicted MB "
               + " ".join(f"{m / 1e6:.3g}/{p / 1e6:.3g}" for m, p in zip(r["measured_bytes"], r["predicted_bytes"])))
-    worst = max(rows, key=lambda r: r["memory_error"])
-    print(f"worst memory error {worst['memory_error'] * 100:.1f}% ({worst['run']}); "
-          f"{sum(r['check'] for r in rows)}/{len(rows)} checks passed")
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"ranks": args.ranks, "rows": rows}, f, indent=1)
-    return 0 if all(r["check"] for r in rows) else 1
+    print(f"worst memory error {summ['worst_memory_error'] * 100:.1f}% ({summ['worst_run']}); "
+          f"{summ['within_10pct']}/{summ['runs']} within 10%; {summ['checks_passed']}/{summ['runs']} checks passed; "
+          f"recompute all below none on the fullest device in {summ['all_below_none']}/{summ['pairs']} pairs")
+    print(f"wrote {write_result(args.out, 'memory-runtime', cfg, rows, summ)}")
+    return 0 if summ["checks_passed"] == summ["runs"] else 1
 
 
 if __name__ == "__main__":

@@ -94,4 +94,18 @@ NOTES: dict[str, str] = {
         "never idle cores. PipeDream's time-to-accuracy gain needs dedicated devices (not measured here). "
         "Memory: stashing cost 19.2 kB on stage 0 (3 versions of its 6.4 kB of weights), 2bw 8.3 kB (one "
         "version of stage 2's), measured equal to the prediction."),
+    "memory-runtime": (
+        "Run on 4 gloo ranks of a shared 2-core host, 2 steps after 1 warm-up, micro-batch 2, batch 8; the bytes are "
+        "exact on CPU (saved_tensors_hooks), so host load does not move them. Two things made the model miss "
+        "before (worst 3200%, 12 of 90 runs off by more than 10%): a cut between an op that saves its output (a "
+        "ReLU) and the next op saving the same tensor as its input (the Linear after it) leaves two copies where "
+        "one device had one -- now each graph edge carries the bytes its consumer saves of it beyond the act_bytes "
+        "already charged (`saved_bytes`) and the receiving stage is charged them; and embedding_bag's meta kernel "
+        "saves an int64 per index that the CPU kernel does not, so capture counts the CPU kernel's saves. "
+        "Re-materialization is not below none in 21 pairs, all plans with one micro-batch in flight on every stage "
+        "(one data-parallel stage, or graph-1F1B on two replicated stages): re-materializing then keeps the same "
+        "working set and adds the stashed stage inputs -- equal when the input is the iteration's data (resident, "
+        "not counted), larger by the received input otherwise. The model predicts both exactly, so `--recompute "
+        "auto` does not choose it there. The time error in the result file is against the v100 preset the plans "
+        "were made for; `graphpipe eval fidelity` gives the calibrated time error beside the memory error."),
 }

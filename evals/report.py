@@ -33,6 +33,8 @@ PAPER = {
                   "matches the loss curve of synchronous training"),
     "bench_gpp": "(no paper figure; issue 16's target: gpp's `make_plan` under 1 s at 32 devices, and "
                  "16-branch candle-uno on 1024 devices under 10 s, on a 2-core machine)",
+    "memory-runtime": "(no paper figure; issue 15's target: measured activation bytes within 10% of the prediction on "
+                      "every device, and lower with re-materialization)",
 }
 
 
@@ -95,6 +97,10 @@ TABLE_COLUMNS: dict[str, list[tuple[str, str]]] = {
                   ("before median (s)", "before_median_s"), ("after median (s)", "after_median_s"),
                   ("after min-max (s)", "after_range_s"), ("speedup", "speedup"), ("calls before", "before_calls"),
                   ("calls after", "after_calls"), ("same plan throughput", "same_throughput")],
+    "memory-runtime": [("model", "model"), ("strategy", "strategy"), ("schedule", "schedule"),
+                       ("recompute", "recompute"), ("check", "check"), ("measured KB (fullest device)", "measured_kb"),
+                       ("predicted KB", "predicted_kb"), ("memory error (worst device)", "memory_error"),
+                       ("below none", "below_none")],
 }
 
 
@@ -106,6 +112,9 @@ def _rows_for_table(name: str, res: dict[str, Any]) -> list[dict[str, Any]]:
     if name == "bench_gpp":
         for r in rows:
             r["after_range_s"] = [r["after_min_s"], r["after_max_s"]] if "after_min_s" in r else None
+    if name == "memory-runtime":
+        for r in rows:
+            r["measured_kb"], r["predicted_kb"] = r["peak_measured_bytes"] / 1e3, r["peak_predicted_bytes"] / 1e3
     return rows
 
 
@@ -169,6 +178,13 @@ def _headline(name: str, res: dict[str, Any]) -> str:
         return ("gpp `make_plan` time, before / after (medians, side by side): "
                 + ", ".join(f"{r['case']} {fmt(r['before_median_s'])} / {fmt(r['after_median_s'])} s" for r in rows)
                 + f"; load average during the run {fmt(list(res['config'].get('load_average') or []))}")
+    if name == "memory-runtime":
+        if not s.get("runs"):
+            return "no run"
+        return (f"{s['within_10pct']}/{s['runs']} runs within 10% of the predicted activation bytes on every device "
+                f"(worst {fmt(s['worst_memory_error'])}, {s['worst_run']}); --check passed in "
+                f"{s['checks_passed']}/{s['runs']}; recompute all below none on the fullest device in "
+                f"{s['all_below_none']}/{s['pairs']} plan pairs")
     if name == "ablation":
         parts = []
         for r in res["rows"]:

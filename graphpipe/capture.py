@@ -40,7 +40,13 @@ DESIGN §3 ("Granularity"): we trace with torch.fx but plan on *layers*.
    excluded: what a run measures, issue 15; with ``loss_fn``, what the
    loss keeps is charged to the op producing the output); ``out_bytes`` = bytes
    of its fx values used outside it; edge bytes = bytes of the values
-   flowing from one op to another. ``param_bytes`` = the op's parameters
+   flowing from one op to another, and an edge's ``saved`` = bytes of
+   those values its consumer saves although another op was charged for
+   the same storage (a ReLU output the next Linear saves as its input:
+   one tensor on one device, two across a cut; see
+   :func:`graphpipe.costs.received_saved_bytes`). ``F.embedding_bag``'s
+   saves are the CPU kernel's, not the meta kernel's (it saves an int64
+   per index that the CPU kernel does not). ``param_bytes`` = the op's parameters
    (each parameter counted once, at its first use), so the graph total equals
    the module's. A parameter several ops read (tied weights) is also listed
    in ``OpGraph.shared`` (:class:`~graphpipe.graph.SharedParams`: the ops and
@@ -225,24 +231,48 @@ def _nbytes(value: Any) -> int:
 class _NodeCost:
     flops: float
     act_bytes: float
+    """Bytes of the storages this node saved first (charged to it)."""
     out_bytes: float
+    saved: frozenset = frozenset()
+    """Storages this node saves for backward, charged to it or not."""
+    outputs: tuple = ()
+    """``(storage, bytes)`` of each tensor of the node's value."""
 
 
 class _SavedMeter:
     """Bytes of the tensors autograd saves for backward (``saved_tensors_hooks``), each storage once,
     parameters excluded: what a training step keeps per sample between a micro-batch's F and its B
-    (the runtime measures the same quantity, :class:`graphpipe.runtime.measure.SavedBytesMeter`)."""
+    (the runtime measures the same quantity, :class:`graphpipe.runtime.measure.SavedBytesMeter`).
+
+    ``saves`` collects every storage saved while it is set (already counted or not), so that
+    :class:`_Measure` can tell which of a node's saves are tensors an earlier node was charged for."""
 
     def __init__(self, params: Sequence[torch.Tensor]) -> None:
         self._seen = {p.untyped_storage()._cdata for p in params}
+        self._resident = set(self._seen)
         self.total = 0
+        self.saves: set[int] | None = None
+        self.keep: list[Any] = []
+        """Stand-in tensors held to the end of the run (a freed storage's key may be reused)."""
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
-        if storage._cdata not in self._seen:
-            self._seen.add(storage._cdata)
+        key = storage._cdata
+        if key not in self._seen:
+            self._seen.add(key)
             self.total += storage.nbytes()
+        if self.saves is not None and key not in self._resident:
+            self.saves.add(key)
         return t
+
+    def is_resident(self, t: torch.Tensor) -> bool:
+        return t.untyped_storage()._cdata in self._resident
+
+    def resident(self, t: torch.Tensor) -> None:
+        """Never count ``t`` (a stand-in for resident data)."""
+        key = t.untyped_storage()._cdata
+        self._seen.add(key)
+        self._resident.add(key)
 
 
 class _FlashAttentionSaves(torch.overrides.TorchFunctionMode):
@@ -263,6 +293,35 @@ class _FlashAttentionSaves(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class _EmbeddingBagSaves(torch.overrides.TorchFunctionMode):
+    """``F.embedding_bag``'s meta kernel saves other tensors than the CPU kernel a run uses (in sum mode
+    an ``offset2bag`` of one int64 per index, where CPU saves one per bag): dlrm's tables were charged twice
+    what a run keeps. Run the meta op with its saves uncounted, and count the saves of the CPU kernel on a
+    one-row table with the same indices shape and options instead (what it saves does not depend on the
+    table's rows). A saved view of resident indices (the input data) stays uncounted, as in a run."""
+
+    def __init__(self, meter: "_SavedMeter") -> None:
+        super().__init__()
+        self.meter = meter
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if (func is not torch.nn.functional.embedding_bag or len(args) < 2 or not isinstance(args[0], torch.Tensor)
+                or args[0].device.type != "meta"):
+            return func(*args, **kwargs)
+        indices, weight, *rest = args
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):  # the meta kernel's saves: not counted
+            out = func(*args, **kwargs)
+        cpu_indices = torch.zeros(indices.shape, dtype=indices.dtype)
+        if self.meter.is_resident(indices):
+            self.meter.resident(cpu_indices)
+        on_cpu = lambda v: torch.zeros(v.shape, dtype=v.dtype) if isinstance(v, torch.Tensor) else v  # noqa: E731
+        table = torch.zeros(1, weight.shape[1], dtype=weight.dtype, requires_grad=weight.requires_grad)
+        stand_in = func(cpu_indices, table, *(on_cpu(v) for v in rest), **{k: on_cpu(v) for k, v in kwargs.items()})
+        self.meter.keep.append((cpu_indices, stand_in))  # with the saves its graph holds
+        return out
+
+
 class _Measure(fx.Interpreter):
     """Runs the GraphModule once, recording FLOPs, saved bytes and output bytes per node."""
 
@@ -273,9 +332,13 @@ class _Measure(fx.Interpreter):
 
     def run_node(self, n: fx.Node) -> Any:
         f0, b0 = self.flops.get_total_flops(), self.meter.total
+        self.meter.saves = set()
         out = super().run_node(n)
+        outputs = tuple((t.untyped_storage()._cdata, t.numel() * t.element_size())
+                        for t in tree_leaves(out) if isinstance(t, torch.Tensor))
         self.costs[n.name] = _NodeCost(float(self.flops.get_total_flops() - f0), float(self.meter.total - b0),
-                                       float(_nbytes(out)))
+                                       float(_nbytes(out)), frozenset(self.meter.saves), outputs)
+        self.meter.saves = None
         return out
 
 
@@ -286,7 +349,7 @@ def _measure(gm: fx.GraphModule, example_inputs: Sequence[Any], loss_fn=None) ->
     flops, meter = FlopCounterMode(display=False), _SavedMeter(resident)
     interp = _Measure(gm, flops, meter)
     with torch.enable_grad(), flops, torch.autograd.graph.saved_tensors_hooks(meter.pack, lambda t: t), \
-            _FlashAttentionSaves():
+            _FlashAttentionSaves(), _EmbeddingBagSaves(meter):
         out = interp.run(*example_inputs)
         if loss_fn is not None:  # what the loss keeps for backward belongs to the op producing the output
             before = meter.total
@@ -294,7 +357,8 @@ def _measure(gm: fx.GraphModule, example_inputs: Sequence[Any], loss_fn=None) ->
             node = next(n for n in gm.graph.nodes if n.op == "output").args[0]
             if isinstance(node, fx.Node) and node.name in interp.costs:
                 c = interp.costs[node.name]
-                interp.costs[node.name] = _NodeCost(c.flops, c.act_bytes + meter.total - before, c.out_bytes)
+                interp.costs[node.name] = _NodeCost(c.flops, c.act_bytes + meter.total - before, c.out_bytes,
+                                                    c.saved, c.outputs)
     return interp.costs
 
 
@@ -348,6 +412,7 @@ def capture(module: nn.Module, example_inputs: Sequence[Any], name: str | None =
     param_ops: dict[int, list[str]] = {}  # parameter -> ops reading it (tied weights: more than one)
     param_size: dict[int, int] = {}
     edge_bytes: dict[tuple[str, str], float] = {}
+    incoming: dict[tuple[str, str], dict[int, int]] = {}  # op edge -> storages (and bytes) of the values on it
     ops: list[Op] = []
     rate = device.peak_flops * device.mfu
     for op_name in order:
@@ -371,6 +436,7 @@ def capture(module: nn.Module, example_inputs: Sequence[Any], name: str | None =
                 src_op = op_of_node[src.name]
                 if src_op != op_name:
                     edge_bytes[(src_op, op_name)] = edge_bytes.get((src_op, op_name), 0.0) + costs[src.name].out_bytes / batch
+                    incoming.setdefault((src_op, op_name), {}).update(costs[src.name].outputs)
         kind = _kind(gm, started[op_name], nodes, anchors)
         ops.append(Op(op_name, kind,
                       fwd=Affine(device.op_overhead_s, flops / rate),
@@ -381,13 +447,36 @@ def capture(module: nn.Module, example_inputs: Sequence[Any], name: str | None =
         log.warning("%s: %d parameter bytes are never used by forward; the op graph omits them",
                     name or type(module).__name__, total - sum(op.param_bytes for op in ops))
     try:
-        graph = OpGraph.build(name or type(module).__name__, ops, [(s, d, b) for (s, d), b in edge_bytes.items()],
+        saved = _edge_saved_bytes(incoming, members, op_of_node, costs, batch)
+        graph = OpGraph.build(name or type(module).__name__, ops,
+                              [(s, d, b, saved.get((s, d), 0.0)) for (s, d), b in edge_bytes.items()],
                               _shared_params(param_ops, param_size))
     except GraphCycleError as exc:
         raise InputError(f"contracting fx nodes into layers made a cycle ({exc}); pass layer_types= so the "
                          "layers on that cycle become anchors") from None
     op_nodes = {op: tuple(n.name for n in members[op]) for op in order}
     return Captured(graph, gm, op_nodes)
+
+
+def _edge_saved_bytes(incoming: Mapping[tuple[str, str], Mapping[int, int]], members: Mapping[str, list[fx.Node]],
+                      op_of_node: Mapping[str, str], costs: Mapping[str, _NodeCost], batch: int) -> dict[tuple[str, str], float]:
+    """:attr:`graphpipe.graph.Edge.saved` per op edge: bytes per sample of the edge's values that the consumer
+    saves while another op was charged for them (each storage's first saver holds its bytes, ``_SavedMeter``).
+
+    Matching is by storage, which is sound here: every saved storage stays alive until the run ends (the
+    autograd graph holds it), and an edge's values are alive while their consumer runs.
+    """
+    charged: dict[int, str] = {}
+    for node_name, c in costs.items():  # run order: the first node saving a storage was charged for it
+        for key in c.saved:
+            charged.setdefault(key, op_of_node.get(node_name, ""))
+    out = {}
+    for (src_op, dst_op), values in incoming.items():
+        saves = set().union(*(costs[n.name].saved for n in members[dst_op]))
+        nbytes = sum(size for key, size in values.items() if key in saves and charged.get(key) != dst_op)
+        if nbytes:
+            out[(src_op, dst_op)] = nbytes / batch
+    return out
 
 
 def _shared_params(param_ops: Mapping[int, list[str]], param_size: Mapping[int, int]) -> tuple[SharedParams, ...]:

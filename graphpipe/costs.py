@@ -32,8 +32,12 @@ Memory on one device of a stage (:func:`memory_bytes`):
   activations while its backward runs, ``act * s``
   (:func:`activation_bytes`).
 
-``act`` is the op's saved-activation bytes per sample and ``in``/``out``
-the bytes per sample on the stage's incoming/outgoing edges.
+``act`` is the stage's saved-activation bytes per sample: its ops'
+``act_bytes`` plus :func:`received_saved_bytes`, the received copies its ops
+save of tensors another stage's op was charged for (a cut between a ReLU,
+which saves its output, and the Linear after it, which saves the same tensor
+as its input: one tensor on one device, two on two). ``in``/``out`` are the
+bytes per sample on the stage's incoming/outgoing edges.
 
 Example
 -------
@@ -70,6 +74,8 @@ __all__ = [
     "memory_bytes",
     "weight_versions_bytes",
     "StageSums",
+    "received_saved_bytes",
+    "range_received_saved",
     "stage_sums",
     "stage_tps",
     "stage_memory",
@@ -191,10 +197,47 @@ class StageSums:
     bwd_beta: float
     param_bytes: float
     act: float
+    """Saved-activation bytes per sample: the ops' ``act_bytes`` + :func:`received_saved_bytes`."""
     inputs: float
     """Bytes per sample on edges entering the stage from other ops."""
     outputs: float
     """Bytes per sample on edges leaving the stage to other ops."""
+
+
+def received_saved_bytes(graph: "OpGraph", op_ids: Iterable[int]) -> float:
+    """Bytes per sample a stage of ``op_ids`` saves of its received tensors beyond its ops' ``act_bytes``.
+
+    The sum of :attr:`graphpipe.graph.Edge.saved` over the op edges entering
+    the stage: each such tensor was charged to an op elsewhere (its producer,
+    or an earlier consumer), and the stage keeps its own received copy. A sum
+    over edges, so that the DPs take it as prefix sums like the edge bytes:
+    when two ops of one stage save the same received tensor it is charged
+    twice (an upper bound; no plan of the zoo's small models has such a stage).
+
+    >>> from graphpipe.graph import Op, OpGraph
+    >>> g = OpGraph.build("relu-linear", [Op("a", "mlp", act_bytes=8.0), Op("b", "mlp", act_bytes=1.0)],
+    ...                   [("a", "b", 8.0, 8.0)])
+    >>> received_saved_bytes(g, (0, 1)), received_saved_bytes(g, (1,))
+    (0.0, 8.0)
+    """
+    members = set(op_ids)
+    return float(sum(e.saved for e in graph.saved_edges if e.dst in members and e.src not in members))
+
+
+def range_received_saved(graph: "OpGraph", order: Sequence[int], start: int) -> np.ndarray:
+    """:func:`received_saved_bytes` of the stages ``order[start..j]``, for ``j = start .. n-1`` (sequential cuts).
+
+    >>> from graphpipe.graph import Op, OpGraph
+    >>> g = OpGraph.build("chain", [Op(n, "mlp") for n in "abc"], [("a", "b", 8.0, 8.0), ("b", "c", 4.0, 2.0)])
+    >>> range_received_saved(g, (0, 1, 2), 1).tolist(), range_received_saved(g, (0, 1, 2), 2).tolist()
+    ([8.0, 8.0], [2.0])
+    """
+    pos = {v: i for i, v in enumerate(order)}
+    gained = np.zeros(len(order) - start)
+    for e in graph.saved_edges:
+        if pos[e.src] < start <= pos[e.dst]:
+            gained[pos[e.dst] - start] += e.saved
+    return np.cumsum(gained)
 
 
 def stage_sums(graph: "OpGraph", op_ids: Iterable[int], inputs: float | None = None,
@@ -214,7 +257,8 @@ def stage_sums(graph: "OpGraph", op_ids: Iterable[int], inputs: float | None = N
         outputs = out_of if outputs is None else outputs
     return StageSums(sum(o.fwd.alpha for o in ops), sum(o.fwd.beta for o in ops), sum(o.bwd.alpha for o in ops),
                      sum(o.bwd.beta for o in ops), float(sum(o.param_bytes for o in ops)),
-                     float(sum(o.act_bytes for o in ops)), float(inputs), float(outputs))
+                     float(sum(o.act_bytes for o in ops)) + received_saved_bytes(graph, op_ids), float(inputs),
+                     float(outputs))
 
 
 def stage_tps(graph: "OpGraph", op_ids: Iterable[int], devices: Sequence[int], micro_batch_size: int,

@@ -100,15 +100,28 @@ class Op:
 
 @dataclass(frozen=True, slots=True)
 class Edge:
-    """Data flowing from op ``src`` to op ``dst`` (ids), ``bytes`` per sample."""
+    """Data flowing from op ``src`` to op ``dst`` (ids), ``bytes`` per sample.
+
+    ``saved``: bytes per sample of that data which ``dst`` saves for backward
+    while another op's ``act_bytes`` already holds the same tensor (the
+    producer saved it too, e.g. a ReLU output that the next Linear saves as
+    its input; or an earlier consumer did). On one device the tensor is kept
+    once; a stage that holds ``dst`` but not ``src`` keeps its own received
+    copy, so :func:`graphpipe.costs.received_saved_bytes` charges ``saved``
+    to it when the edge is cut. 0 when unknown (graphs made before issue 15,
+    PipeDream profiles).
+    """
 
     src: int
     dst: int
     bytes: float = 0
+    saved: float = 0
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.bytes) and self.bytes >= 0):
-            raise InputError(f"edge {self.src}->{self.dst}: bytes must be finite and >= 0, got {self.bytes!r}")
+        for key in ("bytes", "saved"):
+            value = getattr(self, key)
+            if not (math.isfinite(value) and value >= 0):
+                raise InputError(f"edge {self.src}->{self.dst}: {key} must be finite and >= 0, got {value!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +161,7 @@ class OpGraph:
     _preds: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
     _index: Mapping[str, int] = field(init=False, repr=False, compare=False)
     _edge_bytes: Mapping[tuple[int, int], float] = field(init=False, repr=False, compare=False)
+    _saved_edges: tuple[Edge, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         index: dict[str, int] = {}
@@ -173,6 +187,7 @@ class OpGraph:
         object.__setattr__(self, "_preds", tuple(tuple(sorted(p)) for p in preds))
         object.__setattr__(self, "_index", index)
         object.__setattr__(self, "_edge_bytes", edge_bytes)
+        object.__setattr__(self, "_saved_edges", tuple(e for e in self.edges if e.saved))
         for group in self.shared:
             unknown = [name for name in group.ops if name not in index]
             if unknown:
@@ -180,9 +195,9 @@ class OpGraph:
 
     # ----------------------------------------------------------------- build
     @classmethod
-    def build(cls, name: str, ops: Sequence[Op], edges: Iterable[tuple[str, str, float]],
+    def build(cls, name: str, ops: Sequence[Op], edges: Iterable[tuple[str, str, float] | tuple[str, str, float, float]],
               shared: Sequence[SharedParams] = ()) -> "OpGraph":
-        """Build from ops in any order and ``(src_name, dst_name, bytes)`` edges.
+        """Build from ops in any order and ``(src_name, dst_name, bytes[, saved])`` edges (:class:`Edge`).
 
         Ops are renumbered in a deterministic topological order (Kahn's
         algorithm, ties broken by input position). A cycle raises
@@ -193,9 +208,9 @@ class OpGraph:
             if op.name in position:
                 raise InputError(f"duplicate op name {op.name!r}")
             position[op.name] = i
-        raw: list[tuple[int, int, float]] = []
+        raw: list[tuple[int, int, float, float]] = []
         seen: set[tuple[int, int]] = set()
-        for src, dst, nbytes in edges:
+        for src, dst, nbytes, *saved in edges:
             for end in (src, dst):
                 if end not in position:
                     raise InputError(f"edge {src}->{dst} names unknown op {end!r}")
@@ -205,11 +220,11 @@ class OpGraph:
             if key in seen:
                 raise InputError(f"duplicate edge {src}->{dst}")
             seen.add(key)
-            raw.append((key[0], key[1], float(nbytes)))
+            raw.append((key[0], key[1], float(nbytes), float(saved[0]) if saved else 0.0))
         n = len(ops)
         succs: list[list[int]] = [[] for _ in range(n)]
         indeg = [0] * n
-        for s, d, _ in raw:
+        for s, d, _, _ in raw:
             succs[s].append(d)
             indeg[d] += 1
         ready = [i for i in range(n) if indeg[i] == 0]
@@ -226,7 +241,7 @@ class OpGraph:
             raise GraphCycleError([ops[i].name for i in _find_cycle(succs, {i for i in range(n) if indeg[i] > 0})])
         new_id = {old: new for new, old in enumerate(order)}
         new_ops = tuple(ops[old] for old in order)
-        new_edges = tuple(sorted((Edge(new_id[s], new_id[d], b) for s, d, b in raw), key=lambda e: (e.src, e.dst)))
+        new_edges = tuple(sorted((Edge(new_id[s], new_id[d], b, v) for s, d, b, v in raw), key=lambda e: (e.src, e.dst)))
         return cls(name, new_ops, new_edges, tuple(shared))
 
     # ---------------------------------------------------------------- access
@@ -253,6 +268,11 @@ class OpGraph:
     def edge_bytes(self, src: int, dst: int) -> float:
         """Bytes per sample on edge src->dst."""
         return self._edge_bytes[(src, dst)]
+
+    @property
+    def saved_edges(self) -> tuple[Edge, ...]:
+        """The edges with :attr:`Edge.saved` > 0 (few: scanning them is cheap in every cost lookup)."""
+        return self._saved_edges
 
     def has_edge(self, src: int, dst: int) -> bool:
         return (src, dst) in self._edge_bytes
@@ -324,7 +344,9 @@ def graph_to_dict(graph: OpGraph) -> dict[str, Any]:
             for op in graph.ops
         ],
         "edges": [
-            {"src": graph.ops[e.src].name, "dst": graph.ops[e.dst].name, "bytes": e.bytes} for e in graph.edges
+            {"src": graph.ops[e.src].name, "dst": graph.ops[e.dst].name, "bytes": e.bytes,
+             **({"saved_bytes": e.saved} if e.saved else {})}  # optional: older documents lack it
+            for e in graph.edges
         ],
         **({"shared_params": [{"ops": list(g.ops), "bytes": g.bytes} for g in graph.shared]} if graph.shared else {}),
     }
@@ -367,7 +389,8 @@ def graph_from_dict(doc: Any, where: str = "graph") -> OpGraph:
         if "src" not in e or "dst" not in e:
             raise FormatError(f"{at}: needs src and dst (op names)")
         edges.append((f.string(e["src"], f"{at}.src"), f.string(e["dst"], f"{at}.dst"),
-                      float(f.number(e.get("bytes", 0), f"{at}.bytes", 0))))
+                      float(f.number(e.get("bytes", 0), f"{at}.bytes", 0)),
+                      float(f.number(e.get("saved_bytes", 0), f"{at}.saved_bytes", 0))))
     name = f.string(doc.get("name", "graph"), f"{where}.name")
     shared = []
     for i, g in enumerate(f.array(doc.get("shared_params", []), f"{where}.shared_params")):

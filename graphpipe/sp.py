@@ -337,13 +337,14 @@ def contract(graph: OpGraph, regions: Sequence[Sequence[int]], name: str | None 
             leaving = [u for u in region if not graph.succs(u)]
         out = sum(graph.ops[u].out_bytes for u in leaving)
         ops.append(Op(region_names[r], "merged", fwd, bwd, params, act, out))
-    edge_bytes: dict[tuple[str, str], float] = {}
+    edge_bytes: dict[tuple[str, str], tuple[float, float]] = {}  # (bytes, saved); an edge inside a region is never cut
     for e in graph.edges:
         key = (new_name(e.src), new_name(e.dst))
         if key[0] == key[1]:
             continue
-        edge_bytes[key] = edge_bytes.get(key, 0.0) + e.bytes
-    edges = [(s, d, b) for (s, d), b in edge_bytes.items()]
+        nbytes, saved = edge_bytes.get(key, (0.0, 0.0))
+        edge_bytes[key] = (nbytes + e.bytes, saved + e.saved)
+    edges = [(s, d, b, v) for (s, d), (b, v) in edge_bytes.items()]
     return OpGraph.build(name or graph.name, ops, edges), mapping
 
 
@@ -458,7 +459,7 @@ def _region_fixes(graph: OpGraph, region: Sequence[int], anc: Sequence[int], des
 def induced_subgraph(graph: OpGraph, op_ids: Sequence[int]) -> OpGraph:
     """The subgraph on ``op_ids`` (sorted ids keep the topological order)."""
     new_id = {v: i for i, v in enumerate(op_ids)}
-    edges = tuple(Edge(new_id[e.src], new_id[e.dst], e.bytes) for e in graph.edges
+    edges = tuple(Edge(new_id[e.src], new_id[e.dst], e.bytes, e.saved) for e in graph.edges
                   if e.src in new_id and e.dst in new_id)
     return OpGraph(graph.name, tuple(graph.ops[v] for v in op_ids), edges)
 

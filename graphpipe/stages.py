@@ -287,7 +287,9 @@ class StageGraph:
         return sum(self.graph.ops[i].param_bytes for i in self.stages[stage_id].op_ids)
 
     def act_bytes_per_sample(self, stage_id: int) -> float:
-        return sum(self.graph.ops[i].act_bytes for i in self.stages[stage_id].op_ids)
+        """Saved-activation bytes per sample: the ops' ``act_bytes`` + :func:`graphpipe.costs.received_saved_bytes`."""
+        op_ids = self.stages[stage_id].op_ids
+        return sum(self.graph.ops[i].act_bytes for i in op_ids) + costs.received_saved_bytes(self.graph, op_ids)
 
     def input_bytes_per_sample(self, stage_id: int) -> float:
         """Bytes per sample the stage receives along its stage edges (relayed bytes in a sequential pipeline)."""

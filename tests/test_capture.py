@@ -248,3 +248,36 @@ def test_contraction_properties_on_random_programs(seed):
     torch.testing.assert_close(split_by_ops(cap, {op.name: i for i, op in enumerate(cap.graph.ops)})(x), expected)
     k = max(1, cap.graph.num_ops // 2)
     torch.testing.assert_close(split_by_ops(cap, {op.name: int(i >= k) for i, op in enumerate(cap.graph.ops)})(x), expected)
+
+
+def test_saved_on_both_sides_of_a_cut_is_on_the_edge():
+    """``h = relu(a(x))`` is saved by the ReLU (charged to ``a``) and again as the input of ``b`` and of ``c``:
+    one tensor on one device, so ``b``'s and ``c``'s act_bytes leave it out, and each edge carries it as
+    ``saved`` for a stage that holds the consumer without ``a`` (graphpipe.costs.received_saved_bytes)."""
+    g = capture(Residual(), (torch.randn(3, 8),), name="r").graph
+    a, b, c = g.op_id("a"), g.op_id("b"), g.op_id("c")
+    h_bytes = 8 * 4
+    assert g.edge_bytes(a, b) == g.edge_bytes(a, c) == h_bytes
+    assert {(e.src, e.dst): e.saved for e in g.saved_edges} == {(a, b): h_bytes, (a, c): h_bytes}
+    # Linear -> Linear: nothing saves the first output but the second op, which is charged for it
+    g = capture(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)), (torch.randn(3, 4),), name="ll").graph
+    assert g.saved_edges == () and g.ops[1].act_bytes == 8 * 4
+
+
+def test_embedding_bag_act_bytes_are_what_a_cpu_step_saves():
+    """The meta kernel of embedding_bag saves an offset2bag of one int64 per index; the CPU kernel a run uses
+    saves other, smaller tensors. Capture charges what the CPU step saves (the runtime's meter on the same
+    forward), the input indices (resident data) excluded."""
+    from graphpipe.runtime.measure import SavedBytesMeter
+    from graphpipe.zoo_models import EmbeddingBagTable
+
+    batch, bag = 4, 5
+    table = EmbeddingBagTable(50, 8)
+    indices = torch.randint(0, 50, (batch, bag))
+    g = capture(table, (indices,), name="emb").graph
+    meter = SavedBytesMeter(table.parameters())
+    meter.reset(resident=(indices,))
+    with meter.hooks():
+        out = table(indices)
+    assert meter.peak > 0 and g.ops[0].act_bytes * batch == meter.peak
+    del out

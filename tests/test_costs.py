@@ -13,20 +13,24 @@ import pytest
 from graphpipe import costs
 from graphpipe.cluster import preset
 from graphpipe.errors import InfeasibleError, InputError, PlanError
+from graphpipe.graph import Edge, OpGraph
 from graphpipe.sched import make_schedule, simulate, validate_schedule
 from graphpipe.search.common import SearchOptions
 from graphpipe.search.sequential import OpArrays, ReplicaCosts
 from graphpipe.stages import Stage, StageGraph
 
-from conftest import branches_graph, chain_graph, random_sp_graph
+from conftest import branches_graph, chain_graph, make_op, random_sp_graph
 
 
 # ------------------------------------------------------------------ formulas
 @pytest.mark.parametrize("seed", range(20))
 def test_vectorised_equals_scalar_on_random_stages(seed):
-    """CostArrays / ReplicaCosts on arrays of random contiguous stages == the scalar functions, one stage at a time."""
+    """CostArrays / ReplicaCosts on arrays of random contiguous stages == the scalar functions, one stage at a time;
+    the received saved copies (range_received_saved beside received_saved_bytes) on random saved edges."""
     rng = random.Random(seed)
     graph = random_sp_graph(rng.randint(3, 12), seed)
+    graph = OpGraph(graph.name, graph.ops, tuple(Edge(e.src, e.dst, e.bytes, e.bytes * rng.choice((0, 0.5, 1)))
+                                                 for e in graph.edges))
     cluster = preset("v100", rng.choice((4, 8, 16)))
     arrays = costs.CostArrays.of(graph, cluster)
     seq, rep = OpArrays.of(graph), ReplicaCosts.of(cluster)
@@ -42,15 +46,17 @@ def test_vectorised_equals_scalar_on_random_stages(seed):
         pre = np.concatenate(([0.0], np.cumsum(values)))
         return pre[hi] - pre[lo]
 
+    act = sums(arrays.act) + np.array([costs.range_received_saved(graph, range(n), a)[z - 1 - a] for a, z in zip(lo, hi)])
+
     ins = np.array([costs.stage_sums(graph, range(a, z)).inputs for a, z in zip(lo, hi)])
     outs = np.array([costs.stage_sums(graph, range(a, z)).outputs for a, z in zip(lo, hi)])
     tps = arrays.tps(sums(arrays.fwd_alpha), sums(arrays.fwd_beta), sums(arrays.bwd_alpha), sums(arrays.bwd_beta),
                      sums(arrays.params), r, b, batch, rc)
     tps_seq = rep.tps(sums(seq.compute_alpha), sums(seq.compute_beta), sums(seq.params), r, b, batch,
                       sums(seq.fwd_alpha), sums(seq.fwd_beta), rc)
-    mem = arrays.memory(sums(arrays.params), sums(arrays.act), r, b, k, ins, outs, rc)
-    mem_seq = rep.memory(sums(seq.params), sums(seq.act), r, b, k, ins, outs, rc)
-    kmax = arrays.max_in_flight(sums(arrays.params), sums(arrays.act), r, b, 6, ins, outs, rc)
+    mem = arrays.memory(sums(arrays.params), act, r, b, k, ins, outs, rc)
+    mem_seq = rep.memory(sums(seq.params), act, r, b, k, ins, outs, rc)
+    kmax = arrays.max_in_flight(sums(arrays.params), act, r, b, 6, ins, outs, rc)
     for i in range(len(lo)):
         ops, devices = tuple(range(lo[i], hi[i])), tuple(range(r[i]))
         want_t = costs.stage_tps(graph, ops, devices, b, batch, cluster, bool(rc[i]))
@@ -133,6 +139,28 @@ def test_partitioner_memory_estimate_bounds_the_simulator(strategy, recompute):
         assert p["peak_memory_bytes"][d] <= est * (1 + 1e-9)
         if p["in_flight"][s] == charged:
             assert p["peak_memory_bytes"][d] == pytest.approx(est)
+
+
+@pytest.mark.parametrize("strategy", ["gpp", "pipedream", "piper", "gpipe"])
+def test_every_partitioner_charges_a_received_saved_copy(strategy):
+    """Four equal ops whose model state fits three to a device: two devices split them in the middle, unless
+    the tensor crossing the middle is saved on both sides and its received copy overflows the device. Every
+    partitioner must then cut elsewhere, and the plan must fit as simulated."""
+    from graphpipe.search.planner import make_plan
+
+    ops = [make_op(f"l{i}", params=1e9) for i in range(4)]  # 4e9 bytes of state each (16 per fp32 parameter)
+    edges = [(f"l{i}", f"l{i + 1}", 1e4) for i in range(3)]
+    cluster = preset("v100", 2).with_memory(13e9)
+
+    def plan(saved_in_the_middle):
+        graph = OpGraph.build("chain", ops, [e + ((saved_in_the_middle,) if e[0] == "l1" else ()) for e in edges])
+        return make_plan("chain.json", graph, cluster, 8, strategy, SearchOptions(recompute="none"), monotone=False)
+
+    before = plan(0.0).stage_graph
+    assert before.stage_of(1) != before.stage_of(2), "premise: the plain split is in the middle"
+    got = plan(6e9)  # per sample: 8e9 of state + one sample's copy > 13e9
+    assert got.stage_graph.stage_of(1) == got.stage_graph.stage_of(2)
+    assert max(got.predicted["peak_memory_bytes"]) <= 13e9
 
 
 def _depth_below(sg, s):

@@ -35,6 +35,22 @@ def test_graph_json_round_trip(tmp_path, seed):
     assert [p.name for p in tmp_path.iterdir()] == ["g.json"], "no temporary file left behind"
 
 
+def test_edge_saved_bytes_round_trip_and_are_optional():
+    """``saved_bytes`` on an edge (issue 15) survives JSON, is absent when 0 (older documents read the same),
+    and is checked like every other number."""
+    graph = OpGraph.build("g", [make_op("a"), make_op("b"), make_op("c")],
+                          [("a", "b", 16.0, 16.0), ("b", "c", 8.0)])
+    doc = graph_to_dict(graph)
+    assert [e.get("saved_bytes") for e in doc["edges"]] == [16.0, None]
+    assert graph_from_dict(doc) == graph and graph.saved_edges == (Edge(0, 1, 16.0, 16.0),)
+    old = {**doc, "edges": [{k: v for k, v in e.items() if k != "saved_bytes"} for e in doc["edges"]]}
+    assert graph_from_dict(old).saved_edges == ()
+    with pytest.raises(FormatError, match=r"edges\[0\]\.saved_bytes must be a finite number >= 0, got -1"):
+        graph_from_dict({**doc, "edges": [{**doc["edges"][0], "saved_bytes": -1}]})
+    with pytest.raises(InputError, match="saved must be finite and >= 0"):
+        Edge(0, 1, 1.0, math.nan)
+
+
 def test_build_renumbers_topologically_and_keeps_edges():
     rng = random.Random(3)
     graph = random_sp_graph(20, 3)

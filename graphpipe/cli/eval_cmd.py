@@ -17,7 +17,7 @@ def register(sub) -> None:
     p = sub.add_parser("eval", help="reproduce the paper's evaluations (plots, tables, REPORT.md)",
                        description="Run one experiment or all of them; write results/<name>.json, <name>.png and REPORT.md.")
     p.add_argument("name", metavar="NAME", help="throughput, search-time, branches, ablation, case-study, memory, "
-                                                "fidelity, zero-bubble, async-throughput, staleness, or all")
+                                                "fidelity, memory-runtime, zero-bubble, async-throughput, staleness, or all")
     p.add_argument("--out", default=None,
                    help="output folder (default ./eval-out, ./eval-out/quick with --quick; --out evals regenerates "
                         "the repository's committed REPORT.md)")

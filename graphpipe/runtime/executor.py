@@ -189,7 +189,9 @@ class RankExecutor:
         self.step = 0
         self.batchnorm = batchnorm
         self.tied = tuple(tied)
-        self.saved_meter = SavedBytesMeter(p for prog in self.programs.values() for p in prog.module.parameters())
+        # parameters and buffers are model state, not activations (capture excludes both too)
+        self.saved_meter = SavedBytesMeter(t for prog in self.programs.values()
+                                           for t in (*prog.module.parameters(), *prog.module.buffers()))
         self._redo_bytes: dict[int, int] = {}  # per re-materializing stage: its B's working set (probed once)
         self._stash: dict[tuple[int, int], list] = {}  # inputs a checkpointed (stage, mb) keeps until its B
         self._pending_w: dict[tuple[int, int], PendingWeightGrad] = {}  # (stage, mb) whose I ran, W not yet

@@ -31,8 +31,8 @@ class SavedBytesMeter:
     every tensor a forward saves is counted once per storage (views of one
     activation share it) until autograd releases it -- the packed handle's
     finalizer runs when the saved variable is freed, after the node's
-    backward or with its graph -- so on CPU the peak is exact. Parameters
-    (model state) and the iteration's input data (resident anyway) are not
+    backward or with its graph -- so on CPU the peak is exact. Parameters and
+    buffers (model state) and the iteration's input data (resident anyway) are not
     counted: ``graphpipe.capture`` charges neither to an op's ``act_bytes``.
 
     A re-materializing stage runs under ``torch.utils.checkpoint``, whose

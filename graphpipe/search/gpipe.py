@@ -44,6 +44,7 @@ import time
 import numpy as np
 
 from graphpipe.cluster import Cluster
+from graphpipe.costs import range_received_saved
 from graphpipe.graph import OpGraph
 from graphpipe.search.common import SearchOptions, SearchResult, micro_batch_candidates, recompute_all
 from graphpipe.search.sequential import (OpArrays, ReplicaCosts, SequentialPartition, choose_micro_batch,
@@ -79,7 +80,11 @@ def solve(graph: OpGraph, cluster: Cluster, batch_size: int, micro_batch_size: i
     params = pp[j_idx + 1] - pp[i_idx]
     tps = costs.tps(pa[j_idx + 1] - pa[i_idx], pb[j_idx + 1] - pb[i_idx], params, 1, b, batch_size,
                     pfa[j_idx + 1] - pfa[i_idx], pfb[j_idx + 1] - pfb[i_idx], recompute)
-    mem = costs.memory(params, pact[j_idx + 1] - pact[i_idx], 1, b, num_mbs, cut[i_idx], cut[j_idx + 1], recompute)
+    received = np.zeros((n, n))  # received[i, j]: received_saved_bytes of order[i..j]
+    for i in range(n):
+        received[i, i:] = range_received_saved(graph, order, i)
+    mem = costs.memory(params, pact[j_idx + 1] - pact[i_idx] + received[i_idx, j_idx], 1, b, num_mbs, cut[i_idx],
+                       cut[j_idx + 1], recompute)
     cost[i_idx, j_idx] = np.where(mem <= costs.memory_bytes, tps, np.inf)
 
     # best[q][i]: smallest max stage time splitting order[i..n-1] into exactly q stages.

@@ -404,7 +404,8 @@ def smallest_memory_needed(trees: Sequence[DPTree], cluster: Cluster, batch_size
     micro-batch) converges to the threshold of the DP's memory model.
     """
     graph = trees[0].graph
-    upper = cluster.state_bytes(graph.param_bytes) + sum(op.act_bytes for op in graph.ops) * batch_size + 1.0
+    upper = (cluster.state_bytes(graph.param_bytes)
+             + (sum(op.act_bytes for op in graph.ops) + sum(e.saved for e in graph.saved_edges)) * batch_size + 1.0)
 
     def fits(memory: float) -> bool:
         trial = cluster.with_memory(memory)

@@ -64,7 +64,7 @@ class BlockCosts:
 
     def __init__(self, tree: DPTree, cluster: Cluster, batch_size: int, micro_batch_size: int,
                  num_devices: int | None = None, power_of_two: bool = False, recompute: bool = False,
-                 boundary: dict[int, tuple[np.ndarray, np.ndarray]] | None = None):
+                 boundary: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None):
         if batch_size % micro_batch_size:
             raise InputError(f"micro-batch size {micro_batch_size} does not divide the batch size {batch_size}")
         self.tree = tree
@@ -122,9 +122,9 @@ class BlockCosts:
         got = self._max_in_flight.get(x)
         if got is None:
             s = self._block_sums(x)[:, :, :, None]
-            inputs, outputs = self.boundary_bytes(x)
+            inputs, outputs, saved = self.boundary_bytes(x)
             got = self._max_in_flight[x] = self.costs.max_in_flight(
-                s[:, :, 4], s[:, :, 5], self._replicas, self.micro_batch_size, self.kcap, inputs[:, :, None],
+                s[:, :, 4], s[:, :, 5] + saved[:, :, None], self._replicas, self.micro_batch_size, self.kcap, inputs[:, :, None],
                 outputs[:, :, None], self.recompute)
         return got
 
@@ -136,8 +136,9 @@ class BlockCosts:
             got = self._lists[key] = (self.stage_cost(x, link).tolist(), self.max_in_flight(x).tolist())
         return got
 
-    def boundary_bytes(self, x: int) -> tuple[np.ndarray, np.ndarray]:
-        """(in, out)[lo, hi]: bytes per sample on the edges entering / leaving children lo..hi-1 of x.
+    def boundary_bytes(self, x: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(in, out, saved)[lo, hi]: bytes per sample on the edges entering / leaving children lo..hi-1 of x,
+        and the ``Edge.saved`` of the entering ones (:func:`graphpipe.costs.received_saved_bytes`).
 
         Every edge between two children of x goes forward in child order
         (series children in dependency order, the chain view in topological
@@ -153,8 +154,9 @@ class BlockCosts:
         kids = tree.children[x] or (x,)  # a leaf is its own only child
         m = len(kids)
         child_of = {o: i for i, c in enumerate(kids) for o in tree.op_ids[c]}
-        ext_out, ext_in = np.zeros(m), np.zeros(m)
+        ext_out, ext_in, ext_saved = np.zeros(m), np.zeros(m), np.zeros(m)
         between = np.zeros((m, m + 1))   # between[c, c2]: bytes from child c to child c2
+        between_saved = np.zeros((m, m + 1))
         for e in tree.graph.edges:
             c, c2 = child_of.get(e.src), child_of.get(e.dst)
             if c is None and c2 is None:
@@ -163,21 +165,26 @@ class BlockCosts:
                 ext_out[c] += e.bytes
             elif c is None:
                 ext_in[c2] += e.bytes
+                ext_saved[c2] += e.saved
             elif c2 < c:
                 raise AssertionError(f"edge {e.src}->{e.dst} runs backwards between children of node {x}")
             elif c2 > c:
                 between[c, c2] += e.bytes
+                between_saved[c, c2] += e.saved
         hi = np.arange(m + 1)
         reaching = np.cumsum(between[:, ::-1], axis=1)[:, ::-1]        # reaching[c, h]: to children >= h
         upto = np.vstack([np.zeros(m + 1), np.cumsum(reaching, axis=0)])  # upto[i, h]: children < i, to >= h
         ext = np.concatenate(([0.0], np.cumsum(ext_out)))
         out = np.maximum(ext[None, :] - ext[:, None] + upto[hi, hi][None, :] - upto, 0.0)  # float noise
-        # in[lo, hi] = external inputs of lo..hi-1 + bytes from children < lo into lo..hi-1
-        before = np.vstack([np.zeros(m + 1), np.cumsum(between, axis=0)])[:, :m]   # before[lo, c2]: from children < lo
-        into = np.concatenate([np.zeros((m + 1, 1)), np.cumsum(before, axis=1)], axis=1)  # into[lo, h]: to c2 < h
-        ext = np.concatenate(([0.0], np.cumsum(ext_in)))
-        inp = np.maximum(ext[None, :] - ext[:, None] + into - into[hi, hi][:, None], 0.0)
-        got = (inp, out)
+
+        def entering(ext_in: np.ndarray, between: np.ndarray) -> np.ndarray:
+            # in[lo, hi] = external inputs of lo..hi-1 + bytes from children < lo into lo..hi-1
+            before = np.vstack([np.zeros(m + 1), np.cumsum(between, axis=0)])[:, :m]   # before[lo, c2]: from children < lo
+            into = np.concatenate([np.zeros((m + 1, 1)), np.cumsum(before, axis=1)], axis=1)  # into[lo, h]: to c2 < h
+            ext = np.concatenate(([0.0], np.cumsum(ext_in)))
+            return np.maximum(ext[None, :] - ext[:, None] + into - into[hi, hi][:, None], 0.0)
+
+        got = (entering(ext_in, between), out, entering(ext_saved, between_saved))
         self._boundary[x] = got
         return got
 

@@ -66,6 +66,7 @@ import time
 import numpy as np
 
 from graphpipe.cluster import Cluster, Link
+from graphpipe.costs import range_received_saved
 from graphpipe.graph import OpGraph
 from graphpipe.search.common import SearchOptions, SearchResult, comm_links, cut_tps, micro_batch_candidates
 from graphpipe.search.sequential import (OpArrays, ReplicaCosts, SequentialPartition, choose_micro_batch,
@@ -118,7 +119,7 @@ def solve(graph: OpGraph, cluster: Cluster, batch_size: int, micro_batch_size: i
     for i in range(n - 1, -1, -1):
         j = np.arange(i, n)                                # stage = order[i..j], axis "j"
         sa, sb = pa[j + 1] - pa[i], pb[j + 1] - pb[i]
-        sp, sact = pp[j + 1] - pp[i], pact[j + 1] - pact[i]
+        sp, sact = pp[j + 1] - pp[i], pact[j + 1] - pact[i] + range_received_saved(graph, order, i)
         tps = costs.tps(sa[:, None], sb[:, None], sp[:, None], r[None, :], b, batch_size)      # (j, r)
         tps = np.maximum(tps, cut[j][:, None])                                               # + the cut after it
         mem = costs.memory(sp[:, None, None], sact[:, None, None], r[None, :, None], b, k[None, None, :])

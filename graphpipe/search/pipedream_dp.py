@@ -352,6 +352,20 @@ def _ranges(per_state: np.ndarray) -> np.ndarray:
     return table
 
 
+def _received_saved(states: AntichainStates, graph: OpGraph, micro_batch_size: int) -> np.ndarray:
+    """``table[i, j]`` (as :func:`_ranges`): :func:`graphpipe.costs.received_saved_bytes` of the stage after
+    state ``i - 1`` up to state ``j``, for one micro-batch (not in the real optimizer, whose profiles have
+    no saved edges; 0 on them)."""
+    s = len(states.members)
+    table = np.zeros((s + 1, s))
+    for e in graph.saved_edges:
+        has_src = np.array([e.src in m for m in states.members], dtype=float)
+        has_dst = np.array([e.dst in m for m in states.members], dtype=float)
+        # rows 1..s: source inside state i-1, destination inside state j but not state i-1
+        table[1:] += e.saved * micro_batch_size * (has_src * (1.0 - has_dst))[:, None] * has_dst[None, :]
+    return table
+
+
 @dataclass(frozen=True, slots=True)
 class _Level:
     """``compute_partitioning``'s table ``A[i][j][m]`` as arrays (m 0-based: m + 1 machines)."""
@@ -447,7 +461,7 @@ def solve_levels(states: AntichainStates, graph: OpGraph, micro_batch_size: int,
     """
     sums = state_sums(states, graph, micro_batch_size)
     compute = _ranges(sums.compute)
-    act, params = _ranges(sums.activation), _ranges(sums.params)
+    act, params = _ranges(sums.activation) + _received_saved(states, graph, micro_batch_size), _ranges(sums.params)
     tables: list[_Level] = []
     within = 1
     total = math.prod(machines for machines, _ in levels)

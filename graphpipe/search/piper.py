@@ -174,6 +174,9 @@ class Lattice:
         pair_start = np.searchsorted(pair_src, np.arange(num + 1))
         diff = sums[pair_dst] - sums[pair_src]
         diff = np.maximum(diff, 0.0)                               # float noise of the subtraction
+        # received_saved_bytes of S = D' \ D: a saved edge's source (outside S, before it) lies in D
+        for e in graph.saved_edges:
+            diff[:, 3] += e.saved * bits[pair_src, e.src] * bits[pair_dst, e.dst] * (1.0 - bits[pair_src, e.dst])
         # in + out of S = D' \ D: cut(D) + cut(D') minus twice the edges jumping from D past D'
         through = np.zeros(len(pair_src))
         for e in graph.edges:
