@@ -56,7 +56,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-# Cluster and OpGraph are only named in annotations (strings): cluster.py imports this module, and the
+# Affine, Cluster, Op and OpGraph are only named in annotations (strings): cluster.py imports this module, and the
 # package's import graph must stay acyclic (tests/test_package_edges.py).
 
 __all__ = [
@@ -65,6 +65,8 @@ __all__ = [
     "action_times",
     "WEIGHT_GRAD_SHARE",
     "split_backward",
+    "op_weight_grad",
+    "weight_grad_model",
     "weight_grad_time",
     "time_per_sample",
     "state_bytes",
@@ -110,13 +112,15 @@ def action_times(fwd_alpha, fwd_beta, bwd_alpha, bwd_beta, samples, recompute):
 
 
 WEIGHT_GRAD_SHARE = 0.5
-"""Share of an op's backward that computes its weight gradients (zero bubble's W), for profiles that time only B.
+"""Share of an op's backward that computes its weight gradients (zero bubble's W), for ops whose profile
+times only B (analytical costs, profiles written before issue 17, PipeDream profiles).
 
 For a linear or matmul layer ``Y = X Wᵀ`` the input gradient ``dX = dY W`` and
 the weight gradient ``dW = dYᵀ X`` are two matmuls of the same FLOPs, so B
 splits evenly; an op without parameters has no W and its whole backward is
 input gradient (I). Zero Bubble (Qi et al. ICLR'24 §2) assumes the same even
-split (T_B = T_W) for transformer layers."""
+split (T_B = T_W) for transformer layers. ``graphpipe profile`` measures the
+split instead (:attr:`graphpipe.graph.Op.wgrad`)."""
 
 
 def split_backward(bwd, weight_bwd, fwd, recompute):
@@ -129,10 +133,46 @@ def split_backward(bwd, weight_bwd, fwd, recompute):
     return bwd - weight_bwd + recompute * fwd, weight_bwd
 
 
+def op_weight_grad(op: "Op", samples: float) -> float:
+    """Seconds of the weight-gradient part (W) of one op's backward on ``samples`` samples.
+
+    The measured model ``op.wgrad`` where the profile timed it, capped at the
+    op's whole backward (W and B are fitted apart, so at a size far from the
+    measured ones the two lines may cross); otherwise
+    :data:`WEIGHT_GRAD_SHARE` of the backward of an op with parameters, and 0
+    for an op without.
+
+    >>> from graphpipe.graph import Op, Affine
+    >>> op_weight_grad(Op("a", "x", bwd=Affine(1.0, 1.0), param_bytes=4), 3.0)   # the share of B = 4
+    2.0
+    >>> op_weight_grad(Op("a", "x", bwd=Affine(1.0, 1.0), param_bytes=4, wgrad=Affine(0.5, 0.25)), 3.0)
+    1.25
+    """
+    if op.wgrad is not None:
+        return min(op.wgrad(samples), op.bwd(samples))
+    return WEIGHT_GRAD_SHARE * op.bwd(samples) if op.param_bytes > 0 else 0.0
+
+
+def weight_grad_model(op: "Op") -> "Affine":
+    """:func:`op_weight_grad` as a time model (uncapped), for ops merged into one: the measured W or the share.
+
+    >>> from graphpipe.graph import Op, Affine
+    >>> weight_grad_model(Op("a", "x", bwd=Affine(1.0, 2.0), param_bytes=4)), weight_grad_model(Op("b", "x", bwd=Affine(1.0, 2.0)))
+    (Affine(alpha=0.5, beta=1.0), Affine(alpha=0.0, beta=0.0))
+    """
+    if op.wgrad is not None:
+        return op.wgrad
+    return op.bwd.scaled(WEIGHT_GRAD_SHARE if op.param_bytes > 0 else 0.0)
+
+
 def weight_grad_time(graph: "OpGraph", op_ids: Iterable[int], samples: float) -> float:
     """Seconds of the weight-gradient part (W) of the backward of ``op_ids`` on ``samples`` samples:
-    :data:`WEIGHT_GRAD_SHARE` of each parameterised op's backward, nothing for the others."""
-    return float(sum(WEIGHT_GRAD_SHARE * graph.ops[i].bwd(samples) for i in op_ids if graph.ops[i].param_bytes > 0))
+    the sum of :func:`op_weight_grad`, the measured W where an op has one and the share otherwise.
+
+    Every I/W split (the simulator through :meth:`graphpipe.stages.StageGraph.split_backward_times`, the
+    CP-SAT model) takes W from here.
+    """
+    return float(sum(op_weight_grad(graph.ops[i], samples) for i in op_ids))
 
 
 def time_per_sample(fwd_alpha, fwd_beta, bwd_alpha, bwd_beta, param_bytes, num_replicas, micro_batch_size,

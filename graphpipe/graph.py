@@ -34,6 +34,7 @@ __all__ = [
     "GRAPH_FORMAT",
     "graph_to_dict",
     "graph_from_dict",
+    "affine_field",
     "read_graph_json",
     "read_json_file",
     "write_json_atomic",
@@ -79,6 +80,9 @@ class Op:
     param_bytes: bytes of this op's parameters (as stored, fp32 = 4 per param).
     act_bytes: saved-activation bytes per sample kept from F until its B.
     out_bytes: output bytes per sample.
+    wgrad: the weight-gradient part (zero bubble's W) of ``bwd``, when a
+    profile measured it (``graphpipe profile``); None otherwise, and
+    :func:`graphpipe.costs.weight_grad_time` takes a fixed share of ``bwd``.
     """
 
     name: str
@@ -88,10 +92,13 @@ class Op:
     param_bytes: float = 0
     act_bytes: float = 0
     out_bytes: float = 0
+    wgrad: Affine | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise InputError(f"op name must be a non-empty string, got {self.name!r}")
+        if self.wgrad is not None and not isinstance(self.wgrad, Affine):
+            raise InputError(f"op {self.name!r}: wgrad must be an Affine time model or None, got {self.wgrad!r}")
         for key in ("param_bytes", "act_bytes", "out_bytes"):
             value = getattr(self, key)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
@@ -340,6 +347,7 @@ def graph_to_dict(graph: OpGraph) -> dict[str, Any]:
                 "param_bytes": op.param_bytes,
                 "act_bytes": op.act_bytes,
                 "out_bytes": op.out_bytes,
+                **({"wgrad_s": [op.wgrad.alpha, op.wgrad.beta]} if op.wgrad is not None else {}),  # only when measured
             }
             for op in graph.ops
         ],
@@ -378,8 +386,10 @@ def graph_from_dict(doc: Any, where: str = "graph") -> OpGraph:
             if len(pair) != 2:
                 raise FormatError(f"{where}: op {i}: fwd_s and bwd_s must be [alpha, beta]")
             costs.append(Affine(*(f.number(v, f"{at}.{key}[{k}]", 0) for k, v in enumerate(pair))))
+        # optional: only measured weight gradients are written, and graphs before issue 17 have none
+        wgrad = affine_field(o["wgrad_s"], f"{at}.wgrad_s") if "wgrad_s" in o else None
         ops.append(Op(name=f.string(o["name"], f"{at}.name"), kind=f.string(o.get("kind", "op"), f"{at}.kind"),
-                      fwd=costs[0], bwd=costs[1],
+                      fwd=costs[0], bwd=costs[1], wgrad=wgrad,
                       **{key: _num(f.number(o.get(key, 0), f"{at}.{key}", 0))
                          for key in ("param_bytes", "act_bytes", "out_bytes")}))
     edges = []
@@ -399,6 +409,20 @@ def graph_from_dict(doc: Any, where: str = "graph") -> OpGraph:
         shared.append(SharedParams(tuple(f.string(n, f"{at}.ops[{k}]") for k, n in enumerate(f.array(g.get("ops", []), f"{at}.ops"))),
                                    float(f.number(g.get("bytes", 0), f"{at}.bytes", 0))))
     return OpGraph.build(name, ops, edges, shared)
+
+
+def affine_field(value: Any, where: str) -> Affine:
+    """A time model written as ``[alpha, beta]`` (seconds), both numbers >= 0.
+
+    >>> affine_field([1e-3, 2e-4], "op.wgrad_s")
+    Affine(alpha=0.001, beta=0.0002)
+    """
+    from graphpipe import files as f
+
+    pair = f.array(value, where)
+    if len(pair) != 2:
+        raise FormatError(f"{where} must be [alpha, beta], got {len(pair)} number(s)")
+    return Affine(*(float(f.number(v, f"{where}[{k}]", 0)) for k, v in enumerate(pair)))
 
 
 def _num(value: Any) -> float:

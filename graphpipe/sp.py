@@ -69,6 +69,7 @@ import logging
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+from graphpipe import costs
 from graphpipe.errors import GraphCycleError, InputError
 from graphpipe.graph import Affine, Edge, Op, OpGraph
 
@@ -325,18 +326,20 @@ def contract(graph: OpGraph, regions: Sequence[Sequence[int]], name: str | None 
         region = sorted(regions[r])
         if v != region[0]:
             continue
-        fwd = bwd = Affine(0.0, 0.0)
+        fwd = bwd = wgrad = Affine(0.0, 0.0)
         params = act = 0.0
         for u in region:
             fwd = fwd + graph.ops[u].fwd
             bwd = bwd + graph.ops[u].bwd
+            wgrad = wgrad + costs.weight_grad_model(graph.ops[u])
             params += graph.ops[u].param_bytes
             act += graph.ops[u].act_bytes
+        measured = any(graph.ops[u].wgrad is not None for u in region)  # else the merged op takes the share too
         leaving = [u for u in region if any(region_of.get(w) != r for w in graph.succs(u))]
         if not leaving:
             leaving = [u for u in region if not graph.succs(u)]
         out = sum(graph.ops[u].out_bytes for u in leaving)
-        ops.append(Op(region_names[r], "merged", fwd, bwd, params, act, out))
+        ops.append(Op(region_names[r], "merged", fwd, bwd, params, act, out, wgrad if measured else None))
     edge_bytes: dict[tuple[str, str], tuple[float, float]] = {}  # (bytes, saved); an edge inside a region is never cut
     for e in graph.edges:
         key = (new_name(e.src), new_name(e.dst))

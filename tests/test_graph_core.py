@@ -10,6 +10,7 @@ import itertools
 import json
 import math
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -49,6 +50,26 @@ def test_edge_saved_bytes_round_trip_and_are_optional():
         graph_from_dict({**doc, "edges": [{**doc["edges"][0], "saved_bytes": -1}]})
     with pytest.raises(InputError, match="saved must be finite and >= 0"):
         Edge(0, 1, 1.0, math.nan)
+
+
+def test_op_wgrad_round_trips_and_is_optional():
+    """A measured weight-gradient model (issue 17) survives JSON as ``wgrad_s``, is absent when not measured
+    (older documents read as unmeasured), and a wrong-typed one is one clear error."""
+    graph = OpGraph.build("g", [Op("a", "linear", Affine(1e-3, 2e-4), Affine(2e-3, 4e-4), 8.0,
+                                   wgrad=Affine(5e-4, 1e-4)), make_op("b")], [("a", "b", 8.0)])
+    doc = graph_to_dict(graph)
+    assert [o.get("wgrad_s") for o in doc["ops"]] == [[5e-4, 1e-4], None]
+    assert graph_from_dict(doc) == graph and graph_from_dict(doc).ops[0].wgrad == Affine(5e-4, 1e-4)
+    old = {**doc, "ops": [{k: v for k, v in o.items() if k != "wgrad_s"} for o in doc["ops"]]}
+    assert [o.wgrad for o in graph_from_dict(old).ops] == [None, None]
+    for bad, message in ((["1e-3", 0.0], r"ops\[0\]\.wgrad_s\[0\] must be a number, got '1e-3'"),
+                         ([1e-3], r"ops\[0\]\.wgrad_s must be \[alpha, beta\], got 1 number"),
+                         ({"alpha": 0.0}, r"ops\[0\]\.wgrad_s must be a JSON array"),
+                         ([-1.0, 0.0], r"ops\[0\]\.wgrad_s\[0\] must be a finite number >= 0")):
+        with pytest.raises(FormatError, match=message):
+            graph_from_dict({**doc, "ops": [{**doc["ops"][0], "wgrad_s": bad}, doc["ops"][1]]})
+    with pytest.raises(InputError, match="wgrad must be an Affine"):
+        Op("a", "x", wgrad=(0.0, 1.0))
 
 
 def test_build_renumbers_topologically_and_keeps_edges():
@@ -294,6 +315,9 @@ def test_plan_round_trip_and_refusals(tmp_path):
     back = read_plan(path)
     assert plan_to_dict(back) == plan_to_dict(plan)
     assert back.stage_graph.edges == plan.stage_graph.edges and back.cluster == plan.cluster
+    measured_graph = plan.graph.with_ops([replace(o, wgrad=o.bwd.scaled(0.25)) for o in plan.graph.ops])
+    measured = replace(plan, stage_graph=StageGraph.build(measured_graph, plan.stage_graph.stages, 8, 4))
+    assert plan_from_dict(plan_to_dict(measured)).graph == measured_graph, "a plan keeps its ops' measured W"
     doc = plan_to_dict(plan)
     with pytest.raises(FormatError, match="unsupported format 'graphpipe.plan/0'"):
         plan_from_dict({**doc, "format": "graphpipe.plan/0"})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from graphpipe import costs
 from graphpipe.actions import Action, Schedule
 from graphpipe.errors import ScheduleError
 from graphpipe.graph import Affine, Op, OpGraph
@@ -29,6 +30,35 @@ def test_split_backward_times_follow_the_cost_model():
         assert w == pytest.approx(0.5 * (1.0 + 2.0 * 4))
         assert i + w == pytest.approx(sg.bwd_time(0))
         assert i == pytest.approx(0.5 * 9.0 + 3.0 * 4 + recompute * sg.fwd_time(0))
+
+
+def test_measured_weight_gradient_replaces_the_share():
+    """An op with a measured W (``Op.wgrad``, issue 17) splits by it exactly; the others keep the share."""
+    ops = [Op("w", "linear", Affine(0.5, 1.0), Affine(1.0, 2.0), param_bytes=8.0, wgrad=Affine(0.25, 0.5)),
+           Op("v", "linear", Affine(0.5, 1.0), Affine(2.0, 4.0), param_bytes=8.0),
+           Op("relu", "act", Affine(0.0, 1.0), Affine(0.0, 3.0))]
+    g = OpGraph.build("g", ops, [("w", "v", 1.0), ("v", "relu", 1.0)])
+    assert costs.weight_grad_time(g, (0,), 4) == 0.25 + 0.5 * 4  # measured, exactly
+    assert costs.weight_grad_time(g, (1, 2), 4) == 0.5 * (2.0 + 4.0 * 4)  # the share; nothing for relu
+    assert costs.weight_grad_time(g, (0, 1, 2), 4) == 2.25 + 9.0
+    sg = StageGraph.build(g, [Stage(0, (0, 1, 2), (0,), 4)], 8, 1)
+    i, w = sg.split_backward_times(0)
+    assert w == 11.25 and i + w == sg.bwd_time(0) == 9.0 + 18.0 + 12.0
+    # a measured W larger than the op's B (two fits crossing) is capped at B: I is never negative
+    big = OpGraph.build("big", [Op("w", "linear", bwd=Affine(1.0, 0.0), param_bytes=8.0, wgrad=Affine(0.0, 1.0))], [])
+    assert costs.weight_grad_time(big, (0,), 0.5) == 0.5 and costs.weight_grad_time(big, (0,), 4) == 1.0
+
+
+def test_contracted_ops_keep_the_measured_weight_gradient():
+    """Merging ops (non-SP contraction) sums their W models: measured ones as measured, the rest at the share."""
+    from graphpipe.sp import contract
+
+    ops = [Op("a", "linear", bwd=Affine(1.0, 2.0), param_bytes=8.0, wgrad=Affine(0.25, 0.5)),
+           Op("b", "linear", bwd=Affine(2.0, 4.0), param_bytes=8.0), Op("c", "act", bwd=Affine(0.0, 3.0))]
+    g = OpGraph.build("g", ops, [("a", "b", 1.0), ("b", "c", 1.0)])
+    merged, _ = contract(g, [{0, 1, 2}])
+    assert merged.ops[0].wgrad == Affine(1.25, 2.5)
+    assert contract(OpGraph.build("u", ops[1:], [("b", "c", 1.0)]), [{0, 1}])[0].ops[0].wgrad is None
 
 
 def _split_in_place(schedule: Schedule) -> Schedule:
