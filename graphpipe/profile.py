@@ -23,11 +23,28 @@ gradient per micro-batch). alpha and beta are then the non-negative least-square
 batch sizes (``scipy.optimize.nnls``): a negative overhead or slope is
 physically meaningless and would make planners prefer odd micro-batch sizes.
 
+The backward of an op with parameters is timed split, as a zero-bubble
+stage runs it (:mod:`graphpipe.split_backward`, torch's
+``stage_backward_input`` / ``stage_backward_weight``): first I, the input
+gradients (``torch.autograd.grad`` of the outputs into the op's inputs,
+graph retained, capturing the gradient that reaches each
+parameter-consuming node), then W, the weight gradients from those nodes
+into ``.grad``. The op's backward time is I + W, its weight-gradient time
+(``wgrad_s``, zero bubble's W, :attr:`graphpipe.graph.Op.wgrad`) is W, fitted
+like the others; timing the two halves instead of one fused call costs no
+extra backward pass. An op without parameters has no W and no ``wgrad_s``
+(its backward is all I); an op whose inputs are model inputs has no I
+(its backward is all W). Profiles and graphs without ``wgrad_s`` take
+:data:`graphpipe.costs.WEIGHT_GRAD_SHARE` of the backward instead.
+
 File format ``graphpipe.profile/1``::
 
     {"format": "graphpipe.profile/1", "model": "transformer:small", "device": "cpu",
      "batch_sizes": [1, 2, 4, 8],
-     "ops": {"layer0": {"fwd_s": [alpha, beta], "bwd_s": [alpha, beta]}, ...}}
+     "ops": {"layer0": {"fwd_s": [alpha, beta], "bwd_s": [alpha, beta], "wgrad_s": [alpha, beta]},
+             "relu0": {"fwd_s": [alpha, beta], "bwd_s": [alpha, beta]}, ...}}
+
+``wgrad_s`` is optional (ops with parameters; profiles before issue 17 have none).
 
 Example
 -------
@@ -42,11 +59,11 @@ import math
 import os
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 from graphpipe.errors import FormatError, GraphpipeError, InputError, user_code_error
-from graphpipe.graph import Affine, OpGraph, read_json_file, write_json_atomic
+from graphpipe.graph import Affine, OpGraph, affine_field, read_json_file, write_json_atomic
 
 __all__ = [
     "PROFILE_FORMAT",
@@ -84,6 +101,9 @@ class Profile:
     """op name -> (forward, backward) time model in seconds."""
     precision: str = "fp32"
     """Precision the ops were timed at: ``fp32``, or ``bf16`` under ``torch.autocast``."""
+    wgrad: Mapping[str, Affine] = field(default_factory=dict)
+    """op name -> weight-gradient part of the backward (zero bubble's W), for the ops with parameters that
+    were timed split; ops not named here take :data:`graphpipe.costs.WEIGHT_GRAD_SHARE` of their backward."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +112,9 @@ class OpTimings:
 
     fwd_s: tuple[float, ...]
     bwd_s: tuple[float, ...]
+    """The whole backward: I + W for an op with parameters."""
+    wgrad_s: tuple[float, ...] | None = None
+    """The weight-gradient part W of ``bwd_s``; None for an op without parameters."""
 
 
 def fit_affine(batch_sizes: Sequence[float], times: Sequence[float]) -> Affine:
@@ -147,7 +170,7 @@ def _record_submodule_args(split, inputs: Sequence[Any]) -> dict[str, tuple[Any,
 def time_ops(captured, make_inputs: Callable[[int], Sequence[Any]], batch_sizes: Sequence[int],
              repeats: int = 5, warmup: int = 2, timer: Callable[[], float] = time.perf_counter,
              progress: Callable[[str], None] | None = None, precision: str = "fp32") -> dict[str, OpTimings]:
-    """Median forward and backward seconds of every op at every batch size.
+    """Median forward, backward and (ops with parameters) weight-gradient seconds of every op at every batch size.
 
     ``make_inputs(b)`` gives model inputs with ``b`` samples on the module's
     device. ``timer`` is injectable so tests can drive a fake clock.
@@ -156,6 +179,7 @@ def time_ops(captured, make_inputs: Callable[[int], Sequence[Any]], batch_sizes:
     from torch.utils._pytree import tree_leaves
 
     from graphpipe.capture import split_by_ops
+    from graphpipe.split_backward import backward_input, backward_weight
 
     if repeats < 1 or warmup < 0:
         raise InputError(f"repeats must be >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
@@ -164,6 +188,7 @@ def time_ops(captured, make_inputs: Callable[[int], Sequence[Any]], batch_sizes:
     call_nodes = {str(n.target): n for n in split.graph.nodes if n.op == "call_module"}
     fwd: dict[str, list[float]] = {name: [] for name in names}
     bwd: dict[str, list[float]] = {name: [] for name in names}
+    wgrad: dict[str, list[float]] = {name: [] for name in names}
 
     def sync(values) -> None:
         for t in tree_leaves(values):
@@ -189,6 +214,7 @@ def time_ops(captured, make_inputs: Callable[[int], Sequence[Any]], batch_sizes:
             prepared.append((name, sub, args, leaves, wrt))
         fs: dict[str, list[float]] = {name: [] for name in names}
         bs: dict[str, list[float]] = {name: [] for name in names}
+        ws: dict[str, list[float]] = {name: [] for name in names}
         for i in range(warmup + repeats):
             with _autocast(precision, make_inputs):  # bf16: the run's torch.autocast
                 # One training pass at batch b: every forward in topological order, then every
@@ -209,13 +235,25 @@ def time_ops(captured, make_inputs: Callable[[int], Sequence[Any]], batch_sizes:
                             bs[name].append(0.0)
                         continue
                     grads = [torch.ones_like(t) for t in tensors]
+                    params = wrt[len(leaves):]
                     sync(tensors)
                     t0 = timer()
-                    # accumulates into .grad as the runtime's backward does (the first pass allocates)
-                    torch.autograd.backward(tensors, grads, inputs=wrt)
-                    sync(wrt)
+                    if not params:
+                        torch.autograd.backward(tensors, grads, inputs=wrt)
+                        sync(wrt)
+                        t_input = t_weight = timer()
+                    else:
+                        # zero bubble's split (module docstring): I, then W into .grad
+                        _, pending = backward_input(tensors, grads, leaves, params)
+                        sync(tensors)
+                        t_input = timer()
+                        backward_weight(pending)  # accumulates into .grad as the runtime does (the first pass allocates)
+                        sync(params)
+                        t_weight = timer()
                     if i >= warmup:
-                        bs[name].append(timer() - t0)
+                        bs[name].append(t_weight - t0)
+                        if params:
+                            ws[name].append(t_weight - t_input)
                     for leaf in leaves:
                         leaf.grad = None
         for _, sub, _, _, _ in prepared:
@@ -224,9 +262,13 @@ def time_ops(captured, make_inputs: Callable[[int], Sequence[Any]], batch_sizes:
         for name in names:
             fwd[name].append(statistics.median(fs[name]))
             bwd[name].append(statistics.median(bs[name]))
+            if ws[name]:
+                wgrad[name].append(statistics.median(ws[name]))
         if progress is not None:
             progress(f"b={b}")
-    return {name: OpTimings(tuple(fwd[name]), tuple(bwd[name])) for name in names}
+    # an op is timed split at every batch size or at none (its parameters and inputs do not change with b)
+    return {name: OpTimings(tuple(fwd[name]), tuple(bwd[name]),
+                            tuple(wgrad[name]) if len(wgrad[name]) == len(batch_sizes) else None) for name in names}
 
 
 def _autocast(precision: str, make_inputs):
@@ -247,8 +289,9 @@ def profile_captured(captured, make_inputs: Callable[[int], Sequence[Any]], mode
     timings = time_ops(captured, make_inputs, sizes, repeats=repeats, warmup=warmup, timer=timer, progress=progress,
                        precision=precision)
     ops = {name: (fit_affine(sizes, t.fwd_s), fit_affine(sizes, t.bwd_s)) for name, t in timings.items()}
-    _warn_poor_fits(sizes, timings, ops)
-    return Profile(model, device, sizes, ops, precision)
+    wgrad = {name: fit_affine(sizes, t.wgrad_s) for name, t in timings.items() if t.wgrad_s is not None}
+    _warn_poor_fits(sizes, timings, ops, wgrad)
+    return Profile(model, device, sizes, ops, precision, wgrad)
 
 
 # An op's fit is poor when it misses the measured times by more than this
@@ -258,11 +301,15 @@ POOR_FIT_ERROR = 0.25
 POOR_FIT_SHARE = 0.05
 
 
-def _warn_poor_fits(sizes, timings: Mapping[str, OpTimings], ops) -> list[str]:
+def _warn_poor_fits(sizes, timings: Mapping[str, OpTimings], ops, wgrad=None) -> list[str]:
     total = sum(sum(t.fwd_s) + sum(t.bwd_s) for t in timings.values()) or 1.0
+    wgrad = wgrad or {}
     poor = []
     for name, t in timings.items():
-        for kind, times, model in (("forward", t.fwd_s, ops[name][0]), ("backward", t.bwd_s, ops[name][1])):
+        fits = [("forward", t.fwd_s, ops[name][0]), ("backward", t.bwd_s, ops[name][1])]
+        if name in wgrad:
+            fits.append(("weight gradient", t.wgrad_s, wgrad[name]))
+        for kind, times, model in fits:
             mean = sum(times) / len(times)
             if mean <= 0 or sum(times) < POOR_FIT_SHARE * total:
                 continue
@@ -347,7 +394,10 @@ def profile_to_dict(profile: Profile) -> dict[str, Any]:
         "device": profile.device,
         "batch_sizes": list(profile.batch_sizes),
         "precision": profile.precision,
-        "ops": {name: {"fwd_s": [f.alpha, f.beta], "bwd_s": [b.alpha, b.beta]} for name, (f, b) in profile.ops.items()},
+        "ops": {name: {"fwd_s": [f.alpha, f.beta], "bwd_s": [b.alpha, b.beta],
+                       **({"wgrad_s": [profile.wgrad[name].alpha, profile.wgrad[name].beta]}
+                          if name in profile.wgrad else {})}  # only ops timed split
+                for name, (f, b) in profile.ops.items()},
     }
 
 
@@ -360,7 +410,7 @@ def profile_from_dict(doc: Any, where: str = "profile") -> Profile:
                           "(write one with `graphpipe profile MODEL --out FILE`)")
     from graphpipe import files as f
 
-    ops = {}
+    ops, wgrad = {}, {}
     for name, entry in f.mapping(doc.get("ops"), f"{where}.ops").items():
         at = f"{where}.ops.{name}"
         f.mapping(entry, at)
@@ -371,13 +421,15 @@ def profile_from_dict(doc: Any, where: str = "profile") -> Profile:
                 raise FormatError(f"{where}: op {name!r}: fwd_s and bwd_s must be [alpha, beta]")
             pair.append(Affine(*(float(f.number(v, f"{at}.{key}[{k}]", 0)) for k, v in enumerate(coeffs))))
         ops[name] = (pair[0], pair[1])
+        if "wgrad_s" in entry:  # optional: profiles before issue 17 time only B
+            wgrad[name] = affine_field(entry["wgrad_s"], f"{at}.wgrad_s")
     sizes = tuple(f.integer(b, f"{where}.batch_sizes[{i}]", 1)
                   for i, b in enumerate(f.array(doc.get("batch_sizes", []), f"{where}.batch_sizes")))
     precision = f.string(doc.get("precision", "fp32"), f"{where}.precision")  # profiles before issue 15: fp32
     if precision not in PROFILE_PRECISIONS:
         raise FormatError(f"{where}: precision must be one of {', '.join(PROFILE_PRECISIONS)}, got {precision!r}")
     return Profile(f.string(doc.get("model", ""), f"{where}.model"), f.string(doc.get("device", ""), f"{where}.device"),
-                   sizes, ops, precision)
+                   sizes, ops, precision, wgrad)
 
 
 def read_profile(path: str) -> Profile:
@@ -392,6 +444,10 @@ def write_profile(path: str, profile: Profile) -> None:
 
 def apply_profile(graph: OpGraph, profile: Profile, model: str | None = None) -> OpGraph:
     """``graph`` with the forward/backward models of every op named in ``profile``.
+
+An op's weight-gradient model (:attr:`graphpipe.graph.Op.wgrad`) becomes
+the profile's, or None where the profile did not time it split: a W
+measured with other backward figures does not describe the new ones.
 
     Ops the profile does not name keep their costs (a warning says how
     many); a profile op the graph lacks is an error (a profile of another
@@ -414,8 +470,8 @@ def apply_profile(graph: OpGraph, profile: Profile, model: str | None = None) ->
     if missing:
         log.warning("the profile has no entry for %d of %d ops of %s (%s%s); they keep analytical costs",
                     len(missing), graph.num_ops, graph.name, ", ".join(missing[:3]), " ..." if len(missing) > 3 else "")
-    ops = [replace(op, fwd=profile.ops[op.name][0], bwd=profile.ops[op.name][1]) if op.name in profile.ops else op
-           for op in graph.ops]
+    ops = [replace(op, fwd=profile.ops[op.name][0], bwd=profile.ops[op.name][1], wgrad=profile.wgrad.get(op.name))
+           if op.name in profile.ops else op for op in graph.ops]
     return graph.with_ops(ops)
 
 

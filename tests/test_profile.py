@@ -20,7 +20,8 @@ from graphpipe.cli import main
 from graphpipe.errors import FormatError, InputError
 from graphpipe.graph import Affine
 from graphpipe.profile import (PROFILE_FORMAT, Profile, apply_profile, fit_affine, profile_captured,
-                               profile_from_dict, profile_to_dict, read_profile, resize_batch, write_profile)
+                               profile_from_dict, profile_to_dict, read_profile, resize_batch, time_ops,
+                               write_profile)
 from graphpipe.zoo_models import Layer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -107,6 +108,51 @@ def test_profile_measures_and_fits_controlled_costs():
         fwd, bwd = prof.ops[name]
         assert fwd.alpha == pytest.approx(layer.fwd.alpha, abs=1e-12) and fwd.beta == pytest.approx(layer.fwd.beta, abs=1e-12)
         assert bwd.alpha == pytest.approx(layer.bwd.alpha, abs=1e-12) and bwd.beta == pytest.approx(layer.bwd.beta, abs=1e-12)
+    # the clock is charged by _Charge's backward, on I's path (an input gradient), so W is free -- except for the
+    # first op, whose input is the model's: it has no I, and its whole backward is W
+    assert prof.wgrad["first"].alpha == pytest.approx(5e-3, abs=1e-12)
+    assert prof.wgrad["first"].beta == pytest.approx(4e-3, abs=1e-12)
+    assert prof.wgrad["second"] == Affine(0.0, 0.0)
+
+
+class Act(Layer):
+    kind = "act"
+
+    def forward(self, x):
+        return torch.relu(x)
+
+
+class Dense(Layer):
+    kind = "linear"
+
+    def __init__(self, n_in: int, n_out: int):
+        super().__init__()
+        self.linear = nn.Linear(n_in, n_out)
+
+    def forward(self, x):
+        return self.linear(x)
+
+
+def test_profile_times_the_weight_gradient_of_ops_with_parameters():
+    """A 2-layer MLP on CPU at two sizes: W is measured for the two Linears only, inside their backward."""
+    torch.manual_seed(0)
+    model = nn.Sequential(Dense(32, 64), Act(), Dense(64, 8))
+    x = torch.randn(4, 32)
+    cap = capture(model, (x,), name="mlp")
+    assert [op.kind for op in cap.graph.ops] == ["linear", "act", "linear"]
+    timings = time_ops(cap, lambda b: resize_batch((x,), b), (2, 8), repeats=3, warmup=1)
+    with_params = {op.name for op in cap.graph.ops if op.param_bytes > 0}
+    assert {name for name, t in timings.items() if t.wgrad_s is not None} == with_params and len(with_params) == 2
+    for name in with_params:  # one pass times I then W, so W never exceeds the whole backward, even as medians
+        assert all(0 < w <= b for w, b in zip(timings[name].wgrad_s, timings[name].bwd_s))
+    prof = profile_captured(cap, lambda b: resize_batch((x,), b), "mlp", "cpu", batch_sizes=(2, 8), repeats=3, warmup=1)
+    assert set(prof.wgrad) == with_params
+    for name in with_params:  # fitted separately: a loose bound for timing noise, never absolute times
+        for b in (2, 8):
+            assert 0 < prof.wgrad[name](b) <= 2 * prof.ops[name][1](b)
+    graph = apply_profile(cap.graph, prof)
+    assert [op.wgrad for op in graph.ops] == [prof.wgrad.get(op.name) for op in cap.graph.ops]
+    assert graph.ops[1].wgrad is None
 
 
 def test_resize_batch_repeats_rows():
@@ -117,15 +163,18 @@ def test_resize_batch_repeats_rows():
 
 def test_profile_file_round_trip_and_apply(tmp_path, chain):
     prof = Profile("chain", "cpu", (1, 2, 4), {"l1": (Affine(1e-3, 2e-4), Affine(2e-3, 4e-4)),
-                                               "l3": (Affine(0.0, 1e-5), Affine(0.0, 2e-5))})
+                                               "l3": (Affine(0.0, 1e-5), Affine(0.0, 2e-5))},
+                   wgrad={"l1": Affine(5e-4, 1e-4)})
     path = str(tmp_path / "p.json")
     write_profile(path, prof)
     doc = json.loads(open(path).read())
     assert doc["format"] == PROFILE_FORMAT and doc["ops"]["l1"]["fwd_s"] == [1e-3, 2e-4]
+    assert doc["ops"]["l1"]["wgrad_s"] == [5e-4, 1e-4] and "wgrad_s" not in doc["ops"]["l3"]
     back = read_profile(path)
-    assert back == prof or (back.ops == prof.ops and back.batch_sizes == prof.batch_sizes)
+    assert back == prof
     g = apply_profile(chain, back)
     assert g.ops[g.op_id("l1")].fwd == Affine(1e-3, 2e-4) and g.ops[g.op_id("l3")].bwd == Affine(0.0, 2e-5)
+    assert g.ops[g.op_id("l1")].wgrad == Affine(5e-4, 1e-4) and g.ops[g.op_id("l3")].wgrad is None
     for name in ("l0", "l2"):  # ops the profile does not name keep their costs
         assert g.ops[g.op_id(name)] == chain.ops[chain.op_id(name)]
     assert [(e.src, e.dst, e.bytes) for e in g.edges] == [(e.src, e.dst, e.bytes) for e in chain.edges]
@@ -141,6 +190,10 @@ def test_read_profile_refuses_other_formats(tmp_path):
         profile_from_dict({"format": PROFILE_FORMAT, "ops": {"a": {"fwd_s": [1.0], "bwd_s": [1.0, 2.0]}}})
     with pytest.raises(FormatError):
         profile_from_dict({"format": PROFILE_FORMAT, "ops": {"a": {"fwd_s": [-1.0, 0], "bwd_s": [1.0, 2.0]}}})
+    old = {"format": PROFILE_FORMAT, "ops": {"a": {"fwd_s": [1.0, 0], "bwd_s": [1.0, 2.0]}}}
+    assert profile_from_dict(old).wgrad == {}, "profiles before issue 17 time only B"
+    with pytest.raises(FormatError, match=r"ops\.a\.wgrad_s\[1\] must be a number, got true"):
+        profile_from_dict({**old, "ops": {"a": {**old["ops"]["a"], "wgrad_s": [1.0, True]}}})
     path = tmp_path / "g.json"
     path.write_text('{"format": "graphpipe.graph/1"}')
     with pytest.raises(FormatError):
@@ -163,6 +216,8 @@ def test_profile_cli_writes_a_valid_profile(tmp_path, capsys):
     assert all(f.alpha + f.beta > 0 and b.alpha + b.beta > 0 for f, b in prof.ops.values())
     applied = apply_profile(graph, prof)
     assert all(applied.ops[i].fwd == prof.ops[op.name][0] for i, op in enumerate(graph.ops))
+    assert set(prof.wgrad) == {op.name for op in graph.ops if op.param_bytes > 0}
+    assert all(applied.ops[i].wgrad == prof.wgrad.get(op.name) for i, op in enumerate(graph.ops))
     # errors are one line and exit 2
     assert main(["profile", "nosuchmodel", "--out", out]) == 2
     assert main(["profile", spec, "--out", out, "--batch-sizes", "4"]) == 2

@@ -15,7 +15,7 @@ into one tensor per output, ``torch.autograd.backward`` from the outputs
 piece back to its producer. Parameter gradients accumulate over micro-batches.
 
 ``I s j`` / ``W s j`` (zero bubble's split backward,
-:mod:`graphpipe.runtime.split_backward`): I receives the gradients like B,
+:mod:`graphpipe.split_backward`): I receives the gradients like B,
 computes only the gradients of the stage inputs (graph retained) and sends
 them; W computes the weight gradients later and sends nothing.
 
@@ -63,7 +63,7 @@ from graphpipe.runtime.comm import Mailbox
 from graphpipe.runtime.rng import ShardContext
 from graphpipe.runtime.measure import SavedBytesMeter
 from graphpipe.runtime.routing import Routing
-from graphpipe.runtime.split_backward import PendingWeightGrad, backward_input, backward_weight
+from graphpipe.split_backward import PendingWeightGrad, backward_input, backward_weight
 from graphpipe.runtime.stage_modules import StageProgram, ValueMeta
 from graphpipe.stages import StageGraph
 

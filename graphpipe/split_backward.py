@@ -1,4 +1,8 @@
-"""Zero bubble's split backward at runtime: I (input gradients) now, W (weight gradients) later (DESIGN §11).
+"""Zero bubble's split backward: I (input gradients) now, W (weight gradients) later (DESIGN §11).
+
+The runtime's executor runs a stage's I and W actions with these; ``graphpipe
+profile`` times each op's I and W with the same two calls (:func:`graphpipe.profile.time_ops`),
+so the measured split is the one a zero-bubble stage pays.
 
 Autograd computes a layer's input and weight gradients in one node call
 (``AddmmBackward`` returns both), but only the outputs somebody asked for:
