@@ -6,7 +6,7 @@ the comparison, so the gain is the schedule's alone: same stages, devices
 and micro-batch sizes. ``cpsat`` is the CP-SAT co-optimiser with split
 backward (I/W) at the plan's micro-batch sizes (order only, a fixed time
 limit per point; its status and optimality gap are in the rows). Figures are simulated on the ``v100`` preset with the
-cost model's I/W split (W = half of each parameterised op's backward,
+cost model's I/W split (analytical costs, so no measured W: half of each parameterised op's backward,
 :data:`graphpipe.costs.WEIGHT_GRAD_SHARE`). Peak memory is the fullest
 device's (model state + buffers + activations, which live until their W).
 

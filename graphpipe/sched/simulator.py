@@ -27,8 +27,9 @@ Semantics (shared with the CP-SAT model and relied on by the partitioners):
 * zero bubble's split backward: ``I`` (input gradients) has ``B``'s
   dependencies and sends its gradients, ``W`` (weight gradients) follows its
   ``I`` on the device and sends nothing; their times split ``B`` by
-  :meth:`StageGraph.split_backward_times` (half of a parameterised op's
-  backward is W unless measured, :data:`graphpipe.costs.WEIGHT_GRAD_SHARE`);
+  :meth:`StageGraph.split_backward_times` (:func:`graphpipe.costs.weight_grad_time`:
+  an op's W as ``graphpipe profile`` measured it, else half of a parameterised
+  op's backward, :data:`graphpipe.costs.WEIGHT_GRAD_SHARE`);
   a micro-batch's activations live until its ``W`` ends (W reads them), a
   re-materialized working set from the start of ``I`` to the end of ``W``;
 * after a replicated stage's last ``B`` (latest over replicas) its devices
