@@ -157,8 +157,10 @@ def weight_grad_model(op: "Op") -> "Affine":
     """:func:`op_weight_grad` as a time model (uncapped), for ops merged into one: the measured W or the share.
 
     >>> from graphpipe.graph import Op, Affine
-    >>> weight_grad_model(Op("a", "x", bwd=Affine(1.0, 2.0), param_bytes=4)), weight_grad_model(Op("b", "x", bwd=Affine(1.0, 2.0)))
-    (Affine(alpha=0.5, beta=1.0), Affine(alpha=0.0, beta=0.0))
+    >>> weight_grad_model(Op("a", "x", bwd=Affine(1.0, 2.0), param_bytes=4))
+    Affine(alpha=0.5, beta=1.0)
+    >>> weight_grad_model(Op("b", "x", bwd=Affine(1.0, 2.0)))   # no parameters, no W
+    Affine(alpha=0.0, beta=0.0)
     """
     if op.wgrad is not None:
         return op.wgrad

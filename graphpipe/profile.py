@@ -247,7 +247,7 @@ def time_ops(captured, make_inputs: Callable[[int], Sequence[Any]], batch_sizes:
                         _, pending = backward_input(tensors, grads, leaves, params)
                         sync(tensors)
                         t_input = timer()
-                        backward_weight(pending)  # accumulates into .grad as the runtime does (the first pass allocates)
+                        backward_weight(pending)  # into .grad, as the runtime does (the first pass allocates)
                         sync(params)
                         t_weight = timer()
                     if i >= warmup:

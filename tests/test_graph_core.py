@@ -72,6 +72,20 @@ def test_op_wgrad_round_trips_and_is_optional():
         Op("a", "x", wgrad=(0.0, 1.0))
 
 
+
+def test_wrong_typed_wgrad_is_one_line_exit_2(tmp_path, capsys):
+    from graphpipe.cli import main
+
+    graph = OpGraph.build("g", [make_op("a"), make_op("b")], [("a", "b", 8.0)])
+    doc = graph_to_dict(graph)
+    doc["ops"][0]["wgrad_s"] = "fast"
+    path = tmp_path / "g.json"
+    path.write_text(json.dumps(doc))
+    assert main(["inspect", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "ops[0].wgrad_s must be a JSON array, got 'fast'" in err
+
+
 def test_build_renumbers_topologically_and_keeps_edges():
     rng = random.Random(3)
     graph = random_sp_graph(20, 3)

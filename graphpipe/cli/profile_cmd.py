@@ -1,5 +1,8 @@
 """``graphpipe profile``: measure every op's forward/backward time and fit t(b) = alpha + beta*b.
 
+The backward of an op with parameters is timed as zero bubble runs it, I then
+W, and W is recorded too (``wgrad_s``; the planner's I/W split).
+
 Usage::
 
     graphpipe profile transformer:small --device cpu --out profile.json
@@ -70,7 +73,7 @@ def _handler(args: argparse.Namespace) -> int:
         print_json(profile_to_dict(profile))
     else:
         print(f"wrote {args.out}: {len(profile.ops)} ops of {profile.model} on {profile.device} at {profile.precision}, "
-              f"batch sizes {','.join(map(str, profile.batch_sizes))}")
+              f"batch sizes {','.join(map(str, profile.batch_sizes))}, W timed for {len(profile.wgrad)} ops")
     return 0
 
 
