@@ -302,10 +302,12 @@ def _interpolated(host, concurrency: float) -> float:
 
 
 def scaled_graph(graph, factor: float):
-    """Every op's forward and backward time multiplied by ``factor`` (the measured CPU-share slowdown)."""
+    """Every op's forward and backward time (and measured W) multiplied by ``factor`` (the measured CPU-share slowdown)."""
     from dataclasses import replace
 
-    return graph.with_ops([replace(op, fwd=op.fwd.scaled(factor), bwd=op.bwd.scaled(factor)) for op in graph.ops])
+    return graph.with_ops([replace(op, fwd=op.fwd.scaled(factor), bwd=op.bwd.scaled(factor),
+                                   wgrad=op.wgrad.scaled(factor) if op.wgrad is not None else None)
+                           for op in graph.ops])
 
 
 # ------------------------------------------------------------------ planning
