@@ -44,14 +44,15 @@ NOTES: dict[str, str] = {
         "gpp's plan spends the saved in-flight budget on a 4x larger micro-batch, so its peak is higher "
         "but within the 16 GB device."),
     "fidelity": (
-        "Measured on the 16 CPU cores of a lent GPU machine (4 gloo ranks, one thread and one core "
-        "each), calibrated with `graphpipe profile` (ops timed in training order with gradient "
-        "accumulation), a measured gloo link and the measured slowdown of the model's training step "
-        "when k ranks compute at once. Each device run is a fresh VM and the error moves with it: "
-        "the median of these five points was 17%, 21%, 13% and 26% in four runs during development "
-        "(this table is the last, with the current code); the per-plan errors at 8 ranks are in "
-        "evals/results/device/. The biggest misses are plans whose measured time is above the "
-        "prediction (memory-bound 1024-wide layers on shared memory bandwidth)."),
+        "This table: 4 gloo ranks on the 2 cores of this host (no device machine was lent this round), so "
+        "two ranks share each core; calibrated with `graphpipe profile` (ops timed in training order with "
+        "gradient accumulation), a measured gloo link and the measured slowdown of the training step when k "
+        "ranks compute at once. Time error median 28%; on the 16 cores of lent machines (one core per "
+        "rank) the median of the same five points was 17%, 21%, 13% and 26% in four earlier runs, and the "
+        "per-plan errors at 8 ranks are in evals/results/device/. The biggest misses are plans measured "
+        "slower than predicted (memory-bound 1024-wide layers on shared memory bandwidth). Memory error: "
+        "activation bytes saved for backward, measured with saved_tensors_hooks on the same run, worst "
+        "device per plan: 0 on four plans and 1.5e-5 on the fifth."),
     "zero-bubble": (
         "Simulated only, with the cost model's I/W split (W = half of each parameterised op's backward, "
         "nothing for parameter-free ops; no profile here measures the split). graph-zb keeps graph-1F1B's "
