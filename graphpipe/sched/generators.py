@@ -45,7 +45,7 @@ from graphpipe.sched.validate import validate_schedule
 from graphpipe.sched.zero_bubble import graph_zb, interleaved_zb, zb_h1, zbv
 
 __all__ = ["gpipe", "one_f_one_b", "interleaved_1f1b", "round_robin_chain", "v_shape_chain", "make_schedule",
-           "SCHEDULE_NAMES", "interleaved_groups"]
+           "SCHEDULE_NAMES", "interleaved_groups", "interleaved_layout"]
 
 
 def gpipe(sg: StageGraph) -> Schedule:
@@ -142,6 +142,24 @@ def interleaved_groups(sg: StageGraph) -> tuple[tuple[int, ...], ...]:
     return tuple(groups)
 
 
+def interleaved_layout(sg: StageGraph, schedule: str) -> tuple[tuple[tuple[int, ...], ...], int]:
+    """(device groups, micro-batches per round) of an interleaved schedule named ``schedule``.
+
+    Micro-batches advance in rounds of ``R = M / max(1, M // K)`` (``R = K``
+    when ``K`` divides ``M``, fewer when ``M < K``); like torch, a round count
+    that does not divide ``M`` is refused rather than padded.
+    """
+    groups = interleaved_groups(sg)
+    k_groups = len(groups)
+    m = sg.num_micro_batches(0)
+    rounds = max(1, m // k_groups)
+    if m % rounds:
+        raise ScheduleError(f"{schedule} runs micro-batches in {rounds} rounds of about K={k_groups}: the number "
+                            f"of micro-batches ({m} = batch {sg.batch_size} / {sg.stages[0].micro_batch_size}) must be "
+                            f"a multiple of {rounds}; use a multiple of {k_groups} micro-batches")
+    return groups, m // rounds
+
+
 def interleaved_1f1b(sg: StageGraph) -> Schedule:
     """Megatron-LM interleaved 1F1B over ``K`` device groups with ``v = num_stages / K`` virtual stages each.
 
@@ -155,19 +173,10 @@ def interleaved_1f1b(sg: StageGraph) -> Schedule:
     (forward first, as in Megatron and torch's ``ScheduleInterleaved1F1B``),
     then the remaining backwards drain. The number of rounds must divide ``M``.
     """
-    groups = interleaved_groups(sg)
+    groups, per_round = interleaved_layout(sg, "interleaved 1F1B")
     k_groups = len(groups)
     v = sg.num_stages // k_groups
-    m = sg.num_micro_batches(0)
-    # Micro-batches advance in rounds of K (fewer when M < K); like torch, a
-    # round count that does not divide M is refused rather than padded.
-    rounds = max(1, m // k_groups)
-    if m % rounds:
-        raise ScheduleError(f"interleaved 1F1B runs micro-batches in {rounds} rounds of about K={k_groups}: the number "
-                            f"of micro-batches ({m} = batch {sg.batch_size} / {sg.stages[0].micro_batch_size}) must be "
-                            f"a multiple of {rounds}; use a multiple of {k_groups} micro-batches")
-    per_round = m // rounds
-    total = m * v
+    total = sg.num_micro_batches(0) * v
     lists: list[list[Action]] = [[] for _ in range(sg.num_devices)]
     for r, devices in enumerate(groups):
         warm = min((v - 1) * per_round + 2 * (k_groups - 1 - r), total)
@@ -288,7 +297,7 @@ _GENERATORS: dict[str, Callable[[StageGraph, Cluster | None], Schedule]] = {
     "zb-h1": zb_h1,
     "graph-zb": graph_zb,
     "zbv": zbv,
-    "interleaved-zb": lambda sg, cluster: interleaved_zb(sg, interleaved_groups(sg)),
+    "interleaved-zb": lambda sg, cluster: interleaved_zb(sg, *interleaved_layout(sg, "interleaved-zb")),
     # PipeDream's asynchronous pipelines (graphpipe.sched.async_pipe): the plan keeps one mini-batch of the
     # 1F1B order for display and validation; simulator and runtime stream it without a flush.
     "1f1b-async": lambda sg, cluster: Schedule("1f1b-async", one_f_one_b(sg).device_actions),

@@ -232,9 +232,10 @@ def zbv(sg: StageGraph, cluster: Cluster | None = None) -> Schedule:
     return Schedule.from_lists("zbv", lists)
 
 
-def interleaved_zb(sg: StageGraph, groups: Sequence[Sequence[int]]) -> Schedule:
+def interleaved_zb(sg: StageGraph, groups: Sequence[Sequence[int]], per_round: int) -> Schedule:
     """Interleaved 1F1B with split backward on the round-robin layout ``groups`` (stage ``s`` on group
-    ``s % K``; :func:`graphpipe.sched.generators.interleaved_groups` checks it).
+    ``s % K``), ``per_round`` micro-batches per round (both from
+    :func:`graphpipe.sched.generators.interleaved_layout`, which checks them).
 
     Rank ``r`` of ``K`` with ``v`` chunks runs ``M*v`` forwards; micro-batches advance in rounds of
     ``R = M / max(1, M // K)``. Its ``k``-th forward is on chunk ``(k // R) % v`` and its ``k``-th input
@@ -246,14 +247,7 @@ def interleaved_zb(sg: StageGraph, groups: Sequence[Sequence[int]]) -> Schedule:
     """
     k_groups = len(groups)
     v = sg.num_stages // k_groups
-    m = sg.num_micro_batches(0)
-    rounds = max(1, m // k_groups)
-    if m % rounds:
-        raise ScheduleError(f"interleaved-zb runs micro-batches in {rounds} rounds of about K={k_groups}: the "
-                            f"number of micro-batches ({m}) must be a multiple of {rounds}; use a multiple of "
-                            f"{k_groups} micro-batches")
-    per_round = m // rounds
-    total = m * v
+    total = sg.num_micro_batches(0) * v
     lists: list[list[Action]] = [[] for _ in range(sg.num_devices)]
     for r, devices in enumerate(groups):
         warm = min((v - 1) * per_round + (k_groups - 1 - r), total)
