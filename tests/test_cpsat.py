@@ -78,15 +78,16 @@ def stage_orders(stage_id: int, num_mbs: int):
     yield from rec([], frozenset(), frozenset())
 
 
-def brute_force(sg: StageGraph, cluster, size_options=None) -> float:
+def brute_force(sg: StageGraph, cluster, size_options=None, orders=stage_orders) -> float:
     """Minimum simulated makespan over every size choice and every per-stage order that the
-    validator accepts and that fits memory (one stage per device group)."""
+    validator accepts and that fits memory (one stage per device group); ``orders(stage, num_mbs)``
+    yields a stage's candidate action orders."""
     size_options = size_options or [(s.micro_batch_size,) for s in sg.stages]
     best = math.inf
     for sizes in itertools.product(*size_options):
         sgx = with_sizes(sg, sizes)
-        orders = [list(stage_orders(s, sgx.num_micro_batches(s))) for s in range(sg.num_stages)]
-        for combo in itertools.product(*orders):
+        per_stage = [list(orders(s, sgx.num_micro_batches(s))) for s in range(sg.num_stages)]
+        for combo in itertools.product(*per_stage):
             lists = [[] for _ in range(sg.num_devices)]
             for stage, acts in zip(sgx.stages, combo):
                 for d in stage.devices:

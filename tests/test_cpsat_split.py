@@ -3,22 +3,19 @@ never worse than the unsplit model (an unsplit schedule is a split one with each
 
 from __future__ import annotations
 
-import itertools
-import math
-
 import pytest
 
 pytest.importorskip("ortools")
 
-from graphpipe.actions import Action, Schedule  # noqa: E402
+from graphpipe.actions import Action  # noqa: E402
 from graphpipe.cluster import preset  # noqa: E402
-from graphpipe.errors import InputError, ScheduleError  # noqa: E402
+from graphpipe.errors import InputError  # noqa: E402
 from graphpipe.plan import Plan  # noqa: E402
-from graphpipe.sched import graph_1f1b, make_schedule, simulate, validate_schedule  # noqa: E402
+from graphpipe.sched import graph_1f1b, make_schedule, simulate  # noqa: E402
 from graphpipe.search.cpsat import optimize_plan, solve  # noqa: E402
 from graphpipe.stages import Stage, StageGraph  # noqa: E402
 
-from test_cpsat import TIME_LIMIT, chain, check_result, diamond, one_stage_per_op  # noqa: E402
+from test_cpsat import TIME_LIMIT, brute_force, chain, check_result, diamond, one_stage_per_op  # noqa: E402
 
 
 def split_stage_orders(stage_id: int, num_mbs: int):
@@ -35,22 +32,8 @@ def split_stage_orders(stage_id: int, num_mbs: int):
 
 
 def split_brute_force(sg: StageGraph, cluster) -> float:
-    best = math.inf
-    orders = [list(split_stage_orders(s, sg.num_micro_batches(s))) for s in range(sg.num_stages)]
-    for combo in itertools.product(*orders):
-        lists = [[] for _ in range(sg.num_devices)]
-        for stage, acts in zip(sg.stages, combo):
-            for d in stage.devices:
-                lists[d] = list(acts)
-        schedule = Schedule.from_lists("brute", lists)
-        try:
-            validate_schedule(sg, schedule)
-        except ScheduleError:
-            continue
-        tl = simulate(sg, schedule, cluster)
-        if max(tl.peak_memory_bytes) <= cluster.memory_bytes:
-            best = min(best, tl.iteration_time_s)
-    return best
+    """test_cpsat's brute force over every F/I/W order of each stage."""
+    return brute_force(sg, cluster, orders=split_stage_orders)
 
 
 @pytest.mark.parametrize("tight", [False, True])
