@@ -29,39 +29,41 @@ PROFILES = ("alexnet", "vgg16", "resnet18", "resnet50", "inception_v3", "nasneta
 DEVICES = (2, 4, 8, 16, 32)
 
 
-def _model_rows(model: str) -> list[dict]:
-    """One model at every device count: gpp against the best feasible sequential baseline."""
+def _point(task: tuple[str, int]) -> dict:
+    """One model at one device count: gpp against the best feasible sequential baseline."""
+    model, n = task
     graph = load_model(model, device=preset("v100", 1).device).graph
     name = os.path.basename(model)
-    rows = []
-    for n in DEVICES:
-        res = {r["strategy"]: r for r in compare(name, graph, preset("v100", n), 16 * n)}
-        spp = [r for s, r in res.items() if s != "gpp" and r["feasible"]]
-        best = max(spp, key=lambda r: r["throughput"]) if spp else None
-        gpp = res["gpp"]
-        ratio = gpp["throughput"] / best["throughput"] if gpp["feasible"] and best else None
-        lost = best is not None and (not gpp["feasible"] or ratio < 1 - 1e-9)
-        rows.append({"model": name, "devices": n, "gpp": gpp["throughput"], "best_spp": best and best["strategy"],
-                     "best_spp_throughput": best and best["throughput"], "ratio": ratio, "gpp_lost": lost})
-        print(f"{name:14} {n:3d}  gpp/best-SPP = {ratio if ratio is None else round(ratio, 4)}"
-              f"  ({best and best['strategy']})", flush=True)
-    return rows
+    res = {r["strategy"]: r for r in compare(name, graph, preset("v100", n), 16 * n)}
+    spp = [r for s, r in res.items() if s != "gpp" and r["feasible"]]
+    best = max(spp, key=lambda r: r["throughput"]) if spp else None
+    gpp = res["gpp"]
+    ratio = gpp["throughput"] / best["throughput"] if gpp["feasible"] and best else None
+    lost = best is not None and (not gpp["feasible"] or ratio < 1 - 1e-9)
+    print(f"{name:14} {n:3d}  gpp/best-SPP = {ratio if ratio is None else round(ratio, 4)}"
+          f"  ({best and best['strategy']})", flush=True)
+    return {"model": name, "devices": n, "gpp": gpp["throughput"], "best_spp": best and best["strategy"],
+            "best_spp_throughput": best and best["throughput"], "ratio": ratio, "gpp_lost": lost}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m graphpipe.evals.check_gpp_vs_spp", description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__)))
-    parser.add_argument("--jobs", type=int, default=1, help="models swept in parallel processes")
+    parser.add_argument("--jobs", type=int, default=1, help="(model, devices) points swept in parallel processes")
     parser.add_argument("--profiles-dir", default=os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data",
                                                                "pipedream-profiles"))
     args = parser.parse_args(argv)
     models = list(ZOO) + [os.path.join(args.profiles_dir, p) for p in PROFILES if os.path.isdir(os.path.join(args.profiles_dir, p))]
-    if args.jobs > 1:  # one model per task; rows come back in model order whatever finishes first
+    if args.jobs < 1:
+        parser.error(f"--jobs must be at least 1, got {args.jobs}")
+    tasks = [(m, n) for m in models for n in DEVICES]
+    if args.jobs > 1:  # one point per task, the most devices (the slowest) first; rows in model, device order
+        order = sorted(range(len(tasks)), key=lambda i: -tasks[i][1])
         with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
-            per_model = pool.map(_model_rows, models, chunksize=1)
+            done = pool.map(_point, [tasks[i] for i in order], chunksize=1)
+        rows = [row for _, row in sorted(zip(order, done))]
     else:
-        per_model = [_model_rows(m) for m in models]
-    rows = [r for model_rows in per_model for r in model_rows]
+        rows = [_point(t) for t in tasks]
     ok = not any(r["gpp_lost"] for r in rows)
     transformer = [r for r in rows if r["model"] == "transformer"]
     ratios = [r["ratio"] for r in rows if r["ratio"] is not None]

@@ -311,3 +311,57 @@ def test_recompute_plan_refused_by_the_torch_baseline_one_line_exit_2(tmp_path):
                          capture_output=True, text=True)
     assert out.returncode == 2
     assert out.stderr.strip().count("\n") == 0 and "re-materialize" in out.stderr
+
+
+@pytest.mark.parametrize("model,num_devices,memory_gb", [("mmt", 8, 16.0), ("mmt", 8, 1.0), ("transformer", 8, 2.0)])
+def test_auto_skipping_sizes_where_memory_never_binds_keeps_the_plan(monkeypatch, model, num_devices, memory_gb):
+    """gpp's second ``auto`` search skips micro-batch sizes where no stage fast enough to win is short of memory;
+    the plan equals the one the unskipped search gives, with and without re-materialized stages (mmt at 1 GB
+    re-materializes three)."""
+    from graphpipe.models import load_model
+    from graphpipe.plan import plan_to_dict
+    from graphpipe.search import gpp
+    from graphpipe.search.planner import make_plan
+
+    cluster = preset("v100", num_devices).with_memory(memory_gb * 1e9)
+    graph = load_model(model, cluster.device).graph
+    options = SearchOptions(recompute="auto")
+    skipping = make_plan(model, graph, cluster, 16 * num_devices, "gpp", options, monotone=False)
+    search_all = gpp.partition
+    monkeypatch.setattr(gpp, "partition", lambda *a, where_memory_binds=False, **k: search_all(*a, **k))
+    full = make_plan(model, graph, cluster, 16 * num_devices, "gpp", options, monotone=False)
+    assert plan_to_dict(skipping)["stages"] == plan_to_dict(full)["stages"]
+    assert skipping.predicted["throughput"] == full.predicted["throughput"]
+    if memory_gb == 1.0:
+        assert skipping.search["recompute_stages"]
+
+
+def test_memory_binds_matches_the_stage_memory_of_every_block():
+    """BlockCosts.memory_binds against a brute force over blocks with costs.stage_memory at all micro-batches."""
+    from graphpipe.search.gpp_blocks import BlockCosts
+    from graphpipe.search.gpp_tree import build_tree
+    from graphpipe.search.common import stage_memory
+
+    graph = branches_graph(2, 3)
+    tree = build_tree(graph)
+    answers = set()
+    for memory in (1e12, 1e8, 1e7):
+        cluster = preset("v100", 4).with_memory(memory)
+        blocks = BlockCosts(tree, cluster, 32, 4)
+        for below in (1e-6, 1e-3, 1.0):
+            short = False
+            for x in range(len(tree.kinds)):
+                width = tree.width(x)
+                inputs, outputs, _ = blocks.boundary_bytes(x)
+                for lo in range(width):
+                    for hi in range(lo + 1, width + 1):
+                        ops = tree.block_ops(x, lo, hi)
+                        for c, d in enumerate(blocks.device_counts):
+                            if blocks.stage_tps(x)[lo, hi, c] >= below:
+                                continue
+                            need = stage_memory(graph, ops, d, 4, blocks.num_mbs, cluster,
+                                                inputs=float(inputs[lo, hi]), outputs=float(outputs[lo, hi]))
+                            short = short or need > cluster.memory_bytes
+            assert blocks.memory_binds(below) == short, (memory, below)
+            answers.add(short)
+    assert answers == {True, False}

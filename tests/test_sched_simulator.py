@@ -174,3 +174,61 @@ def test_one_stage_per_op_mixed_sizes_simulates_on_presets():
         for name in ("gpipe", "1f1b", "graph-1f1b"):
             schedule = make_schedule(name, sg, cluster)
             assert _flat(_times(simulate(sg, schedule, cluster))) == pytest.approx(_flat(oracle_times(sg, schedule, cluster)))
+
+
+SCORED_SCHEDULES = ("gpipe", "1f1b", "interleaved", "graph-1f1b", "zb-h1", "graph-zb", "zbv", "interleaved-zb")
+
+
+def _plans_to_score():
+    """Plans with replicated, round-robin, re-materializing and single-replica stages, from every strategy."""
+    from dataclasses import replace as dc_replace
+
+    from graphpipe.models import load_model
+    from graphpipe.search.common import SearchOptions
+    from graphpipe.search.planner import make_plan
+
+    out = []
+    for model, n in (("mmt", 8), ("dlrm", 8), ("candle-uno", 16), ("transformer", 4)):
+        cluster = preset("v100", n)
+        graph = load_model(model, cluster.device).graph
+        for strategy in ("gpp", "pipedream", "gpipe") + (("piper",) if model == "transformer" else ()):
+            plan = make_plan(model, graph, cluster, 16 * n, strategy, SearchOptions(recompute="none"), monotone=False)
+            out.append((f"{model}/{strategy}", plan.stage_graph, cluster))
+        sg = out[-1][1]  # one stage re-materializing beside ones that do not
+        stages = tuple(dc_replace(s, recompute=s.id % 2 == 0) for s in sg.stages)
+        out.append((f"{model}/mixed-recompute", dc_replace(sg, stages=stages), cluster))
+    for seed in range(6):
+        sg = random_stage_graph(seed)
+        out.append((f"random{seed}", sg, latency_cluster(sg.num_devices, 0.01, 1e6)))
+    return out
+
+
+def test_score_equals_simulate_on_every_schedule():
+    """score() (one device per lockstep class, no timeline) gives simulate()'s iteration time and peak memory."""
+    from graphpipe.errors import GraphpipeError
+    from graphpipe.sched.simulator import score
+
+    compared = 0
+    for name, sg, cluster in _plans_to_score():
+        for schedule_name in SCORED_SCHEDULES:
+            try:
+                schedule = make_schedule(schedule_name, sg, cluster)
+            except GraphpipeError:
+                continue  # a schedule this stage graph cannot have (e.g. zb-h1 on branches)
+            full = predicted_figures(simulate(sg, schedule, cluster))
+            got = score(sg, schedule, cluster)
+            assert got.iteration_time_s == pytest.approx(full["iteration_time_s"], rel=1e-12), (name, schedule_name)
+            assert got.throughput == pytest.approx(full["throughput"], rel=1e-12), (name, schedule_name)
+            assert got.max_peak_memory_bytes == pytest.approx(full["max_peak_memory_bytes"], rel=1e-12), \
+                (name, schedule_name)
+            compared += 1
+    assert compared >= 60
+
+
+def test_score_raises_deadlock_on_the_real_devices():
+    from graphpipe.sched.simulator import score
+
+    sg = uniform_chain(2, 1)
+    bad = Schedule.from_text("bad", "0: 0F0 0B0\n1: 1B0 1F0", 2)
+    with pytest.raises((DeadlockError, ScheduleError)):
+        score(sg, bad, free_cluster(2))

@@ -110,16 +110,20 @@ def action_deps(action: Action, preds, succs, mb_size, fdel, bdel) -> list[tuple
 def run_engine(sg: StageGraph, device_actions: Sequence[Sequence[Action]],
                duration: Callable[[int, str], float],
                fwd_delay: Callable[[int, int], float],
-               bwd_delay: Callable[[int, int], float]) -> EngineResult:
+               bwd_delay: Callable[[int, int], float],
+               replicas: Sequence[int] | None = None) -> EngineResult:
     """Evaluate start/end times of every action (see module docstring).
 
     Preconditions (checked by :func:`graphpipe.sched.validate.check_structure`):
     kinds are F/B/I/W, stage and mb ids in range, each (stage, kind, mb) appears
     exactly once on each device of its stage and nowhere else.
     ``duration(stage, kind)`` is the compute time of one action.
+    ``replicas[s]``: how many of the listed devices run each action of stage
+    ``s`` (default: its devices, one for a round-robin stage); a caller that
+    lists one device of several in lockstep passes the count it listed.
     """
     num_devices = len(device_actions)
-    tab = _Tables(sg, duration, fwd_delay, bwd_delay)
+    tab = _Tables(sg, duration, fwd_delay, bwd_delay, replicas)
     preds, succs, mb_size, fdel, bdel, dur, done = tab.preds, tab.succs, tab.mb_size, tab.fdel, tab.bdel, tab.dur, tab.done
     waiters: dict[tuple[int, int, int], list[int]] = {}
 
@@ -255,13 +259,14 @@ def run_engine_shared(sg: StageGraph, device_actions: Sequence[Sequence[Action]]
 class _Tables:
     """Per-stage inputs and per-(stage, kind, mb) completion state shared by both engines."""
 
-    def __init__(self, sg: StageGraph, duration, fwd_delay, bwd_delay) -> None:
+    def __init__(self, sg: StageGraph, duration, fwd_delay, bwd_delay, replicas: Sequence[int] | None = None) -> None:
         num_stages = sg.num_stages
         self.preds = [sg.preds(s) for s in range(num_stages)]
         self.succs = [sg.succs(s) for s in range(num_stages)]
         self.mb_size = [st.micro_batch_size for st in sg.stages]
         num_mbs = [sg.num_micro_batches(s) for s in range(num_stages)]
-        replicas = [1 if st.round_robin else len(st.devices) for st in sg.stages]  # round-robin: one runs each mb
+        if replicas is None:  # round-robin: one replica runs each mb
+            replicas = [1 if st.round_robin else len(st.devices) for st in sg.stages]
         self.fdel = {(p, c): fwd_delay(p, c) for p, c in sg.edges}
         self.bdel = {(p, c): bwd_delay(p, c) for p, c in sg.edges}
         self.dur = [tuple(duration(s, kind) for kind in _DURATION_INDEX) for s in range(num_stages)]

@@ -65,8 +65,8 @@ Example
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, Iterable
+from dataclasses import dataclass, replace
+from typing import Any, Iterable, Sequence
 
 from graphpipe import costs
 from graphpipe.actions import Action, Schedule
@@ -78,7 +78,7 @@ from graphpipe.sched.engine import covering_consumer_mbs, run_engine, run_engine
 from graphpipe.sched.validate import check_structure, raise_deadlock
 
 __all__ = ["SharedHost", "ActionRecord", "TransferRecord", "AllReduceRecord", "Timeline", "simulate", "build_timeline",
-           "predicted_figures", "edge_delay"]
+           "predicted_figures", "edge_delay", "Score", "score"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,6 +223,15 @@ def edge_delay(sg: StageGraph, cluster: Cluster, producer: int, consumer: int) -
     return cluster.transfer_time(src.devices, dst.devices, nbytes)
 
 
+def _engine_inputs(sg: StageGraph, cluster: Cluster):
+    """(delay per stage edge, ``duration(stage, kind)``, ``delay(p, c)``): the engine's inputs for ``sg``."""
+    delays = {(p, c): edge_delay(sg, cluster, p, c) for p, c in sg.edges}
+    split = [sg.split_backward_times(s) for s in range(sg.num_stages)]
+    times = {"F": [sg.fwd_time(s) for s in range(sg.num_stages)], "B": [sg.bwd_time(s) for s in range(sg.num_stages)],
+             "I": [i for i, _ in split], "W": [w for _, w in split]}
+    return delays, (lambda s, k: times[k][s]), (lambda p, c: delays[(p, c)])
+
+
 def simulate(sg: StageGraph, schedule: Schedule, cluster: Cluster, host: SharedHost | None = None) -> Timeline:
     """Simulate one iteration of ``schedule`` on ``sg`` and ``cluster`` (semantics in the module docstring).
 
@@ -239,13 +248,8 @@ def simulate(sg: StageGraph, schedule: Schedule, cluster: Cluster, host: SharedH
         raise ScheduleError(f"cluster has {cluster.num_devices} devices, the stage graph {sg.num_devices}; "
                             f"simulate with the plan's own cluster")
     check_structure(sg, schedule)
-    delays = {(p, c): edge_delay(sg, cluster, p, c) for p, c in sg.edges}
-    fwd = [sg.fwd_time(s) for s in range(sg.num_stages)]
-    bwd = [sg.bwd_time(s) for s in range(sg.num_stages)]
-    split = [sg.split_backward_times(s) for s in range(sg.num_stages)]
-    times = {"F": fwd, "B": bwd, "I": [i for i, _ in split], "W": [w for _, w in split]}
-    args = (sg, schedule.device_actions, lambda s, k: times[k][s],
-            lambda p, c: delays[(p, c)], lambda p, c: delays[(p, c)])
+    delays, duration, delay = _engine_inputs(sg, cluster)
+    args = (sg, schedule.device_actions, duration, delay, delay)
     result = run_engine(*args) if host is None else run_engine_shared(*args, host.slowdown)
     if result.stuck:
         raise_deadlock(schedule, result.stuck)
@@ -296,8 +300,32 @@ def build_timeline(sg: StageGraph, cluster: Cluster, name: str, actions: Iterabl
     used = set(sg.devices_used())
     bubble = tuple((1.0 - busy[d] / iteration_time_s if iteration_time_s > 0 else 0.0) if d in used else 1.0
                    for d in range(num_devices))
-    # Memory (graphpipe.costs): state and communication buffers for the whole iteration; a micro-batch's
-    # stash from its F start to its B end; a re-materializing stage's working set from B start to B end.
+    by_device: list[list[tuple[Action, float, float]]] = [[] for _ in range(num_devices)]
+    for r in actions:
+        by_device[r.device].append((r.action, r.start, r.end))
+    state, buffers, act_peak, in_flight = _memory(sg, cluster, range(num_devices), by_device)
+    peak = [state[d] + buffers[d] + act_peak[d] for d in range(num_devices)]
+    throughput = sg.batch_size / iteration_time_s if iteration_time_s > 0 else math.inf
+    return Timeline(name=name, source=source, batch_size=sg.batch_size, num_devices=num_devices,
+                    stage_devices=tuple(st.devices for st in sg.stages), actions=actions, transfers=transfers,
+                    allreduces=allreduces, iteration_time_s=iteration_time_s, throughput=throughput,
+                    busy_s=tuple(busy), bubble_fraction=bubble, peak_memory_bytes=tuple(peak),
+                    state_bytes=tuple(state), in_flight=tuple(in_flight), activation_peak_bytes=tuple(act_peak),
+                    buffer_bytes=tuple(buffers),
+                    recompute_s=tuple(sg.recompute_time(s) for s in range(sg.num_stages)))
+
+
+def _memory(sg: StageGraph, cluster: Cluster, devices: Iterable[int],
+            by_device: Sequence[Sequence[tuple[Action, float, float]]]):
+    """(state, buffers, activation peak) per device of ``devices`` (0 elsewhere) and in-flight per stage.
+
+    The memory model of :mod:`graphpipe.costs`: state and communication
+    buffers for the whole iteration; a micro-batch's stash from its F start
+    to its B (or W) end; a re-materializing stage's working set from the
+    start of its B (or I) to that end. Releases count before allocations at
+    equal times. ``by_device[d]``: device ``d``'s (action, start, end).
+    """
+    num_devices = sg.num_devices
     state = [0.0] * num_devices
     buffers = [0.0] * num_devices
     stash, working = [], []
@@ -309,38 +337,81 @@ def build_timeline(sg: StageGraph, cluster: Cluster, name: str, actions: Iterabl
         for d in st.devices:
             state[d] += cluster.state_bytes(sums.param_bytes)
             buffers[d] += costs.buffer_bytes(sums.inputs, sums.outputs, samples)
-    # Sweep allocations and releases; releases first at equal times.
-    events: list[list[tuple[float, int, int, float]]] = [[] for _ in range(num_devices)]
-    for r in actions:
-        s = r.action.stage_id
-        if r.action.kind == "F":
-            events[r.device].append((r.start, 1, s, stash[s]))
-        elif r.action.kind in ("B", "I"):
-            if working[s]:
-                events[r.device].append((r.start, 2, s, working[s]))
-            if r.action.kind == "B":
-                events[r.device].append((r.end, 0, s, -stash[s] - working[s]))
-        else:  # W: the activations its I left for it go now
-            events[r.device].append((r.end, 0, s, -stash[s] - working[s]))
     act_peak = [0.0] * num_devices
     in_flight = [0] * sg.num_stages
-    for d in range(num_devices):
+    for d in devices:
+        events = []
+        for action, start, end in by_device[d]:
+            s = action.stage_id
+            if action.kind == "F":
+                events.append((start, 1, s, stash[s]))
+            elif action.kind in ("B", "I"):
+                if working[s]:
+                    events.append((start, 2, s, working[s]))
+                if action.kind == "B":
+                    events.append((end, 0, s, -stash[s] - working[s]))
+            else:  # W: the activations its I left for it go now
+                events.append((end, 0, s, -stash[s] - working[s]))
         live, count = 0.0, {}
-        for _, kind, s, delta in sorted(events[d], key=lambda e: (e[0], e[1] > 0)):
+        for _, kind, s, delta in sorted(events, key=lambda e: (e[0], e[1] > 0)):
             live += delta
             if kind != 2:
                 count[s] = count.get(s, 0) + (1 if kind else -1)
                 in_flight[s] = max(in_flight[s], count[s])
             act_peak[d] = max(act_peak[d], live)
-    peak = [state[d] + buffers[d] + act_peak[d] for d in range(num_devices)]
-    throughput = sg.batch_size / iteration_time_s if iteration_time_s > 0 else math.inf
-    return Timeline(name=name, source=source, batch_size=sg.batch_size, num_devices=num_devices,
-                    stage_devices=tuple(st.devices for st in sg.stages), actions=actions, transfers=transfers,
-                    allreduces=allreduces, iteration_time_s=iteration_time_s, throughput=throughput,
-                    busy_s=tuple(busy), bubble_fraction=bubble, peak_memory_bytes=tuple(peak),
-                    state_bytes=tuple(state), in_flight=tuple(in_flight), activation_peak_bytes=tuple(act_peak),
-                    buffer_bytes=tuple(buffers),
-                    recompute_s=tuple(sg.recompute_time(s) for s in range(sg.num_stages)))
+    return state, buffers, act_peak, in_flight
+
+
+@dataclass(frozen=True, slots=True)
+class Score:
+    """What a search ranks a plan by: :func:`simulate`'s iteration time, throughput and largest peak memory."""
+
+    iteration_time_s: float
+    throughput: float
+    max_peak_memory_bytes: float
+
+
+def score(sg: StageGraph, schedule: Schedule, cluster: Cluster) -> Score:
+    """:func:`simulate`'s figures that rank plans, without building the timeline (dedicated devices).
+
+    Devices whose action lists are equal run in lockstep -- the same
+    actions, waiting on the same stage-level completions, for the same
+    durations (the replicas of a stage that splits its micro-batches) -- so
+    one device of each such class is simulated, standing for the others, and
+    no per-action or per-message record is built. The figures equal
+    :func:`simulate`'s (tests compare them). The schedule's structure is not
+    checked: this is for schedules a generator made, scored many times in a
+    search; :func:`simulate` the plan that wins. A deadlock still raises
+    :class:`DeadlockError`.
+    """
+    if cluster.num_devices != sg.num_devices:
+        raise ScheduleError(f"cluster has {cluster.num_devices} devices, the stage graph {sg.num_devices}; "
+                            f"simulate with the plan's own cluster")
+    reps, classes = [], {}
+    for d, acts in enumerate(schedule.device_actions):
+        if acts:
+            key = tuple(acts)
+            if key not in classes:
+                classes[key] = d
+                reps.append(d)
+    listed = set(reps)
+    replicas = [1 if st.round_robin else sum(1 for d in st.devices if d in listed) for st in sg.stages]
+    _, duration, delay = _engine_inputs(sg, cluster)
+    acts = [schedule.device_actions[d] for d in reps]
+    result = run_engine(sg, acts, duration, delay, delay, replicas)
+    if result.stuck:
+        raise_deadlock(schedule, [replace(s, device=reps[s.device]) for s in result.stuck])
+    end = max((e[-1] for e in result.ends if e), default=0.0)
+    for st in sg.stages:
+        if st.num_replicas > 1:
+            start = max(t for slot in (1, 2) for t in result.stage_end[st.id][slot] if not math.isnan(t))
+            end = max(end, start + cluster.allreduce_time(st.devices, sg.param_bytes(st.id)))
+    by_device: list[list[tuple[Action, float, float]]] = [[] for _ in range(sg.num_devices)]
+    for i, d in enumerate(reps):
+        by_device[d] = list(zip(acts[i], result.starts[i], result.ends[i]))
+    state, buffers, act_peak, _ = _memory(sg, cluster, reps, by_device)
+    peak = max((state[d] + buffers[d] + act_peak[d] for d in range(sg.num_devices)), default=0.0)
+    return Score(end, sg.batch_size / end if end > 0 else math.inf, peak)
 
 
 def predicted_figures(timeline: Timeline) -> dict[str, Any]:

@@ -106,11 +106,19 @@ def placed_bottleneck(sg: StageGraph, cluster: Cluster) -> float:
 
 
 def simulated(sg: StageGraph, cluster: Cluster, schedule_name: str, host: SharedHost | None = None) -> tuple[float, bool]:
-    """(throughput, whether the peak memory fits) of one iteration of ``sg`` under ``schedule_name``, by the one simulator."""
-    from graphpipe.sched import make_schedule, predicted_figures, simulate
+    """(throughput, whether the peak memory fits) of one iteration of ``sg`` under ``schedule_name``, by the one simulator.
 
-    # simulate() checks the schedule's structure and deadlock freedom itself: no separate validation pass.
+    On dedicated devices by :func:`graphpipe.sched.simulator.score` (the same figures as ``simulate``, without the
+    timeline, one replica of each lockstep class): searches call this for every candidate they rank.
+    """
+    from graphpipe.sched import make_schedule, predicted_figures, simulate
+    from graphpipe.sched.simulator import score
+
     schedule = make_schedule(schedule_name, sg, cluster, validate=False)
+    if host is None:
+        got = score(sg, schedule, cluster)
+        return float(got.throughput), float(got.max_peak_memory_bytes) <= cluster.memory_bytes
+    # simulate() checks the schedule's structure and deadlock freedom itself: no separate validation pass.
     figures = predicted_figures(simulate(sg, schedule, cluster, host=host))
     return float(figures["throughput"]), float(figures["max_peak_memory_bytes"]) <= cluster.memory_bytes
 

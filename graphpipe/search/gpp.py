@@ -162,7 +162,7 @@ def _to_simulate(candidates: Sequence[_Candidate], num_links: int) -> tuple[list
 
 
 def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: SearchOptions,
-              beat_iteration_s: float | None = None) -> SearchResult:
+              beat_iteration_s: float | None = None, where_memory_binds: bool = False) -> SearchResult:
     """GraphPipe's stage graph for ``graph`` on ``cluster`` (see the module docstring).
 
     Raises :class:`~graphpipe.errors.InfeasibleError` when no stage graph fits
@@ -174,6 +174,13 @@ def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: Search
     re-materialization, times the batch) is above it cannot give a faster
     plan and is not searched; when nothing is left this raises
     :class:`InfeasibleError` saying so.
+
+    ``where_memory_binds`` (with re-materialization and ``beat_iteration_s``;
+    ``--recompute auto``'s second search): a view and micro-batch size where
+    every block fast enough to be a stage of a plan beating
+    ``beat_iteration_s`` holds all its micro-batches without
+    re-materialization (:meth:`BlockCosts.memory_binds`) is not searched
+    either: there re-materializing only adds time.
     """
     started = time.perf_counter()
     sp_graph, merged = make_series_parallel(graph)
@@ -205,8 +212,13 @@ def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: Search
             return False
         got = beaten.get((view, b))
         if got is None:  # the bound holds whatever a cut costs or re-materialization does (DESIGN §6)
-            bound = blocks(view, view_tree, b, False).lower_bound()
-            got = beaten[(view, b)] = bound * batch_size > beat_iteration_s * (1 + 1e-9)
+            plain = blocks(view, view_tree, b, False)
+            got = plain.lower_bound() * batch_size > beat_iteration_s * (1 + 1e-9)
+            if not got and recompute and where_memory_binds:
+                # A stage's busy time is its cost times the batch: a plan beating the one in hand has only
+                # stages cheaper than this, and when none of them is short of memory, nothing is gained.
+                got = not plain.memory_binds(beat_iteration_s * (1 + 1e-9) / batch_size)
+            beaten[(view, b)] = got
         return got
 
     for li, link in enumerate(links):

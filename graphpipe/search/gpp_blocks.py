@@ -199,6 +199,28 @@ class BlockCosts:
             got = self._targets[link] = np.unique(np.concatenate(parts)) if parts else np.zeros(0)
         return got
 
+    def memory_binds(self, below_tps: float) -> bool:
+        """Whether some block that costs less than ``below_tps`` per sample on some device count cannot hold
+        every micro-batch of the iteration in flight there (the most any schedule keeps).
+
+        For tables without re-materialization: when this is False, no stage of a plan whose every stage
+        costs less than ``below_tps`` is short of memory, whatever its schedule, so re-materializing it
+        only adds time.
+        """
+        if self.recompute:
+            raise ValueError("memory_binds asks about stages without re-materialization")
+        for x in range(len(self.tree.kinds)):
+            s = self._block_sums(x)[:, :, :, None]
+            inputs, outputs, saved = self.boundary_bytes(x)
+            holds = self.costs.max_in_flight(s[:, :, 4], s[:, :, 5] + saved[:, :, None], self._replicas,
+                                             self.micro_batch_size, self.num_mbs, inputs[:, :, None],
+                                             outputs[:, :, None], False)
+            lo, hi = np.triu_indices(self.tree.width(x) + 1, k=1)
+            short = (self.stage_tps(x)[lo, hi] < below_tps) & (holds[lo, hi] < self.num_mbs)
+            if short.any():
+                return True
+        return False
+
     def lower_bound(self) -> float:
         """No stage graph has a smaller bottleneck: max(total work / N, the heaviest op at its best width).
 

@@ -196,8 +196,11 @@ def _over_device_counts(one, graph: OpGraph, cluster: Cluster, batch_size: int, 
 SPP_CANDIDATES = ("pipedream", "piper")
 """Sequential partitioners whose best plan gpp also ranks (never worse than them by construction)."""
 
-SPP_PIPER_DOWNSETS = 2000
-"""Piper's plan is a gpp candidate only on graphs with at most this many downsets (its search grows with them)."""
+SPP_PIPER_DOWNSETS = 10_000
+"""Piper's plan is a gpp candidate only on graphs with at most this many downsets, and so (Piper's own rule,
+50 pairs per downset) at most 500,000 downset pairs: its search grows with them. That admits gnmt's profile
+(2,198 downsets, 443,809 pairs: about 7 s per device count on 2 cores, so gpp is then never worse than
+Piper there) and leaves out mmt (6,563 downsets but 4.1 million pairs: 24-511 s at 4-32 devices)."""
 
 
 def _plan_on(model_id, graph, cluster, batch_size, strategy, options, schedule, time_limit_s, progress,
@@ -240,7 +243,8 @@ def _make_plan_at(model_id: str, graph: OpGraph, cluster: Cluster, batch_size: i
     if strategy == "gpp" and options.host is None:  # the one strategy that prunes by a plan in hand
         from graphpipe.search import gpp
 
-        partition = lambda g, c, b, o, beat=beat: gpp.partition(g, c, b, o, beat_iteration_s=beat)  # noqa: E731
+        partition = lambda g, c, b, o, beat=beat, **kw: gpp.partition(g, c, b, o, beat_iteration_s=beat,  # noqa: E731
+                                                                      **kw)
     started = time.perf_counter()
     sp_graph, merged = make_series_parallel(graph)
     recompute = options.recompute or DEFAULT_RECOMPUTE[strategy]
@@ -315,6 +319,9 @@ def _auto_recompute(partition, graph: OpGraph, cluster: Cluster, batch_size: int
     kept when it still re-materializes somewhere and simulates strictly
     faster, or when nothing fits without: with ample memory every stage
     drops it and the plan without re-materialization stands unchanged.
+    gpp's second search skips the micro-batch sizes where no stage fast
+    enough to beat the first plan is short of memory without it
+    (``where_memory_binds``): there it could only add time.
     """
     plain, error, plain_scored = None, None, []
     try:
@@ -332,7 +339,7 @@ def _auto_recompute(partition, graph: OpGraph, cluster: Cluster, batch_size: int
         if prunes and plain is not None:  # only a faster plan could replace it: gpp skips what cannot be
             plain_s = batch_size / plain_throughput()
             full = partition(graph, cluster, batch_size, replace(options, recompute="all"),
-                             beat=plain_s if beat is None else min(beat, plain_s))
+                             beat=plain_s if beat is None else min(beat, plain_s), where_memory_binds=True)
         else:
             full = partition(graph, cluster, batch_size, replace(options, recompute="all"))
     except InfeasibleError:
