@@ -13,6 +13,7 @@ gpp loses anywhere or the sequential transformer is more than 2% below pipedream
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing
 import os
 import sys
@@ -27,6 +28,10 @@ __all__ = ["main"]
 ZOO = ("mmt", "dlrm", "candle-uno", "transformer", "twobranch")
 PROFILES = ("alexnet", "vgg16", "resnet18", "resnet50", "inception_v3", "nasnetamobile", "gnmt")
 DEVICES = (2, 4, 8, 16, 32)
+
+
+def _keyed_point(task: tuple[str, int]) -> tuple[tuple[str, int], dict]:
+    return task, _point(task)
 
 
 def _point(task: tuple[str, int]) -> dict:
@@ -57,13 +62,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.jobs < 1:
         parser.error(f"--jobs must be at least 1, got {args.jobs}")
     tasks = [(m, n) for m in models for n in DEVICES]
-    if args.jobs > 1:  # one point per task, the most devices (the slowest) first; rows in model, device order
-        order = sorted(range(len(tasks)), key=lambda i: -tasks[i][1])
-        with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
-            done = pool.map(_point, [tasks[i] for i in order], chunksize=1)
-        rows = [row for _, row in sorted(zip(order, done))]
-    else:
-        rows = [_point(t) for t in tasks]
+    # Each finished point is appended to a partial file at once: a sweep cut short keeps what it measured.
+    partial = os.path.join(args.out, "results", "gpp_vs_spp.partial.jsonl")
+    os.makedirs(os.path.dirname(partial), exist_ok=True)
+    done: dict[tuple[str, int], dict] = {}
+    with open(partial, "w") as log:
+        if args.jobs > 1:  # one point per task, the most devices (the slowest) first
+            order = sorted(tasks, key=lambda t: -t[1])
+            with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
+                for task, row in pool.imap_unordered(_keyed_point, order, chunksize=1):
+                    done[task] = row
+                    log.write(json.dumps(row) + "\n")
+                    log.flush()
+        else:
+            for task in tasks:
+                done[task] = _point(task)
+                log.write(json.dumps(done[task]) + "\n")
+                log.flush()
+    rows = [done[t] for t in tasks]  # model, then device order
     ok = not any(r["gpp_lost"] for r in rows)
     transformer = [r for r in rows if r["model"] == "transformer"]
     ratios = [r["ratio"] for r in rows if r["ratio"] is not None]
@@ -71,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
                "min_ratio": min(ratios) if ratios else None,
                "transformer_min_ratio": min((r["ratio"] for r in transformer if r["ratio"]), default=None)}
     ok &= summary["transformer_min_ratio"] is None or summary["transformer_min_ratio"] >= 0.98
+    os.remove(partial)
     write_result(args.out, "gpp_vs_spp", {"models": [os.path.basename(m) for m in models], "devices": list(DEVICES),
                                           "samples_per_device": 16, "cluster": "v100"}, rows, summary)
     print(summary)
