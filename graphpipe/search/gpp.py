@@ -230,9 +230,10 @@ def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: Search
                     continue
                 dp = BottleneckDP(view_tree, cluster, batch_size, b, link=link,
                                   blocks=blocks(view, view_tree, b, recompute))
-                if dp.lower_bound() * batch_size > best_estimate * PRUNE_SLACK:
-                    continue  # even a perfectly balanced pipeline at this size loses to a candidate in hand
                 # A costed cut only adds to a stage's cost, so no target below the free-cut optimum is feasible.
+                lower = max(dp.lower_bound(), free_optimum.get((view, b), 0.0))
+                if lower * batch_size > best_estimate * PRUNE_SLACK:
+                    continue  # even a perfectly balanced pipeline at this size loses to a candidate in hand
                 found, n_tried = _frontier(dp, batch_size, best_estimate * PRUNE_SLACK,
                                            free_optimum.get((view, b), 0.0))
                 if link is None and found:

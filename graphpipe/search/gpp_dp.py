@@ -579,6 +579,12 @@ def first_feasible(dp: BottleneckDP, targets: Sequence[float], depth: int, start
     start = min(max(start, below + 1), n - 1)
     if start >= above:
         return (above if above < n else None), runs
+    if stop is not None and above >= n and n - 1 > start:
+        # The caller's cut-off bounds the bracket: one run at its top says whether anything below it is
+        # feasible at all (often nothing is: a shallower graph needing a much larger target).
+        if not ok(n - 1):
+            return None, runs
+        above = n - 1
     if ok(start):
         return start, runs
     below, step = start, 1
