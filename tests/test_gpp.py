@@ -138,6 +138,42 @@ def test_busy_bound_never_exceeds_the_simulated_iteration(recompute):
     assert checked  # replicated stages (their all-reduce term) were among the cases
 
 
+@pytest.mark.parametrize("recompute", [False, True])
+def test_pipeline_bound_never_exceeds_the_simulated_iteration(recompute):
+    """The fill-and-drain bound gpp prunes simulations with: at least the busy bound, never above the simulated
+    iteration under graph-1F1B, fill-drain or 1F1B, on gpp's plans and on random stage graphs with mixed
+    micro-batch sizes and slow links; strictly tighter than the busy bound on some."""
+    from dataclasses import replace as dc_replace
+
+    from graphpipe.search.gpp import busy_bound_s, pipeline_bound_s
+    from graphpipe.stages import Stage, StageGraph
+
+    from test_sched_common import latency_cluster, random_stage_graph
+
+    cases = []
+    for graph in SMALL_GRAPHS[::2]:
+        cluster = preset("v100", 8)
+        for mb in (2, 4):
+            sg = partition(graph, cluster, BATCH, SearchOptions(micro_batch_size=mb)).stage_graph
+            cases.append((StageGraph.build(graph, [Stage(s.id, s.op_ids, s.devices, s.micro_batch_size, recompute)
+                                                   for s in sg.stages], BATCH, cluster.num_devices), cluster))
+    for seed in range(12):
+        sg = random_stage_graph(seed)
+        sg = dc_replace(sg, stages=tuple(dc_replace(s, recompute=recompute) for s in sg.stages))
+        cases.append((sg, latency_cluster(sg.num_devices, 0.05, 1e6)))
+    tighter = 0
+    for sg, cluster in cases:
+        bound, busy = pipeline_bound_s(sg, cluster), busy_bound_s(sg, cluster)
+        assert bound >= busy
+        tighter += bound > busy * (1 + 1e-9)
+        for schedule in ("graph-1f1b", "gpipe", "1f1b"):
+            if schedule == "1f1b" and any(len(sg.succs(s)) > 1 or len(sg.preds(s)) > 1 for s in range(sg.num_stages)):
+                continue  # 1F1B needs a chain
+            timeline = simulate(sg, make_schedule(schedule, sg, cluster), cluster)
+            assert bound <= timeline.iteration_time_s * (1 + 1e-12), (sg.graph.name, schedule)
+    assert tighter >= len(cases) // 2
+
+
 def test_cut_costs_change_the_optimum():
     """The link of the test above matters on most small graphs, or that test checks nothing new."""
     changed = 0

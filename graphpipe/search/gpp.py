@@ -108,7 +108,7 @@ from graphpipe.search.gpp_tree import DPTree, build_tree, chain_tree
 from graphpipe.sp import induced_subgraph, make_series_parallel
 from graphpipe.stages import Stage, StageGraph
 
-__all__ = ["partition", "SCHEDULE", "place_stages", "smallest_memory_needed", "busy_bound_s"]
+__all__ = ["partition", "SCHEDULE", "place_stages", "smallest_memory_needed", "busy_bound_s", "pipeline_bound_s"]
 
 log = logging.getLogger(__name__)
 
@@ -551,12 +551,43 @@ def busy_bound_s(sg: StageGraph, cluster: Cluster) -> float:
     return bound
 
 
+def pipeline_bound_s(sg: StageGraph, cluster: Cluster) -> float:
+    """:func:`busy_bound_s` with each stage's fill and drain: no schedule of ``sg`` with whole backward actions
+    (B, not I/W) runs an iteration faster on dedicated devices when every device holds one stage.
+
+    A stage's first F waits for an F of each producer, after that producer's own first inputs
+    (``up``); its device then runs every action it has (``busy``); the micro-batch of its last B then
+    needs a B on each producer, and so on to the sources (``down``), or its all-reduce follows. Delays
+    only add. Falls back to :func:`busy_bound_s` when a device holds several stages.
+    """
+    devices = [d for st in sg.stages for d in st.devices]
+    if len(devices) != len(set(devices)):
+        return busy_bound_s(sg, cluster)
+    up = [0.0] * sg.num_stages  # stage ids are a topological order
+    for s in range(sg.num_stages):
+        up[s] = max((up[p] + sg.fwd_time(p) for p in sg.preds(s)), default=0.0)
+    down = [0.0] * sg.num_stages
+    for s in range(sg.num_stages):
+        down[s] = max((sg.bwd_time(p) + down[p] for p in sg.preds(s)), default=0.0)
+    bound = 0.0
+    for st in sg.stages:
+        if st.round_robin:
+            continue
+        s = st.id
+        busy = sg.num_micro_batches(s) * (sg.fwd_time(s) + sg.bwd_time(s))
+        after = down[s]
+        if st.num_replicas > 1:
+            after = max(after, cluster.allreduce_time(st.devices, sg.param_bytes(s)))
+        bound = max(bound, up[s] + busy + after)
+    return bound
+
+
 def _slower_than(sg: StageGraph, cluster: Cluster, throughput: float, host=None) -> bool:
-    """Whether ``sg`` provably simulates slower than ``throughput`` (:func:`busy_bound_s`; with a margin far
+    """Whether ``sg`` provably simulates slower than ``throughput`` (:func:`pipeline_bound_s`; with a margin far
     above the simulator's rounding). Never on a shared host, whose slowdowns the bound does not model."""
     if host is not None:
         return False
-    bound = busy_bound_s(sg, cluster)
+    bound = pipeline_bound_s(sg, cluster)
     return bound > 0 and sg.batch_size / bound < throughput * (1 - 1e-6)
 
 
