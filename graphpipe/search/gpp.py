@@ -66,10 +66,14 @@ What the search does not redo (issue 16; each leaves the plan unchanged):
 one set of block cost tables per micro-batch size serves every cut costing
 (:class:`~graphpipe.search.gpp_blocks.BlockCosts`); the DP keeps states
 across targets under the rank of the target among their scope's costs; the
-free-cut optimum is a lower bound for the costed searches; the depth
-frontier searches only targets below the best estimate; and a candidate
-whose busy bound (:func:`busy_bound_s`) already loses to the best simulated
-plan is not simulated.
+free-cut optimum is a lower bound for the costed searches (a costed
+micro-batch size whose free-cut optimum already loses to the best estimate
+is skipped, like one whose compute bound does); the depth frontier searches
+only targets below the best estimate, first checking the top of that range;
+a candidate whose fill-and-drain bound (:func:`pipeline_bound_s`) already
+loses to the best simulated plan is not simulated; and candidates are scored
+by :func:`graphpipe.sched.simulator.score` (the simulator's figures, one
+device per lockstep replica class, no timeline).
 
 Device counts per stage are the divisors of ``b`` up to ``N`` -- every useful
 count, since a stage's replicas must split its micro-batch evenly -- so no
