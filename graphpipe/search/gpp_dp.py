@@ -141,11 +141,11 @@ class Table:
 
     @classmethod
     def of(cls, devices: Sequence[int], stages: Sequence[int], choice: Sequence[tuple | None]) -> "Table":
-        points, best = [], (INF, 0)
-        for v, pair in enumerate(zip(devices, stages)):
-            if pair[0] < INF and pair < best:
+        points, best_d, best_s = [], INF, 0
+        for v, d in enumerate(devices):
+            if d < best_d or (d == best_d and d < INF and stages[v] < best_s):
                 points.append(v)
-                best = pair
+                best_d, best_s = d, stages[v]
         return cls(tuple(devices), tuple(stages), tuple(choice), tuple(points))
 
     def feasible(self, v: int) -> bool:
