@@ -13,6 +13,7 @@ gpp loses anywhere or the sequential transformer is more than 2% below pipedream
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing
 import os
@@ -66,19 +67,15 @@ def main(argv: list[str] | None = None) -> int:
     partial = os.path.join(args.out, "results", "gpp_vs_spp.partial.jsonl")
     os.makedirs(os.path.dirname(partial), exist_ok=True)
     done: dict[tuple[str, int], dict] = {}
-    with open(partial, "w") as log:
-        if args.jobs > 1:  # one point per task, the most devices (the slowest) first
-            order = sorted(tasks, key=lambda t: -t[1])
-            with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
-                for task, row in pool.imap_unordered(_keyed_point, order, chunksize=1):
-                    done[task] = row
-                    log.write(json.dumps(row) + "\n")
-                    log.flush()
-        else:
-            for task in tasks:
-                done[task] = _point(task)
-                log.write(json.dumps(done[task]) + "\n")
-                log.flush()
+    pool = multiprocessing.get_context("spawn").Pool(args.jobs) if args.jobs > 1 else None
+    with open(partial, "w") as log, pool or contextlib.nullcontext():
+        # In parallel one point per task, the most devices (the slowest) first.
+        points = (pool.imap_unordered(_keyed_point, sorted(tasks, key=lambda t: -t[1]), chunksize=1) if pool
+                  else map(_keyed_point, tasks))
+        for task, row in points:
+            done[task] = row
+            log.write(json.dumps(row) + "\n")
+            log.flush()
     rows = [done[t] for t in tasks]  # model, then device order
     ok = not any(r["gpp_lost"] for r in rows)
     transformer = [r for r in rows if r["model"] == "transformer"]

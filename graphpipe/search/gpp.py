@@ -235,11 +235,10 @@ def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: Search
                 dp = BottleneckDP(view_tree, cluster, batch_size, b, link=link,
                                   blocks=blocks(view, view_tree, b, recompute))
                 # A costed cut only adds to a stage's cost, so no target below the free-cut optimum is feasible.
-                lower = max(dp.lower_bound(), free_optimum.get((view, b), 0.0))
-                if lower * batch_size > best_estimate * PRUNE_SLACK:
+                free = free_optimum.get((view, b), 0.0)
+                if max(dp.lower_bound(), free) * batch_size > best_estimate * PRUNE_SLACK:
                     continue  # even a perfectly balanced pipeline at this size loses to a candidate in hand
-                found, n_tried = _frontier(dp, batch_size, best_estimate * PRUNE_SLACK,
-                                           free_optimum.get((view, b), 0.0))
+                found, n_tried = _frontier(dp, batch_size, best_estimate * PRUNE_SLACK, free)
                 if link is None and found:
                     free_optimum[(view, b)] = found[0][0]
                 tried += n_tried
@@ -544,14 +543,22 @@ def busy_bound_s(sg: StageGraph, cluster: Cluster) -> float:
     time, and the stage's gradient all-reduce starts after its last B; transfers and waiting only add.
     Stages whose replicas take whole micro-batches round-robin are left out (a weaker bound, still one).
     """
+    return _stage_bound(sg, cluster, [0.0] * sg.num_stages, [0.0] * sg.num_stages)
+
+
+def _stage_bound(sg: StageGraph, cluster: Cluster, up: Sequence[float], down: Sequence[float]) -> float:
+    """Max over stages (round-robin ones aside) of ``up + busy + max(down, all-reduce)``: each replica runs
+    every micro-batch's F and B after ``up`` seconds, then ``down`` more or its gradient all-reduce follows."""
     bound = 0.0
     for st in sg.stages:
         if st.round_robin:
             continue
-        busy = sg.num_micro_batches(st.id) * (sg.fwd_time(st.id) + sg.bwd_time(st.id))
+        s = st.id
+        busy = sg.num_micro_batches(s) * (sg.fwd_time(s) + sg.bwd_time(s))
+        after = down[s]
         if st.num_replicas > 1:
-            busy += cluster.allreduce_time(st.devices, sg.param_bytes(st.id))
-        bound = max(bound, busy)
+            after = max(after, cluster.allreduce_time(st.devices, sg.param_bytes(s)))
+        bound = max(bound, up[s] + busy + after)
     return bound
 
 
@@ -573,17 +580,7 @@ def pipeline_bound_s(sg: StageGraph, cluster: Cluster) -> float:
     down = [0.0] * sg.num_stages
     for s in range(sg.num_stages):
         down[s] = max((sg.bwd_time(p) + down[p] for p in sg.preds(s)), default=0.0)
-    bound = 0.0
-    for st in sg.stages:
-        if st.round_robin:
-            continue
-        s = st.id
-        busy = sg.num_micro_batches(s) * (sg.fwd_time(s) + sg.bwd_time(s))
-        after = down[s]
-        if st.num_replicas > 1:
-            after = max(after, cluster.allreduce_time(st.devices, sg.param_bytes(s)))
-        bound = max(bound, up[s] + busy + after)
-    return bound
+    return _stage_bound(sg, cluster, up, down)
 
 
 def _slower_than(sg: StageGraph, cluster: Cluster, throughput: float, host=None) -> bool:

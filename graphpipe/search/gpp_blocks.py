@@ -121,12 +121,15 @@ class BlockCosts:
         ``device_counts[c]`` replicas (``stage_memory <= capacity``, capped at ``kcap``; -1: not even one)."""
         got = self._max_in_flight.get(x)
         if got is None:
-            s = self._block_sums(x)[:, :, :, None]
-            inputs, outputs, saved = self.boundary_bytes(x)
-            got = self._max_in_flight[x] = self.costs.max_in_flight(
-                s[:, :, 4], s[:, :, 5] + saved[:, :, None], self._replicas, self.micro_batch_size, self.kcap, inputs[:, :, None],
-                outputs[:, :, None], self.recompute)
+            got = self._max_in_flight[x] = self._in_flight(x, self.kcap, self.recompute)
         return got
+
+    def _in_flight(self, x: int, cap: int, recompute: bool) -> np.ndarray:
+        """[lo, hi, c]: most micro-batches (``<= cap``) children lo..hi-1 of x hold within memory (-1: none)."""
+        s = self._block_sums(x)[:, :, :, None]
+        inputs, outputs, saved = self.boundary_bytes(x)
+        return self.costs.max_in_flight(s[:, :, 4], s[:, :, 5] + saved[:, :, None], self._replicas,
+                                        self.micro_batch_size, cap, inputs[:, :, None], outputs[:, :, None], recompute)
 
     def rows(self, x: int, link: Link | None) -> tuple[list, list]:
         """``stage_cost(x, link)`` and ``max_in_flight(x)`` as nested lists: plain Python indexes them faster."""
@@ -210,11 +213,7 @@ class BlockCosts:
         if self.recompute:
             raise ValueError("memory_binds asks about stages without re-materialization")
         for x in range(len(self.tree.kinds)):
-            s = self._block_sums(x)[:, :, :, None]
-            inputs, outputs, saved = self.boundary_bytes(x)
-            holds = self.costs.max_in_flight(s[:, :, 4], s[:, :, 5] + saved[:, :, None], self._replicas,
-                                             self.micro_batch_size, self.num_mbs, inputs[:, :, None],
-                                             outputs[:, :, None], False)
+            holds = self._in_flight(x, self.num_mbs, False)
             lo, hi = np.triu_indices(self.tree.width(x) + 1, k=1)
             short = (self.stage_tps(x)[lo, hi] < below_tps) & (holds[lo, hi] < self.num_mbs)
             if short.any():
