@@ -80,19 +80,26 @@ def correctness_plans() -> dict[str, Plan]:
     return plans
 
 
+def run_checked(plans: dict, names: list[str], ranks: int = 4) -> list[dict]:
+    """Run each named plan for 2 steps with ``--check`` on ``ranks`` ranks; assert that every one equals
+    single-process training with all its parameters checked. Returns the results in ``names`` order."""
+    results = run_plans([(plans[n], RunOptions(steps=2, warmup_steps=1, check=True, timeout_s=120)) for n in names],
+                        ranks)
+    failures = {name: result["check"] for name, result in zip(names, results)
+                if not (result["check"]["passed"]
+                        and result["check"]["num_params_checked"] == result["check"]["num_params"] > 0)}
+    assert not failures, failures
+    return results
+
+
 def test_every_model_strategy_and_schedule_matches_single_process():
     plans = correctness_plans()
     names = sorted(plans)
-    results = run_plans([(plans[n], RunOptions(steps=2, warmup_steps=1, check=True, timeout_s=120)) for n in names], 4)
-    failures = {}
+    results = run_checked(plans, names)
     for name, result in zip(names, results):
-        check = result["check"]
-        if not (check["passed"] and check["num_params_checked"] == check["num_params"] > 0):
-            failures[name] = check
         assert result["records"], name
         kinds = {r["kind"] for r in result["records"]}
         assert {"F", "B"} <= kinds, name
-    assert not failures, failures
     # the data-parallel stages all-reduced their gradients
     replicated = results[names.index("mmt/replicated")]
     assert any(r["kind"] == "AR" for r in replicated["records"])

@@ -15,7 +15,7 @@ from graphpipe.cluster import preset
 from graphpipe.plan import Plan
 from graphpipe.sched import make_schedule, v_shape_chain
 
-from test_runtime_dist import BATCH, SMALL, check_measured_timeline, hand_built, planned
+from test_runtime_dist import BATCH, SMALL, check_measured_timeline, hand_built, planned, run_checked
 
 pytestmark = pytest.mark.slow
 
@@ -41,21 +41,14 @@ def zero_bubble_plans():
 
 
 def test_zero_bubble_runs_match_single_process():
-    from graphpipe.runtime import RunOptions, run_plans
-
     plans = zero_bubble_plans()
     names = sorted(plans)
     for name in names:  # the plans really split their backward
         kinds = {a.kind for acts in plans[name].schedule.device_actions for a in acts}
         assert {"I", "W"} <= kinds and "B" not in kinds, name
-    results = run_plans([(plans[n], RunOptions(steps=2, warmup_steps=1, check=True, timeout_s=120)) for n in names], 4)
-    failures = {}
+    results = run_checked(plans, names)
     for name, result in zip(names, results):
-        check = result["check"]
-        if not (check["passed"] and check["num_params_checked"] == check["num_params"] > 0):
-            failures[name] = check
         assert {"F", "I", "W"} <= {r["kind"] for r in result["records"]}, name  # the measured timeline shows I, W
         check_measured_timeline(plans[name], result["records"])
-    assert not failures, failures
     replicated = results[names.index("mmt/replicated/graph-zb")]
     assert any(r["kind"] == "AR" for r in replicated["records"])
