@@ -22,7 +22,7 @@ from graphpipe.errors import InfeasibleError, InputError
 from graphpipe.search.common import SearchOptions, cut_tps, stage_memory, stage_out_bytes, stage_tps
 from graphpipe.search.gpp import partition, place_stages
 from graphpipe.search import gpp_dp
-from graphpipe.search.gpp_dp import min_bottleneck
+from graphpipe.search.gpp_solve import min_bottleneck
 from graphpipe.search.gpp_tree import build_tree, chain_tree
 from graphpipe.sched import make_schedule, predicted_figures, simulate, warmup_counts
 

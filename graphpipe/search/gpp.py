@@ -61,7 +61,10 @@ balances the pipeline, so gpp keeps whichever view simulates faster and
 contains PipeDream's space on the same cost model.
 
 Speed: the DP's tables are indexed by in-flight count, not device count, so
-1024 devices cost no more than 32; see :mod:`graphpipe.search.gpp_dp`.
+1024 devices cost no more than 32; see :mod:`graphpipe.search.gpp_dp`. The
+chain view runs :class:`~graphpipe.search.gpp_chain.ChainDP`, the same DP
+vectorised one depth level at a time (same tables and stages, several times
+faster: the chain view has the most ops of any node).
 What the search does not redo (issue 16; each leaves the plan unchanged):
 one set of block cost tables per micro-batch size serves every cut costing
 (:class:`~graphpipe.search.gpp_blocks.BlockCosts`); the DP keeps states
@@ -73,7 +76,11 @@ only targets below the best estimate, first checking the top of that range;
 a candidate whose fill-and-drain bound (:func:`pipeline_bound_s`) already
 loses to the best simulated plan is not simulated; and candidates are scored
 by :func:`graphpipe.sched.simulator.score` (the simulator's figures, one
-device per lockstep replica class, no timeline).
+device per lockstep replica class, no timeline). Each micro-batch size's
+searches start from the previous size's answers (:func:`_frontier`'s
+``hints``): neighbouring sizes often have equal or close optima, so the
+bracket closes in a few DP runs; a depth-frontier probe of the chain view
+computes only the depth levels it asks about.
 
 Device counts per stage are the divisors of ``b`` up to ``N`` -- every useful
 count, since a stage's replicas must split its micro-batch evenly -- so no
@@ -107,7 +114,9 @@ from graphpipe.graph import OpGraph
 from graphpipe.search.common import (SearchOptions, SearchResult, comm_links, link_name, micro_batch_candidates,
                                      placed_bottleneck, recompute_all, simulated)
 from graphpipe.search.gpp_blocks import BlockCosts
-from graphpipe.search.gpp_dp import INF, BottleneckDP, DPStage, Table, first_feasible, min_bottleneck
+from graphpipe.search.gpp_chain import ChainDP
+from graphpipe.search.gpp_dp import INF, BottleneckDP, DPStage, Table
+from graphpipe.search.gpp_solve import first_feasible, make_dp, min_bottleneck
 from graphpipe.search.gpp_tree import DPTree, build_tree, chain_tree
 from graphpipe.sp import induced_subgraph, make_series_parallel
 from graphpipe.stages import Stage, StageGraph
@@ -227,18 +236,20 @@ def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: Search
 
     for li, link in enumerate(links):
         best_estimate = float("inf")  # per cut costing: each is a search of its own
+        hints: dict[str, list[tuple[float, int]]] = {}  # view -> the last micro-batch size's trade-off
         for view, view_tree in trees:
             for b in sizes:
                 if cannot_beat(view, view_tree, b):
                     pruned += 1
                     continue
-                dp = BottleneckDP(view_tree, cluster, batch_size, b, link=link,
-                                  blocks=blocks(view, view_tree, b, recompute))
+                dp = make_dp(view_tree, cluster, batch_size, b, link=link, blocks=blocks(view, view_tree, b, recompute))
                 # A costed cut only adds to a stage's cost, so no target below the free-cut optimum is feasible.
                 free = free_optimum.get((view, b), 0.0)
                 if max(dp.lower_bound(), free) * batch_size > best_estimate * PRUNE_SLACK:
                     continue  # even a perfectly balanced pipeline at this size loses to a candidate in hand
-                found, n_tried = _frontier(dp, batch_size, best_estimate * PRUNE_SLACK, free)
+                found, n_tried = _frontier(dp, batch_size, best_estimate * PRUNE_SLACK, free, hints.get(view, ()))
+                if found:
+                    hints[view] = [(t, depth) for t, depth, _ in found]
                 if link is None and found:
                     free_optimum[(view, b)] = found[0][0]
                 tried += n_tried
@@ -322,8 +333,8 @@ def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: Search
 
 
 # ------------------------------------------------------------------ search
-def _frontier(dp: BottleneckDP, batch_size: int, best_estimate: float,
-              known_lower: float = 0.0) -> tuple[list[tuple[float, int, list[DPStage]]], int]:
+def _frontier(dp: BottleneckDP | ChainDP, batch_size: int, best_estimate: float, known_lower: float = 0.0,
+              hints: Sequence[tuple[float, int]] = ()) -> tuple[list[tuple[float, int, list[DPStage]]], int]:
     """The (bottleneck, depth) trade-off for one micro-batch size.
 
     First the optimal bottleneck ``t*`` and the shallowest graph reaching it
@@ -332,12 +343,19 @@ def _frontier(dp: BottleneckDP, batch_size: int, best_estimate: float,
     ``v`` is monotone in the target). Stops once ``t * B`` alone exceeds the
     best estimate so far: shallower graphs only need larger targets.
     ``known_lower``: a bottleneck no stage graph of this DP beats (0: none known).
+    ``hints``: (t, depth) points of a neighbouring micro-batch size's trade-off, where each search starts
+    (they change how many DP runs it takes, not what it finds).
     Returns ([(t, depth, stages)], DP runs).
     """
     targets = dp.candidate_targets()
     start = int(np.searchsorted(targets, max(dp.lower_bound() * (1 - 1e-12), known_lower), side="left"))
+
+    def near(depth: int) -> int | None:  # the hint's smallest target admitting this depth
+        ts = [t for t, d in hints if d <= depth]
+        return int(np.searchsorted(targets, min(ts), side="left")) if ts else None
+
     probes: dict[int, Table] = {}
-    index, runs = first_feasible(dp, targets, dp.kcap, start, probes)
+    index, runs = first_feasible(dp, targets, dp.kcap, start, probes, guess=near(dp.kcap))
     if index is None:
         return [], runs
     out = []
@@ -351,7 +369,7 @@ def _frontier(dp: BottleneckDP, batch_size: int, best_estimate: float,
     while depth > 1:
         # Only targets with t * B below the best estimate can give a candidate: search no further.
         stop = int(np.searchsorted(scaled, best_estimate, side="left"))
-        found, more = first_feasible(dp, targets, depth - 1, index + 1, probes, stop)
+        found, more = first_feasible(dp, targets, depth - 1, index + 1, probes, stop, guess=near(depth - 1))
         runs += more
         if found is None:
             break
@@ -427,7 +445,7 @@ def smallest_memory_needed(trees: Sequence[DPTree], cluster: Cluster, batch_size
         trial = cluster.with_memory(memory)
         for tree in trees:
             for b in sizes:
-                dp = BottleneckDP(tree, trial, batch_size, b, power_of_two=power_of_two, recompute=recompute)
+                dp = make_dp(tree, trial, batch_size, b, power_of_two=power_of_two, recompute=recompute)
                 if dp.feasible(float("inf")):
                     return True
         return False
@@ -496,7 +514,7 @@ def _spread_idle(sg: StageGraph, cluster: Cluster, link: Link | None, throughput
     """Give the idle devices to one stage, split by the DP: the best simulated such graph, if it beats ``sg``.
 
     For every stage of >= 2 ops, the DP solves the stage's ops alone (in op
-    order, :func:`~graphpipe.search.gpp_dp.chain_tree`) on its devices plus
+    order, :func:`~graphpipe.search.gpp_tree.chain_tree`) on its devices plus
     the idle ones; the stage is replaced by that split and the graph is
     simulated (memory included: the split's stages hold as many in-flight
     micro-batches as graph-1F1B gives them in the whole graph). Returns

@@ -36,6 +36,8 @@ Example
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import numpy as np
 
 from graphpipe.cluster import Cluster, Link
@@ -88,6 +90,8 @@ class BlockCosts:
         self._lists: dict[tuple[int, Link | None], tuple[list, list]] = {}
         self._targets: dict[Link | None, np.ndarray] = {}
         self._lower_bound: float | None = None
+        self._leaves = [x for x, kind in enumerate(tree.kinds) if kind == "op"]
+        self._leaf_sums: np.ndarray | None = None
 
     def _block_sums(self, x: int) -> np.ndarray:
         """sums[lo, hi, :] of children lo..hi-1 of x: (fwd alpha, fwd beta, bwd alpha, bwd beta, params, act)."""
@@ -97,6 +101,9 @@ class BlockCosts:
     def stage_tps(self, x: int) -> np.ndarray:
         """stage_tps[lo, hi, c]: children lo..hi-1 of node x as one stage on ``device_counts[c]`` replicas."""
         got = self._stage_tps.get(x)
+        if got is None and self.tree.kinds[x] == "op":
+            self._leaf_tables()
+            return self._stage_tps[x]
         if got is None:
             s = self._block_sums(x)[:, :, :, None]                     # the device-choice axis last
             got = self._stage_tps[x] = self.costs.tps(s[:, :, 0], s[:, :, 1], s[:, :, 2], s[:, :, 3], s[:, :, 4],
@@ -108,6 +115,9 @@ class BlockCosts:
         """cost[lo, hi, c] = ``max(stage_tps, cut on link)`` of children lo..hi-1 of x (``stage_tps`` without a link)."""
         key = (x, link)
         got = self._stage_cost.get(key)
+        if got is None and self.tree.kinds[x] == "op" and link is not None:
+            self._leaf_costs(link)
+            return self._stage_cost[key]
         if got is None:
             got = self.stage_tps(x)
             if link is not None:
@@ -120,9 +130,64 @@ class BlockCosts:
         """max_in_flight[lo, hi, c]: most micro-batches in flight children lo..hi-1 of x hold within memory on
         ``device_counts[c]`` replicas (``stage_memory <= capacity``, capped at ``kcap``; -1: not even one)."""
         got = self._max_in_flight.get(x)
+        if got is None and self.tree.kinds[x] == "op":
+            self._leaf_tables()
+            return self._max_in_flight[x]
         if got is None:
             got = self._max_in_flight[x] = self._in_flight(x, self.kcap, self.recompute)
         return got
+
+    # A leaf is a block of one child, itself: its tables are those of a node with prefix sums (0, op). The
+    # leaves' tables are computed in one vectorised pass over all of them -- the same elementwise arithmetic
+    # on the same inputs as one node at a time (so the same numbers), with a few numpy calls instead of
+    # a few per leaf. Axis 0 of these arrays follows ``self._leaves``.
+    def _leaf_block_sums(self) -> np.ndarray:
+        """[leaf, lo, hi, :] as :meth:`_block_sums` gives it for each leaf."""
+        if self._leaf_sums is None:
+            prefix = np.asarray([self.tree.sums[x] for x in self._leaves], dtype=float).reshape(-1, 2, 6)
+            self._leaf_sums = prefix[:, None, :, :] - prefix[:, :, None, :]
+        return self._leaf_sums
+
+    def _leaf_in_flight(self, cap: int, recompute: bool) -> np.ndarray:
+        """[leaf, lo, hi, c]: :meth:`_in_flight` of every leaf."""
+        s = self._leaf_block_sums()[..., None]
+        inputs, outputs, saved = (np.stack(part) for part in zip(*self._leaf_boundaries()))
+        return self.costs.max_in_flight(s[..., 4, :], s[..., 5, :] + saved[..., None], self._replicas,
+                                        self.micro_batch_size, cap, inputs[..., None], outputs[..., None], recompute)
+
+    def _leaf_tables(self) -> None:
+        s = self._leaf_block_sums()[..., None]
+        tps = self.costs.tps(s[..., 0, :], s[..., 1, :], s[..., 2, :], s[..., 3, :], s[..., 4, :], self._replicas,
+                             self.micro_batch_size, self.batch_size, self.recompute)
+        held = self._leaf_in_flight(self.kcap, self.recompute)
+        for i, x in enumerate(self._leaves):
+            self._stage_tps[x], self._max_in_flight[x] = tps[i], held[i]
+
+    def _leaf_costs(self, link: Link) -> None:
+        tps = np.stack([self.stage_tps(x) for x in self._leaves])
+        outputs = np.stack([self._boundary[x][1] for x in self._leaves])
+        cost = np.maximum(tps, cut_tps(outputs, link, self.micro_batch_size)[..., None])
+        for i, x in enumerate(self._leaves):
+            self._stage_cost[(x, link)] = cost[i]
+
+    def _leaf_boundaries(self) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """:meth:`boundary_bytes` of every leaf, from one pass over the edges (summed in edge order, as
+        :meth:`boundary_bytes` sums them)."""
+        missing = [x for x in self._leaves if x not in self._boundary]
+        if missing:
+            leaf_of = {self.tree.op_ids[x][0]: x for x in missing}
+            into = {x: [0.0, 0.0] for x in missing}   # bytes, saved bytes
+            out = {x: 0.0 for x in missing}
+            for e in self.tree.graph.edges:
+                src, dst = leaf_of.get(e.src), leaf_of.get(e.dst)
+                if src is not None:
+                    out[src] += e.bytes
+                if dst is not None:
+                    into[dst][0] += e.bytes
+                    into[dst][1] += e.saved
+            for x in missing:
+                self._boundary[x] = (_one_child(into[x][0]), _one_child(out[x]), _one_child(into[x][1]))
+        return [self._boundary[x] for x in self._leaves]
 
     def _in_flight(self, x: int, cap: int, recompute: bool) -> np.ndarray:
         """[lo, hi, c]: most micro-batches (``<= cap``) children lo..hi-1 of x hold within memory (-1: none)."""
@@ -197,7 +262,7 @@ class BlockCosts:
         if got is None:
             parts = []
             for x in range(len(self.tree.kinds)):
-                lo, hi = np.triu_indices(self.tree.width(x) + 1, k=1)
+                lo, hi = _blocks_of(self.tree.width(x))
                 parts.append(self.stage_cost(x, link)[lo, hi].ravel())
             got = self._targets[link] = np.unique(np.concatenate(parts)) if parts else np.zeros(0)
         return got
@@ -212,9 +277,16 @@ class BlockCosts:
         """
         if self.recompute:
             raise ValueError("memory_binds asks about stages without re-materialization")
+        if self._leaves:
+            holds = self._leaf_in_flight(self.num_mbs, False)[:, 0, 1]
+            tps = np.stack([self.stage_tps(x)[0, 1] for x in self._leaves])
+            if ((tps < below_tps) & (holds < self.num_mbs)).any():
+                return True
         for x in range(len(self.tree.kinds)):
+            if self.tree.kinds[x] == "op":
+                continue
             holds = self._in_flight(x, self.num_mbs, False)
-            lo, hi = np.triu_indices(self.tree.width(x) + 1, k=1)
+            lo, hi = _blocks_of(self.tree.width(x))
             short = (self.stage_tps(x)[lo, hi] < below_tps) & (holds[lo, hi] < self.num_mbs)
             if short.any():
                 return True
@@ -234,3 +306,14 @@ class BlockCosts:
                            default=0.0)
             self._lower_bound = max(total / self.num_devices, heaviest)
         return self._lower_bound
+
+
+def _one_child(value: float) -> np.ndarray:
+    """[lo, hi] of a node with one child: ``value`` for the child itself (lo=0, hi=1), 0 elsewhere."""
+    return np.array([[0.0, value], [0.0, 0.0]])
+
+
+@lru_cache(maxsize=None)
+def _blocks_of(width: int) -> tuple[np.ndarray, np.ndarray]:
+    """(lo, hi) of every block of a node with ``width`` children: the pairs lo < hi <= width."""
+    return np.triu_indices(width + 1, k=1)

@@ -3,9 +3,10 @@
 For one micro-batch size ``b`` and one bottleneck target ``t_max`` (seconds
 per sample), :class:`BottleneckDP` decides whether some stage graph of the
 search space below meets the target on ``N`` devices, and builds the one
-with the fewest in-flight micro-batches at the source; :func:`min_bottleneck`
-binary-searches ``t_max`` over the finite set of candidate stage TPS values,
-so its answer is the exact optimum of the space, not an approximation.
+with the fewest in-flight micro-batches at the source;
+:func:`~graphpipe.search.gpp_solve.min_bottleneck` binary-searches ``t_max``
+over the finite set of candidate stage TPS values, so its answer is the
+exact optimum of the space, not an approximation.
 
 Search space (what "optimal" means here)
 ----------------------------------------
@@ -88,9 +89,11 @@ Example
 >>> from graphpipe.cluster import preset
 >>> ops = [Op(n, "x", Affine(0, 1e-3), Affine(0, 2e-3)) for n in "abcd"]
 >>> g = OpGraph.build("chain", ops, [("a", "b", 1), ("b", "c", 1), ("c", "d", 1)])
->>> sol = min_bottleneck(g, preset("v100", 2), batch_size=8, micro_batch_size=2)
->>> round(sol.bottleneck_tps, 6), [len(s.op_ids) for s in sol.stages]
-(0.006, [4])
+>>> from graphpipe.search.gpp_tree import build_tree
+>>> dp = BottleneckDP(build_tree(g), preset("v100", 2), batch_size=8, micro_batch_size=2)
+>>> v, stages = dp.best_at(0.006)
+>>> v, [(s.op_ids, s.num_devices) for s in stages]
+(1, [((0, 1, 2, 3), 2)])
 """
 
 from __future__ import annotations
@@ -102,11 +105,10 @@ from typing import Sequence
 import numpy as np
 
 from graphpipe.cluster import Cluster, Link
-from graphpipe.graph import OpGraph
 from graphpipe.search.gpp_blocks import BlockCosts
-from graphpipe.search.gpp_tree import DPTree, build_tree
+from graphpipe.search.gpp_tree import DPTree
 
-__all__ = ["Table", "DPStage", "DPSolution", "BottleneckDP", "min_bottleneck", "first_feasible", "INF"]
+__all__ = ["Table", "DPStage", "DPSolution", "BottleneckDP", "INF"]
 
 INF = 1 << 62
 """Devices of a bound no partition meets (more than any cluster has)."""
@@ -130,6 +132,10 @@ class Table:
     * ``("child",)`` (parallel): the child partitioned on its own devices beside the other branches;
     * ``("run", j, d)`` (parallel): children ``i..j-1`` one stage on ``d`` devices;
     * None: an empty rest.
+
+    A table asked for bounds up to some depth only may end there
+    (:meth:`ChainDP.solve <graphpipe.search.gpp_chain.ChainDP.solve>`): it
+    then has fewer entries than ``kcap + 1``.
     """
 
     devices: tuple[int, ...]
@@ -352,8 +358,12 @@ class BottleneckDP:
         self._ranks: dict[tuple[int, int], int] = {}
         self._row_ranks: dict[tuple[int, int], int] = {}
 
-    def solve(self, t_max: float) -> Table:
-        """Run the DP for target ``t_max``; returns the root's table (index = bound on the source depth)."""
+    def solve(self, t_max: float, depth: int | None = None) -> Table:
+        """Run the DP for target ``t_max``; returns the root's table (index = bound on the source depth).
+
+        ``depth`` (the bounds asked about go up to it) is for :class:`~graphpipe.search.gpp_chain.ChainDP`'s
+        sake: this DP always fills the whole table.
+        """
         self.t_max = t_max
         self._reset()
         return self._value(self.tree.root, 0)
@@ -543,92 +553,3 @@ def _fewest_devices(profile: tuple[tuple[int, int], ...], in_flight: int) -> int
         if k >= in_flight:
             return d
     return 0
-
-
-def first_feasible(dp: BottleneckDP, targets: Sequence[float], depth: int, start: int = 0,
-                   probes: dict[int, Table] | None = None, stop: int | None = None) -> tuple[int | None, int]:
-    """Index of the smallest target at which the root admits source depth <= ``depth`` (None: none does).
-
-    Feasibility is monotone in the target, so this is a search over a sorted
-    array: gallop up from ``start`` (a lower bound, where DP runs are cheap
-    because few large stages meet a small target), then bisect the bracket.
-    ``probes`` (target index -> root table) carries DP runs between
-    searches for different depths: every earlier probe narrows the bracket.
-    ``stop``: only indices below it are of use to the caller; None is
-    returned when none of them is feasible. Returns (index, DP runs).
-    """
-    n = len(targets) if stop is None else min(stop, len(targets))
-    if n <= 0:
-        return None, 0
-    probes = {} if probes is None else probes
-    runs = 0
-
-    def ok(i: int) -> bool:
-        nonlocal runs
-        root = probes.get(i)
-        if root is None:
-            runs += 1
-            root = dp.solve(float(targets[i]))
-            probes[i] = root
-        return root.feasible(depth)
-
-    below = max([i for i, r in probes.items() if not r.feasible(depth)], default=-1)   # known infeasible
-    above = min([i for i, r in probes.items() if r.feasible(depth)], default=n)        # known feasible
-    if below >= n - 1:
-        return None, runs
-    start = min(max(start, below + 1), n - 1)
-    if start >= above:
-        return (above if above < n else None), runs
-    if stop is not None and above >= n and n - 1 > start:
-        # The caller's cut-off bounds the bracket: one run at its top says whether anything below it is
-        # feasible at all (often nothing is: a shallower graph needing a much larger target).
-        if not ok(n - 1):
-            return None, runs
-        above = n - 1
-    if ok(start):
-        return start, runs
-    below, step = start, 1
-    while True:
-        probe = below + step
-        if above < n and probe >= above:  # the bracket is already closed by an earlier probe
-            break
-        if probe >= n - 1:
-            if not ok(n - 1):
-                return None, runs
-            above = n - 1
-            break
-        if ok(probe):
-            above = probe
-            break
-        below, step = probe, step * 2
-    while above - below > 1:  # targets[below] infeasible, targets[above] feasible
-        mid = (below + above) // 2
-        if ok(mid):
-            above = mid
-        else:
-            below = mid
-    return above, runs
-
-
-def min_bottleneck(graph: OpGraph | DPTree, cluster: Cluster, batch_size: int, micro_batch_size: int,
-                   num_devices: int | None = None, power_of_two: bool = False,
-                   link: Link | None = None, recompute: bool = False) -> DPSolution | None:
-    """The smallest bottleneck TPS of the search space (module docstring) for one micro-batch size,
-    cuts costed on ``link`` (None: free).
-
-    Search over the sorted candidate TPS values (:func:`first_feasible`):
-    feasibility is monotone in ``t_max`` (a larger target only admits more
-    stages), and the optimum is the TPS of some stage, so the search is
-    exact. Returns None when nothing fits (memory, or no stage at all).
-    """
-    tree = graph if isinstance(graph, DPTree) else build_tree(graph)
-    dp = BottleneckDP(tree, cluster, batch_size, micro_batch_size, num_devices, power_of_two, link, recompute)
-    targets = dp.candidate_targets()
-    start = int(np.searchsorted(targets, dp.lower_bound() * (1 - 1e-12)))
-    index, tried = first_feasible(dp, targets, dp.kcap, start)
-    if index is None:
-        return None
-    best = dp.best_at(float(targets[index]))
-    assert best is not None
-    v, stages = best
-    return DPSolution(micro_batch_size, max(s.tps for s in stages), tuple(stages), v, tried, dp.dp_states)
