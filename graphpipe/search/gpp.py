@@ -236,7 +236,7 @@ def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: Search
 
     for li, link in enumerate(links):
         best_estimate = float("inf")  # per cut costing: each is a search of its own
-        hints: dict[str, list[tuple[float, int]]] = {}  # view -> the last micro-batch size's trade-off
+        hints: dict[str, list[tuple[float, int, bool]]] = {}  # view -> the last micro-batch size's trade-off
         for view, view_tree in trees:
             for b in sizes:
                 if cannot_beat(view, view_tree, b):
@@ -247,9 +247,10 @@ def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: Search
                 free = free_optimum.get((view, b), 0.0)
                 if max(dp.lower_bound(), free) * batch_size > best_estimate * PRUNE_SLACK:
                     continue  # even a perfectly balanced pipeline at this size loses to a candidate in hand
-                found, n_tried = _frontier(dp, batch_size, best_estimate * PRUNE_SLACK, free, hints.get(view, ()))
-                if found:
-                    hints[view] = [(t, depth) for t, depth, _ in found]
+                found, n_tried, left = _frontier(dp, batch_size, best_estimate * PRUNE_SLACK, free,
+                                                 hints.get(view, ()))
+                if left:
+                    hints[view] = left
                 if link is None and found:
                     free_optimum[(view, b)] = found[0][0]
                 tried += n_tried
@@ -334,7 +335,8 @@ def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: Search
 
 # ------------------------------------------------------------------ search
 def _frontier(dp: BottleneckDP | ChainDP, batch_size: int, best_estimate: float, known_lower: float = 0.0,
-              hints: Sequence[tuple[float, int]] = ()) -> tuple[list[tuple[float, int, list[DPStage]]], int]:
+              hints: Sequence[tuple[float, int, bool]] = ()
+              ) -> tuple[list[tuple[float, int, list[DPStage]]], int, list[tuple[float, int, bool]]]:
     """The (bottleneck, depth) trade-off for one micro-batch size.
 
     First the optimal bottleneck ``t*`` and the shallowest graph reaching it
@@ -343,27 +345,32 @@ def _frontier(dp: BottleneckDP | ChainDP, batch_size: int, best_estimate: float,
     ``v`` is monotone in the target). Stops once ``t * B`` alone exceeds the
     best estimate so far: shallower graphs only need larger targets.
     ``known_lower``: a bottleneck no stage graph of this DP beats (0: none known).
-    ``hints``: (t, depth) points of a neighbouring micro-batch size's trade-off, where each search starts
-    (they change how many DP runs it takes, not what it finds).
-    Returns ([(t, depth, stages)], DP runs).
+    ``hints``: (t, depth, found at the search's start) points of a neighbouring micro-batch size's
+    trade-off, where each search starts (they change how many DP runs it takes, not what it finds): a
+    search whose neighbour found its answer right at its lower bound probes that bound first.
+    Returns ([(t, depth, stages)], DP runs, the hints it leaves for the next size).
     """
     targets = dp.candidate_targets()
     start = int(np.searchsorted(targets, max(dp.lower_bound() * (1 - 1e-12), known_lower), side="left"))
 
     def near(depth: int) -> int | None:  # the hint's smallest target admitting this depth
-        ts = [t for t, d in hints if d <= depth]
-        return int(np.searchsorted(targets, min(ts), side="left")) if ts else None
+        ts = [(t, tight) for t, d, tight in hints if d <= depth]
+        if not ts or min(ts)[1]:
+            return None
+        return int(np.searchsorted(targets, min(ts)[0], side="left"))
 
     probes: dict[int, Table] = {}
     index, runs = first_feasible(dp, targets, dp.kcap, start, probes, guess=near(dp.kcap))
     if index is None:
-        return [], runs
+        return [], runs, []
     out = []
+    left = [(float(targets[index]), 0, index == start)]  # depth filled in below
     best = dp.best_at(float(targets[index]))
     assert best is not None
     depth, stages = best
     t = float(targets[index])
     out.append((t, depth, stages))
+    left[0] = (t, depth, left[0][2])
     best_estimate = min(best_estimate, t * (batch_size + dp.b * (depth - 1)))
     scaled = targets * batch_size
     while depth > 1:
@@ -373,6 +380,7 @@ def _frontier(dp: BottleneckDP | ChainDP, batch_size: int, best_estimate: float,
         runs += more
         if found is None:
             break
+        tight = found == index + 1
         index, t = found, float(targets[found])
         if t * batch_size >= best_estimate:
             break
@@ -380,8 +388,9 @@ def _frontier(dp: BottleneckDP | ChainDP, batch_size: int, best_estimate: float,
         stages = dp.extract(depth - 1)
         depth = _source_depth(stages)
         out.append((t, depth, stages))
+        left.append((t, depth, tight))
         best_estimate = min(best_estimate, t * (batch_size + dp.b * (depth - 1)))
-    return out, runs
+    return out, runs, left
 
 
 def _estimate(graph: OpGraph, cluster: Cluster, batch_size: int, b: int, stages: Sequence[DPStage],

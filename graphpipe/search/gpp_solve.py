@@ -50,12 +50,13 @@ def first_feasible(dp: BottleneckDP | ChainDP, targets: Sequence[float], depth: 
     """Index of the smallest target at which the root admits source depth <= ``depth`` (None: none does).
 
     Feasibility is monotone in the target, so this is a search over a sorted
-    array: probe ``start``, a lower bound (no index below it is feasible;
-    probes near it are cheap because few large stages meet a small target),
-    then ``guess`` if given, gallop from there towards the answer -- down
-    while feasible, up while not -- and bisect the bracket. A good guess
-    (the answer of a neighbouring micro-batch size) brackets the answer in a
-    few runs instead of a gallop from ``start``. ``probes`` (target index -> root
+    array. With a ``guess`` (the answer of a neighbouring micro-batch size),
+    probe it and the index below: a right guess needs these two runs only. A
+    feasible guess is an upper end; then try ``start``, a lower bound (no
+    index below it is feasible, and it is often tight), and gallop down from
+    the guess. Without a guess, or when it is infeasible, gallop up from the
+    lowest index not known infeasible (probes there are cheap: few large
+    stages meet a small target). Then bisect the bracket. ``probes`` (target index -> root
     table) carries DP runs between searches for different depths: every
     earlier probe narrows the bracket. ``stop``: only indices below it are of
     use to the caller; None is returned when none of them is feasible.
@@ -84,20 +85,25 @@ def first_feasible(dp: BottleneckDP | ChainDP, targets: Sequence[float], depth: 
         return None, runs
     if above <= below + 1:
         return (above if above < n else None), runs
-    if stop is not None and above >= n and n - 1 > below + 1:
-        # The caller's cut-off bounds the bracket: one run at its top says whether anything below it is
-        # feasible at all (often nothing is: a shallower graph needing a much larger target).
-        if not ok(n - 1):
-            return None, runs
-        above = n - 1
-    probe = below + 1
-    if guess is not None and guess > probe and not ok(probe):  # the lower bound is often tight: try it first
-        below, probe = probe, min(guess, min(above, n) - 1)
-    if probe <= below:  # the guess was not above the known infeasible index: gallop up from there
-        probe = below + 1
-    if ok(probe):
-        above, step = probe, 1
-        while above - below > 1:  # gallop down towards the known infeasible index
+    down = False
+    if guess is not None and below + 1 < guess < min(above, n):
+        # Probe the guess and the index below it: a right guess settles the search in these two runs.
+        if ok(guess):
+            if not ok(guess - 1):
+                return guess, runs
+            above = guess - 1
+            if ok(below + 1):  # the lower bound is often tight
+                return below + 1, runs
+            below, down = below + 1, True
+        else:
+            below = guess
+            if below >= n - 1:
+                return None, runs
+            if above <= below + 1:
+                return (above if above < n else None), runs
+    if down:
+        step = 1
+        while above - below > 1:  # gallop down from the guess towards the known infeasible index
             probe = above - step
             if probe <= below:
                 break
@@ -107,7 +113,15 @@ def first_feasible(dp: BottleneckDP | ChainDP, targets: Sequence[float], depth: 
                 below = probe
                 break
     else:
-        below, step = probe, 1
+        if stop is not None and above >= n and n - 1 > below + 1:
+            # The caller's cut-off bounds the bracket: one run at its top says whether anything below it is
+            # feasible at all (often nothing is: a shallower graph needing a much larger target).
+            if not ok(n - 1):
+                return None, runs
+            above = n - 1
+        if ok(below + 1):
+            return below + 1, runs
+        below, step = below + 1, 1
         while True:  # gallop up
             probe = below + step
             if above < n and probe >= above:  # the bracket is already closed by an earlier probe
