@@ -496,8 +496,12 @@ def solve_levels(states: AntichainStates, graph: OpGraph, micro_batch_size: int,
     placed: list[tuple[int, int, tuple[int, ...]]] = []
     per_level: list[list[tuple[int, int, int]]] = [[] for _ in levels]
 
-    def expand(level: int, start: int, end: int, bases: list[int]) -> None:
-        offset = 0
+    # The splits, expanded depth first from the top level (an explicit stack: a recursive closure would
+    # be a reference cycle holding the tables until the garbage collector runs).
+    pending: list[tuple[int, int, int, list[int]]] = [(len(levels) - 1, 0, s, [0])]
+    while pending:
+        level, start, end, bases = pending.pop()
+        offset, below = 0, []
         for a, b, r in analyze(tables[level], start, end, levels[level][0]):
             per_level[len(levels) - 1 - level].append((a, b, r))
             sub = [base + (offset + t) * unit[level] for base in bases for t in range(r)]
@@ -505,9 +509,8 @@ def solve_levels(states: AntichainStates, graph: OpGraph, micro_batch_size: int,
             if level == 0:
                 placed.append((a, b, tuple(sorted(sub))))
             else:
-                expand(level - 1, a, b, sub)
-
-    expand(len(levels) - 1, 0, s, [0])
+                below.append((level - 1, a, b, sub))
+        pending.extend(reversed(below))
     stage_of = {}
     stages: list[tuple[list[int], tuple[int, ...]]] = []
     for q, (a, b, devices) in enumerate(placed):
