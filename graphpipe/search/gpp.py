@@ -114,8 +114,7 @@ from graphpipe.graph import OpGraph
 from graphpipe.search.common import (SearchOptions, SearchResult, comm_links, link_name, micro_batch_candidates,
                                      placed_bottleneck, recompute_all, simulated)
 from graphpipe.search.gpp_blocks import BlockCosts
-from graphpipe.search.gpp_chain import ChainDP
-from graphpipe.search.gpp_dp import INF, BottleneckDP, DPStage, Table
+from graphpipe.search.gpp_dp import INF, DPStage, Table, TargetDP
 from graphpipe.search.gpp_solve import first_feasible, make_dp, min_bottleneck
 from graphpipe.search.gpp_tree import DPTree, build_tree, chain_tree
 from graphpipe.sp import induced_subgraph, make_series_parallel
@@ -183,7 +182,7 @@ def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: Search
 
     ``beat_iteration_s``: the simulated iteration time of a plan the caller
     already has. A view and micro-batch size whose compute-only lower bound
-    (:meth:`BottleneckDP.lower_bound` without cut costs or
+    (:meth:`TargetDP.lower_bound` without cut costs or
     re-materialization, times the batch) is above it cannot give a faster
     plan and is not searched; when nothing is left this raises
     :class:`InfeasibleError` saying so.
@@ -334,7 +333,7 @@ def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: Search
 
 
 # ------------------------------------------------------------------ search
-def _frontier(dp: BottleneckDP | ChainDP, batch_size: int, best_estimate: float, known_lower: float = 0.0,
+def _frontier(dp: TargetDP, batch_size: int, best_estimate: float, known_lower: float = 0.0,
               hints: Sequence[tuple[float, int, bool]] = ()
               ) -> tuple[list[tuple[float, int, list[DPStage]]], int, list[tuple[float, int, bool]]]:
     """The (bottleneck, depth) trade-off for one micro-batch size.

@@ -108,7 +108,7 @@ from graphpipe.cluster import Cluster, Link
 from graphpipe.search.gpp_blocks import BlockCosts
 from graphpipe.search.gpp_tree import DPTree
 
-__all__ = ["Table", "DPStage", "DPSolution", "BottleneckDP", "INF"]
+__all__ = ["Table", "DPStage", "DPSolution", "TargetDP", "BottleneckDP", "INF"]
 
 INF = 1 << 62
 """Devices of a bound no partition meets (more than any cluster has)."""
@@ -183,12 +183,13 @@ class DPSolution:
         return sum(s.num_devices for s in self.stages)
 
 
-class BottleneckDP:
-    """The DP for one micro-batch size and cut costing; :meth:`solve` runs it for one target ``t_max``.
+class TargetDP:
+    """What both DPs share: the sizes and block cost tables of one micro-batch size and cut costing, and the
+    search interface -- :meth:`solve` one target, :meth:`extract` its stages, :meth:`best_at` both.
 
-    Not a value object: it memoises states across targets (module docstring).
-    ``blocks`` (the same tree, cluster, sizes and ``recompute``) lets several
-    cut costings share one set of block cost tables.
+    :class:`BottleneckDP` runs on any tree; :class:`~graphpipe.search.gpp_chain.ChainDP`, the same
+    recurrence vectorised, on chains. ``blocks`` (the same tree, cluster, sizes and ``recompute``) lets
+    several cut costings share one set of block cost tables.
     """
 
     def __init__(self, tree: DPTree, cluster: Cluster, batch_size: int, micro_batch_size: int,
@@ -212,12 +213,6 @@ class BottleneckDP:
         self.recompute = blocks.recompute
         self.t_max = float("inf")
         self.dp_states = 0
-        self._memo: dict[tuple, Table] = {}
-        self._feas: dict[tuple[int, int, int, int], tuple[tuple[int, int], ...]] = {}
-        self._ends: dict[tuple[int, int, int], list[int]] = {}
-        self._rows: dict[tuple[int, int], list[float]] = {}
-        self._identities: dict[int, Table] = {}
-        self._reset()
 
     def candidate_targets(self) -> np.ndarray:
         """Every stage cost a block can have, sorted: the optimum is one of them."""
@@ -226,6 +221,43 @@ class BottleneckDP:
     def lower_bound(self) -> float:
         """:meth:`BlockCosts.lower_bound <graphpipe.search.gpp_blocks.BlockCosts.lower_bound>`."""
         return self.blocks.lower_bound()
+
+    def solve(self, t_max: float, depth: int | None = None) -> Table:
+        """The root's table under target ``t_max`` (index = bound on the source depth); with ``depth``, the
+        table may end at that bound."""
+        raise NotImplementedError
+
+    def extract(self, v: int) -> list[DPStage]:
+        """Stages of the last solved target's solution with source depth <= v, by the back-pointers."""
+        raise NotImplementedError
+
+    def feasible(self, t_max: float) -> bool:
+        return any(d < INF for d in self.solve(t_max).devices)
+
+    def best_at(self, t_max: float) -> tuple[int, list[DPStage]] | None:
+        """(source in-flight, stages) of the shallowest solution meeting ``t_max``, or None."""
+        root = self.solve(t_max)
+        for v, d in enumerate(root.devices):
+            if d < INF:
+                return v, self.extract(v)
+        return None
+
+
+class BottleneckDP(TargetDP):
+    """The DP for one micro-batch size and cut costing, on any tree; :meth:`solve` runs it for one target.
+
+    Not a value object: it memoises states across targets (module docstring).
+    Arguments as :class:`TargetDP`'s.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._memo: dict[tuple, Table] = {}
+        self._feas: dict[tuple[int, int, int, int], tuple[tuple[int, int], ...]] = {}
+        self._ends: dict[tuple[int, int, int], list[int]] = {}
+        self._rows: dict[tuple[int, int], list[float]] = {}
+        self._identities: dict[int, Table] = {}
+        self._reset()
 
     # ------------------------------------------------------- blocks at t_max
     def _reach(self, x: int) -> np.ndarray:
@@ -367,9 +399,6 @@ class BottleneckDP:
         self.t_max = t_max
         self._reset()
         return self._value(self.tree.root, 0)
-
-    def feasible(self, t_max: float) -> bool:
-        return any(d < INF for d in self.solve(t_max).devices)
 
     def _table(self, devices: list[int], stages: list[int], choice: list) -> Table:
         """A state's table, bounds needing more devices than there are marked infeasible."""
@@ -536,15 +565,6 @@ class BottleneckDP:
                 _, j2, d = how
                 out.append(self._stage(x, j, j2, d, k + 1))
                 j = j2
-
-    # ----------------------------------------------------------------- search
-    def best_at(self, t_max: float) -> tuple[int, list[DPStage]] | None:
-        """(source in-flight, stages) of the shallowest solution meeting ``t_max``, or None."""
-        root = self.solve(t_max)
-        for v, d in enumerate(root.devices):
-            if d < INF:
-                return v, self.extract(v)
-        return None
 
 
 def _fewest_devices(profile: tuple[tuple[int, int], ...], in_flight: int) -> int:

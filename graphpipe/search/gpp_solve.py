@@ -10,13 +10,15 @@ for the exact optimal bottleneck of the space.
 
 Example
 -------
->>> from graphpipe.graph import Op, OpGraph, Affine
+Two ops, the second twice as costly, on three devices: one stage over all
+three (3 ms per sample) beats any split of the two.
+
 >>> from graphpipe.cluster import preset
->>> ops = [Op(n, "x", Affine(0, 1e-3), Affine(0, 2e-3)) for n in "abcd"]
->>> g = OpGraph.build("chain", ops, [("a", "b", 1), ("b", "c", 1), ("c", "d", 1)])
->>> sol = min_bottleneck(g, preset("v100", 2), batch_size=8, micro_batch_size=2)
->>> round(sol.bottleneck_tps, 6), [len(s.op_ids) for s in sol.stages]
-(0.006, [4])
+>>> from graphpipe.graph import Affine, Op, OpGraph
+>>> ops = [Op("a", "x", Affine(0, 1e-3), Affine(0, 2e-3)), Op("b", "x", Affine(0, 2e-3), Affine(0, 4e-3))]
+>>> sol = min_bottleneck(OpGraph.build("pair", ops, [("a", "b", 1)]), preset("v100", 3), 12, 3)
+>>> round(sol.bottleneck_tps, 6), [(s.op_ids, s.num_devices) for s in sol.stages]
+(0.003, [((0, 1), 3)])
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from graphpipe.cluster import Cluster, Link
 from graphpipe.graph import OpGraph
 from graphpipe.search.gpp_blocks import BlockCosts
 from graphpipe.search.gpp_chain import ChainDP, is_chain
-from graphpipe.search.gpp_dp import BottleneckDP, DPSolution, Table
+from graphpipe.search.gpp_dp import BottleneckDP, DPSolution, Table, TargetDP
 from graphpipe.search.gpp_tree import DPTree, build_tree
 
 __all__ = ["make_dp", "first_feasible", "min_bottleneck"]
@@ -37,14 +39,14 @@ __all__ = ["make_dp", "first_feasible", "min_bottleneck"]
 
 def make_dp(tree: DPTree, cluster: Cluster, batch_size: int, micro_batch_size: int, num_devices: int | None = None,
             power_of_two: bool = False, link: Link | None = None, recompute: bool = False,
-            blocks: BlockCosts | None = None) -> BottleneckDP | ChainDP:
+            blocks: BlockCosts | None = None) -> TargetDP:
     """The DP for ``tree``: :class:`ChainDP` on a chain (same answers, faster), else :class:`BottleneckDP`."""
     cls = ChainDP if is_chain(tree) else BottleneckDP
     return cls(tree, cluster, batch_size, micro_batch_size, num_devices, power_of_two, link, recompute, blocks)
 
 
 
-def first_feasible(dp: BottleneckDP | ChainDP, targets: Sequence[float], depth: int, start: int = 0,
+def first_feasible(dp: TargetDP, targets: Sequence[float], depth: int, start: int = 0,
                    probes: dict[int, Table] | None = None, stop: int | None = None,
                    guess: int | None = None) -> tuple[int | None, int]:
     """Index of the smallest target at which the root admits source depth <= ``depth`` (None: none does).
