@@ -5,9 +5,15 @@ every zoo model (paper config) and every shared PipeDream profile at 2, 4, 8, 16
 devices, v100 preset, batch 16 x devices, all four strategies through the one simulator.
 
     python -m graphpipe.evals.check_gpp_vs_spp [--out evals] [--jobs 2]
+    python -m graphpipe.evals.check_gpp_vs_spp --recheck [--out evals]
 
 Prints one line per point and a summary (the worst gpp / best-SPP ratio); exits 1 if
 gpp loses anywhere or the sequential transformer is more than 2% below pipedream.
+
+``--recheck`` re-plans only gpp (with its sequential candidates) at every point of the
+committed ``results/gpp_vs_spp.json`` and compares its throughput with the recorded one:
+after a change that should not move any plan, this says whether the sweep still holds
+without re-running the baselines (minutes instead of hours). Exits 1 if any point moved.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import sys
 from .common import write_result
 from graphpipe.models import load_model
 from graphpipe.cluster import preset
-from graphpipe.search.planner import compare
+from graphpipe.search.planner import compare, make_plan
 
 __all__ = ["main"]
 
@@ -52,13 +58,38 @@ def _point(task: tuple[str, int]) -> dict:
             "best_spp_throughput": best and best["throughput"], "ratio": ratio, "gpp_lost": lost}
 
 
+def _model_spec(name: str, profiles_dir: str) -> str:
+    return name if name in ZOO else os.path.join(profiles_dir, name)
+
+
+def recheck(out: str, profiles_dir: str) -> int:
+    """Re-plan gpp at every committed point; 0 when every throughput is the recorded one."""
+    with open(os.path.join(out, "results", "gpp_vs_spp.json")) as f:
+        rows = json.load(f)["rows"]
+    moved = 0
+    for row in rows:
+        graph = load_model(_model_spec(row["model"], profiles_dir), device=preset("v100", 1).device).graph
+        n = row["devices"]
+        got = make_plan(row["model"], graph, preset("v100", n), 16 * n, "gpp").predicted["throughput"]
+        same = abs(got - row["gpp"]) <= 1e-9 * row["gpp"]
+        moved += not same
+        print(f"{row['model']:14} {n:3d}  gpp {got:.6g}  recorded {row['gpp']:.6g}  {'same' if same else 'MOVED'}",
+              flush=True)
+    print(f"{len(rows)} points, {moved} moved")
+    return 1 if moved else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m graphpipe.evals.check_gpp_vs_spp", description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__)))
     parser.add_argument("--jobs", type=int, default=1, help="(model, devices) points swept in parallel processes")
     parser.add_argument("--profiles-dir", default=os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data",
                                                                "pipedream-profiles"))
+    parser.add_argument("--recheck", action="store_true",
+                        help="re-plan only gpp at the committed points and compare (module docstring)")
     args = parser.parse_args(argv)
+    if args.recheck:
+        return recheck(args.out, args.profiles_dir)
     models = list(ZOO) + [os.path.join(args.profiles_dir, p) for p in PROFILES if os.path.isdir(os.path.join(args.profiles_dir, p))]
     if args.jobs < 1:
         parser.error(f"--jobs must be at least 1, got {args.jobs}")

@@ -8,6 +8,10 @@ import os
 import pytest
 
 from graphpipe.cli import main
+from graphpipe.cluster import preset
+from graphpipe.evals import check_gpp_vs_spp
+from graphpipe.models import load_model
+from graphpipe.search.planner import make_plan
 
 EXPERIMENTS = ("throughput", "search-time", "branches", "ablation", "case-study", "memory", "fidelity", "zero-bubble",
                "async-throughput", "staleness")
@@ -163,3 +167,22 @@ def test_runtime_prediction_on_a_shared_host():
     assert t1 >= sum(alone.busy_s) * (1 - 1e-9)  # at most one unit of work per second
     assert slowdown1 > 1  # gpp runs branches at once, and they share the core
     assert busy1 / slowdown1 <= 1 + 1e-9  # dedicated-time work per second of the iteration
+
+
+def _write_sweep(out, rows):
+    os.makedirs(os.path.join(out, "results"), exist_ok=True)
+    with open(os.path.join(out, "results", "gpp_vs_spp.json"), "w") as f:
+        json.dump({"rows": rows}, f)
+
+
+def test_sweep_recheck_passes_on_the_same_plans_and_fails_on_a_moved_one(tmp_path, capsys):
+    n = 2
+    graph = load_model("twobranch", device=preset("v100", 1).device).graph
+    truth = make_plan("twobranch", graph, preset("v100", n), 16 * n, "gpp").predicted["throughput"]
+    out = str(tmp_path)
+    _write_sweep(out, [{"model": "twobranch", "devices": n, "gpp": truth}])
+    assert check_gpp_vs_spp.main(["--recheck", "--out", out]) == 0
+    assert "1 points, 0 moved" in capsys.readouterr().out
+    _write_sweep(out, [{"model": "twobranch", "devices": n, "gpp": truth * 1.01}])
+    assert check_gpp_vs_spp.main(["--recheck", "--out", out]) == 1
+    assert "MOVED" in capsys.readouterr().out
