@@ -186,3 +186,15 @@ def test_leaf_tables_equal_one_leaf_at_a_time():
                 if link is not None:
                     cut = 2 * (link.latency_s / 4 + outs / link.bandwidth_Bps) if outs > 0 else 0.0
                     assert np.allclose(blocks.stage_cost(x, link)[0, 1], np.maximum(tps, cut), rtol=1e-12)
+
+
+def test_extract_refuses_a_bound_the_last_solve_did_not_reach():
+    """A solve asked up to a depth fills back-pointers only that far: extracting beyond is an error, not a
+    plan read from unfilled arrays."""
+    dp = ChainDP(chain_tree(chain_graph(6)), preset("v100", 4), BATCH, 4)
+    t = float(dp.candidate_targets()[-1])
+    assert len(dp.solve(t, 0).devices) == 1
+    with pytest.raises(ValueError, match="not solved"):
+        dp.extract(1)
+    v, stages = dp.best_at(t)  # a full solve: every bound can be extracted again
+    assert dp.extract(dp.kcap) and stages

@@ -354,22 +354,21 @@ def _frontier(dp: TargetDP, batch_size: int, best_estimate: float, known_lower: 
 
     def near(depth: int) -> int | None:  # the hint's smallest target admitting this depth
         ts = [(t, tight) for t, d, tight in hints if d <= depth]
-        if not ts or min(ts)[1]:
+        if not ts:
             return None
-        return int(np.searchsorted(targets, min(ts)[0], side="left"))
+        t, tight = min(ts)
+        return None if tight else int(np.searchsorted(targets, t, side="left"))
 
     probes: dict[int, Table] = {}
     index, runs = first_feasible(dp, targets, dp.kcap, start, probes, guess=near(dp.kcap))
     if index is None:
         return [], runs, []
-    out = []
-    left = [(float(targets[index]), 0, index == start)]  # depth filled in below
     best = dp.best_at(float(targets[index]))
     assert best is not None
     depth, stages = best
     t = float(targets[index])
-    out.append((t, depth, stages))
-    left[0] = (t, depth, left[0][2])
+    out = [(t, depth, stages)]
+    left = [(t, depth, index == start)]
     best_estimate = min(best_estimate, t * (batch_size + dp.b * (depth - 1)))
     scaled = targets * batch_size
     while depth > 1:

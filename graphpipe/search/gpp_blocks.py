@@ -165,7 +165,7 @@ class BlockCosts:
 
     def _leaf_costs(self, link: Link) -> None:
         tps = np.stack([self.stage_tps(x) for x in self._leaves])
-        outputs = np.stack([self._boundary[x][1] for x in self._leaves])
+        outputs = np.stack([outputs for _, outputs, _ in self._leaf_boundaries()])
         cost = np.maximum(tps, cut_tps(outputs, link, self.micro_batch_size)[..., None])
         for i, x in enumerate(self._leaves):
             self._stage_cost[(x, link)] = cost[i]

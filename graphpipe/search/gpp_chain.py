@@ -101,6 +101,8 @@ class ChainDP(TargetDP):
         self._longer = ij >= 2
         self._ds = np.array(self.ds, dtype=np.int64)
         self._choice: np.ndarray | None = None
+        self._levels = 0
+        """Bounds of the last solve whose back-pointers are filled in (a solve up to a depth stops early)."""
         self._pairs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
     def _options(self, t_max: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -154,7 +156,7 @@ class ChainDP(TargetDP):
                 keys[v + 1:], choice[v + 1:] = keys[v], choice[v]
                 top = size
                 break
-        self._choice, self._pairs = choice, (i, j, reach)
+        self._choice, self._levels, self._pairs = choice, top, (i, j, reach)
         root = keys[:top, 0].tolist()
         devices = [key // _STAGES if key < _NONE else INF for key in root]
         stages = [key % _STAGES if key < _NONE else 0 for key in root]
@@ -164,6 +166,8 @@ class ChainDP(TargetDP):
     def extract(self, v: int) -> list[DPStage]:
         """Stages of the solution with depth <= v (after :meth:`solve`), first stage first."""
         assert self._choice is not None and self._pairs is not None
+        if v >= self._levels:
+            raise ValueError(f"bound {v} was not solved for: the last solve stopped at {self._levels - 1}")
         pi, pj, reach = self._pairs
         flat = pi * (self.n + 1) + pj   # sorted: pairs come sorted by i, then j
         out, i = [], 0

@@ -45,7 +45,6 @@ def make_dp(tree: DPTree, cluster: Cluster, batch_size: int, micro_batch_size: i
     return cls(tree, cluster, batch_size, micro_batch_size, num_devices, power_of_two, link, recompute, blocks)
 
 
-
 def first_feasible(dp: TargetDP, targets: Sequence[float], depth: int, start: int = 0,
                    probes: dict[int, Table] | None = None, stop: int | None = None,
                    guess: int | None = None) -> tuple[int | None, int]:
