@@ -40,7 +40,7 @@ from graphpipe.errors import InputError, ScheduleError
 from graphpipe.graph import OpGraph
 from graphpipe.stages import Stage, StageGraph
 
-from graphpipe.sched.graph1f1b import assemble, graph_1f1b, one_f_one_b_sequence, warmup_counts
+from graphpipe.sched.graph1f1b import assemble, graph_1f1b, one_f_one_b_sequence, round_robin_warmups, warmup_counts
 from graphpipe.sched.validate import validate_schedule
 from graphpipe.sched.zero_bubble import graph_zb, interleaved_zb, zb_h1, zbv
 
@@ -91,28 +91,11 @@ def one_f_one_b(sg: StageGraph, order: Sequence[int] | None = None) -> Schedule:
                   for s in range(n)]
     warm = warmup_counts(sg, successors)
     if any(st.round_robin for st in sg.stages) and len({st.micro_batch_size for st in sg.stages}) == 1:
-        warm = _round_robin_warmup(sg, order, warm)
+        # 1F1B-RR: each replica admits K - i of its own, along the chain of the order
+        chain = [(order[position[s] + 1],) if position[s] + 1 < n else () for s in range(n)]
+        warm = round_robin_warmups(sg, chain, [n - position[s] for s in range(n)], warm)
     per_stage = [one_f_one_b_sequence(s, sg.num_micro_batches(s), warm[s]) for s in range(n)]
     return assemble(sg, "1f1b", per_stage)
-
-
-def _round_robin_warmup(sg: StageGraph, order: Sequence[int], warm: Sequence[int]) -> list[int]:
-    """1F1B-RR warm-ups: each of a round-robin stage's ``r`` replicas admits ``K - i`` of its own
-    micro-batches (PipeDream admits ceil(workers / input-stage replicas) per input replica), so the stage
-    admits ``r (K - i)``; then, from the last stage back, each stage admits at least one more than the next
-    (the chain rule that keeps 1F1B deadlock-free; a replica's list is a subsequence of its stage's order,
-    so it only relaxes that order). Capped at ``M``."""
-    out = list(warm)
-    k = len(order)
-    num_mbs = sg.num_micro_batches(order[0])
-    following = 0
-    for i in range(k - 1, -1, -1):
-        s = order[i]
-        st = sg.stages[s]
-        wanted = st.num_replicas * (k - i) if st.round_robin else out[s]
-        out[s] = min(num_mbs, max(wanted, out[s], following + 1))
-        following = out[s]
-    return out
 
 
 def interleaved_groups(sg: StageGraph) -> tuple[tuple[int, ...], ...]:

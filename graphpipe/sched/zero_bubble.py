@@ -18,7 +18,7 @@ The price is memory: a micro-batch's activations live until its W.
   ``(K-1)(F + I - W)`` instead of 1F1B's ``(K-1)(F + I + W)``: a third
   (tests/test_zero_bubble.py derives it).
 * :func:`graph_zb` — the same on a graph of stages: graph-1F1B's warm-ups
-  (:func:`graphpipe.sched.graph1f1b.warmup_counts`) and order with each B
+  (:func:`graphpipe.sched.graph1f1b.schedule_warmups`) and order with each B
   split, stage ``s``'s W's trailing its I's by ``lag_s = min(L, D - w_s)``
   micro-batches, where ``D`` is the deepest warm-up (the source's in-flight
   count under graph-1F1B) — so no stage holds more micro-batches than
@@ -66,7 +66,7 @@ from graphpipe.cluster import Cluster, DeviceSpec, Link
 from graphpipe.errors import ScheduleError
 from graphpipe.stages import StageGraph
 
-from graphpipe.sched.graph1f1b import assemble, warmup_counts
+from graphpipe.sched.graph1f1b import assemble, schedule_warmups
 from graphpipe.sched.simulator import simulate
 
 __all__ = ["zb_h1", "graph_zb", "zbv", "interleaved_zb", "v_shape_groups", "lagged_sequence"]
@@ -110,7 +110,7 @@ def zb_h1(sg: StageGraph, cluster: Cluster | None = None) -> Schedule:
     if not sg.is_chain():
         raise ScheduleError("zb-h1 needs a chain of stages and this stage graph has branches; use 'graph-zb', "
                             "zero bubble for stage graphs")
-    warm = warmup_counts(sg)
+    warm = schedule_warmups(sg)
     return _lagged_schedule(sg, "zb-h1", warm, max(warm, default=1))
 
 
@@ -122,7 +122,7 @@ def graph_zb(sg: StageGraph, cluster: Cluster | None = None) -> Schedule:
     """
     if cluster is not None and cluster.num_devices != sg.num_devices:
         raise ScheduleError(f"cluster has {cluster.num_devices} devices, the stage graph {sg.num_devices}")
-    warm = warmup_counts(sg)
+    warm = schedule_warmups(sg)
     deepest = max(warm, default=1)
     if cluster is None:  # compare on compute alone: free communication (memory needs no links)
         cluster = Cluster(name="compute-only", num_devices=sg.num_devices, devices_per_node=sg.num_devices,
