@@ -129,6 +129,26 @@ def test_unknown_experiment_is_refused(capsys):
     assert err == [err[0]] and err[0].startswith("graphpipe: error: unknown experiment 'nonsense'")
 
 
+@pytest.mark.parametrize("first_s,runs", [(0.5, 5), (61.0, 1)])
+def test_search_time_repeats_a_search_unless_one_run_is_long(monkeypatch, first_s, runs):
+    """Medians of ``repeats`` searches; a search over ``single_run_over_s`` is timed once (Piper on mmt)."""
+    from types import SimpleNamespace
+
+    from graphpipe.evals import experiments
+
+    times = iter([first_s, 0.3, 0.1, 0.2, 0.4])
+    calls = []
+
+    def fake_plan(*args):
+        calls.append(args)
+        return SimpleNamespace(search={"time_s": next(times)}), {"feasible": True}
+
+    monkeypatch.setattr(experiments, "_try_plan", fake_plan)
+    row = experiments._search_time("mmt", 8, 128, "piper", 5, single_run_over_s=60.0)
+    assert len(calls) == runs and row["repeats"] == runs
+    assert row["search_time_s"] == (first_s if runs == 1 else 0.3)
+
+
 def test_bootstrap_interval_brackets_the_median_and_is_reproducible():
     import random
     import statistics
