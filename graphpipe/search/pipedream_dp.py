@@ -406,31 +406,34 @@ def _level(compute: np.ndarray, act: np.ndarray, params: np.ndarray, output: np.
     last_c, last_p, last_a = compute[1:], params[1:], act[1:]
     in_t = 2.0 * output[:, None] / (bw * m1[None, :])                         # (k, m'): 2 a_k / (B m')
     out_t = np.where(np.arange(s)[:, None] < s - 1, 2.0 * output[:, None] / (bw * m1[None, :]), 0.0)  # (j, m')
-    for i in range(1 if final else rows):
-        allowed = ancestors.copy()                                             # (j, k)
-        if i > 0:
-            allowed &= ~ancestors[i - 1][None, :]
-        for m in range(1, M):
-            js = np.arange(i + 1, s)
-            if js.size == 0:
+    # m outermost: A[i][j][m] reads only A[i][k][m - m'] with m' >= 1, so every entry sees the values the
+    # i-outer order gave it, and the part of each candidate that does not depend on i (the last stage's
+    # time, its transfers in and out, whether it fits) is computed once per m instead of once per (i, m).
+    for m in range(1, M):
+        mp = np.arange(1, m + 1)                                               # m' = 1..m
+        with np.errstate(invalid="ignore"):
+            last = (last_c[:, :, None] + 4 * (mp - 1) * last_p[:, :, None] / (bw * mp)) / mp   # (k, j, m')
+            held = _in_flight(M, m + 1, mp, num_mbs, outside) * last_a[:, :, None] + state_per_byte * last_p[:, :, None]
+            base = np.maximum(np.maximum(last, in_t[:, None, mp - 1]), out_t[None, :, mp - 1])
+        base[~(held <= memory)] = np.inf                                       # does not fit: never chosen
+        for i in range(1 if final else rows):
+            if i + 1 >= s:
                 break
-            mp = np.arange(1, m + 1)                                           # m' = 1..m
             prev = time[i][:, m - mp]                                          # (k, m'): A[i][k][m - m']
             with np.errstate(invalid="ignore"):
-                last = (last_c[:, js, None] + 4 * (mp - 1) * last_p[:, js, None] / (bw * mp)) / mp   # (k, j, m')
-                held = _in_flight(M, m + 1, mp, num_mbs, outside) * last_a[:, js, None] \
-                    + state_per_byte * last_p[:, js, None]
-                cand = np.maximum(np.maximum(prev[:, None, :], last), in_t[:, None, mp - 1])
-                cand = np.maximum(cand, out_t[None, js][:, :, mp - 1])
-            ok = allowed[js].T[:, :, None] & ~np.isnan(cand) & (held <= memory)
-            cand = np.where(ok, cand, np.inf)
-            flat = cand.transpose(1, 0, 2).reshape(js.size, -1)               # (j, k * m'): k first, then m'
+                cand = np.maximum(prev[:, None, :], base[:, i + 1:, :])        # (k, j, m'), j = i+1..s-1
+            allowed = ancestors[i + 1:].T                                      # (k, j)
+            if i > 0:
+                allowed = allowed & ~ancestors[i - 1][:, None]
+            cand = np.where(allowed[:, :, None] & ~np.isnan(cand), cand, np.inf)
+            num_js = s - i - 1
+            flat = cand.transpose(1, 0, 2).reshape(num_js, -1)                # (j, k * m'): k first, then m'
             best = flat.argmin(axis=1)
-            value = flat[np.arange(js.size), best]
-            current = time[i, js, m]
+            value = flat[np.arange(num_js), best]
+            current = time[i, i + 1:, m]
             better = np.isfinite(value) & (np.isnan(current) | (current > value))
             k_best, mp_best = np.divmod(best, m)
-            jb = js[better]
+            jb = i + 1 + np.flatnonzero(better)
             time[i, jb, m] = value[better]
             split[i, jb, m] = k_best[better]
             rest[i, jb, m] = m - (mp_best[better] + 1)
