@@ -19,9 +19,9 @@ NOTES: dict[str, str] = {
         "probabilities (meta tensors take the math path), 2.6x what autograd saves; they are now the "
         "saved bytes, as a run measures them, and plain GPipe fits too."),
     "search-time": (
-        "Piper / gpp on MMT is 645-829x here, far above the paper's 9-21x and our own 15-21x of an earlier "
+        "Piper / gpp on MMT is 524-635x here, far above the paper's 9-21x and our own 15-21x of an earlier "
         "round (commit 2422f64: Piper 39-53 s, gpp 1.9-3.5 s). Both sides moved: gpp got 6-7x faster "
-        "(issue 16), and Piper's search went to 222-343 s after it took its real planner's objective "
+        "(issue 16), and Piper's search went to 222-377 s after it took its real planner's objective "
         "(msr-fiddle/piper algo.cpp, b4f4047) and the per-edge received bytes on its downset pairs "
         "(ced03e3). Our Piper is a Python reimplementation of an exhaustive DP over downset pairs, so the "
         "ratio is not a measurement of the paper's implementations; what carries over is the growth: "
@@ -29,10 +29,12 @@ NOTES: dict[str, str] = {
         "CANDLE-Uno past its downset guard, as the paper reports. Searches over a minute are timed once "
         "(the repeats column). PipeDream's DP is faster than gpp on these graphs because its antichain "
         "space is small; gpp also simulates its top candidates. gpp scales sub-linearly with devices (its "
-        "DP is indexed by pipeline depth, not device count): 0.5 s at 32 devices, 3.6 s at 1024. One "
-        "outlier in the branch sweep: candle-uno with 4 branches at 32 devices takes 22 s, most of it "
-        "PipeDream's antichain DP, which gpp runs for its sequential candidates (that graph has many "
-        "antichains; cProfile: 27 of 30 s in pipedream_dp._level)."),
+        "DP is indexed by pipeline depth, not device count): 0.8 s at 32 devices, 5.4 s at 1024. This host "
+        "is noisy: the same code an hour earlier ran every unchanged case 30-50% faster (0.5 s at 32, 3.6 s "
+        "at 1024), so compare versions side by side (evals/bench_gpp.py), not across tables. One outlier in "
+        "the branch sweep: candle-uno with 4 branches at 32 devices takes 13.5 s, most of it PipeDream's "
+        "antichain DP, which gpp runs for its sequential candidates (630 antichain states; 22 s before "
+        "53a8cd1 made that DP 2.4x faster with bit-identical tables)."),
     "branches": (
         "The gain grows with the branch count and flattens near 1.9x at 16 branches (paper: up to 2x). "
         "With the micro-batch size fixed, MMT still gains 1.2-1.4x from the shallower pipeline alone. "
