@@ -162,7 +162,7 @@ def run_search_time(config: dict[str, Any], progress: Progress) -> tuple[list, d
                 batch = config["samples_per_device"] * n
                 rows.append({"kind": "table", "model": model, "devices": n, "strategy": strategy,
                              **_search_time(model, n, batch, strategy, config["repeats"],
-                                            config.get("single_run_over_s", math.inf))})
+                                            config["single_run_over_s"])})
                 progress.step(f"{model} {n} {strategy}")
     for n in config["scaling_devices"]:
         rows.append({"kind": "devices", "model": config["scaling_model"], "devices": n, "strategy": "gpp",

@@ -40,7 +40,8 @@ from graphpipe.errors import InputError, ScheduleError
 from graphpipe.graph import OpGraph
 from graphpipe.stages import Stage, StageGraph
 
-from graphpipe.sched.graph1f1b import assemble, graph_1f1b, one_f_one_b_sequence, round_robin_warmups, warmup_counts
+from graphpipe.sched.graph1f1b import (assemble, graph_1f1b, one_f_one_b_sequence, round_robin_rule_applies,
+                                       round_robin_warmups, warmup_counts)
 from graphpipe.sched.validate import validate_schedule
 from graphpipe.sched.zero_bubble import graph_zb, interleaved_zb, zb_h1, zbv
 
@@ -90,7 +91,7 @@ def one_f_one_b(sg: StageGraph, order: Sequence[int] | None = None) -> Schedule:
     successors = [tuple(sorted(set(sg.succs(s)) | ({order[position[s] + 1]} if position[s] + 1 < n else set())))
                   for s in range(n)]
     warm = warmup_counts(sg, successors)
-    if any(st.round_robin for st in sg.stages) and len({st.micro_batch_size for st in sg.stages}) == 1:
+    if round_robin_rule_applies(sg):
         # 1F1B-RR: each replica admits K - i of its own, along the chain of the order
         chain = [(order[position[s] + 1],) if position[s] + 1 < n else () for s in range(n)]
         warm = round_robin_warmups(sg, chain, [n - position[s] for s in range(n)], warm)
