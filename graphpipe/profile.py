@@ -23,18 +23,24 @@ gradient per micro-batch). alpha and beta are then the non-negative least-square
 batch sizes (``scipy.optimize.nnls``): a negative overhead or slope is
 physically meaningless and would make planners prefer odd micro-batch sizes.
 
-The backward of an op with parameters is timed split, as a zero-bubble
+Each repeat runs two such passes. The first times an op's backward as one
+call (``torch.autograd.backward``), as a stage runs it under GPipe, 1F1B and
+graph-1F1B: that is ``bwd_s``. The second times it split, as a zero-bubble
 stage runs it (:mod:`graphpipe.split_backward`, torch's
 ``stage_backward_input`` / ``stage_backward_weight``): first I, the input
 gradients (``torch.autograd.grad`` of the outputs into the op's inputs,
 graph retained, capturing the gradient that reaches each
 parameter-consuming node), then W, the weight gradients from those nodes
-into ``.grad``. The op's backward time is I + W, its weight-gradient time
-(``wgrad_s``, zero bubble's W, :attr:`graphpipe.graph.Op.wgrad`) is W, fitted
-like the others; timing the two halves instead of one fused call costs no
-extra backward pass. An op without parameters has no W and no ``wgrad_s``
-(its backward is all I); an op whose inputs are model inputs has no I
-(its backward is all W). Profiles and graphs without ``wgrad_s`` take
+into ``.grad``. The weight-gradient time (``wgrad_s``, zero bubble's W,
+:attr:`graphpipe.graph.Op.wgrad`) is W's share of that split applied to
+``bwd_s``: ``bwd_s * W / (I + W)``, so I + W = B as the cost model has it.
+Timing B as I + W instead overstated it on a GPU, where each split call
+carries its own autograd overhead: on an H100 (paper-size mmt, micro-batch
+16), per-op I + W summed to 1.7x (fp32) and 2.7x (bf16) the whole model's
+backward, while the per-op forwards summed to within 10% of its forward.
+An op without parameters has no W and no ``wgrad_s`` (its backward is all
+I); an op whose inputs are model inputs has no I (its backward is all W).
+Profiles and graphs without ``wgrad_s`` take
 :data:`graphpipe.costs.WEIGHT_GRAD_SHARE` of the backward instead.
 
 File format ``graphpipe.profile/1``::
@@ -214,56 +220,61 @@ def time_ops(captured, make_inputs: Callable[[int], Sequence[Any]], batch_sizes:
             prepared.append((name, sub, args, leaves, wrt))
         fs: dict[str, list[float]] = {name: [] for name in names}
         bs: dict[str, list[float]] = {name: [] for name in names}
-        ws: dict[str, list[float]] = {name: [] for name in names}
+        split_i: dict[str, list[float]] = {name: [] for name in names}
+        split_w: dict[str, list[float]] = {name: [] for name in names}
         for i in range(warmup + repeats):
-            with _autocast(precision, make_inputs):  # bf16: the run's torch.autocast
-                # One training pass at batch b: every forward in topological order, then every
-                # backward in reverse, so each op finds the caches as a stage does between micro-batches.
-                outs: dict[str, list[Any]] = {}
-                for name, sub, args, _, _ in prepared:
-                    sync(args)
-                    t0 = timer()
-                    out = sub(*args)
-                    sync(out)
-                    if i >= warmup:
-                        fs[name].append(timer() - t0)
-                    outs[name] = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
-                for name, sub, args, leaves, wrt in reversed(prepared):
-                    tensors = outs.pop(name)
-                    if not tensors or not wrt:
-                        if i >= warmup:
-                            bs[name].append(0.0)
-                        continue
-                    grads = [torch.ones_like(t) for t in tensors]
-                    params = wrt[len(leaves):]
-                    sync(tensors)
-                    t0 = timer()
-                    if not params:
-                        torch.autograd.backward(tensors, grads, inputs=wrt)
-                        sync(wrt)
-                        t_input = t_weight = timer()
-                    else:
-                        # zero bubble's split (module docstring): I, then W into .grad
-                        _, pending = backward_input(tensors, grads, leaves, params)
+            timed = i >= warmup
+            # Two training passes at batch b: every forward in topological order, then every backward in
+            # reverse, so each op finds the caches as a stage does between micro-batches. The first pass
+            # times the backward as one call (B); the second times zero bubble's I and W (module docstring).
+            for split_pass in (False, True):
+                with _autocast(precision, make_inputs):  # bf16: the run's torch.autocast
+                    outs: dict[str, list[Any]] = {}
+                    for name, sub, args, _, _ in prepared:
+                        sync(args)
+                        t0 = timer()
+                        out = sub(*args)
+                        sync(out)
+                        if timed:
+                            fs[name].append(timer() - t0)
+                        outs[name] = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+                    for name, sub, args, leaves, wrt in reversed(prepared):
+                        tensors = outs.pop(name)
+                        params = wrt[len(leaves):]
+                        if not split_pass and (not tensors or not wrt):
+                            if timed:
+                                bs[name].append(0.0)
+                            continue
+                        if split_pass and (not tensors or not params):
+                            continue  # nothing to split: its graph goes with its outputs
+                        grads = [torch.ones_like(t) for t in tensors]
                         sync(tensors)
-                        t_input = timer()
-                        backward_weight(pending)  # into .grad, as the runtime does (the first pass allocates)
-                        sync(params)
-                        t_weight = timer()
-                    if i >= warmup:
-                        bs[name].append(t_weight - t0)
-                        if params:
-                            ws[name].append(t_weight - t_input)
-                    for leaf in leaves:
-                        leaf.grad = None
+                        t0 = timer()
+                        if not split_pass:
+                            torch.autograd.backward(tensors, grads, inputs=wrt)
+                            sync(wrt)
+                            if timed:
+                                bs[name].append(timer() - t0)
+                        else:
+                            _, pending = backward_input(tensors, grads, leaves, params)
+                            sync(tensors)
+                            t_input = timer()
+                            backward_weight(pending)  # into .grad, as the runtime does
+                            sync(params)
+                            if timed:
+                                split_i[name].append(t_input - t0)
+                                split_w[name].append(timer() - t_input)
+                        for leaf in leaves:
+                            leaf.grad = None
         for _, sub, _, _, _ in prepared:
             for p in sub.parameters():
                 p.grad = None
         for name in names:
             fwd[name].append(statistics.median(fs[name]))
             bwd[name].append(statistics.median(bs[name]))
-            if ws[name]:
-                wgrad[name].append(statistics.median(ws[name]))
+            if split_w[name]:  # W's share of B, as the split measured it
+                i_s, w_s = statistics.median(split_i[name]), statistics.median(split_w[name])
+                wgrad[name].append(bwd[name][-1] * w_s / (i_s + w_s) if i_s + w_s > 0 else 0.0)
         if progress is not None:
             progress(f"b={b}")
     # an op is timed split at every batch size or at none (its parameters and inputs do not change with b)

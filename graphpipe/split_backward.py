@@ -1,8 +1,8 @@
 """Zero bubble's split backward: I (input gradients) now, W (weight gradients) later (DESIGN §11).
 
 The runtime's executor runs a stage's I and W actions with these; ``graphpipe
-profile`` times each op's I and W with the same two calls (:func:`graphpipe.profile.time_ops`),
-so the measured split is the one a zero-bubble stage pays.
+profile`` splits each op's backward with the same two calls to measure W's share of it
+(:func:`graphpipe.profile.time_ops`).
 
 Autograd computes a layer's input and weight gradients in one node call
 (``AddmmBackward`` returns both), but only the outputs somebody asked for:

@@ -206,3 +206,19 @@ def test_sweep_recheck_passes_on_the_same_plans_and_fails_on_a_moved_one(tmp_pat
     _write_sweep(out, [{"model": "twobranch", "devices": n, "gpp": truth * 1.01}])
     assert check_gpp_vs_spp.main(["--recheck", "--out", out]) == 1
     assert "MOVED" in capsys.readouterr().out
+
+
+def test_saved_bytes_on_cpu_at_fp32_are_what_capture_charges():
+    """The diagnostic's reference setting measures the memory model's own input: one forward on CPU at fp32
+    saves the graph's summed act_bytes per sample (capture measures them on meta with the CPU kernels' saves).
+    At capture's example batch (4): a tensor whose size does not depend on the batch (transformer's position
+    ids) is charged per sample as its bytes over that batch."""
+    from graphpipe import zoo
+    from graphpipe.evals.saved_bytes import compare, saved_by_op
+
+    for spec in ("mmt:small", "transformer:small", "candle-uno:small"):
+        charged = sum(op.act_bytes for op in zoo.load_graph(spec).ops)
+        assert sum(saved_by_op(spec, "cpu", "fp32", batch_size=4).values()) == charged * 4, spec
+    bf16 = compare("candle-uno:small", batch_size=4)  # its weights dwarf its activations: autocast's bf16 copies
+    assert bf16["total_bytes"]["cpu/bf16"] > 2 * bf16["total_bytes"]["cpu/fp32"]
+    assert any(key.endswith(":bfloat16") for key in bf16["differs"]["cpu/bf16"])

@@ -67,5 +67,7 @@ def test_plan_from_a_bf16_profile_records_it_and_run_warns_at_fp32(tmp_path):
     summary = json.loads(out.stdout)
     assert summary["precision"] == "bf16" and summary["check"]["passed"]
     assert "profiled at" not in out.stderr
+    assert "bf16 copy of their weights" in out.stderr  # the memory model's fp32 saves, said beside the error
     out = _cli("run", str(plan), "--steps", "2", "--json")
     assert out.returncode == 0 and "profiled at bf16; this run trains at fp32" in out.stderr
+    assert "bf16 copy" not in out.stderr

@@ -115,6 +115,37 @@ def test_profile_measures_and_fits_controlled_costs():
     assert prof.wgrad["second"] == Affine(0.0, 0.0)
 
 
+
+def test_backward_is_timed_as_one_call_and_w_is_its_measured_share(monkeypatch):
+    """B is the one-call backward a GPipe / 1F1B stage runs; the I/W split only apportions it. A GPU adds
+    autograd overhead to every split call (an H100 summed per-op I + W to 2.7x the model's backward): here
+    each W call costs 1 ms more on the fake clock, which B must not see, and W's share must."""
+    import graphpipe.split_backward as split_backward
+
+    clock = FakeClock()
+    model = TwoCosted(clock)
+    x = torch.randn(2, 4)
+    cap = capture(model, (x,), name="two")
+    plain_w = split_backward.backward_weight
+
+    def costly_w(pending):
+        clock.now += 1e-3
+        plain_w(pending)
+
+    monkeypatch.setattr(split_backward, "backward_weight", costly_w)
+    prof = profile_captured(cap, lambda b: resize_batch((x,), b), "two", "cpu", batch_sizes=(1, 2, 4, 8),
+                            repeats=3, warmup=1, timer=clock)
+    for name in ("first", "second"):
+        bwd = getattr(model, name).bwd
+        assert prof.ops[name][1].alpha == pytest.approx(bwd.alpha, abs=1e-12)
+        assert prof.ops[name][1].beta == pytest.approx(bwd.beta, abs=1e-12)
+    # first: no I (its input is the model's), so all of B is W; second: I = its charged backward, W = the 1 ms
+    assert prof.wgrad["first"](4) == pytest.approx(model.first.bwd(4), abs=1e-12)
+    second_b = model.second.bwd
+    for b in (1, 2, 4, 8):
+        share = 1e-3 / (second_b(b) + 1e-3)
+        assert prof.wgrad["second"](b) == pytest.approx(second_b(b) * share, rel=0.05)
+
 class Act(Layer):
     kind = "act"
 

@@ -60,6 +60,11 @@ def run(args) -> int:
     if plan.search.get("precision_from") == "profile" and planned != options.precision:
         sys.stderr.write(f"graphpipe: warning: the plan's costs were profiled at {planned}; this run trains at "
                          f"{options.precision} (--precision {planned} to match)\n")
+    if options.precision == "bf16":
+        sys.stderr.write("graphpipe: note: predicted activation bytes are the fp32 saves capture measures; under bf16 "
+                         "autocast a stage saves bf16 inputs to its matmuls and keeps a bf16 copy of their weights for "
+                         "the iteration (autocast's cast cache), which the model does not charge, so the memory error "
+                         "compares the two\n")
     from graphpipe.runtime.launch import check_host_capacity
 
     check_host_capacity(plan.cluster.num_devices)
