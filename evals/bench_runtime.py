@@ -335,13 +335,20 @@ def auto_cpus_per_rank(ranks: int) -> int:
 
 
 def plan_for(spec: str, graph, cluster, batch: int, strategy: str, schedule: str | None = None, mbs: int | None = None,
-             host=None):
+             host=None, recompute: str | None = None):
     from graphpipe import zoo
     from graphpipe.search.common import SearchOptions
     from graphpipe.search.planner import make_plan
 
     return make_plan(zoo.canonical_spec(spec), graph, cluster, batch, strategy,
-                     SearchOptions(micro_batch_size=mbs, host=host), schedule=schedule)
+                     SearchOptions(micro_batch_size=mbs, host=host, recompute=recompute), schedule=schedule)
+
+
+def torch_comparable_plan(spec: str, graph, cluster, batch: int):
+    """(c)'s plan, run by our executor and by ``torch.distributed.pipelining``: the gpipe partitioner's even
+    chain (one stage per rank, 8 micro-batches), 1F1B, without GPipe's default re-materialization (torch's
+    pipelining does not recompute, and (c) compares the same work)."""
+    return plan_for(spec, graph, cluster, batch, "gpipe", schedule="1f1b", mbs=batch // 8, recompute="none")
 
 
 def simulated_with(plan, graph, host=None):
@@ -427,8 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     plans = {
         "uno/gpp": plan_for(uno, uno_raw, cluster, args.batch_size, "gpp", host=uno_host),
         "uno/pipedream": plan_for(uno, uno_raw, cluster, args.batch_size, "pipedream", host=uno_host),
-        # same even partition for both runtimes: the gpipe partitioner (one stage per rank, one micro-batch size), 1F1B
-        "gpt/ours": plan_for(gpt, gpt_graph, cluster, args.batch_size, "gpipe", schedule="1f1b", mbs=args.batch_size // 8),
+        "gpt/ours": torch_comparable_plan(gpt, gpt_graph, cluster, args.batch_size),
     }
     plans["gpt/torch"] = plans["gpt/ours"]
     names = list(plans)

@@ -61,16 +61,18 @@ NOTES: dict[str, str] = {
         "gpp's plan spends the saved in-flight budget on a 4x larger micro-batch, so its peak is higher "
         "but within the 16 GB device."),
     "fidelity": (
-        "This table: 4 gloo ranks on the 2 cores of this host (no device machine was lent this round), so "
-        "two ranks share each core; calibrated with `graphpipe profile` (ops timed in training order with "
-        "gradient accumulation), a measured gloo link and the measured slowdown of the training step when k "
-        "ranks compute at once. Time error median 33% (28% in the previous round's run; the profile and so the plans move with "
-        "the host's load); on the 16 cores of lent machines (one core per "
-        "rank) the median of the same five points was 17%, 21%, 13% and 26% in four earlier runs, and the "
-        "per-plan errors at 8 ranks are in evals/results/device/. The biggest misses are plans measured "
-        "slower than predicted (memory-bound 1024-wide layers on shared memory bandwidth). Memory error: "
-        "activation bytes saved for backward, measured with saved_tensors_hooks on the same run, worst "
-        "device per plan: 0 on four plans and 6e-5 on the fifth."),
+        "This table: 4 gloo ranks on the 2 cores of this host, so two ranks share each core; calibrated with "
+        "`graphpipe profile` (ops timed in training order with gradient accumulation), a measured gloo link "
+        "and the measured slowdown of the training step when k ranks compute at once. Time error median 38%, "
+        "every plan measured slower than predicted. Since 18cac24 the profile times an op's backward as one "
+        "call, not as zero bubble's I then W: its per-op forward + backward now sums to 0.86-1.06x a "
+        "single-process training step of these two models (three runs each; before: transformer 1.43-1.63x, "
+        "candle-uno 0.91-1.18x) and to 1.07x / 1.14x on an H100 (fp32 / bf16; 1.52x / 2.02x before). The inflated backward had been absorbing the executor's "
+        "own per-action costs, which the simulator does not charge: run alternately on this host, the old "
+        "timing gave medians of 28% and 12%, the new 31% and 34%. On the 16 cores of lent machines (one core "
+        "per rank, old timing) the median of the same five points was 17%, 21%, 13% and 26% in four runs; the "
+        "per-plan errors at 8 ranks are in evals/results/device/. Memory error: activation bytes saved for "
+        "backward, measured with saved_tensors_hooks on the same run, worst device per plan: 0 on all five."),
     "zero-bubble": (
         "Simulated only, with the cost model's I/W split (W = half of each parameterised op's backward, "
         "nothing for parameter-free ops; no profile here measures the split). graph-zb keeps graph-1F1B's "

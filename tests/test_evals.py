@@ -222,3 +222,19 @@ def test_saved_bytes_on_cpu_at_fp32_are_what_capture_charges():
     bf16 = compare("candle-uno:small", batch_size=4)  # its weights dwarf its activations: autocast's bf16 copies
     assert bf16["total_bytes"]["cpu/bf16"] > 2 * bf16["total_bytes"]["cpu/fp32"]
     assert any(key.endswith(":bfloat16") for key in bf16["differs"]["cpu/bf16"])
+
+
+def test_runtime_bench_compares_torch_on_a_plan_it_runs():
+    """(c) of the runtime bench hands one plan to our executor and to torch.distributed.pipelining, which
+    refuses re-materializing stages; GPipe's own default (recompute all, issue 15) once broke the bench there."""
+    from graphpipe import zoo
+    from graphpipe.cluster import preset
+    from graphpipe.runtime import RunOptions, preflight
+
+    from graphpipe.evals.bench_runtime import torch_comparable_plan
+
+    spec = "transformer:small,layers=4,hidden=32,seq=8,heads=2,ffn=64,vocab=64"
+    plan = torch_comparable_plan(spec, zoo.load_graph(spec), preset("v100", 4), 32)
+    assert plan.schedule.name == "1f1b" and plan.stage_graph.num_stages == 4
+    assert not any(s.recompute for s in plan.stage_graph.stages)
+    preflight(plan, RunOptions(baseline="torch"))  # raises InputError on a recomputing stage

@@ -174,7 +174,7 @@ def test_profile_times_the_weight_gradient_of_ops_with_parameters():
     timings = time_ops(cap, lambda b: resize_batch((x,), b), (2, 8), repeats=3, warmup=1)
     with_params = {op.name for op in cap.graph.ops if op.param_bytes > 0}
     assert {name for name, t in timings.items() if t.wgrad_s is not None} == with_params and len(with_params) == 2
-    for name in with_params:  # one pass times I then W, so W never exceeds the whole backward, even as medians
+    for name in with_params:  # W is a share of B (B * W / (I + W)), so it never exceeds B, even as medians
         assert all(0 < w <= b for w, b in zip(timings[name].wgrad_s, timings[name].bwd_s))
     prof = profile_captured(cap, lambda b: resize_batch((x,), b), "mlp", "cpu", batch_sizes=(2, 8), repeats=3, warmup=1)
     assert set(prof.wgrad) == with_params
