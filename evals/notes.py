@@ -64,7 +64,7 @@ NOTES: dict[str, str] = {
         "This table: 4 gloo ranks on the 2 cores of this host, so two ranks share each core; calibrated with "
         "`graphpipe profile` (ops timed in training order with gradient accumulation), a measured gloo link "
         "and the measured slowdown of the training step when k ranks compute at once. Time error median 38%, "
-        "every plan measured slower than predicted. Since 18cac24 the profile times an op's backward as one "
+        "every plan measured slower than predicted. Since 0d4da37 the profile times an op's backward as one "
         "call, not as zero bubble's I then W: its per-op forward + backward now sums to 0.86-1.06x a "
         "single-process training step of these two models (three runs each; before: transformer 1.43-1.63x, "
         "candle-uno 0.91-1.18x) and to 1.07x / 1.14x on an H100 (fp32 / bf16; 1.52x / 2.02x before). The inflated backward had been absorbing the executor's "
