@@ -94,7 +94,7 @@ def one_f_one_b(sg: StageGraph, order: Sequence[int] | None = None) -> Schedule:
     if round_robin_rule_applies(sg):
         # 1F1B-RR: each replica admits K - i of its own, along the chain of the order
         chain = [(order[position[s] + 1],) if position[s] + 1 < n else () for s in range(n)]
-        warm = round_robin_warmups(sg, chain, [n - position[s] for s in range(n)], warm)
+        warm = round_robin_warmups(sg, chain, warm)
     per_stage = [one_f_one_b_sequence(s, sg.num_micro_batches(s), warm[s]) for s in range(n)]
     return assemble(sg, "1f1b", per_stage)
 

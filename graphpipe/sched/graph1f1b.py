@@ -64,7 +64,8 @@ from graphpipe.cluster import Cluster
 from graphpipe.errors import ScheduleError
 from graphpipe.stages import StageGraph
 
-__all__ = ["graph_1f1b", "warmup_counts", "round_robin_warmups", "round_robin_rule_applies", "schedule_warmups", "one_f_one_b_sequence", "assemble"]
+__all__ = ["graph_1f1b", "warmup_counts", "round_robin_warmups", "round_robin_rule_applies", "schedule_warmups",
+           "one_f_one_b_sequence", "assemble"]
 
 
 def warmup_counts(sg: StageGraph, successors: Sequence[Sequence[int]] | None = None) -> tuple[int, ...]:
@@ -96,29 +97,29 @@ def warmup_counts(sg: StageGraph, successors: Sequence[Sequence[int]] | None = N
     return tuple(warm)
 
 
-def round_robin_warmups(sg: StageGraph, successors: Sequence[Sequence[int]], depth: Sequence[int],
-                        warm: Sequence[int]) -> list[int]:
+def round_robin_warmups(sg: StageGraph, successors: Sequence[Sequence[int]], warm: Sequence[int]) -> list[int]:
     """Warm-ups ``warm`` raised for round-robin replicas (module docstring, "Round-robin replicas").
 
-    A round-robin stage of ``r`` replicas admits ``r * depth[s]`` micro-batches, so each replica has its
-    own ``depth[s]`` (PipeDream admits ceil(workers / input-stage replicas) per input replica); then, from
-    the sinks back along ``successors``, each stage admits at least one more than each of its successors,
-    which keeps the schedule deadlock-free as the plain rule does. Capped at the stage's ``M``. Meant for
-    equal micro-batch sizes: callers apply it where :func:`round_robin_rule_applies`.
+    With equal micro-batch sizes :func:`warmup_counts` gives each stage its depth (stages on the longest
+    path to a sink), capped at ``M``; a round-robin stage of ``r`` replicas admits ``r`` times that, so
+    each replica has its own depth (PipeDream admits ceil(workers / input-stage replicas) per input
+    replica); then, from the sinks back along ``successors``, each stage admits at least one more than
+    each of its successors, which keeps the schedule deadlock-free as the plain rule does. Capped at the
+    stage's ``M``. Meant for equal micro-batch sizes: callers apply it where :func:`round_robin_rule_applies`.
 
     >>> from graphpipe.graph import Op, OpGraph
     >>> from graphpipe.stages import Stage, StageGraph
     >>> g = OpGraph.build("c", [Op("a", "x"), Op("b", "x")], [("a", "b", 1.0)])
     >>> sg = StageGraph.build(g, [Stage(0, (0,), (0, 1), 2, replica_mode="round-robin"),
     ...                           Stage(1, (1,), (2, 3), 2, replica_mode="round-robin")], 8, 4)
-    >>> round_robin_warmups(sg, [(1,), ()], [2, 1], warmup_counts(sg))
+    >>> round_robin_warmups(sg, [(1,), ()], warmup_counts(sg))
     [4, 2]
     """
     out = list(warm)
     for s in _reverse_topological(successors):
         st = sg.stages[s]
         following = max((out[c] for c in successors[s]), default=0)
-        wanted = st.num_replicas * depth[s] if st.round_robin else out[s]
+        wanted = st.num_replicas * warm[s] if st.round_robin else out[s]
         out[s] = min(sg.num_micro_batches(s), max(wanted, out[s], following + 1))
     return out
 
@@ -134,11 +135,7 @@ def schedule_warmups(sg: StageGraph) -> tuple[int, ...]:
     warm = warmup_counts(sg)
     if not round_robin_rule_applies(sg):
         return warm
-    succs = [sg.succs(s) for s in range(sg.num_stages)]
-    depth = [0] * sg.num_stages
-    for s in _reverse_topological(succs):
-        depth[s] = 1 + max((depth[c] for c in succs[s]), default=0)
-    return tuple(round_robin_warmups(sg, succs, depth, warm))
+    return tuple(round_robin_warmups(sg, [sg.succs(s) for s in range(sg.num_stages)], warm))
 
 
 def _reverse_topological(succs: Sequence[Sequence[int]]) -> list[int]:
