@@ -41,7 +41,7 @@ def test_recompute_check_and_measured_activation_memory():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_rank_measures_the_activations_the_model_predicts():
-    """One CUDA rank (NCCL): the batch lands on the device before the iteration, so a micro-batch's input is
+    """One CUDA rank (NCCL): the batch moves to the device once per iteration, so a micro-batch's input is
     a view of resident data, as on CPU. When each forward copied its rows to the GPU, the copies counted as
     activations (mmt:small with recompute all measured 37.6% over the prediction on an H100). What is left
     is the CUDA efficient-attention kernel's padded log-sum-exp (capture charges the CPU kernel's): 1.0%."""

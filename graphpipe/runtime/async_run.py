@@ -168,8 +168,7 @@ def run_async_job(rank: int, world_size: int, plan: Plan, spec: AsyncSpec, optio
     reference = (replay_reference(plan, table, options.seed, options.lr, steps)
                  if options.check and (my_stages or rank == 0) else None)
 
-    inputs = (tuple(x.to(device) for x in stream_inputs(make_inputs, sg.batch_size, options.seed, steps))
-              if reads_inputs else None)  # on the device before the run, as in the synchronous worker
+    inputs = stream_inputs(make_inputs, sg.batch_size, options.seed, steps) if reads_inputs else None
     dist.barrier(group=control)
     t0 = time.perf_counter()
     result = executor.run_iteration(inputs, t0, 0)

@@ -245,7 +245,7 @@ class RankExecutor:
         values: dict[str, torch.Tensor] = {}
         rows = self._shard_rows(a.stage_id, a.mb_id, q)
         for name, index in prog.model_inputs:
-            values[name] = inputs[index][rows].to(self.device)
+            values[name] = inputs[index][rows]
         parts: dict[str, list[torch.Tensor]] = {}
         for piece in self.routing.incoming(a.stage_id, a.mb_id, q):
             src = self.sg.stages[piece.producer].devices[piece.producer_replica]
@@ -379,6 +379,8 @@ class RankExecutor:
         """
         self.step = step
         self.mailbox.reset()
+        if inputs is not None:  # the batch on this rank's device once: micro-batches are views of it, not activations
+            inputs = tuple(x.to(self.device) for x in inputs)
         self.saved_meter.reset(inputs or ())
         cuda = self.device.type == "cuda"
         if cuda:

@@ -179,9 +179,7 @@ def run_job(rank: int, world_size: int, plan: Plan, options: RunOptions, device:
     steps: list[StepResult] = []
     check_stats = [0.0, 0, 0, 0]
     for step in range(options.steps):
-        # The batch lands on the device before the iteration (a loader's prefetch): resident, not an activation
-        inputs = (tuple(x.to(device) for x in make_inputs(sg.batch_size, data_seed(options.seed, step)))
-                  if reads_inputs else None)
+        inputs = make_inputs(sg.batch_size, data_seed(options.seed, step)) if reads_inputs else None
         executor.zero_grad()
         dist.barrier(group=control)
         t0 = time.perf_counter()
