@@ -22,7 +22,7 @@ Usage::
     python -m graphpipe.evals.saved_bytes mmt:small dlrm:small --batch-size 4
 
 Model parameters and the input batch are not counted (capture charges
-neither). Storages are counted once each, as in
+neither); storages are counted once each, by the runtime's own
 :class:`graphpipe.runtime.measure.SavedBytesMeter`.
 """
 
@@ -55,28 +55,27 @@ class _LastOp(TorchDispatchMode):
 def saved_by_op(spec: str, device: str, precision: str, batch_size: int = 4, seed: int = 0) -> dict[str, int]:
     """``{"aten_op:dtype": bytes}`` saved for backward by one forward and loss of ``spec`` on ``batch_size`` samples."""
     from graphpipe import zoo
+    from graphpipe.runtime.measure import SavedBytesMeter
 
     built = zoo.build(spec, device, seed)
     inputs = built.make_inputs(batch_size, seed)
-    skip = {t.untyped_storage().data_ptr() for t in (*built.module.parameters(), *inputs)}
-    counted: set[int] = set()
+    meter = SavedBytesMeter(built.module.parameters())
+    meter.reset(inputs)  # the batch is resident: not counted, as in a run
     per_op: collections.Counter = collections.Counter()
     last = _LastOp()
-    keep = []  # saved tensors stay referenced, so no storage address is reused mid-count
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
-        if key not in skip and key not in counted and storage.nbytes():
-            counted.add(key)
-            per_op[f"{last.name}:{str(t.dtype).removeprefix('torch.')}"] += storage.nbytes()
-        keep.append(t)
-        return t
+    def pack(t: torch.Tensor):
+        before = meter.live
+        held = meter.hold(t)  # each storage once
+        if meter.live > before:
+            per_op[f"{last.name}:{str(t.dtype).removeprefix('torch.')}"] += meter.live - before
+        return held
 
     dev = torch.device(device)
     with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=precision == "bf16"), \
-            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), last:
-        built.loss_fn(built.module(*inputs))
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda held: held), last:
+        loss = built.loss_fn(built.module(*inputs))  # its graph keeps every saved tensor alive while counting
+    del loss
     return dict(per_op)
 
 
