@@ -88,7 +88,8 @@ def compare(spec: str, batch_size: int = 4) -> dict[str, Any]:
                            "total_bytes": {k: sum(v.values()) for k, v in runs.items()}, "differs": {}}
     for name, per_op in runs.items():
         keys = sorted(set(per_op) | set(base))
-        out["differs"][name] = {k: [base.get(k, 0), per_op.get(k, 0)] for k in keys if base.get(k, 0) != per_op.get(k, 0)}
+        out["differs"][name] = {k: [base.get(k, 0), per_op.get(k, 0)] for k in keys
+                                if base.get(k, 0) != per_op.get(k, 0)}
     return out
 
 
