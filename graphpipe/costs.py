@@ -31,6 +31,16 @@ Memory on one device of a stage (:func:`memory_bytes`):
   inputs are stashed, ``in * s * k``, plus one micro-batch's full
   activations while its backward runs, ``act * s``
   (:func:`activation_bytes`).
+* re-materialization in *segments* (Chen et al. 2016, "Training Deep Nets
+  with Sublinear Memory Cost"): a stage whose checkpoints cut its ops into
+  segments also keeps, per in-flight micro-batch, the tensors one segment
+  hands to a later one, and rebuilds one segment at a time inside B, so its
+  working set is the largest segment's activations, not the stage's:
+  ``stash = in + boundaries``, ``working = max_j act_j``
+  (:func:`segment_bytes`). With one micro-batch in flight (a data-parallel
+  stage) that is what lowers memory at all: whole-stage re-materialization
+  then keeps exactly what no re-materialization keeps.
+  :func:`best_checkpoints` places them for a stage's in-flight count.
 
 ``act`` is the stage's saved-activation bytes per sample: its ops'
 ``act_bytes`` plus :func:`received_saved_bytes`, the received copies its ops
@@ -81,6 +91,8 @@ __all__ = [
     "stage_sums",
     "stage_tps",
     "stage_memory",
+    "segment_bytes",
+    "best_checkpoints",
     "CostArrays",
 ]
 
@@ -326,6 +338,123 @@ def stage_memory(graph: "OpGraph", op_ids: Iterable[int], num_replicas: int, mic
     s = stage_sums(graph, op_ids, inputs, outputs)
     return float(memory_bytes(s.param_bytes, s.act, s.inputs, s.outputs, micro_batch_size / num_replicas, in_flight,
                               bool(recompute), cluster.bytes_per_param))
+
+
+# ------------------------------------------------ re-materialization in segments
+def _segment_tables(graph: "OpGraph", order: Sequence[int]):
+    """Per-sample arrays over the stage's ops in ``order``: what :func:`segment_bytes` and
+    :func:`best_checkpoints` sum.
+
+    ``act_prefix[i]``: act_bytes of ``order[:i]``. ``saved[q, p + 1]``: saved bytes of received tensors op
+    ``order[q]`` keeps whose producer sits at position ``p`` (-1: outside the stage). ``hand[p]``, ``last[p]``:
+    bytes of the tensor ``order[p]`` hands to later ops of the stage and the last position reading it; a
+    tensor the stage also sends out (kept as its output anyway) or nobody in the stage reads hands 0.
+    """
+    pos = {v: i for i, v in enumerate(order)}
+    n = len(order)
+    act_prefix = np.concatenate([[0.0], np.cumsum([float(graph.ops[v].act_bytes) for v in order])])
+    saved = np.zeros((n, n + 1))
+    for e in graph.saved_edges:
+        if e.dst in pos:
+            saved[pos[e.dst], pos.get(e.src, -1) + 1] += e.saved
+    sent = {e.src for e in graph.edges if e.src in pos and e.dst not in pos}
+    hand, last = np.zeros(n), np.full(n, -1)
+    for e in graph.edges:
+        if e.src in pos and e.dst in pos and e.src not in sent:
+            p = pos[e.src]
+            hand[p] = max(hand[p], float(e.bytes))
+            last[p] = max(last[p], pos[e.dst])
+    return act_prefix, saved, hand, last
+
+
+def segment_bytes(graph: "OpGraph", op_ids: Iterable[int], checkpoints: Iterable[int], inputs: float
+                  ) -> tuple[float, float]:
+    """(stash, working) bytes per sample of a re-materializing stage whose segments start at ``checkpoints``.
+
+    ``stash``, kept per in-flight micro-batch from F to the end of B: the
+    stage's inputs ``inputs`` plus every tensor one segment hands to a later
+    one (once, however many segments read it; not the tensors the stage
+    sends on, which it keeps as outputs anyway). ``working``, while B runs:
+    the largest segment's saved activations, its ops' ``act_bytes`` plus the
+    received tensors they save (:func:`received_saved_bytes` of the
+    segment). No checkpoints: ``(inputs, act)``, whole-stage re-materialization.
+
+    >>> from graphpipe.graph import Op, OpGraph
+    >>> g = OpGraph.build("chain", [Op(n, "mlp", act_bytes=10.0) for n in "abcd"],
+    ...                   [("a", "b", 2.0), ("b", "c", 2.0), ("c", "d", 2.0)])
+    >>> segment_bytes(g, range(4), (), 1.0), segment_bytes(g, range(4), (2,), 1.0)   # cut before c: b hands 2
+    ((1.0, 40.0), (3.0, 20.0))
+    """
+    order = sorted(op_ids)
+    starts = sorted({order.index(c) for c in checkpoints} - {0})
+    act_prefix, saved, hand, last = _segment_tables(graph, order)
+    bounds = [0, *starts, len(order)]
+    stash, working = float(inputs), 0.0
+    for a, b in zip(bounds, bounds[1:]):
+        received = saved[a:b, : a + 1].sum() + saved[a:b, b + 1:].sum()
+        working = max(working, act_prefix[b] - act_prefix[a] + received)
+        stash += float(hand[a:b][last[a:b] >= b].sum())
+    return stash, float(working)
+
+
+def best_checkpoints(graph: "OpGraph", op_ids: Iterable[int], inputs: float, in_flight: int) -> tuple[int, ...]:
+    """Segment starts minimizing a re-materializing stage's peak ``in_flight * stash + working``
+    (:func:`segment_bytes`); ``()`` (the whole stage, GPipe's re-materialization) unless cutting is strictly lower.
+
+    Exact for every bound the largest segment may take (a dynamic program over
+    cut positions per bound: least hand-over bytes with every segment's
+    working set within it); stages with many distinct segment sizes try 64 of
+    them (quantiles). Ties go to fewer cuts, then to earlier ones.
+
+    >>> from graphpipe.graph import Op, OpGraph
+    >>> g = OpGraph.build("chain", [Op(n, "mlp", act_bytes=10.0) for n in "abcd"],
+    ...                   [("a", "b", 2.0), ("b", "c", 2.0), ("c", "d", 2.0)])
+    >>> best_checkpoints(g, range(4), 1.0, 1)   # one in flight: 1 * (1 + 3 * 2) + 10 = 17 against 1 + 40
+    (1, 2, 3)
+    >>> best_checkpoints(g, range(4), 1.0, 8), best_checkpoints(g, range(4), 1.0, 20)   # 8 * 3 + 20 < 8 + 40
+    ((2,), ())
+    """
+    order = sorted(op_ids)
+    n = len(order)
+    if n < 2:
+        return ()
+    act_prefix, saved, hand, last = _segment_tables(graph, order)
+    # working[a, b] of the segment order[a:b] and hand-over[a, b] of it, for 0 <= a < b <= n
+    rows = np.concatenate([[0.0], np.cumsum(saved.sum(axis=1))])  # rows[q]: received-saved bytes of ops < q
+    inner = np.zeros((n + 1, n + 1))  # inner[q, p]: saved bytes of ops < q of tensors made by ops < p
+    inner[1:, 1:] = np.cumsum(np.cumsum(saved[:, 1:], axis=0), axis=1)
+    a, b = np.meshgrid(np.arange(n + 1), np.arange(n + 1), indexing="ij")
+    inside = inner[b, b] - inner[a, b] - inner[b, a] + inner[a, a]  # consumer and producer both in a..b-1
+    work = np.where(a < b, act_prefix[b] - act_prefix[a] + rows[b] - rows[a] - inside, np.inf)
+    cost = np.zeros((n + 1, n + 1))  # cost[a, b]: bytes ops a..b-1 hand past b
+    for end in range(1, n + 1):
+        handed = np.concatenate([[0.0], np.cumsum(np.where(last[:end] >= end, hand[:end], 0.0))])
+        cost[:end, end] = handed[end] - handed[:end]
+    whole = float(inputs) * in_flight + work[0, n]
+    bounds = np.unique(work[np.isfinite(work)])
+    if len(bounds) > 64:
+        bounds = np.unique(np.quantile(bounds, np.linspace(0, 1, 64), method="lower"))
+    best, best_cuts = whole, ()
+    for w in bounds:
+        total, prev = np.full(n + 1, np.inf), np.full(n + 1, -1)
+        total[0] = 0.0
+        for end in range(1, n + 1):
+            cand = np.where(work[:end, end] <= w, total[:end] + cost[:end, end], np.inf)
+            k = int(np.argmin(cand))  # first minimum: the earliest start
+            total[end], prev[end] = cand[k], k
+        if not np.isfinite(total[n]):
+            continue
+        cuts, end = [], n
+        while end > 0:
+            end = int(prev[end])
+            if end > 0:
+                cuts.append(end)
+        cuts.reverse()
+        widest = max(work[i, j] for i, j in zip([0, *cuts], [*cuts, n]))
+        peak = (float(inputs) + total[n]) * in_flight + widest
+        if peak < best - 1e-9 * max(1.0, best) or (peak <= best and best_cuts and len(cuts) < len(best_cuts)):
+            best, best_cuts = peak, tuple(order[c] for c in cuts)
+    return best_cuts
 
 
 # ------------------------------------------------------------- vectorised form

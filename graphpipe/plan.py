@@ -87,7 +87,8 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         "strategy": plan.strategy,
         "stages": [
             {"id": s.id, "ops": [plan.graph.ops[i].name for i in s.op_ids], "devices": list(s.devices),
-             "micro_batch_size": s.micro_batch_size, "recompute": s.recompute, "replica_mode": s.replica_mode}
+             "micro_batch_size": s.micro_batch_size, "recompute": s.recompute, "replica_mode": s.replica_mode,
+             **({"checkpoints": [plan.graph.ops[i].name for i in s.checkpoints]} if s.checkpoints else {})}
             for s in sg.stages
         ],
         "stage_edges": [list(e) for e in sg.edges],
@@ -127,7 +128,10 @@ def plan_from_dict(doc: Any, where: str = "plan") -> Plan:
                                 tuple(files.integer(d, f"{at}.devices[{k}]", 0, cluster.num_devices - 1)
                                       for k, d in enumerate(files.array(s["devices"], f"{at}.devices"))),
                                 files.integer(s["micro_batch_size"], f"{at}.micro_batch_size", 1),
-                                s.get("recompute", False), replica_mode=s.get("replica_mode", "split")))
+                                s.get("recompute", False), replica_mode=s.get("replica_mode", "split"),
+                                checkpoints=tuple(graph.op_id(files.string(name, f"{at}.checkpoints[{k}]"))
+                                                  for k, name in enumerate(files.array(s.get("checkpoints", []),
+                                                                                       f"{at}.checkpoints")))))
     except (KeyError, TypeError, ValueError) as exc:
         if isinstance(exc, InputError):
             raise

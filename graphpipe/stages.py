@@ -49,9 +49,13 @@ class Stage:
     forward again inside B (:mod:`graphpipe.costs`; torch.utils.checkpoint in the runtime)."""
     replica_mode: str = "split"
     """:data:`REPLICA_MODES`: ``split`` micro-batches over the replicas, or ``round-robin`` whole ones."""
+    checkpoints: tuple[int, ...] = ()
+    """Ops (ids, none the stage's first) where a re-materializing stage starts a new segment: B rebuilds one
+    segment at a time (:func:`graphpipe.costs.segment_bytes`); ``()``: the whole stage at once."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "op_ids", tuple(sorted(self.op_ids)))
+        object.__setattr__(self, "checkpoints", tuple(sorted(self.checkpoints)))
         object.__setattr__(self, "devices", tuple(sorted(self.devices)))
         if not self.op_ids:
             raise PlanError(f"stage {self.id} has no ops")
@@ -66,6 +70,12 @@ class Stage:
         if self.replica_mode not in REPLICA_MODES:
             raise PlanError(f"stage {self.id}: replica_mode must be one of {', '.join(REPLICA_MODES)}, "
                             f"got {self.replica_mode!r}")
+        if self.checkpoints and not self.recompute:
+            raise PlanError(f"stage {self.id}: checkpoints need recompute (they cut its re-materialization)")
+        stray = sorted(set(self.checkpoints) - set(self.op_ids[1:]))
+        if stray or len(set(self.checkpoints)) != len(self.checkpoints):
+            raise PlanError(f"stage {self.id}: checkpoints must be distinct ops of the stage other than its first, "
+                            f"got {list(self.checkpoints)}")
 
     @property
     def num_replicas(self) -> int:
@@ -226,7 +236,8 @@ class StageGraph:
         if sequential:
             order = list(range(n))
         renumbered = [Stage(new, stages[old].op_ids, stages[old].devices, stages[old].micro_batch_size,
-                            stages[old].recompute, replica_mode=stages[old].replica_mode) for new, old in enumerate(order)]
+                            stages[old].recompute, replica_mode=stages[old].replica_mode,
+                            checkpoints=stages[old].checkpoints) for new, old in enumerate(order)]
         return cls(graph, tuple(renumbered), batch_size, num_devices, allow_shared_devices=allow_shared_devices,
                    sequential=sequential)
 
@@ -303,6 +314,15 @@ class StageGraph:
         """The stage's cost coefficients (:class:`graphpipe.costs.StageSums`), inputs and outputs as its edges carry."""
         return costs.stage_sums(self.graph, self.stages[stage_id].op_ids, self.input_bytes_per_sample(stage_id),
                                 self.output_bytes_per_sample(stage_id))
+
+    def activation_terms(self, stage_id: int) -> tuple[float, float]:
+        """(stash, working) bytes per sample: what one in-flight micro-batch keeps from F to B, and what B
+        rebuilds while it runs (the module docstring of :mod:`graphpipe.costs`)."""
+        s = self.stages[stage_id]
+        sums = self.stage_sums(stage_id)
+        if not s.recompute:
+            return sums.act, 0.0
+        return costs.segment_bytes(self.graph, s.op_ids, s.checkpoints, sums.inputs)
 
     def depth(self) -> int:
         """Stages on the longest source-to-sink path."""

@@ -121,13 +121,20 @@ def test_recompute_lowers_simulated_memory_and_lengthens_the_iteration():
 @pytest.mark.parametrize("recompute", ["none", "all"])
 def test_partitioner_memory_estimate_bounds_the_simulator(strategy, recompute):
     """Each partitioner's estimate (costs.stage_memory at the in-flight count its search charges) is at least
-    the simulated peak of every device, and equal where the simulated in-flight count is the one charged."""
+    the simulated peak of every device, and equal where the simulated in-flight count is the one charged.
+    The search costs whole-stage re-materialization; the checkpoints the planner then places only lower it."""
+    from dataclasses import replace
+
+    from graphpipe.sched import predicted_figures, simulate
     from graphpipe.search.planner import make_plan
 
     graph = branches_graph(3, 3)
     cluster = preset("v100", 8)
     plan = make_plan("branches.json", graph, cluster, 64, strategy, SearchOptions(recompute=recompute))
-    sg, p = plan.stage_graph, plan.predicted
+    placed = plan.predicted
+    sg = replace(plan.stage_graph, stages=tuple(replace(s, checkpoints=()) for s in plan.stage_graph.stages))
+    p = predicted_figures(simulate(sg, plan.schedule, cluster))
+    assert all(a <= b * (1 + 1e-9) for a, b in zip(placed["peak_memory_bytes"], p["peak_memory_bytes"]))
     for d, s in _one_device_per_stage(sg).items():
         st = sg.stages[s]
         # gpipe charges every micro-batch in flight (fill-drain); gpp graph-1F1B's min(depth, M)
@@ -365,3 +372,101 @@ def test_memory_binds_matches_the_stage_memory_of_every_block():
             assert blocks.memory_binds(below) == short, (memory, below)
             answers.add(short)
     assert answers == {True, False}
+
+
+# ------------------------------------------------ re-materialization in segments
+def _random_dag(rng: random.Random, n: int) -> OpGraph:
+    ops = [make_op(f"o{i}", act=float(rng.randint(0, 20))) for i in range(n)]
+    edges = []
+    for j in range(1, n):
+        for i in rng.sample(range(j), min(j, rng.randint(1, 2))):
+            edges.append((f"o{i}", f"o{j}", float(rng.randint(1, 6)), float(rng.choice((0, 0, rng.randint(1, 3))))))
+    return OpGraph.build("dag", ops, edges)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_best_checkpoints_is_the_least_peak_over_every_segmentation(seed):
+    """Brute force: every way to cut a random stage (a DAG with received saved copies, ops sent out of it)
+    into contiguous segments; the chosen one reaches the least in_flight * stash + working, and none at all
+    is chosen only when no cut is strictly lower."""
+    rng = random.Random(seed)
+    graph = _random_dag(rng, rng.randint(3, 9))
+    stage = sorted(rng.sample(range(graph.num_ops), rng.randint(2, graph.num_ops)))
+    inputs = float(rng.randint(0, 8))
+    for in_flight in (1, 2, 5):
+        peaks = []
+        for mask in range(2 ** (len(stage) - 1)):
+            cuts = [stage[i + 1] for i in range(len(stage) - 1) if mask >> i & 1]
+            stash, working = costs.segment_bytes(graph, stage, cuts, inputs)
+            peaks.append(in_flight * stash + working)
+        chosen = costs.best_checkpoints(graph, stage, inputs, in_flight)
+        stash, working = costs.segment_bytes(graph, stage, chosen, inputs)
+        assert in_flight * stash + working == pytest.approx(min(peaks))
+        if not chosen:
+            assert min(peaks) == pytest.approx(peaks[0])
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_one_segment_is_whole_stage_rematerialization(seed):
+    """No checkpoints: stash = the stage's inputs, working = its activations with received copies (the
+    formula activation_bytes uses), on random stages of random graphs."""
+    rng = random.Random(seed)
+    graph = _random_dag(rng, rng.randint(3, 12))
+    lo = rng.randrange(graph.num_ops)
+    ops = range(lo, rng.randrange(lo, graph.num_ops) + 1)
+    sums = costs.stage_sums(graph, ops)
+    assert costs.segment_bytes(graph, ops, (), sums.inputs) == pytest.approx((sums.inputs, sums.act))
+
+
+def test_checkpoints_lower_a_data_parallel_stage_and_the_simulator_charges_them():
+    """A chain on one data-parallel stage (round-robin: one micro-batch in flight per device): whole-stage
+    re-materialization keeps exactly what none keeps; the planner's checkpoints lower the simulated peak to
+    stash + largest segment, and GPipe keeps whole stages, as in its paper."""
+    from graphpipe.search.planner import make_plan
+
+    ops = [make_op(f"l{i}", act=1e6) for i in range(6)]
+    graph = OpGraph.build("chain", ops, [(f"l{i}", f"l{i + 1}", 1e4) for i in range(5)])
+    cluster = preset("v100", 1)
+    sg = StageGraph.build(graph, [Stage(0, tuple(range(6)), (0,), 8, recompute=True)], 8, 1)
+    none = replace_stage(sg, recompute=False)
+    sched = make_schedule("1f1b", sg, cluster)
+    act = lambda g: simulate(g, sched, cluster).activation_peak_bytes[0]  # noqa: E731
+    assert act(sg) == act(none) == pytest.approx(6e6 * 8)
+    cuts = costs.best_checkpoints(graph, range(6), 0.0, 1)
+    cut = replace_stage(sg, checkpoints=cuts)
+    stash, working = costs.segment_bytes(graph, range(6), cuts, 0.0)
+    assert len(cuts) >= 1 and act(cut) == pytest.approx((stash + working) * 8)
+    assert act(cut) < act(none)
+    plan = make_plan("chain.json", graph, cluster, 8, "gpp", SearchOptions(recompute="all", micro_batch_size=8))
+    assert plan.stage_graph.stages[0].checkpoints == cuts
+    assert plan.predicted["peak_activation_bytes"][0] == pytest.approx(act(cut))
+    gpipe = make_plan("chain.json", graph, cluster, 8, "gpipe", SearchOptions(micro_batch_size=8))
+    assert all(s.recompute and not s.checkpoints for s in gpipe.stage_graph.stages)
+
+
+def replace_stage(sg: StageGraph, **changes) -> StageGraph:
+    from dataclasses import replace
+
+    return replace(sg, stages=tuple(replace(s, **changes) for s in sg.stages))
+
+
+def test_checkpoints_are_validated_and_survive_the_plan_file():
+    from graphpipe.plan import plan_from_dict, plan_to_dict
+    from graphpipe.search.planner import make_plan
+
+    graph = chain_graph(5)
+    with pytest.raises(PlanError, match="need recompute"):
+        Stage(0, (0, 1), (0,), 4, checkpoints=(1,))
+    with pytest.raises(PlanError, match="other than its first"):
+        Stage(0, (0, 1), (0,), 4, recompute=True, checkpoints=(0,))
+    with pytest.raises(PlanError, match="other than its first"):
+        Stage(0, (0, 1), (0,), 4, recompute=True, checkpoints=(3,))
+    plan = make_plan("chain.json", graph, preset("v100", 1), 8, "gpp", SearchOptions(recompute="all",
+                                                                                      micro_batch_size=8))
+    assert plan.stage_graph.stages[0].checkpoints, "premise: one data-parallel stage gets checkpoints"
+    again = plan_from_dict(plan_to_dict(plan))
+    assert again.stage_graph.stages == plan.stage_graph.stages
+    doc = plan_to_dict(plan)
+    doc["stages"][0]["checkpoints"] = ["no-such-op"]
+    with pytest.raises(InputError):
+        plan_from_dict(doc)

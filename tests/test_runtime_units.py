@@ -75,6 +75,45 @@ def test_stage_programs_reproduce_the_module(spec, sequential):
                 assert all(c == p + 1 for p in range(k) for c, _ in split.programs[p].send_values)
 
 
+@pytest.mark.parametrize("spec", SMALL)
+@pytest.mark.parametrize("sequential", [False, True])
+def test_checkpoint_segments_reproduce_each_stage(spec, sequential):
+    """Stages cut at random checkpoints: the segments run in order, each on stage inputs and earlier
+    segments' values only, then ``assemble``, give exactly the stage module's output; a segment hands on
+    (holds) no value the stage sends anyway."""
+    from dataclasses import replace
+
+    runnable = load_runnable(spec, seed=0)
+    graph = zoo.load_graph(spec)
+    inputs = runnable.make_inputs(4, 7)
+    rng = random.Random(hash((spec, sequential, "segments")) % 1000)
+    k = 2
+    sg = make_sg(graph, contiguous_stages(graph.num_ops, k, rng), [(i,) for i in range(k)], [4] * k, 4, k,
+                 sequential=sequential)
+    stages = tuple(replace(st, recompute=True, checkpoints=tuple(rng.sample(st.op_ids[1:], min(2, len(st.op_ids) - 1))))
+                   for st in sg.stages)
+    sg = replace(sg, stages=stages)
+    assert any(st.checkpoints for st in sg.stages), "premise: some stage has checkpoints"
+    split = split_model(runnable.gm, runnable.op_nodes, sg)
+    values = {}
+    with torch.no_grad():
+        for prog in split.programs:
+            model_inputs = dict(prog.model_inputs)
+            args = [inputs[model_inputs[n]] if n in model_inputs else values[n] for n in prog.input_names]
+            expected = prog.module(*args)
+            if not prog.segments:
+                values.update(zip(prog.output_names, expected[0]))
+                continue
+            assert len(prog.segments) == len(sg.stages[prog.stage_id].checkpoints) + 1
+            env = dict(zip(prog.input_names, args))
+            for seg in prog.segments:
+                assert set(seg.handed) <= set(seg.output_names) and not set(seg.handed) & set(prog.output_names)
+                env.update(zip(seg.output_names, seg.module(*(env[n] for n in seg.input_names))))
+            got = prog.assemble(*(env[n] for n in prog.gathers))
+            torch.testing.assert_close(got, expected, rtol=0, atol=0)
+            values.update(zip(prog.output_names, got[0]))
+
+
 def test_sequential_plan_relays_skip_values():
     """twobranch cut after embed and after branch0: branch1 reads embed's output through stage 1."""
     runnable = load_runnable("twobranch:small")

@@ -214,7 +214,8 @@ def format_plan(plan) -> str:
         per_device = " ".join(f"{peaks[d] / 1e9:.2f}" for d in used)
         lines.append(f"peak memory     max {max(peaks) / 1e9:.2f} GB of {plan.cluster.memory_bytes / 1e9:g} GB; "
                      f"per device (GB): {per_device}")
-    recompute = [str(st.id) for st in sg.stages if st.recompute]
+    recompute = [f"{st.id}{f' ({len(st.checkpoints) + 1} segments)' if st.checkpoints else ''}"
+                 for st in sg.stages if st.recompute]
     lines.append(f"recompute       {'stages ' + ', '.join(recompute) if recompute else 'none'}"
                  f" (--recompute {s.get('recompute', '-')})")
     if plan.merged:

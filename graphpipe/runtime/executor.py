@@ -192,7 +192,10 @@ class RankExecutor:
         # parameters and buffers are model state, not activations (capture excludes both too)
         self.saved_meter = SavedBytesMeter(t for prog in self.programs.values()
                                            for t in (*prog.module.parameters(), *prog.module.buffers()))
-        self._redo_bytes: dict[int, int] = {}  # per re-materializing stage: its B's working set (probed once)
+        self._redo_bytes: dict[int, int | list[int]] = {}  # per re-materializing stage: its B's working set,
+        # per segment where it has checkpoints (probed once)
+        self._working = 0  # bytes of rebuilt activations counted now (one B, I or W runs at a time)
+        self._segment_calls: dict[tuple[int, int], set[int]] = {}  # (stage, mb) -> segments that ran
         self._stash: dict[tuple[int, int], list] = {}  # inputs a checkpointed (stage, mb) keeps until its B
         self._pending_w: dict[tuple[int, int], PendingWeightGrad] = {}  # (stage, mb) whose I ran, W not yet
         self._fail_at = fault.at if fault is not None and fault.rank == rank else None
@@ -277,7 +280,9 @@ class RankExecutor:
             return sent, out, (self.loss_fn(out) * scale if prog.is_sink else None)
 
         with self.saved_meter.hooks():  # activation memory, measured (runtime/measure.py)
-            if stage.recompute:  # re-materialization: keep the inputs, re-run the forward inside B (non-reentrant)
+            if stage.recompute and prog.segments:  # re-materialization one checkpointed segment at a time
+                sent, out, loss, pieces = self._forward_segments(a, prog, versions, args, ctx, scale)
+            elif stage.recompute:  # re-materialization: keep the inputs, re-run the forward inside B (non-reentrant)
                 sent, out, loss = torch.utils.checkpoint.checkpoint(run_stage, *args, ctx, use_reentrant=False)
                 self._stash[(a.stage_id, a.mb_id)] = [self.saved_meter.hold(t) for t in args
                                                      if isinstance(t, torch.Tensor)]
@@ -294,8 +299,66 @@ class RankExecutor:
         if loss is not None:
             self.sink_losses[a.mb_id] = self.sink_losses.get(a.mb_id, 0.0) + float(loss.detach())
         if stage.recompute and a.stage_id not in self._redo_bytes:  # once, after the timed compute
-            self._redo_bytes[a.stage_id] = self.saved_meter.probe(run_stage, *args, ctx)
+            self._redo_bytes[a.stage_id] = ([self.saved_meter.probe(fn, *xs, ctx) for fn, xs in pieces]
+                                            if prog.segments else self.saved_meter.probe(run_stage, *args, ctx))
         return ready_at - t0, start - t0, end - t0, float(loss.detach()) if loss is not None else 0.0
+
+    def _forward_segments(self, a: Action, prog, versions, args: list, ctx, scale: float):
+        """A re-materializing stage's forward, one checkpoint per segment (:func:`segment_stage`).
+
+        Each segment runs under ``torch.utils.checkpoint`` (non-reentrant);
+        the stage's inputs and the values a segment hands to a later one are
+        held (counted) until B ends. The last segment's checkpoint also builds
+        the stage's output and the loss, as a whole-stage checkpoint does.
+        Returns ``(sent, out, loss, pieces)``, ``pieces`` each segment's
+        callable and inputs, for the probe.
+        """
+        key = (a.stage_id, a.mb_id)
+        env = dict(zip(prog.input_names, args))
+        held = [self.saved_meter.hold(t) for t in args if isinstance(t, torch.Tensor)]
+        pieces = []
+        last = len(prog.segments) - 1
+        for j, seg in enumerate(prog.segments):
+            def fn(*xs, seg=seg, tail=j == last):
+                got = seg.module(*xs) if versions is None else versions.call(a.mb_id, *xs, module=seg.module)
+                if not tail:
+                    return got
+                mine = dict(zip(seg.output_names, got))  # the stage's output from every segment's values
+                sent, out = prog.assemble(*(mine[n] if n in mine else env[n] for n in prog.gathers))
+                return sent, out, (self.loss_fn(out) * scale if prog.is_sink else None)
+            xs = [env[n] for n in seg.input_names]
+            pieces.append((fn, xs))
+            got = torch.utils.checkpoint.checkpoint(self._counted(key, j, fn), *xs, ctx, use_reentrant=False)
+            if j == last:
+                self._stash[key] = held
+                return (*got, pieces)
+            env.update(zip(seg.output_names, got))
+            held += [self.saved_meter.hold(env[n]) for n in seg.handed]
+        raise AssertionError("a segmented stage has at least one segment")
+
+    def _counted(self, key: tuple[int, int], j: int, fn):
+        """``fn`` (segment ``j`` of stage and micro-batch ``key``), whose calls after the first are its
+        re-materialization inside B: that segment's probed working set replaces the one counted before."""
+        def run(*xs):
+            calls = self._segment_calls.setdefault(key, set())
+            if j in calls:
+                rebuilt = self._redo_bytes[key[0]][j]
+                self.saved_meter.add(rebuilt - self._working)
+                self._working = rebuilt
+            calls.add(j)
+            return fn(*xs)
+        return run
+
+    def _begin_rebuild(self, stage_id: int) -> None:
+        """B, I or W starts: a whole-stage checkpoint rebuilds all the stage's activations now (segments count
+        theirs as each rebuilds, :meth:`_counted`)."""
+        redo = self._redo_bytes.get(stage_id, 0) if self.sg.stages[stage_id].recompute else 0
+        self._working = redo if isinstance(redo, int) else 0
+        self.saved_meter.add(self._working)
+
+    def _end_rebuild(self) -> None:
+        self.saved_meter.add(-self._working)
+        self._working = 0
 
     def _backward(self, a: Action, saved: dict, t0: float) -> tuple[float, float, float]:
         """B, or zero bubble's I (input gradients only; the weight gradients wait for :meth:`_weight`)."""
@@ -330,8 +393,7 @@ class RankExecutor:
             if out.requires_grad:
                 tensors.append(out)
                 grad_tensors.append(g)
-        redo = self._redo_bytes.get(a.stage_id, 0) if self.sg.stages[a.stage_id].recompute else 0
-        self.saved_meter.add(redo)  # the checkpoint rebuilds the stage's activations for this backward
+        self._begin_rebuild(a.stage_id)  # the checkpoint rebuilds the stage's activations for this backward
         if a.kind == "I":
             leaves_in = [leaves[v] for v in sorted(leaves)]
             dinputs, self._pending_w[(a.stage_id, a.mb_id)] = backward_input(
@@ -340,11 +402,12 @@ class RankExecutor:
                 leaf.grad = g
         elif tensors:
             torch.autograd.backward(tensors, grad_tensors)
-        self.saved_meter.add(-redo)
+        self._end_rebuild()
         if a.stage_id in self.weights:
             self.weights[a.stage_id].after_backward(a.mb_id)
         if a.kind == "B":
             self._stash.pop((a.stage_id, a.mb_id), None)
+            self._segment_calls.pop((a.stage_id, a.mb_id), None)
         self._sync()
         end = time.perf_counter()
         for piece in self.routing.incoming(a.stage_id, a.mb_id, q):
@@ -361,11 +424,11 @@ class RankExecutor:
         """W: the weight gradients of a micro-batch whose I ran; frees the graph I retained."""
         self._sync()
         start = time.perf_counter()
-        redo = self._redo_bytes.get(a.stage_id, 0) if self.sg.stages[a.stage_id].recompute else 0
-        self.saved_meter.add(redo)
+        self._begin_rebuild(a.stage_id)
         backward_weight(self._pending_w.pop((a.stage_id, a.mb_id)))
-        self.saved_meter.add(-redo)
+        self._end_rebuild()
         self._stash.pop((a.stage_id, a.mb_id), None)
+        self._segment_calls.pop((a.stage_id, a.mb_id), None)
         self._sync()
         end = time.perf_counter()
         return start - t0, start - t0, end - t0

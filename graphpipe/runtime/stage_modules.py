@@ -76,7 +76,8 @@ from __future__ import annotations
 
 import copy
 import logging
-from dataclasses import dataclass, field
+from bisect import bisect_right
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -85,7 +86,7 @@ import torch.fx
 from graphpipe.errors import PlanError
 from graphpipe.stages import StageGraph
 
-__all__ = ["StageProgram", "ModelSplit", "ValueMeta", "TiedParameter", "split_model", "boundary_meta", "check_op_names",
+__all__ = ["StageProgram", "Segment", "ModelSplit", "ValueMeta", "TiedParameter", "split_model", "boundary_meta", "check_op_names",
            "instrument", "CTX_NAME"]
 
 CTX_NAME = "rng_ctx"
@@ -115,6 +116,27 @@ class StageProgram:
     """True on the stage that produces the model output (and computes the loss)."""
     param_names: Mapping[str, str] = field(default_factory=dict)
     """Parameter name in :attr:`module` -> its name in the whole model (differs for tied copies)."""
+    segments: tuple["Segment", ...] = ()
+    """A re-materializing stage with checkpoints: :attr:`module` cut at them, in order (:func:`segment_stage`)."""
+    assemble: torch.fx.GraphModule | None = None
+    """With segments: called with the values :attr:`gathers` names, returns ``(sent, model_output)``."""
+    gathers: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Segment:
+    """A piece of a stage module between two checkpoints; it shares the stage module's parameters."""
+
+    module: torch.fx.GraphModule
+    """Called with the values named in :attr:`input_names`, then the context; returns the values named in
+    :attr:`output_names` (a tuple)."""
+    input_names: tuple[str, ...]
+    """Stage inputs and values of earlier segments it reads."""
+    output_names: tuple[str, ...]
+    """Values later segments read, and the stage's outputs it computes."""
+    handed: tuple[str, ...]
+    """The outputs only later segments keep (not sent on, not the model output): the tensors a checkpoint
+    holds beyond the stage's inputs (:func:`graphpipe.costs.segment_bytes`' hand-over)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,10 +309,78 @@ def split_model(gm: torch.fx.GraphModule, op_nodes: Mapping[str, Sequence[str]],
             is_sink=(s == sink)))
     tied = _untie_parameters(gm, programs)
     _check_buffers_owned_once(programs)
+    op_of = {name: sg.graph.op_id(op) for op, names in op_nodes.items() for name in names}
+    programs = [replace(prog, **segment_stage(prog.module, op_of, sg.stages[prog.stage_id].checkpoints))
+                if sg.stages[prog.stage_id].checkpoints else prog for prog in programs]
     boundary = tuple(n.name for n in sorted({n for v in sends.values() for n in v}, key=order.__getitem__))
     node_stages = {n.name: node_stage[n] for n in nodes if ctx_node is not None and ctx_node in n.all_input_nodes
                    and n in node_stage}
     return ModelSplit(tuple(programs), sink, boundary, tied, node_stages)
+
+
+def segment_stage(module: torch.fx.GraphModule, op_of: Mapping[str, int], checkpoints: Sequence[int]
+                  ) -> dict[str, Any]:
+    """Cut a stage module at ``checkpoints`` (op ids starting segments 2..k): the :class:`StageProgram`
+    fields ``segments``, ``assemble`` and ``gathers``.
+
+    An fx node joins its op's segment (``op_of``: node name -> op id); a node
+    of no op joins the earliest segment reading it, and ``get_attr`` nodes are
+    copied into every segment reading them. Each segment returns what later
+    segments read and the stage outputs it computes; ``assemble`` builds the
+    stage's ``(sent, model_output)`` from those, so no checkpoint takes (and
+    saves) a value only because the stage sends it on. Op ids are
+    topological, so every segment reads only stage inputs and earlier segments.
+    """
+    cuts = sorted(checkpoints)
+    nodes = list(module.graph.nodes)
+    output = next(n for n in nodes if n.op == "output")
+    last = len(cuts)
+    seg: dict[torch.fx.Node, int] = {n: bisect_right(cuts, op_of[n.name]) for n in nodes  # inputs bear their
+                                     if n.op not in ("placeholder", "get_attr") and n.name in op_of}  # producer's name
+    for node in reversed(nodes):
+        if node.op in ("placeholder", "output", "get_attr") or node in seg:
+            continue
+        users = [seg.get(u, last) for u in node.users if u.op != "get_attr"]
+        seg[node] = min(users, default=last)
+    for node, j in seg.items():
+        early = [a.name for a in node.all_input_nodes if seg.get(a, -1) > j]
+        if early:
+            raise PlanError(f"checkpoint segments out of order: fx node {node.name!r} (segment {j}) reads {early} "
+                            "from a later segment; the plan's op order and the captured graph disagree")
+    ctx = next((n for n in nodes if n.op == "placeholder" and n.name == CTX_NAME), None)
+    stage_out = set(output.all_input_nodes)
+    segments = []
+    for j in range(last + 1):
+        members = [n for n in nodes if seg.get(n) == j]
+        outside = {a: None for n in members for a in n.all_input_nodes
+                   if a is not ctx and a.op != "get_attr" and seg.get(a) != j}
+        graph = torch.fx.Graph()
+        env = {a: graph.placeholder(a.name) for a in outside}
+        if ctx is not None:
+            env[ctx] = graph.placeholder(CTX_NAME, default_value=None)
+
+        def value(a, env=env, graph=graph):
+            if a not in env:  # a get_attr: copied where read
+                env[a] = graph.node_copy(a)
+            return env[a]
+
+        for node in members:
+            for a in node.all_input_nodes:
+                value(a)
+            env[node] = graph.node_copy(node, value)
+        exported = [n for n in members if n in stage_out or any(seg.get(u, last) > j for u in n.users
+                                                                 if u.op != "output")]
+        graph.output(tuple(env[n] for n in exported))
+        graph.lint()
+        segments.append(Segment(torch.fx.GraphModule(module, graph, class_name=f"Segment{j}"),
+                                tuple(a.name for a in outside), tuple(n.name for n in exported),
+                                tuple(n.name for n in exported if n not in stage_out)))
+    graph = torch.fx.Graph()
+    gathered = sorted(stage_out, key=nodes.index)
+    env = {a: graph.placeholder(a.name) for a in gathered}
+    graph.output(torch.fx.node.map_arg(output.args[0], env.__getitem__))
+    return {"segments": tuple(segments), "assemble": torch.fx.GraphModule(module, graph, class_name="Assemble"),
+            "gathers": tuple(a.name for a in gathered)}
 
 
 def _resolve_attr(module: torch.nn.Module, target: str) -> Any:

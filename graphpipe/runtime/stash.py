@@ -90,10 +90,14 @@ class WeightVersions:
         """The newest version's tensors by parameter name (the stage's current weights)."""
         return self._versions[self._latest]
 
-    def call(self, mb_id: int, *args):
-        """The stage module on micro-batch ``mb_id``'s version (the latest without stashing)."""
+    def call(self, mb_id: int, *args, module=None):
+        """The stage module (or ``module``, a segment sharing its parameter names) on micro-batch ``mb_id``'s
+        version (the latest without stashing)."""
         params = self._versions[self._version(mb_id) if self.stash else self._latest]
-        return torch.func.functional_call(self.module, params, args)
+        if module is None:
+            return torch.func.functional_call(self.module, params, args)
+        own = dict(module.named_parameters())
+        return torch.func.functional_call(module, {n: t for n, t in params.items() if n in own}, args)
 
     def after_backward(self, mb_id: int) -> None:
         """Take ``mb_id``'s gradient into its group's sum; step when the group closes on this rank."""

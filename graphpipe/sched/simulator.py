@@ -332,8 +332,9 @@ def _memory(sg: StageGraph, cluster: Cluster, devices: Iterable[int],
     for st in sg.stages:
         sums = sg.stage_sums(st.id)
         samples = st.samples_per_replica
-        stash.append(costs.stashed_bytes(sums.act, sums.inputs, samples, st.recompute))
-        working.append(sums.act * samples if st.recompute else 0.0)
+        kept, rebuilt = sg.activation_terms(st.id)  # re-materialization in segments included
+        stash.append(kept * samples)
+        working.append(rebuilt * samples)
         for d in st.devices:
             state[d] += cluster.state_bytes(sums.param_bytes)
             buffers[d] += costs.buffer_bytes(sums.inputs, sums.outputs, samples)

@@ -302,6 +302,7 @@ def model_data(sg: StageGraph, cluster: Cluster, candidates: Sequence[Sequence[i
     for stage in sg.stages:
         r = stage.num_replicas
         sm, rc = sums[stage.id], stage.recompute
+        kept, rebuilt = sg.activation_terms(stage.id)
         worst = 0.0
         for b in cands[stage.id]:
             fwd, bwd = costs.action_times(sm.fwd_alpha, sm.fwd_beta, sm.bwd_alpha, sm.bwd_beta, b / r, rc)
@@ -312,8 +313,8 @@ def model_data(sg: StageGraph, cluster: Cluster, candidates: Sequence[Sequence[i
                 i_s, w_s = costs.split_backward(bwd, weight, fwd, False)
                 duration[(stage.id, b, "I")] = _ticks(i_s, unit, 1)
                 duration[(stage.id, b, "W")] = _ticks(w_s, unit, 1)
-            act[(stage.id, b)] = math.ceil(costs.stashed_bytes(sm.act, sm.inputs, b / r, rc) / mem_unit)
-            working[(stage.id, b)] = math.ceil(sm.act * b / r / mem_unit) if rc else 0
+            act[(stage.id, b)] = math.ceil(kept * b / r / mem_unit)
+            working[(stage.id, b)] = math.ceil(rebuilt * b / r / mem_unit) if rc else 0
             buffers[(stage.id, b)] = math.ceil(costs.buffer_bytes(sm.inputs, sm.outputs, b / r) / mem_unit)
             rounded = sum(duration[(stage.id, b, kind)] for kind in (("F", "I", "W") if split else ("F", "B"))) * unit
             worst = max(worst, batch // b * max(0.0, rounded - fwd - bwd))

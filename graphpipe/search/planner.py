@@ -10,7 +10,11 @@ and refuse plans whose simulated peak memory exceeds the device memory.
 Re-materialization (``options.recompute``, default :data:`DEFAULT_RECOMPUTE`)
 is a planning decision: ``none``/``all`` are passed to the strategy,
 ``auto`` searches both ways and keeps it only on the stages that need it
-(:func:`_auto_recompute`).
+(:func:`_auto_recompute`). Once the schedule is known, every re-materializing
+stage of gpp, PipeDream and Piper gets the checkpoints that lower its peak
+memory most at its simulated in-flight count (:func:`place_checkpoints`; a
+data-parallel stage with one micro-batch in flight is where they matter);
+GPipe re-runs whole stages, as its paper does.
 
 With ``options.host`` (devices time-sharing one host's cores, e.g. CPU
 ranks on a smaller machine) every strategy scores its candidates by the
@@ -45,6 +49,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
+from graphpipe import costs
 from graphpipe.cluster import Cluster
 from graphpipe.errors import GraphpipeError, InfeasibleError, InputError
 from graphpipe.graph import OpGraph
@@ -54,7 +59,7 @@ from graphpipe.stages import StageGraph
 from graphpipe.search.common import SearchOptions, SearchResult, simulated
 from graphpipe.sp import make_series_parallel
 
-__all__ = ["make_plan", "compare", "strip_recompute", "COMPARE_KEYS", "TIMING_KEYS", "DEFAULT_RECOMPUTE"]
+__all__ = ["make_plan", "compare", "strip_recompute", "place_checkpoints", "COMPARE_KEYS", "TIMING_KEYS", "DEFAULT_RECOMPUTE"]
 
 log = logging.getLogger(__name__)
 
@@ -298,7 +303,14 @@ def _make_plan_at(model_id: str, graph: OpGraph, cluster: Cluster, batch_size: i
     search["partition_time_s"] = partitioned - started
     base_name = result.schedule_name if schedule_name == "cpsat" else schedule_name
     sched = make_schedule(base_name, sg, cluster, validate=False)  # simulate() runs the validator's checks
-    predicted = predicted_figures(simulate(sg, sched, cluster, host=options.host))
+    timeline = simulate(sg, sched, cluster, host=options.host)
+    if strategy != "gpipe" and any(s.recompute for s in sg.stages):
+        placed = place_checkpoints(sg, timeline.in_flight)
+        if placed != sg:  # segments change memory only, so the schedule stands
+            sg = placed
+            timeline = simulate(sg, sched, cluster, host=options.host)
+        search["recompute_segments"] = {str(s.id): len(s.checkpoints) + 1 for s in sg.stages if s.recompute}
+    predicted = predicted_figures(timeline)
     if graph.shared:  # tied parameters split across stages: copies and their gradient all-reduce (search/tied.py)
         from graphpipe.search.tied import charge_shared_params
 
@@ -394,6 +406,18 @@ def strip_recompute(sg: StageGraph, cluster: Cluster, schedule_name: str, host=N
         if simulated(trial, cluster, schedule_name, host)[1]:
             sg = trial
     return sg
+
+
+def place_checkpoints(sg: StageGraph, in_flight) -> StageGraph:
+    """Every re-materializing stage cut into the segments that minimize its activation peak with
+    ``in_flight[stage]`` micro-batches alive (:func:`graphpipe.costs.best_checkpoints`; whole stages where
+    cutting does not lower it). Time is unchanged: each segment's forward runs once more inside B, as the
+    whole stage's would.
+    """
+    stages = tuple(replace(s, checkpoints=costs.best_checkpoints(sg.graph, s.op_ids, sg.stage_sums(s.id).inputs,
+                                                                 max(1, in_flight[s.id])) if s.recompute else ())
+                   for s in sg.stages)
+    return replace(sg, stages=stages)
 
 
 def _best_device_count(partition, graph: OpGraph, cluster: Cluster, batch_size: int, options: SearchOptions,
