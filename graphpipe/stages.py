@@ -322,6 +322,8 @@ class StageGraph:
         sums = self.stage_sums(stage_id)
         if not s.recompute:
             return sums.act, 0.0
+        if not s.checkpoints:  # the whole stage: what segment_bytes gives for one segment, without its tables
+            return sums.inputs, sums.act
         return costs.segment_bytes(self.graph, s.op_ids, s.checkpoints, sums.inputs)
 
     def depth(self) -> int:

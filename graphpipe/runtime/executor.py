@@ -329,12 +329,11 @@ class RankExecutor:
             xs = [env[n] for n in seg.input_names]
             pieces.append((fn, xs))
             got = torch.utils.checkpoint.checkpoint(self._counted(key, j, fn), *xs, ctx, use_reentrant=False)
-            if j == last:
-                self._stash[key] = held
-                return (*got, pieces)
-            env.update(zip(seg.output_names, got))
-            held += [self.saved_meter.hold(env[n]) for n in seg.handed]
-        raise AssertionError("a segmented stage has at least one segment")
+            if j < last:
+                env.update(zip(seg.output_names, got))
+                held += [self.saved_meter.hold(env[n]) for n in seg.handed]
+        self._stash[key] = held
+        return (*got, pieces)  # the last segment's (sent, out, loss)
 
     def _counted(self, key: tuple[int, int], j: int, fn):
         """``fn`` (segment ``j`` of stage and micro-batch ``key``), whose calls after the first are its
@@ -352,8 +351,8 @@ class RankExecutor:
     def _begin_rebuild(self, stage_id: int) -> None:
         """B, I or W starts: a whole-stage checkpoint rebuilds all the stage's activations now (segments count
         theirs as each rebuilds, :meth:`_counted`)."""
-        redo = self._redo_bytes.get(stage_id, 0) if self.sg.stages[stage_id].recompute else 0
-        self._working = redo if isinstance(redo, int) else 0
+        whole = self.sg.stages[stage_id].recompute and not self.programs[stage_id].segments
+        self._working = self._redo_bytes.get(stage_id, 0) if whole else 0
         self.saved_meter.add(self._working)
 
     def _end_rebuild(self) -> None:

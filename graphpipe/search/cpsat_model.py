@@ -314,7 +314,7 @@ def model_data(sg: StageGraph, cluster: Cluster, candidates: Sequence[Sequence[i
                 duration[(stage.id, b, "I")] = _ticks(i_s, unit, 1)
                 duration[(stage.id, b, "W")] = _ticks(w_s, unit, 1)
             act[(stage.id, b)] = math.ceil(kept * b / r / mem_unit)
-            working[(stage.id, b)] = math.ceil(rebuilt * b / r / mem_unit) if rc else 0
+            working[(stage.id, b)] = math.ceil(rebuilt * b / r / mem_unit)
             buffers[(stage.id, b)] = math.ceil(costs.buffer_bytes(sm.inputs, sm.outputs, b / r) / mem_unit)
             rounded = sum(duration[(stage.id, b, kind)] for kind in (("F", "I", "W") if split else ("F", "B"))) * unit
             worst = max(worst, batch // b * max(0.0, rounded - fwd - bwd))
