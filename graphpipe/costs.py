@@ -62,7 +62,7 @@ Example
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, Literal, Sequence, get_args
 
 import numpy as np
 
@@ -70,6 +70,7 @@ import numpy as np
 # package's import graph must stay acyclic (tests/test_package_edges.py).
 
 __all__ = [
+    "Recompute",
     "RECOMPUTE_CHOICES",
     "ring_allreduce_s",
     "action_times",
@@ -96,8 +97,11 @@ __all__ = [
     "CostArrays",
 ]
 
-RECOMPUTE_CHOICES = ("none", "all", "auto")
+Recompute = Literal["none", "all", "auto"]
 """``--recompute``: no stage, every stage, or where memory or throughput asks for it (the search decides)."""
+
+RECOMPUTE_CHOICES: tuple[Recompute, ...] = get_args(Recompute)
+"""The values of :data:`Recompute`, in the order the CLI lists them."""
 
 
 # ------------------------------------------------------------------ formulas

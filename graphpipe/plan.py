@@ -1,9 +1,10 @@
-"""Plans and the ``graphpipe.plan/1`` file format (DESIGN §9).
+"""Plans and the ``graphpipe.plan/1`` file format (docs/design.md#plan-files).
 
 A :class:`Plan` is everything needed to simulate or run one training
 iteration: the op graph, the cluster, the stage graph (with batch size and
 per-stage micro-batch sizes), the strategy that produced it, the schedule,
-the simulator's predicted figures and the search statistics.
+the simulator's predicted figures (:class:`Predicted`) and the search
+statistics (:class:`SearchStats`).
 
 The JSON is self-contained: the graph is inlined in the graph-JSON shape,
 the cluster in the cluster-file shape, so ``graphpipe simulate plan.json``
@@ -17,8 +18,8 @@ which every reader of a plan file must call (the CLI does).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from typing import Any, Mapping
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Iterator, Literal, Mapping, get_args
 
 from graphpipe.actions import Schedule
 from graphpipe import files
@@ -27,12 +28,172 @@ from graphpipe.errors import FormatError, InputError, PlanError
 from graphpipe.graph import OpGraph, graph_from_dict, graph_to_dict, read_json_file, write_json_atomic
 from graphpipe.stages import Stage, StageGraph
 
-__all__ = ["Plan", "PLAN_FORMAT", "BATCHNORM_MODES", "plan_to_dict", "plan_from_dict", "read_plan", "write_plan"]
+__all__ = ["Plan", "Predicted", "SearchStats", "PLAN_FORMAT", "BatchnormMode", "BATCHNORM_MODES", "plan_to_dict",
+           "plan_from_dict", "read_plan", "write_plan"]
 
 PLAN_FORMAT = "graphpipe.plan/1"
 
-BATCHNORM_MODES = ("per-micro-batch", "sync")
+BatchnormMode = Literal["per-micro-batch", "sync"]
+BATCHNORM_MODES: tuple[BatchnormMode, ...] = get_args(BatchnormMode)
 """How BatchNorm normalises under micro-batching: each replica's rows, or each micro-batch across replicas."""
+
+
+class _Figures(Mapping[str, Any]):
+    """A typed record that still reads as the plan file's object: ``record.throughput`` and
+    ``record["throughput"]`` are the same value, and ``dict(record)`` is the object, keys in file order.
+
+    The typed fields are the figures graphpipe itself writes and reads; any
+    other key (a partitioner's own statistics, a schedule's extra figures) is
+    kept in ``extra``. ``keys_order`` is the object's keys as written, so a
+    plan file reads and writes back byte for byte.
+    """
+
+    __slots__ = ()
+
+    @classmethod
+    def _typed(cls) -> frozenset[str]:
+        return frozenset(f.name for f in fields(cls)) - {"extra", "keys_order"}
+
+    @classmethod
+    def from_mapping(cls, doc: Mapping[str, Any] | None):
+        """The record of a plan file's object (or of another record: returned as it is)."""
+        if isinstance(doc, cls):
+            return doc
+        doc = dict(doc or {})
+        typed = cls._typed()
+        return cls(**{k: v for k, v in doc.items() if k in typed},
+                   extra={k: v for k, v in doc.items() if k not in typed}, keys_order=tuple(doc))
+
+    def __post_init__(self) -> None:
+        if not self.keys_order:  # built field by field: the fields that are set, then the extra keys
+            present = tuple(f.name for f in fields(self) if f.name in self._typed() and getattr(self, f.name) is not None)
+            object.__setattr__(self, "keys_order", present + tuple(k for k in self.extra if k not in present))
+
+    def updated(self, **changes: Any):
+        """A copy with ``changes`` (new keys go last, as in a dict update)."""
+        return self.from_mapping({**self, **changes})
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self.keys_order:
+            raise KeyError(key)
+        return self.extra[key] if key in self.extra else getattr(self, key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.keys_order)
+
+    def __len__(self) -> int:
+        return len(self.keys_order)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({dict(self)!r})"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False, repr=False)
+class Predicted(_Figures):
+    """The simulator's figures for one iteration of a plan (the plan file's ``predicted`` object).
+
+    Lists have one entry per device of the cluster, except ``in_flight``
+    (per stage). A field is None when the object does not have it (plans
+    written by older versions, or asynchronous schedules, which report a
+    steady state instead of one iteration).
+
+    >>> p = Predicted.from_mapping({"iteration_time_s": 0.5, "throughput": 64.0, "note": "x"})
+    >>> p.throughput, p["throughput"], p.extra, dict(p)
+    (64.0, 64.0, {'note': 'x'}, {'iteration_time_s': 0.5, 'throughput': 64.0, 'note': 'x'})
+    """
+
+    iteration_time_s: float | None = None
+    """Seconds of one training iteration (one mini-batch, forward and backward, all-reduces included)."""
+    throughput: float | None = None
+    """Samples per second: ``batch_size / iteration_time_s``."""
+    bubble_fraction: list[float] | None = None
+    """Per device, the share of the iteration it is idle."""
+    peak_memory_bytes: list[float] | None = None
+    """Per device, the simulated peak: weights, gradients, optimizer state, activations, buffers."""
+    peak_activation_bytes: list[float] | None = None
+    """Per device, the activation part of the peak (what the runtime measures beside it)."""
+    in_flight: list[int] | None = None
+    """Per stage, the most micro-batches alive at once (forward run, backward not yet)."""
+    busy_s: list[float] | None = None
+    """Per device, seconds of compute and transfers in the iteration."""
+    mean_bubble_fraction: float | None = None
+    """Mean of ``bubble_fraction`` over the devices that hold a stage."""
+    max_peak_memory_bytes: float | None = None
+    """Largest ``peak_memory_bytes``: what must fit in one device's memory."""
+    devices_used: list[int] | None = None
+    """Devices that hold a stage."""
+    schedule: str | None = None
+    """Name of the schedule simulated."""
+    source: str | None = None
+    """What produced the timeline (the simulator, or a measured run)."""
+    shared_params_allreduce_s: float | None = None
+    """Tied parameters split over stages: seconds of their gradient all-reduce, included in the iteration."""
+    shared_params_copy_bytes: float | None = None
+    """Tied parameters split over stages: bytes of the extra copies, included in the peaks."""
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    """Other figures (e.g. the stashed weights of asynchronous schedules), by name."""
+    keys_order: tuple[str, ...] = ()
+    """The object's keys in file order."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False, repr=False)
+class SearchStats(_Figures):
+    """How the plan was found (the plan file's ``search`` object).
+
+    The planner's own statistics are fields; a partitioner's statistics
+    (e.g. ``bottleneck_tps``, ``cut_link``, ``num_downsets``) are kept in
+    ``extra``. Wall-clock times are the only figures two runs of the same
+    search may differ in.
+
+    >>> s = SearchStats.from_mapping({"strategy": "gpp", "time_s": 0.25, "bottleneck_tps": 1e-3})
+    >>> s.strategy, s.time_s, s["bottleneck_tps"], s.space is None
+    ('gpp', 0.25, 0.001, True)
+    """
+
+    strategy: str | None = None
+    """The strategy asked for (a gpp plan whose stages came from a candidate says gpp; see ``space``)."""
+    recompute: str | None = None
+    """Re-materialization asked for: ``none``, ``all`` or ``auto``."""
+    precision: str | None = None
+    """Number format the costs assume (e.g. ``fp32``)."""
+    precision_from: str | None = None
+    """Where ``precision`` came from: ``cluster`` or ``profile``."""
+    recompute_stages: list[int] | None = None
+    """Stages that re-materialize."""
+    recompute_segments: Mapping[str, int] | None = None
+    """Re-materializing stage id (as a string) -> number of checkpointed segments."""
+    partition_time_s: float | None = None
+    """Seconds spent partitioning."""
+    schedule: str | None = None
+    """The schedule of the plan."""
+    schedule_time_s: float | None = None
+    """Seconds spent scheduling, simulating and (CP-SAT) co-optimising."""
+    time_s: float | None = None
+    """Seconds of the whole search."""
+    device_counts_tried: list[int] | None = None
+    """Device counts searched (largest first)."""
+    space: str | None = None
+    """Whose search space the winning stages came from: the strategy itself or one of its candidates."""
+    gpp_throughput: float | None = None
+    """When a candidate won: the throughput of gpp's own best plan."""
+    unused_devices: int | None = None
+    """Devices of the cluster that hold no stage."""
+    host_devices_used: int | None = None
+    """Shared host: the number of ranks the fastest plan uses."""
+    host_slowdown: list[list[float]] | None = None
+    """Shared host: its slowdown curve (concurrent ranks, slowdown)."""
+    lower_bound_s: float | None = None
+    """CP-SAT: a lower bound of the iteration time."""
+    gap: float | None = None
+    """CP-SAT: ``(makespan - lower_bound) / makespan``."""
+    cpsat_status: str | None = None
+    """CP-SAT: OPTIMAL, FEASIBLE, or what the solver reported."""
+    cpsat_time_s: float | None = None
+    """CP-SAT: seconds in the solver."""
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    """The partitioner's and the co-optimiser's other statistics, by name."""
+    keys_order: tuple[str, ...] = ()
+    """The object's keys in file order."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -44,19 +205,21 @@ class Plan:
     strategy: str
     """Partitioner that produced the stages: gpp, pipedream, piper, gpipe, or custom."""
     schedule: Schedule
-    predicted: Mapping[str, Any] = field(default_factory=dict)
-    """Simulator figures: iteration_time_s, throughput, bubble_fraction, peak_memory_bytes, ..."""
-    search: Mapping[str, Any] = field(default_factory=dict)
-    """Search statistics: strategy, time_s, and (cpsat) lower_bound_s, gap."""
+    predicted: Predicted = field(default_factory=Predicted)
+    """Simulator figures (a plain mapping given here becomes a :class:`Predicted`)."""
+    search: SearchStats = field(default_factory=SearchStats)
+    """Search statistics (a plain mapping given here becomes a :class:`SearchStats`)."""
     merged: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     """Ops created by contracting non-series-parallel regions -> original op names."""
-    batchnorm: str = "per-micro-batch"
+    batchnorm: BatchnormMode = "per-micro-batch"
     """BatchNorm semantics under micro-batching (:data:`BATCHNORM_MODES`; see :mod:`graphpipe.runtime.batchnorm`)."""
     asynchrony: Mapping[str, Any] = field(default_factory=dict)
     """Asynchronous schedules only (``1f1b-async``, ``2bw``): ``vertical_sync``, ``update_every``, ``stash``
     (:class:`graphpipe.sched.async_pipe.AsyncSpec`); written as the plan's ``async`` key."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "predicted", Predicted.from_mapping(self.predicted))
+        object.__setattr__(self, "search", SearchStats.from_mapping(self.search))
         if self.stage_graph.num_devices != self.cluster.num_devices:
             raise PlanError(f"stage graph is for {self.stage_graph.num_devices} devices, cluster has {self.cluster.num_devices}")
         if self.schedule.num_devices != self.cluster.num_devices:

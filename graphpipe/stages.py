@@ -23,15 +23,16 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Literal, Mapping, Sequence, get_args
 
 from graphpipe import costs
 from graphpipe.errors import PlanError
 from graphpipe.graph import OpGraph
 
-__all__ = ["Stage", "StageGraph", "covered_mbs", "REPLICA_MODES"]
+__all__ = ["Stage", "StageGraph", "covered_mbs", "ReplicaMode", "REPLICA_MODES"]
 
-REPLICA_MODES = ("split", "round-robin")
+ReplicaMode = Literal["split", "round-robin"]
+REPLICA_MODES: tuple[ReplicaMode, ...] = get_args(ReplicaMode)
 """How a replicated stage shares work: ``split`` every micro-batch evenly over its replicas (gpp), or
 ``round-robin`` whole micro-batches, micro-batch ``i`` to replica ``i mod r`` (PipeDream's 1F1B-RR)."""
 
@@ -47,7 +48,7 @@ class Stage:
     recompute: bool = False
     """Re-materialize (GPipe §2.3): keep only the stage's inputs per in-flight micro-batch and run its
     forward again inside B (:mod:`graphpipe.costs`; torch.utils.checkpoint in the runtime)."""
-    replica_mode: str = "split"
+    replica_mode: ReplicaMode = "split"
     """:data:`REPLICA_MODES`: ``split`` micro-batches over the replicas, or ``round-robin`` whole ones."""
     checkpoints: tuple[int, ...] = ()
     """Ops (ids, none the stage's first) where a re-materializing stage starts a new segment: B rebuilds one

@@ -16,11 +16,12 @@ from conftest import random_sp_graph
 from graphpipe.cluster import preset
 from graphpipe.errors import GraphpipeError
 from graphpipe.search.common import SearchOptions
-from graphpipe.search.planner import SPP_CANDIDATES, make_plan
+from graphpipe.search import gpp_candidates
+from graphpipe.search.planner import make_plan
 
 STRATEGIES = ("gpp", "pipedream", "piper", "gpipe")
 MONOTONE_STRATEGIES = ("gpp", "piper", "gpipe")
-"""pipedream is planned on exactly N devices, as its optimizer does (planner.EXACT_DEVICE_STRATEGIES)."""
+"""pipedream is planned on exactly N devices, as its optimizer does (its Strategy record: exact_devices)."""
 
 
 def _throughput(spec, graph, n, batch, strategy, options=SearchOptions()):
@@ -62,7 +63,7 @@ def test_gpp_never_worse_than_sequential_on_random_graphs():
         n = rng.choice((2, 3, 4, 6, 8))
         batch = rng.choice((8, 16, 32))
         gpp, plan = _throughput("g", graph, n, batch, "gpp")
-        assert plan is not None and plan.search["space"] in ("gpp",) + SPP_CANDIDATES
+        assert plan is not None and plan.search["space"] in ("gpp",) + gpp_candidates()
         for other in ("pipedream", "piper"):
             spp, _ = _throughput("g", graph, n, batch, other)
             if spp is not None:
@@ -77,7 +78,7 @@ def test_plan_says_which_space_and_device_count_won():
     from conftest import branches_graph
 
     plan = make_plan("g", branches_graph(3, 2), preset("v100", 4), 32, "gpp")
-    assert plan.strategy == "gpp" and plan.search["space"] in ("gpp",) + SPP_CANDIDATES
+    assert plan.strategy == "gpp" and plan.search["space"] in ("gpp",) + gpp_candidates()
     assert plan.search["device_counts_tried"][0] == 4
     plain = make_plan("g", branches_graph(3, 2), preset("v100", 4), 32, "gpp", monotone=False)
     assert plain.predicted["throughput"] <= plan.predicted["throughput"] * (1 + 1e-9)

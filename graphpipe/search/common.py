@@ -33,7 +33,7 @@ Example
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -46,7 +46,7 @@ from graphpipe.stages import StageGraph
 if TYPE_CHECKING:
     from graphpipe.sched import SharedHost
 
-__all__ = ["SearchOptions", "SearchResult", "stage_tps", "recompute_all", "placed_bottleneck", "simulated", "stage_memory", "cut_tps",
+__all__ = ["SearchOptions", "SearchResult", "Strategy", "stage_tps", "recompute_all", "placed_bottleneck", "simulated", "stage_memory", "cut_tps",
            "stage_out_bytes", "comm_links", "link_name", "divisors", "micro_batch_candidates"]
 
 
@@ -54,7 +54,7 @@ __all__ = ["SearchOptions", "SearchResult", "stage_tps", "recompute_all", "place
 class SearchOptions:
     micro_batch_size: int | None = None
     """Force one micro-batch size for every stage; None lets the search choose."""
-    recompute: str | None = None
+    recompute: costs.Recompute | None = None
     """Re-materialization: ``none``, ``all`` or ``auto`` (the search turns it on per stage where memory needs
     it or throughput gains); None is the strategy's default (gpipe ``all``, the others ``auto``)."""
     per_stage_micro_batch: bool = False
@@ -82,6 +82,41 @@ class SearchResult:
     """The strategy's schedule: gpp -> graph-1f1b, pipedream/piper -> 1f1b, gpipe -> gpipe."""
     stats: Mapping[str, Any] = field(default_factory=dict)
     """At least ``time_s`` (search wall time) and ``bottleneck_tps`` (s/sample)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Strategy:
+    """What the planner needs to know about one partitioner: each strategy module defines its ``STRATEGY``.
+
+    :func:`~graphpipe.search.planner.make_plan` reads these fields instead of
+    testing strategy names, so a new partitioner is one module with one record
+    (and its name in :data:`graphpipe.search.STRATEGY_NAMES`).
+    """
+
+    name: str
+    """The ``--strategy`` name, also written as the plan's ``strategy``."""
+    partition: Callable[..., SearchResult]
+    """``partition(graph, cluster, batch_size, options) -> SearchResult``."""
+    default_schedule: str
+    """The schedule its plans use unless the caller names another (:func:`graphpipe.sched.make_schedule`)."""
+    default_recompute: costs.Recompute
+    """Re-materialization when :attr:`SearchOptions.recompute` is None."""
+    costs_recompute: bool
+    """Its search prices re-materialization (time and memory). When False the planner runs it without and, for
+    ``all``, marks every stage of the plan (which only lowers memory); ``auto`` then equals ``none``."""
+    exact_devices: bool = False
+    """Planned on exactly the cluster's device count, never on fewer (the original optimizer's behaviour)."""
+    gpp_candidate: bool = False
+    """gpp ranks this strategy's plan on the same devices and keeps it when it simulates faster."""
+    candidate_max_downsets: int | None = None
+    """As a gpp candidate, refused above this many downsets (a cap on ``SearchOptions.max_downsets``)."""
+    ranks_candidates: bool = False
+    """Its planner also ranks the :attr:`gpp_candidate` strategies' plans (gpp: never worse than them)."""
+    prunes: bool = False
+    """``partition`` also takes ``beat_iteration_s`` and ``where_memory_binds`` and skips what cannot beat them."""
+    segments_checkpoints: bool = True
+    """Re-materializing stages are cut into checkpointed segments once the schedule is known; False re-runs whole
+    stages (GPipe, as its paper does)."""
 
 
 def stage_tps(graph: OpGraph, op_ids: Iterable[int], devices: Sequence[int], micro_batch_size: int,

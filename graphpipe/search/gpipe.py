@@ -46,15 +46,13 @@ import numpy as np
 from graphpipe.cluster import Cluster
 from graphpipe.costs import range_received_saved
 from graphpipe.graph import OpGraph
-from graphpipe.search.common import SearchOptions, SearchResult, micro_batch_candidates, recompute_all
+from graphpipe.search.common import SearchOptions, SearchResult, Strategy, micro_batch_candidates, recompute_all
 from graphpipe.search.sequential import (OpArrays, ReplicaCosts, SequentialPartition, choose_micro_batch,
                                          linear_cut_bytes, linear_order, sequential_result)
 
-__all__ = ["partition", "solve", "SCHEDULE"]
+__all__ = ["partition", "solve", "STRATEGY"]
 
 log = logging.getLogger(__name__)
-
-SCHEDULE = "gpipe"
 
 
 def solve(graph: OpGraph, cluster: Cluster, batch_size: int, micro_batch_size: int,
@@ -115,7 +113,12 @@ def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: Search
     started = time.perf_counter()
     candidates = micro_batch_candidates(batch_size, options)
     recompute = recompute_all(options, default=True)
-    sg, part, extra = choose_micro_batch("gpipe", graph, cluster, batch_size, candidates, SCHEDULE,
+    sg, part, extra = choose_micro_batch("gpipe", graph, cluster, batch_size, candidates, STRATEGY.default_schedule,
                                          lambda b, _link: solve(graph, cluster, batch_size, b, recompute),
                                          host=options.host)
-    return sequential_result(SCHEDULE, sg, part, cluster, started, **extra)
+    return sequential_result(STRATEGY.default_schedule, sg, part, cluster, started, **extra)
+
+
+STRATEGY = Strategy(name="gpipe", partition=partition, default_schedule="gpipe", default_recompute="all",
+                    costs_recompute=True, segments_checkpoints=False)
+"""GPipe: fill-drain; every stage re-materializes, whole, as in its paper (§2.3)."""

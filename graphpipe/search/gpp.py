@@ -111,8 +111,8 @@ from graphpipe import costs
 from graphpipe.cluster import Cluster, Link
 from graphpipe.errors import InfeasibleError
 from graphpipe.graph import OpGraph
-from graphpipe.search.common import (SearchOptions, SearchResult, comm_links, link_name, micro_batch_candidates,
-                                     placed_bottleneck, recompute_all, simulated)
+from graphpipe.search.common import (SearchOptions, SearchResult, Strategy, comm_links, link_name,
+                                     micro_batch_candidates, placed_bottleneck, recompute_all, simulated)
 from graphpipe.search.gpp_blocks import BlockCosts
 from graphpipe.search.gpp_dp import INF, DPStage, Table, TargetDP
 from graphpipe.search.gpp_solve import first_feasible, make_dp, min_bottleneck
@@ -120,11 +120,10 @@ from graphpipe.search.gpp_tree import DPTree, build_tree, chain_tree
 from graphpipe.sp import induced_subgraph, make_series_parallel
 from graphpipe.stages import Stage, StageGraph
 
-__all__ = ["partition", "SCHEDULE", "place_stages", "smallest_memory_needed", "busy_bound_s", "pipeline_bound_s"]
+__all__ = ["partition", "STRATEGY", "place_stages", "smallest_memory_needed", "busy_bound_s", "pipeline_bound_s"]
 
 log = logging.getLogger(__name__)
 
-SCHEDULE = "graph-1f1b"
 FILL_DRAIN = "gpipe"
 NUM_SIMULATED = 8
 """Candidates simulated after ranking by the analytical estimate (simulation is the costly part)."""
@@ -624,7 +623,7 @@ def _score_best(sg: StageGraph, cluster: Cluster, host=None) -> tuple[float, str
     (:attr:`SearchOptions.host`).
     """
     best = None
-    for schedule in (SCHEDULE, FILL_DRAIN):
+    for schedule in (STRATEGY.default_schedule, FILL_DRAIN):
         throughput, fits = simulated(sg, cluster, schedule, host)
         if fits and (best is None or throughput > best[0] * (1 + 1e-12)):
             best = (throughput, schedule)
@@ -658,3 +657,8 @@ def _refine_micro_batches(sg: StageGraph, cluster: Cluster, throughput: float, s
         if not improved:
             break
     return sg, best_tp, best_schedule
+
+
+STRATEGY = Strategy(name="gpp", partition=partition, default_schedule="graph-1f1b", default_recompute="auto",
+                    costs_recompute=True, ranks_candidates=True, prunes=True)
+"""GraphPipe: graph-1F1B over a stage graph; ranks the sequential candidates' plans too."""

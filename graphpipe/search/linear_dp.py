@@ -68,15 +68,13 @@ import numpy as np
 from graphpipe.cluster import Cluster, Link
 from graphpipe.costs import range_received_saved
 from graphpipe.graph import OpGraph
-from graphpipe.search.common import SearchOptions, SearchResult, comm_links, cut_tps, micro_batch_candidates
+from graphpipe.search.common import SearchOptions, SearchResult, Strategy, comm_links, cut_tps, micro_batch_candidates
 from graphpipe.search.sequential import (OpArrays, ReplicaCosts, SequentialPartition, choose_micro_batch,
                                          linear_cut_bytes, linear_order, sequential_result, replica_mask)
 
-__all__ = ["partition", "solve", "SCHEDULE"]
+__all__ = ["partition", "solve", "STRATEGY"]
 
 log = logging.getLogger(__name__)
-
-SCHEDULE = "1f1b"
 
 
 def solve(graph: OpGraph, cluster: Cluster, batch_size: int, micro_batch_size: int,
@@ -166,7 +164,12 @@ def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: Search
     """
     started = time.perf_counter()
     candidates = micro_batch_candidates(batch_size, options)
-    sg, part, extra = choose_micro_batch("linear-dp", graph, cluster, batch_size, candidates, SCHEDULE,
+    sg, part, extra = choose_micro_batch("linear-dp", graph, cluster, batch_size, candidates, STRATEGY.default_schedule,
                                          lambda b, link: solve(graph, cluster, batch_size, b, options.power_of_two, link),
                                          comm_links(cluster), host=options.host)
-    return sequential_result(SCHEDULE, sg, part, cluster, started, **extra)
+    return sequential_result(STRATEGY.default_schedule, sg, part, cluster, started, **extra)
+
+
+STRATEGY = Strategy(name="linear-dp", partition=partition, default_schedule="1f1b", default_recompute="auto",
+                    costs_recompute=False)
+"""The chain DP on its own (not a ``--strategy``; Piper's building block, kept for tests and comparisons)."""

@@ -56,15 +56,14 @@ import time
 from graphpipe.cluster import Cluster
 from graphpipe.errors import InfeasibleError, InputError, PlanError
 from graphpipe.graph import OpGraph
-from graphpipe.search.common import SearchOptions, SearchResult, divisors, placed_bottleneck, simulated
+from graphpipe.search.common import SearchOptions, SearchResult, Strategy, divisors, placed_bottleneck, simulated
 from graphpipe.search.pipedream_dp import StateLimitError, antichain_states, prefix_states, solve_levels
 from graphpipe.stages import Stage, StageGraph
 
-__all__ = ["partition", "cluster_levels", "pipedream_micro_batch", "SCHEDULE", "REPLICA_MODE"]
+__all__ = ["partition", "cluster_levels", "pipedream_micro_batch", "STRATEGY", "REPLICA_MODE"]
 
 log = logging.getLogger(__name__)
 
-SCHEDULE = "1f1b"
 REPLICA_MODE = "round-robin"
 """How PipeDream's replicas share work (1F1B-RR); recorded in ``search.replica_mode``."""
 
@@ -136,7 +135,7 @@ def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: Search
     }
     log.debug("pipedream: %d states, levels %s, replicas %s, %.6g s per micro-batch of %d", len(states.members),
               levels, stats["replicas"], sol.time_per_batch, b)
-    return SearchResult(stage_graph=sg, schedule_name=SCHEDULE, stats=stats)
+    return SearchResult(stage_graph=sg, schedule_name=STRATEGY.default_schedule, stats=stats)
 
 
 def _solve(graph: OpGraph, cluster: Cluster, batch_size: int, options: SearchOptions, states, levels,
@@ -155,7 +154,15 @@ def _solve(graph: OpGraph, cluster: Cluster, batch_size: int, options: SearchOpt
         except PlanError as exc:
             log.info("pipedream: the DP's answer at micro-batch %d is not a partition (%s)", b, exc)
             return None, True
-        if simulated(sg, cluster, SCHEDULE, options.host)[1]:
+        if simulated(sg, cluster, STRATEGY.default_schedule, options.host)[1]:
             return (b, sol, sg), False
         log.info("pipedream: the plan at micro-batch %d does not fit in memory (simulated); trying smaller", b)
     return None, False
+
+
+STRATEGY = Strategy(name="pipedream", partition=partition, default_schedule="1f1b", default_recompute="auto",
+                    costs_recompute=False, exact_devices=True, gpp_candidate=True)
+"""PipeDream: 1F1B with round-robin replicas. Planned on exactly N devices: its optimizer always spreads the
+stages over all N machines (its DP splits m machines between the last stage and the rest, never leaving one
+idle), and ``--strategy pipedream`` must give that optimizer's answer, not a plan on fewer devices it never
+makes. Its DP prices stages without re-materialization."""

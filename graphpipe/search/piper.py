@@ -79,16 +79,15 @@ import numpy as np
 from graphpipe.cluster import Cluster
 from graphpipe.graph import OpGraph
 from graphpipe.search import linear_dp
-from graphpipe.search.common import SearchOptions, SearchResult, micro_batch_candidates
+from graphpipe.search.common import SearchOptions, SearchResult, Strategy, micro_batch_candidates
 from graphpipe.search.downsets import DownsetLimitError, count_downsets, enumerate_downsets
 from graphpipe.search.sequential import (OpArrays, ReplicaCosts, SequentialPartition, choose_micro_batch,
                                          lower_bound_tps, sequential_result, replica_mask)
 
-__all__ = ["partition", "solve", "Lattice", "SCHEDULE", "IDEALS_LIMIT", "piper_bandwidth", "stage_time"]
+__all__ = ["partition", "solve", "Lattice", "STRATEGY", "IDEALS_LIMIT", "piper_bandwidth", "stage_time"]
 
 log = logging.getLogger(__name__)
 
-SCHEDULE = "1f1b"
 REL_TOL = 1e-9
 """Bisection stops when the bracket on the optimal bottleneck is this tight (relative)."""
 IDEALS_LIMIT = 40_000
@@ -423,10 +422,21 @@ def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: Search
     lattice = Lattice.of(graph, options.max_downsets)   # our pair guard keeps its own scale
     candidates = micro_batch_candidates(batch_size, options)
     sg, part, extra = choose_micro_batch(
-        "piper", graph, cluster, batch_size, candidates, SCHEDULE,
+        "piper", graph, cluster, batch_size, candidates, STRATEGY.default_schedule,
         lambda b, link: _round_robin(solve(graph, cluster, batch_size, b, options.power_of_two, lattice=lattice)),
         (None,), host=options.host)
-    result = sequential_result(SCHEDULE, sg, part, cluster, started, num_downsets=lattice.num_downsets,
+    result = sequential_result(STRATEGY.default_schedule, sg, part, cluster, started, num_downsets=lattice.num_downsets,
                                num_downset_pairs=lattice.num_pairs, **extra)
     return replace(result, stats={**dict(result.stats), "replica_mode": "round-robin",
                                   "bandwidth_Bps": piper_bandwidth(cluster)})
+
+
+CANDIDATE_MAX_DOWNSETS = 10_000
+"""Piper's plan is a gpp candidate only on graphs with at most this many downsets (so, by Piper's own rule of
+50 pairs per downset, at most 500,000 downset pairs): its search grows with the pairs. The cap admits the gnmt
+profile (2,198 downsets) and leaves out the paper-size mmt (6,563 downsets but over four million pairs),
+where Piper alone would take longer than every other strategy together; see evals/REPORT.md for timings."""
+
+STRATEGY = Strategy(name="piper", partition=partition, default_schedule="1f1b", default_recompute="auto",
+                    costs_recompute=False, gpp_candidate=True, candidate_max_downsets=CANDIDATE_MAX_DOWNSETS)
+"""Piper: the downset DP, 1F1B. Its DP prices stages without re-materialization."""

@@ -1,20 +1,27 @@
-"""From an op graph to a complete, simulated :class:`~graphpipe.plan.Plan` (DESIGN §1, §6, §7).
+"""From an op graph to a complete, simulated :class:`~graphpipe.plan.Plan` (docs/design.md#the-planner).
 
 ``make_plan`` is the one road every strategy takes, so their plans are
 comparable: contract non-series-parallel regions (recorded in
 ``plan.merged``), partition with the strategy, schedule with the strategy's
-own schedule (gpp: graph-1F1B; pipedream/piper: 1F1B; gpipe: fill-drain)
-unless ``schedule`` overrides it (``"cpsat"`` co-optimises micro-batch sizes
-and the action order, :mod:`graphpipe.search.cpsat`), validate, simulate,
-and refuse plans whose simulated peak memory exceeds the device memory.
-Re-materialization (``options.recompute``, default :data:`DEFAULT_RECOMPUTE`)
-is a planning decision: ``none``/``all`` are passed to the strategy,
-``auto`` searches both ways and keeps it only on the stages that need it
-(:func:`_auto_recompute`). Once the schedule is known, every re-materializing
-stage of gpp, PipeDream and Piper gets the checkpoints that lower its peak
-memory most at its simulated in-flight count (:func:`place_checkpoints`; a
-data-parallel stage with one micro-batch in flight is where they matter);
-GPipe re-runs whole stages, as its paper does.
+own schedule (its :class:`~graphpipe.search.common.Strategy` record's
+``default_schedule``) unless ``schedule`` overrides it (``"cpsat"``
+co-optimises micro-batch sizes and the action order,
+:mod:`graphpipe.search.cpsat`), validate, simulate, and refuse plans whose
+simulated peak memory exceeds the device memory.
+
+Everything the planner knows about a strategy comes from its record: which
+schedule it uses, its default re-materialization, whether its search prices
+re-materialization, whether it is planned on exactly N devices, whether its
+plan is one of gpp's candidates.
+
+Re-materialization (``options.recompute``, default the record's
+``default_recompute``) is a planning decision: ``none``/``all`` are passed to
+the strategy, ``auto`` searches both ways and keeps it only on the stages
+that need it (:func:`_auto_recompute`). Once the schedule is known, every
+re-materializing stage gets the checkpoints that lower its peak memory most
+at its simulated in-flight count (:func:`place_checkpoints`; a data-parallel
+stage with one micro-batch in flight is where they matter), except for
+strategies that re-run whole stages (GPipe, as its paper does).
 
 With ``options.host`` (devices time-sharing one host's cores, e.g. CPU
 ranks on a smaller machine) every strategy scores its candidates by the
@@ -26,8 +33,7 @@ all-reduces but no compute. Idle ranks get no stage.
 fails becomes a row carrying its error instead of stopping the others.
 
 Plans are deterministic: the same inputs give byte-identical plan JSON apart
-from the timing fields (``search.time_s`` and the partitioner's own
-``*time_s`` statistics).
+from the timing fields (:data:`TIMING_KEYS`).
 
 Example
 -------
@@ -36,8 +42,14 @@ Example
 >>> ops = [Op(n, "x", Affine(0, 1e-3), Affine(0, 2e-3), 4e6, 1e5, 1e4) for n in "sabt"]
 >>> g = OpGraph.build("diamond", ops, [("s", "a", 1e4), ("s", "b", 1e4), ("a", "t", 1e4), ("b", "t", 1e4)])
 >>> plan = make_plan("diamond.json", g, preset("v100", 4), 32)
->>> plan.strategy, plan.schedule.name, plan.predicted["throughput"] > 0
+>>> plan.strategy, plan.schedule.name, plan.predicted.throughput > 0
 ('gpp', 'graph-1f1b', True)
+
+The same plan from a :class:`PlanRequest`:
+
+>>> request = PlanRequest(model_id="diamond.json", graph=g, cluster=preset("v100", 4), batch_size=32)
+>>> plan_request(request).stage_graph == plan.stage_graph
+True
 """
 
 from __future__ import annotations
@@ -46,20 +58,21 @@ import gc
 import logging
 import time
 from contextlib import contextmanager
-from dataclasses import replace
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, Callable
 
 from graphpipe import costs
 from graphpipe.cluster import Cluster
 from graphpipe.errors import GraphpipeError, InfeasibleError, InputError
 from graphpipe.graph import OpGraph
 from graphpipe.plan import Plan
-from graphpipe.search import DEFAULT_SCHEDULES, STRATEGIES, get_strategy
+from graphpipe.search import STRATEGY_NAMES, get_strategy
 from graphpipe.stages import StageGraph
-from graphpipe.search.common import SearchOptions, SearchResult, simulated
+from graphpipe.search.common import SearchOptions, SearchResult, Strategy, simulated
 from graphpipe.sp import make_series_parallel
 
-__all__ = ["make_plan", "compare", "strip_recompute", "place_checkpoints", "COMPARE_KEYS", "TIMING_KEYS", "DEFAULT_RECOMPUTE"]
+__all__ = ["PlanRequest", "plan_request", "make_plan", "compare", "strip_recompute", "place_checkpoints",
+           "COMPARE_KEYS", "TIMING_KEYS"]
 
 log = logging.getLogger(__name__)
 
@@ -67,14 +80,14 @@ COMPARE_KEYS = ("strategy", "feasible", "throughput", "iteration_time_s", "searc
                 "peak_memory_bytes", "error")
 """Keys of every row :func:`compare` returns (the CLI's ``--compare --json`` rows)."""
 
-DEFAULT_RECOMPUTE = {"gpp": "auto", "pipedream": "auto", "piper": "auto", "gpipe": "all"}
-"""Re-materialization when ``SearchOptions.recompute`` is None: GPipe as in its paper, the others where needed."""
-
-RECOMPUTE_AWARE = ("gpp", "gpipe")
-"""Strategies whose search costs re-materialization (time and memory); PipeDream's and Piper's DPs do not yet."""
-
 TIMING_KEYS = ("time_s", "partition_time_s", "schedule_time_s", "cpsat_time_s")
 """``plan.search`` keys that hold wall-clock times: the only fields two identical runs may differ in."""
+
+ASYNC_SCHEDULES = ("1f1b-async", "2bw")
+"""Schedules scored as a steady state, not one flushed iteration: planned as 1F1B, then converted."""
+
+ProgressFn = Callable[[float, float], None]
+"""``progress(best_s, bound_s)``: called on every improving CP-SAT solution."""
 
 
 def _check_batch_size(batch_size: Any) -> int:
@@ -83,46 +96,102 @@ def _check_batch_size(batch_size: Any) -> int:
     return batch_size
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanRequest:
+    """Everything :func:`plan_request` needs to make one plan; checked on construction.
+
+    Raises :class:`InputError` for a bad batch size, an unknown strategy, an
+    asynchronous schedule (plan with 1F1B, then convert) or CP-SAT on a
+    shared host.
+    """
+
+    model_id: str
+    """How to rebuild the module, written as the plan's ``model`` (zoo spec, ``file.py:factory`` or a path)."""
+    graph: OpGraph
+    cluster: Cluster
+    batch_size: int
+    strategy: str = "gpp"
+    """One of :data:`graphpipe.search.STRATEGY_NAMES`."""
+    options: SearchOptions = SearchOptions()
+    schedule: str | None = None
+    """Override of the strategy's schedule; ``"cpsat"`` co-optimises micro-batch sizes and the order."""
+    time_limit_s: float = 10.0
+    """CP-SAT's time limit (``schedule="cpsat"`` only)."""
+    progress: ProgressFn | None = None
+    """Called on every improving CP-SAT solution; the CLI passes one that writes to stderr."""
+    monotone: bool = True
+    """Search fewer device counts too and keep the fastest (:func:`_over_device_counts`)."""
+
+    def __post_init__(self) -> None:
+        _check_batch_size(self.batch_size)
+        get_strategy(self.strategy)
+        if self.schedule_name in ASYNC_SCHEDULES:
+            raise InputError(f"plan with schedule='1f1b' and then graphpipe.sched.async_pipe.with_async for "
+                             f"{self.schedule!r} (graphpipe plan --schedule {self.schedule} does this)")
+        if self.options.host is not None and self.co_optimised:
+            raise InputError("the CP-SAT schedule models dedicated devices, not a shared host; "
+                             "drop the host option or pick another schedule")
+
+    @property
+    def record(self) -> Strategy:
+        """The strategy's :class:`~graphpipe.search.common.Strategy` record."""
+        return get_strategy(self.strategy)
+
+    @property
+    def schedule_name(self) -> str | None:
+        """The overriding schedule, lower case; None keeps the strategy's own."""
+        return self.schedule.lower() if self.schedule else None
+
+    @property
+    def co_optimised(self) -> bool:
+        """Whether CP-SAT chooses the micro-batch sizes and the order (``schedule="cpsat"``)."""
+        return self.schedule_name == "cpsat"
+
+    @property
+    def base_schedule(self) -> str | None:
+        """The schedule candidates are generated and scored with: the override, except CP-SAT's (which starts
+        from the strategy's own); None is the strategy's own."""
+        return None if self.co_optimised else self.schedule
+
+    @property
+    def searches_device_counts(self) -> bool:
+        """Whether fewer device counts than the cluster's are searched too (:func:`_over_device_counts`)."""
+        return (self.monotone and not self.record.exact_devices and self.options.host is None
+                and not self.co_optimised and 1 < self.cluster.num_devices <= MONOTONE_MAX_DEVICES)
+
+
 def make_plan(model_id: str, graph: OpGraph, cluster: Cluster, batch_size: int, strategy: str = "gpp",
               options: SearchOptions = SearchOptions(), schedule: str | None = None,
-              time_limit_s: float = 10.0, progress=None, monotone: bool = True) -> Plan:
-    """Partition, schedule and simulate ``graph`` on ``cluster``; see the module docstring.
+              time_limit_s: float = 10.0, progress: ProgressFn | None = None, monotone: bool = True) -> Plan:
+    """Partition, schedule and simulate ``graph`` on ``cluster``: :func:`plan_request` of a :class:`PlanRequest`."""
+    return plan_request(PlanRequest(model_id=model_id, graph=graph, cluster=cluster, batch_size=batch_size,
+                                    strategy=strategy, options=options, schedule=schedule,
+                                    time_limit_s=time_limit_s, progress=progress, monotone=monotone))
 
-    ``progress(best_s, bound_s)`` is called on every improving CP-SAT solution
-    (``schedule="cpsat"`` only); the CLI passes one that writes to stderr.
 
-    With ``monotone`` (the default; not for :data:`EXACT_DEVICE_STRATEGIES`) the plan is the fastest the strategy
-    finds on the cluster's device count, every count up to
-    :data:`MONOTONE_EXACT_UP_TO` and the powers of two below it
-    (:func:`_over_device_counts`), so adding devices never gives a slower
-    plan up to 8 devices and between powers of two up to
-    :data:`MONOTONE_MAX_DEVICES`;
-    ``plan.search["device_counts_tried"]`` lists the counts searched. gpp also
-    ranks the sequential partitioners' plans on the same devices by the same
-    simulation (:data:`SPP_CANDIDATES`) and keeps the fastest;
-    ``plan.search["space"]`` says whose space the winner came from.
+def plan_request(request: PlanRequest) -> Plan:
+    """The plan ``request`` asks for; see the module docstring.
 
-    Raises :class:`InputError` for bad arguments and :class:`InfeasibleError`
-    when no plan fits in device memory.
+    With ``request.monotone`` (the default; not for strategies planned on
+    exactly N devices) the plan is the fastest the strategy finds on the
+    cluster's device count, every count up to :data:`MONOTONE_EXACT_UP_TO`
+    and the powers of two below it (:func:`_over_device_counts`), so adding
+    devices never gives a slower plan up to 8 devices and between powers of
+    two up to :data:`MONOTONE_MAX_DEVICES`; ``plan.search.device_counts_tried``
+    lists the counts searched. A strategy whose record ranks candidates (gpp)
+    also ranks the candidate strategies' plans on the same devices by the same
+    simulation and keeps the fastest; ``plan.search.space`` says whose space
+    the winner came from.
+
+    Raises :class:`InfeasibleError` when no plan fits in device memory.
     """
-    _check_batch_size(batch_size)
-    get_strategy(strategy)
-    if (schedule or "").lower() in ("1f1b-async", "2bw"):  # scored as a steady state, not one flushed iteration
-        raise InputError(f"plan with schedule='1f1b' and then graphpipe.sched.async_pipe.with_async for "
-                         f"{schedule!r} (graphpipe plan --schedule {schedule} does this)")
-    if options.host is not None and (schedule or "").lower() == "cpsat":
-        raise InputError("the CP-SAT schedule models dedicated devices, not a shared host; "
-                         "drop the host option or pick another schedule")
     started = time.perf_counter()
-    one = lambda n, beat=None: _plan_on(model_id, graph, cluster, batch_size, strategy, options,  # noqa: E731
-                                        schedule, time_limit_s, progress, n, beat)
     with _collector_paused():
-        if not monotone or strategy in EXACT_DEVICE_STRATEGIES or options.host is not None or \
-                (schedule or "").lower() == "cpsat" or not 1 < cluster.num_devices <= MONOTONE_MAX_DEVICES:
-            plan = one(cluster.num_devices)
-            plan = replace(plan, search={**plan.search, "device_counts_tried": [cluster.num_devices]})
+        if request.searches_device_counts:
+            plan = _over_device_counts(request)
         else:
-            plan = _over_device_counts(one, graph, cluster, batch_size, options)
+            plan = _plan_on(request, request.cluster.num_devices)
+            plan = replace(plan, search={**plan.search, "device_counts_tried": [request.cluster.num_devices]})
     return replace(plan, search={**plan.search, "time_s": time.perf_counter() - started})
 
 
@@ -132,10 +201,10 @@ def _collector_paused():
 
     The searches build many small objects that live until they end (the DPs'
     memo tables); their growth triggers full collections, which walk every
-    object of the process -- torch's modules and the model included: about
-    0.18 s of a 0.8 s gpp search on mmt (issue 16). The searches' objects
-    hold no reference cycles, so reference counting frees them all the same;
-    the collector runs again, as configured, once the search returns.
+    object of the process, torch's modules and the model included, a sizeable
+    share of a search's time. The searches' objects hold no reference cycles,
+    so reference counting frees them all the same; the collector runs again,
+    as configured, once the search returns.
     """
     was_enabled = gc.isenabled()
     gc.disable()
@@ -146,27 +215,18 @@ def _collector_paused():
             gc.enable()
 
 
-EXACT_DEVICE_STRATEGIES = ("pipedream",)
-"""Strategies planned on exactly the cluster's devices: PipeDream's optimizer always spreads its
-stages over all N machines (its DP splits m machines between the last stage and the rest, never
-leaving one idle), and ``--strategy pipedream`` must give the real optimizer's answer (issue 14:
-same replica counts and time per stage); searching fewer devices by our simulator would replace
-it with a plan PipeDream never makes. gpp still ranks PipeDream's plan among its candidates."""
-
 MONOTONE_EXACT_UP_TO = 8
 """Device counts searched below the cluster's own: every count up to this one, and the powers of two.
 
-Each count is a full search, so trying every count up to 32 costs gpp up to
-25 searches on dlrm; with this set a plan is never slower than the plan on
+Each count is a full search, so trying every count up to 32 would cost gpp up
+to 25 searches on dlrm; with this set a plan is never slower than the plan on
 any count up to 8 or any power of two below its own (so exactly monotone up
 to 8 devices and along powers of two), at a few searches' cost."""
 
 MONOTONE_MAX_DEVICES = 16
-"""Past this many devices only the cluster's own count is searched. Each extra count is a full search
-and the perfect-scaling bound rarely stops early on communication-bound models: at 32 V100s dlrm
-tried 32, 16, 8, 7 (7.7 s against 1.9 s for one count) and candle-uno seven counts (10 s against
-1.4 s), for the same plan. gpp's DP already places a plan on fewer than N devices when that meets
-its target on fewer."""
+"""Past this many devices only the cluster's own count is searched. Each extra count is a full search and the
+perfect-scaling bound rarely stops early on communication-bound models, which then search several counts for
+the same plan. gpp's DP already places a plan on fewer than N devices when that meets its target on fewer."""
 
 
 def _work_bound(graph: OpGraph, batch_size: int) -> float:
@@ -180,8 +240,14 @@ def _work_bound(graph: OpGraph, batch_size: int) -> float:
     return sum(o.fwd(batch_size) + o.bwd(batch_size) for o in graph.ops)
 
 
-def _over_device_counts(one, graph: OpGraph, cluster: Cluster, batch_size: int, options: SearchOptions) -> Plan:
-    """The fastest of ``one(n)`` over the device counts ``n <= N`` the strategy may use (ties: fewer devices).
+def _device_counts(n_max: int, power_of_two: bool) -> list[int]:
+    """The counts :func:`_over_device_counts` may try, largest first."""
+    return [n for n in range(n_max, 0, -1)
+            if n == n_max or (n <= MONOTONE_EXACT_UP_TO or n & (n - 1) == 0) and (not power_of_two or n & (n - 1) == 0)]
+
+
+def _over_device_counts(request: PlanRequest) -> Plan:
+    """The fastest of ``_plan_on(request, n)`` over the device counts ``n <= N`` (ties: fewer devices).
 
     Counts are tried from ``N`` down and the search stops at the first ``n``
     whose perfect-scaling bound (:func:`_work_bound`) cannot beat the plan in
@@ -189,29 +255,25 @@ def _over_device_counts(one, graph: OpGraph, cluster: Cluster, batch_size: int, 
     devices only powers of two are tried below ``N`` (each count is a full
     search).
     """
-    n_max = cluster.num_devices
-    counts = [n for n in range(n_max, 0, -1)
-              if n == n_max or (n <= MONOTONE_EXACT_UP_TO or n & (n - 1) == 0)
-              and (not options.power_of_two or n & (n - 1) == 0)]
-    work = _work_bound(graph, batch_size)
+    n_max = request.cluster.num_devices
+    work = _work_bound(request.graph, request.batch_size)
     best, error, tried = None, None, []
-    for n in counts:
-        if best is not None and work > 0 and n * batch_size / work <= best.predicted["throughput"] * (1 + 1e-9):
+    for n in _device_counts(n_max, request.options.power_of_two):
+        if best is not None and work > 0 and n * request.batch_size / work <= best.predicted.throughput * (1 + 1e-9):
             break
         tried.append(n)
         try:
-            plan = one(n, None if best is None else best.predicted["iteration_time_s"])
+            plan = _plan_on(request, n, None if best is None else best.predicted.iteration_time_s)
         except InfeasibleError as exc:
             error = error or exc
             continue
         except GraphpipeError as exc:  # a strategy's own failure on a smaller count must not cost the larger
             if n == n_max:
                 raise
-            log.warning("%s on %d of %d devices failed (%s); that count is skipped", graph.name, n, n_max, exc)
+            log.warning("%s on %d of %d devices failed (%s); that count is skipped", request.graph.name, n, n_max,
+                        exc)
             continue
-        if best is None or plan.predicted["throughput"] >= best.predicted["throughput"] * (1 + 1e-9) or (
-                plan.predicted["throughput"] >= best.predicted["throughput"] * (1 - 1e-9)
-                and len(plan.stage_graph.devices_used()) < len(best.stage_graph.devices_used())):
+        if best is None or _faster_or_smaller(plan, best):
             best = plan
     if best is None:
         raise error
@@ -221,119 +283,155 @@ def _over_device_counts(one, graph: OpGraph, cluster: Cluster, batch_size: int, 
     return replace(best, search=search)
 
 
-SPP_CANDIDATES = ("pipedream", "piper")
-"""Sequential partitioners whose best plan gpp also ranks (never worse than them by construction)."""
-
-SPP_PIPER_DOWNSETS = 10_000
-"""Piper's plan is a gpp candidate only on graphs with at most this many downsets, and so (Piper's own rule,
-50 pairs per downset) at most 500,000 downset pairs: its search grows with them. That admits gnmt's profile
-(2,198 downsets, 443,809 pairs: about 7 s per device count on 2 cores, so gpp is then never worse than
-Piper there) and leaves out mmt (6,563 downsets but 4.1 million pairs: 24-511 s at 4-32 devices)."""
+def _faster_or_smaller(plan: Plan, best: Plan) -> bool:
+    """``plan`` is strictly faster than ``best``, or as fast on fewer devices."""
+    if plan.predicted.throughput >= best.predicted.throughput * (1 + 1e-9):
+        return True
+    return (plan.predicted.throughput >= best.predicted.throughput * (1 - 1e-9)
+            and len(plan.stage_graph.devices_used()) < len(best.stage_graph.devices_used()))
 
 
-def _plan_on(model_id, graph, cluster, batch_size, strategy, options, schedule, time_limit_s, progress,
-             devices: int, beat: float | None = None) -> Plan:
+def _candidate_records() -> list[Strategy]:
+    """The strategies whose plans a candidate-ranking strategy weighs (missing modules left out)."""
+    records = []
+    for name in STRATEGY_NAMES:
+        try:
+            record = get_strategy(name)
+        except InputError as exc:
+            log.info("gpp: no %s candidate: %s", name, exc)
+            continue
+        if record.gpp_candidate:
+            records.append(record)
+    return records
+
+
+def _plan_on(request: PlanRequest, devices: int, beat: float | None = None) -> Plan:
     """The strategy's plan using at most ``devices`` of the cluster's (gpp: with the sequential candidates).
 
-    ``beat``: the iteration time of a plan in hand; gpp may then skip the
-    parts of its space that provably cannot beat it (and raises
-    :class:`InfeasibleError` when nothing can).
+    ``beat``: the iteration time of a plan in hand; a pruning strategy (gpp)
+    may then skip the parts of its space that provably cannot beat it (and
+    raises :class:`InfeasibleError` when nothing can).
     """
-    plan = _make_plan_at(model_id, graph, cluster, batch_size, strategy, options, schedule, time_limit_s, progress,
-                         devices, beat)
-    if strategy != "gpp" or schedule is not None or options.host is not None:
+    plan = _make_plan_at(request, devices, beat)
+    if not request.record.ranks_candidates or request.schedule is not None or request.options.host is not None:
         return plan
-    best, space = plan, "gpp"
-    for other in SPP_CANDIDATES:
-        opts = options if other != "piper" else replace(options, max_downsets=min(options.max_downsets,
-                                                                                   SPP_PIPER_DOWNSETS))
+    best, space = plan, request.strategy
+    for other in _candidate_records():
+        options = request.options
+        if other.candidate_max_downsets is not None:
+            options = replace(options, max_downsets=min(options.max_downsets, other.candidate_max_downsets))
         try:
-            cand = _make_plan_at(model_id, graph, cluster, batch_size, other, opts, None, time_limit_s, None, devices)
+            cand = _make_plan_at(replace(request, strategy=other.name, options=options, progress=None), devices)
         except GraphpipeError as exc:  # refused (downsets) or infeasible: not a candidate
-            log.info("gpp: no %s candidate: %s", other, exc)
+            log.info("%s: no %s candidate: %s", request.strategy, other.name, exc)
             continue
-        if cand.predicted["throughput"] > best.predicted["throughput"] * (1 + 1e-9):
-            best, space = cand, other
+        if cand.predicted.throughput > best.predicted.throughput * (1 + 1e-9):
+            best, space = cand, other.name
     if best is plan:
-        return replace(plan, search={**plan.search, "space": "gpp"})
-    own = plan.search
-    search = {**best.search, "strategy": "gpp", "space": space, "recompute": own["recompute"],
-              "gpp_throughput": plan.predicted["throughput"]}
-    return replace(best, strategy="gpp", search=search)
+        return replace(plan, search={**plan.search, "space": space})
+    search = {**best.search, "strategy": request.strategy, "space": space, "recompute": plan.search.recompute,
+              "gpp_throughput": plan.predicted.throughput}
+    return replace(best, strategy=request.strategy, search=search)
 
 
-def _make_plan_at(model_id: str, graph: OpGraph, cluster: Cluster, batch_size: int, strategy: str,
-                  options: SearchOptions, schedule: str | None, time_limit_s: float, progress,
-                  devices: int, beat: float | None = None) -> Plan:
-    from graphpipe.sched import make_schedule, predicted_figures, simulate, validate_schedule
-
-    partition = get_strategy(strategy)
-    if strategy == "gpp" and options.host is None:  # the one strategy that prunes by a plan in hand
-        from graphpipe.search import gpp
-
-        partition = lambda g, c, b, o, beat=beat, **kw: gpp.partition(g, c, b, o, beat_iteration_s=beat,  # noqa: E731
-                                                                      **kw)
+def _make_plan_at(request: PlanRequest, devices: int, beat: float | None = None) -> Plan:
+    """The strategy's own plan on at most ``devices`` devices: partition, schedule, simulate, check memory."""
     started = time.perf_counter()
-    sp_graph, merged = make_series_parallel(graph)
-    recompute = options.recompute or DEFAULT_RECOMPUTE[strategy]
-    options = replace(options, recompute=recompute)
-    base = partition
-    if strategy not in RECOMPUTE_AWARE:
-        # Its DP costs stages without re-materialization: ``all`` marks every stage of its plan
-        # (which only lowers memory), ``auto`` cannot find more than the plain search.
-        partition = lambda g, c, b, o: _mark_all(base(g, c, b, replace(o, recompute="none")), o)  # noqa: E731
-    elif recompute == "auto":
-        partition = lambda g, c, b, o: _auto_recompute(base, g, c, b, o, schedule,  # noqa: E731
-                                                       prunes=strategy == "gpp" and options.host is None, beat=beat)
-    if options.host is None:
-        result = partition(sp_graph, replace(cluster, num_devices=devices), batch_size, options)
-        if devices < cluster.num_devices:  # the devices past ``devices`` hold no stage
-            result = replace(result, stage_graph=replace(result.stage_graph, num_devices=cluster.num_devices))
-    else:
-        result = _best_device_count(partition, sp_graph, cluster, batch_size, options, schedule)
+    sp_graph, merged = make_series_parallel(request.graph)
+    recompute = request.options.recompute or request.record.default_recompute
+    result = _partition(request, sp_graph, devices, recompute, beat)
     partitioned = time.perf_counter()
-    sg = result.stage_graph
-    schedule_name = (schedule or result.schedule_name or DEFAULT_SCHEDULES[strategy]).lower()
-    if schedule_name == "cpsat" and any(st.round_robin for st in sg.stages):
-        raise InputError(f"the CP-SAT schedule models replicas that split micro-batches, not {strategy}'s "
+    schedule_name = (request.schedule or result.schedule_name or request.record.default_schedule).lower()
+    if schedule_name == "cpsat" and any(st.round_robin for st in result.stage_graph.stages):
+        raise InputError(f"the CP-SAT schedule models replicas that split micro-batches, not {request.strategy}'s "
                          f"round-robin replicas (1F1B-RR); use its own schedule (1f1b)")
-    search: dict[str, Any] = {"strategy": strategy, "recompute": recompute, **dict(result.stats),
-                              "precision": cluster.device.precision, "precision_from": "cluster"}
-    search["recompute_stages"] = [s.id for s in sg.stages if s.recompute]
+    search: dict[str, Any] = {"strategy": request.strategy, "recompute": recompute, **dict(result.stats),
+                              "precision": request.cluster.device.precision, "precision_from": "cluster"}
+    search["recompute_stages"] = [s.id for s in result.stage_graph.stages if s.recompute]
     search["partition_time_s"] = partitioned - started
     base_name = result.schedule_name if schedule_name == "cpsat" else schedule_name
-    sched = make_schedule(base_name, sg, cluster, validate=False)  # simulate() runs the validator's checks
-    timeline = simulate(sg, sched, cluster, host=options.host)
-    if strategy != "gpipe" and any(s.recompute for s in sg.stages):
+    plan = _scheduled(request, result.stage_graph, base_name, merged, search)
+    if schedule_name == "cpsat":
+        plan = _co_optimised(request, plan)
+    search = {**plan.search, "schedule": plan.schedule.name, "schedule_time_s": time.perf_counter() - partitioned,
+              "time_s": time.perf_counter() - started}
+    _check_memory(request, plan)
+    return replace(plan, search=search)
+
+
+def _partition(request: PlanRequest, sp_graph: OpGraph, devices: int, recompute: costs.Recompute,
+               beat: float | None) -> SearchResult:
+    """The strategy's stage graph for ``sp_graph`` with the re-materialization ``recompute`` resolved.
+
+    A strategy whose search does not price re-materialization runs without it
+    (``all`` then marks every stage, which only lowers memory; ``auto`` cannot
+    find more than the plain search); ``auto`` otherwise searches both ways
+    (:func:`_auto_recompute`). On a shared host every device count up to
+    ``N`` is tried (:func:`_best_device_count`).
+    """
+    record, options = request.record, replace(request.options, recompute=recompute)
+    base = record.partition
+    if record.prunes and options.host is None:  # it can skip what cannot beat the plan in hand
+        base = lambda g, c, b, o, beat=beat, **kw: record.partition(g, c, b, o, beat_iteration_s=beat,  # noqa: E731
+                                                                    **kw)
+    partition = base
+    if not record.costs_recompute:
+        partition = lambda g, c, b, o: _mark_all(base(g, c, b, replace(o, recompute="none")), o)  # noqa: E731
+    elif recompute == "auto":
+        partition = lambda g, c, b, o: _auto_recompute(base, g, c, b, o, request.base_schedule,  # noqa: E731
+                                                       prunes=record.prunes and options.host is None, beat=beat)
+    cluster = request.cluster
+    if options.host is not None:
+        return _best_device_count(partition, sp_graph, cluster, request.batch_size, options, request.base_schedule)
+    result = partition(sp_graph, replace(cluster, num_devices=devices), request.batch_size, options)
+    if devices < cluster.num_devices:  # the devices past ``devices`` hold no stage
+        result = replace(result, stage_graph=replace(result.stage_graph, num_devices=cluster.num_devices))
+    return result
+
+
+def _scheduled(request: PlanRequest, sg: StageGraph, schedule_name: str, merged, search: dict[str, Any]) -> Plan:
+    """The plan of ``sg`` under ``schedule_name``, simulated; re-materializing stages get their checkpoints."""
+    from graphpipe.sched import make_schedule, predicted_figures, simulate
+
+    cluster, host = request.cluster, request.options.host
+    sched = make_schedule(schedule_name, sg, cluster, validate=False)  # simulate() runs the validator's checks
+    timeline = simulate(sg, sched, cluster, host=host)
+    if request.record.segments_checkpoints and any(s.recompute for s in sg.stages):
         placed = place_checkpoints(sg, timeline.in_flight)
         if placed != sg:  # segments change memory only, so the schedule stands
             sg = placed
-            timeline = simulate(sg, sched, cluster, host=options.host)
+            timeline = simulate(sg, sched, cluster, host=host)
         search["recompute_segments"] = {str(s.id): len(s.checkpoints) + 1 for s in sg.stages if s.recompute}
     predicted = predicted_figures(timeline)
-    if graph.shared:  # tied parameters split across stages: copies and their gradient all-reduce (search/tied.py)
+    if request.graph.shared:  # tied parameters split across stages: copies and their gradient all-reduce
         from graphpipe.search.tied import charge_shared_params
 
-        predicted = charge_shared_params(predicted, sg, graph.shared, merged, cluster)
-    plan = Plan(model=model_id, stage_graph=sg, cluster=cluster, strategy=strategy, schedule=sched,
+        predicted = charge_shared_params(predicted, sg, request.graph.shared, merged, cluster)
+    return Plan(model=request.model_id, stage_graph=sg, cluster=cluster, strategy=request.strategy, schedule=sched,
                 predicted=predicted, search=search, merged=merged)
-    if schedule_name == "cpsat":
-        from graphpipe.search.cpsat import optimize_plan
 
-        plan = optimize_plan(plan, time_limit_s=time_limit_s, num_workers=2, seed=0,
-                             per_stage_micro_batch=options.per_stage_micro_batch, progress=progress)
-        validate_schedule(plan.stage_graph, plan.schedule)
-        search = {**search, **dict(plan.search)}
-    search["schedule"] = plan.schedule.name
-    search["schedule_time_s"] = time.perf_counter() - partitioned
-    search["time_s"] = time.perf_counter() - started
-    peak = float(plan.predicted.get("max_peak_memory_bytes", 0.0))
-    if peak > cluster.memory_bytes:
-        worst = max(range(len(plan.predicted["peak_memory_bytes"])), key=lambda d: plan.predicted["peak_memory_bytes"][d])
+
+def _co_optimised(request: PlanRequest, plan: Plan) -> Plan:
+    """CP-SAT's micro-batch sizes and action order for ``plan`` (:func:`graphpipe.search.cpsat.optimize_plan`)."""
+    from graphpipe.sched import validate_schedule
+    from graphpipe.search.cpsat import optimize_plan
+
+    plan = optimize_plan(plan, time_limit_s=request.time_limit_s, num_workers=2, seed=0,
+                         per_stage_micro_batch=request.options.per_stage_micro_batch, progress=request.progress)
+    validate_schedule(plan.stage_graph, plan.schedule)
+    return plan
+
+
+def _check_memory(request: PlanRequest, plan: Plan) -> None:
+    """Raise :class:`InfeasibleError` when the simulated peak memory of a device exceeds the cluster's."""
+    peak = float(plan.predicted.max_peak_memory_bytes or 0.0)
+    if peak > request.cluster.memory_bytes:
+        peaks = plan.predicted.peak_memory_bytes
+        worst = max(range(len(peaks)), key=lambda d: peaks[d])
         raise InfeasibleError(
-            f"{strategy} plan with the {plan.schedule.name} schedule needs {peak / 1e9:.3g} GB on device {worst} "
-            f"(simulated peak) but devices have {cluster.memory_bytes / 1e9:g} GB; raise --memory-gb or add devices")
-    return replace(plan, search=search)
+            f"{request.strategy} plan with the {plan.schedule.name} schedule needs {peak / 1e9:.3g} GB on device "
+            f"{worst} (simulated peak) but devices have {request.cluster.memory_bytes / 1e9:g} GB; raise --memory-gb "
+            f"or add devices")
 
 
 def _mark_all(result: SearchResult, options: SearchOptions) -> SearchResult:
@@ -345,7 +443,7 @@ def _mark_all(result: SearchResult, options: SearchOptions) -> SearchResult:
 
 def _auto_recompute(partition, graph: OpGraph, cluster: Cluster, batch_size: int, options: SearchOptions,
                     schedule: str | None, prunes: bool = False, beat: float | None = None) -> SearchResult:
-    """``--recompute auto``: re-materialize only the stages that need it (DESIGN §11).
+    """``--recompute auto``: re-materialize only the stages that need it (docs/design.md#re-materialization).
 
     The strategy searches twice, without re-materialization and with it on
     every stage (so a deeper pipeline, a larger micro-batch or any plan at
@@ -366,7 +464,7 @@ def _auto_recompute(partition, graph: OpGraph, cluster: Cluster, batch_size: int
 
     def plain_throughput() -> float:  # simulated once, when first needed
         if not plain_scored:
-            name = schedule if schedule and schedule != "cpsat" else plain.schedule_name
+            name = schedule or plain.schedule_name
             plain_scored.append(simulated(plain.stage_graph, cluster, name, options.host)[0])
         return plain_scored[0]
 
@@ -381,7 +479,7 @@ def _auto_recompute(partition, graph: OpGraph, cluster: Cluster, batch_size: int
         if plain is None:
             raise error
         return plain
-    schedule_name = schedule if schedule and schedule != "cpsat" else full.schedule_name
+    schedule_name = schedule or full.schedule_name
     sg = strip_recompute(full.stage_graph, cluster, schedule_name, options.host)
     if not any(s.recompute for s in sg.stages):
         return plain if plain is not None else replace(full, stage_graph=sg)
@@ -452,10 +550,10 @@ def _row(strategy: str, plan: Plan | None, search_time_s: float, error: str | No
                 "search_time_s": search_time_s, "num_stages": None, "depth": None, "peak_memory_bytes": None,
                 "error": error}
     p = plan.predicted
-    return {"strategy": strategy, "feasible": True, "throughput": p["throughput"],
-            "iteration_time_s": p["iteration_time_s"], "search_time_s": plan.search["time_s"],
+    return {"strategy": strategy, "feasible": True, "throughput": p.throughput,
+            "iteration_time_s": p.iteration_time_s, "search_time_s": plan.search.time_s,
             "num_stages": plan.stage_graph.num_stages, "depth": plan.stage_graph.depth(),
-            "peak_memory_bytes": p["max_peak_memory_bytes"], "error": None}
+            "peak_memory_bytes": p.max_peak_memory_bytes, "error": None}
 
 
 def _plan_row(model_id: str, graph: OpGraph, cluster: Cluster, batch_size: int, strategy: str,
@@ -466,7 +564,7 @@ def _plan_row(model_id: str, graph: OpGraph, cluster: Cluster, batch_size: int, 
     except GraphpipeError as exc:
         log.info("compare: %s failed: %s", strategy, exc)
         return _row(strategy, None, time.perf_counter() - started, str(exc)), None
-    return _row(strategy, plan, plan.search["time_s"]), plan
+    return _row(strategy, plan, plan.search.time_s), plan
 
 
 def _child(conn, args) -> None:  # runs in the forked process of _row_in_child
@@ -569,8 +667,7 @@ def compare(model_id: str, graph: OpGraph, cluster: Cluster, batch_size: int,
         raise InputError(f"the baseline time limit must be positive, got {baseline_time_limit_s}")
     isolate = baseline_time_limit_s is not None or progress is not None
     rows = []
-    for strategy in ("gpp", "pipedream", "piper", "gpipe"):
-        assert strategy in STRATEGIES
+    for strategy in STRATEGY_NAMES:
         args = (model_id, graph, cluster, batch_size, strategy, options)
         if isolate:
             row, plan = _row_in_child(args, strategy, None if strategy == "gpp" else baseline_time_limit_s, progress)
