@@ -64,7 +64,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass, replace
-from typing import Callable, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 from ortools.sat.python import cp_model
 
@@ -80,7 +80,7 @@ from graphpipe.search.cpsat_model import (
     rounding_slack, schedule_from_starts, stage_candidates,
 )
 
-__all__ = ["CpsatResult", "ORDER_FIRST_SHARE", "solve", "optimize_plan", "heuristic_schedule", "progress_writer",
+__all__ = ["CpsatResult", "CpsatOptions", "ORDER_FIRST_SHARE", "solve", "optimize_plan", "heuristic_schedule", "progress_writer",
            "split_allowed"]
 
 log = logging.getLogger(__name__)
@@ -238,6 +238,44 @@ stopped FEASIBLE at 0.27659 s with a 12% gap; with it, 0.27514 s was proven
 optimal in 6.3 s."""
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CpsatOptions:
+    """How :func:`solve` searches; checked on construction."""
+
+    candidate_sizes: Sequence[int] | None = None
+    """Micro-batch sizes to choose from (default: the divisors of the batch size), filtered per stage to sizes
+    divisible by its replica count; each stage's current size is always a candidate."""
+    time_limit_s: float = 10.0
+    """Wall-clock limit of the whole call."""
+    num_workers: int = 2
+    """CP-SAT search workers."""
+    seed: int = 0
+    """CP-SAT's random seed."""
+    progress: Progress | None = None
+    """Called on every improving solution and bound."""
+    hint_schedule: Schedule | None = None
+    """Warm start instead of graph-1F1B (it must be a valid schedule of the stage graph)."""
+    per_stage_micro_batch: bool = True
+    """Let each stage choose its size; False keeps the current sizes (order only)."""
+    uniform_size: bool = False
+    """Every stage picks one common size."""
+    memory: Literal["cumulative", "reservoir"] = "cumulative"
+    """Encoding of the activation-memory limit (the same constraint; :mod:`graphpipe.search.cpsat_model`)."""
+    order_first: bool = True
+    """Spend :data:`ORDER_FIRST_SHARE` of the limit ordering tasks at fixed sizes first, when sizes are free."""
+    prune: bool = True
+    """Leave out of the full model every size no schedule faster than the warm start can use."""
+    canonical: bool = True
+    """Re-solve an OPTIMAL answer deterministically so the same inputs give the same schedule."""
+    split_backward: bool = False
+    """Zero bubble: every backward may be two tasks, I and W, warm-started from graph-ZB."""
+
+    def __post_init__(self) -> None:
+        _check_args(self.time_limit_s, self.num_workers, self.seed)
+        if self.memory not in ("cumulative", "reservoir"):
+            raise InputError(f"CP-SAT memory encoding must be 'cumulative' or 'reservoir', got {self.memory!r}")
+
+
 @dataclass(frozen=True, slots=True)
 class _Incumbent:
     """The best schedule known before the full solve: returned if the solver does no better."""
@@ -250,32 +288,28 @@ class _Incumbent:
     solver_makespan_s: float | None = None
 
 
-def solve(sg: StageGraph, cluster: Cluster, *, candidate_sizes: Sequence[int] | None = None,
-          time_limit_s: float = 10.0, num_workers: int = 2, seed: int = 0, progress: Progress | None = None,
-          hint_schedule: Schedule | None = None, per_stage_micro_batch: bool = True, uniform_size: bool = False,
-          memory: str = "cumulative", order_first: bool = True, prune: bool = True,
-          canonical: bool = True, split_backward: bool = False) -> CpsatResult:
+@dataclass(slots=True)
+class _FullModel:
+    """Phase 2's model and what its answer is read against."""
+
+    data: ModelData
+    cm: Any
+    slack: float
+    """Rounding slack over every candidate size (the bound must also cover pruned ones)."""
+    pruned: dict[tuple[int, int], int]
+
+
+def solve(sg: StageGraph, cluster: Cluster, options: CpsatOptions | None = None, **overrides: Any) -> CpsatResult:
     """Choose each stage's micro-batch size and every device's F/B order minimising the makespan.
 
-    ``candidate_sizes`` (default: the divisors of the batch size) are
-    filtered per stage to sizes divisible by its replica count; each stage's
-    current size is always a candidate. ``per_stage_micro_batch=False`` keeps
-    the current sizes (order only); ``uniform_size=True`` makes every stage
-    pick one common size. ``hint_schedule`` replaces graph-1F1B as the warm
-    start (it must be a valid schedule of ``sg``). ``memory`` chooses the
-    encoding of the activation-memory limit, ``"cumulative"`` or
-    ``"reservoir"`` (same constraint; see :mod:`graphpipe.search.cpsat_model`).
-    ``order_first`` spends :data:`ORDER_FIRST_SHARE` of the limit ordering
-    tasks before the full solve, when sizes are free, at the input sizes or
-    at the one size for all stages with which graph-1F1B runs fastest.
-    ``prune`` leaves out of the full model every size that no schedule
-    faster than the warm start can use (:func:`prune_sizes`, listed in
+    ``options`` (:class:`CpsatOptions`; keyword ``overrides`` replace its
+    fields) say how. With ``prune``, sizes that no schedule faster than the
+    warm start can use are left out of the full model (listed in
     ``pruned_sizes``); the optimum and the bound stay those of the full
-    model: any schedule with a pruned size is slower than the warm start,
-    so the full model's optimum is at least min(warm start, pruned model's
-    optimum) = the pruned model's optimum, and its bound bounds it too.
-    ``split_backward`` (zero bubble) lets every backward be two tasks, I and
-    W, warm-started from graph-ZB; an unsplit schedule is one of its
+    model: any schedule with a pruned size is slower than the warm start, so
+    the full model's optimum is at least min(warm start, pruned model's
+    optimum) = the pruned model's optimum, and its bound bounds it too. With
+    ``split_backward``, an unsplit schedule is one of the split model's
     solutions (W right after its I), so up to time rounding it is never
     worse, and its bound covers the split schedules.
 
@@ -293,79 +327,113 @@ def solve(sg: StageGraph, cluster: Cluster, *, candidate_sizes: Sequence[int] | 
     >>> res.status, [s.micro_batch_size for s in res.stage_graph.stages]   # fixed costs dominate: one big micro-batch
     ('OPTIMAL', [4, 4])
     """
-    _check_args(time_limit_s, num_workers, seed)
+    opts = replace(options or CpsatOptions(), **overrides)
     began = time.monotonic()
-    if cluster.num_devices != sg.num_devices:
-        raise InputError(f"stage graph is for {sg.num_devices} devices but the cluster has {cluster.num_devices}; "
-                         "build the cluster with the same device count")
-    if split_backward and not split_allowed(sg):
-        raise InputError("split backward (I/W) needs stages without re-materialization; solve without it")
-    heuristic = hint_schedule if hint_schedule is not None else heuristic_schedule(sg, cluster, split_backward)
+    _check_inputs(sg, cluster, opts)
+    heuristic = opts.hint_schedule if opts.hint_schedule is not None else heuristic_schedule(sg, cluster,
+                                                                                               opts.split_backward)
     validate_schedule(sg, heuristic)
     heuristic_figures = _figures(sg, heuristic, cluster)
     heuristic_ms = float(heuristic_figures["iteration_time_s"])
     incumbent = _Incumbent(sg, heuristic, heuristic_ms, _fits(heuristic_figures, cluster), heuristic.name)
-    candidates = stage_candidates(sg, candidate_sizes, per_stage=per_stage_micro_batch)
+    candidates = stage_candidates(sg, opts.candidate_sizes, per_stage=opts.per_stage_micro_batch)
+    incumbent = _order_first(sg, cluster, candidates, heuristic, incumbent, opts)
+    full = _full_model(sg, cluster, candidates, heuristic_ms, incumbent, opts)
+    reserve = CANONICAL_SHARE * opts.time_limit_s if opts.canonical else 0.0
+    solver, status = _run(full, opts, max(opts.time_limit_s - reserve - (time.monotonic() - began),
+                                          0.1 * opts.time_limit_s))
+    return _answer(sg, cluster, candidates, (heuristic, heuristic_ms), incumbent, full, solver, status, opts,
+                   reserve, time.monotonic() - began)
 
-    # Phase 1 (sizes free only): order the tasks at the most promising sizes,
-    # the input's or one size for all stages, whichever graph-1F1B runs fastest.
-    free = order_first and any(len(c) > 1 for c in candidates)
-    start = _start_sizes(sg, cluster, candidates, heuristic, heuristic_ms, uniform_size,
-                         split_backward) if free else None
-    if start is not None:
-        start_sg, start_schedule = start
-        try:
-            first = solve(start_sg, cluster, time_limit_s=time_limit_s * ORDER_FIRST_SHARE, num_workers=num_workers,
-                          seed=seed, progress=progress, hint_schedule=start_schedule, per_stage_micro_batch=False,
-                          memory=memory, order_first=False, canonical=False, split_backward=split_backward)
-        except InfeasibleError:
-            first = None  # these sizes cannot fit; smaller ones may
-        if first is not None and not first.used_heuristic and first.makespan_s <= incumbent.makespan_s:
-            sizes = [st.micro_batch_size for st in start_sg.stages]
-            incumbent = _Incumbent(start_sg, first.schedule, first.makespan_s, True,
-                                   f"CP-SAT at micro-batch sizes {sizes}", first.solver_makespan_s)
 
-    # Phase 2: the full model, hinted with the incumbent.
-    data = model_data(sg, cluster, candidates, reference_s=heuristic_ms, uniform=uniform_size, split=split_backward)
+def _check_inputs(sg: StageGraph, cluster: Cluster, opts: CpsatOptions) -> None:
+    if cluster.num_devices != sg.num_devices:
+        raise InputError(f"stage graph is for {sg.num_devices} devices but the cluster has {cluster.num_devices}; "
+                         "build the cluster with the same device count")
+    if opts.split_backward and not split_allowed(sg):
+        raise InputError("split backward (I/W) needs stages without re-materialization; solve without it")
+
+
+def _order_first(sg: StageGraph, cluster: Cluster, candidates, heuristic: Schedule, incumbent: _Incumbent,
+                 opts: CpsatOptions) -> _Incumbent:
+    """Phase 1 (sizes free only): order the tasks at the most promising sizes, the input's or one size for all
+    stages, whichever graph-1F1B runs fastest; its schedule replaces the incumbent when it is no slower."""
+    if not (opts.order_first and any(len(c) > 1 for c in candidates)):
+        return incumbent
+    start = _start_sizes(sg, cluster, candidates, heuristic, incumbent.makespan_s, opts.uniform_size,
+                         opts.split_backward)
+    if start is None:
+        return incumbent
+    start_sg, start_schedule = start
+    try:
+        first = solve(start_sg, cluster, opts, time_limit_s=opts.time_limit_s * ORDER_FIRST_SHARE,
+                      candidate_sizes=None, hint_schedule=start_schedule, per_stage_micro_batch=False,
+                      uniform_size=False, order_first=False, prune=True, canonical=False)
+    except InfeasibleError:
+        return incumbent  # these sizes cannot fit; smaller ones may
+    if first.used_heuristic or first.makespan_s > incumbent.makespan_s:
+        return incumbent
+    sizes = [st.micro_batch_size for st in start_sg.stages]
+    return _Incumbent(start_sg, first.schedule, first.makespan_s, True, f"CP-SAT at micro-batch sizes {sizes}",
+                      first.solver_makespan_s)
+
+
+def _full_model(sg: StageGraph, cluster: Cluster, candidates, heuristic_ms: float, incumbent: _Incumbent,
+                opts: CpsatOptions) -> _FullModel:
+    """Phase 2's model, hinted with the incumbent.
+
+    A warm start that fits the model caps the horizon (domains shrink) and
+    prunes the sizes that cannot beat it (see prune_sizes); one that does
+    not fit (memory rounding) only hints.
+    """
+    def data_for(sizes):
+        return model_data(sg, cluster, sizes, reference_s=heuristic_ms, uniform=opts.uniform_size,
+                          split=opts.split_backward)
+
+    data = data_for(candidates)
     check_memory(data, cluster.memory_bytes)
-    slack = rounding_slack(data)  # of every candidate size: the bound must also cover pruned ones
+    slack = rounding_slack(data)
     warm = _replay_warm_start(data, incumbent.stage_graph, incumbent.schedule)
-    # A warm start that fits the model caps the horizon (domains shrink) and
-    # prunes the sizes that cannot beat it (see prune_sizes); one that does
-    # not fit (memory rounding) only hints.
     upper = warm[1] if warm and warm[2] else None
     pruned: dict[tuple[int, int], int] = {}
-    if upper is not None and prune:
+    if upper is not None and opts.prune:
         kept, pruned = prune_sizes(data, upper)
         if pruned:
-            data = model_data(sg, cluster, kept, reference_s=heuristic_ms, uniform=uniform_size, split=split_backward)
-    cm = build_model(data, memory=memory, upper_bound=upper)
+            data = data_for(kept)
+    cm = build_model(data, memory=opts.memory, upper_bound=upper)
     if warm:
         add_hint(cm, [st.micro_batch_size for st in incumbent.stage_graph.stages], warm[0], warm[1])
-    unit = data.unit_s
+    return _FullModel(data, cm, slack, pruned)
 
+
+def _run(full: _FullModel, opts: CpsatOptions, seconds: float):
+    """Solve the full model within ``seconds`` (what phase 1 and model building left, at least a tenth of the
+    limit should phase 1 overrun), reporting progress; ``(solver, status)``."""
     solver = cp_model.CpSolver()
-    # The whole call stays within the limit: phase 2 gets what phase 1 and
-    # model building left (at least a tenth, should phase 1 overrun).
-    reserve = CANONICAL_SHARE * time_limit_s if canonical else 0.0
-    solver.parameters.max_time_in_seconds = max(time_limit_s - reserve - (time.monotonic() - began),
-                                                0.1 * time_limit_s)
-    solver.parameters.num_workers = num_workers
-    solver.parameters.random_seed = seed
+    solver.parameters.max_time_in_seconds = seconds
+    solver.parameters.num_workers = opts.num_workers
+    solver.parameters.random_seed = opts.seed
     callback = None
-    if progress is not None:
-        callback = _Callback(progress, unit)
+    if opts.progress is not None:
+        callback = _Callback(opts.progress, full.data.unit_s)
         solver.best_bound_callback = callback.on_bound
     log.info("cpsat: %d stages, %d optional tasks, tick %.0e s, limit %.1f s on %d workers",
-             sg.num_stages, len(cm.interval), unit, time_limit_s, num_workers)
-    status = solver.solve(cm.model, callback)
+             full.data.sg.num_stages, len(full.cm.interval), full.data.unit_s, opts.time_limit_s, opts.num_workers)
+    return solver, solver.solve(full.cm.model, callback)
+
+
+def _answer(sg: StageGraph, cluster: Cluster, candidates, warm_start: tuple[Schedule, float], incumbent: _Incumbent,
+            full: _FullModel, solver, status, opts: CpsatOptions, reserve: float, solve_time: float) -> CpsatResult:
+    """The result of the solve: the solver's schedule (canonical when OPTIMAL), or the incumbent when the
+    solver found nothing or nothing better. ``warm_start``: the heuristic schedule and its simulated time."""
+    heuristic, heuristic_ms = warm_start
     status_name = solver.status_name(status)
-    solve_time = time.monotonic() - began
+    data, cm, unit = full.data, full.cm, full.data.unit_s
     bound_ticks = solver.best_objective_bound
-    lower_bound = max(0.0, math.floor(bound_ticks) * unit - slack) if 0 < bound_ticks < math.inf else 0.0
-    pruned_sizes = tuple(tuple(sorted(b for (s, b) in pruned if s == stage)) for stage in range(sg.num_stages))
-    common = dict(heuristic_makespan_s=heuristic_ms, time_unit_s=unit, rounding_slack_s=slack, solve_time_s=solve_time,
-                  pruned_sizes=pruned_sizes)
+    lower_bound = max(0.0, math.floor(bound_ticks) * unit - full.slack) if 0 < bound_ticks < math.inf else 0.0
+    pruned_sizes = tuple(tuple(sorted(b for (s, b) in full.pruned if s == stage)) for stage in range(sg.num_stages))
+    common = dict(heuristic_makespan_s=heuristic_ms, time_unit_s=unit, rounding_slack_s=full.slack,
+                  solve_time_s=solve_time, pruned_sizes=pruned_sizes)
 
     def fallback(status: str, why: str) -> CpsatResult:
         ms = incumbent.makespan_s
@@ -381,13 +449,13 @@ def solve(sg: StageGraph, cluster: Cluster, *, candidate_sizes: Sequence[int] | 
     if status == cp_model.MODEL_INVALID:
         raise RuntimeError(f"cpsat model invalid (a bug): {cm.model.validate()}")
     if status != cp_model.OPTIMAL and status != cp_model.FEASIBLE:
-        return fallback("UNKNOWN", f"CP-SAT found no schedule within the {time_limit_s:g} s time limit "
+        return fallback("UNKNOWN", f"CP-SAT found no schedule within the {opts.time_limit_s:g} s time limit "
                                    f"({status_name}); raise the time limit")
 
     is_canonical = False
-    if canonical and status == cp_model.OPTIMAL:
-        found = _canonical_solve(sg, cluster, candidates, heuristic, heuristic_ms, uniform_size, memory,
-                                 round(solver.objective_value), unit, seed, reserve, split_backward)
+    if opts.canonical and status == cp_model.OPTIMAL:
+        found = _canonical_solve(sg, cluster, candidates, heuristic, heuristic_ms, opts.uniform_size, opts.memory,
+                                 round(solver.objective_value), unit, opts.seed, reserve, opts.split_backward)
         if found is not None:
             data, cm, solver = found
             is_canonical = True
