@@ -524,64 +524,99 @@ def build_model(data: ModelData, symmetry_breaking: bool = True, memory: str = "
     force over the full order space on tiny instances. Without it the model
     admits orders that the validator's per-link FIFO check rejects, so
     :func:`graphpipe.search.cpsat.solve` always breaks symmetry.
+
+    The blocks are added in a fixed order (variables, sizes, devices, task
+    order, data dependencies, memory, makespan and its redundant bounds):
+    the solver's search, and so the schedule among equal optima, depends on it.
     """
-    sg = data.sg
-    model = cp_model.CpModel()
     horizon = data.horizon if upper_bound is None else min(data.horizon, upper_bound)
-    size_bound = size_lower_bounds(data) if symmetry_breaking else {}
-    use: dict[tuple[int, int], cp_model.IntVar] = {}
-    start: dict[tuple[int, int, str, int], cp_model.IntVar] = {}
-    interval: dict[tuple[int, int, str, int], cp_model.IntervalVar] = {}
-    for s in range(sg.num_stages):
+    v = _task_variables(data, horizon)
+    _one_size_per_stage(v)
+    _one_task_at_a_time(v)
+    _task_order(v, symmetry_breaking)
+    _data_dependencies(v)
+    memory_groups, life = _memory_limits(v, memory)
+    makespan = _makespan(v, symmetry_breaking)
+    v.model.minimize(makespan)
+    return CpsatModel(data=data, model=v.model, use=v.use, start=v.start, interval=v.interval, life=life,
+                      makespan=makespan, memory_groups=tuple(memory_groups))
+
+
+@dataclass(slots=True)
+class _Vars:
+    """A model being built and its task variables (the fields of :class:`CpsatModel` known so far)."""
+
+    data: ModelData
+    model: cp_model.CpModel
+    horizon: int
+    use: dict[tuple[int, int], cp_model.IntVar]
+    start: dict[tuple[int, int, str, int], cp_model.IntVar]
+    interval: dict[tuple[int, int, str, int], cp_model.IntervalVar]
+
+    def end(self, s: int, b: int, kind: str, j: int):
+        """End tick of task ``(s, b, kind, j)``: its start plus its fixed duration."""
+        return self.start[s, b, kind, j] + self.data.duration[(s, b, kind)]
+
+
+def _task_variables(data: ModelData, horizon: int) -> _Vars:
+    """A size literal per (stage, candidate size) and an optional fixed-size interval per task of that size."""
+    model = cp_model.CpModel()
+    v = _Vars(data, model, horizon, {}, {}, {})
+    for s in range(data.sg.num_stages):
         for b in data.candidates[s]:
-            use[s, b] = model.new_bool_var(f"use_s{s}_b{b}")
+            v.use[s, b] = model.new_bool_var(f"use_s{s}_b{b}")
             if data.num_mbs(b) * data.work(s, b) > horizon:
-                model.add(use[s, b] == 0)  # this size's work alone outlasts the horizon
+                model.add(v.use[s, b] == 0)  # this size's work alone outlasts the horizon
             for kind in data.kinds:
                 dur = data.duration[(s, b, kind)]
                 for j in range(data.num_mbs(b)):
-                    start[s, b, kind, j] = model.new_int_var(0, max(0, horizon - dur), f"start_{s}{kind}{j}_b{b}")
-                    interval[s, b, kind, j] = model.new_optional_fixed_size_interval_var(
-                        start[s, b, kind, j], dur, use[s, b], f"task_{s}{kind}{j}_b{b}")
+                    v.start[s, b, kind, j] = model.new_int_var(0, max(0, horizon - dur), f"start_{s}{kind}{j}_b{b}")
+                    v.interval[s, b, kind, j] = model.new_optional_fixed_size_interval_var(
+                        v.start[s, b, kind, j], dur, v.use[s, b], f"task_{s}{kind}{j}_b{b}")
+    return v
 
-    def end(s: int, b: int, kind: str, j: int):
-        return start[s, b, kind, j] + data.duration[(s, b, kind)]
 
-    # Each stage runs exactly one micro-batch size.
-    for s in range(sg.num_stages):
+def _one_size_per_stage(v: _Vars) -> None:
+    """Each stage runs exactly one micro-batch size; with uniform sizes, stage 0's."""
+    data, model, use = v.data, v.model, v.use
+    for s in range(data.sg.num_stages):
         model.add_exactly_one(use[s, b] for b in data.candidates[s])
-
-    # With uniform sizes, every stage picks the same size as stage 0.
     if data.uniform:
-        for s in range(1, sg.num_stages):
+        for s in range(1, data.sg.num_stages):
             for b in data.candidates[s]:
                 model.add(use[s, b] == use[0, b])
 
-    # A device runs one task at a time (replicas share their stage's tasks).
-    for members in data.group_stages:
-        model.add_no_overlap([iv for (s, _b, _k, _j), iv in interval.items() if s in members])
 
-    # The backward of a micro-batch follows its own forward (split: I follows F, W follows I).
-    grad, last_kind = data.grad, data.last
-    for s in range(sg.num_stages):
+def _one_task_at_a_time(v: _Vars) -> None:
+    """A device runs one task at a time (replicas share their stage's tasks)."""
+    for members in v.data.group_stages:
+        v.model.add_no_overlap([iv for (s, _b, _k, _j), iv in v.interval.items() if s in members])
+
+
+def _task_order(v: _Vars, symmetry_breaking: bool) -> None:
+    """The backward of a micro-batch follows its own forward (split: I follows F, W follows I); with symmetry
+    breaking, a stage's forwards, and its backwards, run in micro-batch order."""
+    data, model, use, start, end = v.data, v.model, v.use, v.start, v.end
+    grad = data.grad
+    for s in range(data.sg.num_stages):
         for b in data.candidates[s]:
             for j in range(data.num_mbs(b)):
                 model.add(start[s, b, grad, j] >= end(s, b, "F", j)).only_enforce_if(use[s, b])
                 if data.split:
                     model.add(start[s, b, "W", j] >= end(s, b, "I", j)).only_enforce_if(use[s, b])
-
-    # Symmetry breaking: a stage's forwards, and its backwards, run in micro-batch order.
     if symmetry_breaking:
-        for s in range(sg.num_stages):
+        for s in range(data.sg.num_stages):
             for b in data.candidates[s]:
                 for kind in data.kinds:
                     for j in range(data.num_mbs(b) - 1):
                         model.add(start[s, b, kind, j + 1] >= end(s, b, kind, j)).only_enforce_if(use[s, b])
 
-    # Data dependencies along stage edges, for every pair of sizes that may be
-    # chosen: consumer F waits for the producer F's it covers plus a transfer;
-    # producer B waits for those consumer B's plus the transfer back.
-    for p, c in sg.edges:
+
+def _data_dependencies(v: _Vars) -> None:
+    """Data dependencies along stage edges, for every pair of sizes that may be chosen: consumer F waits for the
+    producer F's it covers plus a transfer; producer B waits for those consumer B's plus the transfer back."""
+    data, model, use, start, end = v.data, v.model, v.use, v.start, v.end
+    for p, c in data.sg.edges:
         for bp in data.candidates[p]:
             wait = data.delay[(p, c, bp)]
             for bc in data.candidates[c]:
@@ -589,11 +624,17 @@ def build_model(data: ModelData, symmetry_breaking: bool = True, memory: str = "
                 for j in range(data.num_mbs(bc)):
                     for i in covered_mbs(bp, bc, j):
                         model.add(start[c, bc, "F", j] >= end(p, bp, "F", i) + wait).only_enforce_if(both)
-                        model.add(start[p, bp, grad, i] >= end(c, bc, grad, j) + wait).only_enforce_if(both)
+                        model.add(start[p, bp, data.grad, i] >= end(c, bc, data.grad, j) + wait).only_enforce_if(both)
 
-    # Activation memory: a micro-batch's activations live from its F start to
-    # its B end; their sum never exceeds what model state leaves free
-    # (skipped where even every sample at once fits).
+
+def _memory_limits(v: _Vars, memory: str) -> tuple[list[int], dict[tuple[int, int, int], cp_model.IntVar]]:
+    """Activation memory: a micro-batch's activations live from its F start to its B end; their sum never
+    exceeds what model state leaves free (skipped where even every sample at once fits).
+
+    ``(groups constrained, life variables)``; ``memory`` picks the encoding, a
+    cumulative over life intervals or a reservoir of +/- changes.
+    """
+    data, model, use, start, end, horizon = v.data, v.model, v.use, v.start, v.end, v.horizon
     memory_groups = []
     life: dict[tuple[int, int, int], cp_model.IntVar] = {}
     for gi, members in enumerate(data.group_stages):
@@ -610,13 +651,13 @@ def build_model(data: ModelData, symmetry_breaking: bool = True, memory: str = "
             for s, b, j in lives:
                 life[s, b, j] = model.new_int_var(data.work(s, b), horizon, f"life_{s}_{j}_b{b}")
                 intervals.append(model.new_optional_interval_var(start[s, b, "F", j], life[s, b, j],
-                                                                 end(s, b, last_kind, j), use[s, b],
+                                                                 end(s, b, data.last, j), use[s, b],
                                                                  f"life_{s}_{j}_b{b}"))
             demands = [data.act[(s, b)] for s, b, _ in lives]
             # a re-materializing stage holds its full activations while B re-runs the forward and goes back
             redo = [(s, b, j) for s in members for b in data.candidates[s] if data.working[(s, b)] > 0
                     for j in range(data.num_mbs(b))]
-            intervals += [interval[s, b, "B", j] for s, b, j in redo]
+            intervals += [v.interval[s, b, "B", j] for s, b, j in redo]
             demands += [data.working[(s, b)] for s, b, _ in redo]
             # communication buffers of the chosen size, resident the whole iteration
             held = [(s, b) for s in members for b in data.candidates[s] if data.buffers[(s, b)] > 0]
@@ -625,7 +666,7 @@ def build_model(data: ModelData, symmetry_breaking: bool = True, memory: str = "
             demands += [data.buffers[(s, b)] for s, b in held]
             model.add_cumulative(intervals, demands, capacity)
         else:
-            times = [t for s, b, j in lives for t in (start[s, b, "F", j], end(s, b, last_kind, j))]
+            times = [t for s, b, j in lives for t in (start[s, b, "F", j], end(s, b, data.last, j))]
             changes = [c for s, b, _ in lives for c in (data.act[(s, b)], -data.act[(s, b)])]
             actives = [use[s, b] for s, b, _ in lives for _ in range(2)]
             for s in members:
@@ -640,26 +681,42 @@ def build_model(data: ModelData, symmetry_breaking: bool = True, memory: str = "
                         changes.append(data.buffers[(s, b)])
                         actives.append(use[s, b])
             model.add_reservoir_constraint_with_active(times, changes, actives, 0, capacity)
+    return memory_groups, life
 
-    # The iteration ends after every backward and every gradient all-reduce.
-    makespan = model.new_int_var(0, horizon, "makespan")
-    for s in range(sg.num_stages):
+
+def _makespan(v: _Vars, symmetry_breaking: bool) -> cp_model.IntVar:
+    """The iteration's end: after every backward and every gradient all-reduce, with the redundant bounds."""
+    data, model, use, end = v.data, v.model, v.use, v.end
+    makespan = model.new_int_var(0, v.horizon, "makespan")
+    for s in range(data.sg.num_stages):
         for b in data.candidates[s]:
             last = range(data.num_mbs(b) - 1, data.num_mbs(b)) if symmetry_breaking else range(data.num_mbs(b))
             for j in last:
-                model.add(makespan >= end(s, b, last_kind, j) + data.allreduce[s]).only_enforce_if(use[s, b])
-    # Redundant, for the bound: a device works through all its tasks (for the
-    # chosen sizes) one at a time, and the stage that finishes last then
-    # all-reduces. Optional intervals relax weakly in the LP; this is linear in
-    # the size literals and lifts the bound when sizes are free.
+                model.add(makespan >= end(s, b, data.last, j) + data.allreduce[s]).only_enforce_if(use[s, b])
+    _device_work_bound(v, makespan)
+    _fill_drain_bound(v, makespan)
+    if symmetry_breaking:
+        _size_bounds(v, makespan)
+    return makespan
+
+
+def _device_work_bound(v: _Vars, makespan) -> None:
+    """Redundant, for the bound: a device works through all its tasks (for the chosen sizes) one at a time, and
+    the stage that finishes last then all-reduces. Optional intervals relax weakly in the LP; this is linear in
+    the size literals and lifts the bound when sizes are free."""
+    data, use = v.data, v.use
     for members in data.group_stages:
         work = sum(use[s, b] * (data.num_mbs(b) * data.work(s, b)) for s in members for b in data.candidates[s])
-        model.add(makespan >= work + min(data.allreduce[s] for s in members))
-    # Redundant, for the bound (pipeline fill and drain): a stage cannot start
-    # before its first micro-batch has crossed every upstream stage (head), and
-    # after its last backward the producers still run theirs (tail). Both are
-    # linear in the size literals, so the LP sees the depth of the pipeline,
-    # not only each device's work; the transfer delay of each edge counts too.
+        v.model.add(makespan >= work + min(data.allreduce[s] for s in members))
+
+
+def _fill_drain_bound(v: _Vars, makespan) -> None:
+    """Redundant, for the bound (pipeline fill and drain): a stage cannot start before its first micro-batch has
+    crossed every upstream stage (head), and after its last backward the producers still run theirs (tail).
+    Both are linear in the size literals, so the LP sees the depth of the pipeline, not only each device's
+    work; the transfer delay of each edge counts too."""
+    data, model, use, horizon, grad = v.data, v.model, v.use, v.horizon, v.data.grad
+    sg = data.sg
     dur = {(s, kind): sum(use[s, b] * data.duration[(s, b, kind)] for b in data.candidates[s])
            for s in range(sg.num_stages) for kind in data.kinds}
     head = [model.new_int_var(0, horizon, f"head_{s}") for s in range(sg.num_stages)]
@@ -681,21 +738,22 @@ def build_model(data: ModelData, symmetry_breaking: bool = True, memory: str = "
             if data.split:
                 work = sum(use[s, b] * (data.num_mbs(b) * data.work(s, b)) for b in data.candidates[s])
                 model.add(makespan >= head[s] + work + data.allreduce[s])
-    # Redundant, for the bound: per stage, the size-conditional bound of
-    # :func:`size_lower_bounds` (fill, drain, round trip, memory), linear in
-    # the size literals; sizes whose bound exceeds the horizon are out. The
-    # bound assumes in-order micro-batches, so only with symmetry breaking.
-    for s in range(sg.num_stages) if symmetry_breaking else ():
+
+
+def _size_bounds(v: _Vars, makespan) -> None:
+    """Redundant, for the bound: per stage, the size-conditional bound of :func:`size_lower_bounds` (fill, drain,
+    round trip, memory), linear in the size literals; sizes whose bound exceeds the horizon are out. The bound
+    assumes in-order micro-batches, so only with symmetry breaking."""
+    data, model, use = v.data, v.model, v.use
+    size_bound = size_lower_bounds(data)
+    for s in range(data.sg.num_stages):
         terms = []
         for b in data.candidates[s]:
-            if size_bound[s, b] > horizon:
+            if size_bound[s, b] > v.horizon:
                 model.add(use[s, b] == 0)
             else:
                 terms.append(use[s, b] * size_bound[s, b])
         model.add(makespan >= sum(terms))
-    model.minimize(makespan)
-    return CpsatModel(data=data, model=model, use=use, start=start, interval=interval, life=life, makespan=makespan,
-                      memory_groups=tuple(memory_groups))
 
 
 def task_graph(data: ModelData, sizes: Sequence[int]) -> dict[TaskKey, tuple[int, list[tuple[TaskKey, int]]]]:
