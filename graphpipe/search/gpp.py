@@ -102,7 +102,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
@@ -194,112 +194,15 @@ def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: Search
     either: there re-materializing only adds time.
     """
     started = time.perf_counter()
-    sp_graph, merged = make_series_parallel(graph)
-    tree = build_tree(sp_graph)
-    trees = [("sp", tree)]
-    if any(kind == "parallel" for kind in tree.kinds):
-        trees.append(("chain", chain_tree(sp_graph)))
-    sizes = micro_batch_candidates(batch_size, options)
-    links = comm_links(cluster)
-    recompute = recompute_all(options, default=False)
-    candidates: list[_Candidate] = []
-    best_tps = INF * 1.0
-    tried = states = pruned = 0
-    beaten: dict[tuple[str, int], bool] = {}
-    tables: dict[tuple[str, int, bool], BlockCosts] = {}
-    boundary: dict[str, dict] = {view: {} for view, _ in trees}  # bytes across block boundaries, per view
-    free_optimum: dict[tuple[str, int], float] = {}  # (view, b) -> optimal bottleneck with cuts free
-
-    def blocks(view: str, view_tree: DPTree, b: int, rc: bool) -> BlockCosts:
-        # The block cost tables do not depend on the cut costing: every link shares them.
-        got = tables.get((view, b, rc))
-        if got is None:
-            got = tables[(view, b, rc)] = BlockCosts(view_tree, cluster, batch_size, b, power_of_two=options.power_of_two,
-                                                     recompute=rc, boundary=boundary[view])
-        return got
-
-    def cannot_beat(view: str, view_tree: DPTree, b: int) -> bool:
-        if beat_iteration_s is None:
-            return False
-        got = beaten.get((view, b))
-        if got is None:  # the bound holds whatever a cut costs or re-materialization does (DESIGN §6)
-            plain = blocks(view, view_tree, b, False)
-            got = plain.lower_bound() * batch_size > beat_iteration_s * (1 + 1e-9)
-            if not got and recompute and where_memory_binds:
-                # A stage's busy time is its cost times the batch: a plan beating the one in hand has only
-                # stages cheaper than this, and when none of them is short of memory, nothing is gained.
-                got = not plain.memory_binds(beat_iteration_s * (1 + 1e-9) / batch_size)
-            beaten[(view, b)] = got
-        return got
-
-    for li, link in enumerate(links):
-        best_estimate = float("inf")  # per cut costing: each is a search of its own
-        hints: dict[str, list[tuple[float, int, bool]]] = {}  # view -> the last micro-batch size's trade-off
-        for view, view_tree in trees:
-            for b in sizes:
-                if cannot_beat(view, view_tree, b):
-                    pruned += 1
-                    continue
-                dp = make_dp(view_tree, cluster, batch_size, b, link=link, blocks=blocks(view, view_tree, b, recompute))
-                # A costed cut only adds to a stage's cost, so no target below the free-cut optimum is feasible.
-                free = free_optimum.get((view, b), 0.0)
-                if max(dp.lower_bound(), free) * batch_size > best_estimate * PRUNE_SLACK:
-                    continue  # even a perfectly balanced pipeline at this size loses to a candidate in hand
-                found, n_tried, left = _frontier(dp, batch_size, best_estimate * PRUNE_SLACK, free,
-                                                 hints.get(view, ()))
-                if left:
-                    hints[view] = left
-                if link is None and found:
-                    free_optimum[(view, b)] = found[0][0]
-                tried += n_tried
-                states += dp.dp_states
-                for t, depth, stages in found:
-                    if link is None:  # the compute-only optimum of the space, reported as such
-                        best_tps = min(best_tps, t)
-                    depth = _real_depth(sp_graph, stages) if view == "chain" else depth
-                    est = _estimate(sp_graph, cluster, batch_size, b, stages, recompute)
-                    best_estimate = min(best_estimate, t * (batch_size + b * (depth - 1)))
-                    candidates.append(_Candidate(b, tuple(stages), t, depth, est, view, li))
-    if not candidates and beat_iteration_s is not None and pruned:
-        raise InfeasibleError(f"gpp: no plan on {cluster.num_devices} devices can beat an iteration of "
-                              f"{beat_iteration_s:.4g} s")
+    search = _Search.of(graph, cluster, batch_size, options, beat_iteration_s, where_memory_binds)
+    candidates = search.candidates()
     if not candidates:
-        need = smallest_memory_needed([t for _, t in trees], cluster, batch_size, sizes, options.power_of_two,
-                                      recompute)
-        raise InfeasibleError(
-            f"no plan fits in {cluster.memory_bytes / 1e9:g} GB per device; the smallest needs "
-            f"{need / 1e9:.3g} GB (raise --memory-gb, add devices, use a smaller batch"
-            + (")" if recompute else ", or --recompute all)"))
-
-    best = None
-    num_simulated = 0
-    first, rest = _to_simulate(candidates, len(links))
-    for cand in first:
-        sg = _to_stage_graph(graph, sp_graph, merged, cand, cluster, batch_size, recompute)
-        if best is not None and _slower_than(sg, cluster, best[3], options.host):
-            continue  # even perfectly packed it loses to the plan in hand: no simulation needed
-        scored = _score_best(sg, cluster, options.host)
-        num_simulated += 1
-        if scored is None:
-            continue
-        throughput, schedule_name = scored
-        key = (-throughput, sg.num_stages, len(sg.devices_used()), cand.micro_batch_size, cand.link)
-        if best is None or key < best[0]:
-            best = (key, sg, cand, throughput, schedule_name)
-    if best is None:  # the estimate-ranked few all overflow the simulated memory: try the rest
-        for cand in rest:
-            sg = _to_stage_graph(graph, sp_graph, merged, cand, cluster, batch_size, recompute)
-            scored = _score_best(sg, cluster, options.host)
-            num_simulated += 1
-            if scored is not None:
-                best = ((), sg, cand) + scored
-                break
-    if best is None:
-        raise InfeasibleError(
-            f"no plan fits in {cluster.memory_bytes / 1e9:g} GB per device once scheduled; raise --memory-gb")
+        search.raise_none_found()
+    best, num_simulated = _simulate_best(search, candidates)
     _, sg, cand, throughput, schedule_name = best
-    sg, throughput, schedule_name, spread = _spread_idle(sg, cluster, links[cand.link], throughput, schedule_name,
-                                                         options.power_of_two, options.host, recompute)
+    sg, throughput, schedule_name, spread = _spread_idle(sg, cluster, search.links[cand.link], throughput,
+                                                         schedule_name, options.power_of_two, options.host,
+                                                         search.recompute)
     num_simulated += spread
     if options.per_stage_micro_batch and options.micro_batch_size is None:
         sg, throughput, schedule_name = _refine_micro_batches(sg, cluster, throughput, schedule_name,
@@ -307,18 +210,18 @@ def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: Search
     used = len(sg.devices_used())
     if used < cluster.num_devices:
         log.info("gpp uses %d of %d devices: more devices do not lower the bottleneck of %s at batch %d",
-                    used, cluster.num_devices, graph.name, batch_size)
+                 used, cluster.num_devices, graph.name, batch_size)
     stats: dict[str, Any] = {
         "time_s": time.perf_counter() - started,
         "bottleneck_tps": placed_bottleneck(sg, cluster),
         "model_bottleneck_tps": cand.bottleneck_tps,
-        "min_bottleneck_tps": best_tps,
-        "num_targets_tried": tried,
-        "searches_pruned": pruned,
-        "dp_states": states,
+        "min_bottleneck_tps": search.best_tps,
+        "num_targets_tried": search.tried,
+        "searches_pruned": search.pruned,
+        "dp_states": search.states,
         "micro_batch_size": cand.micro_batch_size,
         "view": cand.view,
-        "cut_link": link_name(cluster, links[cand.link]),
+        "cut_link": link_name(cluster, search.links[cand.link]),
         "micro_batch_sizes": sorted({s.micro_batch_size for s in sg.stages}),
         "devices_used": used,
         "unused_devices": cluster.num_devices - used,
@@ -329,6 +232,158 @@ def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: Search
         "throughput_estimate": throughput,
     }
     return SearchResult(stage_graph=sg, schedule_name=schedule_name, stats=stats)
+
+
+@dataclass(slots=True)
+class _Search:
+    """One gpp search: its inputs, the views of the graph it searches, its caches and counters."""
+
+    graph: OpGraph
+    sp_graph: OpGraph
+    merged: dict
+    cluster: Cluster
+    batch_size: int
+    options: SearchOptions
+    beat_iteration_s: float | None
+    where_memory_binds: bool
+    trees: list[tuple[str, DPTree]]
+    """``("sp", tree)``, and ``("chain", tree)`` when the graph has parallel branches (a sequential view)."""
+    sizes: tuple[int, ...]
+    links: tuple[Link | None, ...]
+    recompute: bool
+    best_tps: float = INF * 1.0
+    tried: int = 0
+    states: int = 0
+    pruned: int = 0
+    beaten: dict[tuple[str, int], bool] = field(default_factory=dict)
+    tables: dict[tuple[str, int, bool], BlockCosts] = field(default_factory=dict)
+    boundary: dict[str, dict] = field(default_factory=dict)
+    """Bytes across block boundaries, per view (shared by that view's block tables)."""
+    free_optimum: dict[tuple[str, int], float] = field(default_factory=dict)
+    """(view, b) -> optimal bottleneck with cuts free."""
+
+    @classmethod
+    def of(cls, graph: OpGraph, cluster: Cluster, batch_size: int, options: SearchOptions,
+           beat_iteration_s: float | None, where_memory_binds: bool) -> "_Search":
+        sp_graph, merged = make_series_parallel(graph)
+        tree = build_tree(sp_graph)
+        trees = [("sp", tree)]
+        if any(kind == "parallel" for kind in tree.kinds):
+            trees.append(("chain", chain_tree(sp_graph)))
+        return cls(graph, sp_graph, merged, cluster, batch_size, options, beat_iteration_s, where_memory_binds,
+                   trees, micro_batch_candidates(batch_size, options), comm_links(cluster),
+                   recompute_all(options, default=False), boundary={view: {} for view, _ in trees})
+
+    def blocks(self, view: str, view_tree: DPTree, b: int, rc: bool) -> BlockCosts:
+        """The block cost tables of a view at size ``b``: they do not depend on the cut costing, so every
+        link shares them."""
+        got = self.tables.get((view, b, rc))
+        if got is None:
+            got = self.tables[(view, b, rc)] = BlockCosts(view_tree, self.cluster, self.batch_size, b,
+                                                          power_of_two=self.options.power_of_two, recompute=rc,
+                                                          boundary=self.boundary[view])
+        return got
+
+    def cannot_beat(self, view: str, view_tree: DPTree, b: int) -> bool:
+        """No plan of this view at size ``b`` can beat ``beat_iteration_s`` (or, with ``where_memory_binds``,
+        gain anything from re-materialization)."""
+        if self.beat_iteration_s is None:
+            return False
+        got = self.beaten.get((view, b))
+        if got is None:  # the bound holds whatever a cut costs or re-materialization does
+            plain = self.blocks(view, view_tree, b, False)
+            got = plain.lower_bound() * self.batch_size > self.beat_iteration_s * (1 + 1e-9)
+            if not got and self.recompute and self.where_memory_binds:
+                # A stage's busy time is its cost times the batch: a plan beating the one in hand has only
+                # stages cheaper than this, and when none of them is short of memory, nothing is gained.
+                got = not plain.memory_binds(self.beat_iteration_s * (1 + 1e-9) / self.batch_size)
+            self.beaten[(view, b)] = got
+        return got
+
+    def candidates(self) -> list[_Candidate]:
+        """The DP's candidate stage lists over every cut costing, view and micro-batch size (GraphPipe §4)."""
+        candidates: list[_Candidate] = []
+        batch_size = self.batch_size
+        for li, link in enumerate(self.links):
+            best_estimate = float("inf")  # per cut costing: each is a search of its own
+            hints: dict[str, list[tuple[float, int, bool]]] = {}  # view -> the last micro-batch size's trade-off
+            for view, view_tree in self.trees:
+                for b in self.sizes:
+                    if self.cannot_beat(view, view_tree, b):
+                        self.pruned += 1
+                        continue
+                    dp = make_dp(view_tree, self.cluster, batch_size, b, link=link,
+                                 blocks=self.blocks(view, view_tree, b, self.recompute))
+                    # A costed cut only adds to a stage's cost, so no target below the free-cut optimum is feasible.
+                    free = self.free_optimum.get((view, b), 0.0)
+                    if max(dp.lower_bound(), free) * batch_size > best_estimate * PRUNE_SLACK:
+                        continue  # even a perfectly balanced pipeline at this size loses to a candidate in hand
+                    found, n_tried, left = _frontier(dp, batch_size, best_estimate * PRUNE_SLACK, free,
+                                                     hints.get(view, ()))
+                    if left:
+                        hints[view] = left
+                    if link is None and found:
+                        self.free_optimum[(view, b)] = found[0][0]
+                    self.tried += n_tried
+                    self.states += dp.dp_states
+                    for t, depth, stages in found:
+                        if link is None:  # the compute-only optimum of the space, reported as such
+                            self.best_tps = min(self.best_tps, t)
+                        depth = _real_depth(self.sp_graph, stages) if view == "chain" else depth
+                        est = _estimate(self.sp_graph, self.cluster, batch_size, b, stages, self.recompute)
+                        best_estimate = min(best_estimate, t * (batch_size + b * (depth - 1)))
+                        candidates.append(_Candidate(b, tuple(stages), t, depth, est, view, li))
+        return candidates
+
+    def raise_none_found(self) -> None:
+        """Why there is no candidate: nothing beats the plan in hand, or nothing fits in memory."""
+        cluster = self.cluster
+        if self.beat_iteration_s is not None and self.pruned:
+            raise InfeasibleError(f"gpp: no plan on {cluster.num_devices} devices can beat an iteration of "
+                                  f"{self.beat_iteration_s:.4g} s")
+        need = smallest_memory_needed([t for _, t in self.trees], cluster, self.batch_size, self.sizes,
+                                      self.options.power_of_two, self.recompute)
+        raise InfeasibleError(
+            f"no plan fits in {cluster.memory_bytes / 1e9:g} GB per device; the smallest needs "
+            f"{need / 1e9:.3g} GB (raise --memory-gb, add devices, use a smaller batch"
+            + (")" if self.recompute else ", or --recompute all)"))
+
+    def stage_graph(self, cand: _Candidate) -> StageGraph:
+        return _to_stage_graph(self.graph, self.sp_graph, self.merged, cand, self.cluster, self.batch_size,
+                               self.recompute)
+
+
+def _simulate_best(search: _Search, candidates: Sequence[_Candidate]) -> tuple[tuple, int]:
+    """The fastest simulated candidate among the estimate-ranked few (or, when all of them overflow the simulated
+    memory, the first of the rest that fits): ``((key, sg, cand, throughput, schedule), number simulated)``."""
+    cluster, host = search.cluster, search.options.host
+    best = None
+    num_simulated = 0
+    first, rest = _to_simulate(candidates, len(search.links))
+    for cand in first:
+        sg = search.stage_graph(cand)
+        if best is not None and _slower_than(sg, cluster, best[3], host):
+            continue  # even perfectly packed it loses to the plan in hand: no simulation needed
+        scored = _score_best(sg, cluster, host)
+        num_simulated += 1
+        if scored is None:
+            continue
+        throughput, schedule_name = scored
+        key = (-throughput, sg.num_stages, len(sg.devices_used()), cand.micro_batch_size, cand.link)
+        if best is None or key < best[0]:
+            best = (key, sg, cand, throughput, schedule_name)
+    if best is None:  # the estimate-ranked few all overflow the simulated memory: try the rest
+        for cand in rest:
+            sg = search.stage_graph(cand)
+            scored = _score_best(sg, cluster, host)
+            num_simulated += 1
+            if scored is not None:
+                best = ((), sg, cand) + scored
+                break
+    if best is None:
+        raise InfeasibleError(
+            f"no plan fits in {cluster.memory_bytes / 1e9:g} GB per device once scheduled; raise --memory-gb")
+    return best, num_simulated
 
 
 # ------------------------------------------------------------------ search
