@@ -174,68 +174,103 @@ def antichain_states(graph: OpGraph, max_states: int = MAX_STATES) -> AntichainS
 
     Raises :class:`StateLimitError` past ``max_states`` states.
     """
-    n = graph.num_ops
     inputs, dropped = _removed(graph)
-    removed = set(inputs) | set(dropped)
-    keep = [v for v in range(n) if v not in removed]
-    succs = {v: [w for w in graph.succs(v) if w not in removed] for v in keep}
-    preds = {v: [u for u in graph.preds(v) if u not in removed] for v in keep}
-    sources = [v for v in keep if not preds[v]]
-    root = -1
-    if len(sources) > 1:  # virtual root above several sources (module docstring)
-        succs[root], preds[root] = list(sources), []
-        for v in sources:
-            preds[v] = [root]
-        keep = [root] + keep
-    else:
-        root = sources[0]
-    # Bitsets over local indices: anc[x] = strict ancestors, desc[x] = strict descendants.
-    local = {v: i for i, v in enumerate(keep)}
-    anc = [0] * len(keep)
-    for v in keep:  # keep is topological (op ids are), root first
-        for u in preds[v]:
-            anc[local[v]] |= anc[local[u]] | (1 << local[u])
-    desc = [0] * len(keep)
-    for v in reversed(keep):
-        for w in succs[v]:
-            desc[local[v]] |= desc[local[w]] | (1 << local[w])
+    reach = _Reach.of(graph, set(inputs) | set(dropped))
+    antichain_of, edges, inserted = _antichain_dag(reach, graph.name, max_states)
+    order = _topological_order(edges, inserted)
+    ancestors = _ancestor_matrix(order, edges)
+    members, outputs = [], []
+    for x in order:
+        aug = reach.augment(antichain_of[x])
+        mask = 0
+        for v in aug:
+            mask |= reach.anc[reach.local[v]] | (1 << reach.local[v])
+        members.append(frozenset(reach.keep[i] for i in _bits(mask) if reach.keep[i] != -1))
+        outputs.append(tuple(v for v in aug if v != -1))
+    return AntichainStates(tuple(members), tuple(outputs), ancestors, inputs, dropped)
 
-    def augment(antichain: tuple[int, ...]) -> tuple[int, ...]:
-        # augment_antichain: ancestors of a node that still feed something outside its ancestor set.
+
+@dataclass(frozen=True, slots=True)
+class _Reach:
+    """The graph the optimizer's ``graph.py`` walks: inputs and dropped ops removed, a virtual root (-1) above
+    several sources, and each node's strict ancestors and descendants as bitsets over local indices."""
+
+    keep: list[int]
+    """Ops kept, topological, root first; ``local`` maps an op to its index here."""
+    local: dict[int, int]
+    succs: dict[int, list[int]]
+    anc: list[int]
+    desc: list[int]
+    root: int
+
+    @classmethod
+    def of(cls, graph: OpGraph, removed: set[int]) -> "_Reach":
+        keep = [v for v in range(graph.num_ops) if v not in removed]
+        succs = {v: [w for w in graph.succs(v) if w not in removed] for v in keep}
+        preds = {v: [u for u in graph.preds(v) if u not in removed] for v in keep}
+        sources = [v for v in keep if not preds[v]]
+        root = -1
+        if len(sources) > 1:  # virtual root above several sources (module docstring)
+            succs[root], preds[root] = list(sources), []
+            for v in sources:
+                preds[v] = [root]
+            keep = [root] + keep
+        else:
+            root = sources[0]
+        local = {v: i for i, v in enumerate(keep)}
+        anc = [0] * len(keep)
+        for v in keep:  # keep is topological (op ids are), root first
+            for u in preds[v]:
+                anc[local[v]] |= anc[local[u]] | (1 << local[u])
+        desc = [0] * len(keep)
+        for v in reversed(keep):
+            for w in succs[v]:
+                desc[local[v]] |= desc[local[w]] | (1 << local[w])
+        return cls(keep, local, succs, anc, desc, root)
+
+    def augment(self, antichain: tuple[int, ...]) -> tuple[int, ...]:
+        """``augment_antichain``: ancestors of a node that still feed something outside its ancestor set."""
         extra = set()
         for a in antichain:
-            mask = anc[local[a]]
+            mask = self.anc[self.local[a]]
             for p in _bits(mask):
-                if any(not (mask >> local[o]) & 1 and o != a for o in succs[keep[p]]):
-                    extra.add(keep[p])
+                if any(not (mask >> self.local[o]) & 1 and o != a for o in self.succs[self.keep[p]]):
+                    extra.add(self.keep[p])
         return tuple(sorted(extra)) + tuple(antichain)
 
-    def deaugment(nodes: list[int]) -> tuple[int, ...]:
-        # deaugment_augmented_antichain: drop nodes with a descendant in the list, then duplicates.
+    def deaugment(self, nodes: list[int]) -> tuple[int, ...]:
+        """``deaugment_augmented_antichain``: drop nodes with a descendant in the list, then duplicates."""
         mask = 0
         for v in nodes:
-            mask |= 1 << local[v]
+            mask |= 1 << self.local[v]
         out: list[int] = []
         for v in nodes:
-            if not desc[local[v]] & mask and v not in out:
+            if not self.desc[self.local[v]] & mask and v not in out:
                 out.append(v)
         return tuple(out)
 
-    def next_antichains(antichain: tuple[int, ...]) -> list[tuple[int, ...]]:
-        aug = augment(antichain)
+    def next_antichains(self, antichain: tuple[int, ...]) -> list[tuple[int, ...]]:
+        """``next_antichains``: replace one node of the augmented antichain by a successor (``is_next_antichain``)."""
+        aug = self.augment(antichain)
         aug_mask = 0
         for v in aug:
-            aug_mask |= 1 << local[v]
+            aug_mask |= 1 << self.local[v]
         out = []
         for u in aug:
-            for v in succs[u]:
-                if v in antichain or desc[local[v]] & aug_mask:  # is_next_antichain
+            for v in self.succs[u]:
+                if v in antichain or self.desc[self.local[v]] & aug_mask:
                     continue
-                out.append(deaugment([v if x == u else x for x in aug]))
+                out.append(self.deaugment([v if x == u else x for x in aug]))
         return out
 
-    # antichain_dag: breadth-first from the source; node order = first appearance in an edge.
-    start = (root,)
+
+def _antichain_dag(reach: _Reach, name: str, max_states: int
+                   ) -> tuple[list[tuple[int, ...]], list[list[int]], list[int]]:
+    """``antichain_dag``: breadth-first from the source; node order = first appearance in an edge.
+
+    ``(antichain of each node, edges out of each node, nodes in insertion order)``.
+    """
+    start = (reach.root,)
     node_of: dict[frozenset, int] = {frozenset(start): 0}
     antichain_of: list[tuple[int, ...]] = [start]
     edges: list[list[int]] = [[]]
@@ -251,12 +286,13 @@ def antichain_states(graph: OpGraph, max_states: int = MAX_STATES) -> AntichainS
         if key in expanded:
             continue
         expanded.add(key)
-        for nxt in next_antichains(antichain):
+        for nxt in reach.next_antichains(antichain):
             nkey = frozenset(nxt)
             if nkey not in node_of:
                 if len(antichain_of) >= max_states:
-                    raise StateLimitError(f"pipedream: {graph.name!r} has more than {max_states} antichain states (the "
-                                     f"optimizer's DP is cubic in them); use --strategy gpp or piper for this graph")
+                    raise StateLimitError(f"pipedream: {name!r} has more than {max_states} antichain states (the "
+                                          f"optimizer's DP is cubic in them); use --strategy gpp or piper for this "
+                                          f"graph")
                 node_of[nkey] = len(antichain_of)
                 antichain_of.append(nxt)
                 edges.append([])
@@ -267,9 +303,11 @@ def antichain_states(graph: OpGraph, max_states: int = MAX_STATES) -> AntichainS
                     inserted.append(x)
             edges[a].append(b)
             queue.append(nxt)
-    if not inserted:
-        inserted = [0]
-    # topological_sort: DFS from each node in insertion order, children in edge order; reversed post-order.
+    return antichain_of, edges, inserted or [0]
+
+
+def _topological_order(edges: list[list[int]], inserted: list[int]) -> list[int]:
+    """``topological_sort``: DFS from each node in insertion order, children in edge order; reversed post-order."""
     order: list[int] = []
     marked: set[int] = set()
     for s in inserted:
@@ -288,6 +326,11 @@ def antichain_states(graph: OpGraph, max_states: int = MAX_STATES) -> AntichainS
                 marked.add(x)
                 order.append(x)
     order.reverse()
+    return order
+
+
+def _ancestor_matrix(order: list[int], edges: list[list[int]]) -> np.ndarray:
+    """``ancestors[j, k]``: state ``k`` (a position in ``order``) precedes state ``j`` in the antichain DAG."""
     position = {x: i for i, x in enumerate(order)}
     num_states = len(order)
     ancestors = np.zeros((num_states, num_states), dtype=bool)
@@ -299,15 +342,7 @@ def antichain_states(graph: OpGraph, max_states: int = MAX_STATES) -> AntichainS
         for k in direct[j]:
             ancestors[j] |= ancestors[k]
             ancestors[j, k] = True
-    members, outputs = [], []
-    for x in order:
-        aug = augment(antichain_of[x])
-        mask = 0
-        for v in aug:
-            mask |= anc[local[v]] | (1 << local[v])
-        members.append(frozenset(keep[i] for i in _bits(mask) if keep[i] != -1))
-        outputs.append(tuple(v for v in aug if v != -1))
-    return AntichainStates(tuple(members), tuple(outputs), ancestors, inputs, dropped)
+    return ancestors
 
 
 @dataclass(frozen=True, slots=True)
