@@ -80,8 +80,22 @@ def _options(args):
 
 
 def run(args) -> int:
-    from graphpipe.cli.common import JSON_SUFFIXES, check_batch, check_outputs, load_model, print_json
     from graphpipe.cluster import load_cluster
+
+    _check_args(args)
+    cluster = load_cluster(args.cluster, args.devices, args.memory_gb)
+    options = _options(args)
+    source, graph, profile = _load_graph(args, cluster)
+    if args.compare:
+        return _run_compare(args, source, graph, cluster, options, profile)
+    plan = _plan_one(args, source, graph, cluster, options, profile)
+    _report(args, plan, cluster)
+    return 0
+
+
+def _check_args(args) -> None:
+    """Refuse bad flag values and combinations before anything is built."""
+    from graphpipe.cli.common import JSON_SUFFIXES, check_batch, check_outputs
 
     if args.devices < 1:
         raise InputError(f"--devices must be >= 1, got {args.devices}")
@@ -94,9 +108,12 @@ def run(args) -> int:
     if args.compare and args.schedule:
         raise InputError("--compare runs every strategy with its own schedule; drop --schedule")
     check_outputs((args.out, "--out", JSON_SUFFIXES))
-    wants_async = async_requested(args)
-    cluster = load_cluster(args.cluster, args.devices, args.memory_gb)
-    options = _options(args)
+
+
+def _load_graph(args, cluster):
+    """``(source, graph, profile)``: the model's op graph, with the measured costs of ``--profile`` if given."""
+    from graphpipe.cli.common import load_model
+
     profile = None
     if args.profile:
         from graphpipe.profile import apply_profile, read_profile
@@ -109,46 +126,63 @@ def run(args) -> int:
         graph = apply_profile(graph, profile, model=source.model_id if source.kind in ("zoo", "factory") else None)
     log.info("%s: %d ops, %d edges; searching (%s)", source.model_id, graph.num_ops, graph.num_edges,
              "all four strategies" if args.compare else args.strategy)
+    return source, graph, profile
 
-    from graphpipe.search.planner import compare, make_plan
 
-    if args.compare:
-        status = _Progress(sys.stderr)
-        printer = None if args.json else _RowPrinter(sys.stdout, status)
-        plans: dict = {}
-        try:
-            rows = compare(source.model_id, graph, cluster, args.batch_size, options, baseline_time_limit_s=limit,
-                           on_row=printer, progress=status, plans=plans)
-        finally:
-            status.clear()
-        if args.out and "gpp" in plans:  # the compared gpp plan, so a demo need not search it twice
-            from graphpipe.plan import write_plan
+def _run_compare(args, source, graph, cluster, options, profile) -> int:
+    """``--compare``: one row per strategy as each finishes; ``--out`` gets gpp's plan."""
+    from graphpipe.cli.common import print_json
+    from graphpipe.search.planner import compare
 
-            write_plan(args.out, _with_profile(plans["gpp"], profile))
-            if not args.json:
-                sys.stdout.write(f"wrote {args.out} (the gpp plan)\n")
-        if args.json:
-            print_json({"model": source.model_id, "devices": args.devices, "batch_size": args.batch_size,
-                        "cluster": cluster.name, "results": rows})
-        if not any(r["feasible"] for r in rows):
-            from graphpipe.errors import InfeasibleError
+    status = _Progress(sys.stderr)
+    printer = None if args.json else _RowPrinter(sys.stdout, status)
+    plans: dict = {}
+    try:
+        rows = compare(source.model_id, graph, cluster, args.batch_size, options,
+                       baseline_time_limit_s=args.baseline_time_limit, on_row=printer, progress=status, plans=plans)
+    finally:
+        status.clear()
+    if args.out and "gpp" in plans:  # the compared gpp plan, so a demo need not search it twice
+        from graphpipe.plan import write_plan
 
-            raise InfeasibleError(f"every strategy failed for {source.model_id} on {args.devices} devices at batch "
-                                  f"size {args.batch_size} (reasons in the table); try more devices or memory")
-        return 0
+        write_plan(args.out, _with_profile(plans["gpp"], profile))
+        if not args.json:
+            sys.stdout.write(f"wrote {args.out} (the gpp plan)\n")
+    if args.json:
+        print_json({"model": source.model_id, "devices": args.devices, "batch_size": args.batch_size,
+                    "cluster": cluster.name, "results": rows})
+    if not any(r["feasible"] for r in rows):
+        from graphpipe.errors import InfeasibleError
 
+        raise InfeasibleError(f"every strategy failed for {source.model_id} on {args.devices} devices at batch "
+                              f"size {args.batch_size} (reasons in the table); try more devices or memory")
+    return 0
+
+
+def _plan_one(args, source, graph, cluster, options, profile):
+    """The plan of ``--strategy`` (and ``--schedule``; an asynchronous one converts the 1F1B plan)."""
+    from graphpipe.search.planner import PlanRequest, plan_request
+
+    wants_async = async_requested(args)
     progress = None
     if (args.schedule or "").lower() == "cpsat":
         from graphpipe.search.cpsat import progress_writer
 
         progress = progress_writer(sys.stderr)
-    plan = make_plan(source.model_id, graph, cluster, args.batch_size, args.strategy, options,
-                     schedule="1f1b" if wants_async else args.schedule, time_limit_s=args.time_limit,
-                     progress=progress)
+    plan = plan_request(PlanRequest(model_id=source.model_id, graph=graph, cluster=cluster,
+                                    batch_size=args.batch_size, strategy=args.strategy, options=options,
+                                    schedule="1f1b" if wants_async else args.schedule,
+                                    time_limit_s=args.time_limit, progress=progress))
     if wants_async:  # the partition is the 1F1B one; the stream and its versions replace the flush
         plan = to_async(plan, args, options.host)
-    plan = _with_profile(plan, profile)
-    log.info("%s plan found in %.2f s: %d stages", plan.strategy, plan.search.get("time_s", 0.0),
+    return _with_profile(plan, profile)
+
+
+def _report(args, plan, cluster) -> None:
+    """Note unused devices, write ``--out``, print the plan (a table, or ``--json``)."""
+    from graphpipe.cli.common import print_json
+
+    log.info("%s plan found in %.2f s: %d stages", plan.strategy, plan.search.time_s or 0.0,
              plan.stage_graph.num_stages)
     unused = cluster.num_devices - len(plan.stage_graph.devices_used())
     if unused:
@@ -167,7 +201,6 @@ def run(args) -> int:
         sys.stdout.write(format_plan(plan))
         if args.out:
             sys.stdout.write(f"wrote {args.out}\n")
-    return 0
 
 
 def _with_profile(plan, profile):
@@ -195,7 +228,7 @@ def _devices(devs: tuple[int, ...]) -> str:
 def format_plan(plan) -> str:
     """The stage table and the predicted figures of a plan, as printed by ``graphpipe plan``."""
     sg, p, s = plan.stage_graph, plan.predicted, plan.search
-    in_flight = p.get("in_flight") or [None] * sg.num_stages
+    in_flight = p.in_flight or [None] * sg.num_stages
     lines = [f"{plan.model}: {plan.strategy} plan, {sg.num_stages} stages (depth {sg.depth()}) on "
              f"{len(sg.devices_used())}/{plan.cluster.num_devices} {plan.cluster.device.name}, batch {sg.batch_size}, "
              f"schedule {plan.schedule.name}"]
@@ -206,10 +239,10 @@ def format_plan(plan) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     for r in rows:
         lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
-    peaks = p.get("peak_memory_bytes", [])
+    peaks = p.peak_memory_bytes or []
     used = [d for d in sg.devices_used()]
-    lines.append(f"iteration time  {p['iteration_time_s'] * 1e3:.3f} ms")
-    lines.append(f"throughput      {p['throughput']:.2f} samples/s")
+    lines.append(f"iteration time  {p.iteration_time_s * 1e3:.3f} ms")
+    lines.append(f"throughput      {p.throughput:.2f} samples/s")
     if peaks:
         per_device = " ".join(f"{peaks[d] / 1e9:.2f}" for d in used)
         lines.append(f"peak memory     max {max(peaks) / 1e9:.2f} GB of {plan.cluster.memory_bytes / 1e9:g} GB; "
@@ -217,13 +250,13 @@ def format_plan(plan) -> str:
     recompute = [f"{st.id}{f' ({len(st.checkpoints) + 1} segments)' if st.checkpoints else ''}"
                  for st in sg.stages if st.recompute]
     lines.append(f"recompute       {'stages ' + ', '.join(recompute) if recompute else 'none'}"
-                 f" (--recompute {s.get('recompute', '-')})")
+                 f" (--recompute {s.recompute or '-'})")
     if plan.merged:
         lines.append(f"merged          {len(plan.merged)} non-series-parallel region(s) into single ops")
-    lines.append(f"search time     {s.get('time_s', 0.0):.3f} s")
-    for key in ("lower_bound_s", "gap"):
-        if key in s and s[key] is not None:
-            lines.append(f"{key:<15} {s[key]}")
+    lines.append(f"search time     {s.time_s or 0.0:.3f} s")
+    for key, value in (("lower_bound_s", s.lower_bound_s), ("gap", s.gap)):
+        if value is not None:
+            lines.append(f"{key:<15} {value}")
     return "\n".join(lines) + "\n"
 
 
