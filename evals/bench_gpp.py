@@ -1,4 +1,4 @@
-"""gpp's search time (issue 16): the in-process ``plan.search["time_s"]``, median of ``--repeat`` runs.
+"""gpp's search time: the in-process ``plan.search["time_s"]``, median of ``--repeat`` runs.
 
     python -m graphpipe.evals.bench_gpp [--repeat 5] [--cases mmt,dlrm,...] [--out evals] [--piper]
                                         [--before DIR] [--calls]

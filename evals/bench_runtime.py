@@ -1,4 +1,4 @@
-"""Runtime benchmark (issue 6): real runs on CPU ranks, measured side by side.
+"""Runtime benchmark: real runs on CPU ranks, measured side by side.
 
 ::
 

@@ -1,4 +1,4 @@
-"""Sweep: is gpp ever worse than the best sequential baseline? (issue 4 acceptance, full grid)
+"""Sweep: is gpp ever worse than the best sequential baseline? (the full grid)
 
 The test suite samples this grid (tests/test_planner.py); this script runs all of it:
 every zoo model (paper config) and every shared PipeDream profile at 2, 4, 8, 16 and 32

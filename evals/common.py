@@ -5,7 +5,7 @@ Every experiment writes ``<out>/results/<name>.json``::
     {"experiment": name, "config": {...resolved config...}, "environment": {...versions, git SHA...},
      "rows": [...one dict per measured point...], "summary": {...}}
 
-Plot and report scripts read only these files (STYLE habit 12).
+Plot and report scripts read only these files.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The GraphPipe paper's experiments as configs and runners (DESIGN §10).
+"""The GraphPipe paper's experiments as configs and runners (docs/design.md#papers).
 
 Each experiment is a pair: ``<name>_config(quick) -> dict`` (the resolved
 configuration, written beside the numbers) and ``run_<name>(config, progress)

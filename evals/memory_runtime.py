@@ -1,4 +1,4 @@
-"""Activation memory measured on real runs against the cost model (issue 15).
+"""Activation memory measured on real runs against the cost model.
 
 For every small zoo model x strategy {gpp, pipedream, gpipe} x schedule
 {gpipe, 1f1b, graph-1f1b} x re-materialization {none, all} on ``--ranks``

@@ -1,4 +1,4 @@
-"""Figures for the evaluations. Every function reads only result files (STYLE habit 12).
+"""Figures for the evaluations. Every function reads only result files.
 
 Each figure is titled, has labelled axes with units and a legend, and marks
 the paper's reported value where there is one.

@@ -1,4 +1,4 @@
-"""Zero bubble on graph pipelines (issue 17): graph-ZB vs graph-1F1B on gpp's plans, ZB-H1 vs 1F1B on a chain.
+"""Zero bubble on graph pipelines: graph-ZB vs graph-1F1B on gpp's plans, ZB-H1 vs 1F1B on a chain.
 
 Each point plans the model once with gpp (on the sequential transformer
 its stages form a chain) and re-schedules that same stage graph with every schedule of

@@ -1,4 +1,4 @@
-"""The one cost and memory model (DESIGN §4): stage time, all-reduce, per-device memory.
+"""The one cost and memory model (docs/design.md#the-cost-model): stage time, all-reduce, per-device memory.
 
 Every partitioner, the simulator and the CP-SAT model take their numbers
 from here, so that a plan's estimate and its simulation cannot drift apart.
@@ -25,7 +25,7 @@ Memory on one device of a stage (:func:`memory_bytes`):
   Adam moments of fp32 parameters);
 * communication buffers: one micro-batch of the stage's inputs being
   received and one of its output gradients being received,
-  ``(in + out) * s`` (DESIGN §4's buffer term);
+  ``(in + out) * s`` (docs/design.md#the-cost-model's buffer term);
 * activations of ``k`` micro-batches in flight (F started, B not ended):
   without re-materialization ``act * s * k``; with it only the stage's
   inputs are stashed, ``in * s * k``, plus one micro-batch's full
@@ -129,7 +129,7 @@ def action_times(fwd_alpha, fwd_beta, bwd_alpha, bwd_beta, samples, recompute):
 
 WEIGHT_GRAD_SHARE = 0.5
 """Share of an op's backward that computes its weight gradients (zero bubble's W), for ops whose profile
-times only B (analytical costs, profiles written before issue 17, PipeDream profiles).
+times only B (analytical costs, profiles without a weight-gradient measurement, PipeDream profiles).
 
 For a linear or matmul layer ``Y = X Wᵀ`` the input gradient ``dX = dY W`` and
 the weight gradient ``dW = dYᵀ X`` are two matmuls of the same FLOPs, so B

@@ -2,7 +2,7 @@
 
 Every op carries an affine time model ``t(b) = alpha + beta * b`` seconds for
 forward and backward at micro-batch size ``b`` (fixed kernel overhead plus
-per-sample work, DESIGN §4), its parameter bytes, and per-sample byte counts
+per-sample work, docs/design.md#the-cost-model), its parameter bytes, and per-sample byte counts
 for saved activations and output. Edges carry bytes per sample.
 
 Example
@@ -115,7 +115,7 @@ class Edge:
     its input; or an earlier consumer did). On one device the tensor is kept
     once; a stage that holds ``dst`` but not ``src`` keeps its own received
     copy, so :func:`graphpipe.costs.received_saved_bytes` charges ``saved``
-    to it when the edge is cut. 0 when unknown (graphs made before issue 15,
+    to it when the edge is cut. 0 when unknown (graphs written without it,
     PipeDream profiles).
     """
 
@@ -386,7 +386,7 @@ def graph_from_dict(doc: Any, where: str = "graph") -> OpGraph:
             if len(pair) != 2:
                 raise FormatError(f"{where}: op {i}: fwd_s and bwd_s must be [alpha, beta]")
             costs.append(Affine(*(f.number(v, f"{at}.{key}[{k}]", 0) for k, v in enumerate(pair))))
-        # optional: only measured weight gradients are written, and graphs before issue 17 have none
+        # optional: only measured weight gradients are written, and older graphs have none
         wgrad = affine_field(o["wgrad_s"], f"{at}.wgrad_s") if "wgrad_s" in o else None
         ops.append(Op(name=f.string(o["name"], f"{at}.name"), kind=f.string(o.get("kind", "op"), f"{at}.kind"),
                       fwd=costs[0], bwd=costs[1], wgrad=wgrad,

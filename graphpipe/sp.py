@@ -1,4 +1,4 @@
-"""Series-parallel decomposition of an op graph (DESIGN §5, GraphPipe §4).
+"""Series-parallel decomposition of an op graph (docs/design.md#series-parallel-decomposition, GraphPipe §4).
 
 GraphPipe's partitioner (paper Alg. 1) is a dynamic program over a
 series-parallel (SP) tree: a *series* node is solved by choosing a cut between
@@ -18,7 +18,7 @@ This is the classical series-parallel *partial order*: a DAG decomposes this
 way iff its reachability order contains no induced "N" (``a<c, a<d, b<d``
 with ``b`` incomparable to ``a`` and ``c``). Several sources or sinks are
 fine: the root is then a parallel node, or a series whose first/last child is
-parallel -- exactly what adding DESIGN §5's virtual source and sink gives.
+parallel -- exactly what adding docs/design.md#series-parallel-decomposition's virtual source and sink gives.
 
 Why order-based rather than two-terminal *edge* SP: edge-SP rejects graphs
 whose only defect is a transitive ("shortcut") edge such as the bridge
@@ -434,7 +434,7 @@ def _pair_fix(n: tuple[int, int, int, int], anc: Sequence[int], desc: Sequence[i
 
 def _region_fixes(graph: OpGraph, region: Sequence[int], anc: Sequence[int], desc: Sequence[int]
                   ) -> list[tuple[int, ...]]:
-    """Disjoint convex op sets to contract in ``region`` this round (at least one).
+    """Disjoint convex op sets to contract in ``region`` in one pass (at least one).
 
     The first comes from the lowest N; later Ns whose fix touches no op of an
     earlier fix (nor its neighbours, to keep joint contraction acyclic in the
@@ -470,7 +470,7 @@ def induced_subgraph(graph: OpGraph, op_ids: Sequence[int]) -> OpGraph:
 def make_series_parallel(graph: OpGraph) -> tuple[OpGraph, dict[str, tuple[str, ...]]]:
     """Return ``(sp_graph, merged)``: ``graph`` with small non-SP regions contracted.
 
-    DESIGN §5: a DAG that is not SP is made SP by contracting the smallest
+    docs/design.md#series-parallel-decomposition: a DAG that is not SP is made SP by contracting the smallest
     non-SP regions into single ops. Greedy: while the decomposition meets
     prime regions (:func:`prime_regions`), find one induced N in each and
     contract the smallest convex set that merges two of its ops. Prime regions

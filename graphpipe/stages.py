@@ -1,4 +1,4 @@
-"""Stage graphs: a partition of an OpGraph into convex stages (DESIGN §6).
+"""Stage graphs: a partition of an OpGraph into convex stages (docs/design.md#partitioners).
 
 A :class:`Stage` is a convex set of ops placed on a set of devices (several
 devices = data parallelism inside the stage: each replica runs every action
@@ -344,7 +344,7 @@ class StageGraph:
 
         Micro-batch ``j`` of a stage with size ``b`` holds samples ``[j*b, (j+1)*b)``;
         a consumer with a larger micro-batch needs several producer micro-batches
-        (DESIGN §7: a consumer with micro-batch 4 needs two of its producer's 2s).
+        (docs/design.md#schedules-and-the-simulator: a consumer with micro-batch 4 needs two of its producer's 2s).
         """
         return tuple(covered_mbs(self.stages[producer].micro_batch_size, self.stages[consumer].micro_batch_size,
                                  consumer_mb))

@@ -1,4 +1,4 @@
-"""Schedules (action lists), the one validator, and the discrete-event simulator (DESIGN §7).
+"""Schedules (action lists), the one validator, and the discrete-event simulator (docs/design.md#schedules-and-the-simulator).
 
 Generators (:func:`gpipe`, :func:`one_f_one_b`, :func:`interleaved_1f1b`,
 :func:`graph_1f1b`, zero bubble's :func:`zb_h1` and :func:`graph_zb`,

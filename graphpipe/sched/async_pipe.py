@@ -1,4 +1,4 @@
-"""PipeDream's asynchronous pipelines: the stream, the weight-version schedule, steady state (DESIGN §11).
+"""PipeDream's asynchronous pipelines: the stream, the weight-version schedule, steady state (docs/design.md#schedules-and-the-simulator).
 
 Flushing schedules (``1f1b`` is PipeDream-Flush) run one mini-batch of ``M``
 micro-batches, then every stage steps its optimizer. The asynchronous ones

@@ -1,4 +1,4 @@
-"""The dependency engine shared by the validator and the simulator (DESIGN §7).
+"""The dependency engine shared by the validator and the simulator (docs/design.md#schedules-and-the-simulator).
 
 A schedule is a set of per-device action lists. With the shared simulator
 semantics (compute per device in list order, transfers are pure delays, no

@@ -1,4 +1,4 @@
-"""Gantt charts of timelines (matplotlib, Agg backend) (DESIGN §7).
+"""Gantt charts of timelines (matplotlib, Agg backend) (docs/design.md#schedules-and-the-simulator).
 
 One row per device, time in milliseconds on the x axis. Forward actions are
 blue, backward actions orange (zero bubble's input-gradient I too; its

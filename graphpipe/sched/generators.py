@@ -1,4 +1,4 @@
-"""Schedule generators: GPipe, 1F1B, interleaved 1F1B, and the ``make_schedule`` registry (DESIGN §7).
+"""Schedule generators: GPipe, 1F1B, interleaved 1F1B, and the ``make_schedule`` registry (docs/design.md#schedules-and-the-simulator).
 
 Each generator is a pure function of a :class:`StageGraph` returning a
 :class:`Schedule` (per-device action lists; every replica of a stage gets the

@@ -1,4 +1,4 @@
-"""The discrete-event simulator: one schedule in, one :class:`Timeline` out (DESIGN §7).
+"""The discrete-event simulator: one schedule in, one :class:`Timeline` out (docs/design.md#schedules-and-the-simulator).
 
 Semantics (shared with the CP-SAT model and relied on by the partitioners):
 

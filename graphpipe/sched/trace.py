@@ -1,4 +1,4 @@
-"""Chrome / Perfetto trace export of a :class:`Timeline` (DESIGN §7).
+"""Chrome / Perfetto trace export of a :class:`Timeline` (docs/design.md#schedules-and-the-simulator).
 
 Open the file in ``chrome://tracing`` or https://ui.perfetto.dev. Layout:
 one *process* row per device (``device 3``), and inside it one *thread*

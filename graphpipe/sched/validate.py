@@ -1,4 +1,4 @@
-"""The one schedule validator (DESIGN §7, STYLE habit 3).
+"""The one schedule validator (docs/design.md#schedules-and-the-simulator).
 
 Every schedule — generated here, solved by CP-SAT, or read from a plan file —
 passes :func:`validate_schedule` before anything simulates or runs it. The

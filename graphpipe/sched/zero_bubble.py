@@ -1,4 +1,4 @@
-"""Zero-bubble schedules: the backward split into I (input gradients) and W (weight gradients) (DESIGN §11).
+"""Zero-bubble schedules: the backward split into I (input gradients) and W (weight gradients) (docs/design.md#schedules-and-the-simulator).
 
 Qi et al., "Zero Bubble Pipeline Parallelism" (ICLR'24): a stage's backward
 is two passes. ``I`` computes the gradients of the stage's inputs — the only

@@ -1,4 +1,4 @@
-"""CP-SAT co-optimisation of per-stage micro-batch sizes and the schedule (DESIGN §7, issue 5).
+"""CP-SAT co-optimisation of per-stage micro-batch sizes and the schedule (docs/design.md#schedules-and-the-simulator).
 
 GraphPipe's graph-1F1B (§5, Alg. 2) fixes one micro-batch size and a
 structural warm-up rule; the paper notes per-stage sizes gave incremental
@@ -10,7 +10,7 @@ minimise the iteration time, under device memory? The model
 the solver's makespan equals the simulated one up to the documented time
 rounding; the solver's proven bound gives every plan an optimality gap.
 
-The OR-Tools habits (STYLE habit 6): the model is built apart from solving;
+The OR-Tools habits: the model is built apart from solving;
 the graph-1F1B schedule is replayed in the model's integer time and fed back
 as a complete hint (and its makespan caps the horizon); ``max_time_in_seconds``,
 ``num_workers`` and ``random_seed`` are always set; OPTIMAL and FEASIBLE are
@@ -19,9 +19,9 @@ orders the tasks at the input sizes or at the best single size for all
 stages (:data:`ORDER_FIRST_SHARE`); its makespan then prunes every size
 whose own lower bound (fill, drain, round trip, memory:
 :func:`graphpipe.search.cpsat_model.size_lower_bounds`) exceeds it, and the
-same bounds, linear in the size literals, lift the solver's bound. On the
-8-stage transformer chain with every divisor of 128 free, this took the gap
-at 30 s on 2 workers from 7.1% to about 3% (``python -m graphpipe.evals.bench_cpsat``).
+same bounds, linear in the size literals, lift the solver's bound, which
+narrows the reported gap when many sizes are free (``python -m
+graphpipe.evals.bench_cpsat`` measures it; see evals/REPORT.md).
 
 Reproducibility: a solve that proves optimality within the limit always
 returns the same makespan, but with several workers the schedule among equal
@@ -37,9 +37,8 @@ Should it find nothing in its budget, the parallel solver's schedule is kept
 (same makespan) and ``canonical`` is False in the result. A FEASIBLE answer
 (stopped by the time limit) still depends on timing. CP-SAT's deterministic
 parallel mode (``interleave_search`` with a deterministic time limit) was
-tried for the whole solve and rejected: on the 8 x 32 transformer chain it
-stopped 0.35% above the optimum after 55 s, where the default search proves
-the optimum in about 20 s.
+tried for the whole solve and rejected: on a long transformer chain it
+stopped above the optimum well after the default search had proven it.
 
 Usage
 -----
@@ -232,10 +231,8 @@ ORDER_FIRST_SHARE = 0.25
 tasks at fixed sizes (the input's, or one size for all stages where graph-1F1B
 runs faster with it): a model without size choices, often proven optimal in
 seconds, whose schedule then hints the full model and prunes its sizes.
-Without it the full model's search can stall above that schedule: on the transformer's
-pipedream plan (8 devices, batch 128, 2 workers, 30 s) the full model
-stopped FEASIBLE at 0.27659 s with a 12% gap; with it, 0.27514 s was proven
-optimal in 6.3 s."""
+Without it the full model's search can stall above that schedule and stop
+FEASIBLE with a wide gap where the two phases prove the optimum."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

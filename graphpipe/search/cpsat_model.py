@@ -1,9 +1,9 @@
-"""The CP-SAT model of one pipeline iteration, built apart from solving it (STYLE habit 6).
+"""The CP-SAT model of one pipeline iteration, built apart from solving it.
 
 Decisions: each stage's micro-batch size (one boolean per candidate size,
 exactly one true) and the order of every forward (F) and backward (B) task
 on every device. Objective: the iteration makespan. The model mirrors the
-simulator's semantics (DESIGN §7, the shared "simulator semantics"):
+simulator's semantics (docs/design.md#schedules-and-the-simulator, the shared "simulator semantics"):
 
 * A stage with size ``b`` has ``batch_size // b`` micro-batches. Tasks are
   created for *every* candidate size's micro-batches as optional intervals,

@@ -1,4 +1,4 @@
-"""GraphPipe's partitioner ("gpp", paper §4 and Alg. 1; DESIGN §6).
+"""GraphPipe's partitioner ("gpp", paper §4 and Alg. 1; docs/design.md#partitioners).
 
 ``partition(graph, cluster, batch_size, options)`` turns an op graph into a
 *graph* of pipeline stages: branches of the model become concurrent stages on
@@ -65,7 +65,7 @@ Speed: the DP's tables are indexed by in-flight count, not device count, so
 chain view runs :class:`~graphpipe.search.gpp_chain.ChainDP`, the same DP
 vectorised one depth level at a time (same tables and stages, several times
 faster: the chain view has the most ops of any node).
-What the search does not redo (issue 16; each leaves the plan unchanged):
+What the search does not redo (each leaves the plan unchanged):
 one set of block cost tables per micro-batch size serves every cut costing
 (:class:`~graphpipe.search.gpp_blocks.BlockCosts`); the DP keeps states
 across targets under the rank of the target among their scope's costs; the
@@ -616,7 +616,7 @@ def _spread_idle(sg: StageGraph, cluster: Cluster, link: Link | None, throughput
 
 
 def busy_bound_s(sg: StageGraph, cluster: Cluster) -> float:
-    """No schedule runs an iteration of ``sg`` faster on dedicated devices (the simulator's model, DESIGN §7).
+    """No schedule runs an iteration of ``sg`` faster on dedicated devices (the simulator's model, docs/design.md#schedules-and-the-simulator).
 
     Each replica of a stage that splits micro-batches runs every micro-batch's F and B, one action at a
     time, and the stage's gradient all-reduce starts after its last B; transfers and waiting only add.

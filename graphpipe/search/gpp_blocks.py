@@ -1,4 +1,4 @@
-"""Cost tables of the blocks GraphPipe's DP may make stages of (paper §4; DESIGN §4, §6).
+"""Cost tables of the blocks GraphPipe's DP may make stages of (paper §4; docs/design.md#the-cost-model).
 
 A *block* is children ``lo..hi-1`` of one node of the DP's tree
 (:mod:`graphpipe.search.gpp_tree`); a leaf is a block of its one op. For one

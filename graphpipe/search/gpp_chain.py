@@ -1,4 +1,4 @@
-"""GraphPipe's DP on the chain view, one depth level at a time in numpy (issue 16).
+"""GraphPipe's DP on the chain view, one depth level at a time in numpy.
 
 The chain view (:func:`~graphpipe.search.gpp_tree.chain_tree`) is one series
 node whose children are the graph's ops in topological order. On it the

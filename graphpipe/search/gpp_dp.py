@@ -1,4 +1,4 @@
-"""The dynamic program inside GraphPipe's partitioner (paper §4, Alg. 1; DESIGN §6).
+"""The dynamic program inside GraphPipe's partitioner (paper §4, Alg. 1; docs/design.md#partitioners).
 
 For one micro-batch size ``b`` and one bottleneck target ``t_max`` (seconds
 per sample), :class:`BottleneckDP` decides whether some stage graph of the

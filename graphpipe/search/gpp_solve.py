@@ -1,4 +1,4 @@
-"""Solving GraphPipe's DP for one micro-batch size (paper §4; DESIGN §6): which DP, and the search over targets.
+"""Solving GraphPipe's DP for one micro-batch size (paper §4; docs/design.md#partitioners): which DP, and the search over targets.
 
 :func:`make_dp` picks the DP for a tree: :class:`~graphpipe.search.gpp_chain.ChainDP`
 on a chain (the chain view, or a branchless model), the general

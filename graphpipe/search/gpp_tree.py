@@ -1,4 +1,4 @@
-"""The series-parallel tree as GraphPipe's DP sees it (paper §4; DESIGN §5, §6).
+"""The series-parallel tree as GraphPipe's DP sees it (paper §4; docs/design.md#series-parallel-decomposition).
 
 The DP of :mod:`graphpipe.search.gpp_dp` searches stages that are unions of
 SP-tree nodes: a whole node, a contiguous range of >= 2 children of a series

@@ -1,4 +1,4 @@
-"""What splitting tied parameters across stages costs a plan (issue 21).
+"""What splitting tied parameters across stages costs a plan.
 
 When ops sharing parameters (:class:`~graphpipe.graph.SharedParams`, found
 by the capture: a GPT's embedding and output head) land in different
