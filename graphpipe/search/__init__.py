@@ -1,4 +1,4 @@
-"""Stage partitioners (gpp, pipedream, piper, gpipe) and the CP-SAT co-optimiser (docs/design.md#algorithms).
+"""Stage partitioners (gpp, pipedream, piper, gpipe) and the CP-SAT co-optimiser (docs/design.md#partitioners).
 
 Each strategy module defines a :class:`~graphpipe.search.common.Strategy`
 record, ``STRATEGY``: its partition function, its default schedule and the

@@ -1,4 +1,4 @@
-"""CP-SAT co-optimisation of per-stage micro-batch sizes and the schedule (docs/design.md#schedules-and-the-simulator).
+"""CP-SAT co-optimisation of per-stage micro-batch sizes and the schedule (docs/design.md#cp-sat-co-optimisation).
 
 GraphPipe's graph-1F1B (§5, Alg. 2) fixes one micro-batch size and a
 structural warm-up rule; the paper notes per-stage sizes gave incremental
