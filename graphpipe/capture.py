@@ -1,71 +1,75 @@
-"""Capture an ``nn.Module`` as a layer-granularity :class:`OpGraph` with torch.fx.
+"""Capture an ``nn.Module`` as a layer-granularity :class:`OpGraph` (docs/design.md, "Capture").
 
-DESIGN §3 ("Granularity"): we trace with torch.fx but plan on *layers*.
+1. **Export.** :func:`graphpipe.exporting.export_model` runs the module through
+   ``torch.export`` (non-strict, batch dimension dynamic): any model whose
+   Python code export can follow, Hugging Face transformers and timm
+   included, keyword inputs and ``ModelOutput`` outputs included. The result
+   is one flat runnable fx graph of ``aten`` ops whose nodes remember the
+   module calls they ran inside (``nn_module_stack``).
+2. **Layers from the module hierarchy.** Every node's *unit* is a module of
+   its stack (:func:`unit_of`): by default the outermost zoo
+   :class:`~graphpipe.zoo_models.Layer`, else the deepest child of a
+   ``ModuleList``/``Sequential``/``ModuleDict`` holding parameters (the
+   repeated blocks: ``encoder.layers.3``), else the outermost heavy torch
+   layer (:data:`LAYER_TYPES`: Linear, Conv, Embedding, ...). A user picks
+   another granularity with module-path patterns or a depth
+   (:class:`Granularity`). Each call of a unit starts an op named after the
+   module path (a second call of the same module: ``path_1``).
+3. **Contract.** Every other node (glue: residual adds, activations,
+   reshapes, concatenations, pooling) joins a neighbouring op by these rules,
+   repeated until every node is owned:
 
-1. **Trace.** :class:`LayerTracer` keeps *layer modules* as fx leaves: every
-   zoo :class:`~graphpipe.zoo_models.Layer`, and for user models the usual
-   heavy torch layers (:data:`LAYER_TYPES`: Linear, Conv, Embedding,
-   EmbeddingBag, MultiheadAttention, TransformerEncoderLayer, RNNs, ...).
-   Other torch.nn modules (norms, activations, dropout) stay leaves too, as
-   fx does by default, but they are *glue*, not layers.
-2. **Contract.** Each call of a layer module is an *anchor* and starts an op.
-   Every other fx node (glue: ``cat``, ``add``, ``getattr``, ``view``,
-   activations, ``get_attr`` of free parameters) joins a neighbouring op by
-   these rules, repeated until every node is owned:
-
-   - *forward*: a glue node whose inputs (ignoring placeholders and
-     ``get_attr``) all belong to one op X joins X (an activation or view
-     after a layer, e.g. Linear + ReLU becomes one op);
+   - *forward*: a glue node whose inputs (ignoring placeholders, ``get_attr``
+     and replicable input glue) all belong to one op X joins X (an
+     activation after a layer);
    - *backward*: a glue node whose users all belong to one op Y joins Y
-     (a ``cat``/``add`` of branch outputs feeding a layer, a parameter read);
-   - otherwise the first (in fx order) unowned glue node starts a glue op of
-     its own, named after the fx node (e.g. ``add_3``), and the rules run again.
+     (a ``cat``/``add`` of branch outputs feeding a layer);
+   - otherwise the first (in graph order) unowned glue node starts a glue op
+     of its own, named after the node (e.g. ``add_3``), and the rules run again.
 
-   Each op is therefore a connected piece of the fx graph whose inputs enter
-   at its anchor or at nodes upstream of it and whose outputs leave from the
-   anchor or nodes downstream of it, so the op graph stays acyclic, and any
-   grouping of ops into stages whose stage graph is a DAG (every
-   :class:`~graphpipe.stages.StageGraph`) is a valid ``split_module`` partition. For zoo models
-   every fx node is an anchor (branches, concat, interaction and heads are
-   layers), so their op graphs are exactly their series-parallel layer DAGs.
-   Placeholders belong to no op; the runtime feeds them to the stages using them.
-3. **Cost.** The fx graph is run once (meta tensors cost nothing) under
+   Nodes computed from the inputs and buffers alone (masks, position ids,
+   batch sizes) are copied into every op reading them
+   (:func:`graphpipe.exporting.replicate_input_glue`); parameters
+   (``get_attr``) are read where used. Each op is therefore a connected piece
+   of the graph whose inputs enter at or upstream of its unit and whose
+   outputs leave at or downstream of it, so the op graph stays acyclic, and
+   any grouping of ops into stages whose stage graph is a DAG is a valid
+   split. Zoo models come out exactly as their series-parallel layer DAGs.
+4. **Cost.** The graph is run once (meta tensors cost nothing) under
    ``torch.utils.flop_counter.FlopCounterMode`` and a byte meter. Per op and
-   per sample (sizes divided by the example batch size, the first input's
-   dim 0): ``fwd = overhead + flops / (peak * mfu) * b`` (DESIGN §4 affine
-   model), ``bwd`` = twice the forward FLOPs and twice the overhead (the
-   standard 2x backward estimate: gradients w.r.t. inputs and weights);
-   ``act_bytes`` = bytes of the tensors autograd saves for backward while
-   the op runs (``saved_tensors_hooks``, each storage once, parameters
-   excluded: what a run measures, issue 15; with ``loss_fn``, what the
-   loss keeps is charged to the op producing the output); ``out_bytes`` = bytes
-   of its fx values used outside it; edge bytes = bytes of the values
-   flowing from one op to another, and an edge's ``saved`` = bytes of
-   those values its consumer saves although another op was charged for
-   the same storage (a ReLU output the next Linear saves as its input:
-   one tensor on one device, two across a cut; see
-   :func:`graphpipe.costs.received_saved_bytes`). ``F.embedding_bag``'s
-   saves are the CPU kernel's, not the meta kernel's (it saves an int64
-   per index that the CPU kernel does not). ``param_bytes`` = the op's parameters
-   (each parameter counted once, at its first use), so the graph total equals
-   the module's. A parameter several ops read (tied weights) is also listed
-   in ``OpGraph.shared`` (:class:`~graphpipe.graph.SharedParams`: the ops and
-   its bytes), so a planner can charge the copy and the gradient all-reduce
-   a split costs.
+   per sample (sizes divided by the example batch size): ``fwd = overhead +
+   flops / (peak * mfu) * b`` (the affine model of docs/design.md), ``bwd`` =
+   twice the forward FLOPs and twice the overhead (gradients w.r.t. inputs
+   and weights); ``act_bytes`` = bytes of the tensors autograd saves for
+   backward while the op runs (``saved_tensors_hooks``, each storage once,
+   parameters excluded: what a run measures; with ``loss_fn``, what the loss
+   keeps is charged to the op producing the output); ``out_bytes`` = bytes of
+   its values used outside it; edge bytes = bytes of the values flowing from
+   one op to another, and an edge's ``saved`` = bytes of those values its
+   consumer saves although another op was charged for the same storage (one
+   tensor on one device, two across a cut; see
+   :func:`graphpipe.costs.received_saved_bytes`). Attention and
+   ``embedding_bag`` are charged the saves of the CPU kernels a run uses,
+   not those of their meta kernels. At ``precision="bf16"`` the graph runs
+   under ``torch.autocast`` on fake CPU tensors, so saves are the bf16
+   tensors (and autocast's bf16 weight copies) a bf16 run keeps.
+   ``param_bytes`` = the op's parameters (each counted once, at its first
+   use), so the graph total equals the module's. A parameter several ops read
+   (tied weights) is also listed in ``OpGraph.shared``.
 
 Example
 -------
 >>> import torch
 >>> m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
 >>> cap = capture(m, (torch.randn(3, 4),), name="mlp")
->>> [op.name for op in cap.graph.ops], cap.op_nodes["0"]
-(['0', '2'], ('_0', '_1'))
+>>> [op.name for op in cap.graph.ops], [op.kind for op in cap.graph.ops]
+(['0', '2'], ['linear', 'linear'])
 """
 
 from __future__ import annotations
 
+import fnmatch
 import importlib.util
-import inspect
 import logging
 import os
 import sys
@@ -80,20 +84,26 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from graphpipe.cluster import DeviceSpec, preset
-from graphpipe.errors import GraphCycleError, GraphpipeError, InputError, UserCodeError, user_code_error, user_location
+from graphpipe.errors import GraphCycleError, GraphpipeError, InputError, UserCodeError, user_code_error
+from graphpipe.exporting import (Exported, IOSpec, deliver_target, export_model, module_path, module_stack,
+                                 normalize_inputs, replicable_nodes, replicate_input_glue)
 from graphpipe.graph import Affine, Op, OpGraph, SharedParams
 from graphpipe.zoo_models import Layer
 
 __all__ = [
     "LAYER_TYPES",
-    "LayerTracer",
+    "PRECISIONS",
+    "Granularity",
     "Captured",
+    "Factory",
     "capture",
-    "trace",
+    "trace_ops",
+    "unit_of",
     "group_nodes",
     "split_by_ops",
     "load_factory",
     "graph_from_factory",
+    "captured_from_factory",
 ]
 
 log = logging.getLogger(__name__)
@@ -106,120 +116,234 @@ LAYER_TYPES: tuple[type[nn.Module], ...] = (
     nn.TransformerEncoder, nn.TransformerDecoder, nn.Transformer,
     nn.RNN, nn.LSTM, nn.GRU,
 )
-"""torch layers that anchor an op in user models (zoo Layers always do)."""
+"""torch layers that are an op of their own when no repeated block holds them (zoo Layers always are)."""
 
-_NEUTRAL = ("placeholder", "get_attr")
+PRECISIONS = ("fp32", "bf16")
+"""Precisions activation bytes are measured at (``--precision``)."""
+
+_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
 
-class LayerTracer(fx.Tracer):
-    """fx tracer that keeps layers (and torch.nn built-ins) as leaf calls."""
+@dataclass(frozen=True, slots=True)
+class Granularity:
+    """Which modules are ops: the default rule, module-path patterns, or a depth.
 
-    def __init__(self, layer_types: Sequence[type[nn.Module]] = ()):
-        super().__init__()
-        self.layer_types = tuple(LAYER_TYPES) + tuple(layer_types)
+    ``patterns``: ``fnmatch`` patterns over module paths (``encoder.layers.*``);
+    a node belongs to the outermost module of its stack matching one.
+    ``depth``: a node belongs to the module of its stack with exactly that
+    many path components (``1``: the root's children). Nodes in no such
+    module are glue. :meth:`parse` reads the CLI's ``--granularity``.
+    """
 
-    def is_layer(self, module: nn.Module) -> bool:
-        return isinstance(module, Layer) or isinstance(module, self.layer_types)
+    patterns: tuple[str, ...] = ()
+    depth: int | None = None
 
-    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return self.is_layer(m) or super().is_leaf_module(m, module_qualified_name)
+    @classmethod
+    def parse(cls, text: str | None) -> "Granularity":
+        if text is None or not str(text).strip() or str(text).strip() == "auto":
+            return cls()
+        text = str(text).strip()
+        if text.isdigit():
+            if int(text) < 1:
+                raise InputError(f"--granularity depth must be >= 1, got {text}")
+            return cls(depth=int(text))
+        return cls(patterns=tuple(p.strip() for p in text.split(",") if p.strip()))
+
+    @property
+    def is_default(self) -> bool:
+        return not self.patterns and self.depth is None
+
+    def describe(self) -> str:
+        return "auto" if self.is_default else (str(self.depth) if self.depth is not None else ",".join(self.patterns))
 
 
 @dataclass(frozen=True, slots=True)
 class Captured:
-    """A captured module: the op graph, the fx GraphModule and op -> fx node names.
+    """A captured module: the op graph, the runnable fx graph, op -> node names, and its I/O contract.
 
-    Every fx node except placeholders and the output belongs to exactly one
-    op; ``op_nodes[op_name]`` lists them in fx order.
+    Every compute node belongs to exactly one op (``op_nodes[op_name]``, in
+    graph order); placeholders and ``get_attr`` nodes belong to none (they
+    are read where used). ``paths[op_name]`` is the module path of the op's
+    unit ("" for glue ops).
     """
 
     graph: OpGraph
     gm: fx.GraphModule
     op_nodes: dict[str, tuple[str, ...]]
+    io: IOSpec | None = None
+    paths: dict[str, str] | None = None
+    export_seconds: float = 0.0
 
     def op_of_node(self) -> dict[str, str]:
         """fx node name -> op name (the inverse of ``op_nodes``)."""
         return {node: op for op, nodes in self.op_nodes.items() for node in nodes}
 
 
-# --------------------------------------------------------------------- trace
-def trace(module: nn.Module, num_inputs: int, layer_types: Sequence[type[nn.Module]] = ()) -> tuple[fx.GraphModule, set[str]]:
-    """Symbolically trace ``module``; returns the GraphModule and its anchor node names.
+# ------------------------------------------------------------------- layers
+class _Modules:
+    """Module path -> module of the user's model, cached (paths come from ``nn_module_stack``)."""
 
-    Forwards taking ``*inputs`` (the zoo's branch models) are traced with one
-    placeholder per example input.
+    def __init__(self, root: nn.Module):
+        self.root = root
+        self._cache: dict[str, nn.Module | None] = {}
+
+    def get(self, path: str) -> nn.Module | None:
+        if path not in self._cache:
+            try:
+                self._cache[path] = self.root.get_submodule(path)
+            except AttributeError:
+                self._cache[path] = None
+        return self._cache[path]
+
+    def is_block(self, path: str) -> bool:
+        """A child of a container, holding parameters: one of the repeated blocks."""
+        parent, _, _ = path.rpartition(".")
+        holder = self.get(parent) if parent else self.root
+        module = self.get(path)
+        return (isinstance(holder, _CONTAINERS) and module is not None
+                and next(module.parameters(recurse=True), None) is not None)
+
+
+def unit_of(node: fx.Node, modules: _Modules, granularity: Granularity,
+            layer_types: tuple[type[nn.Module], ...] = LAYER_TYPES) -> tuple[str, str] | None:
+    """``(call key, module path)`` of the unit module ``node`` ran inside, or None for glue (module docstring)."""
+    stack = module_stack(node)
+    if not stack:
+        return None
+    if granularity.patterns:
+        for key, path, _ in stack:
+            if any(fnmatch.fnmatchcase(path, p) for p in granularity.patterns):
+                return key, path
+        return None
+    if granularity.depth is not None:
+        for key, path, _ in stack:
+            if path.count(".") + 1 == granularity.depth:
+                return key, path
+        return None
+    for key, path, _ in stack:  # a zoo Layer is one op, whatever it holds
+        if isinstance(modules.get(path), Layer):
+            return key, path
+    for key, path, _ in reversed(stack):
+        if modules.is_block(path):
+            return key, path
+    for key, path, _ in stack:
+        if isinstance(modules.get(path), layer_types):
+            return key, path
+    return None
+
+
+def _check_patterns(granularity: Granularity, gm: fx.GraphModule, module: nn.Module) -> None:
+    """Every pattern must match a module the forward calls (exit 2 naming it otherwise)."""
+    called = {path for n in gm.graph.nodes for _, path, _ in module_stack(n)}
+    for pattern in granularity.patterns:
+        if not any(fnmatch.fnmatchcase(p, pattern) for p in called):
+            top = sorted({p.split(".")[0] for p in called})
+            raise InputError(f"--granularity pattern {pattern!r} matches no module the forward calls; "
+                             f"top-level module paths: {', '.join(top) or 'none'}")
+
+
+def group_nodes(gm: fx.GraphModule, units: Mapping[fx.Node, tuple[str, str]],
+                neutral: set[fx.Node] = frozenset()) -> tuple[dict[fx.Node, str], dict[str, str]]:
+    """Contract graph nodes into ops (rules in the module docstring).
+
+    ``units`` gives the nodes that ran inside a unit module (their call key
+    and path); ``neutral`` nodes (replicable input glue, the target) belong
+    to no op here. Returns ``(owner, path_of_op)``: node -> op name for every
+    other compute node, and op name -> module path ("" for glue ops).
     """
-    from torch.fx._symbolic_trace import PH
-
-    tracer = LayerTracer(layer_types)
-    tracer.record_stack_traces = True  # a node that fails later names the user's source line
-    code = inspect.unwrap(type(module).forward).__code__
-    varargs = bool(code.co_flags & inspect.CO_VARARGS) and code.co_argcount == 1  # forward(self, *inputs)
-    try:
-        graph = tracer.trace(module, concrete_args=tuple(PH for _ in range(num_inputs)) if varargs else None)
-    except Exception as exc:  # fx raises many types for untraceable code
-        first = (str(exc).strip().splitlines() or [""])[0]
-        raise UserCodeError(f"{user_location(exc)}torch.fx cannot trace {type(module).__name__}: "
-                            f"{type(exc).__name__}: {first}; make data-dependent control flow a layer "
-                            "(a zoo Layer subclass) so it stays a leaf") from exc
-    gm = fx.GraphModule(tracer.root, graph, type(module).__name__)
-    anchors = {n.name for n in gm.graph.nodes
-               if n.op == "call_module" and tracer.is_layer(gm.get_submodule(n.target))}
-    return gm, anchors
-
-
-def group_nodes(gm: fx.GraphModule, anchors: Iterable[str]) -> tuple[dict[str, str], dict[str, str]]:
-    """Contract fx nodes into ops (rules in the module docstring).
-
-    Returns ``(op_of_node, anchor_of_op)``: fx node name -> op name, and op
-    name -> the fx node that started it, ops in creation order.
-    """
-    anchors = set(anchors)
-    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr") and n not in neutral]
     owner: dict[fx.Node, str] = {}
-    started: dict[str, str] = {}
+    path_of: dict[str, str] = {}
+    op_of_key: dict[str, str] = {}
     calls: dict[str, int] = {}
 
-    def start(node: fx.Node) -> None:
-        if node.name in anchors:
-            base = str(node.target)
-            calls[base] = calls.get(base, 0) + 1
-            name = base if calls[base] == 1 else f"{base}_{calls[base] - 1}"
-        else:
-            name = node.name
-        while name in started:
+    def new_op(base: str, path: str) -> str:
+        calls[base] = calls.get(base, 0) + 1
+        name = base if calls[base] == 1 else f"{base}_{calls[base] - 1}"
+        while name in path_of:
             name += "_"
-        started[name] = node.name
-        owner[node] = name
+        path_of[name] = path
+        return name
 
     for node in nodes:
-        if node.name in anchors:
-            start(node)
+        unit = units.get(node)
+        if unit is None:
+            continue
+        key, path = unit
+        if key not in op_of_key:
+            op_of_key[key] = new_op(module_path(path), module_path(path))
+        owner[node] = op_of_key[key]
+
+    def outside(m: fx.Node) -> bool:
+        return m.op in ("placeholder", "get_attr") or m in neutral
+
     pending = [n for n in nodes if n not in owner]
     while pending:
         changed = True
         while changed:
             changed = False
-            for node in pending:  # forward rule, fx (topological) order
+            for node in pending:  # forward rule, graph (topological) order
                 if node in owner:
                     continue
-                ins = [m for m in node.all_input_nodes if m.op not in _NEUTRAL]
+                ins = [m for m in node.all_input_nodes if not outside(m)]
                 if ins and all(m in owner for m in ins) and len({owner[m] for m in ins}) == 1:
                     owner[node] = owner[ins[0]]
                     changed = True
             for node in reversed(pending):  # backward rule
                 if node in owner:
                     continue
-                users = list(node.users)
+                users = [u for u in node.users if u not in neutral]
                 if users and all(u in owner for u in users) and len({owner[u] for u in users}) == 1:
                     owner[node] = owner[users[0]]
                     changed = True
             pending = [n for n in pending if n not in owner]
         if pending:
-            start(pending[0])
+            owner[pending[0]] = new_op(pending[0].name, "")
             pending = pending[1:]
-    # report ops in fx order of their first node, which is deterministic
-    return {n.name: owner[n] for n in nodes}, started
+    return owner, path_of
+
+
+def _layer_types(extra: Sequence[type[nn.Module]]) -> tuple[type[nn.Module], ...]:
+    return tuple(LAYER_TYPES) + tuple(extra)
+
+
+def trace_ops(module: nn.Module, example_inputs: Any, loss_fn: Callable[..., Any] | None = None,
+              example_target: Any = None, granularity: Granularity | None = None,
+              layer_types: Sequence[type[nn.Module]] = ()) -> tuple[Exported, dict[str, tuple[str, ...]], dict[str, str]]:
+    """Export ``module`` and group its graph into ops, without measuring costs.
+
+    Returns the export (its ``gm`` rewritten so every op owns its copies of
+    input glue), ``op_nodes`` (op -> node names in graph order, ops in the
+    order of their first node) and each op's module path. The runtime calls
+    this on every rank: the same module and inputs give the same names.
+    """
+    granularity = granularity or Granularity()
+    exported = export_model(module, example_inputs, loss_fn, example_target)
+    gm = exported.gm
+    if granularity.patterns:
+        _check_patterns(granularity, gm, module)
+    modules = _Modules(module)
+    types = _layer_types(layer_types)
+    replicable = replicable_nodes(gm)
+    targets = {n for n in gm.graph.nodes if n.op == "call_function" and n.target is deliver_target}
+    units = {}
+    for n in gm.graph.nodes:
+        if n.op in ("call_function", "call_module", "call_method") and n not in replicable and n not in targets:
+            unit = unit_of(n, modules, granularity, types)
+            if unit is not None:
+                units[n] = unit
+    owner, path_of = group_nodes(gm, units, replicable | targets)
+    by_name = {n.name: n for n in gm.graph.nodes}
+    for t in targets:  # the target joins the op producing the output it is returned with
+        anchor = by_name.get(t.meta.get("graphpipe_with", ""))
+        if anchor is not None and anchor in owner:
+            owner[t] = owner[anchor]
+    owner.update(replicate_input_glue(gm, owner, replicable))
+    op_nodes: dict[str, list[str]] = {}
+    for node in gm.graph.nodes:  # graph order: ops in order of their first node
+        if node in owner:
+            op_nodes.setdefault(owner[node], []).append(node.name)
+    return exported, {op: tuple(v) for op, v in op_nodes.items()}, {op: path_of.get(op, "") for op in op_nodes}
 
 
 # ------------------------------------------------------------------ measuring
@@ -275,60 +399,72 @@ class _SavedMeter:
         self._resident.add(key)
 
 
-class _FlashAttentionSaves(torch.overrides.TorchFunctionMode):
-    """On meta tensors ``F.scaled_dot_product_attention`` takes the math path, which saves the
-    seq x seq attention probabilities; CPU and GPU runs take a fused kernel that saves q, k, v, the
-    output and the log-sum-exp. Run the fused CPU kernel's meta form instead, so the saved bytes are
-    the ones a run keeps, and the math path under no_grad for its FLOPs (the fused op has no formula)."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if (func is torch.nn.functional.scaled_dot_product_attention and len(args) == 3
-                and isinstance(args[0], torch.Tensor) and args[0].device.type == "meta"
-                and set(kwargs) <= {"is_causal", "scale"}):
-            with torch.no_grad():
-                func(*args, **kwargs)  # counted by FlopCounterMode
-            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                *args, 0.0, bool(kwargs.get("is_causal", False)), scale=kwargs.get("scale"))[0]
-        return func(*args, **kwargs)
+_SDPA = torch.ops.aten.scaled_dot_product_attention.default
+_EMBEDDING_BAGS = (torch.ops.aten.embedding_bag.default, torch.ops.aten.embedding_bag.padding_idx)
 
 
-class _EmbeddingBagSaves(torch.overrides.TorchFunctionMode):
-    """``F.embedding_bag``'s meta kernel saves other tensors than the CPU kernel a run uses (in sum mode
-    an ``offset2bag`` of one int64 per index, where CPU saves one per bag): dlrm's tables were charged twice
-    what a run keeps. Run the meta op with its saves uncounted, and count the saves of the CPU kernel on a
-    one-row table with the same indices shape and options instead (what it saves does not depend on the
-    table's rows). A saved view of resident indices (the input data) stays uncounted, as in a run."""
-
-    def __init__(self, meter: "_SavedMeter") -> None:
-        super().__init__()
-        self.meter = meter
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if (func is not torch.nn.functional.embedding_bag or len(args) < 2 or not isinstance(args[0], torch.Tensor)
-                or args[0].device.type != "meta"):
-            return func(*args, **kwargs)
-        indices, weight, *rest = args
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):  # the meta kernel's saves: not counted
-            out = func(*args, **kwargs)
-        cpu_indices = torch.zeros(indices.shape, dtype=indices.dtype)
-        if self.meter.is_resident(indices):
-            self.meter.resident(cpu_indices)
-        on_cpu = lambda v: torch.zeros(v.shape, dtype=v.dtype) if isinstance(v, torch.Tensor) else v  # noqa: E731
-        table = torch.zeros(1, weight.shape[1], dtype=weight.dtype, requires_grad=weight.requires_grad)
-        stand_in = func(cpu_indices, table, *(on_cpu(v) for v in rest), **{k: on_cpu(v) for k, v in kwargs.items()})
-        self.meter.keep.append((cpu_indices, stand_in))  # with the saves its graph holds
-        return out
+def _on_meta(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.device.type == "meta"
 
 
 class _Measure(fx.Interpreter):
-    """Runs the GraphModule once, recording FLOPs, saved bytes and output bytes per node."""
+    """Runs the graph once, recording FLOPs, saved bytes and output bytes per node.
 
-    def __init__(self, gm: fx.GraphModule, flops: FlopCounterMode, meter: _SavedMeter):
+    Two kernels save other tensors on the meta device than in a run, and are
+    charged what a run keeps instead:
+
+    * attention: meta takes the math path, which saves the seq x seq
+      probabilities; CPU and GPU runs take a fused kernel saving q, k, v, the
+      output and the log-sum-exp. The fused CPU kernel's meta form runs
+      instead, and the math path under no_grad gives the FLOPs;
+    * ``embedding_bag``: the meta kernel saves an int64 ``offset2bag`` per
+      index where CPU saves one per bag. The meta op runs with its saves
+      uncounted, and the CPU kernel on a one-row table with indices of the
+      same shape gives the saves (they do not depend on the table's rows).
+    """
+
+    def __init__(self, gm: fx.GraphModule, flops: FlopCounterMode, meter: "_SavedMeter"):
         super().__init__(gm)
         self.flops, self.meter = flops, meter
         self.costs: dict[str, _NodeCost] = {}
+
+    def call_function(self, target, args, kwargs):
+        if target is _SDPA and _on_meta(args[0]):
+            return self._attention(args, kwargs)
+        if target in _EMBEDDING_BAGS and _on_meta(args[0]):
+            return self._embedding_bag(target, args, kwargs)
+        return super().call_function(target, args, kwargs)
+
+    def _attention(self, args, kwargs):
+        q, k, v, *rest = args
+        names = ("attn_mask", "dropout_p", "is_causal")
+        opts = {**dict(zip(names, rest)), **kwargs}
+        if opts.get("dropout_p", 0.0) or opts.get("enable_gqa", False) or q.shape[-1] != v.shape[-1]:
+            return _SDPA(*args, **kwargs)
+        with torch.no_grad():
+            _SDPA(*args, **kwargs)  # counted by FlopCounterMode
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, bool(opts.get("is_causal", False)), attn_mask=opts.get("attn_mask"),
+            scale=opts.get("scale"))[0]
+
+    def _embedding_bag(self, target, args, kwargs):
+        weight, indices, *rest = args
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):  # the meta kernel's saves: not counted
+            out = target(*args, **kwargs)
+
+        def on_cpu(value):
+            if not isinstance(value, torch.Tensor):
+                return value
+            cpu = torch.zeros(value.shape, dtype=value.dtype)
+            if self.meter.is_resident(value):
+                self.meter.resident(cpu)
+            return cpu
+
+        table = torch.zeros(1, weight.shape[1], dtype=weight.dtype, requires_grad=weight.requires_grad)
+        cpu_args = [on_cpu(indices)] + [on_cpu(v) for v in rest]
+        stand_in = target(table, *cpu_args, **{k: on_cpu(v) for k, v in kwargs.items()})
+        self.meter.keep.append((cpu_args, stand_in))  # with the saves its graph holds
+        return out
 
     def run_node(self, n: fx.Node) -> Any:
         f0, b0 = self.flops.get_total_flops(), self.meter.total
@@ -342,79 +478,77 @@ class _Measure(fx.Interpreter):
         return out
 
 
-def _measure(gm: fx.GraphModule, example_inputs: Sequence[Any], loss_fn=None) -> dict[str, _NodeCost]:
+def _measure(gm: fx.GraphModule, flat_inputs: Sequence[Any], loss_fn=None, precision: str = "fp32") -> dict[str, _NodeCost]:
+    """Costs of every node of ``gm`` run on ``flat_inputs`` (its positional arguments)."""
     # parameters, buffers and the input data are resident anyway: not activations (the runtime agrees)
-    resident = list(gm.parameters()) + list(gm.buffers()) + [x for x in tree_leaves(list(example_inputs))
+    resident = list(gm.parameters()) + list(gm.buffers()) + [x for x in tree_leaves(list(flat_inputs))
                                                              if isinstance(x, torch.Tensor)]
     flops, meter = FlopCounterMode(display=False), _SavedMeter(resident)
     interp = _Measure(gm, flops, meter)
-    with torch.enable_grad(), flops, torch.autograd.graph.saved_tensors_hooks(meter.pack, lambda t: t), \
-            _FlashAttentionSaves(), _EmbeddingBagSaves(meter):
-        out = interp.run(*example_inputs)
-        if loss_fn is not None:  # what the loss keeps for backward belongs to the op producing the output
+    with torch.enable_grad(), flops, torch.autograd.graph.saved_tensors_hooks(meter.pack, lambda t: t):
+        out = interp.run(*flat_inputs)
+        if loss_fn is not None:  # what the loss keeps for backward belongs to the node producing the output
             before = meter.total
             loss_fn(out)
-            node = next(n for n in gm.graph.nodes if n.op == "output").args[0]
-            if isinstance(node, fx.Node) and node.name in interp.costs:
+            output = next(n for n in gm.graph.nodes if n.op == "output")
+            node = next((a for a in output.all_input_nodes if a.name in interp.costs), None)
+            if node is not None:
                 c = interp.costs[node.name]
                 interp.costs[node.name] = _NodeCost(c.flops, c.act_bytes + meter.total - before, c.out_bytes,
                                                     c.saved, c.outputs)
     return interp.costs
 
 
-def _batch_size(example_inputs: Sequence[Any]) -> int:
-    for x in tree_leaves(list(example_inputs)):
-        if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] >= 1:
-            return int(x.shape[0])
-    raise InputError("example inputs need at least one tensor with a batch dimension (dim 0) to size per-sample costs")
-
-
 # -------------------------------------------------------------------- capture
-def capture(module: nn.Module, example_inputs: Sequence[Any], name: str | None = None,
+def capture(module: nn.Module, example_inputs: Any, name: str | None = None,
             device: DeviceSpec | None = None, layer_types: Sequence[type[nn.Module]] = (),
-            user_file: str | None = None, loss_fn=None) -> Captured:
-    """Trace ``module`` and build its layer-granularity OpGraph with analytical costs.
+            user_file: str | None = None, loss_fn=None, example_target: Any = None,
+            granularity: Granularity | None = None, precision: str = "fp32") -> Captured:
+    """Export ``module`` and build its layer-granularity OpGraph with analytical costs.
 
-    ``example_inputs`` may live on the meta device (and the module too): only
-    shapes matter. ``device`` sets the cost model (default: the v100 preset's
-    device). See the module docstring for the rules. A failure of the
-    module's own code while tracing or running it is a one-line
-    :class:`~graphpipe.errors.UserCodeError` naming the line in ``user_file``
-    (or the deepest frame outside torch and graphpipe).
+    ``example_inputs``: a tensor, a tuple (positional) or a dict (keyword
+    inputs); they may live on the meta device (and the module too): only
+    shapes matter. ``loss_fn(output)`` or, with ``example_target``,
+    ``loss_fn(output, target)``. ``device`` sets the cost model (default: the
+    v100 preset's device). See the module docstring for the rules. A failure
+    of the module's own code is a one-line
+    :class:`~graphpipe.errors.UserCodeError` naming its source line.
     """
     if not isinstance(module, nn.Module):
         raise InputError(f"capture needs an nn.Module, got {type(module).__name__}")
-    example_inputs = tuple(example_inputs)
+    if precision not in PRECISIONS:
+        raise InputError(f"--precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     device = device if device is not None else preset("v100").device
     try:
-        gm, anchors = trace(module, len(example_inputs), layer_types)
+        exported, op_nodes, paths = trace_ops(module, example_inputs, loss_fn, example_target, granularity, layer_types)
     except GraphpipeError:
         raise
     except Exception as exc:
-        raise user_code_error(exc, "tracing the module's forward (torch.fx)", user_file) from exc
-    op_of_node, started = group_nodes(gm, anchors)
-    batch = _batch_size(example_inputs)
+        raise user_code_error(exc, "exporting the module's forward (torch.export)", user_file) from exc
+    gm, io = exported.gm, exported.io
+    args, kwargs = normalize_inputs(example_inputs)
+    flat = io.flat_inputs(args, kwargs, example_target)
+    batch = _batch_size(flat)
     try:
-        costs = _measure(gm, example_inputs, loss_fn)
+        costs = _measure(gm, flat, io.wrap_loss(loss_fn) if loss_fn is not None else None, precision)
     except GraphpipeError:
         raise
     except Exception as exc:
         raise user_code_error(exc, "running the module's forward on its example inputs", user_file) from exc
-    fx_nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
-
-    members: dict[str, list[fx.Node]] = {op: [] for op in started}
-    for n in fx_nodes:
-        members[op_of_node[n.name]].append(n)
-    position = {n: i for i, n in enumerate(fx_nodes)}
-    order = sorted(started, key=lambda op: position[members[op][0]])
+    by_name = {n.name: n for n in gm.graph.nodes}
+    members: dict[str, list[fx.Node]] = {op: [by_name[x] for x in names] for op, names in op_nodes.items()}
+    op_of_node = {x: op for op, names in op_nodes.items() for x in names}
+    order = list(op_nodes)
 
     seen_params: set[int] = set()
     param_ops: dict[int, list[str]] = {}  # parameter -> ops reading it (tied weights: more than one)
     param_size: dict[int, int] = {}
     edge_bytes: dict[tuple[str, str], float] = {}
     incoming: dict[tuple[str, str], dict[int, int]] = {}  # op edge -> storages (and bytes) of the values on it
+    crossing: set[tuple[str, str]] = set()
     ops: list[Op] = []
     rate = device.peak_flops * device.mfu
+    modules = _Modules(module)
     for op_name in order:
         nodes = members[op_name]
         flops = sum(costs[n.name].flops for n in nodes) / batch
@@ -432,13 +566,13 @@ def capture(module: nn.Module, example_inputs: Sequence[Any], name: str | None =
                     params += p.numel() * p.element_size()
             if any(u.op == "output" or op_of_node.get(u.name) != op_name for u in n.users):
                 out += costs[n.name].out_bytes / batch
-            for src in {m for m in n.all_input_nodes if m.op != "placeholder"}:
-                src_op = op_of_node[src.name]
-                if src_op != op_name:
+            for src in n.all_input_nodes:
+                src_op = op_of_node.get(src.name)
+                if src_op is not None and src_op != op_name and (src.name, op_name) not in crossing:
+                    crossing.add((src.name, op_name))  # a value read by several nodes of the op crosses once
                     edge_bytes[(src_op, op_name)] = edge_bytes.get((src_op, op_name), 0.0) + costs[src.name].out_bytes / batch
                     incoming.setdefault((src_op, op_name), {}).update(costs[src.name].outputs)
-        kind = _kind(gm, started[op_name], nodes, anchors)
-        ops.append(Op(op_name, kind,
+        ops.append(Op(op_name, _kind(modules, paths.get(op_name, "")),
                       fwd=Affine(device.op_overhead_s, flops / rate),
                       bwd=Affine(2 * device.op_overhead_s, 2 * flops / rate),
                       param_bytes=params, act_bytes=act, out_bytes=out))
@@ -452,10 +586,16 @@ def capture(module: nn.Module, example_inputs: Sequence[Any], name: str | None =
                               [(s, d, b, saved.get((s, d), 0.0)) for (s, d), b in edge_bytes.items()],
                               _shared_params(param_ops, param_size))
     except GraphCycleError as exc:
-        raise InputError(f"contracting fx nodes into layers made a cycle ({exc}); pass layer_types= so the "
-                         "layers on that cycle become anchors") from None
-    op_nodes = {op: tuple(n.name for n in members[op]) for op in order}
-    return Captured(graph, gm, op_nodes)
+        raise InputError(f"contracting graph nodes into layers made a cycle ({exc}); choose another --granularity "
+                         "so the layers on that cycle become ops of their own") from None
+    return Captured(graph, gm, dict(op_nodes), io, paths, exported.seconds)
+
+
+def _batch_size(flat_inputs: Sequence[Any]) -> int:
+    for x in tree_leaves(list(flat_inputs)):
+        if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] >= 1:
+            return int(x.shape[0])
+    raise InputError("example inputs need at least one tensor with a batch dimension (dim 0) to size per-sample costs")
 
 
 def _edge_saved_bytes(incoming: Mapping[tuple[str, str], Mapping[int, int]], members: Mapping[str, list[fx.Node]],
@@ -489,21 +629,27 @@ def _shared_params(param_ops: Mapping[int, list[str]], param_size: Mapping[int, 
 
 
 def _node_params(gm: fx.GraphModule, node: fx.Node) -> list[nn.Parameter]:
+    """Parameters ``node`` reads: a module call's, and those of its ``get_attr`` inputs."""
+    found: list[nn.Parameter] = []
     if node.op == "call_module":
-        return list(gm.get_submodule(node.target).parameters())
-    if node.op == "get_attr":
-        value = gm
-        for part in str(node.target).split("."):
-            value = getattr(value, part)
-        return [value] if isinstance(value, nn.Parameter) else []
-    return []
+        found += list(gm.get_submodule(node.target).parameters())
+    for a in node.all_input_nodes:
+        if a.op == "get_attr":
+            value: Any = gm
+            for part in str(a.target).split("."):
+                value = getattr(value, part)
+            if isinstance(value, nn.Parameter):
+                found.append(value)
+    return found
 
 
-def _kind(gm: fx.GraphModule, start_node: str, nodes: list[fx.Node], anchors: set[str]) -> str:
-    if start_node not in anchors:
+def _kind(modules: _Modules, path: str) -> str:
+    """A zoo Layer's ``kind``, else the unit module's class name in lower case; ``glue`` for glue ops."""
+    if not path:
         return "glue"
-    node = next(n for n in nodes if n.name == start_node)
-    module = gm.get_submodule(node.target)
+    module = modules.get(path)
+    if module is None:
+        return "glue"
     return module.kind if isinstance(module, Layer) else type(module).__name__.lower()
 
 
@@ -512,22 +658,52 @@ def split_by_ops(captured: Captured, part_of_op: Mapping[str, int]) -> fx.GraphM
     """``split_module`` of ``captured.gm`` with op ``o`` in partition ``part_of_op[o]``.
 
     The parts must be convex in the op graph (every stage partition of a
-    StageGraph is). Submodules are named ``submod_{part}``.
+    StageGraph is). Submodules are named ``submod_{part}``; a ``get_attr``
+    joins the partition of its first reader.
     """
     missing = [op for op in captured.op_nodes if op not in part_of_op]
     if missing:
         raise InputError(f"split_by_ops: ops without a partition: {', '.join(missing[:5])}")
     op_of_node = captured.op_of_node()
-    return split_module(captured.gm, captured.gm, lambda node: part_of_op[op_of_node[node.name]])
+
+    def part(node: fx.Node) -> int:
+        if node.name in op_of_node:
+            return part_of_op[op_of_node[node.name]]
+        readers = [part(u) for u in node.users if u.op != "output"]
+        return min(readers) if readers else 0
+
+    return split_module(captured.gm, captured.gm, part)
 
 
 # ------------------------------------------------------------------- factories
-def load_factory(spec: str) -> tuple[nn.Module, tuple[Any, ...], Callable[[Any], torch.Tensor]]:
-    """Import ``path/to/file.py`` and call ``factory()`` from ``"path/to/file.py:factory"``.
+@dataclass(frozen=True, slots=True, eq=False)
+class Factory:
+    """What a ``file.py:factory`` returns.
 
-    The factory must return ``(module, example_inputs, loss_fn)`` with
-    ``example_inputs`` a tuple (or list) of tensors.
+    ``(module, example_inputs, loss_fn)``, or with a fourth element
+    ``example_target``: then the loss is ``loss_fn(output, target)`` and the
+    target (a tensor or a tuple/dict of tensors, dim 0 the batch) is sent to
+    the stage computing the loss. ``example_inputs`` is a tensor, a tuple of
+    positional inputs, or a dict of keyword inputs (``input_ids``,
+    ``attention_mask``, ``pixel_values``).
     """
+
+    module: nn.Module
+    example_inputs: Any
+    loss_fn: Callable[..., torch.Tensor]
+    example_target: Any = None
+
+    @property
+    def args(self) -> tuple[Any, ...]:
+        return normalize_inputs(self.example_inputs)[0]
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        return normalize_inputs(self.example_inputs)[1]
+
+
+def load_factory(spec: str) -> Factory:
+    """Import ``path/to/file.py`` and call ``factory()`` from ``"path/to/file.py:factory"`` (see :class:`Factory`)."""
     path, sep, func_name = spec.rpartition(":")
     if not sep or not path.endswith(".py") or not func_name:
         raise InputError(f"factory spec {spec!r} must look like path/to/file.py:function_name")
@@ -553,23 +729,37 @@ def load_factory(spec: str) -> tuple[nn.Module, tuple[Any, ...], Callable[[Any],
         result = factory()
     except Exception as exc:
         raise user_code_error(exc, f"calling {func_name}()", path) from exc
-    if not (isinstance(result, tuple) and len(result) == 3):
-        raise InputError(f"{spec}: factory must return (module, example_inputs, loss_fn), got "
+    if not (isinstance(result, tuple) and len(result) in (3, 4)):
+        raise InputError(f"{spec}: factory must return (module, example_inputs, loss_fn[, example_target]), got "
                          f"{type(result).__name__}{' of length ' + str(len(result)) if isinstance(result, tuple) else ''}")
-    net, inputs, loss_fn = result
+    net, inputs, loss_fn = result[:3]
+    target = result[3] if len(result) == 4 else None
     if not isinstance(net, nn.Module):
         raise InputError(f"{spec}: first item returned must be an nn.Module, got {type(net).__name__}")
-    if isinstance(inputs, torch.Tensor):
-        inputs = (inputs,)
-    if not (isinstance(inputs, (tuple, list)) and all(isinstance(x, torch.Tensor) for x in inputs) and inputs):
-        raise InputError(f"{spec}: example_inputs must be a non-empty tuple of tensors")
+    if isinstance(inputs, list):
+        inputs = tuple(inputs)
+    leaves = tree_leaves(inputs if isinstance(inputs, (tuple, dict)) else (inputs,))
+    if not leaves or not isinstance(inputs, (torch.Tensor, tuple, dict)) or not any(isinstance(x, torch.Tensor) for x in leaves):
+        raise InputError(f"{spec}: example_inputs must be a tensor, a non-empty tuple of tensors or a dict of "
+                         "keyword inputs")
     if not callable(loss_fn):
         raise InputError(f"{spec}: loss_fn must be callable, got {type(loss_fn).__name__}")
-    return net, tuple(inputs), loss_fn
+    if len(result) == 4 and not any(isinstance(x, torch.Tensor) for x in tree_leaves(target)):
+        raise InputError(f"{spec}: the fourth item (example_target) must be a tensor or a tuple/dict of tensors")
+    return Factory(net, inputs if not isinstance(inputs, torch.Tensor) else (inputs,), loss_fn, target)
 
 
-def graph_from_factory(spec: str, device: DeviceSpec | None = None) -> OpGraph:
+def graph_from_factory(spec: str, device: DeviceSpec | None = None, granularity: Granularity | None = None,
+                       precision: str = "fp32") -> OpGraph:
     """Capture the module of a ``file.py:factory`` spec (see :func:`load_factory`)."""
-    net, inputs, _ = load_factory(spec)
+    return captured_from_factory(spec, device, granularity, precision).graph
+
+
+def captured_from_factory(spec: str, device: DeviceSpec | None = None, granularity: Granularity | None = None,
+                          precision: str = "fp32") -> Captured:
+    """:func:`capture` of a ``file.py:factory`` spec, with its loss and target."""
+    made = load_factory(spec)
     name = os.path.splitext(os.path.basename(spec.rpartition(":")[0]))[0]
-    return capture(net, inputs, name=name, device=device, user_file=spec.rpartition(":")[0]).graph
+    return capture(made.module, made.example_inputs, name=name, device=device, user_file=spec.rpartition(":")[0],
+                   loss_fn=made.loss_fn, example_target=made.example_target, granularity=granularity,
+                   precision=precision)

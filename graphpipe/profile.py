@@ -208,15 +208,18 @@ def time_ops(captured, make_inputs: Callable[[int], Sequence[Any]], batch_sizes:
         for op_id, name in enumerate(names):
             target = f"submod_{op_id}"
             sub = getattr(split, target)
-            args, leaves = [], []
+            args, leaves, read_params = [], [], []
             for value, node in zip(recorded[target], call_nodes[target].args):
                 # activations from other ops need grads; model inputs and parameters keep theirs
                 if isinstance(value, torch.Tensor) and isinstance(node, torch.fx.Node) and node.op not in ("placeholder", "get_attr"):
                     value = value.detach().requires_grad_(value.is_floating_point())
                     if value.requires_grad:
                         leaves.append(value)
+                elif isinstance(node, torch.fx.Node) and node.op == "get_attr" and isinstance(value, torch.nn.Parameter) \
+                        and value.requires_grad and all(value is not p for p in read_params):
+                    read_params.append(value)  # split_module passes the parameters an op reads as arguments
                 args.append(value)
-            wrt = leaves + [p for p in sub.parameters() if p.requires_grad]
+            wrt = leaves + [p for p in sub.parameters() if p.requires_grad] + read_params
             prepared.append((name, sub, args, leaves, wrt))
         fs: dict[str, list[float]] = {name: [] for name in names}
         bs: dict[str, list[float]] = {name: [] for name in names}

@@ -1,4 +1,4 @@
-"""fx capture: op contraction, parameter accounting, numerics of gm and of
+"""Capture through torch.export: op contraction, parameter accounting, numerics of gm and of
 ``split_module`` partitions, factory loading.
 
 Oracles: the module itself (``assert_close`` of outputs), the module's
@@ -16,7 +16,6 @@ from conftest import ZOO_SMALL
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.fx.passes.split_module import split_module
 
 from graphpipe import zoo
 from graphpipe.capture import capture, graph_from_factory, load_factory, split_by_ops
@@ -25,9 +24,14 @@ from graphpipe.errors import InputError
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+def run_gm(cap, *inputs):
+    """The captured graph's output in the module's own structure."""
+    return cap.io.output(cap.gm(*inputs))
+
+
 def _check_contraction(cap) -> None:
-    """Every non-placeholder/output fx node in exactly one op; each op's nodes connected."""
-    fx_nodes = {n.name: n for n in cap.gm.graph.nodes if n.op not in ("placeholder", "output")}
+    """Every compute node (not a placeholder, output or parameter read) in exactly one op; each op's nodes connected."""
+    fx_nodes = {n.name: n for n in cap.gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")}
     owned = [name for nodes in cap.op_nodes.values() for name in nodes]
     assert sorted(owned) == sorted(fx_nodes)
     assert set(cap.op_nodes) == {op.name for op in cap.graph.ops}
@@ -57,9 +61,9 @@ def test_small_models_capture_exactly(small):
     built, cap = small
     assert cap.graph.param_bytes == _params(built.module)
     _check_contraction(cap)
-    torch.testing.assert_close(cap.gm(*built.example_inputs), built.module(*built.example_inputs))
+    torch.testing.assert_close(run_gm(cap, *built.example_inputs), built.module(*built.example_inputs))
     # backward through gm gives the module's gradients
-    loss = built.loss_fn(cap.gm(*built.example_inputs))
+    loss = built.loss_fn(run_gm(cap, *built.example_inputs))
     grads = torch.autograd.grad(loss, list(built.module.parameters()))
     ref = torch.autograd.grad(built.loss_fn(built.module(*built.example_inputs)), list(built.module.parameters()))
     for g, r in zip(grads, ref):
@@ -73,16 +77,14 @@ def test_convex_two_way_splits_match_module(small):
     x = built.make_inputs(3, 11)
     expected = built.module(*x)
     n = cap.graph.num_ops
-    op_of_node = cap.op_of_node()
     for k in sorted({1, n - 1, rng.randint(1, n - 1)}):
         stage_of_op = {op.name: int(i >= k) for i, op in enumerate(cap.graph.ops)}
-        # exactly the runtime's call: the original module as root
-        split = split_module(cap.gm, built.module, lambda node: stage_of_op[op_of_node[node.name]])
-        torch.testing.assert_close(split(*x), expected)
-        assert len([m for m in split.children()]) == 2
+        split = split_by_ops(cap, stage_of_op)
+        torch.testing.assert_close(cap.io.output(split(*x)), expected)
+        assert len([m for m in split.children() if isinstance(m, torch.fx.GraphModule)]) == 2
     # one partition per op (what profiling uses)
     split = split_by_ops(cap, {op.name: i for i, op in enumerate(cap.graph.ops)})
-    torch.testing.assert_close(split(*x), expected)
+    torch.testing.assert_close(cap.io.output(split(*x)), expected)
 
 
 def test_edge_and_output_bytes_closed_form():
@@ -134,12 +136,14 @@ def test_glue_contraction_rules_on_user_models():
     cap = capture(m, (x,), name="res")
     _check_contraction(cap)
     assert cap.graph.param_bytes == _params(m)
-    torch.testing.assert_close(cap.gm(x), m(x))
+    torch.testing.assert_close(run_gm(cap, x), m(x))
     assert "relu" in cap.op_nodes["a"]  # forward rule: activation joins its layer
-    with_w = [op for op, nodes in cap.op_nodes.items() if "w" in nodes]
+    by_name = {n.name: n for n in cap.gm.graph.nodes}
+    with_w = [op for op, nodes in cap.op_nodes.items()
+              if any(a.op == "get_attr" and a.target == "w" for x_ in nodes for a in by_name[x_].all_input_nodes)]
     assert len(with_w) == 1 and cap.graph.ops[cap.graph.op_id(with_w[0])].param_bytes >= 8 * 3 * 4
     split = split_by_ops(cap, {op.name: i for i, op in enumerate(cap.graph.ops)})
-    torch.testing.assert_close(split(x), m(x))
+    torch.testing.assert_close(cap.io.output(split(x)), m(x))
 
     m, x = Branchy().eval(), torch.randn(3, 5, 8)
     cap = capture(m, (x,), name="branchy")
@@ -149,7 +153,7 @@ def test_glue_contraction_rules_on_user_models():
     g = cap.graph
     assert g.succs(g.op_id("enc")) == (g.op_id("left"), g.op_id("right"))
     assert cap.graph.ops[0].kind == "transformerencoderlayer"
-    torch.testing.assert_close(cap.gm(x), m(x))
+    torch.testing.assert_close(run_gm(cap, x), m(x))
 
 
 def _write(tmp_path, body: str) -> str:
@@ -173,14 +177,15 @@ def test_load_factory_and_graph_from_factory(tmp_path):
             return torch.nn.Linear(2, 2), ("x",), print
         helper_value = 3
     """)
-    module, inputs, loss_fn = load_factory(f"{path}:make")
-    assert isinstance(module, nn.Module) and inputs[0].shape == (3, 4)
+    made = load_factory(f"{path}:make")
+    module, inputs = made.module, made.example_inputs
+    assert isinstance(module, nn.Module) and inputs[0].shape == (3, 4) and made.example_target is None
     graph = graph_from_factory(f"{path}:make")
     assert [op.name for op in graph.ops] == ["0", "2"] and graph.param_bytes == _params(module)
     cases = [
         (f"{tmp_path}/missing.py:make", "not found"),
         (f"{path}:nope", "no function 'nope'"),
-        (f"{path}:not_a_triple", "(module, example_inputs, loss_fn)"),
+        (f"{path}:not_a_triple", "(module, example_inputs, loss_fn[, example_target])"),
         (f"{path}:not_a_module", "nn.Module"),
         (f"{path}:bad_inputs", "tuple of tensors"),
         (f"{path}", "file.py:function_name"),
@@ -242,12 +247,16 @@ def test_contraction_properties_on_random_programs(seed):
     m, x = RandomProgram(seed), torch.randn(4, 6)
     cap = capture(m, (x,), name=f"rand{seed}")  # OpGraph.build would raise on a cyclic contraction
     _check_contraction(cap)
-    assert cap.graph.param_bytes == _params(m)
     expected = m(x)
-    torch.testing.assert_close(cap.gm(x), expected)
-    torch.testing.assert_close(split_by_ops(cap, {op.name: i for i, op in enumerate(cap.graph.ops)})(x), expected)
+    if expected.requires_grad:  # export drops code the output does not need: parameters there get no gradient
+        expected.sum().backward()
+    assert cap.graph.param_bytes == sum(p.numel() * p.element_size() for p in m.parameters() if p.grad is not None)
+    torch.testing.assert_close(run_gm(cap, x), expected)
+    torch.testing.assert_close(cap.io.output(split_by_ops(cap, {op.name: i for i, op in enumerate(cap.graph.ops)})(x)),
+                               expected)
     k = max(1, cap.graph.num_ops // 2)
-    torch.testing.assert_close(split_by_ops(cap, {op.name: int(i >= k) for i, op in enumerate(cap.graph.ops)})(x), expected)
+    torch.testing.assert_close(cap.io.output(split_by_ops(cap, {op.name: int(i >= k)
+                                                               for i, op in enumerate(cap.graph.ops)})(x)), expected)
 
 
 def test_saved_on_both_sides_of_a_cut_is_on_the_edge():

@@ -48,6 +48,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from torch.utils._pytree import tree_leaves
+
 import torch
 import torch.distributed as dist
 
@@ -189,25 +191,36 @@ class Runnable:
     op_nodes: dict[str, tuple[str, ...]]
     op_names: tuple[str, ...]
     loss_fn: Callable[[Any], torch.Tensor]
+    """The loss of what ``gm`` returns (the model's outputs the loss reads, then the target)."""
     make_inputs: Callable[[int, int], tuple[torch.Tensor, ...]]
+    """``make_inputs(batch_size, seed)``: ``gm``'s positional arguments (inputs, then the target's leaves)."""
+    io: Any = None
+    """The :class:`~graphpipe.exporting.IOSpec` of ``gm`` (None without capture)."""
+
+    def output(self, graph_out: Any) -> Any:
+        """The model's output structure from what ``gm`` (or the sink stage) returns."""
+        return self.io.output(graph_out) if self.io is not None else graph_out
 
 
 def load_runnable(spec: str, seed: int = 0, device: str = "cpu", capture: bool = True) -> Runnable:
-    """Build (and trace) the model named by a plan's ``model``: a zoo spec or ``file.py:factory``.
+    """Build (and capture) the model named by a plan's ``model``: a zoo spec or ``file.py:factory``.
 
-    Factory models get synthetic inputs shaped like their example inputs
-    (floats ~ N(0, 1), integers uniform in ``[0, max(example) + 1)``).
-    ``capture=False`` skips tracing (the single-process reference needs only
-    the module).
+    The runnable graph takes the model's inputs flattened (keyword inputs in
+    the factory's order), then the target's leaves when the loss takes one;
+    ``loss_fn`` takes what the graph returns. Factory models get synthetic
+    inputs shaped like their example inputs (floats ~ N(0, 1), integers
+    uniform in ``[min, max]`` of the example, booleans as in the example's
+    range). ``capture=False`` skips the export (the single-process reference
+    needs only the module).
     """
     from graphpipe import capture as cap
 
+    target, make_inputs = None, None
     if ".py:" in spec:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            module, example, loss_fn = cap.load_factory(spec)
-        module = module.to(device)
-        make_inputs = _synthetic_inputs(example, device)
+            made = cap.load_factory(spec)
+        module, example, loss_fn, target = made.module.to(device), made.example_inputs, made.loss_fn, made.example_target
     elif spec.endswith((".json", ".txt")) or os.path.sep in spec:
         raise PlanError(f"plan model {spec!r} is a graph file, which has no module to run; the runtime needs a zoo "
                         "spec (mmt:small) or path/to/file.py:factory — plan that instead")
@@ -217,46 +230,49 @@ def load_runnable(spec: str, seed: int = 0, device: str = "cpu", capture: bool =
         built = zoo.build(spec, device=device, seed=seed)
         module, example, loss_fn, make_inputs = built.module, built.example_inputs, built.loss_fn, built.make_inputs
     if not capture:
-        return Runnable(spec, module, None, {}, (), loss_fn, make_inputs)  # type: ignore[arg-type]
+        flat = tuple(tree_leaves((example, target)))
+        return Runnable(spec, module, None, {}, (), loss_fn,  # type: ignore[arg-type]
+                        make_inputs or _synthetic_inputs(flat, device))
     from graphpipe.runtime.stage_modules import instrument
 
-    gm, op_nodes = _trace_ops(cap, module, example, spec)
+    exported, op_nodes, _ = cap.trace_ops(module, example, loss_fn, target)
+    args, kwargs = _split_inputs(example)
+    flat = exported.io.flat_inputs(args, kwargs, target)
+    make_inputs = make_inputs or _synthetic_inputs(flat, device)
+    gm = exported.gm
     # the meta device (preflight) only cuts the model: no run to find random calls
     gm = instrument(gm, make_inputs(2, 0) if device != "meta" else None)
-    return Runnable(spec, module, gm, op_nodes, tuple(op_nodes), loss_fn, make_inputs)
+    return Runnable(spec, module, gm, op_nodes, tuple(op_nodes), exported.io.wrap_loss(loss_fn), make_inputs, exported.io)
 
 
-def _trace_ops(cap, module: torch.nn.Module, example: Sequence[torch.Tensor], spec: str):
-    """The capture's fx graph and op -> fx nodes map, without its cost measurement.
+def _split_inputs(example: Any) -> tuple[tuple, dict]:
+    from graphpipe.exporting import normalize_inputs
 
-    ``capture.capture`` also measures FLOPs and bytes of every node (seconds
-    per rank); the runtime needs only the grouping, which is the capture's own
-    ``trace`` + ``group_nodes`` — the same functions ``capture`` calls, so
-    the op names are the planner's.
-    """
-    if hasattr(cap, "trace") and hasattr(cap, "group_nodes"):
-        gm, anchors = cap.trace(module, len(example))
-        op_of_node, _ = cap.group_nodes(gm, anchors)
-        op_nodes: dict[str, list[str]] = {}
-        for node in gm.graph.nodes:  # fx order: ops in order of their first node, as capture reports them
-            if node.name in op_of_node:
-                op_nodes.setdefault(op_of_node[node.name], []).append(node.name)
-        return gm, {op: tuple(names) for op, names in op_nodes.items()}
-    captured = cap.capture(module, example, name=spec)
-    return captured.gm, dict(captured.op_nodes)
+    return normalize_inputs(example)
 
 
 def _synthetic_inputs(example: Sequence[torch.Tensor], device: str):
+    """``make_inputs(batch_size, seed)``: fresh tensors shaped like ``example`` (flat), drawn from ``seed``."""
+    lows = [int(x.min().item()) if isinstance(x, torch.Tensor) and x.numel() and not x.dtype.is_floating_point
+            and x.device.type != "meta" else 0 for x in example]
+    highs = [int(x.max().item()) if isinstance(x, torch.Tensor) and x.numel() and not x.dtype.is_floating_point
+             and x.device.type != "meta" else 0 for x in example]
+
     def make_inputs(batch_size: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
         gen = torch.Generator().manual_seed(seed)
         out = []
-        for x in example:
+        for x, lo, hi in zip(example, lows, highs):
+            if not isinstance(x, torch.Tensor):
+                out.append(x)
+                continue
             shape = (batch_size, *x.shape[1:])
             if x.dtype.is_floating_point:
                 out.append(torch.randn(shape, generator=gen, dtype=x.dtype).to(device))
-            else:
-                high = int(x.max().item()) + 1 if x.numel() else 1
-                out.append(torch.randint(0, max(high, 1), shape, generator=gen, dtype=x.dtype).to(device))
+            elif x.dtype == torch.bool:
+                out.append(torch.randint(lo, hi + 1, shape, generator=gen).bool().to(device))
+            else:  # integers: uniform in the example's [0 or min, max]; a constant input stays constant
+                low = lo if lo == hi else min(lo, 0)
+                out.append(torch.randint(low, hi + 1, shape, generator=gen, dtype=x.dtype).to(device))
         return tuple(out)
 
     return make_inputs

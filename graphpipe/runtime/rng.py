@@ -77,7 +77,10 @@ DROPOUT_MODULES: tuple[type[nn.Module], ...] = (nn.Dropout, nn.Dropout1d, nn.Dro
 """Modules whose masks are drawn per shard (exact types: AlphaDropout subclasses _DropoutNd too but is not one)."""
 
 # function -> (channel-wise?) for the functional dropouts fx records as call_function
-_DROPOUT_FUNCTIONS = {F.dropout: False, F.dropout1d: True, F.dropout2d: True, F.dropout3d: True, torch.dropout: False}
+_DROPOUT_FUNCTIONS = {F.dropout: False, F.dropout1d: True, F.dropout2d: True, F.dropout3d: True, torch.dropout: False,
+                      torch.ops.aten.dropout.default: False, torch.ops.aten.feature_dropout.default: True}
+_ATEN_STYLE = (torch.dropout, torch.ops.aten.dropout.default, torch.ops.aten.feature_dropout.default)
+"""Dropouts whose arguments are ``(input, p, train)`` (the others: ``(input, p, training, inplace)``)."""
 
 
 def stream_seed(seed: int, step: int, op: str, lo: int) -> int:
@@ -317,7 +320,7 @@ def instrument_dropout(gm: torch.fx.GraphModule, ctx_node: torch.fx.Node) -> lis
             node.kwargs = {}
             done.append(node.name)
         elif node.op == "call_function" and node.target in _DROPOUT_FUNCTIONS:
-            names = ("input", "p", "train") if node.target is torch.dropout else ("input", "p", "training", "inplace")
+            names = ("input", "p", "train") if node.target in _ATEN_STYLE else ("input", "p", "training", "inplace")
             args = dict(zip(names, node.args))
             args.update(node.kwargs)
             training = args.get("train", args.get("training", True))

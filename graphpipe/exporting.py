@@ -1,0 +1,581 @@
+"""Turn a user's ``nn.Module`` into one flat, runnable fx graph with ``torch.export``.
+
+This is the front half of capture (:mod:`graphpipe.capture` groups the graph
+into layers and costs it). Real model code (Hugging Face transformers, timm)
+branches on shapes and takes keyword inputs, which ``torch.fx`` symbolic
+tracing cannot follow; ``torch.export.export(..., strict=False)`` runs the
+Python code with fake tensors instead, so any branch on a *shape* is taken
+and recorded. The batch dimension (dim 0 of every input) is kept symbolic
+(``Dim("batch")``), so the graph runs at every micro-batch size.
+
+What :func:`export_model` does to the exported program, and why:
+
+1. **Unlift.** ``ExportedProgram.module()`` gives a ``GraphModule`` whose
+   parameters and buffers are the module's own tensors (``get_attr`` nodes),
+   so tied weights stay one tensor and the runtime trains the user's weights.
+2. **Flat calling convention.** The graph takes the flattened inputs (then
+   the flattened target, when the factory gives one) as positional
+   arguments and returns a flat tuple of outputs; :class:`IOSpec` rebuilds
+   the user's structures (keyword inputs, ``ModelOutput`` dataclasses,
+   dicts, tuples) at the edges. Outputs the loss never reads are dropped,
+   so the loss runs on one stage.
+3. **Modules the runtime gives semantics to come back as modules.** A
+   BatchNorm is exported as an opaque call (its running-statistics update
+   with ``momentum=None`` is data-dependent and cannot be exported) and
+   restored as a ``call_module`` of the original BatchNorm; an ``aten``
+   dropout inside an ``nn.Dropout*`` module becomes a ``call_module`` of that
+   module. :mod:`graphpipe.runtime.rng` and :mod:`graphpipe.runtime.batchnorm`
+   then replay masks and choose BatchNorm semantics exactly as before.
+4. **Shape glue is local.** Export computes the batch size once
+   (``sym_size``) and masks once, from the inputs, and lets every layer
+   read them. Those nodes (no parameters, computed from inputs and buffers
+   only) are *replicable*: :func:`replicate_input_glue` gives every reader
+   its own copy, so no integer or mask ever has to cross a stage boundary.
+5. Export's run-time guard (``_guards_fn``) and metadata assertions are
+   removed: a stage legitimately runs at another batch size than the example.
+
+Example
+-------
+>>> import torch
+>>> m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+>>> ex = export_model(m, (torch.randn(3, 4),))
+>>> [n.op for n in ex.gm.graph.nodes if n.op in ("placeholder", "output")]
+['placeholder', 'output']
+>>> ex.gm(torch.randn(5, 4))[0].shape
+torch.Size([5, 2])
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.utils import _pytree as pytree
+
+from graphpipe.errors import InputError, UserCodeError
+
+__all__ = ["IOSpec", "Exported", "export_model", "module_path", "module_stack", "replicable_nodes",
+           "replicate_input_glue", "normalize_inputs", "deliver_target"]
+
+log = logging.getLogger(__name__)
+
+_BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+_DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
+_ASSERTIONS = ("_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range", "sym_constrain_range_for_size",
+               "_assert_async")
+
+
+# ----------------------------------------------------------------- marker op
+@torch.library.custom_op("graphpipe::module_call", mutates_args=())
+def _module_call(x: torch.Tensor, key: int) -> torch.Tensor:
+    """Stands in, while exporting, for a module the runtime must call itself (a BatchNorm)."""
+    return x.clone()
+
+
+@_module_call.register_fake
+def _(x: torch.Tensor, key: int) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@contextlib.contextmanager
+def _opaque_batchnorms(module: nn.Module):
+    """While exporting, every torch BatchNorm of ``module`` is one opaque call keyed by its index."""
+    found = [m for m in module.modules() if type(m) in _BATCHNORMS]
+    try:
+        for key, bn in enumerate(found):
+            bn.forward = (lambda x, key=key: torch.ops.graphpipe.module_call(x, key))  # type: ignore[method-assign]
+        yield found
+    finally:
+        for bn in found:
+            bn.__dict__.pop("forward", None)
+
+
+def deliver_target(target: Any) -> Any:
+    """Identity: carries the loss target from the data to the stage computing the loss (a graph node of that op)."""
+    return target
+
+
+# ------------------------------------------------------------- I/O contract
+def normalize_inputs(example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``(args, kwargs)`` of a factory's example inputs: a tensor, a tuple/list (positional), or a dict (keyword)."""
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,), {}
+    if isinstance(example_inputs, Mapping):
+        return (), dict(example_inputs)
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), {}
+    raise InputError(f"example inputs must be a tensor, a tuple of inputs or a dict of keyword inputs, "
+                     f"got {type(example_inputs).__name__}")
+
+
+@dataclass(frozen=True, slots=True)
+class IOSpec:
+    """How the flat graph's inputs and outputs map to the user's structures.
+
+    ``in_spec`` flattens ``(args, kwargs)``; ``out_spec`` rebuilds the
+    module's output from its leaves, with ``None`` for leaves the loss does
+    not read (``kept``: positions of the leaves the graph returns);
+    ``target_spec`` rebuilds the target (None: the loss takes the output only).
+    """
+
+    in_spec: pytree.TreeSpec
+    input_names: tuple[str, ...]
+    out_spec: pytree.TreeSpec
+    kept: tuple[int, ...]
+    target_spec: pytree.TreeSpec | None = None
+    num_target_leaves: int = 0
+
+    def flat_inputs(self, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None,
+                    target: Any = None) -> tuple[Any, ...]:
+        """The graph's positional arguments for these inputs (and target)."""
+        leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs or {})))
+        if spec != self.in_spec:
+            raise InputError(f"inputs do not have the structure the model was captured with ({self.in_spec}); got {spec}")
+        if self.target_spec is not None:
+            t_leaves, t_spec = pytree.tree_flatten(target)
+            if t_spec != self.target_spec:
+                raise InputError("the loss takes a target: pass one shaped like the factory's example target")
+            leaves += t_leaves
+        return tuple(leaves)
+
+    def output(self, flat: Sequence[Any]) -> Any:
+        """The module's output structure from the graph's returned leaves (the target excluded)."""
+        full: list[Any] = [None] * self.out_spec.num_leaves
+        for pos, value in zip(self.kept, flat):
+            full[pos] = value
+        return pytree.tree_unflatten(full, self.out_spec)
+
+    def split(self, graph_out: Sequence[Any]) -> tuple[Any, Any]:
+        """``(output, target)`` from what the graph returns."""
+        flat = tuple(graph_out)
+        n = len(self.kept)
+        target = pytree.tree_unflatten(list(flat[n:]), self.target_spec) if self.target_spec is not None else None
+        return self.output(flat[:n]), target
+
+    def wrap_loss(self, loss_fn: Callable[..., torch.Tensor]) -> Callable[[Any], torch.Tensor]:
+        """``loss_fn(output)`` or ``loss_fn(output, target)`` as a function of the graph's return value."""
+        takes_target = self.target_spec is not None
+
+        def loss(graph_out: Any) -> torch.Tensor:
+            out, target = self.split(graph_out)
+            return loss_fn(out, target) if takes_target else loss_fn(out)
+
+        return loss
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Exported:
+    """A flat runnable graph of the module (module docstring) and its I/O contract."""
+
+    gm: fx.GraphModule
+    io: IOSpec
+    seconds: float = 0.0
+    leaf_modules: dict[str, nn.Module] = field(default_factory=dict)
+    """Module path -> module restored as a ``call_module`` (BatchNorm, Dropout)."""
+
+
+# ------------------------------------------------------------------ helpers
+def module_stack(node: fx.Node) -> list[tuple[str, str, type | str]]:
+    """``(key, path, type)`` of every module a node was called inside, outermost first (root excluded)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    out = []
+    for key, (path, typ) in stack.items():
+        if not path or key.startswith("_empty_nn_module_stack"):
+            continue
+        out.append((key, path, typ))
+    return out
+
+
+def module_path(key_or_path: str) -> str:
+    """A module path without export's call suffix (``layer@1`` -> ``layer``)."""
+    return key_or_path.split("@")[0]
+
+
+def _set_submodule(root: nn.Module, path: str, module: nn.Module) -> None:
+    """``root.<path> = module``, creating empty parents as needed."""
+    parent = root
+    parts = path.split(".")
+    for part in parts[:-1]:
+        child = parent._modules.get(part)
+        if child is None:
+            child = nn.Module()
+            parent.add_module(part, child)
+        parent = child
+    parent.add_module(parts[-1], module) if parts[-1] not in parent._modules else setattr(parent, parts[-1], module)
+
+
+def _dynamic_shapes(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """Dim 0 of every tensor input is the batch (one symbol for all)."""
+    batch = torch.export.Dim("batch")
+    try:
+        bound = inspect.signature(module.forward).bind(*args, **kwargs)
+    except TypeError as exc:
+        raise InputError(f"example inputs do not match {type(module).__name__}.forward: {exc}") from None
+
+    def spec(value: Any) -> Any:
+        return {0: batch} if isinstance(value, torch.Tensor) and value.dim() >= 1 else None
+
+    return {name: pytree.tree_map(spec, value) for name, value in bound.arguments.items()}
+
+
+def _check_batch_inputs(args: tuple, kwargs: dict) -> int:
+    """The example batch size; every tensor input must have it as dim 0."""
+    named = [(f"input {i}", x) for i, x in enumerate(pytree.tree_leaves(list(args)))] + \
+            [(f"input {k!r}", x) for k, v in kwargs.items() for x in pytree.tree_leaves(v)]
+    tensors = [(n, x) for n, x in named if isinstance(x, torch.Tensor)]
+    if not tensors:
+        raise InputError("example inputs need at least one tensor whose dim 0 is the batch")
+    batch = None
+    for name, x in tensors:
+        if x.dim() == 0:
+            raise InputError(f"{name} is a scalar tensor: every tensor input needs the batch as dim 0")
+        if batch is None:
+            batch = int(x.shape[0])
+        elif int(x.shape[0]) != batch:
+            raise InputError(f"{name} has dim 0 of size {int(x.shape[0])}, but the first input's batch is {batch}: "
+                             "dim 0 of every input must be the batch")
+    if batch < 2:
+        raise InputError(f"example batch size must be at least 2 (got {batch}): export specializes a batch of 1")
+    return batch
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    for line in text.splitlines():
+        line = line.strip()
+        if line:
+            return line
+    return type(exc).__name__
+
+
+def _export_location(exc: BaseException, module: nn.Module) -> str:
+    """``file:line: `` of the user's frame export stopped in (from its message or traceback)."""
+    import re
+
+    m = re.search(r'File "([^"]+)", line (\d+), in (\w+)', str(exc))
+    if m and "/torch/" not in m.group(1):
+        return f"{m.group(1)}:{m.group(2)}: "
+    from graphpipe.errors import user_location
+
+    return user_location(exc)
+
+
+# ------------------------------------------------------------------- export
+def export_model(module: nn.Module, example_inputs: Any, loss_fn: Callable[..., Any] | None = None,
+                 example_target: Any = None) -> Exported:
+    """Export ``module`` on its example inputs into a flat runnable graph (module docstring).
+
+    ``loss_fn`` (with ``example_target`` when it takes one) lets outputs the
+    loss never reads be dropped. The module may live on the meta device.
+    """
+    import time
+
+    args, kwargs = normalize_inputs(example_inputs)
+    _check_batch_inputs(args, kwargs)
+    dynamic = _dynamic_shapes(module, args, kwargs)
+    t0 = time.perf_counter()
+    training = module.training
+    module.train()
+    try:
+        with _opaque_batchnorms(module) as batchnorms:
+            ep = torch.export.export(module, args, kwargs, dynamic_shapes=dynamic, strict=False)
+    except Exception as exc:  # export raises many types; the first line and the user's location say why
+        raise UserCodeError(f"{_export_location(exc, module)}torch.export cannot capture {type(module).__name__}: "
+                            f"{type(exc).__name__}: {_first_line(exc)}") from exc
+    finally:
+        module.train(training)
+    seconds = time.perf_counter() - t0
+    gm = ep.module()
+    in_spec = ep.call_spec.in_spec
+    out_spec = ep.call_spec.out_spec
+    leaf_modules = _restore_modules(gm, module, batchnorms)
+    _drop_guards(gm)
+    _use_module_names(gm, module)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    input_names = tuple(n.name for n in placeholders)
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    out_leaves = list(output.args[0]) if isinstance(output.args[0], (tuple, list)) else [output.args[0]]
+    kept = _outputs_read_by_loss(gm, in_spec, out_spec, out_leaves, args, kwargs, loss_fn, example_target)
+    target_spec, num_target = None, 0
+    new_out: list[Any] = [out_leaves[i] for i in kept]
+    if example_target is not None:
+        t_leaves, target_spec = pytree.tree_flatten(example_target)
+        num_target = len(t_leaves)
+        anchor = next((v for v in new_out if isinstance(v, fx.Node) and v.op != "placeholder"), None)
+        with gm.graph.inserting_before(output):
+            for i in range(num_target):
+                ph = _placeholder_after(gm, f"target_{i}" if num_target > 1 else "target")
+                node = gm.graph.call_function(deliver_target, (ph,))
+                if anchor is not None:  # the target joins the op producing the output
+                    node.meta["nn_module_stack"] = dict(anchor.meta.get("nn_module_stack") or {})
+                    node.meta["graphpipe_with"] = anchor.name
+                new_out.append(node)
+    output.args = (tuple(new_out),)
+    gm.graph._codegen = fx.graph.CodeGen()  # plain positional inputs, a flat tuple out
+    gm.graph.eliminate_dead_code()
+    gm.graph.lint()
+    # a plain GraphModule over the same tensors (export's module refuses train()/eval())
+    gm = fx.GraphModule(gm, gm.graph, class_name=type(module).__name__)
+    io = IOSpec(in_spec, input_names, out_spec, tuple(kept), target_spec, num_target)
+    return Exported(gm, io, seconds, leaf_modules)
+
+
+def _placeholder_after(gm: fx.GraphModule, name: str) -> fx.Node:
+    last = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
+    with gm.graph.inserting_after(last):
+        return gm.graph.placeholder(name)
+
+
+def _restore_modules(gm: fx.GraphModule, module: nn.Module, batchnorms: Sequence[nn.Module]) -> dict[str, nn.Module]:
+    """BatchNorm markers and module dropouts back to ``call_module`` nodes of the user's modules (in place)."""
+    paths = {id(m): p for p, m in module.named_modules(remove_duplicate=False)}
+    restored: dict[str, nn.Module] = {}
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target is torch.ops.graphpipe.module_call.default:
+            bn = batchnorms[node.args[1]]
+            path = paths[id(bn)]
+        elif node.target in (torch.ops.aten.dropout.default, torch.ops.aten.feature_dropout.default):
+            stack = module_stack(node)
+            if not stack or stack[-1][2] not in _DROPOUTS and not _is_dropout_type(stack[-1][2]):
+                continue
+            path = module_path(stack[-1][1])
+            try:
+                sub = module.get_submodule(path)
+            except AttributeError:
+                continue
+            if type(sub) not in _DROPOUTS:
+                continue
+            bn = sub
+        else:
+            continue
+        target = path or "_graphpipe_root"
+        if path not in restored:
+            _set_submodule(gm, target, bn)
+            restored[path] = bn
+        with gm.graph.inserting_before(node):  # named like the module, as fx would name its call
+            call = gm.graph.create_node("call_module", target, (node.args[0],), name=target.replace(".", "_"))
+        call.meta.update(node.meta)
+        node.replace_all_uses_with(call)
+        gm.graph.erase_node(node)
+    return restored
+
+
+def _use_module_names(gm: fx.GraphModule, module: nn.Module) -> None:
+    """Read every parameter under the module's own first name for it (export may pick another name of a tied one)."""
+    canonical = {id(p): name for name, p in module.named_parameters()}
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        value = _attr(gm, str(node.target))
+        name = canonical.get(id(value))
+        if name is None or name == node.target:
+            continue
+        owner_path, _, leaf = name.rpartition(".")
+        holder: nn.Module = gm
+        for part in owner_path.split(".") if owner_path else ():
+            if part not in holder._modules:
+                holder.add_module(part, nn.Module())
+            holder = holder._modules[part]
+        holder._parameters[leaf] = value
+        node.target = name
+
+
+def _is_dropout_type(typ: Any) -> bool:
+    return isinstance(typ, str) and typ.rsplit(".", 1)[-1] in {t.__name__ for t in _DROPOUTS}
+
+
+def _drop_guards(gm: fx.GraphModule) -> None:
+    """Remove export's input guard and metadata assertions (module docstring, point 5)."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_module" and str(node.target).startswith("_guards_fn"):
+            gm.graph.erase_node(node)
+        elif node.op == "call_function" and not node.users and any(
+                s in str(getattr(node.target, "__name__", node.target)) for s in _ASSERTIONS):
+            gm.graph.erase_node(node)
+    if hasattr(gm, "_guards_fn"):
+        delattr(gm, "_guards_fn")
+
+
+def _outputs_read_by_loss(gm: fx.GraphModule, in_spec, out_spec, out_leaves: list, args: tuple, kwargs: dict,
+                          loss_fn, example_target) -> list[int]:
+    """Positions of the output leaves the loss reads (all of them when that cannot be told)."""
+    everything = list(range(len(out_leaves)))
+    tensor_pos = [i for i, v in enumerate(out_leaves) if isinstance(v, fx.Node)
+                  and isinstance(v.meta.get("val"), torch.Tensor) and v.meta["val"].dtype.is_floating_point]
+    if loss_fn is None or len(out_leaves) <= 1 or not tensor_pos:
+        return everything
+    stand_ins: list[Any] = []
+    for v in out_leaves:
+        val = v.meta.get("val") if isinstance(v, fx.Node) else v
+        if isinstance(val, torch.Tensor):
+            shape = [int(s) if not isinstance(s, torch.SymInt) else int(s.node.hint or 2) for s in val.shape]
+            t = torch.zeros(shape, dtype=val.dtype, device="meta" if val.device.type == "meta" else "cpu")
+            if t.dtype.is_floating_point:
+                t.requires_grad_(True)
+            stand_ins.append(t)
+        else:
+            stand_ins.append(val)
+    try:
+        out = pytree.tree_unflatten(stand_ins, out_spec)
+        with torch.enable_grad():
+            loss = loss_fn(out, example_target) if example_target is not None else loss_fn(out)
+            grads = torch.autograd.grad(loss, [stand_ins[i] for i in tensor_pos], allow_unused=True)
+    except Exception as exc:  # noqa: BLE001 - keep every output; the real run reports a failing loss itself
+        log.debug("cannot tell which outputs the loss reads (%s); keeping all", exc)
+        return everything
+    used = {i for i, g in zip(tensor_pos, grads) if g is not None}
+    kept = [i for i in everything if i in used or i not in tensor_pos and not isinstance(out_leaves[i], fx.Node)]
+    return kept or everything
+
+
+# ----------------------------------------------------- replicable input glue
+def replicable_nodes(gm: fx.GraphModule) -> set[fx.Node]:
+    """Nodes computed from model inputs, buffers and constants only, without parameters or randomness.
+
+    Masks, position ids, rotary tables and ``sym_size`` batch sizes: cheap,
+    and read by many layers. Every op reading one gets its own copy
+    (:func:`replicate_input_glue`), as it gets the inputs.
+    """
+    params = {id(p) for p in gm.parameters()}
+    out: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is deliver_target:
+            continue
+        if _is_random(node):
+            continue
+        ok = True
+        for a in node.all_input_nodes:
+            if a.op == "placeholder" or a in out:
+                continue
+            if a.op == "get_attr":
+                value = _attr(gm, str(a.target))
+                if isinstance(value, torch.Tensor) and id(value) not in params:
+                    continue
+                if isinstance(value, fx.GraphModule):  # a higher-order op's body
+                    continue
+            ok = False
+            break
+        if ok and node.all_input_nodes:
+            out.add(node)
+        elif ok and isinstance(node.meta.get("val"), torch.Tensor):  # a constant factory (arange, ones) nobody varies
+            out.add(node)
+    # only glue that other nodes read is copied: a value the model returns is computed once, by an op
+    for node in reversed(list(gm.graph.nodes)):
+        if node in out and (not node.users or any(u.op == "output" for u in node.users)):
+            out.discard(node)
+    return out
+
+
+def _is_random(node: fx.Node) -> bool:
+    name = str(getattr(node.target, "__name__", node.target))
+    return any(s in name for s in ("rand", "bernoulli", "dropout", "normal", "multinomial", "uniform", "exponential"))
+
+
+def _attr(gm: nn.Module, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def replicate_input_glue(gm: fx.GraphModule, owner: Mapping[fx.Node, str], replicable: set[fx.Node]) -> dict[fx.Node, str]:
+    """Give every op its own copy of the replicable nodes it reads (in place); returns the copies' owners.
+
+    ``owner`` maps every non-replicable compute node to its op. The original
+    replicable nodes lose their readers and are erased.
+    """
+    new_owner: dict[fx.Node, str] = {}
+    copies: dict[tuple[fx.Node, str], fx.Node] = {}
+
+    def copy_for(node: fx.Node, op: str, before: fx.Node) -> fx.Node:
+        key = (node, op)
+        if key in copies:
+            return copies[key]
+        args_env = {a: copy_for(a, op, before) if a in replicable else a for a in node.all_input_nodes}
+        with gm.graph.inserting_before(before):
+            clone = gm.graph.node_copy(node, lambda a: args_env[a])
+        copies[key] = clone
+        new_owner[clone] = op
+        return clone
+
+    first: dict[str, fx.Node] = {}
+    for node in gm.graph.nodes:
+        if node in owner and owner[node] not in first:
+            first[owner[node]] = node
+    for node in list(gm.graph.nodes):
+        op = owner.get(node)
+        if op is None or node in replicable:
+            continue
+        if any(a in replicable for a in node.all_input_nodes):
+            node.args = fx.node.map_arg(node.args, lambda a: copy_for(a, op, first[op]) if a in replicable else a)
+            node.kwargs = fx.node.map_arg(node.kwargs, lambda a: copy_for(a, op, first[op]) if a in replicable else a)
+    for node in reversed(list(gm.graph.nodes)):
+        if node in replicable and not node.users:
+            gm.graph.erase_node(node)
+    _local_sizes(gm, new_owner, owner)
+    gm.graph.lint()
+    gm.recompile()
+    return new_owner
+
+
+_SIZE_OPS = {torch.ops.aten.sym_size.int: "size", torch.ops.aten.sym_numel.default: "numel"}
+
+
+def _size_expr(kind: str, value: Any, args: tuple) -> str | None:
+    if not isinstance(value, torch.Tensor):
+        return None
+    if kind == "size":
+        dim = args[1] if len(args) > 1 else 0
+        return str(value.shape[dim]) if -value.dim() <= dim < value.dim() else None
+    return str(value.numel())
+
+
+def _local_sizes(gm: fx.GraphModule, copies: Mapping[fx.Node, str], owner: Mapping[fx.Node, str]) -> None:
+    """A copied ``sym_size``/``sym_numel`` of a model input reads, where it can, a tensor its op reads anyway
+    (same symbolic size), so a stage never takes a model input only to learn the batch size.
+
+    Each rewired copy moves just before its first reader, after the tensor it now reads.
+    """
+    reads: dict[str, list[fx.Node]] = {}
+    for node in gm.graph.nodes:
+        op = owner.get(node)
+        if op is None:
+            continue
+        for a in node.all_input_nodes:
+            if a.op != "get_attr" and owner.get(a) != op and a not in copies and a not in reads.setdefault(op, []):
+                reads[op].append(a)
+    moved = []
+    for node, op in copies.items():
+        kind = _SIZE_OPS.get(node.target)
+        source = node.args[0] if node.args else None
+        if kind is None or not isinstance(source, fx.Node) or source.op != "placeholder" or source in reads.get(op, ()):
+            continue
+        want = _size_expr(kind, source.meta.get("val"), node.args)
+        for cand in reads.get(op, ()):
+            if want is not None and _size_expr(kind, cand.meta.get("val"), node.args) == want:
+                node.args = (cand, *node.args[1:])
+                moved.append(node)
+                break
+    if not moved:
+        return
+    pos = {n: float(i) for i, n in enumerate(gm.graph.nodes)}
+    for node in sorted(moved, key=pos.__getitem__, reverse=True):
+        first = min(node.users, key=pos.__getitem__)
+        first.prepend(node)
+        pos[node] = pos[first] - 1e-6
+    # copies feeding a moved one must precede it again
+    for node in reversed(list(gm.graph.nodes)):
+        if node in copies and node.users:
+            first = min(node.users, key=lambda u: pos.get(u, 0.0))
+            if pos[node] > pos[first]:
+                first.prepend(node)
+                pos[node] = pos[first] - 1e-6
+
