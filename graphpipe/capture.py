@@ -277,15 +277,24 @@ def group_nodes(gm: fx.GraphModule, units: Mapping[fx.Node, tuple[str, str]],
     def outside(m: fx.Node) -> bool:
         return m.op in ("placeholder", "get_attr") or m in neutral
 
-    pending = [n for n in nodes if n not in owner]
+    # a node nobody reads is a side effect (an in-place buffer update): it joins the op running next
+    effects = [n for n in nodes if n not in owner and not n.users]
+    pending = [n for n in nodes if n not in owner and n.users]
+
+    def source(m: fx.Node, depth: int = 0) -> bool:
+        """Unowned glue computed from parameters and inputs only (``logit_scale.exp()``): it follows its reader."""
+        return (m not in owner and depth < 16
+                and all(outside(a) or source(a, depth + 1) for a in m.all_input_nodes))
+
+    batch = _batch_symbol(gm)
     while pending:
         changed = True
         while changed:
             changed = False
             for node in pending:  # forward rule, graph (topological) order
-                if node in owner:
+                if node in owner or not _batch_major(node, batch):  # (a transpose of the batch joins its reader)
                     continue
-                ins = [m for m in node.all_input_nodes if not outside(m)]
+                ins = [m for m in node.all_input_nodes if not outside(m) and not source(m)]
                 if ins and all(m in owner for m in ins) and len({owner[m] for m in ins}) == 1:
                     owner[node] = owner[ins[0]]
                     changed = True
@@ -297,10 +306,38 @@ def group_nodes(gm: fx.GraphModule, units: Mapping[fx.Node, tuple[str, str]],
                     owner[node] = owner[users[0]]
                     changed = True
             pending = [n for n in pending if n not in owner]
-        if pending:
-            owner[pending[0]] = new_op(pending[0].name, "")
-            pending = pending[1:]
+        if pending:  # stuck: a new glue op, preferably at a node reading other ops (sources then follow it)
+            start = next((n for n in pending if not source(n) and _batch_major(n, batch)),
+                         next((n for n in pending if not source(n)), pending[0]))
+            owner[start] = new_op(start.name, "")
+            pending = [n for n in pending if n is not start]
+    position = {n: i for i, n in enumerate(nodes)}
+    owned = [n for n in nodes if n in owner]
+    for node in effects:
+        later = [n for n in owned if position[n] > position[node]]
+        earlier = [n for n in owned if position[n] < position[node]]
+        if later or earlier:
+            owner[node] = owner[later[0] if later else earlier[-1]]
+        else:
+            owner[node] = new_op(node.name, "")
     return owner, path_of
+
+
+def _batch_symbol(gm: fx.GraphModule) -> str | None:
+    """The batch size's symbol: dim 0 of the first tensor input."""
+    for n in gm.graph.nodes:
+        val = n.meta.get("val") if n.op == "placeholder" else None
+        if isinstance(val, torch.Tensor) and val.dim() >= 1:
+            return str(val.shape[0])
+    return None
+
+
+def _batch_major(node: fx.Node, batch: str | None) -> bool:
+    """False for a tensor whose dim 0 is not the batch (it may not leave an op: stages exchange batch-major values)."""
+    val = node.meta.get("val")
+    if batch is None or not isinstance(val, torch.Tensor):
+        return True
+    return val.dim() >= 1 and str(val.shape[0]) == batch
 
 
 def _layer_types(extra: Sequence[type[nn.Module]]) -> tuple[type[nn.Module], ...]:

@@ -83,17 +83,72 @@ def _(x: torch.Tensor, key: int) -> torch.Tensor:
     return torch.empty_like(x)
 
 
+class _BatchNormCalls(torch.overrides.TorchFunctionMode):
+    """While exporting, ``F.batch_norm`` on a known module's running statistics becomes an opaque call."""
+
+    def __init__(self, keys: Mapping[int, int]):
+        super().__init__()
+        self.keys = keys
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.batch_norm and len(args) > 1 and id(args[1]) in self.keys:
+            return torch.ops.graphpipe.module_call(args[0], self.keys[id(args[1])])
+        return func(*args, **kwargs)
+
+
+def _twin(bn: nn.Module) -> nn.Module:
+    """A torch BatchNorm of ``bn``'s dimension holding ``bn``'s own tensors (for subclasses such as timm's
+    BatchNormAct2d, whose forward adds an activation after the normalisation)."""
+    cls = next(c for c in type(bn).__mro__ if c in _BATCHNORMS)
+    twin = cls.__new__(cls)
+    nn.Module.__init__(twin)
+    for attr in ("num_features", "eps", "momentum", "affine", "track_running_stats"):
+        setattr(twin, attr, getattr(bn, attr))
+    for name in ("weight", "bias"):
+        twin._parameters[name] = bn._parameters.get(name)
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        twin._buffers[name] = bn._buffers.get(name)
+    twin.train(bn.training)
+    return twin
+
+
 @contextlib.contextmanager
 def _opaque_batchnorms(module: nn.Module):
-    """While exporting, every torch BatchNorm of ``module`` is one opaque call keyed by its index."""
-    found = [m for m in module.modules() if type(m) in _BATCHNORMS]
+    """While exporting, every BatchNorm of ``module`` is one opaque call keyed by its index in the list yielded.
+
+    A torch BatchNorm's whole forward is replaced; a subclass keeps its forward
+    and only its ``F.batch_norm`` call is (the list then holds a twin torch
+    BatchNorm over the same tensors, :func:`_twin`).
+    """
+    exact = [m for m in module.modules() if type(m) in _BATCHNORMS]
+    subclassed = [m for m in module.modules() if isinstance(m, _BATCHNORMS) and type(m) not in _BATCHNORMS
+                  and getattr(m, "running_mean", None) is not None]
+    found: list[tuple[nn.Module, nn.Module]] = [(m, m) for m in exact] + [(m, _twin(m)) for m in subclassed]
+    keys = {id(owner.running_mean): i for i, (owner, _) in enumerate(found) if owner in subclassed}
     try:
-        for key, bn in enumerate(found):
+        for key, (bn, _) in enumerate(found[:len(exact)]):
             bn.forward = (lambda x, key=key: torch.ops.graphpipe.module_call(x, key))  # type: ignore[method-assign]
-        yield found
+        with _BatchNormCalls(keys) if keys else contextlib.nullcontext():
+            yield found
     finally:
-        for bn in found:
+        for bn in exact:
             bn.__dict__.pop("forward", None)
+
+
+@contextlib.contextmanager
+def _quiet_torch_logs():
+    """torch's fake-tensor and export loggers print tracebacks of a failing op; our one-line error says it."""
+    names = ("torch._subclasses.fake_tensor", "torch._export", "torch.export", "torch.fx.experimental.symbolic_shapes",
+             "torch._dynamo")
+    saved = {n: logging.getLogger(n).level for n in names}
+    try:
+        for n in names:
+            logging.getLogger(n).setLevel(logging.CRITICAL)
+        yield
+    finally:
+        for n, level in saved.items():
+            logging.getLogger(n).setLevel(level)
 
 
 def deliver_target(target: Any) -> Any:
@@ -282,14 +337,20 @@ def export_model(module: nn.Module, example_inputs: Any, loss_fn: Callable[..., 
     t0 = time.perf_counter()
     training = module.training
     module.train()
+    config = getattr(module, "config", None)  # a Hugging Face model: training keeps no KV cache
+    use_cache = getattr(config, "use_cache", None)
     try:
-        with _opaque_batchnorms(module) as batchnorms:
+        if use_cache:
+            config.use_cache = False
+        with _opaque_batchnorms(module) as batchnorms, _quiet_torch_logs():
             ep = torch.export.export(module, args, kwargs, dynamic_shapes=dynamic, strict=False)
     except Exception as exc:  # export raises many types; the first line and the user's location say why
         raise UserCodeError(f"{_export_location(exc, module)}torch.export cannot capture {type(module).__name__}: "
                             f"{type(exc).__name__}: {_first_line(exc)}") from exc
     finally:
         module.train(training)
+        if use_cache:
+            config.use_cache = use_cache
     seconds = time.perf_counter() - t0
     gm = ep.module()
     in_spec = ep.call_spec.in_spec
@@ -332,7 +393,8 @@ def _placeholder_after(gm: fx.GraphModule, name: str) -> fx.Node:
         return gm.graph.placeholder(name)
 
 
-def _restore_modules(gm: fx.GraphModule, module: nn.Module, batchnorms: Sequence[nn.Module]) -> dict[str, nn.Module]:
+def _restore_modules(gm: fx.GraphModule, module: nn.Module,
+                     batchnorms: Sequence[tuple[nn.Module, nn.Module]]) -> dict[str, nn.Module]:
     """BatchNorm markers and module dropouts back to ``call_module`` nodes of the user's modules (in place)."""
     paths = {id(m): p for p, m in module.named_modules(remove_duplicate=False)}
     restored: dict[str, nn.Module] = {}
@@ -340,8 +402,10 @@ def _restore_modules(gm: fx.GraphModule, module: nn.Module, batchnorms: Sequence
         if node.op != "call_function":
             continue
         if node.target is torch.ops.graphpipe.module_call.default:
-            bn = batchnorms[node.args[1]]
-            path = paths[id(bn)]
+            owner, bn = batchnorms[node.args[1]]
+            path = paths[id(owner)]
+            if bn is not owner and any(True for c in owner.children() for _ in c.parameters()):
+                path = f"{path}.batchnorm" if path else "batchnorm"  # the owner's children keep their paths
         elif node.target in (torch.ops.aten.dropout.default, torch.ops.aten.feature_dropout.default):
             stack = module_stack(node)
             if not stack or stack[-1][2] not in _DROPOUTS and not _is_dropout_type(stack[-1][2]):

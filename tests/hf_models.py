@@ -1,0 +1,123 @@
+"""Real-world models built from small configs in code (random weights, nothing downloaded).
+
+Each factory follows the ``file.py:factory`` contract; the ones whose loss
+takes a target return it as a fourth element:
+
+* :func:`clip`: ``transformers.CLIPModel`` (vision and text towers: two
+  branches). Keyword inputs ``input_ids``, ``attention_mask``,
+  ``pixel_values``; the target says for each row whether its image and text
+  match (1) or not (0), and the loss is binary cross-entropy on the
+  diagonal of ``logits_per_image`` (each row's own image-text score).
+  The in-batch contrastive loss couples the rows of a micro-batch, so it
+  is not the same training under micro-batching; the diagonal is.
+* :func:`llama`: ``LlamaForCausalLM`` with ``tie_word_embeddings=True``;
+  next-token cross-entropy against a target of token ids.
+* :func:`bert`: ``BertForSequenceClassification``, class labels as target.
+* :func:`efficientnet`: timm's ``test_efficientnet`` (the EfficientNet
+  family's small test size: depthwise-separable blocks, squeeze-excite,
+  BatchNorm, dropout); class labels as target.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+BATCH = 4
+
+
+def _transformers():
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    return transformers
+
+
+def clip():
+    T = _transformers()
+    torch.manual_seed(0)
+    cfg = T.CLIPConfig(
+        text_config=dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, max_position_embeddings=16, bos_token_id=0, eos_token_id=1,
+                         pad_token_id=1),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           image_size=16, patch_size=8),
+        projection_dim=16)
+    model = T.CLIPModel(cfg)
+    inputs = dict(input_ids=torch.randint(2, 64, (BATCH, 8)), attention_mask=torch.ones(BATCH, 8, dtype=torch.long),
+                  pixel_values=torch.randn(BATCH, 3, 16, 16))
+    inputs["input_ids"][0, 0] = 63  # the runtime draws ids in [min, max] of the example
+    inputs["input_ids"][1, 0] = 2
+    target = torch.tensor([1.0, 0.0, 1.0, 1.0])
+
+    def loss_fn(out, match):
+        return F.binary_cross_entropy_with_logits(out.logits_per_image.diagonal() / 10.0, match.float())
+
+    return model, inputs, loss_fn, target
+
+
+def llama(layers: int = 2, hidden: int = 32, meta: bool = False, batch: int = BATCH, seq: int = 8):
+    T = _transformers()
+    torch.manual_seed(0)
+    cfg = T.LlamaConfig(vocab_size=64, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                        tie_word_embeddings=True)
+    cfg._attn_implementation = "sdpa"
+    if meta:
+        with torch.device("meta"):
+            model = T.LlamaForCausalLM(cfg)
+    else:
+        model = T.LlamaForCausalLM(cfg)
+    ids = torch.randint(0, 64, (batch, seq), device="meta" if meta else "cpu")
+    if not meta:
+        ids[0, 0] = 63
+
+    def loss_fn(out, labels):
+        return F.cross_entropy(out.logits.flatten(0, 1), labels.flatten())
+
+    return model, dict(input_ids=ids), loss_fn, ids.clone()
+
+
+def llama_config(layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int = 32000, tie: bool = False):
+    """A Llama config of a given size (for meta-device capture of 7B/70B shapes)."""
+    T = _transformers()
+    cfg = T.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+                        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096,
+                        tie_word_embeddings=tie)
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def llama_meta(cfg, batch: int = 2, seq: int = 128):
+    """``(model, inputs, loss_fn, target)`` of a meta-device Llama: no weights are allocated."""
+    T = _transformers()
+    with torch.device("meta"):
+        model = T.LlamaForCausalLM(cfg)
+    ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+
+    def loss_fn(out, labels):
+        return F.cross_entropy(out.logits.flatten(0, 1), labels.flatten())
+
+    return model, dict(input_ids=ids), loss_fn, ids
+
+
+def bert():
+    T = _transformers()
+    torch.manual_seed(0)
+    cfg = T.BertConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, max_position_embeddings=32, num_labels=3)
+    model = T.BertForSequenceClassification(cfg)
+    inputs = dict(input_ids=torch.randint(0, 64, (BATCH, 8)), attention_mask=torch.ones(BATCH, 8, dtype=torch.long))
+    inputs["input_ids"][0, 0] = 63
+    labels = torch.tensor([0, 2, 1, 0])
+    return model, inputs, lambda out, y: F.cross_entropy(out.logits, y), labels
+
+
+def efficientnet():
+    import timm
+
+    torch.manual_seed(0)
+    model = timm.create_model("test_efficientnet", pretrained=False, num_classes=5, drop_rate=0.1)
+    images = torch.randn(BATCH, 3, 32, 32)
+    labels = torch.tensor([0, 4, 2, 1])
+    return model, images, lambda out, y: F.cross_entropy(out, y), labels
