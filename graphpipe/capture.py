@@ -104,6 +104,7 @@ __all__ = [
     "load_factory",
     "graph_from_factory",
     "captured_from_factory",
+    "is_weight_copy",
 ]
 
 log = logging.getLogger(__name__)
@@ -417,6 +418,8 @@ class _SavedMeter:
         """Stand-in tensors held to the end of the run (a freed storage's key may be reused)."""
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if is_weight_copy(t):  # autocast's copy of a weight: model state (see is_weight_copy)
+            return t
         storage = t.untyped_storage()
         key = storage._cdata
         if key not in self._seen:
@@ -444,6 +447,12 @@ def _on_meta(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.device.type == "meta"
 
 
+def _is_fake(value: Any) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(value, FakeTensor)
+
+
 class _Measure(fx.Interpreter):
     """Runs the graph once, recording FLOPs, saved bytes and output bytes per node.
 
@@ -468,7 +477,7 @@ class _Measure(fx.Interpreter):
     def call_function(self, target, args, kwargs):
         if target is _SDPA and _on_meta(args[0]):
             return self._attention(args, kwargs)
-        if target in _EMBEDDING_BAGS and _on_meta(args[0]):
+        if target in _EMBEDDING_BAGS and (_on_meta(args[0]) or _is_fake(args[0])):
             return self._embedding_bag(target, args, kwargs)
         return super().call_function(target, args, kwargs)
 
@@ -492,14 +501,17 @@ class _Measure(fx.Interpreter):
         def on_cpu(value):
             if not isinstance(value, torch.Tensor):
                 return value
-            cpu = torch.zeros(value.shape, dtype=value.dtype)
+            cpu = torch.zeros(tuple(int(d) for d in value.shape), dtype=value.dtype)
             if self.meter.is_resident(value):
                 self.meter.resident(cpu)
             return cpu
 
-        table = torch.zeros(1, weight.shape[1], dtype=weight.dtype, requires_grad=weight.requires_grad)
-        cpu_args = [on_cpu(indices)] + [on_cpu(v) for v in rest]
-        stand_in = target(table, *cpu_args, **{k: on_cpu(v) for k, v in kwargs.items()})
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily():  # a real CPU kernel, also while measuring on fake tensors
+            table = torch.zeros(1, weight.shape[1], dtype=weight.dtype, requires_grad=weight.requires_grad)
+            cpu_args = [on_cpu(indices)] + [on_cpu(v) for v in rest]
+            stand_in = target(table, *cpu_args, **{k: on_cpu(v) for k, v in kwargs.items()})
         self.meter.keep.append((cpu_args, stand_in))  # with the saves its graph holds
         return out
 
@@ -515,14 +527,44 @@ class _Measure(fx.Interpreter):
         return out
 
 
+def is_weight_copy(t: torch.Tensor) -> bool:
+    """True for autocast's low-precision copy of a parameter (``ToCopyBackward0`` of an accumulated leaf).
+
+    Autocast casts each weight once per autocast region and shares the copy
+    across every micro-batch of the region (one per training step): it is
+    model state, planned as 2 more bytes per parameter, not an activation.
+    The runtime's meter applies the same rule.
+    """
+    base = t._base if t._base is not None else t  # a saved transpose of the copy is the copy
+    fn = getattr(base, "grad_fn", None)
+    if fn is None or type(fn).__name__ != "ToCopyBackward0":
+        return False
+    nxt = fn.next_functions
+    acc = nxt[0][0] if nxt else None
+    return type(acc).__name__ == "AccumulateGrad" and isinstance(getattr(acc, "variable", None), nn.Parameter)
+
+
 def _measure(gm: fx.GraphModule, flat_inputs: Sequence[Any], loss_fn=None, precision: str = "fp32") -> dict[str, _NodeCost]:
-    """Costs of every node of ``gm`` run on ``flat_inputs`` (its positional arguments)."""
+    """Costs of every node of ``gm`` run on ``flat_inputs`` (its positional arguments).
+
+    At ``bf16`` the graph runs under CPU autocast; a module on the meta
+    device runs on fake CPU tensors (nothing is allocated), since autocast
+    does not act on meta tensors.
+    """
+    if precision == "bf16":
+        return _measure_bf16(gm, flat_inputs, loss_fn)
+    return _measure_run(gm, flat_inputs, loss_fn)
+
+
+def _measure_run(gm: fx.GraphModule, flat_inputs: Sequence[Any], loss_fn=None,
+                 autocast: bool = False) -> dict[str, _NodeCost]:
     # parameters, buffers and the input data are resident anyway: not activations (the runtime agrees)
     resident = list(gm.parameters()) + list(gm.buffers()) + [x for x in tree_leaves(list(flat_inputs))
                                                              if isinstance(x, torch.Tensor)]
     flops, meter = FlopCounterMode(display=False), _SavedMeter(resident)
     interp = _Measure(gm, flops, meter)
-    with torch.enable_grad(), flops, torch.autograd.graph.saved_tensors_hooks(meter.pack, lambda t: t):
+    cast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)
+    with torch.enable_grad(), flops, torch.autograd.graph.saved_tensors_hooks(meter.pack, lambda t: t), cast:
         out = interp.run(*flat_inputs)
         if loss_fn is not None:  # what the loss keeps for backward belongs to the node producing the output
             before = meter.total
@@ -534,6 +576,51 @@ def _measure(gm: fx.GraphModule, flat_inputs: Sequence[Any], loss_fn=None, preci
                 interp.costs[node.name] = _NodeCost(c.flops, c.act_bytes + meter.total - before, c.out_bytes,
                                                     c.saved, c.outputs)
     return interp.costs
+
+
+def _measure_bf16(gm: fx.GraphModule, flat_inputs: Sequence[Any], loss_fn=None) -> dict[str, _NodeCost]:
+    """:func:`_measure_run` under bf16 autocast; meta tensors become fake CPU tensors first."""
+    state = list(gm.named_parameters(remove_duplicate=False)) + list(gm.named_buffers(remove_duplicate=False))
+    if not any(_on_meta(t) for _, t in state) and not any(_on_meta(x) for x in flat_inputs):
+        return _measure_run(gm, flat_inputs, loss_fn, autocast=True)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        def fake(t):
+            if not isinstance(t, torch.Tensor):
+                return t
+            out = mode.from_tensor(torch.empty(t.shape, dtype=t.dtype, device="meta")).to("cpu") \
+                if t.device.type == "meta" else mode.from_tensor(t)
+            return out
+        swapped = _swap_state(gm, fake)
+        try:
+            inputs = [fake(x) for x in flat_inputs]
+            return _measure_run(gm, inputs, loss_fn, autocast=True)
+        finally:
+            _restore_state(gm, swapped)
+
+
+def _swap_state(gm: nn.Module, convert) -> list[tuple[nn.Module, str, str, Any]]:
+    """Replace every parameter and buffer of ``gm`` by ``convert(tensor)`` (parameters stay parameters)."""
+    done: dict[int, Any] = {}
+    swapped = []
+    for module in gm.modules():
+        for kind in ("_parameters", "_buffers"):
+            table = getattr(module, kind)
+            for name, t in list(table.items()):
+                if t is None:
+                    continue
+                if id(t) not in done:
+                    new = convert(t.detach())
+                    done[id(t)] = nn.Parameter(new, requires_grad=t.requires_grad) if kind == "_parameters" else new
+                swapped.append((module, kind, name, t))
+                table[name] = done[id(t)]
+    return swapped
+
+
+def _restore_state(gm: nn.Module, swapped) -> None:
+    for module, kind, name, t in swapped:
+        getattr(module, kind)[name] = t
 
 
 # -------------------------------------------------------------------- capture

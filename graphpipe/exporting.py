@@ -86,14 +86,17 @@ def _(x: torch.Tensor, key: int) -> torch.Tensor:
 class _BatchNormCalls(torch.overrides.TorchFunctionMode):
     """While exporting, ``F.batch_norm`` on a known module's running statistics becomes an opaque call."""
 
-    def __init__(self, keys: Mapping[int, int]):
+    def __init__(self, owners: Sequence[tuple[nn.Module, int]]):
         super().__init__()
-        self.keys = keys
+        self.owners = owners
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.nn.functional.batch_norm and len(args) > 1 and id(args[1]) in self.keys:
-            return torch.ops.graphpipe.module_call(args[0], self.keys[id(args[1])])
+        if func is torch.nn.functional.batch_norm and len(args) > 1:
+            # export swaps a module's tensors for fake ones while tracing: look them up now, not before
+            key = next((k for owner, k in self.owners if owner._buffers.get("running_mean") is args[1]), None)
+            if key is not None:
+                return torch.ops.graphpipe.module_call(args[0], key)
         return func(*args, **kwargs)
 
 
@@ -125,11 +128,11 @@ def _opaque_batchnorms(module: nn.Module):
     subclassed = [m for m in module.modules() if isinstance(m, _BATCHNORMS) and type(m) not in _BATCHNORMS
                   and getattr(m, "running_mean", None) is not None]
     found: list[tuple[nn.Module, nn.Module]] = [(m, m) for m in exact] + [(m, _twin(m)) for m in subclassed]
-    keys = {id(owner.running_mean): i for i, (owner, _) in enumerate(found) if owner in subclassed}
+    owners = [(owner, i) for i, (owner, _) in enumerate(found) if i >= len(exact)]
     try:
         for key, (bn, _) in enumerate(found[:len(exact)]):
             bn.forward = (lambda x, key=key: torch.ops.graphpipe.module_call(x, key))  # type: ignore[method-assign]
-        with _BatchNormCalls(keys) if keys else contextlib.nullcontext():
+        with _BatchNormCalls(owners) if owners else contextlib.nullcontext():
             yield found
     finally:
         for bn in exact:
@@ -356,6 +359,7 @@ def export_model(module: nn.Module, example_inputs: Any, loss_fn: Callable[..., 
     in_spec = ep.call_spec.in_spec
     out_spec = ep.call_spec.out_spec
     leaf_modules = _restore_modules(gm, module, batchnorms)
+    _drop_counter_updates(gm, [owner for owner, bn in batchnorms if bn is not owner])
     _drop_guards(gm)
     _use_module_names(gm, module)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -450,6 +454,20 @@ def _use_module_names(gm: fx.GraphModule, module: nn.Module) -> None:
             holder = holder._modules[part]
         holder._parameters[leaf] = value
         node.target = name
+
+
+def _drop_counter_updates(gm: fx.GraphModule, owners: Sequence[nn.Module]) -> None:
+    """A BatchNorm subclass counts its batches itself (``num_batches_tracked.add_(1)``) before normalising; the
+    restored torch BatchNorm counts them too, once per step as its mode says, so the subclass's update goes."""
+    counters = {id(o._buffers.get("num_batches_tracked")) for o in owners if o._buffers.get("num_batches_tracked") is not None}
+    if not counters:
+        return
+    for node in list(gm.graph.nodes):
+        packet = getattr(node.target, "overloadpacket", None)  # aten.add_ of aten.add_.Tensor: in place
+        if (node.op == "call_function" and packet is not None and packet.__name__.endswith("_")
+                and node.args and isinstance(node.args[0], fx.Node) and node.args[0].op == "get_attr"
+                and id(_attr(gm, str(node.args[0].target))) in counters and not node.users):
+            gm.graph.erase_node(node)
 
 
 def _is_dropout_type(typ: Any) -> bool:

@@ -118,6 +118,6 @@ def efficientnet():
 
     torch.manual_seed(0)
     model = timm.create_model("test_efficientnet", pretrained=False, num_classes=5, drop_rate=0.1)
-    images = torch.randn(BATCH, 3, 32, 32)
+    images = torch.randn(BATCH, 3, 64, 64)  # 2x2 maps at the end: BatchNorm over 2 rows x 4 values
     labels = torch.tensor([0, 4, 2, 1])
     return model, images, lambda out, y: F.cross_entropy(out, y), labels

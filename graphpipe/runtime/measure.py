@@ -24,6 +24,12 @@ from graphpipe.plan import Plan
 __all__ = ["measured_timeline", "summarize", "format_summary", "memory_error", "SavedBytesMeter"]
 
 
+
+def is_weight_copy(tensor: Any) -> bool:
+    from graphpipe.capture import is_weight_copy as rule
+
+    return rule(tensor)
+
 class SavedBytesMeter:
     """Live and peak bytes of the tensors autograd keeps for backward on one rank (DESIGN §4's activations).
 
@@ -74,7 +80,10 @@ class SavedBytesMeter:
         self.peak = max(self.peak, self.live)
 
     def hold(self, tensor: Any) -> Any:
-        """Count ``tensor`` as saved until the returned handle is dropped (a parameter: not counted)."""
+        """Count ``tensor`` as saved until the returned handle is dropped (a parameter, or autocast's copy of
+        one, :func:`graphpipe.capture.is_weight_copy`: not counted)."""
+        if is_weight_copy(tensor):
+            return tensor
         storage = tensor.untyped_storage()
         key = storage.data_ptr()
         if key in self._excluded or storage.nbytes() == 0:

@@ -150,6 +150,10 @@ def run_job(rank: int, world_size: int, plan: Plan, options: RunOptions, device:
         if rank in ranks:
             tied.append(TiedSync(tie.name, tuple(c for c in tie.copies if c[0] in my_stages), group))
     programs = {s: split.programs[s] for s in my_stages}
+    buffer_stage: dict[str, int] = {}  # a read-only buffer several stages read (a rotary table) counts once
+    for prog in split.programs:
+        for name, _ in prog.module.named_buffers():
+            buffer_stage.setdefault(name, prog.stage_id)
     if batchnorm == "sync":
         from graphpipe.runtime.batchnorm import sharded_batchnorms
 
@@ -192,8 +196,9 @@ def run_job(rank: int, world_size: int, plan: Plan, options: RunOptions, device:
                                         step == 0 and sg.stages[s].devices[0] == rank and (s, name) not in tied_copies)
                                        for s in sorted(programs) for name, p in programs[s].module.named_parameters()),
                                       reference.grads[step], options)
-            bufs = compare_buffers(((name, b, step == 0 and sg.stages[s].devices[0] == rank) for s in sorted(programs)
-                                    for name, b in programs[s].module.named_buffers()), reference.buffers[step], options)
+            bufs = compare_buffers(((name, b, step == 0 and sg.stages[s].devices[0] == rank and buffer_stage[name] == s)
+                                    for s in sorted(programs) for name, b in programs[s].module.named_buffers()),
+                                   reference.buffers[step], options)
             check_stats = [max(check_stats[0], grads[0], bufs[0]), check_stats[1] + grads[1] + bufs[1],
                            check_stats[2] + grads[2], check_stats[3] + bufs[2]]
         if optimizer is not None:
