@@ -1,4 +1,4 @@
-"""The package's edges (DESIGN §2): which modules may import which, no cycles, one top-level name.
+"""The package's edges (docs/design.md#layout): which modules may import which, no cycles, one top-level name.
 
 The import graph is read from the source with :mod:`ast` (every ``import``,
 at module level or inside a function: a lazy import still ties two modules
