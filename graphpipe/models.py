@@ -7,7 +7,8 @@ A MODEL is one of
 * a graph JSON file (``graphpipe.graph/1``) or a PipeDream ``graph.txt``
   (or the folder holding it), which carry their own costs;
 * ``path/to/file.py:factory`` where ``factory()`` returns
-  ``(module, example_inputs, loss_fn)``, captured with torch.fx.
+  ``(module, example_inputs, loss_fn[, example_target])``, captured with
+  ``torch.export`` (:mod:`graphpipe.capture`).
 
 The CLI, the runtime and the evals all resolve models through
 :func:`load_model`, so a spec means the same thing everywhere.
@@ -45,18 +46,22 @@ class ModelSource:
     """zoo | factory | graph-json | pipedream"""
 
 
-def load_model(spec: str, device: DeviceSpec | None = None, pipedream_batch_size: int = 128) -> ModelSource:
+def load_model(spec: str, device: DeviceSpec | None = None, pipedream_batch_size: int = 128,
+               precision: str = "fp32", granularity: str | None = None) -> ModelSource:
     """Resolve MODEL: ``file.py:factory``, a graph JSON, a PipeDream graph.txt, or a zoo spec.
 
     ``device`` sets the analytical costs of captured modules (zoo, factory);
     files carry their own costs. ``pipedream_batch_size`` is the batch a
-    PipeDream profile was measured at (its times are per batch).
+    PipeDream profile was measured at (its times are per batch). Captured
+    modules measure activation bytes at ``precision`` and are cut into ops
+    at ``granularity`` (:meth:`graphpipe.capture.Granularity.parse`).
     """
     if ".py:" in spec:
-        from graphpipe.capture import graph_from_factory
+        from graphpipe.capture import Granularity, graph_from_factory
 
         path, factory = spec.rsplit(":", 1)
-        return ModelSource(graph_from_factory(spec, device=device), os.path.abspath(path) + ":" + factory, "factory")
+        graph = graph_from_factory(spec, device=device, granularity=Granularity.parse(granularity), precision=precision)
+        return ModelSource(graph, os.path.abspath(path) + ":" + factory, "factory")
     if os.path.isdir(spec) and os.path.exists(os.path.join(spec, "graph.txt")):
         spec = os.path.join(spec, "graph.txt")
     if os.path.exists(spec) or spec.endswith((".json", ".txt")):
@@ -67,6 +72,10 @@ def load_model(spec: str, device: DeviceSpec | None = None, pipedream_batch_size
         from graphpipe.importers.pipedream_txt import read_pipedream
 
         return ModelSource(read_pipedream(spec, batch_size=pipedream_batch_size), spec, "pipedream")
+    if precision != "fp32" or granularity:
+        if spec.endswith((".json", ".txt")):
+            raise InputError("--precision and --granularity apply to captured modules, not to graph files")
     from graphpipe import zoo
 
-    return ModelSource(zoo.load_graph(spec, device=device), zoo.canonical_spec(spec), "zoo")
+    return ModelSource(zoo.load_graph(spec, device=device, precision=precision, granularity=granularity),
+                       zoo.canonical_spec(spec), "zoo")

@@ -295,18 +295,22 @@ def build(spec: str, device: str | torch.device = "cpu", seed: int = 0) -> Built
 
 
 @functools.lru_cache(maxsize=32)
-def _load_graph_cached(canonical: str, device: DeviceSpec) -> OpGraph:
-    from graphpipe.capture import capture
+def _load_graph_cached(canonical: str, device: DeviceSpec, precision: str = "fp32", granularity: str | None = None) -> OpGraph:
+    from graphpipe.capture import Granularity, capture
 
     built = build(canonical, device="meta")
-    return capture(built.module, built.example_inputs, name=canonical, device=device, loss_fn=built.loss_fn).graph
+    return capture(built.module, built.example_inputs, name=canonical, device=device, loss_fn=built.loss_fn,
+                   precision=precision, granularity=Granularity.parse(granularity)).graph
 
 
-def load_graph(spec: str, device: DeviceSpec | None = None) -> OpGraph:
+def load_graph(spec: str, device: DeviceSpec | None = None, precision: str = "fp32",
+               granularity: str | None = None) -> OpGraph:
     """The captured :class:`OpGraph` of ``spec`` with analytical costs for ``device``.
 
     Built on the meta device (no weights); ``device`` defaults to the v100
-    preset's. Cached per (canonical spec, device): the graph is immutable.
+    preset's; activation bytes are measured at ``precision``; ``granularity``
+    is :meth:`graphpipe.capture.Granularity.parse`'s text. Cached per
+    (canonical spec, device, precision, granularity): the graph is immutable.
     """
     device = device if device is not None else preset("v100").device
-    return _load_graph_cached(canonical_spec(spec), device)
+    return _load_graph_cached(canonical_spec(spec), device, precision, granularity)

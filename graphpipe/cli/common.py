@@ -13,7 +13,7 @@ from typing import Any
 from graphpipe.errors import InputError
 from graphpipe.models import MODEL_HELP, ModelSource, load_model
 
-__all__ = ["ModelSource", "load_model", "print_json", "add_model_argument", "shared_host", "check_outputs",
+__all__ = ["ModelSource", "load_model", "print_json", "add_model_argument", "add_capture_arguments", "shared_host", "check_outputs",
            "JSON_SUFFIXES", "IMAGE_SUFFIXES", "MAX_BATCH_SIZE", "MAX_TIME_LIMIT_S", "MAX_MICRO_BATCHES", "check_batch"]
 
 JSON_SUFFIXES = (".json",)
@@ -30,6 +30,17 @@ MAX_MICRO_BATCHES = 4096
 
 def add_model_argument(parser) -> None:
     parser.add_argument("model", metavar="MODEL", help=MODEL_HELP)
+
+
+def add_capture_arguments(parser) -> None:
+    """``--precision`` and ``--granularity``: how a module (zoo or ``file.py:factory``) is captured."""
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default=None,
+                        help="measure activation bytes at this training precision (bf16: under torch.autocast, "
+                             "autocast's weight copies planned as 2 bytes per parameter); default fp32")
+    parser.add_argument("--granularity", default=None, metavar="PATTERNS|DEPTH",
+                        help="which modules are ops: comma-separated module-path patterns "
+                             "('text_model.encoder.layers.*,vision_model.encoder.layers.*') or a depth (2); "
+                             "default: repeated blocks and heavy layers")
 
 
 def print_json(doc: Any) -> None:

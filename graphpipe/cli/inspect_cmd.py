@@ -19,7 +19,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from graphpipe.cli.common import add_model_argument, load_model, print_json
+from graphpipe.cli.common import add_capture_arguments, add_model_argument, load_model, print_json
 from graphpipe.graph import OpGraph
 
 __all__ = ["register", "inspect_summary"]
@@ -30,6 +30,7 @@ def register(sub) -> None:
                        description="Print the op graph of MODEL: ops with per-sample costs at micro-batch 1, "
                                    "totals, series-parallel or not, number of parallel branches.")
     add_model_argument(p)
+    add_capture_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--device", default="v100", metavar="CLUSTER",
                    help="device preset (v100, a100, h100) or cluster JSON for the analytical costs of zoo/factory models (default v100)")
@@ -109,7 +110,8 @@ def run(args) -> int:
     from graphpipe.cluster import load_cluster
 
     device = load_cluster(args.device, 1).device
-    source = load_model(args.model, device=device, pipedream_batch_size=args.pipedream_batch_size)
+    source = load_model(args.model, device=device, pipedream_batch_size=args.pipedream_batch_size,
+                        precision=args.precision or "fp32", granularity=args.granularity)
     summary = inspect_summary(source.graph)
     summary = {"model_id": source.model_id, "source": source.kind, **summary}
     if source.kind == "pipedream":

@@ -34,6 +34,9 @@ def register(sub) -> None:
     from graphpipe.cli.common import add_model_argument
 
     add_model_argument(p)
+    from graphpipe.cli.common import add_capture_arguments
+
+    add_capture_arguments(p)
     p.add_argument("--devices", "-n", type=int, required=True, metavar="N", help="number of devices (>= 1)")
     p.add_argument("--batch-size", "-b", type=int, required=True, metavar="B", help="mini-batch size (samples)")
     p.add_argument("--strategy", default="gpp", choices=("gpp", "pipedream", "piper", "gpipe"),
@@ -84,11 +87,15 @@ def run(args) -> int:
 
     _check_args(args)
     cluster = load_cluster(args.cluster, args.devices, args.memory_gb)
+    if args.precision == "bf16":  # autocast keeps a bf16 copy of every weight for the step: model state
+        from dataclasses import replace
+
+        cluster = replace(cluster, bytes_per_param=cluster.bytes_per_param + 2.0)
     options = _options(args)
     source, graph, profile = _load_graph(args, cluster)
     if args.compare:
         return _run_compare(args, source, graph, cluster, options, profile)
-    plan = _plan_one(args, source, graph, cluster, options, profile)
+    plan = _with_capture(args, _plan_one(args, source, graph, cluster, options, profile))
     _report(args, plan, cluster)
     return 0
 
@@ -120,7 +127,7 @@ def _load_graph(args, cluster):
 
         profile = read_profile(args.profile)  # a bad profile fails before the model is built
     log.info("building %s for %d x %s", args.model, cluster.num_devices, cluster.device.name)
-    source = load_model(args.model, cluster.device)
+    source = load_model(args.model, cluster.device, precision=args.precision or "fp32", granularity=args.granularity)
     graph = source.graph
     if profile is not None:
         graph = apply_profile(graph, profile, model=source.model_id if source.kind in ("zoo", "factory") else None)
@@ -201,6 +208,18 @@ def _report(args, plan, cluster) -> None:
         sys.stdout.write(format_plan(plan))
         if args.out:
             sys.stdout.write(f"wrote {args.out}\n")
+
+
+def _with_capture(args, plan):
+    """Record how the module was captured: the runtime re-captures it the same way, and warns at another precision."""
+    from dataclasses import replace
+
+    changes = {}
+    if args.precision:
+        changes.update(precision=args.precision, precision_from="capture")
+    if args.granularity:
+        changes["granularity"] = args.granularity
+    return replace(plan, search={**plan.search, **changes}) if changes else plan
 
 
 def _with_profile(plan, profile):

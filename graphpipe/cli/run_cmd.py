@@ -57,14 +57,14 @@ def run(args) -> int:
     plan = read_plan(args.plan)
     options = options_from_args(args)
     planned = plan.search.get("precision")
-    if plan.search.get("precision_from") == "profile" and planned != options.precision:
-        sys.stderr.write(f"graphpipe: warning: the plan's costs were profiled at {planned}; this run trains at "
+    source = plan.search.get("precision_from")
+    if source in ("profile", "capture") and planned != options.precision:
+        what = "profiled" if source == "profile" else "measured (activation bytes)"
+        sys.stderr.write(f"graphpipe: warning: the plan's costs were {what} at {planned}; this run trains at "
                          f"{options.precision} (--precision {planned} to match)\n")
-    if options.precision == "bf16":
-        sys.stderr.write("graphpipe: note: predicted activation bytes are the fp32 saves capture measures; under bf16 "
-                         "autocast a stage saves bf16 inputs to its matmuls and keeps a bf16 copy of their weights for "
-                         "the iteration (autocast's cast cache), which the model does not charge, so the memory error "
-                         "compares the two\n")
+    elif options.precision == "bf16" and source != "profile":
+        sys.stderr.write("graphpipe: note: the plan's activation bytes are fp32 saves; plan with --precision bf16 "
+                         "to measure them under autocast\n")
     from graphpipe.runtime.launch import check_host_capacity
 
     check_host_capacity(plan.cluster.num_devices)

@@ -62,7 +62,7 @@ def preflight(plan: Plan, options: RunOptions) -> None:
     from graphpipe.sched import validate_plan
 
     from graphpipe.runtime.stage_modules import check_op_names, split_model
-    from graphpipe.runtime.jobs import load_runnable
+    from graphpipe.runtime.jobs import load_runnable, plan_granularity
 
     validate_plan(plan)
     from graphpipe.sched.async_pipe import plan_spec
@@ -76,7 +76,8 @@ def preflight(plan: Plan, options: RunOptions) -> None:
         if options.precision != "fp32":
             raise InputError(f"{spec.name} runs at fp32 only (its replay check is exact); drop --precision")
         version_table(plan.stage_graph, spec, options.steps)  # 2bw's m must divide steps x micro-batches
-    runnable = load_runnable(plan.model, options.seed, "meta" if ".py:" not in plan.model else "cpu")
+    runnable = load_runnable(plan.model, options.seed, "meta" if ".py:" not in plan.model else "cpu",
+                             granularity=plan_granularity(plan))
     check_op_names([op.name for op in plan.graph.ops], runnable.op_names, plan.model)
     split = split_model(runnable.gm, runnable.op_nodes, plan.stage_graph)
     if options.precision == "bf16":

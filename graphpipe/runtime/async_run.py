@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from graphpipe.errors import InputError, PlanError
 from graphpipe.plan import Plan
-from graphpipe.runtime.jobs import RunOptions, data_seed, load_runnable
+from graphpipe.runtime.jobs import RunOptions, data_seed, load_runnable, plan_granularity
 from graphpipe.runtime.rng import ShardContext
 from graphpipe.sched.async_pipe import AsyncSpec, VersionTable, stream_graph, stream_schedule, version_table
 
@@ -76,7 +76,7 @@ def replay_reference(plan: Plan, table: VersionTable, seed: int, lr: float, step
     from graphpipe.runtime.stage_modules import split_model
 
     sg = plan.stage_graph
-    ref = load_runnable(plan.model, seed, "cpu")
+    ref = load_runnable(plan.model, seed, "cpu", granularity=plan_granularity(plan))
     owner = stage_of_params(split_model(ref.gm, ref.op_nodes, sg))
     gm = ref.gm
     gm.train()
@@ -135,13 +135,13 @@ def run_async_job(rank: int, world_size: int, plan: Plan, spec: AsyncSpec, optio
     ssg = stream_graph(sg, steps)
     stream = stream_schedule(sg, spec.name, steps)
     my_stages = sg.stages_on_device(rank) if rank < sg.num_devices else ()
-    runnable = load_runnable(plan.model, options.seed, "cpu")
+    runnable = load_runnable(plan.model, options.seed, "cpu", granularity=plan_granularity(plan))
     check_op_names([op.name for op in sg.graph.ops], runnable.op_names, plan.model)
     split = split_model(runnable.gm, runnable.op_nodes, ssg)
     if split.tied:
         raise InputError(f"{plan.model} ties parameters across stages ({split.tied[0].name}); asynchronous schedules "
                          f"keep one version history per stage and do not run tied copies yet")
-    meta = boundary_meta(runnable.gm, split.boundary_values, runnable.make_inputs)
+    meta = boundary_meta(runnable.gm, split.boundary_values, runnable.make_inputs, options.precision)
     edge_values = {(prog.stage_id, c): values for prog in split.programs for c, values in prog.send_values}
     routing = Routing(ssg, stream, edge_values, [v for v, m in meta.items() if m.needs_grad])
     link_groups = make_link_groups(routing, world_size, backend)

@@ -118,12 +118,13 @@ def run_torch_job(rank: int, world_size: int, plan: Plan, options, device: torch
     from torch.distributed import pipelining as pp
 
     from graphpipe.runtime.stage_modules import check_op_names, split_model
-    from graphpipe.runtime.jobs import compare_gradients, data_seed, finish_job, load_runnable, reference_step
+    from graphpipe.runtime.jobs import (compare_gradients, data_seed, finish_job, load_runnable, plan_granularity,
+                                        reference_step)
 
     sg = plan.stage_graph
     n = sg.num_devices
     group = dist.new_group(list(range(n))) if world_size > n else None
-    runnable = load_runnable(plan.model, options.seed, "cpu")
+    runnable = load_runnable(plan.model, options.seed, "cpu", granularity=plan_granularity(plan))
     check_op_names([op.name for op in sg.graph.ops], runnable.op_names, plan.model)
     split = split_model(runnable.gm, runnable.op_nodes, sg)
     check_torch_expressible(plan, split)

@@ -57,7 +57,7 @@ from graphpipe.errors import InputError, PlanError
 from graphpipe.plan import Plan
 
 __all__ = ["RunOptions", "FaultInjection", "fault_from_env", "Runnable", "load_runnable", "data_seed",
-           "Reference", "reference_run", "reference_layout", "reference_step", "compare_gradients", "compare_buffers",
+           "plan_granularity", "Reference", "reference_run", "reference_layout", "reference_step", "compare_gradients", "compare_buffers",
            "finish_job", "CHECK_RTOL", "CHECK_ATOL"]
 
 CHECK_RTOL = 1.3e-6
@@ -202,7 +202,8 @@ class Runnable:
         return self.io.output(graph_out) if self.io is not None else graph_out
 
 
-def load_runnable(spec: str, seed: int = 0, device: str = "cpu", capture: bool = True) -> Runnable:
+def load_runnable(spec: str, seed: int = 0, device: str = "cpu", capture: bool = True,
+                  granularity: str | None = None) -> Runnable:
     """Build (and capture) the model named by a plan's ``model``: a zoo spec or ``file.py:factory``.
 
     The runnable graph takes the model's inputs flattened (keyword inputs in
@@ -235,7 +236,7 @@ def load_runnable(spec: str, seed: int = 0, device: str = "cpu", capture: bool =
                         make_inputs or _synthetic_inputs(flat, device))
     from graphpipe.runtime.stage_modules import instrument
 
-    exported, op_nodes, _ = cap.trace_ops(module, example, loss_fn, target)
+    exported, op_nodes, _ = cap.trace_ops(module, example, loss_fn, target, cap.Granularity.parse(granularity))
     args, kwargs = _split_inputs(example)
     flat = exported.io.flat_inputs(args, kwargs, target)
     make_inputs = make_inputs or _synthetic_inputs(flat, device)
@@ -243,6 +244,11 @@ def load_runnable(spec: str, seed: int = 0, device: str = "cpu", capture: bool =
     # the meta device (preflight) only cuts the model: no run to find random calls
     gm = instrument(gm, make_inputs(2, 0) if device != "meta" else None)
     return Runnable(spec, module, gm, op_nodes, tuple(op_nodes), exported.io.wrap_loss(loss_fn), make_inputs, exported.io)
+
+
+def plan_granularity(plan: Plan) -> str | None:
+    """The ``--granularity`` the plan's model was captured at (None: the default)."""
+    return plan.search.get("granularity") if plan.search else None
 
 
 def _split_inputs(example: Any) -> tuple[tuple, dict]:
@@ -308,7 +314,7 @@ def reference_layout(plan: Plan, node_stages: dict[str, int], batchnorm: str) ->
 
 
 def reference_run(spec: str, seed: int, batch_size: int, layout: dict[str, dict[str, int]], steps: int, lr: float,
-                  device: str = "cpu") -> Reference:
+                  device: str = "cpu", granularity: str | None = None) -> Reference:
     """``steps`` SGD steps of a fresh copy of the model on one process with the pipeline's semantics.
 
     ``layout`` (:func:`reference_layout`) says at which rows every dropout
@@ -319,7 +325,7 @@ def reference_run(spec: str, seed: int, batch_size: int, layout: dict[str, dict[
     from graphpipe.runtime.batchnorm import sharded_batchnorms
     from graphpipe.runtime.rng import ReferenceContext
 
-    ref = load_runnable(spec, seed, device)
+    ref = load_runnable(spec, seed, device, granularity=granularity)
     gm = ref.gm
     gm.train()
     params = dict(gm.named_parameters())
@@ -469,7 +475,8 @@ def _check_summary(plan: Plan, options: RunOptions, losses: list[float], referen
              "batchnorm": options.batchnorm_for(plan)}
     if reference.unbatched:
         check["inexact_ops"] = list(reference.unbatched)
-    full = reference_run(plan.model, options.seed, plan.stage_graph.batch_size, {}, 1, options.lr)
+    full = reference_run(plan.model, options.seed, plan.stage_graph.batch_size, {}, 1, options.lr,
+                         granularity=plan_granularity(plan))
     check["full_batch"] = {
         "loss": full.losses[0], "loss_abs_diff": abs(full.losses[0] - reference.losses[0]),
         "max_grad_abs_diff": max((float((g - reference.grads[0][n]).abs().max()) for n, g in full.grads[0].items()

@@ -501,20 +501,21 @@ class _Recorder(torch.fx.Interpreter):
 
 
 def boundary_meta(gm: torch.fx.GraphModule, values: Sequence[str],
-                  make_inputs: Callable[[int, int], tuple]) -> dict[str, ValueMeta]:
+                  make_inputs: Callable[[int, int], tuple], precision: str = "fp32") -> dict[str, ValueMeta]:
     """Per-sample shape and dtype of every boundary value.
 
     Runs the captured graph (no grad) at batch sizes 2 and 3: a value is
     batch-major when its dim 0 follows the batch size and its other dims do
     not change. The executor relies on this to size receive buffers up front,
-    so no shape message ever travels with the data.
+    so no shape message ever travels with the data. At ``bf16`` the graph
+    runs under autocast, as the run does: a value's dtype is the one sent.
     """
     keep = set(values)
     runs = []
     training = gm.training
     gm.eval()  # shapes only: BatchNorm must not move its running statistics, dropout must not draw
     try:
-        with torch.no_grad():
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
             for n in (2, 3):
                 rec = _Recorder(gm, keep)
                 rec.run(*make_inputs(n, 0))

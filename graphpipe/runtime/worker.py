@@ -45,7 +45,7 @@ from graphpipe.errors import PlanError
 from graphpipe.plan import Plan, plan_from_dict
 from graphpipe.runtime.executor import RankExecutor, StepResult, TiedSync
 from graphpipe.runtime.jobs import (RunOptions, autocast, compare_buffers, compare_gradients, data_seed, finish_job,
-                                    load_runnable, reference_layout, reference_run)
+                                    load_runnable, plan_granularity, reference_layout, reference_run)
 from graphpipe.runtime.routing import Routing
 from graphpipe.runtime.stage_modules import ModelSplit, boundary_meta, check_op_names, split_model
 
@@ -120,12 +120,12 @@ def run_job(rank: int, world_size: int, plan: Plan, options: RunOptions, device:
         raise PlanError(f"plan needs {sg.num_devices} ranks, the job has {world_size}")
     my_stages = sg.stages_on_device(rank) if rank < sg.num_devices else ()
     # Every rank builds the model, so all agree on the boundary values and shapes.
-    runnable = load_runnable(plan.model, options.seed, "cpu")
+    runnable = load_runnable(plan.model, options.seed, "cpu", granularity=plan_granularity(plan))
     check_op_names([op.name for op in sg.graph.ops], runnable.op_names, plan.model)
     batchnorm = options.batchnorm_for(plan)
     unseeded = _warn_unseeded(runnable, plan.model) if rank == 0 else {}
     split = split_model(runnable.gm, runnable.op_nodes, sg)
-    meta = boundary_meta(runnable.gm, split.boundary_values, runnable.make_inputs)
+    meta = boundary_meta(runnable.gm, split.boundary_values, runnable.make_inputs, options.precision)
     routing = Routing(sg, schedule, _edge_values(split), [v for v, m in meta.items() if m.needs_grad])
     from graphpipe.runtime.comm import make_link_groups
 
@@ -178,7 +178,8 @@ def run_job(rank: int, world_size: int, plan: Plan, options: RunOptions, device:
     reference = None
     if options.check and (my_stages or rank == 0):
         with autocast(options.precision, "cpu"):  # the reference trains at the run's precision too
-            reference = reference_run(plan.model, options.seed, sg.batch_size, layout, options.steps, options.lr)
+            reference = reference_run(plan.model, options.seed, sg.batch_size, layout, options.steps, options.lr,
+                                      granularity=plan_granularity(plan))
 
     steps: list[StepResult] = []
     check_stats = [0.0, 0, 0, 0]
