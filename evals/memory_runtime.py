@@ -12,6 +12,7 @@ REPORT section).
 
     python -m graphpipe.evals.memory_runtime --out evals          # the full matrix (90 runs, 4 ranks; ~1.5 min)
     python -m graphpipe.evals.memory_runtime --quick              # one model, 2 ranks
+    python -m graphpipe.evals.memory_runtime --precision bf16 --out evals   # the same under bf16 autocast
 """
 
 from __future__ import annotations
@@ -28,24 +29,32 @@ SCHEDULES = ("gpipe", "1f1b", "graph-1f1b")
 BATCH = 8
 
 
-def matrix_plans(models, strategies, schedules, num_devices: int, recompute=("none", "all")) -> dict[str, Any]:
-    """``{"model/strategy/schedule/recompute": Plan}``: micro-batch 2, batch 8, each schedule on the strategy's stages."""
+def matrix_plans(models, strategies, schedules, num_devices: int, recompute=("none", "all"),
+                 precision: str = "fp32") -> dict[str, Any]:
+    """``{"model/strategy/schedule/recompute": Plan}``: micro-batch 2, batch 8, each schedule on the strategy's stages.
+
+    ``models`` are zoo specs or ``file.py:factory`` specs; activation bytes are captured at ``precision``.
+    """
     from dataclasses import replace
 
-    from graphpipe import zoo
     from graphpipe.cluster import preset
     from graphpipe.errors import GraphpipeError
+    from graphpipe.models import load_model
     from graphpipe.sched import make_schedule, predicted_figures, simulate
     from graphpipe.search.common import SearchOptions
     from graphpipe.search.planner import make_plan
 
     plans = {}
+    cluster = preset("v100", num_devices)
+    if precision == "bf16":  # autocast's weight copies: 2 more bytes per parameter (as graphpipe plan does)
+        cluster = replace(cluster, bytes_per_param=cluster.bytes_per_param + 2.0)
     for spec in models:
-        graph = zoo.load_graph(spec)
+        source = load_model(spec, cluster.device, precision=precision)
+        graph = source.graph
         for strategy in strategies:
             for rc in recompute:
                 try:
-                    plan = make_plan(zoo.canonical_spec(spec), graph, preset("v100", num_devices), BATCH, strategy,
+                    plan = make_plan(source.model_id, graph, cluster, BATCH, strategy,
                                      SearchOptions(micro_batch_size=2, recompute=rc))
                 except GraphpipeError as exc:
                     print(f"skip {spec}/{strategy}/{rc}: {exc}", file=sys.stderr)
@@ -56,8 +65,15 @@ def matrix_plans(models, strategies, schedules, num_devices: int, recompute=("no
                         sched = make_schedule(schedule, p.stage_graph, p.cluster)
                         p = replace(p, schedule=sched, predicted=predicted_figures(simulate(p.stage_graph, sched,
                                                                                              p.cluster)))
-                    plans[f"{spec}/{strategy}/{schedule}/{rc}"] = p
+                    if precision != "fp32":
+                        p = replace(p, search={**p.search, "precision": precision, "precision_from": "capture"})
+                    plans[f"{_short(spec)}/{strategy}/{schedule}/{rc}"] = p
     return plans
+
+
+def _short(spec: str) -> str:
+    """A run name's model part: ``hf_models.py:clip`` for a factory (no slashes), the zoo spec otherwise."""
+    return spec.rsplit("/", 1)[-1] if ".py:" in spec else spec
 
 
 def memory_rows(plans: dict[str, Any], results: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -112,9 +128,14 @@ def run(config: dict[str, Any], progress=None) -> tuple[list, dict]:
     """Plan the matrix, run every plan once on ``ranks`` CPU ranks (``--check``), return rows and summary."""
     from graphpipe.runtime import RunOptions, run_plans
 
-    plans = matrix_plans(config["models"], config["strategies"], config["schedules"], config["ranks"])
-    results = run_plans([(p, RunOptions(steps=2, warmup_steps=1, check=True, timeout_s=300)) for p in plans.values()],
-                        config["ranks"])
+    precision = config.get("precision", "fp32")
+    plans = matrix_plans(config["models"], config["strategies"], config["schedules"], config["ranks"],
+                         tuple(config.get("recompute", ("none", "all"))), precision)
+    from graphpipe.runtime.flags import BF16_CHECK_TOLERANCE
+
+    tolerance = BF16_CHECK_TOLERANCE if precision == "bf16" else {}
+    results = run_plans([(p, RunOptions(steps=2, warmup_steps=1, check=True, timeout_s=300, precision=precision,
+                                        **tolerance)) for p in plans.values()], config["ranks"])
     rows = memory_rows(plans, results)
     if progress is not None:
         for r in rows:
@@ -127,12 +148,19 @@ def main(argv=None) -> int:
     parser.add_argument("--ranks", type=int, default=None, help="CPU ranks (default 4; 2 with --quick)")
     parser.add_argument("--quick", action="store_true", help="one model, strategy and schedule")
     parser.add_argument("--out", default="eval-out", help="writes OUT/results/memory-runtime.json")
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                        help="capture activation bytes and train at this precision (bf16: torch.autocast)")
+    parser.add_argument("--models", default=None, help="comma-separated zoo or file.py:factory specs (default: the "
+                                                        "small zoo models)")
     args = parser.parse_args(argv)
     from .common import write_result
 
-    cfg = dict(config(args.quick), quick=args.quick)
+    cfg = dict(config(args.quick), quick=args.quick, precision=args.precision)
+    if args.models:
+        cfg["models"] = [m for m in args.models.split(",") if m]
     if args.ranks is not None:
         cfg["ranks"] = args.ranks
+    name = "memory-runtime" if args.precision == "fp32" else f"memory-runtime-{args.precision}"
     rows, summ = run(cfg)
     for r in rows:
         print(f"{r['run']:<48} check={'ok' if r['check'] else 'FAIL'}  memory error {r['memory_error'] * 100:5.1f}%"
@@ -141,7 +169,7 @@ def main(argv=None) -> int:
     print(f"worst memory error {summ['worst_memory_error'] * 100:.1f}% ({summ['worst_run']}); "
           f"{summ['within_10pct']}/{summ['runs']} within 10%; {summ['checks_passed']}/{summ['runs']} checks passed; "
           f"recompute all below none on the fullest device in {summ['all_below_none']}/{summ['pairs']} pairs")
-    print(f"wrote {write_result(args.out, 'memory-runtime', cfg, rows, summ)}")
+    print(f"wrote {write_result(args.out, name, cfg, rows, summ)}")
     return 0 if summ["checks_passed"] == summ["runs"] else 1
 
 

@@ -67,7 +67,95 @@ def test_plan_from_a_bf16_profile_records_it_and_run_warns_at_fp32(tmp_path):
     summary = json.loads(out.stdout)
     assert summary["precision"] == "bf16" and summary["check"]["passed"]
     assert "profiled at" not in out.stderr
-    assert "bf16 copy of their weights" in out.stderr  # the memory model's fp32 saves, said beside the error
+    assert "activation bytes are fp32 saves" in out.stderr  # the profile's plan: capture's fp32 saves, said
     out = _cli("run", str(plan), "--steps", "2", "--json")
     assert out.returncode == 0 and "profiled at bf16; this run trains at fp32" in out.stderr
     assert "bf16 copy" not in out.stderr
+
+
+# ------------------------------------------------------------ bf16 activation bytes (capture under autocast)
+BF16_MODELS = ("mmt:small", "dlrm:small", "candle-uno:small", "transformer:small", "twobranch:small")
+
+
+@pytest.mark.parametrize("spec", BF16_MODELS)
+def test_bf16_capture_equals_a_bf16_step_measured_by_the_runtime_meter(spec):
+    """Oracle: one bf16 autocast training step of the whole module, its saves counted by the runtime's meter
+    (autocast's weight copies are model state for both). Real CPU tensors and the meta device (fake CPU
+    tensors) give the same bytes; bf16 keeps less than fp32 on the attention models."""
+    import torch
+
+    from graphpipe import zoo
+    from graphpipe.capture import capture
+    from graphpipe.runtime.measure import SavedBytesMeter
+
+    built, meta = zoo.build(spec), zoo.build(spec, device="meta")
+    batch = zoo.EXAMPLE_BATCH_SIZE
+    per_op = [sum(op.act_bytes for op in capture(m.module, m.example_inputs, name=spec, loss_fn=m.loss_fn,
+                                                 precision=p).graph.ops) * batch
+              for m, p in ((built, "bf16"), (meta, "bf16"), (built, "fp32"))]
+    x = built.example_inputs
+    meter = SavedBytesMeter(list(built.module.parameters()) + list(built.module.buffers()))
+    meter.reset(resident=x)
+    with meter.hooks(), torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = built.loss_fn(built.module(*x))
+    assert per_op[0] == per_op[1] == meter.peak > 0, per_op
+    del loss
+    if spec.startswith(("mmt", "transformer", "twobranch")):
+        assert per_op[0] < per_op[2]
+
+
+def test_bf16_plan_records_its_precision_and_run_warns_at_fp32(tmp_path):
+    out = tmp_path / "p.json"
+    proc = _cli("plan", "mmt:small", "-n", "2", "-b", "8", "--precision", "bf16", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(out.read_text())
+    assert doc["search"]["precision"] == "bf16" and doc["search"]["precision_from"] == "capture"
+    fp32 = tmp_path / "q.json"
+    assert _cli("plan", "mmt:small", "-n", "2", "-b", "8", "--out", str(fp32)).returncode == 0
+    # autocast's weight copies are 2 more bytes per parameter of model state
+    assert doc["cluster"]["bytes_per_param"] == json.loads(fp32.read_text())["cluster"]["bytes_per_param"] + 2
+    proc = _cli("run", str(out), "--steps", "1")
+    assert proc.returncode == 0 and "measured (activation bytes) at bf16; this run trains at fp32" in proc.stderr
+
+
+@pytest.mark.slow
+def test_bf16_plans_predict_the_activation_bytes_bf16_runs_measure():
+    """Every small zoo model and Hugging Face CLIP: gpp, pipedream and gpipe plans captured at bf16, run under
+    autocast on 4 CPU ranks: --check passes (bf16 tolerances) and every device's measured peak of saved bytes is
+    within 10% of the prediction."""
+    import os
+
+    pytest.importorskip("transformers")
+    from graphpipe.evals import memory_runtime
+
+    clip = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_models.py") + ":clip"
+    config = {"models": list(BF16_MODELS) + [clip], "strategies": ["gpp", "pipedream", "gpipe"],
+              "schedules": ["graph-1f1b"], "recompute": ["none"], "ranks": 4, "precision": "bf16"}
+    rows, summary = memory_runtime.run(config)
+    assert summary["runs"] == len(rows) >= 15
+    assert summary["checks_passed"] == summary["runs"], [r["run"] for r in rows if not r["check"]]
+    assert summary["within_10pct"] == summary["runs"], [(r["run"], r["memory_error"]) for r in rows]
+
+
+@pytest.mark.gpu
+def test_bf16_capture_on_cuda_matches_a_cuda_autocast_step():
+    """On CUDA: capture's bf16 bytes (CPU kernels' saves) against one CUDA bf16 step of the module, within 10%."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from graphpipe import zoo
+    from graphpipe.capture import capture
+    from graphpipe.runtime.measure import SavedBytesMeter
+
+    for spec in ("mmt:small", "transformer:small"):
+        built = zoo.build(spec, device="cuda")
+        predicted = sum(op.act_bytes for op in capture(built.module, built.example_inputs, name=spec,
+                                                       loss_fn=built.loss_fn, precision="bf16").graph.ops)
+        x = built.example_inputs
+        meter = SavedBytesMeter(list(built.module.parameters()) + list(built.module.buffers()))
+        meter.reset(resident=x)
+        with meter.hooks(), torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = built.loss_fn(built.module(*x))
+        assert abs(predicted * zoo.EXAMPLE_BATCH_SIZE - meter.peak) <= 0.10 * meter.peak, spec
+        del loss

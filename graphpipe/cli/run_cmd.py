@@ -62,7 +62,7 @@ def run(args) -> int:
         what = "profiled" if source == "profile" else "measured (activation bytes)"
         sys.stderr.write(f"graphpipe: warning: the plan's costs were {what} at {planned}; this run trains at "
                          f"{options.precision} (--precision {planned} to match)\n")
-    elif options.precision == "bf16" and source != "profile":
+    if options.precision == "bf16" and not (source == "capture" and planned == "bf16"):
         sys.stderr.write("graphpipe: note: the plan's activation bytes are fp32 saves; plan with --precision bf16 "
                          "to measure them under autocast\n")
     from graphpipe.runtime.launch import check_host_capacity

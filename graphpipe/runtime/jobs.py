@@ -314,7 +314,7 @@ def reference_layout(plan: Plan, node_stages: dict[str, int], batchnorm: str) ->
 
 
 def reference_run(spec: str, seed: int, batch_size: int, layout: dict[str, dict[str, int]], steps: int, lr: float,
-                  device: str = "cpu", granularity: str | None = None) -> Reference:
+                  device: str = "cpu", granularity: str | None = None, precision: str = "fp32") -> Reference:
     """``steps`` SGD steps of a fresh copy of the model on one process with the pipeline's semantics.
 
     ``layout`` (:func:`reference_layout`) says at which rows every dropout
@@ -335,8 +335,9 @@ def reference_run(spec: str, seed: int, batch_size: int, layout: dict[str, dict[
         optimizer.zero_grad(set_to_none=True)
         inputs = ref.make_inputs(batch_size, data_seed(seed, step))
         ctx = ReferenceContext(seed, step, batch_size, layout)
-        loss = ref.loss_fn(gm(*inputs, ctx))
-        loss.backward()
+        with autocast(precision, device):  # one region per step, as the run: the weight copies are cast anew
+            loss = ref.loss_fn(gm(*inputs, ctx))
+            loss.backward()
         unbatched.update(ctx.unbatched)
         for bn in sharded_batchnorms(gm):
             bn.commit()

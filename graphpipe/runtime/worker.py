@@ -177,9 +177,9 @@ def run_job(rank: int, world_size: int, plan: Plan, options: RunOptions, device:
     optimizer = torch.optim.SGD(params, lr=options.lr) if params else None
     reference = None
     if options.check and (my_stages or rank == 0):
-        with autocast(options.precision, "cpu"):  # the reference trains at the run's precision too
-            reference = reference_run(plan.model, options.seed, sg.batch_size, layout, options.steps, options.lr,
-                                      granularity=plan_granularity(plan))
+        # the reference trains at the run's precision too, one autocast region per step as the run
+        reference = reference_run(plan.model, options.seed, sg.batch_size, layout, options.steps, options.lr,
+                                  granularity=plan_granularity(plan), precision=options.precision)
 
     steps: list[StepResult] = []
     check_stats = [0.0, 0, 0, 0]
