@@ -160,3 +160,29 @@ def test_inputs_without_batch_dimension_are_named():
     m = torch.nn.Linear(4, 4)
     with pytest.raises(InputError, match="input 1 has dim 0 of size 3"):
         capture(m, (torch.randn(2, 4), torch.randn(3, 4)))
+
+
+def test_cli_refusals_are_one_line_exit_2(tmp_path):
+    """A --granularity pattern matching no module names it and the top-level modules; an input whose dim 0 is not
+    the batch is named."""
+    import subprocess
+    import sys
+
+    def cli(*argv):
+        proc = subprocess.run([sys.executable, "-m", "graphpipe", *argv], capture_output=True, text=True)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+        return lines[0]
+
+    line = cli("inspect", "mmt:small", "--granularity", "encoder.*")
+    assert "pattern 'encoder.*' matches no module" in line and "branch0, branch1" in line
+    path = tmp_path / "two.py"
+    path.write_text("import torch\n"
+                    "class Two(torch.nn.Module):\n"
+                    "    def __init__(self):\n"
+                    "        super().__init__(); self.l = torch.nn.Linear(4, 4)\n"
+                    "    def forward(self, x, table):\n"
+                    "        return self.l(x) + table.sum()\n"
+                    "def make():\n"
+                    "    return Two(), (torch.randn(3, 4), torch.randn(5, 4)), lambda out: out.sum()\n")
+    assert "input 1 has dim 0 of size 5" in cli("inspect", f"{path}:make")
