@@ -1,4 +1,4 @@
-"""The action IR: what each device does, in order (DESIGN §7).
+"""The action IR: what each device does, in order (docs/design.md, "Schedules and the simulator").
 
 This is pure data and lives in the core so that a :class:`~graphpipe.plan.Plan`
 can hold a schedule; :mod:`graphpipe.sched` re-exports it and owns everything

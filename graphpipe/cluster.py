@@ -1,4 +1,4 @@
-"""Cluster and device cost model (DESIGN §4).
+"""Cluster and device cost model (docs/design.md, "The cost model").
 
 A :class:`Cluster` is ``num_devices`` identical devices grouped
 ``devices_per_node`` to a node; communication between two devices costs

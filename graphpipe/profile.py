@@ -1,6 +1,6 @@
 """Measured op costs: time every op, fit ``t(b) = alpha + beta * b``, apply to a graph.
 
-DESIGN §4: an op's time is affine in the micro-batch size (fixed kernel
+docs/design.md, "The cost model": an op's time is affine in the micro-batch size (fixed kernel
 overhead plus per-sample work). Analytical costs (:mod:`graphpipe.capture`)
 estimate alpha and beta from FLOPs; a profile measures them.
 
@@ -50,7 +50,7 @@ File format ``graphpipe.profile/1``::
      "ops": {"layer0": {"fwd_s": [alpha, beta], "bwd_s": [alpha, beta], "wgrad_s": [alpha, beta]},
              "relu0": {"fwd_s": [alpha, beta], "bwd_s": [alpha, beta]}, ...}}
 
-``wgrad_s`` is optional (ops with parameters; profiles before issue 17 have none).
+``wgrad_s`` is optional (ops with parameters; older profiles have none).
 
 Example
 -------
@@ -435,11 +435,11 @@ def profile_from_dict(doc: Any, where: str = "profile") -> Profile:
                 raise FormatError(f"{where}: op {name!r}: fwd_s and bwd_s must be [alpha, beta]")
             pair.append(Affine(*(float(f.number(v, f"{at}.{key}[{k}]", 0)) for k, v in enumerate(coeffs))))
         ops[name] = (pair[0], pair[1])
-        if "wgrad_s" in entry:  # optional: profiles before issue 17 time only B
+        if "wgrad_s" in entry:  # optional: older profiles time only B
             wgrad[name] = affine_field(entry["wgrad_s"], f"{at}.wgrad_s")
     sizes = tuple(f.integer(b, f"{where}.batch_sizes[{i}]", 1)
                   for i, b in enumerate(f.array(doc.get("batch_sizes", []), f"{where}.batch_sizes")))
-    precision = f.string(doc.get("precision", "fp32"), f"{where}.precision")  # profiles before issue 15: fp32
+    precision = f.string(doc.get("precision", "fp32"), f"{where}.precision")  # older profiles: fp32
     if precision not in PROFILE_PRECISIONS:
         raise FormatError(f"{where}: precision must be one of {', '.join(PROFILE_PRECISIONS)}, got {precision!r}")
     return Profile(f.string(doc.get("model", ""), f"{where}.model"), f.string(doc.get("device", ""), f"{where}.device"),

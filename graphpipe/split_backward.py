@@ -1,4 +1,4 @@
-"""Zero bubble's split backward: I (input gradients) now, W (weight gradients) later (DESIGN §11).
+"""Zero bubble's split backward: I (input gradients) now, W (weight gradients) later (docs/design.md, "Schedules and the simulator").
 
 The runtime's executor runs a stage's I and W actions with these; ``graphpipe
 profile`` splits each op's backward with the same two calls to measure W's share of it

@@ -1,4 +1,4 @@
-"""Layer classes and model definitions of the model zoo (DESIGN §3).
+"""Layer classes and model definitions of the model zoo (docs/design.md, "The op graph").
 
 Every model is a plain ``nn.Module`` built from :class:`Layer` subclasses.
 A :class:`Layer` is what :mod:`graphpipe.capture` keeps as one fx leaf and

@@ -1,4 +1,4 @@
-"""Brute-force oracles for the partitioners (STYLE habit 4: on graphs of <= 8 ops, DP = brute force).
+"""Brute-force oracles for the partitioners (on graphs of <= 8 ops, DP = brute force).
 
 Independent of the DPs they check: they enumerate every stage graph of a
 stated space explicitly, derive in-flight counts from the stage graph's own

@@ -1,4 +1,4 @@
-"""Shared fixtures: small op graphs with known structure (STYLE habit 4).
+"""Shared fixtures: small op graphs with known structure (the oracles' inputs).
 
 Every builder returns an :class:`OpGraph` with simple affine costs so that
 oracles (brute force, closed-form bubbles) are easy to compute.

@@ -1,4 +1,4 @@
-"""Small models with what real networks have and the zoo lacks (issue 21): dropout and BatchNorm inside
+"""Small models with what real networks have and the zoo lacks: dropout and BatchNorm inside
 branches, and an output head tied to the input embedding.
 
 Each factory returns ``(module, example_inputs, loss_fn)`` (the ``file.py:factory`` contract), so a plan's

@@ -1,6 +1,6 @@
 """CP-SAT co-optimiser: oracles are a brute force over every valid order (and
 size) on tiny instances, the graph-1F1B heuristic, the validator and the
-simulator (STYLE habits 3, 4, 6)."""
+simulator (one validator and one simulator; brute-force oracles on small graphs; CP-SAT built apart from its solve)."""
 
 from __future__ import annotations
 

@@ -226,7 +226,7 @@ def test_saved_bytes_on_cpu_at_fp32_are_what_capture_charges():
 
 def test_runtime_bench_compares_torch_on_a_plan_it_runs():
     """(c) of the runtime bench hands one plan to our executor and to torch.distributed.pipelining, which
-    refuses re-materializing stages; GPipe's own default (recompute all, issue 15) once broke the bench there."""
+    refuses re-materializing stages; GPipe's own default (recompute all) once broke the bench there."""
     from graphpipe import zoo
     from graphpipe.cluster import preset
     from graphpipe.runtime import RunOptions, preflight

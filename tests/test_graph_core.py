@@ -37,7 +37,7 @@ def test_graph_json_round_trip(tmp_path, seed):
 
 
 def test_edge_saved_bytes_round_trip_and_are_optional():
-    """``saved_bytes`` on an edge (issue 15) survives JSON, is absent when 0 (older documents read the same),
+    """``saved_bytes`` on an edge survives JSON, is absent when 0 (older documents read the same),
     and is checked like every other number."""
     graph = OpGraph.build("g", [make_op("a"), make_op("b"), make_op("c")],
                           [("a", "b", 16.0, 16.0), ("b", "c", 8.0)])
@@ -53,7 +53,7 @@ def test_edge_saved_bytes_round_trip_and_are_optional():
 
 
 def test_op_wgrad_round_trips_and_is_optional():
-    """A measured weight-gradient model (issue 17) survives JSON as ``wgrad_s``, is absent when not measured
+    """A measured weight-gradient model survives JSON as ``wgrad_s``, is absent when not measured
     (older documents read as unmeasured), and a wrong-typed one is one clear error."""
     graph = OpGraph.build("g", [Op("a", "linear", Affine(1e-3, 2e-4), Affine(2e-3, 4e-4), 8.0,
                                    wgrad=Affine(5e-4, 1e-4)), make_op("b")], [("a", "b", 8.0)])

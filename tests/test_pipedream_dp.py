@@ -1,7 +1,7 @@
 """--strategy pipedream against the real optimizer (msr-fiddle/pipedream optimizer_graph_hierarchical.py).
 
 The constants are the real optimizer's output on the shared profiles
-(``-n N -b BW --activation_compression_ratio 1``, issue 14): per-stage
+(``-n N -b BW --activation_compression_ratio 1``): per-stage
 replica counts and "Time per stage in pipeline" (seconds per profiled batch
 of 128). Ours must give the same replica counts and
 ``search.model_bottleneck_tps * 128`` within 1%. A brute force over the

@@ -174,7 +174,7 @@ def test_compare_reports_rows_and_progress_as_strategies_run():
 
 @pytest.mark.parametrize("strategy", ["gpp", "pipedream", "piper", "gpipe"])
 def test_the_search_pauses_the_collector_and_leaves_no_cycles(strategy):
-    """make_plan pauses the cyclic GC while it searches (speed, issue 16): that is only sound if the search
+    """make_plan pauses the cyclic GC while it searches (speed): that is only sound if the search
     leaves no cyclic garbage for it. It must also hand the collector back as it found it, on errors too."""
     import gc
 

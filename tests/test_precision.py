@@ -1,4 +1,4 @@
-"""Precision (issue 15): presets state what their peak FLOP/s assume, profiles and runs record theirs, plans made
+"""Precision: presets state what their peak FLOP/s assume, profiles and runs record theirs, plans made
 from a profile carry its precision, and a run at another precision warns; bad values are one line, exit 2."""
 
 from __future__ import annotations

@@ -238,7 +238,7 @@ def test_read_profile_refuses_other_formats(tmp_path):
     with pytest.raises(FormatError):
         profile_from_dict({"format": PROFILE_FORMAT, "ops": {"a": {"fwd_s": [-1.0, 0], "bwd_s": [1.0, 2.0]}}})
     old = {"format": PROFILE_FORMAT, "ops": {"a": {"fwd_s": [1.0, 0], "bwd_s": [1.0, 2.0]}}}
-    assert profile_from_dict(old).wgrad == {}, "profiles before issue 17 time only B"
+    assert profile_from_dict(old).wgrad == {}, "older profiles time only B"
     with pytest.raises(FormatError, match=r"ops\.a\.wgrad_s\[1\] must be a number, got true"):
         profile_from_dict({**old, "ops": {"a": {**old["ops"]["a"], "wgrad_s": [1.0, True]}}})
     path = tmp_path / "g.json"

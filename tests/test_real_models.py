@@ -1,4 +1,4 @@
-"""Dropout, BatchNorm and tied weights under micro-batching, replication and planning (issue 21).
+"""Dropout, BatchNorm and tied weights under micro-batching, replication and planning (docs/semantics.md).
 
 Oracle: ``--check``'s single-process reference with the same training
 semantics (dropout streams per (seed, step, op, shard), BatchNorm per

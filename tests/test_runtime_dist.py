@@ -1,4 +1,4 @@
-"""Real multi-process runs on CPU/gloo (issue 6 acceptance).
+"""Real multi-process runs on CPU/gloo.
 
 Oracle: the loss and every parameter gradient of the first iteration equal a
 single-process run of the same model on the whole mini-batch

@@ -33,7 +33,7 @@ def test_split_backward_times_follow_the_cost_model():
 
 
 def test_measured_weight_gradient_replaces_the_share():
-    """An op with a measured W (``Op.wgrad``, issue 17) splits by it exactly; the others keep the share."""
+    """An op with a measured W (``Op.wgrad``) splits by it exactly; the others keep the share."""
     ops = [Op("w", "linear", Affine(0.5, 1.0), Affine(1.0, 2.0), param_bytes=8.0, wgrad=Affine(0.25, 0.5)),
            Op("v", "linear", Affine(0.5, 1.0), Affine(2.0, 4.0), param_bytes=8.0),
            Op("relu", "act", Affine(0.0, 1.0), Affine(0.0, 3.0))]

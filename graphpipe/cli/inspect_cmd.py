@@ -3,7 +3,7 @@
 Prints the op table (id, name, kind, forward/backward seconds per sample at
 micro-batch size 1, i.e. ``t(1) = alpha + beta``, parameter and activation
 bytes), the edge count, totals, whether the graph is series-parallel (the
-shape GraphPipe's partitioner needs, DESIGN §5) and how many parallel
+shape GraphPipe's partitioner needs, docs/design.md, "Series-parallel decomposition") and how many parallel
 branches its widest parallel node has. A non-SP graph is reported as such,
 with the regions that planning would contract.
 

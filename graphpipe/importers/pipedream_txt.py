@@ -9,7 +9,7 @@ line per layer, then one tab-indented line per edge
 
 Times are milliseconds for one profiled *batch*, sizes are bytes for that
 batch; ``activation_size`` may be a list ``[a; b; ...]`` (one entry per output
-tensor, GNMT). Conversion to our per-sample cost model (DESIGN §4):
+tensor, GNMT). Conversion to our per-sample cost model (docs/design.md, "The cost model"):
 
 * ``beta = ms / 1000 / batch_size`` seconds per sample and ``alpha = 0``:
   PipeDream profiles a single batch size, so the fixed per-call part of

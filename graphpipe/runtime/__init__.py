@@ -1,4 +1,4 @@
-"""Execute plans for real on torch.distributed (DESIGN §8).
+"""Execute plans for real on torch.distributed (docs/design.md, "The runtime").
 
 The only package that touches ``torch.distributed``. One process per device:
 ``graphpipe run PLAN.json`` spawns them (:func:`run_plan`), or run the same

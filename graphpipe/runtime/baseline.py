@@ -1,4 +1,4 @@
-"""The same plan on ``torch.distributed.pipelining`` (DESIGN §8, baseline).
+"""The same plan on ``torch.distributed.pipelining`` (docs/design.md, "The runtime").
 
 ``graphpipe run PLAN --baseline torch`` runs a *sequential* plan with
 PyTorch's own pipeline runtime: each stage's module (the same fx stage

@@ -1,4 +1,4 @@
-"""BatchNorm under micro-batching and replication: the two modes of ``--batchnorm`` (issue 21).
+"""BatchNorm under micro-batching and replication: the two modes of ``--batchnorm`` (docs/semantics.md).
 
 A pipeline never sees the mini-batch at once: a stage normalises one
 micro-batch at a time, and each replica of a data-parallel stage only its

@@ -1,4 +1,4 @@
-"""Interpret one rank's action list for one training iteration (DESIGN §8).
+"""Interpret one rank's action list for one training iteration (docs/design.md, "The runtime").
 
 ``F s j``: gather the stage's inputs for micro-batch ``j`` (rows of the
 model inputs, pieces received from every producer stage — concatenated in
@@ -26,7 +26,7 @@ the all-reduce overlaps the rest of the schedule as in the simulator.
 Every stage call gets a :class:`~graphpipe.runtime.rng.ShardContext` (seed,
 step, the rows it holds) as its last argument: dropout masks and BatchNorm
 statistics then depend on those rows only, never on rank or schedule
-(issue 21). At the end of the iteration, in one fixed order on every rank
+(docs/semantics.md). At the end of the iteration, in one fixed order on every rank
 (so collectives of overlapping groups cannot cross): the replicas' gradient
 all-reduces complete; every BatchNorm commits its deferred running
 statistics (:meth:`~graphpipe.runtime.batchnorm.ShardedBatchNorm.commit`);

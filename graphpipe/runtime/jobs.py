@@ -11,7 +11,7 @@ import these, so the two runtimes are measured and checked the same way:
   :func:`compare_gradients`, the single-process run ``--check`` compares with;
 * :func:`finish_job`, which gathers every rank's figures on rank 0.
 
-What ``--check`` compares (issue 21). The reference is one process running
+What ``--check`` compares (docs/semantics.md). The reference is one process running
 the whole mini-batch of every step through the captured model, with the
 *same training semantics* as the pipeline, for as many steps as the run
 (SGD with the run's learning rate in between):

@@ -1,4 +1,4 @@
-"""Spawn one process per device, watch them, and never hang (DESIGN §8).
+"""Spawn one process per device, watch them, and never hang (docs/design.md, "The runtime").
 
 :func:`launch` starts ``world_size`` processes (``spawn`` start method, so
 every rank starts from a clean interpreter, as under ``torchrun``) on a free

@@ -31,7 +31,7 @@ def is_weight_copy(tensor: Any) -> bool:
     return rule(tensor)
 
 class SavedBytesMeter:
-    """Live and peak bytes of the tensors autograd keeps for backward on one rank (DESIGN §4's activations).
+    """Live and peak bytes of the tensors autograd keeps for backward on one rank (the activations of docs/design.md, "The cost model").
 
     :meth:`hooks` installs ``torch.autograd.graph.saved_tensors_hooks``:
     every tensor a forward saves is counted once per storage (views of one
@@ -162,7 +162,7 @@ def measured_timeline(plan: Plan, records: Iterable[Mapping[str, Any]], iteratio
 def summarize(plan: Plan, result: Mapping[str, Any]) -> dict[str, Any]:
     """The ``--json`` object: measured figures, the plan's predicted figures, the check."""
     predicted = dict(plan.predicted)
-    if not predicted or "peak_activation_bytes" not in predicted:  # plans made before issue 15 lack it
+    if not predicted or "peak_activation_bytes" not in predicted:  # plans from older versions lack it
         from graphpipe.sched import predicted_figures, simulate
 
         predicted = predicted_figures(simulate(plan.stage_graph, plan.schedule, plan.cluster))

@@ -1,4 +1,4 @@
-"""Random streams that do not depend on rank, placement, schedule or recomputation (issue 21).
+"""Random streams that do not depend on rank, placement, schedule or recomputation (docs/semantics.md).
 
 Why: a pipelined run draws its dropout masks on many ranks, in an order set
 by the schedule, and a re-materialised stage draws them a second time in its

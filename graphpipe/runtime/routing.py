@@ -1,4 +1,4 @@
-"""Who sends which rows of which tensor to whom, and in what order (DESIGN §8).
+"""Who sends which rows of which tensor to whom, and in what order (docs/design.md, "The runtime").
 
 Pure planning code, no torch: from a stage graph, a schedule and the values
 crossing every stage edge it derives

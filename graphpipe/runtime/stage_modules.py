@@ -1,4 +1,4 @@
-"""Cut a captured fx graph into one module per pipeline stage (DESIGN §8).
+"""Cut a captured fx graph into one module per pipeline stage (docs/design.md, "The runtime").
 
 The capture (:mod:`graphpipe.capture`) maps every op of the
 :class:`~graphpipe.graph.OpGraph` to the fx nodes that compute it
@@ -33,7 +33,7 @@ Megatron does for tied embeddings, so the copies stay equal. Buffers that a
 forward mutates (BatchNorm running statistics) must live in exactly one
 stage; a BatchNorm called from two stages is refused.
 
-Semantics (issue 21, :func:`instrument`): before the split, every dropout
+Semantics (docs/semantics.md, :func:`instrument`): before the split, every dropout
 and BatchNorm call of the captured graph is rewritten to take a context,
 the ``rng_ctx`` placeholder every stage module gets as its *last* argument
 (default ``None``: plain PyTorch semantics). The executor passes a
@@ -270,7 +270,7 @@ def split_model(gm: torch.fx.GraphModule, op_nodes: Mapping[str, Sequence[str]],
             if p is None or p == s:
                 continue
             if getattr(sg, "sequential", False):
-                # SPP: every stage between producer and consumer relays the value (DESIGN §6).
+                # SPP: every stage between producer and consumer relays the value (docs/design.md, "Partitioners").
                 for i in range(p, s):
                     sends.setdefault((i, i + 1), {})[arg] = None
                     needed[i + 1][arg] = None

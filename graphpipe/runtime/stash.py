@@ -1,4 +1,4 @@
-"""Weight versions of one stage on one rank: PipeDream's weight stashing and 2BW's double buffer (DESIGN §11).
+"""Weight versions of one stage on one rank: PipeDream's weight stashing and 2BW's double buffer (docs/design.md, "Schedules and the simulator").
 
 The version schedule (:class:`graphpipe.sched.async_pipe.VersionTable`) says
 which version ``v(s, i)`` micro-batch ``i`` runs on at stage ``s``. A

@@ -1,4 +1,4 @@
-"""What one rank does: build the model, keep its stages, run steps, report (DESIGN §8).
+"""What one rank does: build the model, keep its stages, run steps, report (docs/design.md, "The runtime").
 
 Every rank rebuilds the whole model from the plan's ``model`` spec and the
 same seed (:func:`load_runnable`), captures it exactly as the planner did,
