@@ -19,20 +19,22 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Literal, Mapping, Sequence
 
 from graphpipe.errors import FormatError
 
-__all__ = ["Action", "Schedule", "KINDS"]
+__all__ = ["Action", "ActionKind", "Schedule", "KINDS"]
 
-KINDS = ("F", "B", "I", "W")
+ActionKind = Literal["F", "B", "I", "W"]
+"""F forward, B whole backward, I input-gradient half, W weight-gradient half (zero bubble)."""
+KINDS: tuple[ActionKind, ...] = ("F", "B", "I", "W")
 _PATTERN = re.compile(r"^\s*(\d+)\s*([FBIW])\s*(\d+)\s*$")
 
 
 @dataclass(frozen=True, slots=True, order=True)
 class Action:
     stage_id: int
-    kind: str
+    kind: ActionKind
     mb_id: int
 
     def __str__(self) -> str:

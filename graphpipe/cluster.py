@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Literal, Sequence
 
 from graphpipe import costs
 from graphpipe.errors import FormatError, InputError
 
-__all__ = ["DeviceSpec", "Link", "Cluster", "PRESETS", "PRECISIONS", "MAX_DEVICES", "preset", "load_cluster", "cluster_to_dict", "cluster_from_dict"]
+__all__ = ["DeviceSpec", "Link", "Cluster", "PRESETS", "PRECISIONS", "Precision", "MAX_DEVICES", "preset", "load_cluster", "cluster_to_dict", "cluster_from_dict"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -48,7 +48,7 @@ class DeviceSpec:
     """Fixed cost of one layer-op call (kernel launches): the alpha of t(b)."""
     mfu: float = 0.5
     """Fraction of peak reached by layer-sized kernels (analytical costing)."""
-    precision: str = "bf16"
+    precision: Precision = "bf16"
     """The training precision ``peak_flops`` assumes (:data:`PRECISIONS`): a plan made with these costs is
     for runs at this precision (``graphpipe run --precision``)."""
 
@@ -178,7 +178,9 @@ MAX_DEVICES = 1024
 """Most devices a cluster may have: gpp plans mmt:small on 1,024 devices at the largest batch in about 20 s on
 one core, and on 4,096 did not finish in 2 minutes (searches are polynomial in the device count)."""
 
-PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
+Precision = Literal["fp32", "tf32", "fp16", "bf16"]
+"""A number format: what a device's peak FLOP/s assume, and what a run trains at."""
+PRECISIONS: tuple[Precision, ...] = ("fp32", "tf32", "fp16", "bf16")
 """Training precisions a device's ``peak_flops`` may assume; runs take ``fp32`` or ``bf16`` (torch.autocast)."""
 
 _DEVICE_KEYS = ("name", "memory_bytes", "peak_flops", "op_overhead_s", "mfu", "precision")

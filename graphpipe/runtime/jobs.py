@@ -46,7 +46,7 @@ import os
 import socket
 import statistics
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 from torch.utils._pytree import tree_leaves
 
@@ -121,7 +121,7 @@ class RunOptions:
     steps: int = 3
     """Training iterations to run (the first ``warmup_steps`` are not measured)."""
     warmup_steps: int = 1
-    backend: str = "auto"
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
     """gloo, nccl, or auto (nccl when every rank has its own GPU, else gloo)."""
     check: bool = False
     """Compare the first iteration's loss and gradients with a single-process run."""
@@ -143,7 +143,7 @@ class RunOptions:
     batchnorm: str | None = None
     """BatchNorm semantics, ``per-micro-batch`` or ``sync`` (:mod:`graphpipe.runtime.batchnorm`); None: the plan's."""
 
-    precision: str = "fp32"
+    precision: Literal["fp32", "bf16"] = "fp32"
     """Training precision: ``fp32``, or ``bf16`` under ``torch.autocast`` (forward, backward and the --check reference)."""
 
     def __post_init__(self) -> None:
