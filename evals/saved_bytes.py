@@ -12,10 +12,11 @@ the totals are exact:
   ``act_bytes`` times the batch (tested).
 * ``cuda/fp32`` differs by the attention kernel (CUDA's efficient attention
   pads the log-sum-exp and keeps the RNG state; about +1% on mmt:small, an H100).
-* ``bf16`` (``torch.autocast``): matmuls save bf16 inputs, and a bf16 copy of
+* ``bf16`` (``torch.autocast``): matmuls save bf16 inputs; the bf16 copy of
   their weights lives in autocast's cast cache for the whole autocast region
-  (the runtime's iteration) -- the model charges neither (``graphpipe run
-  --precision bf16`` says so).
+  (the runtime's iteration), once per step, so it is model state (2 bytes per
+  parameter in a bf16 plan), not counted here. Capture at ``--precision bf16``
+  charges exactly what this measures on CPU (tested).
 
 Usage::
 

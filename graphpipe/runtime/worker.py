@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
@@ -47,9 +47,9 @@ from graphpipe.runtime.executor import RankExecutor, StepResult, TiedSync
 from graphpipe.runtime.jobs import (RunOptions, autocast, compare_buffers, compare_gradients, data_seed, finish_job,
                                     load_runnable, plan_granularity, reference_layout, reference_run)
 from graphpipe.runtime.routing import Routing
-from graphpipe.runtime.stage_modules import ModelSplit, boundary_meta, check_op_names, split_model
+from graphpipe.runtime.stage_modules import ModelSplit, StageProgram, boundary_meta, check_op_names, split_model
 
-__all__ = ["rank_cpus", "pin_rank", "run_rank", "run_job"]
+__all__ = ["rank_cpus", "pin_rank", "run_rank", "run_job", "setup_rank", "RankSetup"]
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +97,72 @@ def _edge_values(split: ModelSplit) -> dict[tuple[int, int], tuple[str, ...]]:
     return {(prog.stage_id, c): values for prog in split.programs for c, values in prog.send_values}
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class RankSetup:
+    """What one rank holds for a plan: its executor and stage programs, and what checks need to know."""
+
+    executor: RankExecutor
+    programs: dict[int, StageProgram]
+    layout: dict[str, dict[str, int]]
+    """Rows per call of every context-taking op (the reference's cut, :func:`reference_layout`)."""
+    tied_copies: frozenset
+    """``(stage, name)`` of the tied copies that do not count (only the owner's does)."""
+    buffer_stage: dict[str, int]
+    """Buffer name -> the first stage holding it (a read-only buffer several stages read counts once)."""
+
+
+def setup_rank(rank: int, world_size: int, plan: Plan, split: ModelSplit, meta, loss_fn, device: torch.device,
+               backend: str, *, timeout_s: float, seed: int, batchnorm: str, fault=None) -> RankSetup:
+    """Routing, process groups (created by every rank in the same order), tied parameters and the executor of
+    ``rank``: the one set-up of ``graphpipe run`` and :class:`graphpipe.Pipeline`."""
+    from graphpipe.runtime.comm import make_link_groups
+
+    sg, schedule = plan.stage_graph, plan.schedule
+    my_stages = sg.stages_on_device(rank) if rank < sg.num_devices else ()
+    routing = Routing(sg, schedule, _edge_values(split), [v for v, m in meta.items() if m.needs_grad])
+    link_groups = make_link_groups(routing, world_size, backend)
+    dp_groups, ar_order = {}, {}
+    for stage in sg.stages:
+        if stage.num_replicas > 1 and stage.devices not in dp_groups:
+            dp_groups[stage.devices] = dist.new_group(list(stage.devices))
+            first = schedule.device_actions[stage.devices[0]]
+            last_b = {}
+            for pos, a in enumerate(first):
+                if a.kind in ("B", "W"):
+                    last_b[a.stage_id] = pos
+            ar_order[stage.devices] = sorted((s for s in last_b if sg.stages[s].devices == stage.devices), key=last_b.get)
+    tied = []
+    tie_groups: dict[tuple[int, ...], object] = {}
+    for tie in split.tied:  # every rank creates every group, in the same order (new_group is collective)
+        ranks = tuple(sorted({d for s in tie.stages for d in sg.stages[s].devices}))
+        if len(ranks) > 1 and ranks not in tie_groups:
+            tie_groups[ranks] = dist.new_group(list(ranks))
+        group = tie_groups.get(ranks)
+        if rank in ranks:
+            tied.append(TiedSync(tie.name, tuple(c for c in tie.copies if c[0] in my_stages), group))
+    programs = {s: split.programs[s] for s in my_stages}
+    buffer_stage: dict[str, int] = {}
+    for prog in split.programs:
+        for name, _ in prog.module.named_buffers():
+            buffer_stage.setdefault(name, prog.stage_id)
+    if batchnorm == "sync":
+        from graphpipe.runtime.batchnorm import sharded_batchnorms
+
+        for s, prog in programs.items():
+            if sg.stages[s].num_replicas > 1 and not sg.stages[s].round_robin:  # round-robin: whole mbs already
+                for bn in sharded_batchnorms(prog.module):
+                    bn.group = dp_groups[sg.stages[s].devices]
+    layout = reference_layout(plan, dict(split.node_stages), batchnorm)
+    tied_copies = frozenset(c for tie in split.tied for c in tie.copies[1:])
+    for prog in programs.values():
+        prog.module.to(device)
+    executor = RankExecutor(rank, sg, schedule.device_actions[rank] if rank < sg.num_devices else (), programs, routing,
+                            meta, loss_fn, device, timeout_s, link_groups,
+                            {k: v for k, v in dp_groups.items() if rank in k}, ar_order, fault=fault,
+                            seed=seed, batchnorm=batchnorm, tied=tied)
+    return RankSetup(executor, programs, layout, tied_copies, buffer_stage)
+
+
 def run_job(rank: int, world_size: int, plan: Plan, options: RunOptions, device: torch.device,
             backend: str, control=None) -> dict[str, Any] | None:
     """Run one plan on this rank; rank 0 returns the job's result, other ranks ``None``.
@@ -126,53 +192,13 @@ def run_job(rank: int, world_size: int, plan: Plan, options: RunOptions, device:
     unseeded = _warn_unseeded(runnable, plan.model) if rank == 0 else {}
     split = split_model(runnable.gm, runnable.op_nodes, sg)
     meta = boundary_meta(runnable.gm, split.boundary_values, runnable.make_inputs, options.precision)
-    routing = Routing(sg, schedule, _edge_values(split), [v for v, m in meta.items() if m.needs_grad])
-    from graphpipe.runtime.comm import make_link_groups
-
-    link_groups = make_link_groups(routing, world_size, backend)
-    dp_groups, ar_order = {}, {}
-    for stage in sg.stages:
-        if stage.num_replicas > 1 and stage.devices not in dp_groups:
-            dp_groups[stage.devices] = dist.new_group(list(stage.devices))
-            first = schedule.device_actions[stage.devices[0]]
-            last_b = {}
-            for pos, a in enumerate(first):
-                if a.kind in ("B", "W"):
-                    last_b[a.stage_id] = pos
-            ar_order[stage.devices] = sorted((s for s in last_b if sg.stages[s].devices == stage.devices), key=last_b.get)
-    tied = []
-    tie_groups: dict[tuple[int, ...], object] = {}
-    for tie in split.tied:  # every rank creates every group, in the same order (new_group is collective)
-        ranks = tuple(sorted({d for s in tie.stages for d in sg.stages[s].devices}))
-        if len(ranks) > 1 and ranks not in tie_groups:
-            tie_groups[ranks] = dist.new_group(list(ranks))
-        group = tie_groups.get(ranks)
-        if rank in ranks:
-            tied.append(TiedSync(tie.name, tuple(c for c in tie.copies if c[0] in my_stages), group))
-    programs = {s: split.programs[s] for s in my_stages}
-    buffer_stage: dict[str, int] = {}  # a read-only buffer several stages read (a rotary table) counts once
-    for prog in split.programs:
-        for name, _ in prog.module.named_buffers():
-            buffer_stage.setdefault(name, prog.stage_id)
-    if batchnorm == "sync":
-        from graphpipe.runtime.batchnorm import sharded_batchnorms
-
-        for s, prog in programs.items():
-            if sg.stages[s].num_replicas > 1 and not sg.stages[s].round_robin:  # round-robin: whole mbs already
-                for bn in sharded_batchnorms(prog.module):
-                    bn.group = dp_groups[sg.stages[s].devices]
-    layout = reference_layout(plan, dict(split.node_stages), batchnorm)
-    # only the stage keeping a tied parameter counts it (its copies are compared too)
-    tied_copies = {c for tie in split.tied for c in tie.copies[1:]}
-    for prog in programs.values():
-        prog.module.to(device)
-    loss_fn, make_inputs = runnable.loss_fn, runnable.make_inputs
+    ctx = setup_rank(rank, world_size, plan, split, meta, runnable.loss_fn, device, backend, timeout_s=options.timeout_s,
+                     seed=options.seed, batchnorm=batchnorm, fault=options.fault)
+    executor, programs, layout = ctx.executor, ctx.programs, ctx.layout
+    tied_copies, buffer_stage = ctx.tied_copies, ctx.buffer_stage
+    make_inputs = runnable.make_inputs
     reads_inputs = any(programs[s].model_inputs for s in my_stages)
     del runnable, split  # drop every other stage's parameters
-    executor = RankExecutor(rank, sg, schedule.device_actions[rank] if rank < sg.num_devices else (), programs, routing,
-                            meta, loss_fn, device, options.timeout_s, link_groups,
-                            {k: v for k, v in dp_groups.items() if rank in k}, ar_order, fault=options.fault,
-                            seed=options.seed, batchnorm=batchnorm, tied=tied)
     params = executor.parameters()
     optimizer = torch.optim.SGD(params, lr=options.lr) if params else None
     reference = None
