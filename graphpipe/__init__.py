@@ -33,4 +33,14 @@ depth
 """
 
 __version__ = "0.1.0"
-__all__ = ["__version__"]
+__all__ = ["__version__", "Pipeline"]
+
+
+def __getattr__(name: str):
+    """``graphpipe.Pipeline``, the training API (:mod:`graphpipe.runtime.api`), imported on first use only:
+    the core stays free of the runtime (and of torch.distributed) for planning."""
+    if name == "Pipeline":
+        from graphpipe.runtime.api import Pipeline
+
+        return Pipeline
+    raise AttributeError(f"module 'graphpipe' has no attribute {name!r}")

@@ -1,0 +1,420 @@
+"""Train your own model on your own data through a plan: :class:`Pipeline`, used in your script under torchrun.
+
+::
+
+    pipe = graphpipe.Pipeline("plan.json", model, loss_fn)   # this rank's stages, on this rank's device
+    opt = torch.optim.AdamW(pipe.parameters(), lr=3e-4)      # this rank's parameters
+    for inputs, target in loader:                            # the whole mini-batch on every rank
+        loss = pipe.step(inputs, target)                     # forward + backward over the plan's micro-batches
+        pipe.clip_grad_norm_(1.0)                            # global norm over every stage and replica
+        opt.step(); opt.zero_grad()
+    pipe.save("ckpt", optimizer=opt)                         # torch.distributed.checkpoint, keyed by parameter name
+    out = pipe.forward(inputs)                               # no-grad evaluation, the output on every rank
+
+Every rank builds the same model (``Pipeline`` broadcasts rank 0's weights
+so they agree), captures it on the example inputs of the plan's model spec
+(or ``example_inputs=``) exactly as the planner did
+(:func:`graphpipe.capture.trace_ops`, at the plan's granularity), cuts it by
+stage and keeps its own stages' programs. Training semantics are those
+``graphpipe run --check`` verifies (docs/semantics.md): dropout masks per
+(seed, step, op, rows), BatchNorm per micro-batch or synchronised, tied
+weights summed across their copies, the loss scaled by each micro-batch's
+share of the mini-batch. PipeDream's asynchronous schedules keep weight
+versions inside the runtime; the API refuses them.
+
+``torch.distributed`` is initialised from torchrun's environment when it is
+not already (gloo on CPU, NCCL when every rank has a GPU), with a timeout on
+every collective, so a failing rank ends the job instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import uuid
+from datetime import timedelta
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from graphpipe.errors import InputError, PlanError
+from graphpipe.plan import Plan
+
+__all__ = ["Pipeline"]
+
+
+def _init_distributed(timeout_s: float) -> tuple[int, int, str]:
+    """``(rank, world size, backend)``, initialising the default process group from torchrun's environment."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size(), dist.get_backend()
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise InputError("graphpipe.Pipeline runs under torchrun (RANK and WORLD_SIZE are not set); "
+                         "start the script with `torchrun --nproc-per-node N script.py`")
+    world = int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    use_cuda = torch.cuda.is_available() and torch.cuda.device_count() > local
+    backend = "nccl" if use_cuda else "gloo"
+    if use_cuda:
+        torch.cuda.set_device(local)
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    return dist.get_rank(), world, backend
+
+
+class Pipeline:
+    """This rank's part of a model trained by a graphpipe plan (module docstring).
+
+    ``plan``: a :class:`~graphpipe.plan.Plan` or a plan JSON path. ``model``
+    and ``loss_fn``: the module and ``loss_fn(output)`` or
+    ``loss_fn(output, target)``; when omitted they come from the plan's
+    model spec (a zoo spec or ``file.py:factory``). ``precision``: ``fp32``
+    or ``bf16`` (``torch.autocast``, weights kept in fp32).
+    """
+
+    def __init__(self, plan: Plan | str | os.PathLike, model: nn.Module | None = None,
+                 loss_fn: Callable[..., torch.Tensor] | None = None, *, example_inputs: Any = None,
+                 example_target: Any = None, precision: str = "fp32", seed: int = 0, timeout_s: float = 300.0,
+                 batchnorm: str | None = None) -> None:
+        from graphpipe.plan import read_plan
+        from graphpipe.sched.async_pipe import plan_spec
+
+        self.plan = read_plan(os.fspath(plan)) if not isinstance(plan, Plan) else plan
+        if plan_spec(self.plan) is not None:
+            raise PlanError(f"the plan's schedule {self.plan.schedule.name!r} is asynchronous (PipeDream's weight "
+                            "versions); Pipeline trains synchronous schedules: re-plan with another --schedule")
+        if precision not in ("fp32", "bf16"):
+            raise InputError(f"precision must be fp32 or bf16, got {precision!r}")
+        self.precision, self.seed, self.timeout_s = precision, seed, timeout_s
+        self.rank, self.world_size, self.backend = _init_distributed(timeout_s)
+        sg = self.plan.stage_graph
+        if sg.num_devices > self.world_size:
+            raise PlanError(f"the plan needs {sg.num_devices} ranks, torchrun started {self.world_size}")
+        self.device = torch.device(f"cuda:{torch.cuda.current_device()}") if self.backend == "nccl" else torch.device("cpu")
+        self._batchnorm = batchnorm or getattr(self.plan, "batchnorm", None) or "per-micro-batch"
+        if model is not None and loss_fn is None:
+            raise InputError("Pipeline(plan, model, loss_fn): a model needs its loss_fn")
+        spec_model, spec_inputs, spec_loss, spec_target = self._from_spec()  # the plan's model: its example inputs
+        self._model = model if model is not None else spec_model
+        self._loss_fn = loss_fn if loss_fn is not None else spec_loss
+        if example_inputs is None:
+            example_inputs, example_target = spec_inputs, spec_target
+        self._broadcast_weights(self._model)
+        self._steps = 0
+        self._build(example_inputs, example_target)
+
+    # ------------------------------------------------------------------ set-up
+    def _from_spec(self):
+        """``(module, example inputs, loss_fn, example target)`` of the plan's model spec."""
+        from graphpipe.capture import load_factory
+
+        spec = self.plan.model
+        if spec.endswith((".json", ".txt")):
+            raise PlanError(f"the plan's model {spec!r} is a graph file: plan the module (a zoo spec or "
+                            "file.py:factory) to train it")
+        if ".py:" in spec:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(self.seed)
+                made = load_factory(spec)
+            return made.module, made.example_inputs, made.loss_fn, made.example_target
+        from graphpipe import zoo
+
+        built = zoo.build(spec, seed=self.seed)
+        return built.module, built.example_inputs, built.loss_fn, None
+
+    def _broadcast_weights(self, model: nn.Module) -> None:
+        """Rank 0's parameters and buffers on every rank (ranks that built the model with other seeds agree)."""
+        with torch.no_grad():
+            for t in list(model.parameters()) + list(model.buffers()):
+                if t.device.type == "meta":
+                    raise InputError("Pipeline needs a model with real weights (it was built on the meta device)")
+                buf = t.detach().to(self.device) if self.backend == "nccl" else t.detach()
+                dist.broadcast(buf, 0)
+                if buf is not t:
+                    t.copy_(buf)
+
+    def _build(self, example: Any, target: Any) -> None:
+        """Capture the model on ``example`` (a whole mini-batch), cut it and build this rank's executor."""
+        from graphpipe.capture import Granularity, trace_ops
+        from graphpipe.runtime.jobs import plan_granularity
+        from graphpipe.runtime.stage_modules import boundary_meta, check_op_names, instrument, split_model
+        from graphpipe.runtime.worker import setup_rank
+
+        model = self._model.cpu() if self.backend != "nccl" else self._model
+        exported, op_nodes, _ = trace_ops(model, example, self._loss_fn, target,
+                                          Granularity.parse(plan_granularity(self.plan)))
+        sg = self.plan.stage_graph
+        check_op_names([op.name for op in sg.graph.ops], tuple(op_nodes), self.plan.model)
+        self._io = exported.io
+        args, kwargs = _split(example)
+        flat = exported.io.flat_inputs(args, kwargs, target)
+
+        def rows(n: int, _seed: int = 0) -> tuple:  # n rows of the example (repeated when it has fewer)
+            return tuple(x[torch.arange(n) % x.shape[0]] if isinstance(x, torch.Tensor) and x.dim() else x
+                         for x in flat)
+
+        gm = instrument(exported.gm, rows(2))
+        split = split_model(gm, op_nodes, sg)
+        meta = boundary_meta(gm, split.boundary_values, rows, self.precision)
+        self._setup = setup_rank(self.rank, self.world_size, self.plan, split, meta, exported.io.wrap_loss(self._loss_fn),
+                                 self.device, self.backend, timeout_s=self.timeout_s, seed=self.seed,
+                                 batchnorm=self._batchnorm)
+        self._names = {}
+        for s, prog in self._setup.programs.items():
+            for name, p in prog.module.named_parameters():
+                self._names[p] = prog.param_names.get(name, name)
+        self._counted = self._counted_parameters()
+        self._sink_id = split.sink_stage
+        from torch.utils import _pytree as pytree
+
+        self._target_shapes = [(tuple(t.shape[1:]), t.dtype) for t in pytree.tree_leaves(target)
+                               if isinstance(t, torch.Tensor)]
+
+    def _counted_parameters(self) -> list[nn.Parameter]:
+        """The parameters this rank counts once in global sums: a stage's first replica, a tied parameter's owner."""
+        sg, setup = self.plan.stage_graph, self._setup
+        out = []
+        for s, prog in setup.programs.items():
+            if sg.stages[s].devices[0] != self.rank:
+                continue
+            for name, p in prog.module.named_parameters():
+                if (s, name) not in setup.tied_copies:
+                    out.append(p)
+        return out
+
+
+    # ------------------------------------------------------------------ parameters
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """This rank's parameters (its stages', each once), for its optimizer."""
+        return iter(self._setup.executor.parameters())
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """``(the model's own name, parameter)`` of every parameter on this rank."""
+        for p in self._setup.executor.parameters():
+            yield self._names[p], p
+
+    # ------------------------------------------------------------------ training
+    def step(self, inputs: Any, target: Any = None) -> float:
+        """Forward and backward of one mini-batch through the plan's schedule; returns its loss on every rank.
+
+        ``inputs``: a tensor, a tuple of inputs or a dict of keyword inputs
+        (the whole mini-batch, the plan's batch size); ``target`` when the
+        loss takes one. Gradients accumulate into ``.grad`` (all-reduced over
+        replicas, summed over tied copies); zero them between steps.
+        """
+        from graphpipe.runtime.jobs import autocast
+
+        flat = self._flat(inputs, target)
+        executor = self._setup.executor
+        self._rebind_grads()
+        with autocast(self.precision, self.device):
+            result = executor.run_iteration(flat if self._reads_inputs() else None, time.perf_counter(), self._steps)
+        self._steps += 1
+        loss = torch.tensor([result.loss], dtype=torch.float64)
+        dist.all_reduce(loss)
+        return float(loss)
+
+    def _reads_inputs(self) -> bool:
+        return any(prog.model_inputs for prog in self._setup.programs.values())
+
+    def _flat(self, inputs: Any, target: Any) -> tuple:
+        args, kwargs = _split(inputs)
+        if self._io.target_spec is not None and target is None:
+            raise InputError("the loss takes a target: call step(inputs, target)")
+        if self._io.target_spec is None and target is not None:
+            raise InputError("the loss was captured without a target (loss_fn(output)); call step(inputs)")
+        flat = self._io.flat_inputs(args, kwargs, target)
+        got, want = _batch(flat), self.plan.stage_graph.batch_size
+        if got != want:
+            raise InputError(f"mini-batch of {got} rows, but the plan is for batch size {want}: give the whole "
+                             f"mini-batch on every rank (re-plan with --batch-size {got} to train at {got})")
+        return flat
+
+    def _rebind_grads(self) -> None:
+        """After ``optimizer.zero_grad()`` (which drops ``.grad``), gradients go back into the executor's
+        persistent per-stage buffers, zeroed."""
+        executor = self._setup.executor
+        if any(p.grad is None for p in executor.parameters()):
+            from graphpipe.runtime.executor import flat_grad_buffer, zero_grads
+
+            for s in sorted(self._setup.programs):
+                params = list(self._setup.programs[s].module.parameters())
+                if s in executor._grad_buffers:
+                    executor._grad_buffers[s] = flat_grad_buffer(params)
+                else:
+                    zero_grads(params)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
+        """Scale every gradient so the global ``norm_type`` norm (all stages, each parameter once) is at most
+        ``max_norm``, as ``torch.nn.utils.clip_grad_norm_`` on the whole model; returns the norm before clipping."""
+        grads = [p.grad for p in self._counted if p.grad is not None]
+        if norm_type == float("inf"):
+            local = max((float(g.abs().max()) for g in grads), default=0.0)
+            total = torch.tensor([local], dtype=torch.float64)
+            dist.all_reduce(total, op=dist.ReduceOp.MAX)
+            norm = float(total)
+        else:
+            local = sum(float(g.double().norm(norm_type) ** norm_type) for g in grads)
+            total = torch.tensor([local], dtype=torch.float64)
+            dist.all_reduce(total)
+            norm = float(total) ** (1.0 / norm_type)
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            for p in self._setup.executor.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        return norm
+
+    # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def forward(self, inputs: Any) -> Any:
+        """The model's output for ``inputs`` (no grad, eval mode: dropout off, BatchNorm running statistics),
+        on every rank. Each stage runs once on the whole batch on its first replica, in stage order."""
+        from graphpipe.runtime.jobs import autocast
+
+        sg = self.plan.stage_graph
+        args, kwargs = _split(inputs)
+        rows = _batch([t for t in list(args) + list(kwargs.values()) if isinstance(t, torch.Tensor)])
+        flat = self._io.flat_inputs(args, kwargs, self._zero_target(rows))
+        values: dict[str, torch.Tensor] = {}
+        out = None
+        for stage_id in range(sg.num_stages):
+            prog = self._setup.programs.get(stage_id)
+            if prog is None or sg.stages[stage_id].devices[0] != self.rank:
+                continue
+            for name, index in prog.model_inputs:
+                values[name] = flat[index].to(self.device)
+            for producer, names in prog.recv_values:
+                src = sg.stages[producer].devices[0]
+                for n in names:
+                    if src != self.rank:
+                        meta = self._setup.executor.meta[n]
+                        values[n] = torch.empty((rows, *meta.sample_shape), dtype=meta.dtype, device=self.device)
+                        dist.recv(values[n], src)
+            prog.module.eval()
+            try:
+                with autocast(self.precision, self.device):
+                    sent, model_out = prog.module(*[values[n] for n in prog.input_names])
+            finally:
+                prog.module.train()
+            by_name = dict(zip(prog.output_names, sent))
+            for consumer, names in prog.send_values:
+                dst = sg.stages[consumer].devices[0]
+                for n in names:
+                    if dst == self.rank:
+                        values[n] = by_name[n]
+                    else:
+                        dist.send(by_name[n].contiguous(), dst)
+            if prog.is_sink:
+                out = tuple(t.cpu() if isinstance(t, torch.Tensor) else t for t in model_out)
+        holder = [out]
+        dist.broadcast_object_list(holder, src=sg.stages[self._sink_id].devices[0])
+        return self._io.output(holder[0][:len(self._io.kept)])
+
+    def _zero_target(self, rows: int) -> Any:
+        """Evaluation reads no target, but the graph takes one when the loss does: zeros of its shape."""
+        if self._io.target_spec is None:
+            return None
+        from torch.utils import _pytree as pytree
+
+        leaves = [torch.zeros((rows, *shape), dtype=dtype) for shape, dtype in self._target_shapes]
+        return pytree.tree_unflatten(leaves, self._io.target_spec)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, torch.Tensor]:
+        """This rank's share of the checkpoint: ``model/<name>`` (and ``optim/<name>/<key>``), each parameter
+        from the rank that counts it, buffers from the first stage holding them."""
+        counted = {id(p) for p in self._counted}
+        state: dict[str, torch.Tensor] = {}
+        for name, p in self.named_parameters():
+            if id(p) in counted:
+                state[f"model/{name}"] = p.detach()
+                if optimizer is not None:
+                    for key, value in optimizer.state.get(p, {}).items():
+                        if isinstance(value, torch.Tensor):
+                            state[f"optim/{name}/{key}"] = value
+        for s, prog in self._setup.programs.items():
+            if self.plan.stage_graph.stages[s].devices[0] != self.rank:
+                continue
+            for name, b in prog.module.named_buffers():
+                if self._setup.buffer_stage.get(name) == s:
+                    state[f"buffer/{name}"] = b
+        return state
+
+    def save(self, directory: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Write a ``torch.distributed.checkpoint`` to ``directory`` (collective), atomically: into a fresh
+        folder beside it, then renamed over it, so a job killed mid-save leaves the previous checkpoint."""
+        import torch.distributed.checkpoint as dcp
+
+        directory = os.fspath(directory)
+        token = [uuid.uuid4().hex if self.rank == 0 else None]
+        dist.broadcast_object_list(token, src=0)
+        tmp = f"{directory}.tmp-{token[0]}"
+        state = self.state_dict(optimizer)
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp))
+        dist.barrier()
+        if self.rank == 0:
+            old = f"{directory}.old-{token[0]}"
+            if os.path.exists(directory):
+                os.replace(directory, old)
+            os.replace(tmp, directory)
+            shutil.rmtree(old, ignore_errors=True)
+        dist.barrier()
+
+    def load(self, directory: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Read a checkpoint written by :meth:`save` (by any plan of the same model): every parameter this rank
+        holds (replicas and tied copies included) by its name, and the optimizer's state for them."""
+        import torch.distributed.checkpoint as dcp
+
+        directory = os.fspath(directory)
+        if not os.path.isdir(directory):
+            raise InputError(f"no checkpoint at {directory}")
+        metadata = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
+        state: dict[str, torch.Tensor] = {}
+        params = dict(self.named_parameters())
+        for name, p in params.items():
+            key = f"model/{name}"
+            if key not in metadata:
+                raise InputError(f"checkpoint {directory} has no parameter {name!r}: it is of another model")
+            if tuple(metadata[key].size) != tuple(p.shape):
+                raise InputError(f"checkpoint {directory}: parameter {name!r} has shape {tuple(metadata[key].size)}, "
+                                 f"the model's is {tuple(p.shape)}")
+            state[key] = torch.empty_like(p.detach())
+            if optimizer is not None:
+                for k, md in metadata.items():
+                    if k.startswith(f"optim/{name}/"):
+                        state[k] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        buffers = {}
+        for s, prog in self._setup.programs.items():
+            for name, b in prog.module.named_buffers():
+                if f"buffer/{name}" in metadata:
+                    buffers.setdefault(name, []).append(b)
+                    state[f"buffer/{name}"] = torch.empty_like(b)
+        dcp.load(state, storage_reader=dcp.FileSystemReader(directory))
+        with torch.no_grad():
+            for name, p in params.items():
+                p.copy_(state[f"model/{name}"])
+            for name, bs in buffers.items():
+                for b in bs:
+                    b.copy_(state[f"buffer/{name}"])
+        if optimizer is not None:
+            for name, p in params.items():
+                prefix = f"optim/{name}/"
+                entry = {k[len(prefix):]: v.to(p.device) for k, v in state.items() if k.startswith(prefix)}
+                if entry:
+                    optimizer.state[p] = entry
+
+
+def _split(inputs: Any) -> tuple[tuple, dict]:
+    from graphpipe.exporting import normalize_inputs
+
+    return normalize_inputs(inputs)
+
+
+def _batch(flat) -> int:
+    for x in flat:
+        if isinstance(x, torch.Tensor) and x.dim():
+            return int(x.shape[0])
+    raise InputError("inputs need at least one tensor whose dim 0 is the batch")
+

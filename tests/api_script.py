@@ -1,0 +1,63 @@
+"""Run under torchrun by tests/test_api.py: train through graphpipe.Pipeline, write losses and final weights.
+
+    torchrun --nproc-per-node 3 tests/api_script.py PLAN.json OUT.pt STEPS [--save DIR] [--load DIR] [--resume-at K]
+"""
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import api_models  # noqa: E402
+
+import graphpipe  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("plan")
+    p.add_argument("out")
+    p.add_argument("steps", type=int)
+    p.add_argument("--save")
+    p.add_argument("--load")
+    p.add_argument("--resume-at", type=int, default=0)
+    args = p.parse_args()
+    torch.manual_seed(1 + int(os.environ.get("RANK", 0)))  # the ranks' models differ: Pipeline broadcasts rank 0's
+    model = api_models.TwoBranch()
+    if int(os.environ.get("RANK", 0)) == 0:
+        torch.manual_seed(0)
+        model = api_models.TwoBranch()
+    pipe = graphpipe.Pipeline(args.plan, model, api_models.loss_fn, timeout_s=120)
+    losses, norms = [], []
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    if args.load:
+        pipe.load(args.load, optimizer=opt)
+        for _ in range(args.resume_at):
+            sched.step()
+    for step in range(args.resume_at, args.resume_at + args.steps):
+        x, y = api_models.data(step)
+        losses.append(pipe.step(x, y))
+        norms.append(pipe.clip_grad_norm_(1.0))
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    if args.save:
+        pipe.save(args.save, optimizer=opt)
+    weights = {name: p.detach().clone() for name, p in pipe.named_parameters()}
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, weights)
+    out = pipe.forward(api_models.data(999)[0])
+    if dist.get_rank() == 0:
+        merged = {}
+        for w in gathered:
+            merged.update(w)
+        torch.save({"losses": losses, "norms": norms, "weights": merged, "eval": out}, args.out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""The training API (``graphpipe.Pipeline``) under torchrun on CPU ranks.
+
+Oracle: plain single-process PyTorch training of the same model on the same data with the same AdamW, global
+gradient clipping and StepLR (the model has no dropout or BatchNorm, so the two are the same algorithm): per-step
+losses, gradient norms, final weights and an evaluation forward equal at fp32 tolerances.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(HERE, "api_script.py")
+SPEC = os.path.join(HERE, "api_models.py") + ":branchy"
+sys.path.insert(0, HERE)
+import api_models  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _plan(tmp_path, strategy: str, devices: int = 3) -> str:
+    from graphpipe.cluster import preset
+    from graphpipe.models import load_model
+    from graphpipe.plan import write_plan
+    from graphpipe.search.common import SearchOptions
+    from graphpipe.search.planner import make_plan
+
+    source = load_model(SPEC)
+    plan = make_plan(source.model_id, source.graph, preset("v100", devices), api_models.BATCH, strategy,
+                     SearchOptions(micro_batch_size=2))
+    assert plan.stage_graph.num_stages > 1 or any(s.num_replicas > 1 for s in plan.stage_graph.stages)
+    path = str(tmp_path / f"{strategy}.json")
+    write_plan(path, plan)
+    return path
+
+
+def torchrun(plan: str, out: str, steps: int, *extra: str, ranks: int = 3, check: bool = True):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr",
+           "127.0.0.1", "--master-port", str(_port()), SCRIPT, plan, out, str(steps), *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if check:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def reference(steps: int):
+    torch.manual_seed(0)
+    model = api_models.TwoBranch()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    losses, norms = [], []
+    for step in range(steps):
+        x, y = api_models.data(step)
+        loss = api_models.loss_fn(model(x), y)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    with torch.no_grad():
+        model.eval()
+        evaluation = model(api_models.data(999)[0])
+    return losses, norms, {n: p.detach() for n, p in model.named_parameters()}, evaluation
+
+
+def assert_same(got: dict, ref, steps: int) -> None:
+    losses, norms, weights, evaluation = ref
+    torch.testing.assert_close(torch.tensor(got["losses"], dtype=torch.float64), torch.tensor(losses[-steps:], dtype=torch.float64),
+                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(got["norms"], dtype=torch.float64), torch.tensor(norms[-steps:], dtype=torch.float64),
+                               rtol=1e-5, atol=1e-6)
+    assert set(got["weights"]) == set(weights)
+    for name, w in weights.items():
+        torch.testing.assert_close(got["weights"][name], w, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got["eval"], evaluation, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["gpp", "pipedream", "gpipe"])
+def test_training_through_the_api_equals_single_process_training(tmp_path, strategy):
+    plan = _plan(tmp_path, strategy)
+    out = str(tmp_path / "out.pt")
+    torchrun(plan, out, 4)
+    assert_same(torch.load(out, weights_only=False), reference(4), 4)
+
+
+@pytest.mark.slow
+def test_checkpoint_resume_equals_straight_training_and_loads_into_another_plan(tmp_path):
+    gpp, pipedream = _plan(tmp_path, "gpp"), _plan(tmp_path, "pipedream")
+    ckpt = str(tmp_path / "ckpt")
+    first, second, third = (str(tmp_path / f"{n}.pt") for n in ("first", "second", "third"))
+    torchrun(gpp, first, 3, "--save", ckpt)
+    assert os.path.isdir(ckpt) and not [p for p in os.listdir(tmp_path) if ".tmp-" in p]
+    torchrun(gpp, second, 3, "--load", ckpt, "--resume-at", "3")  # a fresh torchrun: equal to 6 steps straight
+    ref = reference(6)
+    assert_same(torch.load(second, weights_only=False), ref, 3)
+    torchrun(pipedream, third, 3, "--load", ckpt, "--resume-at", "3")  # another partition of the same model
+    assert_same(torch.load(third, weights_only=False), ref, 3)
+
+
+def test_bad_inputs_are_clear_errors(tmp_path):
+    """In one process (a world of one rank): wrong batch, missing target, a checkpoint of another model."""
+    import torch.distributed as dist
+
+    from graphpipe.errors import InputError
+    from graphpipe.runtime.api import Pipeline
+
+    from graphpipe.cluster import preset
+    from graphpipe.models import load_model
+    from graphpipe.plan import write_plan
+    from graphpipe.search.common import SearchOptions
+    from graphpipe.search.planner import make_plan
+
+    source = load_model(SPEC)
+    p = make_plan(source.model_id, source.graph, preset("v100", 1), api_models.BATCH, "gpipe",
+                  SearchOptions(micro_batch_size=4))
+    plan = str(tmp_path / "one.json")
+    write_plan(plan, p)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_port()), RANK="0", WORLD_SIZE="1")
+    try:
+        torch.manual_seed(0)
+        pipe = Pipeline(plan, api_models.TwoBranch(), api_models.loss_fn, timeout_s=30)
+        x, y = api_models.data(0)
+        with pytest.raises(InputError, match="mini-batch of 6 rows, but the plan is for batch size 12"):
+            pipe.step(x[:6], y[:6])
+        with pytest.raises(InputError, match="the loss takes a target"):
+            pipe.step(x)
+        assert pipe.step(x, y) > 0
+        other = tmp_path / "other"
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save({"model/some.weight": torch.zeros(2)}, storage_writer=dcp.FileSystemWriter(str(other)))
+        with pytest.raises(InputError, match="has no parameter 'head.bias'|has no parameter '"):
+            pipe.load(str(other))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        for k in ("RANK", "WORLD_SIZE"):
+            os.environ.pop(k, None)
