@@ -151,3 +151,53 @@ def test_bad_inputs_are_clear_errors(tmp_path):
             dist.destroy_process_group()
         for k in ("RANK", "WORLD_SIZE"):
             os.environ.pop(k, None)
+
+
+@pytest.mark.slow
+def test_two_torchrun_nodes_of_two_ranks_train_like_one_process(tmp_path):
+    """A 4-rank plan as two torchrun nodes of 2 ranks on localhost (c10d rendezvous): the multi-node path. The
+    gpp plan's stages are replicated, so gradients are all-reduced across the two nodes."""
+    plan = _plan(tmp_path, "gpp", devices=4)
+    out = str(tmp_path / "out.pt")
+    port = _port()
+    procs = []
+    for node in (0, 1):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+               "--node-rank", str(node), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+               "--rdzv-id", "graphpipe-test", SCRIPT, plan, out, "3"]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      env={**os.environ, "OMP_NUM_THREADS": "1"}))
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-3000:]
+    assert_same(torch.load(out, weights_only=False), reference(3), 3)
+
+
+@pytest.mark.slow
+def test_digits_example_reaches_the_single_process_accuracy(tmp_path):
+    """examples/digits.py: 4 CPU ranks through a gpp plan (the two branches on two devices) against the same
+    training in one process: per-epoch losses equal to fp32 tolerance, the same test accuracy."""
+    pytest.importorskip("sklearn")
+    import json
+
+    example = os.path.join(os.path.dirname(HERE), "examples", "digits.py")
+    plan = str(tmp_path / "digits.json")
+    proc = subprocess.run([sys.executable, "-m", "graphpipe", "plan", f"{example}:factory", "--devices", "4",
+                           "--batch-size", "64", "--micro-batch-size", "16", "--out", plan],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(open(plan).read())
+    stages = doc["stages"]
+    assert len(stages) >= 2
+    pipe, single = str(tmp_path / "pipe.json"), str(tmp_path / "single.json")
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-addr",
+                          "127.0.0.1", "--master-port", str(_port()), example, "train", plan, "--epochs", "2",
+                          "--out", pipe], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    run = subprocess.run([sys.executable, example, "single", "--epochs", "2", "--out", single],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    a, b = (json.loads(open(p).read()) for p in (pipe, single))
+    torch.testing.assert_close(torch.tensor(a["loss"]), torch.tensor(b["loss"]), rtol=1e-5, atol=1e-6)
+    assert a["accuracy"] == b["accuracy"] > 0.8

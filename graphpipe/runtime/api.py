@@ -103,6 +103,12 @@ class Pipeline:
         self._broadcast_weights(self._model)
         self._steps = 0
         self._build(example_inputs, example_target)
+        if not self._setup.programs:
+            import logging
+
+            logging.getLogger(__name__).warning(
+                "rank %d hosts no stage of the plan (it uses %d of the job's %d ranks): it has no parameters and "
+                "only joins collectives", self.rank, len(sg.devices_used()), self.world_size)
 
     # ------------------------------------------------------------------ set-up
     def _from_spec(self):
