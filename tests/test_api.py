@@ -140,6 +140,9 @@ def test_bad_inputs_are_clear_errors(tmp_path):
         with pytest.raises(InputError, match="the loss takes a target"):
             pipe.step(x)
         assert pipe.step(x, y) > 0
+        stray = torch.optim.SGD(list(pipe.parameters()) + [torch.nn.Parameter(torch.zeros(3))], lr=0.1)
+        with pytest.raises(InputError, match="does not own: build it from pipe.parameters"):
+            pipe.save(str(tmp_path / "c"), optimizer=stray)
         other = tmp_path / "other"
         import torch.distributed.checkpoint as dcp
 

@@ -165,7 +165,7 @@ class Pipeline:
         meta = boundary_meta(gm, split.boundary_values, rows, self.precision)
         self._setup = setup_rank(self.rank, self.world_size, self.plan, split, meta, exported.io.wrap_loss(self._loss_fn),
                                  self.device, self.backend, timeout_s=self.timeout_s, seed=self.seed,
-                                 batchnorm=self._batchnorm)
+                                 batchnorm=self._batchnorm, measure=False)
         self._names = {}
         for s, prog in self._setup.programs.items():
             for name, p in prog.module.named_parameters():
@@ -328,9 +328,21 @@ class Pipeline:
         return pytree.tree_unflatten(leaves, self._io.target_spec)
 
     # ------------------------------------------------------------------ checkpoints
+    def _check_optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """An optimizer holding a parameter this rank does not own would step weights no stage trains."""
+        if optimizer is None:
+            return
+        mine = {id(p) for p in self._setup.executor.parameters()}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in mine:
+                    raise InputError(f"the optimizer holds a parameter of shape {tuple(p.shape)} that rank {self.rank} "
+                                     "does not own: build it from pipe.parameters()")
+
     def state_dict(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, torch.Tensor]:
         """This rank's share of the checkpoint: ``model/<name>`` (and ``optim/<name>/<key>``), each parameter
         from the rank that counts it, buffers from the first stage holding them."""
+        self._check_optimizer(optimizer)
         counted = {id(p) for p in self._counted}
         state: dict[str, torch.Tensor] = {}
         for name, p in self.named_parameters():
@@ -373,6 +385,7 @@ class Pipeline:
         holds (replicas and tied copies included) by its name, and the optimizer's state for them."""
         import torch.distributed.checkpoint as dcp
 
+        self._check_optimizer(optimizer)
         directory = os.fspath(directory)
         if not os.path.isdir(directory):
             raise InputError(f"no checkpoint at {directory}")

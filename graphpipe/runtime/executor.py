@@ -61,7 +61,7 @@ from graphpipe.actions import Action
 from graphpipe.runtime.batchnorm import sharded_batchnorms
 from graphpipe.runtime.comm import Mailbox
 from graphpipe.runtime.rng import ShardContext
-from graphpipe.runtime.measure import SavedBytesMeter
+from graphpipe.runtime.measure import NoMeter, SavedBytesMeter
 from graphpipe.runtime.routing import Routing
 from graphpipe.split_backward import PendingWeightGrad, backward_input, backward_weight
 from graphpipe.runtime.stage_modules import StageProgram, ValueMeta
@@ -160,7 +160,8 @@ class RankExecutor:
                  dp_groups: Mapping[tuple[int, ...], object] | None = None,
                  allreduce_order: Mapping[tuple[int, ...], Sequence[int]] | None = None, fault=None,
                  seed: int = 0, batchnorm: str = "per-micro-batch", tied: Sequence[TiedSync] = (),
-                 weights: Mapping[int, Any] | None = None, loss_batch_size: int | None = None):
+                 weights: Mapping[int, Any] | None = None, loss_batch_size: int | None = None,
+                 measure: bool = True):
         self.rank = rank
         self.sg = sg
         self.actions = tuple(actions)
@@ -189,9 +190,12 @@ class RankExecutor:
         self.step = 0
         self.batchnorm = batchnorm
         self.tied = tuple(tied)
-        # parameters and buffers are model state, not activations (capture excludes both too)
+        # parameters and buffers are model state, not activations (capture excludes both too). Training through
+        # the API measures nothing: no saved-tensor hooks, no device synchronisation per action.
+        self.measure = measure
         self.saved_meter = SavedBytesMeter(t for prog in self.programs.values()
-                                           for t in (*prog.module.parameters(), *prog.module.buffers()))
+                                           for t in (*prog.module.parameters(), *prog.module.buffers())) \
+            if measure else NoMeter()
         self._redo_bytes: dict[int, int | list[int]] = {}  # per re-materializing stage: its B's working set,
         # per segment where it has checkpoints (probed once)
         self._working = 0  # bytes of rebuilt activations counted now (one B, I or W runs at a time)
@@ -229,7 +233,8 @@ class RankExecutor:
                     for p in self.programs[s].module.parameters()])
 
     def _sync(self) -> None:
-        if self.device.type == "cuda":
+        """Wait for the device, so the per-action timestamps are the kernels' (only when measuring)."""
+        if self.measure and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     def _shard_rows(self, stage_id: int, mb_id: int, replica: int) -> slice:

@@ -123,6 +123,30 @@ class SavedBytesMeter:
         return probe.peak
 
 
+class NoMeter:
+    """Stands in for :class:`SavedBytesMeter` where nothing is measured (training through the API): no hooks,
+    nothing held, peak 0."""
+
+    live = 0
+    peak = 0
+
+    def reset(self, resident: Iterable[Any] = ()) -> None:
+        pass
+
+    def add(self, nbytes: int) -> None:
+        pass
+
+    def hold(self, tensor: Any) -> Any:
+        return tensor
+
+    @contextlib.contextmanager
+    def hooks(self):
+        yield self
+
+    def probe(self, fn, *args) -> int:
+        return 0
+
+
 class _Held:
     """A saved tensor and the meter counting it; the count drops when autograd frees the saved variable."""
 

@@ -112,7 +112,8 @@ class RankSetup:
 
 
 def setup_rank(rank: int, world_size: int, plan: Plan, split: ModelSplit, meta, loss_fn, device: torch.device,
-               backend: str, *, timeout_s: float, seed: int, batchnorm: str, fault=None) -> RankSetup:
+               backend: str, *, timeout_s: float, seed: int, batchnorm: str, fault=None,
+               measure: bool = True) -> RankSetup:
     """Routing, process groups (created by every rank in the same order), tied parameters and the executor of
     ``rank``: the one set-up of ``graphpipe run`` and :class:`graphpipe.Pipeline`."""
     from graphpipe.runtime.comm import make_link_groups
@@ -159,7 +160,7 @@ def setup_rank(rank: int, world_size: int, plan: Plan, split: ModelSplit, meta, 
     executor = RankExecutor(rank, sg, schedule.device_actions[rank] if rank < sg.num_devices else (), programs, routing,
                             meta, loss_fn, device, timeout_s, link_groups,
                             {k: v for k, v in dp_groups.items() if rank in k}, ar_order, fault=fault,
-                            seed=seed, batchnorm=batchnorm, tied=tied)
+                            seed=seed, batchnorm=batchnorm, tied=tied, measure=measure)
     return RankSetup(executor, programs, layout, tied_copies, buffer_stage)
 
 
