@@ -37,8 +37,10 @@ import queue as queue_mod
 import re
 import signal
 import socket
+import sys
 import time
 import traceback
+import warnings
 from typing import Sequence
 
 from graphpipe.errors import GraphpipeError, InputError
@@ -142,6 +144,16 @@ def _child(rank: int, world_size: int, jobs, init_method: str, results: mp.Queue
             os._exit(1)
 
 
+def _quiet_resource_tracker() -> None:
+    """A rank killed after a failure leaves the semaphores of its queues behind; multiprocessing's resource
+    tracker (a process of its own, started with this interpreter's ``-W`` options) then prints a warning after
+    our one-line error. It cleans them up either way, so the warning is silenced."""
+    option = "ignore:resource_tracker:UserWarning"
+    if option not in sys.warnoptions:
+        sys.warnoptions.append(option)
+        warnings.filterwarnings("ignore", message="resource_tracker", category=UserWarning)
+
+
 def launch(jobs: Sequence[tuple[dict, RunOptions]], world_size: int) -> list[dict | None]:
     """Run ``jobs`` (plan documents with options) on ``world_size`` fresh processes; rank 0's results.
 
@@ -150,6 +162,7 @@ def launch(jobs: Sequence[tuple[dict, RunOptions]], world_size: int) -> list[dic
     if not jobs:
         return []
     check_host_capacity(world_size)
+    _quiet_resource_tracker()
     ctx = mp.get_context("spawn")
     results: mp.Queue = ctx.Queue()
     init_method = f"tcp://127.0.0.1:{free_port()}"
