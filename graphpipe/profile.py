@@ -181,108 +181,137 @@ def time_ops(captured, make_inputs: Callable[[int], Sequence[Any]], batch_sizes:
     ``make_inputs(b)`` gives model inputs with ``b`` samples on the module's
     device. ``timer`` is injectable so tests can drive a fake clock.
     """
-    import torch
-    from torch.utils._pytree import tree_leaves
-
     from graphpipe.capture import split_by_ops
-    from graphpipe.split_backward import backward_input, backward_weight
 
     if repeats < 1 or warmup < 0:
         raise InputError(f"repeats must be >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
     names = [op.name for op in captured.graph.ops]
     split = split_by_ops(captured, {name: i for i, name in enumerate(names)})
-    call_nodes = {str(n.target): n for n in split.graph.nodes if n.op == "call_module"}
     fwd: dict[str, list[float]] = {name: [] for name in names}
     bwd: dict[str, list[float]] = {name: [] for name in names}
     wgrad: dict[str, list[float]] = {name: [] for name in names}
-
-    def sync(values) -> None:
-        for t in tree_leaves(values):
-            if isinstance(t, torch.Tensor) and t.is_cuda:
-                torch.cuda.synchronize(t.device)
-                return
-
     for b in batch_sizes:
-        recorded = _record_submodule_args(split, make_inputs(b))
-        prepared = []
-        for op_id, name in enumerate(names):
-            target = f"submod_{op_id}"
-            sub = getattr(split, target)
-            args, leaves, read_params = [], [], []
-            for value, node in zip(recorded[target], call_nodes[target].args):
-                # activations from other ops need grads; model inputs and parameters keep theirs
-                if isinstance(value, torch.Tensor) and isinstance(node, torch.fx.Node) and node.op not in ("placeholder", "get_attr"):
-                    value = value.detach().requires_grad_(value.is_floating_point())
-                    if value.requires_grad:
-                        leaves.append(value)
-                elif isinstance(node, torch.fx.Node) and node.op == "get_attr" and isinstance(value, torch.nn.Parameter) \
-                        and value.requires_grad and all(value is not p for p in read_params):
-                    read_params.append(value)  # split_module passes the parameters an op reads as arguments
-                args.append(value)
-            wrt = leaves + [p for p in sub.parameters() if p.requires_grad] + read_params
-            prepared.append((name, sub, args, leaves, wrt))
-        fs: dict[str, list[float]] = {name: [] for name in names}
-        bs: dict[str, list[float]] = {name: [] for name in names}
-        split_i: dict[str, list[float]] = {name: [] for name in names}
-        split_w: dict[str, list[float]] = {name: [] for name in names}
+        prepared = _prepare_ops(split, names, make_inputs(b))
+        times = _Times(names)
         for i in range(warmup + repeats):
-            timed = i >= warmup
             # Two training passes at batch b: every forward in topological order, then every backward in
             # reverse, so each op finds the caches as a stage does between micro-batches. The first pass
             # times the backward as one call (B); the second times zero bubble's I and W (module docstring).
             for split_pass in (False, True):
                 with _autocast(precision, make_inputs):  # bf16: the run's torch.autocast
-                    outs: dict[str, list[Any]] = {}
-                    for name, sub, args, _, _ in prepared:
-                        sync(args)
-                        t0 = timer()
-                        out = sub(*args)
-                        sync(out)
-                        if timed:
-                            fs[name].append(timer() - t0)
-                        outs[name] = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
-                    for name, sub, args, leaves, wrt in reversed(prepared):
-                        tensors = outs.pop(name)
-                        params = wrt[len(leaves):]
-                        if not split_pass and (not tensors or not wrt):
-                            if timed:
-                                bs[name].append(0.0)
-                            continue
-                        if split_pass and (not tensors or not params):
-                            continue  # nothing to split: its graph goes with its outputs
-                        grads = [torch.ones_like(t) for t in tensors]
-                        sync(tensors)
-                        t0 = timer()
-                        if not split_pass:
-                            torch.autograd.backward(tensors, grads, inputs=wrt)
-                            sync(wrt)
-                            if timed:
-                                bs[name].append(timer() - t0)
-                        else:
-                            _, pending = backward_input(tensors, grads, leaves, params)
-                            sync(tensors)
-                            t_input = timer()
-                            backward_weight(pending)  # into .grad, as the runtime does
-                            sync(params)
-                            if timed:
-                                split_i[name].append(t_input - t0)
-                                split_w[name].append(timer() - t_input)
-                        for leaf in leaves:
-                            leaf.grad = None
+                    _training_pass(prepared, split_pass, i >= warmup, timer, times)
         for _, sub, _, _, _ in prepared:
             for p in sub.parameters():
                 p.grad = None
-        for name in names:
-            fwd[name].append(statistics.median(fs[name]))
-            bwd[name].append(statistics.median(bs[name]))
-            if split_w[name]:  # W's share of B, as the split measured it
-                i_s, w_s = statistics.median(split_i[name]), statistics.median(split_w[name])
-                wgrad[name].append(bwd[name][-1] * w_s / (i_s + w_s) if i_s + w_s > 0 else 0.0)
+        times.medians_into(fwd, bwd, wgrad)
         if progress is not None:
             progress(f"b={b}")
     # an op is timed split at every batch size or at none (its parameters and inputs do not change with b)
     return {name: OpTimings(tuple(fwd[name]), tuple(bwd[name]),
                             tuple(wgrad[name]) if len(wgrad[name]) == len(batch_sizes) else None) for name in names}
+
+
+class _Times:
+    """Every timed repeat of one batch size: forward, backward (B), and the split backward's I and W, per op."""
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self.f: dict[str, list[float]] = {name: [] for name in names}
+        self.b: dict[str, list[float]] = {name: [] for name in names}
+        self.i: dict[str, list[float]] = {name: [] for name in names}
+        self.w: dict[str, list[float]] = {name: [] for name in names}
+
+    def medians_into(self, fwd, bwd, wgrad) -> None:
+        """Append this batch size's medians; W's share of B as the split measured it."""
+        for name in self.f:
+            fwd[name].append(statistics.median(self.f[name]))
+            bwd[name].append(statistics.median(self.b[name]))
+            if self.w[name]:
+                i_s, w_s = statistics.median(self.i[name]), statistics.median(self.w[name])
+                wgrad[name].append(bwd[name][-1] * w_s / (i_s + w_s) if i_s + w_s > 0 else 0.0)
+
+
+def _prepare_ops(split, names: Sequence[str], inputs: Sequence[Any]) -> list[tuple]:
+    """``(name, submodule, args, leaves, wrt)`` per op: its recorded inputs, activations from other ops as
+    fresh leaves needing grads, and what its backward differentiates (those leaves, then its parameters)."""
+    import torch
+
+    recorded = _record_submodule_args(split, inputs)
+    call_nodes = {str(n.target): n for n in split.graph.nodes if n.op == "call_module"}
+    prepared = []
+    for op_id, name in enumerate(names):
+        target = f"submod_{op_id}"
+        sub = getattr(split, target)
+        args, leaves, read_params = [], [], []
+        for value, node in zip(recorded[target], call_nodes[target].args):
+            # activations from other ops need grads; model inputs and parameters keep theirs
+            if isinstance(value, torch.Tensor) and isinstance(node, torch.fx.Node) and node.op not in ("placeholder", "get_attr"):
+                value = value.detach().requires_grad_(value.is_floating_point())
+                if value.requires_grad:
+                    leaves.append(value)
+            elif isinstance(node, torch.fx.Node) and node.op == "get_attr" and isinstance(value, torch.nn.Parameter) \
+                    and value.requires_grad and all(value is not p for p in read_params):
+                read_params.append(value)  # split_module passes the parameters an op reads as arguments
+            args.append(value)
+        wrt = leaves + [p for p in sub.parameters() if p.requires_grad] + read_params
+        prepared.append((name, sub, args, leaves, wrt))
+    return prepared
+
+
+def _sync(values) -> None:
+    """Wait for the GPU a value lives on (a no-op on CPU)."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    for t in tree_leaves(values):
+        if isinstance(t, torch.Tensor) and t.is_cuda:
+            torch.cuda.synchronize(t.device)
+            return
+
+
+def _training_pass(prepared, split_pass: bool, timed: bool, timer, times: _Times) -> None:
+    """Every op's forward in order, then every backward in reverse: B as one call, or (``split_pass``) I then W."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    from graphpipe.split_backward import backward_input, backward_weight
+
+    outs: dict[str, list[Any]] = {}
+    for name, sub, args, _, _ in prepared:
+        _sync(args)
+        t0 = timer()
+        out = sub(*args)
+        _sync(out)
+        if timed:
+            times.f[name].append(timer() - t0)
+        outs[name] = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+    for name, sub, args, leaves, wrt in reversed(prepared):
+        tensors = outs.pop(name)
+        params = wrt[len(leaves):]
+        if not split_pass and (not tensors or not wrt):
+            if timed:
+                times.b[name].append(0.0)
+            continue
+        if split_pass and (not tensors or not params):
+            continue  # nothing to split: its graph goes with its outputs
+        grads = [torch.ones_like(t) for t in tensors]
+        _sync(tensors)
+        t0 = timer()
+        if not split_pass:
+            torch.autograd.backward(tensors, grads, inputs=wrt)
+            _sync(wrt)
+            if timed:
+                times.b[name].append(timer() - t0)
+        else:
+            _, pending = backward_input(tensors, grads, leaves, params)
+            _sync(tensors)
+            t_input = timer()
+            backward_weight(pending)  # into .grad, as the runtime does
+            _sync(params)
+            if timed:
+                times.i[name].append(t_input - t0)
+                times.w[name].append(timer() - t_input)
+        for leaf in leaves:
+            leaf.grad = None
 
 
 def _autocast(precision: str, make_inputs):
