@@ -57,7 +57,7 @@ from graphpipe.errors import InputError, PlanError
 from graphpipe.plan import Plan
 
 __all__ = ["RunOptions", "FaultInjection", "fault_from_env", "Runnable", "load_runnable", "data_seed",
-           "plan_granularity", "Reference", "reference_run", "reference_layout", "reference_step", "compare_gradients", "compare_buffers",
+           "build_runnable", "plan_granularity", "Reference", "reference_run", "reference_layout", "reference_step", "compare_gradients", "compare_buffers",
            "finish_job", "CHECK_RTOL", "CHECK_ATOL"]
 
 CHECK_RTOL = 1.3e-6
@@ -202,8 +202,45 @@ class Runnable:
         return self.io.output(graph_out) if self.io is not None else graph_out
 
 
+_PRISTINE: dict[tuple, Runnable] = {}
+"""Captured runnables by (spec, seed, device, granularity, factory file stamp), as first built, never trained."""
+_PRISTINE_MAX = 8
+
+
 def load_runnable(spec: str, seed: int = 0, device: str = "cpu", capture: bool = True,
                   granularity: str | None = None) -> Runnable:
+    """:func:`build_runnable`, exported once per process: a rank running many jobs of one model (tests, evals,
+    ``--check``'s reference) gets a deep copy of the first capture (weights as built from ``seed``), not a
+    second export."""
+    if not capture:
+        return build_runnable(spec, seed, device, capture, granularity)
+    key = (spec, seed, device, granularity, _factory_stamp(spec))
+    if key not in _PRISTINE:
+        if len(_PRISTINE) >= _PRISTINE_MAX:
+            _PRISTINE.pop(next(iter(_PRISTINE)))
+        _PRISTINE[key] = build_runnable(spec, seed, device, capture, granularity)
+    pristine = _PRISTINE[key]
+    import copy
+
+    module, gm = copy.deepcopy((pristine.module, pristine.gm))  # one memo: the copies share their tensors
+    return Runnable(spec, module, gm, pristine.op_nodes, pristine.op_names, pristine.loss_fn, pristine.make_inputs,
+                    pristine.io)
+
+
+def _factory_stamp(spec: str) -> tuple:
+    """A factory file's modification time and size (an edited file is captured anew)."""
+    if ".py:" not in spec:
+        return ()
+    path = spec.rpartition(":")[0]
+    try:
+        st = os.stat(path)
+    except OSError:
+        return ()
+    return (st.st_mtime_ns, st.st_size)
+
+
+def build_runnable(spec: str, seed: int = 0, device: str = "cpu", capture: bool = True,
+                   granularity: str | None = None) -> Runnable:
     """Build (and capture) the model named by a plan's ``model``: a zoo spec or ``file.py:factory``.
 
     The runnable graph takes the model's inputs flattened (keyword inputs in
