@@ -74,7 +74,7 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -84,7 +84,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from graphpipe.cluster import DeviceSpec, preset
-from graphpipe.errors import GraphCycleError, GraphpipeError, InputError, UserCodeError, user_code_error
+from graphpipe.errors import GraphCycleError, GraphpipeError, InputError, user_code_error
 from graphpipe.exporting import (Exported, IOSpec, deliver_target, export_model, module_path, module_stack,
                                  normalize_inputs, replicable_nodes, replicate_input_glue)
 from graphpipe.graph import Affine, Op, OpGraph, SharedParams

@@ -182,7 +182,7 @@ def run_job(rank: int, world_size: int, plan: Plan, options: RunOptions, device:
         from graphpipe.runtime.async_run import run_async_job
 
         return run_async_job(rank, world_size, plan, spec, options, device, backend, control)
-    sg, schedule = plan.stage_graph, plan.schedule
+    sg = plan.stage_graph
     if sg.num_devices > world_size:
         raise PlanError(f"plan needs {sg.num_devices} ranks, the job has {world_size}")
     my_stages = sg.stages_on_device(rank) if rank < sg.num_devices else ()
