@@ -50,7 +50,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -234,8 +234,6 @@ class Exported:
     gm: fx.GraphModule
     io: IOSpec
     seconds: float = 0.0
-    leaf_modules: dict[str, nn.Module] = field(default_factory=dict)
-    """Module path -> module restored as a ``call_module`` (BatchNorm, Dropout)."""
 
 
 # ------------------------------------------------------------------ helpers
@@ -312,7 +310,7 @@ def _first_line(exc: BaseException) -> str:
     return type(exc).__name__
 
 
-def _export_location(exc: BaseException, module: nn.Module) -> str:
+def _export_location(exc: BaseException) -> str:
     """``file:line: `` of the user's frame export stopped in (from its message or traceback)."""
     import re
 
@@ -348,7 +346,7 @@ def export_model(module: nn.Module, example_inputs: Any, loss_fn: Callable[..., 
         with _opaque_batchnorms(module) as batchnorms, _quiet_torch_logs():
             ep = torch.export.export(module, args, kwargs, dynamic_shapes=dynamic, strict=False)
     except Exception as exc:  # export raises many types; the first line and the user's location say why
-        raise UserCodeError(f"{_export_location(exc, module)}torch.export cannot capture {type(module).__name__}: "
+        raise UserCodeError(f"{_export_location(exc)}torch.export cannot capture {type(module).__name__}: "
                             f"{type(exc).__name__}: {_first_line(exc)}") from exc
     finally:
         module.train(training)
@@ -358,7 +356,7 @@ def export_model(module: nn.Module, example_inputs: Any, loss_fn: Callable[..., 
     gm = ep.module()
     in_spec = ep.call_spec.in_spec
     out_spec = ep.call_spec.out_spec
-    leaf_modules = _restore_modules(gm, module, batchnorms)
+    _restore_modules(gm, module, batchnorms)
     _drop_counter_updates(gm, [owner for owner, bn in batchnorms if bn is not owner])
     _drop_guards(gm)
     _use_module_names(gm, module)
@@ -388,7 +386,7 @@ def export_model(module: nn.Module, example_inputs: Any, loss_fn: Callable[..., 
     # a plain GraphModule over the same tensors (export's module refuses train()/eval())
     gm = fx.GraphModule(gm, gm.graph, class_name=type(module).__name__)
     io = IOSpec(in_spec, input_names, out_spec, tuple(kept), target_spec, num_target)
-    return Exported(gm, io, seconds, leaf_modules)
+    return Exported(gm, io, seconds)
 
 
 def _placeholder_after(gm: fx.GraphModule, name: str) -> fx.Node:

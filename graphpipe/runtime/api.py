@@ -41,6 +41,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from graphpipe.errors import InputError, PlanError
+from graphpipe.exporting import normalize_inputs
 from graphpipe.plan import Plan
 
 __all__ = ["Pipeline"]
@@ -153,7 +154,7 @@ class Pipeline:
         sg = self.plan.stage_graph
         check_op_names([op.name for op in sg.graph.ops], tuple(op_nodes), self.plan.model)
         self._io = exported.io
-        args, kwargs = _split(example)
+        args, kwargs = normalize_inputs(example)
         flat = exported.io.flat_inputs(args, kwargs, target)
 
         def rows(n: int, _seed: int = 0) -> tuple:  # n rows of the example (repeated when it has fewer)
@@ -225,7 +226,7 @@ class Pipeline:
         return any(prog.model_inputs for prog in self._setup.programs.values())
 
     def _flat(self, inputs: Any, target: Any) -> tuple:
-        args, kwargs = _split(inputs)
+        args, kwargs = normalize_inputs(inputs)
         if self._io.target_spec is not None and target is None:
             raise InputError("the loss takes a target: call step(inputs, target)")
         if self._io.target_spec is None and target is not None:
@@ -280,7 +281,7 @@ class Pipeline:
         from graphpipe.runtime.jobs import autocast
 
         sg = self.plan.stage_graph
-        args, kwargs = _split(inputs)
+        args, kwargs = normalize_inputs(inputs)
         rows = _batch([t for t in list(args) + list(kwargs.values()) if isinstance(t, torch.Tensor)])
         flat = self._io.flat_inputs(args, kwargs, self._zero_target(rows))
         values: dict[str, torch.Tensor] = {}
@@ -423,12 +424,6 @@ class Pipeline:
                 entry = {k[len(prefix):]: v.to(p.device) for k, v in state.items() if k.startswith(prefix)}
                 if entry:
                     optimizer.state[p] = entry
-
-
-def _split(inputs: Any) -> tuple[tuple, dict]:
-    from graphpipe.exporting import normalize_inputs
-
-    return normalize_inputs(inputs)
 
 
 def _batch(flat) -> int:

@@ -274,7 +274,7 @@ def build_runnable(spec: str, seed: int = 0, device: str = "cpu", capture: bool 
     from graphpipe.runtime.stage_modules import instrument
 
     exported, op_nodes, _ = cap.trace_ops(module, example, loss_fn, target, cap.Granularity.parse(granularity))
-    args, kwargs = _split_inputs(example)
+    args, kwargs = cap.normalize_inputs(example)
     flat = exported.io.flat_inputs(args, kwargs, target)
     make_inputs = make_inputs or _synthetic_inputs(flat, device)
     gm = exported.gm
@@ -286,12 +286,6 @@ def build_runnable(spec: str, seed: int = 0, device: str = "cpu", capture: bool 
 def plan_granularity(plan: Plan) -> str | None:
     """The ``--granularity`` the plan's model was captured at (None: the default)."""
     return plan.search.get("granularity") if plan.search else None
-
-
-def _split_inputs(example: Any) -> tuple[tuple, dict]:
-    from graphpipe.exporting import normalize_inputs
-
-    return normalize_inputs(example)
 
 
 def _synthetic_inputs(example: Sequence[torch.Tensor], device: str):
