@@ -25,6 +25,7 @@ __all__ = [
     "PlanError",
     "ScheduleError",
     "InfeasibleError",
+    "DeviceMemoryError",
     "DeadlockError",
     "UserCodeError",
     "user_code_error",
@@ -65,7 +66,16 @@ class DeadlockError(ScheduleError):
 
 
 class InfeasibleError(GraphpipeError):
-    """No plan/schedule satisfies the constraints (e.g. memory)."""
+    """No plan/schedule satisfies the constraints; the message names the one that binds, with its numbers."""
+
+
+class DeviceMemoryError(InfeasibleError):
+    """No plan fits in device memory (the binding constraint is memory, not a count or a divisibility).
+
+    A class of its own so the command line can add where the device's memory
+    came from (the default preset, ``--cluster``, ``--memory-gb``) and what
+    device a ``--profile`` was measured on: the search knows only the bytes.
+    """
 
 
 class UserCodeError(InputError):

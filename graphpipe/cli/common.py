@@ -14,7 +14,8 @@ from graphpipe.errors import InputError
 from graphpipe.models import MODEL_HELP, ModelSource, load_model
 
 __all__ = ["ModelSource", "load_model", "print_json", "add_model_argument", "add_capture_arguments", "shared_host", "check_outputs",
-           "JSON_SUFFIXES", "IMAGE_SUFFIXES", "MAX_BATCH_SIZE", "MAX_TIME_LIMIT_S", "MAX_MICRO_BATCHES", "check_batch"]
+           "JSON_SUFFIXES", "IMAGE_SUFFIXES", "MAX_BATCH_SIZE", "MAX_TIME_LIMIT_S", "MAX_MICRO_BATCHES", "check_batch",
+           "memory_source"]
 
 JSON_SUFFIXES = (".json",)
 IMAGE_SUFFIXES = (".png", ".svg", ".pdf", ".jpg", ".jpeg", ".eps", ".ps")
@@ -92,3 +93,30 @@ def check_batch(batch_size: int, micro_batch_size: int | None = None) -> None:
             raise InputError(f"--micro-batch-size {micro_batch_size} gives {batch_size // micro_batch_size} "
                              f"micro-batches, more than the limit of {MAX_MICRO_BATCHES}; use a micro-batch of at "
                              f"least {-(-batch_size // MAX_MICRO_BATCHES)}")
+
+
+def memory_source(args, cluster, profile=None) -> str:
+    """Where the device memory of a refusal came from, as a suffix: the preset, file or ``--memory-gb``, and
+    the device a ``--profile`` was measured on when it is another (its times would be a different device's).
+
+    A search knows only bytes; "16 GB per device" alone does not tell the user
+    that it is the default V100 preset while their profile is an H100's.
+    """
+    from graphpipe.cluster import PRESETS
+
+    memory = f"{cluster.memory_bytes / 1e9:g} GB"
+    spec = getattr(args, "cluster", None) or "v100"
+    if getattr(args, "memory_gb", None) is not None:
+        where = f"{memory} is --memory-gb {args.memory_gb:g}"
+    elif spec.lower() in PRESETS:
+        default = " (the default)" if spec.lower() == "v100" else ""
+        article = "an" if cluster.device.name[:1].upper() in "AEFHILMNORSX" else "a"
+        where = f"{memory} is {article} {cluster.device.name}'s, from --cluster {spec.lower()}{default}"
+    else:
+        where = f"{memory} is the device memory in cluster file {spec}"
+    device = (getattr(profile, "device", "") or "").strip()
+    measured = [key for key in PRESETS if key in device.lower()]
+    if device and not any(key in cluster.device.name.lower() for key in measured or ["\0"]):
+        hint = f": add --cluster {measured[0]} to plan for it" if measured else ""
+        where += f", while --profile {args.profile} was measured on {device}{hint}"
+    return f" ({where})"

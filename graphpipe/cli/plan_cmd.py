@@ -21,7 +21,7 @@ from typing import Any
 
 from graphpipe.cli.async_flags import add_async_arguments, async_requested, to_async
 from graphpipe.cli.common import MAX_TIME_LIMIT_S
-from graphpipe.errors import InputError
+from graphpipe.errors import DeviceMemoryError, InputError
 
 __all__ = ["register", "run", "format_plan", "format_compare"]
 
@@ -95,7 +95,12 @@ def run(args) -> int:
     source, graph, profile = _load_graph(args, cluster)
     if args.compare:
         return _run_compare(args, source, graph, cluster, options, profile)
-    plan = _with_capture(args, _plan_one(args, source, graph, cluster, options, profile))
+    try:
+        plan = _with_capture(args, _plan_one(args, source, graph, cluster, options, profile))
+    except DeviceMemoryError as exc:  # the search knows bytes; say which device they are and where it came from
+        from graphpipe.cli.common import memory_source
+
+        raise DeviceMemoryError(f"{exc}{memory_source(args, cluster, profile)}") from exc
     _report(args, plan, cluster)
     return 0
 

@@ -211,7 +211,9 @@ def micro_batch_candidates(batch_size: int, options: SearchOptions) -> tuple[int
     """Micro-batch sizes a search may use: the forced one, or divisors of the batch."""
     if options.micro_batch_size is not None:
         if batch_size % options.micro_batch_size:
-            raise InputError(f"--micro-batch-size {options.micro_batch_size} does not divide the batch size {batch_size}")
+            from graphpipe.search.refusal import divisor_error
+
+            raise divisor_error(options.micro_batch_size, batch_size)
         return (options.micro_batch_size,)
     sizes = divisors(batch_size)
     if options.power_of_two:

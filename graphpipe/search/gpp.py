@@ -109,7 +109,7 @@ import numpy as np
 
 from graphpipe import costs
 from graphpipe.cluster import Cluster, Link
-from graphpipe.errors import InfeasibleError
+from graphpipe.errors import DeviceMemoryError, InfeasibleError
 from graphpipe.graph import OpGraph
 from graphpipe.search.common import (SearchOptions, SearchResult, Strategy, comm_links, link_name,
                                      micro_batch_candidates, placed_bottleneck, recompute_all, simulated)
@@ -343,8 +343,8 @@ class _Search:
                                   f"{self.beat_iteration_s:.4g} s")
         need = smallest_memory_needed([t for _, t in self.trees], cluster, self.batch_size, self.sizes,
                                       self.options.power_of_two, self.recompute)
-        raise InfeasibleError(
-            f"no plan fits in {cluster.memory_bytes / 1e9:g} GB per device; the smallest needs "
+        raise DeviceMemoryError(
+            f"gpp: no plan fits in {cluster.memory_bytes / 1e9:g} GB per device; the smallest needs "
             f"{need / 1e9:.3g} GB (raise --memory-gb, add devices, use a smaller batch"
             + (")" if self.recompute else ", or --recompute all)"))
 
@@ -381,8 +381,9 @@ def _simulate_best(search: _Search, candidates: Sequence[_Candidate]) -> tuple[t
                 best = ((), sg, cand) + scored
                 break
     if best is None:
-        raise InfeasibleError(
-            f"no plan fits in {cluster.memory_bytes / 1e9:g} GB per device once scheduled; raise --memory-gb")
+        raise DeviceMemoryError(
+            f"gpp: no plan fits in {cluster.memory_bytes / 1e9:g} GB per device once scheduled; use more devices "
+            "or more memory per device")
     return best, num_simulated
 
 

@@ -54,10 +54,11 @@ import logging
 import time
 
 from graphpipe.cluster import Cluster
-from graphpipe.errors import InfeasibleError, InputError, PlanError
+from graphpipe.errors import InfeasibleError, PlanError
 from graphpipe.graph import OpGraph
 from graphpipe.search.common import SearchOptions, SearchResult, Strategy, divisors, placed_bottleneck, simulated
 from graphpipe.search.pipedream_dp import StateLimitError, antichain_states, prefix_states, solve_levels
+from graphpipe.search.refusal import divisor_error, pipedream_refusal
 from graphpipe.stages import Stage, StageGraph
 
 __all__ = ["partition", "cluster_levels", "pipedream_micro_batch", "STRATEGY", "REPLICA_MODE"]
@@ -86,7 +87,7 @@ def pipedream_micro_batch(batch_size: int, num_devices: int, options: SearchOpti
     """The forced micro-batch, else the data-parallel share ``batch / N`` (largest divisor of the batch not above it)."""
     if options.micro_batch_size is not None:
         if batch_size % options.micro_batch_size:
-            raise InputError(f"--micro-batch-size {options.micro_batch_size} does not divide the batch size {batch_size}")
+            raise divisor_error(options.micro_batch_size, batch_size)
         return options.micro_batch_size
     share = max(1, batch_size // num_devices)
     return max(d for d in divisors(batch_size) if d <= share)
@@ -104,7 +105,8 @@ def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: Search
         states, state_kind = prefix_states(graph), "linearised"
     sizes = [share] if options.micro_batch_size is not None else \
         [d for d in sorted(divisors(batch_size), reverse=True) if d <= share]
-    found, not_a_partition = _solve(graph, cluster, batch_size, options, states, levels, sizes)
+    tried: list = []  # (micro-batch, why it failed) for the refusal message
+    found, not_a_partition = _solve(graph, cluster, batch_size, options, states, levels, sizes, tried)
     if not_a_partition:
         # On some branchy graphs the optimizer's antichain order is not nested, and its answer
         # then names a stage that is not a set of ops (empty, or an op in two stages): PipeDream's
@@ -112,11 +114,10 @@ def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: Search
         log.info("pipedream: the antichain DP's answer is not a partition of %s; cutting the linearisation",
                  graph.name)
         states, state_kind = prefix_states(graph), "linearised (antichain answer not a partition)"
-        found, _ = _solve(graph, cluster, batch_size, options, states, levels, sizes)
+        tried.clear()
+        found, _ = _solve(graph, cluster, batch_size, options, states, levels, sizes, tried)
     if found is None:
-        raise InfeasibleError(f"pipedream: no partition of {graph.name!r} fits in {cluster.memory_bytes / 1e9:g} GB "
-                              f"per device on {cluster.num_devices} devices at micro-batch {share} or below; "
-                              f"use more devices or --memory-gb")
+        raise pipedream_refusal(graph, cluster, batch_size, tried, options.micro_batch_size is not None, states, levels)
     b, sol, sg = found
     stats = {
         "time_s": time.perf_counter() - started,
@@ -139,14 +140,17 @@ def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: Search
 
 
 def _solve(graph: OpGraph, cluster: Cluster, batch_size: int, options: SearchOptions, states, levels,
-           sizes) -> tuple[tuple | None, bool]:
+           sizes, tried: list) -> tuple[tuple | None, bool]:
     """The first micro-batch size whose DP answer is a partition that fits (simulated): ``((b, sol, sg), False)``;
-    ``(None, True)`` when the DP's answer is not a partition of the graph, ``(None, False)`` when nothing fits."""
+    ``(None, True)`` when the DP's answer is not a partition of the graph, ``(None, False)`` when nothing fits.
+    Each size that fails is appended to ``tried`` with why (:data:`graphpipe.search.refusal.Tried`)."""
     for b in sizes:
         sol = solve_levels(states, graph, b, levels, memory_bytes=cluster.memory_bytes,
                            state_per_byte=cluster.state_bytes(1.0), num_micro_batches=batch_size // b)
         if sol is None or max(r for _, r, _ in sol.stages) > batch_size // b:
-            continue  # nothing fits, or a round-robin stage has more replicas than micro-batches
+            # nothing fits, or a round-robin stage has more replicas than micro-batches
+            tried.append((b, "memory", None) if sol is None else (b, "replicas", max(r for _, r, _ in sol.stages)))
+            continue
         try:
             stages = [Stage(q, ops, devices, b, replica_mode=REPLICA_MODE if r > 1 else "split")
                       for q, (ops, r, devices) in enumerate(sol.stages)]
@@ -156,6 +160,7 @@ def _solve(graph: OpGraph, cluster: Cluster, batch_size: int, options: SearchOpt
             return None, True
         if simulated(sg, cluster, STRATEGY.default_schedule, options.host)[1]:
             return (b, sol, sg), False
+        tried.append((b, "simulated", sg))
         log.info("pipedream: the plan at micro-batch %d does not fit in memory (simulated); trying smaller", b)
     return None, False
 

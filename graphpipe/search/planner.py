@@ -63,7 +63,7 @@ from typing import Any, Callable
 
 from graphpipe import costs
 from graphpipe.cluster import Cluster
-from graphpipe.errors import GraphpipeError, InfeasibleError, InputError
+from graphpipe.errors import DeviceMemoryError, GraphpipeError, InfeasibleError, InputError
 from graphpipe.graph import OpGraph
 from graphpipe.plan import Plan
 from graphpipe.search import STRATEGY_NAMES, get_strategy
@@ -428,10 +428,10 @@ def _check_memory(request: PlanRequest, plan: Plan) -> None:
     if peak > request.cluster.memory_bytes:
         peaks = plan.predicted.peak_memory_bytes
         worst = max(range(len(peaks)), key=lambda d: peaks[d])
-        raise InfeasibleError(
+        raise DeviceMemoryError(
             f"{request.strategy} plan with the {plan.schedule.name} schedule needs {peak / 1e9:.3g} GB on device "
-            f"{worst} (simulated peak) but devices have {request.cluster.memory_bytes / 1e9:g} GB; raise --memory-gb "
-            f"or add devices")
+            f"{worst} (simulated peak) but a {request.cluster.device.name} has "
+            f"{request.cluster.memory_bytes / 1e9:g} GB; use more devices or more memory per device")
 
 
 def _mark_all(result: SearchResult, options: SearchOptions) -> SearchResult:

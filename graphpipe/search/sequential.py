@@ -49,7 +49,7 @@ import numpy as np
 
 from graphpipe import costs
 from graphpipe.cluster import Cluster, Link
-from graphpipe.errors import InfeasibleError, InputError
+from graphpipe.errors import InputError
 from graphpipe.graph import OpGraph
 from graphpipe.search.common import SearchResult, link_name, placed_bottleneck, simulated
 from graphpipe.stages import Stage, StageGraph
@@ -258,10 +258,9 @@ def choose_micro_batch(strategy: str, graph: OpGraph, cluster: Cluster, batch_si
                     best = (key, sg, part, throughput)
     log.debug("%s micro-batch candidates: %s", strategy, "; ".join(tried))
     if best is None:
-        gb = cluster.memory_bytes / 1e9
-        raise InfeasibleError(
-            f"{strategy}: no partition of {graph.name!r} fits in {gb:g} GB per device on {cluster.num_devices} "
-            f"devices at any micro-batch size in {list(candidates)}; use more devices or --memory-gb")
+        from graphpipe.search.refusal import sequential_memory_refusal
+
+        raise sequential_memory_refusal(strategy, graph, cluster, candidates, forced=len(candidates) == 1)
     (_, _, _, li, _), sg, part, throughput = best
     return sg, part, {"throughput_estimate": throughput, "cut_link": link_name(cluster, links[li])}
 
