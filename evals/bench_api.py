@@ -5,11 +5,19 @@
     python -m graphpipe.evals.bench_api                                  # CPU (or the GPU when there is one), fp32
     python -m graphpipe.evals.bench_api --precision bf16 --out evals     # writes OUT/results/bench_api-bf16.json
 
+    python -m graphpipe.evals.bench_api --ranks 2 --out evals        # vs torch.distributed.pipelining on 2 CPU ranks
+
 One rank, one stage (a gpipe plan of the zoo model on one device, fixed micro-batch size): the API's step
 (forward and backward over the micro-batches, then AdamW) against the loop a user would write for the same
 micro-batching (each micro-batch's loss scaled by its share of the mini-batch, backward, one AdamW step), with
 one autocast region per step at bf16 in both. The two alternate step by step after warm-up; the figure is the
 ratio of median step times (API throughput / loop throughput; 1.0 is parity). Benchmarks are not tests.
+
+``--ranks N``: our runtime as the API trains (no per-action synchronisation, no memory meter:
+``RunOptions(measure=False)``) against ``torch.distributed.pipelining``'s ``Schedule1F1B`` on the same even
+chain of ``bench_runtime``'s transformer (one stage per rank, 8 micro-batches, the same data), on N gloo ranks
+of this host pinned to CPUs of their own. The jobs alternate in one world; the figure is the median over
+rounds of each round's throughput ratio (ours / torch), as ``bench_runtime`` (c).
 """
 
 from __future__ import annotations
@@ -96,6 +104,29 @@ def run(model: str = "transformer:small", batch_size: int = 32, micro_batch_size
             "throughput_ratio": loop / api}
 
 
+def vs_torch(ranks: int = 2, rounds: int = 5, steps: int = 8, batch_size: int = 32) -> dict:
+    """Throughput of our runtime (the API's path) over torch.distributed.pipelining's on ``ranks`` CPU ranks."""
+    from graphpipe import zoo
+    from graphpipe.cluster import preset
+    from graphpipe.runtime import RunOptions, run_plans
+
+    from .bench_runtime import GPT, auto_cpus_per_rank, torch_comparable_plan
+
+    plan = torch_comparable_plan(GPT, zoo.load_graph(GPT), preset("v100", ranks), batch_size)
+    pin = auto_cpus_per_rank(ranks)
+    common = dict(steps=steps, warmup_steps=2, timeout_s=300, cpus_per_rank=pin)
+    jobs = []
+    for _ in range(rounds):
+        jobs += [(plan, RunOptions(**common, measure=False)), (plan, RunOptions(**common, baseline="torch"))]
+    results = run_plans(jobs, ranks)
+    ours = [r["measured"]["iteration_time_s"] for r in results[0::2]]
+    theirs = [r["measured"]["iteration_time_s"] for r in results[1::2]]
+    return {"model": GPT, "ranks": ranks, "batch_size": batch_size, "micro_batch_size": batch_size // 8,
+            "schedule": "1f1b", "cpus_per_rank": pin, "rounds": rounds, "steps": steps,
+            "ours_iteration_s": ours, "torch_iteration_s": theirs,
+            "throughput_ratio": statistics.median(t / o for o, t in zip(ours, theirs))}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="transformer:small")
@@ -103,9 +134,22 @@ def main(argv=None) -> int:
     parser.add_argument("--micro-batch-size", type=int, default=8)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
-    parser.add_argument("--out", default=None, help="write OUT/results/bench_api[-bf16].json")
+    parser.add_argument("--ranks", type=int, default=0,
+                        help="compare with torch.distributed.pipelining on this many CPU ranks instead")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", default=None, help="write OUT/results/bench_api[-bf16|-torch].json")
     args = parser.parse_args(argv)
     import torch
+
+    if args.ranks:
+        result = vs_torch(args.ranks, args.rounds, args.steps)
+        print(f"{result['model']} on {args.ranks} CPU ranks, 1F1B: ours/torch.distributed.pipelining throughput "
+              f"{result['throughput_ratio']:.3f} (median of {args.rounds} rounds)")
+        if args.out:
+            from .common import write_result
+
+            print(f"wrote {write_result(args.out, 'bench_api-torch', vars(args), [result], {'throughput_ratio': result['throughput_ratio']})}")
+        return 0
 
     torch.set_num_threads(1)
     result = run(args.model, args.batch_size, args.micro_batch_size, args.steps, precision=args.precision)

@@ -199,9 +199,13 @@ def test_torch_baseline_matches_our_runtime_on_a_sequential_plan():
     assert plan.stage_graph.is_chain()
     # Pinned to one CPU each where the host has two (CI's has): pinning changes where ranks run, never what they compute.
     pin = 1 if len(os.sched_getaffinity(0)) >= 2 else 0
-    ours, theirs = run_plans([(plan, RunOptions(steps=3, check=True, cpus_per_rank=pin)),
-                              (plan, RunOptions(steps=3, check=True, baseline="torch", cpus_per_rank=pin))], 2)
+    ours, theirs, unmeasured = run_plans([(plan, RunOptions(steps=3, check=True, cpus_per_rank=pin)),
+                                          (plan, RunOptions(steps=3, check=True, baseline="torch", cpus_per_rank=pin)),
+                                          (plan, RunOptions(steps=3, check=True, cpus_per_rank=pin, measure=False))], 2)
     assert ours["check"]["passed"] and theirs["check"]["passed"], (ours["check"], theirs["check"])
+    # --no-measure (the API's path: no per-action synchronisation, no saved-tensor meter) computes the same steps
+    assert unmeasured["check"]["passed"] and unmeasured["losses"] == ours["losses"], unmeasured["check"]
+    assert "peak_activation_bytes" in ours["measured"] and "peak_activation_bytes" not in unmeasured["measured"]
     if pin:
         allowed = sorted(os.sched_getaffinity(0))
         assert ours["rank_cpus"] == theirs["rank_cpus"] == [[allowed[0]], [allowed[1]]]

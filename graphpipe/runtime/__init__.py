@@ -16,9 +16,12 @@ Pieces:
 * :mod:`~graphpipe.runtime.routing` derives which rows of which tensor go to
   which rank, and the message order of every rank pair;
 * :mod:`~graphpipe.runtime.comm` posts non-blocking sends and in-order receives;
-* :mod:`~graphpipe.runtime.executor` interprets a rank's action list;
-* :mod:`~graphpipe.runtime.worker` builds the model on each rank, runs the
-  steps, checks gradients against a single-process run;
+* :mod:`~graphpipe.runtime.executor` interprets a rank's action list
+  (one :class:`~graphpipe.runtime.executor.ExecutorContext` each);
+* :mod:`~graphpipe.runtime.api` is the training API, :class:`graphpipe.Pipeline`;
+* :mod:`~graphpipe.runtime.worker` sets a rank up (:func:`~graphpipe.runtime.worker.setup_rank`,
+  shared by every path) and runs ``graphpipe run``'s jobs through the API
+  (synthetic data, SGD), checking gradients against a single-process run;
 * :mod:`~graphpipe.runtime.launch` spawns and watches the ranks;
 * :mod:`~graphpipe.runtime.measure` turns measured records into a
   :class:`graphpipe.sched.Timeline`;

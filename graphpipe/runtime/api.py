@@ -102,7 +102,7 @@ class Pipeline:
         if example_inputs is None:
             example_inputs, example_target = spec_inputs, spec_target
         self._broadcast_weights(self._model)
-        self._steps = 0
+        self._steps, self._measure = 0, False  # the API times nothing (graphpipe run measures)
         self._build(example_inputs, example_target)
         if not self._setup.programs:
             import logging
@@ -145,15 +145,10 @@ class Pipeline:
         """Capture the model on ``example`` (a whole mini-batch), cut it and build this rank's executor."""
         from graphpipe.capture import Granularity, trace_ops
         from graphpipe.runtime.jobs import plan_granularity
-        from graphpipe.runtime.stage_modules import boundary_meta, check_op_names, instrument, split_model
-        from graphpipe.runtime.worker import setup_rank
 
         model = self._model.cpu() if self.backend != "nccl" else self._model
         exported, op_nodes, _ = trace_ops(model, example, self._loss_fn, target,
                                           Granularity.parse(plan_granularity(self.plan)))
-        sg = self.plan.stage_graph
-        check_op_names([op.name for op in sg.graph.ops], tuple(op_nodes), self.plan.model)
-        self._io = exported.io
         args, kwargs = normalize_inputs(example)
         flat = exported.io.flat_inputs(args, kwargs, target)
 
@@ -161,22 +156,51 @@ class Pipeline:
             return tuple(x[torch.arange(n) % x.shape[0]] if isinstance(x, torch.Tensor) and x.dim() else x
                          for x in flat)
 
-        gm = instrument(exported.gm, rows(2))
+        from graphpipe.runtime.stage_modules import instrument
+
+        self._assemble(instrument(exported.gm, rows(2)), op_nodes, exported.io, exported.io.wrap_loss(self._loss_fn),
+                       rows, fault=None, measure=self._measure)
+
+    @classmethod
+    def _for_job(cls, plan: Plan, runnable, *, rank: int, world_size: int, device: torch.device, backend: str,
+                 options) -> "Pipeline":
+        """``graphpipe run``'s pipeline: process group up, model built from the plan's spec and captured
+        (:func:`~graphpipe.runtime.jobs.load_runnable`, once per process), timing and the meter as ``options``
+        say."""
+        self = cls.__new__(cls)
+        self.plan, self.precision, self.seed, self.timeout_s = plan, options.precision, options.seed, options.timeout_s
+        self.rank, self.world_size, self.backend, self.device = rank, world_size, backend, device
+        self._batchnorm, self._measure, self._steps = options.batchnorm_for(plan), options.measure, 0
+        self._model = self._loss_fn = None  # the runnable's module is dropped: only this rank's stages stay
+        self._assemble(runnable.gm, runnable.op_nodes, runnable.io, runnable.loss_fn, runnable.make_inputs,
+                       fault=options.fault, measure=options.measure)
+        return self
+
+    def _assemble(self, gm, op_nodes, io, loss_fn, make_rows, *, fault, measure: bool) -> None:
+        """Cut the captured graph by the plan's stages and build this rank's executor (:func:`setup_rank`)."""
+        from graphpipe.runtime.stage_modules import boundary_meta, check_op_names, split_model
+        from graphpipe.runtime.worker import setup_rank
+
+        sg = self.plan.stage_graph
+        check_op_names([op.name for op in sg.graph.ops], tuple(op_nodes), self.plan.model)
+        self._io = io
         split = split_model(gm, op_nodes, sg)
-        meta = boundary_meta(gm, split.boundary_values, rows, self.precision)
-        self._setup = setup_rank(self.rank, self.world_size, self.plan, split, meta, exported.io.wrap_loss(self._loss_fn),
-                                 self.device, self.backend, timeout_s=self.timeout_s, seed=self.seed,
-                                 batchnorm=self._batchnorm, measure=False)
+        meta = boundary_meta(gm, split.boundary_values, make_rows, self.precision)
+        self._setup = setup_rank(self.rank, self.world_size, self.plan, split, meta, loss_fn, self.device,
+                                 self.backend, timeout_s=self.timeout_s, seed=self.seed, batchnorm=self._batchnorm,
+                                 fault=fault, measure=measure)
         self._names = {}
         for s, prog in self._setup.programs.items():
             for name, p in prog.module.named_parameters():
                 self._names[p] = prog.param_names.get(name, name)
         self._counted = self._counted_parameters()
         self._sink_id = split.sink_stage
-        from torch.utils import _pytree as pytree
-
-        self._target_shapes = [(tuple(t.shape[1:]), t.dtype) for t in pytree.tree_leaves(target)
-                               if isinstance(t, torch.Tensor)]
+        example = make_rows(2, 0)
+        self._target_shapes = [(tuple(t.shape[1:]), t.dtype)
+                               for t in example[len(example) - io.num_target_leaves:] if isinstance(t, torch.Tensor)] \
+            if io.target_spec is not None else []
+        self.last_step = None
+        """The last step's :class:`~graphpipe.runtime.executor.StepResult` (per-action times, activation peak)."""
 
     def _counted_parameters(self) -> list[nn.Parameter]:
         """The parameters this rank counts once in global sums: a stage's first replica, a tied parameter's owner."""
@@ -210,17 +234,30 @@ class Pipeline:
         loss takes one. Gradients accumulate into ``.grad`` (all-reduced over
         replicas, summed over tied copies); zero them between steps.
         """
+        self._train(self._flat(inputs, target))
+        if self.world_size == 1:
+            return self.last_step.loss
+        loss = torch.tensor([self.last_step.loss], dtype=torch.float64, device=self.device)
+        dist.all_reduce(loss)  # on the device: an NCCL group reduces CUDA tensors only
+        return float(loss)
+
+    def _train(self, flat: tuple | None, *, start_together: bool = False, group=None) -> None:
+        """One step on the graph's flat inputs (``None`` on ranks whose stages read none).
+
+        ``start_together``: every rank meets at a barrier (on ``group``,
+        default the world) first, so the step's times share one start
+        (``graphpipe run``'s measurement).
+        """
         from graphpipe.runtime.jobs import autocast
 
-        flat = self._flat(inputs, target)
         executor = self._setup.executor
-        self._rebind_grads()
+        executor.ensure_grads()
+        if start_together:
+            dist.barrier(group=group)
         with autocast(self.precision, self.device):
-            result = executor.run_iteration(flat if self._reads_inputs() else None, time.perf_counter(), self._steps)
+            self.last_step = executor.run_iteration(flat if self._reads_inputs() else None, time.perf_counter(),
+                                                    self._steps)
         self._steps += 1
-        loss = torch.tensor([result.loss], dtype=torch.float64)
-        dist.all_reduce(loss)
-        return float(loss)
 
     def _reads_inputs(self) -> bool:
         return any(prog.model_inputs for prog in self._setup.programs.values())
@@ -238,40 +275,32 @@ class Pipeline:
                              f"mini-batch on every rank (re-plan with --batch-size {got} to train at {got})")
         return flat
 
-    def _rebind_grads(self) -> None:
-        """After ``optimizer.zero_grad()`` (which drops ``.grad``), gradients go back into the executor's
-        persistent per-stage buffers, zeroed."""
-        executor = self._setup.executor
-        if any(p.grad is None for p in executor.parameters()):
-            from graphpipe.runtime.executor import flat_grad_buffer, zero_grads
-
-            for s in sorted(self._setup.programs):
-                params = list(self._setup.programs[s].module.parameters())
-                if s in executor._grad_buffers:
-                    executor._grad_buffers[s] = flat_grad_buffer(params)
-                else:
-                    zero_grads(params)
-
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
         """Scale every gradient so the global ``norm_type`` norm (all stages, each parameter once) is at most
-        ``max_norm``, as ``torch.nn.utils.clip_grad_norm_`` on the whole model; returns the norm before clipping."""
-        grads = [p.grad for p in self._counted if p.grad is not None]
-        if norm_type == float("inf"):
-            local = max((float(g.abs().max()) for g in grads), default=0.0)
-            total = torch.tensor([local], dtype=torch.float64)
-            dist.all_reduce(total, op=dist.ReduceOp.MAX)
-            norm = float(total)
+        ``max_norm``, as ``torch.nn.utils.clip_grad_norm_`` on the whole model; returns the norm before clipping.
+
+        The partial norms stay on the device and are all-reduced there (one
+        collective, one device-to-host read for the returned float).
+        """
+        norm_type = float(norm_type)
+        grads = [p.grad.detach() for p in self._counted if p.grad is not None]
+        if grads:
+            norms = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float64) for g in grads])
+            local = norms.max() if norm_type == float("inf") else norms.pow(norm_type).sum()
         else:
-            local = sum(float(g.double().norm(norm_type) ** norm_type) for g in grads)
-            total = torch.tensor([local], dtype=torch.float64)
+            local = torch.zeros((), dtype=torch.float64, device=self.device)
+        total = local.reshape(1).to(self.device)
+        if norm_type == float("inf"):
+            dist.all_reduce(total, op=dist.ReduceOp.MAX)
+            norm = total[0]
+        else:
             dist.all_reduce(total)
-            norm = float(total) ** (1.0 / norm_type)
-        coef = max_norm / (norm + 1e-6)
-        if coef < 1.0:
-            for p in self._setup.executor.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(coef)
-        return norm
+            norm = total[0] ** (1.0 / norm_type)
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        mine = [p.grad for p in self._setup.executor.parameters() if p.grad is not None]
+        if mine:
+            torch._foreach_mul_(mine, coef.to(mine[0].dtype))
+        return float(norm)
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()

@@ -122,11 +122,9 @@ def _window_times(records: list[dict], num_mbs_per_window: int, steps: int) -> l
 def run_async_job(rank: int, world_size: int, plan: Plan, spec: AsyncSpec, options: RunOptions,
                   device: torch.device, backend: str, control=None) -> dict[str, Any] | None:
     """Run ``plan``'s stream of ``options.steps`` mini-batches on this rank; rank 0 returns the result."""
-    from graphpipe.runtime.comm import make_link_groups
-    from graphpipe.runtime.executor import RankExecutor
-    from graphpipe.runtime.routing import Routing
     from graphpipe.runtime.stage_modules import boundary_meta, check_op_names, split_model
     from graphpipe.runtime.stash import WeightVersions
+    from graphpipe.runtime.worker import setup_rank
 
     sg, steps = plan.stage_graph, options.steps
     if sg.num_devices > world_size:
@@ -142,29 +140,19 @@ def run_async_job(rank: int, world_size: int, plan: Plan, spec: AsyncSpec, optio
         raise InputError(f"{plan.model} ties parameters across stages ({split.tied[0].name}); asynchronous schedules "
                          f"keep one version history per stage and do not run tied copies yet")
     meta = boundary_meta(runnable.gm, split.boundary_values, runnable.make_inputs, options.precision)
-    edge_values = {(prog.stage_id, c): values for prog in split.programs for c, values in prog.send_values}
-    routing = Routing(ssg, stream, edge_values, [v for v, m in meta.items() if m.needs_grad])
-    link_groups = make_link_groups(routing, world_size, backend)
-    dp_groups = {}
-    for stage in sg.stages:  # every rank creates every group, in stage order (new_group is collective)
-        if stage.num_replicas > 1 and stage.devices not in dp_groups:
-            dp_groups[stage.devices] = dist.new_group(list(stage.devices))
-    programs = {s: split.programs[s] for s in my_stages}
-    for prog in programs.values():
-        prog.module.to(device)
-    loss_fn, make_inputs = runnable.loss_fn, runnable.make_inputs
+    setup = setup_rank(rank, world_size, plan, split, meta, runnable.loss_fn, device, backend,
+                       timeout_s=options.timeout_s, seed=options.seed, batchnorm="per-micro-batch",  # as its replay
+                       fault=options.fault, stream=(ssg, stream))
+    executor, programs, make_inputs = setup.executor, setup.programs, runnable.make_inputs
     reads_inputs = any(programs[s].model_inputs for s in my_stages)
     del runnable, split
-    actions = stream.device_actions[rank] if rank < sg.num_devices else ()
-    executor = RankExecutor(rank, ssg, actions, programs, routing, meta, loss_fn, device, options.timeout_s,
-                            link_groups, {k: v for k, v in dp_groups.items() if rank in k}, {}, fault=options.fault,
-                            seed=options.seed, loss_batch_size=sg.batch_size)
+    actions = executor.actions
     for s, prog in programs.items():
         stage = sg.stages[s]
         mbs = [a.mb_id for a in actions if a.stage_id == s and a.kind == "F"]
         executor.weights[s] = WeightVersions(
             s, prog.module, table, mbs, options.lr, stage.num_replicas if stage.round_robin else 1,
-            dp_groups.get(stage.devices), stash=spec.stash, wait=executor.mailbox.wait_work)
+            executor.dp_groups.get(stage.devices), stash=spec.stash, wait=executor.mailbox.wait_work)
     reference = (replay_reference(plan, table, options.seed, options.lr, steps)
                  if options.check and (my_stages or rank == 0) else None)
 

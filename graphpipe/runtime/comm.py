@@ -7,7 +7,9 @@ sits in its link's sequence.
 
 * ``send`` posts ``dist.isend`` and returns at once (the tensor is kept alive
   until :meth:`Mailbox.flush`), so compute overlaps communication, as in the
-  simulator's semantics.
+  simulator's semantics. On CUDA no wait blocks the host either
+  (:meth:`Mailbox.wait_work`): receives and all-reduces are ordered on the
+  device's stream.
 * ``recv`` posts ``dist.irecv`` for every not-yet-posted message of the link
   up to the one it needs (receive buffers are sized from the per-sample
   shapes computed at setup, so no metadata travels), then waits on it.
@@ -108,10 +110,18 @@ class Mailbox:
         return buf
 
     def wait_work(self, work, what: str) -> None:
-        """Wait with the process-group timeout; name the peer when it does not answer."""
+        """Wait with the process-group timeout; name the peer when it does not answer.
+
+        On CUDA the wait is the stream's, not the host's: ``work.wait()``
+        makes the current stream wait for NCCL's, so the host goes on
+        queueing kernels while messages travel (a wait with a timeout would
+        block the host until the transfer ends). A silent peer is then caught
+        by NCCL's watchdog at the process group's timeout, which aborts the
+        rank and so the job.
+        """
         limit = self.timeout.total_seconds()
         try:
-            ok = work.wait(self.timeout)
+            ok = work.wait() if self.device.type == "cuda" else work.wait(self.timeout)
         except RuntimeError as exc:
             if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
                 raise TimeoutError(f"no {what} within {limit:g} s (peer silent or dead)") from None

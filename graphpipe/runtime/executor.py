@@ -67,7 +67,7 @@ from graphpipe.split_backward import PendingWeightGrad, backward_input, backward
 from graphpipe.runtime.stage_modules import StageProgram, ValueMeta
 from graphpipe.stages import StageGraph
 
-__all__ = ["TimedAction", "StepResult", "RankExecutor", "InjectedFailure", "TiedSync", "zero_grads", "flat_grad_buffer"]
+__all__ = ["TimedAction", "StepResult", "ExecutorContext", "RankExecutor", "InjectedFailure", "TiedSync", "zero_grads", "flat_grad_buffer"]
 
 
 class InjectedFailure(RuntimeError):
@@ -151,29 +151,59 @@ class TiedSync:
     group: object | None
 
 
-class RankExecutor:
-    """Runs ``schedule.device_actions[rank]`` with the stage programs hosted on this rank."""
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class ExecutorContext:
+    """Everything a :class:`RankExecutor` needs, built once per rank by :func:`~graphpipe.runtime.worker.setup_rank`."""
 
-    def __init__(self, rank: int, sg: StageGraph, actions: Sequence[Action], programs: Mapping[int, StageProgram],
-                 routing: Routing, meta: Mapping[str, ValueMeta], loss_fn: Callable[[Any], torch.Tensor],
-                 device: torch.device, timeout_s: float, link_groups: Mapping | None = None,
-                 dp_groups: Mapping[tuple[int, ...], object] | None = None,
-                 allreduce_order: Mapping[tuple[int, ...], Sequence[int]] | None = None, fault=None,
-                 seed: int = 0, batchnorm: str = "per-micro-batch", tied: Sequence[TiedSync] = (),
-                 weights: Mapping[int, Any] | None = None, loss_batch_size: int | None = None,
-                 measure: bool = True):
-        self.rank = rank
-        self.sg = sg
-        self.actions = tuple(actions)
-        self.programs = dict(programs)
-        self.routing = routing
-        self.meta = dict(meta)
-        self.loss_fn = loss_fn
-        self.device = device
-        self.timeout = timedelta(seconds=timeout_s)
-        self.mailbox = Mailbox(rank, routing, self._buffer_spec, device, timeout_s, link_groups)
-        self.dp_groups = dict(dp_groups or {})
-        self.allreduce_order = {k: tuple(v) for k, v in (allreduce_order or {}).items()}
+    rank: int
+    stage_graph: StageGraph
+    """The plan's stage graph (for an asynchronous stream: the stream's, ``K`` mini-batches long)."""
+    actions: tuple[Action, ...]
+    """This rank's actions of one iteration, in order."""
+    programs: Mapping[int, StageProgram]
+    """Stage id -> the program of every stage this rank hosts."""
+    routing: Routing
+    meta: Mapping[str, ValueMeta]
+    """Boundary value -> its per-sample shape, dtype and whether a gradient flows back through it."""
+    loss_fn: Callable[[Any], torch.Tensor]
+    device: torch.device
+    timeout_s: float
+    """Longest wait for a message or a collective before the rank fails, naming what it waited for."""
+    link_groups: Mapping[tuple[int, int], object] = field(default_factory=dict)
+    """A process group per directed rank pair under NCCL (:func:`~graphpipe.runtime.comm.make_link_groups`)."""
+    dp_groups: Mapping[tuple[int, ...], object] = field(default_factory=dict)
+    """The replicas' group of every replicated stage this rank hosts, by device tuple."""
+    allreduce_order: Mapping[tuple[int, ...], Sequence[int]] = field(default_factory=dict)
+    """Per device tuple, the order its stages' gradient all-reduces are issued in (the same on every replica)."""
+    tied: tuple[TiedSync, ...] = ()
+    seed: int = 0
+    batchnorm: str = "per-micro-batch"
+    fault: Any = None
+    """Test hook (:class:`~graphpipe.runtime.jobs.FaultInjection`); None in real runs."""
+    loss_batch_size: int | None = None
+    """The mini-batch every loss term is scaled by (None: the stage graph's batch; an asynchronous stream's is
+    the plan's mini-batch, not the stream's rows)."""
+    measure: bool = True
+    """Time every action (synchronising the device first) and meter saved activations; off in the training API."""
+
+
+class RankExecutor:
+    """Runs ``ctx.actions`` (this rank's part of the schedule) with the stage programs hosted on this rank."""
+
+    def __init__(self, ctx: ExecutorContext):
+        self.ctx = ctx
+        self.rank = ctx.rank
+        self.sg = sg = ctx.stage_graph
+        self.actions = tuple(ctx.actions)
+        self.programs = dict(ctx.programs)
+        self.routing = routing = ctx.routing
+        self.meta = dict(ctx.meta)
+        self.loss_fn = ctx.loss_fn
+        self.device = ctx.device
+        self.timeout = timedelta(seconds=ctx.timeout_s)
+        self.mailbox = Mailbox(self.rank, routing, self._buffer_spec, self.device, ctx.timeout_s, ctx.link_groups)
+        self.dp_groups = dict(ctx.dp_groups)
+        self.allreduce_order = {k: tuple(v) for k, v in ctx.allreduce_order.items()}
         last_b: dict[int, int] = {}
         for pos, a in enumerate(self.actions):
             if a.kind in ("B", "W"):
@@ -182,33 +212,34 @@ class RankExecutor:
         self._edge_values = routing.edge_values
         # Persistent gradient storage, one flat buffer per stage (see zero_grad).
         self._grad_buffers: dict[int, torch.Tensor] = {}
-        for stage_id in sorted(self.programs):
-            flat = flat_grad_buffer(list(self.programs[stage_id].module.parameters()))
-            if flat is not None:
-                self._grad_buffers[stage_id] = flat
-        self.seed = seed
+        self._grad_views: dict[int, list[torch.Tensor]] = {}  # each parameter's .grad, a view into the buffer
+        self._bind_grad_buffers()
+        self.seed = ctx.seed
         self.step = 0
-        self.batchnorm = batchnorm
-        self.tied = tuple(tied)
+        self.batchnorm = ctx.batchnorm
+        self.tied = tuple(ctx.tied)
+        self._batchnorms = {s: tuple(sharded_batchnorms(prog.module)) for s, prog in self.programs.items()}
         # parameters and buffers are model state, not activations (capture excludes both too). Training through
         # the API measures nothing: no saved-tensor hooks, no device synchronisation per action.
-        self.measure = measure
+        self.measure = ctx.measure
         self.saved_meter = SavedBytesMeter(t for prog in self.programs.values()
                                            for t in (*prog.module.parameters(), *prog.module.buffers())) \
-            if measure else NoMeter()
+            if ctx.measure else NoMeter()
         self._redo_bytes: dict[int, int | list[int]] = {}  # per re-materializing stage: its B's working set,
         # per segment where it has checkpoints (probed once)
         self._working = 0  # bytes of rebuilt activations counted now (one B, I or W runs at a time)
         self._segment_calls: dict[tuple[int, int], set[int]] = {}  # (stage, mb) -> segments that ran
         self._stash: dict[tuple[int, int], list] = {}  # inputs a checkpointed (stage, mb) keeps until its B
         self._pending_w: dict[tuple[int, int], PendingWeightGrad] = {}  # (stage, mb) whose I ran, W not yet
-        self._fail_at = fault.at if fault is not None and fault.rank == rank else None
+        fault = ctx.fault
+        self._fail_at = fault.at if fault is not None and fault.rank == self.rank else None
         self._fault_text = fault.describe() if fault is not None else ""
-        # Asynchronous schedules (runtime/stash.py): per stage, the weight versions F and B run on; the
-        # stream's loss terms are scaled by the mini-batch, not by the stream's rows.
-        self.weights = dict(weights or {})
-        self.loss_batch_size = loss_batch_size or sg.batch_size
-        self.sink_losses: dict[int, float] = {}  # micro-batch -> this rank's loss term (sink stages)
+        # Asynchronous schedules (runtime/stash.py): per stage, the weight versions F and B run on (set by the
+        # asynchronous worker); the stream's loss terms are scaled by the mini-batch, not by the stream's rows.
+        self.weights: dict[int, Any] = {}
+        self.loss_batch_size = ctx.loss_batch_size or sg.batch_size
+        self.sink_losses: dict[int, float] = {}  # micro-batch -> this rank's loss term, last iteration (sink stages)
+        self._loss_terms: list[tuple[int, torch.Tensor]] = []  # this iteration's, on the device
 
     # ------------------------------------------------------------ helpers
     def _buffer_spec(self, key) -> tuple[tuple[int, ...], torch.dtype]:
@@ -217,6 +248,36 @@ class RankExecutor:
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return [p for s in sorted(self.programs) for p in self.programs[s].module.parameters()]
+
+    def _bind_grad_buffers(self) -> None:
+        """Each stage's ``.grad`` as views into one zeroed flat buffer (:func:`flat_grad_buffer`; a stage's
+        existing buffer and views are reused), or zeroed per-parameter tensors where the stage mixes dtypes or
+        devices."""
+        for stage_id in sorted(self.programs):
+            params = list(self.programs[stage_id].module.parameters())
+            views = self._grad_views.get(stage_id)
+            if views is not None:
+                self._grad_buffers[stage_id].zero_()
+                for p, g in zip(params, views):
+                    p.grad = g
+                continue
+            flat = flat_grad_buffer(params)
+            if flat is not None:
+                self._grad_buffers[stage_id] = flat
+                self._grad_views[stage_id] = [p.grad for p in params]
+            else:
+                zero_grads(params)
+
+    def ensure_grads(self) -> None:
+        """Rebind the persistent gradient buffers, zeroed, when something dropped a ``.grad``.
+
+        ``optimizer.zero_grad()`` sets ``.grad = None`` by default; the next
+        iteration's backwards must accumulate into the flat buffers the
+        replicas all-reduce, so they come back before it (the API calls this
+        at the start of every step). The buffers are reused, not reallocated.
+        """
+        if any(p.grad is None for s in self.programs for p in self.programs[s].module.parameters()):
+            self._bind_grad_buffers()
 
     def zero_grad(self) -> None:
         """Clear the gradient buffers in place, before an iteration's timed region.
@@ -246,7 +307,7 @@ class RankExecutor:
         return slice(lo, lo + per)
 
     # ------------------------------------------------------------ actions
-    def _forward(self, a: Action, inputs: Sequence[torch.Tensor] | None, saved: dict, t0: float) -> tuple[float, float, float, float]:
+    def _forward(self, a: Action, inputs: Sequence[torch.Tensor] | None, saved: dict, t0: float) -> tuple[float, float, float]:
         prog = self.programs[a.stage_id]
         q = self.routing.replica(a.stage_id, self.rank)
         ready_at = time.perf_counter()
@@ -301,12 +362,12 @@ class RankExecutor:
             for value in self._edge_values[(piece.producer, piece.consumer)]:
                 self.mailbox.send(dst, Routing.key("F", piece, value), by_name[value][piece.producer_rows])
         saved[(a.stage_id, a.mb_id)] = (leaves, by_name, loss)
-        if loss is not None:
-            self.sink_losses[a.mb_id] = self.sink_losses.get(a.mb_id, 0.0) + float(loss.detach())
+        if loss is not None:  # read once at the iteration's end: a float() here would wait for the device
+            self._loss_terms.append((a.mb_id, loss.detach().float()))
         if stage.recompute and a.stage_id not in self._redo_bytes:  # once, after the timed compute
             self._redo_bytes[a.stage_id] = ([self.saved_meter.probe(fn, *xs, ctx) for fn, xs in pieces]
                                             if prog.segments else self.saved_meter.probe(run_stage, *args, ctx))
-        return ready_at - t0, start - t0, end - t0, float(loss.detach()) if loss is not None else 0.0
+        return ready_at - t0, start - t0, end - t0
 
     def _forward_segments(self, a: Action, prog, versions, args: list, ctx, scale: float):
         """A re-materializing stage's forward, one checkpoint per segment (:func:`segment_stage`).
@@ -454,15 +515,14 @@ class RankExecutor:
             torch.cuda.reset_peak_memory_stats(self.device)
         saved: dict = {}
         records: list[TimedAction] = []
-        loss_sum = 0.0
+        self._loss_terms: list[tuple[int, torch.Tensor]] = []
         issued: dict[tuple[int, ...], int] = {}
         done_stages: set[int] = set()
         pending_ar: list[tuple[int, object, torch.Tensor, list[torch.Tensor], float]] = []
         finished_at: dict[int, float] = {}
         for pos, a in enumerate(self.actions):
             if a.kind == "F":
-                ready, start, end, loss = self._forward(a, inputs, saved, t0)
-                loss_sum += loss
+                ready, start, end = self._forward(a, inputs, saved, t0)
             elif a.kind in ("B", "I"):
                 ready, start, end = self._backward(a, saved, t0)
             elif a.kind == "W":
@@ -492,7 +552,12 @@ class RankExecutor:
         self._sum_tied_gradients()
         self.mailbox.flush()
         self._sync()
-        return StepResult(time.perf_counter() - t0, loss_sum, records, t0, self.saved_meter.peak,
+        self.sink_losses = {}
+        if self._loss_terms:  # one device-to-host copy for every loss term of the iteration
+            for (mb_id, _), value in zip(self._loss_terms, torch.stack([t for _, t in self._loss_terms]).tolist()):
+                self.sink_losses[mb_id] = self.sink_losses.get(mb_id, 0.0) + value
+        self._loss_terms = []
+        return StepResult(time.perf_counter() - t0, sum(self.sink_losses.values()), records, t0, self.saved_meter.peak,
                           torch.cuda.max_memory_allocated(self.device) if cuda else None)
 
     def _commit_batchnorms(self) -> None:
@@ -502,7 +567,7 @@ class RankExecutor:
             group = None
             if stage.num_replicas > 1 and (self.batchnorm != "sync" or stage.round_robin):
                 group = self.dp_groups[stage.devices]  # replicas hold different rows' statistics: merge them
-            for bn in sharded_batchnorms(self.programs[stage_id].module):
+            for bn in self._batchnorms[stage_id]:
                 bn.commit(group, int(stage.samples_per_replica), self.sg.batch_size)
 
     def _sum_tied_gradients(self) -> None:

@@ -44,6 +44,10 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         help="BatchNorm under micro-batching: per-micro-batch (normalise each replica's rows; running "
                              "statistics over the mini-batch) or sync (statistics across a stage's replicas); "
                              "default: the plan's (per-micro-batch)")
+    parser.add_argument("--no-measure", dest="measure", action="store_false",
+                        help="train as the Python API does: no device synchronisation per action and no saved-tensor "
+                             "meter (step times stay; per-action times on a GPU are then host times, and the report "
+                             "has no activation memory)")
 
 
 BF16_CHECK_TOLERANCE = {"rtol": 1.6e-2, "atol": 1e-2}
@@ -58,4 +62,5 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
                       steps=args.steps, warmup_steps=args.warmup, backend=args.backend, check=args.check,
                       timeout_s=args.timeout, seed=args.seed, lr=args.lr, num_threads=args.threads,
                       cpus_per_rank=args.cpus_per_rank, baseline=args.baseline,
-                      batchnorm=getattr(args, "batchnorm", None), precision=precision)
+                      batchnorm=getattr(args, "batchnorm", None), precision=precision,
+                      measure=getattr(args, "measure", True))

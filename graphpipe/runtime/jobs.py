@@ -42,6 +42,8 @@ Example
 
 from __future__ import annotations
 
+import contextlib
+
 import os
 import socket
 import statistics
@@ -111,9 +113,11 @@ PRECISIONS = ("fp32", "bf16")
 
 
 def autocast(precision: str, device: torch.device | str):
-    """``torch.autocast`` to bfloat16 for ``bf16``, a no-op context for ``fp32``."""
-    dev = torch.device(device)
-    return torch.autocast(dev.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+    """``torch.autocast`` to bfloat16 for ``bf16``, a no-op context for ``fp32`` (a disabled ``torch.autocast``
+    still costs its set-up on every step)."""
+    if precision != "bf16":
+        return contextlib.nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -145,6 +149,9 @@ class RunOptions:
 
     precision: Literal["fp32", "bf16"] = "fp32"
     """Training precision: ``fp32``, or ``bf16`` under ``torch.autocast`` (forward, backward and the --check reference)."""
+    measure: bool = True
+    """Time every action (synchronising the device first) and meter saved activations (``--no-measure``: off,
+    as in the training API; the report then has step times but no per-action records' device times or memory)."""
 
     def __post_init__(self) -> None:
         from graphpipe.errors import InputError

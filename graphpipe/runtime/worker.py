@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from graphpipe.errors import PlanError
 from graphpipe.plan import Plan, plan_from_dict
-from graphpipe.runtime.executor import RankExecutor, StepResult, TiedSync
+from graphpipe.runtime.executor import ExecutorContext, RankExecutor, StepResult, TiedSync
 from graphpipe.runtime.jobs import (RunOptions, autocast, compare_buffers, compare_gradients, data_seed, finish_job,
                                     load_runnable, plan_granularity, reference_layout, reference_run)
 from graphpipe.runtime.routing import Routing
@@ -112,20 +112,28 @@ class RankSetup:
 
 
 def setup_rank(rank: int, world_size: int, plan: Plan, split: ModelSplit, meta, loss_fn, device: torch.device,
-               backend: str, *, timeout_s: float, seed: int, batchnorm: str, fault=None,
-               measure: bool = True) -> RankSetup:
+               backend: str, *, timeout_s: float, seed: int, batchnorm: str, fault=None, measure: bool = True,
+               stream=None) -> RankSetup:
     """Routing, process groups (created by every rank in the same order), tied parameters and the executor of
-    ``rank``: the one set-up of ``graphpipe run`` and :class:`graphpipe.Pipeline`."""
+    ``rank``: the one set-up of ``graphpipe run`` (synchronous and asynchronous) and :class:`graphpipe.Pipeline`.
+
+    ``stream``: ``(stage graph, schedule)`` of an asynchronous run's stream
+    (:func:`~graphpipe.sched.async_pipe.stream_schedule`), which ``split`` was
+    cut for; its replicas all-reduce inside the weight versions, not after
+    the last backward, and its loss terms are scaled by the plan's mini-batch.
+    """
     from graphpipe.runtime.comm import make_link_groups
 
-    sg, schedule = plan.stage_graph, plan.schedule
+    sg, schedule = stream if stream is not None else (plan.stage_graph, plan.schedule)
     my_stages = sg.stages_on_device(rank) if rank < sg.num_devices else ()
     routing = Routing(sg, schedule, _edge_values(split), [v for v, m in meta.items() if m.needs_grad])
     link_groups = make_link_groups(routing, world_size, backend)
     dp_groups, ar_order = {}, {}
-    for stage in sg.stages:
+    for stage in sg.stages:  # every rank creates every group, in stage order (new_group is collective)
         if stage.num_replicas > 1 and stage.devices not in dp_groups:
             dp_groups[stage.devices] = dist.new_group(list(stage.devices))
+            if stream is not None:
+                continue
             first = schedule.device_actions[stage.devices[0]]
             last_b = {}
             for pos, a in enumerate(first):
@@ -153,15 +161,17 @@ def setup_rank(rank: int, world_size: int, plan: Plan, split: ModelSplit, meta, 
             if sg.stages[s].num_replicas > 1 and not sg.stages[s].round_robin:  # round-robin: whole mbs already
                 for bn in sharded_batchnorms(prog.module):
                     bn.group = dp_groups[sg.stages[s].devices]
-    layout = reference_layout(plan, dict(split.node_stages), batchnorm)
+    layout = reference_layout(plan, dict(split.node_stages), batchnorm) if stream is None else {}
     tied_copies = frozenset(c for tie in split.tied for c in tie.copies[1:])
     for prog in programs.values():
         prog.module.to(device)
-    executor = RankExecutor(rank, sg, schedule.device_actions[rank] if rank < sg.num_devices else (), programs, routing,
-                            meta, loss_fn, device, timeout_s, link_groups,
-                            {k: v for k, v in dp_groups.items() if rank in k}, ar_order, fault=fault,
-                            seed=seed, batchnorm=batchnorm, tied=tied, measure=measure)
-    return RankSetup(executor, programs, layout, tied_copies, buffer_stage)
+    ctx = ExecutorContext(
+        rank=rank, stage_graph=sg, actions=tuple(schedule.device_actions[rank]) if rank < sg.num_devices else (),
+        programs=programs, routing=routing, meta=meta, loss_fn=loss_fn, device=device, timeout_s=timeout_s,
+        link_groups=link_groups, dp_groups={k: v for k, v in dp_groups.items() if rank in k}, allreduce_order=ar_order,
+        tied=tuple(tied), seed=seed, batchnorm=batchnorm, fault=fault, measure=measure,
+        loss_batch_size=plan.stage_graph.batch_size)
+    return RankSetup(RankExecutor(ctx), programs, layout, tied_copies, buffer_stage)
 
 
 def run_job(rank: int, world_size: int, plan: Plan, options: RunOptions, device: torch.device,
@@ -185,22 +195,21 @@ def run_job(rank: int, world_size: int, plan: Plan, options: RunOptions, device:
     sg = plan.stage_graph
     if sg.num_devices > world_size:
         raise PlanError(f"plan needs {sg.num_devices} ranks, the job has {world_size}")
+    from graphpipe.runtime.api import Pipeline
+
     my_stages = sg.stages_on_device(rank) if rank < sg.num_devices else ()
     # Every rank builds the model, so all agree on the boundary values and shapes.
     runnable = load_runnable(plan.model, options.seed, "cpu", granularity=plan_granularity(plan))
-    check_op_names([op.name for op in sg.graph.ops], runnable.op_names, plan.model)
-    batchnorm = options.batchnorm_for(plan)
     unseeded = _warn_unseeded(runnable, plan.model) if rank == 0 else {}
-    split = split_model(runnable.gm, runnable.op_nodes, sg)
-    meta = boundary_meta(runnable.gm, split.boundary_values, runnable.make_inputs, options.precision)
-    ctx = setup_rank(rank, world_size, plan, split, meta, runnable.loss_fn, device, backend, timeout_s=options.timeout_s,
-                     seed=options.seed, batchnorm=batchnorm, fault=options.fault)
-    executor, programs, layout = ctx.executor, ctx.programs, ctx.layout
-    tied_copies, buffer_stage = ctx.tied_copies, ctx.buffer_stage
     make_inputs = runnable.make_inputs
+    # graphpipe run is a user of the training API: synthetic data, SGD, and its report.
+    pipe = Pipeline._for_job(plan, runnable, rank=rank, world_size=world_size, device=device, backend=backend,
+                             options=options)
+    del runnable  # drop every other stage's parameters
+    ctx = pipe._setup
+    programs, layout, tied_copies, buffer_stage = ctx.programs, ctx.layout, ctx.tied_copies, ctx.buffer_stage
     reads_inputs = any(programs[s].model_inputs for s in my_stages)
-    del runnable, split  # drop every other stage's parameters
-    params = executor.parameters()
+    params = list(pipe.parameters())
     optimizer = torch.optim.SGD(params, lr=options.lr) if params else None
     reference = None
     if options.check and (my_stages or rank == 0):
@@ -212,11 +221,8 @@ def run_job(rank: int, world_size: int, plan: Plan, options: RunOptions, device:
     check_stats = [0.0, 0, 0, 0]
     for step in range(options.steps):
         inputs = make_inputs(sg.batch_size, data_seed(options.seed, step)) if reads_inputs else None
-        executor.zero_grad()
-        dist.barrier(group=control)
-        t0 = time.perf_counter()
-        with autocast(options.precision, device):
-            result = executor.run_iteration(inputs, t0, step)
+        pipe._train(inputs, start_together=True, group=control)
+        result = pipe.last_step
         steps.append(result)
         if reference is not None and my_stages:
             # Replicas all compare; only a stage's first replica counts (and only the owner of a tied parameter).
@@ -231,6 +237,7 @@ def run_job(rank: int, world_size: int, plan: Plan, options: RunOptions, device:
                            check_stats[2] + grads[2], check_stats[3] + bufs[2]]
         if optimizer is not None:
             optimizer.step()
+            optimizer.zero_grad()
     # Activation memory per device (rank = device): peak bytes saved for backward, and CUDA's allocator peak.
     timed = steps[options.warmup_steps:] or steps
     mem = torch.tensor([float(max(s.peak_saved_bytes for s in timed)),
@@ -242,7 +249,8 @@ def run_job(rank: int, world_size: int, plan: Plan, options: RunOptions, device:
                      backend=backend, starts=[s.t0 for s in steps], control=control)
     if out is not None:
         out["precision"] = options.precision
-        out["measured"]["peak_activation_bytes"] = [float(m[0]) for m in mems]
+        if options.measure:
+            out["measured"]["peak_activation_bytes"] = [float(m[0]) for m in mems]
         if any(s.cuda_peak_bytes is not None for s in timed):
             out["measured"]["cuda_max_memory_allocated_bytes"] = [float(m[1]) for m in mems]
     if out is not None and "check" in out and unseeded:
