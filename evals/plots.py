@@ -214,7 +214,7 @@ def plot_zero_bubble(res: dict[str, Any], out: str) -> str:
     schedule, bars per model and device count, the peak-memory ratio written in each bar."""
     references = ("graph-1f1b", "1f1b")
     rows = [r for r in res["rows"] if r.get("gain") is not None and r["schedule"] not in references]
-    panels = [("graph-zb", "zb-h1"), ("cpsat",)]
+    panels = [("graph-zb", "zb-h1"), ("zbv",), ("dualpipev",), ("cpsat",)]
     panels = [p for p in panels if any(r["schedule"] in p for r in rows)]
     devices = res["config"]["devices"]
     fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.2), squeeze=False)
@@ -236,14 +236,16 @@ def plot_zero_bubble(res: dict[str, Any], out: str) -> str:
         schedule_of = {r["model"]: r["schedule"] for r in rows if r["schedule"] in names}
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(models))],
-                      [f"{m}\n{schedule_of[m]}\n/ {'1f1b' if schedule_of[m] == 'zb-h1' else 'graph-1f1b'}"
+                      [f"{m}\n{schedule_of[m]}\n/ {'graph-1f1b' if schedule_of[m] in ('graph-zb', 'cpsat') else '1f1b'}"
                        for m in models], fontsize=8)
         ax.set_ylabel("simulated throughput gain (x)")
-        ax.set_title(" / ".join(names) + (": CP-SAT with split backward, same micro-batch sizes"
-                                          if names == ("cpsat",) else ": W deferred into idle slots"), fontsize=10)
+        what = {("cpsat",): ": CP-SAT with split backward, same micro-batch sizes",
+                ("zbv",): ": V layout (2K stages on K devices)",
+                ("dualpipev",): ": V layout, F of one chunk paired with B of the other"}
+        ax.set_title(" / ".join(names) + what.get(names, ": W deferred into idle slots"), fontsize=10)
         ax.grid(alpha=0.3, axis="y")
     axes[0][-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.suptitle("Zero bubble on gpp's plans (same stages re-scheduled), v100 preset")
+    fig.suptitle("Zero bubble on gpp's plans (same stages re-scheduled; ZB-V and DualPipeV re-cut as a V), v100 preset")
     return _save(fig, out, "zero-bubble")
 def plot_async_throughput(res: dict[str, Any], out: str) -> str:
     rows = [r for r in res["rows"] if r["source"] == "simulated"]

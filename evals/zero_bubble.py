@@ -1,4 +1,4 @@
-"""Zero bubble on graph pipelines: graph-ZB vs graph-1F1B on gpp's plans, ZB-H1 vs 1F1B on a chain.
+"""Zero bubble on graph pipelines: graph-ZB vs graph-1F1B on gpp's plans; ZB-H1, ZB-V and DualPipeV vs 1F1B on a chain.
 
 Each point plans the model once with gpp (on the sequential transformer
 its stages form a chain) and re-schedules that same stage graph with every schedule of
@@ -9,6 +9,9 @@ limit per point; its status and optimality gap are in the rows). Figures are sim
 cost model's I/W split (analytical costs, so no measured W: half of each parameterised op's backward,
 :data:`graphpipe.costs.WEIGHT_GRAD_SHARE`). Peak memory is the fullest
 device's (model state + buffers + activations, which live until their W).
+ZB-V and DualPipeV need their V layout (``2K`` stages on ``K`` devices), so
+their rows cut the chain model anew at the plan's micro-batch size and
+devices (column ``layout``); DualPipeV needs at least ``2K`` micro-batches.
 
     graphpipe eval zero-bubble --out evals
 """
@@ -30,9 +33,9 @@ def zero_bubble_config(quick: bool) -> dict[str, Any]:
         "devices": [4] if quick else [8, 16, 32],
         "graph_schedules": ["graph-1f1b", "graph-zb", "cpsat"],
         "cpsat_time_limit_s": 2.0 if quick else 10.0,  # per point; micro-batch sizes kept (order and I/W only)
-        "chain_model": "transformer:layers=4" if quick else "transformer",
+        "chain_model": "transformer:layers=6" if quick else "transformer",  # a V on 4 devices: 8 ops
         "chain_strategy": "gpp",  # on a chain gpp's plan is a sequential pipeline (its stages are a chain)
-        "chain_schedules": ["1f1b", "zb-h1"],
+        "chain_schedules": ["1f1b", "zb-h1", *V_SCHEDULES],
         "samples_per_device": 16,
         "cluster": "v100",
     }
@@ -42,17 +45,27 @@ def num_points(config: dict[str, Any]) -> int:
     return (len(config["graph_models"]) + 1) * len(config["devices"])
 
 
-def _schedule(name: str, plan, time_limit_s: float):
-    """``(schedule, extra row fields)``; ``cpsat`` is CP-SAT with split backward at the plan's sizes."""
-    from graphpipe.sched import make_schedule
+V_SCHEDULES = ("zbv", "dualpipev")
+"""Schedules of the V layout (2K stages of the chain on K devices, :func:`graphpipe.sched.v_shape_chain`): they
+re-cut the model, at the plan's micro-batch size, instead of re-scheduling the plan's stages."""
 
+
+def _schedule(name: str, plan, time_limit_s: float):
+    """``(stage graph, schedule, extra row fields)``; ``cpsat`` is CP-SAT with split backward at the plan's
+    sizes; ZB-V and DualPipeV run on the V layout of the plan's devices at the plan's micro-batch size."""
+    from graphpipe.sched import make_schedule, v_shape_chain
+
+    sg = plan.stage_graph
+    if name in V_SCHEDULES:
+        v = v_shape_chain(sg.graph, len(sg.devices_used()), sg.batch_size, sg.stages[0].micro_batch_size)
+        return v, make_schedule(name, v, plan.cluster), {"layout": f"V: {v.num_stages} stages"}
     if name != "cpsat":
-        return make_schedule(name, plan.stage_graph, plan.cluster), {}
+        return sg, make_schedule(name, sg, plan.cluster), {}
     from graphpipe.search.cpsat import optimize_plan
 
     solved = optimize_plan(plan, time_limit_s=time_limit_s, num_workers=2, seed=0, per_stage_micro_batch=False)
-    return solved.schedule, {"cpsat_status": solved.search["cpsat_status"], "cpsat_gap": solved.search["gap"],
-                             "split_backward": solved.search["cpsat_split_backward"]}
+    return sg, solved.schedule, {"cpsat_status": solved.search["cpsat_status"], "cpsat_gap": solved.search["gap"],
+                                 "split_backward": solved.search["cpsat_split_backward"]}
 
 
 def _rows_for(model: str, n: int, batch: int, strategy: str, schedules: list[str], plan_fn,
@@ -64,19 +77,19 @@ def _rows_for(model: str, n: int, batch: int, strategy: str, schedules: list[str
         plan = plan_fn(model, n, batch, strategy)
     except GraphpipeError as exc:
         return [{**base, "schedule": s, "feasible": False, "throughput": None, "error": str(exc)} for s in schedules]
-    sg, cluster = plan.stage_graph, plan.cluster
+    cluster = plan.cluster
     rows = []
     for name in schedules:
         try:
-            schedule, extra = _schedule(name, plan, time_limit_s)
-            tl = simulate(sg, schedule, cluster)
+            stages, schedule, extra = _schedule(name, plan, time_limit_s)
+            tl = simulate(stages, schedule, cluster)
         except GraphpipeError as exc:
             rows.append({**base, "schedule": name, "feasible": False, "throughput": None, "error": str(exc)})
             continue
-        used = sg.devices_used()
+        used = stages.devices_used()
         rows.append({**base, "schedule": name, "feasible": True, "throughput": tl.throughput,
-                     "iteration_time_s": tl.iteration_time_s, "num_stages": sg.num_stages, "depth": sg.depth(),
-                     "micro_batch_sizes": sorted({s.micro_batch_size for s in sg.stages}),
+                     "iteration_time_s": tl.iteration_time_s, "num_stages": stages.num_stages,
+                     "depth": stages.depth(), "micro_batch_sizes": sorted({s.micro_batch_size for s in stages.stages}),
                      "peak_memory_bytes": max(tl.peak_memory_bytes),
                      "peak_memory_gb": max(tl.peak_memory_bytes) / 1e9,
                      "mean_bubble_fraction": sum(tl.bubble_fraction[d] for d in used) / len(used),

@@ -260,6 +260,32 @@ def test_zbv_per_rank_orders_equal_torch(k):
 
 
 @pytest.mark.parametrize("k", [2, 3, 4])
+def test_dualpipev_per_rank_orders_equal_torch(k):
+    """DualPipeV on the V layout: each rank's actions in order equal torch 2.13's ScheduleDualPipeV (its
+    OVERLAP_F_B pairs read as their forward then their backward), for every M from 2K to 4K; each one valid."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import ScheduleDualPipeV
+
+    for m in range(2 * k, 4 * k + 1):
+        sg = v_shape_chain(_layers(2 * k), k, m, 1)
+        ours = make_schedule("dualpipev", sg)
+        state = SimpleNamespace(pp_group_size=k, _n_microbatches=m)  # all the order generator reads
+        theirs = [[str(sub) for a in ScheduleDualPipeV._calculate_single_rank_operations(state, r)
+                   for sub in (a.sub_actions or (a,))] for r in range(k)]
+        assert [[str(a) for a in acts] for acts in ours.device_actions] == theirs, (k, m)
+        kinds = {a.kind for acts in ours.device_actions for a in acts}
+        assert {"F", "B", "I", "W"} <= kinds, kinds
+
+
+def test_dualpipev_refuses_too_few_micro_batches_and_non_v_layouts():
+    with pytest.raises(ScheduleError, match=r"dualpipev needs at least as many micro-batches as stages \(4\)"):
+        make_schedule("dualpipev", v_shape_chain(_layers(4), 2, 3, 1))
+    with pytest.raises(ScheduleError, match="dualpipev needs stage 2 on the devices of stage 1"):
+        make_schedule("dualpipev", round_robin_chain(_layers(4), 2, 2, 4, 1))
+
+
+@pytest.mark.parametrize("k", [2, 3, 4])
 @pytest.mark.parametrize("v", [2, 3])
 def test_interleaved_zb_per_rank_orders_equal_torch_and_beat_interleaved(k, v):
     """On the loop layout both use (stage s on rank s % K): torch 2.13's ScheduleInterleavedZeroBubble orders;

@@ -6,6 +6,7 @@ Examples::
     graphpipe run plan.json --steps 10 --check --json      # + loss/gradient check vs one process
     graphpipe run plan.json --gantt run.png --trace run.trace.json --gantt-pair sim-vs-real.png
     graphpipe run plan.json --baseline torch --json        # same plan on torch.distributed.pipelining
+    graphpipe run plan.json --baseline torch --schedule-csv zb.csv --check   # a torch schedule CSV in torch's runtime
 
 Exit codes: 0 success; 1 a rank failed (message ``rank R failed: ...``) or
 ``--check`` found a mismatch; 2 bad input (unreadable plan, plan that does not
@@ -36,6 +37,9 @@ def register(sub) -> None:
                                    "rank), time every action, and compare with the plan's prediction.")
     p.add_argument("plan", metavar="PLAN.json", help="a graphpipe.plan/1 file whose model is a zoo spec or file.py:factory")
     add_run_arguments(p)
+    p.add_argument("--schedule-csv", default=None, metavar="IN.csv",
+                   help="run the schedule of a torch.distributed.pipelining CSV instead of the plan's (validated "
+                        "against the plan; with --baseline torch, torch's _PipelineScheduleRuntime executes it)")
     p.add_argument("--trace", default=None, metavar="OUT.json", help="Chrome/Perfetto trace of a measured iteration")
     p.add_argument("--gantt", default=None, metavar="OUT.png", help="Gantt chart of a measured iteration")
     p.add_argument("--gantt-pair", default=None, metavar="OUT.png", help="simulated and measured Gantt charts side by side")
@@ -55,6 +59,10 @@ def run(args) -> int:
     check_outputs((args.trace, "--trace", JSON_SUFFIXES), (args.gantt, "--gantt", IMAGE_SUFFIXES),
                   (args.gantt_pair, "--gantt-pair", IMAGE_SUFFIXES))  # before the run, not after it
     plan = read_plan(args.plan)
+    if args.schedule_csv is not None:
+        from graphpipe.sched.torch_csv import plan_with_torch_csv
+
+        plan = plan_with_torch_csv(plan, args.schedule_csv)
     options = options_from_args(args)
     planned = plan.search.get("precision")
     source = plan.search.get("precision_from")

@@ -7,6 +7,8 @@ Examples::
     graphpipe simulate plan.json --schedule 1f1b --gantt 1f1b.png --trace 1f1b.trace.json
     graphpipe simulate plan.json --schedule cpsat --time-limit 30 --out plan-cpsat.json
     graphpipe simulate plan.json --host-cores 2            # the plan's ranks time-share 2 CPU cores
+    graphpipe simulate plan.json --schedule zb-h1 --torch-csv zb.csv   # torch.distributed.pipelining's CSV
+    graphpipe simulate plan.json --schedule-csv zb.csv     # validate and simulate a torch schedule CSV
 
 Every plan read from disk goes through the one validator
 (:func:`graphpipe.sched.validate_plan`); a malformed plan (non-convex stage,
@@ -35,8 +37,13 @@ def register(sub) -> None:
                                    "simulate one iteration and print iteration time, throughput, bubbles and memory.")
     p.add_argument("plan", metavar="PLAN.json", help="a graphpipe.plan/1 file (graphpipe plan --out)")
     p.add_argument("--schedule", default=None, metavar="NAME",
-                   help="replace the plan's schedule: gpipe, 1f1b, interleaved, graph-1f1b, zb-h1, graph-zb, zbv, "
+                   help="replace the plan's schedule: gpipe, 1f1b, interleaved, graph-1f1b, zb-h1, graph-zb, zbv, dualpipev, "
                         "interleaved-zb, cpsat, 1f1b-async or 2bw")
+    p.add_argument("--schedule-csv", default=None, metavar="IN.csv",
+                   help="use the schedule of a torch.distributed.pipelining CSV (one row per rank, cells like 2F0, "
+                        "1I3, 0W1; compute-and-comms files too), validated against the plan")
+    p.add_argument("--torch-csv", default=None, metavar="OUT.csv",
+                   help="write the schedule as torch.distributed.pipelining's compute-only CSV (chain plans)")
     add_async_arguments(p)
     p.add_argument("--time-limit", type=float, default=10.0, metavar="S",
                    help="CP-SAT time limit in seconds for --schedule cpsat (default 10)")
@@ -71,15 +78,21 @@ def _run(args) -> int:
 
     host = shared_host(args.host_cores)
     check_outputs((args.out, "--out", JSON_SUFFIXES), (args.trace, "--trace", JSON_SUFFIXES),
-                  (args.gantt, "--gantt", IMAGE_SUFFIXES))
+                  (args.gantt, "--gantt", IMAGE_SUFFIXES), (args.torch_csv, "--torch-csv", (".csv",)))
+    if args.schedule_csv is not None and args.schedule is not None:
+        raise InputError("--schedule and --schedule-csv both choose the schedule: give one")
     plan = read_plan(args.plan)
+    if args.schedule_csv is not None:
+        from graphpipe.sched.torch_csv import plan_with_torch_csv
+
+        plan = plan_with_torch_csv(plan, args.schedule_csv)
     if args.schedule is None and (args.vertical_sync or args.update_every is not None or args.no_stash):
         args.schedule = plan.schedule.name  # the plan's own schedule, with other asynchronous options
     wants_async = async_requested(args)
     log.info("read %s: %s (%s), %d stages on %d devices", args.plan, plan.model, plan.strategy,
              plan.stage_graph.num_stages, plan.cluster.num_devices)
     if args.schedule is None:
-        validate_plan(plan)
+        validate_plan(plan)  # a --schedule-csv schedule too
     elif args.schedule.lower() == "cpsat":
         if not 0 < args.time_limit <= MAX_TIME_LIMIT_S:
             raise InputError(f"--time-limit must be > 0 and at most {MAX_TIME_LIMIT_S:g} seconds, got {args.time_limit}")
@@ -115,6 +128,14 @@ def _run(args) -> int:
         title = f"{plan.model} — {plan.strategy}, {plan.schedule.name}, {plan.cluster.num_devices} x {plan.cluster.device.name}"
         plot_gantt(timeline, args.gantt, title=title)
         sys.stderr.write(f"wrote {args.gantt}\n")
+    if args.torch_csv:
+        from graphpipe.sched.torch_csv import write_torch_csv
+
+        if spec is not None:
+            raise InputError(f"--torch-csv: schedule {plan.schedule.name!r} is asynchronous (weight versions, no "
+                             "flush); torch's schedule files describe flushing schedules")
+        write_torch_csv(args.torch_csv, plan.stage_graph, plan.schedule)
+        sys.stderr.write(f"wrote {args.torch_csv}\n")
     if args.out:
         write_plan(args.out, plan.with_schedule(plan.schedule, {**dict(plan.predicted), **figures}))
         sys.stderr.write(f"wrote {args.out}\n")

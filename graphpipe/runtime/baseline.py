@@ -33,32 +33,32 @@ from graphpipe.plan import Plan
 from graphpipe.runtime.executor import zero_grads
 from graphpipe.runtime.stage_modules import ModelSplit, StageProgram
 
-__all__ = ["torch_refusal", "check_torch_expressible", "run_torch_job", "TORCH_SCHEDULES"]
+__all__ = ["torch_refusal", "check_torch_expressible", "csv_runtime_class", "run_torch_job", "TORCH_SCHEDULES"]
 
 TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "graph-1f1b": "Schedule1F1B",
                    "interleaved": "ScheduleInterleaved1F1B"}
 
 
 def torch_refusal(plan: Plan, split: ModelSplit | None = None) -> str | None:
-    """Why torch.distributed.pipelining cannot express ``plan`` (``None`` when it can)."""
+    """Why torch.distributed.pipelining cannot express ``plan`` (``None`` when it can).
+
+    Schedules torch has a class for run with that class (stage ``i`` on
+    rank ``i``, round-robin for interleaved); any other flushing schedule
+    (zero bubble, CP-SAT's, one read from a CSV) runs in torch's
+    ``_PipelineScheduleRuntime`` from its CSV (:func:`csv_runtime_class`).
+    """
+    from graphpipe.sched.async_pipe import plan_spec
+    from graphpipe.sched.torch_csv import torch_chain_refusal
+
     sg, name = plan.stage_graph, plan.schedule.name
-    if name not in TORCH_SCHEDULES:
-        return f"schedule {name!r} has no torch equivalent (torch runs {', '.join(sorted(TORCH_SCHEDULES))})"
-    for s in range(sg.num_stages):
-        succs = sg.succs(s)
-        if len(succs) > 1:
-            return f"stage {s} fans out to stages {', '.join(map(str, succs))} (torch stages form a chain)"
-    for p, c in sg.edges:
-        if c != p + 1:
-            return f"stage edge {p}->{c} skips stages (torch passes data only to the next stage)"
-    if not sg.is_chain():
-        return "the stages do not form one chain 0 -> 1 -> ... (torch stages form a chain)"
-    sizes = sorted({s.micro_batch_size for s in sg.stages})
-    if len(sizes) > 1:
-        return f"stages use different micro-batch sizes {sizes} (torch uses one for all stages)"
-    for s in sg.stages:
-        if s.num_replicas > 1:
-            return f"stage {s.id} is replicated on devices {list(s.devices)} (torch pipelining has no data parallelism inside a stage)"
+    if plan_spec(plan) is not None:
+        return f"schedule {name!r} is asynchronous (PipeDream's weight versions); torch's pipelines flush every step"
+    if name not in TORCH_SCHEDULES and csv_runtime_class() is None:
+        return (f"schedule {name!r} has no torch class (torch runs {', '.join(sorted(TORCH_SCHEDULES))}) and this "
+                "torch has no _PipelineScheduleRuntime to run it from a CSV")
+    reason = torch_chain_refusal(sg)
+    if reason:
+        return reason
     used = sg.devices_used()
     if used != tuple(range(len(used))) or len(used) != sg.num_devices:
         return f"the plan leaves devices idle (uses {list(used)} of {sg.num_devices}); torch needs every rank to hold a stage"
@@ -67,10 +67,12 @@ def torch_refusal(plan: Plan, split: ModelSplit | None = None) -> str | None:
         if sg.num_stages % k:
             return f"{sg.num_stages} virtual stages do not divide evenly over {k} ranks"
         wrong = [s.id for s in sg.stages if s.devices != (s.id % k,)]
-    else:
+    elif name in TORCH_SCHEDULES:
         if sg.num_stages != k:
             return f"{sg.num_stages} stages on {k} devices: torch's {TORCH_SCHEDULES[name]} runs one stage per rank"
         wrong = [s.id for s in sg.stages if s.devices != (s.id,)]
+    else:
+        wrong = []  # the CSV says where each stage runs
     if wrong:
         return (f"stage {wrong[0]} is on device {sg.stages[wrong[0]].devices[0]}, but torch places stage i on rank "
                 f"{'i mod ranks' if name == 'interleaved' else 'i'}")
@@ -81,6 +83,17 @@ def torch_refusal(plan: Plan, split: ModelSplit | None = None) -> str | None:
         if split.sink_stage != sg.num_stages - 1:
             return f"the model output comes from stage {split.sink_stage}, not the last stage"
     return None
+
+
+def csv_runtime_class():
+    """torch's ``_PipelineScheduleRuntime`` (it loads and lowers a compute-only CSV), or ``PipelineScheduleMulti``
+    where that is missing; ``None`` when neither is importable. Private in torch and moved between versions, so it
+    is looked up, never imported by name."""
+    try:
+        from torch.distributed.pipelining import schedules
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return None
+    return getattr(schedules, "_PipelineScheduleRuntime", None) or getattr(schedules, "PipelineScheduleMulti", None)
 
 
 def check_torch_expressible(plan: Plan, split: ModelSplit | None = None) -> None:
@@ -137,9 +150,13 @@ def run_torch_job(rank: int, world_size: int, plan: Plan, options, device: torch
     schedule = None
     if my_stages:
         stages = [pp.PipelineStage(wrappers[s], s, sg.num_stages, device, group=group) for s in my_stages]
-        cls = getattr(pp, TORCH_SCHEDULES[plan.schedule.name])
         loss = lambda output, target: loss_fn(output)  # noqa: E731 - torch passes (output, target)
-        schedule = cls(stages if plan.schedule.name == "interleaved" else stages[0], num_mbs, loss_fn=loss, scale_grads=True)
+        if plan.schedule.name in TORCH_SCHEDULES:
+            cls = getattr(pp, TORCH_SCHEDULES[plan.schedule.name])
+            schedule = cls(stages if plan.schedule.name == "interleaved" else stages[0], num_mbs, loss_fn=loss,
+                           scale_grads=True)
+        else:  # torch's own CSV loader and lowering (sends, receives) run the plan's schedule
+            schedule = _csv_schedule(plan, stages, num_mbs, loss, rank)
     params = [p for s in my_stages for p in split.programs[s].module.parameters()]
     optimizer = torch.optim.SGD(params, lr=options.lr) if params else None
     reference = None
@@ -170,5 +187,26 @@ def run_torch_job(rank: int, world_size: int, plan: Plan, options, device: torch
         if optimizer is not None:
             optimizer.step()
     return finish_job(rank, world_size, plan, options, step_times, step_losses, check_stats, reference,
-                      records=[], backend=dist.get_backend(), control=control, extra={"baseline": "torch.distributed.pipelining."
-                                                                     + TORCH_SCHEDULES[plan.schedule.name]})
+                      records=[], backend=dist.get_backend(), control=control,
+                      extra={"baseline": "torch.distributed.pipelining." + (
+                          TORCH_SCHEDULES.get(plan.schedule.name)
+                          or f"{csv_runtime_class().__name__} (CSV of {plan.schedule.name})")})
+
+
+def _csv_schedule(plan: Plan, stages, num_mbs: int, loss, rank: int):
+    """torch's CSV runtime over this rank's ``stages``, loaded from the plan's schedule written as torch's CSV."""
+    import os
+    import tempfile
+
+    from graphpipe.sched.torch_csv import write_torch_csv
+
+    cls = csv_runtime_class()
+    schedule = cls(stages, num_mbs, loss_fn=loss, scale_grads=True)
+    fd, path = tempfile.mkstemp(prefix=f"graphpipe-torch-rank{rank}-", suffix=".csv")
+    os.close(fd)
+    try:
+        write_torch_csv(path, plan.stage_graph, plan.schedule)
+        schedule._load_csv(path)
+    finally:
+        os.unlink(path)
+    return schedule

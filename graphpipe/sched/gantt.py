@@ -21,7 +21,7 @@ from typing import Sequence
 
 from graphpipe.sched.simulator import Timeline
 
-__all__ = ["plot_gantt", "plot_gantt_pair"]
+__all__ = ["plot_gantt", "plot_gantt_pair", "plot_gantt_stack"]
 
 _F_SHADES = ("#1f77b4", "#6baed6", "#08519c", "#9ecae1")
 _B_SHADES = ("#ff7f0e", "#fdae6b", "#a63603", "#fdd0a2")
@@ -143,17 +143,26 @@ def plot_gantt(timeline: Timeline, path: str, title: str | None = None) -> None:
 def plot_gantt_pair(timeline_a: Timeline, timeline_b: Timeline, path: str,
                     titles: Sequence[str] | None = None) -> None:
     """Two Gantt charts stacked on one time axis (e.g. simulated vs measured, SPP vs GPP)."""
-    titles = list(titles) if titles else [f"{t.name} ({t.source})" for t in (timeline_a, timeline_b)]
-    if len(titles) != 2:
+    if titles is not None and len(list(titles)) != 2:
         from graphpipe.errors import InputError
 
-        raise InputError(f"plot_gantt_pair needs two titles, got {len(titles)}")
-    plt, fig, axes = _figure([timeline_a.num_devices, timeline_b.num_devices])
+        raise InputError(f"plot_gantt_pair needs two titles, got {len(list(titles))}")
+    plot_gantt_stack((timeline_a, timeline_b), path, titles)
+
+
+def plot_gantt_stack(timelines: Sequence[Timeline], path: str, titles: Sequence[str] | None = None) -> None:
+    """Gantt charts stacked on one time axis, one per timeline (e.g. several schedules of one model)."""
+    titles = list(titles) if titles else [f"{t.name} ({t.source})" for t in timelines]
+    if len(titles) != len(timelines) or not timelines:
+        from graphpipe.errors import InputError
+
+        raise InputError(f"plot_gantt_stack needs one title per timeline, got {len(titles)} for {len(timelines)}")
+    plt, fig, axes = _figure([t.num_devices for t in timelines])
     try:
-        xmax = max(timeline_a.iteration_time_s, timeline_b.iteration_time_s) * 1e3 or 1.0
-        for ax, tl, title in zip(axes, (timeline_a, timeline_b), titles):
+        xmax = max(t.iteration_time_s for t in timelines) * 1e3 or 1.0
+        for ax, tl, title in zip(axes, timelines, titles):
             _draw(ax, tl, title, xmax, _FIG_WIDTH_IN * _DPI * 0.85)
-        _legend(fig, timeline_a if timeline_a.allreduces else timeline_b)
+        _legend(fig, next((t for t in timelines if t.allreduces), timelines[-1]))
         fig.tight_layout(rect=(0, 0, 1, 0.97))
         _save(fig, path)
     finally:

@@ -43,7 +43,7 @@ from graphpipe.stages import Stage, StageGraph
 from graphpipe.sched.graph1f1b import (assemble, graph_1f1b, one_f_one_b_sequence, round_robin_rule_applies,
                                        round_robin_warmups, warmup_counts)
 from graphpipe.sched.validate import validate_schedule
-from graphpipe.sched.zero_bubble import graph_zb, interleaved_zb, zb_h1, zbv
+from graphpipe.sched.zero_bubble import dualpipev, graph_zb, interleaved_zb, zb_h1, zbv
 
 __all__ = ["gpipe", "one_f_one_b", "interleaved_1f1b", "round_robin_chain", "v_shape_chain", "make_schedule",
            "SCHEDULE_NAMES", "interleaved_groups", "interleaved_layout"]
@@ -270,7 +270,7 @@ def _balanced_cuts(cost: Sequence[float], pieces: int) -> list[int]:
     return cuts
 
 
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "graph-1f1b", "zb-h1", "graph-zb", "zbv", "interleaved-zb",
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "graph-1f1b", "zb-h1", "graph-zb", "zbv", "dualpipev", "interleaved-zb",
                   "1f1b-async", "2bw")
 
 _GENERATORS: dict[str, Callable[[StageGraph, Cluster | None], Schedule]] = {
@@ -281,6 +281,7 @@ _GENERATORS: dict[str, Callable[[StageGraph, Cluster | None], Schedule]] = {
     "zb-h1": zb_h1,
     "graph-zb": graph_zb,
     "zbv": zbv,
+    "dualpipev": dualpipev,
     "interleaved-zb": lambda sg, cluster: interleaved_zb(sg, *interleaved_layout(sg, "interleaved-zb")),
     # PipeDream's asynchronous pipelines (graphpipe.sched.async_pipe): the plan keeps one mini-batch of the
     # 1F1B order for display and validation; simulator and runtime stream it without a flush.
@@ -291,7 +292,7 @@ _GENERATORS: dict[str, Callable[[StageGraph, Cluster | None], Schedule]] = {
 
 def make_schedule(name: str, sg: StageGraph, cluster: Cluster | None = None, *, validate: bool = True) -> Schedule:
     """The schedule ``name`` for ``sg``, validated (``gpipe``, ``1f1b``, ``interleaved``, ``graph-1f1b``,
-    and zero bubble's ``zb-h1``, ``graph-zb``, ``zbv`` and ``interleaved-zb``, :mod:`graphpipe.sched.zero_bubble`).
+    and zero bubble's ``zb-h1``, ``graph-zb``, ``zbv``, ``dualpipev`` and ``interleaved-zb``, :mod:`graphpipe.sched.zero_bubble`).
 
     ``"cpsat"`` is an optimiser over plans and lives in
     :mod:`graphpipe.search.cpsat`, not here. ``validate=False`` is for a

@@ -37,6 +37,9 @@ The price is memory: a micro-batch's activations live until its W.
   back), so the last stage sits on device 0 beside the first and each
   device's two chunks balance each other's memory. Build the layout with
   :func:`graphpipe.sched.generators.v_shape_chain`.
+* :func:`dualpipev` — DeepSeek's DualPipeV (torch's ``ScheduleDualPipeV``)
+  on the same V: forwards of one chunk paired with backwards of the other in
+  the steady state, split backwards only where the V turns and in the drain.
 
 * :func:`interleaved_zb` — interleaved 1F1B's layout (``K*v`` stages
   round-robin, :func:`graphpipe.sched.generators.round_robin_chain`) with
@@ -58,6 +61,8 @@ Example
 
 from __future__ import annotations
 
+from collections import deque
+
 import math
 from typing import Sequence
 
@@ -69,7 +74,7 @@ from graphpipe.stages import StageGraph
 from graphpipe.sched.graph1f1b import assemble, schedule_warmups
 from graphpipe.sched.simulator import simulate
 
-__all__ = ["zb_h1", "graph_zb", "zbv", "interleaved_zb", "v_shape_groups", "lagged_sequence"]
+__all__ = ["zb_h1", "graph_zb", "zbv", "dualpipev", "interleaved_zb", "v_shape_groups", "lagged_sequence"]
 
 
 def lagged_sequence(stage_id: int, num_mbs: int, warmup: int, lag: int) -> list[Action]:
@@ -145,25 +150,25 @@ def graph_zb(sg: StageGraph, cluster: Cluster | None = None) -> Schedule:
     return best[1]
 
 
-def v_shape_groups(sg: StageGraph) -> tuple[tuple[int, ...], ...]:
+def v_shape_groups(sg: StageGraph, name: str = "zbv") -> tuple[tuple[int, ...], ...]:
     """The ``K`` device groups of a V-shaped layout (stage ``s`` and ``2K-1-s`` on group ``s``), or a
     :class:`ScheduleError` naming what is wrong."""
     n = sg.num_stages
     hint = "build the stage graph with v_shape_chain(graph, num_devices, batch_size, micro_batch_size)"
     if n % 2 or n < 2:
-        raise ScheduleError(f"zbv needs 2K stages in a V on K device groups; the stage graph has {n} stages — {hint}")
+        raise ScheduleError(f"{name} needs 2K stages in a V on K device groups; the stage graph has {n} stages — {hint}")
     k = n // 2
     if not sg.is_chain() or any(sg.succs(s) != (s + 1,) for s in range(n - 1)):
-        raise ScheduleError(f"zbv needs a chain of stages 0 -> 1 -> ... -> {n - 1}; {hint}")
+        raise ScheduleError(f"{name} needs a chain of stages 0 -> 1 -> ... -> {n - 1}; {hint}")
     groups = tuple(sg.stages[s].devices for s in range(k))
     for s in range(k, n):
         if sg.stages[s].devices != groups[n - 1 - s]:
-            raise ScheduleError(f"zbv needs stage {s} on the devices of stage {n - 1 - s} "
+            raise ScheduleError(f"{name} needs stage {s} on the devices of stage {n - 1 - s} "
                                 f"({list(groups[n - 1 - s])}), found {list(sg.stages[s].devices)}; {hint}")
     if len(set(groups)) != k:
-        raise ScheduleError(f"zbv needs the first {k} stages on {k} different device groups; {hint}")
+        raise ScheduleError(f"{name} needs the first {k} stages on {k} different device groups; {hint}")
     if len({st.micro_batch_size for st in sg.stages}) > 1:
-        raise ScheduleError("zbv needs one micro-batch size for all stages")
+        raise ScheduleError(f"{name} needs one micro-batch size for all stages")
     return groups
 
 
@@ -230,6 +235,89 @@ def zbv(sg: StageGraph, cluster: Cluster | None = None) -> Schedule:
         for d in devices:
             lists[d] = list(kept)
     return Schedule.from_lists("zbv", lists)
+
+
+def dualpipev(sg: StageGraph, cluster: Cluster | None = None) -> Schedule:
+    """DualPipeV (DeepSeek-V3's DualPipe folded onto one V; torch's ``ScheduleDualPipeV``) on the V layout.
+
+    Rank ``r`` of ``K`` hosts chunk 0 = stage ``r`` (going down the V) and
+    chunk 1 = stage ``2K-1-r`` (coming back up). Its order, in eight phases:
+
+    1. ``2(K-1-r)`` forwards of chunk 0: what the ranks below need in flight;
+    2. ``r+1`` pairs (F chunk 0, F chunk 1);
+    3. ``K-1-r`` triples (I chunk 1, its W at once, F chunk 1): the bottom of
+       the V turns its first micro-batches around with split backwards;
+    4. steady state, ``M-2K+r+1`` rounds of (F chunk 0, B chunk 1, F chunk 1,
+       B chunk 0): DualPipe pairs a forward with a backward of the other
+       chunk so one's compute hides the other's communication (torch runs
+       each pair as one ``OVERLAP_F_B`` action; here they run in turn, the
+       same per-rank order);
+    5. ``K-1-r`` triples (B chunk 1, F chunk 1, B chunk 0);
+    6. ``r+1`` pairs (backward chunk 1, backward chunk 0), switching from
+       whole backwards to I's (W deferred) halfway through — one pair earlier
+       on odd ranks;
+    7. ``K-1-r`` pairs (a deferred W, a backward of chunk 0);
+    8. the last ``r+1`` deferred W's, oldest first.
+
+    Needs at least ``2K`` micro-batches (torch's condition); ``cluster`` is unused (the order is fixed).
+    """
+    if cluster is not None and cluster.num_devices != sg.num_devices:
+        raise ScheduleError(f"cluster has {cluster.num_devices} devices, the stage graph {sg.num_devices}")
+    groups = v_shape_groups(sg, "dualpipev")
+    k = len(groups)
+    m = sg.num_micro_batches(0)
+    if m < 2 * k:
+        raise ScheduleError(f"dualpipev needs at least as many micro-batches as stages ({2 * k}), the batch gives {m}: "
+                            f"use a micro-batch size of at most {sg.batch_size // (2 * k)}")
+    lists: list[list[Action]] = [[] for _ in range(sg.num_devices)]
+    for r, devices in enumerate(groups):
+        down, up = r, 2 * k - 1 - r
+        acts: list[Action] = []
+        next_mb: dict[tuple[int, str], int] = {}  # (stage, "F" or "G"radient) -> its next micro-batch
+        deferred: deque[Action] = deque()  # W's of the I's run so far, oldest first
+
+        def emit(stage: int, kind: str) -> None:
+            key = (stage, "F" if kind == "F" else "G")
+            j = next_mb.get(key, 0)
+            next_mb[key] = j + 1
+            acts.append(Action(stage, kind, j))
+            if kind == "I":
+                deferred.append(Action(stage, "W", j))
+
+        def weight() -> None:
+            if deferred:
+                acts.append(deferred.popleft())
+
+        for _ in range(2 * (k - 1 - r)):
+            emit(down, "F")
+        for _ in range(r + 1):
+            emit(down, "F")
+            emit(up, "F")
+        for _ in range(k - 1 - r):
+            emit(up, "I")
+            weight()
+            emit(up, "F")
+        for _ in range(m - 2 * k + r + 1):
+            for kind_stage in ((down, "F"), (up, "B"), (up, "F"), (down, "B")):
+                emit(*kind_stage)
+        for _ in range(k - 1 - r):
+            emit(up, "B")
+            emit(up, "F")
+            emit(down, "B")
+        split = False
+        for i in range(r + 1):
+            split = split or (i == (r + 1) // 2 and r % 2 == 1)
+            emit(up, "I" if split else "B")
+            split = split or (i == (r + 1) // 2 and r % 2 == 0)
+            emit(down, "I" if split else "B")
+        for _ in range(k - 1 - r):
+            weight()
+            emit(down, "I" if split else "B")
+        for _ in range(r + 1):
+            weight()
+        for d in devices:
+            lists[d] = list(acts)
+    return Schedule.from_lists("dualpipev", lists)
 
 
 def interleaved_zb(sg: StageGraph, groups: Sequence[Sequence[int]], per_round: int) -> Schedule:
