@@ -5,7 +5,7 @@
     python -m graphpipe.evals.bench_api                                  # CPU (or the GPU when there is one), fp32
     python -m graphpipe.evals.bench_api --precision bf16 --out evals     # writes OUT/results/bench_api-bf16.json
 
-    python -m graphpipe.evals.bench_api --ranks 2 --out evals        # vs torch.distributed.pipelining on 2 CPU ranks
+    python -m graphpipe.evals.bench_api --ranks 4 --schedules 1f1b,zb-h1 --out evals   # vs torch's runtime, 4 CPU ranks
 
 One rank, one stage (a gpipe plan of the zoo model on one device, fixed micro-batch size): the API's step
 (forward and backward over the micro-batches, then AdamW) against the loop a user would write for the same
@@ -17,7 +17,9 @@ ratio of median step times (API throughput / loop throughput; 1.0 is parity). Be
 ``RunOptions(measure=False)``) against ``torch.distributed.pipelining``'s ``Schedule1F1B`` on the same even
 chain of ``bench_runtime``'s transformer (one stage per rank, 8 micro-batches, the same data), on N gloo ranks
 of this host pinned to CPUs of their own. The jobs alternate in one world; the figure is the median over
-rounds of each round's throughput ratio (ours / torch), as ``bench_runtime`` (c).
+rounds of each round's throughput ratio (ours / torch), as ``bench_runtime`` (c). ``--schedules``: other
+schedules (``zb-h1``...) are written as torch's CSV and read back, so both runtimes execute the same file
+(torch's ``_PipelineScheduleRuntime``).
 """
 
 from __future__ import annotations
@@ -104,27 +106,51 @@ def run(model: str = "transformer:small", batch_size: int = 32, micro_batch_size
             "throughput_ratio": loop / api}
 
 
-def vs_torch(ranks: int = 2, rounds: int = 5, steps: int = 8, batch_size: int = 32) -> dict:
-    """Throughput of our runtime (the API's path) over torch.distributed.pipelining's on ``ranks`` CPU ranks."""
+def vs_torch(ranks: int = 2, rounds: int = 5, steps: int = 8, batch_size: int = 32,
+             schedules: tuple[str, ...] = ("1f1b",)) -> list[dict]:
+    """Throughput of our runtime (the API's path) over torch.distributed.pipelining's on ``ranks`` CPU ranks, one
+    row per schedule: ``1f1b`` runs torch's ``Schedule1F1B`` class; any other schedule is written as torch's CSV
+    and read back, so our executor and torch's ``_PipelineScheduleRuntime`` run the same file."""
+    import tempfile
+
     from graphpipe import zoo
     from graphpipe.cluster import preset
     from graphpipe.runtime import RunOptions, run_plans
+    from graphpipe.sched import make_schedule
+    from graphpipe.sched.torch_csv import plan_with_torch_csv, write_torch_csv
 
     from .bench_runtime import GPT, auto_cpus_per_rank, torch_comparable_plan
 
-    plan = torch_comparable_plan(GPT, zoo.load_graph(GPT), preset("v100", ranks), batch_size)
+    base = torch_comparable_plan(GPT, zoo.load_graph(GPT), preset("v100", ranks), batch_size)
     pin = auto_cpus_per_rank(ranks)
     common = dict(steps=steps, warmup_steps=2, timeout_s=300, cpus_per_rank=pin)
+    plans = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in schedules:
+            if name == "1f1b":
+                plans[name] = base
+                continue
+            path = os.path.join(tmp, f"{name}.csv")
+            write_torch_csv(path, base.stage_graph, make_schedule(name, base.stage_graph, base.cluster))
+            plans[name] = plan_with_torch_csv(base, path)
     jobs = []
     for _ in range(rounds):
-        jobs += [(plan, RunOptions(**common, measure=False)), (plan, RunOptions(**common, baseline="torch"))]
+        for name in schedules:
+            jobs += [(plans[name], RunOptions(**common, measure=False)),
+                     (plans[name], RunOptions(**common, baseline="torch"))]
     results = run_plans(jobs, ranks)
-    ours = [r["measured"]["iteration_time_s"] for r in results[0::2]]
-    theirs = [r["measured"]["iteration_time_s"] for r in results[1::2]]
-    return {"model": GPT, "ranks": ranks, "batch_size": batch_size, "micro_batch_size": batch_size // 8,
-            "schedule": "1f1b", "cpus_per_rank": pin, "rounds": rounds, "steps": steps,
-            "ours_iteration_s": ours, "torch_iteration_s": theirs,
-            "throughput_ratio": statistics.median(t / o for o, t in zip(ours, theirs))}
+    rows = []
+    for i, name in enumerate(schedules):
+        mine = results[2 * i::2 * len(schedules)]
+        theirs = results[2 * i + 1::2 * len(schedules)]
+        ours = [r["measured"]["iteration_time_s"] for r in mine]
+        torch_s = [r["measured"]["iteration_time_s"] for r in theirs]
+        rows.append({"model": GPT, "ranks": ranks, "batch_size": batch_size, "micro_batch_size": batch_size // 8,
+                     "schedule": name, "torch_runs": theirs[0]["baseline"], "cpus_per_rank": pin, "rounds": rounds,
+                     "steps": steps, "ours_iteration_s": ours, "torch_iteration_s": torch_s,
+                     "ours_median_ms": statistics.median(ours) * 1e3, "torch_median_ms": statistics.median(torch_s) * 1e3,
+                     "throughput_ratio": statistics.median(t / o for o, t in zip(ours, torch_s))})
+    return rows
 
 
 def main(argv=None) -> int:
@@ -137,18 +163,23 @@ def main(argv=None) -> int:
     parser.add_argument("--ranks", type=int, default=0,
                         help="compare with torch.distributed.pipelining on this many CPU ranks instead")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--schedules", default="1f1b",
+                        help="with --ranks: comma-separated schedules; 1f1b runs torch's Schedule1F1B, others "
+                             "(zb-h1, gpipe...) run from the same CSV in both runtimes")
     parser.add_argument("--out", default=None, help="write OUT/results/bench_api[-bf16|-torch].json")
     args = parser.parse_args(argv)
     import torch
 
     if args.ranks:
-        result = vs_torch(args.ranks, args.rounds, args.steps)
-        print(f"{result['model']} on {args.ranks} CPU ranks, 1F1B: ours/torch.distributed.pipelining throughput "
-              f"{result['throughput_ratio']:.3f} (median of {args.rounds} rounds)")
+        rows = vs_torch(args.ranks, args.rounds, args.steps, schedules=tuple(args.schedules.split(",")))
+        for r in rows:
+            print(f"{r['model']} on {args.ranks} CPU ranks, {r['schedule']} ({r['torch_runs']}): ours/torch "
+                  f"throughput {r['throughput_ratio']:.3f} (median of {args.rounds} rounds)")
         if args.out:
             from .common import write_result
 
-            print(f"wrote {write_result(args.out, 'bench_api-torch', vars(args), [result], {'throughput_ratio': result['throughput_ratio']})}")
+            summary = {f"throughput_ratio_{r['schedule']}": r["throughput_ratio"] for r in rows}
+            print(f"wrote {write_result(args.out, 'bench_api-torch', vars(args), rows, summary)}")
         return 0
 
     torch.set_num_threads(1)

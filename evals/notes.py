@@ -88,8 +88,12 @@ NOTES: dict[str, str] = {
         "devices), by also reordering F and I. Its memory constraint is the device's, not graph-1F1B's "
         "peak: on DLRM and CANDLE-Uno it kept that peak (CANDLE-Uno at 8: +0.4%), on MMT this run's "
         "schedules hold 5 micro-batches on the fullest device instead of 3 (x1.33 the peak, 2.1 GB of "
-        "16); an earlier run of the same time limit kept x1.00, so which of the near-optimal schedules "
-        "the solver returns in 10 s varies with the host's load."),
+        "16) at 16 devices and x1.00 at 8 and 32, so which of the near-optimal schedules the solver "
+        "returns in 10 s varies with the host's load. ZB-V and DualPipeV need their V: 2K single-device "
+        "stages on K devices, where gpp's transformer plan has 3-4 stages with replicas, so the V is a "
+        "deeper pipeline with 2.4-2.8x its bubble: 0.85x of 1F1B at 8 devices, 0.62x at 16 (and 64 "
+        "stages do not fit 34 ops at 32). The two V schedules are within 0.3% of each other: in a "
+        "simulator without DualPipe's communication overlap, pairing F with B buys nothing."),
     "async-throughput": (
         "Simulated (dedicated V100s): with no flush the fill and drain bubbles are paid once per run, not "
         "once per mini-batch, so 1f1b-async gains 1.5-1.7x over PipeDream-Flush on these plans; at 16 devices "

@@ -35,6 +35,15 @@ PAPER = {
                  "16-branch candle-uno on 1024 devices under 10 s, on a 2-core machine)",
     "memory-runtime": "(no paper figure; issue 15's target: measured activation bytes within 10% of the prediction on "
                       "every device, and lower with re-materialization)",
+    "capture_time": "(no paper figure; `torch.export` capture of Hugging Face / timm models and meta-device Llama "
+                    "shapes, medians of 3: `python -m graphpipe.evals.capture_time`)",
+    "bench_api": "(no paper figure; issue 31's target: `graphpipe.Pipeline`'s step at >= 0.98x a plain PyTorch loop "
+                 "with the same micro-batching and AdamW: `python -m graphpipe.evals.bench_api`)",
+    "bench_api-bf16": "(the same at bf16, one autocast region per step in both: "
+                      "`python -m graphpipe.evals.bench_api --precision bf16`)",
+    "bench_api-torch": "(issue 31/32's target: >= 1.0x torch.distributed.pipelining on CPU ranks with the same "
+                       "partition; other schedules run from the same CSV in torch's _PipelineScheduleRuntime: "
+                       "`python -m graphpipe.evals.bench_api --ranks 4 --schedules 1f1b,zb-h1`)",
 }
 
 
@@ -101,7 +110,16 @@ TABLE_COLUMNS: dict[str, list[tuple[str, str]]] = {
                        ("recompute", "recompute"), ("check", "check"), ("measured KB (fullest device)", "measured_kb"),
                        ("predicted KB", "predicted_kb"), ("memory error (worst device)", "memory_error"),
                        ("below none", "below_none")],
+    "capture_time": [("case", "case"), ("capture (s)", "capture_s"), ("of which export (s)", "export_s"),
+                     ("ops", "ops"), ("parameter bytes", "param_bytes"), ("max RSS (GB)", "max_rss_gb")],
+    "bench_api": [("model", "model"), ("precision", "precision"), ("device", "device"), ("batch", "batch_size"),
+                  ("micro-batch", "micro_batch_size"), ("API ms/step", "api_ms"), ("loop ms/step", "loop_ms"),
+                  ("API / loop throughput", "throughput_ratio")],
+    "bench_api-torch": [("schedule", "schedule"), ("ranks", "ranks"), ("torch runs", "torch_runs"),
+                        ("ours ms", "ours_median_ms"), ("torch ms", "torch_median_ms"),
+                        ("ours / torch throughput", "throughput_ratio")],
 }
+TABLE_COLUMNS["bench_api-bf16"] = TABLE_COLUMNS["bench_api"]
 
 
 def _rows_for_table(name: str, res: dict[str, Any]) -> list[dict[str, Any]]:
@@ -112,6 +130,9 @@ def _rows_for_table(name: str, res: dict[str, Any]) -> list[dict[str, Any]]:
     if name == "bench_gpp":
         for r in rows:
             r["after_range_s"] = [r["after_min_s"], r["after_max_s"]] if "after_min_s" in r else None
+    if name in ("bench_api", "bench_api-bf16"):
+        for r in rows:
+            r["api_ms"], r["loop_ms"] = r["api_step_s"] * 1e3, r["loop_step_s"] * 1e3
     if name == "memory-runtime":
         for r in rows:
             r["measured_kb"], r["predicted_kb"] = r["peak_measured_bytes"] / 1e3, r["peak_predicted_bytes"] / 1e3
@@ -185,6 +206,15 @@ def _headline(name: str, res: dict[str, Any]) -> str:
                 f"(worst {fmt(s['worst_memory_error'])}, {s['worst_run']}); --check passed in "
                 f"{s['checks_passed']}/{s['runs']}; recompute all below none on the fullest device in "
                 f"{s['all_below_none']}/{s['pairs']} plan pairs")
+    if name in ("bench_api", "bench_api-bf16"):
+        r = res["rows"][0]
+        return (f"the API's training step at {fmt(r['throughput_ratio'])}x the plain loop's throughput "
+                f"({r['precision']} on {r['device']}, median of {r['steps']} alternating steps)")
+    if name == "bench_api-torch":
+        return "; ".join(f"{r['schedule']}: ours {fmt(r['throughput_ratio'])}x torch ({r['ranks']} CPU ranks, median "
+                         f"of {r['rounds']} paired rounds)" for r in res["rows"])
+    if name == "capture_time":
+        return "; ".join(f"{r['case']} {fmt(r['capture_s'])} s" for r in res["rows"])
     if name == "ablation":
         parts = []
         for r in res["rows"]:
