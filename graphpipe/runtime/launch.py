@@ -7,16 +7,28 @@ watches them:
 
 * a rank that raises reports ``rank R: <exception>`` through a queue and
   exits non-zero; the parent then terminates every other rank and raises
-  :class:`RuntimeFailure` with the earliest failure's message (a rank's
-  failure usually makes its peers fail too — "connection closed" — so the
-  root cause is the first one in time);
-* a rank that dies without a word (signal, out of memory) is reported with
-  its exit code;
+  :class:`RuntimeFailure` naming the root cause;
+* a rank that dies without a word (a signal, the kernel's out-of-memory
+  killer's SIGKILL, ``os._exit``) is the root cause whenever it happens, even
+  when its peers' reports ("connection closed by peer") reach the launcher
+  first: the message names the dead rank, its pid and its signal or exit
+  code (with SIGKILL, whether the kernel's out-of-memory killer ran
+  meanwhile, from ``/proc/vmstat``), then the peers that saw it die. Peers
+  that only lost a connection make the launcher wait until it sees which
+  rank died, not a fixed time;
 * waits inside the ranks are bounded by the process-group timeout
   (``RunOptions.timeout_s``): a peer that stops answering turns into an
-  exception within it, never a hang. When the peers time out while one rank
-  is still alive and silent, that rank is the one named (a hung rank 0 is
-  reported as rank 0, not as the gloo timeout of an idle rank 3).
+  exception within it, never a hang. Which rank hung is decided from
+  *heartbeats*, not from the order reports arrive in: every rank runs a
+  thread that, twice a second, sends where its main thread is (the
+  innermost frame), whether that is a communication wait (graphpipe's
+  ``comm.py`` or ``torch.distributed``) and since when it has not moved (its
+  progress stamp). When peers time out, the launcher waits until every rank
+  still waiting on a peer has reported its own timeout (bounded by the
+  timeout), then names the silent rank that is *not* waiting on anyone:
+  stuck in place (no progress, or no heartbeat at all) it "stopped
+  answering"; still moving, it is slow, not hung (a loaded host: raise
+  ``--timeout``).
 
 The ranks never outlive the launcher: each runs in a process group of its
 own (Ctrl-C at a terminal reaches only the launcher, which ends them — no
@@ -38,6 +50,7 @@ import re
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 import warnings
@@ -60,10 +73,24 @@ RANK_MEMORY_BYTES = 400 * 2**20
 RANKS_PER_CPU = 8
 _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _PROGRESS_S = 10.0  # -v: a line this often while the ranks work
+_BEAT_S = 0.5  # a rank's heartbeat period
+# A rank whose heartbeat is older than this many periods is frozen (stopped, or holding the GIL in C code).
+_STALE_BEATS = 6
+# After a connection loss, how long to wait to see which rank died before naming the first report instead.
+_LOSS_WAIT_S = 10.0
 
 
 class RuntimeFailure(GraphpipeError):
-    """A rank of a real run failed; the message names the rank and its exception."""
+    """A rank of a real run failed; the message names the rank and its exception (or its signal).
+
+    ``out_of_memory``: a rank ran out of memory (``MemoryError``, or a SIGKILL
+    while the kernel's out-of-memory killer ran): the command exits 2, as for
+    any input too large for the host.
+    """
+
+    def __init__(self, message: str, out_of_memory: bool = False):
+        super().__init__(message)
+        self.out_of_memory = out_of_memory
 
 
 def free_port() -> int:
@@ -119,8 +146,61 @@ def _detach(parent_pid: int) -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _SIGNALS)
 
 
+# Frames of these files are waits on a peer: a rank blocked there is waiting, not stuck.
+_WAIT_FILES = (f"{os.sep}graphpipe{os.sep}runtime{os.sep}comm.py",
+               f"{os.sep}torch{os.sep}distributed{os.sep}distributed_c10d.py",
+               f"{os.sep}torch{os.sep}distributed{os.sep}rendezvous.py")
+
+
+def where_is(frame) -> tuple[bool, str, tuple]:
+    """(waiting on a peer?, "file:function:line" of the innermost graphpipe frame, innermost position) of a
+    thread's current ``frame`` (from ``sys._current_frames()``). The innermost position, in any file, is the
+    progress stamp's key: it stays the same only while the thread does not move."""
+    waiting, shown, key = False, "", ()
+    innermost = True
+    while frame is not None:
+        code = frame.f_code
+        if innermost:
+            key = (code.co_filename, code.co_name, frame.f_lineno)
+            innermost = False
+        if any(part in code.co_filename for part in _WAIT_FILES):
+            waiting = True
+        if not shown and f"{os.sep}graphpipe{os.sep}" in code.co_filename:
+            shown = f"{os.path.basename(code.co_filename)}:{code.co_name}:{frame.f_lineno}"
+        frame = frame.f_back
+    return waiting, shown or (f"{os.path.basename(key[0])}:{key[1]}:{key[2]}" if key else "?"), key
+
+
+class _Heartbeat(threading.Thread):
+    """In a rank: every :data:`_BEAT_S`, send ``("beat", rank, None, (waiting, where, since), now)`` where
+    ``since`` is when the main thread last moved (its progress stamp)."""
+
+    def __init__(self, rank: int, results: mp.Queue, main_ident: int):
+        super().__init__(name=f"graphpipe-heartbeat{rank}", daemon=True)
+        self.rank, self.results, self.main_ident = rank, results, main_ident
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        last_key, since = None, time.time()
+        while not self.stopped.wait(_BEAT_S):
+            frame = sys._current_frames().get(self.main_ident)
+            if frame is None:
+                return
+            waiting, shown, key = where_is(frame)
+            del frame
+            now = time.time()
+            if key != last_key:
+                last_key, since = key, now
+            try:
+                self.results.put(("beat", self.rank, None, (waiting, shown, since), now))
+            except (ValueError, OSError, AssertionError):  # the queue closed: the rank is ending
+                return
+
+
 def _child(rank: int, world_size: int, jobs, init_method: str, results: mp.Queue, parent_pid: int) -> None:
     _detach(parent_pid)
+    beat = _Heartbeat(rank, results, threading.main_thread().ident)
+    beat.start()
     try:
         from graphpipe.runtime.worker import run_rank
 
@@ -129,9 +209,11 @@ def _child(rank: int, world_size: int, jobs, init_method: str, results: mp.Queue
                 results.put(("job", rank, index, result, time.time()))
 
         run_rank(rank, world_size, jobs, init_method, done)
+        beat.stopped.set()
         results.put(("done", rank, None, None, time.time()))
     except BaseException as exc:  # noqa: BLE001 - everything must reach the parent
         stamp = time.time()
+        beat.stopped.set()
         last = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
         where = f" (at {os.path.basename(last[0].filename)}:{last[0].lineno})" if last else ""
         text = f"{type(exc).__name__}: {exc}".strip().splitlines()
@@ -168,10 +250,8 @@ def launch(jobs: Sequence[tuple[dict, RunOptions]], world_size: int) -> list[dic
     init_method = f"tcp://127.0.0.1:{free_port()}"
     procs = [ctx.Process(target=_child, args=(r, world_size, list(jobs), init_method, results, os.getpid()),
                          daemon=True, name=f"graphpipe-rank{r}") for r in range(world_size)]
+    watch = _Watch(procs, max(options.timeout_s for _, options in jobs))
     job_results: dict[int, dict | None] = {}
-    finished: set[int] = set()
-    errors: list[tuple[float, int, str]] = []
-    first_error_at = None
     try:
         # Signals wait while the ranks start (they inherit the mask and unblock it
         # in _detach); a Ctrl-C here arrives right after, inside this try.
@@ -183,37 +263,35 @@ def launch(jobs: Sequence[tuple[dict, RunOptions]], world_size: int) -> list[dic
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         log.info("started %d ranks (pids %s)", world_size, ", ".join(str(p.pid) for p in procs))
         began = last_note = time.monotonic()
-        while len(finished) < world_size:
+        while len(watch.finished) < world_size:
             try:
-                kind, rank, index, payload, stamp = results.get(timeout=0.1)
+                message = results.get(timeout=0.1)
             except queue_mod.Empty:
-                kind = None
-            if kind == "job":
-                job_results[index] = payload
-                log.info("job %d of %d finished", index + 1, len(jobs))
-            elif kind == "done":
-                finished.add(rank)
-            elif kind == "error":
-                errors.append((stamp, rank, payload))
-                first_error_at = first_error_at or time.monotonic()
-            if kind is None and time.monotonic() - last_note > _PROGRESS_S:
+                message = None
+            while message is not None:  # everything that has arrived, before looking at the processes
+                kind, rank, index, payload, stamp = message
+                if kind == "job":
+                    job_results[index] = payload
+                    log.info("job %d of %d finished", index + 1, len(jobs))
+                else:
+                    watch.note(kind, rank, payload, stamp)
+                try:
+                    message = results.get_nowait()
+                except queue_mod.Empty:
+                    message = None
+            watch.look()
+            if time.monotonic() - last_note > _PROGRESS_S:
                 last_note = time.monotonic()
                 log.info("%.0f s: %d of %d jobs done, %d of %d ranks finished", last_note - began, len(job_results),
-                         len(jobs), len(finished), world_size)
-            if kind is None:
-                for r, p in enumerate(procs):
-                    if r not in finished and p.exitcode is not None and p.exitcode != 0 and not any(e[1] == r for e in errors):
-                        # Give its report a moment to arrive through the queue.
-                        first_error_at = first_error_at or time.monotonic()
-                        if time.monotonic() - first_error_at > _GRACE_S:
-                            errors.append((time.time(), r, f"exited with code {p.exitcode} without a report"))
-            if errors and time.monotonic() - first_error_at > _GRACE_S * (0 if len(errors) >= world_size else 1):
-                raise RuntimeFailure(_failure_message(errors, procs, finished))
+                         len(jobs), len(watch.finished), world_size)
+            failure = watch.verdict()
+            if failure is not None:
+                raise failure
     finally:
-        if not errors:  # normal end: let every rank exit on its own (killing one mid-exit leaks its semaphores)
+        if not watch.failed:  # normal end: let every rank exit on its own (killing one mid-exit leaks its semaphores)
             for p in procs:
                 if p.pid is not None:
-                    p.join(timeout=30 if len(finished) == world_size else 0.5)
+                    p.join(timeout=30 if len(watch.finished) == world_size else 0.5)
         for p in procs:
             if p.pid is not None and p.is_alive():
                 p.terminate()
@@ -230,19 +308,174 @@ def launch(jobs: Sequence[tuple[dict, RunOptions]], world_size: int) -> list[dic
 
 _TIMEOUT = re.compile(r"timed? ?out|timeout|within [0-9.]+ s", re.I)
 _PEER = re.compile(r"from rank (\d+)")
+_LOST = re.compile(r"connection (?:closed|reset|refused)|broken pipe|socket closed|end of file|EOF|"
+                   r"peer (?:closed|hung up)", re.I)
 
 
-def _failure_message(errors: list[tuple[float, int, str]], procs, finished: set[int]) -> str:
-    """The root cause: the earliest failure, unless the failures are timeouts waiting for a rank that is
-    still alive and silent — then that rank (it hung; its peers only noticed)."""
-    stamp, rank, message = min(errors)
-    failed = {r for _, r, _ in errors}
-    silent = [r for r, p in enumerate(procs) if r not in failed and r not in finished and p.is_alive()]
-    if silent and all(_TIMEOUT.search(m) for _, _, m in errors):
+def _oom_kills() -> int | None:
+    """The kernel's count of out-of-memory kills (``oom_kill`` in /proc/vmstat, Linux 4.13+); None if unknown."""
+    try:
+        with open("/proc/vmstat", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("oom_kill "):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+class _Watch:
+    """What the launcher knows of each rank, and when that is enough to name the root cause of a failure.
+
+    Reports (``error``, ``done``, ``beat``) come through the queue; deaths are
+    seen on the processes themselves. :meth:`verdict` decides on events, not
+    arrival order: a rank that died without a word is the cause as soon as it
+    is seen; peers that only lost a connection wait for that death to be
+    seen; peers that timed out wait until no silent rank is still waiting on
+    a peer (each such wait ends in its own report within the timeout).
+    """
+
+    def __init__(self, procs, timeout_s: float):
+        self.procs, self.timeout_s = procs, timeout_s
+        self.finished: set[int] = set()
+        self.errors: dict[int, tuple[float, str]] = {}  # rank -> (stamp, message)
+        self.deaths: dict[int, tuple[float, int]] = {}  # rank -> (seen at, exit code): died without a report
+        self.exited_at: dict[int, float] = {}  # rank -> when a non-zero exit without a report was first seen
+        self.beats: dict[int, tuple[bool, str, float, float]] = {}  # rank -> (waiting, where, since, beat time)
+        self.first_at: float | None = None  # monotonic time of the first failure seen
+        self.oom_before = _oom_kills()
+        self.failed = False
+
+    def note(self, kind: str, rank: int, payload, stamp: float) -> None:
+        if kind == "done":
+            self.finished.add(rank)
+        elif kind == "beat":
+            waiting, where, since = payload
+            self.beats[rank] = (waiting, where, since, stamp)
+        elif kind == "error" and rank not in self.errors:
+            self.errors[rank] = (stamp, payload)
+            self.deaths.pop(rank, None)  # its report arrived after its exit: it did say why
+            self.first_at = self.first_at or time.monotonic()
+
+    def look(self) -> None:
+        """Record ranks that exited non-zero without a report: at once for a signal (no Python ran, no report
+        can come), after :data:`_GRACE_S` for an exit code (its report may still be in the queue)."""
+        now = time.monotonic()
+        for r, p in enumerate(self.procs):
+            code = p.exitcode
+            if code is None or code == 0 or r in self.finished or r in self.errors or r in self.deaths:
+                continue
+            seen = self.exited_at.setdefault(r, now)
+            self.first_at = self.first_at or now
+            if code < 0 or now - seen > _GRACE_S:
+                self.deaths[r] = (time.time(), code)
+
+    def verdict(self) -> RuntimeFailure | None:
+        """The failure to raise, once the picture is complete; None while the run goes on or a report is due."""
+        if self.first_at is None:
+            return None
+        waited = time.monotonic() - self.first_at
+        if self.deaths:
+            return self._fail(self._death_message(), self._oom_death())
+        if not self.errors:
+            return None
+        messages = [m for _, m in self.errors.values()]
+        if all(_TIMEOUT.search(m) for m in messages):
+            silent = self._silent()
+            still_waiting = [r for r in silent if self._waiting(r)]
+            if still_waiting and waited < self.timeout_s + 2 * _GRACE_S and len(self.errors) < len(self.procs):
+                return None  # each of them times out in turn and reports: wait for that, not for a fixed time
+            if silent:
+                return self._fail(self._hang_message(silent))
+        elif all(_LOST.search(m) for m in messages) and waited < _LOSS_WAIT_S:
+            return None  # a lost connection has a cause: a rank died (look() will see it) or failed and says so
+        if waited < _GRACE_S and len(self.errors) < len(self.procs):
+            return None  # a report stamped earlier may still be on its way
+        # The root cause is the earliest error that is not a symptom (a lost connection, a timeout) if any.
+        reports = sorted((st, r, m) for r, (st, m) in self.errors.items())
+        causes = [e for e in reports if not (_LOST.search(e[2]) or _TIMEOUT.search(e[2]))]
+        stamp, rank, message = (causes or reports)[0]
+        return self._fail(f"rank {rank} failed: {message}", "MemoryError" in message)
+
+    def _fail(self, message: str, out_of_memory: bool = False) -> RuntimeFailure:
+        self.failed = True
+        return RuntimeFailure(message, out_of_memory)
+
+    def _silent(self) -> list[int]:
+        return [r for r, p in enumerate(self.procs)
+                if r not in self.errors and r not in self.finished and r not in self.deaths and p.is_alive()]
+
+    def _fresh(self, r: int) -> bool:
+        beat = self.beats.get(r)
+        return beat is not None and time.time() - beat[3] < _STALE_BEATS * _BEAT_S
+
+    def _waiting(self, r: int) -> bool:
+        return self._fresh(r) and self.beats[r][0]
+
+    def _oom_death(self) -> bool:
+        after = _oom_kills()
+        return (any(code == -signal.SIGKILL for _, code in self.deaths.values()) and self.oom_before is not None
+                and after is not None and after > self.oom_before)
+
+    def _death_message(self) -> str:
+        """The ranks that died without a word (first seen first), then what their peers saw."""
+        parts = []
+        for r, (_, code) in sorted(self.deaths.items(), key=lambda item: item[1]):
+            pid = self.procs[r].pid
+            if code < 0:
+                name = signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}"
+                text = f"rank {r} (pid {pid}) was killed by {name} without a report"
+                if code == -signal.SIGKILL:
+                    if self._oom_death():
+                        text += (" while the kernel's out-of-memory killer ran (/proc/vmstat oom_kill rose): the "
+                                 "host ran out of memory; use fewer ranks or a smaller batch")
+                    else:
+                        text += (f"; a SIGKILL nobody sent is usually the kernel's out-of-memory killer (look for "
+                                 f"'Killed process {pid}' in dmesg or journalctl -k)")
+            else:
+                text = f"rank {r} (pid {pid}) exited with code {code} without a report"
+            parts.append(text)
+        saw = sorted(self.errors.items(), key=lambda item: item[1][0])
+        if saw:
+            first_rank, (_, first) = saw[0]
+            peers = ", ".join(str(r) for r, _ in saw)
+            parts.append(f"then rank{'s' if len(saw) > 1 else ''} {peers} failed (rank {first_rank}: "
+                         f"{first[:160]}{'...' if len(first) > 160 else ''})")
+        return "; ".join(parts)
+
+    def _hang_message(self, silent: list[int]) -> str:
+        """Peers timed out waiting: name the silent rank that is not waiting on anyone, from its heartbeats."""
+        now = time.time()
+        errors = sorted((st, r, m) for r, (st, m) in self.errors.items())
+        waiting = "; ".join(f"rank {r}: {m}" for _, r, m in errors[:3])
+        count = f"{len(errors)} peer(s) timed out waiting"
+        frozen = [r for r in silent if not self._fresh(r)]
+        working = [r for r in silent if self._fresh(r) and not self.beats[r][0]]
+        # Not moving for half the timeout: the peers waited a whole timeout for it, so a hung rank has been in
+        # place about that long, while a slow one moves (each call of Python code is a new position).
+        stuck = [r for r in working if now - self.beats[r][2] >= self.timeout_s / 2]
+        moving = [r for r in working if r not in stuck]
+        if frozen or stuck:
+            hung = sorted(frozen + stuck, key=lambda r: self.beats[r][2] if r in self.beats else -1.0)
+            details = []
+            for r in hung:
+                if r in frozen:
+                    details.append(f"rank {r}: no heartbeat" + (f" since {now - self.beats[r][3]:.0f} s, last at "
+                                                                f"{self.beats[r][1]}" if r in self.beats else " at all"))
+                else:
+                    details.append(f"rank {r}: at {self.beats[r][1]} for {now - self.beats[r][2]:.0f} s, "
+                                   "not waiting on any peer")
+            ranks = ", ".join(map(str, hung))
+            return (f"rank{'s' if len(hung) > 1 else ''} {ranks} stopped answering ({'; '.join(details)}) while "
+                    f"{count}: {waiting}")
+        if moving:
+            ranks = ", ".join(map(str, moving))
+            where = "; ".join(f"rank {r} at {self.beats[r][1]}" for r in moving)
+            return (f"rank{'s' if len(moving) > 1 else ''} {ranks} did not answer within the {self.timeout_s:g} s "
+                    f"timeout but {'were' if len(moving) > 1 else 'was'} still working ({where}): slow, not hung "
+                    f"(a loaded host?); raise --timeout. Meanwhile {count}: {waiting}")
         named = sorted({int(r) for _, _, m in errors for r in _PEER.findall(m)} & set(silent))
         hung = named or silent
-        waiting = "; ".join(f"rank {r}: {m}" for _, r, m in sorted(errors)[:3])
         ranks = ", ".join(map(str, hung))
-        return (f"rank{'s' if len(hung) > 1 else ''} {ranks} stopped answering (still running when "
-                f"{len(errors)} peer(s) timed out waiting): {waiting}")
-    return f"rank {rank} failed: {message}"
+        return (f"rank{'s' if len(hung) > 1 else ''} {ranks} stopped answering (still running, waiting too, when "
+                f"{count}): {waiting}")
