@@ -21,6 +21,16 @@ that runs Python code (an exception, Ctrl-C, SIGTERM through the CLI's
 handler); one left by SIGKILL is removed by the next write to that folder
 (its name carries the dead writer's pid).
 
+JSON and text (:func:`write_json_atomic`, :func:`write_text_atomic`) go
+further: the document is serialized in memory first (a failure there,
+``MemoryError`` included, touches no file), then written to an *unnamed*
+file in the target's folder (Linux ``O_TMPFILE``) that gets a name only
+once complete, just before the rename. A process the kernel kills while
+writing (the out-of-memory killer's SIGKILL, which runs no Python) leaves
+nothing behind: the kernel frees an unnamed file with its last descriptor.
+Where ``O_TMPFILE`` is missing (other systems, some file systems) the named
+temporary file above is used.
+
 Example
 -------
 >>> import os, tempfile
@@ -38,6 +48,7 @@ graphpipe.errors.FormatError: stage 0 devices[0] must be an integer, got true
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -56,6 +67,7 @@ __all__ = [
     "check_output",
     "write_atomic",
     "write_json_atomic",
+    "write_bytes_atomic",
     "write_text_atomic",
     "number",
     "integer",
@@ -300,22 +312,77 @@ def write_atomic(path: str, write: Callable[[str], None], what: str = "output") 
             os.unlink(tmp)
 
 
+def _write_all(fd: int, data: bytes) -> None:
+    """``os.write`` until every byte is written (a write may be short)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def write_bytes_atomic(path: str, data: bytes, what: str = "output") -> None:
+    """Put ``data`` at ``path`` through an unnamed temporary file (module docstring): a SIGKILL at any moment
+    leaves either the old file or the new one, and no partial file under any name (but for the instant between
+    naming the finished file and the rename)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    _refuse_kind(path, what)
+    try:
+        fd = os.open(folder, os.O_TMPFILE | os.O_WRONLY, 0o666)
+    except (AttributeError, OSError):  # no O_TMPFILE here: the named temporary file
+        write_atomic(path, lambda tmp: _write_named(tmp, data), what)
+        return
+    _remove_stale(path)
+    tmp = _tmp_name(path)
+    try:
+        try:
+            _write_all(fd, data)
+            named = _name_unnamed(fd, tmp)
+        finally:
+            os.close(fd)
+        if not named:  # /proc missing or linkat refused: the named temporary file
+            write_atomic(path, lambda t: _write_named(t, data), what)
+            return
+        _refuse_kind(path, what)
+        try:
+            mode = stat.S_IMODE(os.stat(path).st_mode)
+        except FileNotFoundError:
+            mode = 0o666 & ~_umask()
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    finally:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+
+
+def _name_unnamed(fd: int, name: str) -> bool:
+    """Give the ``O_TMPFILE`` file open as ``fd`` the name ``name``: ``linkat(AT_SYMLINK_FOLLOW)`` of
+    ``/proc/self/fd/<fd>`` (passing a directory descriptor makes ``os.link`` call ``linkat``, not ``link``,
+    which would try to link the /proc entry itself). False when this system cannot."""
+    try:
+        proc = os.open("/proc/self/fd", os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return False
+    try:
+        os.link(str(fd), name, src_dir_fd=proc, follow_symlinks=True)
+    except (OSError, NotImplementedError) as exc:
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EEXIST):
+            raise
+        return False
+    finally:
+        os.close(proc)
+    return True
+
+
+def _write_named(tmp: str, data: bytes) -> None:
+    with open(tmp, "xb") as fh:
+        fh.write(data)
+
+
 def write_json_atomic(path: str, doc: Any) -> None:
-    """Write JSON to ``path`` via :func:`write_atomic`: never half-written, never over a non-file."""
-
-    def write(tmp: str) -> None:
-        with open(tmp, "x", encoding="utf-8") as fh:
-            json.dump(doc, fh, indent=1, sort_keys=False)
-            fh.write("\n")
-
-    write_atomic(path, write)
+    """Write JSON to ``path`` via :func:`write_bytes_atomic`: never half-written, never over a non-file."""
+    write_bytes_atomic(path, (json.dumps(doc, indent=1, sort_keys=False) + "\n").encode("utf-8"))
 
 
 def write_text_atomic(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` via :func:`write_atomic`."""
-
-    def write(tmp: str) -> None:
-        with open(tmp, "x", encoding="utf-8") as fh:
-            fh.write(text)
-
-    write_atomic(path, write)
+    """Write ``text`` to ``path`` via :func:`write_bytes_atomic`."""
+    write_bytes_atomic(path, text.encode("utf-8"))

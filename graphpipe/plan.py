@@ -299,6 +299,8 @@ def plan_from_dict(doc: Any, where: str = "plan") -> Plan:
         if isinstance(exc, InputError):
             raise
         raise FormatError(f"{where}: malformed stage entry ({type(exc).__name__}: {exc})") from None
+    _check_stage_ops(graph, [(files.integer(s["id"], f"{where}.stages[{i}].id", 0), list(s["ops"]))
+                             for i, s in enumerate(doc["stages"])], where)
     stages.sort(key=lambda s: s.id)
     schedule = Schedule.from_dict(doc["schedule"], cluster.num_devices, where=f"{where}.schedule")
     shared = schedule.name.startswith("interleaved") or _devices_shared(stages)
@@ -307,8 +309,11 @@ def plan_from_dict(doc: Any, where: str = "plan") -> Plan:
     sequential = doc.get("sequential", False)
     if not isinstance(sequential, bool):
         raise FormatError(f"{where}.sequential must be true or false, got {sequential!r}")
-    sg = StageGraph(graph, tuple(stages), batch_size, cluster.num_devices, edges=edges, allow_shared_devices=shared,
-                    sequential=sequential)
+    try:
+        sg = StageGraph(graph, tuple(stages), batch_size, cluster.num_devices, edges=edges,
+                        allow_shared_devices=shared, sequential=sequential)
+    except PlanError as exc:  # say which file broke the invariant
+        raise PlanError(f"{where}: {exc}") from None
     merged = {k: tuple(files.string(n, f"{where}.merged.{k}[]") for n in files.array(v, f"{where}.merged.{k}"))
               for k, v in files.mapping(doc.get("merged") or {}, f"{where}.merged").items()}
     return Plan(model=files.string(doc.get("model", graph.name), f"{where}.model"), stage_graph=sg, cluster=cluster,
@@ -317,6 +322,37 @@ def plan_from_dict(doc: Any, where: str = "plan") -> Plan:
                 search=_figures(doc.get("search"), f"{where}.search"), merged=merged,
                 batchnorm=_batchnorm(doc.get("batchnorm", "per-micro-batch"), f"{where}.batchnorm"),
                 asynchrony=_asynchrony(doc.get("async"), f"{where}.async"))
+
+
+def _check_stage_ops(graph: OpGraph, stages: list[tuple[int, list[str]]], where: str) -> None:
+    """Refuse, in the file's own terms, stages that do not partition the ops: a stage id used twice, an op
+    listed twice in one stage, an op in two stages, ops in no stage. ``stages``: each stage's id and op names as
+    the file lists them. Each message names the op, the stage(s) as the file numbers them, and what to change;
+    :class:`StageGraph` would only see op ids."""
+    first: dict[int, int] = {}
+    for i, (stage_id, _) in enumerate(stages):
+        if stage_id in first:
+            raise PlanError(f"{where}: stages[{first[stage_id]}] and stages[{i}] both have id {stage_id}; "
+                            f"number the {len(stages)} stages 0..{len(stages) - 1}, each once")
+        first[stage_id] = i
+    stage_of: dict[str, int] = {}
+    for stage_id, names in stages:
+        seen: dict[str, int] = {}
+        for k, name in enumerate(names):
+            if name in seen:
+                raise PlanError(f"{where}: stage {stage_id} lists op {name!r} twice (its ops[{seen[name]}] and "
+                                f"ops[{k}]); remove one: each op is listed once")
+            seen[name] = k
+            if name in stage_of:
+                raise PlanError(f"{where}: op {name!r} is listed in stage {stage_of[name]} and in stage {stage_id}; "
+                                f"an op runs in exactly one stage: remove it from one of them")
+            stage_of[name] = stage_id
+    missing = [op.name for op in graph.ops if op.name not in stage_of]
+    if missing:
+        names = ", ".join(repr(n) for n in missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise PlanError(f"{where}: {'op' if len(missing) == 1 else 'ops'} {names} {'is' if len(missing) == 1 else 'are'} "
+                        f"in no stage; add each to the stage that runs it (every op of the graph runs in exactly "
+                        f"one stage)")
 
 
 def _asynchrony(value: Any, where: str) -> dict[str, Any]:

@@ -9,6 +9,8 @@ function.
 * bad input raises :class:`graphpipe.errors.GraphpipeError` (the user's code
   failing is a :class:`~graphpipe.errors.UserCodeError` naming their file and
   line): one line ``graphpipe: error: ...``, exit 2;
+* ``MemoryError`` (the input outgrew the host's memory) is one line naming
+  the verb, exit 2: what to change is the input, as for bad input;
 * any other exception is our bug: one line ``graphpipe: internal error: ...``
   with the hint to re-run with ``-v``, exit 1; ``-v`` prints the traceback;
 * Ctrl-C (exit 130) and SIGTERM (exit 143) unwind the stack like an
@@ -129,9 +131,11 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write("graphpipe: error: input nested too deeply to process (RecursionError); "
                          "re-run with -v for the traceback\n")
         return 1
-    except MemoryError:
-        sys.stderr.write("graphpipe: error: out of memory; try a smaller model, batch or device count\n")
-        return 1
+    except MemoryError:  # the input is too large for this host: the user's to change, so exit 2 like bad input
+        verb = next((w for w in words if w in VERBS), "graphpipe")
+        sys.stderr.write(f"graphpipe: error: {verb} ran out of memory (MemoryError): this host cannot hold the work; "
+                         f"use a smaller model, batch or device count, or a host with more memory\n")
+        return 2
     except Exception as exc:  # noqa: BLE001 - the one place that turns our bugs into one line
         if verbose:
             traceback.print_exc(file=sys.stderr)

@@ -109,17 +109,17 @@ def interleaved_groups(sg: StageGraph) -> tuple[tuple[int, ...], ...]:
     k = len(groups)
     if k == sg.num_stages:
         raise ScheduleError(f"interleaved 1F1B needs several virtual stages per device group; all {k} stages are on "
-                            f"different devices — use '1f1b' (or build the stage graph with "
-                            f"round_robin_chain(graph, num_devices, virtual_per_device >= 2, ...))")
+                            f"different devices: use --schedule 1f1b, or a plan whose stages take the device groups "
+                            f"in turn (stage s on group s % K, 2 or more stages per group)")
     if sg.num_stages % k:
-        raise ScheduleError(f"interleaved 1F1B needs K*v stages placed round-robin on K device groups; "
-                            f"{sg.num_stages} stages on {k} groups is not a multiple — build the stage graph "
-                            f"with round_robin_chain(graph, num_devices, virtual_per_device, ...)")
+        raise ScheduleError(f"interleaved 1F1B needs the same number of stages on each of the {k} device groups; "
+                            f"{sg.num_stages} stages is not a multiple of {k}; use --schedule 1f1b, or a plan with "
+                            f"{k * (sg.num_stages // k + 1)} stages taking the groups in turn")
     for st in sg.stages:
         if st.devices != groups[st.id % k]:
-            raise ScheduleError(f"interleaved 1F1B needs stage s on device group s % K (K={k}); stage {st.id} is on "
-                                f"{list(st.devices)}, expected {list(groups[st.id % k])} — build the stage graph with "
-                                f"round_robin_chain(...)")
+            raise ScheduleError(f"interleaved 1F1B needs stage s on device group s % {k}; stage {st.id} is on "
+                                f"{list(st.devices)}, expected {list(groups[st.id % k])}; use --schedule "
+                                f"1f1b, or a plan whose stages take the device groups in turn")
     sizes = {st.micro_batch_size for st in sg.stages}
     if len(sizes) > 1:
         raise ScheduleError(f"interleaved 1F1B needs one micro-batch size for all stages, got {sorted(sizes)}")
