@@ -179,7 +179,9 @@ def main(argv=None) -> int:
             from .common import write_result
 
             summary = {f"throughput_ratio_{r['schedule']}": r["throughput_ratio"] for r in rows}
-            print(f"wrote {write_result(args.out, 'bench_api-torch', vars(args), rows, summary)}")
+            config = {**vars(args), "model": rows[0]["model"], "batch_size": rows[0]["batch_size"],
+                      "micro_batch_size": rows[0]["micro_batch_size"]}  # what ran (bench_runtime's chain)
+            print(f"wrote {write_result(args.out, 'bench_api-torch', config, rows, summary)}")
         return 0
 
     torch.set_num_threads(1)

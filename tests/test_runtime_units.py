@@ -326,3 +326,57 @@ def test_flat_grad_buffer_refuses_mixed_dtypes_and_zero_grads_allocates_then_cle
     (a.sum() * 3).backward()
     zero_grads([a, b])
     assert a.grad is kept and not a.grad.any()
+
+
+class _Work:
+    """A stand-in for a process group's work handle: records how it was waited on."""
+
+    def __init__(self):
+        self.waits = []
+
+    def wait(self, *args):
+        self.waits.append(args)
+        return True
+
+
+@pytest.mark.parametrize("device,host_blocks", [("cpu", True), ("cuda", False)])
+def test_waits_on_cuda_are_the_streams_not_the_hosts(device, host_blocks):
+    """On CUDA a wait with a timeout would hold the host until the transfer ends; a stream wait lets it queue
+    the next kernels (the NCCL watchdog bounds a silent peer at the group's timeout). On CPU (gloo) the wait
+    carries the timeout, so a silent peer is named."""
+    from graphpipe.runtime.comm import Mailbox
+
+    routing = Routing(*_two_stage_chain())
+    box = Mailbox(0, routing, lambda key: ((1,), torch.float32), torch.device(device), 5.0)
+    work = _Work()
+    box.wait_work(work, "a test message")
+    assert work.waits == ([(box.timeout,)] if host_blocks else [()])
+
+
+def _two_stage_chain():
+    plan = _plan("transformer:small", (["embed", "layer0", "layer1"], ["layer2", "layer3", "head"]), [(0,), (1,)],
+                 [2, 2], 8, 2, "1f1b")
+    return plan.stage_graph, plan.schedule, {(0, 1): ("x",)}, ["x"]
+
+
+def test_gradients_rebind_into_the_same_buffer_after_the_optimizer_drops_them(one_rank_group):
+    """``opt.zero_grad()`` sets ``.grad = None``; the next step's gradients go back into the stage's flat buffer
+    (the one replicas all-reduce), zeroed, as the same views: no reallocation per step."""
+    from graphpipe.runtime.api import Pipeline
+
+    plan = _plan("transformer:small", (["embed", "layer0", "layer1", "layer2", "layer3", "head"],), [(0,)], [4], 8, 1,
+                 "gpipe")
+    runnable = load_runnable(plan.model, 0)
+    pipe = Pipeline._for_job(plan, runnable, rank=0, world_size=1, device=torch.device("cpu"), backend="gloo",
+                             options=RunOptions(measure=False))
+    params = list(pipe.parameters())
+    inputs = runnable.make_inputs(8, 0)
+    pipe._train(inputs)
+    views = [p.grad for p in params]
+    first = [g.clone() for g in views]
+    for p in params:
+        p.grad = None
+    pipe._train(inputs)
+    assert all(p.grad is v for p, v in zip(params, views))
+    for p, g in zip(params, first):  # zeroed before the step: the same data gives the same gradients, not twice
+        torch.testing.assert_close(p.grad, g)
