@@ -135,8 +135,8 @@ def memory_floor(graph: OpGraph, cluster: Cluster, micro_batch_size: int) -> tup
              for i, op in enumerate(graph.ops)]
     op_bytes, op_name = max(alone, default=(0.0, ""))
     if total / n >= op_bytes:
-        return total / n, (f"the model state (weights, gradients, optimizer: {_gb(total)}) spread evenly over "
-                           f"{n} device{'s' if n != 1 else ''}")
+        return total / n, (f"the model state, {_gb(total)} of weights, gradients and optimizer state, spread "
+                           f"evenly over {n} device{'s' if n != 1 else ''}")
     return op_bytes, f"op {op_name!r} alone at micro-batch {micro_batch_size}, re-materialized"
 
 
