@@ -362,11 +362,11 @@ def run_fidelity(config: dict[str, Any], progress: Progress) -> tuple[list, dict
 
 
 # ---------------------------------------------------------------- zero bubble
-def run_zero_bubble(config: dict[str, Any], progress: Progress) -> tuple[list, dict]:
+def run_zero_bubble(config: dict[str, Any], progress: Progress, out: str | None = None) -> tuple[list, dict]:
     from . import zero_bubble
 
     return zero_bubble.run_zero_bubble(config, progress, lambda model, n, batch, strategy: _plan(model, n, batch,
-                                                                                                   strategy))
+                                                                                                   strategy), out)
 # ------------------------------------------------------- memory measured on real runs
 def memory_runtime_config(quick: bool) -> dict[str, Any]:
     from . import memory_runtime
@@ -431,7 +431,7 @@ def run_experiment(name: str, out: str, quick: bool) -> str:
     config_fn, run_fn = EXPERIMENTS[name]
     config = dict(config_fn(quick), quick=quick)
     progress = Progress(name, _num_points(name, config))
-    if name == "case-study":
+    if name in ("case-study", "zero-bubble"):  # they also write plan files beside the results
         rows, summary = run_fn(config, progress, out)
     else:
         rows, summary = run_fn(config, progress)

@@ -246,7 +246,28 @@ def plot_zero_bubble(res: dict[str, Any], out: str) -> str:
         ax.grid(alpha=0.3, axis="y")
     axes[0][-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.suptitle("Zero bubble on gpp's plans (same stages re-scheduled; ZB-V and DualPipeV re-cut as a V), v100 preset")
-    return _save(fig, out, "zero-bubble")
+    path = _save(fig, out, "zero-bubble")
+    _plot_zero_bubble_gantt(res, out)
+    return path
+
+
+def _plot_zero_bubble_gantt(res: dict[str, Any], out: str) -> None:
+    """``zero-bubble-gantt.png``: the chain schedules of the Gantt case, stacked on one time axis."""
+    from graphpipe.plan import read_plan
+    from graphpipe.sched import simulate
+    from graphpipe.sched.gantt import plot_gantt_stack
+
+    files = (res.get("summary") or {}).get("gantt_plans") or {}
+    if not files:
+        return
+    timelines, titles = [], []
+    for name, rel in files.items():
+        plan = read_plan(os.path.join(out, rel))
+        tl = simulate(plan.stage_graph, plan.schedule, plan.cluster)
+        timelines.append(tl)
+        titles.append(f"{name}: {plan.stage_graph.num_stages} stages on {plan.cluster.num_devices} devices, "
+                      f"{tl.iteration_time_s * 1e3:.3g} ms")
+    plot_gantt_stack(timelines, os.path.join(out, "zero-bubble-gantt.png"), titles)
 def plot_async_throughput(res: dict[str, Any], out: str) -> str:
     rows = [r for r in res["rows"] if r["source"] == "simulated"]
     models = sorted({r["model"] for r in rows})

@@ -240,6 +240,8 @@ def build_report(out: str, notes: dict[str, str] | None = None) -> str:
         sections += [f"## {name}", "", f"**Paper:** {PAPER[name]}", "", f"**Ours:** {_headline(name, res)}", ""]
         if os.path.exists(os.path.join(out, f"{name}.png")):
             sections += [f"![{name}]({name}.png)", ""]
+        if os.path.exists(os.path.join(out, f"{name}-gantt.png")):
+            sections += [f"![{name} Gantt charts]({name}-gantt.png)", ""]
         sections += [_table([c[0] for c in cols], ([r.get(c[1]) for c in cols] for r in _rows_for_table(name, res))), ""]
         errors = _errors(res)
         if errors:

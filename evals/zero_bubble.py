@@ -38,6 +38,9 @@ def zero_bubble_config(quick: bool) -> dict[str, Any]:
         "chain_schedules": ["1f1b", "zb-h1", *V_SCHEDULES],
         "samples_per_device": 16,
         "cluster": "v100",
+        # the Gantt figure: one small case where all four chain schedules fit, the same ops per device
+        "gantt": {"model": "transformer:layers=6", "devices": 4, "batch_size": 8, "micro_batch_size": 1,
+                  "schedules": ["1f1b", "zb-h1", *V_SCHEDULES]},
     }
 
 
@@ -102,8 +105,27 @@ def _rows_for(model: str, n: int, batch: int, strategy: str, schedules: list[str
     return rows
 
 
-def run_zero_bubble(config: dict[str, Any], progress: Progress, plan_fn) -> tuple[list, dict]:
-    """``plan_fn(model, devices, batch, strategy)`` makes the plan each point re-schedules."""
+def gantt_plans(gantt: dict[str, Any], cluster_name: str) -> dict[str, Any]:
+    """Schedule name -> plan of the Gantt figure's case: the chain schedules on an even chain of one stage per
+    device, ZB-V and DualPipeV on the V of twice as many stages (each device holds the same ops' work)."""
+    from graphpipe import zoo
+    from graphpipe.cluster import preset
+    from graphpipe.plan import Plan
+    from graphpipe.sched import make_schedule, round_robin_chain, v_shape_chain
+
+    spec, k = gantt["model"], gantt["devices"]
+    graph, cluster = zoo.load_graph(spec), preset(cluster_name, k)
+    chain = round_robin_chain(graph, k, 1, gantt["batch_size"], gantt["micro_batch_size"])
+    v = v_shape_chain(graph, k, gantt["batch_size"], gantt["micro_batch_size"])
+    return {name: Plan(model=zoo.canonical_spec(spec), stage_graph=v if name in V_SCHEDULES else chain,
+                       cluster=cluster, strategy="custom",
+                       schedule=make_schedule(name, v if name in V_SCHEDULES else chain, cluster))
+            for name in gantt["schedules"]}
+
+
+def run_zero_bubble(config: dict[str, Any], progress: Progress, plan_fn, out: str | None = None) -> tuple[list, dict]:
+    """``plan_fn(model, devices, batch, strategy)`` makes the plan each point re-schedules; with ``out``, the
+    Gantt figure's plans are written to ``out/results/zero-bubble-gantt-<schedule>.plan.json``."""
     rows = []
     for model in config["graph_models"]:
         for n in config["devices"]:
@@ -118,4 +140,15 @@ def run_zero_bubble(config: dict[str, Any], progress: Progress, plan_fn) -> tupl
     gains = [{"model": r["model"], "devices": r["devices"], "schedule": r["schedule"], "gain": r["gain"],
               "memory_ratio": r["memory_ratio"]}
              for r in rows if r["schedule"] not in (config["graph_schedules"][0], config["chain_schedules"][0])]
-    return rows, {"gain_over_reference": gains}
+    summary: dict[str, Any] = {"gain_over_reference": gains}
+    if out is not None and config.get("gantt"):
+        import os
+
+        from graphpipe.plan import write_plan
+
+        summary["gantt_plans"] = {}
+        for name, plan in gantt_plans(config["gantt"], config["cluster"]).items():
+            path = os.path.join(out, "results", f"zero-bubble-gantt-{name}.plan.json")
+            write_plan(path, plan)
+            summary["gantt_plans"][name] = os.path.relpath(path, out)
+    return rows, summary

@@ -126,18 +126,21 @@ def test_compute_and_comms_files_drop_the_comms_cells(tmp_path):
         == plan.schedule.device_actions
 
 
-def test_cli_writes_reads_and_simulates_the_same_time(tmp_path):
+def test_cli_writes_reads_and_simulates_the_same_time(tmp_path, capsys):
     plan_path = str(tmp_path / "plan.json")
     write_plan(plan_path, chain_plan(batch=16))
     for name in ("1f1b", "zb-h1", "cpsat"):
         out_csv, out_plan = str(tmp_path / f"{name}.csv"), str(tmp_path / f"{name}.json")
-        args = ["simulate", plan_path, "--schedule", name, "--torch-csv", out_csv, "--out", out_plan]
+        args = ["simulate", plan_path, "--schedule", name, "--torch-csv", out_csv, "--out", out_plan, "--json"]
+        capsys.readouterr()
         assert main(args + (["--time-limit", "5"] if name == "cpsat" else [])) == 0
+        written_time = json.loads(capsys.readouterr().out)["iteration_time_s"]
         written = read_plan(out_plan)
         # CP-SAT may change micro-batch sizes: its CSV goes with the plan it wrote
         back = read_torch_csv(out_csv, written.stage_graph)
         assert back.device_actions == written.schedule.device_actions
         assert main(["simulate", out_plan, "--schedule-csv", out_csv, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["iteration_time_s"] == written_time, name
 
 
 @pytest.mark.slow
@@ -160,4 +163,3 @@ def test_torchs_runtime_executes_our_csvs_equal_to_one_process(tmp_path):
         assert result["check"]["passed"], result["check"]
         assert result["check"]["num_params_checked"] == result["check"]["num_params"] > 0
         assert "CSV of torch-csv" in result["baseline"], result["baseline"]
-    json.dumps(results[0]["check"])
