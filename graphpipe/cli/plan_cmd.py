@@ -63,6 +63,9 @@ def register(sub) -> None:
     p.add_argument("--out", default=None, metavar="PLAN.json",
                    help="write the plan file (atomically); with --compare, gpp's plan")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--max-memory-gb", type=float, default=None, metavar="G",
+                   help="stop a search whose process holds more than G GB of memory (one line, exit 2) instead of "
+                        "letting it grow until the system kills it (default: half the machine's memory)")
     p.add_argument("--compare", action="store_true",
                    help="run all four strategies and print one table (a row as each finishes)")
     p.add_argument("--baseline-time-limit", type=float, default=30.0, metavar="S",
@@ -79,7 +82,8 @@ def _options(args):
         raise InputError(f"--micro-batch-size must be a positive integer, got {args.micro_batch_size}")
     return SearchOptions(micro_batch_size=args.micro_batch_size, per_stage_micro_batch=args.per_stage_micro_batch,
                          recompute=args.recompute,
-                         power_of_two=args.power_of_two, host=shared_host(args.host_cores))
+                         power_of_two=args.power_of_two, host=shared_host(args.host_cores),
+                         max_memory_gb=args.max_memory_gb)
 
 
 def run(args) -> int:

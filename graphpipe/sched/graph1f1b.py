@@ -187,10 +187,17 @@ def assemble(sg: StageGraph, name: str, per_stage: Sequence[Sequence[Action]]) -
                 raise ScheduleError(f"{name}: device {d} hosts several stages ({list(sg.stages_on_device(d))}); "
                                     f"this schedule needs one stage per device — use 'interleaved' or 'gpipe' "
                                     f"for virtual stages")
-            # Round-robin replicas (PipeDream's 1F1B-RR) each run their own micro-batches, i mod r,
-            # in the stage's order; split replicas all run every action.
-            round_robin = st.round_robin
-            lists[d] = [a for a in per_stage[st.id] if not round_robin or st.replica_of(a.mb_id) == d]
+        # Round-robin replicas (PipeDream's 1F1B-RR) each run their own micro-batches, i mod r,
+        # in the stage's order; split replicas all run every action. One pass deals the actions
+        # out (a pass per replica costs replicas x actions: minutes at 1024 devices).
+        if st.round_robin:
+            for d in st.devices:
+                lists[d] = []
+            for a in per_stage[st.id]:
+                lists[st.replica_of(a.mb_id)].append(a)
+        else:
+            for d in st.devices:
+                lists[d] = list(per_stage[st.id])
     return Schedule.from_lists(name, lists)
 
 

@@ -67,8 +67,15 @@ class SearchOptions:
     """The devices time-share one host's processors (CPU ranks on fewer cores than ranks): every strategy
     scores its candidates by the shared-host simulation, and :func:`~graphpipe.search.planner.make_plan`
     also tries fewer devices, since on a saturated host an extra rank only adds work. None: dedicated devices."""
+    max_memory_gb: float | None = None
+    """Resident-memory budget of the search's process, GiB (:mod:`graphpipe.search.memory_guard`): past it the
+    search stops with a one-line error instead of growing until the kernel kills it. None: half the machine's."""
 
     def __post_init__(self) -> None:
+        if self.max_memory_gb is not None and not (isinstance(self.max_memory_gb, (int, float))
+                                                   and not isinstance(self.max_memory_gb, bool)
+                                                   and 0 < self.max_memory_gb < float("inf")):
+            raise InputError(f"--max-memory-gb must be a positive number of GB, got {self.max_memory_gb!r}")
         if self.micro_batch_size is not None and (not isinstance(self.micro_batch_size, int) or self.micro_batch_size < 1):
             raise InputError(f"--micro-batch-size must be a positive integer, got {self.micro_batch_size!r}")
         if self.recompute is not None and self.recompute not in costs.RECOMPUTE_CHOICES:

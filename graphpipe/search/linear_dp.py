@@ -100,14 +100,19 @@ def solve(graph: OpGraph, cluster: Cluster, batch_size: int, micro_batch_size: i
 
     pa, pb, pp, pact = (prefix(a) for a in (arrays.compute_alpha, arrays.compute_beta, arrays.params, arrays.act))
     cut = cut_tps(linear_cut_bytes(graph, order), link, b)  # cut[j]: after position j (0 after the last op)
-    r = np.arange(1, num_devices + 1)                      # replica counts, axis "r"
-    replicas_ok = replica_mask(num_devices, b, power_of_two)
+    # Replica counts, axis "r": only the allowed ones (they split the micro-batch), ascending, so the
+    # first-minimum tie-break (earliest cut, then fewest replicas) is the one over every count 1..N.
+    r = np.flatnonzero(replica_mask(num_devices, b, power_of_two)) + 1
     k = np.arange(1, max_k + 1)                            # stages in the suffix, axis "k"
     m = np.arange(0, num_devices + 1)                      # devices available, axis "m"
     # rest[m, r] = m - r devices left for the following stages (-1 = not enough).
     rest = m[:, None] - r[None, :]
     rest_ok = rest >= 0
     rest = np.where(rest_ok, rest, 0)
+    # Stage ends are taken in chunks so the (j, m, r, k) candidate array stays near CHUNK_CELLS cells
+    # at any device count (1024 devices: ~1,000 x 11 x 34 cells per stage end).
+    per_end = (num_devices + 1) * len(r) * max_k
+    chunk = max(1, CHUNK_CELLS // max(1, per_end))
 
     # value[i][m, k]: the DP table V(i, m, k) (axis k = 0..max_k); choice[i][m, k] = (j, r, k_next).
     inf = np.inf
@@ -115,34 +120,18 @@ def solve(graph: OpGraph, cluster: Cluster, batch_size: int, micro_batch_size: i
     value[n][:, 0] = 0.0
     choice: list[np.ndarray | None] = [None] * (n + 1)
     for i in range(n - 1, -1, -1):
-        j = np.arange(i, n)                                # stage = order[i..j], axis "j"
-        sa, sb = pa[j + 1] - pa[i], pb[j + 1] - pb[i]
-        sp, sact = pp[j + 1] - pp[i], pact[j + 1] - pact[i] + range_received_saved(graph, order, i)
-        tps = costs.tps(sa[:, None], sb[:, None], sp[:, None], r[None, :], b, batch_size)      # (j, r)
-        tps = np.maximum(tps, cut[j][:, None])                                               # + the cut after it
-        mem = costs.memory(sp[:, None, None], sact[:, None, None], r[None, :, None], b, k[None, None, :])
-        fits = (mem <= costs.memory_bytes) & replicas_ok[None, :, None]                       # (j, r, k)
-        # Following suffix: V(j + 1, m - r, k - 1); the capped bucket also accepts max_k after it.
-        nxt = np.stack([value[jj + 1] for jj in j])                                          # (j, m, k)
-        follow = nxt[:, :, :-1]                                                              # k-1 for k=1..max_k
-        follow_from = np.broadcast_to(k - 1, follow.shape).copy()
-        if num_mbs == max_k:
-            cap = nxt[:, :, max_k]
-            better = cap < follow[:, :, -1]
-            follow[:, :, -1] = np.where(better, cap, follow[:, :, -1])
-            follow_from[:, :, -1] = np.where(better, max_k, max_k - 1)
-        after = follow[:, rest, :]                                                           # (j, m, r, k)
-        after_from = follow_from[:, rest, :]
-        cand = np.maximum(tps[:, None, :, None], after)
-        cand = np.where(rest_ok[None, :, :, None] & fits[:, None, :, :], cand, inf)
-        # Minimise over (j, r); argmin takes the first, i.e. the earliest cut, then fewest replicas.
-        flat = cand.transpose(1, 3, 0, 2).reshape(num_devices + 1, max_k, -1)                 # (m, k, j*r)
-        best = flat.argmin(axis=2)
-        value[i][:, 1:] = np.take_along_axis(flat, best[:, :, None], axis=2)[:, :, 0]
-        best_j, best_r = np.divmod(best, num_devices)
-        from_flat = after_from.transpose(1, 3, 0, 2).reshape(num_devices + 1, max_k, -1)
-        best_from = np.take_along_axis(from_flat, best[:, :, None], axis=2)[:, :, 0]
-        choice[i] = np.stack([best_j + i, best_r + 1, best_from], axis=-1)
+        received = range_received_saved(graph, order, i)
+        best_value = np.full((num_devices + 1, max_k), inf)
+        best_choice = np.zeros((num_devices + 1, max_k, 3), dtype=np.int64)
+        for lo in range(i, n, chunk):
+            j = np.arange(lo, min(n, lo + chunk))          # stage = order[i..j], axis "j"
+            got, how = _stage_ends(value, i, j, pa, pb, pp, pact, received, cut,
+                                   r, k, rest, rest_ok, costs, b, batch_size, num_mbs, max_k)
+            better = got < best_value                       # strict: an earlier chunk (earlier cut) wins ties
+            best_value = np.where(better, got, best_value)
+            best_choice = np.where(better[:, :, None], how, best_choice)
+        value[i][:, 1:] = best_value
+        choice[i] = best_choice
 
     top = value[0][num_devices]
     num_stages = int(np.argmin(top))                       # fewest stages among the best
@@ -155,6 +144,47 @@ def solve(graph: OpGraph, cluster: Cluster, batch_size: int, micro_batch_size: i
         stages.append((tuple(order[i:j_end + 1]), replicas))
         i, avail, kk = j_end + 1, avail - replicas, k_next
     return SequentialPartition(tuple(stages), float(top[num_stages]), b)
+
+
+CHUNK_CELLS = 2_000_000
+"""Cells of the (stage end, devices, replicas, stages) candidate array :func:`solve` builds at once."""
+
+
+def _stage_ends(value, i: int, j: np.ndarray, pa, pb, pp, pact, received: float, cut: np.ndarray, r: np.ndarray,
+                k: np.ndarray, rest: np.ndarray, rest_ok: np.ndarray, costs: ReplicaCosts, b: int,
+                batch_size: int, num_mbs: int, max_k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The best first stage ``order[i..j]`` over the stage ends ``j`` given, for every (m, k).
+
+    Returns (value (m, k), choice (m, k, 3) as (j, r, k_next)); the first minimum over (j, r) in
+    that order wins, i.e. the earliest cut, then the fewest replicas.
+    """
+    sa, sb = pa[j + 1] - pa[i], pb[j + 1] - pb[i]
+    sp, sact = pp[j + 1] - pp[i], pact[j + 1] - pact[i] + received
+    tps = costs.tps(sa[:, None], sb[:, None], sp[:, None], r[None, :], b, batch_size)          # (j, r)
+    tps = np.maximum(tps, cut[j][:, None])                                                   # + the cut after it
+    mem = costs.memory(sp[:, None, None], sact[:, None, None], r[None, :, None], b, k[None, None, :])
+    fits = mem <= costs.memory_bytes                                                          # (j, r, k)
+    # Following suffix: V(j + 1, m - r, k - 1); the capped bucket also accepts max_k after it.
+    nxt = np.stack([value[jj + 1] for jj in j])                                              # (j, m, k)
+    follow = nxt[:, :, :-1]                                                                  # k-1 for k=1..max_k
+    follow_from = np.broadcast_to(k - 1, follow.shape).copy()
+    if num_mbs == max_k:
+        cap = nxt[:, :, max_k]
+        better = cap < follow[:, :, -1]
+        follow[:, :, -1] = np.where(better, cap, follow[:, :, -1])
+        follow_from[:, :, -1] = np.where(better, max_k, max_k - 1)
+    after = follow[:, rest, :]                                                               # (j, m, r, k)
+    after_from = follow_from[:, rest, :]
+    cand = np.maximum(tps[:, None, :, None], after)
+    cand = np.where(rest_ok[None, :, :, None] & fits[:, None, :, :], cand, np.inf)
+    num_m = rest.shape[0]
+    flat = cand.transpose(1, 3, 0, 2).reshape(num_m, max_k, -1)                             # (m, k, j*r)
+    best = flat.argmin(axis=2)
+    got = np.take_along_axis(flat, best[:, :, None], axis=2)[:, :, 0]
+    best_j, best_r = np.divmod(best, len(r))
+    from_flat = after_from.transpose(1, 3, 0, 2).reshape(num_m, max_k, -1)
+    best_from = np.take_along_axis(from_flat, best[:, :, None], axis=2)[:, :, 0]
+    return got, np.stack([j[best_j], r[best_r], best_from], axis=-1)
 
 
 def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: SearchOptions) -> SearchResult:

@@ -147,7 +147,17 @@ class Lattice:
 
     @classmethod
     def of(cls, graph: OpGraph, max_downsets: int) -> "Lattice":
-        masks = enumerate_downsets(graph, limit=max_downsets)   # raises DownsetLimitError past the guard
+        """Every downset of ``graph`` (raises :class:`DownsetLimitError` past the guard)."""
+        return cls.of_masks(graph, enumerate_downsets(graph, limit=max_downsets))
+
+    @classmethod
+    def prefixes(cls, graph: OpGraph) -> "Lattice":
+        """Only the prefixes of the linearisation (op ids 0..n-1): the chains PipeDream-style DPs cut."""
+        return cls.of_masks(graph, [(1 << size) - 1 for size in range(graph.num_ops + 1)])
+
+    @classmethod
+    def of_masks(cls, graph: OpGraph, masks: list[int]) -> "Lattice":
+        """The lattice of the downsets ``masks``, sorted by (size, mask) and holding the empty and full sets."""
         n, num = graph.num_ops, len(masks)
         num_words = max(1, (n + 63) // 64)
         words = np.array([[(m >> (64 * w)) & 0xFFFF_FFFF_FFFF_FFFF for w in range(num_words)] for m in masks],
@@ -340,6 +350,23 @@ def _reconstruct(tables: _Tables, g: np.ndarray, t: float, num_devices: int):
     return chain
 
 
+LINEAR_SEED_MAX_DEVICES = 32
+"""Up to this many devices :func:`solve` seeds its bisection with the linear DP's chain (:func:`_seed`); past
+it with the best chain of prefixes under Piper's own objective (:func:`_prefix_seed`). The linear DP's tables
+grow with the device count (ops^2 x devices x replica counts x stages: minutes and gigabytes at 1024 devices);
+the prefix lattice's do not. Either seed is only an upper bound, the optimum is the same; the threshold keeps
+the plans up to 32 devices exactly as they were (the seed steers which of equally fast chains is returned)."""
+
+
+def _prefix_seed(graph: OpGraph, cluster: Cluster, batch_size: int, b: int, power_of_two: bool,
+                 bandwidth: float) -> float:
+    """An upper bound on the optimum: Piper's optimum over the chains of prefixes of the linearisation
+    (n + 1 downsets, n (n + 1) / 2 pairs, whatever the device count); inf when none fits."""
+    part = solve(graph, cluster, batch_size, b, power_of_two, lattice=Lattice.prefixes(graph), bandwidth=bandwidth,
+                 seed=np.inf)
+    return np.inf if part is None else part.bottleneck_tps * (1 + REL_TOL)
+
+
 def _seed(lat: Lattice, graph: OpGraph, cluster: Cluster, batch_size: int, b: int, power_of_two: bool,
           bandwidth: float) -> float:
     """An upper bound on the optimum to prune stages with: the linear DP's chain (prefixes of a
@@ -362,11 +389,13 @@ def _seed(lat: Lattice, graph: OpGraph, cluster: Cluster, batch_size: int, b: in
 
 def solve(graph: OpGraph, cluster: Cluster, batch_size: int, micro_batch_size: int,
           power_of_two: bool = False, max_downsets: int = IDEALS_LIMIT,
-          lattice: Lattice | None = None, bandwidth: float | None = None) -> SequentialPartition | None:
+          lattice: Lattice | None = None, bandwidth: float | None = None,
+          seed: float | None = None) -> SequentialPartition | None:
     """Piper's optimum at one micro-batch size; None when no chain of stages fits in memory.
 
     ``bandwidth``: the instance's (default :func:`piper_bandwidth`). The returned bottleneck is
-    the objective of the module docstring per sample (``T / b``).
+    the objective of the module docstring per sample (``T / b``). ``seed``: an upper bound on it to
+    start from (None: :func:`_seed` up to :data:`LINEAR_SEED_MAX_DEVICES` devices, else :func:`_prefix_seed`).
     """
     lat = lattice if lattice is not None else Lattice.of(graph, max_downsets)
     costs = ReplicaCosts.of(cluster)
@@ -374,7 +403,10 @@ def solve(graph: OpGraph, cluster: Cluster, batch_size: int, micro_batch_size: i
     n_dev = cluster.num_devices
     bandwidth = piper_bandwidth(cluster) if bandwidth is None else bandwidth
     found = None
-    for t_max in (_seed(lat, graph, cluster, batch_size, b, power_of_two, bandwidth), np.inf):
+    if seed is None:
+        seed = (_seed(lat, graph, cluster, batch_size, b, power_of_two, bandwidth) if n_dev <= LINEAR_SEED_MAX_DEVICES
+                else _prefix_seed(graph, cluster, batch_size, b, power_of_two, bandwidth))
+    for t_max in (seed, np.inf):
         tables = _tables(lat, costs, graph, batch_size, b, power_of_two, t_max, bandwidth)
 
         def probe(t: float):

@@ -69,6 +69,7 @@ from graphpipe.plan import Plan
 from graphpipe.search import STRATEGY_NAMES, get_strategy
 from graphpipe.stages import StageGraph
 from graphpipe.search.common import SearchOptions, SearchResult, Strategy, simulated
+from graphpipe.search.memory_guard import memory_guard, stage
 from graphpipe.sp import make_series_parallel
 
 __all__ = ["PlanRequest", "plan_request", "make_plan", "compare", "strip_recompute", "place_checkpoints",
@@ -183,10 +184,14 @@ def plan_request(request: PlanRequest) -> Plan:
     simulation and keeps the fastest; ``plan.search.space`` says whose space
     the winner came from.
 
-    Raises :class:`InfeasibleError` when no plan fits in device memory.
+    Raises :class:`InfeasibleError` when no plan fits in device memory, and
+    :class:`~graphpipe.search.memory_guard.MemoryBudgetError` when the search's
+    process passes its resident-memory budget (``options.max_memory_gb``,
+    default half the machine's memory) before it finishes.
     """
     started = time.perf_counter()
-    with _collector_paused():
+    limit = None if request.options.max_memory_gb is None else request.options.max_memory_gb * 2**30
+    with memory_guard(request.strategy, limit), _collector_paused():
         if request.searches_device_counts:
             plan = _over_device_counts(request)
         else:
@@ -291,6 +296,17 @@ def _faster_or_smaller(plan: Plan, best: Plan) -> bool:
             and len(plan.stage_graph.devices_used()) < len(best.stage_graph.devices_used()))
 
 
+CANDIDATE_MAX_DEVICES = 32
+"""gpp ranks the candidate strategies' plans (PipeDream's, Piper's) on at most this many devices.
+
+Their cost grows with the device count where gpp's does not: Piper's seed and PipeDream's levels with N,
+and every candidate is simulated with its own schedule over all N devices and, at the data-parallel share,
+``B / b`` = 16 N micro-batches (PipeDream's memory refusal alone simulated 16,384 micro-batches on 1024
+devices for 50 s). Past this count gpp's own plan stands: on the zoo's paper models at 128-1024 devices it
+was 2-8x faster than either candidate (evals/REPORT.md, "Search at scale"). Up to it, nothing changes: the
+sweep of evals/check_gpp_vs_spp.py (2-32 devices) still has gpp never worse than the candidates."""
+
+
 def _candidate_records() -> list[Strategy]:
     """The strategies whose plans a candidate-ranking strategy weighs (missing modules left out)."""
     records = []
@@ -315,13 +331,17 @@ def _plan_on(request: PlanRequest, devices: int, beat: float | None = None) -> P
     plan = _make_plan_at(request, devices, beat)
     if not request.record.ranks_candidates or request.schedule is not None or request.options.host is not None:
         return plan
+    if devices > CANDIDATE_MAX_DEVICES:
+        return replace(plan, search={**plan.search, "space": request.strategy,
+                                     "candidates_skipped": f"past {CANDIDATE_MAX_DEVICES} devices"})
     best, space = plan, request.strategy
     for other in _candidate_records():
         options = request.options
         if other.candidate_max_downsets is not None:
             options = replace(options, max_downsets=min(options.max_downsets, other.candidate_max_downsets))
         try:
-            cand = _make_plan_at(replace(request, strategy=other.name, options=options, progress=None), devices)
+            with stage(f"{request.strategy} (ranking {other.name}'s plan as a candidate)"):
+                cand = _make_plan_at(replace(request, strategy=other.name, options=options, progress=None), devices)
         except GraphpipeError as exc:  # refused (downsets) or infeasible: not a candidate
             log.info("%s: no %s candidate: %s", request.strategy, other.name, exc)
             continue
