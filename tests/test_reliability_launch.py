@@ -68,6 +68,34 @@ def test_a_rank_that_exits_with_a_code_and_no_report_is_named_after_the_grace(mo
     assert str(watch.verdict()).startswith("rank 1 (pid 1001) exited with code 3 without a report; then rank 0 failed")
 
 
+def test_a_timeout_then_lost_connections_names_the_rank_the_timeout_waited_for():
+    """Rank 2 times out waiting on rank 0 (stuck in its forward), then closes its process group before its own
+    report is stamped: rank 1 and idle rank 3 report "connection closed" stamped *earlier*. The verdict is still
+    rank 0, from the heartbeats, and never a lost connection."""
+    watch = _watch(4)
+    _beat(watch, 0, False, "executor.py:_forward:336", still_for=6.0)
+    for r in (1, 2, 3):
+        _beat(watch, r, True, "comm.py:wait_work:124", still_for=5.0)
+    now = time.time()
+    watch.note("error", 1, LOST, now - 0.2)
+    watch.note("error", 3, LOST, now - 0.1)
+    watch.note("error", 2, TIMEOUT_NAMED.replace("from rank 0", "from rank 0"), now)
+    _later(watch, 1.5)
+    verdict = str(watch.verdict())
+    assert verdict.startswith("rank 0 stopped answering (rank 0: at executor.py:_forward:336 for 6 s"), verdict
+    assert "1 peer(s) timed out waiting: rank 2: TimeoutError" in verdict
+
+
+def test_a_real_error_is_the_cause_even_when_stamped_after_its_effects():
+    watch = _watch(3)
+    now = time.time()
+    watch.note("error", 0, LOST, now - 0.3)
+    watch.note("error", 2, TIMEOUT_ANON, now - 0.2)
+    watch.note("error", 1, "InjectedFailure: injected failure at action 1F0 (at executor.py:272)", now)
+    _later(watch, 1.5)
+    assert str(watch.verdict()) == "rank 1 failed: InjectedFailure: injected failure at action 1F0 (at executor.py:272)"
+
+
 def test_a_report_that_follows_the_exit_is_used():
     """A rank that raised reports, then exits 1: seen exiting first, its own message is the verdict."""
     watch = _watch(2)
@@ -76,6 +104,11 @@ def test_a_report_that_follows_the_exit_is_used():
     watch.note("error", 1, "ValueError: bad shape (at executor.py:10)", time.time() - 0.5)
     watch.first_at -= 5
     assert str(watch.verdict()) == "rank 1 failed: ValueError: bad shape (at executor.py:10)"
+
+
+def _later(watch: _Watch, seconds: float) -> None:
+    """As if ``seconds`` had passed since the first failure (the watch's clock for its grace and timeout)."""
+    watch.first_at -= seconds
 
 
 def _beat(watch: _Watch, rank: int, waiting: bool, where: str, still_for: float, age: float = 0.0) -> None:
@@ -94,6 +127,7 @@ def test_the_hung_rank_is_named_from_heartbeats_in_every_order(order):
     verdicts = []
     for r in order:
         watch.note("error", r, TIMEOUT_NAMED if r == 1 else TIMEOUT_ANON, time.time())
+        _later(watch, 1.5)  # past the grace for reports on their way, well within the timeout
         verdicts.append(watch.verdict())
     assert verdicts[:2] == [None, None], verdicts
     assert str(verdicts[2]).startswith("rank 0 stopped answering (rank 0: at executor.py:_forward:336 for 6 s, "
@@ -106,6 +140,8 @@ def test_a_rank_still_moving_is_slow_not_hung():
     watch = _watch(2)
     _beat(watch, 0, False, "jobs.py:load_runnable:250", still_for=0.1)
     watch.note("error", 1, TIMEOUT_ANON, time.time())
+    assert watch.verdict() is None  # within the grace: a cause may still be on its way
+    _later(watch, 1.5)
     verdict = str(watch.verdict())
     assert verdict.startswith("rank 0 did not answer within the 5 s timeout but was still working "
                               "(rank 0 at jobs.py:load_runnable:250): slow, not hung"), verdict
@@ -116,6 +152,7 @@ def test_a_rank_without_heartbeats_is_frozen():
     watch = _watch(2)
     _beat(watch, 0, False, "executor.py:_forward:336", still_for=1.0, age=30.0)
     watch.note("error", 1, TIMEOUT_ANON, time.time())
+    _later(watch, 1.5)
     assert str(watch.verdict()).startswith("rank 0 stopped answering (rank 0: no heartbeat since 30 s, last at "
                                            "executor.py:_forward:336)")
 

@@ -130,7 +130,7 @@ def test_a_hung_rank_is_named_not_the_idle_rank_that_timed_out(tmp_path, hung):
     timeout_s = 5
     while True:
         proc = subprocess.run(GRAPHPIPE + ["run", str(plan), "--steps", "2", "--timeout", str(timeout_s)],
-                              capture_output=True, text=True, timeout=300 + 8 * timeout_s,
+                              capture_output=True, text=True, timeout=900 + 8 * timeout_s,  # a safety net only
                               env={**os.environ, "GRAPHPIPE_FAIL_RANK": str(hung), "GRAPHPIPE_FAIL_AT": "hang"})
         assert proc.returncode == 1, proc.stderr
         last = proc.stderr.strip().splitlines()[-1]
@@ -166,7 +166,7 @@ def test_a_rank_killed_by_the_kernel_is_the_message_not_its_peers(tmp_path, vict
     assert proc.returncode == 0, proc.stderr
     proc, pids, _ = _start_run(str(plan))
     assert len(pids) == 3
-    deadline = time.monotonic() + 240
+    deadline = time.monotonic() + 600  # a safety net: any moment of the run would do
     while min(_cpu_seconds(p) for p in pids) < 4.0 and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.2)
     assert proc.poll() is None, "the run ended before the kill"

@@ -342,6 +342,7 @@ class _Watch:
         self.deaths: dict[int, tuple[float, int]] = {}  # rank -> (seen at, exit code): died without a report
         self.exited_at: dict[int, float] = {}  # rank -> when a non-zero exit without a report was first seen
         self.beats: dict[int, tuple[bool, str, float, float]] = {}  # rank -> (waiting, where, since, beat time)
+        self.at_first: dict[int, tuple[tuple, float]] = {}  # rank -> (beat, wall time) when the first error came
         self.first_at: float | None = None  # monotonic time of the first failure seen
         self.oom_before = _oom_kills()
         self.failed = False
@@ -353,6 +354,8 @@ class _Watch:
             waiting, where, since = payload
             self.beats[rank] = (waiting, where, since, stamp)
         elif kind == "error" and rank not in self.errors:
+            if not self.errors:  # where everyone was when the first failure came: a rank that then lost its
+                self.at_first = {r: (b, time.time()) for r, b in self.beats.items()}  # link is judged by this
             self.errors[rank] = (stamp, payload)
             self.deaths.pop(rank, None)  # its report arrived after its exit: it did say why
             self.first_at = self.first_at or time.monotonic()
@@ -371,31 +374,37 @@ class _Watch:
                 self.deaths[r] = (time.time(), code)
 
     def verdict(self) -> RuntimeFailure | None:
-        """The failure to raise, once the picture is complete; None while the run goes on or a report is due."""
+        """The failure to raise, once the picture is complete; None while the run goes on or a report is due.
+
+        Report stamps do not order cause and effect: a rank that fails closes its process group (the
+        worker's ``finally``) before its report is stamped, so its peers' "connection closed" can be stamped
+        first. Reports are therefore ranked by kind: a death without a word, then a real error (neither a
+        lost connection nor a timeout), then timeouts, read with the heartbeats; lost connections are only
+        ever effects.
+        """
         if self.first_at is None:
             return None
         waited = time.monotonic() - self.first_at
         if self.deaths:
             return self._fail(self._death_message(), self._oom_death())
-        if not self.errors:
-            return None
-        messages = [m for _, m in self.errors.values()]
-        if all(_TIMEOUT.search(m) for m in messages):
-            silent = self._silent()
-            still_waiting = [r for r in silent if self._waiting(r)]
-            if still_waiting and waited < self.timeout_s + 2 * _GRACE_S and len(self.errors) < len(self.procs):
-                return None  # each of them times out in turn and reports: wait for that, not for a fixed time
-            if silent:
-                return self._fail(self._hang_message(silent))
-        elif all(_LOST.search(m) for m in messages) and waited < _LOSS_WAIT_S:
-            return None  # a lost connection has a cause: a rank died (look() will see it) or failed and says so
-        if waited < _GRACE_S and len(self.errors) < len(self.procs):
-            return None  # a report stamped earlier may still be on its way
-        # The root cause is the earliest error that is not a symptom (a lost connection, a timeout) if any.
+        if not self.errors or waited < _GRACE_S and len(self.errors) < len(self.procs):
+            return None  # another report (a cause stamped earlier) may still be on its way
         reports = sorted((st, r, m) for r, (st, m) in self.errors.items())
         causes = [e for e in reports if not (_LOST.search(e[2]) or _TIMEOUT.search(e[2]))]
-        stamp, rank, message = (causes or reports)[0]
-        return self._fail(f"rank {rank} failed: {message}", "MemoryError" in message)
+        if causes:
+            stamp, rank, message = causes[0]
+            return self._fail(f"rank {rank} failed: {message}", "MemoryError" in message)
+        if any(_TIMEOUT.search(m) for _, _, m in reports):
+            silent = self._silent()
+            if any(self._waiting(r) for r in silent) and waited < self.timeout_s + 2 * _GRACE_S:
+                return None  # each of them times out in turn and reports: wait for that, not for a fixed time
+            suspects = silent + [r for _, r, m in reports if not _TIMEOUT.search(m)]  # + those that lost a link
+            if suspects:
+                return self._fail(self._hang_message(suspects))
+        elif waited < _LOSS_WAIT_S:
+            return None  # only lost connections: a rank died (look() will see it) or failed and says so
+        stamp, rank, message = reports[0]
+        return self._fail(f"rank {rank} failed: {message}")
 
     def _fail(self, message: str, out_of_memory: bool = False) -> RuntimeFailure:
         self.failed = True
@@ -405,12 +414,21 @@ class _Watch:
         return [r for r, p in enumerate(self.procs)
                 if r not in self.errors and r not in self.finished and r not in self.deaths and p.is_alive()]
 
+    def _state(self, r: int) -> tuple[tuple | None, float]:
+        """(last heartbeat, the time it is judged at): now for a silent rank; for one that has since reported a
+        lost connection, when the first error came (after that it only reacted to a peer's exit)."""
+        if r in self.errors and r in self.at_first:
+            return self.at_first[r]
+        if r in self.errors:
+            return None, time.time()
+        return self.beats.get(r), time.time()
+
     def _fresh(self, r: int) -> bool:
-        beat = self.beats.get(r)
-        return beat is not None and time.time() - beat[3] < _STALE_BEATS * _BEAT_S
+        beat, when = self._state(r)
+        return beat is not None and when - beat[3] < _STALE_BEATS * _BEAT_S
 
     def _waiting(self, r: int) -> bool:
-        return self._fresh(r) and self.beats[r][0]
+        return self._fresh(r) and self._state(r)[0][0]
 
     def _oom_death(self) -> bool:
         after = _oom_kills()
@@ -443,39 +461,46 @@ class _Watch:
                          f"{first[:160]}{'...' if len(first) > 160 else ''})")
         return "; ".join(parts)
 
-    def _hang_message(self, silent: list[int]) -> str:
-        """Peers timed out waiting: name the silent rank that is not waiting on anyone, from its heartbeats."""
-        now = time.time()
-        errors = sorted((st, r, m) for r, (st, m) in self.errors.items())
+    def _hang_message(self, suspects: list[int]) -> str:
+        """Peers timed out waiting: name the rank that is not waiting on anyone, from its heartbeats.
+
+        ``suspects``: the silent ranks, and those that reported only a lost connection (judged by where they
+        were when the first error came)."""
+        errors = sorted((st, r, m) for r, (st, m) in self.errors.items() if _TIMEOUT.search(m))
         waiting = "; ".join(f"rank {r}: {m}" for _, r, m in errors[:3])
         count = f"{len(errors)} peer(s) timed out waiting"
-        frozen = [r for r in silent if not self._fresh(r)]
-        working = [r for r in silent if self._fresh(r) and not self.beats[r][0]]
+        frozen = [r for r in suspects if not self._fresh(r)]
+        working = [r for r in suspects if self._fresh(r) and not self._state(r)[0][0]]
         # Not moving for half the timeout: the peers waited a whole timeout for it, so a hung rank has been in
         # place about that long, while a slow one moves (each call of Python code is a new position).
-        stuck = [r for r in working if now - self.beats[r][2] >= self.timeout_s / 2]
-        moving = [r for r in working if r not in stuck]
+        age = {r: self._state(r)[1] - self._state(r)[0][2] for r in working}
+        stuck = [r for r in working if age[r] >= self.timeout_s / 2]
+        moving = sorted(r for r in working if r not in stuck)
+        silent = [r for r in suspects if r not in self.errors]
+        if frozen and silent:
+            frozen = [r for r in frozen if r in silent]  # a rank that reported is not frozen, it just ended
         if frozen or stuck:
             hung = sorted(frozen + stuck, key=lambda r: self.beats[r][2] if r in self.beats else -1.0)
             details = []
             for r in hung:
                 if r in frozen:
-                    details.append(f"rank {r}: no heartbeat" + (f" since {now - self.beats[r][3]:.0f} s, last at "
-                                                                f"{self.beats[r][1]}" if r in self.beats else " at all"))
+                    beat = self.beats.get(r)
+                    details.append(f"rank {r}: no heartbeat" + (f" since {time.time() - beat[3]:.0f} s, last at "
+                                                                f"{beat[1]}" if beat else " at all"))
                 else:
-                    details.append(f"rank {r}: at {self.beats[r][1]} for {now - self.beats[r][2]:.0f} s, "
-                                   "not waiting on any peer")
+                    details.append(f"rank {r}: at {self._state(r)[0][1]} for {age[r]:.0f} s, not waiting on any "
+                                   "peer")
             ranks = ", ".join(map(str, hung))
             return (f"rank{'s' if len(hung) > 1 else ''} {ranks} stopped answering ({'; '.join(details)}) while "
                     f"{count}: {waiting}")
         if moving:
             ranks = ", ".join(map(str, moving))
-            where = "; ".join(f"rank {r} at {self.beats[r][1]}" for r in moving)
+            where = "; ".join(f"rank {r} at {self._state(r)[0][1]}" for r in moving)
             return (f"rank{'s' if len(moving) > 1 else ''} {ranks} did not answer within the {self.timeout_s:g} s "
                     f"timeout but {'were' if len(moving) > 1 else 'was'} still working ({where}): slow, not hung "
                     f"(a loaded host?); raise --timeout. Meanwhile {count}: {waiting}")
         named = sorted({int(r) for _, _, m in errors for r in _PEER.findall(m)} & set(silent))
-        hung = named or silent
+        hung = named or silent or suspects
         ranks = ", ".join(map(str, hung))
         return (f"rank{'s' if len(hung) > 1 else ''} {ranks} stopped answering (still running, waiting too, when "
                 f"{count}): {waiting}")
