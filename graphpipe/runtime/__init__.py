@@ -19,9 +19,10 @@ Pieces:
 * :mod:`~graphpipe.runtime.executor` interprets a rank's action list
   (one :class:`~graphpipe.runtime.executor.ExecutorContext` each);
 * :mod:`~graphpipe.runtime.api` is the training API, :class:`graphpipe.Pipeline`;
-* :mod:`~graphpipe.runtime.worker` sets a rank up (:func:`~graphpipe.runtime.worker.setup_rank`,
-  shared by every path) and runs ``graphpipe run``'s jobs through the API
-  (synthetic data, SGD), checking gradients against a single-process run;
+* :mod:`~graphpipe.runtime.setup` sets a rank up (:func:`~graphpipe.runtime.setup.setup_rank`,
+  shared by every path);
+* :mod:`~graphpipe.runtime.worker` runs ``graphpipe run``'s jobs through the
+  API (synthetic data, SGD), checking gradients against a single-process run;
 * :mod:`~graphpipe.runtime.launch` spawns and watches the ranks;
 * :mod:`~graphpipe.runtime.measure` turns measured records into a
   :class:`graphpipe.sched.Timeline`;

@@ -179,7 +179,7 @@ class Pipeline:
     def _assemble(self, gm, op_nodes, io, loss_fn, make_rows, *, fault, measure: bool) -> None:
         """Cut the captured graph by the plan's stages and build this rank's executor (:func:`setup_rank`)."""
         from graphpipe.runtime.stage_modules import boundary_meta, check_op_names, split_model
-        from graphpipe.runtime.worker import setup_rank
+        from graphpipe.runtime.setup import setup_rank
 
         sg = self.plan.stage_graph
         check_op_names([op.name for op in sg.graph.ops], tuple(op_nodes), self.plan.model)

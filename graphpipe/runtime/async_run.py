@@ -124,7 +124,7 @@ def run_async_job(rank: int, world_size: int, plan: Plan, spec: AsyncSpec, optio
     """Run ``plan``'s stream of ``options.steps`` mini-batches on this rank; rank 0 returns the result."""
     from graphpipe.runtime.stage_modules import boundary_meta, check_op_names, split_model
     from graphpipe.runtime.stash import WeightVersions
-    from graphpipe.runtime.worker import setup_rank
+    from graphpipe.runtime.setup import setup_rank
 
     sg, steps = plan.stage_graph, options.steps
     if sg.num_devices > world_size:

@@ -153,7 +153,7 @@ class TiedSync:
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
 class ExecutorContext:
-    """Everything a :class:`RankExecutor` needs, built once per rank by :func:`~graphpipe.runtime.worker.setup_rank`."""
+    """Everything a :class:`RankExecutor` needs, built once per rank by :func:`~graphpipe.runtime.setup.setup_rank`."""
 
     rank: int
     stage_graph: StageGraph
