@@ -308,8 +308,8 @@ def launch(jobs: Sequence[tuple[dict, RunOptions]], world_size: int) -> list[dic
 
 _TIMEOUT = re.compile(r"timed? ?out|timeout|within [0-9.]+ s", re.I)
 _PEER = re.compile(r"from rank (\d+)")
-_LOST = re.compile(r"connection (?:closed|reset|refused)|broken pipe|socket closed|end of file|EOF|"
-                   r"peer (?:closed|hung up)", re.I)
+# gloo's words for a peer that went away (its process ended or closed its process group): an effect, never a cause.
+_LOST = re.compile(r"connection (?:closed|reset) by peer|connection refused|broken pipe|socket closed", re.I)
 
 
 def _oom_kills() -> int | None:

@@ -117,7 +117,8 @@ def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: Search
         tried.clear()
         found, _ = _solve(graph, cluster, batch_size, options, states, levels, sizes, tried)
     if found is None:
-        raise pipedream_refusal(graph, cluster, batch_size, tried, options.micro_batch_size is not None, states, levels)
+        raise pipedream_refusal(graph, cluster, batch_size, tried, options.micro_batch_size is not None, states, levels,
+                                REPLICA_MODE, STRATEGY.default_schedule)
     b, sol, sg = found
     stats = {
         "time_s": time.perf_counter() - started,

@@ -58,6 +58,10 @@ def _sizes(values: Sequence[int]) -> str:
     return ", ".join(map(str, values)) if len(values) <= 8 else f"{values[0]}, {values[1]}, ... {values[-1]}"
 
 
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
 def _either(options: Sequence[str]) -> str:
     """``a``, ``a or b``, ``a, b, or c``."""
     options = list(options)
@@ -68,10 +72,8 @@ def _either(options: Sequence[str]) -> str:
 
 def divisor_error(micro_batch_size: int, batch_size: int) -> InputError:
     """``--micro-batch-size`` that does not cut ``--batch-size`` into equal parts, with the sizes that do."""
-    from graphpipe.search.common import divisors
-
     return InputError(f"--micro-batch-size {micro_batch_size} does not divide the batch size {batch_size}: a "
-                      f"mini-batch is cut into equal micro-batches; use one of {_sizes(divisors(batch_size))}")
+                      f"mini-batch is cut into equal micro-batches; use one of {_sizes(_divisors(batch_size))}")
 
 
 def replicas_refusal(strategy: str, graph: OpGraph, cluster: Cluster, batch_size: int, micro_batch_size: int,
@@ -86,11 +88,9 @@ def replicas_refusal(strategy: str, graph: OpGraph, cluster: Cluster, batch_size
     data-parallel share ``B / N`` (then there are at least ``N`` micro-batches,
     as many as any stage's replicas), a larger batch, or fewer devices.
     """
-    from graphpipe.search.common import divisors
-
     n = cluster.num_devices
     num_mb = batch_size // micro_batch_size
-    share = max([d for d in divisors(batch_size) if d <= max(1, batch_size // n)] or [1])
+    share = max([d for d in _divisors(batch_size) if d <= max(1, batch_size // n)] or [1])
     layout = (f"one stage replicated on {replicas} devices (data parallelism)" if num_stages == 1
               else f"a stage replicated on {replicas} of the {n} devices")
     fixes = []
@@ -152,7 +152,7 @@ def _memory_message(strategy: str, graph: OpGraph, cluster: Cluster, sizes: Sequ
 
 
 def pipedream_refusal(graph: OpGraph, cluster: Cluster, batch_size: int, tried: Sequence[Tried], forced: bool,
-                      states, levels) -> InfeasibleError:
+                      states, levels, replica_mode: str, schedule_name: str) -> InfeasibleError:
     """PipeDream found no plan: replicas vs micro-batches if that is what failed, else memory with its numbers.
 
     ``tried``: every micro-batch size in the order tried, with why it failed.
@@ -160,9 +160,9 @@ def pipedream_refusal(graph: OpGraph, cluster: Cluster, batch_size: int, tried: 
     data-parallel share ``B / N`` makes at least ``N`` micro-batches), so
     the two kinds never mix. For memory, the fullest device of PipeDream's
     layout at the smallest size is simulated: the DP's answer without the
-    memory constraint when nothing fitted it, else the plan that overflowed.
+    memory constraint when nothing fitted it, else the plan that overflowed. ``replica_mode`` and
+    ``schedule_name``: PipeDream's (:mod:`graphpipe.search.pipedream`, which calls this).
     """
-    from graphpipe.search.pipedream import REPLICA_MODE, STRATEGY
     from graphpipe.search.pipedream_dp import solve_levels
     from graphpipe.stages import Stage, StageGraph
 
@@ -176,10 +176,10 @@ def pipedream_refusal(graph: OpGraph, cluster: Cluster, batch_size: int, tried: 
     try:
         if kind == "memory":
             sol = solve_levels(states, graph, b, levels)
-            sg = StageGraph.build(graph, [Stage(q, ops, devices, b, replica_mode=REPLICA_MODE if r > 1 else "split")
+            sg = StageGraph.build(graph, [Stage(q, ops, devices, b, replica_mode=replica_mode if r > 1 else "split")
                                           for q, (ops, r, devices) in enumerate(sol.stages)],
                                   batch_size, cluster.num_devices, sequential=True)
-        device, peak, what = _fullest_device(sg, cluster, STRATEGY.default_schedule)
+        device, peak, what = _fullest_device(sg, cluster, schedule_name)
         need = f"PipeDream's layout needs {_gb(peak)} on its fullest device, device {device} ({what})"
     except (GraphpipeError, AttributeError, ValueError) as exc:  # no layout to show: fall back to the bound
         log.debug("pipedream refusal: no unconstrained layout at micro-batch %d (%s)", b, exc)
