@@ -338,3 +338,27 @@ def test_trace_and_gantt_colour_i_and_w_apart(tmp_path):
     path = tmp_path / "zb.png"
     plot_gantt(tl, str(path))
     assert path.stat().st_size > 5000
+
+
+@pytest.mark.parametrize("name", ["zbv", "dualpipev"])
+def test_plan_schedule_cuts_the_model_into_a_v(tmp_path, capsys, name):
+    """`plan --schedule zbv|dualpipev` re-cuts the strategy's plan into the V those schedules need (stage d and
+    2K-1-d on device d, the strategy's micro-batch size); a branchy model is refused in one line."""
+    from graphpipe.cli import main
+    from graphpipe.plan import read_plan
+    from graphpipe.sched import validate_plan
+
+    out = str(tmp_path / "v.json")
+    assert main(["plan", "transformer:small,layers=6", "--devices", "4", "--batch-size", "16", "--strategy", "gpipe",
+                 "--micro-batch-size", "2", "--schedule", name, "--out", out]) == 0
+    plan = read_plan(out)
+    validate_plan(plan)
+    sg = plan.stage_graph
+    assert plan.schedule.name == name and sg.num_stages == 8
+    assert [st.devices for st in sg.stages] == [(0,), (1,), (2,), (3,), (3,), (2,), (1,), (0,)]
+    assert {st.micro_batch_size for st in sg.stages} == {2}
+    assert plan.predicted["iteration_time_s"] == simulate(sg, plan.schedule, plan.cluster).iteration_time_s
+    capsys.readouterr()
+    assert main(["plan", "mmt:small", "--devices", "2", "--batch-size", "8", "--schedule", name]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "no V layout" in err, err

@@ -54,7 +54,8 @@ def register(sub) -> None:
                    help="the devices are ranks time-sharing N cores of one host (CPU runs on a smaller machine): "
                         "plan for that host, trying 1..devices ranks")
     p.add_argument("--schedule", default=None, metavar="NAME",
-                   help="override the strategy's schedule: gpipe, 1f1b, interleaved, graph-1f1b, zb-h1, graph-zb, zbv, "
+                   help="override the strategy's schedule: gpipe, 1f1b, interleaved, graph-1f1b, zb-h1, graph-zb, zbv or "
+                        "dualpipev (both cut the model into a V of 2K stages), "
                         "interleaved-zb, cpsat, or PipeDream's asynchronous 1f1b-async / 2bw (no flush; sequential-style "
                         "1F1B order)")
     add_async_arguments(p)
@@ -185,12 +186,20 @@ def _plan_one(args, source, graph, cluster, options, profile):
         from graphpipe.search.cpsat import progress_writer
 
         progress = progress_writer(sys.stderr)
+    from graphpipe.sched.generators import V_LAYOUT_SCHEDULES, v_layout_plan
+
+    wants_v = (args.schedule or "").lower() in V_LAYOUT_SCHEDULES
     plan = plan_request(PlanRequest(model_id=source.model_id, graph=graph, cluster=cluster,
                                     batch_size=args.batch_size, strategy=args.strategy, options=options,
-                                    schedule="1f1b" if wants_async else args.schedule,
+                                    schedule="1f1b" if wants_async or wants_v else args.schedule,
                                     time_limit_s=args.time_limit, progress=progress))
     if wants_async:  # the partition is the 1F1B one; the stream and its versions replace the flush
         plan = to_async(plan, args, options.host)
+    if wants_v:  # the strategy's micro-batch size, the model cut anew into the V these schedules run on
+        plan = v_layout_plan(plan, args.schedule.lower())
+        sys.stderr.write(f"graphpipe: note: --schedule {args.schedule} cuts the model into a V of "
+                         f"{plan.stage_graph.num_stages} stages on {cluster.num_devices} devices (stage d and "
+                         f"{plan.stage_graph.num_stages - 1}-d on device d), at {args.strategy}'s micro-batch size\n")
     return _with_profile(plan, profile)
 
 

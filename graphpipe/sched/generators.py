@@ -237,6 +237,37 @@ def v_shape_chain(graph: OpGraph, num_devices: int, batch_size: int, micro_batch
     return StageGraph.build(graph, stages, batch_size, num_devices, allow_shared_devices=True)
 
 
+V_LAYOUT_SCHEDULES = ("zbv", "dualpipev")
+"""Schedules that run on :func:`v_shape_chain`'s layout only (``plan --schedule`` cuts the model into it)."""
+
+
+def v_layout_plan(plan, name: str):
+    """``plan``'s model cut anew into a V (:func:`v_shape_chain`: ``2K`` stages on the cluster's ``K`` devices)
+    at the plan's smallest micro-batch size, scheduled with ``name`` (``zbv`` or ``dualpipev``) and simulated.
+
+    Raises :class:`~graphpipe.errors.InputError` when the V does not fit a device's memory, and
+    :class:`~graphpipe.errors.ScheduleError` when the model is no chain or has too few ops or micro-batches.
+    """
+    from dataclasses import replace as with_fields
+
+    from graphpipe.errors import InputError
+    from graphpipe.sched.simulator import predicted_figures, simulate
+
+    sg, cluster = plan.stage_graph, plan.cluster
+    mb = min(st.micro_batch_size for st in sg.stages)
+    v = v_shape_chain(sg.graph, cluster.num_devices, sg.batch_size, mb)
+    schedule = make_schedule(name, v, cluster)
+    figures = predicted_figures(simulate(v, schedule, cluster))
+    worst = max(range(cluster.num_devices), key=lambda d: figures["peak_memory_bytes"][d])
+    need = figures["peak_memory_bytes"][worst]
+    if need > cluster.memory_bytes:
+        raise InputError(f"{name}: the V layout (micro-batch {mb}) needs {need / 1e9:.3g} GB on device {worst}, "
+                         f"the device has {cluster.memory_bytes / 1e9:.3g} GB: use a smaller --micro-batch-size or "
+                         "more devices")
+    return with_fields(plan, stage_graph=v, schedule=schedule, predicted=figures,
+                       search={**dict(plan.search), "layout": f"v ({v.num_stages} stages, micro-batch {mb})"})
+
+
 def _balanced_cuts(cost: Sequence[float], pieces: int) -> list[int]:
     """Cut positions splitting ``cost`` into exactly ``pieces`` non-empty runs, minimising the largest sum."""
     n = len(cost)

@@ -154,12 +154,13 @@ def v_shape_groups(sg: StageGraph, name: str = "zbv") -> tuple[tuple[int, ...], 
     """The ``K`` device groups of a V-shaped layout (stage ``s`` and ``2K-1-s`` on group ``s``), or a
     :class:`ScheduleError` naming what is wrong."""
     n = sg.num_stages
-    hint = "build the stage graph with v_shape_chain(graph, num_devices, batch_size, micro_batch_size)"
+    hint = f"plan with --schedule {name}, which cuts the model into that V"
     if n % 2 or n < 2:
         raise ScheduleError(f"{name} needs 2K stages in a V on K device groups; the stage graph has {n} stages — {hint}")
     k = n // 2
     if not sg.is_chain() or any(sg.succs(s) != (s + 1,) for s in range(n - 1)):
-        raise ScheduleError(f"{name} needs a chain of stages 0 -> 1 -> ... -> {n - 1}; {hint}")
+        raise ScheduleError(f"{name} needs a chain of stages 0 -> 1 -> ... -> {n - 1}, and these stages branch "
+                            "(a model with parallel branches has no V layout: use graph-zb)")
     groups = tuple(sg.stages[s].devices for s in range(k))
     for s in range(k, n):
         if sg.stages[s].devices != groups[n - 1 - s]:
@@ -267,8 +268,10 @@ def dualpipev(sg: StageGraph, cluster: Cluster | None = None) -> Schedule:
     k = len(groups)
     m = sg.num_micro_batches(0)
     if m < 2 * k:
-        raise ScheduleError(f"dualpipev needs at least as many micro-batches as stages ({2 * k}), the batch gives {m}: "
-                            f"use a micro-batch size of at most {sg.batch_size // (2 * k)}")
+        fix = (f"use a micro-batch size of at most {sg.batch_size // (2 * k)}" if sg.batch_size >= 2 * k
+               else f"use a batch of at least {2 * k} samples")
+        raise ScheduleError(f"dualpipev needs at least as many micro-batches as stages ({2 * k}), the batch gives "
+                            f"{m}: {fix}")
     lists: list[list[Action]] = [[] for _ in range(sg.num_devices)]
     for r, devices in enumerate(groups):
         down, up = r, 2 * k - 1 - r
