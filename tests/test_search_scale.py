@@ -225,3 +225,14 @@ def test_transformer_on_1024_devices_plans(strategy):
     plan = make_plan("transformer", graph, preset("v100", 1024), 16 * 1024, strategy)
     assert plan.predicted.throughput > 0 and plan.predicted.max_peak_memory_bytes <= 16e9 + 1
     validate_schedule(plan.stage_graph, plan.schedule)
+
+
+def test_piper_past_32_devices_refuses_work_it_cannot_finish(capsys):
+    """mmt-shaped: 4 branches of 8 ops, ~4 million downset pairs x 11 micro-batch sizes at 64 devices."""
+    graph = branches_graph(4, 8, name="mmt-like")
+    with pytest.raises(InputError, match=r"downset pairs x 11 micro-batch sizes to score on 64 devices, more than "
+                                         r"the 10,000,000 Piper searches past 32 devices.*at most 32 devices"):
+        piper.partition(graph, preset("v100", 64), 1024, SearchOptions())
+    rows = compare("mmt-like", graph, preset("v100", 64), 1024)
+    assert [r["feasible"] for r in rows] == [True, True, False, True]
+    assert "Piper searches past 32 devices" in rows[2]["error"]

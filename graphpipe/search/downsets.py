@@ -39,21 +39,21 @@ class DownsetLimitError(InputError):
     """Piper's guard: the graph has more downsets (or downset pairs) than the search may visit."""
 
     def __init__(self, graph_name: str, count: int, limit: int, pairs: int | None = None,
-                 pair_limit: int | None = None):
+                 pair_limit: int | None = None, what: str | None = None, fix: str | None = None):
         self.count = count
         self.limit = limit
         self.pairs = pairs
         self.pair_limit = pair_limit
-        if pairs is None:
+        if what is None and pairs is None:
             what = f"has {count} downsets, more than the limit of {limit}"
-        else:
+        elif what is None:
             what = (f"has {count} downsets (limit {limit}) but {pairs} downset pairs, more than the limit of "
                     f"{pair_limit} pairs ({PAIRS_PER_DOWNSET} x max_downsets)")
-        super().__init__(
-            f"piper: graph {graph_name!r} {what}; Piper's DP grows like n^k for k branches of n ops. "
-            "Use --strategy gpp or pipedream, or raise SearchOptions.max_downsets (memory and time grow "
-            "with the number of pairs)")
-
+        if fix is None:
+            fix = ("Use --strategy gpp or pipedream, or raise SearchOptions.max_downsets (memory and time grow "
+                   "with the number of pairs)")
+        super().__init__(f"piper: graph {graph_name!r} {what}; Piper's DP grows like n^k for k branches of n ops. "
+                         + fix)
 
 
 # --------------------------------------------------------------------- downsets

@@ -437,32 +437,41 @@ def _level(compute: np.ndarray, act: np.ndarray, params: np.ndarray, output: np.
     split = np.full(time.shape, -1, dtype=np.int64)
     rest = np.full(time.shape, -1, dtype=np.int64)
     replicas = np.broadcast_to(np.arange(1, M + 1), time.shape).copy()
-    # Stage k+1..j (rows k + 1 of the tables), axis order (k, j).
-    last_c, last_p, last_a = compute[1:], params[1:], act[1:]
+    # Stage k+1..j (rows k + 1 of the tables), stored in axis order (j, k, m') so that a candidate array
+    # flattens to (j, k * m') -- k first, then m', the optimizer's order -- without a copy.
+    last_c, last_p, last_a = compute[1:].T, params[1:].T, act[1:].T                        # (j, k)
+    state = state_per_byte * last_p
+    mp_all = np.arange(1, M)                                                                 # m' = 1..M-1
     in_t = 2.0 * output[:, None] / (bw * m1[None, :])                         # (k, m'): 2 a_k / (B m')
     out_t = np.where(np.arange(s)[:, None] < s - 1, 2.0 * output[:, None] / (bw * m1[None, :]), 0.0)  # (j, m')
+    # The last stage's time and its transfers in and out do not depend on m: computed once for every m'.
+    with np.errstate(invalid="ignore"):
+        last = (last_c[:, :, None] + 4 * (mp_all - 1) * last_p[:, :, None] / (bw * mp_all)) / mp_all  # (j, k, m')
+        last = np.maximum(np.maximum(last, in_t[None, :, :M - 1]), out_t[:, None, :M - 1])
     # m outermost: A[i][j][m] reads only A[i][k][m - m'] with m' >= 1, so every entry sees the values the
-    # i-outer order gave it, and the part of each candidate that does not depend on i (the last stage's
-    # time, its transfers in and out, whether it fits) is computed once per m instead of once per (i, m).
+    # i-outer order gave it, and whether the last stage fits is computed once per m instead of once per (i, m).
+    if final:  # the top level reads row 0 only: its allowed (j, k) pairs alone, a third of them on twobranch
+        _final_row(time, split, rest, replicas, last, last_a, state, ancestors, M, num_mbs, outside, memory)
+        return _Level(time, split, rest, replicas)
     for m in range(1, M):
-        mp = np.arange(1, m + 1)                                               # m' = 1..m
+        mp = mp_all[:m]                                                        # m' = 1..m
         with np.errstate(invalid="ignore"):
-            last = (last_c[:, :, None] + 4 * (mp - 1) * last_p[:, :, None] / (bw * mp)) / mp   # (k, j, m')
-            held = _in_flight(M, m + 1, mp, num_mbs, outside) * last_a[:, :, None] + state_per_byte * last_p[:, :, None]
-            base = np.maximum(np.maximum(last, in_t[:, None, mp - 1]), out_t[None, :, mp - 1])
-        base[~(held <= memory)] = np.inf                                       # does not fit: never chosen
-        for i in range(1 if final else rows):
+            held = _in_flight(M, m + 1, mp, num_mbs, outside) * last_a[:, :, None] + state[:, :, None]
+        fits = held <= memory                                                  # (j, k, m'); never chosen if not
+        base = last[:, :, :m]
+        for i in range(rows):
             if i + 1 >= s:
                 break
             prev = time[i][:, m - mp]                                          # (k, m'): A[i][k][m - m']
             with np.errstate(invalid="ignore"):
-                cand = np.maximum(prev[:, None, :], base[:, i + 1:, :])        # (k, j, m'), j = i+1..s-1
-            allowed = ancestors[i + 1:].T                                      # (k, j)
+                cand = np.maximum(prev[None, :, :], base[i + 1:])              # (j, k, m'), j = i+1..s-1
+            allowed = ancestors[i + 1:]                                        # (j, k)
             if i > 0:
-                allowed = allowed & ~ancestors[i - 1][:, None]
-            cand = np.where(allowed[:, :, None] & ~np.isnan(cand), cand, np.inf)
+                allowed = allowed & ~ancestors[i - 1][None, :]
+            ok = fits[i + 1:] & allowed[:, :, None]
+            ok &= ~np.isnan(cand)
             num_js = s - i - 1
-            flat = cand.transpose(1, 0, 2).reshape(num_js, -1)                # (j, k * m'): k first, then m'
+            flat = np.where(ok, cand, np.inf).reshape(num_js, -1)              # (j, k * m'): k first, then m'
             best = flat.argmin(axis=1)
             value = flat[np.arange(num_js), best]
             current = time[i, i + 1:, m]
@@ -474,6 +483,49 @@ def _level(compute: np.ndarray, act: np.ndarray, params: np.ndarray, output: np.
             rest[i, jb, m] = m - (mp_best[better] + 1)
             replicas[i, jb, m] = mp_best[better] + 1
     return _Level(time, split, rest, replicas)
+
+
+def _final_row(time: np.ndarray, split: np.ndarray, rest: np.ndarray, replicas: np.ndarray, last: np.ndarray,
+               last_a: np.ndarray, state: np.ndarray, ancestors: np.ndarray, M: int, num_mbs: int, outside: int,
+               memory: float) -> None:
+    """Row 0 of :func:`_level`'s tables in place, over the allowed (j, k) pairs only (k an ancestor of j).
+
+    The same values and choices as the dense sweep: the candidates of one ``j`` are its pairs in ``k``
+    order, each with ``m' = 1..m``, so the first minimum of that run is the dense argmin's (a pair that is
+    not allowed is infinite there, never the first minimum of a finite row).
+    """
+    s = time.shape[1]
+    pj, pk = np.nonzero(ancestors[1:s])                                        # sorted by j, then k
+    pj = pj + 1
+    if len(pj) == 0:
+        return
+    starts = np.flatnonzero(np.concatenate(([True], pj[1:] != pj[:-1])))
+    js = pj[starts]
+    lengths = np.diff(np.append(starts, len(pj)))
+    last_p = last[pj, pk, :]                                                   # (pairs, m')
+    act_p, state_p = last_a[pj, pk][:, None], state[pj, pk][:, None]
+    for m in range(1, M):
+        mp = np.arange(1, m + 1)
+        with np.errstate(invalid="ignore"):
+            held = _in_flight(M, m + 1, mp, num_mbs, outside) * act_p + state_p
+            cand = np.maximum(time[0][pk[:, None], m - mp], last_p[:, :m])        # (pairs, m'): A[0][k][m-m']
+        ok = held <= memory
+        ok &= ~np.isnan(cand)
+        flat = np.where(ok, cand, np.inf).reshape(-1)                           # runs of lengths * m per j
+        value = np.minimum.reduceat(flat, starts * m)
+        hit = np.flatnonzero(flat == np.repeat(value, lengths * m))
+        first = hit[np.searchsorted(hit, starts * m)] if len(hit) else hit
+        current = time[0, js, m]
+        better = np.isfinite(value) & (np.isnan(current) | (current > value))
+        if not better.any():
+            continue
+        pos = first[better]
+        pair, mp_index = np.divmod(pos, m)
+        jb = js[better]
+        time[0, jb, m] = value[better]
+        split[0, jb, m] = pk[pair]
+        rest[0, jb, m] = m - (mp_index + 1)
+        replicas[0, jb, m] = mp_index + 1
 
 
 @dataclass(frozen=True, slots=True)

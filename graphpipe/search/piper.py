@@ -80,7 +80,7 @@ from graphpipe.cluster import Cluster
 from graphpipe.graph import OpGraph
 from graphpipe.search import linear_dp
 from graphpipe.search.common import SearchOptions, SearchResult, Strategy, micro_batch_candidates
-from graphpipe.search.downsets import DownsetLimitError, count_downsets, enumerate_downsets
+from graphpipe.search.downsets import DownsetLimitError, count_downset_pairs, count_downsets, enumerate_downsets
 from graphpipe.search.sequential import (OpArrays, ReplicaCosts, SequentialPartition, choose_micro_batch,
                                          lower_bound_tps, sequential_result, replica_mask)
 
@@ -358,12 +358,17 @@ the prefix lattice's do not. Either seed is only an upper bound, the optimum is 
 the plans up to 32 devices exactly as they were (the seed steers which of equally fast chains is returned)."""
 
 
+SEED_REL_TOL = 1e-2
+"""The prefix seed's bisection stops within 1%: any chain it returns is an upper bound, a tighter one only
+prunes a few more stages (a quarter of the probes of a full-precision search)."""
+
+
 def _prefix_seed(graph: OpGraph, cluster: Cluster, batch_size: int, b: int, power_of_two: bool,
                  bandwidth: float) -> float:
     """An upper bound on the optimum: Piper's optimum over the chains of prefixes of the linearisation
     (n + 1 downsets, n (n + 1) / 2 pairs, whatever the device count); inf when none fits."""
     part = solve(graph, cluster, batch_size, b, power_of_two, lattice=Lattice.prefixes(graph), bandwidth=bandwidth,
-                 seed=np.inf)
+                 seed=np.inf, rel_tol=SEED_REL_TOL)
     return np.inf if part is None else part.bottleneck_tps * (1 + REL_TOL)
 
 
@@ -390,12 +395,13 @@ def _seed(lat: Lattice, graph: OpGraph, cluster: Cluster, batch_size: int, b: in
 def solve(graph: OpGraph, cluster: Cluster, batch_size: int, micro_batch_size: int,
           power_of_two: bool = False, max_downsets: int = IDEALS_LIMIT,
           lattice: Lattice | None = None, bandwidth: float | None = None,
-          seed: float | None = None) -> SequentialPartition | None:
+          seed: float | None = None, rel_tol: float = REL_TOL) -> SequentialPartition | None:
     """Piper's optimum at one micro-batch size; None when no chain of stages fits in memory.
 
     ``bandwidth``: the instance's (default :func:`piper_bandwidth`). The returned bottleneck is
     the objective of the module docstring per sample (``T / b``). ``seed``: an upper bound on it to
     start from (None: :func:`_seed` up to :data:`LINEAR_SEED_MAX_DEVICES` devices, else :func:`_prefix_seed`).
+    ``rel_tol``: the bisection stops when its bracket is this tight (relative).
     """
     lat = lattice if lattice is not None else Lattice.of(graph, max_downsets)
     costs = ReplicaCosts.of(cluster)
@@ -422,8 +428,8 @@ def solve(graph: OpGraph, cluster: Cluster, batch_size: int, micro_batch_size: i
         return None
     best, hi = found
     lo = lower_bound_tps(OpArrays.of(graph), n_dev, b) * (1 - REL_TOL)
-    t = hi * (1 - REL_TOL)                                    # first ask whether anything beats it at all
-    while hi - lo > REL_TOL * hi:
+    t = hi * (1 - rel_tol)                                    # first ask whether anything beats it at all
+    while hi - lo > rel_tol * hi:
         result = probe(t)
         if result is None:
             lo = t
@@ -440,6 +446,25 @@ def _round_robin(part: SequentialPartition | None) -> SequentialPartition | None
     return None if part is None else replace(part, replica_mode="round-robin")
 
 
+WORK_LIMIT = 10_000_000
+"""Past :data:`LINEAR_SEED_MAX_DEVICES` devices Piper refuses a graph whose downset pairs times micro-batch
+sizes exceed this. Each size scores every pair at every replica count (divisors of ``M`` up to ``N``) and
+bisects over them, so the search grows with both: the transformer's 595 pairs x 15 sizes take seconds at
+1024 devices, mmt's 4.1 million pairs x 15 ran past 100 s there (and past 700 s at 8 devices under load).
+Up to 32 devices the real planner's own limits alone apply, as before."""
+
+
+def _check_work(graph: OpGraph, num_devices: int, num_sizes: int) -> None:
+    """Refuse, with the numbers and the fix, a search past :data:`WORK_LIMIT` (module constant's docstring)."""
+    pairs = count_downset_pairs(graph)
+    if pairs * num_sizes > WORK_LIMIT:
+        raise DownsetLimitError(graph.name, count_downsets(graph), IDEALS_LIMIT, pairs * num_sizes, WORK_LIMIT,
+                                what=f"has {pairs:,} downset pairs x {num_sizes} micro-batch sizes to score on "
+                                     f"{num_devices} devices, more than the {WORK_LIMIT:,} Piper searches past "
+                                     f"{LINEAR_SEED_MAX_DEVICES} devices",
+                                fix=f"Use --strategy gpp or pipedream, or at most {LINEAR_SEED_MAX_DEVICES} devices")
+
+
 def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: SearchOptions) -> SearchResult:
     """Piper's plan: the downset DP at every micro-batch candidate, best simulated 1F1B throughput.
 
@@ -451,8 +476,10 @@ def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: Search
     num = count_downsets(graph)          # algo.cpp's rule: more than IDEALS_LIMIT ideals and it fails
     if num > min(options.max_downsets, IDEALS_LIMIT):
         raise DownsetLimitError(graph.name, num, min(options.max_downsets, IDEALS_LIMIT))
-    lattice = Lattice.of(graph, options.max_downsets)   # our pair guard keeps its own scale
     candidates = micro_batch_candidates(batch_size, options)
+    if cluster.num_devices > LINEAR_SEED_MAX_DEVICES:
+        _check_work(graph, cluster.num_devices, len(candidates))
+    lattice = Lattice.of(graph, options.max_downsets)   # our pair guard keeps its own scale
     sg, part, extra = choose_micro_batch(
         "piper", graph, cluster, batch_size, candidates, STRATEGY.default_schedule,
         lambda b, link: _round_robin(solve(graph, cluster, batch_size, b, options.power_of_two, lattice=lattice)),
