@@ -163,3 +163,20 @@ def test_where_is_tells_a_wait_from_work():
 
     waiting, shown, key = where_is(sys._getframe())
     assert not waiting and key[1] == "test_where_is_tells_a_wait_from_work"
+
+
+def test_a_lost_store_connection_is_an_effect_of_the_rank_that_timed_out():
+    """Rank 0 (host of the TCP store) times out during set-up waiting for rank 2, still capturing the model, and
+    exits; rank 1 then loses the store ("Connection was likely closed"). The verdict is rank 2, slow; never
+    rank 1's DistNetworkError."""
+    watch = _watch(3)
+    _beat(watch, 1, True, "distributed_c10d.py:init_process_group:1700", still_for=5.0)
+    _beat(watch, 2, False, "exporting.py:export_model:347", still_for=0.05)
+    now = time.time()
+    watch.note("error", 1, "DistNetworkError: Failed to recv, got 0 bytes. Connection was likely closed. Did the "
+                           "remote server shutdown or crash? (at distributed_c10d.py:669)", now - 0.1)
+    watch.note("error", 0, TIMEOUT_ANON, now)
+    _later(watch, 1.5)
+    verdict = str(watch.verdict())
+    assert verdict.startswith("rank 2 did not answer within the 5 s timeout but was still working "
+                              "(rank 2 at exporting.py:export_model:347): slow, not hung"), verdict

@@ -21,6 +21,12 @@ import time
 import pytest
 
 GRAPHPIPE = [sys.executable, "-m", "graphpipe"]
+# How long ranks may take to end once told: a safety net, not a measurement. A rank on a loaded host may still be
+# importing torch when the launcher dies; it ends as soon as it runs its first line of ours.
+GONE_WITHIN_S = 120
+# Every wall-clock limit below is a safety net against a hang, never a measurement: on a host running many test
+# workers a plan of mmt:small has taken over 2 minutes (6 xdist workers on 2 shared cores).
+SAFETY_S = 900
 STARTED = re.compile(r"started (\d+) ranks \(pids ([\d, ]+)\)")
 
 
@@ -46,7 +52,7 @@ def _wait_all_gone(pids: list[int], within_s: float) -> list[int]:
 def plan_file(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("runs") / "plan.json"
     proc = subprocess.run(GRAPHPIPE + ["plan", "mmt:small", "-n", "2", "-b", "4", "--out", str(path)],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=SAFETY_S)
     assert proc.returncode == 0, proc.stderr
     return str(path)
 
@@ -57,7 +63,7 @@ def _start_run(plan_file: str, *extra: str, new_session: bool = False):
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=new_session)
     lines = []
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + SAFETY_S
     while time.monotonic() < deadline:
         line = proc.stderr.readline()
         if not line:
@@ -72,7 +78,7 @@ def _start_run(plan_file: str, *extra: str, new_session: bool = False):
 
 def _finish(proc) -> tuple[int, str]:
     try:
-        _, err = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=SAFETY_S)
     except subprocess.TimeoutExpired:
         proc.kill()
         _, err = proc.communicate()
@@ -81,14 +87,14 @@ def _finish(proc) -> tuple[int, str]:
 
 
 def test_sigterm_ends_every_rank(plan_file):
-    """A scheduler's kill: the launcher exits 143 and no rank is alive 10 s later."""
+    """A scheduler's kill: the launcher exits 143 and every rank ends (GONE_WITHIN_S is only a safety net)."""
     proc, pids, _ = _start_run(plan_file)
     time.sleep(3)  # the ranks are importing torch / joining the process group
     proc.send_signal(signal.SIGTERM)
     code, err = _finish(proc)
     assert code == 128 + signal.SIGTERM, err
     assert "Traceback" not in err, err
-    assert _wait_all_gone(pids, 10) == []
+    assert _wait_all_gone(pids, GONE_WITHIN_S) == []
 
 
 def test_sigkill_of_the_launcher_ends_every_rank(plan_file):
@@ -97,7 +103,7 @@ def test_sigkill_of_the_launcher_ends_every_rank(plan_file):
     time.sleep(3)
     proc.kill()
     proc.wait(timeout=30)
-    assert _wait_all_gone(pids, 10) == []
+    assert _wait_all_gone(pids, GONE_WITHIN_S) == []
 
 
 def test_ctrl_c_during_rank_start_up_is_one_line(plan_file):
@@ -109,7 +115,7 @@ def test_ctrl_c_during_rank_start_up_is_one_line(plan_file):
     assert code == 130, err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
     assert "graphpipe: interrupted" in err
-    assert _wait_all_gone(pids, 10) == []
+    assert _wait_all_gone(pids, GONE_WITHIN_S) == []
 
 
 @pytest.mark.parametrize("hung", [0, 1])
@@ -124,13 +130,13 @@ def test_a_hung_rank_is_named_not_the_idle_rank_that_timed_out(tmp_path, hung):
     until it reaches the hang."""
     plan = tmp_path / "p4.json"
     proc = subprocess.run(GRAPHPIPE + ["plan", "mmt:small", "-n", "4", "-b", "8", "--out", str(plan)],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=SAFETY_S)
     assert proc.returncode == 0, proc.stderr
     assert "uses 3 of 4 devices" in proc.stderr  # rank 3 is idle, as in the issue
     timeout_s = 5
     while True:
         proc = subprocess.run(GRAPHPIPE + ["run", str(plan), "--steps", "2", "--timeout", str(timeout_s)],
-                              capture_output=True, text=True, timeout=900 + 8 * timeout_s,  # a safety net only
+                              capture_output=True, text=True, timeout=SAFETY_S + 8 * timeout_s,
                               env={**os.environ, "GRAPHPIPE_FAIL_RANK": str(hung), "GRAPHPIPE_FAIL_AT": "hang"})
         assert proc.returncode == 1, proc.stderr
         last = proc.stderr.strip().splitlines()[-1]
@@ -141,7 +147,7 @@ def test_a_hung_rank_is_named_not_the_idle_rank_that_timed_out(tmp_path, hung):
         break
     assert last.startswith(f"graphpipe: error: rank {hung} stopped answering (rank {hung}: at executor.py:_forward:"), \
         proc.stderr
-    assert "not waiting on any peer) while 3 peer(s) timed out waiting" in last, last
+    assert "not waiting on any peer) while" in last and "peer(s) timed out waiting" in last, last
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -162,7 +168,7 @@ def test_a_rank_killed_by_the_kernel_is_the_message_not_its_peers(tmp_path, vict
     or about to), a point measured in CPU time, not wall time, so a loaded host reaches it too, only later."""
     plan = tmp_path / "p3.json"
     proc = subprocess.run(GRAPHPIPE + ["plan", "mmt:small", "-n", "3", "-b", "6", "--out", str(plan)],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=SAFETY_S)
     assert proc.returncode == 0, proc.stderr
     proc, pids, _ = _start_run(str(plan))
     assert len(pids) == 3
@@ -178,13 +184,13 @@ def test_a_rank_killed_by_the_kernel_is_the_message_not_its_peers(tmp_path, vict
                            "report"), err
     assert "out-of-memory killer" in last, last
     assert "Traceback" not in err, err
-    assert _wait_all_gone(pids, 10) == []
+    assert _wait_all_gone(pids, GONE_WITHIN_S) == []
 
 
 def test_verbose_run_shows_progress_and_both_devices(plan_file):
     """-v prints progress; a V100 plan run on CPU says so next to the prediction error."""
     proc = subprocess.run(GRAPHPIPE + ["-v", "run", plan_file, "--steps", "2", "--json"], capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=SAFETY_S)
     assert proc.returncode == 0, proc.stderr
     assert "graphpipe: launch: started 2 ranks" in proc.stderr
     assert "graphpipe: run_cmd: all ranks finished" in proc.stderr

@@ -308,8 +308,10 @@ def launch(jobs: Sequence[tuple[dict, RunOptions]], world_size: int) -> list[dic
 
 _TIMEOUT = re.compile(r"timed? ?out|timeout|within [0-9.]+ s", re.I)
 _PEER = re.compile(r"from rank (\d+)")
-# gloo's words for a peer that went away (its process ended or closed its process group): an effect, never a cause.
-_LOST = re.compile(r"connection (?:closed|reset) by peer|connection refused|broken pipe|socket closed", re.I)
+# gloo's and the TCP store's words for a peer that went away (its process ended or closed its process group; the
+# store lives in rank 0): an effect, never a cause.
+_LOST = re.compile(r"connection (?:closed|reset) by peer|connection refused|broken pipe|socket closed|"
+                   r"connection was likely closed|failed to recv, got 0 bytes", re.I)
 
 
 def _oom_kills() -> int | None:
