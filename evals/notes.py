@@ -142,4 +142,26 @@ NOTES: dict[str, str] = {
         "share the stage's warm-up between the replicas, one micro-batch each. The model predicts both exactly, so `--recompute "
         "auto` does not choose it there. The time error in the result file is against the v100 preset the plans "
         "were made for; `graphpipe eval fidelity` gives the calibrated time error beside the memory error."),
+    "bench_scale": (
+        "Where the time and memory went before issue 34 (cProfile, transformer, batch 16 per device): Piper's "
+        "seed, the linear DP, built (stage ends x devices x every replica count 1..N x stages) arrays: 84 of "
+        "Piper's 89 s at 128 devices and past 24 GB at 1024 (the kernel's kill), although only the counts "
+        "dividing the micro-batch are allowed; it now ranges over those alone, in chunks (same answers: "
+        "compared with the previous code on the zoo models at 1-64 devices, and a brute-force oracle in the "
+        "tests), and past 32 devices Piper seeds from its own DP "
+        "over the prefix chains (n + 1 downsets whatever N). Then schedule assembly: one pass over a stage's "
+        "actions per round-robin replica (135 million calls, 100 s, for Piper at 1024); now one pass. gpp "
+        "spent 80% of its 1024-device time ranking PipeDream's and Piper's plans (their searches, refusals "
+        "and 16N-micro-batch simulations); it ranks them up to 32 devices now (CANDIDATE_MAX_DEVICES), and "
+        "its own DP, indexed by in-flight count rather than devices, was never the slow part. GPipe (and "
+        "the other sequential strategies) simulated every micro-batch size, 16,384 micro-batches at the "
+        "smallest: sizes are now simulated most promising first and skipped when the pipeline bound already "
+        "loses (dlrm at 1024: 8.4 -> 0.3 s, same plan). PipeDream's top level is O(states^2 x nodes^2), 256 "
+        "nodes at 1024 devices: it now visits only (state, ancestor) pairs, 31% of them on twobranch (5x). "
+        "What remains slow is not the searches: PipeDream's memory refusal (search/refusal.py's "
+        "_fullest_device) simulates the full timeline of 16,384 micro-batches on 1024 devices to name the "
+        "fullest device (20-100 s of the pipedream rows that end refused), and `graphpipe plan` captures the "
+        "model with torch.export before searching (8-15 s of wall time here under load, not in these "
+        "times). Piper refuses mmt past 32 devices (4.1 million downset pairs x 15 sizes) in one line. The "
+        "machine's load average is in the config line: other jobs shared the 2 cores."),
 }

@@ -33,6 +33,10 @@ PAPER = {
                   "matches the loss curve of synchronous training"),
     "bench_gpp": "(no paper figure; issue 16's target: gpp's `make_plan` under 1 s at 32 devices, and "
                  "16-branch candle-uno on 1024 devices under 10 s, on a 2-core machine)",
+    "bench_scale": "(no paper figure; issue 34's target: `graphpipe plan MODEL --devices N --batch-size 16N` for "
+                   "every zoo paper model at 128-1024 devices under 10 s and 2 GB for gpp, pipedream and gpipe, "
+                   "piper finishing or stopping cleanly; no kernel kill, no traceback: "
+                   "`python -m graphpipe.evals.bench_scale`)",
     "memory-runtime": "(no paper figure; issue 15's target: measured activation bytes within 10% of the prediction on "
                       "every device, and lower with re-materialization)",
     "capture_time": "(no paper figure; `torch.export` capture of Hugging Face / timm models and meta-device Llama "
@@ -106,6 +110,9 @@ TABLE_COLUMNS: dict[str, list[tuple[str, str]]] = {
                   ("before median (s)", "before_median_s"), ("after median (s)", "after_median_s"),
                   ("after min-max (s)", "after_range_s"), ("speedup", "speedup"), ("calls before", "before_calls"),
                   ("calls after", "after_calls"), ("same plan throughput", "same_throughput")],
+    "bench_scale": [("model", "model"), ("strategy", "strategy"), ("devices", "devices"), ("batch", "batch_size"),
+                    ("median search (s)", "median_search_s"), ("min-max (s)", "search_range_s"), ("runs", "runs"),
+                    ("peak RSS (GB)", "peak_rss_gb"), ("outcome", "outcome"), ("samples/s", "throughput")],
     "memory-runtime": [("model", "model"), ("strategy", "strategy"), ("schedule", "schedule"),
                        ("recompute", "recompute"), ("check", "check"), ("measured KB (fullest device)", "measured_kb"),
                        ("predicted KB", "predicted_kb"), ("memory error (worst device)", "memory_error"),
@@ -130,6 +137,9 @@ def _rows_for_table(name: str, res: dict[str, Any]) -> list[dict[str, Any]]:
     if name == "bench_gpp":
         for r in rows:
             r["after_range_s"] = [r["after_min_s"], r["after_max_s"]] if "after_min_s" in r else None
+    if name == "bench_scale":
+        for r in rows:
+            r["search_range_s"] = [r["min_search_s"], r["max_search_s"]]
     if name in ("bench_api", "bench_api-bf16"):
         for r in rows:
             r["api_ms"], r["loop_ms"] = r["api_step_s"] * 1e3, r["loop_step_s"] * 1e3
@@ -199,6 +209,17 @@ def _headline(name: str, res: dict[str, Any]) -> str:
         return ("gpp `make_plan` time, before / after (medians, side by side): "
                 + ", ".join(f"{r['case']} {fmt(r['before_median_s'])} / {fmt(r['after_median_s'])} s" for r in rows)
                 + f"; load average during the run {fmt(list(res['config'].get('load_average') or []))}")
+    if name == "bench_scale":
+        rows = res["rows"]
+        top = max(r["devices"] for r in rows)
+        slowest = max((r for r in rows if r["strategy"] != "piper"), key=lambda r: r["median_search_s"], default=None)
+        bad = [r for r in rows if r["outcome"] in ("timeout", "killed", "traceback")]
+        return (f"largest median search of gpp, pipedream and gpipe: {fmt(slowest and slowest['median_search_s'])} s "
+                f"({slowest and slowest['model']} {slowest and slowest['strategy']} at {slowest and slowest['devices']} "
+                f"devices); largest peak RSS {fmt(max(r['peak_rss_gb'] for r in rows))} GB; "
+                f"{sum(r['outcome'] == 'ok' for r in rows)} plans, {sum(r['outcome'] == 'refused' for r in rows)} "
+                f"one-line refusals, {len(bad)} timeouts, kills or tracebacks (up to {top} devices); load average "
+                f"during the run {fmt(list(res['config'].get('load_average') or []))}")
     if name == "memory-runtime":
         if not s.get("runs"):
             return "no run"

@@ -236,3 +236,24 @@ def test_piper_past_32_devices_refuses_work_it_cannot_finish(capsys):
     rows = compare("mmt-like", graph, preset("v100", 64), 1024)
     assert [r["feasible"] for r in rows] == [True, True, False, True]
     assert "Piper searches past 32 devices" in rows[2]["error"]
+
+
+# ------------------------------------------------------------------ the eval
+def test_bench_scale_rows_say_how_each_search_ended(tmp_path):
+    from graphpipe.evals import bench_scale
+    from graphpipe.evals.common import write_result
+    from graphpipe.evals.report import TABLE_COLUMNS, _rows_for_table, build_report, fmt
+
+    g = chain_graph(6)
+    ok = bench_scale.run_point(g, "chain", "gpp", 64, repeat=2, timeout_s=120)
+    assert ok["outcome"] == "ok" and ok["runs"] == 2 and ok["throughput"] > 0 and ok["peak_rss_gb"] > 0
+    assert ok["min_search_s"] <= ok["median_search_s"] <= ok["max_search_s"]
+    slow = bench_scale.run_point(g, "chain", "gpp", 64, repeat=3, timeout_s=0.001)
+    assert slow["outcome"] == "timeout" and slow["runs"] == 1   # a run that times out is not repeated
+    refused = bench_scale.run_point(branches_graph(4, 8, name="mmt-like"), "mmt-like", "piper", 64, 1, 120)
+    assert refused["outcome"] == "refused" and "Piper searches past 32 devices" in refused["error"]
+    write_result(str(tmp_path), "bench_scale", {"load_average": [1.0, 1.0, 1.0]}, [ok, refused])
+    report = build_report(str(tmp_path))
+    assert "## bench_scale" in report and "1 plans, 1 one-line refusals, 0 timeouts" in report
+    rows = _rows_for_table("bench_scale", {"rows": [ok, refused]})
+    assert "| " + " | ".join(fmt(rows[0].get(k)) for _, k in TABLE_COLUMNS["bench_scale"]) + " |" in report
