@@ -211,15 +211,15 @@ def run_rank(rank: int, world_size: int, jobs: Sequence[tuple[dict, RunOptions]]
                             timeout=timedelta(seconds=options0.timeout_s),
                             device_id=device if backend == "nccl" else None)
     results = []
-    try:
-        # Barriers and figures travel on CPU tensors: under NCCL they get a gloo group of their own.
-        control = dist.new_group(backend="gloo") if backend == "nccl" else None
-        for index, (plan_doc, options) in enumerate(jobs):
-            plan = plan_from_dict(plan_doc)
-            result = run_job(rank, world_size, plan, options, device, backend, control)
-            results.append(result)
-            if on_job_done is not None:
-                on_job_done(index, result)
-    finally:
-        dist.destroy_process_group()
+    # Barriers and figures travel on CPU tensors: under NCCL they get a gloo group of their own.
+    control = dist.new_group(backend="gloo") if backend == "nccl" else None
+    for index, (plan_doc, options) in enumerate(jobs):
+        plan = plan_from_dict(plan_doc)
+        result = run_job(rank, world_size, plan, options, device, backend, control)
+        results.append(result)
+        if on_job_done is not None:
+            on_job_done(index, result)
+    # Only a rank that finished leaves the group: a failing one exits with the group open, so its peers' "connection
+    # closed" cannot reach the launcher before this rank's own error report (both callers exit after an error).
+    dist.destroy_process_group()
     return results
