@@ -50,8 +50,8 @@ class DownsetLimitError(InputError):
             what = (f"has {count} downsets (limit {limit}) but {pairs} downset pairs, more than the limit of "
                     f"{pair_limit} pairs ({PAIRS_PER_DOWNSET} x max_downsets)")
         if fix is None:
-            fix = ("Use --strategy gpp or pipedream, or raise SearchOptions.max_downsets (memory and time grow "
-                   "with the number of pairs)")
+            fix = ("Use --strategy gpp or pipedream (Piper's time and memory grow with the number of pairs; the "
+                   "bound is SearchOptions.max_downsets for Python callers)")
         super().__init__(f"piper: graph {graph_name!r} {what}; Piper's DP grows like n^k for k branches of n ops. "
                          + fix)
 
