@@ -161,7 +161,7 @@ NOTES: dict[str, str] = {
         "What remains slow is not the searches: PipeDream's memory refusal (search/refusal.py's "
         "_fullest_device) simulates the full timeline of 16,384 micro-batches on 1024 devices to name the "
         "fullest device (20-100 s of the pipedream rows that end refused), and `graphpipe plan` captures the "
-        "model with torch.export before searching (8-15 s of wall time here under load, not in these "
+        "model with torch.export before searching (6-11 s of wall time here, the config line's cli rows; not in these "
         "times). Piper refuses mmt past 32 devices (4.1 million downset pairs x 15 sizes) in one line. The "
         "machine's load average is in the config line: other jobs shared the 2 cores."),
 }
