@@ -117,3 +117,18 @@ def test_refusal_kinds_are_typed():
     assert "replicated on" in str(info.value) and not isinstance(info.value, DeviceMemoryError)
     with pytest.raises(InputError, match="does not divide"):
         pipedream.partition(chain_graph(4), preset("v100", 2), 8, SearchOptions(micro_batch_size=3))
+
+
+def test_pipedreams_loose_memory_bound_is_not_blamed_on_the_device(capsys):
+    """PipeDream's DP counts a replica as holding one micro-batch more than the devices after its stage; with
+    replicated later stages that bound rejects layouts that fit. When its unconstrained layout simulates within
+    the device, the line says the bound is the cause (with the simulated peak below the capacity) and offers
+    a fix that plans."""
+    args = ["mmt:small", "--devices", "64", "--batch-size", "1024", "--memory-gb", "0.001"]
+    code, line = plan(capsys, *args, "--strategy", "pipedream")
+    assert code == 2
+    assert "PipeDream's memory model finds no layout" in line and "a bound" in line, line
+    simulated = float(line.split("simulates to ")[1].split(" GB")[0])
+    assert simulated <= 0.001, line
+    assert "use --strategy gpp" in line, line
+    assert plan(capsys, *args, "--strategy", "gpp")[0] == 0

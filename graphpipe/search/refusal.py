@@ -180,6 +180,17 @@ def pipedream_refusal(graph: OpGraph, cluster: Cluster, batch_size: int, tried: 
                                           for q, (ops, r, devices) in enumerate(sol.stages)],
                                   batch_size, cluster.num_devices, sequential=True)
         device, peak, what = _fullest_device(sg, cluster, schedule_name)
+        if kind == "memory" and peak <= cluster.memory_bytes:
+            # The DP's memory model rejected every layout, but its unconstrained optimum fits once simulated: the
+            # model's in-flight count (one more than the devices after a stage) is a bound, loose when later stages
+            # are replicated. Say so, rather than blame the device's memory.
+            return DeviceMemoryError(
+                f"pipedream: PipeDream's memory model finds no layout of {graph.name!r} within "
+                f"{cluster.memory_bytes / 1e9:g} GB per device on {cluster.num_devices} devices at micro-batch {b}: "
+                f"it counts a replica as holding one micro-batch more than the devices after its stage (up to its "
+                f"share of the iteration), a bound; its layout without that bound simulates to {_gb(peak)} on its "
+                f"fullest device, device {device} ({what}); use --strategy gpp, or a smaller --batch-size (fewer "
+                "micro-batches in flight)")
         need = f"PipeDream's layout needs {_gb(peak)} on its fullest device, device {device} ({what})"
     except (GraphpipeError, AttributeError, ValueError) as exc:  # no layout to show: fall back to the bound
         log.debug("pipedream refusal: no unconstrained layout at micro-batch %d (%s)", b, exc)
