@@ -300,16 +300,22 @@ def write_atomic(path: str, write: Callable[[str], None], what: str = "output") 
     tmp = _tmp_name(path)
     try:
         write(tmp)
-        _refuse_kind(path, what)
-        try:
-            mode = stat.S_IMODE(os.stat(path).st_mode)
-        except FileNotFoundError:
-            mode = 0o666 & ~_umask()
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
+        _install(tmp, path, what)
     finally:
         if os.path.lexists(tmp):
             os.unlink(tmp)
+
+
+def _install(tmp: str, path: str, what: str) -> None:
+    """Rename the finished ``tmp`` over ``path`` with the mode ``path`` had (a new file: 0666 less the umask),
+    re-checking first that ``path`` is still a regular file or nothing."""
+    _refuse_kind(path, what)
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except FileNotFoundError:
+        mode = 0o666 & ~_umask()
+    os.chmod(tmp, mode)
+    os.replace(tmp, path)
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -342,13 +348,7 @@ def write_bytes_atomic(path: str, data: bytes, what: str = "output") -> None:
         if not named:  # /proc missing or linkat refused: the named temporary file
             write_atomic(path, lambda t: _write_named(t, data), what)
             return
-        _refuse_kind(path, what)
-        try:
-            mode = stat.S_IMODE(os.stat(path).st_mode)
-        except FileNotFoundError:
-            mode = 0o666 & ~_umask()
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
+        _install(tmp, path, what)
     finally:
         if os.path.lexists(tmp):
             os.unlink(tmp)

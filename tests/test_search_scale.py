@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import branches_graph, chain_graph
-from graphpipe.cli import main
+from test_reliability import in_process
 from graphpipe.cluster import preset
 from graphpipe.errors import InputError
 from graphpipe.search import linear_dp, piper
@@ -25,13 +25,7 @@ from graphpipe.sched import make_schedule, validate_schedule
 from graphpipe.stages import Stage, StageGraph
 
 
-def _run(capsys, *argv):
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, err
+_run = in_process  # graphpipe ARGV in this process: (exit code, stdout, stderr)
 
 
 # ------------------------------------------------------------------ the guard

@@ -194,6 +194,8 @@ class Pipeline:
             for name, p in prog.module.named_parameters():
                 self._names[p] = prog.param_names.get(name, name)
         self._counted = self._counted_parameters()
+        self.reads_inputs = any(prog.model_inputs for prog in self._setup.programs.values())
+        """Whether this rank's stages read model inputs (the others are handed none each step)."""
         self._sink_id = split.sink_stage
         example = make_rows(2, 0)
         self._target_shapes = [(tuple(t.shape[1:]), t.dtype)
@@ -255,12 +257,9 @@ class Pipeline:
         if start_together:
             dist.barrier(group=group)
         with autocast(self.precision, self.device):
-            self.last_step = executor.run_iteration(flat if self._reads_inputs() else None, time.perf_counter(),
+            self.last_step = executor.run_iteration(flat if self.reads_inputs else None, time.perf_counter(),
                                                     self._steps)
         self._steps += 1
-
-    def _reads_inputs(self) -> bool:
-        return any(prog.model_inputs for prog in self._setup.programs.values())
 
     def _flat(self, inputs: Any, target: Any) -> tuple:
         args, kwargs = normalize_inputs(inputs)

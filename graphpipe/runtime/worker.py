@@ -124,7 +124,6 @@ def run_job(rank: int, world_size: int, plan: Plan, options: RunOptions, device:
     del runnable  # drop every other stage's parameters
     ctx = pipe._setup
     programs, layout, tied_copies, buffer_stage = ctx.programs, ctx.layout, ctx.tied_copies, ctx.buffer_stage
-    reads_inputs = any(programs[s].model_inputs for s in my_stages)
     params = list(pipe.parameters())
     optimizer = torch.optim.SGD(params, lr=options.lr) if params else None
     reference = None
@@ -136,7 +135,7 @@ def run_job(rank: int, world_size: int, plan: Plan, options: RunOptions, device:
     steps: list[StepResult] = []
     check_stats = [0.0, 0, 0, 0]
     for step in range(options.steps):
-        inputs = make_inputs(sg.batch_size, data_seed(options.seed, step)) if reads_inputs else None
+        inputs = make_inputs(sg.batch_size, data_seed(options.seed, step)) if pipe.reads_inputs else None
         pipe._train(inputs, start_together=True, group=control)
         result = pipe.last_step
         steps.append(result)

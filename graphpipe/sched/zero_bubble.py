@@ -301,8 +301,8 @@ def dualpipev(sg: StageGraph, cluster: Cluster | None = None) -> Schedule:
             weight()
             emit(up, "F")
         for _ in range(m - 2 * k + r + 1):
-            for kind_stage in ((down, "F"), (up, "B"), (up, "F"), (down, "B")):
-                emit(*kind_stage)
+            for stage, kind in ((down, "F"), (up, "B"), (up, "F"), (down, "B")):
+                emit(stage, kind)
         for _ in range(k - 1 - r):
             emit(up, "B")
             emit(up, "F")
