@@ -449,9 +449,9 @@ def _round_robin(part: SequentialPartition | None) -> SequentialPartition | None
 WORK_LIMIT = 10_000_000
 """Past :data:`LINEAR_SEED_MAX_DEVICES` devices Piper refuses a graph whose downset pairs times micro-batch
 sizes exceed this. Each size scores every pair at every replica count (divisors of ``M`` up to ``N``) and
-bisects over them, so the search grows with both: the transformer's 595 pairs x 15 sizes take seconds at
-1024 devices, mmt's 4.1 million pairs x 15 ran past 100 s there (and past 700 s at 8 devices under load).
-Up to 32 devices the real planner's own limits alone apply, as before."""
+bisects over them, so the search grows with both: a chain's few hundred pairs stay cheap at 1024 devices,
+a branchy model's millions do not (figures in evals/REPORT.md, "bench_scale"). Up to 32 devices the real
+planner's own limits alone apply, as before."""
 
 
 def _check_work(graph: OpGraph, num_devices: int, num_sizes: int) -> None:

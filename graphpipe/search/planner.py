@@ -301,9 +301,8 @@ CANDIDATE_MAX_DEVICES = 32
 
 Their cost grows with the device count where gpp's does not: Piper's seed and PipeDream's levels with N,
 and every candidate is simulated with its own schedule over all N devices and, at the data-parallel share,
-``B / b`` = 16 N micro-batches (PipeDream's memory refusal alone simulated 16,384 micro-batches on 1024
-devices for 50 s). Past this count gpp's own plan stands: on the zoo's paper models at 128-1024 devices it
-was 2-8x faster than either candidate (evals/REPORT.md, "Search at scale"). Up to it, nothing changes: the
+``B / b`` = 16 N micro-batches. Past this count gpp's own plan stands, faster than either candidate on the
+zoo's paper models at 128-1024 devices (evals/REPORT.md, "bench_scale"). Up to it, nothing changes: the
 sweep of evals/check_gpp_vs_spp.py (2-32 devices) still has gpp never worse than the candidates."""
 
 
