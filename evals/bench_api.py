@@ -41,8 +41,9 @@ def _free_port() -> int:
 
 
 def run(model: str = "transformer:small", batch_size: int = 32, micro_batch_size: int = 8, steps: int = 20,
-        warmup: int = 3, precision: str = "fp32") -> dict:
-    """Median step seconds of the API and of the plain loop, and their throughput ratio."""
+        warmup: int = 3, precision: str = "fp32", with_torch: bool = True) -> dict:
+    """Median step seconds of the API, the plain loop and (``with_torch``) torch.distributed.pipelining's
+    ``ScheduleGPipe`` with one stage, and the throughput ratios API/loop and API/torch."""
     import torch
     import torch.distributed as dist
 
@@ -55,7 +56,7 @@ def run(model: str = "transformer:small", batch_size: int = 32, micro_batch_size
 
     if not dist.is_initialized():
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
-    plan = make_plan(zoo.canonical_spec(model), zoo.load_graph(model), preset("v100", 1), batch_size, "gpipe",
+    plan = make_plan(zoo.canonical_spec(model), zoo.load_graph(model), preset("h100" if torch.cuda.is_available() else "v100", 1), batch_size, "gpipe",
                      SearchOptions(micro_batch_size=micro_batch_size, recompute="none"))
     built = zoo.build(model, seed=0)
     pipe = Pipeline(plan, built.module, built.loss_fn, precision=precision)
@@ -66,6 +67,7 @@ def run(model: str = "transformer:small", batch_size: int = 32, micro_batch_size
     opt_loop = torch.optim.AdamW(reference.parameters(), lr=1e-4)
     inputs = built.make_inputs(batch_size, 0)
     on_device = tuple(x.to(device) for x in inputs)
+    torch_step = _torch_one_stage(built, device, batch_size // micro_batch_size, precision, batch_size) if with_torch else None
 
     def sync() -> None:
         if device.type == "cuda":
@@ -74,7 +76,7 @@ def run(model: str = "transformer:small", batch_size: int = 32, micro_batch_size
     def api_step() -> float:
         sync()
         t0 = time.perf_counter()
-        pipe.step(inputs)
+        pipe.step(on_device)  # already on the device, as the loop's: both time the step, not the copy
         opt_api.step()
         opt_api.zero_grad()
         sync()
@@ -93,17 +95,59 @@ def run(model: str = "transformer:small", batch_size: int = 32, micro_batch_size
         sync()
         return time.perf_counter() - t0
 
-    times = {"api": [], "loop": []}
+    def timed(fn):
+        def step() -> float:
+            sync()
+            t0 = time.perf_counter()
+            fn(on_device)
+            sync()
+            return time.perf_counter() - t0
+        return step
+
+    contestants = [("api", api_step), ("loop", loop_step)]
+    if torch_step is not None:
+        contestants.append(("torch", timed(torch_step)))
+    times = {name: [] for name, _ in contestants}
     for i in range(warmup + steps):
-        for name, fn in (("api", api_step), ("loop", loop_step)) if i % 2 == 0 else (("loop", loop_step), ("api", api_step)):
+        for name, fn in contestants[i % len(contestants):] + contestants[:i % len(contestants)]:  # rotate the order
             t = fn()
             if i >= warmup:
                 times[name].append(t)
-    api, loop = statistics.median(times["api"]), statistics.median(times["loop"])
+    med = {name: statistics.median(ts) for name, ts in times.items()}
     dist.destroy_process_group()
-    return {"model": model, "batch_size": batch_size, "micro_batch_size": micro_batch_size, "precision": precision,
-            "device": str(device), "steps": steps, "api_step_s": api, "loop_step_s": loop,
-            "throughput_ratio": loop / api}
+    result = {"model": model, "batch_size": batch_size, "micro_batch_size": micro_batch_size, "precision": precision,
+              "device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "torch_version": torch.__version__, "steps": steps, "api_step_s": med["api"], "loop_step_s": med["loop"],
+              "api_samples_per_s": batch_size / med["api"], "loop_samples_per_s": batch_size / med["loop"],
+              "throughput_ratio": med["loop"] / med["api"]}
+    if "torch" in med:
+        result.update(torch_step_s=med["torch"], torch_samples_per_s=batch_size / med["torch"],
+                      throughput_ratio_vs_torch=med["torch"] / med["api"])
+    return result
+
+
+def _torch_one_stage(built, device, num_mbs: int, precision: str, batch_size: int):
+    """One step of torch.distributed.pipelining's ``ScheduleGPipe`` with the whole model as its one stage (a
+    third copy of the same weights) and AdamW: the runtime a torch user would reach for, on the same GPU."""
+    import torch
+    from torch.distributed import pipelining as pp
+
+    from graphpipe import zoo
+    from graphpipe.runtime.jobs import autocast
+
+    module = zoo.build(built.name, seed=0).module.to(device)
+    module.load_state_dict(built.module.state_dict())
+    stage = pp.PipelineStage(module, 0, 1, device)
+    schedule = pp.ScheduleGPipe(stage, num_mbs, loss_fn=lambda out, target: built.loss_fn(out), scale_grads=True)
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-4)
+    target = torch.zeros(batch_size, device=device)  # torch's last stage insists on a target; the loss ignores it
+
+    def step(on_device) -> None:
+        with autocast(precision, device):
+            schedule.step(*on_device, target=target)
+        opt.step()
+        opt.zero_grad()
+    return step
 
 
 def vs_torch(ranks: int = 2, rounds: int = 5, steps: int = 8, batch_size: int = 32,
@@ -166,6 +210,8 @@ def main(argv=None) -> int:
     parser.add_argument("--schedules", default="1f1b",
                         help="with --ranks: comma-separated schedules; 1f1b runs torch's Schedule1F1B, others "
                              "(zb-h1, gpipe...) run from the same CSV in both runtimes")
+    parser.add_argument("--no-torch", action="store_true",
+                        help="one-rank mode: leave out torch.distributed.pipelining's one-stage ScheduleGPipe")
     parser.add_argument("--out", default=None, help="write OUT/results/bench_api[-bf16|-torch].json")
     args = parser.parse_args(argv)
     import torch
@@ -185,15 +231,23 @@ def main(argv=None) -> int:
         return 0
 
     torch.set_num_threads(1)
-    result = run(args.model, args.batch_size, args.micro_batch_size, args.steps, precision=args.precision)
-    print(f"{result['model']} batch {result['batch_size']} micro-batch {result['micro_batch_size']} "
-          f"{result['precision']} on {result['device']}: API {result['api_step_s'] * 1e3:.2f} ms/step, plain loop "
-          f"{result['loop_step_s'] * 1e3:.2f} ms/step, throughput ratio {result['throughput_ratio']:.3f}")
+    result = run(args.model, args.batch_size, args.micro_batch_size, args.steps, precision=args.precision,
+                 with_torch=not args.no_torch)
+    line = (f"{result['model']} batch {result['batch_size']} micro-batch {result['micro_batch_size']} "
+            f"{result['precision']} on {result['device_name']}: API {result['api_step_s'] * 1e3:.2f} ms/step, plain "
+            f"loop {result['loop_step_s'] * 1e3:.2f} ms/step, API/loop throughput {result['throughput_ratio']:.3f}")
+    if "torch_step_s" in result:
+        line += (f"; torch ScheduleGPipe (1 stage) {result['torch_step_s'] * 1e3:.2f} ms/step, API/torch "
+                 f"{result['throughput_ratio_vs_torch']:.3f}")
+    print(line)
     if args.out:
         from .common import write_result
 
+        summary = {k: result[k] for k in ("throughput_ratio", "throughput_ratio_vs_torch") if k in result}
         name = "bench_api" if args.precision == "fp32" else f"bench_api-{args.precision}"
-        print(f"wrote {write_result(args.out, name, vars(args), [result], {'throughput_ratio': result['throughput_ratio']})}")
+        if result["device"].startswith("cuda"):
+            name += "-cuda"
+        print(f"wrote {write_result(args.out, name, vars(args), [result], summary)}")
     return 0
 
 

@@ -45,6 +45,12 @@ PAPER = {
                  "with the same micro-batching and AdamW: `python -m graphpipe.evals.bench_api`)",
     "bench_api-bf16": "(the same at bf16, one autocast region per step in both: "
                       "`python -m graphpipe.evals.bench_api --precision bf16`)",
+    "bench_api-cuda": "(issue 31's GPU targets: the API's step at >= 0.98x a plain PyTorch loop and >= 1.0x "
+                      "torch.distributed.pipelining's ScheduleGPipe with one stage, on one GPU: "
+                      "`python -m graphpipe.evals.bench_api --model mmt --batch-size 64 --micro-batch-size 8`)",
+    "bench_api-bf16-cuda": "(the same at bf16, one autocast region per step in all three: "
+                           "`python -m graphpipe.evals.bench_api --model mmt --batch-size 64 --micro-batch-size 8 "
+                           "--precision bf16`)",
     "bench_api-torch": "(issue 31/32's target: >= 1.0x torch.distributed.pipelining on CPU ranks with the same "
                        "partition; other schedules run from the same CSV in torch's _PipelineScheduleRuntime: "
                        "`python -m graphpipe.evals.bench_api --ranks 4 --schedules 1f1b,zb-h1`)",
@@ -127,6 +133,10 @@ TABLE_COLUMNS: dict[str, list[tuple[str, str]]] = {
                         ("ours / torch throughput", "throughput_ratio")],
 }
 TABLE_COLUMNS["bench_api-bf16"] = TABLE_COLUMNS["bench_api"]
+TABLE_COLUMNS["bench_api-cuda"] = TABLE_COLUMNS["bench_api"][:2] + [("GPU", "device_name"), ("torch", "torch_version")] + \
+    TABLE_COLUMNS["bench_api"][3:] + [("torch 1-stage ms/step", "torch_ms"), ("API / torch throughput", "throughput_ratio_vs_torch")]
+TABLE_COLUMNS["bench_api-bf16-cuda"] = TABLE_COLUMNS["bench_api-cuda"]
+BENCH_API = ("bench_api", "bench_api-bf16", "bench_api-cuda", "bench_api-bf16-cuda")
 
 
 def _rows_for_table(name: str, res: dict[str, Any]) -> list[dict[str, Any]]:
@@ -140,9 +150,10 @@ def _rows_for_table(name: str, res: dict[str, Any]) -> list[dict[str, Any]]:
     if name == "bench_scale":
         for r in rows:
             r["search_range_s"] = [r["min_search_s"], r["max_search_s"]]
-    if name in ("bench_api", "bench_api-bf16"):
+    if name in BENCH_API:
         for r in rows:
             r["api_ms"], r["loop_ms"] = r["api_step_s"] * 1e3, r["loop_step_s"] * 1e3
+            r["torch_ms"] = r["torch_step_s"] * 1e3 if "torch_step_s" in r else None
     if name == "memory-runtime":
         for r in rows:
             r["measured_kb"], r["predicted_kb"] = r["peak_measured_bytes"] / 1e3, r["peak_predicted_bytes"] / 1e3
@@ -227,10 +238,14 @@ def _headline(name: str, res: dict[str, Any]) -> str:
                 f"(worst {fmt(s['worst_memory_error'])}, {s['worst_run']}); --check passed in "
                 f"{s['checks_passed']}/{s['runs']}; recompute all below none on the fullest device in "
                 f"{s['all_below_none']}/{s['pairs']} plan pairs")
-    if name in ("bench_api", "bench_api-bf16"):
+    if name in BENCH_API:
         r = res["rows"][0]
-        return (f"the API's training step at {fmt(r['throughput_ratio'])}x the plain loop's throughput "
-                f"({r['precision']} on {r['device']}, median of {r['steps']} alternating steps)")
+        text = f"the API's training step at {fmt(r['throughput_ratio'])}x the plain loop's throughput"
+        if "throughput_ratio_vs_torch" in r:
+            text += f" and {fmt(r['throughput_ratio_vs_torch'])}x torch's one-stage ScheduleGPipe"
+        where = r.get("device_name", r["device"])
+        where += f", torch {r['torch_version']}" if "torch_version" in r else ""
+        return text + f" ({r['precision']} on {where}, median of {r['steps']} steps in alternating order)"
     if name == "bench_api-torch":
         return "; ".join(f"{r['schedule']}: ours {fmt(r['throughput_ratio'])}x torch ({r['ranks']} CPU ranks, median "
                          f"of {r['rounds']} paired rounds)" for r in res["rows"])

@@ -138,24 +138,42 @@ def test_bf16_plans_predict_the_activation_bytes_bf16_runs_measure():
 
 
 @pytest.mark.gpu
-def test_bf16_capture_on_cuda_matches_a_cuda_autocast_step():
-    """On CUDA: capture's bf16 bytes (CPU kernels' saves) against one CUDA bf16 step of the module, within 10%."""
+def test_bf16_capture_on_cuda_bounds_a_cuda_autocast_step():
+    """On CUDA: capture's bf16 bytes (CPU kernels' saves) never under-count one CUDA bf16 step of the module, and
+    stay within 25% of it when attention takes the math path.
+
+    CUDA's fused attention (flash / cuDNN) saves no seq x seq probabilities, so
+    with the default kernels a CUDA step saves less than the capture predicts
+    (the plan is conservative); with ``SDPBackend.MATH`` the two count the same
+    tensors up to autocast's per-device cast lists (H100 figures: this test's
+    commit message).
+    """
+    import contextlib
+
     import torch
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     from graphpipe import zoo
     from graphpipe.capture import capture
     from graphpipe.runtime.measure import SavedBytesMeter
 
     for spec in ("mmt:small", "transformer:small"):
         built = zoo.build(spec, device="cuda")
-        predicted = sum(op.act_bytes for op in capture(built.module, built.example_inputs, name=spec,
-                                                       loss_fn=built.loss_fn, precision="bf16").graph.ops)
+        predicted = zoo.EXAMPLE_BATCH_SIZE * sum(
+            op.act_bytes for op in capture(built.module, built.example_inputs, name=spec, loss_fn=built.loss_fn,
+                                           precision="bf16").graph.ops)
         x = built.example_inputs
-        meter = SavedBytesMeter(list(built.module.parameters()) + list(built.module.buffers()))
-        meter.reset(resident=x)
-        with meter.hooks(), torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = built.loss_fn(built.module(*x))
-        assert abs(predicted * zoo.EXAMPLE_BATCH_SIZE - meter.peak) <= 0.10 * meter.peak, spec
-        del loss
+        peaks = {}
+        for kernels in ("default", "math"):
+            meter = SavedBytesMeter(list(built.module.parameters()) + list(built.module.buffers()))
+            meter.reset(resident=x)
+            pick = sdpa_kernel([SDPBackend.MATH]) if kernels == "math" else contextlib.nullcontext()
+            with pick, meter.hooks(), torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = built.loss_fn(built.module(*x))
+            peaks[kernels] = meter.peak
+            del loss
+        assert peaks["default"] <= predicted, (spec, predicted, peaks)
+        assert abs(predicted - peaks["math"]) <= 0.25 * peaks["math"], (spec, predicted, peaks)
