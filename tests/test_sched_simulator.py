@@ -204,9 +204,10 @@ def _plans_to_score():
 
 
 def test_score_equals_simulate_on_every_schedule():
-    """score() (one device per lockstep class, no timeline) gives simulate()'s iteration time and peak memory."""
+    """score() (one device per lockstep class, no timeline) gives simulate()'s iteration time and peak memory,
+    and peak_memory_in_order() (action order, no timing) every device's peak."""
     from graphpipe.errors import GraphpipeError
-    from graphpipe.sched.simulator import score
+    from graphpipe.sched.simulator import peak_memory_in_order, score
 
     compared = 0
     for name, sg, cluster in _plans_to_score():
@@ -220,6 +221,8 @@ def test_score_equals_simulate_on_every_schedule():
             assert got.iteration_time_s == pytest.approx(full["iteration_time_s"], rel=1e-12), (name, schedule_name)
             assert got.throughput == pytest.approx(full["throughput"], rel=1e-12), (name, schedule_name)
             assert got.max_peak_memory_bytes == pytest.approx(full["max_peak_memory_bytes"], rel=1e-12), \
+                (name, schedule_name)
+            assert peak_memory_in_order(sg, schedule, cluster) == pytest.approx(full["peak_memory_bytes"], rel=1e-12), \
                 (name, schedule_name)
             compared += 1
     assert compared >= 60

@@ -315,19 +315,10 @@ def build_timeline(sg: StageGraph, cluster: Cluster, name: str, actions: Iterabl
                     recompute_s=tuple(sg.recompute_time(s) for s in range(sg.num_stages)))
 
 
-def _memory(sg: StageGraph, cluster: Cluster, devices: Iterable[int],
-            by_device: Sequence[Sequence[tuple[Action, float, float]]]):
-    """(state, buffers, activation peak) per device of ``devices`` (0 elsewhere) and in-flight per stage.
-
-    The memory model of :mod:`graphpipe.costs`: state and communication
-    buffers for the whole iteration; a micro-batch's stash from its F start
-    to its B (or W) end; a re-materializing stage's working set from the
-    start of its B (or I) to that end. Releases count before allocations at
-    equal times. ``by_device[d]``: device ``d``'s (action, start, end).
-    """
-    num_devices = sg.num_devices
-    state = [0.0] * num_devices
-    buffers = [0.0] * num_devices
+def _memory_terms(sg: StageGraph, cluster: Cluster) -> tuple[list[float], list[float], list[float], list[float]]:
+    """(state, buffers) per device and (stash, working set) per stage and micro-batch: :func:`_memory`'s terms."""
+    state = [0.0] * sg.num_devices
+    buffers = [0.0] * sg.num_devices
     stash, working = [], []
     for st in sg.stages:
         sums = sg.stage_sums(st.id)
@@ -338,7 +329,51 @@ def _memory(sg: StageGraph, cluster: Cluster, devices: Iterable[int],
         for d in st.devices:
             state[d] += cluster.state_bytes(sums.param_bytes)
             buffers[d] += costs.buffer_bytes(sums.inputs, sums.outputs, samples)
-    act_peak = [0.0] * num_devices
+    return state, buffers, stash, working
+
+
+def peak_memory_in_order(sg: StageGraph, schedule: Schedule, cluster: Cluster) -> list[float]:
+    """Every device's peak bytes under ``schedule``, as :func:`simulate` reports them, from the action order alone.
+
+    A device runs its actions one after another, so the allocations and
+    releases of :func:`_memory` happen in list order (a release at an
+    action's end comes before the next action's start, as :func:`_memory`
+    orders equal times): the peak needs no timing. (Equal to simulate's
+    where actions take time: for a zero-length re-materializing backward,
+    simulate sorts its release before its working set.) Linear in the actions,
+    with no engine and no structure check, for what only needs memory (a
+    refusal's numbers at thousands of micro-batches).
+    """
+    state, buffers, stash, working = _memory_terms(sg, cluster)
+    peaks = []
+    for d, acts in enumerate(schedule.device_actions):
+        live = top = 0.0
+        for action in acts:
+            s = action.stage_id
+            if action.kind == "F":
+                live += stash[s]
+                top = max(top, live)
+            elif action.kind in ("B", "I"):
+                top = max(top, live + working[s])
+                live += working[s] if action.kind == "I" else -stash[s]
+            else:  # W: what its I left
+                live -= stash[s] + working[s]
+        peaks.append(state[d] + buffers[d] + top)
+    return peaks
+
+
+def _memory(sg: StageGraph, cluster: Cluster, devices: Iterable[int],
+            by_device: Sequence[Sequence[tuple[Action, float, float]]]):
+    """(state, buffers, activation peak) per device of ``devices`` (0 elsewhere) and in-flight per stage.
+
+    The memory model of :mod:`graphpipe.costs`: state and communication
+    buffers for the whole iteration; a micro-batch's stash from its F start
+    to its B (or W) end; a re-materializing stage's working set from the
+    start of its B (or I) to that end. Releases count before allocations at
+    equal times. ``by_device[d]``: device ``d``'s (action, start, end).
+    """
+    state, buffers, stash, working = _memory_terms(sg, cluster)
+    act_peak = [0.0] * sg.num_devices
     in_flight = [0] * sg.num_stages
     for d in devices:
         events = []

@@ -107,11 +107,15 @@ def replicas_refusal(strategy: str, graph: OpGraph, cluster: Cluster, batch_size
 
 
 def _fullest_device(sg, cluster: Cluster, schedule_name: str) -> tuple[int, float, str]:
-    """(device, simulated peak bytes, "stage s: k ops") of the device with the largest peak under the schedule."""
-    from graphpipe.sched import make_schedule, simulate
+    """(device, simulated peak bytes, "stage s: k ops") of the device with the largest peak under the schedule.
 
-    timeline = simulate(sg, make_schedule(schedule_name, sg, cluster, validate=False), cluster)
-    peaks = list(timeline.peak_memory_bytes)
+    Memory only, from the action order (:func:`~graphpipe.sched.simulator.peak_memory_in_order`): a refusal at
+    1024 devices and 16k micro-batches then costs the schedule's construction, not a timed simulation.
+    """
+    from graphpipe.sched import make_schedule
+    from graphpipe.sched.simulator import peak_memory_in_order
+
+    peaks = peak_memory_in_order(sg, make_schedule(schedule_name, sg, cluster, validate=False), cluster)
     device = max(range(len(peaks)), key=lambda d: peaks[d])
     stages = sg.stages_on_device(device)
     what = "; ".join(f"stage {s}: {len(sg.stages[s].op_ids)} op{'s' if len(sg.stages[s].op_ids) != 1 else ''}"
