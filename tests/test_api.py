@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -163,16 +164,30 @@ def test_two_torchrun_nodes_of_two_ranks_train_like_one_process(tmp_path):
     plan = _plan(tmp_path, "gpp", devices=4)
     out = str(tmp_path / "out.pt")
     port = _port()
-    procs = []
+    procs, logs = [], []
     for node in (0, 1):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
                "--node-rank", str(node), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-               "--rdzv-id", "graphpipe-test", SCRIPT, plan, out, "3"]
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+               "--rdzv-id", f"graphpipe-test-{port}", SCRIPT, plan, out, "3"]
+        # output to files, not pipes: a node whose pipe nobody drains while the other is awaited would block
+        logs.append(open(tmp_path / f"node{node}.log", "w+"))
+        procs.append(subprocess.Popen(cmd, stdout=logs[-1], stderr=subprocess.STDOUT, text=True,
                                       env={**os.environ, "OMP_NUM_THREADS": "1"}))
+    deadline = time.monotonic() + 600
     for p in procs:
-        _, err = p.communicate(timeout=300)
-        assert p.returncode == 0, err[-3000:]
+        try:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    tails = []
+    for node, (p, log) in enumerate(zip(procs, logs)):
+        if p.poll() is None:  # still running at the deadline: the failure shows what each node printed
+            p.kill()
+            p.wait()
+        log.seek(0)
+        tails.append(f"node {node} (exit {p.returncode}):\n{log.read()[-2000:]}")
+        log.close()
+    assert all(p.returncode == 0 for p in procs), "\n".join(tails)
     assert_same(torch.load(out, weights_only=False), reference(3), 3)
 
 

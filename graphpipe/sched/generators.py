@@ -59,13 +59,23 @@ def gpipe(sg: StageGraph) -> Schedule:
     lists: list[list[Action]] = [[] for _ in range(sg.num_devices)]
     for d in range(sg.num_devices):
         stages = sg.stages_on_device(d)
-        mine = {s: [j for j in range(sg.num_micro_batches(s))  # round-robin replicas: micro-batches i mod r only
-                    if not sg.stages[s].round_robin or sg.stages[s].replica_of(j) == d] for s in stages}
+        mine = {s: _own_micro_batches(sg, s, d) for s in stages}
         for s in stages:
             lists[d].extend(Action(s, "F", j) for j in mine[s])
         for s in reversed(stages):
             lists[d].extend(Action(s, "B", j) for j in mine[s])
     return Schedule.from_lists("gpipe", lists)
+
+
+def _own_micro_batches(sg: StageGraph, stage_id: int, device: int) -> range:
+    """The micro-batches of ``stage_id`` that ``device`` runs: all of them, or under round-robin the ``i mod r``
+    that :meth:`Stage.replica_of` gives it (a stride, not a scan: at 1024 devices a scan per device is N x M)."""
+    st = sg.stages[stage_id]
+    m = sg.num_micro_batches(stage_id)
+    if not st.round_robin:
+        return range(m)
+    r = len(st.devices)
+    return range(st.devices.index(device), m, r)
 
 
 def one_f_one_b(sg: StageGraph, order: Sequence[int] | None = None) -> Schedule:
@@ -303,6 +313,10 @@ def _balanced_cuts(cost: Sequence[float], pieces: int) -> list[int]:
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "graph-1f1b", "zb-h1", "graph-zb", "zbv", "dualpipev", "interleaved-zb",
                   "1f1b-async", "2bw")
+
+ORDER_FROM_COSTS = frozenset({"graph-zb"})
+"""Schedules whose action order depends on the stage graph's costs (graph-zb picks a candidate by simulating
+it); every other generator reads only the structure (stages, devices, micro-batch counts)."""
 
 _GENERATORS: dict[str, Callable[[StageGraph, Cluster | None], Schedule]] = {
     "gpipe": lambda sg, cluster: gpipe(sg),

@@ -332,8 +332,10 @@ def _memory_terms(sg: StageGraph, cluster: Cluster) -> tuple[list[float], list[f
     return state, buffers, stash, working
 
 
-def peak_memory_in_order(sg: StageGraph, schedule: Schedule, cluster: Cluster) -> list[float]:
-    """Every device's peak bytes under ``schedule``, as :func:`simulate` reports them, from the action order alone.
+def peak_memory_in_order(sg: StageGraph, schedule: Schedule, cluster: Cluster,
+                         devices: Iterable[int] | None = None) -> list[float]:
+    """The peak bytes of ``devices`` (default every device, in order) under ``schedule``, as :func:`simulate`
+    reports them, from the action order alone.
 
     A device runs its actions one after another, so the allocations and
     releases of :func:`_memory` happen in list order (a release at an
@@ -346,9 +348,9 @@ def peak_memory_in_order(sg: StageGraph, schedule: Schedule, cluster: Cluster) -
     """
     state, buffers, stash, working = _memory_terms(sg, cluster)
     peaks = []
-    for d, acts in enumerate(schedule.device_actions):
+    for d in range(sg.num_devices) if devices is None else devices:
         live = top = 0.0
-        for action in acts:
+        for action in schedule.device_actions[d]:
             s = action.stage_id
             if action.kind == "F":
                 live += stash[s]

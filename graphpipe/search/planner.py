@@ -514,14 +514,39 @@ def strip_recompute(sg: StageGraph, cluster: Cluster, schedule_name: str, host=N
     (the re-run forward per sample, largest first), so the costliest are
     freed first; each change is kept only if the simulated peak memory of
     every device stays within the cluster's.
+
+    Memory only: the peak follows from the action order
+    (:func:`~graphpipe.sched.simulator.peak_memory_in_order`), and but for
+    the schedules in ``ORDER_FROM_COSTS`` that order does not depend on
+    re-materialization, so the schedule is built once and each trial
+    re-counts only the devices of the stage it changes (``host`` changes
+    timing, not memory).
     """
+    from graphpipe.sched import make_schedule
+    from graphpipe.sched.generators import ORDER_FROM_COSTS
+    from graphpipe.sched.simulator import peak_memory_in_order
+
     order = sorted((s.id for s in sg.stages if s.recompute),
                    key=lambda i: (-sg.recompute_time(i) / sg.stages[i].micro_batch_size, i))
+    if schedule_name in ORDER_FROM_COSTS:
+        for stage_id in order:
+            trial = replace(sg, stages=tuple(replace(s, recompute=False) if s.id == stage_id else s for s in sg.stages))
+            if simulated(trial, cluster, schedule_name, host)[1]:
+                sg = trial
+        return sg
+    if not order:
+        return sg
+    schedule = make_schedule(schedule_name, sg, cluster, validate=False)
+    peaks = peak_memory_in_order(sg, schedule, cluster)
     for stage_id in order:
         stages = tuple(replace(s, recompute=False) if s.id == stage_id else s for s in sg.stages)
         trial = replace(sg, stages=stages)
-        if simulated(trial, cluster, schedule_name, host)[1]:
+        changed = sg.stages[stage_id].devices
+        updated = dict(zip(changed, peak_memory_in_order(trial, schedule, cluster, changed)))
+        if max(updated.get(d, p) for d, p in enumerate(peaks)) <= cluster.memory_bytes:
             sg = trial
+            for d, p in updated.items():
+                peaks[d] = p
     return sg
 
 
