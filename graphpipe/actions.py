@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Iterable, Literal, Mapping, Sequence
+from typing import Iterable, Literal, Mapping, NamedTuple, Sequence
 
 from graphpipe.errors import FormatError
 
@@ -31,8 +31,10 @@ KINDS: tuple[ActionKind, ...] = ("F", "B", "I", "W")
 _PATTERN = re.compile(r"^\s*(\d+)\s*([FBIW])\s*(\d+)\s*$")
 
 
-@dataclass(frozen=True, slots=True, order=True)
-class Action:
+class Action(NamedTuple):
+    """One step of one device. A named tuple, not a dataclass: schedules at 1024 devices hold millions of
+    actions, and a tuple's construction, hash and comparison run in C (a frozen dataclass's run in Python)."""
+
     stage_id: int
     kind: ActionKind
     mb_id: int

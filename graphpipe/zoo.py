@@ -297,10 +297,14 @@ def build(spec: str, device: str | torch.device = "cpu", seed: int = 0) -> Built
 @functools.lru_cache(maxsize=32)
 def _load_graph_cached(canonical: str, device: DeviceSpec, precision: str = "fp32", granularity: str | None = None) -> OpGraph:
     from graphpipe.capture import Granularity, capture
+    from graphpipe.graph_cache import cached_graph
 
-    built = build(canonical, device="meta")
-    return capture(built.module, built.example_inputs, name=canonical, device=device, loss_fn=built.loss_fn,
-                   precision=precision, granularity=Granularity.parse(granularity)).graph
+    def captured() -> OpGraph:
+        built = build(canonical, device="meta")
+        return capture(built.module, built.example_inputs, name=canonical, device=device, loss_fn=built.loss_fn,
+                       precision=precision, granularity=Granularity.parse(granularity)).graph
+
+    return cached_graph(("zoo", canonical, device, precision, granularity), captured)
 
 
 def load_graph(spec: str, device: DeviceSpec | None = None, precision: str = "fp32",
@@ -310,7 +314,8 @@ def load_graph(spec: str, device: DeviceSpec | None = None, precision: str = "fp
     Built on the meta device (no weights); ``device`` defaults to the v100
     preset's; activation bytes are measured at ``precision``; ``granularity``
     is :meth:`graphpipe.capture.Granularity.parse`'s text. Cached per
-    (canonical spec, device, precision, granularity): the graph is immutable.
+    (canonical spec, device, precision, granularity): the graph is immutable;
+    in this process and on disk (:mod:`graphpipe.graph_cache`).
     """
     device = device if device is not None else preset("v100").device
     return _load_graph_cached(canonical_spec(spec), device, precision, granularity)

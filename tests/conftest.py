@@ -20,6 +20,21 @@ ZOO_SMALL = ["mmt:small", "dlrm:small", "candle-uno:small", "transformer:small",
 PROFILE_NAMES = ("alexnet", "gnmt", "inception_v3", "nasnetamobile", "resnet18", "resnet50", "vgg16")
 
 
+def pytest_configure(config) -> None:
+    """The captured-graph cache (graphpipe.graph_cache) in a folder of this session's own, shared with the
+    subprocesses it starts: tests never read or fill the user's ~/.cache, and repeat captures are still saved."""
+    import tempfile
+
+    config._graphpipe_cache = tempfile.mkdtemp(prefix="graphpipe-test-cache-")
+    os.environ["GRAPHPIPE_CACHE_DIR"] = config._graphpipe_cache
+
+
+def pytest_unconfigure(config) -> None:
+    import shutil
+
+    shutil.rmtree(getattr(config, "_graphpipe_cache", ""), ignore_errors=True)
+
+
 def make_op(name: str, fwd: float = 1e-3, bwd: float | None = None, alpha: float = 0.0,
             params: float = 4e6, act: float = 1e5, out: float = 1e4, kind: str = "layer") -> Op:
     """An op whose per-sample forward time is ``fwd`` s and backward ``bwd`` (default 2x)."""

@@ -1,0 +1,92 @@
+"""The captured-graph cache: a cached zoo graph equals a fresh capture, and a bad entry, a read-only folder or
+``GRAPHPIPE_CACHE_DIR=off`` never changes the answer."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from graphpipe import graph_cache, zoo
+from graphpipe.cluster import preset
+from graphpipe.search.common import SearchOptions
+from graphpipe.search.planner import make_plan
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    folder = tmp_path / "cache"
+    monkeypatch.setenv("GRAPHPIPE_CACHE_DIR", str(folder))
+    zoo._load_graph_cached.cache_clear()  # the in-process cache would hide the disk
+    yield folder
+    zoo._load_graph_cached.cache_clear()
+
+
+def _fresh(spec, monkeypatch, **kw):
+    monkeypatch.setenv("GRAPHPIPE_CACHE_DIR", "off")
+    zoo._load_graph_cached.cache_clear()
+    try:
+        return zoo.load_graph(spec, **kw)
+    finally:
+        zoo._load_graph_cached.cache_clear()
+
+
+@pytest.mark.parametrize("spec", ["mmt:small", "transformer:small", "dlrm:small"])
+def test_a_cached_graph_equals_a_fresh_capture_and_plans_the_same(spec, cache, monkeypatch):
+    first = zoo.load_graph(spec)
+    assert len(os.listdir(cache)) == 1
+    zoo._load_graph_cached.cache_clear()
+    again = zoo.load_graph(spec)  # read back from the disk
+    folder = str(cache)
+    fresh = _fresh(spec, monkeypatch)
+    assert again == first == fresh
+    monkeypatch.setenv("GRAPHPIPE_CACHE_DIR", folder)
+    cluster = preset("v100", 4)
+    plans = [make_plan(spec, g, cluster, 32, "gpp", SearchOptions()) for g in (again, fresh)]
+    assert plans[0].stage_graph == plans[1].stage_graph and plans[0].schedule == plans[1].schedule
+
+
+def test_the_key_covers_precision_device_and_the_source(cache, monkeypatch):
+    zoo.load_graph("mmt:small")
+    zoo.load_graph("mmt:small", precision="bf16")
+    zoo.load_graph("mmt:small", device=preset("h100").device)
+    assert len(os.listdir(cache)) == 3
+    monkeypatch.setattr(graph_cache, "_source_fingerprint", lambda: "another graphpipe")
+    zoo._load_graph_cached.cache_clear()
+    zoo.load_graph("mmt:small")
+    assert len(os.listdir(cache)) == 4  # a changed package never reads the old entry
+
+
+def test_a_torn_entry_is_captured_anew_and_rewritten(cache, monkeypatch):
+    good = zoo.load_graph("twobranch:small")
+    (entry,) = os.listdir(cache)
+    (cache / entry).write_text('{"format": "graphpipe.graph/1", "ops": [')
+    zoo._load_graph_cached.cache_clear()
+    assert zoo.load_graph("twobranch:small") == good
+    zoo._load_graph_cached.cache_clear()
+    assert graph_cache.graph_from_dict(json.loads((cache / entry).read_text())) == good
+
+
+def test_an_unwritable_cache_folder_only_costs_time(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("GRAPHPIPE_CACHE_DIR", str(blocker / "cache"))  # makedirs fails under a file
+    zoo._load_graph_cached.cache_clear()
+    try:
+        got = zoo.load_graph("candle-uno:small")
+    finally:
+        zoo._load_graph_cached.cache_clear()
+    assert got == _fresh("candle-uno:small", monkeypatch)
+
+
+def test_off_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRAPHPIPE_CACHE_DIR", "off")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert graph_cache.cache_dir() is None
+    zoo._load_graph_cached.cache_clear()
+    zoo.load_graph("mmt:small")
+    zoo._load_graph_cached.cache_clear()
+    assert os.listdir(tmp_path) == []
+    monkeypatch.delenv("GRAPHPIPE_CACHE_DIR")
+    assert graph_cache.cache_dir() == os.path.join(str(tmp_path), "graphpipe")
