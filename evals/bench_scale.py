@@ -17,8 +17,9 @@ that one, so each starts from the same state and the row records
   e.g. the kernel's out-of-memory kill) or ``traceback`` (any other exception: our bug); and the
   error's first line.
 
-The command line adds capturing the model (torch.export) to these times:
-``--cli`` also times one ``graphpipe plan`` per model at the largest count.
+The command line adds starting Python and capturing the model (torch.export) to these times:
+``--cli`` also times the whole ``graphpipe plan`` per model and strategy (piper aside) at the largest
+count, once with an empty captured-graph cache and ``--repeat`` times with it filled.
 
 Timings are of the machine it runs on (``cpus`` and ``load_average`` are
 recorded beside them): medians of several runs, since other jobs share it.
@@ -122,16 +123,32 @@ def run_point(graph, model: str, strategy: str, n: int, repeat: int, timeout_s: 
     return row
 
 
-def cli_time(model: str, n: int, strategy: str = "gpp") -> dict:
-    """Wall time of the whole ``graphpipe plan`` command (capture included), one run."""
+def _cli_once(model: str, n: int, strategy: str, cache: str) -> tuple[float, int, float | None, str]:
     cmd = [sys.executable, "-m", "graphpipe", "plan", model, "--devices", str(n), "--batch-size", str(16 * n),
            "--strategy", strategy, "--json"]
     started = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "GRAPHPIPE_CACHE_DIR": cache})
     wall = time.perf_counter() - started
     search = json.loads(proc.stdout)["search"]["time_s"] if proc.returncode == 0 else None
-    return {"model": model, "strategy": strategy, "devices": n, "cli_wall_s": wall, "rc": proc.returncode,
-            "search_s": search}
+    return wall, proc.returncode, search, (proc.stderr.strip().splitlines() or [""])[-1]
+
+
+def cli_time(model: str, n: int, strategies: tuple[str, ...] = ("gpp",), repeat: int = 3) -> list[dict]:
+    """Wall time of the whole ``graphpipe plan`` command, one row per strategy: ``cold_wall_s`` with an empty
+    captured-graph cache (the first strategy only: it fills the cache), ``median_wall_s`` over ``repeat``
+    runs with the model's graph cached (:mod:`graphpipe.graph_cache`)."""
+    import tempfile
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-scale-cache-") as cache:
+        for i, strategy in enumerate(strategies):
+            cold = _cli_once(model, n, strategy, cache)[0] if i == 0 else None
+            runs = [_cli_once(model, n, strategy, cache) for _ in range(repeat)]
+            walls = [r[0] for r in runs]
+            rows.append({"model": model, "strategy": strategy, "devices": n, "cold_wall_s": cold,
+                         "median_wall_s": statistics.median(walls), "max_wall_s": max(walls), "rc": runs[-1][1],
+                         "search_s": runs[-1][2], "error": runs[-1][3] if runs[-1][1] else None})
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -169,9 +186,12 @@ def main(argv: list[str] | None = None) -> int:
                       f"[{row['min_search_s']:.2f}, {row['max_search_s']:.2f}]  {row['peak_rss_gb']:5.2f} GB  "
                       f"{row['outcome']}" + (f"  {row['error'][:100]}" if row.get("error") else ""), flush=True)
         if args.cli:
-            cli.append(cli_time(model, max(devices)))
-            print(f"{model:11s} graphpipe plan --devices {max(devices)}: {cli[-1]['cli_wall_s']:.2f} s wall "
-                  f"(search {cli[-1]['search_s']})", flush=True)
+            for row in cli_time(model, max(devices), tuple(s for s in strategies if s != "piper"), args.repeat):
+                cli.append(row)
+                cold = f"cold {row['cold_wall_s']:.2f} s, " if row["cold_wall_s"] is not None else ""
+                print(f"{model:11s} graphpipe plan --devices {max(devices)} --strategy {row['strategy']}: {cold}"
+                      f"median {row['median_wall_s']:.2f} s wall (exit {row['rc']}, search {row['search_s']})",
+                      flush=True)
     path = write_result(args.out, args.name, {"repeat": args.repeat, "devices": devices, "models": args.models,
                                               "strategies": args.strategies, "cpus": os.cpu_count(),
                                               "load_average": os.getloadavg(), "samples_per_device": 16,

@@ -167,10 +167,15 @@ NOTES: dict[str, str] = {
         "smallest: sizes are now simulated most promising first and skipped when the pipeline bound already "
         "loses (dlrm at 1024: 8.4 -> 0.3 s, same plan). PipeDream's top level is O(states^2 x nodes^2), 256 "
         "nodes at 1024 devices: it now visits only (state, ancestor) pairs, 31% of them on twobranch (5x). "
-        "What remains slow is not the searches: PipeDream's memory refusal (search/refusal.py's "
-        "_fullest_device) simulates the full timeline of 16,384 micro-batches on 1024 devices to name the "
-        "fullest device (20-100 s of the pipedream rows that end refused), and `graphpipe plan` captures the "
-        "model with torch.export before searching (6-11 s of wall time here, the config line's cli rows; not in these "
-        "times). Piper refuses mmt past 32 devices (4.1 million downset pairs x 15 sizes) in one line. The "
-        "machine's load average is in the config line: other jobs shared the 2 cores."),
+        "PipeDream's memory refusal named its fullest device by simulating the whole timeline of 16,384 "
+        "micro-batches on 1024 devices (145 of the transformer's 146 profiled seconds); it now takes the peak "
+        "from the action order alone (simulator.peak_memory_in_order), and the pipedream rows that end refused "
+        "take 0.8-4.4 s. gpp's re-materialization pass (strip_recompute) built and timed one schedule per stage "
+        "it tried (mmt at 1024: 31 schedules of 60k actions); it builds one and re-counts the changed devices. "
+        "What remains is the command line around the search: Python and torch start in about 2 s, and the "
+        "first plan of a paper-size model captures it with torch.export (4-7 s); the captured graph is then "
+        "cached on disk (graphpipe.graph_cache), so only a model's first plan on a machine pays it: the "
+        "headline's cold figures (mmt 12.2 s, transformer 11.2 s, twobranch 10.2 s) are above issue 34's 10 s, "
+        "the cached ones below. Piper refuses mmt past 32 devices (4.1 million downset pairs x 15 sizes) in "
+        "one line. The machine's load average is in the config line: other jobs shared the 2 cores."),
 }

@@ -139,6 +139,19 @@ TABLE_COLUMNS["bench_api-bf16-cuda"] = TABLE_COLUMNS["bench_api-cuda"]
 BENCH_API = ("bench_api", "bench_api-bf16", "bench_api-cuda", "bench_api-bf16-cuda")
 
 
+def _cli_line(res: dict[str, Any]) -> str:
+    """bench_scale's whole-command figures (``--cli``): cold (empty graph cache) and cached medians per model."""
+    cli = [r for r in res["config"].get("cli") or [] if "median_wall_s" in r]
+    if not cli:
+        return ""
+    cold = [r for r in cli if r.get("cold_wall_s") is not None]
+    worst = max(cli, key=lambda r: r["median_wall_s"])
+    return (f". Whole `graphpipe plan` at {cli[0]['devices']} devices: with the model's graph cached, medians "
+            f"{fmt(min(r['median_wall_s'] for r in cli))}-{fmt(worst['median_wall_s'])} s (slowest "
+            f"{worst['model']} {worst['strategy']}); the first run of each model, capturing it: "
+            + ", ".join(f"{r['model']} {fmt(r['cold_wall_s'])} s" for r in cold))
+
+
 def _rows_for_table(name: str, res: dict[str, Any]) -> list[dict[str, Any]]:
     rows = [dict(r) for r in res["rows"]]
     if name == "memory":
@@ -230,7 +243,7 @@ def _headline(name: str, res: dict[str, Any]) -> str:
                 f"devices); largest peak RSS {fmt(max(r['peak_rss_gb'] for r in rows))} GB; "
                 f"{sum(r['outcome'] == 'ok' for r in rows)} plans, {sum(r['outcome'] == 'refused' for r in rows)} "
                 f"one-line refusals, {len(bad)} timeouts, kills or tracebacks (up to {top} devices); load average "
-                f"during the run {fmt(list(res['config'].get('load_average') or []))}")
+                f"during the run {fmt(list(res['config'].get('load_average') or []))}" + _cli_line(res))
     if name == "memory-runtime":
         if not s.get("runs"):
             return "no run"
