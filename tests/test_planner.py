@@ -196,7 +196,7 @@ def test_the_search_pauses_the_collector_and_leaves_no_cycles(strategy):
     assert gc.isenabled()
 
 
-@pytest.mark.parametrize("model,n,strategy", [("mmt", 8, "gpp"), ("transformer", 4, "pipedream"),
+@pytest.mark.parametrize("model,n,strategy", [("mmt", 4, "gpp"), ("transformer", 4, "pipedream"),
                                               ("candle-uno", 16, "gpipe"), ("twobranch", 8, "pipedream")])
 def test_strip_recompute_keeps_what_simulating_every_trial_keeps(model, n, strategy):
     """strip_recompute counts memory from one schedule's action order, re-counting only the changed stage's
@@ -215,7 +215,7 @@ def test_strip_recompute_keeps_what_simulating_every_trial_keeps(model, n, strat
     full = replace(plan.stage_graph, stages=tuple(replace(s, checkpoints=()) for s in plan.stage_graph.stages))
     none = replace(full, stages=tuple(replace(s, recompute=False) for s in full.stages))
     seen = 0
-    for schedule_name in ("gpipe", "1f1b", "graph-1f1b", "graph-zb"):
+    for schedule_name in ("gpipe", "1f1b", "graph-1f1b"):  # graph-zb takes the oracle's own path
         try:
             make_schedule(schedule_name, full, cluster)
         except GraphpipeError:
