@@ -132,3 +132,18 @@ def test_pipedreams_loose_memory_bound_is_not_blamed_on_the_device(capsys):
     assert simulated <= 0.001, line
     assert "use --strategy gpp" in line, line
     assert plan(capsys, *args, "--strategy", "gpp")[0] == 0
+
+
+def test_gpipe_in_flight_refusal_asks_for_a_smaller_batch_not_more_devices(capsys):
+    """GPipe holds every micro-batch of the batch in flight and never replicates: on 32 devices (more than
+    twobranch:small's 7 ops) 8,192 micro-batches overflow 10 MB devices. The message says so and offers a
+    smaller batch and gpp, not more devices; each offered fix plans, and more devices would not have."""
+    args = ["twobranch:small", "--strategy", "gpipe", "--memory-gb", "0.01"]
+    code, line = plan(capsys, *args, "-n", "32", "-b", "8192")
+    assert code == 2
+    assert "GPipe holds all 8,192 micro-batches of the batch in flight" in line, line
+    assert "use a smaller --batch-size, more memory per device, or --strategy gpp (it replicates stages)" in line
+    assert "more devices" not in line
+    assert plan(capsys, *args, "-n", "32", "-b", "512")[0] == 0
+    assert plan(capsys, "twobranch:small", "--strategy", "gpp", "--memory-gb", "0.01", "-n", "32", "-b", "8192")[0] == 0
+    assert plan(capsys, *args, "-n", "64", "-b", "8192")[0] == 2

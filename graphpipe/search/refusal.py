@@ -145,10 +145,11 @@ def memory_floor(graph: OpGraph, cluster: Cluster, micro_batch_size: int) -> tup
 
 
 def _memory_message(strategy: str, graph: OpGraph, cluster: Cluster, sizes: Sequence[int], need: str,
-                    forced: bool) -> DeviceMemoryError:
+                    forced: bool, fixes: Sequence[str] | None = None) -> DeviceMemoryError:
     b = min(sizes)
-    fixes = (["a smaller --micro-batch-size"] if forced and b > 1 else []) + ["more devices",
-                                                                               "more memory per device"]
+    if fixes is None:
+        fixes = ["more devices", "more memory per device"]
+    fixes = (["a smaller --micro-batch-size"] if forced and b > 1 else []) + list(fixes)
     at = f"at micro-batch {b}" + ("" if forced or len(sizes) == 1 else f" (the smallest tried of {_sizes(sizes)})")
     return DeviceMemoryError(
         f"{strategy}: no plan of {graph.name!r} fits in {cluster.memory_bytes / 1e9:g} GB per device on "
@@ -204,19 +205,28 @@ def pipedream_refusal(graph: OpGraph, cluster: Cluster, batch_size: int, tried: 
 
 
 def sequential_memory_refusal(strategy: str, graph: OpGraph, cluster: Cluster, sizes: Sequence[int],
-                              forced: bool) -> DeviceMemoryError:
+                              forced: bool, batch_size: int | None = None) -> DeviceMemoryError:
     """No partition of a sequential strategy (gpipe, piper, linear-dp) fits at any micro-batch size tried.
 
     States the :func:`memory_floor` when it alone overflows the device;
     otherwise the model state fits and it is the activations of the
     micro-batches in flight that do not, which the message says with the
-    floor for scale.
+    floor for scale. GPipe holds every micro-batch of the mini-batch in
+    flight and never replicates a stage, so there the count is the batch's
+    and the fix is a smaller ``--batch-size`` (or a strategy that replicates):
+    more devices only help while there are fewer devices than ops.
     """
     b = min(sizes)
     floor, why = memory_floor(graph, cluster, b)
+    fixes = None
     if floor > cluster.memory_bytes:
         need = f"some device needs at least {_gb(floor)} ({why})"
     else:
+        held = ""
+        if strategy == "gpipe" and batch_size:
+            held = f"GPipe holds all {batch_size // b:,} micro-batches of the batch in flight; "
+            fixes = (["a smaller --batch-size"] + (["more devices"] if cluster.num_devices < len(graph.ops) else [])
+                     + ["more memory per device", "--strategy gpp (it replicates stages)"])
         need = (f"every partition's fullest device overflows once the activations of its micro-batches in flight "
-                f"are counted (the least any device can hold is {_gb(floor)}: {why})")
-    return _memory_message(strategy, graph, cluster, sizes, need, forced)
+                f"are counted ({held}the least any device can hold is {_gb(floor)}: {why})")
+    return _memory_message(strategy, graph, cluster, sizes, need, forced, fixes)

@@ -273,7 +273,8 @@ def choose_micro_batch(strategy: str, graph: OpGraph, cluster: Cluster, batch_si
     if best is None:
         from graphpipe.search.refusal import sequential_memory_refusal
 
-        raise sequential_memory_refusal(strategy, graph, cluster, candidates, forced=len(candidates) == 1)
+        raise sequential_memory_refusal(strategy, graph, cluster, candidates, forced=len(candidates) == 1,
+                                        batch_size=batch_size)
     (_, _, _, li, _), sg, part, throughput = best
     return sg, part, {"throughput_estimate": throughput, "cut_link": link_name(cluster, links[li])}
 
