@@ -16,7 +16,8 @@ document, keyed by everything the capture reads:
 Location: ``$GRAPHPIPE_CACHE_DIR``, else ``$XDG_CACHE_HOME/graphpipe``, else
 ``~/.cache/graphpipe``; ``GRAPHPIPE_CACHE_DIR=off`` turns it off. Only zoo
 specs are cached (they are built in code from their spec); a user's
-``file.py:factory`` is captured every time. Entries are written atomically;
+``file.py:factory`` is captured every time. The newest ``KEEP`` entries are
+kept (older keys are never read again). Entries are written atomically;
 an entry that cannot be read or parsed is ignored and captured anew, and a
 cache folder that cannot be written is skipped without a word: the cache
 only ever saves time.
@@ -35,6 +36,8 @@ from graphpipe.graph import OpGraph, graph_from_dict, graph_to_dict
 __all__ = ["cache_dir", "cached_graph"]
 
 OFF = ("off", "0", "none", "")
+KEEP = 256
+"""Entries kept (the newest by modification time): each change to graphpipe or torch starts new keys."""
 
 
 def cache_dir() -> str | None:
@@ -85,6 +88,23 @@ def cached_graph(parts: tuple, capture: Callable[[], OpGraph]) -> OpGraph:
 
         os.makedirs(folder, exist_ok=True)
         write_json_atomic(path, doc)
+        _prune(folder)
     except Exception:  # a read-only home, a full disk: the cache only saves time
         pass
     return graph_from_dict(doc)  # what a later read returns (integral floats as ints): the same plan bytes either way
+
+
+def _prune(folder: str) -> None:
+    """Remove all but the ``KEEP`` newest entries (a gone file is another process's prune)."""
+    entries = []
+    for name in os.listdir(folder):
+        if name.startswith("graph-") and name.endswith(".json"):
+            try:
+                entries.append((os.stat(os.path.join(folder, name)).st_mtime, name))
+            except FileNotFoundError:
+                continue
+    for _, name in sorted(entries, reverse=True)[KEEP:]:
+        try:
+            os.remove(os.path.join(folder, name))
+        except FileNotFoundError:
+            pass

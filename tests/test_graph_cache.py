@@ -90,3 +90,17 @@ def test_off_writes_nothing(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == []
     monkeypatch.delenv("GRAPHPIPE_CACHE_DIR")
     assert graph_cache.cache_dir() == os.path.join(str(tmp_path), "graphpipe")
+
+
+def test_old_entries_are_pruned_to_the_newest(cache, monkeypatch):
+    os.makedirs(cache)
+    for i in range(5):
+        (cache / f"graph-old{i}.json").write_text("{}")
+        os.utime(cache / f"graph-old{i}.json", (1000 + i, 1000 + i))
+    (cache / "notes.txt").write_text("not ours")
+    monkeypatch.setattr(graph_cache, "KEEP", 3)
+    zoo.load_graph("mmt:small")
+    left = sorted(os.listdir(cache))
+    assert "notes.txt" in left and "graph-old4.json" in left and "graph-old3.json" in left
+    assert not any(f"graph-old{i}.json" in left for i in range(3))
+    assert len([n for n in left if n.startswith("graph-")]) == 3
