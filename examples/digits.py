@@ -99,7 +99,7 @@ def train(args) -> None:
     if dist.get_rank() == 0:
         _write(args.out, {"mode": "pipeline", "plan": args.plan, "loss": curve, "accuracy": accuracy})
         print(f"pipeline: accuracy {accuracy:.4f}, loss per epoch {' '.join(f'{v:.4f}' for v in curve)}")
-    dist.destroy_process_group()
+    pipe.close()  # every rank meets, then the process group goes
 
 
 def single(args) -> None:

@@ -56,7 +56,7 @@ def main() -> None:
         for w in gathered:
             merged.update(w)
         torch.save({"losses": losses, "norms": norms, "weights": merged, "eval": out}, args.out)
-    dist.destroy_process_group()
+    pipe.close()  # every rank meets, then the process group goes
 
 
 if __name__ == "__main__":

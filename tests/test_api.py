@@ -150,6 +150,12 @@ def test_bad_inputs_are_clear_errors(tmp_path):
         dcp.save({"model/some.weight": torch.zeros(2)}, storage_writer=dcp.FileSystemWriter(str(other)))
         with pytest.raises(InputError, match="has no parameter 'head.bias'|has no parameter '"):
             pipe.load(str(other))
+        pipe.close()  # the Pipeline created the group: close ends it
+        assert not dist.is_initialized()
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_port()}", rank=0, world_size=1)
+        mine = Pipeline(plan, api_models.TwoBranch(), api_models.loss_fn, timeout_s=30)
+        mine.close()  # the caller's group stays the caller's
+        assert dist.is_initialized()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

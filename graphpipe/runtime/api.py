@@ -10,6 +10,7 @@
         opt.step(); opt.zero_grad()
     pipe.save("ckpt", optimizer=opt)                         # torch.distributed.checkpoint, keyed by parameter name
     out = pipe.forward(inputs)                               # no-grad evaluation, the output on every rank
+    pipe.close()                                             # every rank meets, then the process group goes
 
 Every rank builds the same model (``Pipeline`` broadcasts rank 0's weights
 so they agree), captures it on the example inputs of the plan's model spec
@@ -47,10 +48,11 @@ from graphpipe.plan import Plan
 __all__ = ["Pipeline"]
 
 
-def _init_distributed(timeout_s: float) -> tuple[int, int, str]:
-    """``(rank, world size, backend)``, initialising the default process group from torchrun's environment."""
+def _init_distributed(timeout_s: float) -> tuple[int, int, str, bool]:
+    """``(rank, world size, backend, whether it initialised)``, initialising the default process group from
+    torchrun's environment unless the caller did."""
     if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size(), dist.get_backend()
+        return dist.get_rank(), dist.get_world_size(), dist.get_backend(), False
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise InputError("graphpipe.Pipeline runs under torchrun (RANK and WORLD_SIZE are not set); "
                          "start the script with `torchrun --nproc-per-node N script.py`")
@@ -61,7 +63,7 @@ def _init_distributed(timeout_s: float) -> tuple[int, int, str]:
     if use_cuda:
         torch.cuda.set_device(local)
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
-    return dist.get_rank(), world, backend
+    return dist.get_rank(), world, backend, True
 
 
 class Pipeline:
@@ -88,7 +90,7 @@ class Pipeline:
         if precision not in ("fp32", "bf16"):
             raise InputError(f"precision must be fp32 or bf16, got {precision!r}")
         self.precision, self.seed, self.timeout_s = precision, seed, timeout_s
-        self.rank, self.world_size, self.backend = _init_distributed(timeout_s)
+        self.rank, self.world_size, self.backend, self._owns_group = _init_distributed(timeout_s)
         sg = self.plan.stage_graph
         if sg.num_devices > self.world_size:
             raise PlanError(f"the plan needs {sg.num_devices} ranks, torchrun started {self.world_size}")
@@ -170,6 +172,7 @@ class Pipeline:
         self = cls.__new__(cls)
         self.plan, self.precision, self.seed, self.timeout_s = plan, options.precision, options.seed, options.timeout_s
         self.rank, self.world_size, self.backend, self.device = rank, world_size, backend, device
+        self._owns_group = False  # the worker's group: it destroys it
         self._batchnorm, self._measure, self._steps = options.batchnorm_for(plan), options.measure, 0
         self._model = self._loss_fn = None  # the runnable's module is dropped: only this rank's stages stay
         self._assemble(runnable.gm, runnable.op_nodes, runnable.io, runnable.loss_fn, runnable.make_inputs,
@@ -388,6 +391,22 @@ class Pipeline:
                 if self._setup.buffer_stage.get(name) == s:
                     state[f"buffer/{name}"] = b
         return state
+
+    def close(self) -> None:
+        """End of training: every rank waits for the others, then the default process group is destroyed if
+        this Pipeline created it (one you initialised is yours to destroy, after this barrier).
+
+        The barrier keeps a rank from tearing its connections down while a peer
+        still works (rank 0 writing results, say): under gloo, ranks that
+        destroyed the group and exited ahead of a busy peer sometimes aborted
+        at interpreter exit ("terminate called without an active exception",
+        torch 2.13).
+        """
+        if not dist.is_initialized():
+            return
+        dist.barrier()
+        if self._owns_group:
+            dist.destroy_process_group()
 
     def save(self, directory: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Write a ``torch.distributed.checkpoint`` to ``directory`` (collective), atomically: into a fresh
