@@ -56,7 +56,8 @@ def run(model: str = "transformer:small", batch_size: int = 32, micro_batch_size
 
     if not dist.is_initialized():
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
-    plan = make_plan(zoo.canonical_spec(model), zoo.load_graph(model), preset("h100" if torch.cuda.is_available() else "v100", 1), batch_size, "gpipe",
+    cluster = preset("h100" if torch.cuda.is_available() else "v100", 1)  # paper-size mmt overflows one V100
+    plan = make_plan(zoo.canonical_spec(model), zoo.load_graph(model), cluster, batch_size, "gpipe",
                      SearchOptions(micro_batch_size=micro_batch_size, recompute="none"))
     built = zoo.build(model, seed=0)
     pipe = Pipeline(plan, built.module, built.loss_fn, precision=precision)
@@ -65,35 +66,25 @@ def run(model: str = "transformer:small", batch_size: int = 32, micro_batch_size
     reference.load_state_dict(built.module.state_dict())
     opt_api = torch.optim.AdamW(pipe.parameters(), lr=1e-4)
     opt_loop = torch.optim.AdamW(reference.parameters(), lr=1e-4)
-    inputs = built.make_inputs(batch_size, 0)
-    on_device = tuple(x.to(device) for x in inputs)
-    torch_step = _torch_one_stage(built, device, batch_size // micro_batch_size, precision, batch_size) if with_torch else None
+    on_device = tuple(x.to(device) for x in built.make_inputs(batch_size, 0))  # time the step, not the copy
 
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    def api_step() -> float:
-        sync()
-        t0 = time.perf_counter()
-        pipe.step(on_device)  # already on the device, as the loop's: both time the step, not the copy
+    def api_step(x) -> None:
+        pipe.step(x)
         opt_api.step()
         opt_api.zero_grad()
-        sync()
-        return time.perf_counter() - t0
 
-    def loop_step() -> float:
-        sync()
-        t0 = time.perf_counter()
+    def loop_step(x) -> None:
         with autocast(precision, device):
             for lo in range(0, batch_size, micro_batch_size):
-                mb = tuple(x[lo:lo + micro_batch_size] for x in on_device)
+                mb = tuple(t[lo:lo + micro_batch_size] for t in x)
                 loss = built.loss_fn(reference(*mb)) * (micro_batch_size / batch_size)
                 loss.backward()
         opt_loop.step()
         opt_loop.zero_grad()
-        sync()
-        return time.perf_counter() - t0
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
     def timed(fn):
         def step() -> float:
@@ -104,9 +95,10 @@ def run(model: str = "transformer:small", batch_size: int = 32, micro_batch_size
             return time.perf_counter() - t0
         return step
 
-    contestants = [("api", api_step), ("loop", loop_step)]
-    if torch_step is not None:
-        contestants.append(("torch", timed(torch_step)))
+    contestants = [("api", timed(api_step)), ("loop", timed(loop_step))]
+    if with_torch:
+        contestants.append(("torch", timed(_torch_one_stage(built, device, batch_size // micro_batch_size,
+                                                            precision, batch_size))))
     times = {name: [] for name, _ in contestants}
     for i in range(warmup + steps):
         for name, fn in contestants[i % len(contestants):] + contestants[:i % len(contestants)]:  # rotate the order

@@ -528,19 +528,16 @@ def strip_recompute(sg: StageGraph, cluster: Cluster, schedule_name: str, host=N
 
     order = sorted((s.id for s in sg.stages if s.recompute),
                    key=lambda i: (-sg.recompute_time(i) / sg.stages[i].micro_batch_size, i))
-    if schedule_name in ORDER_FROM_COSTS:
-        for stage_id in order:
-            trial = replace(sg, stages=tuple(replace(s, recompute=False) if s.id == stage_id else s for s in sg.stages))
+    once = bool(order) and schedule_name not in ORDER_FROM_COSTS
+    if once:
+        schedule = make_schedule(schedule_name, sg, cluster, validate=False)
+        peaks = peak_memory_in_order(sg, schedule, cluster)
+    for stage_id in order:
+        trial = replace(sg, stages=tuple(replace(s, recompute=False) if s.id == stage_id else s for s in sg.stages))
+        if not once:
             if simulated(trial, cluster, schedule_name, host)[1]:
                 sg = trial
-        return sg
-    if not order:
-        return sg
-    schedule = make_schedule(schedule_name, sg, cluster, validate=False)
-    peaks = peak_memory_in_order(sg, schedule, cluster)
-    for stage_id in order:
-        stages = tuple(replace(s, recompute=False) if s.id == stage_id else s for s in sg.stages)
-        trial = replace(sg, stages=stages)
+            continue
         changed = sg.stages[stage_id].devices
         updated = dict(zip(changed, peak_memory_in_order(trial, schedule, cluster, changed)))
         if max(updated.get(d, p) for d, p in enumerate(peaks)) <= cluster.memory_bytes:
