@@ -145,8 +145,8 @@ def test_bf16_capture_on_cuda_bounds_a_cuda_autocast_step():
     CUDA's fused attention (flash / cuDNN) saves no seq x seq probabilities, so
     with the default kernels a CUDA step saves less than the capture predicts
     (the plan is conservative); with ``SDPBackend.MATH`` the two count the same
-    tensors up to autocast's per-device cast lists (H100 figures: this test's
-    commit message).
+    tensors up to autocast's per-device cast lists (docs/limits.md, "Cost
+    model").
     """
     import contextlib
 
