@@ -1,5 +1,3 @@
-import sys
+from graphpipe.cli import console_main
 
-from graphpipe.cli import main
-
-sys.exit(main())
+console_main()

@@ -154,3 +154,20 @@ def test_a_plan_killed_while_writing_leaves_no_partial_file(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert json.loads(out.read_text())["format"] == "graphpipe.plan/1"
     assert sorted(os.listdir(tmp_path)) == ["plan.json"]
+
+
+def test_the_command_exits_at_once_with_its_whole_output_and_exit_code(tmp_path):
+    """``graphpipe plan`` ends with os._exit (no interpreter teardown, cli.console_main): its piped stdout, which
+    Python buffers (8 KiB) and os._exit would drop unflushed, arrives whole and parses, the plan file is
+    complete, and a refusal still exits 2 with its one line."""
+    out = tmp_path / "plan.json"
+    argv = ["plan", "mmt:small", "--devices", "64", "--batch-size", "256", "--json", "--out", str(out)]
+    buffered = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # as a user's shell runs it
+    proc = subprocess.run(GRAPHPIPE + argv, capture_output=True, text=True, timeout=300, env=buffered)
+    assert proc.returncode == 0, proc.stderr
+    shown = json.loads(proc.stdout)
+    assert json.loads(out.read_text())["strategy"] == shown["strategy"] == "gpp"
+    bad = subprocess.run(GRAPHPIPE + ["plan", "mmt:small", "--devices", "0", "--batch-size", "8"],
+                         capture_output=True, text=True, timeout=300, env=buffered)
+    assert bad.returncode == 2 and bad.stdout == "" and bad.stderr.count("\n") == 1, bad.stderr
+    assert bad.stderr.startswith("graphpipe: error: ")

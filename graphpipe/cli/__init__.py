@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import signal
 import sys
 import traceback
@@ -151,5 +152,32 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(signum, old if old is not None else signal.SIG_DFL)
 
 
+# Verbs that only compute and write files: every file is written atomically and closed and every child process
+# joined before main() returns, so nothing is left for the interpreter's teardown to release.
+_FAST_EXIT_VERBS = frozenset({"models", "inspect", "plan", "simulate"})
+
+
+def console_main() -> None:
+    """The ``graphpipe`` command: :func:`main`, then for the verbs in ``_FAST_EXIT_VERBS`` an immediate exit.
+
+    Python's orderly teardown after ``import torch`` (module dicts, weak
+    finalizers, torch's own exit hooks) is a fixed cost paid after the answer
+    is printed; for a planning command it is a large part of the wall time
+    the user waits (evals/REPORT.md, bench_scale). ``main()`` itself, which
+    tests call in-process, never exits.
+    """
+    code = main()
+    verb = next((w for w in sys.argv[1:] if not w.startswith("-")), None)
+    if verb in _FAST_EXIT_VERBS:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (BrokenPipeError, OSError):  # a reader that went away: the answer is lost either way
+                pass
+        logging.shutdown()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console_main()

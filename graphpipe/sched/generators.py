@@ -56,14 +56,17 @@ def gpipe(sg: StageGraph) -> Schedule:
     does; with several (virtual) stages on one device, later stages'
     backwards come first (they are the ones whose gradients arrive first).
     """
-    lists: list[list[Action]] = [[] for _ in range(sg.num_devices)]
+    # The replicas of a (not round-robin) stage run the same list: build it once and share the tuple (at 1024
+    # devices a plan's replicas hold most of the schedule's actions).
+    built: dict[tuple, tuple[Action, ...]] = {}
+    lists: list[tuple[Action, ...]] = []
     for d in range(sg.num_devices):
         stages = sg.stages_on_device(d)
-        mine = {s: _own_micro_batches(sg, s, d) for s in stages}
-        for s in stages:
-            lists[d].extend(Action(s, "F", j) for j in mine[s])
-        for s in reversed(stages):
-            lists[d].extend(Action(s, "B", j) for j in mine[s])
+        key = tuple((s, _own_micro_batches(sg, s, d)) for s in stages)
+        if key not in built:
+            built[key] = (tuple(Action(s, "F", j) for s, mine in key for j in mine)
+                          + tuple(Action(s, "B", j) for s, mine in reversed(key) for j in mine))
+        lists.append(built[key])
     return Schedule.from_lists("gpipe", lists)
 
 

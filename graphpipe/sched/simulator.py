@@ -249,11 +249,19 @@ def simulate(sg: StageGraph, schedule: Schedule, cluster: Cluster, host: SharedH
                             f"simulate with the plan's own cluster")
     check_structure(sg, schedule)
     delays, duration, delay = _engine_inputs(sg, cluster)
-    args = (sg, schedule.device_actions, duration, delay, delay)
-    result = run_engine(*args) if host is None else run_engine_shared(*args, host.slowdown)
-    if result.stuck:
-        raise_deadlock(schedule, result.stuck)
-    actions = [ActionRecord(d, a, result.starts[d][k], result.ends[d][k])
+    if host is None:  # dedicated devices: one device of each lockstep class stands for the others (see score)
+        reps, rep_index, replicas = _lockstep_classes(sg, schedule)
+        result = run_engine(sg, [schedule.device_actions[d] for d in reps], duration, delay, delay, replicas)
+        if result.stuck:
+            raise_deadlock(schedule, [replace(s, device=reps[s.device]) for s in result.stuck])
+        starts = [result.starts[i] if i is not None else () for i in rep_index]
+        ends = [result.ends[i] if i is not None else () for i in rep_index]
+    else:  # a shared host's speed depends on how many devices run at once: every device is simulated
+        result = run_engine_shared(sg, schedule.device_actions, duration, delay, delay, host.slowdown)
+        if result.stuck:
+            raise_deadlock(schedule, result.stuck)
+        starts, ends = result.starts, result.ends
+    actions = [ActionRecord(d, a, starts[d][k], ends[d][k])
                for d, acts in enumerate(schedule.device_actions) for k, a in enumerate(acts)]
     transfers = []
     for p, c in sg.edges:
@@ -409,6 +417,37 @@ class Score:
     max_peak_memory_bytes: float
 
 
+def _lockstep_classes(sg: StageGraph, schedule: Schedule) -> tuple[list[int], list[int | None], list[int]]:
+    """(representative devices, each device's index among them or None when idle, per-stage replica counts for
+    :func:`run_engine`): devices whose action lists are equal form one class, its first device standing for it.
+
+    Equal lists run in lockstep on dedicated devices: the same actions,
+    waiting on the same stage-level completions, for the same durations (the
+    replicas of a stage that splits its micro-batches). A round-robin stage's
+    replicas run different micro-batches, so their lists differ anyway.
+    """
+    reps: list[int] = []
+    rep_index: list[int | None] = []
+    by_content: dict[tuple, int] = {}
+    by_identity: dict[int, int] = {}  # generators share one tuple among replicas: skip hashing it again
+    for d, acts in enumerate(schedule.device_actions):
+        if not acts:
+            rep_index.append(None)
+            continue
+        i = by_identity.get(id(acts))
+        if i is None:
+            key = tuple(acts)
+            i = by_content.get(key)
+            if i is None:
+                i = by_content[key] = len(reps)
+                reps.append(d)
+            by_identity[id(acts)] = i
+        rep_index.append(i)
+    listed = set(reps)
+    replicas = [1 if st.round_robin else sum(1 for d in st.devices if d in listed) for st in sg.stages]
+    return reps, rep_index, replicas
+
+
 def score(sg: StageGraph, schedule: Schedule, cluster: Cluster) -> Score:
     """:func:`simulate`'s figures that rank plans, without building the timeline (dedicated devices).
 
@@ -425,15 +464,7 @@ def score(sg: StageGraph, schedule: Schedule, cluster: Cluster) -> Score:
     if cluster.num_devices != sg.num_devices:
         raise ScheduleError(f"cluster has {cluster.num_devices} devices, the stage graph {sg.num_devices}; "
                             f"simulate with the plan's own cluster")
-    reps, classes = [], {}
-    for d, acts in enumerate(schedule.device_actions):
-        if acts:
-            key = tuple(acts)
-            if key not in classes:
-                classes[key] = d
-                reps.append(d)
-    listed = set(reps)
-    replicas = [1 if st.round_robin else sum(1 for d in st.devices if d in listed) for st in sg.stages]
+    reps, _, replicas = _lockstep_classes(sg, schedule)
     _, duration, delay = _engine_inputs(sg, cluster)
     acts = [schedule.device_actions[d] for d in reps]
     result = run_engine(sg, acts, duration, delay, delay, replicas)
