@@ -162,3 +162,15 @@ def test_compare_writes_the_gpp_plan(capsys, model_file, tmp_path):
     assert plan.strategy == "gpp"
     gpp_row = next(ln for ln in out.splitlines() if ln.startswith("gpp "))
     assert f"{plan.predicted['throughput']:.2f}" in gpp_row
+
+
+def test_per_device_memory_line_writes_a_run_of_replicas_once():
+    """At 1024 devices the table's memory line would list 1024 numbers: runs of 4+ equal ones are 'v xN'."""
+    from graphpipe.cli.plan_cmd import _runs
+
+    assert _runs(["1.00"] * 4 + ["2.00"] + ["3.00"] * 3 + ["1.00"] * 5) == "1.00 x4 2.00 3.00 3.00 3.00 1.00 x5"
+    assert _runs([]) == "" and _runs(["5.00"]) == "5.00"
+    values = [f"{v:.2f}" for v in (1, 1, 2, 2, 2, 2, 2, 7)]
+    expanded = [w for part in _runs(values).replace(" x", "x").split()
+                for w in ([part.split("x")[0]] * int(part.split("x")[1]) if "x" in part else [part])]
+    assert expanded == values  # nothing lost or reordered

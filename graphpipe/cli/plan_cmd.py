@@ -249,6 +249,19 @@ def _with_profile(plan, profile):
 
 
 # ------------------------------------------------------------------ output
+def _runs(values: list[str]) -> str:
+    """``values`` space-separated, a run of 4 or more equal neighbours written once as ``value xN`` (a stage's
+    replicas: at 1024 devices the line would otherwise hold 1024 numbers)."""
+    out, i = [], 0
+    while i < len(values):
+        j = i
+        while j < len(values) and values[j] == values[i]:
+            j += 1
+        out.extend([f"{values[i]} x{j - i}"] if j - i >= 4 else values[i:j])
+        i = j
+    return " ".join(out)
+
+
 def _abbrev(names: list[str], width: int = 48) -> str:
     text = ", ".join(names)
     if len(text) <= width:
@@ -281,7 +294,7 @@ def format_plan(plan) -> str:
     lines.append(f"iteration time  {p.iteration_time_s * 1e3:.3f} ms")
     lines.append(f"throughput      {p.throughput:.2f} samples/s")
     if peaks:
-        per_device = " ".join(f"{peaks[d] / 1e9:.2f}" for d in used)
+        per_device = _runs([f"{peaks[d] / 1e9:.2f}" for d in used])
         lines.append(f"peak memory     max {max(peaks) / 1e9:.2f} GB of {plan.cluster.memory_bytes / 1e9:g} GB; "
                      f"per device (GB): {per_device}")
     recompute = [f"{st.id}{f' ({len(st.checkpoints) + 1} segments)' if st.checkpoints else ''}"
