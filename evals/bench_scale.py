@@ -19,7 +19,7 @@ that one, so each starts from the same state and the row records
 
 The command line adds starting Python and capturing the model (torch.export) to these times:
 ``--cli`` also times the whole ``graphpipe plan`` per model and strategy (piper aside) at the largest
-count, once with an empty captured-graph cache and ``--repeat`` times with it filled.
+count, ``--repeat`` times without the captured-graph cache and ``--repeat`` times with it filled.
 
 Timings are of the machine it runs on (``cpus`` and ``load_average`` are
 recorded beside them): medians of several runs, since other jobs share it.
@@ -134,18 +134,21 @@ def _cli_once(model: str, n: int, strategy: str, cache: str) -> tuple[float, int
 
 
 def cli_time(model: str, n: int, strategies: tuple[str, ...] = ("gpp",), repeat: int = 3) -> list[dict]:
-    """Wall time of the whole ``graphpipe plan`` command, one row per strategy: ``cold_wall_s`` with an empty
-    captured-graph cache (the first strategy only: it fills the cache), ``median_wall_s`` over ``repeat``
+    """Wall time of the whole ``graphpipe plan`` command, one row per strategy: ``median_cold_wall_s`` over
+    ``repeat`` runs without the captured-graph cache (``GRAPHPIPE_CACHE_DIR=off``: each run captures the
+    model with torch.export, as a model's first plan on a machine does), ``median_wall_s`` over ``repeat``
     runs with the model's graph cached (:mod:`graphpipe.graph_cache`)."""
     import tempfile
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-scale-cache-") as cache:
-        for i, strategy in enumerate(strategies):
-            cold = _cli_once(model, n, strategy, cache)[0] if i == 0 else None
+        for strategy in strategies:
+            colds = [_cli_once(model, n, strategy, "off")[0] for _ in range(repeat)]
+            _cli_once(model, n, strategy, cache)  # fills the cache
             runs = [_cli_once(model, n, strategy, cache) for _ in range(repeat)]
             walls = [r[0] for r in runs]
-            rows.append({"model": model, "strategy": strategy, "devices": n, "cold_wall_s": cold,
+            rows.append({"model": model, "strategy": strategy, "devices": n,
+                         "median_cold_wall_s": statistics.median(colds), "max_cold_wall_s": max(colds),
                          "median_wall_s": statistics.median(walls), "max_wall_s": max(walls), "rc": runs[-1][1],
                          "search_s": runs[-1][2], "error": runs[-1][3] if runs[-1][1] else None})
     return rows
@@ -188,8 +191,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.cli:
             for row in cli_time(model, max(devices), tuple(s for s in strategies if s != "piper"), args.repeat):
                 cli.append(row)
-                cold = f"cold {row['cold_wall_s']:.2f} s, " if row["cold_wall_s"] is not None else ""
-                print(f"{model:11s} graphpipe plan --devices {max(devices)} --strategy {row['strategy']}: {cold}"
+                print(f"{model:11s} graphpipe plan --devices {max(devices)} --strategy {row['strategy']}: "
+                      f"cold median {row['median_cold_wall_s']:.2f} s (max {row['max_cold_wall_s']:.2f}), cached "
                       f"median {row['median_wall_s']:.2f} s wall (exit {row['rc']}, search {row['search_s']})",
                       flush=True)
     path = write_result(args.out, args.name, {"repeat": args.repeat, "devices": devices, "models": args.models,

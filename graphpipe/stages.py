@@ -121,6 +121,7 @@ class StageGraph:
     _succs: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
     _preds: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
     _edge_bytes: Mapping[tuple[int, int], float] = field(init=False, repr=False, compare=False)
+    _on_device: Mapping[int, tuple[int, ...]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         g = self.graph
@@ -198,6 +199,11 @@ class StageGraph:
         object.__setattr__(self, "_succs", tuple(tuple(s) for s in succs))
         object.__setattr__(self, "_preds", tuple(tuple(p) for p in preds))
         object.__setattr__(self, "_edge_bytes", edge_bytes)
+        on_device: dict[int, list[int]] = {}
+        for stage in self.stages:  # in stage order, so each device's tuple is sorted
+            for d in stage.devices:
+                on_device.setdefault(d, []).append(stage.id)
+        object.__setattr__(self, "_on_device", {d: tuple(ids) for d, ids in on_device.items()})
 
     # ------------------------------------------------------------------ build
     @classmethod
@@ -267,7 +273,8 @@ class StageGraph:
         return tuple(sorted({d for s in self.stages for d in s.devices}))
 
     def stages_on_device(self, device_id: int) -> tuple[int, ...]:
-        return tuple(s.id for s in self.stages if device_id in s.devices)
+        """The ids of the stages ``device_id`` holds, in increasing order (a table: schedules ask per device)."""
+        return self._on_device.get(device_id, ())
 
     def fwd_time(self, stage_id: int) -> float:
         """Seconds for one forward micro-batch on one replica of the stage."""
