@@ -380,3 +380,68 @@ def test_gradients_rebind_into_the_same_buffer_after_the_optimizer_drops_them(on
     assert all(p.grad is v for p, v in zip(params, views))
     for p, g in zip(params, first):  # zeroed before the step: the same data gives the same gradients, not twice
         torch.testing.assert_close(p.grad, g)
+
+
+def test_bound_forward_equals_the_stage_module_and_reads_live_parameters():
+    """BoundForward (parameters passed in, no attribute chains) gives the module's outputs and gradients bit for
+    bit, in train and eval mode (a BatchNorm kept as a shared sub-module), on a captured graph and on the stage
+    programs cut from it, and sees a parameter replaced after it was built (as a checkpoint load may)."""
+    from graphpipe.exporting import export_model
+    from graphpipe.runtime.stage_modules import BoundForward
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(),
+                                            torch.nn.Dropout(0.0))
+            self.head = torch.nn.Linear(8, 3)
+
+        def forward(self, x):
+            return self.head(self.body(x)).sum(-1)
+
+    torch.manual_seed(0)
+    x = torch.randn(5, 6)
+    modules = [export_model(Net(), (torch.randn(4, 6),)).gm]
+    runnable = load_runnable("mmt:small")
+    graph = zoo.load_graph("mmt:small")
+    sg = make_sg(graph, contiguous_stages(graph.num_ops, 3, random.Random(0)), [(i,) for i in range(3)], [4] * 3, 4, 3)
+    programs = split_model(runnable.gm, runnable.op_nodes, sg).programs
+    cases = [(modules[0], (x,))]
+    inputs, values = runnable.make_inputs(4, 3), {}
+    with torch.no_grad():  # each stage's inputs: the stages chained on the whole batch
+        for prog in programs:
+            args = tuple(inputs[dict(prog.model_inputs)[n]] if n in dict(prog.model_inputs) else values[n]
+                         for n in prog.input_names)
+            cases.append((prog.module, tuple(t.detach().requires_grad_(t.is_floating_point()) for t in args)))
+            values.update(zip(prog.output_names, prog.module(*args)[0]))
+    assert len(cases) == 4
+    for module, args in cases:
+        bound = BoundForward(module)
+        assert bound.bound is not None  # nothing here needs the fallback
+        for train in (True, False):
+            module.train(train)
+            module.zero_grad()
+            want = module(*args)
+            want_loss = sum(t.float().sum() for t in torch.utils._pytree.tree_leaves(want)
+                            if isinstance(t, torch.Tensor) and t.requires_grad)
+            want_loss.backward()
+            want_grads = [None if p.grad is None else p.grad.clone() for p in module.parameters()]
+            module.zero_grad()
+            got = bound(*args)
+            got_loss = sum(t.float().sum() for t in torch.utils._pytree.tree_leaves(got)
+                           if isinstance(t, torch.Tensor) and t.requires_grad)
+            got_loss.backward()
+            flat_got, flat_want = torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)
+            assert all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in zip(flat_got, flat_want))
+            assert all((p.grad is None and g is None) or torch.equal(p.grad, g)
+                       for p, g in zip(module.parameters(), want_grads))
+        module.train()
+    gm = modules[0]
+    bound = BoundForward(gm)
+    before = bound(x)
+    target = next(n.target for n in gm.graph.nodes if n.op == "get_attr" and n.target.endswith("weight"))
+    owner, _, name = target.rpartition(".")
+    holder = gm.get_submodule(owner) if owner else gm
+    holder._parameters[name] = torch.nn.Parameter(torch.zeros_like(holder._parameters[name]))
+    got, want = torch.utils._pytree.tree_leaves(bound(x)), torch.utils._pytree.tree_leaves(gm(x))
+    assert torch.equal(got[0], want[0]) and not torch.equal(got[0], torch.utils._pytree.tree_leaves(before)[0])

@@ -64,7 +64,7 @@ from graphpipe.runtime.rng import ShardContext
 from graphpipe.runtime.measure import NoMeter, SavedBytesMeter
 from graphpipe.runtime.routing import Routing
 from graphpipe.split_backward import PendingWeightGrad, backward_input, backward_weight
-from graphpipe.runtime.stage_modules import StageProgram, ValueMeta
+from graphpipe.runtime.stage_modules import BoundForward, StageProgram, ValueMeta
 from graphpipe.stages import StageGraph
 
 __all__ = ["TimedAction", "StepResult", "ExecutorContext", "RankExecutor", "InjectedFailure", "TiedSync", "zero_grads", "flat_grad_buffer"]
@@ -219,6 +219,9 @@ class RankExecutor:
         self.batchnorm = ctx.batchnorm
         self.tied = tuple(ctx.tied)
         self._batchnorms = {s: tuple(sharded_batchnorms(prog.module)) for s, prog in self.programs.items()}
+        # each stage's forward with its parameters passed in (no attribute chains per micro-batch); the segments
+        # of a re-materializing stage and weight versions (asynchronous schedules) call their modules as before
+        self._forwards = {s: BoundForward(prog.module) for s, prog in self.programs.items()}
         # parameters and buffers are model state, not activations (capture excludes both too). Training through
         # the API measures nothing: no saved-tensor hooks, no device synchronisation per action.
         self.measure = ctx.measure
@@ -342,7 +345,7 @@ class RankExecutor:
         versions = self.weights.get(a.stage_id)
 
         def run_stage(*xs):  # the stage's forward, and the loss on the sink (so re-materialization covers it)
-            sent, out = prog.module(*xs) if versions is None else versions.call(a.mb_id, *xs)
+            sent, out = self._forwards[a.stage_id](*xs) if versions is None else versions.call(a.mb_id, *xs)
             return sent, out, (self.loss_fn(out) * scale if prog.is_sink else None)
 
         with self.saved_meter.hooks():  # activation memory, measured (runtime/measure.py)

@@ -86,7 +86,7 @@ import torch.fx
 from graphpipe.errors import PlanError
 from graphpipe.stages import StageGraph
 
-__all__ = ["StageProgram", "Segment", "ModelSplit", "ValueMeta", "TiedParameter", "split_model", "boundary_meta", "check_op_names",
+__all__ = ["StageProgram", "BoundForward", "Segment", "ModelSplit", "ValueMeta", "TiedParameter", "split_model", "boundary_meta", "check_op_names",
            "instrument", "CTX_NAME"]
 
 CTX_NAME = "rng_ctx"
@@ -538,3 +538,59 @@ def boundary_meta(gm: torch.fx.GraphModule, values: Sequence[str],
             raise PlanError(f"fx value {name!r}: per-sample shape changes with the batch size ({shapes[0]} vs {shapes[1]})")
         meta[name] = ValueMeta(shapes[0], runs[0][1][name].dtype)
     return meta
+
+
+class BoundForward:
+    """A stage module's forward with its tensors passed in, not looked up: ``BoundForward(gm)(*xs)`` computes
+    ``gm(*xs)``.
+
+    An exported graph reads every parameter with a ``get_attr`` node, which
+    generated code turns into a chain of ``nn.Module.__getattr__`` calls
+    (``self.branch0.layer3.fc1.weight``: four Python calls per tensor), on
+    every forward of every micro-batch, and the call goes through
+    ``nn.Module.__call__``. On a host-bound step (small kernels, a fast GPU)
+    that is a visible share of the step. Here the graph is copied with those
+    ``get_attr`` nodes turned into leading placeholders; each call reads the
+    tensors from their owners' ``_parameters``/``_buffers`` dicts (one
+    dictionary lookup each, so a parameter replaced later, by a checkpoint
+    load or a device move, is still the one used) and calls the copy's
+    ``forward``. Sub-module calls in the graph (BatchNorm, dropout kept as
+    modules) run the same shared modules, so train/eval mode and running
+    statistics are the stage module's. A graph whose code reads
+    ``self.training`` or whose ``get_attr`` names something other than a tensor
+    is not bound: :meth:`__call__` then calls the module itself.
+    """
+
+    def __init__(self, gm: torch.fx.GraphModule):
+        self.module = gm
+        self.slots: list[tuple[dict, str]] = []
+        self.bound: torch.fx.GraphModule | None = None
+        reads = [n for n in gm.graph.nodes if n.op == "get_attr"]
+        slots = []
+        for node in reads:
+            path, _, name = node.target.rpartition(".")
+            try:
+                owner = gm.get_submodule(path) if path else gm
+            except AttributeError:
+                return
+            table = owner._parameters if name in owner._parameters else owner._buffers if name in owner._buffers \
+                else None
+            if table is None:  # a plain tensor attribute (a constant) or a sub-graph: keep the module call
+                return
+            slots.append((table, name))
+        if "self.training" in gm.code:
+            return
+        graph = torch.fx.Graph()
+        env: dict[torch.fx.Node, torch.fx.Node] = {}
+        for i, node in enumerate(reads):
+            env[node] = graph.placeholder(f"_bound_{i}")
+        for node in gm.graph.nodes:
+            if node.op != "get_attr":
+                env[node] = graph.node_copy(node, lambda n: env[n])
+        self.bound = torch.fx.GraphModule(gm, graph)
+        self.slots = slots
+
+    def __call__(self, *xs, **kwargs):
+        if self.bound is None:
+            return self.module(*xs, **kwargs)
+        return self.bound.forward(*[table[name] for table, name in self.slots], *xs, **kwargs)
