@@ -150,7 +150,11 @@ NOTES: dict[str, str] = {
         "3,104 gradient accumulations each; the API adds 388 in-place adds, its gradient buffers). Timed one "
         "after the other instead of alternating, the same three steps took 428 (API), 581 (loop) and 674 ms "
         "(torch): the order swings more than the gap, so the bf16 ratios here are within the host's noise, not a "
-        "difference in work. fp32 met both targets (0.991x and 1.002x)."),
+        "difference in work. fp32 met both targets (0.991x and 1.002x). Since this run (no GPU in the later "
+        "session to re-measure) each stage's forward takes its parameters as inputs (BoundForward): the "
+        "exported graph's attribute chains cost four Module.__getattr__ calls per tensor per micro-batch, and "
+        "on a host-bound CPU proxy (mmt with hidden 16, 8 micro-batches) the API went from 0.962x the loop "
+        "to 1.07-1.11x."),
     "bench_scale": (
         "Where the time and memory went before issue 34 (cProfile, transformer, batch 16 per device): Piper's "
         "seed, the linear DP, built (stage ends x devices x every replica count 1..N x stages) arrays: 84 of "
@@ -172,10 +176,16 @@ NOTES: dict[str, str] = {
         "from the action order alone (simulator.peak_memory_in_order), and the pipedream rows that end refused "
         "take 0.8-4.4 s. gpp's re-materialization pass (strip_recompute) built and timed one schedule per stage "
         "it tried (mmt at 1024: 31 schedules of 60k actions); it builds one and re-counts the changed devices. "
-        "What remains is the command line around the search: Python and torch start in about 2 s, and the "
-        "first plan of a paper-size model captures it with torch.export (4-7 s); the captured graph is then "
-        "cached on disk (graphpipe.graph_cache), so only a model's first plan on a machine pays it: the "
-        "headline's cold figures (mmt 12.2 s, transformer 11.2 s, twobranch 10.2 s) are above issue 34's 10 s, "
-        "the cached ones below. Piper refuses mmt past 32 devices (4.1 million downset pairs x 15 sizes) in "
+        "Then the command line around the search (this round): simulate() of the winning plan ran the engine "
+        "on all 1024 devices; it now runs one device per lockstep class, as score() does (the replicas of a "
+        "split stage), and copies the times (tests compare every device with the every-device engine and a "
+        "fixpoint oracle); gpipe() builds one action tuple per replica group; and the planning verbs exit "
+        "with os._exit after flushing, skipping about 1 s of torch's interpreter teardown. What remains is "
+        "Python and torch starting (about 1.5 s) and a model's first plan on a machine capturing it with "
+        "torch.export: importing torch._dynamo (1.2-1.5 s) and tracing paper-size MMT's 1,102 nodes with a "
+        "symbolic batch (about 3 s), then costing them (about 1 s). The captured graph is cached on disk "
+        "(graphpipe.graph_cache), so later plans of the model skip it: cached medians 1.6-4.0 s for every "
+        "model and strategy at 1024 devices (pipedream on twobranch, a refusal, 6.1 s), cold medians 4.1-9.5 s "
+        "except mmt (10.1 s gpp, 10.8 s pipedream's refusal), the one figure above issue 34's 10 s. Piper refuses mmt past 32 devices (4.1 million downset pairs x 15 sizes) in "
         "one line. The machine's load average is in the config line: other jobs shared the 2 cores."),
 }
