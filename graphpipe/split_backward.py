@@ -57,6 +57,8 @@ class PendingWeightGrad:
     root_grads: list[torch.Tensor | None]
     params: list[torch.nn.Parameter]
     captured: dict[Node, tuple[torch.Tensor | None, ...]] | None
+    groups: list[tuple[list[Node], list[int]]] | None = None
+    """:func:`_capture_points`' groups: W asks autograd for each group's parameters from its own points."""
 
 
 def _grad_accumulator(p: torch.Tensor) -> Node:
@@ -65,9 +67,11 @@ def _grad_accumulator(p: torch.Tensor) -> Node:
 
 
 def _capture_points(roots: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
-                    params: Sequence[torch.Tensor]) -> list[Node] | None:
+                    params: Sequence[torch.Tensor]) -> list[tuple[list[Node], list[int]]] | None:
     """Nodes on I's path (from a root to an input) that a parameter's gradient flows through first, walking up
-    from the parameter; None when some parameter is reachable from a root without crossing I's path."""
+    from the parameter, grouped: ``(points, parameter indices)`` where parameters that share a point share a
+    group (a layer's weight and bias). None when some parameter is reachable from a root without crossing
+    I's path."""
     accumulators = [_grad_accumulator(p) for p in params]
     parents: dict[Node, list[Node]] = {}
     root_nodes = {t.grad_fn for t in roots if t.grad_fn is not None}
@@ -98,13 +102,18 @@ def _capture_points(roots: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor
 
     on_path, _ = up([_grad_accumulator(x) for x in inputs if x.requires_grad and x.grad_fn is None]
                     + [x.grad_fn for x in inputs if x.grad_fn is not None], set())
-    points: set[Node] = set()
-    for acc in accumulators:
+    groups: list[tuple[set[Node], set[int]]] = []  # (capture points, parameter indices): disjoint points
+    for i, acc in enumerate(accumulators):
         closure, hit = up([acc], on_path)
         if closure & root_nodes:
             return None
-        points |= hit
-    return sorted(points, key=found.get)
+        points, params = set(hit), {i}
+        for group in [g for g in groups if g[0] & points]:  # parameters sharing a point share one group
+            groups.remove(group)
+            points |= group[0]
+            params |= group[1]
+        groups.append((points, params))
+    return [(sorted(points, key=found.get), sorted(params)) for points, params in groups]
 
 
 def backward_input(roots: Sequence[torch.Tensor], root_grads: Sequence[torch.Tensor | None],
@@ -114,7 +123,8 @@ def backward_input(roots: Sequence[torch.Tensor], root_grads: Sequence[torch.Ten
     scalar loss), the graph retained; parameter gradients are left for :func:`backward_weight`."""
     roots, root_grads = list(roots), list(root_grads)
     params = [p for p in params if p.requires_grad]
-    consumers = _capture_points(roots, inputs, params) if params and inputs else None
+    groups = _capture_points(roots, inputs, params) if params and inputs else None
+    consumers = [node for points, _ in groups for node in points] if groups is not None else None
     captured: dict[Node, tuple[torch.Tensor | None, ...]] = {}
     handles = []
 
@@ -134,7 +144,8 @@ def backward_input(roots: Sequence[torch.Tensor], root_grads: Sequence[torch.Ten
         for h in handles:
             h.remove()
     complete = consumers is not None and len(captured) == len(consumers)
-    return dinputs, PendingWeightGrad(roots, root_grads, params, captured if complete else None)
+    return dinputs, PendingWeightGrad(roots, root_grads, params, captured if complete else None,
+                                      groups if complete else None)
 
 
 def backward_weight(pending: PendingWeightGrad) -> None:
@@ -144,29 +155,35 @@ def backward_weight(pending: PendingWeightGrad) -> None:
     if pending.captured is None:
         torch.autograd.backward(pending.roots, pending.root_grads, inputs=pending.params)
         return
-    edges, grads = [], []
-    for node, grad_outputs in pending.captured.items():
-        for k, g in enumerate(grad_outputs):
-            if g is not None:
-                edges.append(GradientEdge(node, k))
-                grads.append(g)
-    # A consumer downstream of another is reached twice (as a root and through the other): pin each
-    # consumer's incoming gradient to the captured one so nothing is counted twice.
-    handles = []
-    if len(pending.captured) > 1:
-        for node, grad_outputs in pending.captured.items():
-            handles.append(node.register_prehook(lambda _, saved=grad_outputs: saved))
-    try:
-        if edges:
-            dweights = torch.autograd.grad(edges, pending.params, grads, allow_unused=True)
-            for p, dw in zip(pending.params, dweights):
-                if dw is None:
-                    continue
-                if p.grad is None:
-                    p.grad = dw
-                else:
-                    p.grad += dw
-    finally:
-        for h in handles:
-            h.remove()
+    # One autograd call per group, asking for that group's parameters only: a point's input-gradient edge
+    # leads to other groups' parameters, which this call does not ask for, so autograd prunes it and the
+    # input-gradient path I already walked is not walked again (one call for every parameter would walk
+    # it, and pay a second input-gradient product per layer). Within a group, a point downstream of another
+    # is reached twice (as a root and through the other): its incoming gradient is pinned to the captured
+    # one so nothing is counted twice. The graph is kept until the last group's call.
+    groups = pending.groups or [(list(pending.captured), list(range(len(pending.params))))]
+    for n, (points, indices) in enumerate(groups):
+        edges, grads = [], []
+        for node in points:
+            for k, g in enumerate(pending.captured[node]):
+                if g is not None:
+                    edges.append(GradientEdge(node, k))
+                    grads.append(g)
+        if not edges:
+            continue
+        params = [pending.params[i] for i in indices]
+        handles = [node.register_prehook(lambda _, saved=pending.captured[node]: saved) for node in points] \
+            if len(points) > 1 else []
+        try:
+            dweights = torch.autograd.grad(edges, params, grads, allow_unused=True, retain_graph=n < len(groups) - 1)
+        finally:
+            for h in handles:
+                h.remove()
+        for p, dw in zip(params, dweights):
+            if dw is None:
+                continue
+            if p.grad is None:
+                p.grad = dw
+            else:
+                p.grad += dw
     pending.captured = None
