@@ -176,7 +176,7 @@ NOTES: dict[str, str] = {
         "from the action order alone (simulator.peak_memory_in_order), and the pipedream rows that end refused "
         "take 0.8-4.4 s. gpp's re-materialization pass (strip_recompute) built and timed one schedule per stage "
         "it tried (mmt at 1024: 31 schedules of 60k actions); it builds one and re-counts the changed devices. "
-        "Then the command line around the search (this round): simulate() of the winning plan ran the engine "
+        "Then the command line around the search: simulate() of the winning plan ran the engine "
         "on all 1024 devices; it now runs one device per lockstep class, as score() does (the replicas of a "
         "split stage), and copies the times (tests compare every device with the every-device engine and a "
         "fixpoint oracle); gpipe() builds one action tuple per replica group; and the planning verbs exit "

@@ -145,13 +145,13 @@ def _cli_line(res: dict[str, Any]) -> str:
     if not cli:
         return ""
     worst = max(cli, key=lambda r: r["median_wall_s"])
-    cold = [r for r in cli if r.get("median_cold_wall_s", r.get("cold_wall_s")) is not None]
-    worst_cold = max(cold, key=lambda r: r.get("median_cold_wall_s", r.get("cold_wall_s"))) if cold else None
+    cold = [r for r in cli if r.get("median_cold_wall_s") is not None]
+    worst_cold = max(cold, key=lambda r: r["median_cold_wall_s"]) if cold else None
     return (f". Whole `graphpipe plan` at {cli[0]['devices']} devices (table below): with the model's graph cached, "
             f"medians {fmt(min(r['median_wall_s'] for r in cli))}-{fmt(worst['median_wall_s'])} s (slowest "
             f"{worst['model']} {worst['strategy']})"
             + (f"; capturing the model first (no cache), slowest median {worst_cold['model']} {worst_cold['strategy']} "
-               f"{fmt(worst_cold.get('median_cold_wall_s', worst_cold.get('cold_wall_s')))} s" if worst_cold else ""))
+               f"{fmt(worst_cold['median_cold_wall_s'])} s" if worst_cold else ""))
 
 
 CLI_COLUMNS = [("model", "model"), ("strategy", "strategy"), ("devices", "devices"),

@@ -57,8 +57,9 @@ class PendingWeightGrad:
     root_grads: list[torch.Tensor | None]
     params: list[torch.nn.Parameter]
     captured: dict[Node, tuple[torch.Tensor | None, ...]] | None
-    groups: list[tuple[list[Node], list[int]]] | None = None
-    """:func:`_capture_points`' groups: W asks autograd for each group's parameters from its own points."""
+    groups: list[tuple[list[Node], list[int]]] | None
+    """:func:`_capture_points`' groups (None exactly when ``captured`` is): W asks autograd for each group's
+    parameters from its own points."""
 
 
 def _grad_accumulator(p: torch.Tensor) -> Node:
@@ -161,7 +162,7 @@ def backward_weight(pending: PendingWeightGrad) -> None:
     # it, and pay a second input-gradient product per layer). Within a group, a point downstream of another
     # is reached twice (as a root and through the other): its incoming gradient is pinned to the captured
     # one so nothing is counted twice. The graph is kept until the last group's call.
-    groups = pending.groups or [(list(pending.captured), list(range(len(pending.params))))]
+    groups = pending.groups
     for n, (points, indices) in enumerate(groups):
         edges, grads = [], []
         for node in points:

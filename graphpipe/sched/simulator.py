@@ -249,11 +249,8 @@ def simulate(sg: StageGraph, schedule: Schedule, cluster: Cluster, host: SharedH
                             f"simulate with the plan's own cluster")
     check_structure(sg, schedule)
     delays, duration, delay = _engine_inputs(sg, cluster)
-    if host is None:  # dedicated devices: one device of each lockstep class stands for the others (see score)
-        reps, rep_index, replicas = _lockstep_classes(sg, schedule)
-        result = run_engine(sg, [schedule.device_actions[d] for d in reps], duration, delay, delay, replicas)
-        if result.stuck:
-            raise_deadlock(schedule, [replace(s, device=reps[s.device]) for s in result.stuck])
+    if host is None:  # dedicated devices: one device of each lockstep class stands for the others
+        _, rep_index, result = _run_lockstep(sg, schedule, duration, delay)
         starts = [result.starts[i] if i is not None else () for i in rep_index]
         ends = [result.ends[i] if i is not None else () for i in rep_index]
     else:  # a shared host's speed depends on how many devices run at once: every device is simulated
@@ -448,6 +445,16 @@ def _lockstep_classes(sg: StageGraph, schedule: Schedule) -> tuple[list[int], li
     return reps, rep_index, replicas
 
 
+def _run_lockstep(sg: StageGraph, schedule: Schedule, duration, delay):
+    """:func:`run_engine` on one device of each :func:`_lockstep_classes` class: ``(representatives, each
+    device's index among them, result)``; a deadlock raises :class:`DeadlockError` naming the real devices."""
+    reps, rep_index, replicas = _lockstep_classes(sg, schedule)
+    result = run_engine(sg, [schedule.device_actions[d] for d in reps], duration, delay, delay, replicas)
+    if result.stuck:
+        raise_deadlock(schedule, [replace(s, device=reps[s.device]) for s in result.stuck])
+    return reps, rep_index, result
+
+
 def score(sg: StageGraph, schedule: Schedule, cluster: Cluster) -> Score:
     """:func:`simulate`'s figures that rank plans, without building the timeline (dedicated devices).
 
@@ -464,12 +471,9 @@ def score(sg: StageGraph, schedule: Schedule, cluster: Cluster) -> Score:
     if cluster.num_devices != sg.num_devices:
         raise ScheduleError(f"cluster has {cluster.num_devices} devices, the stage graph {sg.num_devices}; "
                             f"simulate with the plan's own cluster")
-    reps, _, replicas = _lockstep_classes(sg, schedule)
     _, duration, delay = _engine_inputs(sg, cluster)
+    reps, _, result = _run_lockstep(sg, schedule, duration, delay)
     acts = [schedule.device_actions[d] for d in reps]
-    result = run_engine(sg, acts, duration, delay, delay, replicas)
-    if result.stuck:
-        raise_deadlock(schedule, [replace(s, device=reps[s.device]) for s in result.stuck])
     end = max((e[-1] for e in result.ends if e), default=0.0)
     for st in sg.stages:
         if st.num_replicas > 1:
