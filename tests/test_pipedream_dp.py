@@ -15,6 +15,7 @@ import json
 import math
 import os
 
+import numpy as np
 import pytest
 
 from conftest import branches_graph, chain_graph
@@ -271,3 +272,66 @@ def test_an_antichain_answer_that_is_not_a_partition_falls_back_to_the_linearisa
     owners = sorted(v for stage in plan.stage_graph.stages for v in stage.op_ids)
     assert owners == list(range(graph.num_ops))   # every op in exactly one stage
     assert all(stage.op_ids for stage in plan.stage_graph.stages)
+
+
+def _dense_rows(compute, act, params, output, ancestors, M, within, bw, memory, state_per_byte, num_mbs, outside):
+    """The optimizer's loops over every row i, end j, split k and machines m' (k outer, then m'; strict
+    improvement), on the dense (j, k) square: the oracle of the split-pair row sweep."""
+    from graphpipe.search.pipedream_dp import _in_flight
+
+    rows, s = compute.shape
+    time = np.full((rows, s, M), np.nan)
+    split = np.full(time.shape, -1)
+    rest = np.full(time.shape, -1)
+    replicas = np.broadcast_to(np.arange(1, M + 1), time.shape).copy()
+    for i in range(rows):
+        for j in range(s):
+            for m in range(M):
+                t = (compute[i, j] + 4 * m * params[i, j] / (bw * (m + 1)) / within) / (m + 1)
+                held = _in_flight(M, m + 1, m + 1, num_mbs, outside) * act[i, j] + state_per_byte * params[i, j]
+                time[i, j, m] = np.nan if held > memory or np.isnan(t) else t
+    for i in range(min(rows, s - 1)):
+        for j in range(i + 1, s):
+            for m in range(1, M):
+                for k in range(s):
+                    if not ancestors[j, k] or (i > 0 and ancestors[i - 1, k]):
+                        continue
+                    for mp in range(1, m + 1):
+                        prev = time[i, k, m - mp]
+                        last = (compute[k + 1, j] + 4 * (mp - 1) * params[k + 1, j] / (bw * mp)) / mp
+                        last = max(last, 2.0 * output[k] / (bw * mp))
+                        if j < s - 1:
+                            last = max(last, 2.0 * output[j] / (bw * mp))
+                        held = _in_flight(M, m + 1, mp, num_mbs, outside) * act[k + 1, j] \
+                            + state_per_byte * params[k + 1, j]
+                        if np.isnan(prev) or np.isnan(last) or held > memory:
+                            continue
+                        cand = max(prev, last)
+                        if np.isnan(time[i, j, m]) or time[i, j, m] > cand:
+                            time[i, j, m], split[i, j, m] = cand, k
+                            rest[i, j, m], replicas[i, j, m] = m - mp, mp
+    return time, split, rest, replicas
+
+
+@pytest.mark.parametrize("spec,memory", [("twobranch:layers=3", math.inf), ("mmt:branches=3,layers=2", math.inf),
+                                         ("mmt:branches=3,layers=2", 2.2e9), ("candle-uno:branches=2", 1.5e9)])
+def test_split_pair_rows_equal_the_optimizers_dense_loops(spec, memory):
+    """Every row of a lower level (the top one reads row 0 only), swept over the split pairs ``(j, k)``
+    with ``k`` an ancestor of ``j``, gives the tables of the optimizer's loops over every ``(i, j, k, m, m')``:
+    the same times and the same choices (first of equal times), memory binding or not."""
+    from graphpipe import zoo
+    from graphpipe.search.pipedream_dp import _level, _ranges, state_sums
+
+    g = zoo.load_graph(spec, preset("v100", 4).device)
+    states = antichain_states(g)
+    sums = state_sums(states, g, 4)
+    compute, act, params = _ranges(sums.compute), _ranges(sums.activation), _ranges(sums.params)
+    args = (compute, act, params, sums.output, states.ancestors)
+    M, bw, spb, num_mbs, outside = 4, 1.25e10, 16.0, 8, 4
+    ours = _level(*args, M, 1, bw, False, memory, spb, num_mbs, outside)
+    dense = _dense_rows(*args, M, 1, bw, memory, spb, num_mbs, outside)
+    assert np.isfinite(ours.time).any()
+    np.testing.assert_allclose(ours.time, dense[0], rtol=1e-12, equal_nan=True)
+    for got, want in zip((ours.split, ours.rest, ours.replicas), dense[1:]):
+        finite = np.isfinite(dense[0])
+        assert (got[finite] == want[finite]).all()

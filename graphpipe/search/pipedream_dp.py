@@ -448,84 +448,74 @@ def _level(compute: np.ndarray, act: np.ndarray, params: np.ndarray, output: np.
     with np.errstate(invalid="ignore"):
         last = (last_c[:, :, None] + 4 * (mp_all - 1) * last_p[:, :, None] / (bw * mp_all)) / mp_all  # (j, k, m')
         last = np.maximum(np.maximum(last, in_t[None, :, :M - 1]), out_t[:, None, :M - 1])
-    # m outermost: A[i][j][m] reads only A[i][k][m - m'] with m' >= 1, so every entry sees the values the
-    # i-outer order gave it, and whether the last stage fits is computed once per m instead of once per (i, m).
-    if final:  # the top level reads row 0 only: its allowed (j, k) pairs alone, a third of them on twobranch
-        _final_row(time, split, rest, replicas, last, last_a, state, ancestors, M, num_mbs, outside, memory)
-        return _Level(time, split, rest, replicas)
-    for m in range(1, M):
-        mp = mp_all[:m]                                                        # m' = 1..m
-        with np.errstate(invalid="ignore"):
-            held = _in_flight(M, m + 1, mp, num_mbs, outside) * last_a[:, :, None] + state[:, :, None]
-        fits = held <= memory                                                  # (j, k, m'); never chosen if not
-        base = last[:, :, :m]
-        for i in range(rows):
-            if i + 1 >= s:
-                break
-            prev = time[i][:, m - mp]                                          # (k, m'): A[i][k][m - m']
-            with np.errstate(invalid="ignore"):
-                cand = np.maximum(prev[None, :, :], base[i + 1:])              # (j, k, m'), j = i+1..s-1
-            allowed = ancestors[i + 1:]                                        # (j, k)
-            if i > 0:
-                allowed = allowed & ~ancestors[i - 1][None, :]
-            ok = fits[i + 1:] & allowed[:, :, None]
-            ok &= ~np.isnan(cand)
-            num_js = s - i - 1
-            flat = np.where(ok, cand, np.inf).reshape(num_js, -1)              # (j, k * m'): k first, then m'
-            best = flat.argmin(axis=1)
-            value = flat[np.arange(num_js), best]
-            current = time[i, i + 1:, m]
-            better = np.isfinite(value) & (np.isnan(current) | (current > value))
-            k_best, mp_best = np.divmod(best, m)
-            jb = i + 1 + np.flatnonzero(better)
-            time[i, jb, m] = value[better]
-            split[i, jb, m] = k_best[better]
-            rest[i, jb, m] = m - (mp_best[better] + 1)
-            replicas[i, jb, m] = mp_best[better] + 1
+    # Rows are independent: A[i][j][m] reads only A[i][k][m - m'] (m' >= 1) of its own row. Each row is
+    # swept over the (j, k) pairs it may split at (k an ancestor of j), not the dense (j, k) square.
+    pj, pk = np.nonzero(ancestors)                                             # sorted by j, then k
+    pairs = _Pairs(pj, pk, last[pj, pk, :], last_a[pj, pk][:, None], state[pj, pk][:, None])
+    for i in ([0] if final else range(min(rows, s - 1))):  # the top level reads row 0 only
+        _row(i, pairs, time, split, rest, replicas, ancestors, M, num_mbs, outside, memory)
     return _Level(time, split, rest, replicas)
 
 
-def _final_row(time: np.ndarray, split: np.ndarray, rest: np.ndarray, replicas: np.ndarray, last: np.ndarray,
-               last_a: np.ndarray, state: np.ndarray, ancestors: np.ndarray, M: int, num_mbs: int, outside: int,
-               memory: float) -> None:
-    """Row 0 of :func:`_level`'s tables in place, over the allowed (j, k) pairs only (k an ancestor of j).
+@dataclass(frozen=True, slots=True)
+class _Pairs:
+    """The split pairs ``(j, k)``, state ``k`` an ancestor of state ``j``, sorted by ``j`` then ``k``, with the
+    last stage's (``k + 1 .. j``) time per ``m'``, activation bytes and model-state bytes."""
 
-    The same values and choices as the dense sweep: the candidates of one ``j`` are its pairs in ``k``
-    order, each with ``m' = 1..m``, so the first minimum of that run is the dense argmin's (a pair that is
-    not allowed is infinite there, never the first minimum of a finite row).
+    j: np.ndarray
+    k: np.ndarray
+    last: np.ndarray
+    """(pairs, m')"""
+    act: np.ndarray
+    """(pairs, 1)"""
+    state: np.ndarray
+    """(pairs, 1)"""
+
+
+def _row(i: int, pairs: _Pairs, time: np.ndarray, split: np.ndarray, rest: np.ndarray, replicas: np.ndarray,
+         ancestors: np.ndarray, M: int, num_mbs: int, outside: int, memory: float) -> None:
+    """Row ``i`` of :func:`_level`'s tables in place: ``A[i][j][m]`` for every ``j > i`` and ``m``.
+
+    The last stage runs from state ``k + 1`` to ``j``, after ``A[i][k][m - m']``: ``k`` is an ancestor of
+    ``j``, at or after ``i`` (``A[i][k]`` is empty before ``i``) and, past row 0, not an ancestor of
+    state ``i - 1`` (the optimizer's rule). The candidates of one ``j`` are its pairs in ``k`` order, each
+    with ``m' = 1..m``; the first minimum of that run is the optimizer's choice (its loops go k, then m',
+    and replace only on a strictly smaller time).
     """
-    s = time.shape[1]
-    pj, pk = np.nonzero(ancestors[1:s])                                        # sorted by j, then k
-    pj = pj + 1
-    if len(pj) == 0:
+    keep = (pairs.j > i) & (pairs.k >= i)
+    if i > 0:
+        keep &= ~ancestors[i - 1][pairs.k]
+    keep = np.flatnonzero(keep)
+    if len(keep) == 0:
         return
+    pj, pk = pairs.j[keep], pairs.k[keep]
     starts = np.flatnonzero(np.concatenate(([True], pj[1:] != pj[:-1])))
     js = pj[starts]
     lengths = np.diff(np.append(starts, len(pj)))
-    last_p = last[pj, pk, :]                                                   # (pairs, m')
-    act_p, state_p = last_a[pj, pk][:, None], state[pj, pk][:, None]
+    last_p, act_p, state_p = pairs.last[keep], pairs.act[keep], pairs.state[keep]
+    row = time[i]
     for m in range(1, M):
         mp = np.arange(1, m + 1)
         with np.errstate(invalid="ignore"):
             held = _in_flight(M, m + 1, mp, num_mbs, outside) * act_p + state_p
-            cand = np.maximum(time[0][pk[:, None], m - mp], last_p[:, :m])        # (pairs, m'): A[0][k][m-m']
+            cand = np.maximum(row[pk[:, None], m - mp], last_p[:, :m])          # (pairs, m'): A[i][k][m-m']
         ok = held <= memory
         ok &= ~np.isnan(cand)
         flat = np.where(ok, cand, np.inf).reshape(-1)                           # runs of lengths * m per j
         value = np.minimum.reduceat(flat, starts * m)
         hit = np.flatnonzero(flat == np.repeat(value, lengths * m))
         first = hit[np.searchsorted(hit, starts * m)] if len(hit) else hit
-        current = time[0, js, m]
+        current = row[js, m]
         better = np.isfinite(value) & (np.isnan(current) | (current > value))
         if not better.any():
             continue
         pos = first[better]
         pair, mp_index = np.divmod(pos, m)
         jb = js[better]
-        time[0, jb, m] = value[better]
-        split[0, jb, m] = pk[pair]
-        rest[0, jb, m] = m - (mp_index + 1)
-        replicas[0, jb, m] = mp_index + 1
+        row[jb, m] = value[better]
+        split[i, jb, m] = pk[pair]
+        rest[i, jb, m] = m - (mp_index + 1)
+        replicas[i, jb, m] = mp_index + 1
 
 
 @dataclass(frozen=True, slots=True)
