@@ -293,15 +293,17 @@ def _follow(g: np.ndarray, rows: np.ndarray, tables: _Tables) -> np.ndarray:
 
 def _stage_devices(tables: _Tables, pairs: np.ndarray, t: float) -> np.ndarray:
     """(pairs, K): fewest replicas meeting TPS <= t with k in flight; inf when none does."""
-    num_r = len(tables.replicas)
-    ok = tables.tps[pairs] <= t
-    first_ok = np.where(ok, np.arange(num_r), num_r)
-    # nxt[:, x] = smallest allowed index >= x meeting t (num_r when none); sentinel column at num_r.
-    nxt = np.minimum.accumulate(first_ok[:, ::-1], axis=1)[:, ::-1]
-    nxt = np.concatenate([nxt, np.full((len(nxt), 1), num_r)], axis=1)
-    idx = np.take_along_axis(nxt, tables.r_mem[pairs].astype(np.int64), axis=1)
-    values = np.concatenate([tables.replicas.astype(float), [np.inf]])
-    return values[idx]
+    num_r, num_pairs = len(tables.replicas), len(pairs)
+    ok = (tables.tps[pairs] <= t).T
+    # best[x, p] = the smallest allowed count from index x on meeting t (inf when none; row num_r: none)
+    best = np.empty((num_r + 1, num_pairs))
+    best[num_r] = np.inf
+    for x in range(num_r - 1, -1, -1):
+        best[x] = np.where(ok[x], tables.replicas[x], best[x + 1])
+    idx = tables.r_mem[pairs].astype(np.intp)                 # the fewest counts that fit k in flight
+    idx *= num_pairs
+    idx += np.arange(num_pairs)[:, None]
+    return best.ravel()[idx]
 
 
 def _min_devices(lat: Lattice, tables: _Tables, t: float) -> np.ndarray:
