@@ -154,6 +154,23 @@ def _quiet_torch_logs():
             logging.getLogger(n).setLevel(level)
 
 
+@contextlib.contextmanager
+def _no_stack_traces():
+    """Export without a Python stack trace per graph node: nothing here reads ``node.meta["stack_trace"]``
+    (errors name the user's line from the exception), and capturing and symbolizing one per node is about a
+    tenth of exporting a large model. A no-op on a torch without the switch."""
+    config = getattr(fx, "config", None)
+    if config is None or not hasattr(config, "do_not_emit_stack_traces"):
+        yield
+        return
+    saved = config.do_not_emit_stack_traces
+    config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        config.do_not_emit_stack_traces = saved
+
+
 def deliver_target(target: Any) -> Any:
     """Identity: carries the loss target from the data to the stage computing the loss (a graph node of that op)."""
     return target
@@ -343,7 +360,7 @@ def export_model(module: nn.Module, example_inputs: Any, loss_fn: Callable[..., 
     try:
         if use_cache:
             config.use_cache = False
-        with _opaque_batchnorms(module) as batchnorms, _quiet_torch_logs():
+        with _opaque_batchnorms(module) as batchnorms, _quiet_torch_logs(), _no_stack_traces():
             ep = torch.export.export(module, args, kwargs, dynamic_shapes=dynamic, strict=False)
     except Exception as exc:  # export raises many types; the first line and the user's location say why
         raise UserCodeError(f"{_export_location(exc)}torch.export cannot capture {type(module).__name__}: "
