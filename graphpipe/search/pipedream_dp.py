@@ -47,6 +47,12 @@ level above) the optimizer skips split points ``k`` that are ancestors of
 ``i - 1`` but not states unrelated to it, whose differences are then not a
 set of ops; we keep that too, since the level above reads those values.
 
+Each row is its own recursion (``A[i][j][m]`` reads row ``i`` only), so a
+row is computed alone, over the pairs ``(j, k)`` with ``k`` an ancestor of
+``j`` (the only splits allowed) rather than the whole ``(j, k)`` square,
+with every ``m'`` of a machine count ``m`` in one array: on branchy graphs
+most pairs of states are unrelated, and the square costs ``s^3`` per level.
+
 What differs (each stated where the code does it):
 
 * **Memory** is an extra constraint PipeDream's default run lacks (its
