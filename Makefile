@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test bench clean
+.PHONY: install bytecode demo test bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -17,15 +17,21 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
+# An editable install compiles nothing, and environments that set PYTHONDONTWRITEBYTECODE never
+# cache bytecode: every process (each CLI call, each rank) would compile graphpipe's sources again.
+# compileall writes it whatever that variable says; stale files are ignored and recompiled in memory.
+bytecode: $(STAMP)
+	$(PY) -m compileall -q graphpipe evals
+
 install: $(STAMP)
 
-demo: install
+demo: install bytecode
 	$(VENV)/bin/graphpipe inspect mmt
 	mkdir -p out
 	$(VENV)/bin/graphpipe plan mmt --devices 16 --batch-size 256 --compare --baseline-time-limit 10 --out out/mmt-gpp.json
 	$(VENV)/bin/graphpipe simulate out/mmt-gpp.json --gantt out/mmt-gpp.png --trace out/mmt-gpp.trace.json
 
-test: install
+test: install bytecode
 	$(PY) -m pytest -q -x --doctest-modules graphpipe evals tests
 
 bench: install
