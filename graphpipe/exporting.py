@@ -157,8 +157,8 @@ def _quiet_torch_logs():
 @contextlib.contextmanager
 def _no_stack_traces():
     """Export without a Python stack trace per graph node: nothing here reads ``node.meta["stack_trace"]``
-    (errors name the user's line from the exception), and capturing and symbolizing one per node is about a
-    tenth of exporting a large model. A no-op on a torch without the switch."""
+    (errors name the user's line from the exception), and capturing and symbolizing one per node is a
+    share of export's time that grows with the model. A no-op on a torch without the switch."""
     config = getattr(fx, "config", None)
     if config is None or not hasattr(config, "do_not_emit_stack_traces"):
         yield

@@ -332,6 +332,6 @@ def test_split_pair_rows_equal_the_optimizers_dense_loops(spec, memory):
     dense = _dense_rows(*args, M, 1, bw, memory, spb, num_mbs, outside)
     assert np.isfinite(ours.time).any()
     np.testing.assert_allclose(ours.time, dense[0], rtol=1e-12, equal_nan=True)
+    finite = np.isfinite(dense[0])
     for got, want in zip((ours.split, ours.rest, ours.replicas), dense[1:]):
-        finite = np.isfinite(dense[0])
         assert (got[finite] == want[finite]).all()

@@ -459,7 +459,7 @@ def _level(compute: np.ndarray, act: np.ndarray, params: np.ndarray, output: np.
     pj, pk = np.nonzero(ancestors)                                             # sorted by j, then k
     pairs = _Pairs(pj, pk, last[pj, pk, :], last_a[pj, pk][:, None], state[pj, pk][:, None])
     for i in ([0] if final else range(min(rows, s - 1))):  # the top level reads row 0 only
-        _row(i, pairs, time, split, rest, replicas, ancestors, M, num_mbs, outside, memory)
+        _row(i, pairs, time, split, rest, replicas, M, num_mbs, outside, memory)
     return _Level(time, split, rest, replicas)
 
 
@@ -479,19 +479,17 @@ class _Pairs:
 
 
 def _row(i: int, pairs: _Pairs, time: np.ndarray, split: np.ndarray, rest: np.ndarray, replicas: np.ndarray,
-         ancestors: np.ndarray, M: int, num_mbs: int, outside: int, memory: float) -> None:
+         M: int, num_mbs: int, outside: int, memory: float) -> None:
     """Row ``i`` of :func:`_level`'s tables in place: ``A[i][j][m]`` for every ``j > i`` and ``m``.
 
     The last stage runs from state ``k + 1`` to ``j``, after ``A[i][k][m - m']``: ``k`` is an ancestor of
-    ``j``, at or after ``i`` (``A[i][k]`` is empty before ``i``) and, past row 0, not an ancestor of
-    state ``i - 1`` (the optimizer's rule). The candidates of one ``j`` are its pairs in ``k`` order, each
-    with ``m' = 1..m``; the first minimum of that run is the optimizer's choice (its loops go k, then m',
-    and replace only on a strictly smaller time).
+    ``j`` at or after ``i`` (``A[i][k]`` is empty before ``i``). States are numbered in a topological
+    order, so an ancestor has the smaller index: ``k >= i`` alone gives ``j > i`` and leaves out the
+    ancestors of state ``i - 1`` (the optimizer's rule past row 0). The candidates of one ``j`` are its
+    pairs in ``k`` order, each with ``m' = 1..m``; the first minimum of that run is the optimizer's choice
+    (its loops go k, then m', and replace only on a strictly smaller time).
     """
-    keep = (pairs.j > i) & (pairs.k >= i)
-    if i > 0:
-        keep &= ~ancestors[i - 1][pairs.k]
-    keep = np.flatnonzero(keep)
+    keep = np.flatnonzero(pairs.k >= i)
     if len(keep) == 0:
         return
     pj, pk = pairs.j[keep], pairs.k[keep]
