@@ -143,18 +143,18 @@ NOTES: dict[str, str] = {
         "auto` does not choose it there. The time error in the result file is against the v100 preset the plans "
         "were made for; `graphpipe eval fidelity` gives the calibrated time error beside the memory error."),
     "bench_api-bf16-cuda": (
-        "Below both GPU targets in this run, at them in another: the first bf16 run on the same H100 (10 steps) "
-        "measured the API at 0.997x the loop and 0.965x torch's schedule. At micro-batch 8 this step is bound by "
-        "the host, not the GPU: a torch.profiler trace of three API steps holds 507 ms of GPU kernels (169 ms a step, against a 530 ms step), and "
-        "the three contestants issue the same work (per step: 4,923 vs 4,922 casts, 2,064 matrix products and "
-        "3,104 gradient accumulations each; the API adds 388 in-place adds, its gradient buffers). Timed one "
-        "after the other instead of alternating, the same three steps took 428 (API), 581 (loop) and 674 ms "
-        "(torch): the order swings more than the gap, so the bf16 ratios here are within the host's noise, not a "
-        "difference in work. fp32 met both targets (0.991x and 1.002x). Since this run (no GPU in the later "
-        "session to re-measure) each stage's forward takes its parameters as inputs (BoundForward): the "
-        "exported graph's attribute chains cost four Module.__getattr__ calls per tensor per micro-batch, and "
-        "on a host-bound CPU proxy (mmt with hidden 16, 8 micro-batches) the API went from 0.962x the loop "
-        "to 1.07-1.11x."),
+        "One H200 (torch 2.11.0+cu130), 40 steps alternating after 3 warm-ups: both GPU targets met. A first run "
+        "on the same machine minutes earlier (30 steps) gave 1.032x the loop and 1.026x torch's schedule. The "
+        "previous H100 figures (0.962x and 0.878x at 24 steps, 0.997x and 0.965x at 10) were taken before the "
+        "stage forwards took their parameters as inputs (BoundForward) and the other host-time cuts: at micro-batch "
+        "8 this step is bound by the host, not the GPU (a torch.profiler trace on the H100 held 169 ms of GPU "
+        "kernels per 530 ms step), so host time per micro-batch is what the ratio measures. Timed with the host "
+        "alone on the H200 (one step each, no synchronisation until its end), the API issued its step in 399 ms, "
+        "the plain loop in 426 ms and torch's one-stage ScheduleGPipe in 469 ms."),
+    "bench_api-cuda": (
+        "One H200 (torch 2.11.0+cu130), 16 steps alternating after 3 warm-ups; a 12-step run minutes earlier gave "
+        "0.992x and 1.001x. fp32 is bound by the GPU at this size (about 1 s a step), so the three contestants "
+        "are within 1% of each other; the previous H100 run gave 0.991x and 1.002x."),
     "bench_scale": (
         "Where the time and memory went before issue 34 (cProfile, transformer, batch 16 per device): Piper's "
         "seed, the linear DP, built (stage ends x devices x every replica count 1..N x stages) arrays: 84 of "
