@@ -10,6 +10,7 @@ from graphpipe.graph import Affine, Op, OpGraph
 from graphpipe.stages import Stage, StageGraph
 from graphpipe.cluster import preset
 from graphpipe.sched import make_schedule, predicted_figures, simulate
+from graphpipe.sched.simulator import simulate_figures
 
 from test_sched_common import (free_cluster, latency_cluster, make_op_graph_diamond, one_stage_per_op, oracle_times,
                                random_stage_graph, uniform_chain)
@@ -224,8 +225,27 @@ def test_score_equals_simulate_on_every_schedule():
                 (name, schedule_name)
             assert peak_memory_in_order(sg, schedule, cluster) == pytest.approx(full["peak_memory_bytes"], rel=1e-12), \
                 (name, schedule_name)
+            assert simulate_figures(sg, schedule, cluster) == full, (name, schedule_name)  # same sums, same order
             compared += 1
     assert compared >= 60
+
+
+def test_a_kept_engine_run_serves_only_the_same_cluster_and_actions():
+    """The simulator keeps its last engine run for the search's winner; on another cluster (slower links) or
+    under another schedule the same stage graph is simulated afresh: each answer equals a run with nothing kept."""
+    from dataclasses import replace as dc_replace
+
+    from graphpipe.sched import simulator
+
+    name, sg, cluster = next(p for p in _plans_to_score() if p[0] == "mmt/gpp")
+    slow = dc_replace(cluster, intra_node=dc_replace(cluster.intra_node, bandwidth_Bps=cluster.intra_node.bandwidth_Bps / 50))
+    cases = [(sg, make_schedule("1f1b", sg, cluster), slow), (sg, make_schedule("gpipe", sg, cluster), cluster)]
+    for other_sg, schedule, other_cluster in cases:
+        simulator.score(sg, make_schedule("1f1b", sg, cluster), cluster)  # kept: sg, cluster, 1f1b's actions
+        got = simulate_figures(other_sg, schedule, other_cluster)
+        simulator._LAST_RUN.clear()
+        assert got == simulate_figures(other_sg, schedule, other_cluster)
+    assert cases[0][0] is sg and simulate_figures(sg, cases[0][1], slow) != simulate_figures(sg, cases[0][1], cluster)
 
 
 def test_simulate_times_every_replica_as_the_every_device_oracle():

@@ -118,3 +118,48 @@ def test_validate_plan_checks_schedule_against_plan():
         validate_plan(plan)
     validate_plan(Plan(model="m", stage_graph=sg, cluster=cluster, strategy="custom",
                        schedule=make_schedule("1f1b", sg, cluster)))
+
+
+def _round_robin_chain() -> StageGraph:
+    """Stage 0 on device 0; stage 1 round-robin on devices 1 and 2 (micro-batch i on device 1 + i mod 2)."""
+    sg = uniform_chain(2, 4)
+    stages = (sg.stages[0], Stage(1, (1,), (1, 2), 1, replica_mode="round-robin"))
+    return StageGraph.build(sg.graph, stages, 4, 3)
+
+
+ROUND_ROBIN_OK = "0: 0F0 0F1 0F2 0F3 0B0 0B1 0B2 0B3\n1: 1F0 1B0 1F2 1B2\n2: 1F1 1B1 1F3 1B3"
+
+
+@pytest.mark.parametrize("text,match,marked", [
+    (ROUND_ROBIN_OK.replace("1: 1F0 1B0 1F2 1B2", "1: 1F0 1B0 1F2 1B2 1F1"), "1F1 belongs to device 2: round-robin",
+     ">1F1<"),
+    (ROUND_ROBIN_OK.replace(" 1B3", ""), "device 2 never runs 1B3", None),
+    (ROUND_ROBIN_OK.replace("2: 1F1 1B1", "2: 1B1 1F1"), "device 2 runs 1B1 before 1F1", ">1B1<"),
+])
+def test_round_robin_replicas_own_their_micro_batches(text, match, marked):
+    sg = _round_robin_chain()
+    validate_schedule(sg, _text(sg, ROUND_ROBIN_OK))
+    with pytest.raises(ScheduleError, match=match) as info:
+        validate_schedule(sg, _text(sg, text))
+    if marked:
+        assert marked in str(info.value)
+
+
+def test_link_order_between_micro_batch_sizes():
+    """Stage 1's micro-batch of 2 needs stage 0's micro-batches 0 and 1 (size 1), in that order on the link; their
+    gradients complete together at stage 1's B of it, and are sent as 0 then 1."""
+    sg = uniform_chain(2, 4)
+    sg = StageGraph.build(sg.graph, (sg.stages[0], Stage(1, (1,), (1,), 2)), 4, 2)
+    validate_schedule(sg, _text(sg, "0: 0F0 0F1 0F2 0F3 0B0 0B1 0B2 0B3\n1: 1F0 1F1 1B0 1B1"))
+    with pytest.raises(ScheduleError, match="link 0->1 \\(activations\\) out of order: stage 0 sends micro-batch 2"):
+        validate_schedule(sg, _text(sg, "0: 0F0 0F2 0F1 0F3 0B0 0B1 0B2 0B3\n1: 1F0 1F1 1B0 1B1"))
+    with pytest.raises(ScheduleError, match="link 1->0 \\(gradients\\) out of order"):
+        validate_schedule(sg, _text(sg, "0: 0F0 0F1 0F2 0F3 0B1 0B0 0B2 0B3\n1: 1F0 1F1 1B0 1B1"))
+
+
+def test_an_action_of_unknown_kind_is_named():
+    sg = uniform_chain(2, 2)
+    schedule = _text(sg, "0: 0F0 0F1 0B0 0B1\n1: 1F0 1B0 1F1 1B1")
+    bad = Schedule("t", (schedule.device_actions[0], schedule.device_actions[1][:3] + (Action(1, "X", 1),)))
+    with pytest.raises(ScheduleError, match="device 1 step 3: action .* has kind 'X'; expected F, B, I or W"):
+        validate_schedule(sg, bad)

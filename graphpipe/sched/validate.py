@@ -94,47 +94,38 @@ def check_structure(sg: StageGraph, schedule: Schedule) -> None:
                             f"{num_devices}: give one action list per device (empty for idle devices)")
     num_mbs = [sg.num_micro_batches(s) for s in range(sg.num_stages)]
     stage_devices = [set(st.devices) for st in sg.stages]
-    # Where each (stage, kind, mb) sits on each device: position index.
+    # The device each micro-batch of a stage runs on: None (every replica) unless the stage is round-robin.
+    owners = [st.devices if st.round_robin else None for st in sg.stages]
+    kinds = frozenset("FBIW")
+    # Where each (stage, kind, mb) sits on each device: position index (an Action is that tuple).
     positions: list[dict[tuple[int, str, int], int]] = [dict() for _ in range(num_devices)]
     for d, acts in enumerate(schedule.device_actions):
         seen = positions[d]
         for k, a in enumerate(acts):
-            if a.kind not in ("F", "B", "I", "W"):
-                _fail(schedule, f"device {d} step {k}: action {a} has kind {a.kind!r}; expected F, B, I or W",
-                      [(d, k)])
-            if not 0 <= a.stage_id < sg.num_stages:
-                _fail(schedule, f"device {d} step {k}: action {a} names stage {a.stage_id}, the plan has stages "
-                                f"0..{sg.num_stages - 1}", [(d, k)])
-            if not 0 <= a.mb_id < num_mbs[a.stage_id]:
-                _fail(schedule, f"device {d} step {k}: action {a} names micro-batch {a.mb_id}, stage {a.stage_id} has "
-                                f"{num_mbs[a.stage_id]} (batch {sg.batch_size} / micro-batch size "
-                                f"{sg.stages[a.stage_id].micro_batch_size})", [(d, k)])
-            if sg.stages[a.stage_id].round_robin and d != sg.stages[a.stage_id].replica_of(a.mb_id):
-                _fail(schedule, f"device {d} step {k}: action {a} belongs to device "
-                                f"{sg.stages[a.stage_id].replica_of(a.mb_id)}: round-robin stage {a.stage_id} runs "
-                                f"micro-batch i on replica i mod {sg.stages[a.stage_id].num_replicas}", [(d, k)])
-            if d not in stage_devices[a.stage_id]:
-                _fail(schedule, f"device {d} step {k}: action {a} belongs to stage {a.stage_id}, which runs on devices "
-                                f"{list(sg.stages[a.stage_id].devices)}, not on device {d}", [(d, k)])
-            key = (a.stage_id, a.kind, a.mb_id)
-            if key in seen:
-                _fail(schedule, f"device {d} runs {a} twice (steps {seen[key]} and {k}); each (stage, mb) needs "
-                                f"exactly one F and one B per device", [(d, seen[key]), (d, k)])
-            seen[key] = k
+            s, kind, mb = a
+            if (kind not in kinds or not 0 <= s < len(num_mbs) or not 0 <= mb < num_mbs[s]
+                    or d not in stage_devices[s] or (owners[s] is not None and owners[s][mb % len(owners[s])] != d)
+                    or a in seen):
+                _explain_action(sg, schedule, num_mbs, stage_devices, d, k, a, seen)
+            seen[a] = k
     for st in sg.stages:
-        for d in st.devices:
-            for j in range(num_mbs[st.id]):
-                if st.round_robin and st.replica_of(j) != d:
-                    continue
-                grad = "I" if _check_split(schedule, st.id, j, d, positions[d]) else "B"
+        sid = st.id
+        for r, d in enumerate(st.devices):
+            pos = positions[d]
+            for j in range(r, num_mbs[sid], len(st.devices)) if st.round_robin else range(num_mbs[sid]):
+                f_at, b_at = pos.get((sid, "F", j)), pos.get((sid, "B", j))
+                if (f_at is not None and b_at is not None and f_at < b_at and (sid, "I", j) not in pos
+                        and (sid, "W", j) not in pos):
+                    continue  # an F, then its B, no split backward beside it: the common case
+                grad = "I" if _check_split(schedule, sid, j, d, pos) else "B"
                 for kind in ("F", grad):
-                    if (st.id, kind, j) not in positions[d]:
-                        _fail(schedule, f"device {d} never runs {Action(st.id, kind, j)}: stage {st.id} has "
-                                        f"{num_mbs[st.id]} micro-batches and every one needs an F and a B on each "
+                    if (sid, kind, j) not in pos:
+                        _fail(schedule, f"device {d} never runs {Action(sid, kind, j)}: stage {sid} has "
+                                        f"{num_mbs[sid]} micro-batches and every one needs an F and a B on each "
                                         f"of its devices {list(st.devices)}")
-                f_at, b_at = positions[d][(st.id, "F", j)], positions[d][(st.id, grad, j)]
+                f_at, b_at = pos[(sid, "F", j)], pos[(sid, grad, j)]
                 if b_at < f_at:
-                    _fail(schedule, f"device {d} runs {Action(st.id, grad, j)} before {Action(st.id, 'F', j)} "
+                    _fail(schedule, f"device {d} runs {Action(sid, grad, j)} before {Action(sid, 'F', j)} "
                                     f"(backward before its forward)", [(d, b_at)])
     # Replicas agree on the stage's relative order.
     orders = []
@@ -152,6 +143,30 @@ def check_structure(sg: StageGraph, schedule: Schedule) -> None:
                       [(d0, positions[d0][_key(per_device[0][k])]), (d, positions[d][_key(order[k])])])
         orders.append(per_device[0])
     _check_link_order(sg, schedule, orders, positions)
+
+
+def _explain_action(sg: StageGraph, schedule: Schedule, num_mbs: Sequence[int], stage_devices: Sequence[set],
+                    d: int, k: int, a: Action, seen: dict) -> None:
+    """Raise the error of device ``d``'s step ``k``, an action that failed :func:`check_structure`'s per-action
+    test: the first of its conditions it breaks, named."""
+    if a.kind not in ("F", "B", "I", "W"):
+        _fail(schedule, f"device {d} step {k}: action {a} has kind {a.kind!r}; expected F, B, I or W", [(d, k)])
+    if not 0 <= a.stage_id < sg.num_stages:
+        _fail(schedule, f"device {d} step {k}: action {a} names stage {a.stage_id}, the plan has stages "
+                        f"0..{sg.num_stages - 1}", [(d, k)])
+    if not 0 <= a.mb_id < num_mbs[a.stage_id]:
+        _fail(schedule, f"device {d} step {k}: action {a} names micro-batch {a.mb_id}, stage {a.stage_id} has "
+                        f"{num_mbs[a.stage_id]} (batch {sg.batch_size} / micro-batch size "
+                        f"{sg.stages[a.stage_id].micro_batch_size})", [(d, k)])
+    if sg.stages[a.stage_id].round_robin and d != sg.stages[a.stage_id].replica_of(a.mb_id):
+        _fail(schedule, f"device {d} step {k}: action {a} belongs to device "
+                        f"{sg.stages[a.stage_id].replica_of(a.mb_id)}: round-robin stage {a.stage_id} runs "
+                        f"micro-batch i on replica i mod {sg.stages[a.stage_id].num_replicas}", [(d, k)])
+    if d not in stage_devices[a.stage_id]:
+        _fail(schedule, f"device {d} step {k}: action {a} belongs to stage {a.stage_id}, which runs on devices "
+                        f"{list(sg.stages[a.stage_id].devices)}, not on device {d}", [(d, k)])
+    _fail(schedule, f"device {d} runs {a} twice (steps {seen[a]} and {k}); each (stage, mb) needs "
+                    f"exactly one F and one B per device", [(d, seen[a]), (d, k)])
 
 
 def _check_split(schedule: Schedule, stage_id: int, mb_id: int, device: int, seen: dict) -> bool:
@@ -192,30 +207,31 @@ def _check_link_order(sg: StageGraph, schedule: Schedule, orders: Sequence[Seque
             continue  # round-robin: one channel per replica pair, each message matched by its micro-batch id
         # Forward: the producer sends mb i when its F(i) ends; the consumer first needs it at its F(j).
         sent = [a.mb_id for a in orders[p] if a.kind == "F"]
-        needed: list[int] = []
-        have: set[int] = set()
-        need_at: dict[int, Action] = {}
-        for a in orders[c]:
-            if a.kind != "F":
-                continue
-            for i in sg.consumed_mbs(p, c, a.mb_id):
-                if i not in have:
-                    have.add(i)
-                    needed.append(i)
-                    need_at[i] = a
-        _compare_orders(sg, schedule, positions, p, c, sent, needed, need_at)
-        # Backward: the gradient of producer mb i is complete after the last covering consumer B.
-        left = {i: len(covering_consumer_mbs(sg, p, c, i)) for i in range(sg.num_micro_batches(p))}
-        grads_sent: list[int] = []
-        sent_at: dict[int, Action] = {}
-        for a in orders[c]:
-            if a.kind not in ("B", "I"):
-                continue
-            for i in sg.consumed_mbs(p, c, a.mb_id):
-                left[i] -= 1
-                if left[i] == 0:
-                    grads_sent.append(i)
-                    sent_at[i] = a
+        if sg.stages[p].micro_batch_size == sg.stages[c].micro_batch_size:  # mb j needs mb j, and only it
+            need_at = {a.mb_id: a for a in orders[c] if a.kind == "F"}
+            _compare_orders(sg, schedule, positions, p, c, sent, list(need_at), need_at)
+            grads_sent = [a.mb_id for a in orders[c] if a.kind in ("B", "I")]
+        else:
+            needed: list[int] = []
+            need_at = {}
+            for a in orders[c]:
+                if a.kind != "F":
+                    continue
+                for i in sg.consumed_mbs(p, c, a.mb_id):
+                    if i not in need_at:
+                        needed.append(i)
+                        need_at[i] = a
+            _compare_orders(sg, schedule, positions, p, c, sent, needed, need_at)
+            # Backward: the gradient of producer mb i is complete after the last covering consumer B.
+            left = {i: len(covering_consumer_mbs(sg, p, c, i)) for i in range(sg.num_micro_batches(p))}
+            grads_sent = []
+            for a in orders[c]:
+                if a.kind not in ("B", "I"):
+                    continue
+                for i in sg.consumed_mbs(p, c, a.mb_id):
+                    left[i] -= 1
+                    if left[i] == 0:
+                        grads_sent.append(i)
         grads_needed = [a.mb_id for a in orders[p] if a.kind in ("B", "I")]
         if grads_sent != grads_needed:
             k = next(i for i, (x, y) in enumerate(zip(grads_sent, grads_needed)) if x != y)
