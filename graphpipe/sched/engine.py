@@ -125,6 +125,12 @@ def run_engine(sg: StageGraph, device_actions: Sequence[Sequence[Action]],
     num_devices = len(device_actions)
     tab = _Tables(sg, duration, fwd_delay, bwd_delay, replicas)
     preds, succs, mb_size, fdel, bdel, dur, done = tab.preds, tab.succs, tab.mb_size, tab.fdel, tab.bdel, tab.dur, tab.done
+    partial, remaining = tab.partial, tab.remaining
+    # Per (stage, kind): how to list an action's dependencies (action_deps, unrolled for the common cases).
+    same_size = [all(mb_size[p] == mb_size[s] for p in preds[s]) and all(mb_size[c] == mb_size[s] for c in succs[s])
+                 for s in range(len(preds))]
+    f_deps = [tuple((p, fdel[(p, s)]) for p in preds[s]) for s in range(len(preds))]
+    b_deps = [tuple((c, bdel[(s, c)]) for c in succs[s]) for s in range(len(preds))]
     waiters: dict[tuple[int, int, int], list[int]] = {}
 
     pos = [0] * num_devices
@@ -139,17 +145,29 @@ def run_engine(sg: StageGraph, device_actions: Sequence[Sequence[Action]],
     while stack:
         d = stack.pop()
         acts = device_actions[d]
+        n_acts = len(acts)
         blocked_on[d] = None
-        while pos[d] < len(acts):
+        d_starts, d_ends = starts[d], ends[d]
+        while pos[d] < n_acts:
             action = acts[pos[d]]
+            s, kind, j = action
             deps = head_deps[d]
             if deps is None:
-                deps = head_deps[d] = action_deps(action, preds, succs, mb_size, fdel, bdel)
+                if not same_size[s]:
+                    deps = action_deps(action, preds, succs, mb_size, fdel, bdel)
+                elif kind == "F":
+                    deps = [(p, 0, j, delay) for p, delay in f_deps[s]]
+                elif kind == "W":
+                    deps = [(s, 1, j, 0.0)]
+                else:
+                    deps = [(s, 0, j, 0.0)] + [(c, 1, j, delay) for c, delay in b_deps[s]]
+                head_deps[d] = deps
                 head_cursor[d] = 0
                 head_ready[d] = free[d]
             ready = head_ready[d]
             cursor = head_cursor[d]
-            while cursor < len(deps):
+            n_deps = len(deps)
+            while cursor < n_deps:
                 s2, k2, mb2, delay = deps[cursor]
                 t = done[s2][k2][mb2]
                 if t is None:
@@ -157,21 +175,27 @@ def run_engine(sg: StageGraph, device_actions: Sequence[Sequence[Action]],
                 if t + delay > ready:
                     ready = t + delay
                 cursor += 1
-            head_ready[d] = ready
-            head_cursor[d] = cursor
-            if cursor < len(deps):
+            if cursor < n_deps:
+                head_ready[d] = ready
+                head_cursor[d] = cursor
                 key = deps[cursor][:3]
                 waiters.setdefault(key, []).append(d)
                 blocked_on[d] = key
                 break
-            s, k, j = action.stage_id, KIND_INDEX[action.kind], action.mb_id
-            end = ready + dur[s][_DURATION_INDEX[action.kind]]
-            starts[d].append(ready)
-            ends[d].append(end)
+            k = KIND_INDEX[kind]
+            end = ready + dur[s][_DURATION_INDEX[kind]]
+            d_starts.append(ready)
+            d_ends.append(end)
             free[d] = end
             pos[d] += 1
             head_deps[d] = None
-            if tab.finish(s, k, j, end):
+            # tab.finish, inlined: this replica's end; the stage-level end once every replica has run it
+            left = remaining[s][k]
+            if end > partial[s][k][j]:
+                partial[s][k][j] = end
+            left[j] -= 1
+            if not left[j]:
+                done[s][k][j] = partial[s][k][j]
                 for w in waiters.pop((s, k, j), ()):
                     stack.append(w)
     return tab.result(device_actions, pos, blocked_on, starts, ends)
