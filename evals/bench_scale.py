@@ -2,7 +2,8 @@
 
     python -m graphpipe.evals.bench_scale [--repeat 3] [--devices 128,256,512,1024]
                                           [--models mmt,dlrm,...] [--strategies gpp,pipedream,piper,gpipe]
-                                          [--timeout 120] [--out evals] [--name bench_scale]
+                                          [--timeout 120] [--cli [--cli-devices 128,...]] [--out evals]
+                                          [--name bench_scale]
 
 Each point is what ``graphpipe plan MODEL --devices N --batch-size 16N
 --strategy S`` searches (v100 preset, batch 16 per device): the model is
@@ -19,7 +20,8 @@ that one, so each starts from the same state and the row records
 
 The command line adds starting Python and capturing the model (torch.export) to these times:
 ``--cli`` also times the whole ``graphpipe plan`` per model and strategy (piper aside) at the largest
-count, ``--repeat`` times without the captured-graph cache and ``--repeat`` times with it filled.
+count (``--cli-devices`` names others), ``--repeat`` times without the captured-graph cache and
+``--repeat`` times with it filled.
 
 Timings are of the machine it runs on (``cpus`` and ``load_average`` are
 recorded beside them): medians of several runs, since other jobs share it.
@@ -133,24 +135,28 @@ def _cli_once(model: str, n: int, strategy: str, cache: str) -> tuple[float, int
     return wall, proc.returncode, search, (proc.stderr.strip().splitlines() or [""])[-1]
 
 
-def cli_time(model: str, n: int, strategies: tuple[str, ...] = ("gpp",), repeat: int = 3) -> list[dict]:
-    """Wall time of the whole ``graphpipe plan`` command, one row per strategy: ``median_cold_wall_s`` over
-    ``repeat`` runs without the captured-graph cache (``GRAPHPIPE_CACHE_DIR=off``: each run captures the
-    model with torch.export, as a model's first plan on a machine does), ``median_wall_s`` over ``repeat``
-    runs with the model's graph cached (:mod:`graphpipe.graph_cache`)."""
+def cli_time(model: str, counts: tuple[int, ...], strategies: tuple[str, ...] = ("gpp",),
+             repeat: int = 3) -> list[dict]:
+    """Wall time of the whole ``graphpipe plan`` command, one row per device count and strategy:
+    ``median_cold_wall_s`` over ``repeat`` runs without the captured-graph cache (``GRAPHPIPE_CACHE_DIR=off``:
+    each run captures the model with torch.export, as a model's first plan on a machine does),
+    ``median_wall_s`` over ``repeat`` runs with the model's graph cached (:mod:`graphpipe.graph_cache`,
+    filled once per model: its key does not hold the device count)."""
     import tempfile
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-scale-cache-") as cache:
-        for strategy in strategies:
-            colds = [_cli_once(model, n, strategy, "off")[0] for _ in range(repeat)]
-            _cli_once(model, n, strategy, cache)  # fills the cache
-            runs = [_cli_once(model, n, strategy, cache) for _ in range(repeat)]
-            walls = [r[0] for r in runs]
-            rows.append({"model": model, "strategy": strategy, "devices": n,
-                         "median_cold_wall_s": statistics.median(colds), "max_cold_wall_s": max(colds),
-                         "median_wall_s": statistics.median(walls), "max_wall_s": max(walls), "rc": runs[-1][1],
-                         "search_s": runs[-1][2], "error": runs[-1][3] if runs[-1][1] else None})
+        _cli_once(model, counts[0], strategies[0], cache)  # fills the cache
+        for n in counts:
+            for strategy in strategies:
+                colds = [_cli_once(model, n, strategy, "off")[0] for _ in range(repeat)]
+                runs = [_cli_once(model, n, strategy, cache) for _ in range(repeat)]
+                walls = [r[0] for r in runs]
+                rows.append({"model": model, "strategy": strategy, "devices": n,
+                             "median_cold_wall_s": statistics.median(colds), "max_cold_wall_s": max(colds),
+                             "median_wall_s": statistics.median(walls), "max_wall_s": max(walls),
+                             "rc": runs[-1][1], "search_s": runs[-1][2],
+                             "error": runs[-1][3] if runs[-1][1] else None})
     return rows
 
 
@@ -161,7 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--strategies", default=",".join(STRATEGIES))
     ap.add_argument("--timeout", type=float, default=120.0, help="kill a run still going after this many seconds")
-    ap.add_argument("--cli", action="store_true", help="also time one whole graphpipe plan per model")
+    ap.add_argument("--cli", action="store_true", help="also time the whole graphpipe plan command per model")
+    ap.add_argument("--cli-devices", default=None,
+                    help="with --cli: comma-separated device counts to time it at (default: the largest of --devices)")
     ap.add_argument("--out", default="evals")
     ap.add_argument("--name", default="bench_scale", help="result file name under OUT/results")
     args = ap.parse_args(argv)
@@ -169,8 +177,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--repeat must be at least 1, got {args.repeat}")
     try:
         devices = [int(x) for x in args.devices.split(",")]
+        cli_devices = [int(x) for x in args.cli_devices.split(",")] if args.cli_devices else [max(devices)]
     except ValueError:
-        ap.error(f"--devices must be comma-separated integers, got {args.devices!r}")
+        ap.error(f"--devices and --cli-devices must be comma-separated integers, got {args.devices!r} and "
+                 f"{args.cli_devices!r}")
     strategies = args.strategies.split(",")
     for s in strategies:
         if s not in STRATEGIES:
@@ -189,9 +199,9 @@ def main(argv: list[str] | None = None) -> int:
                       f"[{row['min_search_s']:.2f}, {row['max_search_s']:.2f}]  {row['peak_rss_gb']:5.2f} GB  "
                       f"{row['outcome']}" + (f"  {row['error'][:100]}" if row.get("error") else ""), flush=True)
         if args.cli:
-            for row in cli_time(model, max(devices), tuple(s for s in strategies if s != "piper"), args.repeat):
+            for row in cli_time(model, tuple(cli_devices), tuple(s for s in strategies if s != "piper"), args.repeat):
                 cli.append(row)
-                print(f"{model:11s} graphpipe plan --devices {max(devices)} --strategy {row['strategy']}: "
+                print(f"{model:11s} graphpipe plan --devices {row['devices']} --strategy {row['strategy']}: "
                       f"cold median {row['median_cold_wall_s']:.2f} s (max {row['max_cold_wall_s']:.2f}), cached "
                       f"median {row['median_wall_s']:.2f} s wall (exit {row['rc']}, search {row['search_s']})",
                       flush=True)

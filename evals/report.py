@@ -147,7 +147,9 @@ def _cli_line(res: dict[str, Any]) -> str:
     worst = max(cli, key=lambda r: r["median_wall_s"])
     cold = [r for r in cli if r.get("median_cold_wall_s") is not None]
     worst_cold = max(cold, key=lambda r: r["median_cold_wall_s"]) if cold else None
-    return (f". Whole `graphpipe plan` at {cli[0]['devices']} devices (table below): with the model's graph cached, "
+    counts = sorted({r["devices"] for r in cli})
+    return (f". Whole `graphpipe plan` at {', '.join(map(str, counts))} devices (table below): with the model's "
+            f"graph cached, "
             f"medians {fmt(min(r['median_wall_s'] for r in cli))}-{fmt(worst['median_wall_s'])} s (slowest "
             f"{worst['model']} {worst['strategy']})"
             + (f"; capturing the model first (no cache), slowest median {worst_cold['model']} {worst_cold['strategy']} "
