@@ -189,5 +189,18 @@ NOTES: dict[str, str] = {
         "model and strategy at 1024 devices, cold medians 3.7-9.3 s, the largest mmt with gpp (9.33 s, max "
         "9.40). Cold wall times moved by up to 2 s between runs of the same command on this shared host "
         "(7.7-11.3 s for mmt's in one quarter of an hour), so read the medians as this run's. Piper refuses mmt past 32 devices (4.1 million downset pairs x 15 sizes) in "
-        "one line. The machine's load average is in the config line: other jobs shared the 2 cores."),
+        "one line. This run (--cli-devices 128,256,512,1024) times the whole command at every count. The "
+        "slowest search, mmt with pipedream at 256 devices (one 57-replica round-robin stage, 4,096 "
+        "micro-batches of 1: 262k actions), went from 4.47 s (previous run) to 2.92 s: the planner keeps the "
+        "winner's figures, not a timeline of one record per action and two per message (simulate_figures); the "
+        "simulator keeps its last engine run, so the winner the search just scored is not run again; the "
+        "structure check takes a fast path (each round-robin replica visits its own micro-batches, not all of "
+        "them); and the engine lists an action's dependencies from per-stage tables (0.654 -> 0.532 s on that "
+        "schedule). Two cold medians are still over 10 s, both mmt at 256 devices (gpp 10.87 s, pipedream "
+        "10.05 s): their cached medians are 3.34 and 4.35 s, so capturing mmt took 6-7.5 s of them, against "
+        "4.9-5.4 s at 1024 devices in the same run. Export with a symbolic batch is most of it: exported with a "
+        "static batch, mmt takes 1.7 s instead of 3.4 s (median of 3, after warm-up), but the graph then "
+        "differs in glue nodes (sym_size, and a slice in dlrm), which a plan's op names and the runtime's "
+        "dynamic capture would have to be reconciled for. The machine's load average is in the config line: "
+        "other jobs shared the 2 cores."),
 }
