@@ -13,7 +13,8 @@ import pytest
 from graphpipe.actions import Schedule
 from graphpipe.errors import DeadlockError
 from graphpipe.cluster import preset
-from graphpipe.sched import SharedHost, make_schedule, simulate
+from graphpipe.sched import SharedHost, make_schedule, predicted_figures, simulate
+from graphpipe.sched.simulator import simulate_figures
 
 from test_sched_common import free_cluster, random_stage_graph, uniform_chain
 
@@ -63,6 +64,19 @@ def test_fewer_cores_never_faster(seed):
     times = [simulate(sg, schedule, cluster, host=SharedHost.cores(c)).iteration_time_s
              for c in range(sg.num_devices, 0, -1)]
     assert all(b >= a * (1 - 1e-12) for a, b in zip(times, times[1:]))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_figures_without_records_equal_the_timelines_on_a_shared_host(seed):
+    """simulate_figures (what the planner keeps) gives predicted_figures(simulate()) exactly on a shared host too."""
+    sg = random_stage_graph(seed, num_ops=6)
+    cluster = preset("v100", sg.num_devices)
+    for name in SCHEDULES:
+        schedule = make_schedule(name, sg, cluster)
+        for cores in (1, 2):
+            host = SharedHost.cores(cores)
+            assert simulate_figures(sg, schedule, cluster, host=host) == \
+                predicted_figures(simulate(sg, schedule, cluster, host=host)), (name, cores)
 
 
 def test_two_stage_gpipe_on_one_core_by_hand():

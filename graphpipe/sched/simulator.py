@@ -264,8 +264,9 @@ def simulate(sg: StageGraph, schedule: Schedule, cluster: Cluster, host: SharedH
     return build_timeline(sg, cluster, schedule.name, actions, transfers, allreduces, source="simulated")
 
 
-def simulate_figures(sg: StageGraph, schedule: Schedule, cluster: Cluster) -> dict[str, Any]:
-    """``predicted_figures(simulate(sg, schedule, cluster))`` without the timeline's records (dedicated devices).
+def simulate_figures(sg: StageGraph, schedule: Schedule, cluster: Cluster,
+                     host: SharedHost | None = None) -> dict[str, Any]:
+    """``predicted_figures(simulate(sg, schedule, cluster, host))`` without the timeline's records.
 
     A plan keeps the figures, not the records: at thousands of micro-batches
     the records are hundreds of thousands of objects (one per action and two
@@ -273,40 +274,35 @@ def simulate_figures(sg: StageGraph, schedule: Schedule, cluster: Cluster) -> di
     run and memory model as :func:`simulate`, the same summation order, so
     the same numbers (tests compare them on every schedule).
     """
-    _, starts, ends, result = _action_times(sg, schedule, cluster, None)
+    _, starts, ends, result = _action_times(sg, schedule, cluster, host)
     by_device = [sorted(zip(acts, starts[d], ends[d]), key=_by_start) if acts else []
                  for d, acts in enumerate(schedule.device_actions)]
     spans = _allreduce_spans(sg, cluster, result)
     iteration_time_s = max([e for acts in ends for e in acts] + [span[3] for span in spans] + [0.0])
     busy, bubble, state, buffers, act_peak, in_flight = _device_figures(sg, cluster, by_device, iteration_time_s)
     peak = [state[d] + buffers[d] + act_peak[d] for d in range(sg.num_devices)]
-    used = sg.devices_used()
-    return {
-        "iteration_time_s": iteration_time_s,
-        "throughput": sg.batch_size / iteration_time_s if iteration_time_s > 0 else math.inf,
-        "bubble_fraction": list(bubble),
-        "peak_memory_bytes": peak,
-        "peak_activation_bytes": list(act_peak),
-        "in_flight": list(in_flight),
-        "busy_s": list(busy),
-        "mean_bubble_fraction": (sum(bubble[d] for d in used) / len(used)) if used else 1.0,
-        "max_peak_memory_bytes": max(peak, default=0.0),
-        "devices_used": list(used),
-        "schedule": schedule.name,
-        "source": "simulated",
-    }
+    return _figures(schedule.name, "simulated", iteration_time_s, _throughput(sg, iteration_time_s), bubble, peak,
+                    act_peak, in_flight, busy, sg.devices_used())
+
+
+def _throughput(sg: StageGraph, iteration_time_s: float) -> float:
+    return sg.batch_size / iteration_time_s if iteration_time_s > 0 else math.inf
 
 
 def _by_start(entry: tuple[Action, float, float]) -> tuple[float, float]:
     return entry[1], entry[2]
 
 
-def _action_times(sg: StageGraph, schedule: Schedule, cluster: Cluster, host: SharedHost | None):
-    """(delay per stage edge, starts and ends per device in list order, engine result): the structure check and
-    the engine run that :func:`simulate` and :func:`simulate_figures` share."""
+def _check_cluster(sg: StageGraph, cluster: Cluster) -> None:
     if cluster.num_devices != sg.num_devices:
         raise ScheduleError(f"cluster has {cluster.num_devices} devices, the stage graph {sg.num_devices}; "
                             f"simulate with the plan's own cluster")
+
+
+def _action_times(sg: StageGraph, schedule: Schedule, cluster: Cluster, host: SharedHost | None):
+    """(delay per stage edge, starts and ends per device in list order, engine result): the structure check and
+    the engine run that :func:`simulate` and :func:`simulate_figures` share."""
+    _check_cluster(sg, cluster)
     check_structure(sg, schedule)
     delays, duration, delay = _engine_inputs(sg, cluster)
     if host is not None:  # a shared host's speed depends on how many devices run at once: every device is simulated
@@ -354,7 +350,7 @@ def build_timeline(sg: StageGraph, cluster: Cluster, name: str, actions: Iterabl
         by_device[r.device].append((r.action, r.start, r.end))
     busy, bubble, state, buffers, act_peak, in_flight = _device_figures(sg, cluster, by_device, iteration_time_s)
     peak = [state[d] + buffers[d] + act_peak[d] for d in range(num_devices)]
-    throughput = sg.batch_size / iteration_time_s if iteration_time_s > 0 else math.inf
+    throughput = _throughput(sg, iteration_time_s)
     return Timeline(name=name, source=source, batch_size=sg.batch_size, num_devices=num_devices,
                     stage_devices=tuple(st.devices for st in sg.stages), actions=actions, transfers=transfers,
                     allreduces=allreduces, iteration_time_s=iteration_time_s, throughput=throughput,
@@ -542,9 +538,7 @@ def score(sg: StageGraph, schedule: Schedule, cluster: Cluster) -> Score:
     search; :func:`simulate` the plan that wins. A deadlock still raises
     :class:`DeadlockError`.
     """
-    if cluster.num_devices != sg.num_devices:
-        raise ScheduleError(f"cluster has {cluster.num_devices} devices, the stage graph {sg.num_devices}; "
-                            f"simulate with the plan's own cluster")
+    _check_cluster(sg, cluster)
     _, duration, delay = _engine_inputs(sg, cluster)
     reps, _, result = _run_lockstep(sg, schedule, cluster, duration, delay)
     acts = [schedule.device_actions[d] for d in reps]
@@ -558,7 +552,7 @@ def score(sg: StageGraph, schedule: Schedule, cluster: Cluster) -> Score:
         by_device[d] = list(zip(acts[i], result.starts[i], result.ends[i]))
     state, buffers, act_peak, _ = _memory(sg, cluster, reps, by_device)
     peak = max((state[d] + buffers[d] + act_peak[d] for d in range(sg.num_devices)), default=0.0)
-    return Score(end, sg.batch_size / end if end > 0 else math.inf, peak)
+    return Score(end, _throughput(sg, end), peak)
 
 
 def predicted_figures(timeline: Timeline) -> dict[str, Any]:
@@ -570,19 +564,27 @@ def predicted_figures(timeline: Timeline) -> dict[str, Any]:
     ``mean_bubble_fraction`` (over devices in use), ``max_peak_memory_bytes``,
     ``devices_used``, ``schedule``, ``source``.
     """
-    used = timeline.devices_used()
+    return _figures(timeline.name, timeline.source, timeline.iteration_time_s, timeline.throughput,
+                    timeline.bubble_fraction, timeline.peak_memory_bytes, timeline.activation_peak_bytes,
+                    timeline.in_flight, timeline.busy_s, timeline.devices_used())
+
+
+def _figures(name: str, source: str, iteration_time_s: float, throughput: float, bubble: Sequence[float],
+             peak: Sequence[float], act_peak: Sequence[float], in_flight: Sequence[int], busy: Sequence[float],
+             used: Sequence[int]) -> dict[str, Any]:
+    """The ``predicted`` object from a timeline's figures (:func:`predicted_figures`, :func:`simulate_figures`)."""
     return {
-        "iteration_time_s": timeline.iteration_time_s,
-        "throughput": timeline.throughput,
-        "bubble_fraction": list(timeline.bubble_fraction),
-        "peak_memory_bytes": list(timeline.peak_memory_bytes),
-        "peak_activation_bytes": list(timeline.activation_peak_bytes),
-        "in_flight": list(timeline.in_flight),
-        "busy_s": list(timeline.busy_s),
-        "mean_bubble_fraction": (sum(timeline.bubble_fraction[d] for d in used) / len(used)) if used else 1.0,
-        "max_peak_memory_bytes": max(timeline.peak_memory_bytes, default=0.0),
+        "iteration_time_s": iteration_time_s,
+        "throughput": throughput,
+        "bubble_fraction": list(bubble),
+        "peak_memory_bytes": list(peak),
+        "peak_activation_bytes": list(act_peak),
+        "in_flight": list(in_flight),
+        "busy_s": list(busy),
+        "mean_bubble_fraction": (sum(bubble[d] for d in used) / len(used)) if used else 1.0,
+        "max_peak_memory_bytes": max(peak, default=0.0),
         "devices_used": list(used),
-        "schedule": timeline.name,
-        "source": timeline.source,
+        "schedule": name,
+        "source": source,
     }
 

@@ -153,15 +153,15 @@ def simulated(sg: StageGraph, cluster: Cluster, schedule_name: str, host: Shared
     On dedicated devices by :func:`graphpipe.sched.simulator.score` (the same figures as ``simulate``, without the
     timeline, one replica of each lockstep class): searches call this for every candidate they rank.
     """
-    from graphpipe.sched import make_schedule, predicted_figures, simulate
-    from graphpipe.sched.simulator import score
+    from graphpipe.sched import make_schedule
+    from graphpipe.sched.simulator import score, simulate_figures
 
     schedule = make_schedule(schedule_name, sg, cluster, validate=False)
     if host is None:
         got = score(sg, schedule, cluster)
         return float(got.throughput), float(got.max_peak_memory_bytes) <= cluster.memory_bytes
-    # simulate() checks the schedule's structure and deadlock freedom itself: no separate validation pass.
-    figures = predicted_figures(simulate(sg, schedule, cluster, host=host))
+    # the simulation checks the schedule's structure and deadlock freedom itself: no separate validation pass.
+    figures = simulate_figures(sg, schedule, cluster, host=host)
     return float(figures["throughput"]), float(figures["max_peak_memory_bytes"]) <= cluster.memory_bytes
 
 def stage_memory(graph: OpGraph, op_ids: Iterable[int], num_replicas: int, micro_batch_size: int,

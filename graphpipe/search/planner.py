@@ -410,23 +410,17 @@ def _partition(request: PlanRequest, sp_graph: OpGraph, devices: int, recompute:
 
 def _scheduled(request: PlanRequest, sg: StageGraph, schedule_name: str, merged, search: dict[str, Any]) -> Plan:
     """The plan of ``sg`` under ``schedule_name``, simulated; re-materializing stages get their checkpoints."""
-    from graphpipe.sched import make_schedule, predicted_figures, simulate
+    from graphpipe.sched import make_schedule
     from graphpipe.sched.simulator import simulate_figures
 
     cluster, host = request.cluster, request.options.host
     sched = make_schedule(schedule_name, sg, cluster, validate=False)  # simulation runs the validator's checks
-
-    def figures(sg: StageGraph) -> dict[str, Any]:  # a plan keeps the figures, not the timeline's records
-        if host is None:
-            return simulate_figures(sg, sched, cluster)
-        return predicted_figures(simulate(sg, sched, cluster, host=host))
-
-    predicted = figures(sg)
+    predicted = simulate_figures(sg, sched, cluster, host=host)  # a plan keeps the figures, not a timeline
     if request.record.segments_checkpoints and any(s.recompute for s in sg.stages):
         placed = place_checkpoints(sg, predicted["in_flight"])
         if placed != sg:  # segments change memory only, so the schedule stands
             sg = placed
-            predicted = figures(sg)
+            predicted = simulate_figures(sg, sched, cluster, host=host)
         search["recompute_segments"] = {str(s.id): len(s.checkpoints) + 1 for s in sg.stages if s.recompute}
     if request.graph.shared:  # tied parameters split across stages: copies and their gradient all-reduce
         from graphpipe.search.tied import charge_shared_params
