@@ -1,8 +1,8 @@
 """Search time of the baselines gpp ranks (PipeDream, Piper) and of gpp, side by side with an earlier checkout.
 
 gpp ranks PipeDream's and Piper's plans as candidates up to 32 devices, so
-their searches are part of its own; on branchy graphs they were the slow part
-(issue 34). Each case is planned with the code under ``--before`` and with this
+their searches are part of its own; on branchy graphs they were the slow part.
+Each case is planned with the code under ``--before`` and with this
 checkout, alternately, ``--repeat`` times, in fresh processes; the table gives
 both medians, their ratio and whether the plans' predicted throughputs are
 equal (they must be: the changes are to how the same DPs are evaluated).
