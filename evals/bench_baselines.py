@@ -13,15 +13,15 @@ Run: ``python -m graphpipe.evals.bench_baselines --before /path/to/old/checkout`
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
+
+from .bench_gpp import plan_in_checkout
 
 __all__ = ["CASES", "main"]
 
-PROFILES = os.path.join(os.getcwd(), "..", "shared", "data", "pipedream-profiles")
+PROFILES = os.path.abspath(os.path.join("..", "shared", "data", "pipedream-profiles"))
 
 CASES = {  # name -> (model spec or profile name, devices, batch size, strategy)
     "gnmt gpp": ("profile:gnmt", 8, 64, "gpp"),
@@ -29,20 +29,6 @@ CASES = {  # name -> (model spec or profile name, devices, batch size, strategy)
     "candle-uno 4 branches gpp": ("candle-uno:branches=4", 8, 128, "gpp"),
     "candle-uno 4 branches pipedream": ("candle-uno:branches=4", 8, 128, "pipedream"),
 }
-
-_ONE_RUN = """
-import json, sys, time
-sys.path.insert(0, sys.argv[1])
-from graphpipe.cluster import preset
-from graphpipe.models import load_model
-from graphpipe.search.planner import make_plan
-spec, n, batch, strategy = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
-cluster = preset("v100", n)
-graph = load_model(spec, cluster.device).graph
-started = time.perf_counter()
-plan = make_plan("bench", graph, cluster, batch, strategy)
-print(json.dumps({"time_s": time.perf_counter() - started, "throughput": plan.predicted["throughput"]}))
-"""
 
 
 def _spec(spec: str) -> str:
@@ -53,9 +39,7 @@ def _spec(spec: str) -> str:
 
 def _run(root: str, name: str) -> dict:
     spec, n, batch, strategy = CASES[name]
-    out = subprocess.run([sys.executable, "-c", _ONE_RUN, os.path.abspath(root), _spec(spec), str(n), str(batch),
-                          strategy], capture_output=True, text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return plan_in_checkout(root, _spec(spec), n, batch, strategy)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -83,13 +83,13 @@ sys.path.insert(0, sys.argv[1])
 from graphpipe.cluster import preset
 from graphpipe.models import load_model
 from graphpipe.search.planner import make_plan
-spec, n, batch, calls = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
+spec, n, batch, strategy, calls = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6] == "1"
 cluster = preset("v100", n)
 graph = load_model(spec, cluster.device).graph
 profile = cProfile.Profile() if calls else None
 if calls:
     profile.enable()
-plan = make_plan("bench", graph, cluster, batch, "gpp")
+plan = make_plan("bench", graph, cluster, batch, strategy)
 if calls:
     profile.disable()
 print(json.dumps({"time_s": plan.search["time_s"], "throughput": plan.predicted["throughput"],
@@ -97,13 +97,19 @@ print(json.dumps({"time_s": plan.search["time_s"], "throughput": plan.predicted[
 """
 
 
-def _run(root: str, name: str, calls: bool = False) -> dict:
-    """One ``make_plan`` of case ``name`` with the graphpipe package under ``root``, in a fresh process."""
-    spec, n, batch = CASES[name]
-    out = subprocess.run([sys.executable, "-c", _ONE_RUN, os.path.abspath(root), _spec(spec), str(n), str(batch),
+def plan_in_checkout(root: str, spec: str, n: int, batch: int, strategy: str = "gpp", calls: bool = False) -> dict:
+    """One ``make_plan`` of ``spec`` on ``n`` v100s with the graphpipe package under ``root``, in a fresh process:
+    its search seconds, predicted throughput and (``calls``) function-call count."""
+    out = subprocess.run([sys.executable, "-c", _ONE_RUN, os.path.abspath(root), spec, str(n), str(batch), strategy,
                           "1" if calls else "0"], capture_output=True, text=True, check=True, cwd=os.path.dirname(
                               os.path.abspath(root)))
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _run(root: str, name: str, calls: bool = False) -> dict:
+    """One ``make_plan`` of case ``name`` with the graphpipe package under ``root``, in a fresh process."""
+    spec, n, batch = CASES[name]
+    return plan_in_checkout(root, _spec(spec), n, batch, calls=calls)
 
 
 def side_by_side(name: str, repeat: int, before: str, calls: bool = False) -> dict:
