@@ -474,3 +474,36 @@ def test_plan_choice_is_the_best_simulated(module):
     assert result.stats["throughput_estimate"] == pytest.approx(best, rel=1e-12)
     chosen = [t for (b, _, stages), t in throughputs.items() if stages == result.stage_graph.stages]
     assert chosen and max(chosen) == pytest.approx(best, rel=1e-12)
+
+
+def test_pipedream_fit_check_decides_as_the_timed_simulation():
+    """PipeDream tries smaller micro-batches while its plan's simulated peak does not fit. The check reads the
+    peak from the action order; oracle: the timed simulation's peaks, swapped in. Across budgets from roomy to
+    refused, both give the same micro-batch and the same plan (or the same refusal)."""
+    from graphpipe.sched import make_schedule, simulate
+
+    def timed_peaks(sg, cluster, schedule_name):
+        return list(simulate(sg, make_schedule(schedule_name, sg, cluster), cluster).peak_memory_bytes)
+
+    graph = random_sp_graph(12, 11)
+    roomy = pipedream.partition(graph, preset("v100", 4), 48, SearchOptions())
+    peak = max(timed_peaks(roomy.stage_graph, preset("v100", 4), "1f1b"))
+    chosen = set()
+    for fraction in (2.0, 1.0, 0.6, 0.45, 0.4, 0.35, 0.3, 0.2, 0.1):
+        cluster = preset("v100", 4).with_memory(peak * fraction)
+        answers = []
+        for peaks in (None, timed_peaks):
+            patch = pytest.MonkeyPatch()
+            if peaks is not None:
+                patch.setattr(pipedream, "simulated_peaks", peaks)
+            try:
+                got = pipedream.partition(graph, cluster, 48, SearchOptions())
+                answers.append((got.stats["micro_batch_size"],
+                                [(s.op_ids, s.devices, s.micro_batch_size) for s in got.stage_graph.stages]))
+            except InfeasibleError as exc:
+                answers.append(("refused", str(exc)))
+            finally:
+                patch.undo()
+        assert answers[0] == answers[1], fraction
+        chosen.add(answers[0][0])
+    assert len(chosen) >= 3  # the sweep reaches smaller micro-batches and a refusal, not one answer throughout

@@ -147,6 +147,21 @@ def placed_bottleneck(sg: StageGraph, cluster: Cluster) -> float:
                for s in sg.stages)
 
 
+def simulated_peaks(sg: StageGraph, cluster: Cluster, schedule_name: str) -> list[float]:
+    """Every device's simulated peak bytes under ``schedule_name`` (what ``simulate`` reports), from the
+    action order alone (:func:`graphpipe.sched.simulator.peak_memory_in_order`): no engine run.
+
+    For a search that only asks whether a plan fits: at thousands of
+    micro-batches the timed simulation is most of such a check's cost, and a
+    device's memory does not depend on when its actions run, only on their
+    order (a shared host changes timing, not memory).
+    """
+    from graphpipe.sched import make_schedule
+    from graphpipe.sched.simulator import peak_memory_in_order
+
+    return peak_memory_in_order(sg, make_schedule(schedule_name, sg, cluster, validate=False), cluster)
+
+
 def simulated(sg: StageGraph, cluster: Cluster, schedule_name: str, host: SharedHost | None = None) -> tuple[float, bool]:
     """(throughput, whether the peak memory fits) of one iteration of ``sg`` under ``schedule_name``, by the one simulator.
 

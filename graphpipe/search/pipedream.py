@@ -56,7 +56,7 @@ import time
 from graphpipe.cluster import Cluster
 from graphpipe.errors import InfeasibleError, PlanError
 from graphpipe.graph import OpGraph
-from graphpipe.search.common import SearchOptions, SearchResult, Strategy, divisors, placed_bottleneck, simulated
+from graphpipe.search.common import SearchOptions, SearchResult, Strategy, divisors, placed_bottleneck, simulated_peaks
 from graphpipe.search.pipedream_dp import StateLimitError, antichain_states, prefix_states, solve_levels
 from graphpipe.search.refusal import divisor_error, pipedream_refusal
 from graphpipe.stages import Stage, StageGraph
@@ -159,7 +159,7 @@ def _solve(graph: OpGraph, cluster: Cluster, batch_size: int, options: SearchOpt
         except PlanError as exc:
             log.info("pipedream: the DP's answer at micro-batch %d is not a partition (%s)", b, exc)
             return None, True
-        if simulated(sg, cluster, STRATEGY.default_schedule, options.host)[1]:
+        if max(simulated_peaks(sg, cluster, STRATEGY.default_schedule)) <= cluster.memory_bytes:
             return (b, sol, sg), False
         tried.append((b, "simulated", sg))
         log.info("pipedream: the plan at micro-batch %d does not fit in memory (simulated); trying smaller", b)
