@@ -47,15 +47,16 @@ import dataclasses
 import functools
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-import torch
-import torch.nn as nn
-
+from graphpipe import zoo_configs as zc
 from graphpipe.cluster import DeviceSpec, preset
 from graphpipe.errors import InputError
 from graphpipe.graph import OpGraph
-from graphpipe import zoo_models as zm
+
+if TYPE_CHECKING:
+    import torch
+    import torch.nn as nn
 
 __all__ = ["MODELS", "ModelSpec", "BuiltModel", "parse_spec", "canonical_spec", "option_names", "build", "load_graph",
            "mean_square_loss", "EXAMPLE_BATCH_SIZE"]
@@ -76,38 +77,43 @@ MODELS: dict[str, str] = {
 
 @dataclass(frozen=True, slots=True)
 class _Family:
-    """How to build one zoo name: config class, presets, module class, inputs."""
+    """How to build one zoo name: config class, presets, module class (its name in :mod:`graphpipe.zoo_models`,
+    imported with torch only when a model is built), inputs."""
 
     config: type
     presets: dict[str, Any]
-    module: Callable[[Any], nn.Module]
+    module: str
     inputs: Callable[[Any, int, torch.Generator | None, torch.device], tuple[torch.Tensor, ...]]
     num_branches: Callable[[Any], int]
 
 
 def _randn(shape, gen, device) -> torch.Tensor:
+    import torch
+
     if device.type == "meta":
         return torch.empty(shape, device=device)
     return torch.randn(shape, generator=gen).to(device)
 
 
 def _randint(high: int, shape, gen, device) -> torch.Tensor:
+    import torch
+
     if device.type == "meta":
         return torch.empty(shape, dtype=torch.int64, device=device)
     return torch.randint(0, high, shape, generator=gen).to(device)
 
 
-def _mmt_inputs(cfg: zm.MMTConfig, b, gen, device):
+def _mmt_inputs(cfg: zc.MMTConfig, b, gen, device):
     return tuple(_randn((b, cfg.seq, cfg.hidden), gen, device) for _ in range(cfg.branches))
 
 
-def _dlrm_inputs(cfg: zm.DLRMConfig, b, gen, device):
+def _dlrm_inputs(cfg: zc.DLRMConfig, b, gen, device):
     dense = [_randn((b, cfg.features), gen, device) for _ in range(cfg.branches)]
     sparse = [_randint(cfg.rows, (b, cfg.bag), gen, device) for _ in range(cfg.branches)]
     return tuple(dense + sparse)
 
 
-def _uno_inputs(cfg: zm.UnoConfig, b, gen, device):
+def _uno_inputs(cfg: zc.UnoConfig, b, gen, device):
     return tuple(_randn((b, cfg.features), gen, device) for _ in range(cfg.branches))
 
 
@@ -117,30 +123,30 @@ def _token_inputs(cfg, b, gen, device):
 
 _FAMILIES: dict[str, _Family] = {
     "mmt": _Family(
-        zm.MMTConfig,
+        zc.MMTConfig,
         {"paper": dict(branches=4, layers=8, seq=256, hidden=1024, heads=16, ffn=4096, classes=1000),
          "small": dict(branches=2, layers=2, seq=16, hidden=32, heads=4, ffn=64, classes=10)},
-        zm.MMT, _mmt_inputs, lambda c: c.branches),
+        "MMT", _mmt_inputs, lambda c: c.branches),
     "dlrm": _Family(
-        zm.DLRMConfig,
+        zc.DLRMConfig,
         {"paper": dict(branches=7, layers=4, hidden=4096, features=512, dim=64, bag=100, rows=1_000_000, top_layers=3),
          "small": dict(branches=2, layers=2, hidden=32, features=16, dim=8, bag=4, rows=100, top_layers=2)},
-        zm.DLRM, _dlrm_inputs, lambda c: 2 * c.branches),
+        "DLRM", _dlrm_inputs, lambda c: 2 * c.branches),
     "candle-uno": _Family(
-        zm.UnoConfig,
+        zc.UnoConfig,
         {"paper": dict(branches=7, layers=4, hidden=4096, features=1024, head_layers=3),
          "small": dict(branches=2, layers=2, hidden=32, features=16, head_layers=2)},
-        zm.CandleUno, _uno_inputs, lambda c: c.branches),
+        "CandleUno", _uno_inputs, lambda c: c.branches),
     "transformer": _Family(
-        zm.GPTConfig,
+        zc.GPTConfig,
         {"paper": dict(layers=32, seq=256, hidden=1024, heads=16, ffn=4096, vocab=32000),
          "small": dict(layers=4, seq=16, hidden=32, heads=4, ffn=64, vocab=100)},
-        zm.GPT, _token_inputs, lambda c: 1),
+        "GPT", _token_inputs, lambda c: 1),
     "twobranch": _Family(
-        zm.TwoBranchConfig,
+        zc.TwoBranchConfig,
         {"paper": dict(branches=2, layers=8, seq=256, hidden=1024, heads=16, ffn=4096, vocab=32000),
          "small": dict(branches=2, layers=2, seq=16, hidden=32, heads=4, ffn=64, vocab=100)},
-        zm.TwoBranch, _token_inputs, lambda c: c.branches),
+        "TwoBranch", _token_inputs, lambda c: c.branches),
 }
 
 
@@ -267,8 +273,13 @@ def build(spec: str, device: str | torch.device = "cpu", seed: int = 0) -> Built
     inside ``fork_rng`` (the caller's RNG state is untouched) and then moved,
     so the same seed gives the same weights on every device.
     """
+    import torch
+
+    from graphpipe import zoo_models
+
     parsed = parse_spec(spec)
     family = _FAMILIES[parsed.name]
+    make_module = getattr(zoo_models, family.module)
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
@@ -277,11 +288,11 @@ def build(spec: str, device: str | torch.device = "cpu", seed: int = 0) -> Built
         raise InputError(f"device {device!r}: CUDA is not available here; use cpu (or meta for planning)")
     if dev.type == "meta":
         with torch.device("meta"):
-            module = family.module(parsed.config)
+            module = make_module(parsed.config)
     else:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            module = family.module(parsed.config)
+            module = make_module(parsed.config)
         module = module.to(dev)
 
     def make_inputs(batch_size: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -296,10 +307,11 @@ def build(spec: str, device: str | torch.device = "cpu", seed: int = 0) -> Built
 
 @functools.lru_cache(maxsize=32)
 def _load_graph_cached(canonical: str, device: DeviceSpec, precision: str = "fp32", granularity: str | None = None) -> OpGraph:
-    from graphpipe.capture import Granularity, capture
     from graphpipe.graph_cache import cached_graph
 
-    def captured() -> OpGraph:
+    def captured() -> OpGraph:  # torch is imported here, on a cache miss only
+        from graphpipe.capture import Granularity, capture
+
         built = build(canonical, device="meta")
         return capture(built.module, built.example_inputs, name=canonical, device=device, loss_fn=built.loss_fn,
                        precision=precision, granularity=Granularity.parse(granularity)).graph

@@ -7,8 +7,9 @@ block, an MLP layer, an embedding table, a concat, a head). Module attribute
 names are chosen so that the qualified name of each layer is the op name,
 e.g. ``branch0.layer3``, ``emb2``, ``concat``, ``head``.
 
-Sizes live in frozen config dataclasses; :mod:`graphpipe.zoo` owns the
-``small`` / ``paper`` presets and the option parsing.
+Sizes live in frozen config dataclasses (:mod:`graphpipe.zoo_configs`, free of
+torch); :mod:`graphpipe.zoo` owns the ``small`` / ``paper`` presets and the
+option parsing.
 
 Why these shapes (GraphPipe, Jeon et al., ASPLOS'25, Appendix A.2):
 
@@ -24,11 +25,12 @@ Why these shapes (GraphPipe, Jeon et al., ASPLOS'25, Appendix A.2):
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from graphpipe.zoo_configs import DLRMConfig, GPTConfig, MMTConfig, TwoBranchConfig, UnoConfig
 
 __all__ = [
     "Layer",
@@ -207,74 +209,6 @@ def _mlp(in_features: int, hidden: int, out_features: int, num_layers: int, last
     dims = [in_features] + [hidden] * (num_layers - 1) + [out_features]
     return _stack("layer", [MLPLayer(dims[i], dims[i + 1], activation=(i < num_layers - 1 or last_activation))
                             for i in range(num_layers)])
-
-
-# ---------------------------------------------------------------- configs
-@dataclass(frozen=True, slots=True, kw_only=True)
-class MMTConfig:
-    branches: int
-    """Modalities: one input and one transformer branch each."""
-    layers: int
-    """Transformer layers per branch."""
-    seq: int
-    hidden: int
-    heads: int
-    ffn: int
-    classes: int
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class DLRMConfig:
-    branches: int
-    """Dense MLP branches; there are as many embedding-bag branches."""
-    layers: int
-    """FF layers per dense branch (the last one projects to ``dim``)."""
-    hidden: int
-    features: int
-    """Dense input features per dense branch."""
-    dim: int
-    """Embedding dimension (also the dense branches' output width)."""
-    bag: int
-    """Rows summed per embedding lookup."""
-    rows: int
-    """Rows per embedding table."""
-    top_layers: int
-    """Layers of the top MLP (last one outputs a single logit)."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class UnoConfig:
-    branches: int
-    """Feature types: one input and one encoder MLP each."""
-    layers: int
-    """FF layers per encoder branch."""
-    hidden: int
-    features: int
-    """Input features per branch."""
-    head_layers: int
-    """Layers of the MLP head after the concat (last one outputs one value)."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class GPTConfig:
-    layers: int
-    seq: int
-    hidden: int
-    heads: int
-    ffn: int
-    vocab: int
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TwoBranchConfig:
-    branches: int
-    layers: int
-    """Transformer layers per branch."""
-    seq: int
-    hidden: int
-    heads: int
-    ffn: int
-    vocab: int
 
 
 # ---------------------------------------------------------------- models

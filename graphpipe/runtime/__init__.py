@@ -51,7 +51,7 @@ from typing import Any
 
 from graphpipe.errors import InputError
 from graphpipe.plan import Plan, plan_to_dict
-from graphpipe.runtime.jobs import FaultInjection, RunOptions, fault_from_env
+from graphpipe.runtime.options import FaultInjection, RunOptions, fault_from_env
 from graphpipe.runtime.launch import RuntimeFailure, launch
 
 __all__ = ["RunOptions", "FaultInjection", "RuntimeFailure", "preflight", "run_plan", "run_plans"]

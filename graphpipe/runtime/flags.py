@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from graphpipe.runtime.jobs import RunOptions
+from graphpipe.runtime.options import RunOptions
 
 __all__ = ["add_run_arguments", "options_from_args"]
 

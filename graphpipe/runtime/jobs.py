@@ -4,7 +4,8 @@ Both the graphpipe executor (:mod:`graphpipe.runtime.worker`) and the
 ``torch.distributed.pipelining`` baseline (:mod:`graphpipe.runtime.baseline`)
 import these, so the two runtimes are measured and checked the same way:
 
-* :class:`RunOptions`, the settings of one job (``graphpipe run``'s flags);
+* :class:`RunOptions`, the settings of one job (``graphpipe run``'s flags; defined in
+  :mod:`graphpipe.runtime.options`, which imports no torch);
 * :func:`load_runnable`, the model named by a plan's ``model`` with its
   capture, loss and synthetic data (:func:`data_seed` seeds step ``k``);
 * :func:`reference_run` (and the plain :func:`reference_step`) and
@@ -57,60 +58,12 @@ import torch.distributed as dist
 
 from graphpipe.errors import InputError, PlanError
 from graphpipe.plan import Plan
+from graphpipe.runtime.options import (CHECK_ATOL, CHECK_RTOL, FAULT_POINTS, PRECISIONS, FaultInjection,  # noqa: F401
+                                      RunOptions, fault_from_env)
 
 __all__ = ["RunOptions", "FaultInjection", "fault_from_env", "Runnable", "load_runnable", "data_seed",
            "build_runnable", "plan_granularity", "Reference", "reference_run", "reference_layout", "reference_step", "compare_gradients", "compare_buffers",
            "finish_job", "CHECK_RTOL", "CHECK_ATOL"]
-
-CHECK_RTOL = 1.3e-6
-CHECK_ATOL = 1e-5
-
-FAULT_POINTS = ("F", "B", "setup", "hang")
-
-
-@dataclass(frozen=True, slots=True)
-class FaultInjection:
-    """Make rank ``rank`` fail on purpose, to test that failures never hang.
-
-    ``at``: ``F`` or ``B`` raise at the rank's first action of that kind,
-    ``setup`` raises before joining the process group, ``hang`` stops
-    answering at the first F (its peers must time out).
-    """
-
-    rank: int
-    at: str
-
-    def __post_init__(self) -> None:
-        if self.at not in FAULT_POINTS:
-            raise InputError(f"fault injection point must be one of {', '.join(FAULT_POINTS)}, got {self.at!r}")
-
-    def hits(self, rank: int, at: str) -> bool:
-        return self.rank == rank and self.at == at
-
-    def describe(self) -> str:
-        return f"GRAPHPIPE_FAIL_RANK={self.rank}, GRAPHPIPE_FAIL_AT={self.at}"
-
-
-def fault_from_env(environ=None) -> FaultInjection | None:
-    """The test hook's way in: ``GRAPHPIPE_FAIL_RANK=R`` and ``GRAPHPIPE_FAIL_AT=F|B|setup|hang``.
-
-    Read once at the edge (the launcher, ``python -m graphpipe.runtime``)
-    and carried in :attr:`RunOptions.fault`; the executor never reads the
-    environment.
-    """
-    env = os.environ if environ is None else environ
-    rank, at = env.get("GRAPHPIPE_FAIL_RANK"), env.get("GRAPHPIPE_FAIL_AT")
-    if rank is None or at is None:
-        return None
-    try:
-        return FaultInjection(int(rank), at)
-    except ValueError:
-        raise InputError(f"GRAPHPIPE_FAIL_RANK must be an integer rank, got {rank!r}") from None
-
-
-PRECISIONS = ("fp32", "bf16")
-"""Precisions a run trains at (``graphpipe run --precision``)."""
-
 
 def autocast(precision: str, device: torch.device | str):
     """``torch.autocast`` to bfloat16 for ``bf16``, a no-op context for ``fp32`` (a disabled ``torch.autocast``
@@ -118,70 +71,6 @@ def autocast(precision: str, device: torch.device | str):
     if precision != "bf16":
         return contextlib.nullcontext()
     return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RunOptions:
-    steps: int = 3
-    """Training iterations to run (the first ``warmup_steps`` are not measured)."""
-    warmup_steps: int = 1
-    backend: Literal["auto", "gloo", "nccl"] = "auto"
-    """gloo, nccl, or auto (nccl when every rank has its own GPU, else gloo)."""
-    check: bool = False
-    """Compare the first iteration's loss and gradients with a single-process run."""
-    timeout_s: float = 60.0
-    """Process-group timeout: any wait longer than this fails the run."""
-    seed: int = 0
-    lr: float = 0.01
-    """SGD learning rate of the per-rank optimizer step."""
-    num_threads: int = 1
-    """torch intra-op threads per rank (1: ranks share the host's cores fairly)."""
-    cpus_per_rank: int = 0
-    """Pin each rank to this many CPUs of its own (0: no pinning); see :func:`rank_cpus`."""
-    baseline: str | None = None
-    """None for our executor, ``"torch"`` for torch.distributed.pipelining."""
-    rtol: float = CHECK_RTOL
-    atol: float = CHECK_ATOL
-    fault: FaultInjection | None = None
-    """Test hook: make one rank fail on purpose (:class:`FaultInjection`); None in real runs."""
-    batchnorm: str | None = None
-    """BatchNorm semantics, ``per-micro-batch`` or ``sync`` (:mod:`graphpipe.runtime.batchnorm`); None: the plan's."""
-
-    precision: Literal["fp32", "bf16"] = "fp32"
-    """Training precision: ``fp32``, or ``bf16`` under ``torch.autocast`` (forward, backward and the --check reference)."""
-    measure: bool = True
-    """Time every action (synchronising the device first) and meter saved activations (``--no-measure``: off,
-    as in the training API; the report then has step times but no per-action records' device times or memory)."""
-
-    def __post_init__(self) -> None:
-        from graphpipe.errors import InputError
-        if self.precision not in PRECISIONS:
-            raise InputError(f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
-
-        if not isinstance(self.steps, int) or self.steps < 1:
-            raise InputError(f"--steps must be a positive integer, got {self.steps!r}")
-        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
-            raise InputError(f"--warmup must be a non-negative integer, got {self.warmup_steps!r}")
-        if not self.warmup_steps < self.steps:  # one step: it is measured; the CLI refuses other cases
-            object.__setattr__(self, "warmup_steps", 0 if self.steps == 1 else min(self.warmup_steps, self.steps - 1))
-        if self.backend not in ("auto", "gloo", "nccl"):
-            raise InputError(f"--backend must be gloo, nccl or auto, got {self.backend!r}")
-        if not self.timeout_s > 0:
-            raise InputError(f"--timeout must be > 0 seconds, got {self.timeout_s!r}")
-        if not isinstance(self.num_threads, int) or self.num_threads < 1:
-            raise InputError(f"--threads must be >= 1, got {self.num_threads!r}")
-        if not isinstance(self.cpus_per_rank, int) or self.cpus_per_rank < 0:
-            raise InputError(f"--cpus-per-rank must be a non-negative integer, got {self.cpus_per_rank!r}")
-        if self.baseline not in (None, "torch"):
-            raise InputError(f"--baseline must be 'torch', got {self.baseline!r}")
-        if self.batchnorm is not None:
-            from graphpipe.runtime.batchnorm import check_batchnorm_mode
-
-            check_batchnorm_mode(self.batchnorm)
-
-    def batchnorm_for(self, plan: Plan) -> str:
-        """The BatchNorm mode of a run of ``plan``: this option, else the plan's, else per-micro-batch."""
-        return self.batchnorm or getattr(plan, "batchnorm", None) or "per-micro-batch"
 
 
 def data_seed(seed: int, step: int) -> int:

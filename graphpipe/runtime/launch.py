@@ -57,7 +57,7 @@ import warnings
 from typing import Sequence
 
 from graphpipe.errors import GraphpipeError, InputError
-from graphpipe.runtime.jobs import RunOptions
+from graphpipe.runtime.options import RunOptions
 
 __all__ = ["RuntimeFailure", "launch", "free_port", "host_rank_limit", "check_host_capacity"]
 

@@ -112,9 +112,10 @@ def _fullest_device(sg, cluster: Cluster, schedule_name: str) -> tuple[int, floa
     Memory only, from the action order (:func:`~graphpipe.sched.simulator.peak_memory_in_order`): a refusal at
     1024 devices and 16k micro-batches then costs the schedule's construction, not a timed simulation.
     """
-    from graphpipe.search.common import simulated_peaks
+    from graphpipe.sched import make_schedule
+    from graphpipe.sched.simulator import peak_memory_in_order
 
-    peaks = simulated_peaks(sg, cluster, schedule_name)
+    peaks = peak_memory_in_order(sg, make_schedule(schedule_name, sg, cluster, validate=False), cluster)
     device = max(range(len(peaks)), key=lambda d: peaks[d])
     stages = sg.stages_on_device(device)
     what = "; ".join(f"stage {s}: {len(sg.stages[s].op_ids)} op{'s' if len(sg.stages[s].op_ids) != 1 else ''}"
