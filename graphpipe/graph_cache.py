@@ -66,8 +66,8 @@ def _source_fingerprint() -> str:
 
 @functools.lru_cache(maxsize=1)
 def _torch_version() -> str:
-    """The installed torch's version, from its package metadata: a cached plan then never imports torch
-    (about 1.5 s of a command that otherwise takes two). A torch without metadata (a source tree on
+    """The installed torch's version, from its package metadata: a plan from a cached graph then never
+    imports torch (most of such a command's start-up). A torch without metadata (a source tree on
     ``PYTHONPATH``) is imported for its ``__version__``."""
     from importlib import metadata
 
