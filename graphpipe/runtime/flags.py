@@ -20,7 +20,7 @@ __all__ = ["add_run_arguments", "options_from_args"]
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the flags that become a :class:`~graphpipe.runtime.jobs.RunOptions` (not the outputs)."""
+    """Add the flags that become a :class:`~graphpipe.runtime.options.RunOptions` (not the outputs)."""
     parser.add_argument("--steps", type=int, default=5, help="training iterations (default 5; the first is a warm-up)")
     parser.add_argument("--warmup", type=int, default=1, help="iterations excluded from the measurement (default 1)")
     parser.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"),

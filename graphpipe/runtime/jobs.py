@@ -49,17 +49,16 @@ import os
 import socket
 import statistics
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Callable, Sequence
 
 from torch.utils._pytree import tree_leaves
 
 import torch
 import torch.distributed as dist
 
-from graphpipe.errors import InputError, PlanError
+from graphpipe.errors import PlanError
 from graphpipe.plan import Plan
-from graphpipe.runtime.options import (CHECK_ATOL, CHECK_RTOL, FAULT_POINTS, PRECISIONS, FaultInjection,  # noqa: F401
-                                      RunOptions, fault_from_env)
+from graphpipe.runtime.options import CHECK_ATOL, CHECK_RTOL, FaultInjection, RunOptions, fault_from_env
 
 __all__ = ["RunOptions", "FaultInjection", "fault_from_env", "Runnable", "load_runnable", "data_seed",
            "build_runnable", "plan_granularity", "Reference", "reference_run", "reference_layout", "reference_step", "compare_gradients", "compare_buffers",

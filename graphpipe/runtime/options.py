@@ -110,7 +110,6 @@ class RunOptions:
     as in the training API; the report then has step times but no per-action records' device times or memory)."""
 
     def __post_init__(self) -> None:
-        from graphpipe.errors import InputError
         if self.precision not in PRECISIONS:
             raise InputError(f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
 
