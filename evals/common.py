@@ -21,7 +21,11 @@ from typing import Any, Callable, Iterable, Sequence
 
 from graphpipe.graph import write_json_atomic
 
-__all__ = ["environment", "write_result", "read_result", "Progress", "median_time", "results_dir"]
+__all__ = ["environment", "write_result", "read_result", "Progress", "median_time", "results_dir", "DATA_DIR"]
+
+#: The repository's data folder (real PipeDream profiles, synthetic graphs; see its READMEs). evals/ sits
+#: beside it in a checkout, and an editable install keeps that layout.
+DATA_DIR = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "data"))
 
 
 def results_dir(out: str) -> str:
