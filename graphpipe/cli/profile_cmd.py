@@ -61,13 +61,13 @@ def _handler(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
 
-    def progress(msg: str) -> None:
-        if args.verbose:
-            sys.stderr.write(f"profile: {msg}\n")
+    from graphpipe.progress import Progress
 
-    profile = profile_model(spec, device=args.device, batch_sizes=_batch_sizes(args.batch_sizes),
-                            repeats=args.repeats, warmup=args.warmup, seed=args.seed, progress=progress,
-                            precision=args.precision)
+    sizes = _batch_sizes(args.batch_sizes)
+    with Progress(f"profile {spec}", total=len(sizes) * (args.warmup + args.repeats), unit="pass") as bar:
+        profile = profile_model(spec, device=args.device, batch_sizes=sizes, repeats=args.repeats, warmup=args.warmup,
+                                seed=args.seed, progress=lambda text: bar.update(postfix=text),
+                                precision=args.precision)
     write_profile(args.out, profile)
     if args.json:
         print_json(profile_to_dict(profile))
