@@ -30,7 +30,7 @@ __all__ = ["RunOptions", "flag", "FaultInjection", "fault_from_env", "PRECISIONS
 CHECK_RTOL = 1.3e-6
 CHECK_ATOL = 1e-5
 
-FAULT_POINTS = ("F", "B", "setup", "hang")
+FAULT_POINTS = ("F", "B", "setup", "hang", "kill")
 
 MAX_TIMEOUT_S = 86400.0
 """Longest --timeout (a day): a wait longer than that is a hang."""
@@ -42,7 +42,10 @@ class FaultInjection:
 
     ``at``: ``F`` or ``B`` raise at the rank's first action of that kind,
     ``setup`` raises before joining the process group, ``hang`` stops
-    answering at the first F (its peers must time out).
+    answering at the first F (its peers must time out), ``kill`` SIGKILLs
+    the rank at the end of its second training step (after that step's
+    checkpoint, if any), as the out-of-memory killer would. A restarted run
+    (``--max-restarts``) runs without it: the fault fires once.
     """
 
     rank: int
@@ -127,6 +130,16 @@ class RunOptions:
         "--no-measure", help="train as graphpipe.Pipeline does: no device synchronisation per action and no "
                              "saved-tensor meter (step times stay; per-action times on a GPU are then host times, and "
                              "the report has no activation memory)"))
+    checkpoint_dir: str | None = field(default=None, metadata=flag(
+        "--checkpoint-dir", metavar="DIR",
+        help="save a step checkpoint (weights, optimizer state, step, random generators) under DIR every "
+             "--checkpoint-every steps, keeping the newest 2, and start from DIR's newest complete one"))
+    checkpoint_every: int = field(default=1, metadata=flag(
+        "--checkpoint-every", metavar="K", help="steps between checkpoints with --checkpoint-dir"))
+    max_restarts: int = field(default=0, metadata=flag(
+        "--max-restarts", metavar="R",
+        help="when a rank fails (killed, out of memory, an error), start every rank again up to R times, resuming "
+             "from --checkpoint-dir's newest checkpoint (as torchrun --max-restarts does)"))
     rtol: float = CHECK_RTOL
     """--check's relative tolerance (bf16 runs get a wider one, :data:`graphpipe.runtime.flags.BF16_CHECK_TOLERANCE`)."""
     atol: float = CHECK_ATOL
@@ -157,6 +170,14 @@ class RunOptions:
             raise InputError(f"--cpus-per-rank must be a non-negative integer, got {self.cpus_per_rank!r}")
         if self.baseline not in (None, "torch"):
             raise InputError(f"--baseline must be 'torch', got {self.baseline!r}")
+        if isinstance(self.checkpoint_every, bool) or not isinstance(self.checkpoint_every, int) \
+                or self.checkpoint_every < 1:
+            raise InputError(f"--checkpoint-every must be a positive integer, got {self.checkpoint_every!r}")
+        if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) or self.max_restarts < 0:
+            raise InputError(f"--max-restarts must be a non-negative integer, got {self.max_restarts!r}")
+        if self.max_restarts and self.checkpoint_dir is None:
+            raise InputError("--max-restarts needs --checkpoint-dir: a restarted run resumes from its newest "
+                             "checkpoint (without one it would start over)")
         if self.batchnorm is not None:
             from graphpipe.runtime.batchnorm import check_batchnorm_mode
 
