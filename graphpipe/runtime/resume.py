@@ -35,16 +35,15 @@ import threading
 import uuid
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from graphpipe.runtime.step_checkpoints import newest_complete, prune, publish, step_dir, temporary_dir
 
-if TYPE_CHECKING:
-    from graphpipe.runtime.api import Pipeline
-
+# ``pipe`` below is a graphpipe.Pipeline (not imported: api imports this module).
+Pipeline = Any
 __all__ = ["PendingSave", "save_step", "finish_pending", "resume_newest"]
 
 log = logging.getLogger(__name__)
