@@ -27,6 +27,9 @@ def pytest_configure(config) -> None:
 
     config._graphpipe_cache = tempfile.mkdtemp(prefix="graphpipe-test-cache-")
     os.environ["GRAPHPIPE_CACHE_DIR"] = config._graphpipe_cache
+    # Progress lines depend on how long work takes (a capture over 2 s on a loaded host says so): off, so the
+    # one-line errors tests read stay one line. tests/test_progress.py turns it on where it is the subject.
+    os.environ["GRAPHPIPE_PROGRESS"] = "off"
 
 
 def pytest_unconfigure(config) -> None:
