@@ -83,9 +83,15 @@ def _run(args) -> int:
         raise InputError("--schedule and --schedule-csv both choose the schedule: give one")
     plan = read_plan(args.plan)
     if args.schedule_csv is not None:
-        from graphpipe.sched.torch_csv import plan_with_torch_csv
+        import os
 
+        from graphpipe.sched.torch_csv import micro_batch_note, plan_with_torch_csv
+
+        before = plan.stage_graph
         plan = plan_with_torch_csv(plan, args.schedule_csv)
+        note = micro_batch_note(before, plan.stage_graph, os.path.basename(args.schedule_csv))
+        if note:
+            sys.stderr.write(f"graphpipe: note: {note}\n")
     if args.schedule is None and (args.vertical_sync or args.update_every is not None or args.no_stash):
         args.schedule = plan.schedule.name  # the plan's own schedule, with other asynchronous options
     wants_async = async_requested(args)
