@@ -13,9 +13,10 @@ such plans:
    there are and how many devices each gets (a plan whose stages do not form
    a chain, a gpp plan with branches side by side, is refused with the
    reason: its stages cannot take the groups in turn). When its plan leaves
-   devices idle (on a small model one device may be fastest without
-   interleaving), every device of the cluster is a group of its own: the
-   user asked for a pipeline over all of them;
+   devices idle or is one group (on a small model one device, or data
+   parallelism alone, may be fastest without interleaving), every device of
+   the cluster is a group of its own: the user asked for a pipeline over
+   all of them;
 2. the model's op order is cut anew into ``K*V`` contiguous stages balanced
    for those groups (:func:`graphpipe.sched.looped_chain`), at every
    micro-batch size the strategy may use, without re-materialization and,

@@ -238,8 +238,8 @@ def _looped(request: PlanRequest, flat: Plan) -> Plan:
     started = time.perf_counter()
     groups = looped.device_groups(flat.stage_graph, request.strategy)
     num_devices = request.cluster.num_devices
-    if len(flat.stage_graph.devices_used()) < num_devices:  # the user asked for N devices: interleave over all
-        groups = tuple((d,) for d in range(num_devices))
+    if len(flat.stage_graph.devices_used()) < num_devices or len(groups) == 1:
+        groups = tuple((d,) for d in range(num_devices))  # the user asked for a pipeline over N devices: all of them
     graph = flat.stage_graph.graph  # series-parallel contracted, as the flat plan's stages are
     schedule = request.schedule_name or looped.VIRTUAL_SCHEDULES[0]
     auto = request.virtual_stages in (None, "auto")
