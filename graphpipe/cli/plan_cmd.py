@@ -57,7 +57,7 @@ def register(sub) -> None:
                    help="override the strategy's schedule: gpipe, 1f1b, interleaved, graph-1f1b, zb-h1, graph-zb, zbv or "
                         "dualpipev (both cut the model into a V of 2K stages), "
                         "interleaved-zb, cpsat, or PipeDream's asynchronous 1f1b-async / 2bw (no flush; sequential-style "
-                        "1F1B order)")
+                        "1F1B order); interleaved and interleaved-zb take --virtual-stages (default auto)")
     p.add_argument("--virtual-stages", default=None, metavar="V|auto",
                    help="cut the model into K x V stages taking the strategy's K device groups in turn (stage s on "
                         "group s mod K) for the interleaved and interleaved-zb schedules (default schedule "

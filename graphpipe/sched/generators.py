@@ -122,8 +122,8 @@ def interleaved_groups(sg: StageGraph) -> tuple[tuple[int, ...], ...]:
     k = len(groups)
     if k == sg.num_stages:
         raise ScheduleError(f"interleaved 1F1B needs several virtual stages per device group; all {k} stages are on "
-                            f"different devices: use --schedule 1f1b, or a plan whose stages take the device groups "
-                            f"in turn (stage s on group s % K, 2 or more stages per group)")
+                            f"different devices: use --schedule 1f1b, or plan with --virtual-stages 2 (or auto), whose "
+                            f"stages take the device groups in turn (stage s on group s % K)")
     if sg.num_stages % k:
         raise ScheduleError(f"interleaved 1F1B needs the same number of stages on each of the {k} device groups; "
                             f"{sg.num_stages} stages is not a multiple of {k}; use --schedule 1f1b, or a plan with "
