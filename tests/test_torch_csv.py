@@ -174,34 +174,12 @@ def _layers(n: int):
 
 
 V_SHAPED = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
-
-
 def torch_written(path, class_name: str, k: int, m: int, form: str, v: int = 2) -> str:
     """``class_name``'s schedule for ``k`` ranks and ``m`` micro-batches as torch itself writes it
-    (``_dump_csv``), built on stand-in stages: the loop layout (stage ``s`` on rank ``s % k``) or the V."""
-    torch = pytest.importorskip("torch")
-    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
-    stage_mod = pytest.importorskip("torch.distributed.pipelining.stage")
-    if not hasattr(schedules, class_name):
-        pytest.skip(f"this torch has no {class_name}")
+    (``_dump_csv``; every rank's row), on the loop layout (stage ``s`` on rank ``s % k``) or the V."""
+    from test_zero_bubble import torch_schedule
 
-    class StandIn(stage_mod._PipelineStageBase):  # what the schedule's constructor reads, nothing more
-        def __init__(self, stage_index):
-            self.stage_index, self.num_stages, self.group_size, self.group_rank = stage_index, v * k, k, 0
-            self.submod = torch.nn.Identity()
-            self.stage_index_to_group_rank = {}
-
-        def _create_grad_recv_info(self, *args, **kwargs):
-            return ()
-
-        def _prepare_forward_infra(self, *args, **kwargs):
-            return ()
-
-        def _prepare_backward_infra(self, *args, **kwargs):
-            return None
-
-    ids = [0, 2 * k - 1] if class_name in V_SHAPED else [j * k for j in range(v)]
-    getattr(schedules, class_name)([StandIn(i) for i in ids], m)._dump_csv(str(path), format=form)
+    torch_schedule(class_name, k, m, v)._dump_csv(str(path), format=form)
     return str(path)
 
 
