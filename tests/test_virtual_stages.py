@@ -190,3 +190,17 @@ def test_interleaved_plans_train_as_one_process_in_both_runtimes():
         if options.baseline:
             expected = "ScheduleInterleaved1F1B" if plan.schedule.name == "interleaved" else "CSV of interleaved-zb"
             assert expected in result["baseline"], result["baseline"]
+
+
+def test_a_v_layout_takes_a_smaller_micro_batch_when_the_strategys_is_too_large(tmp_path, capsys):
+    """DualPipeV needs a micro-batch per stage: at batch 10 on 4 devices (8 stages) the V is cut at micro-batch 1,
+    the largest size that gives it 8, with a note; a forced size is kept and refused in one line."""
+    out = str(tmp_path / "v.json")
+    args = ["plan", "transformer:small,layers=6", "--devices", "4", "--batch-size", "10", "--schedule", "dualpipev"]
+    assert main(args + ["--out", out]) == 0
+    assert "at micro-batch size 1 (gpp's 10 is too large for it)" in capsys.readouterr().err
+    doc = json.load(open(out))
+    assert {st["micro_batch_size"] for st in doc["stages"]} == {1} and len(doc["stages"]) == 8
+    assert main(args + ["--micro-batch-size", "5"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "dualpipev needs at least as many micro-batches as stages (8)" in err, err

@@ -221,10 +221,14 @@ def _plan_one(args, source, graph, cluster, options, profile):
     if wants_async:  # the partition is the 1F1B one; the stream and its versions replace the flush
         plan = to_async(plan, args, options.host)
     if wants_v:  # the strategy's micro-batch size, the model cut anew into the V these schedules run on
-        plan = v_layout_plan(plan, args.schedule.lower())
+        flat_mb = min(st.micro_batch_size for st in plan.stage_graph.stages)
+        plan = v_layout_plan(plan, args.schedule.lower(), forced=args.micro_batch_size is not None)
+        mb = plan.stage_graph.stages[0].micro_batch_size
         sys.stderr.write(f"graphpipe: note: --schedule {args.schedule} cuts the model into a V of "
                          f"{plan.stage_graph.num_stages} stages on {cluster.num_devices} devices (stage d and "
-                         f"{plan.stage_graph.num_stages - 1}-d on device d), at {args.strategy}'s micro-batch size\n")
+                         f"{plan.stage_graph.num_stages - 1}-d on device d), at "
+                         + (f"{args.strategy}'s micro-batch size\n" if mb == flat_mb else
+                            f"micro-batch size {mb} ({args.strategy}'s {flat_mb} is too large for it)\n"))
     return _with_profile(plan, profile)
 
 

@@ -284,12 +284,15 @@ V_LAYOUT_SCHEDULES = ("zbv", "dualpipev")
 """Schedules that run on :func:`v_shape_chain`'s layout only (``plan --schedule`` cuts the model into it)."""
 
 
-def v_layout_plan(plan, name: str):
+def v_layout_plan(plan, name: str, forced: bool = False):
     """``plan``'s model cut anew into a V (:func:`v_shape_chain`: ``2K`` stages on the cluster's ``K`` devices)
     at the plan's smallest micro-batch size, scheduled with ``name`` (``zbv`` or ``dualpipev``) and simulated.
 
-    Raises :class:`~graphpipe.errors.InputError` when the V does not fit a device's memory, and
-    :class:`~graphpipe.errors.ScheduleError` when the model is no chain or has too few ops or micro-batches.
+    When the schedule refuses that size (DualPipeV needs a micro-batch per stage) or the V does not fit
+    in memory there, smaller divisors of the batch are tried in turn, unless the size was ``forced``
+    (``--micro-batch-size``). Raises :class:`~graphpipe.errors.InputError` when the V does not fit a
+    device's memory, and :class:`~graphpipe.errors.ScheduleError` when the model is no chain or has too
+    few ops or micro-batches, each for the plan's own size.
     """
     from dataclasses import replace as with_fields
 
@@ -298,17 +301,26 @@ def v_layout_plan(plan, name: str):
 
     sg, cluster = plan.stage_graph, plan.cluster
     mb = min(st.micro_batch_size for st in sg.stages)
-    v = v_shape_chain(sg.graph, cluster.num_devices, sg.batch_size, mb)
-    schedule = make_schedule(name, v, cluster)
-    figures = predicted_figures(simulate(v, schedule, cluster))
-    worst = max(range(cluster.num_devices), key=lambda d: figures["peak_memory_bytes"][d])
-    need = figures["peak_memory_bytes"][worst]
-    if need > cluster.memory_bytes:
-        raise InputError(f"{name}: the V layout (micro-batch {mb}) needs {need / 1e9:.3g} GB on device {worst}, "
-                         f"the device has {cluster.memory_bytes / 1e9:.3g} GB: use a smaller --micro-batch-size or "
-                         "more devices")
-    return with_fields(plan, stage_graph=v, schedule=schedule, predicted=figures,
-                       search={**dict(plan.search), "layout": f"v ({v.num_stages} stages, micro-batch {mb})"})
+    sizes = [mb] if forced else [mb] + [b for b in range(mb - 1, 0, -1) if sg.batch_size % b == 0]
+    first_error = None
+    for b in sizes:
+        v = v_shape_chain(sg.graph, cluster.num_devices, sg.batch_size, b)
+        try:
+            schedule = make_schedule(name, v, cluster)
+        except ScheduleError as exc:
+            first_error = first_error or exc
+            continue
+        figures = predicted_figures(simulate(v, schedule, cluster))
+        worst = max(range(cluster.num_devices), key=lambda d: figures["peak_memory_bytes"][d])
+        need = figures["peak_memory_bytes"][worst]
+        if need > cluster.memory_bytes:
+            first_error = first_error or InputError(
+                f"{name}: the V layout (micro-batch {b}) needs {need / 1e9:.3g} GB on device {worst}, the device "
+                f"has {cluster.memory_bytes / 1e9:.3g} GB: use a smaller --micro-batch-size or more devices")
+            continue
+        return with_fields(plan, stage_graph=v, schedule=schedule, predicted=figures,
+                           search={**dict(plan.search), "layout": f"v ({v.num_stages} stages, micro-batch {b})"})
+    raise first_error
 
 
 def _balanced_cuts(rows: Sequence[Sequence[float]], pieces: int) -> list[int]:
