@@ -171,8 +171,9 @@ def test_cli_table_and_json_say_which_count_won(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_interleaved_plans_train_as_one_process_in_both_runtimes():
-    """`plan --virtual-stages 2` plans, interleaved and interleaved-zb, run under --check in graphpipe's runtime
-    and in torch's (ScheduleInterleaved1F1B; interleaved-zb from its CSV in _PipelineScheduleRuntime)."""
+    """`plan --virtual-stages` plans, interleaved and interleaved-zb, run under --check in graphpipe's runtime
+    and in torch's (ScheduleInterleaved1F1B; interleaved-zb from its CSV in _PipelineScheduleRuntime); a plan
+    whose groups are replicated runs in graphpipe's."""
     from graphpipe.runtime import RunOptions, run_plans
 
     graph = zoo.load_graph("transformer:small,layers=6")
@@ -190,6 +191,14 @@ def test_interleaved_plans_train_as_one_process_in_both_runtimes():
         if options.baseline:
             expected = "ScheduleInterleaved1F1B" if plan.schedule.name == "interleaved" else "CSV of interleaved-zb"
             assert expected in result["baseline"], result["baseline"]
+
+    # PipeDream's groups of two replicas each (split micro-batches), on a model with two towers relayed
+    # along the chain: graphpipe's runtime (torch's has no replicas)
+    mmt = make_plan(zoo.canonical_spec("mmt:small"), zoo.load_graph("mmt:small"), preset("v100", 4), 16, "pipedream",
+                    SearchOptions(micro_batch_size=4), schedule="interleaved", virtual_stages=2)
+    assert [len(st.devices) for st in mmt.stage_graph.stages] == [2, 2, 2, 2]
+    (result,) = run_plans([(mmt, RunOptions(steps=2, check=True, timeout_s=120))], 4)
+    assert result["check"]["passed"] and result["check"]["num_params_checked"] == result["check"]["num_params"] > 0
 
 
 def test_a_v_layout_takes_a_smaller_micro_batch_when_the_strategys_is_too_large(tmp_path, capsys):
