@@ -236,22 +236,28 @@ def _looped(request: PlanRequest, flat: Plan) -> Plan:
     from graphpipe.search import looped
 
     started = time.perf_counter()
-    groups = looped.device_groups(flat.stage_graph, request.strategy)
+    auto = request.virtual_stages in (None, "auto")
+    own = looped.LayoutTry(1, None, flat.predicted.throughput, f"{flat.predicted.throughput:.4g} samples/s, "
+                                                               f"{request.strategy}'s own plan ({flat.schedule.name})")
+    try:
+        groups = looped.device_groups(flat.stage_graph, request.strategy)
+    except InputError as exc:
+        if not (auto and request.schedule is None):
+            raise
+        return replace(flat, search={**flat.search, "virtual_stages": 1, "virtual_stages_tried": looped.summary(
+            [own, looped.LayoutTry(2, None, None, str(exc).removeprefix("--virtual-stages: "))], own)})
     num_devices = request.cluster.num_devices
     if len(flat.stage_graph.devices_used()) < num_devices or len(groups) == 1:
         groups = tuple((d,) for d in range(num_devices))  # the user asked for a pipeline over N devices: all of them
     graph = flat.stage_graph.graph  # series-parallel contracted, as the flat plan's stages are
     schedule = request.schedule_name or looped.VIRTUAL_SCHEDULES[0]
-    auto = request.virtual_stages in (None, "auto")
     counts = looped.auto_counts(graph.num_ops, len(groups)) if auto else [request.virtual_stages]
     recompute = request.options.recompute or request.record.default_recompute
     with stage(f"{request.strategy} (virtual stages)"):
         tries = [looped.best_layout(graph, groups, v, request.cluster, request.batch_size, schedule, request.options,
                                     recompute) for v in counts]
     if auto and request.schedule is None:
-        tries.insert(0, looped.LayoutTry(1, None, flat.predicted.throughput,
-                                         f"{flat.predicted.throughput:.4g} samples/s, {request.strategy}'s own plan "
-                                         f"({flat.schedule.name})"))
+        tries.insert(0, own)
     winner = looped.pick(tries, request.strategy, schedule)
     notes = {"virtual_stages": winner.virtual, "virtual_stages_tried": looped.summary(tries, winner)}
     if winner.stage_graph is None:  # one stage per group won
