@@ -267,6 +267,10 @@ def _looped(request: PlanRequest, flat: Plan) -> Plan:
               "num_stages": sg.num_stages, "micro_batch_size": sg.stages[0].micro_batch_size}
     for key in ("recompute_segments", "bottleneck_tps", "model_bottleneck_tps", "throughput_estimate"):
         search.pop(key, None)  # figures of the flat plan's stages, not of these
+    used = len(sg.devices_used())
+    for key, value in (("unused_devices", num_devices - used), ("devices_used", used)):
+        if key in search:
+            search[key] = value
     plan = _scheduled(request, sg, schedule, flat.merged, search)
     _check_memory(request, plan)
     search = {**plan.search, "schedule": plan.schedule.name,
