@@ -14,8 +14,8 @@ import pytest
 from graphpipe.cluster import preset
 from graphpipe.graph import Affine, Op, OpGraph
 
-SHARED = os.path.join(os.path.dirname(__file__), "..", "..", "shared")
-PROFILES_DIR = os.path.join(SHARED, "data", "pipedream-profiles")
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data")
+PROFILES_DIR = os.path.join(DATA, "pipedream-profiles")
 ZOO_SMALL = ["mmt:small", "dlrm:small", "candle-uno:small", "transformer:small", "twobranch:small"]
 PROFILE_NAMES = ("alexnet", "gnmt", "inception_v3", "nasnetamobile", "resnet18", "resnet50", "vgg16")
 
@@ -137,8 +137,7 @@ def v100_8():
 
 @pytest.fixture
 def profiles_dir():
-    if not os.path.isdir(PROFILES_DIR):
-        pytest.skip("../shared/data/pipedream-profiles not present")
+    """The real PipeDream profiles shipped in the repository's data/ folder."""
     return PROFILES_DIR
 
 

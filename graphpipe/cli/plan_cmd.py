@@ -5,7 +5,7 @@ Examples::
     graphpipe plan mmt --devices 32 --batch-size 128                 # GraphPipe (gpp) on 32 V100s
     graphpipe plan dlrm --devices 16 --batch-size 256 --strategy pipedream --out plan.json
     graphpipe plan candle-uno --devices 32 --batch-size 256 --compare   # gpp vs pipedream/piper/gpipe
-    graphpipe plan ../shared/data/pipedream-profiles/vgg16 --devices 8 --batch-size 128 --json
+    graphpipe plan data/pipedream-profiles/vgg16 --devices 8 --batch-size 128 --json
 
 The plan file (``--out``) is written atomically, and only when planning
 succeeds, so an existing file is never half-overwritten or clobbered by a
@@ -60,9 +60,11 @@ def register(sub) -> None:
                         "1F1B order); interleaved and interleaved-zb take --virtual-stages (default auto)")
     p.add_argument("--virtual-stages", default=None, metavar="V|auto",
                    help="cut the model into K x V stages taking the strategy's K device groups in turn (stage s on "
-                        "group s mod K) for the interleaved and interleaved-zb schedules (default schedule "
-                        "interleaved); auto picks V (1, 2, 4, ...) by simulated time and memory (default: auto "
-                        "with those schedules, else 1)")
+                        "group s mod K; every device a group of its own when the strategy's plan leaves devices idle "
+                        "or is one group) for the interleaved and interleaved-zb schedules (default schedule "
+                        "interleaved); auto picks V (1, 2, 4, ... up to 8) by simulated time and memory and the "
+                        "table lists each V tried (default: auto with those schedules, else 1). A plan whose stages "
+                        "run side by side (gpp on a branchy model) is refused, or kept as it is by auto")
     add_async_arguments(p)
     p.add_argument("--time-limit", type=float, default=10.0, metavar="S", help="CP-SAT time limit (default 10 s)")
     p.add_argument("--profile", default=None, metavar="FILE", help="measured per-op costs (graphpipe profile output)")

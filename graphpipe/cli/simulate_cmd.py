@@ -41,7 +41,9 @@ def register(sub) -> None:
                         "interleaved-zb, cpsat, 1f1b-async or 2bw")
     p.add_argument("--schedule-csv", default=None, metavar="IN.csv",
                    help="use the schedule of a torch.distributed.pipelining CSV (one row per rank, cells like 2F0, "
-                        "1I3, 0W1; compute-and-comms files too), validated against the plan")
+                        "1I3, 0W1; compute-and-comms files too; (F;B)OVERLAP_F_B pairs read as F then B), validated "
+                        "against the plan; the file's micro-batch count wins: the stages' micro-batch sizes follow it "
+                        "(a note says so), or a count the batch does not split into is refused")
     p.add_argument("--torch-csv", default=None, metavar="OUT.csv",
                    help="write the schedule as torch.distributed.pipelining's compute-only CSV (chain plans)")
     add_async_arguments(p)

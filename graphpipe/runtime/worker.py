@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from graphpipe.errors import PlanError
 from graphpipe.plan import Plan, plan_from_dict
+from graphpipe.progress import step_done
 from graphpipe.runtime.executor import StepResult
 from graphpipe.runtime.jobs import (RunOptions, compare_buffers, compare_gradients, data_seed, finish_job,
                                     load_runnable, plan_granularity, reference_run)
@@ -153,6 +154,7 @@ def run_job(rank: int, world_size: int, plan: Plan, options: RunOptions, device:
         if optimizer is not None:
             optimizer.step()
             optimizer.zero_grad()
+        step_done()
     # Activation memory per device (rank = device): peak bytes saved for backward, and CUDA's allocator peak.
     timed = steps[options.warmup_steps:] or steps
     mem = torch.tensor([float(max(s.peak_saved_bytes for s in timed)),
