@@ -232,3 +232,33 @@ def test_auto_keeps_a_graph_plan_flat_and_says_why():
     assert "side by side" in auto.search["virtual_stages_tried"]["2"]
     with pytest.raises(InputError, match="side by side"):
         make_plan("mmt:small", graph, cluster, 8, "gpp", virtual_stages=2)
+
+
+MLP = '''import torch, torch.nn as nn
+
+def build():
+    layers = []
+    for _ in range(6):
+        layers += [nn.Linear(16, 16), nn.Tanh()]
+    return nn.Sequential(*layers, nn.Linear(16, 4)), (torch.randn(8, 16),), lambda out: out.pow(2).mean()
+'''
+
+
+@pytest.mark.slow
+def test_a_factory_model_plans_interleaved_and_trains_as_one_process_in_torchs_runtime(tmp_path):
+    """A model of the user's own (a factory with no target) through the CLI: `plan --schedule interleaved`, then
+    `run --check` in graphpipe's runtime and with --baseline torch (whose reference runs the module on the
+    inputs alone)."""
+    (tmp_path / "mlp.py").write_text(MLP)
+    out = str(tmp_path / "p.json")
+    assert main(["plan", f"{tmp_path / 'mlp.py'}:build", "--devices", "2", "--batch-size", "8",
+                 "--micro-batch-size", "2", "--schedule", "interleaved", "--out", out]) == 0
+    from graphpipe.plan import read_plan
+    from graphpipe.runtime import RunOptions, run_plans
+
+    plan = read_plan(out)
+    assert plan.stage_graph.num_stages >= 4 and plan.schedule.name == "interleaved"
+    results = run_plans([(plan, RunOptions(steps=2, check=True, timeout_s=120, baseline=b)) for b in (None, "torch")],
+                        2)
+    for result in results:
+        assert result["check"]["passed"] and result["check"]["num_params_checked"] == result["check"]["num_params"] > 0
