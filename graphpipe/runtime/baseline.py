@@ -192,23 +192,58 @@ def run_torch_job(rank: int, world_size: int, plan: Plan, options, device: torch
                       records=[], backend=dist.get_backend(), control=control,
                       extra={"baseline": "torch.distributed.pipelining." + (
                           TORCH_SCHEDULES.get(plan.schedule.name)
-                          or f"{csv_runtime_class().__name__} (CSV of {plan.schedule.name})")})
+                          or f"{csv_runtime_class().__name__} (CSV of {plan.schedule.name}{_file_note(plan)})")})
+
+
+def _file_note(plan: Plan) -> str:
+    from graphpipe.sched.torch_csv import torch_file_rows
+
+    kept = torch_file_rows(plan)
+    return f", {plan.search['torch_csv'].get('file')} as written, {kept[1]}" if kept is not None else ""
 
 
 def _csv_schedule(plan: Plan, stages, num_mbs: int, loss, rank: int):
-    """torch's CSV runtime over this rank's ``stages``, loaded from the plan's schedule written as torch's CSV."""
+    """torch's CSV runtime over this rank's ``stages``: loaded from the torch file the plan's schedule was read
+    from, as written (compute-only, or compute-and-comms with torch's own sends and receives), else from the
+    plan's schedule written as torch's compute-only CSV."""
+    import csv
+    import io
     import os
     import tempfile
 
-    from graphpipe.sched.torch_csv import write_torch_csv
+    from graphpipe.files import write_text_atomic
+    from graphpipe.sched.torch_csv import to_torch_rows, torch_file_rows
 
     cls = csv_runtime_class()
     schedule = cls(stages, num_mbs, loss_fn=loss, scale_grads=True)
+    kept = torch_file_rows(plan)
+    rows, form = kept if kept is not None else (to_torch_rows(plan.stage_graph, plan.schedule), "compute_only")
     fd, path = tempfile.mkstemp(prefix=f"graphpipe-torch-rank{rank}-", suffix=".csv")
     os.close(fd)
     try:
-        write_torch_csv(path, plan.stage_graph, plan.schedule)
-        schedule._load_csv(path)
+        text = io.StringIO()
+        csv.writer(text, lineterminator="\n").writerows(rows)
+        write_text_atomic(path, text.getvalue())
+        if form == "compute_comms":
+            schedule._load_csv(path, format="compute_comms")
+            _add_missing_reduce_grads(schedule, num_mbs)
+        else:
+            schedule._load_csv(path)
     finally:
         os.unlink(path)
     return schedule
+
+
+def _add_missing_reduce_grads(schedule, num_mbs: int) -> None:
+    """A compute-and-comms file whose rank lists no ``REDUCE_GRAD`` (torch's own test files predate it) gets
+    torch's own pass that adds one after each stage's last backward: that action is where torch divides the
+    summed gradients by the micro-batch count (``scale_grads``), which one-process training needs."""
+    from torch.distributed.pipelining import schedules
+
+    add = getattr(schedules, "_add_reduce_grad", None)
+    reduce_grad = getattr(getattr(schedules, "_ComputationType", None), "REDUCE_GRAD", None)
+    if add is None or reduce_grad is None:  # an older torch scales gradients without the action
+        return
+    for rank, actions in schedule.pipeline_order_with_comms.items():
+        if not any(a is not None and a.computation_type == reduce_grad for a in actions):
+            schedule.pipeline_order_with_comms[rank] = add(actions, num_mbs)

@@ -164,16 +164,18 @@ def build_runnable(spec: str, seed: int = 0, device: str = "cpu", capture: bool 
 
         built = zoo.build(spec, device=device, seed=seed)
         module, example, loss_fn, make_inputs = built.module, built.example_inputs, built.loss_fn, built.make_inputs
+    # no target is no leaf (torch's pytree counts None as one: the reference would call the module with it)
+    target_leaves = tree_leaves(target) if target is not None else []
     if not capture:
-        flat = tuple(tree_leaves((example, target)))
+        flat = tuple(tree_leaves(example)) + tuple(target_leaves)
         return Runnable(spec, module, None, {}, (), loss_fn,  # type: ignore[arg-type]
-                        make_inputs or _synthetic_inputs(flat, device, len(tree_leaves(target))))
+                        make_inputs or _synthetic_inputs(flat, device, len(target_leaves)))
     from graphpipe.runtime.stage_modules import instrument
 
     exported, op_nodes, _ = cap.trace_ops(module, example, loss_fn, target, cap.Granularity.parse(granularity))
     args, kwargs = cap.normalize_inputs(example)
     flat = exported.io.flat_inputs(args, kwargs, target)
-    make_inputs = make_inputs or _synthetic_inputs(flat, device, len(tree_leaves(target)))
+    make_inputs = make_inputs or _synthetic_inputs(flat, device, len(target_leaves))
     gm = exported.gm
     # the meta device (preflight) only cuts the model: no run to find random calls
     gm = instrument(gm, make_inputs(2, 0) if device != "meta" else None)
