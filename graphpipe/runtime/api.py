@@ -103,7 +103,11 @@ class Pipeline:
         self._loss_fn = loss_fn if loss_fn is not None else spec_loss
         if example_inputs is None:
             example_inputs, example_target = spec_inputs, spec_target
-        self._broadcast_weights(self._model)
+        from graphpipe.runtime.materialize import on_meta
+
+        self._meta = on_meta(self._model)
+        # a real model's stages take rank 0's weights before the first step, unless a checkpoint fills them
+        self._from_rank0 = not self._meta and self.world_size > 1
         self._steps, self._measure = 0, False  # the API times nothing (graphpipe run measures)
         self._build(example_inputs, example_target)
         if not self._setup.programs:
@@ -132,36 +136,57 @@ class Pipeline:
         built = zoo.build(spec, seed=self.seed)
         return built.module, built.example_inputs, built.loss_fn, None
 
-    def _broadcast_weights(self, model: nn.Module) -> None:
-        """Rank 0's parameters and buffers on every rank (ranks that built the model with other seeds agree)."""
+    def _receive_rank0_weights(self) -> None:
+        """Rank 0's parameters and buffers of every stage, sent to that stage's replicas only (ranks that built
+        the model with other seeds agree); once, before the first step, and never after a checkpoint was loaded.
+
+        Rank 0 holds the whole (real) model; each other rank receives only
+        the tensors of the stages it hosts, point to point, in stage order.
+        """
+        if not self._from_rank0:
+            return
+        self._from_rank0 = False
+        sources, self._stage_sources = self._stage_sources, {}
         with torch.no_grad():
-            for t in list(model.parameters()) + list(model.buffers()):
-                if t.device.type == "meta":
-                    raise InputError("Pipeline needs a model with real weights (it was built on the meta device)")
-                buf = t.detach().to(self.device) if self.backend == "nccl" else t.detach()
-                dist.broadcast(buf, 0)
-                if buf is not t:
-                    t.copy_(buf)
+            for stage in self.plan.stage_graph.stages:
+                targets = [d for d in stage.devices if d != 0]
+                if not targets or (self.rank != 0 and self.rank not in targets):
+                    continue
+                module = sources[stage.id].module
+                for t in (*module.parameters(), *module.buffers()):
+                    if self.rank == 0:
+                        buf = t.detach().to(self.device).contiguous()
+                        for d in targets:
+                            dist.send(buf, d)
+                    else:
+                        buf = torch.empty_like(t.detach())
+                        dist.recv(buf, 0)
+                        t.copy_(buf)
 
     def _build(self, example: Any, target: Any) -> None:
         """Capture the model on ``example`` (a whole mini-batch), cut it and build this rank's executor."""
         from graphpipe.capture import Granularity, trace_ops
         from graphpipe.runtime.jobs import plan_granularity
 
-        model = self._model.cpu() if self.backend != "nccl" else self._model
+        if self._meta:  # captured and cut on the meta device: each rank materializes its own stages only
+            from graphpipe.runtime.materialize import meta_copy
+
+            model, example, target = self._model, meta_copy(example), meta_copy(target)
+        else:
+            model = self._model.cpu() if self.backend != "nccl" else self._model
         exported, op_nodes, _ = trace_ops(model, example, self._loss_fn, target,
                                           Granularity.parse(plan_granularity(self.plan)))
         args, kwargs = normalize_inputs(example)
         flat = exported.io.flat_inputs(args, kwargs, target)
 
         def rows(n: int, _seed: int = 0) -> tuple:  # n rows of the example (repeated when it has fewer)
-            return tuple(x[torch.arange(n) % x.shape[0]] if isinstance(x, torch.Tensor) and x.dim() else x
+            return tuple(x[torch.arange(n, device=x.device) % x.shape[0]] if isinstance(x, torch.Tensor) and x.dim() else x
                          for x in flat)
 
         from graphpipe.runtime.stage_modules import instrument
 
-        self._assemble(instrument(exported.gm, rows(2)), op_nodes, exported.io, exported.io.wrap_loss(self._loss_fn),
-                       rows, fault=None, measure=self._measure)
+        self._assemble(model, instrument(exported.gm, rows(2)), op_nodes, exported.io,
+                       exported.io.wrap_loss(self._loss_fn), rows, fault=None, measure=self._measure)
 
     @classmethod
     def _for_job(cls, plan: Plan, runnable, *, rank: int, world_size: int, device: torch.device, backend: str,
@@ -175,12 +200,15 @@ class Pipeline:
         self._owns_group = False  # the worker's group: it destroys it
         self._batchnorm, self._measure, self._steps = options.batchnorm_for(plan), options.measure, 0
         self._model = self._loss_fn = None  # the runnable's module is dropped: only this rank's stages stay
-        self._assemble(runnable.gm, runnable.op_nodes, runnable.io, runnable.loss_fn, runnable.make_inputs,
-                       fault=options.fault, measure=options.measure)
+        self._from_rank0 = False  # every rank built (or materializes) the same weights from the seed
+        self._assemble(runnable.module, runnable.gm, runnable.op_nodes, runnable.io, runnable.loss_fn,
+                       runnable.shape_inputs, fault=options.fault, measure=options.measure)
         return self
 
-    def _assemble(self, gm, op_nodes, io, loss_fn, make_rows, *, fault, measure: bool) -> None:
-        """Cut the captured graph by the plan's stages and build this rank's executor (:func:`setup_rank`)."""
+    def _assemble(self, model, gm, op_nodes, io, loss_fn, make_rows, *, fault, measure: bool) -> None:
+        """Cut the captured graph by the plan's stages, materialize this rank's stages when the model is on the
+        meta device, and build this rank's executor (:func:`setup_rank`)."""
+        from graphpipe.runtime.materialize import materialize_stages
         from graphpipe.runtime.stage_modules import boundary_meta, check_op_names, split_model
         from graphpipe.runtime.setup import setup_rank
 
@@ -189,6 +217,11 @@ class Pipeline:
         self._io = io
         split = split_model(gm, op_nodes, sg)
         meta = boundary_meta(gm, split.boundary_values, make_rows, self.precision)
+        mine = {s: split.programs[s] for s in (sg.stages_on_device(self.rank) if self.rank < sg.num_devices else ())}
+        self._uninitialised = sorted(materialize_stages(model, mine, self.device, self.seed).uninitialised)
+        """Model names of hosted tensors built on meta that no initialiser filled: a checkpoint must (:meth:`load`)."""
+        # rank 0 sends every stage's weights from its whole model (:meth:`_receive_rank0_weights`)
+        self._stage_sources = dict(enumerate(split.programs)) if self.rank == 0 else mine
         self._setup = setup_rank(self.rank, self.world_size, self.plan, split, meta, loss_fn, self.device,
                                  self.backend, timeout_s=self.timeout_s, seed=self.seed, batchnorm=self._batchnorm,
                                  fault=fault, measure=measure)
@@ -255,6 +288,7 @@ class Pipeline:
         """
         from graphpipe.runtime.jobs import autocast
 
+        self._ready_to_run()
         executor = self._setup.executor
         executor.ensure_grads()
         if start_together:
@@ -263,6 +297,15 @@ class Pipeline:
             self.last_step = executor.run_iteration(flat if self.reads_inputs else None, time.perf_counter(),
                                                     self._steps)
         self._steps += 1
+
+    def _ready_to_run(self) -> None:
+        """Before a step or an evaluation: rank 0's weights in (a real model), every meta tensor filled."""
+        self._receive_rank0_weights()
+        if self._uninitialised:
+            names = self._uninitialised
+            raise InputError(f"{len(names)} tensor(s) of rank {self.rank}'s stages were built on the meta device and "
+                             f"have no initialiser (reset_parameters), e.g. {', '.join(names[:3])}: load them "
+                             "first with pipe.load(checkpoint)")
 
     def _flat(self, inputs: Any, target: Any) -> tuple:
         args, kwargs = normalize_inputs(inputs)
@@ -311,6 +354,7 @@ class Pipeline:
         on every rank. Each stage runs once on the whole batch on its first replica, in stage order."""
         from graphpipe.runtime.jobs import autocast
 
+        self._ready_to_run()
         sg = self.plan.stage_graph
         args, kwargs = normalize_inputs(inputs)
         rows = _batch([t for t in list(args) + list(kwargs.values()) if isinstance(t, torch.Tensor)])
@@ -413,6 +457,7 @@ class Pipeline:
         folder beside it, then renamed over it, so a job killed mid-save leaves the previous checkpoint."""
         import torch.distributed.checkpoint as dcp
 
+        self._receive_rank0_weights()
         directory = os.fspath(directory)
         token = [uuid.uuid4().hex if self.rank == 0 else None]
         dist.broadcast_object_list(token, src=0)

@@ -91,6 +91,16 @@ class Runnable:
     """``make_inputs(batch_size, seed)``: ``gm``'s positional arguments (inputs, then the target's leaves)."""
     io: Any = None
     """The :class:`~graphpipe.exporting.IOSpec` of ``gm`` (None without capture)."""
+    meta_params: bool = False
+    """The module's parameters are on the meta device (:func:`~graphpipe.runtime.materialize.params_on_meta`):
+    each rank materializes its own stages; ``make_inputs`` still makes real data."""
+
+    def shape_inputs(self, batch_size: int, seed: int = 0) -> tuple:
+        """``make_inputs``, on the meta device when the parameters are: for runs that only read shapes."""
+        from graphpipe.runtime.materialize import meta_copy
+
+        made = self.make_inputs(batch_size, seed)
+        return meta_copy(made) if self.meta_params else made
 
     def output(self, graph_out: Any) -> Any:
         """The model's output structure from what ``gm`` (or the sink stage) returns."""
@@ -103,23 +113,23 @@ _PRISTINE_MAX = 8
 
 
 def load_runnable(spec: str, seed: int = 0, device: str = "cpu", capture: bool = True,
-                  granularity: str | None = None) -> Runnable:
+                  granularity: str | None = None, meta_params: bool = False) -> Runnable:
     """:func:`build_runnable`, exported once per process: a rank running many jobs of one model (tests, evals,
     ``--check``'s reference) gets a deep copy of the first capture (weights as built from ``seed``), not a
     second export."""
     if not capture:
         return build_runnable(spec, seed, device, capture, granularity)
-    key = (spec, seed, device, granularity, _factory_stamp(spec))
+    key = (spec, seed, device, granularity, _factory_stamp(spec), meta_params)
     if key not in _PRISTINE:
         if len(_PRISTINE) >= _PRISTINE_MAX:
             _PRISTINE.pop(next(iter(_PRISTINE)))
-        _PRISTINE[key] = build_runnable(spec, seed, device, capture, granularity)
+        _PRISTINE[key] = build_runnable(spec, seed, device, capture, granularity, meta_params)
     pristine = _PRISTINE[key]
     import copy
 
     module, gm = copy.deepcopy((pristine.module, pristine.gm))  # one memo: the copies share their tensors
     return Runnable(spec, module, gm, pristine.op_nodes, pristine.op_names, pristine.loss_fn, pristine.make_inputs,
-                    pristine.io)
+                    pristine.io, pristine.meta_params)
 
 
 def _factory_stamp(spec: str) -> tuple:
@@ -135,7 +145,7 @@ def _factory_stamp(spec: str) -> tuple:
 
 
 def build_runnable(spec: str, seed: int = 0, device: str = "cpu", capture: bool = True,
-                   granularity: str | None = None) -> Runnable:
+                   granularity: str | None = None, meta_params: bool = False) -> Runnable:
     """Build (and capture) the model named by a plan's ``model``: a zoo spec or ``file.py:factory``.
 
     The runnable graph takes the model's inputs flattened (keyword inputs in
@@ -144,23 +154,35 @@ def build_runnable(spec: str, seed: int = 0, device: str = "cpu", capture: bool 
     inputs shaped like their example inputs (floats ~ N(0, 1), integers
     uniform in ``[min, max]`` of the example, booleans as in the example's
     range). ``capture=False`` skips the export (the single-process reference
-    needs only the module).
+    needs only the module). ``meta_params``: the module is built with its
+    parameters on the meta device (:func:`~graphpipe.runtime.materialize.params_on_meta`;
+    a factory that builds on the meta device itself is accepted too) and
+    captured on meta inputs; nothing of its weights is allocated until a
+    rank materializes its stages.
     """
     from graphpipe import capture as cap
+    from graphpipe.runtime.materialize import meta_copy, on_meta, params_on_meta
 
     target, make_inputs = None, None
+    building = params_on_meta() if meta_params else contextlib.nullcontext()
     if ".py:" in spec:
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), building:
             torch.manual_seed(seed)
             made = cap.load_factory(spec)
-        module, example, loss_fn, target = made.module.to(device), made.example_inputs, made.loss_fn, made.example_target
+        module, example, loss_fn, target = made.module, made.example_inputs, made.loss_fn, made.example_target
+        if not meta_params and on_meta(module):
+            raise PlanError(f"{spec} builds its model on the meta device: only a run that materializes each rank's "
+                            "stages can use it (graphpipe run does; this path needs real weights)")
+        if not meta_params:
+            module = module.to(device)
     elif spec.endswith((".json", ".txt")) or os.path.sep in spec:
         raise PlanError(f"plan model {spec!r} is a graph file, which has no module to run; the runtime needs a zoo "
                         "spec (mmt:small) or path/to/file.py:factory — plan that instead")
     else:
         from graphpipe import zoo
 
-        built = zoo.build(spec, device=device, seed=seed)
+        with building:
+            built = zoo.build(spec, device=device, seed=seed)
         module, example, loss_fn, make_inputs = built.module, built.example_inputs, built.loss_fn, built.make_inputs
     if not capture:
         flat = tuple(tree_leaves((example, target)))
@@ -168,14 +190,17 @@ def build_runnable(spec: str, seed: int = 0, device: str = "cpu", capture: bool 
                         make_inputs or _synthetic_inputs(flat, device))
     from graphpipe.runtime.stage_modules import instrument
 
-    exported, op_nodes, _ = cap.trace_ops(module, example, loss_fn, target, cap.Granularity.parse(granularity))
+    shapes = meta_copy if meta_params else (lambda x: x)  # meta weights are captured on meta inputs
+    exported, op_nodes, _ = cap.trace_ops(module, shapes(example), loss_fn, shapes(target),
+                                          cap.Granularity.parse(granularity))
     args, kwargs = cap.normalize_inputs(example)
     flat = exported.io.flat_inputs(args, kwargs, target)
     make_inputs = make_inputs or _synthetic_inputs(flat, device)
     gm = exported.gm
     # the meta device (preflight) only cuts the model: no run to find random calls
-    gm = instrument(gm, make_inputs(2, 0) if device != "meta" else None)
-    return Runnable(spec, module, gm, op_nodes, tuple(op_nodes), exported.io.wrap_loss(loss_fn), make_inputs, exported.io)
+    gm = instrument(gm, shapes(make_inputs(2, 0)) if device != "meta" else None)
+    return Runnable(spec, module, gm, op_nodes, tuple(op_nodes), exported.io.wrap_loss(loss_fn), make_inputs, exported.io,
+                    meta_params)
 
 
 def plan_granularity(plan: Plan) -> str | None:
@@ -219,6 +244,8 @@ class Reference:
     buffers: tuple[dict[str, torch.Tensor], ...]
     unbatched: tuple[str, ...] = ()
     """Stochastic or BatchNorm ops whose input had no batch dimension (their draws cannot match the pipeline's)."""
+    meta_params: bool = False
+    """Weights materialized per tensor name (:mod:`graphpipe.runtime.materialize`), as the run's ranks do."""
 
     @property
     def num_params(self) -> int:
@@ -240,19 +267,28 @@ def reference_layout(plan: Plan, node_stages: dict[str, int], batchnorm: str) ->
 
 
 def reference_run(spec: str, seed: int, batch_size: int, layout: dict[str, dict[str, int]], steps: int, lr: float,
-                  device: str = "cpu", granularity: str | None = None, precision: str = "fp32") -> Reference:
+                  device: str = "cpu", granularity: str | None = None, precision: str = "fp32",
+                  meta_params: bool = False) -> Reference:
     """``steps`` SGD steps of a fresh copy of the model on one process with the pipeline's semantics.
 
     ``layout`` (:func:`reference_layout`) says at which rows every dropout
     and BatchNorm call is cut; an empty layout is full-batch training. Step
     ``k`` reads ``make_inputs(batch_size, data_seed(seed, k))`` like the
-    pipeline.
+    pipeline. ``meta_params``: the weights are those every rank materializes
+    (:func:`~graphpipe.runtime.materialize.materialize_stages`, all stages here).
     """
     from graphpipe.runtime.batchnorm import sharded_batchnorms
     from graphpipe.runtime.rng import ReferenceContext
 
-    ref = load_runnable(spec, seed, device, granularity=granularity)
+    ref = load_runnable(spec, seed, device, granularity=granularity, meta_params=meta_params)
     gm = ref.gm
+    if meta_params:
+        from types import SimpleNamespace
+
+        from graphpipe.runtime.materialize import materialize_stages
+
+        whole = SimpleNamespace(module=gm, param_names={}, segments=(), assemble=None)
+        materialize_stages(ref.module, {0: whole}, torch.device(device), seed)
     gm.train()
     params = dict(gm.named_parameters())
     optimizer = torch.optim.SGD(list(params.values()), lr=lr)
@@ -271,7 +307,7 @@ def reference_run(spec: str, seed: int, batch_size: int, layout: dict[str, dict[
         grads.append({n: p.grad.detach().clone() for n, p in params.items() if p.grad is not None})
         buffers.append({n: b.detach().clone() for n, b in gm.named_buffers()})
         optimizer.step()
-    return Reference(tuple(losses), tuple(grads), tuple(buffers), tuple(sorted(unbatched)))
+    return Reference(tuple(losses), tuple(grads), tuple(buffers), tuple(sorted(unbatched)), meta_params)
 
 
 def reference_step(spec: str, seed: int, batch_size: int, step_seed: int, device: str) -> tuple[float, dict[str, torch.Tensor]]:
@@ -403,7 +439,7 @@ def _check_summary(plan: Plan, options: RunOptions, losses: list[float], referen
     if reference.unbatched:
         check["inexact_ops"] = list(reference.unbatched)
     full = reference_run(plan.model, options.seed, plan.stage_graph.batch_size, {}, 1, options.lr,
-                         granularity=plan_granularity(plan))
+                         granularity=plan_granularity(plan), meta_params=reference.meta_params)
     check["full_batch"] = {
         "loss": full.losses[0], "loss_abs_diff": abs(full.losses[0] - reference.losses[0]),
         "max_grad_abs_diff": max((float((g - reference.grads[0][n]).abs().max()) for n, g in full.grads[0].items()

@@ -114,8 +114,9 @@ def run_job(rank: int, world_size: int, plan: Plan, options: RunOptions, device:
     from graphpipe.runtime.api import Pipeline
 
     my_stages = sg.stages_on_device(rank) if rank < sg.num_devices else ()
-    # Every rank builds the model, so all agree on the boundary values and shapes.
-    runnable = load_runnable(plan.model, options.seed, "cpu", granularity=plan_granularity(plan))
+    # Every rank builds the model with its parameters on the meta device, so all agree on the boundary values and
+    # shapes; each materializes only its own stages' weights (runtime/materialize.py).
+    runnable = load_runnable(plan.model, options.seed, "cpu", granularity=plan_granularity(plan), meta_params=True)
     unseeded = _warn_unseeded(runnable, plan.model) if rank == 0 else {}
     make_inputs = runnable.make_inputs
     # graphpipe run is a user of the training API: synthetic data, SGD, and its report.
@@ -130,7 +131,7 @@ def run_job(rank: int, world_size: int, plan: Plan, options: RunOptions, device:
     if options.check and (my_stages or rank == 0):
         # the reference trains at the run's precision too, one autocast region per step as the run
         reference = reference_run(plan.model, options.seed, sg.batch_size, layout, options.steps, options.lr,
-                                  granularity=plan_granularity(plan), precision=options.precision)
+                                  granularity=plan_granularity(plan), precision=options.precision, meta_params=True)
 
     steps: list[StepResult] = []
     check_stats = [0.0, 0, 0, 0]
@@ -182,7 +183,7 @@ def _warn_unseeded(runnable, model: str) -> dict[str, str]:
     from graphpipe.runtime.batchnorm import sharded_batchnorms
     from graphpipe.runtime.rng import ShardContext, find_unseeded_random
 
-    inputs = runnable.make_inputs(2, 0)
+    inputs = runnable.shape_inputs(2, 0)
     found = find_unseeded_random(runnable.gm, inputs, ShardContext(0, 0, 0, 2, 0, 2))
     for bn in sharded_batchnorms(runnable.gm):
         bn.pending.clear()
