@@ -202,10 +202,11 @@ class Pipeline:
         self._model = self._loss_fn = None  # the runnable's module is dropped: only this rank's stages stay
         self._from_rank0 = False  # every rank built (or materializes) the same weights from the seed
         self._assemble(runnable.module, runnable.gm, runnable.op_nodes, runnable.io, runnable.loss_fn,
-                       runnable.shape_inputs, fault=options.fault, measure=options.measure)
+                       runnable.shape_inputs, fault=options.fault, measure=options.measure, initial=runnable.initial)
         return self
 
-    def _assemble(self, model, gm, op_nodes, io, loss_fn, make_rows, *, fault, measure: bool) -> None:
+    def _assemble(self, model, gm, op_nodes, io, loss_fn, make_rows, *, fault, measure: bool,
+                  initial=None) -> None:
         """Cut the captured graph by the plan's stages, materialize this rank's stages when the model is on the
         meta device, and build this rank's executor (:func:`setup_rank`)."""
         from graphpipe.runtime.materialize import materialize_stages
@@ -218,7 +219,7 @@ class Pipeline:
         split = split_model(gm, op_nodes, sg)
         meta = boundary_meta(gm, split.boundary_values, make_rows, self.precision)
         mine = {s: split.programs[s] for s in (sg.stages_on_device(self.rank) if self.rank < sg.num_devices else ())}
-        self._uninitialised = sorted(materialize_stages(model, mine, self.device, self.seed).uninitialised)
+        self._uninitialised = sorted(materialize_stages(model, mine, self.device, self.seed, initial).uninitialised)
         """Model names of hosted tensors built on meta that no initialiser filled: a checkpoint must (:meth:`load`)."""
         # rank 0 sends every stage's weights from its whole model (:meth:`_receive_rank0_weights`)
         self._stage_sources = dict(enumerate(split.programs)) if self.rank == 0 else mine

@@ -44,11 +44,12 @@ Example
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import os
 import socket
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from torch.utils._pytree import tree_leaves
@@ -56,7 +57,7 @@ from torch.utils._pytree import tree_leaves
 import torch
 import torch.distributed as dist
 
-from graphpipe.errors import PlanError
+from graphpipe.errors import PlanError, UserCodeError
 from graphpipe.plan import Plan
 from graphpipe.runtime.options import CHECK_ATOL, CHECK_RTOL, FaultInjection, RunOptions, fault_from_env
 
@@ -92,8 +93,10 @@ class Runnable:
     io: Any = None
     """The :class:`~graphpipe.exporting.IOSpec` of ``gm`` (None without capture)."""
     meta_params: bool = False
-    """The module's parameters are on the meta device (:func:`~graphpipe.runtime.materialize.params_on_meta`):
+    """The module's parameters and buffers are on the meta device (:func:`~graphpipe.runtime.materialize.params_on_meta`):
     each rank materializes its own stages; ``make_inputs`` still makes real data."""
+    initial: dict = field(default_factory=dict)
+    """With ``meta_params``: the buffers' values as built, by name (:func:`~graphpipe.runtime.materialize.buffers_to_meta`)."""
 
     def shape_inputs(self, batch_size: int, seed: int = 0) -> tuple:
         """``make_inputs``, on the meta device when the parameters are: for runs that only read shapes."""
@@ -129,7 +132,7 @@ def load_runnable(spec: str, seed: int = 0, device: str = "cpu", capture: bool =
 
     module, gm = copy.deepcopy((pristine.module, pristine.gm))  # one memo: the copies share their tensors
     return Runnable(spec, module, gm, pristine.op_nodes, pristine.op_names, pristine.loss_fn, pristine.make_inputs,
-                    pristine.io, pristine.meta_params)
+                    pristine.io, pristine.meta_params, pristine.initial)
 
 
 def _factory_stamp(spec: str) -> tuple:
@@ -161,7 +164,7 @@ def build_runnable(spec: str, seed: int = 0, device: str = "cpu", capture: bool 
     rank materializes its stages.
     """
     from graphpipe import capture as cap
-    from graphpipe.runtime.materialize import meta_copy, on_meta, params_on_meta
+    from graphpipe.runtime.materialize import buffers_to_meta, meta_copy, on_meta, params_on_meta
 
     target, make_inputs = None, None
     building = params_on_meta() if meta_params else contextlib.nullcontext()
@@ -191,8 +194,21 @@ def build_runnable(spec: str, seed: int = 0, device: str = "cpu", capture: bool 
     from graphpipe.runtime.stage_modules import instrument
 
     shapes = meta_copy if meta_params else (lambda x: x)  # meta weights are captured on meta inputs
-    exported, op_nodes, _ = cap.trace_ops(module, shapes(example), loss_fn, shapes(target),
-                                          cap.Granularity.parse(granularity))
+    initial = buffers_to_meta(module) if meta_params else {}
+    try:
+        exported, op_nodes, _ = cap.trace_ops(module, shapes(example), loss_fn, shapes(target),
+                                              cap.Granularity.parse(granularity))
+    except UserCodeError as exc:
+        if not meta_params:
+            raise
+        # code that makes tensors of its own on the CPU (a generator of its own) cannot run on meta inputs:
+        # every rank builds the whole model with real weights, as the eager path does
+        logging.getLogger(__name__).warning("%s: cannot be captured on the meta device (%s); every rank builds "
+                                            "the whole model", spec, exc)
+        try:
+            return build_runnable(spec, seed, device, capture, granularity, meta_params=False)
+        except PlanError:  # the factory builds on meta itself: the capture's own error is the one to show
+            raise exc from None
     args, kwargs = cap.normalize_inputs(example)
     flat = exported.io.flat_inputs(args, kwargs, target)
     make_inputs = make_inputs or _synthetic_inputs(flat, device)
@@ -200,7 +216,7 @@ def build_runnable(spec: str, seed: int = 0, device: str = "cpu", capture: bool 
     # the meta device (preflight) only cuts the model: no run to find random calls
     gm = instrument(gm, shapes(make_inputs(2, 0)) if device != "meta" else None)
     return Runnable(spec, module, gm, op_nodes, tuple(op_nodes), exported.io.wrap_loss(loss_fn), make_inputs, exported.io,
-                    meta_params)
+                    meta_params, initial)
 
 
 def plan_granularity(plan: Plan) -> str | None:
@@ -288,7 +304,7 @@ def reference_run(spec: str, seed: int, batch_size: int, layout: dict[str, dict[
         from graphpipe.runtime.materialize import materialize_stages
 
         whole = SimpleNamespace(module=gm, param_names={}, segments=(), assemble=None)
-        materialize_stages(ref.module, {0: whole}, torch.device(device), seed)
+        materialize_stages(ref.module, {0: whole}, torch.device(device), seed, ref.initial)
     gm.train()
     params = dict(gm.named_parameters())
     optimizer = torch.optim.SGD(list(params.values()), lr=lr)

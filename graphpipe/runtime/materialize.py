@@ -40,7 +40,7 @@ import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["params_on_meta", "on_meta", "tensor_seed", "materialize_stages", "retarget_devices", "meta_copy",
+__all__ = ["params_on_meta", "buffers_to_meta", "on_meta", "tensor_seed", "materialize_stages", "retarget_devices", "meta_copy",
            "model_tensors", "Materialized"]
 
 
@@ -66,6 +66,19 @@ def params_on_meta() -> Iterator[None]:
         yield
     finally:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def buffers_to_meta(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Move every buffer of ``module`` to the meta device (in place); returns their built values by name, for
+    :func:`materialize_stages`' ``initial`` (buffers such as index tables are computed in ``__init__``, and no
+    initialiser rebuilds them)."""
+    values = {name: b.detach().clone() for name, b in module.named_buffers() if b.device.type != "meta"}
+    moved: dict[int, torch.Tensor] = {}
+    for sub in module.modules():
+        for key, b in sub._buffers.items():
+            if b is not None and b.device.type != "meta":
+                sub._buffers[key] = moved.setdefault(id(b), b.to("meta"))
+    return values
 
 
 def on_meta(module: nn.Module) -> bool:
@@ -147,13 +160,15 @@ def _stage_graphs(prog) -> list[torch.fx.GraphModule]:
 
 
 def materialize_stages(model: nn.Module | None, programs: Mapping[int, Any], device: torch.device,
-                       seed: int) -> Materialized:
+                       seed: int, initial: Mapping[str, torch.Tensor] | None = None) -> Materialized:
     """Give every meta parameter and buffer of the stage programs ``programs`` (stage id ->
     :class:`~graphpipe.runtime.stage_modules.StageProgram`, this rank's) storage on ``device`` and initialise
     it (module docstring); nothing else is allocated. Device literals of their graphs move to ``device``.
 
     ``model``: the module the stages were captured from (its submodules own
     the initialisers; None: no initialiser, every tensor is uninitialised).
+    ``initial``: values by model name that replace what the initialisers
+    made (:func:`buffers_to_meta`'s).
     Stage modules share tensors with ``model``: the real tensors replace the
     meta ones in both, and a tied copy (named after its original,
     :attr:`StageProgram.param_names`) gets its own parameter, equal to the
@@ -192,6 +207,11 @@ def materialize_stages(model: nn.Module | None, programs: Mapping[int, Any], dev
         done.replaced[id(old)] = new
         real[name] = new
     _initialise(model, owners, real, done, seed)
+    with torch.no_grad():
+        for name, value in (initial or {}).items():
+            if name in real:
+                real[name].copy_(value)
+                done.uninitialised.discard(name)
     for tid, name in wanted.items():  # tied copies: their own parameter, equal to the original
         if tid in done.replaced or name not in real:
             continue
@@ -216,21 +236,37 @@ def _initialise(model: nn.Module | None, owners, real: Mapping[str, torch.Tensor
         done.uninitialised.update(real)
         return
     hf_init = getattr(model, "_init_weights", None)
-    owned: dict[int, tuple[nn.Module, str, list[str]]] = {}  # module -> its path and the real tensors it owns
+    paths = {id(m): path for path, m in model.named_modules(remove_duplicate=False)}
+    modules = dict(model.named_modules(remove_duplicate=False))
+    owned: dict[int, tuple[nn.Module, str, list[str]]] = {}  # initialising module -> its path, the tensors it fills
     for module, _, _, full in owners.values():
         if full in real:
-            owned.setdefault(id(module), (module, full.rpartition(".")[0], []))[2].append(full)
+            module, path = _initialiser_of(module, paths[id(module)], modules)
+            owned.setdefault(id(module), (module, path, []))[2].append(full)
     ptrs = {t.untyped_storage().data_ptr(): name for name, t in real.items() if t.numel()}
     with torch.no_grad(), _SeedPerTensor(ptrs, seed):
         for module, path, tensors in owned.values():
             torch.manual_seed(tensor_seed(seed, path))
-            reset = getattr(module, "reset_parameters", None)
+            reset = getattr(module, "reset_parameters", getattr(module, "_reset_parameters", None))
             if callable(reset):
                 reset()
             if callable(hf_init):  # the model's own scheme, over torch's default where it has one
                 hf_init(module)
             elif not callable(reset):
                 done.uninitialised.update(tensors)
+
+
+def _initialiser_of(module: nn.Module, path: str, modules: Mapping[str, nn.Module]) -> tuple[nn.Module, str]:
+    """The module whose initialiser fills ``module``'s own tensors: itself when it has ``reset_parameters``
+    (or ``nn.MultiheadAttention``'s ``_reset_parameters``), else its nearest ancestor that has one, else itself."""
+    here = path
+    while True:
+        m = modules[here]
+        if callable(getattr(m, "reset_parameters", None)) or callable(getattr(m, "_reset_parameters", None)):
+            return m, here
+        if not here:
+            return module, path
+        here = here.rpartition(".")[0]
 
 
 def retarget_devices(gm: torch.fx.GraphModule, device: torch.device) -> bool:
