@@ -474,49 +474,67 @@ class Pipeline:
             shutil.rmtree(old, ignore_errors=True)
         dist.barrier()
 
-    def load(self, directory: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None) -> None:
-        """Read a checkpoint written by :meth:`save` (by any plan of the same model): every parameter this rank
-        holds (replicas and tied copies included) by its name, and the optimizer's state for them."""
-        import torch.distributed.checkpoint as dcp
+    def load(self, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Read the tensors of this rank's stages (replicas and tied copies included) from a checkpoint, by their
+        names in the model, reading nothing else (every rank calls it).
+
+        ``path``: a checkpoint written by :meth:`save` (by any plan of the
+        same model; ``optimizer`` then gets its state back), a
+        ``torch.distributed.checkpoint`` of the plain model's ``state_dict()``
+        (a seed checkpoint written by one process), a ``.safetensors`` file or a
+        Hugging Face ``save_pretrained`` folder (:mod:`graphpipe.runtime.checkpoint`).
+        A missing or mis-shaped parameter is named in one error before
+        anything is overwritten. Buffers are read where the checkpoint has
+        them (a non-persistent one is not saved); once loaded, rank 0's
+        weights are not sent to the other ranks.
+        """
+        from graphpipe.runtime.checkpoint import check_complete, checkpoint_layout, read_tensors
 
         self._check_optimizer(optimizer)
-        directory = os.fspath(directory)
-        if not os.path.isdir(directory):
-            raise InputError(f"no checkpoint at {directory}")
+        layout = checkpoint_layout(path)
+        params = list(self.named_parameters())
+        buffers = [(name, b) for prog in self._setup.programs.values() for name, b in prog.module.named_buffers()]
+        entries = [(layout.key(n), n, p) for n, p in params] + [(layout.key(n, "buffer"), n, b) for n, b in buffers]
+        pending = set(self._uninitialised)
+        check_complete(layout, {key: tuple(t.shape) for key, _, t in entries},
+                       optional=[layout.key(n, "buffer") for n, _ in buffers if n not in pending])
+        into: dict[str, torch.Tensor] = {}
+        copies = []
+        for key, name, t in entries:
+            if key not in layout.shapes:
+                continue
+            if key in into:
+                copies.append((t, key))  # a tied copy, or a buffer two stages read
+            else:
+                into[key] = t.detach()
+            pending.discard(name)
+        read_tensors(layout, into)
+        with torch.no_grad():
+            for t, key in copies:
+                t.copy_(into[key])
+        self._uninitialised = sorted(pending)
+        self._from_rank0 = False  # every rank holds its stages' weights now
+        if optimizer is not None and layout.kind == "graphpipe":
+            self._load_optimizer(layout.path, optimizer, params)
+
+    def _load_optimizer(self, directory: str, optimizer: torch.optim.Optimizer, params) -> None:
+        """The optimizer state :meth:`save` wrote for this rank's parameters (``optim/NAME/KEY``)."""
+        import torch.distributed.checkpoint as dcp
+
         metadata = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
         state: dict[str, torch.Tensor] = {}
-        params = dict(self.named_parameters())
-        for name, p in params.items():
-            key = f"model/{name}"
-            if key not in metadata:
-                raise InputError(f"checkpoint {directory} has no parameter {name!r}: it is of another model")
-            if tuple(metadata[key].size) != tuple(p.shape):
-                raise InputError(f"checkpoint {directory}: parameter {name!r} has shape {tuple(metadata[key].size)}, "
-                                 f"the model's is {tuple(p.shape)}")
-            state[key] = torch.empty_like(p.detach())
-            if optimizer is not None:
-                for k, md in metadata.items():
-                    if k.startswith(f"optim/{name}/"):
-                        state[k] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-        buffers = {}
-        for s, prog in self._setup.programs.items():
-            for name, b in prog.module.named_buffers():
-                if f"buffer/{name}" in metadata:
-                    buffers.setdefault(name, []).append(b)
-                    state[f"buffer/{name}"] = torch.empty_like(b)
-        dcp.load(state, storage_reader=dcp.FileSystemReader(directory))
-        with torch.no_grad():
-            for name, p in params.items():
-                p.copy_(state[f"model/{name}"])
-            for name, bs in buffers.items():
-                for b in bs:
-                    b.copy_(state[f"buffer/{name}"])
-        if optimizer is not None:
-            for name, p in params.items():
-                prefix = f"optim/{name}/"
-                entry = {k[len(prefix):]: v.to(p.device) for k, v in state.items() if k.startswith(prefix)}
-                if entry:
-                    optimizer.state[p] = entry
+        for name, _ in params:
+            for k, md in metadata.items():
+                if k.startswith(f"optim/{name}/"):
+                    state[k] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        if not state:
+            return
+        dcp.load(state, storage_reader=dcp.FileSystemReader(directory), no_dist=True)
+        for name, p in params:
+            prefix = f"optim/{name}/"
+            entry = {k[len(prefix):]: v.to(p.device) for k, v in state.items() if k.startswith(prefix)}
+            if entry:
+                optimizer.state[p] = entry
 
 
 def _batch(flat) -> int:
