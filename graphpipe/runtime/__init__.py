@@ -80,8 +80,9 @@ def preflight(plan: Plan, options: RunOptions) -> None:
         if options.precision != "fp32":
             raise InputError(f"{spec.name} runs at fp32 only (its replay check is exact); drop --precision")
         version_table(plan.stage_graph, spec, options.steps)  # 2bw's m must divide steps x micro-batches
+    # a factory is built with its parameters on meta (or builds on meta itself): nothing is allocated here either
     runnable = load_runnable(plan.model, options.seed, "meta" if ".py:" not in plan.model else "cpu",
-                             granularity=plan_granularity(plan))
+                             granularity=plan_granularity(plan), meta_params=".py:" in plan.model)
     check_op_names([op.name for op in plan.graph.ops], runnable.op_names, plan.model)
     split = split_model(runnable.gm, runnable.op_nodes, plan.stage_graph)
     if options.precision == "bf16":
@@ -124,11 +125,44 @@ def run_plans(plans: list[tuple[Plan, RunOptions]], world_size: int | None = Non
     for plan, options in plans:
         preflight(plan, options)
     world = world_size or max(plan.cluster.num_devices for plan, _ in plans)
+    plans, skipped = _fit_host_memory(plans, world)
     if plans and plans[0][1].cpus_per_rank:
         from graphpipe.runtime.worker import rank_cpus
 
         rank_cpus(world - 1, plans[0][1].cpus_per_rank)  # enough CPUs for the last rank, or refuse before spawning
-    return launch([(plan_to_dict(plan), options) for plan, options in plans], world)
+    results = launch([(plan_to_dict(plan), options) for plan, options in plans], world)
+    for result, reason in zip(results, skipped):
+        if result is not None and reason:
+            result["check_skipped"] = reason
+    return results
+
+
+def _fit_host_memory(plans: list[tuple[Plan, RunOptions]], world: int) -> tuple[list, list[str | None]]:
+    """Refuse a plan whose ranks cannot fit in this host's memory (:func:`~graphpipe.runtime.memory.check_host_memory`,
+    before any rank starts); drop ``--check`` where its single-process references (one per rank hosting a
+    stage) would not fit beside the run, with the reason (logged, and in the result's ``check_skipped``)."""
+    import logging
+
+    from graphpipe.runtime.memory import GIB, available_memory, check_host_memory, reference_bytes
+    from graphpipe.sched.async_pipe import plan_spec
+
+    out, skipped = [], []
+    for plan, options in plans:
+        ranks = check_host_memory(plan, world)
+        reason = None
+        available = available_memory()
+        if options.check and options.baseline != "torch" and plan_spec(plan) is None and available is not None:
+            hosting = len(set(plan.stage_graph.devices_used()) | {0})
+            need = sum(r.total_bytes for r in ranks) + hosting * reference_bytes(plan)
+            if need > available:
+                reason = (f"--check skipped: its single-process reference of the whole model, on each of the "
+                          f"{hosting} ranks hosting a stage, would take the run to about {need / GIB:.1f} GiB "
+                          f"of host memory, and this host has {available / GIB:.1f} GiB available")
+                logging.getLogger(__name__).warning("%s", reason)
+                options = replace(options, check=False)
+        out.append((plan, options))
+        skipped.append(reason)
+    return out, skipped
 
 
 def run_plan(plan: Plan, options: RunOptions | None = None) -> dict[str, Any]:
@@ -144,6 +178,8 @@ def run_plan(plan: Plan, options: RunOptions | None = None) -> dict[str, Any]:
     options = options or RunOptions()
     raw = run_plans([(plan, options)])[0]
     summary = summarize(plan, raw)
+    if "check_skipped" in raw:
+        summary["check_skipped"] = raw["check_skipped"]
     shown = plan
     if "async" in raw:  # the measured timeline of a stream is the whole run
         from graphpipe.sched.async_pipe import stream_graph, stream_schedule

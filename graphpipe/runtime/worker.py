@@ -46,7 +46,7 @@ from graphpipe.runtime.executor import StepResult
 from graphpipe.runtime.jobs import (RunOptions, compare_buffers, compare_gradients, data_seed, finish_job,
                                     load_runnable, plan_granularity, reference_run)
 
-__all__ = ["rank_cpus", "pin_rank", "run_rank", "run_job"]
+__all__ = ["rank_cpus", "pin_rank", "run_rank", "run_job", "peak_rss_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +82,13 @@ def pin_rank(local_rank: int, per_rank: int) -> None:
 
 def _cpu_list(cpus: Sequence[int]) -> str:
     return ",".join(map(str, cpus[:8])) + (",..." if len(cpus) > 8 else "")
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size so far (``getrusage``'s ``ru_maxrss``, KiB on Linux)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _pick_backend(requested: str, world_size: int) -> str:
@@ -157,7 +164,8 @@ def run_job(rank: int, world_size: int, plan: Plan, options: RunOptions, device:
     # Activation memory per device (rank = device): peak bytes saved for backward, and CUDA's allocator peak.
     timed = steps[options.warmup_steps:] or steps
     mem = torch.tensor([float(max(s.peak_saved_bytes for s in timed)),
-                        float(max(s.cuda_peak_bytes or 0 for s in timed))], dtype=torch.float64)
+                        float(max(s.cuda_peak_bytes or 0 for s in timed)), float(peak_rss_bytes())],
+                       dtype=torch.float64)
     mems = [torch.zeros_like(mem) for _ in range(world_size)]
     dist.all_gather(mems, mem, group=control)
     out = finish_job(rank, world_size, plan, options, [s.iteration_time_s for s in steps], [s.loss for s in steps],
@@ -167,6 +175,7 @@ def run_job(rank: int, world_size: int, plan: Plan, options: RunOptions, device:
         out["precision"] = options.precision
         if options.measure:
             out["measured"]["peak_activation_bytes"] = [float(m[0]) for m in mems]
+        out["measured"]["peak_rss_bytes"] = [float(m[2]) for m in mems]
         if any(s.cuda_peak_bytes is not None for s in timed):
             out["measured"]["cuda_max_memory_allocated_bytes"] = [float(m[1]) for m in mems]
     if out is not None and "check" in out and unseeded:
