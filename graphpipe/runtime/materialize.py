@@ -137,7 +137,9 @@ class Materialized:
 
     def __init__(self) -> None:
         self.replaced: dict[int, torch.Tensor] = {}
-        """``id(meta tensor) -> real tensor`` (parameters stay parameters)."""
+        """``id(meta tensor) -> real tensor`` (parameters stay parameters), while :attr:`meta` keeps the meta
+        tensors alive (an id is unique among live objects only)."""
+        self.meta: list[torch.Tensor] = []
         self.uninitialised: set[str] = set()
         """Model names of hosted tensors whose module has no initialiser: they must come from a checkpoint."""
 
@@ -182,12 +184,15 @@ def materialize_stages(model: nn.Module | None, programs: Mapping[int, Any], dev
         for name, p in prog.module.named_parameters(remove_duplicate=False):
             if p.device.type == "meta" and id(p) not in wanted:
                 wanted[id(p)] = owners[id(p)][3] if id(p) in owners else prog.param_names.get(name, name)
+                done.meta.append(p)
         for name, b in prog.module.named_buffers(remove_duplicate=False):
             if b.device.type == "meta" and id(b) not in wanted:
                 wanted[id(b)] = owners[id(b)][3] if id(b) in owners else name
+                done.meta.append(b)
     graphs = [gm for prog in programs.values() for gm in _stage_graphs(prog)]
     for gm in graphs:
-        retarget_devices(gm, device)
+        if isinstance(gm, torch.fx.GraphModule):
+            retarget_devices(gm, device)
     if not wanted:
         return done
     by_name = {entry[3]: entry for entry in owners.values()}
@@ -205,6 +210,7 @@ def materialize_stages(model: nn.Module | None, programs: Mapping[int, Any], dev
             new = nn.Parameter(new, requires_grad=old.requires_grad)
         getattr(module, kind)[attr] = new
         done.replaced[id(old)] = new
+        done.meta.append(old)
         real[name] = new
     _initialise(model, owners, real, done, seed)
     with torch.no_grad():
@@ -226,6 +232,7 @@ def materialize_stages(model: nn.Module | None, programs: Mapping[int, Any], dev
             done.replaced[id(t)] = nn.Parameter(fresh, requires_grad=t.requires_grad) \
                 if isinstance(t, nn.Parameter) else fresh
             table[key] = done.replaced[id(t)]
+    done.replaced, done.meta = {}, []  # ids of meta tensors mean nothing once those are freed
     return done
 
 
