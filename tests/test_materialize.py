@@ -128,7 +128,7 @@ def _plan(spec: str = "mmt:small", devices: int = 3):
 
 
 def test_memory_estimate_is_the_sum_of_its_parts_and_a_run_that_cannot_fit_is_refused():
-    from graphpipe.runtime.launch import RANK_MEMORY_BYTES
+    from graphpipe.runtime.memory import RANK_MEMORY_BYTES
     from graphpipe.runtime.memory import check_host_memory, rank_memory
 
     plan = _plan()

@@ -24,6 +24,12 @@ Pieces:
 * :mod:`~graphpipe.runtime.worker` runs ``graphpipe run``'s jobs through the
   API (synthetic data, SGD), checking gradients against a single-process run;
 * :mod:`~graphpipe.runtime.launch` spawns and watches the ranks;
+* :mod:`~graphpipe.runtime.materialize` gives a model built on the meta
+  device real storage for one rank's stages only, initialised per tensor name;
+* :mod:`~graphpipe.runtime.checkpoint` reads one rank's tensors from a
+  checkpoint (graphpipe's, a plain state dict's, safetensors);
+* :mod:`~graphpipe.runtime.memory` estimates each rank's host memory, and
+  refuses a run that cannot fit before any rank starts;
 * :mod:`~graphpipe.runtime.measure` turns measured records into a
   :class:`graphpipe.sched.Timeline`;
 * :mod:`~graphpipe.runtime.baseline` runs sequential plans on

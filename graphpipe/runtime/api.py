@@ -280,6 +280,20 @@ class Pipeline:
         dist.all_reduce(loss)  # on the device: an NCCL group reduces CUDA tensors only
         return float(loss)
 
+    def timed_step(self, flat: tuple | None, *, group=None):
+        """One step on the graph's flat inputs (``None`` on ranks whose stages read none), every rank starting
+        at a barrier on ``group`` (default the world), so the step's per-action times share one start;
+        returns this rank's :class:`~graphpipe.runtime.executor.StepResult`. ``graphpipe run``'s loop."""
+        self._train(flat, start_together=True, group=group)
+        return self.last_step
+
+    @property
+    def rank_setup(self):
+        """This rank's :class:`~graphpipe.runtime.setup.RankSetup`: its executor (one
+        :class:`~graphpipe.runtime.hosted.HostedStage` per stage it hosts), the reference's layout, the tied
+        copies and buffers that are not counted (what ``--check`` needs)."""
+        return self._setup
+
     def _train(self, flat: tuple | None, *, start_together: bool = False, group=None) -> None:
         """One step on the graph's flat inputs (``None`` on ranks whose stages read none).
 

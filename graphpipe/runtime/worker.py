@@ -130,7 +130,7 @@ def run_job(rank: int, world_size: int, plan: Plan, options: RunOptions, device:
     pipe = Pipeline._for_job(plan, runnable, rank=rank, world_size=world_size, device=device, backend=backend,
                              options=options)
     del runnable  # drop every other stage's parameters
-    ctx = pipe._setup
+    ctx = pipe.rank_setup
     programs, layout, tied_copies, buffer_stage = ctx.programs, ctx.layout, ctx.tied_copies, ctx.buffer_stage
     params = list(pipe.parameters())
     optimizer = torch.optim.SGD(params, lr=options.lr) if params else None
@@ -144,9 +144,7 @@ def run_job(rank: int, world_size: int, plan: Plan, options: RunOptions, device:
     check_stats = [0.0, 0, 0, 0]
     for step in range(options.steps):
         inputs = make_inputs(sg.batch_size, data_seed(options.seed, step)) if pipe.reads_inputs else None
-        pipe._train(inputs, start_together=True, group=control)
-        result = pipe.last_step
-        steps.append(result)
+        steps.append(pipe.timed_step(inputs, group=control))
         if reference is not None and my_stages:
             # Replicas all compare; only a stage's first replica counts (and only the owner of a tied parameter).
             grads = compare_gradients(((programs[s].param_names.get(name, name), p,
