@@ -25,7 +25,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from graphpipe.errors import InputError
+from graphpipe.errors import InputError, some
 
 __all__ = ["CheckpointLayout", "checkpoint_layout", "read_tensors"]
 
@@ -100,9 +100,9 @@ def check_complete(layout: CheckpointLayout, wanted: Mapping[str, tuple[int, ...
     if missing or wrong:
         parts = []
         if missing:
-            parts.append(f"{len(missing)} tensor(s) missing: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+            parts.append(f"{len(missing)} tensor(s) missing: {some(missing, 5)}")
         if wrong:
-            parts.append(f"{len(wrong)} of another shape: {'; '.join(wrong[:3])}{' ...' if len(wrong) > 3 else ''}")
+            parts.append(f"{len(wrong)} of another shape: {some(wrong, 3, '; ')}")
         raise InputError(f"checkpoint {layout.path} does not fit this model: " + "; ".join(parts)
                          + " (is it of another model?)")
 

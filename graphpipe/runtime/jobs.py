@@ -121,7 +121,7 @@ def load_runnable(spec: str, seed: int = 0, device: str = "cpu", capture: bool =
     ``--check``'s reference) gets a deep copy of the first capture (weights as built from ``seed``), not a
     second export."""
     if not capture:
-        return build_runnable(spec, seed, device, capture, granularity)
+        return build_runnable(spec, seed, device, capture, granularity, meta_params)
     key = (spec, seed, device, granularity, _factory_stamp(spec), meta_params)
     if key not in _PRISTINE:
         if len(_PRISTINE) >= _PRISTINE_MAX:
@@ -187,14 +187,14 @@ def build_runnable(spec: str, seed: int = 0, device: str = "cpu", capture: bool 
         with building:
             built = zoo.build(spec, device=device, seed=seed)
         module, example, loss_fn, make_inputs = built.module, built.example_inputs, built.loss_fn, built.make_inputs
+    initial = buffers_to_meta(module) if meta_params else {}
     if not capture:
         flat = tuple(tree_leaves((example, target)))
         return Runnable(spec, module, None, {}, (), loss_fn,  # type: ignore[arg-type]
-                        make_inputs or _synthetic_inputs(flat, device))
+                        make_inputs or _synthetic_inputs(flat, device), None, meta_params, initial)
     from graphpipe.runtime.stage_modules import instrument
 
     shapes = meta_copy if meta_params else (lambda x: x)  # meta weights are captured on meta inputs
-    initial = buffers_to_meta(module) if meta_params else {}
     try:
         exported, op_nodes, _ = cap.trace_ops(module, shapes(example), loss_fn, shapes(target),
                                               cap.Granularity.parse(granularity))
@@ -298,13 +298,7 @@ def reference_run(spec: str, seed: int, batch_size: int, layout: dict[str, dict[
 
     ref = load_runnable(spec, seed, device, granularity=granularity, meta_params=meta_params)
     gm = ref.gm
-    if meta_params:
-        from types import SimpleNamespace
-
-        from graphpipe.runtime.materialize import materialize_stages
-
-        whole = SimpleNamespace(module=gm, param_names={}, segments=(), assemble=None)
-        materialize_stages(ref.module, {0: whole}, torch.device(device), seed, ref.initial)
+    _materialize_whole(ref, gm, device, seed)
     gm.train()
     params = dict(gm.named_parameters())
     optimizer = torch.optim.SGD(list(params.values()), lr=lr)
@@ -326,12 +320,28 @@ def reference_run(spec: str, seed: int, batch_size: int, layout: dict[str, dict[
     return Reference(tuple(losses), tuple(grads), tuple(buffers), tuple(sorted(unbatched)), meta_params)
 
 
-def reference_step(spec: str, seed: int, batch_size: int, step_seed: int, device: str) -> tuple[float, dict[str, torch.Tensor]]:
+def _materialize_whole(ref: Runnable, module: torch.nn.Module, device: str, seed: int) -> None:
+    """Every tensor of ``module`` (``ref``'s graph or module) materialized as the run's ranks materialize their
+    stages' (nothing to do for a runnable built with real weights)."""
+    if not ref.meta_params:
+        return
+    from types import SimpleNamespace
+
+    from graphpipe.runtime.materialize import materialize_stages
+
+    whole = SimpleNamespace(module=module, param_names={}, segments=(), assemble=None)
+    materialize_stages(ref.module, {0: whole}, torch.device(device), seed, ref.initial)
+
+
+def reference_step(spec: str, seed: int, batch_size: int, step_seed: int, device: str,
+                   meta_params: bool = False) -> tuple[float, dict[str, torch.Tensor]]:
     """Single-process loss and gradients of a fresh copy of the model on the whole mini-batch (PyTorch's semantics).
 
-    The torch.distributed.pipelining baseline's reference; ours is :func:`reference_run`.
+    The torch.distributed.pipelining baseline's reference; ours is :func:`reference_run`. ``meta_params``: the
+    weights every rank materializes (:func:`reference_run`'s).
     """
-    ref = load_runnable(spec, seed, device, capture=False)
+    ref = load_runnable(spec, seed, device, capture=False, meta_params=meta_params)
+    _materialize_whole(ref, ref.module, device, seed)
     inputs = ref.make_inputs(batch_size, step_seed)
     loss = ref.loss_fn(ref.module(*inputs))
     loss.backward()
@@ -423,7 +433,8 @@ def finish_job(rank: int, world_size: int, plan: Plan, options: RunOptions, step
         out["check"] = _check_summary(plan, options, [float(x) for x in losses], reference, float(max_abs[0]), counts)
     elif options.check:
         if reference is None:
-            reference = reference_step(plan.model, options.seed, sg.batch_size, data_seed(options.seed, 0), "cpu")
+            reference = reference_step(plan.model, options.seed, sg.batch_size, data_seed(options.seed, 0), "cpu",
+                                       meta_params=True)  # the baseline's weights (runtime/baseline.py)
         ref_loss = reference[0]
         loss_diff = abs(float(losses[0]) - ref_loss)
         total_params = len(reference[1])  # every parameter the forward uses must have been compared once
