@@ -110,7 +110,13 @@ class Pipeline:
         self._batchnorm = batchnorm or getattr(self.plan, "batchnorm", None) or "per-micro-batch"
         if model is not None and loss_fn is None:
             raise InputError("Pipeline(plan, model, loss_fn): a model needs its loss_fn")
-        spec_model, spec_inputs, spec_loss, spec_target = self._from_spec()  # the plan's model: its example inputs
+        # the plan's model for its example inputs: with the user's model given, its weights are never allocated
+        # (all of it on meta beside a meta model, whose capture runs on meta inputs anyway)
+        from graphpipe.runtime.materialize import on_meta
+
+        build = "weights" if model is None else "meta" if on_meta(model) else "params_on_meta"
+        spec_model, spec_inputs, spec_loss, spec_target = (None, None, None, None) if (
+            model is not None and example_inputs is not None) else self._from_spec(build)
         self._model = model if model is not None else spec_model
         self._loss_fn = loss_fn if loss_fn is not None else spec_loss
         if example_inputs is None:
@@ -130,22 +136,31 @@ class Pipeline:
                 "only joins collectives", self.rank, len(sg.devices_used()), self.world_size)
 
     # ------------------------------------------------------------------ set-up
-    def _from_spec(self):
-        """``(module, example inputs, loss_fn, example target)`` of the plan's model spec."""
+    def _from_spec(self, build: str = "weights"):
+        """``(module, example inputs, loss_fn, example target)`` of the plan's model spec. ``build``: ``weights``
+        (a real module), ``params_on_meta`` (real example inputs, parameters on meta) or ``meta`` (everything on
+        the meta device): only the example inputs are wanted then."""
+        import contextlib
+
         from graphpipe.capture import load_factory
+        from graphpipe.runtime.materialize import params_on_meta
+
+        building = {"weights": contextlib.nullcontext, "params_on_meta": params_on_meta,
+                    "meta": lambda: torch.device("meta")}[build]()
 
         spec = self.plan.model
         if spec.endswith((".json", ".txt")):
             raise PlanError(f"the plan's model {spec!r} is a graph file: plan the module (a zoo spec or "
                             "file.py:factory) to train it")
         if ".py:" in spec:
-            with torch.random.fork_rng(devices=[]):
+            with torch.random.fork_rng(devices=[]), building:
                 torch.manual_seed(self.seed)
                 made = load_factory(spec)
             return made.module, made.example_inputs, made.loss_fn, made.example_target
         from graphpipe import zoo
 
-        built = zoo.build(spec, seed=self.seed)
+        with building if build != "meta" else contextlib.nullcontext():  # the zoo builds on meta itself
+            built = zoo.build(spec, device="meta" if build == "meta" else "cpu", seed=self.seed)
         return built.module, built.example_inputs, built.loss_fn, None
 
     def _receive_rank0_weights(self) -> None:
