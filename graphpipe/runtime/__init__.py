@@ -17,7 +17,8 @@ Pieces:
   which rank, and the message order of every rank pair;
 * :mod:`~graphpipe.runtime.comm` posts non-blocking sends and in-order receives;
 * :mod:`~graphpipe.runtime.executor` interprets a rank's action list
-  (one :class:`~graphpipe.runtime.executor.ExecutorContext` each);
+  (one :class:`~graphpipe.runtime.executor.ExecutorContext` each) over one
+  :class:`~graphpipe.runtime.hosted.HostedStage` per stage the rank hosts;
 * :mod:`~graphpipe.runtime.api` is the training API, :class:`graphpipe.Pipeline`;
 * :mod:`~graphpipe.runtime.setup` sets a rank up (:func:`~graphpipe.runtime.setup.setup_rank`,
   shared by every path);
