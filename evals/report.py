@@ -39,6 +39,8 @@ PAPER = {
                    "`python -m graphpipe.evals.bench_scale`)",
     "memory-runtime": "(no paper figure; issue 15's target: measured activation bytes within 10% of the prediction on "
                       "every device, and lower with re-materialization)",
+    "rank-rss": "(no paper figure; issue 45's target: each rank's peak host RSS is its stages' state plus a fixed "
+                "per-process base, for a model too big for one rank: `python -m graphpipe.evals.rank_rss --out evals`)",
     "capture_time": "(no paper figure; `torch.export` capture of Hugging Face / timm models and meta-device Llama "
                     "shapes, medians of 3: `python -m graphpipe.evals.capture_time`)",
     "bench_api": "(no paper figure; issue 31's target: `graphpipe.Pipeline`'s step at >= 0.98x a plain PyTorch loop "
@@ -119,6 +121,9 @@ TABLE_COLUMNS: dict[str, list[tuple[str, str]]] = {
     "bench_scale": [("model", "model"), ("strategy", "strategy"), ("devices", "devices"), ("batch", "batch_size"),
                     ("median search (s)", "median_search_s"), ("min-max (s)", "search_range_s"), ("runs", "runs"),
                     ("peak RSS (GB)", "peak_rss_gb"), ("outcome", "outcome"), ("samples/s", "throughput")],
+    "rank-rss": [("rank", "rank"), ("stages", "stages"), ("peak RSS (MB)", "rss_mb"), ("expected (MB)", "expected_mb"),
+                 ("stages' weights+grads+activations (MB)", "stage_state_mb"),
+                 ("RSS - tiny model's rank (MB)", "rss_minus_tiny_mb"), ("error vs expected", "error_vs_expected")],
     "memory-runtime": [("model", "model"), ("strategy", "strategy"), ("schedule", "schedule"),
                        ("recompute", "recompute"), ("check", "check"), ("measured KB (fullest device)", "measured_kb"),
                        ("predicted KB", "predicted_kb"), ("memory error (worst device)", "memory_error"),
@@ -195,6 +200,13 @@ def _errors(res: dict[str, Any]) -> list[str]:
 
 def _headline(name: str, res: dict[str, Any]) -> str:
     s = res.get("summary") or {}
+    if name == "rank-rss":
+        rows = res["rows"]
+        return (f"{res['config']['spec']} ({fmt(s['whole_model_weight_bytes'] / 1e6)} MB of weights, too big for one "
+                f"device of {res['config']['memory_gb']} GB) on {len(rows)} CPU ranks: peak RSS "
+                f"{fmt(min(r['rss_mb'] for r in rows))}-{fmt(max(r['rss_mb'] for r in rows))} MB per rank, a tiny "
+                f"model's rank {fmt(s['tiny_rank_median_bytes'] / 1e6)} MB; measured within "
+                f"{fmt(100 * s['max_error_vs_expected'])}% of the launcher's estimate")
     if name == "throughput":
         ups = [x for x in s.get("speedup_vs_best_spp", []) if x["speedup"]]
         if not ups:

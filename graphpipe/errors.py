@@ -18,6 +18,7 @@ import re
 import traceback
 
 __all__ = [
+    "some",
     "GraphpipeError",
     "InputError",
     "GraphCycleError",
@@ -134,3 +135,13 @@ def user_code_error(exc: BaseException, doing: str, user_file: str | None = None
     if len(message) > 300:
         message = message[:297] + "..."
     return UserCodeError(f"{where}{doing} failed: {message}")
+
+
+def some(names, limit: int = 6, sep: str = ", ") -> str:
+    """The first ``limit`` of ``names`` joined for a one-line message, `` ...`` when there are more.
+
+    >>> some(["a", "b", "c"], 2)
+    'a, b ...'
+    """
+    names = list(names)
+    return sep.join(names[:limit]) + (" ..." if len(names) > limit else "")

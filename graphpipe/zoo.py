@@ -293,7 +293,8 @@ def build(spec: str, device: str | torch.device = "cpu", seed: int = 0) -> Built
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             module = make_module(parsed.config)
-        module = module.to(dev)
+        if dev.type != "cpu":  # built on the CPU already (moving would refuse parameters built on meta)
+            module = module.to(dev)
 
     def make_inputs(batch_size: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
         if not isinstance(batch_size, int) or batch_size < 1:

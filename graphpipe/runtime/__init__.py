@@ -17,13 +17,20 @@ Pieces:
   which rank, and the message order of every rank pair;
 * :mod:`~graphpipe.runtime.comm` posts non-blocking sends and in-order receives;
 * :mod:`~graphpipe.runtime.executor` interprets a rank's action list
-  (one :class:`~graphpipe.runtime.executor.ExecutorContext` each);
+  (one :class:`~graphpipe.runtime.executor.ExecutorContext` each) over one
+  :class:`~graphpipe.runtime.hosted.HostedStage` per stage the rank hosts;
 * :mod:`~graphpipe.runtime.api` is the training API, :class:`graphpipe.Pipeline`;
 * :mod:`~graphpipe.runtime.setup` sets a rank up (:func:`~graphpipe.runtime.setup.setup_rank`,
   shared by every path);
 * :mod:`~graphpipe.runtime.worker` runs ``graphpipe run``'s jobs through the
   API (synthetic data, SGD), checking gradients against a single-process run;
 * :mod:`~graphpipe.runtime.launch` spawns and watches the ranks;
+* :mod:`~graphpipe.runtime.materialize` gives a model built on the meta
+  device real storage for one rank's stages only, initialised per tensor name;
+* :mod:`~graphpipe.runtime.checkpoint` reads one rank's tensors from a
+  checkpoint (graphpipe's, a plain state dict's, safetensors);
+* :mod:`~graphpipe.runtime.memory` estimates each rank's host memory, and
+  refuses a run that cannot fit before any rank starts;
 * :mod:`~graphpipe.runtime.measure` turns measured records into a
   :class:`graphpipe.sched.Timeline`;
 * :mod:`~graphpipe.runtime.baseline` runs sequential plans on
@@ -94,8 +101,9 @@ def preflight(plan: Plan, options: RunOptions) -> None:
         if options.precision != "fp32":
             raise InputError(f"{spec.name} runs at fp32 only (its replay check is exact); drop --precision")
         version_table(plan.stage_graph, spec, options.steps)  # 2bw's m must divide steps x micro-batches
+    # a factory is built with its parameters on meta (or builds on meta itself): nothing is allocated here either
     runnable = load_runnable(plan.model, options.seed, "meta" if ".py:" not in plan.model else "cpu",
-                             granularity=plan_granularity(plan))
+                             granularity=plan_granularity(plan), meta_params=".py:" in plan.model)
     check_op_names([op.name for op in plan.graph.ops], runnable.op_names, plan.model)
     split = split_model(runnable.gm, runnable.op_nodes, plan.stage_graph)
     if options.precision == "bf16":
@@ -138,6 +146,7 @@ def run_plans(plans: list[tuple[Plan, RunOptions]], world_size: int | None = Non
     for plan, options in plans:
         preflight(plan, options)
     world = world_size or max(plan.cluster.num_devices for plan, _ in plans)
+    plans, skipped = _fit_host_memory(plans, world)
     if plans and plans[0][1].cpus_per_rank:
         from graphpipe.runtime.worker import rank_cpus
 
@@ -156,10 +165,38 @@ def run_plans(plans: list[tuple[Plan, RunOptions]], world_size: int | None = Non
             log.warning("%s -- restarting every rank (%d of --max-restarts %d)", exc, restarts, max_restarts)
             jobs = [(doc, replace(options, fault=None)) for doc, options in jobs]  # an injected fault fires once
             continue
-        for result in results:
+        for result, reason in zip(results, skipped):
             if result is not None and "resumed_from_step" in result:
                 result["restarts"] = restarts
+            if result is not None and reason:
+                result["check_skipped"] = reason
         return results
+
+
+def _fit_host_memory(plans: list[tuple[Plan, RunOptions]], world: int) -> tuple[list, list[str | None]]:
+    """Refuse a plan whose ranks cannot fit in this host's memory (:func:`~graphpipe.runtime.memory.check_host_memory`,
+    before any rank starts); drop ``--check`` where its single-process references (one per rank hosting a
+    stage) would not fit beside the run, with the reason (logged, and in the result's ``check_skipped``)."""
+    from graphpipe.runtime.memory import GIB, available_memory, check_host_memory, reference_bytes
+    from graphpipe.sched.async_pipe import plan_spec
+
+    out, skipped = [], []
+    for plan, options in plans:
+        ranks = check_host_memory(plan, world)
+        reason = None
+        available = available_memory()
+        if options.check and options.baseline != "torch" and plan_spec(plan) is None and available is not None:
+            hosting = len(set(plan.stage_graph.devices_used()) | {0})
+            need = sum(r.total_bytes for r in ranks) + hosting * reference_bytes(plan)
+            if need > available:
+                reason = (f"--check skipped: its single-process reference of the whole model, on each of the "
+                          f"{hosting} ranks hosting a stage, would take the run to about {need / GIB:.1f} GiB "
+                          f"of host memory, and this host has {available / GIB:.1f} GiB available")
+                log.warning("%s", reason)
+                options = replace(options, check=False)
+        out.append((plan, options))
+        skipped.append(reason)
+    return out, skipped
 
 
 def run_plan(plan: Plan, options: RunOptions | None = None) -> dict[str, Any]:
@@ -175,6 +212,8 @@ def run_plan(plan: Plan, options: RunOptions | None = None) -> dict[str, Any]:
     options = options or RunOptions()
     raw = run_plans([(plan, options)])[0]
     summary = summarize(plan, raw)
+    if "check_skipped" in raw:
+        summary["check_skipped"] = raw["check_skipped"]
     shown = plan
     if "async" in raw:  # the measured timeline of a stream is the whole run
         from graphpipe.sched.async_pipe import stream_graph, stream_schedule

@@ -110,12 +110,22 @@ class Pipeline:
         self._batchnorm = batchnorm or getattr(self.plan, "batchnorm", None) or "per-micro-batch"
         if model is not None and loss_fn is None:
             raise InputError("Pipeline(plan, model, loss_fn): a model needs its loss_fn")
-        spec_model, spec_inputs, spec_loss, spec_target = self._from_spec()  # the plan's model: its example inputs
+        # the plan's model for its example inputs: with the user's model given, its weights are never allocated
+        # (all of it on meta beside a meta model, whose capture runs on meta inputs anyway)
+        from graphpipe.runtime.materialize import on_meta
+
+        build = "weights" if model is None else "meta" if on_meta(model) else "params_on_meta"
+        spec_model, spec_inputs, spec_loss, spec_target = (None, None, None, None) if (
+            model is not None and example_inputs is not None) else self._from_spec(build)
         self._model = model if model is not None else spec_model
         self._loss_fn = loss_fn if loss_fn is not None else spec_loss
         if example_inputs is None:
             example_inputs, example_target = spec_inputs, spec_target
-        self._broadcast_weights(self._model)
+        from graphpipe.runtime.materialize import on_meta
+
+        self._meta = on_meta(self._model)
+        # a real model's stages take rank 0's weights before the first step, unless a checkpoint fills them
+        self._from_rank0 = not self._meta and self.world_size > 1
         self._steps, self._measure = 0, False  # the API times nothing (graphpipe run measures)
         self._build(example_inputs, example_target)
         if not self._setup.programs:
@@ -126,54 +136,84 @@ class Pipeline:
                 "only joins collectives", self.rank, len(sg.devices_used()), self.world_size)
 
     # ------------------------------------------------------------------ set-up
-    def _from_spec(self):
-        """``(module, example inputs, loss_fn, example target)`` of the plan's model spec."""
+    def _from_spec(self, build: str = "weights"):
+        """``(module, example inputs, loss_fn, example target)`` of the plan's model spec. ``build``: ``weights``
+        (a real module), ``params_on_meta`` (real example inputs, parameters on meta) or ``meta`` (everything on
+        the meta device): only the example inputs are wanted then."""
+        import contextlib
+
         from graphpipe.capture import load_factory
+        from graphpipe.runtime.materialize import params_on_meta
+
+        building = {"weights": contextlib.nullcontext, "params_on_meta": params_on_meta,
+                    "meta": lambda: torch.device("meta")}[build]()
 
         spec = self.plan.model
         if spec.endswith((".json", ".txt")):
             raise PlanError(f"the plan's model {spec!r} is a graph file: plan the module (a zoo spec or "
                             "file.py:factory) to train it")
         if ".py:" in spec:
-            with torch.random.fork_rng(devices=[]):
+            with torch.random.fork_rng(devices=[]), building:
                 torch.manual_seed(self.seed)
                 made = load_factory(spec)
             return made.module, made.example_inputs, made.loss_fn, made.example_target
         from graphpipe import zoo
 
-        built = zoo.build(spec, seed=self.seed)
+        with building if build != "meta" else contextlib.nullcontext():  # the zoo builds on meta itself
+            built = zoo.build(spec, device="meta" if build == "meta" else "cpu", seed=self.seed)
         return built.module, built.example_inputs, built.loss_fn, None
 
-    def _broadcast_weights(self, model: nn.Module) -> None:
-        """Rank 0's parameters and buffers on every rank (ranks that built the model with other seeds agree)."""
+    def _receive_rank0_weights(self) -> None:
+        """Rank 0's parameters and buffers of every stage, sent to that stage's replicas only (ranks that built
+        the model with other seeds agree); once, before the first step, and never after a checkpoint was loaded.
+
+        Rank 0 holds the whole (real) model; each other rank receives only
+        the tensors of the stages it hosts, point to point, in stage order.
+        """
+        if not self._from_rank0:
+            return
+        self._from_rank0 = False
+        sources, self._stage_sources = self._stage_sources, {}
         with torch.no_grad():
-            for t in list(model.parameters()) + list(model.buffers()):
-                if t.device.type == "meta":
-                    raise InputError("Pipeline needs a model with real weights (it was built on the meta device)")
-                buf = t.detach().to(self.device) if self.backend == "nccl" else t.detach()
-                dist.broadcast(buf, 0)
-                if buf is not t:
-                    t.copy_(buf)
+            for stage in self.plan.stage_graph.stages:
+                targets = [d for d in stage.devices if d != 0]
+                if not targets or (self.rank != 0 and self.rank not in targets):
+                    continue
+                module = sources[stage.id].module
+                for t in (*module.parameters(), *module.buffers()):
+                    if self.rank == 0:
+                        buf = t.detach().to(self.device).contiguous()
+                        for d in targets:
+                            dist.send(buf, d)
+                    else:
+                        buf = torch.empty_like(t.detach())
+                        dist.recv(buf, 0)
+                        t.copy_(buf)
 
     def _build(self, example: Any, target: Any) -> None:
         """Capture the model on ``example`` (a whole mini-batch), cut it and build this rank's executor."""
         from graphpipe.capture import Granularity, trace_ops
         from graphpipe.runtime.jobs import plan_granularity
 
-        model = self._model.cpu() if self.backend != "nccl" else self._model
+        if self._meta:  # captured and cut on the meta device: each rank materializes its own stages only
+            from graphpipe.runtime.materialize import meta_copy
+
+            model, example, target = self._model, meta_copy(example), meta_copy(target)
+        else:
+            model = self._model.cpu() if self.backend != "nccl" else self._model
         exported, op_nodes, _ = trace_ops(model, example, self._loss_fn, target,
                                           Granularity.parse(plan_granularity(self.plan)))
         args, kwargs = normalize_inputs(example)
         flat = exported.io.flat_inputs(args, kwargs, target)
 
         def rows(n: int, _seed: int = 0) -> tuple:  # n rows of the example (repeated when it has fewer)
-            return tuple(x[torch.arange(n) % x.shape[0]] if isinstance(x, torch.Tensor) and x.dim() else x
+            return tuple(x[torch.arange(n, device=x.device) % x.shape[0]] if isinstance(x, torch.Tensor) and x.dim() else x
                          for x in flat)
 
         from graphpipe.runtime.stage_modules import instrument
 
-        self._assemble(instrument(exported.gm, rows(2)), op_nodes, exported.io, exported.io.wrap_loss(self._loss_fn),
-                       rows, fault=None, measure=self._measure)
+        self._assemble(model, instrument(exported.gm, rows(2)), op_nodes, exported.io,
+                       exported.io.wrap_loss(self._loss_fn), rows, fault=None, measure=self._measure)
 
     @classmethod
     def _for_job(cls, plan: Plan, runnable, *, rank: int, world_size: int, device: torch.device, backend: str,
@@ -187,12 +227,16 @@ class Pipeline:
         self._owns_group = False  # the worker's group: it destroys it
         self._batchnorm, self._measure, self._steps = options.batchnorm_for(plan), options.measure, 0
         self._model = self._loss_fn = None  # the runnable's module is dropped: only this rank's stages stay
-        self._assemble(runnable.gm, runnable.op_nodes, runnable.io, runnable.loss_fn, runnable.make_inputs,
-                       fault=options.fault, measure=options.measure)
+        self._from_rank0 = False  # every rank built (or materializes) the same weights from the seed
+        self._assemble(runnable.module, runnable.gm, runnable.op_nodes, runnable.io, runnable.loss_fn,
+                       runnable.shape_inputs, fault=options.fault, measure=options.measure, initial=runnable.initial)
         return self
 
-    def _assemble(self, gm, op_nodes, io, loss_fn, make_rows, *, fault, measure: bool) -> None:
-        """Cut the captured graph by the plan's stages and build this rank's executor (:func:`setup_rank`)."""
+    def _assemble(self, model, gm, op_nodes, io, loss_fn, make_rows, *, fault, measure: bool,
+                  initial=None) -> None:
+        """Cut the captured graph by the plan's stages, materialize this rank's stages when the model is on the
+        meta device, and build this rank's executor (:func:`setup_rank`)."""
+        from graphpipe.runtime.materialize import materialize_stages
         from graphpipe.runtime.stage_modules import boundary_meta, check_op_names, split_model
         from graphpipe.runtime.setup import setup_rank
 
@@ -201,6 +245,11 @@ class Pipeline:
         self._io = io
         split = split_model(gm, op_nodes, sg)
         meta = boundary_meta(gm, split.boundary_values, make_rows, self.precision)
+        mine = {s: split.programs[s] for s in (sg.stages_on_device(self.rank) if self.rank < sg.num_devices else ())}
+        self._uninitialised = sorted(materialize_stages(model, mine, self.device, self.seed, initial).uninitialised)
+        """Model names of hosted tensors built on meta that no initialiser filled: a checkpoint must (:meth:`load`)."""
+        # rank 0 sends every stage's weights from its whole model (:meth:`_receive_rank0_weights`)
+        self._stage_sources = dict(enumerate(split.programs)) if self.rank == 0 else mine
         self._setup = setup_rank(self.rank, self.world_size, self.plan, split, meta, loss_fn, self.device,
                                  self.backend, timeout_s=self.timeout_s, seed=self.seed, batchnorm=self._batchnorm,
                                  fault=fault, measure=measure)
@@ -258,6 +307,20 @@ class Pipeline:
         dist.all_reduce(loss)  # on the device: an NCCL group reduces CUDA tensors only
         return float(loss)
 
+    def timed_step(self, flat: tuple | None, *, group=None):
+        """One step on the graph's flat inputs (``None`` on ranks whose stages read none), every rank starting
+        at a barrier on ``group`` (default the world), so the step's per-action times share one start;
+        returns this rank's :class:`~graphpipe.runtime.executor.StepResult`. ``graphpipe run``'s loop."""
+        self._train(flat, start_together=True, group=group)
+        return self.last_step
+
+    @property
+    def rank_setup(self):
+        """This rank's :class:`~graphpipe.runtime.setup.RankSetup`: its executor (one
+        :class:`~graphpipe.runtime.hosted.HostedStage` per stage it hosts), the reference's layout, the tied
+        copies and buffers that are not counted (what ``--check`` needs)."""
+        return self._setup
+
     def _train(self, flat: tuple | None, *, start_together: bool = False, group=None) -> None:
         """One step on the graph's flat inputs (``None`` on ranks whose stages read none).
 
@@ -267,6 +330,7 @@ class Pipeline:
         """
         from graphpipe.runtime.jobs import autocast
 
+        self._ready_to_run()
         executor = self._setup.executor
         executor.ensure_grads()
         if start_together:
@@ -275,6 +339,15 @@ class Pipeline:
             self.last_step = executor.run_iteration(flat if self.reads_inputs else None, time.perf_counter(),
                                                     self._steps)
         self._steps += 1
+
+    def _ready_to_run(self) -> None:
+        """Before a step or an evaluation: rank 0's weights in (a real model), every meta tensor filled."""
+        self._receive_rank0_weights()
+        if self._uninitialised:
+            names = self._uninitialised
+            raise InputError(f"{len(names)} tensor(s) of rank {self.rank}'s stages were built on the meta device and "
+                             f"have no initialiser (reset_parameters), e.g. {', '.join(names[:3])}: load them "
+                             "first with pipe.load(checkpoint)")
 
     def _flat(self, inputs: Any, target: Any) -> tuple:
         args, kwargs = normalize_inputs(inputs)
@@ -323,6 +396,7 @@ class Pipeline:
         on every rank. Each stage runs once on the whole batch on its first replica, in stage order."""
         from graphpipe.runtime.jobs import autocast
 
+        self._ready_to_run()
         sg = self.plan.stage_graph
         args, kwargs = normalize_inputs(inputs)
         rows = _batch([t for t in list(args) + list(kwargs.values()) if isinstance(t, torch.Tensor)])
@@ -435,6 +509,7 @@ class Pipeline:
         """
         import torch.distributed.checkpoint as dcp
 
+        self._receive_rank0_weights()
         if step is not None or async_save:
             from graphpipe.runtime.resume import save_step
 
@@ -481,49 +556,67 @@ class Pipeline:
         """Training steps this pipeline has taken, counting those before a :meth:`resume`."""
         return self._steps
 
-    def load(self, directory: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None) -> None:
-        """Read a checkpoint written by :meth:`save` (by any plan of the same model): every parameter this rank
-        holds (replicas and tied copies included) by its name, and the optimizer's state for them."""
-        import torch.distributed.checkpoint as dcp
+    def load(self, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Read the tensors of this rank's stages (replicas and tied copies included) from a checkpoint, by their
+        names in the model, reading nothing else (every rank calls it).
+
+        ``path``: a checkpoint written by :meth:`save` (by any plan of the
+        same model; ``optimizer`` then gets its state back), a
+        ``torch.distributed.checkpoint`` of the plain model's ``state_dict()``
+        (a seed checkpoint written by one process), a ``.safetensors`` file or a
+        Hugging Face ``save_pretrained`` folder (:mod:`graphpipe.runtime.checkpoint`).
+        A missing or mis-shaped parameter is named in one error before
+        anything is overwritten. Buffers are read where the checkpoint has
+        them (a non-persistent one is not saved); once loaded, rank 0's
+        weights are not sent to the other ranks.
+        """
+        from graphpipe.runtime.checkpoint import check_complete, checkpoint_layout, read_tensors
 
         self._check_optimizer(optimizer)
-        directory = os.fspath(directory)
-        if not os.path.isdir(directory):
-            raise InputError(f"no checkpoint at {directory}")
+        layout = checkpoint_layout(path)
+        params = list(self.named_parameters())
+        buffers = [(name, b) for prog in self._setup.programs.values() for name, b in prog.module.named_buffers()]
+        entries = [(layout.key(n), n, p) for n, p in params] + [(layout.key(n, "buffer"), n, b) for n, b in buffers]
+        pending = set(self._uninitialised)
+        check_complete(layout, {key: tuple(t.shape) for key, _, t in entries},
+                       optional=[layout.key(n, "buffer") for n, _ in buffers if n not in pending])
+        into: dict[str, torch.Tensor] = {}
+        copies = []
+        for key, name, t in entries:
+            if key not in layout.shapes:
+                continue
+            if key in into:
+                copies.append((t, key))  # a tied copy, or a buffer two stages read
+            else:
+                into[key] = t.detach()
+            pending.discard(name)
+        read_tensors(layout, into)
+        with torch.no_grad():
+            for t, key in copies:
+                t.copy_(into[key])
+        self._uninitialised = sorted(pending)
+        self._from_rank0 = False  # every rank holds its stages' weights now
+        if optimizer is not None and layout.kind == "graphpipe":
+            self._load_optimizer(layout.path, optimizer, params)
+
+    def _load_optimizer(self, directory: str, optimizer: torch.optim.Optimizer, params) -> None:
+        """The optimizer state :meth:`save` wrote for this rank's parameters (``optim/NAME/KEY``)."""
+        import torch.distributed.checkpoint as dcp
+
         metadata = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
         state: dict[str, torch.Tensor] = {}
-        params = dict(self.named_parameters())
-        for name, p in params.items():
-            key = f"model/{name}"
-            if key not in metadata:
-                raise InputError(f"checkpoint {directory} has no parameter {name!r}: it is of another model")
-            if tuple(metadata[key].size) != tuple(p.shape):
-                raise InputError(f"checkpoint {directory}: parameter {name!r} has shape {tuple(metadata[key].size)}, "
-                                 f"the model's is {tuple(p.shape)}")
-            state[key] = torch.empty_like(p.detach())
-            if optimizer is not None:
-                for k, md in metadata.items():
-                    if k.startswith(f"optim/{name}/"):
-                        state[k] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-        buffers = {}
-        for s, prog in self._setup.programs.items():
-            for name, b in prog.module.named_buffers():
-                if f"buffer/{name}" in metadata:
-                    buffers.setdefault(name, []).append(b)
-                    state[f"buffer/{name}"] = torch.empty_like(b)
-        dcp.load(state, storage_reader=dcp.FileSystemReader(directory))
-        with torch.no_grad():
-            for name, p in params.items():
-                p.copy_(state[f"model/{name}"])
-            for name, bs in buffers.items():
-                for b in bs:
-                    b.copy_(state[f"buffer/{name}"])
-        if optimizer is not None:
-            for name, p in params.items():
-                prefix = f"optim/{name}/"
-                entry = {k[len(prefix):]: v.to(p.device) for k, v in state.items() if k.startswith(prefix)}
-                if entry:
-                    optimizer.state[p] = entry
+        for name, _ in params:
+            for k, md in metadata.items():
+                if k.startswith(f"optim/{name}/"):
+                    state[k] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        if not state:
+            return
+        dcp.load(state, storage_reader=dcp.FileSystemReader(directory), no_dist=True)
+        for name, p in params:
+            prefix = f"optim/{name}/"
+            entry = {k[len(prefix):]: v.to(p.device) for k, v in state.items() if k.startswith(prefix)}
+            if entry:
+                optimizer.state[p] = entry
 
 
 def _batch(flat) -> int:

@@ -150,7 +150,7 @@ def run_async_job(rank: int, world_size: int, plan: Plan, spec: AsyncSpec, optio
     for s, prog in programs.items():
         stage = sg.stages[s]
         mbs = [a.mb_id for a in actions if a.stage_id == s and a.kind == "F"]
-        executor.weights[s] = WeightVersions(
+        executor.hosted[s].weights = WeightVersions(
             s, prog.module, table, mbs, options.lr, stage.num_replicas if stage.round_robin else 1,
             executor.dp_groups.get(stage.devices), stash=spec.stash, wait=executor.mailbox.wait_work)
     reference = (replay_reference(plan, table, options.seed, options.lr, steps)

@@ -131,6 +131,7 @@ def run_torch_job(rank: int, world_size: int, plan: Plan, options, device: torch
     """Run ``plan`` on torch.distributed.pipelining; rank 0 returns the result (same shape as ours)."""
     from torch.distributed import pipelining as pp
 
+    from graphpipe.runtime.materialize import materialize_stages
     from graphpipe.runtime.stage_modules import check_op_names, split_model
     from graphpipe.runtime.jobs import (compare_gradients, data_seed, finish_job, load_runnable, plan_granularity,
                                         reference_step)
@@ -138,11 +139,14 @@ def run_torch_job(rank: int, world_size: int, plan: Plan, options, device: torch
     sg = plan.stage_graph
     n = sg.num_devices
     group = dist.new_group(list(range(n))) if world_size > n else None
-    runnable = load_runnable(plan.model, options.seed, "cpu", granularity=plan_granularity(plan))
+    # built on meta, each rank materializing its own stages, as graphpipe's executor does: the same weights
+    runnable = load_runnable(plan.model, options.seed, "cpu", granularity=plan_granularity(plan), meta_params=True)
     check_op_names([op.name for op in sg.graph.ops], runnable.op_names, plan.model)
     split = split_model(runnable.gm, runnable.op_nodes, sg)
     check_torch_expressible(plan, split)
     my_stages = sg.stages_on_device(rank) if rank < n else ()
+    materialize_stages(runnable.module, {s: split.programs[s] for s in my_stages}, device, options.seed,
+                       runnable.initial)
     loss_fn, make_inputs = runnable.loss_fn, runnable.make_inputs
     num_mbs = sg.num_micro_batches(0)
     wrappers = {s: _TorchStage(split.programs[s], split.programs[s - 1] if s else None, s == sg.num_stages - 1).to(device)
@@ -162,7 +166,8 @@ def run_torch_job(rank: int, world_size: int, plan: Plan, options, device: torch
     optimizer = torch.optim.SGD(params, lr=options.lr) if params else None
     reference = None
     if options.check and my_stages:
-        reference = reference_step(plan.model, options.seed, sg.batch_size, data_seed(options.seed, 0), "cpu")
+        reference = reference_step(plan.model, options.seed, sg.batch_size, data_seed(options.seed, 0), "cpu",
+                                   meta_params=True)
     step_times, step_losses = [], []
     check_stats = (0.0, 0, 0)
     for step in range(options.steps):

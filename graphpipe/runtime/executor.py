@@ -58,13 +58,13 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from graphpipe.actions import Action
-from graphpipe.runtime.batchnorm import sharded_batchnorms
 from graphpipe.runtime.comm import Mailbox
+from graphpipe.runtime.hosted import HostedStage, flat_grad_buffer, zero_grads
 from graphpipe.runtime.rng import ShardContext
 from graphpipe.runtime.measure import NoMeter, SavedBytesMeter
 from graphpipe.runtime.routing import Routing
-from graphpipe.split_backward import PendingWeightGrad, backward_input, backward_weight
-from graphpipe.runtime.stage_modules import BoundForward, StageProgram, ValueMeta
+from graphpipe.split_backward import backward_input, backward_weight
+from graphpipe.runtime.stage_modules import StageProgram, ValueMeta
 from graphpipe.stages import StageGraph
 
 __all__ = ["TimedAction", "StepResult", "ExecutorContext", "RankExecutor", "InjectedFailure", "TiedSync", "zero_grads", "flat_grad_buffer"]
@@ -102,39 +102,6 @@ class StepResult:
     """Peak bytes of tensors saved for backward on this rank during the iteration (:class:`SavedBytesMeter`)."""
     cuda_peak_bytes: int | None = None
     """``torch.cuda.max_memory_allocated`` over the iteration on a CUDA rank; None on CPU."""
-
-
-def zero_grads(params: Sequence[torch.nn.Parameter]) -> None:
-    """Zero each parameter's ``.grad`` in place, allocating it on first use (persistent buffers).
-
-    With ``grad = None`` an iteration's first backward allocates (and, on a
-    CPU, page-faults) fresh gradient tensors and only later micro-batches
-    accumulate; with persistent buffers every backward accumulates, which is
-    what ``graphpipe profile`` times.
-    """
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        else:
-            p.grad.zero_()
-
-
-def flat_grad_buffer(params: Sequence[torch.nn.Parameter]) -> torch.Tensor | None:
-    """One zeroed buffer holding every gradient of ``params``, each ``.grad`` a view into it.
-
-    Autograd accumulates into an existing ``.grad`` in place, so the buffer
-    always holds the current gradients and an all-reduce can take it as is.
-    ``None`` (gradients left alone) when there are no parameters or they mix
-    dtypes or devices.
-    """
-    if not params or len({(p.dtype, p.device) for p in params}) > 1:
-        return None
-    flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
-    offset = 0
-    for p in params:
-        p.grad = flat[offset:offset + p.numel()].view_as(p)
-        offset += p.numel()
-    return flat
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,6 +163,9 @@ class RankExecutor:
         self.sg = sg = ctx.stage_graph
         self.actions = tuple(ctx.actions)
         self.programs = dict(ctx.programs)
+        # one object per hosted stage: module, parameters and gradient buffer, BatchNorms, forward, what its
+        # re-materialization and split backward keep per micro-batch (runtime/hosted.py)
+        self.hosted = {s: HostedStage.of(sg.stages[s], prog) for s, prog in sorted(self.programs.items())}
         self.routing = routing = ctx.routing
         self.meta = dict(ctx.meta)
         self.loss_fn = ctx.loss_fn
@@ -210,36 +180,23 @@ class RankExecutor:
                 last_b[a.stage_id] = pos
         self._last_b_pos = {pos: s for s, pos in last_b.items()}
         self._edge_values = routing.edge_values
-        # Persistent gradient storage, one flat buffer per stage (see zero_grad).
-        self._grad_buffers: dict[int, torch.Tensor] = {}
-        self._grad_views: dict[int, list[torch.Tensor]] = {}  # each parameter's .grad, a view into the buffer
-        self._bind_grad_buffers()
+        for h in self.hosted.values():  # persistent gradient storage, one flat buffer per stage (see zero_grad)
+            h.bind_grad_buffers()
         self.seed = ctx.seed
         self.step = 0
         self.batchnorm = ctx.batchnorm
         self.tied = tuple(ctx.tied)
-        self._batchnorms = {s: tuple(sharded_batchnorms(prog.module)) for s, prog in self.programs.items()}
-        # each stage's forward with its parameters passed in (no attribute chains per micro-batch); the segments
-        # of a re-materializing stage and weight versions (asynchronous schedules) call their modules as before
-        self._forwards = {s: BoundForward(prog.module) for s, prog in self.programs.items()}
         # parameters and buffers are model state, not activations (capture excludes both too). Training through
         # the API measures nothing: no saved-tensor hooks, no device synchronisation per action.
         self.measure = ctx.measure
         self.saved_meter = SavedBytesMeter(t for prog in self.programs.values()
                                            for t in (*prog.module.parameters(), *prog.module.buffers())) \
             if ctx.measure else NoMeter()
-        self._redo_bytes: dict[int, int | list[int]] = {}  # per re-materializing stage: its B's working set,
-        # per segment where it has checkpoints (probed once)
         self._working = 0  # bytes of rebuilt activations counted now (one B, I or W runs at a time)
-        self._segment_calls: dict[tuple[int, int], set[int]] = {}  # (stage, mb) -> segments that ran
-        self._stash: dict[tuple[int, int], list] = {}  # inputs a checkpointed (stage, mb) keeps until its B
-        self._pending_w: dict[tuple[int, int], PendingWeightGrad] = {}  # (stage, mb) whose I ran, W not yet
         fault = ctx.fault
         self._fail_at = fault.at if fault is not None and fault.rank == self.rank else None
         self._fault_text = fault.describe() if fault is not None else ""
-        # Asynchronous schedules (runtime/stash.py): per stage, the weight versions F and B run on (set by the
-        # asynchronous worker); the stream's loss terms are scaled by the mini-batch, not by the stream's rows.
-        self.weights: dict[int, Any] = {}
+        # Asynchronous schedules: the stream's loss terms are scaled by the mini-batch, not by the stream's rows.
         self.loss_batch_size = ctx.loss_batch_size or sg.batch_size
         self.sink_losses: dict[int, float] = {}  # micro-batch -> this rank's loss term, last iteration (sink stages)
         self._loss_terms: list[tuple[int, torch.Tensor]] = []  # this iteration's, on the device
@@ -250,26 +207,13 @@ class RankExecutor:
         return (self.routing.rows[key], *m.sample_shape), m.dtype
 
     def parameters(self) -> list[torch.nn.Parameter]:
-        return [p for s in sorted(self.programs) for p in self.programs[s].module.parameters()]
+        return [p for h in self.hosted.values() for p in h.parameters()]
 
-    def _bind_grad_buffers(self) -> None:
-        """Each stage's ``.grad`` as views into one zeroed flat buffer (:func:`flat_grad_buffer`; a stage's
-        existing buffer and views are reused), or zeroed per-parameter tensors where the stage mixes dtypes or
-        devices."""
-        for stage_id in sorted(self.programs):
-            params = list(self.programs[stage_id].module.parameters())
-            views = self._grad_views.get(stage_id)
-            if views is not None:
-                self._grad_buffers[stage_id].zero_()
-                for p, g in zip(params, views):
-                    p.grad = g
-                continue
-            flat = flat_grad_buffer(params)
-            if flat is not None:
-                self._grad_buffers[stage_id] = flat
-                self._grad_views[stage_id] = [p.grad for p in params]
-            else:
-                zero_grads(params)
+    @property
+    def weights(self) -> dict[int, Any]:
+        """Asynchronous schedules: stage -> the weight versions its F and B run on (set by the asynchronous
+        worker, :mod:`graphpipe.runtime.stash`)."""
+        return {s: h.weights for s, h in self.hosted.items() if h.weights is not None}
 
     def ensure_grads(self) -> None:
         """Rebind the persistent gradient buffers, zeroed, when something dropped a ``.grad``.
@@ -279,8 +223,9 @@ class RankExecutor:
         replicas all-reduce, so they come back before it (the API calls this
         at the start of every step). The buffers are reused, not reallocated.
         """
-        if any(p.grad is None for s in self.programs for p in self.programs[s].module.parameters()):
-            self._bind_grad_buffers()
+        if any(p.grad is None for p in self.parameters()):
+            for h in self.hosted.values():
+                h.bind_grad_buffers()
 
     def zero_grad(self) -> None:
         """Clear the gradient buffers in place, before an iteration's timed region.
@@ -291,10 +236,8 @@ class RankExecutor:
         (:func:`flat_grad_buffer`), so a replicated stage all-reduces that
         buffer as is: no flatten and unflatten copies on the iteration's tail.
         """
-        for flat in self._grad_buffers.values():
-            flat.zero_()
-        zero_grads([p for s in sorted(self.programs) if s not in self._grad_buffers
-                    for p in self.programs[s].module.parameters()])
+        for h in self.hosted.values():
+            h.zero_grad()
 
     def _sync(self) -> None:
         """Wait for the device, so the per-action timestamps are the kernels' (only when measuring)."""
@@ -342,10 +285,11 @@ class RankExecutor:
                            a.mb_id * stage.micro_batch_size, stage.micro_batch_size)
         args = [values[n] for n in prog.input_names]
         scale = (rows.stop - rows.start) / self.loss_batch_size
-        versions = self.weights.get(a.stage_id)
+        hosted = self.hosted[a.stage_id]
+        versions = hosted.weights
 
         def run_stage(*xs):  # the stage's forward, and the loss on the sink (so re-materialization covers it)
-            sent, out = self._forwards[a.stage_id](*xs) if versions is None else versions.call(a.mb_id, *xs)
+            sent, out = hosted.forward(*xs) if versions is None else versions.call(a.mb_id, *xs)
             return sent, out, (self.loss_fn(out) * scale if prog.is_sink else None)
 
         with self.saved_meter.hooks():  # activation memory, measured (runtime/measure.py)
@@ -353,8 +297,7 @@ class RankExecutor:
                 sent, out, loss, pieces = self._forward_segments(a, prog, versions, args, ctx, scale)
             elif stage.recompute:  # re-materialization: keep the inputs, re-run the forward inside B (non-reentrant)
                 sent, out, loss = torch.utils.checkpoint.checkpoint(run_stage, *args, ctx, use_reentrant=False)
-                self._stash[(a.stage_id, a.mb_id)] = [self.saved_meter.hold(t) for t in args
-                                                     if isinstance(t, torch.Tensor)]
+                hosted.stash[a.mb_id] = [self.saved_meter.hold(t) for t in args if isinstance(t, torch.Tensor)]
             else:
                 sent, out, loss = run_stage(*args, ctx)
         by_name = dict(zip(prog.output_names, sent))
@@ -367,9 +310,9 @@ class RankExecutor:
         saved[(a.stage_id, a.mb_id)] = (leaves, by_name, loss)
         if loss is not None:  # read once at the iteration's end: a float() here would wait for the device
             self._loss_terms.append((a.mb_id, loss.detach().float()))
-        if stage.recompute and a.stage_id not in self._redo_bytes:  # once, after the timed compute
-            self._redo_bytes[a.stage_id] = ([self.saved_meter.probe(fn, *xs, ctx) for fn, xs in pieces]
-                                            if prog.segments else self.saved_meter.probe(run_stage, *args, ctx))
+        if stage.recompute and hosted.redo_bytes is None:  # once, after the timed compute
+            hosted.redo_bytes = ([self.saved_meter.probe(fn, *xs, ctx) for fn, xs in pieces]
+                                 if prog.segments else self.saved_meter.probe(run_stage, *args, ctx))
         return ready_at - t0, start - t0, end - t0
 
     def _forward_segments(self, a: Action, prog, versions, args: list, ctx, scale: float):
@@ -401,16 +344,18 @@ class RankExecutor:
             if j < last:
                 env.update(zip(seg.output_names, got))
                 held += [self.saved_meter.hold(env[n]) for n in seg.handed]
-        self._stash[key] = held
+        self.hosted[a.stage_id].stash[a.mb_id] = held
         return (*got, pieces)  # the last segment's (sent, out, loss)
 
     def _counted(self, key: tuple[int, int], j: int, fn):
         """``fn`` (segment ``j`` of stage and micro-batch ``key``), whose calls after the first are its
         re-materialization inside B: that segment's probed working set replaces the one counted before."""
+        hosted = self.hosted[key[0]]
+
         def run(*xs):
-            calls = self._segment_calls.setdefault(key, set())
+            calls = hosted.segment_calls.setdefault(key[1], set())
             if j in calls:
-                rebuilt = self._redo_bytes[key[0]][j]
+                rebuilt = hosted.redo_bytes[j]
                 self.saved_meter.add(rebuilt - self._working)
                 self._working = rebuilt
             calls.add(j)
@@ -421,7 +366,7 @@ class RankExecutor:
         """B, I or W starts: a whole-stage checkpoint rebuilds all the stage's activations now (segments count
         theirs as each rebuilds, :meth:`_counted`)."""
         whole = self.sg.stages[stage_id].recompute and not self.programs[stage_id].segments
-        self._working = self._redo_bytes.get(stage_id, 0) if whole else 0
+        self._working = (self.hosted[stage_id].redo_bytes or 0) if whole else 0
         self.saved_meter.add(self._working)
 
     def _end_rebuild(self) -> None:
@@ -462,20 +407,21 @@ class RankExecutor:
                 tensors.append(out)
                 grad_tensors.append(g)
         self._begin_rebuild(a.stage_id)  # the checkpoint rebuilds the stage's activations for this backward
+        hosted = self.hosted[a.stage_id]
         if a.kind == "I":
             leaves_in = [leaves[v] for v in sorted(leaves)]
-            dinputs, self._pending_w[(a.stage_id, a.mb_id)] = backward_input(
-                tensors, grad_tensors, leaves_in, list(self.programs[a.stage_id].module.parameters()))
+            dinputs, hosted.pending_w[a.mb_id] = backward_input(tensors, grad_tensors, leaves_in,
+                                                                hosted.parameters())
             for leaf, g in zip(leaves_in, dinputs):
                 leaf.grad = g
         elif tensors:
             torch.autograd.backward(tensors, grad_tensors)
         self._end_rebuild()
-        if a.stage_id in self.weights:
-            self.weights[a.stage_id].after_backward(a.mb_id)
+        if hosted.weights is not None:
+            hosted.weights.after_backward(a.mb_id)
         if a.kind == "B":
-            self._stash.pop((a.stage_id, a.mb_id), None)
-            self._segment_calls.pop((a.stage_id, a.mb_id), None)
+            hosted.stash.pop(a.mb_id, None)
+            hosted.segment_calls.pop(a.mb_id, None)
         self._sync()
         end = time.perf_counter()
         for piece in self.routing.incoming(a.stage_id, a.mb_id, q):
@@ -492,11 +438,12 @@ class RankExecutor:
         """W: the weight gradients of a micro-batch whose I ran; frees the graph I retained."""
         self._sync()
         start = time.perf_counter()
+        hosted = self.hosted[a.stage_id]
         self._begin_rebuild(a.stage_id)
-        backward_weight(self._pending_w.pop((a.stage_id, a.mb_id)))
+        backward_weight(hosted.pending_w.pop(a.mb_id))
         self._end_rebuild()
-        self._stash.pop((a.stage_id, a.mb_id), None)
-        self._segment_calls.pop((a.stage_id, a.mb_id), None)
+        hosted.stash.pop(a.mb_id, None)
+        hosted.segment_calls.pop(a.mb_id, None)
         self._sync()
         end = time.perf_counter()
         return start - t0, start - t0, end - t0
@@ -540,9 +487,10 @@ class RankExecutor:
             # without a polling thread).
             finished_at.update({i: time.perf_counter() - t0 for i, ar in enumerate(pending_ar)
                                 if i not in finished_at and ar[1].is_completed()})
-        if saved or self._pending_w:
+        waiting = [(s, mb) for s, h in self.hosted.items() for mb in h.pending_w]
+        if saved or waiting:
             raise RuntimeError(f"rank {self.rank}: forward without backward for {sorted(saved)[:4]}, input "
-                               f"gradients without weight gradients for {sorted(self._pending_w)[:4]}")
+                               f"gradients without weight gradients for {sorted(waiting)[:4]}")
         for i, (stage_id, work, flat, grads, issued_at) in enumerate(pending_ar):
             self.mailbox.wait_work(work, f"gradient all-reduce of stage {stage_id} with its replicas")
             if grads is not None:
@@ -570,7 +518,7 @@ class RankExecutor:
             group = None
             if stage.num_replicas > 1 and (self.batchnorm != "sync" or stage.round_robin):
                 group = self.dp_groups[stage.devices]  # replicas hold different rows' statistics: merge them
-            for bn in self._batchnorms[stage_id]:
+            for bn in self.hosted[stage_id].batchnorms:
                 bn.commit(group, int(stage.samples_per_replica), self.sg.batch_size)
 
     def _sum_tied_gradients(self) -> None:
@@ -596,7 +544,7 @@ class RankExecutor:
                     p.grad.copy_(total)
 
     def _param(self, stage_id: int, name: str) -> torch.nn.Parameter:
-        return self.programs[stage_id].module.get_parameter(name)
+        return self.hosted[stage_id].param(name)
 
     def _issue_allreduces(self, done_stages: set[int], issued: dict, t0: float) -> list:
         """Start the gradient all-reduce of every finished replicated stage whose turn has come."""
@@ -607,11 +555,11 @@ class RankExecutor:
             while issued.get(devices, 0) < len(order) and order[issued.get(devices, 0)] in done_stages:
                 stage_id = order[issued.get(devices, 0)]
                 issued[devices] = issued.get(devices, 0) + 1
-                params = list(self.programs[stage_id].module.parameters())
+                params = self.hosted[stage_id].parameters()
                 if not params:
                     continue
                 zero_grads([p for p in params if p.grad is None])  # every replica reduces the same tensors
-                flat = self._grad_buffers.get(stage_id)
+                flat = self.hosted[stage_id].grad_buffer
                 grads = None
                 if flat is None or any(p.grad._base is not flat for p in params):
                     # no flat buffer (mixed dtypes) or a .grad replaced by another tensor: reduce a copy

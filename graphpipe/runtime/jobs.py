@@ -44,11 +44,12 @@ Example
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import os
 import socket
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from torch.utils._pytree import tree_leaves
@@ -56,7 +57,7 @@ from torch.utils._pytree import tree_leaves
 import torch
 import torch.distributed as dist
 
-from graphpipe.errors import PlanError
+from graphpipe.errors import PlanError, UserCodeError
 from graphpipe.plan import Plan
 from graphpipe.runtime.options import CHECK_ATOL, CHECK_RTOL, FaultInjection, RunOptions, fault_from_env
 
@@ -91,6 +92,18 @@ class Runnable:
     """``make_inputs(batch_size, seed)``: ``gm``'s positional arguments (inputs, then the target's leaves)."""
     io: Any = None
     """The :class:`~graphpipe.exporting.IOSpec` of ``gm`` (None without capture)."""
+    meta_params: bool = False
+    """The module's parameters and buffers are on the meta device (:func:`~graphpipe.runtime.materialize.params_on_meta`):
+    each rank materializes its own stages; ``make_inputs`` still makes real data."""
+    initial: dict = field(default_factory=dict)
+    """With ``meta_params``: the buffers' values as built, by name (:func:`~graphpipe.runtime.materialize.buffers_to_meta`)."""
+
+    def shape_inputs(self, batch_size: int, seed: int = 0) -> tuple:
+        """``make_inputs``, on the meta device when the parameters are: for runs that only read shapes."""
+        from graphpipe.runtime.materialize import meta_copy
+
+        made = self.make_inputs(batch_size, seed)
+        return meta_copy(made) if self.meta_params else made
 
     def output(self, graph_out: Any) -> Any:
         """The model's output structure from what ``gm`` (or the sink stage) returns."""
@@ -103,23 +116,23 @@ _PRISTINE_MAX = 8
 
 
 def load_runnable(spec: str, seed: int = 0, device: str = "cpu", capture: bool = True,
-                  granularity: str | None = None) -> Runnable:
+                  granularity: str | None = None, meta_params: bool = False) -> Runnable:
     """:func:`build_runnable`, exported once per process: a rank running many jobs of one model (tests, evals,
     ``--check``'s reference) gets a deep copy of the first capture (weights as built from ``seed``), not a
     second export."""
     if not capture:
-        return build_runnable(spec, seed, device, capture, granularity)
-    key = (spec, seed, device, granularity, _factory_stamp(spec))
+        return build_runnable(spec, seed, device, capture, granularity, meta_params)
+    key = (spec, seed, device, granularity, _factory_stamp(spec), meta_params)
     if key not in _PRISTINE:
         if len(_PRISTINE) >= _PRISTINE_MAX:
             _PRISTINE.pop(next(iter(_PRISTINE)))
-        _PRISTINE[key] = build_runnable(spec, seed, device, capture, granularity)
+        _PRISTINE[key] = build_runnable(spec, seed, device, capture, granularity, meta_params)
     pristine = _PRISTINE[key]
     import copy
 
     module, gm = copy.deepcopy((pristine.module, pristine.gm))  # one memo: the copies share their tensors
     return Runnable(spec, module, gm, pristine.op_nodes, pristine.op_names, pristine.loss_fn, pristine.make_inputs,
-                    pristine.io)
+                    pristine.io, pristine.meta_params, pristine.initial)
 
 
 def _factory_stamp(spec: str) -> tuple:
@@ -135,7 +148,7 @@ def _factory_stamp(spec: str) -> tuple:
 
 
 def build_runnable(spec: str, seed: int = 0, device: str = "cpu", capture: bool = True,
-                   granularity: str | None = None) -> Runnable:
+                   granularity: str | None = None, meta_params: bool = False) -> Runnable:
     """Build (and capture) the model named by a plan's ``model``: a zoo spec or ``file.py:factory``.
 
     The runnable graph takes the model's inputs flattened (keyword inputs in
@@ -146,40 +159,69 @@ def build_runnable(spec: str, seed: int = 0, device: str = "cpu", capture: bool 
     range) and targets made of the example target's own rows, resampled
     (:func:`_synthetic_inputs`), so a loss sees labels from its domain.
     ``capture=False`` skips the export (the single-process reference needs
-    only the module).
+    only the module). ``meta_params``: the module is built with its
+    parameters on the meta device (:func:`~graphpipe.runtime.materialize.params_on_meta`;
+    a factory that builds on the meta device itself is accepted too) and
+    captured on meta inputs; nothing of its weights is allocated until a
+    rank materializes its stages.
     """
     from graphpipe import capture as cap
+    from graphpipe.runtime.materialize import buffers_to_meta, meta_copy, on_meta, params_on_meta
 
     target, make_inputs = None, None
+    building = params_on_meta() if meta_params else contextlib.nullcontext()
     if ".py:" in spec:
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), building:
             torch.manual_seed(seed)
             made = cap.load_factory(spec)
-        module, example, loss_fn, target = made.module.to(device), made.example_inputs, made.loss_fn, made.example_target
+        module, example, loss_fn, target = made.module, made.example_inputs, made.loss_fn, made.example_target
+        if not meta_params and on_meta(module):
+            raise PlanError(f"{spec} builds its model on the meta device: only a run that materializes each rank's "
+                            "stages can use it (graphpipe run does; this path needs real weights)")
+        if not meta_params:
+            module = module.to(device)
     elif spec.endswith((".json", ".txt")) or os.path.sep in spec:
         raise PlanError(f"plan model {spec!r} is a graph file, which has no module to run; the runtime needs a zoo "
                         "spec (mmt:small) or path/to/file.py:factory — plan that instead")
     else:
         from graphpipe import zoo
 
-        built = zoo.build(spec, device=device, seed=seed)
+        with building:
+            built = zoo.build(spec, device=device, seed=seed)
         module, example, loss_fn, make_inputs = built.module, built.example_inputs, built.loss_fn, built.make_inputs
     # no target is no leaf (torch's pytree counts None as one: the reference would call the module with it)
     target_leaves = tree_leaves(target) if target is not None else []
+    initial = buffers_to_meta(module) if meta_params else {}
     if not capture:
         flat = tuple(tree_leaves(example)) + tuple(target_leaves)
         return Runnable(spec, module, None, {}, (), loss_fn,  # type: ignore[arg-type]
-                        make_inputs or _synthetic_inputs(flat, device, len(target_leaves)))
+                        make_inputs or _synthetic_inputs(flat, device, len(target_leaves)), None, meta_params,
+                        initial)
     from graphpipe.runtime.stage_modules import instrument
 
-    exported, op_nodes, _ = cap.trace_ops(module, example, loss_fn, target, cap.Granularity.parse(granularity))
+    shapes = meta_copy if meta_params else (lambda x: x)  # meta weights are captured on meta inputs
+    try:
+        exported, op_nodes, _ = cap.trace_ops(module, shapes(example), loss_fn, shapes(target),
+                                              cap.Granularity.parse(granularity))
+    except UserCodeError as exc:
+        if not meta_params:
+            raise
+        # code that makes tensors of its own on the CPU (a generator of its own) cannot run on meta inputs:
+        # every rank builds the whole model with real weights, as the eager path does
+        logging.getLogger(__name__).warning("%s: cannot be captured on the meta device (%s); every rank builds "
+                                            "the whole model", spec, exc)
+        try:
+            return build_runnable(spec, seed, device, capture, granularity, meta_params=False)
+        except PlanError:  # the factory builds on meta itself: the capture's own error is the one to show
+            raise exc from None
     args, kwargs = cap.normalize_inputs(example)
     flat = exported.io.flat_inputs(args, kwargs, target)
     make_inputs = make_inputs or _synthetic_inputs(flat, device, len(target_leaves))
     gm = exported.gm
     # the meta device (preflight) only cuts the model: no run to find random calls
-    gm = instrument(gm, make_inputs(2, 0) if device != "meta" else None)
-    return Runnable(spec, module, gm, op_nodes, tuple(op_nodes), exported.io.wrap_loss(loss_fn), make_inputs, exported.io)
+    gm = instrument(gm, shapes(make_inputs(2, 0)) if device != "meta" else None)
+    return Runnable(spec, module, gm, op_nodes, tuple(op_nodes), exported.io.wrap_loss(loss_fn), make_inputs, exported.io,
+                    meta_params, initial)
 
 
 def plan_granularity(plan: Plan) -> str | None:
@@ -240,6 +282,8 @@ class Reference:
     buffers: tuple[dict[str, torch.Tensor], ...]
     unbatched: tuple[str, ...] = ()
     """Stochastic or BatchNorm ops whose input had no batch dimension (their draws cannot match the pipeline's)."""
+    meta_params: bool = False
+    """Weights materialized per tensor name (:mod:`graphpipe.runtime.materialize`), as the run's ranks do."""
 
     @property
     def num_params(self) -> int:
@@ -261,19 +305,22 @@ def reference_layout(plan: Plan, node_stages: dict[str, int], batchnorm: str) ->
 
 
 def reference_run(spec: str, seed: int, batch_size: int, layout: dict[str, dict[str, int]], steps: int, lr: float,
-                  device: str = "cpu", granularity: str | None = None, precision: str = "fp32") -> Reference:
+                  device: str = "cpu", granularity: str | None = None, precision: str = "fp32",
+                  meta_params: bool = False) -> Reference:
     """``steps`` SGD steps of a fresh copy of the model on one process with the pipeline's semantics.
 
     ``layout`` (:func:`reference_layout`) says at which rows every dropout
     and BatchNorm call is cut; an empty layout is full-batch training. Step
     ``k`` reads ``make_inputs(batch_size, data_seed(seed, k))`` like the
-    pipeline.
+    pipeline. ``meta_params``: the weights are those every rank materializes
+    (:func:`~graphpipe.runtime.materialize.materialize_stages`, all stages here).
     """
     from graphpipe.runtime.batchnorm import sharded_batchnorms
     from graphpipe.runtime.rng import ReferenceContext
 
-    ref = load_runnable(spec, seed, device, granularity=granularity)
+    ref = load_runnable(spec, seed, device, granularity=granularity, meta_params=meta_params)
     gm = ref.gm
+    _materialize_whole(ref, gm, device, seed)
     gm.train()
     params = dict(gm.named_parameters())
     optimizer = torch.optim.SGD(list(params.values()), lr=lr)
@@ -292,15 +339,31 @@ def reference_run(spec: str, seed: int, batch_size: int, layout: dict[str, dict[
         grads.append({n: p.grad.detach().clone() for n, p in params.items() if p.grad is not None})
         buffers.append({n: b.detach().clone() for n, b in gm.named_buffers()})
         optimizer.step()
-    return Reference(tuple(losses), tuple(grads), tuple(buffers), tuple(sorted(unbatched)))
+    return Reference(tuple(losses), tuple(grads), tuple(buffers), tuple(sorted(unbatched)), meta_params)
 
 
-def reference_step(spec: str, seed: int, batch_size: int, step_seed: int, device: str) -> tuple[float, dict[str, torch.Tensor]]:
+def _materialize_whole(ref: Runnable, module: torch.nn.Module, device: str, seed: int) -> None:
+    """Every tensor of ``module`` (``ref``'s graph or module) materialized as the run's ranks materialize their
+    stages' (nothing to do for a runnable built with real weights)."""
+    if not ref.meta_params:
+        return
+    from types import SimpleNamespace
+
+    from graphpipe.runtime.materialize import materialize_stages
+
+    whole = SimpleNamespace(module=module, param_names={}, segments=(), assemble=None)
+    materialize_stages(ref.module, {0: whole}, torch.device(device), seed, ref.initial)
+
+
+def reference_step(spec: str, seed: int, batch_size: int, step_seed: int, device: str,
+                   meta_params: bool = False) -> tuple[float, dict[str, torch.Tensor]]:
     """Single-process loss and gradients of a fresh copy of the model on the whole mini-batch (PyTorch's semantics).
 
-    The torch.distributed.pipelining baseline's reference; ours is :func:`reference_run`.
+    The torch.distributed.pipelining baseline's reference; ours is :func:`reference_run`. ``meta_params``: the
+    weights every rank materializes (:func:`reference_run`'s).
     """
-    ref = load_runnable(spec, seed, device, capture=False)
+    ref = load_runnable(spec, seed, device, capture=False, meta_params=meta_params)
+    _materialize_whole(ref, ref.module, device, seed)
     inputs = ref.make_inputs(batch_size, step_seed)
     loss = ref.loss_fn(ref.module(*inputs))
     loss.backward()
@@ -392,7 +455,8 @@ def finish_job(rank: int, world_size: int, plan: Plan, options: RunOptions, step
         out["check"] = _check_summary(plan, options, [float(x) for x in losses], reference, float(max_abs[0]), counts)
     elif options.check:
         if reference is None:
-            reference = reference_step(plan.model, options.seed, sg.batch_size, data_seed(options.seed, 0), "cpu")
+            reference = reference_step(plan.model, options.seed, sg.batch_size, data_seed(options.seed, 0), "cpu",
+                                       meta_params=True)  # the baseline's weights (runtime/baseline.py)
         ref_loss = reference[0]
         loss_diff = abs(float(losses[0]) - ref_loss)
         total_params = len(reference[1])  # every parameter the forward uses must have been compared once
@@ -424,7 +488,7 @@ def _check_summary(plan: Plan, options: RunOptions, losses: list[float], referen
     if reference.unbatched:
         check["inexact_ops"] = list(reference.unbatched)
     full = reference_run(plan.model, options.seed, plan.stage_graph.batch_size, {}, 1, options.lr,
-                         granularity=plan_granularity(plan))
+                         granularity=plan_granularity(plan), meta_params=reference.meta_params)
     check["full_batch"] = {
         "loss": full.losses[0], "loss_abs_diff": abs(full.losses[0] - reference.losses[0]),
         "max_grad_abs_diff": max((float((g - reference.grads[0][n]).abs().max()) for n, g in full.grads[0].items()

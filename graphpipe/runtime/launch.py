@@ -58,6 +58,7 @@ from typing import Sequence
 
 from graphpipe.errors import GraphpipeError, InputError
 from graphpipe.progress import Progress, set_step_hook
+from graphpipe.runtime.memory import RANK_MEMORY_BYTES, available_memory
 from graphpipe.runtime.options import RunOptions
 
 __all__ = ["RuntimeFailure", "launch", "free_port", "host_rank_limit", "check_host_capacity"]
@@ -66,11 +67,7 @@ log = logging.getLogger(__name__)
 
 # After the first failure, wait this long for earlier-stamped reports from other ranks.
 _GRACE_S = 1.0
-# A rank is a Python process with torch loaded and its stages' weights: about
-# 350 MB resident for the zoo's small models (measured with /usr/bin/time on
-# 4-rank runs of mmt:small), and a CPU time-shared by more than 8 ranks makes
-# gloo's timeouts fire before the work does.
-RANK_MEMORY_BYTES = 400 * 2**20
+# A CPU time-shared by more than 8 ranks makes gloo's timeouts fire before the work does.
 RANKS_PER_CPU = 8
 _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _PROGRESS_S = 10.0  # -v: a line this often while the ranks work
@@ -105,13 +102,9 @@ def host_rank_limit() -> tuple[int, str]:
     """How many ranks this host can start, and why: min(8 per usable CPU, available memory / 400 MiB)."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     limit, why = RANKS_PER_CPU * cpus, f"{RANKS_PER_CPU} per CPU on {cpus} CPU(s)"
-    try:
-        with open("/proc/meminfo", encoding="ascii") as fh:
-            available = next(int(line.split()[1]) * 1024 for line in fh if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
-        available = None
+    available = available_memory()
     if available is not None and available // RANK_MEMORY_BYTES < limit:
-        limit = max(1, available // RANK_MEMORY_BYTES)
+        limit = max(1, int(available // RANK_MEMORY_BYTES))
         why = f"about {RANK_MEMORY_BYTES // 2**20} MiB each in {available / 2**30:.1f} GiB of available memory"
     return limit, why
 

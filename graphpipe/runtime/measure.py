@@ -210,6 +210,11 @@ def summarize(plan: Plan, result: Mapping[str, Any]) -> dict[str, Any]:
         doc["prediction_error"] = abs(predicted["iteration_time_s"] - measured["iteration_time_s"]) / measured["iteration_time_s"]
     if measured.get("peak_activation_bytes") and predicted.get("peak_activation_bytes"):
         doc["memory_error"] = memory_error(measured["peak_activation_bytes"], predicted["peak_activation_bytes"])
+    if measured.get("peak_rss_bytes"):  # beside what the launcher expected each rank to hold (runtime/memory.py)
+        from graphpipe.runtime.memory import rank_memory
+
+        expected = [r.total_bytes for r in rank_memory(plan)]
+        doc["predicted"]["host_memory_bytes"] = expected + [0.0] * (len(measured["peak_rss_bytes"]) - len(expected))
     if "check" in result:
         doc["check"] = result["check"]
     if "resumed_from_step" in result:
@@ -253,6 +258,9 @@ def format_summary(summary: dict) -> str:
         lines.append("activations (MB per device, measured / predicted): "
                      + " ".join(f"{a / 1e6:.3g}/{b / 1e6:.3g}" for a, b in zip(mm, pp))
                      + f"  (worst error {summary['memory_error'] * 100:.1f}% of predicted)")
+    if "peak_rss_bytes" in m and "host_memory_bytes" in p:
+        lines.append("host memory (MB per rank, peak RSS measured / expected): "
+                     + " ".join(f"{a / 1e6:.4g}/{b / 1e6:.4g}" for a, b in zip(m["peak_rss_bytes"], p["host_memory_bytes"])))
     if "stashed_weight_bytes" in m:
         pp = m.get("stashed_weight_bytes_predicted", [float("nan")] * len(m["stashed_weight_bytes"]))
         lines.append("stashed weights (bytes per device, measured / predicted for this run): "
@@ -260,6 +268,8 @@ def format_summary(summary: dict) -> str:
                      + f"  (steady-state iteration; whole stream {m['stream_time_s'] * 1e3:.3f} ms)")
     if summary.get("losses"):
         lines.append("loss per step: " + " ".join(f"{x:.6g}" for x in summary["losses"]))
+    if "check_skipped" in summary:
+        lines.append(summary["check_skipped"])
     if "check" in summary:
         c = summary["check"]
         lines.append(f"check: {'PASSED' if c['passed'] else 'FAILED'}  max_abs_diff {c['max_abs_diff']:.3g}  "

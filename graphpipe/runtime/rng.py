@@ -181,10 +181,12 @@ def seeded_dropout(x: torch.Tensor, p: float, training: bool, ctx, op: str, chan
         return x * 0.0
     outs = []
     for lo, piece in ctx.pieces(op, "dropout", x):
-        gen = torch.Generator(device=piece.device).manual_seed(stream_seed(ctx.seed, ctx.step, op, lo))
         shape = (*piece.shape[:2], *([1] * (piece.dim() - 2))) if channelwise and piece.dim() > 2 else piece.shape
-        with _mark("ours"):
-            keep = torch.empty(shape, dtype=piece.dtype, device=piece.device).bernoulli_(1.0 - p, generator=gen)
+        keep = torch.empty(shape, dtype=piece.dtype, device=piece.device)
+        if piece.device.type != "meta":  # a shape-only run (a model on the meta device) draws nothing
+            gen = torch.Generator(device=piece.device).manual_seed(stream_seed(ctx.seed, ctx.step, op, lo))
+            with _mark("ours"):
+                keep.bernoulli_(1.0 - p, generator=gen)
         outs.append(piece * keep * (1.0 / (1.0 - p)))
     return ctx.join(outs)
 

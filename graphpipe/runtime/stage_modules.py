@@ -83,7 +83,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.fx
 
-from graphpipe.errors import PlanError
+from graphpipe.errors import PlanError, some
 from graphpipe.stages import StageGraph
 
 __all__ = ["StageProgram", "BoundForward", "Segment", "ModelSplit", "ValueMeta", "TiedParameter", "split_model", "boundary_meta", "check_op_names",
@@ -185,9 +185,9 @@ def check_op_names(plan_ops: Sequence[str], captured_ops: Sequence[str], model: 
     if unknown or missing:
         parts = []
         if unknown:
-            parts.append(f"{len(unknown)} op(s) the model does not have: {', '.join(unknown[:6])}{' ...' if len(unknown) > 6 else ''}")
+            parts.append(f"{len(unknown)} op(s) the model does not have: {some(unknown)}")
         if missing:
-            parts.append(f"{len(missing)} op(s) of the model missing from the plan: {', '.join(missing[:6])}{' ...' if len(missing) > 6 else ''}")
+            parts.append(f"{len(missing)} op(s) of the model missing from the plan: {some(missing)}")
         raise PlanError(f"plan does not match model {model!r}: " + "; ".join(parts)
                         + f". Re-plan with `graphpipe plan {model} ...` so the op names come from the same capture")
 

@@ -48,7 +48,7 @@ from graphpipe.runtime.executor import StepResult
 from graphpipe.runtime.jobs import (RunOptions, compare_buffers, compare_gradients, data_seed, finish_job,
                                     load_runnable, plan_granularity, reference_run)
 
-__all__ = ["rank_cpus", "pin_rank", "run_rank", "run_job"]
+__all__ = ["rank_cpus", "pin_rank", "run_rank", "run_job", "peak_rss_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +86,13 @@ def _cpu_list(cpus: Sequence[int]) -> str:
     return ",".join(map(str, cpus[:8])) + (",..." if len(cpus) > 8 else "")
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size so far (``getrusage``'s ``ru_maxrss``, KiB on Linux)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def _pick_backend(requested: str, world_size: int) -> str:
     if requested != "auto":
         return requested
@@ -116,15 +123,16 @@ def run_job(rank: int, world_size: int, plan: Plan, options: RunOptions, device:
     from graphpipe.runtime.api import Pipeline
 
     my_stages = sg.stages_on_device(rank) if rank < sg.num_devices else ()
-    # Every rank builds the model, so all agree on the boundary values and shapes.
-    runnable = load_runnable(plan.model, options.seed, "cpu", granularity=plan_granularity(plan))
+    # Every rank builds the model with its parameters on the meta device, so all agree on the boundary values and
+    # shapes; each materializes only its own stages' weights (runtime/materialize.py).
+    runnable = load_runnable(plan.model, options.seed, "cpu", granularity=plan_granularity(plan), meta_params=True)
     unseeded = _warn_unseeded(runnable, plan.model) if rank == 0 else {}
     make_inputs = runnable.make_inputs
     # graphpipe run is a user of the training API: synthetic data, SGD, and its report.
     pipe = Pipeline._for_job(plan, runnable, rank=rank, world_size=world_size, device=device, backend=backend,
                              options=options)
     del runnable  # drop every other stage's parameters
-    ctx = pipe._setup
+    ctx = pipe.rank_setup
     programs, layout, tied_copies, buffer_stage = ctx.programs, ctx.layout, ctx.tied_copies, ctx.buffer_stage
     params = list(pipe.parameters())
     optimizer = torch.optim.SGD(params, lr=options.lr) if params else None
@@ -132,7 +140,7 @@ def run_job(rank: int, world_size: int, plan: Plan, options: RunOptions, device:
     if options.check and (my_stages or rank == 0):
         # the reference trains at the run's precision too, one autocast region per step as the run
         reference = reference_run(plan.model, options.seed, sg.batch_size, layout, options.steps, options.lr,
-                                  granularity=plan_granularity(plan), precision=options.precision)
+                                  granularity=plan_granularity(plan), precision=options.precision, meta_params=True)
 
     start = pipe.resume(options.checkpoint_dir, optimizer=optimizer) if options.checkpoint_dir else 0
     if start >= options.steps:
@@ -142,9 +150,7 @@ def run_job(rank: int, world_size: int, plan: Plan, options: RunOptions, device:
     check_stats = [0.0, 0, 0, 0]
     for step in range(start, options.steps):
         inputs = make_inputs(sg.batch_size, data_seed(options.seed, step)) if pipe.reads_inputs else None
-        pipe._train(inputs, start_together=True, group=control)
-        result = pipe.last_step
-        steps.append(result)
+        steps.append(pipe.timed_step(inputs, group=control))
         if reference is not None and my_stages:
             # Replicas all compare; only a stage's first replica counts (and only the owner of a tied parameter).
             grads = compare_gradients(((programs[s].param_names.get(name, name), p,
@@ -173,7 +179,8 @@ def run_job(rank: int, world_size: int, plan: Plan, options: RunOptions, device:
     # Activation memory per device (rank = device): peak bytes saved for backward, and CUDA's allocator peak.
     timed = steps[options.warmup_steps:] or steps
     mem = torch.tensor([float(max(s.peak_saved_bytes for s in timed)),
-                        float(max(s.cuda_peak_bytes or 0 for s in timed))], dtype=torch.float64)
+                        float(max(s.cuda_peak_bytes or 0 for s in timed)), float(peak_rss_bytes())],
+                       dtype=torch.float64)
     mems = [torch.zeros_like(mem) for _ in range(world_size)]
     dist.all_gather(mems, mem, group=control)
     out = finish_job(rank, world_size, plan, measured, [s.iteration_time_s for s in steps], [s.loss for s in steps],
@@ -185,6 +192,7 @@ def run_job(rank: int, world_size: int, plan: Plan, options: RunOptions, device:
             out["resumed_from_step"] = start
         if options.measure:
             out["measured"]["peak_activation_bytes"] = [float(m[0]) for m in mems]
+        out["measured"]["peak_rss_bytes"] = [float(m[2]) for m in mems]
         if any(s.cuda_peak_bytes is not None for s in timed):
             out["measured"]["cuda_max_memory_allocated_bytes"] = [float(m[1]) for m in mems]
     if out is not None and "check" in out and unseeded:
@@ -201,7 +209,7 @@ def _warn_unseeded(runnable, model: str) -> dict[str, str]:
     from graphpipe.runtime.batchnorm import sharded_batchnorms
     from graphpipe.runtime.rng import ShardContext, find_unseeded_random
 
-    inputs = runnable.make_inputs(2, 0)
+    inputs = runnable.shape_inputs(2, 0)
     found = find_unseeded_random(runnable.gm, inputs, ShardContext(0, 0, 0, 2, 0, 2))
     for bn in sharded_batchnorms(runnable.gm):
         bn.pending.clear()

@@ -1,0 +1,135 @@
+"""One pipeline stage as the rank hosting it holds it: :class:`HostedStage` (docs/design.md, "The runtime").
+
+A rank hosts one or more stages (a stage's replica, virtual stages of an
+interleaved schedule, branches sharing a device). Everything that belongs
+to one of them lives in one object: its program and module, its parameters
+and their flat gradient buffer, its BatchNorms, its bound forward, what its
+re-materialization and zero bubble's split backward keep per micro-batch,
+and the names its tensors have in the model (what a checkpoint keys them
+by). The :class:`~graphpipe.runtime.executor.RankExecutor` keeps what is the
+rank's, not a stage's: the action loop, the mailbox and the all-reduce order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from graphpipe.runtime.batchnorm import sharded_batchnorms
+from graphpipe.runtime.stage_modules import BoundForward, StageProgram
+from graphpipe.split_backward import PendingWeightGrad
+from graphpipe.stages import Stage
+
+__all__ = ["HostedStage", "zero_grads", "flat_grad_buffer"]
+
+
+def zero_grads(params) -> None:
+    """Zero each parameter's ``.grad`` in place, allocating it on first use (persistent buffers).
+
+    With ``grad = None`` an iteration's first backward allocates (and, on a
+    CPU, page-faults) fresh gradient tensors and only later micro-batches
+    accumulate; with persistent buffers every backward accumulates, which is
+    what ``graphpipe profile`` times.
+    """
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        else:
+            p.grad.zero_()
+
+
+def flat_grad_buffer(params) -> torch.Tensor | None:
+    """One zeroed buffer holding every gradient of ``params``, each ``.grad`` a view into it.
+
+    Autograd accumulates into an existing ``.grad`` in place, so the buffer
+    always holds the current gradients and an all-reduce can take it as is.
+    ``None`` (gradients left alone) when there are no parameters or they mix
+    dtypes or devices.
+    """
+    if not params or len({(p.dtype, p.device) for p in params}) > 1:
+        return None
+    flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+    offset = 0
+    for p in params:
+        p.grad = flat[offset:offset + p.numel()].view_as(p)
+        offset += p.numel()
+    return flat
+
+
+@dataclass(eq=False)
+class HostedStage:
+    """One stage on the rank hosting it (module docstring). Built by :meth:`of`."""
+
+    stage: Stage
+    program: StageProgram
+    forward: BoundForward
+    """The stage's forward with its parameters passed in (no attribute chains per micro-batch)."""
+    batchnorms: tuple
+    """Its :class:`~graphpipe.runtime.batchnorm.ShardedBatchNorm` modules, in a fixed order."""
+    grad_buffer: torch.Tensor | None = None
+    """Every gradient of the stage, each ``.grad`` a view into it (None where dtypes or devices mix)."""
+    grad_views: list[torch.Tensor] | None = None
+    redo_bytes: int | list[int] | None = None
+    """A re-materializing stage's working set in B (per segment with checkpoints), probed once."""
+    weights: Any = None
+    """Asynchronous schedules: the weight versions F and B run on (:mod:`graphpipe.runtime.stash`)."""
+    stash: dict[int, list] = field(default_factory=dict)
+    """Micro-batch -> inputs (and handed-over values) a re-materializing stage keeps until its B."""
+    pending_w: dict[int, PendingWeightGrad] = field(default_factory=dict)
+    """Micro-batch -> the weight gradient zero bubble's I left for its W."""
+    segment_calls: dict[int, set[int]] = field(default_factory=dict)
+    """Micro-batch -> the checkpoint segments that ran (a second call is a re-materialization)."""
+
+    @classmethod
+    def of(cls, stage: Stage, program: StageProgram) -> "HostedStage":
+        return cls(stage, program, BoundForward(program.module), tuple(sharded_batchnorms(program.module)))
+
+    @property
+    def stage_id(self) -> int:
+        return self.stage.id
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.program.module
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return list(self.program.module.parameters())
+
+    def param(self, name: str) -> torch.nn.Parameter:
+        """The parameter called ``name`` in the stage module."""
+        return self.program.module.get_parameter(name)
+
+    def checkpoint_keys(self) -> dict[str, torch.Tensor]:
+        """The stage's parameters and buffers by their names in the model (a tied copy by its original's):
+        what a checkpoint stores them under."""
+        names = self.program.param_names
+        out = {names.get(n, n): p for n, p in self.program.module.named_parameters()}
+        out.update(dict(self.program.module.named_buffers()))
+        return out
+
+    def bind_grad_buffers(self) -> None:
+        """``.grad`` as views into one zeroed flat buffer (:func:`flat_grad_buffer`; an existing buffer and its
+        views are reused), or zeroed per-parameter tensors where the stage mixes dtypes or devices."""
+        params = self.parameters()
+        if self.grad_views is not None:
+            self.grad_buffer.zero_()
+            for p, g in zip(params, self.grad_views):
+                p.grad = g
+            return
+        flat = flat_grad_buffer(params)
+        if flat is not None:
+            self.grad_buffer, self.grad_views = flat, [p.grad for p in params]
+        else:
+            zero_grads(params)
+
+    def zero_grad(self) -> None:
+        if self.grad_buffer is not None:
+            self.grad_buffer.zero_()
+        else:
+            zero_grads(self.parameters())
+
+    def idle(self) -> bool:
+        """No micro-batch is waiting for its backward or its weight gradient."""
+        return not self.pending_w

@@ -1,0 +1,311 @@
+"""Models built on the meta device: each rank allocates and initialises only its own stages' tensors.
+
+Pipeline parallelism is for models that do not fit on one device, so no
+rank may need the whole model. A model built under ``torch.device("meta")``
+(or by :func:`params_on_meta`, which keeps buffers and example inputs real)
+is captured and cut on the meta device; then :func:`materialize_stages`
+gives every parameter and buffer of the stages a rank hosts real storage on
+that rank's device and runs the modules' own initialisation on it:
+
+* ``reset_parameters()`` of the module owning the tensor (every
+  ``torch.nn`` layer has one), then the root's ``_init_weights(module)``
+  (the Hugging Face convention) when the root defines one;
+* every in-place random fill (``uniform_``, ``normal_``,
+  ``nn.init.kaiming_uniform_``, ...) on a hosted tensor first seeds the
+  generator from ``(seed, the tensor's name in the model)``
+  (:func:`tensor_seed`), so a tensor's values depend on the seed and its
+  name only: never on the rank, on which other tensors that rank hosts, or
+  on the order modules are initialised in. Tensors another rank hosts stay
+  on the meta device, where the same calls allocate and draw nothing;
+* a tied parameter whose copies sit on several stages is initialised from
+  its one name on each, so the copies start equal.
+
+A tensor whose owner has no initialiser (a raw ``nn.Parameter`` of a custom
+module, a buffer computed in ``__init__``) cannot be rebuilt: it is listed
+as *uninitialised*, and :class:`graphpipe.Pipeline` refuses to train until a
+checkpoint has filled it (``pipe.load``).
+
+The captured graph may carry the meta device as a literal
+(``torch.arange(n, device=x.device)`` traced on meta inputs);
+:func:`retarget_devices` rewrites such literals to the run's device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from typing import Any, Iterable, Iterator, Mapping
+
+import torch
+import torch.nn as nn
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["params_on_meta", "buffers_to_meta", "on_meta", "tensor_seed", "materialize_stages", "retarget_devices", "meta_copy",
+           "model_tensors", "Materialized"]
+
+
+@contextlib.contextmanager
+def params_on_meta() -> Iterator[None]:
+    """Build modules inside this block with their parameters on the meta device (buffers and every other tensor,
+    example inputs included, stay where they are built).
+
+    Each parameter is created as its module's code creates it and moved to
+    meta at once, so the block holds one real parameter at a time and the
+    code's random draws (the example inputs' among them) are the ones an
+    eager build makes.
+    """
+    original = nn.Module.register_parameter
+
+    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        original(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = register  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def buffers_to_meta(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Move every buffer of ``module`` to the meta device (in place); returns their built values by name, for
+    :func:`materialize_stages`' ``initial`` (buffers such as index tables are computed in ``__init__``, and no
+    initialiser rebuilds them)."""
+    values = {name: b.detach().clone() for name, b in module.named_buffers() if b.device.type != "meta"}
+    moved: dict[int, torch.Tensor] = {}
+    for sub in module.modules():
+        for key, b in sub._buffers.items():
+            if b is not None and b.device.type != "meta":
+                sub._buffers[key] = moved.setdefault(id(b), b.to("meta"))
+    return values
+
+
+def on_meta(module: nn.Module) -> bool:
+    """Whether any parameter or buffer of ``module`` lives on the meta device."""
+    return any(t.device.type == "meta" for t in (*module.parameters(), *module.buffers()))
+
+
+def meta_copy(value: Any) -> Any:
+    """``value`` with every tensor leaf replaced by a meta tensor of its shape and dtype (example inputs)."""
+    from torch.utils import _pytree as pytree
+
+    return pytree.tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, value)
+
+
+def tensor_seed(seed: int, name: str) -> int:
+    """The generator seed of the tensor called ``name`` in the model, for run seed ``seed`` (stable across
+    processes and Python versions: no ``hash()``)."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def model_tensors(model: nn.Module) -> dict[int, tuple[nn.Module, str, str, str]]:
+    """``id(tensor) -> (owning module, "_parameters" or "_buffers", attribute, name in the model)`` for every
+    parameter and buffer of ``model`` (a tensor reached under two names keeps its first)."""
+    out: dict[int, tuple[nn.Module, str, str, str]] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        for kind in ("_parameters", "_buffers"):
+            for attr, t in getattr(module, kind).items():
+                if t is not None and id(t) not in out:
+                    out[id(t)] = (module, kind, attr, f"{path}.{attr}" if path else attr)
+    return out
+
+
+class _SeedPerTensor(TorchFunctionMode):
+    """Seeds the global generator from a tensor's name before any in-place call (``uniform_``, ``normal_``,
+    ``nn.init.*_``) writing a tensor that has one; storage identifies the tensor, so ``.data`` views count."""
+
+    def __init__(self, names: Mapping[int, str], seed: int):
+        super().__init__()
+        self.names, self.seed = names, seed
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "").endswith("_"):
+            target = args[0] if args else kwargs.get("tensor", kwargs.get("self"))
+            if isinstance(target, torch.Tensor) and target.device.type != "meta" and target.numel():
+                name = self.names.get(target.untyped_storage().data_ptr())
+                if name is not None:
+                    torch.manual_seed(tensor_seed(self.seed, name))
+        return func(*args, **kwargs)
+
+
+class Materialized:
+    """What :func:`materialize_stages` did on one rank: the real tensor of every hosted meta tensor, and the
+    names of those no initialiser filled."""
+
+    def __init__(self) -> None:
+        self.replaced: dict[int, torch.Tensor] = {}
+        """``id(meta tensor) -> real tensor`` (parameters stay parameters), while :attr:`meta` keeps the meta
+        tensors alive (an id is unique among live objects only)."""
+        self.meta: list[torch.Tensor] = []
+        self.uninitialised: set[str] = set()
+        """Model names of hosted tensors whose module has no initialiser: they must come from a checkpoint."""
+
+
+def _holders(modules: Iterable[nn.Module]) -> Iterator[tuple[dict, str, torch.Tensor]]:
+    """``(table, key, tensor)`` of every parameter and buffer slot of ``modules`` (shared submodules included)."""
+    for root in modules:
+        for module in root.modules():
+            for kind in ("_parameters", "_buffers"):
+                table = getattr(module, kind)
+                for key, t in table.items():
+                    if t is not None:
+                        yield table, key, t
+
+
+def _stage_graphs(prog) -> list[torch.fx.GraphModule]:
+    """A stage's modules: its own, and its segments' and assembly's when it has checkpoints (they hold their
+    own references to the stage's tensors)."""
+    return [prog.module, *(seg.module for seg in prog.segments), *([prog.assemble] if prog.assemble else [])]
+
+
+def materialize_stages(model: nn.Module | None, programs: Mapping[int, Any], device: torch.device,
+                       seed: int, initial: Mapping[str, torch.Tensor] | None = None) -> Materialized:
+    """Give every meta parameter and buffer of the stage programs ``programs`` (stage id ->
+    :class:`~graphpipe.runtime.stage_modules.StageProgram`, this rank's) storage on ``device`` and initialise
+    it (module docstring); nothing else is allocated. Device literals of their graphs move to ``device``.
+
+    ``model``: the module the stages were captured from (its submodules own
+    the initialisers; None: no initialiser, every tensor is uninitialised).
+    ``initial``: values by model name that replace what the initialisers
+    made (:func:`buffers_to_meta`'s).
+    Stage modules share tensors with ``model``: the real tensors replace the
+    meta ones in both, and a tied copy (named after its original,
+    :attr:`StageProgram.param_names`) gets its own parameter, equal to the
+    original.
+    """
+    done = Materialized()
+    owners = model_tensors(model) if model is not None else {}
+    # model name of every meta tensor the stages hold; a tied copy is named after its original
+    wanted: dict[int, str] = {}
+    for prog in programs.values():
+        for name, p in prog.module.named_parameters(remove_duplicate=False):
+            if p.device.type == "meta" and id(p) not in wanted:
+                wanted[id(p)] = owners[id(p)][3] if id(p) in owners else prog.param_names.get(name, name)
+                done.meta.append(p)
+        for name, b in prog.module.named_buffers(remove_duplicate=False):
+            if b.device.type == "meta" and id(b) not in wanted:
+                wanted[id(b)] = owners[id(b)][3] if id(b) in owners else name
+                done.meta.append(b)
+    graphs = [gm for prog in programs.values() for gm in _stage_graphs(prog)]
+    for gm in graphs:
+        if isinstance(gm, torch.fx.GraphModule):
+            retarget_devices(gm, device)
+    if not wanted:
+        return done
+    by_name = {entry[3]: entry for entry in owners.values()}
+    real: dict[str, torch.Tensor] = {}  # model name -> its real tensor (set into the model's own module)
+    for name in wanted.values():
+        if name in real or name in done.uninitialised:
+            continue
+        if name not in by_name:  # a tensor of the stage modules only (a graph constant): no initialiser knows it
+            done.uninitialised.add(name)
+            continue
+        module, kind, attr, _ = by_name[name]
+        old = getattr(module, kind)[attr]
+        new = torch.empty_like(old, device=device)
+        if kind == "_parameters":
+            new = nn.Parameter(new, requires_grad=old.requires_grad)
+        getattr(module, kind)[attr] = new
+        done.replaced[id(old)] = new
+        done.meta.append(old)
+        real[name] = new
+    _initialise(model, owners, real, done, seed)
+    with torch.no_grad():
+        for name, value in (initial or {}).items():
+            if name in real:
+                real[name].copy_(value)
+                done.uninitialised.discard(name)
+    for tid, name in wanted.items():  # tied copies: their own parameter, equal to the original
+        if tid in done.replaced or name not in real:
+            continue
+        base = real[name]
+        done.replaced[tid] = nn.Parameter(base.detach().clone(), requires_grad=base.requires_grad) \
+            if isinstance(base, nn.Parameter) else base.detach().clone()
+    for table, key, t in list(_holders(graphs)):
+        if id(t) in done.replaced:
+            table[key] = done.replaced[id(t)]
+        elif id(t) in wanted:  # no owner in the model: storage only, filled by a checkpoint
+            fresh = torch.empty_like(t, device=device)
+            done.replaced[id(t)] = nn.Parameter(fresh, requires_grad=t.requires_grad) \
+                if isinstance(t, nn.Parameter) else fresh
+            table[key] = done.replaced[id(t)]
+    done.replaced, done.meta = {}, []  # ids of meta tensors mean nothing once those are freed
+    return done
+
+
+def _initialise(model: nn.Module | None, owners, real: Mapping[str, torch.Tensor], done: Materialized,
+                seed: int) -> None:
+    """Run each owning module's initialiser once, every fill seeded by the filled tensor's name."""
+    if model is None:
+        done.uninitialised.update(real)
+        return
+    hf_init = getattr(model, "_init_weights", None)
+    paths = {id(m): path for path, m in model.named_modules(remove_duplicate=False)}
+    modules = dict(model.named_modules(remove_duplicate=False))
+    owned: dict[int, tuple[nn.Module, str, list[str]]] = {}  # initialising module -> its path, the tensors it fills
+    for module, _, _, full in owners.values():
+        if full in real:
+            module, path = _initialiser_of(module, paths[id(module)], modules)
+            owned.setdefault(id(module), (module, path, []))[2].append(full)
+    ptrs = {t.untyped_storage().data_ptr(): name for name, t in real.items() if t.numel()}
+    with torch.no_grad(), _SeedPerTensor(ptrs, seed):
+        for module, path, tensors in owned.values():
+            torch.manual_seed(tensor_seed(seed, path))
+            reset = getattr(module, "reset_parameters", getattr(module, "_reset_parameters", None))
+            if callable(reset):
+                reset()
+            if callable(hf_init):  # the model's own scheme, over torch's default where it has one
+                hf_init(module)
+            elif not callable(reset):
+                done.uninitialised.update(tensors)
+
+
+def _initialiser_of(module: nn.Module, path: str, modules: Mapping[str, nn.Module]) -> tuple[nn.Module, str]:
+    """The module whose initialiser fills ``module``'s own tensors: itself when it has ``reset_parameters``
+    (or ``nn.MultiheadAttention``'s ``_reset_parameters``), else its nearest ancestor that has one, else itself."""
+    here = path
+    while True:
+        m = modules[here]
+        if callable(getattr(m, "reset_parameters", None)) or callable(getattr(m, "_reset_parameters", None)):
+            return m, here
+        if not here:
+            return module, path
+        here = here.rpartition(".")[0]
+
+
+def retarget_devices(gm: torch.fx.GraphModule, device: torch.device) -> bool:
+    """Rewrite device literals of ``gm``'s nodes captured on another device (``meta``, or ``cpu`` for a CUDA
+    run) to ``device``, in place; returns whether anything changed.
+
+    ``torch.arange(n, device=x.device)`` traced on meta inputs is recorded
+    as ``arange(n, device=meta)``; run as is it would make meta tensors.
+    """
+    device = torch.device(device)
+    stale = {"meta"} | ({"cpu"} if device.type != "cpu" else set())
+
+    def fix(value):
+        if isinstance(value, torch.device) and value.type in stale:
+            return device
+        if isinstance(value, str) and value in stale:
+            return str(device)
+        if isinstance(value, (tuple, list)):
+            return type(value)(fix(v) for v in value)
+        if isinstance(value, dict):
+            return {k: fix(v) for k, v in value.items()}
+        return value
+
+    changed = False
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method"):
+            continue
+        kwargs = {k: fix(v) if k == "device" else v for k, v in node.kwargs.items()}
+        args = tuple(fix(a) if isinstance(a, torch.device) else a for a in node.args)
+        if kwargs != dict(node.kwargs) or args != tuple(node.args):
+            node.kwargs, node.args = kwargs, args
+            changed = True
+    if changed:
+        gm.recompile()
+    return changed

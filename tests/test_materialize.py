@@ -1,0 +1,166 @@
+"""Models built on the meta device: per-stage materialization, initialisation and the up-front memory check.
+
+Oracles: a tensor's materialized values depend on the seed and its name only (equal whether a rank
+hosts it alone or the whole model; equal to the same module initialised with the same per-name seeds);
+tensors of stages a rank does not host keep no storage; tied copies start equal; the memory estimate is
+the sum of its parts (weights and gradients of the hosted stages, the plan's activations, a base per
+process) and a run that does not fit is refused before any rank starts.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn as nn
+
+from graphpipe.errors import InputError
+from graphpipe.runtime.materialize import (buffers_to_meta, materialize_stages, params_on_meta, retarget_devices,
+                                           tensor_seed)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 6)
+        self.left = nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6))
+        self.right = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 10, bias=False)
+        self.head.weight = self.embed.weight  # tied
+
+
+class Raw(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(3))  # no reset_parameters: nothing can rebuild it
+        self.fc = nn.Linear(3, 3)
+
+
+def stage(*modules: nn.Module, names=None):
+    """A stand-in for a StageProgram holding ``modules``."""
+    holder = nn.ModuleList(modules)
+    return SimpleNamespace(module=holder, param_names=names or {}, segments=(), assemble=None)
+
+
+def meta_net() -> Net:
+    with torch.device("meta"):
+        return Net()
+
+
+def real(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: t for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type != "meta"}
+
+
+def test_values_depend_on_the_seed_and_the_name_only_and_other_stages_stay_on_meta():
+    alone, whole = meta_net(), meta_net()
+    materialize_stages(alone, {1: stage(alone.right)}, torch.device("cpu"), seed=3)
+    materialize_stages(whole, {0: stage(whole.embed, whole.left), 1: stage(whole.right)}, torch.device("cpu"), seed=3)
+    assert set(real(alone)) == {"right.weight", "right.bias"}  # nothing of the other stages got storage
+    assert set(real(whole)) == {n for n, _ in [*Net().named_parameters(), *Net().named_buffers()]}
+    for name, t in real(alone).items():
+        torch.testing.assert_close(t, real(whole)[name], rtol=0, atol=0)
+    # the oracle: the module's own initialiser run with the generator seeded from (seed, name) per tensor
+    torch.manual_seed(tensor_seed(3, "right.weight"))
+    w = torch.empty(6, 6)
+    nn.init.kaiming_uniform_(w, a=5 ** 0.5)
+    torch.testing.assert_close(real(alone)["right.weight"], w, rtol=0, atol=0)
+    other = meta_net()
+    materialize_stages(other, {1: stage(other.right)}, torch.device("cpu"), seed=4)
+    assert not torch.equal(real(other)["right.weight"], real(alone)["right.weight"])
+    bn = whole.left[1]
+    assert torch.equal(bn.running_var, torch.ones(6)) and torch.equal(bn.weight, torch.ones(6))
+
+
+def test_tied_copies_on_another_stage_start_equal_and_stay_distinct():
+    model = meta_net()
+    copy = nn.Linear(6, 10, bias=False, device="meta")
+    copy.weight = nn.Parameter(model.embed.weight.detach().clone())  # what the split gives a second stage
+    done = materialize_stages(model, {0: stage(model.embed), 2: stage(copy, names={"0.weight": "embed.weight"})},
+                              torch.device("cpu"), seed=0)
+    assert not done.uninitialised
+    assert copy.weight is not model.embed.weight
+    torch.testing.assert_close(copy.weight, model.embed.weight, rtol=0, atol=0)
+    lone = nn.Linear(6, 10, bias=False, device="meta")  # a rank hosting only the copy gets the same values
+    lone.weight = nn.Parameter(meta_net().embed.weight.detach().clone())
+    other = meta_net()
+    materialize_stages(other, {2: stage(lone, names={"0.weight": "embed.weight"})}, torch.device("cpu"), seed=0)
+    torch.testing.assert_close(lone.weight, model.embed.weight, rtol=0, atol=0)
+
+
+def test_a_tensor_without_initialiser_is_listed_and_buffers_keep_their_built_values():
+    with torch.device("meta"):
+        model = Raw()
+    done = materialize_stages(model, {0: stage(model)}, torch.device("cpu"), seed=0)
+    assert done.uninitialised == {"scale"}
+    with params_on_meta():
+        net = Net()
+    net.left[1].running_mean.fill_(2.0)
+    assert all(p.device.type == "meta" for p in net.parameters())
+    initial = buffers_to_meta(net)
+    assert all(b.device.type == "meta" for b in net.buffers())
+    materialize_stages(net, {0: stage(net.left)}, torch.device("cpu"), seed=0, initial=initial)
+    assert torch.equal(net.left[1].running_mean, torch.full((6,), 2.0))
+
+
+def test_device_literals_captured_on_meta_are_retargeted():
+    class Pos(nn.Module):
+        def forward(self, x):
+            return x + torch.arange(x.shape[1], device=x.device)
+
+    gm = torch.fx.symbolic_trace(Pos())
+    for node in gm.graph.nodes:  # as a capture on meta inputs records it
+        if node.op == "call_function" and node.target is torch.arange:
+            node.kwargs = {**node.kwargs, "device": torch.device("meta")}
+    gm.recompile()
+    assert retarget_devices(gm, torch.device("cpu"))
+    torch.testing.assert_close(gm(torch.zeros(2, 3)), torch.arange(3.0).expand(2, 3))
+
+
+def _plan(spec: str = "mmt:small", devices: int = 3):
+    from graphpipe import zoo
+    from graphpipe.cluster import preset
+    from graphpipe.search.common import SearchOptions
+    from graphpipe.search.planner import make_plan
+
+    return make_plan(zoo.canonical_spec(spec), zoo.load_graph(spec), preset("v100", devices), 8, "gpp",
+                     SearchOptions(micro_batch_size=2))
+
+
+def test_memory_estimate_is_the_sum_of_its_parts_and_a_run_that_cannot_fit_is_refused():
+    from graphpipe.runtime.memory import RANK_MEMORY_BYTES
+    from graphpipe.runtime.memory import check_host_memory, rank_memory
+
+    plan = _plan()
+    sg = plan.stage_graph
+    ranks = rank_memory(plan)
+    for r in ranks:
+        weights = sum(sg.param_bytes(s) for s in sg.stages_on_device(r.rank))
+        assert r.state_bytes == pytest.approx(2 * weights)
+        assert r.activation_bytes == pytest.approx(plan.predicted.peak_activation_bytes[r.rank])
+        assert r.base_bytes == RANK_MEMORY_BYTES
+    assert sum(r.state_bytes for r in ranks) >= 2 * sg.graph.param_bytes  # replicas hold their stage whole
+    need = sum(r.total_bytes for r in ranks)
+    assert check_host_memory(plan, available=need) == ranks
+    with pytest.raises(InputError) as err:
+        check_host_memory(plan, world_size=4, available=need)  # an idle fourth rank costs a base too
+    message = str(err.value)
+    assert "\n" not in message and "4 ranks would need" in message and "what would fit" in message
+
+
+def test_cli_run_that_cannot_fit_exits_2_before_starting_a_rank(tmp_path, capsys, monkeypatch):
+    from graphpipe.cli import main
+    from graphpipe.plan import write_plan
+    from graphpipe.runtime import memory
+
+    path = str(tmp_path / "plan.json")
+    write_plan(path, _plan())
+    monkeypatch.setattr(memory, "available_memory", lambda: 2.0**30)
+
+    def no_launch(*_a, **_k):
+        raise AssertionError("a rank was started")
+
+    monkeypatch.setattr("graphpipe.runtime.launch", no_launch)
+    assert main(["run", path, "--steps", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "would need about" in err and "1.0 GiB available" in err and "Traceback" not in err
