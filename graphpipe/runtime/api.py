@@ -328,7 +328,7 @@ class Pipeline:
                 for n in names:
                     if src != self.rank:
                         meta = self._setup.executor.meta[n]
-                        values[n] = torch.empty((rows, *meta.sample_shape), dtype=meta.dtype, device=self.device)
+                        values[n] = torch.empty(meta.shape(rows), dtype=meta.dtype, device=self.device)
                         dist.recv(values[n], src)
             prog.module.eval()
             try:

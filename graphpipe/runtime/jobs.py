@@ -274,14 +274,18 @@ def reference_run(spec: str, seed: int, batch_size: int, layout: dict[str, dict[
     return Reference(tuple(losses), tuple(grads), tuple(buffers), tuple(sorted(unbatched)))
 
 
-def reference_step(spec: str, seed: int, batch_size: int, step_seed: int, device: str) -> tuple[float, dict[str, torch.Tensor]]:
+def reference_step(spec: str, seed: int, batch_size: int, step_seed: int, device: str,
+                   granularity: str | None = None) -> tuple[float, dict[str, torch.Tensor]]:
     """Single-process loss and gradients of a fresh copy of the model on the whole mini-batch (PyTorch's semantics).
 
-    The torch.distributed.pipelining baseline's reference; ours is :func:`reference_run`.
+    The torch.distributed.pipelining baseline's reference; ours is
+    :func:`reference_run`. The eager module runs on the data the graph runs
+    on, its keyword inputs by name and the target to the loss
+    (:meth:`~graphpipe.exporting.IOSpec.unflatten_inputs`).
     """
-    ref = load_runnable(spec, seed, device, capture=False)
-    inputs = ref.make_inputs(batch_size, step_seed)
-    loss = ref.loss_fn(ref.module(*inputs))
+    ref = load_runnable(spec, seed, device, granularity=granularity)
+    args, kwargs, target = ref.io.unflatten_inputs(ref.make_inputs(batch_size, step_seed))
+    loss = ref.loss_fn(ref.io.graph_output(ref.module(*args, **kwargs), target))
     loss.backward()
     return float(loss.detach()), {n: p.grad for n, p in ref.module.named_parameters() if p.grad is not None}
 
@@ -305,10 +309,15 @@ def compare_gradients(named_params, ref_grads: dict[str, torch.Tensor], options:
     """``(max |a - b|, elements outside atol + rtol*|b|, parameters counted)`` against the reference.
 
     ``named_params`` yields ``(name, parameter, counted)``; ``name`` is the
-    parameter's name in the whole model.
+    parameter's name in the whole model. Frozen parameters (``requires_grad=False``)
+    are not compared or counted: they must have no gradient.
     """
     max_abs, mismatches, count = 0.0, 0, 0
     for name, p, counted in named_params:
+        if not p.requires_grad:  # frozen: it must stay without a gradient, and the reference has none either
+            if p.grad is not None and bool(p.grad.ne(0).any()):
+                raise PlanError(f"--check: frozen parameter {name!r} got a gradient in the pipelined run")
+            continue
         if name not in ref_grads:
             raise PlanError(f"--check: parameter {name!r} has no gradient in the single-process run")
         if p.grad is None:
@@ -371,7 +380,8 @@ def finish_job(rank: int, world_size: int, plan: Plan, options: RunOptions, step
         out["check"] = _check_summary(plan, options, [float(x) for x in losses], reference, float(max_abs[0]), counts)
     elif options.check:
         if reference is None:
-            reference = reference_step(plan.model, options.seed, sg.batch_size, data_seed(options.seed, 0), "cpu")
+            reference = reference_step(plan.model, options.seed, sg.batch_size, data_seed(options.seed, 0), "cpu",
+                                       plan_granularity(plan))
         ref_loss = reference[0]
         loss_diff = abs(float(losses[0]) - ref_loss)
         total_params = len(reference[1])  # every parameter the forward uses must have been compared once
