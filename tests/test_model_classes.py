@@ -1,0 +1,231 @@
+"""Classes of third-party models graphpipe must plan, run with --check and train (tests/model_classes.py).
+
+Oracles: ``--check``'s single-process reference (loss, every gradient and
+buffer after every step at fp32 tolerances), the planner and runtime agreeing
+on every strategy's plan, FLOP counts against a second implementation of
+the same layer and against the formula, one-process PyTorch training for the
+API.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+
+from graphpipe.cluster import preset
+from graphpipe.plan import Plan
+from graphpipe.sched import make_schedule
+from graphpipe.stages import Stage, StageGraph
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MODELS = os.path.join(HERE, "model_classes.py")
+POS = MODELS + ":pos_table"
+FROZEN = MODELS + ":frozen"
+ROW_SCALAR = MODELS + ":row_scalar"
+ILL = MODELS + ":ill_conditioned"
+CHAIN_TARGET = MODELS + ":chain_target"
+CHAIN_KEYWORDS = MODELS + ":chain_keywords"
+BATCH = 8
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def graph_of(spec: str):
+    from graphpipe.models import load_model
+
+    return load_model(spec).graph
+
+
+def chain_plan(spec: str, groups, devices, mbs, schedule: str = "1f1b", recompute: bool = False) -> Plan:
+    """Stages of consecutive ops (``groups``: op counts), on ``devices``, at micro-batch sizes ``mbs``."""
+    graph = graph_of(spec)
+    bounds = [sum(groups[:i]) for i in range(len(groups) + 1)]
+    stages = [Stage(i, tuple(range(bounds[i], bounds[i + 1])), tuple(devs), mb, recompute=recompute)
+              for i, (devs, mb) in enumerate(zip(devices, mbs))]
+    num_devices = max(d for devs in devices for d in devs) + 1
+    sg = StageGraph.build(graph, stages, BATCH, num_devices)
+    cluster = preset("v100", num_devices)
+    return Plan(model=spec, stage_graph=sg, cluster=cluster, strategy="custom",
+                schedule=make_schedule(schedule, sg, cluster))
+
+
+def rank_setup(plan: Plan):
+    """What a rank builds before its first step, short of process groups: split, boundary values, routing."""
+    from graphpipe.runtime.jobs import load_runnable
+    from graphpipe.runtime.routing import Routing
+    from graphpipe.runtime.stage_modules import boundary_meta, check_unbatched_edges, split_model
+
+    runnable = load_runnable(plan.model)
+    split = split_model(runnable.gm, runnable.op_nodes, plan.stage_graph)
+    meta = boundary_meta(runnable.gm, split.boundary_values, runnable.make_inputs)
+    edges = {(prog.stage_id, c): values for prog in split.programs for c, values in prog.send_values}
+    routing = Routing(plan.stage_graph, plan.schedule, edges, [v for v, m in meta.items() if m.needs_grad])
+    check_unbatched_edges(routing, meta)
+    return split, meta
+
+
+# ------------------------------------------------------------------ values without a batch dimension
+def test_values_without_a_batch_dimension_are_told_apart_and_carried_whole():
+    plan = chain_plan(POS, (1, 4, 2, 3), [(0,), (1,), (2,), (3,)], [2, 2, 2, 2])
+    split, meta = rank_setup(plan)
+    unbatched = {name: m for name, m in meta.items() if not m.batched}
+    shapes = sorted(m.sample_shape for m in unbatched.values())
+    assert shapes == [(1, 2, 5, 5), (1, 5, 8)], meta  # the position table and the relative bias
+    assert all(m.constant for m in unbatched.values())  # computed from parameters alone
+    assert all(m.shape(3) == m.sample_shape for m in unbatched.values())  # a message carries the whole value
+    assert any(m.batched and m.shape(3) == (3, 5, 8) for m in meta.values())
+
+
+def test_every_strategy_plans_the_position_table_into_something_the_runtime_runs():
+    """Planner and runtime agree: no plan of any strategy is refused for a value without a batch dimension."""
+    from graphpipe.runtime import RunOptions, preflight
+    from graphpipe.search.common import SearchOptions
+    from graphpipe.search.planner import make_plan
+
+    cut = 0
+    for strategy in ("gpp", "pipedream", "piper", "gpipe"):
+        for num_devices, mb in ((2, 2), (4, 2), (4, 1)):
+            plan = make_plan(POS, graph_of(POS), preset("v100", num_devices), BATCH, strategy,
+                             SearchOptions(micro_batch_size=mb))
+            preflight(plan, RunOptions(check=True))
+            _, meta = rank_setup(plan)
+            cut += any(not m.batched for m in meta.values())
+    assert cut  # some plan did cut across the tables
+
+
+def test_a_row_dependent_scalar_crosses_only_between_matching_shards():
+    from graphpipe.errors import PlanError
+
+    same = chain_plan(ROW_SCALAR, (2, 2), [(0,), (1,)], [2, 2])
+    _, meta = rank_setup(same)
+    (scalar,) = [m for m in meta.values() if not m.batched]
+    assert scalar.sample_shape == () and not scalar.constant
+    with pytest.raises(PlanError, match=r"depends on the rows.*2 rows and the consumer's 4"):
+        rank_setup(chain_plan(ROW_SCALAR, (2, 2), [(0,), (1,)], [2, 4]))
+
+
+# ------------------------------------------------------------------ frozen parameters
+def test_frozen_parameters_get_no_gradient_buffer_and_are_not_compared():
+    from graphpipe.errors import PlanError
+    from graphpipe.runtime.jobs import compare_gradients
+    from graphpipe.runtime.options import RunOptions
+
+    frozen = torch.nn.Parameter(torch.ones(3), requires_grad=False)
+    trained = torch.nn.Parameter(torch.ones(3))
+    trained.grad = torch.full((3,), 2.0)
+    stats = compare_gradients([("f", frozen, True), ("t", trained, True)], {"t": torch.full((3,), 2.0)}, RunOptions())
+    assert stats == (0.0, 0, 1)  # the frozen one is neither compared nor counted
+    frozen.grad = torch.ones(3)
+    with pytest.raises(PlanError, match="frozen parameter 'f' got a gradient"):
+        compare_gradients([("f", frozen, True)], {}, RunOptions())
+
+
+# ------------------------------------------------------------------ multi-rank
+def class_plans() -> dict[str, tuple[Plan, dict]]:
+    ops = len(graph_of(POS).ops)
+    assert ops == 10
+    return {
+        # the tables cross every cut, one micro-batch size
+        "pos/4-stages": (chain_plan(POS, (1, 4, 2, 3), [(0,), (1,), (2,), (3,)], [2, 2, 2, 2]), {}),
+        # a consumer of micro-batch 4 fed by producer micro-batches of 2, a replicated stage, re-materialization
+        "pos/mixed-sizes": (chain_plan(POS, (3, 4, 3), [(0,), (1, 2), (3,)], [2, 4, 2], "graph-1f1b",
+                                       recompute=True), {}),
+        "pos/zero-bubble": (chain_plan(POS, (5, 5), [(0,), (1,)], [2, 2], "zb-h1"), {}),
+        "frozen/replicated": (chain_plan(FROZEN, (5, 2, 3), [(0, 1), (2,), (3,)], [4, 2, 2], "graph-1f1b"), {}),
+        "chain-target/torch": (chain_plan(CHAIN_TARGET, (2, 2), [(0,), (1,)], [2, 2], "1f1b"), {"baseline": "torch"}),
+        "chain-keywords/torch": (chain_plan(CHAIN_KEYWORDS, (2, 2), [(0,), (1,)], [2, 2], "gpipe"),
+                                 {"baseline": "torch"}),
+    }
+
+
+@pytest.mark.slow
+def test_model_classes_match_single_process_for_two_steps():
+    from graphpipe.runtime import RunOptions, run_plans
+
+    plans = class_plans()
+    names = sorted(plans)
+    results = run_plans([(plans[n][0], RunOptions(steps=2, warmup_steps=1, check=True, timeout_s=120,
+                                                  **plans[n][1])) for n in names], 4)
+    failures = {}
+    for name, result in zip(names, results):
+        check = result["check"]
+        if not (check["passed"] and check["num_params_checked"] == check["num_params"] > 0):
+            failures[name] = check
+    assert not failures, failures
+    by_name = dict(zip(names, results))
+    trainable = sum(p.requires_grad for p in __import__("model_classes").frozen()[0].parameters())
+    assert by_name["frozen/replicated"]["check"]["num_params"] == trainable < 21  # frozen ones left out
+    assert by_name["chain-target/torch"]["baseline"].startswith("torch.distributed.pipelining")
+
+
+# ------------------------------------------------------------------ capture
+def test_bf16_capture_of_meta_models_equals_the_fp32_graph():
+    pytest.importorskip("transformers")
+    import sys
+
+    sys.path.insert(0, HERE)
+    import hf_models
+
+    from graphpipe.capture import capture
+
+    for made in (hf_models.llama(layers=2, hidden=32, meta=True), hf_models.gpt2_meta()):
+        model, inputs, loss_fn, target = made
+        fp32 = capture(model, inputs, loss_fn=loss_fn, example_target=target).graph
+        bf16 = capture(model, inputs, loss_fn=loss_fn, example_target=target, precision="bf16").graph
+        assert [op.name for op in bf16.ops] == [op.name for op in fp32.ops]
+        # the same layers' FLOPs (attention on fake CPU tensors is counted on CPU's kernel, on meta on the math path)
+        assert sum(op.fwd.beta for op in bf16.ops) == pytest.approx(sum(op.fwd.beta for op in fp32.ops), rel=0.1)
+        assert 0 < sum(op.act_bytes for op in bf16.ops) < sum(op.act_bytes for op in fp32.ops)
+
+
+def test_grouped_matmul_experts_cost_what_batched_experts_cost():
+    pytest.importorskip("transformers")
+    import sys
+
+    sys.path.insert(0, HERE)
+    import hf_models
+
+    from graphpipe.capture import capture
+
+    costs = {}
+    for impl in (None, "batched_mm"):
+        model, inputs, loss_fn, target = hf_models.mixtral_meta(experts=impl)
+        graph = capture(model, inputs, loss_fn=loss_fn, example_target=target).graph
+        costs[impl] = [op.fwd for op in graph.ops]
+    assert costs[None] == costs["batched_mm"]
+
+
+def test_grouped_mm_formula_equals_the_matmuls_it_stands_for():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from graphpipe.flops import flop_counter
+
+    a, b = torch.randn(12, 16), torch.randn(4, 16, 8)
+    offs = torch.tensor([3, 3, 9, 12], dtype=torch.int32)  # an expert with no rows
+    with flop_counter() as grouped:
+        out = torch.ops.aten._grouped_mm(a, b, offs)
+    with FlopCounterMode(display=False) as loop:
+        start, parts = 0, []
+        for g, end in enumerate(offs.tolist()):
+            parts.append(a[start:end] @ b[g])
+            start = end
+    torch.testing.assert_close(out, torch.cat(parts))
+    assert grouped.get_total_flops() == loop.get_total_flops() == 2 * 12 * 16 * 8
+
+
+def test_ops_without_a_flop_formula_are_named_once(caplog):
+    from graphpipe.capture import capture
+
+    sys_path = __import__("sys").path
+    sys_path.insert(0, HERE)
+    import model_classes
+
+    model, inputs, loss_fn = model_classes.custom_op()
+    with caplog.at_level(logging.WARNING, logger="graphpipe.flops"):
+        capture(model, inputs, name="custom", loss_fn=loss_fn)
+        capture(model, inputs, name="custom", loss_fn=loss_fn)  # the same model again: no second warning
+    warnings = [r.getMessage() for r in caplog.records if r.name == "graphpipe.flops"]
+    assert len(warnings) == 1 and "graphpipe_tests::fused_scale" in warnings[0] and "aten" not in warnings[0]
