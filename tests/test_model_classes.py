@@ -229,3 +229,126 @@ def test_ops_without_a_flop_formula_are_named_once(caplog):
         capture(model, inputs, name="custom", loss_fn=loss_fn)  # the same model again: no second warning
     warnings = [r.getMessage() for r in caplog.records if r.name == "graphpipe.flops"]
     assert len(warnings) == 1 and "graphpipe_tests::fused_scale" in warnings[0] and "aten" not in warnings[0]
+
+
+# ------------------------------------------------------------------ the training API
+def _one_rank_world():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
+
+
+def _end_world():
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    for k in ("RANK", "WORLD_SIZE"):
+        os.environ.pop(k, None)
+
+
+def _write_plan(tmp_path, spec: str) -> str:
+    """One stage on one rank at micro-batch 4 (a world of one process)."""
+    from graphpipe.plan import write_plan
+
+    plan = chain_plan(spec, (len(graph_of(spec).ops),), [(0,)], [4], "gpipe")
+    path = str(tmp_path / "plan.json")
+    write_plan(path, plan)
+    return path
+
+
+def test_a_loss_with_a_target_trains_through_the_api_from_the_first_step(tmp_path):
+    """The plan's factory loss takes no target; the user's does: step(x, y) equals plain PyTorch training, the
+    optimizer built before the first step keeps stepping the same tensors, and example_target= alone is kept."""
+    import torch.nn.functional as F
+
+    import model_classes
+    from graphpipe.errors import InputError
+    from graphpipe.runtime.api import Pipeline
+
+    plan = _write_plan(tmp_path, MODELS + ":untargeted")
+    gen = torch.Generator().manual_seed(5)
+    batches = [(torch.randn(BATCH, 6, generator=gen), torch.randint(0, 3, (BATCH,), generator=gen)) for _ in range(2)]
+    loss_fn = lambda out, y: F.cross_entropy(out, y)  # noqa: E731
+
+    expected = []
+    model = model_classes.untargeted()[0]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in batches:
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        expected.append(float(loss))
+    _one_rank_world()
+    try:
+        pipe = Pipeline(plan, model_classes.untargeted()[0], loss_fn, timeout_s=60)
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+        got = []
+        for x, y in batches:
+            got.append(pipe.step(x, y))
+            opt.step()
+            opt.zero_grad()
+        assert got == pytest.approx(expected, rel=1e-5)
+        weights = dict(pipe.named_parameters())
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(weights[name], p)
+        with pytest.raises(InputError, match="the loss takes a target"):
+            pipe.step(batches[0][0])
+        pipe.close()
+        _end_world()
+        _one_rank_world()
+        x, y = batches[0]
+        given = Pipeline(plan, model_classes.untargeted()[0], loss_fn, example_target=y, timeout_s=60)
+        assert given._io.target_spec is not None  # captured with the target given alone
+        assert given.step(x, y) == pytest.approx(loss_fn(model_classes.untargeted()[0](x), y).item(), rel=1e-5)
+        given.close()
+        _end_world()
+        _one_rank_world()
+        plain = Pipeline(plan, model_classes.untargeted()[0], lambda out: out.pow(2).mean(), timeout_s=60)
+        with pytest.raises(InputError, match="the loss takes no target"):
+            plain.step(x, y)
+        plain.close()
+    finally:
+        _end_world()
+
+
+def test_frozen_parameters_stay_frozen_through_the_api(tmp_path):
+    """AdamW over pipe.parameters(): frozen tensors keep their values and get no optimizer state; the others
+    train as in one process."""
+    import model_classes
+    from graphpipe.runtime.api import Pipeline
+
+    plan = _write_plan(tmp_path, FROZEN)
+    model, (ids,), loss_fn = model_classes.frozen()
+    reference = model_classes.frozen()[0]
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    _one_rank_world()
+    try:
+        pipe = Pipeline(plan, model, loss_fn, timeout_s=60)
+        opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+        before = {n: p.detach().clone() for n, p in pipe.named_parameters()}
+        for _ in range(2):
+            pipe.step(ids)
+            opt.step()
+            opt.zero_grad()
+            loss_fn(reference(ids)).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        frozen = {n for n, p in reference.named_parameters() if not p.requires_grad}
+        assert frozen == {"tok.weight", "pos.weight", "blocks.0.qkv.weight", "blocks.0.qkv.bias",
+                          "blocks.0.out.weight", "blocks.0.out.bias"}
+        after = dict(pipe.named_parameters())
+        for name, p in reference.named_parameters():
+            torch.testing.assert_close(after[name], p)
+            if name in frozen:
+                assert torch.equal(after[name], before[name]) and after[name].grad is None
+                assert after[name] not in opt.state
+            else:
+                assert after[name] in opt.state
+        pipe.close()
+    finally:
+        _end_world()
