@@ -124,7 +124,7 @@ class IllConditioned(nn.Module):
         self.c = nn.Linear(dim, 2)
 
     def forward(self, x):
-        h = self.bn(self.a(x))
+        h = self.bn(self.a(x) * 1e-2 + 1000.0)  # rows a hundredth apart at 1000: fp32 keeps 3 digits of the gap
         return self.c(self.bn2(self.b(torch.tanh(h))).tanh())
 
 

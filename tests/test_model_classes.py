@@ -352,3 +352,45 @@ def test_frozen_parameters_stay_frozen_through_the_api(tmp_path):
         pipe.close()
     finally:
         _end_world()
+
+
+# ------------------------------------------------------------------ --check tolerance from the numerics
+def test_check_tolerance_grows_with_the_references_own_rounding_but_still_catches_a_wrong_gradient():
+    """Oracle: the reference run twice, fp32 and float64. A pipelined gradient as far from the reference as fp32
+    rounding moves it passes; the same gradient fails the fixed fp32 tolerance; half a gradient (a lost
+    micro-batch) fails even the widened one. A well-conditioned model's spread stays at rounding level."""
+    from graphpipe.runtime.jobs import compare_gradients, reference_run
+    from graphpipe.runtime.options import RunOptions
+
+    ill = reference_run(ILL, 0, BATCH, {}, 2, 0.01, with_spread=True)
+    well = reference_run(POS, 0, BATCH, {}, 2, 0.01, with_spread=True)
+    assert max(well.grad_spread[0].values()) < 1e-5 < 1e-3 < max(ill.grad_spread[0].values())
+    assert len(ill.grad_spread) == 2 and set(ill.grad_spread[1]) == set(ill.grads[1])
+    options = RunOptions()
+    for step in range(2):
+        grads, spreads = ill.grads[step], ill.spread_at(step)[0]
+
+        def params(scale: float = 1.0, shift: float = 1.0):
+            out = []
+            for name, g in grads.items():
+                p = torch.nn.Parameter(torch.zeros_like(g))
+                sign = torch.ones_like(g).view(-1)
+                sign[::2] = -1
+                p.grad = g * scale + shift * spreads[name] * sign.view_as(g)  # one spread off, alternating
+                out.append((name, p, True))
+            return out
+
+        assert compare_gradients(params(), grads, options)[1] > 0  # the fixed tolerance fails a correct run
+        assert compare_gradients(params(), grads, options, spreads)[1] == 0
+        assert compare_gradients(params(scale=0.5, shift=0.0), grads, options, spreads)[1] > 0
+
+
+def test_float64_graph_widens_the_dtypes_the_export_spelled_out():
+    from graphpipe.runtime.jobs import load_runnable
+    from graphpipe.runtime.numerics import float64_graph
+
+    runnable = load_runnable(POS)
+    gm = float64_graph(runnable.gm)
+    assert "torch.float32" not in gm.code and all(p.dtype == torch.float64 for p in gm.parameters())
+    (out,) = gm(*runnable.make_inputs(2, 0))
+    assert out.dtype == torch.float64

@@ -44,11 +44,11 @@ Example
 from __future__ import annotations
 
 import contextlib
-
+import logging
 import os
 import socket
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 from torch.utils._pytree import tree_leaves
@@ -58,11 +58,15 @@ import torch.distributed as dist
 
 from graphpipe.errors import PlanError
 from graphpipe.plan import Plan
+from graphpipe.runtime.numerics import SPREAD_FACTOR, allowed, float64_graph, spread
 from graphpipe.runtime.options import CHECK_ATOL, CHECK_RTOL, FaultInjection, RunOptions, fault_from_env
 
 __all__ = ["RunOptions", "FaultInjection", "fault_from_env", "Runnable", "load_runnable", "data_seed",
            "build_runnable", "plan_granularity", "Reference", "reference_run", "reference_layout", "reference_step", "compare_gradients", "compare_buffers",
            "finish_job", "CHECK_RTOL", "CHECK_ATOL"]
+
+log = logging.getLogger(__name__)
+
 
 def autocast(precision: str, device: torch.device | str):
     """``torch.autocast`` to bfloat16 for ``bf16``, a no-op context for ``fp32`` (a disabled ``torch.autocast``
@@ -219,10 +223,21 @@ class Reference:
     buffers: tuple[dict[str, torch.Tensor], ...]
     unbatched: tuple[str, ...] = ()
     """Stochastic or BatchNorm ops whose input had no batch dimension (their draws cannot match the pipeline's)."""
+    grad_spread: tuple[dict[str, float], ...] = ()
+    """Per step, per parameter: the largest ``|fp32 - fp64|`` of the reference's gradient (empty: not measured);
+    widens the comparison's tolerance (:mod:`graphpipe.runtime.numerics`)."""
+    buffer_spread: tuple[dict[str, float], ...] = ()
+    loss_spread: tuple[float, ...] = ()
 
     @property
     def num_params(self) -> int:
         return len(self.grads[0]) if self.grads else 0
+
+    def spread_at(self, step: int) -> tuple[dict[str, float] | None, dict[str, float] | None]:
+        """``(gradient spreads, buffer spreads)`` of step ``step`` (None where not measured)."""
+        if not self.grad_spread:
+            return None, None
+        return self.grad_spread[step], self.buffer_spread[step]
 
 
 def reference_layout(plan: Plan, node_stages: dict[str, int], batchnorm: str) -> dict[str, dict[str, int]]:
@@ -240,19 +255,22 @@ def reference_layout(plan: Plan, node_stages: dict[str, int], batchnorm: str) ->
 
 
 def reference_run(spec: str, seed: int, batch_size: int, layout: dict[str, dict[str, int]], steps: int, lr: float,
-                  device: str = "cpu", granularity: str | None = None, precision: str = "fp32") -> Reference:
+                  device: str = "cpu", granularity: str | None = None, precision: str = "fp32",
+                  with_spread: bool = False, float64: bool = False) -> Reference:
     """``steps`` SGD steps of a fresh copy of the model on one process with the pipeline's semantics.
 
     ``layout`` (:func:`reference_layout`) says at which rows every dropout
     and BatchNorm call is cut; an empty layout is full-batch training. Step
     ``k`` reads ``make_inputs(batch_size, data_seed(seed, k))`` like the
-    pipeline.
+    pipeline. ``float64``: the whole run in float64; ``with_spread`` (fp32):
+    that run too, and the reference's own fp32-vs-fp64 spread per step
+    (:mod:`graphpipe.runtime.numerics`).
     """
     from graphpipe.runtime.batchnorm import sharded_batchnorms
     from graphpipe.runtime.rng import ReferenceContext
 
     ref = load_runnable(spec, seed, device, granularity=granularity)
-    gm = ref.gm
+    gm = float64_graph(ref.gm) if float64 else ref.gm
     gm.train()
     params = dict(gm.named_parameters())
     optimizer = torch.optim.SGD(list(params.values()), lr=lr)
@@ -260,6 +278,8 @@ def reference_run(spec: str, seed: int, batch_size: int, layout: dict[str, dict[
     for step in range(steps):
         optimizer.zero_grad(set_to_none=True)
         inputs = ref.make_inputs(batch_size, data_seed(seed, step))
+        if float64:
+            inputs = tuple(x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs)
         ctx = ReferenceContext(seed, step, batch_size, layout)
         with autocast(precision, device):  # one region per step, as the run: the weight copies are cast anew
             loss = ref.loss_fn(gm(*inputs, ctx))
@@ -271,7 +291,18 @@ def reference_run(spec: str, seed: int, batch_size: int, layout: dict[str, dict[
         grads.append({n: p.grad.detach().clone() for n, p in params.items() if p.grad is not None})
         buffers.append({n: b.detach().clone() for n, b in gm.named_buffers()})
         optimizer.step()
-    return Reference(tuple(losses), tuple(grads), tuple(buffers), tuple(sorted(unbatched)))
+    ref32 = Reference(tuple(losses), tuple(grads), tuple(buffers), tuple(sorted(unbatched)))
+    if not with_spread or precision != "fp32":
+        return ref32
+    try:
+        ref64 = reference_run(spec, seed, batch_size, layout, steps, lr, device, granularity, float64=True)
+    except Exception as exc:  # noqa: BLE001 - a model that cannot run in float64 is checked at the fixed tolerance
+        log.warning("%s: the float64 reference failed (%s: %s); --check uses the fixed fp32 tolerance",
+                    spec, type(exc).__name__, exc)
+        return ref32
+    return replace(ref32, grad_spread=tuple(spread(a, b) for a, b in zip(ref32.grads, ref64.grads)),
+                   buffer_spread=tuple(spread(a, b) for a, b in zip(ref32.buffers, ref64.buffers)),
+                   loss_spread=tuple(abs(a - b) for a, b in zip(ref32.losses, ref64.losses)))
 
 
 def reference_step(spec: str, seed: int, batch_size: int, step_seed: int, device: str,
@@ -290,8 +321,12 @@ def reference_step(spec: str, seed: int, batch_size: int, step_seed: int, device
     return float(loss.detach()), {n: p.grad for n, p in ref.module.named_parameters() if p.grad is not None}
 
 
-def compare_buffers(named_buffers, ref_buffers: dict[str, torch.Tensor], options: RunOptions) -> tuple[float, int, int]:
-    """``(max |a - b|, elements outside tolerance, buffers counted)``; ``named_buffers`` yields ``(name, buffer, counted)``."""
+def compare_buffers(named_buffers, ref_buffers: dict[str, torch.Tensor], options: RunOptions,
+                    spreads: dict[str, float] | None = None) -> tuple[float, int, int]:
+    """``(max |a - b|, elements outside tolerance, buffers counted)``; ``named_buffers`` yields ``(name, buffer, counted)``.
+
+    ``spreads``: the reference's fp32-vs-fp64 spread per buffer, which widens its tolerance
+    (:func:`~graphpipe.runtime.numerics.allowed`)."""
     max_abs, mismatches, count = 0.0, 0, 0
     for name, b, counted in named_buffers:
         if name not in ref_buffers:
@@ -300,17 +335,19 @@ def compare_buffers(named_buffers, ref_buffers: dict[str, torch.Tensor], options
         diff = (b.double() - ref.double()).abs()
         if diff.numel():
             max_abs = max(max_abs, float(diff.max()))
-        mismatches += int((diff > options.atol + options.rtol * ref.double().abs()).sum())
+        mismatches += int((diff > allowed(ref.double(), options.atol, options.rtol, (spreads or {}).get(name, 0.0))).sum())
         count += int(counted)
     return max_abs, mismatches, count
 
 
-def compare_gradients(named_params, ref_grads: dict[str, torch.Tensor], options: RunOptions) -> tuple[float, int, int]:
+def compare_gradients(named_params, ref_grads: dict[str, torch.Tensor], options: RunOptions,
+                      spreads: dict[str, float] | None = None) -> tuple[float, int, int]:
     """``(max |a - b|, elements outside atol + rtol*|b|, parameters counted)`` against the reference.
 
     ``named_params`` yields ``(name, parameter, counted)``; ``name`` is the
     parameter's name in the whole model. Frozen parameters (``requires_grad=False``)
-    are not compared or counted: they must have no gradient.
+    are not compared or counted: they must have no gradient. ``spreads``: the
+    reference's fp32-vs-fp64 spread per parameter, which widens its tolerance.
     """
     max_abs, mismatches, count = 0.0, 0, 0
     for name, p, counted in named_params:
@@ -326,7 +363,7 @@ def compare_gradients(named_params, ref_grads: dict[str, torch.Tensor], options:
         diff = (p.grad - ref).abs()
         if diff.numel():
             max_abs = max(max_abs, float(diff.max()))
-        mismatches += int((diff > options.atol + options.rtol * ref.abs()).sum())
+        mismatches += int((diff > allowed(ref, options.atol, options.rtol, (spreads or {}).get(name, 0.0))).sum())
         count += int(counted)
     return max_abs, mismatches, count
 
@@ -399,7 +436,9 @@ def _check_summary(plan: Plan, options: RunOptions, losses: list[float], referen
     """Rank 0's verdict over every step: losses, gradients and buffers; plus the full-batch comparison (reported)."""
     steps = len(reference.losses)
     loss_diffs = [abs(losses[k] - reference.losses[k]) for k in range(steps)]
-    losses_ok = all(d <= options.atol + options.rtol * abs(r) for d, r in zip(loss_diffs, reference.losses))
+    loss_spread = reference.loss_spread or (0.0,) * steps
+    losses_ok = all(d <= float(allowed(torch.tensor(r), options.atol, options.rtol, w))
+                    for d, r, w in zip(loss_diffs, reference.losses, loss_spread))
     num_buffers = len(reference.buffers[0]) if reference.buffers else 0
     passed = (counts[0] == 0 and losses_ok and int(counts[1]) == reference.num_params
               and int(counts[2]) == num_buffers)
@@ -412,6 +451,10 @@ def _check_summary(plan: Plan, options: RunOptions, losses: list[float], referen
              "batchnorm": options.batchnorm_for(plan)}
     if reference.unbatched:
         check["inexact_ops"] = list(reference.unbatched)
+    if reference.grad_spread:  # the tolerance each value got on top of atol + rtol |b|
+        check["fp64_spread"] = {"factor": SPREAD_FACTOR, "loss": max(loss_spread),
+                                "max_grad": max((w for step in reference.grad_spread for w in step.values()),
+                                                default=0.0)}
     full = reference_run(plan.model, options.seed, plan.stage_graph.batch_size, {}, 1, options.lr,
                          granularity=plan_granularity(plan))
     check["full_batch"] = {
