@@ -74,6 +74,14 @@ class Pipeline:
     ``loss_fn(output, target)``; when omitted they come from the plan's
     model spec (a zoo spec or ``file.py:factory``). ``precision``: ``fp32``
     or ``bf16`` (``torch.autocast``, weights kept in fp32).
+
+    The model is captured on ``example_inputs`` and ``example_target``
+    (either may be left out: the spec's are used, the target only with a
+    loss that can take it). A loss that takes a target on a model captured
+    without one is captured again at the first ``step(inputs, target)``,
+    keeping the parameter tensors an optimizer already holds. Frozen
+    parameters (``requires_grad=False``) get no gradient, so optimizers over
+    :meth:`parameters` keep no state for them.
     """
 
     def __init__(self, plan: Plan | str | os.PathLike, model: nn.Module | None = None,
