@@ -463,7 +463,7 @@ class _Measure(fx.Interpreter):
     * attention: meta takes the math path, which saves the seq x seq
       probabilities; CPU and GPU runs take a fused kernel saving q, k, v, the
       output and the log-sum-exp. The fused CPU kernel's meta form runs
-      instead, and the math path under no_grad gives the FLOPs;
+      instead (:mod:`graphpipe.flops` counts its FLOPs);
     * ``embedding_bag``: the meta kernel saves an int64 ``offset2bag`` per
       index where CPU saves one per bag. The meta op runs with its saves
       uncounted, and the CPU kernel on a one-row table with indices of the
@@ -531,9 +531,7 @@ class _Measure(fx.Interpreter):
         opts = {**dict(zip(names, rest)), **kwargs}
         if opts.get("dropout_p", 0.0) or opts.get("enable_gqa", False) or q.shape[-1] != v.shape[-1]:
             return _SDPA(*args, **kwargs)
-        with torch.no_grad():
-            _SDPA(*args, **kwargs)  # counted by FlopCounterMode
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(  # counted (graphpipe.flops)
             q, k, v, 0.0, bool(opts.get("is_causal", False)), attn_mask=opts.get("attn_mask"),
             scale=opts.get("scale"))[0]
 

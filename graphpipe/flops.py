@@ -10,6 +10,8 @@ free. Two things follow:
   its own ``transformers::grouped_mm_fallback`` loop) would be counted at
   its router and attention alone: :data:`EXTRA_FORMULAS` gives the grouped
   matmul its FLOPs.
+* Attention on CPU tensors runs a fused CPU kernel torch's counter does not
+  know, so a model captured on the CPU was charged nothing for attention.
 * Any other kernel with no formula (a library's fused op, a new matmul
   variant) would be silently free. :class:`UnknownCosts` collects the ops
   that look like compute (a matmul, convolution or attention by name, or an
@@ -31,9 +33,9 @@ import logging
 from typing import Any
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
-__all__ = ["grouped_mm_flop", "EXTRA_FORMULAS", "flop_counter", "UnknownCosts"]
+__all__ = ["grouped_mm_flop", "cpu_attention_flop", "EXTRA_FORMULAS", "flop_counter", "UnknownCosts"]
 
 log = logging.getLogger(__name__)
 _WARNED: set[tuple[str, tuple[str, ...]]] = set()
@@ -66,8 +68,16 @@ def grouped_mm_flop(a_shape, b_shape, offs=None, bias=None, out_dtype=None, *arg
     return 0
 
 
+def cpu_attention_flop(q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs) -> int:
+    """FLOPs of the fused CPU attention kernel (``_scaled_dot_product_flash_attention_for_cpu``): the two
+    matmuls of attention, as torch counts its GPU kernels."""
+    return sdpa_flop_count(q_shape, k_shape, v_shape)
+
+
 EXTRA_FORMULAS: dict[str, Any] = {
     "aten::_grouped_mm": grouped_mm_flop,
+    # the kernel scaled_dot_product_attention runs on CPU tensors: torch counts its GPU siblings only
+    "aten::_scaled_dot_product_flash_attention_for_cpu": cpu_attention_flop,
     # transformers' own loop over experts (input (S, K), weights (G, K, N), offsets), which it exports instead of
     # aten._grouped_mm where that kernel is unavailable (under export at fp32, on CPUs of older torch)
     "transformers::grouped_mm_fallback": grouped_mm_flop,

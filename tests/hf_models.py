@@ -89,17 +89,22 @@ def llama_config(layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, 
     return cfg
 
 
-def llama_meta(cfg, batch: int = 2, seq: int = 128):
-    """``(model, inputs, loss_fn, target)`` of a meta-device Llama: no weights are allocated."""
-    T = _transformers()
+def _meta_lm(model_class, cfg, batch: int, seq: int):
+    """``(model, inputs, loss_fn, target)`` of a causal LM built on the meta device (no weights allocated):
+    next-token cross-entropy against the input ids."""
     with torch.device("meta"):
-        model = T.LlamaForCausalLM(cfg)
+        model = model_class(cfg)
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
 
     def loss_fn(out, labels):
         return F.cross_entropy(out.logits.flatten(0, 1), labels.flatten())
 
     return model, dict(input_ids=ids), loss_fn, ids
+
+
+def llama_meta(cfg, batch: int = 2, seq: int = 128):
+    """``(model, inputs, loss_fn, target)`` of a meta-device Llama: no weights are allocated."""
+    return _meta_lm(_transformers().LlamaForCausalLM, cfg, batch, seq)
 
 
 def bert():
@@ -128,14 +133,7 @@ def gpt2_meta(batch: int = 2, seq: int = 16):
     """A meta-device GPT-2: a learned position table read by dtype and device casts in the exported graph."""
     T = _transformers()
     cfg = T.GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0)
-    with torch.device("meta"):
-        model = T.GPT2LMHeadModel(cfg)
-    ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
-
-    def loss_fn(out, labels):
-        return F.cross_entropy(out.logits.flatten(0, 1), labels.flatten())
-
-    return model, dict(input_ids=ids), loss_fn, ids
+    return _meta_lm(T.GPT2LMHeadModel, cfg, batch, seq)
 
 
 def mixtral_meta(experts: str | None = None, batch: int = 2, seq: int = 16):
@@ -147,11 +145,4 @@ def mixtral_meta(experts: str | None = None, batch: int = 2, seq: int = 16):
                           max_position_embeddings=64)
     if experts is not None:
         cfg._experts_implementation = experts
-    with torch.device("meta"):
-        model = T.MixtralForCausalLM(cfg)
-    ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
-
-    def loss_fn(out, labels):
-        return F.cross_entropy(out.logits.flatten(0, 1), labels.flatten())
-
-    return model, dict(input_ids=ids), loss_fn, ids
+    return _meta_lm(T.MixtralForCausalLM, cfg, batch, seq)
