@@ -394,3 +394,16 @@ def test_float64_graph_widens_the_dtypes_the_export_spelled_out():
     assert "torch.float32" not in gm.code and all(p.dtype == torch.float64 for p in gm.parameters())
     (out,) = gm(*runnable.make_inputs(2, 0))
     assert out.dtype == torch.float64
+
+
+def test_a_factory_model_is_profiled_under_the_plans_op_names():
+    """graphpipe profile on file.py:factory models (keyword inputs, a loss target): the profile applies to the
+    graph the planner captures."""
+    from graphpipe.profile import apply_profile, profile_model
+
+    for spec in (CHAIN_TARGET, CHAIN_KEYWORDS):
+        profile = profile_model(spec, batch_sizes=(1, 2), repeats=1, warmup=0)
+        graph = graph_of(spec)
+        assert set(profile.ops) == {op.name for op in graph.ops}
+        costed = apply_profile(graph, profile, spec)
+        assert all(op.fwd.beta >= 0 and op.fwd(2) > 0 for op in costed.ops)
