@@ -72,8 +72,16 @@ def measure_cpu(ranks: int = 4, batch_size: int = 16, steps: int = 6, reps: int 
 
     from . import bench_runtime as br
 
+    import torch
+
     host = SharedHost.cores(host_cores or len(os.sched_getaffinity(0)))
-    graph = apply_profile(load_model(SMALL).graph, profile_model(SMALL, "cpu", batch_sizes=(2, 4, 8), repeats=3))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each rank runs
+    try:  # a median of 7 timings per op and size: this host is shared, single timings jump
+        profile = profile_model(SMALL, "cpu", batch_sizes=(2, 4, 8, 16), repeats=7)
+    finally:
+        torch.set_num_threads(threads)
+    graph = apply_profile(load_model(SMALL).graph, profile)
     cluster = cluster_from_dict(br.cpu_cluster_doc(br.measure_link(ranks=ranks, repeats=5), ranks))
     plans = {s: make_plan(SMALL, graph, cluster, batch_size, s, SearchOptions(host=host)) for s in STRATEGIES}
     refused = {}
