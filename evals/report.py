@@ -43,6 +43,9 @@ PAPER = {
                 "per-process base, for a model too big for one rank: `python -m graphpipe.evals.rank_rss --out evals`)",
     "capture_time": "(no paper figure; `torch.export` capture of Hugging Face / timm models and meta-device Llama "
                     "shapes, medians of 3: `python -m graphpipe.evals.capture_time`)",
+    "clip": "(no paper figure; a real two-tower model, Hugging Face CLIP: gpp against PipeDream, Piper, GPipe and "
+            "torch.distributed.pipelining measured on CPU ranks beside the simulator, and CLIP ViT-B/16's shape "
+            "simulated on 8-64 V100s: `python -m graphpipe.evals.clip_pipelines --out evals`)",
     "bench_api": "(no paper figure; issue 31's target: `graphpipe.Pipeline`'s step at >= 0.98x a plain PyTorch loop "
                  "with the same micro-batching and AdamW: `python -m graphpipe.evals.bench_api`)",
     "bench_api-bf16": "(the same at bf16, one autocast region per step in both: "
@@ -130,6 +133,9 @@ TABLE_COLUMNS: dict[str, list[tuple[str, str]]] = {
                        ("below none", "below_none")],
     "capture_time": [("case", "case"), ("capture (s)", "capture_s"), ("of which export (s)", "export_s"),
                      ("ops", "ops"), ("parameter bytes", "param_bytes"), ("max RSS (GB)", "max_rss_gb")],
+    "clip": [("part", "part"), ("strategy", "strategy"), ("devices", "devices"), ("batch", "batch_size"),
+             ("stages", "stages"), ("depth", "depth"), ("measured samples/s", "measured_throughput"),
+             ("simulated samples/s", "predicted_throughput")],
     "bench_api": [("model", "model"), ("precision", "precision"), ("device", "device"), ("batch", "batch_size"),
                   ("micro-batch", "micro_batch_size"), ("API ms/step", "api_ms"), ("loop ms/step", "loop_ms"),
                   ("API / loop throughput", "throughput_ratio")],
@@ -284,6 +290,20 @@ def _headline(name: str, res: dict[str, Any]) -> str:
     if name == "bench_api-torch":
         return "; ".join(f"{r['schedule']}: ours {fmt(r['throughput_ratio'])}x torch ({r['ranks']} CPU ranks, median "
                          f"of {r['rounds']} paired rounds)" for r in res["rows"])
+    if name == "clip":
+        cpu = {r["strategy"]: r for r in res["rows"] if r["part"] == "cpu" and "measured_throughput" in r}
+        top = max((r["devices"] for r in res["rows"] if r["part"] == "paper"), default=None)
+        paper = {r["strategy"]: r for r in res["rows"] if r["part"] == "paper" and r["devices"] == top
+                 and "predicted_throughput" in r}
+        if "gpp" not in cpu:
+            return "gpp did not run"
+        text = "measured on CPU ranks, gpp / " + ", ".join(
+            f"{k} {fmt(cpu['gpp']['measured_throughput'] / r['measured_throughput'])}x" for k, r in cpu.items() if k != "gpp")
+        if "gpp" in paper:
+            text += f"; simulated at {top} V100s, gpp / " + ", ".join(
+                f"{k} {fmt(paper['gpp']['predicted_throughput'] / r['predicted_throughput'])}x"
+                for k, r in paper.items() if k != "gpp")
+        return text
     if name == "capture_time":
         return "; ".join(f"{r['case']} {fmt(r['capture_s'])} s" for r in res["rows"])
     if name == "ablation":

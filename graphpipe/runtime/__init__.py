@@ -122,7 +122,7 @@ def preflight(plan: Plan, options: RunOptions) -> None:
             raise InputError(f"stages {redo} re-materialize (recompute), which the torch.distributed.pipelining "
                              "baseline does not run; drop --baseline torch or re-plan with --recompute none")
 
-        check_torch_expressible(plan, split)
+        check_torch_expressible(plan, split, runnable.io)
     if options.backend == "nccl":
         import torch
 

@@ -204,7 +204,7 @@ class RankExecutor:
     # ------------------------------------------------------------ helpers
     def _buffer_spec(self, key) -> tuple[tuple[int, ...], torch.dtype]:
         m = self.meta[key[7]]
-        return (self.routing.rows[key], *m.sample_shape), m.dtype
+        return m.shape(self.routing.rows[key]), m.dtype
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return [p for h in self.hosted.values() for p in h.parameters()]
@@ -223,7 +223,7 @@ class RankExecutor:
         replicas all-reduce, so they come back before it (the API calls this
         at the start of every step). The buffers are reused, not reallocated.
         """
-        if any(p.grad is None for p in self.parameters()):
+        if any(p.grad is None for h in self.hosted.values() for p in h.trainable()):
             for h in self.hosted.values():
                 h.bind_grad_buffers()
 
@@ -268,7 +268,8 @@ class RankExecutor:
                 parts.setdefault(value, []).append(self.mailbox.recv(src, Routing.key("F", piece, value)))
         leaves = {}
         for value, chunks in parts.items():
-            t = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+            # an unbatched value (a position table) comes whole with every piece: the first copy is the stage's
+            t = chunks[0] if len(chunks) == 1 or not self.meta[value].batched else torch.cat(chunks)
             if self.meta[value].needs_grad:
                 t.requires_grad_(True)
                 leaves[value] = t
@@ -306,7 +307,8 @@ class RankExecutor:
         for piece in self.routing.outgoing(a.stage_id, a.mb_id, q):
             dst = self.sg.stages[piece.consumer].devices[piece.consumer_replica]
             for value in self._edge_values[(piece.producer, piece.consumer)]:
-                self.mailbox.send(dst, Routing.key("F", piece, value), by_name[value][piece.producer_rows])
+                sent_value = by_name[value] if not self.meta[value].batched else by_name[value][piece.producer_rows]
+                self.mailbox.send(dst, Routing.key("F", piece, value), sent_value)
         saved[(a.stage_id, a.mb_id)] = (leaves, by_name, loss)
         if loss is not None:  # read once at the iteration's end: a float() here would wait for the device
             self._loss_terms.append((a.mb_id, loss.detach().float()))
@@ -387,6 +389,9 @@ class RankExecutor:
                 g = self.mailbox.recv(src, Routing.key("B", piece, value))
                 acc = grads.get(value)
                 rows = piece.producer_rows
+                if not self.meta[value].batched:  # every consumer shard's gradient of the whole value: summed
+                    grads[value] = g if acc is None else acc + g
+                    continue
                 if acc is None and rows.start == 0 and rows.stop == outputs[value].shape[0]:
                     grads[value] = g  # a piece covering every row (the usual case): the received buffer is ours
                     continue
@@ -411,7 +416,7 @@ class RankExecutor:
         if a.kind == "I":
             leaves_in = [leaves[v] for v in sorted(leaves)]
             dinputs, hosted.pending_w[a.mb_id] = backward_input(tensors, grad_tensors, leaves_in,
-                                                                hosted.parameters())
+                                                                hosted.trainable())
             for leaf, g in zip(leaves_in, dinputs):
                 leaf.grad = g
         elif tensors:
@@ -424,6 +429,7 @@ class RankExecutor:
             hosted.segment_calls.pop(a.mb_id, None)
         self._sync()
         end = time.perf_counter()
+        answered: set[str] = set()  # unbatched values whose gradient went back with their first piece
         for piece in self.routing.incoming(a.stage_id, a.mb_id, q):
             dst = self.sg.stages[piece.producer].devices[piece.producer_replica]
             for value in self._edge_values[(piece.producer, piece.consumer)]:
@@ -431,6 +437,11 @@ class RankExecutor:
                     continue
                 leaf = leaves[value]
                 g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+                if not self.meta[value].batched:  # the stage used the first copy: the others get no gradient
+                    g = torch.zeros_like(leaf) if value in answered else g
+                    answered.add(value)
+                    self.mailbox.send(dst, Routing.key("B", piece, value), g)
+                    continue
                 self.mailbox.send(dst, Routing.key("B", piece, value), g[piece.consumer_rows])
         return ready_at - t0, start - t0, end - t0
 
@@ -555,7 +566,7 @@ class RankExecutor:
             while issued.get(devices, 0) < len(order) and order[issued.get(devices, 0)] in done_stages:
                 stage_id = order[issued.get(devices, 0)]
                 issued[devices] = issued.get(devices, 0) + 1
-                params = self.hosted[stage_id].parameters()
+                params = self.hosted[stage_id].trainable()
                 if not params:
                     continue
                 zero_grads([p for p in params if p.grad is None])  # every replica reduces the same tensors

@@ -97,6 +97,11 @@ class HostedStage:
     def parameters(self) -> list[torch.nn.Parameter]:
         return list(self.program.module.parameters())
 
+    def trainable(self) -> list[torch.nn.Parameter]:
+        """The parameters that train: a frozen one (``requires_grad=False``) gets no gradient buffer, no
+        all-reduce and so no optimizer state (optimizers skip a parameter whose ``.grad`` is None)."""
+        return [p for p in self.program.module.parameters() if p.requires_grad]
+
     def param(self, name: str) -> torch.nn.Parameter:
         """The parameter called ``name`` in the stage module."""
         return self.program.module.get_parameter(name)
@@ -112,7 +117,7 @@ class HostedStage:
     def bind_grad_buffers(self) -> None:
         """``.grad`` as views into one zeroed flat buffer (:func:`flat_grad_buffer`; an existing buffer and its
         views are reused), or zeroed per-parameter tensors where the stage mixes dtypes or devices."""
-        params = self.parameters()
+        params = self.trainable()
         if self.grad_views is not None:
             self.grad_buffer.zero_()
             for p, g in zip(params, self.grad_views):
@@ -128,7 +133,7 @@ class HostedStage:
         if self.grad_buffer is not None:
             self.grad_buffer.zero_()
         else:
-            zero_grads(self.parameters())
+            zero_grads(self.trainable())
 
     def idle(self) -> bool:
         """No micro-batch is waiting for its backward or its weight gradient."""

@@ -21,7 +21,7 @@ from graphpipe.plan import Plan
 from graphpipe.runtime.executor import ExecutorContext, RankExecutor, TiedSync
 from graphpipe.runtime.jobs import reference_layout
 from graphpipe.runtime.routing import Routing
-from graphpipe.runtime.stage_modules import ModelSplit, StageProgram
+from graphpipe.runtime.stage_modules import ModelSplit, StageProgram, check_unbatched_edges
 
 __all__ = ["setup_rank", "RankSetup"]
 
@@ -60,6 +60,7 @@ def setup_rank(rank: int, world_size: int, plan: Plan, split: ModelSplit, meta, 
     sg, schedule = stream if stream is not None else (plan.stage_graph, plan.schedule)
     my_stages = sg.stages_on_device(rank) if rank < sg.num_devices else ()
     routing = Routing(sg, schedule, _edge_values(split), [v for v, m in meta.items() if m.needs_grad])
+    check_unbatched_edges(routing, meta)
     link_groups = make_link_groups(routing, world_size, backend)
     dp_groups, ar_order = {}, {}
     for stage in sg.stages:  # every rank creates every group, in stage order (new_group is collective)
