@@ -544,6 +544,10 @@ def boundary_meta(gm: torch.fx.GraphModule, values: Sequence[str],
                 runs.append((n, rec.values))
     finally:
         gm.train(training)
+    from_inputs: set[str] = set()  # values that depend on a graph input (meta tensors cannot be compared)
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" or any(str(a) in from_inputs for a in node.all_input_nodes):
+            from_inputs.add(node.name)
     meta = {}
     for name in values:
         got = [(n, vals.get(name)) for n, vals in runs]
@@ -553,7 +557,10 @@ def boundary_meta(gm: torch.fx.GraphModule, values: Sequence[str],
                                 "tensor; keep the op that produces it in the same stage as its users")
         (n0, v0), (n1, v1) = got
         if v0.shape == v1.shape:  # the same shape at two batch sizes: unbatched, carried whole
-            meta[name] = ValueMeta(tuple(v0.shape), v0.dtype, batched=False, constant=bool(torch.equal(v0, v1)))
+            # constant: computed from no input (parameters, buffers, literals); on real tensors it must also be
+            # equal at both sizes (a value the graph builds from the inputs' shapes alone is not, say)
+            constant = name not in from_inputs and (v0.device.type == "meta" or bool(torch.equal(v0, v1)))
+            meta[name] = ValueMeta(tuple(v0.shape), v0.dtype, batched=False, constant=constant)
             continue
         if v0.dim() == 0 or v0.shape[0] != n0 or v1.shape[0] != n1 or v0.shape[1:] != v1.shape[1:]:
             raise PlanError(f"fx value {name!r} crosses a stage boundary but its dim 0 is not the batch (shape "
