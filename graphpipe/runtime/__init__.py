@@ -77,12 +77,22 @@ def preflight(plan: Plan, options: RunOptions) -> None:
     validate_plan(plan)
     from graphpipe.sched.async_pipe import plan_spec
 
+    if options.compile:
+        from graphpipe.runtime.compiled import compile_refusal
+
+        refusal = compile_refusal(a for actions in plan.schedule.device_actions for a in actions)
+        if refusal is not None:
+            raise InputError(refusal)
+
     spec = plan_spec(plan)
     if spec is not None:
         from graphpipe.sched.async_pipe import version_table
 
         if options.baseline == "torch":
             raise InputError(f"--baseline torch runs flushing schedules only; {spec.name} streams without a flush")
+        if options.compile:
+            raise InputError(f"--compile runs synchronous schedules; {spec.name}'s weight versions swap a stage's "
+                             "parameters per micro-batch: plan another --schedule or run without --compile")
         if options.precision != "fp32":
             raise InputError(f"{spec.name} runs at fp32 only (its replay check is exact); drop --precision")
         version_table(plan.stage_graph, spec, options.steps)  # 2bw's m must divide steps x micro-batches

@@ -152,6 +152,8 @@ class ExecutorContext:
     the plan's mini-batch, not the stream's rows)."""
     measure: bool = True
     """Time every action (synchronising the device first) and meter saved activations; off in the training API."""
+    compile: bool = False
+    """Run every hosted stage's forward (and so its backward) compiled by ``torch.compile``."""
 
 
 class RankExecutor:
@@ -165,7 +167,8 @@ class RankExecutor:
         self.programs = dict(ctx.programs)
         # one object per hosted stage: module, parameters and gradient buffer, BatchNorms, forward, what its
         # re-materialization and split backward keep per micro-batch (runtime/hosted.py)
-        self.hosted = {s: HostedStage.of(sg.stages[s], prog) for s, prog in sorted(self.programs.items())}
+        self.hosted = {s: HostedStage.of(sg.stages[s], prog, compile=ctx.compile)
+                       for s, prog in sorted(self.programs.items())}
         self.routing = routing = ctx.routing
         self.meta = dict(ctx.meta)
         self.loss_fn = ctx.loss_fn

@@ -48,6 +48,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         help="train as the Python API does: no device synchronisation per action and no saved-tensor "
                              "meter (step times stay; per-action times on a GPU are then host times, and the report "
                              "has no activation memory)")
+    parser.add_argument("--compile", action="store_true",
+                        help="compile every stage's forward and backward with torch.compile (inductor); refused for "
+                             "split-backward (zero bubble) schedules")
 
 
 BF16_CHECK_TOLERANCE = {"rtol": 1.6e-2, "atol": 1e-2}
@@ -63,4 +66,4 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
                       timeout_s=args.timeout, seed=args.seed, lr=args.lr, num_threads=args.threads,
                       cpus_per_rank=args.cpus_per_rank, baseline=args.baseline,
                       batchnorm=getattr(args, "batchnorm", None), precision=precision,
-                      measure=getattr(args, "measure", True))
+                      measure=getattr(args, "measure", True), compile=getattr(args, "compile", False))

@@ -108,6 +108,8 @@ class RunOptions:
     measure: bool = True
     """Time every action (synchronising the device first) and meter saved activations (``--no-measure``: off,
     as in the training API; the report then has step times but no per-action records' device times or memory)."""
+    compile: bool = False
+    """Compile every stage's forward and backward with ``torch.compile`` (inductor; :mod:`graphpipe.runtime.compiled`)."""
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -127,6 +129,9 @@ class RunOptions:
             raise InputError(f"--threads must be >= 1, got {self.num_threads!r}")
         if not isinstance(self.cpus_per_rank, int) or self.cpus_per_rank < 0:
             raise InputError(f"--cpus-per-rank must be a non-negative integer, got {self.cpus_per_rank!r}")
+        if self.compile and self.baseline is not None:
+            raise InputError("--compile compiles graphpipe's own stages; --baseline torch runs torch's runtime: "
+                             "drop one of them")
         if self.baseline not in (None, "torch"):
             raise InputError(f"--baseline must be 'torch', got {self.baseline!r}")
         if self.batchnorm is not None:
