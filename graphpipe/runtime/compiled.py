@@ -23,9 +23,9 @@ one more compilation, not a dynamic graph.
 Example
 -------
 >>> from graphpipe.actions import Action
->>> compile_refusal([Action("F", 0, 0), Action("I", 0, 0), Action("W", 0, 0)]) is not None
+>>> compile_refusal([Action(0, "F", 0), Action(0, "I", 0), Action(0, "W", 0)]) is not None
 True
->>> compile_refusal([Action("F", 0, 0), Action("B", 0, 0)]) is None
+>>> compile_refusal([Action(0, "F", 0), Action(0, "B", 0)]) is None
 True
 """
 
@@ -57,12 +57,13 @@ class CompiledForward:
     failure names the stage: a compiler error becomes :class:`CompileError`.
     """
 
-    def __init__(self, forward: Callable, stage_id: int, backend: str = "inductor"):
+    def __init__(self, forward: Callable, stage_id: int, backend: str | Callable = "inductor"):
         import torch
 
         self.eager = forward
         self.stage_id = stage_id
-        self._compiled = torch.compile(forward.__call__ if hasattr(forward, "slots") else forward, backend=backend, dynamic=False)
+        target = forward.__call__ if hasattr(forward, "slots") else forward  # a BoundForward: its bound method
+        self._compiled = torch.compile(target, backend=backend, dynamic=False)
         self._checked = False
 
     @property
@@ -75,8 +76,12 @@ class CompiledForward:
         try:
             out = self._compiled(*xs, **kwargs)
         except Exception as exc:  # the compiler's errors have many types; every one ends the run, named
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            cause = exc
+            while (inner := getattr(cause, "inner_exception", None) or cause.__cause__) is not None:
+                cause = inner  # the compiler's own error, not dynamo's wrapper of it
+            first = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+            exc, cause = cause, exc
             raise CompileError(f"stage {self.stage_id} cannot be compiled by torch.compile "
-                               f"({type(exc).__name__}: {first}); run without --compile") from exc
+                               f"({type(exc).__name__}: {first}); run without --compile") from cause
         self._checked = True
         return out

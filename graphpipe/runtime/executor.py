@@ -175,6 +175,7 @@ class RankExecutor:
         self.device = ctx.device
         self.timeout = timedelta(seconds=ctx.timeout_s)
         self.mailbox = Mailbox(self.rank, routing, self._buffer_spec, self.device, ctx.timeout_s, ctx.link_groups)
+        self._receive_lists: dict[Action, list] = {}
         self.dp_groups = dict(ctx.dp_groups)
         self.allreduce_order = {k: tuple(v) for k, v in ctx.allreduce_order.items()}
         last_b: dict[int, int] = {}
@@ -211,6 +212,34 @@ class RankExecutor:
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return [p for h in self.hosted.values() for p in h.parameters()]
+
+    def _receives(self, a: Action) -> list[tuple[Any, str, int, tuple]]:
+        """``(piece, value, source rank, message key)`` of every message action ``a`` consumes, in the order it
+        consumes them: F the activations of its incoming pieces, B and I the gradients of its outgoing ones,
+        W none. Computed once per action (the routing is fixed)."""
+        got = self._receive_lists.get(a)
+        if got is not None:
+            return got
+        got = []
+        q = self.routing.replica(a.stage_id, self.rank)
+        if a.kind == "F":
+            for piece in self.routing.incoming(a.stage_id, a.mb_id, q):
+                src = self.sg.stages[piece.producer].devices[piece.producer_replica]
+                got += [(piece, v, src, Routing.key("F", piece, v)) for v in self._edge_values[(piece.producer, piece.consumer)]]
+        elif a.kind in ("B", "I"):
+            for piece in self.routing.outgoing(a.stage_id, a.mb_id, q):
+                src = self.sg.stages[piece.consumer].devices[piece.consumer_replica]
+                got += [(piece, v, src, Routing.key("B", piece, v)) for v in self._edge_values[(piece.producer, piece.consumer)]
+                        if v in self.routing.grad_values]
+        self._receive_lists[a] = got
+        return got
+
+    def _prefetch(self, a: Action) -> None:
+        """Post the receives of action ``a`` now (CUDA ranks: :meth:`Mailbox.prefetch`), so its messages travel
+        while the action before it computes; waited for only where ``a`` consumes them."""
+        if self.mailbox.post_early:
+            for _, _, src, key in self._receives(a):
+                self.mailbox.prefetch(src, key)
 
     @property
     def weights(self) -> dict[int, Any]:
@@ -265,10 +294,8 @@ class RankExecutor:
         for name, index in prog.model_inputs:
             values[name] = inputs[index][rows]
         parts: dict[str, list[torch.Tensor]] = {}
-        for piece in self.routing.incoming(a.stage_id, a.mb_id, q):
-            src = self.sg.stages[piece.producer].devices[piece.producer_replica]
-            for value in self._edge_values[(piece.producer, piece.consumer)]:
-                parts.setdefault(value, []).append(self.mailbox.recv(src, Routing.key("F", piece, value)))
+        for _, value, src, key in self._receives(a):
+            parts.setdefault(value, []).append(self.mailbox.recv(src, key))
         leaves = {}
         for value, chunks in parts.items():
             t = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
@@ -382,20 +409,16 @@ class RankExecutor:
         ready_at = time.perf_counter()
         leaves, outputs, loss = saved.pop((a.stage_id, a.mb_id))
         grads: dict[str, torch.Tensor] = {}
-        for piece in self.routing.outgoing(a.stage_id, a.mb_id, q):
-            src = self.sg.stages[piece.consumer].devices[piece.consumer_replica]
-            for value in self._edge_values[(piece.producer, piece.consumer)]:
-                if value not in self.routing.grad_values:
-                    continue
-                g = self.mailbox.recv(src, Routing.key("B", piece, value))
-                acc = grads.get(value)
-                rows = piece.producer_rows
-                if acc is None and rows.start == 0 and rows.stop == outputs[value].shape[0]:
-                    grads[value] = g  # a piece covering every row (the usual case): the received buffer is ours
-                    continue
-                if acc is None:
-                    acc = grads[value] = torch.zeros_like(outputs[value])
-                acc[rows] += g
+        for piece, value, src, key in self._receives(a):
+            g = self.mailbox.recv(src, key)
+            acc = grads.get(value)
+            rows = piece.producer_rows
+            if acc is None and rows.start == 0 and rows.stop == outputs[value].shape[0]:
+                grads[value] = g  # a piece covering every row (the usual case): the received buffer is ours
+                continue
+            if acc is None:
+                acc = grads[value] = torch.zeros_like(outputs[value])
+            acc[rows] += g
         self._sync()
         start = time.perf_counter()
         if self._fail_at == "B":
@@ -474,6 +497,8 @@ class RankExecutor:
         pending_ar: list[tuple[int, object, torch.Tensor, list[torch.Tensor], float]] = []
         finished_at: dict[int, float] = {}
         for pos, a in enumerate(self.actions):
+            if pos + 1 < len(self.actions):  # the next action's messages travel while this one computes (CUDA)
+                self._prefetch(self.actions[pos + 1])
             if a.kind == "F":
                 ready, start, end = self._forward(a, inputs, saved, t0)
             elif a.kind in ("B", "I"):
