@@ -74,19 +74,25 @@ def run(model: str = "transformer:small", batch_size: int = 32, micro_batch_size
     opt_loop = torch.optim.AdamW(reference.parameters(), lr=1e-4)
     on_device = tuple(x.to(device) for x in built.make_inputs(batch_size, 0))  # time the step, not the copy
 
-    def api_step(x) -> None:
-        pipe.step(x)
-        opt_api.step()
-        opt_api.zero_grad()
+    def api_step_of(pipe, opt):
+        def api_step(x) -> None:
+            pipe.step(x)
+            opt.step()
+            opt.zero_grad()
+        return api_step
 
-    def loop_step(x) -> None:
-        with autocast(precision, device):
-            for lo in range(0, batch_size, micro_batch_size):
-                mb = tuple(t[lo:lo + micro_batch_size] for t in x)
-                loss = built.loss_fn(reference(*mb)) * (micro_batch_size / batch_size)
-                loss.backward()
-        opt_loop.step()
-        opt_loop.zero_grad()
+    def loop_step_of(module, opt):  # the plain loop a user would write, around ``module`` (eager or compiled)
+        def loop_step(x) -> None:
+            with autocast(precision, device):
+                for lo in range(0, batch_size, micro_batch_size):
+                    mb = tuple(t[lo:lo + micro_batch_size] for t in x)
+                    loss = built.loss_fn(module(*mb)) * (micro_batch_size / batch_size)
+                    loss.backward()
+            opt.step()
+            opt.zero_grad()
+        return loop_step
+
+    api_step, loop_step = api_step_of(pipe, opt_api), loop_step_of(reference, opt_loop)
 
     def sync() -> None:
         if device.type == "cuda":
@@ -109,22 +115,8 @@ def run(model: str = "transformer:small", batch_size: int = 32, micro_batch_size
         opt_api_c = torch.optim.AdamW(pipe_c.parameters(), lr=1e-4)
         plain = zoo.build(model, seed=0).module.to(device)
         plain.load_state_dict(built.module.state_dict())
-        plain_c = torch.compile(plain)
-        opt_loop_c = torch.optim.AdamW(plain.parameters(), lr=1e-4)
-
-        def api_compiled_step(x) -> None:
-            pipe_c.step(x)
-            opt_api_c.step()
-            opt_api_c.zero_grad()
-
-        def loop_compiled_step(x) -> None:
-            with autocast(precision, device):
-                for lo in range(0, batch_size, micro_batch_size):
-                    mb = tuple(t[lo:lo + micro_batch_size] for t in x)
-                    (built.loss_fn(plain_c(*mb)) * (micro_batch_size / batch_size)).backward()
-            opt_loop_c.step()
-            opt_loop_c.zero_grad()
-        contestants += [("api_compiled", timed(api_compiled_step)), ("loop_compiled", timed(loop_compiled_step))]
+        loop_compiled = loop_step_of(torch.compile(plain), torch.optim.AdamW(plain.parameters(), lr=1e-4))
+        contestants += [("api_compiled", timed(api_step_of(pipe_c, opt_api_c))), ("loop_compiled", timed(loop_compiled))]
     if with_torch:
         contestants.append(("torch", timed(_torch_one_stage(built, device, batch_size // micro_batch_size,
                                                             precision, batch_size))))
@@ -281,7 +273,7 @@ def main(argv=None) -> int:
                                            "compiled_api_vs_eager_api", "compiled_api_vs_eager_loop") if k in result}
         name = "bench_api" if args.precision == "fp32" else f"bench_api-{args.precision}"
         if args.compile:
-            name += "-compile"
+            name = "bench_api-compile" if args.precision == "fp32" else f"bench_api-compile-{args.precision}"
         if result["device"].startswith("cuda"):
             name += "-cuda"
         print(f"wrote {write_result(args.out, name, vars(args), [result], summary)}")

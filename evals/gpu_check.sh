@@ -41,10 +41,13 @@ stages = [Stage(i, tuple(graph.op_id(n) for n in g), (0,), 4) for i, g in enumer
 sg = StageGraph.build(graph, stages, 16, 1, allow_shared_devices=True)
 cluster = preset("h100", 1)
 plan = Plan(model=zoo.canonical_spec(spec), stage_graph=sg, cluster=cluster, strategy="custom",
-            schedule=make_schedule("1f1b", sg, cluster))
-dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-torch.cuda.set_device(0)
-result = run_job(0, 1, plan, RunOptions(steps=3, check=True, compile=True, backend="nccl"), torch.device("cuda:0"), "nccl")
+            schedule=make_schedule("gpipe", sg, cluster))
+cuda = torch.cuda.is_available()
+backend, device = ("nccl", torch.device("cuda:0")) if cuda else ("gloo", torch.device("cpu"))
+dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+if cuda:
+    torch.cuda.set_device(0)
+result = run_job(0, 1, plan, RunOptions(steps=3, check=True, compile=True, backend=backend), device, backend)
 check = result["check"]
 print("compile --check passed:", check["passed"], "params", check["num_params_checked"], "/", check["num_params"],
       "max_abs_diff", check["max_abs_diff"])

@@ -2,7 +2,7 @@
 
 ::
 
-    python -m evals.overlap_sends --out OUT     # OUT/results/overlap_sends.json, OUT/overlap-trace-rank{0,1}.json
+    python -m graphpipe.evals.overlap_sends --out OUT     # OUT/results/overlap_sends.json, OUT/overlap-trace-rank{0,1}.json
 
 A two-stage 1f1b plan (8 micro-batches) of a GPT-style transformer, trained through :class:`graphpipe.Pipeline` on two
 ranks with one GPU each. A CUDA rank's mailbox posts the next action's receives before computing the current
@@ -16,7 +16,6 @@ NCCL ``SendRecv`` kernels on their own streams beside the compute kernels. Bench
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -73,9 +72,11 @@ def _rank(rank: int, port: int, out: str, steps: int, batch: int, mbs: int, plan
                "device_name": torch.cuda.get_device_name(0) if cuda else "cpu (gloo)", "steps_each": steps, "early_step_s": times[True],
                "at_use_step_s": times[False], "early_median_s": early, "at_use_median_s": lazy,
                "gain_ratio": lazy / early, "losses_equal": losses[True] == losses[False] and len(losses[True]) == 1}
-        os.makedirs(os.path.join(out, "results"), exist_ok=True)
-        with open(os.path.join(out, "results", "overlap_sends.json"), "w") as f:
-            json.dump(row, f, indent=1)
+        from .common import write_result
+
+        write_result(out, "overlap_sends" if cuda else "overlap_sends-cpu", {"model": model, "batch_size": batch,
+                                                                            "steps": steps}, [row],
+                     {"gain_ratio": row["gain_ratio"], "losses_equal": row["losses_equal"]})
         print(f"{model} batch {batch} mb {mbs} 1f1b on 2 x {row['device_name']}: receives posted early "
               f"{early * 1e3:.2f} ms/step, posted at use {lazy * 1e3:.2f} ms/step, gain {lazy / early:.3f} "
               f"(median of {steps} alternating steps each); "
