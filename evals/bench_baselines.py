@@ -18,10 +18,11 @@ import statistics
 import sys
 
 from .bench_gpp import plan_in_checkout
+from .common import DATA_DIR
 
 __all__ = ["CASES", "main"]
 
-PROFILES = os.path.abspath(os.path.join("..", "shared", "data", "pipedream-profiles"))
+PROFILES = os.path.join(DATA_DIR, "pipedream-profiles")
 
 CASES = {  # name -> (model spec or profile name, devices, batch size, strategy)
     "gnmt gpp": ("profile:gnmt", 8, 64, "gpp"),

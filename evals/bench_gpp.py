@@ -4,7 +4,7 @@
                                         [--before DIR] [--calls]
 
 Cases (v100 preset): mmt, dlrm, candle-uno at 32 devices and batch 16 per
-device; the MMT-shaped graphs of ``../shared/data/synthetic`` at 32 devices
+device; the MMT-shaped graphs of ``data/synthetic`` at 32 devices
 and batch 256; ``candle-uno:branches=16`` on 1024 devices (batch 16 per
 device). Each row gives the median and the spread of the full ``make_plan``
 (device-count loop and sequential candidates included), the throughput, and
@@ -34,16 +34,14 @@ import subprocess
 import sys
 import time
 
-from .common import write_result
+from .common import DATA_DIR, write_result
 from graphpipe.cluster import preset
 from graphpipe.models import load_model
 from graphpipe.search.planner import make_plan
 
 __all__ = ["main", "CASES"]
 
-SYNTHETIC = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "synthetic")
-if not os.path.isdir(SYNTHETIC):  # run from the checkout: ../shared beside it
-    SYNTHETIC = os.path.join(os.getcwd(), "..", "shared", "data", "synthetic")
+SYNTHETIC = os.path.join(DATA_DIR, "synthetic")
 
 CASES = {  # name -> (model spec, devices, batch size)
     "mmt": ("mmt", 32, 512),

@@ -1,7 +1,7 @@
 """Sweep: is gpp ever worse than the best sequential baseline? (the full grid)
 
 The test suite samples this grid (tests/test_planner.py); this script runs all of it:
-every zoo model (paper config) and every shared PipeDream profile at 2, 4, 8, 16 and 32
+every zoo model (paper config) and every PipeDream profile in data/ at 2, 4, 8, 16 and 32
 devices, v100 preset, batch 16 x devices, all four strategies through the one simulator.
 
     python -m graphpipe.evals.check_gpp_vs_spp [--out evals] [--jobs 2]
@@ -25,7 +25,7 @@ import multiprocessing
 import os
 import sys
 
-from .common import write_result
+from .common import DATA_DIR, write_result
 from graphpipe.models import load_model
 from graphpipe.cluster import preset
 from graphpipe.search.planner import compare, make_plan
@@ -83,8 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m graphpipe.evals.check_gpp_vs_spp", description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__)))
     parser.add_argument("--jobs", type=int, default=1, help="(model, devices) points swept in parallel processes")
-    parser.add_argument("--profiles-dir", default=os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data",
-                                                               "pipedream-profiles"))
+    parser.add_argument("--profiles-dir", default=os.path.join(DATA_DIR, "pipedream-profiles"))
     parser.add_argument("--recheck", action="store_true",
                         help="re-plan only gpp at the committed points and compare (module docstring)")
     args = parser.parse_args(argv)

@@ -20,8 +20,13 @@ import time
 from typing import Any, Callable, Iterable, Sequence
 
 from graphpipe.graph import write_json_atomic
+from graphpipe.progress import Progress as _Progress
 
-__all__ = ["environment", "write_result", "read_result", "Progress", "median_time", "results_dir"]
+__all__ = ["environment", "write_result", "read_result", "Progress", "median_time", "results_dir", "DATA_DIR"]
+
+#: The repository's data folder (real PipeDream profiles, synthetic graphs; see its READMEs). evals/ sits
+#: beside it in a checkout, and an editable install keeps that layout.
+DATA_DIR = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "data"))
 
 
 def results_dir(out: str) -> str:
@@ -83,31 +88,15 @@ def read_result(out: str, name: str) -> dict[str, Any] | None:
         return json.load(fh)
 
 
-class Progress:
-    """A minimal progress bar on stderr: ``name [#####.....] 5/10 label``."""
+class Progress(_Progress):
+    """An experiment's points on stderr (:class:`graphpipe.progress.Progress`: a bar at a terminal, periodic lines
+    elsewhere), named ``eval NAME``, with the current point's label beside the count."""
 
-    def __init__(self, name: str, total: int, stream=None, width: int = 24):
-        self.name, self.total, self.width = name, max(total, 1), width
-        self.stream = stream or sys.stderr
-        self.done = 0
-        self.start = time.perf_counter()
-        self._draw("")
-
-    def _draw(self, label: str) -> None:
-        filled = int(self.width * self.done / self.total)
-        elapsed = time.perf_counter() - self.start
-        line = f"\r{self.name:<12} [{'#' * filled}{'.' * (self.width - filled)}] {self.done}/{self.total} {elapsed:6.1f}s {label[:40]:<40}"
-        self.stream.write(line)
-        self.stream.flush()
+    def __init__(self, name: str, total: int, stream=None):
+        super().__init__(f"eval {name}", total=max(total, 1), unit="point", stream=stream)
 
     def step(self, label: str = "") -> None:
-        self.done += 1
-        self._draw(label)
-
-    def close(self) -> None:
-        self._draw("done")
-        self.stream.write("\n")
-        self.stream.flush()
+        self.update(postfix=label[:60])
 
     def iterate(self, items: Sequence, label: Callable[[Any], str] = str) -> Iterable:
         for item in items:

@@ -60,7 +60,11 @@ def load_model(spec: str, device: DeviceSpec | None = None, pipedream_batch_size
         from graphpipe.capture import Granularity, graph_from_factory
 
         path, factory = spec.rsplit(":", 1)
-        graph = graph_from_factory(spec, device=device, granularity=Granularity.parse(granularity), precision=precision)
+        from graphpipe.progress import slow_notice
+
+        with slow_notice(f"capturing {spec} (torch.export)"):
+            graph = graph_from_factory(spec, device=device, granularity=Granularity.parse(granularity),
+                                       precision=precision)
         return ModelSource(graph, os.path.abspath(path) + ":" + factory, "factory")
     if os.path.isdir(spec) and os.path.exists(os.path.join(spec, "graph.txt")):
         spec = os.path.join(spec, "graph.txt")

@@ -180,6 +180,8 @@ def time_ops(captured, make_inputs: Callable[[int], Sequence[Any]], batch_sizes:
 
     ``make_inputs(b)`` gives model inputs with ``b`` samples on the module's
     device. ``timer`` is injectable so tests can drive a fake clock.
+    ``progress(text)`` is called after each of the ``len(batch_sizes) * (warmup
+    + repeats)`` training passes.
     """
     from graphpipe.capture import split_by_ops
 
@@ -200,12 +202,12 @@ def time_ops(captured, make_inputs: Callable[[int], Sequence[Any]], batch_sizes:
             for split_pass in (False, True):
                 with _autocast(precision, make_inputs):  # bf16: the run's torch.autocast
                     _training_pass(prepared, split_pass, i >= warmup, timer, times)
+            if progress is not None:
+                progress(f"micro-batch {b}")
         for _, sub, _, _, _ in prepared:
             for p in sub.parameters():
                 p.grad = None
         times.medians_into(fwd, bwd, wgrad)
-        if progress is not None:
-            progress(f"b={b}")
     # an op is timed split at every batch size or at none (its parameters and inputs do not change with b)
     return {name: OpTimings(tuple(fwd[name]), tuple(bwd[name]),
                             tuple(wgrad[name]) if len(wgrad[name]) == len(batch_sizes) else None) for name in names}

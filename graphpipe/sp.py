@@ -23,7 +23,7 @@ parallel -- exactly what adding docs/design.md#series-parallel-decomposition's v
 Why order-based rather than two-terminal *edge* SP: edge-SP rejects graphs
 whose only defect is a transitive ("shortcut") edge such as the bridge
 ``a->b, a->c, b->c, b->d, c->d`` although a pipeline partitioner only cares
-about which op must precede which. On the shared PipeDream profiles the two
+about which op must precede which. On the PipeDream profiles in data/ the two
 definitions agree with each other and with their README (alexnet, vgg16,
 resnet18, resnet50, inception_v3 SP; nasnetamobile and gnmt not; checked by
 series/parallel edge reductions with a virtual source and sink), and

@@ -313,9 +313,12 @@ def _load_graph_cached(canonical: str, device: DeviceSpec, precision: str = "fp3
     def captured() -> OpGraph:  # torch is imported here, on a cache miss only
         from graphpipe.capture import Granularity, capture
 
-        built = build(canonical, device="meta")
-        return capture(built.module, built.example_inputs, name=canonical, device=device, loss_fn=built.loss_fn,
-                       precision=precision, granularity=Granularity.parse(granularity)).graph
+        from graphpipe.progress import slow_notice
+
+        with slow_notice(f"capturing {canonical} (torch.export; cached for the next command)"):
+            built = build(canonical, device="meta")
+            return capture(built.module, built.example_inputs, name=canonical, device=device, loss_fn=built.loss_fn,
+                           precision=precision, granularity=Granularity.parse(granularity)).graph
 
     return cached_graph(("zoo", canonical, device, precision, granularity), captured)
 

@@ -39,7 +39,17 @@ def main() -> None:
         if int(os.environ.get("RANK", 0)) == 0:
             torch.manual_seed(0)
             model = api_models.TwoBranch()
+    made = []  # with --meta: parameters given real storage while the Pipeline is built (the plan's spec included)
+    register = torch.nn.Module.register_parameter
+    if args.meta:
+        def spy(module, name, param):
+            if param is not None and param.device.type != "meta":
+                made.append(name)
+            return register(module, name, param)
+
+        torch.nn.Module.register_parameter = spy
     pipe = graphpipe.Pipeline(args.plan, model, api_models.loss_fn, timeout_s=120)
+    torch.nn.Module.register_parameter = register
     losses, norms = [], []
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
@@ -63,7 +73,7 @@ def main() -> None:
     allocated = sorted(n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type != "meta")
     hosted = sorted({name for name, _ in pipe.named_parameters()})
     memory = [None] * dist.get_world_size()
-    dist.all_gather_object(memory, (allocated, hosted))
+    dist.all_gather_object(memory, (allocated, hosted, made))
     out = pipe.forward(api_models.data(999)[0])
     if dist.get_rank() == 0:
         merged = {}

@@ -155,10 +155,11 @@ def test_a_meta_model_from_a_seed_checkpoint_trains_like_one_process(tmp_path, f
     got = torch.load(out, weights_only=False)
     assert_same(got, reference(3), 3)
     every = {n for n, _ in api_models.TwoBranch().named_parameters()}
-    for rank, (allocated, hosted) in enumerate(got["memory"]):
+    for rank, (allocated, hosted, made) in enumerate(got["memory"]):
         assert allocated == hosted, (rank, allocated, hosted)
-    assert set().union(*(set(h) for _, h in got["memory"])) == every
-    assert all(len(h) < len(every) for _, h in got["memory"])  # each rank holds a part of the model
+        assert not made, (rank, made)  # building the Pipeline (the plan's own model spec too) allocated no weights
+    assert set().union(*(set(h) for _, h, _ in got["memory"])) == every
+    assert all(len(h) < len(every) for _, h, _ in got["memory"])  # each rank holds a part of the model
 
 
 def test_bad_inputs_are_clear_errors(tmp_path):

@@ -1,6 +1,6 @@
 """--strategy pipedream against the real optimizer (msr-fiddle/pipedream optimizer_graph_hierarchical.py).
 
-The constants are the real optimizer's output on the shared profiles
+The constants are the real optimizer's output on the PipeDream profiles in data/
 (``-n N -b BW --activation_compression_ratio 1``): per-stage
 replica counts and "Time per stage in pipeline" (seconds per profiled batch
 of 128). Ours must give the same replica counts and

@@ -134,8 +134,6 @@ PROFILE_CASES = [("alexnet", (2, 32)), ("vgg16", (8,)), ("resnet18", (4,)), ("gn
 @pytest.mark.parametrize("name,device_counts", PROFILE_CASES, ids=[c[0] for c in PROFILE_CASES])
 def test_gpp_never_worse_than_spp_on_profiles(name, device_counts):
     path = os.path.join(PROFILES_DIR, name, "graph.txt")
-    if not os.path.exists(path):
-        pytest.skip("../shared/data/pipedream-profiles not present")
     from graphpipe.importers.pipedream_txt import read_pipedream
 
     graph = read_pipedream(path)

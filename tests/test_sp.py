@@ -224,16 +224,13 @@ def test_deterministic():
 
 
 def _profile(name):
-    path = os.path.join(PROFILES_DIR, name, "graph.txt")
-    if not os.path.exists(path):
-        pytest.skip(f"{path} not present")
-    return read_pipedream(path)
+    return read_pipedream(os.path.join(PROFILES_DIR, name, "graph.txt"))
 
 
 @pytest.mark.parametrize("name,expected", [("alexnet", True), ("vgg16", True), ("resnet18", True), ("resnet50", True),
                                            ("inception_v3", True), ("nasnetamobile", False), ("gnmt", False)])
 def test_profiles_match_readme(name, expected):
-    """shared/data/pipedream-profiles/README.md says which profiles are SP."""
+    """data/pipedream-profiles/README.md says which profiles are SP."""
     graph = _profile(name)
     assert is_series_parallel(graph) is expected
     tree = decompose(graph)

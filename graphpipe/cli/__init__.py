@@ -30,6 +30,7 @@ import traceback
 
 from graphpipe import __version__
 from graphpipe.errors import GraphpipeError
+from graphpipe.progress import MODES
 
 __all__ = ["main", "build_parser", "Terminated"]
 
@@ -71,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"graphpipe {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="log progress at INFO level on stderr; full tracebacks on failures")
+    parser.add_argument("--progress", default=None, choices=MODES,
+                        help="progress of run, profile, eval and slow captures on stderr: auto (default: a bar at a "
+                             "terminal, a line every 10 s elsewhere), bar, lines or off")
     sub = parser.add_subparsers(dest="verb", metavar="VERB", parser_class=_Parser)
     for verb in VERBS:
         try:
@@ -88,6 +92,9 @@ def _one_line(exc: BaseException) -> str:
     return lines[0] if lines else type(exc).__name__
 
 
+_UNSET = object()
+
+
 def main(argv: list[str] | None = None) -> int:
     words = sys.argv[1:] if argv is None else list(argv)
     verbose = "-v" in words or "--verbose" in words  # before parsing, for failures while parsing
@@ -96,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     handler.setFormatter(_Formatter())
     level = root.level
     previous = {}
+    previous_progress: object = _UNSET
     try:
         for signum in (signal.SIGTERM, signal.SIGHUP):
             previous[signum] = signal.signal(signum, _raise_terminated)
@@ -107,6 +115,9 @@ def main(argv: list[str] | None = None) -> int:
         verbose = args.verbose
         root.setLevel(logging.INFO if args.verbose else logging.WARNING)
         root.addHandler(handler)
+        if args.progress is not None:  # the environment carries it to a run's ranks
+            previous_progress = os.environ.get("GRAPHPIPE_PROGRESS")
+            os.environ["GRAPHPIPE_PROGRESS"] = args.progress
         if not getattr(args, "func", None):
             parser.print_help(sys.stderr)
             return 2
@@ -146,6 +157,10 @@ def main(argv: list[str] | None = None) -> int:
                              "(a bug in graphpipe; re-run with -v for the traceback and report it)\n")
         return 1
     finally:
+        if previous_progress is not _UNSET:
+            os.environ.pop("GRAPHPIPE_PROGRESS", None)
+            if previous_progress is not None:
+                os.environ["GRAPHPIPE_PROGRESS"] = previous_progress
         root.removeHandler(handler)
         root.setLevel(level)
         for signum, old in previous.items():

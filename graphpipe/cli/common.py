@@ -41,7 +41,8 @@ def add_capture_arguments(parser) -> None:
     parser.add_argument("--granularity", default=None, metavar="PATTERNS|DEPTH",
                         help="which modules are ops: comma-separated module-path patterns "
                              "('text_model.encoder.layers.*,vision_model.encoder.layers.*') or a depth (2); "
-                             "default: repeated blocks and heavy layers")
+                             "default: repeated blocks and heavy layers. A pattern matching no module is refused; a "
+                             "plan records it and the runtime captures the model the same way")
 
 
 def print_json(doc: Any) -> None:

@@ -18,7 +18,7 @@ def register(sub) -> None:
                        description="Run one experiment or all of them; write results/<name>.json, <name>.png and REPORT.md.")
     p.add_argument("name", metavar="NAME", help="throughput, search-time, branches, ablation, case-study, memory, "
                                                 "fidelity, memory-runtime, zero-bubble, async-throughput, staleness, or all")
-    p.add_argument("--out", default=None,
+    p.add_argument("--out", default=None, metavar="DIR",
                    help="output folder (default ./eval-out, ./eval-out/quick with --quick; --out evals regenerates "
                         "the repository's committed REPORT.md)")
     p.add_argument("--quick", action="store_true", help="small sizes and few devices (CI smoke test, ~3 min)")

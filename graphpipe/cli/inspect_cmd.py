@@ -9,7 +9,7 @@ with the regions that planning would contract.
 
 Examples::
 
-    graphpipe inspect ../shared/data/pipedream-profiles/resnet50
+    graphpipe inspect data/pipedream-profiles/resnet50
     graphpipe inspect mmt:small --json
     graphpipe inspect model.json --device a100
 """

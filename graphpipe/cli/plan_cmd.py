@@ -5,7 +5,7 @@ Examples::
     graphpipe plan mmt --devices 32 --batch-size 128                 # GraphPipe (gpp) on 32 V100s
     graphpipe plan dlrm --devices 16 --batch-size 256 --strategy pipedream --out plan.json
     graphpipe plan candle-uno --devices 32 --batch-size 256 --compare   # gpp vs pipedream/piper/gpipe
-    graphpipe plan ../shared/data/pipedream-profiles/vgg16 --devices 8 --batch-size 128 --json
+    graphpipe plan data/pipedream-profiles/vgg16 --devices 8 --batch-size 128 --json
 
 The plan file (``--out``) is written atomically, and only when planning
 succeeds, so an existing file is never half-overwritten or clobbered by a

@@ -61,13 +61,13 @@ def _handler(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
 
-    def progress(msg: str) -> None:
-        if args.verbose:
-            sys.stderr.write(f"profile: {msg}\n")
+    from graphpipe.progress import Progress
 
-    profile = profile_model(spec, device=args.device, batch_sizes=_batch_sizes(args.batch_sizes),
-                            repeats=args.repeats, warmup=args.warmup, seed=args.seed, progress=progress,
-                            precision=args.precision)
+    sizes = _batch_sizes(args.batch_sizes)
+    with Progress(f"profile {spec}", total=len(sizes) * (args.warmup + args.repeats), unit="pass") as bar:
+        profile = profile_model(spec, device=args.device, batch_sizes=sizes, repeats=args.repeats, warmup=args.warmup,
+                                seed=args.seed, progress=lambda text: bar.update(postfix=text),
+                                precision=args.precision)
     write_profile(args.out, profile)
     if args.json:
         print_json(profile_to_dict(profile))
@@ -81,14 +81,14 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("profile", help="measure op times and fit alpha/beta", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", metavar="MODEL", help="zoo spec (transformer:small) or path/to/file.py:factory")
-    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    p.add_argument("--out", required=True, help="profile JSON to write")
-    p.add_argument("--batch-sizes", default="1,2,4,8", help="micro-batch sizes to time (default 1,2,4,8)")
-    p.add_argument("--repeats", type=int, default=5, help="timed runs per op and size; the median is kept (default 5)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed runs before timing (default 2)")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--device", default="cpu", metavar="cpu|cuda", help="cpu or cuda (default cpu)")
+    p.add_argument("--out", required=True, metavar="PROFILE.json", help="profile JSON to write (required)")
+    p.add_argument("--batch-sizes", default="1,2,4,8", metavar="B1,B2,...", help="micro-batch sizes to time (default 1,2,4,8)")
+    p.add_argument("--repeats", type=int, default=5, metavar="N", help="timed runs per op and size; the median is kept (default 5)")
+    p.add_argument("--warmup", type=int, default=2, metavar="N", help="untimed runs before timing (default 2)")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="CPU intra-op threads (torch.set_num_threads); default: torch's choice")
-    p.add_argument("--seed", type=int, default=0, help="weights and inputs seed (default 0)")
+    p.add_argument("--seed", type=int, default=0, metavar="N", help="weights and inputs seed (default 0)")
     p.add_argument("--precision", default="fp32", metavar="fp32|bf16",
                    help="time ops at fp32 (default) or bf16 (torch.autocast); recorded in the profile and in plans made from it")
     p.add_argument("--json", action="store_true", help="also print the profile as JSON")

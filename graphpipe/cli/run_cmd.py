@@ -25,9 +25,6 @@ from graphpipe.runtime.flags import add_run_arguments
 
 log = logging.getLogger(__name__)
 
-MAX_TIMEOUT_S = 86400.0
-"""Longest --timeout (a day): a wait longer than that is a hang."""
-
 __all__ = ["register", "run", "run_device"]
 
 
@@ -56,6 +53,7 @@ def run(args) -> int:
     from graphpipe.cli.common import IMAGE_SUFFIXES, JSON_SUFFIXES, check_outputs
 
     _check_steps(args)
+    options = options_from_args(args)
     check_outputs((args.trace, "--trace", JSON_SUFFIXES), (args.gantt, "--gantt", IMAGE_SUFFIXES),
                   (args.gantt_pair, "--gantt-pair", IMAGE_SUFFIXES))  # before the run, not after it
     plan = read_plan(args.plan)
@@ -63,7 +61,6 @@ def run(args) -> int:
         from graphpipe.sched.torch_csv import plan_with_torch_csv
 
         plan = plan_with_torch_csv(plan, args.schedule_csv)
-    options = options_from_args(args)
     planned = plan.search.get("precision")
     source = plan.search.get("precision_from")
     if source in ("profile", "capture") and planned != options.precision:
@@ -97,26 +94,15 @@ def run(args) -> int:
 
 
 def _check_steps(args) -> None:
-    """--steps/--warmup that would report something else than asked are refused (not clamped)."""
-    import math
-
-    if not 0 < args.timeout <= MAX_TIMEOUT_S:  # inf and 1e300 overflow the process group's timedelta
-        raise InputError(f"--timeout must be > 0 and at most {MAX_TIMEOUT_S:g} seconds, got {args.timeout}")
-    if not (math.isfinite(args.lr) and args.lr >= 0):
-        raise InputError(f"--lr must be a finite number >= 0, got {args.lr}")
-    if not -2**31 <= args.seed < 2**31:
-        raise InputError(f"--seed must be a 32-bit integer, got {args.seed}")
-    if not 1 <= args.threads <= 4096:
-        raise InputError(f"--threads must be between 1 and 4096, got {args.threads}")
-    if args.warmup < 0:
-        raise InputError(f"--warmup must be >= 0, got {args.warmup}")
-    if args.steps >= 1 and args.warmup >= args.steps:
-        if args.steps == 1 and args.warmup == 1:  # the default warm-up with one step: measure that step
+    """--steps/--warmup that would report something else than asked are refused (not clamped, as the API does);
+    every other option is checked by :class:`~graphpipe.runtime.options.RunOptions` itself."""
+    if args.steps >= 1 and args.warmup_steps >= args.steps:
+        if args.steps == 1 and args.warmup_steps == 1:  # the default warm-up with one step: measure that step
             sys.stderr.write("graphpipe: note: --steps 1 leaves no warm-up step; the one step is measured\n")
-            args.warmup = 0
+            args.warmup_steps = 0
         else:
-            raise InputError(f"--warmup {args.warmup} leaves nothing to measure of --steps {args.steps}; "
-                             f"use --steps {args.warmup + 1} or more, or a smaller --warmup")
+            raise InputError(f"--warmup {args.warmup_steps} leaves nothing to measure of --steps {args.steps}; "
+                             f"use --steps {args.warmup_steps + 1} or more, or a smaller --warmup")
 
 
 def run_device(backend: str, num_ranks: int) -> str:

@@ -2,7 +2,7 @@
 
 PipeDream (Narayanan et al., SOSP'19) publishes one profile per model: one
 line per layer, then one tab-indented line per edge
-(``shared/data/pipedream-profiles/README.md``)::
+(``data/pipedream-profiles/README.md`` in the repository)::
 
     node4 -- Conv2d(3, 64, ...) -- forward_compute_time=1.2, backward_compute_time=2.5, activation_size=822083584.0, parameter_size=7168.0
     \tnode4 -- node5

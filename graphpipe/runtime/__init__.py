@@ -17,7 +17,8 @@ Pieces:
   which rank, and the message order of every rank pair;
 * :mod:`~graphpipe.runtime.comm` posts non-blocking sends and in-order receives;
 * :mod:`~graphpipe.runtime.executor` interprets a rank's action list
-  (one :class:`~graphpipe.runtime.executor.ExecutorContext` each);
+  (one :class:`~graphpipe.runtime.executor.ExecutorContext` each) over one
+  :class:`~graphpipe.runtime.hosted.HostedStage` per stage the rank hosts;
 * :mod:`~graphpipe.runtime.api` is the training API, :class:`graphpipe.Pipeline`;
 * :mod:`~graphpipe.runtime.setup` sets a rank up (:func:`~graphpipe.runtime.setup.setup_rank`,
   shared by every path);
@@ -52,6 +53,7 @@ shell take it from the environment variables ``GRAPHPIPE_FAIL_RANK=R`` and
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from typing import Any
 
@@ -59,6 +61,8 @@ from graphpipe.errors import InputError
 from graphpipe.plan import Plan, plan_to_dict
 from graphpipe.runtime.options import FaultInjection, RunOptions, fault_from_env
 from graphpipe.runtime.launch import RuntimeFailure, launch
+
+log = logging.getLogger(__name__)
 
 __all__ = ["RunOptions", "FaultInjection", "RuntimeFailure", "preflight", "run_plan", "run_plans"]
 
@@ -75,6 +79,13 @@ def preflight(plan: Plan, options: RunOptions) -> None:
     from graphpipe.runtime.jobs import load_runnable, plan_granularity
 
     validate_plan(plan)
+    if options.checkpoint_dir:
+        from graphpipe.runtime.step_checkpoints import newest_complete
+
+        found = newest_complete(options.checkpoint_dir)
+        if found is not None and found[0] >= options.steps:
+            raise InputError(f"--checkpoint-dir {options.checkpoint_dir} already holds step {found[0]}, and the run "
+                             f"has --steps {options.steps}; raise --steps or use another folder")
     from graphpipe.sched.async_pipe import plan_spec
 
     if options.compile:
@@ -85,6 +96,10 @@ def preflight(plan: Plan, options: RunOptions) -> None:
             raise InputError(refusal)
 
     spec = plan_spec(plan)
+    if options.checkpoint_dir and (spec is not None or options.baseline == "torch"):
+        what = "--baseline torch" if options.baseline == "torch" else f"{spec.name} (no flush: no step boundary)"
+        raise InputError(f"--checkpoint-dir checkpoints graphpipe's executor at step boundaries; {what} has none to "
+                         "save at: drop --checkpoint-dir, or run a flushing schedule on graphpipe's executor")
     if spec is not None:
         from graphpipe.sched.async_pipe import version_table
 
@@ -146,19 +161,32 @@ def run_plans(plans: list[tuple[Plan, RunOptions]], world_size: int | None = Non
         from graphpipe.runtime.worker import rank_cpus
 
         rank_cpus(world - 1, plans[0][1].cpus_per_rank)  # enough CPUs for the last rank, or refuse before spawning
-    results = launch([(plan_to_dict(plan), options) for plan, options in plans], world)
-    for result, reason in zip(results, skipped):
-        if result is not None and reason:
-            result["check_skipped"] = reason
-    return results
+    jobs = [(plan_to_dict(plan), options) for plan, options in plans]
+    max_restarts = max(options.max_restarts for _, options in plans) if plans else 0
+    restarts = 0
+    while True:
+        try:
+            results = launch(jobs, world)
+        except RuntimeFailure as exc:
+            if restarts >= max_restarts:
+                raise
+            restarts += 1
+            # every rank starts again and resumes from its checkpoint folder's newest complete step
+            log.warning("%s -- restarting every rank (%d of --max-restarts %d)", exc, restarts, max_restarts)
+            jobs = [(doc, replace(options, fault=None)) for doc, options in jobs]  # an injected fault fires once
+            continue
+        for result, reason in zip(results, skipped):
+            if result is not None and "resumed_from_step" in result:
+                result["restarts"] = restarts
+            if result is not None and reason:
+                result["check_skipped"] = reason
+        return results
 
 
 def _fit_host_memory(plans: list[tuple[Plan, RunOptions]], world: int) -> tuple[list, list[str | None]]:
     """Refuse a plan whose ranks cannot fit in this host's memory (:func:`~graphpipe.runtime.memory.check_host_memory`,
     before any rank starts); drop ``--check`` where its single-process references (one per rank hosting a
     stage) would not fit beside the run, with the reason (logged, and in the result's ``check_skipped``)."""
-    import logging
-
     from graphpipe.runtime.memory import GIB, available_memory, check_host_memory, reference_bytes
     from graphpipe.sched.async_pipe import plan_spec
 
@@ -174,7 +202,7 @@ def _fit_host_memory(plans: list[tuple[Plan, RunOptions]], world: int) -> tuple[
                 reason = (f"--check skipped: its single-process reference of the whole model, on each of the "
                           f"{hosting} ranks hosting a stage, would take the run to about {need / GIB:.1f} GiB "
                           f"of host memory, and this host has {available / GIB:.1f} GiB available")
-                logging.getLogger(__name__).warning("%s", reason)
+                log.warning("%s", reason)
                 options = replace(options, check=False)
         out.append((plan, options))
         skipped.append(reason)

@@ -62,7 +62,19 @@ def _init_distributed(timeout_s: float) -> tuple[int, int, str, bool]:
     backend = "nccl" if use_cuda else "gloo"
     if use_cuda:
         torch.cuda.set_device(local)
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        # Under torchrun the rendezvous store outlives a restart, and with it the addresses the last attempt's
+        # ranks published: a restarted rank would dial a dead peer's port ("Connection refused"). Each attempt
+        # gets keys of its own.
+        from torch.distributed.rendezvous import rendezvous
+
+        store, rank, size = next(rendezvous("env://", timeout=timeout))
+        dist.init_process_group(backend, store=dist.PrefixStore(f"graphpipe/attempt-{attempt}", store), rank=rank,
+                                world_size=size, timeout=timeout)
     return dist.get_rank(), world, backend, True
 
 
@@ -108,7 +120,13 @@ class Pipeline:
         self._batchnorm = batchnorm or getattr(self.plan, "batchnorm", None) or "per-micro-batch"
         if model is not None and loss_fn is None:
             raise InputError("Pipeline(plan, model, loss_fn): a model needs its loss_fn")
-        spec_model, spec_inputs, spec_loss, spec_target = self._from_spec()  # the plan's model: its example inputs
+        # the plan's model for its example inputs: with the user's model given, its weights are never allocated
+        # (all of it on meta beside a meta model, whose capture runs on meta inputs anyway)
+        from graphpipe.runtime.materialize import on_meta
+
+        build = "weights" if model is None else "meta" if on_meta(model) else "params_on_meta"
+        spec_model, spec_inputs, spec_loss, spec_target = (None, None, None, None) if (
+            model is not None and example_inputs is not None) else self._from_spec(build)
         self._model = model if model is not None else spec_model
         self._loss_fn = loss_fn if loss_fn is not None else spec_loss
         if example_inputs is None:
@@ -128,22 +146,31 @@ class Pipeline:
                 "only joins collectives", self.rank, len(sg.devices_used()), self.world_size)
 
     # ------------------------------------------------------------------ set-up
-    def _from_spec(self):
-        """``(module, example inputs, loss_fn, example target)`` of the plan's model spec."""
+    def _from_spec(self, build: str = "weights"):
+        """``(module, example inputs, loss_fn, example target)`` of the plan's model spec. ``build``: ``weights``
+        (a real module), ``params_on_meta`` (real example inputs, parameters on meta) or ``meta`` (everything on
+        the meta device): only the example inputs are wanted then."""
+        import contextlib
+
         from graphpipe.capture import load_factory
+        from graphpipe.runtime.materialize import params_on_meta
+
+        building = {"weights": contextlib.nullcontext, "params_on_meta": params_on_meta,
+                    "meta": lambda: torch.device("meta")}[build]()
 
         spec = self.plan.model
         if spec.endswith((".json", ".txt")):
             raise PlanError(f"the plan's model {spec!r} is a graph file: plan the module (a zoo spec or "
                             "file.py:factory) to train it")
         if ".py:" in spec:
-            with torch.random.fork_rng(devices=[]):
+            with torch.random.fork_rng(devices=[]), building:
                 torch.manual_seed(self.seed)
                 made = load_factory(spec)
             return made.module, made.example_inputs, made.loss_fn, made.example_target
         from graphpipe import zoo
 
-        built = zoo.build(spec, seed=self.seed)
+        with building if build != "meta" else contextlib.nullcontext():  # the zoo builds on meta itself
+            built = zoo.build(spec, device="meta" if build == "meta" else "cpu", seed=self.seed)
         return built.module, built.example_inputs, built.loss_fn, None
 
     def _receive_rank0_weights(self) -> None:
@@ -474,16 +501,34 @@ class Pipeline:
         """
         if not dist.is_initialized():
             return
+        self.wait_checkpoint()
         dist.barrier()
         if self._owns_group:
             dist.destroy_process_group()
 
-    def save(self, directory: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None) -> None:
+    def save(self, directory: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None, *,
+             step: int | None = None, keep: int = 2, async_save: bool = False) -> None:
         """Write a ``torch.distributed.checkpoint`` to ``directory`` (collective), atomically: into a fresh
-        folder beside it, then renamed over it, so a job killed mid-save leaves the previous checkpoint."""
+        folder beside it, then renamed over it, so a job killed mid-save leaves the previous checkpoint.
+
+        With ``step=N`` it is a *step checkpoint* for :meth:`resume`:
+        ``directory/step-N``, with the step count and every rank's random
+        generators, sealed only once complete; the newest ``keep`` are kept.
+        ``async_save=True`` writes it in the background while training goes
+        on (sealed at the next save, :meth:`wait_checkpoint` or :meth:`close`).
+        See :mod:`graphpipe.runtime.resume`.
+        """
         import torch.distributed.checkpoint as dcp
 
         self._receive_rank0_weights()
+        if step is not None or async_save:
+            from graphpipe.runtime.resume import save_step
+
+            if step is None:
+                raise InputError("async_save needs step=N: only step checkpoints are written in the background")
+            save_step(self, directory, step, optimizer, keep=keep, async_save=async_save)
+            return
+        self.wait_checkpoint()
         directory = os.fspath(directory)
         token = [uuid.uuid4().hex if self.rank == 0 else None]
         dist.broadcast_object_list(token, src=0)
@@ -498,6 +543,29 @@ class Pipeline:
             os.replace(tmp, directory)
             shutil.rmtree(old, ignore_errors=True)
         dist.barrier()
+
+    def resume(self, directory: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None) -> int:
+        """Load the newest complete step checkpoint under ``directory`` (:meth:`save` with ``step=``) and return
+        its step, or 0 when there is none, so a loop runs ``for step in range(pipe.resume(dir, opt), steps)``.
+
+        A newer checkpoint cut off while written is skipped with a warning
+        naming it, never loaded. The checkpoint may come from another plan of
+        the same model (fewer ranks after a host was lost). Collective.
+        """
+        from graphpipe.runtime.resume import resume_newest
+
+        return resume_newest(self, directory, optimizer)
+
+    def wait_checkpoint(self) -> None:
+        """Wait until an ``async_save`` checkpoint is written, and seal it (collective; a no-op without one)."""
+        from graphpipe.runtime.resume import finish_pending
+
+        finish_pending(self)
+
+    @property
+    def steps_done(self) -> int:
+        """Training steps this pipeline has taken, counting those before a :meth:`resume`."""
+        return self._steps
 
     def load(self, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Read the tensors of this rank's stages (replicas and tied copies included) from a checkpoint, by their

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from graphpipe.errors import PlanError
 from graphpipe.plan import Plan
+from graphpipe.progress import step_done
 from graphpipe.runtime.executor import zero_grads
 from graphpipe.runtime.stage_modules import ModelSplit, StageProgram
 
@@ -186,6 +187,7 @@ def run_torch_job(rank: int, world_size: int, plan: Plan, options, device: torch
             torch.cuda.synchronize(device)
         step_times.append(time.perf_counter() - t0)
         step_losses.append(float(sum(float(x.detach()) for x in losses) / num_mbs) if losses else 0.0)
+        step_done()
         if step == 0 and reference is not None:
             check_stats = compare_gradients(((name, p, True) for s in my_stages
                                              for name, p in split.programs[s].module.named_parameters()), reference[1], options)

@@ -156,8 +156,10 @@ def build_runnable(spec: str, seed: int = 0, device: str = "cpu", capture: bool 
     ``loss_fn`` takes what the graph returns. Factory models get synthetic
     inputs shaped like their example inputs (floats ~ N(0, 1), integers
     uniform in ``[min, max]`` of the example, booleans as in the example's
-    range). ``capture=False`` skips the export (the single-process reference
-    needs only the module). ``meta_params``: the module is built with its
+    range) and targets made of the example target's own rows, resampled
+    (:func:`_synthetic_inputs`), so a loss sees labels from its domain.
+    ``capture=False`` skips the export (the single-process reference needs
+    only the module). ``meta_params``: the module is built with its
     parameters on the meta device (:func:`~graphpipe.runtime.materialize.params_on_meta`;
     a factory that builds on the meta device itself is accepted too) and
     captured on meta inputs; nothing of its weights is allocated until a
@@ -191,7 +193,8 @@ def build_runnable(spec: str, seed: int = 0, device: str = "cpu", capture: bool 
     if not capture:
         flat = tuple(tree_leaves((example, target)))
         return Runnable(spec, module, None, {}, (), loss_fn,  # type: ignore[arg-type]
-                        make_inputs or _synthetic_inputs(flat, device), None, meta_params, initial)
+                        make_inputs or _synthetic_inputs(flat, device, len(tree_leaves(target))), None, meta_params,
+                        initial)
     from graphpipe.runtime.stage_modules import instrument
 
     shapes = meta_copy if meta_params else (lambda x: x)  # meta weights are captured on meta inputs
@@ -211,7 +214,7 @@ def build_runnable(spec: str, seed: int = 0, device: str = "cpu", capture: bool 
             raise exc from None
     args, kwargs = cap.normalize_inputs(example)
     flat = exported.io.flat_inputs(args, kwargs, target)
-    make_inputs = make_inputs or _synthetic_inputs(flat, device)
+    make_inputs = make_inputs or _synthetic_inputs(flat, device, len(tree_leaves(target)))
     gm = exported.gm
     # the meta device (preflight) only cuts the model: no run to find random calls
     gm = instrument(gm, shapes(make_inputs(2, 0)) if device != "meta" else None)
@@ -224,22 +227,39 @@ def plan_granularity(plan: Plan) -> str | None:
     return plan.search.get("granularity") if plan.search else None
 
 
-def _synthetic_inputs(example: Sequence[torch.Tensor], device: str):
-    """``make_inputs(batch_size, seed)``: fresh tensors shaped like ``example`` (flat), drawn from ``seed``."""
+def _synthetic_inputs(example: Sequence[torch.Tensor], device: str, num_targets: int = 0):
+    """``make_inputs(batch_size, seed)``: fresh tensors shaped like ``example`` (flat), drawn from ``seed``.
+
+    The last ``num_targets`` leaves are the loss's target: their rows are the
+    example target's own, drawn with replacement, so a BCE label stays in
+    [0, 1], a class index stays a valid class and a regression target keeps
+    its scale (random normals there made a recommender's BCE loss negative).
+    Inputs are drawn afresh (floats ~ N(0, 1), integers and booleans within
+    the example's range). A target on the meta device, or one with no batch
+    dimension, cannot be resampled and is drawn like an input.
+    """
     lows = [int(x.min().item()) if isinstance(x, torch.Tensor) and x.numel() and not x.dtype.is_floating_point
             and x.device.type != "meta" else 0 for x in example]
     highs = [int(x.max().item()) if isinstance(x, torch.Tensor) and x.numel() and not x.dtype.is_floating_point
              and x.device.type != "meta" else 0 for x in example]
+    first_target = len(example) - num_targets
+
+    def resamplable(i: int, x) -> bool:
+        return (i >= first_target and isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] > 0
+                and x.device.type != "meta")
 
     def make_inputs(batch_size: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
         gen = torch.Generator().manual_seed(seed)
         out = []
-        for x, lo, hi in zip(example, lows, highs):
+        for i, (x, lo, hi) in enumerate(zip(example, lows, highs)):
             if not isinstance(x, torch.Tensor):
                 out.append(x)
                 continue
             shape = (batch_size, *x.shape[1:])
-            if x.dtype.is_floating_point:
+            if resamplable(i, x):
+                rows = torch.randint(0, x.shape[0], (batch_size,), generator=gen)
+                out.append(x.detach().cpu()[rows].to(device))
+            elif x.dtype.is_floating_point:
                 out.append(torch.randn(shape, generator=gen, dtype=x.dtype).to(device))
             elif x.dtype == torch.bool:
                 out.append(torch.randint(lo, hi + 1, shape, generator=gen).bool().to(device))

@@ -57,6 +57,7 @@ import warnings
 from typing import Sequence
 
 from graphpipe.errors import GraphpipeError, InputError
+from graphpipe.progress import Progress, set_step_hook
 from graphpipe.runtime.memory import RANK_MEMORY_BYTES, available_memory
 from graphpipe.runtime.options import RunOptions
 
@@ -197,6 +198,9 @@ def _child(rank: int, world_size: int, jobs, init_method: str, results: mp.Queue
     try:
         from graphpipe.runtime.worker import run_rank
 
+        if rank == 0:  # rank 0's steps are the run's: each one moves the launcher's bar
+            set_step_hook(lambda: results.put(("step", rank, None, None, time.time())))
+
         def done(index: int, result: dict | None) -> None:
             if rank == 0:
                 results.put(("job", rank, index, result, time.time()))
@@ -245,6 +249,7 @@ def launch(jobs: Sequence[tuple[dict, RunOptions]], world_size: int) -> list[dic
                          daemon=True, name=f"graphpipe-rank{r}") for r in range(world_size)]
     watch = _Watch(procs, max(options.timeout_s for _, options in jobs))
     job_results: dict[int, dict | None] = {}
+    bar: Progress | None = None
     try:
         # Signals wait while the ranks start (they inherit the mask and unblock it
         # in _detach); a Ctrl-C here arrives right after, inside this try.
@@ -255,6 +260,11 @@ def launch(jobs: Sequence[tuple[dict, RunOptions]], world_size: int) -> list[dic
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         log.info("started %d ranks (pids %s)", world_size, ", ".join(str(p.pid) for p in procs))
+        steps_before = [sum(options.steps for _, options in jobs[:i]) for i in range(len(jobs) + 1)]
+        # No line of its own for the start: a run refused at once keeps its one-line error.
+        bar = Progress("run", total=steps_before[-1], unit="step")
+        bar.update(0, postfix=f"{world_size} rank{'s' if world_size != 1 else ''} started"
+                              f"{f', {len(jobs)} jobs' if len(jobs) > 1 else ''}")
         began = last_note = time.monotonic()
         while len(watch.finished) < world_size:
             try:
@@ -263,8 +273,11 @@ def launch(jobs: Sequence[tuple[dict, RunOptions]], world_size: int) -> list[dic
                 message = None
             while message is not None:  # everything that has arrived, before looking at the processes
                 kind, rank, index, payload, stamp = message
-                if kind == "job":
+                if kind == "step":
+                    bar.update()
+                elif kind == "job":
                     job_results[index] = payload
+                    bar.update(max(0, steps_before[index + 1] - bar.done))  # a loop that reports no steps
                     log.info("job %d of %d finished", index + 1, len(jobs))
                 else:
                     watch.note(kind, rank, payload, stamp)
@@ -280,7 +293,10 @@ def launch(jobs: Sequence[tuple[dict, RunOptions]], world_size: int) -> list[dic
             failure = watch.verdict()
             if failure is not None:
                 raise failure
+        bar.close()
     finally:
+        if bar is not None:
+            bar.close(quiet=True)  # a failure's one line follows, not a last count
         if not watch.failed:  # normal end: let every rank exit on its own (killing one mid-exit leaks its semaphores)
             for p in procs:
                 if p.pid is not None:

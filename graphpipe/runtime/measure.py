@@ -217,6 +217,9 @@ def summarize(plan: Plan, result: Mapping[str, Any]) -> dict[str, Any]:
         doc["predicted"]["host_memory_bytes"] = expected + [0.0] * (len(measured["peak_rss_bytes"]) - len(expected))
     if "check" in result:
         doc["check"] = result["check"]
+    if "resumed_from_step" in result:
+        doc["resumed_from_step"] = result["resumed_from_step"]
+        doc["restarts"] = result.get("restarts", 0)
     if "async" in result:
         doc["async"] = result["async"]
     if "baseline" in result:
@@ -244,6 +247,9 @@ def format_summary(summary: dict) -> str:
              + (f" baseline={summary['baseline']}" if summary.get("baseline") else ""),
              f"measured:  iteration {m['iteration_time_s'] * 1e3:.3f} ms  throughput {m['throughput']:.1f} samples/s"
              f"  (median of {len(m['step_times_s'])} steps after {m['warmup_steps']} warm-up)"]
+    if summary.get("resumed_from_step"):
+        lines.append(f"resumed:   from the checkpoint of step {summary['resumed_from_step']}"
+                     + (f" after {summary['restarts']} restart(s)" if summary.get("restarts") else ""))
     if "iteration_time_s" in p:
         lines.append(f"predicted: iteration {p['iteration_time_s'] * 1e3:.3f} ms  throughput {p['throughput']:.1f} samples/s"
                      f"  (error {summary.get('prediction_error', float('nan')) * 100:.1f}% of measured)")

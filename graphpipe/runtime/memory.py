@@ -34,7 +34,6 @@ Example
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
 
 from graphpipe.errors import InputError
 from graphpipe.plan import Plan

@@ -15,8 +15,9 @@ FaultInjection(rank=1, at='B')
 
 from __future__ import annotations
 
+import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from graphpipe.errors import InputError
@@ -24,12 +25,15 @@ from graphpipe.errors import InputError
 if TYPE_CHECKING:
     from graphpipe.plan import Plan
 
-__all__ = ["RunOptions", "FaultInjection", "fault_from_env", "PRECISIONS", "FAULT_POINTS", "CHECK_RTOL", "CHECK_ATOL"]
+__all__ = ["RunOptions", "flag", "FaultInjection", "fault_from_env", "PRECISIONS", "FAULT_POINTS", "CHECK_RTOL", "CHECK_ATOL"]
 
 CHECK_RTOL = 1.3e-6
 CHECK_ATOL = 1e-5
 
-FAULT_POINTS = ("F", "B", "setup", "hang")
+FAULT_POINTS = ("F", "B", "setup", "hang", "kill")
+
+MAX_TIMEOUT_S = 86400.0
+"""Longest --timeout (a day): a wait longer than that is a hang."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +42,10 @@ class FaultInjection:
 
     ``at``: ``F`` or ``B`` raise at the rank's first action of that kind,
     ``setup`` raises before joining the process group, ``hang`` stops
-    answering at the first F (its peers must time out).
+    answering at the first F (its peers must time out), ``kill`` SIGKILLs
+    the rank at the end of its second training step (after that step's
+    checkpoint, if any), as the out-of-memory killer would. A restarted run
+    (``--max-restarts``) runs without it: the fault fires once.
     """
 
     rank: int
@@ -76,40 +83,71 @@ PRECISIONS = ("fp32", "bf16")
 """Precisions a run trains at (``graphpipe run --precision``)."""
 
 
+def flag(name: str, *, help: str, **argparse_kwargs) -> dict:
+    """A :class:`RunOptions` field's command-line flag: its name, its help, and argparse extras (``metavar``,
+    ``choices``). Type and default come from the field itself (:mod:`graphpipe.runtime.flags` reads both), so an
+    option is declared in one place. A ``bool`` field is a switch: ``--name`` sets a ``False`` default to True, and a
+    ``--no-...`` name clears a ``True`` default."""
+    return {"flag": name, "help": help, "argparse": argparse_kwargs}
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RunOptions:
-    steps: int = 3
-    """Training iterations to run (the first ``warmup_steps`` are not measured)."""
-    warmup_steps: int = 1
-    backend: Literal["auto", "gloo", "nccl"] = "auto"
-    """gloo, nccl, or auto (nccl when every rank has its own GPU, else gloo)."""
-    check: bool = False
-    """Compare the first iteration's loss and gradients with a single-process run."""
-    timeout_s: float = 60.0
-    """Process-group timeout: any wait longer than this fails the run."""
-    seed: int = 0
-    lr: float = 0.01
-    """SGD learning rate of the per-rank optimizer step."""
-    num_threads: int = 1
-    """torch intra-op threads per rank (1: ranks share the host's cores fairly)."""
-    cpus_per_rank: int = 0
-    """Pin each rank to this many CPUs of its own (0: no pinning); see :func:`rank_cpus`."""
-    baseline: str | None = None
-    """None for our executor, ``"torch"`` for torch.distributed.pipelining."""
+    """The settings of one run. Fields with a ``flag`` in their metadata are ``graphpipe run``'s (and
+    ``python -m graphpipe.runtime``'s) options, generated from these declarations; the rest are set in code."""
+
+    steps: int = field(default=5, metadata=flag(
+        "--steps", metavar="K", help="training iterations, the first --warmup of them not measured"))
+    warmup_steps: int = field(default=1, metadata=flag(
+        "--warmup", metavar="N", help="iterations left out of the measurement"))
+    backend: Literal["auto", "gloo", "nccl"] = field(default="auto", metadata=flag(
+        "--backend", choices=("auto", "gloo", "nccl"), help="auto: nccl when every rank has its own GPU, else gloo"))
+    check: bool = field(default=False, metadata=flag(
+        "--check", help="compare the loss, every gradient and every buffer with a single-process run after every step "
+                        "(docs/semantics.md)"))
+    baseline: str | None = field(default=None, metadata=flag(
+        "--baseline", choices=("torch",),
+        help="run on torch.distributed.pipelining instead (sequential plans only; gpipe, 1f1b and interleaved with "
+             "torch's classes, any other flushing schedule from its CSV in _PipelineScheduleRuntime)"))
+    timeout_s: float = field(default=60.0, metadata=flag(
+        "--timeout", metavar="S", help="process-group timeout in seconds: a rank waiting longer fails the run"))
+    seed: int = field(default=0, metadata=flag("--seed", metavar="N", help="model weights and data seed"))
+    lr: float = field(default=0.01, metadata=flag("--lr", help="SGD learning rate of the per-rank optimizer step"))
+    num_threads: int = field(default=1, metadata=flag(
+        "--threads", metavar="N", help="torch intra-op threads per rank; 1 lets ranks share the host's cores fairly"))
+    cpus_per_rank: int = field(default=0, metadata=flag(
+        "--cpus-per-rank", metavar="N", help="pin each rank to N CPUs of its own (0: no pinning); steadier CPU timings"))
+    # Not argparse choices: a bad value is the one-line InputError of __post_init__ (exit 2) like every other check.
+    precision: Literal["fp32", "bf16"] = field(default="fp32", metadata=flag(
+        "--precision", metavar="fp32|bf16",
+        help="training precision: fp32, or bf16 under torch.autocast (forward, backward and the --check reference); "
+             "warned about when the plan's profile was measured at another"))
+    batchnorm: str | None = field(default=None, metadata=flag(
+        "--batchnorm", metavar="MODE",
+        help="BatchNorm under micro-batching: per-micro-batch (normalise each replica's rows; running statistics over "
+             "the mini-batch) or sync (statistics across a stage's replicas); default: the plan's (per-micro-batch)"))
+    measure: bool = field(default=True, metadata=flag(
+        "--no-measure", help="train as graphpipe.Pipeline does: no device synchronisation per action and no "
+                             "saved-tensor meter (step times stay; per-action times on a GPU are then host times, and "
+                             "the report has no activation memory)"))
+    checkpoint_dir: str | None = field(default=None, metadata=flag(
+        "--checkpoint-dir", metavar="DIR",
+        help="save a step checkpoint (weights, optimizer state, step, random generators) under DIR every "
+             "--checkpoint-every steps, keeping the newest 2, and start from DIR's newest complete one"))
+    checkpoint_every: int = field(default=1, metadata=flag(
+        "--checkpoint-every", metavar="K", help="steps between checkpoints with --checkpoint-dir"))
+    compile: bool = field(default=False, metadata=flag(
+        "--compile", help="compile every stage's forward and backward with torch.compile (inductor); refused for "
+                          "split-backward (zero bubble) and PipeDream schedules"))
+    max_restarts: int = field(default=0, metadata=flag(
+        "--max-restarts", metavar="R",
+        help="when a rank fails (killed, out of memory, an error), start every rank again up to R times, resuming "
+             "from --checkpoint-dir's newest checkpoint (as torchrun --max-restarts does)"))
     rtol: float = CHECK_RTOL
+    """--check's relative tolerance (bf16 runs get a wider one, :data:`graphpipe.runtime.flags.BF16_CHECK_TOLERANCE`)."""
     atol: float = CHECK_ATOL
     fault: FaultInjection | None = None
     """Test hook: make one rank fail on purpose (:class:`FaultInjection`); None in real runs."""
-    batchnorm: str | None = None
-    """BatchNorm semantics, ``per-micro-batch`` or ``sync`` (:mod:`graphpipe.runtime.batchnorm`); None: the plan's."""
-
-    precision: Literal["fp32", "bf16"] = "fp32"
-    """Training precision: ``fp32``, or ``bf16`` under ``torch.autocast`` (forward, backward and the --check reference)."""
-    measure: bool = True
-    """Time every action (synchronising the device first) and meter saved activations (``--no-measure``: off,
-    as in the training API; the report then has step times but no per-action records' device times or memory)."""
-    compile: bool = False
-    """Compile every stage's forward and backward with ``torch.compile`` (inductor; :mod:`graphpipe.runtime.compiled`)."""
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -123,10 +161,14 @@ class RunOptions:
             object.__setattr__(self, "warmup_steps", 0 if self.steps == 1 else min(self.warmup_steps, self.steps - 1))
         if self.backend not in ("auto", "gloo", "nccl"):
             raise InputError(f"--backend must be gloo, nccl or auto, got {self.backend!r}")
-        if not self.timeout_s > 0:
-            raise InputError(f"--timeout must be > 0 seconds, got {self.timeout_s!r}")
-        if not isinstance(self.num_threads, int) or self.num_threads < 1:
-            raise InputError(f"--threads must be >= 1, got {self.num_threads!r}")
+        if not 0 < self.timeout_s <= MAX_TIMEOUT_S:  # inf and 1e300 overflow the process group's timedelta
+            raise InputError(f"--timeout must be > 0 and at most {MAX_TIMEOUT_S:g} seconds, got {self.timeout_s!r}")
+        if not (math.isfinite(self.lr) and self.lr >= 0):
+            raise InputError(f"--lr must be a finite number >= 0, got {self.lr!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -2**31 <= self.seed < 2**31:
+            raise InputError(f"--seed must be a 32-bit integer, got {self.seed!r}")
+        if not isinstance(self.num_threads, int) or not 1 <= self.num_threads <= 4096:
+            raise InputError(f"--threads must be between 1 and 4096, got {self.num_threads!r}")
         if not isinstance(self.cpus_per_rank, int) or self.cpus_per_rank < 0:
             raise InputError(f"--cpus-per-rank must be a non-negative integer, got {self.cpus_per_rank!r}")
         if self.compile and self.baseline is not None:
@@ -134,6 +176,14 @@ class RunOptions:
                              "drop one of them")
         if self.baseline not in (None, "torch"):
             raise InputError(f"--baseline must be 'torch', got {self.baseline!r}")
+        if isinstance(self.checkpoint_every, bool) or not isinstance(self.checkpoint_every, int) \
+                or self.checkpoint_every < 1:
+            raise InputError(f"--checkpoint-every must be a positive integer, got {self.checkpoint_every!r}")
+        if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) or self.max_restarts < 0:
+            raise InputError(f"--max-restarts must be a non-negative integer, got {self.max_restarts!r}")
+        if self.max_restarts and self.checkpoint_dir is None:
+            raise InputError("--max-restarts needs --checkpoint-dir: a restarted run resumes from its newest "
+                             "checkpoint (without one it would start over)")
         if self.batchnorm is not None:
             from graphpipe.runtime.batchnorm import check_batchnorm_mode
 

@@ -33,7 +33,8 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import asdict
+import signal
+from dataclasses import asdict, replace
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
@@ -42,6 +43,7 @@ import torch.distributed as dist
 
 from graphpipe.errors import PlanError
 from graphpipe.plan import Plan, plan_from_dict
+from graphpipe.progress import step_done
 from graphpipe.runtime.executor import StepResult
 from graphpipe.runtime.jobs import (RunOptions, compare_buffers, compare_gradients, data_seed, finish_job,
                                     load_runnable, plan_granularity, reference_run)
@@ -140,18 +142,22 @@ def run_job(rank: int, world_size: int, plan: Plan, options: RunOptions, device:
         reference = reference_run(plan.model, options.seed, sg.batch_size, layout, options.steps, options.lr,
                                   granularity=plan_granularity(plan), precision=options.precision, meta_params=True)
 
+    start = pipe.resume(options.checkpoint_dir, optimizer=optimizer) if options.checkpoint_dir else 0
+    if start >= options.steps:
+        raise PlanError(f"--checkpoint-dir {options.checkpoint_dir} already holds step {start}, and the run has "
+                        f"--steps {options.steps}; raise --steps or use another folder")
     steps: list[StepResult] = []
     check_stats = [0.0, 0, 0, 0]
-    for step in range(options.steps):
+    for step in range(start, options.steps):
         inputs = make_inputs(sg.batch_size, data_seed(options.seed, step)) if pipe.reads_inputs else None
         steps.append(pipe.timed_step(inputs, group=control))
         if reference is not None and my_stages:
             # Replicas all compare; only a stage's first replica counts (and only the owner of a tied parameter).
             grads = compare_gradients(((programs[s].param_names.get(name, name), p,
-                                        step == 0 and sg.stages[s].devices[0] == rank and (s, name) not in tied_copies)
+                                        step == start and sg.stages[s].devices[0] == rank and (s, name) not in tied_copies)
                                        for s in sorted(programs) for name, p in programs[s].module.named_parameters()),
                                       reference.grads[step], options)
-            bufs = compare_buffers(((name, b, step == 0 and sg.stages[s].devices[0] == rank and buffer_stage[name] == s)
+            bufs = compare_buffers(((name, b, step == start and sg.stages[s].devices[0] == rank and buffer_stage[name] == s)
                                     for s in sorted(programs) for name, b in programs[s].module.named_buffers()),
                                    reference.buffers[step], options)
             check_stats = [max(check_stats[0], grads[0], bufs[0]), check_stats[1] + grads[1] + bufs[1],
@@ -159,6 +165,17 @@ def run_job(rank: int, world_size: int, plan: Plan, options: RunOptions, device:
         if optimizer is not None:
             optimizer.step()
             optimizer.zero_grad()
+        if options.checkpoint_dir and (step + 1) % options.checkpoint_every == 0:
+            pipe.save(options.checkpoint_dir, optimizer, step=step + 1)
+        if options.fault is not None and options.fault.hits(rank, "kill") and step == start + 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        step_done()
+    measured = options
+    if start:  # the run's steps (and the reference's losses it is checked against) begin at the resumed step
+        measured = replace(options, steps=options.steps - start,
+                           warmup_steps=min(options.warmup_steps, options.steps - start - 1))
+        if reference is not None:
+            reference = replace(reference, losses=reference.losses[start:], buffers=reference.buffers[start:])
     # Activation memory per device (rank = device): peak bytes saved for backward, and CUDA's allocator peak.
     timed = steps[options.warmup_steps:] or steps
     mem = torch.tensor([float(max(s.peak_saved_bytes for s in timed)),
@@ -166,11 +183,13 @@ def run_job(rank: int, world_size: int, plan: Plan, options: RunOptions, device:
                        dtype=torch.float64)
     mems = [torch.zeros_like(mem) for _ in range(world_size)]
     dist.all_gather(mems, mem, group=control)
-    out = finish_job(rank, world_size, plan, options, [s.iteration_time_s for s in steps], [s.loss for s in steps],
+    out = finish_job(rank, world_size, plan, measured, [s.iteration_time_s for s in steps], [s.loss for s in steps],
                      tuple(check_stats), reference, records=[[asdict(r) for r in s.records] for s in steps],
                      backend=backend, starts=[s.t0 for s in steps], control=control)
     if out is not None:
         out["precision"] = options.precision
+        if options.checkpoint_dir:
+            out["resumed_from_step"] = start
         if options.measure:
             out["measured"]["peak_activation_bytes"] = [float(m[0]) for m in mems]
         out["measured"]["peak_rss_bytes"] = [float(m[2]) for m in mems]
