@@ -106,10 +106,10 @@ class Pipeline:
         if compile:
             from graphpipe.runtime.compiled import compile_refusal
 
-            refusal = compile_refusal(a for actions in self.plan.schedule.device_actions for a in actions)
+            refusal = compile_refusal((a for actions in self.plan.schedule.device_actions for a in actions),
+                                      "compile=True")
             if refusal is not None:
-                raise PlanError(refusal.replace("--compile", "compile=True").replace("--schedule", "schedule")
-                                .replace("without compile=True", "with compile=False"))
+                raise PlanError(refusal)
         self._compile = bool(compile)
         self.precision, self.seed, self.timeout_s = precision, seed, timeout_s
         self.rank, self.world_size, self.backend, self._owns_group = _init_distributed(timeout_s)

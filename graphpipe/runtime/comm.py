@@ -19,7 +19,9 @@ sits in its link's sequence.
   stream while this rank's kernels run, and ``recv`` then only makes the
   compute stream wait for a message already in flight. On a CPU (gloo) a
   posted receive gains nothing the lazy post does not, so gloo keeps posting
-  at ``recv``.
+  at ``recv``; so does a measuring run (``graphpipe run`` without
+  ``--no-measure``), whose device synchronisation after every action would
+  otherwise wait for a posted receive whose sender is waiting for this rank.
 * Messages between two stages on the same rank (interleaved virtual stages)
   never touch the network: they are handed over in a local dictionary.
 

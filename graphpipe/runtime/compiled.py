@@ -40,13 +40,14 @@ class CompileError(RuntimeError):
     """A stage ``torch.compile`` could not compile (raised at its first call, naming the stage)."""
 
 
-def compile_refusal(actions: Iterable) -> str | None:
-    """Why a schedule with these actions cannot run compiled stages, or None when it can."""
+def compile_refusal(actions: Iterable, flag: str = "--compile") -> str | None:
+    """Why a schedule with these actions cannot run compiled stages, or None when it can (``flag``: how the user
+    asked for compilation, named in the message)."""
     kinds = {a.kind for a in actions}
     if kinds & {"I", "W"}:
-        return ("--compile cannot run a split-backward (zero bubble) schedule: torch.compile's backward is one "
+        return (f"{flag} cannot run a split-backward (zero bubble) schedule: torch.compile's backward is one "
                 "graph computing a stage's input and weight gradients together, so I cannot leave the weight "
-                "gradients to W; plan another --schedule or run without --compile")
+                f"gradients to W; plan another schedule or run without {flag}")
     return None
 
 

@@ -174,7 +174,10 @@ class RankExecutor:
         self.loss_fn = ctx.loss_fn
         self.device = ctx.device
         self.timeout = timedelta(seconds=ctx.timeout_s)
-        self.mailbox = Mailbox(self.rank, routing, self._buffer_spec, self.device, ctx.timeout_s, ctx.link_groups)
+        # Receives are posted an action ahead on CUDA only when actions are not timed: a measuring run synchronises
+        # the whole device after each action, which would wait for a posted receive whose sender waits for us.
+        self.mailbox = Mailbox(self.rank, routing, self._buffer_spec, self.device, ctx.timeout_s, ctx.link_groups,
+                               post_early=self.device.type == "cuda" and not ctx.measure)
         self._receive_lists: dict[Action, list] = {}
         self.dp_groups = dict(ctx.dp_groups)
         self.allreduce_order = {k: tuple(v) for k, v in ctx.allreduce_order.items()}
