@@ -66,3 +66,13 @@ def test_split_backward_and_asynchronous_schedules_are_refused_with_the_reason(t
     assert "split-backward" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
     with pytest.raises(Exception, match="--baseline torch"):
         RunOptions(compile=True, baseline="torch")
+
+
+def test_the_api_refuses_a_split_backward_plan():
+    from graphpipe.errors import PlanError
+    from graphpipe.runtime.api import Pipeline
+
+    chain = (["embed", "layer0", "layer1"], ["layer2", "layer3", "head"])
+    zb = _plan("transformer:small", chain, [(0,), (1,)], [2, 2], 8, 2, "zb-h1")
+    with pytest.raises(PlanError, match="compile=True cannot run a split-backward"):
+        Pipeline(zb, compile=True)
