@@ -7,17 +7,13 @@ backward that ran was the compiled one). Refusals are checked for naming the rea
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 from graphpipe.actions import Action
-from graphpipe.cluster import preset
-from graphpipe.plan import Plan, write_plan
+from graphpipe.plan import write_plan
 from graphpipe.runtime.compiled import CompileError, CompiledForward, compile_refusal
 from graphpipe.runtime.options import RunOptions
-from graphpipe.sched import make_schedule
 
 from test_runtime_units import _plan, one_rank_group  # noqa: F401  (the fixture)
 
