@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks of compiled stages and early-posted receives (one short run on a lent GPU machine).
 #
-#   OUT=/some/folder bash evals/gpu_check.sh
+#   OUT=/some/folder bash evals/gpu_check.sh      # PYTHON=..., GPU_CHECK_MODEL=zoo-spec to override
 #
 # Parts (each may fail without stopping the others; a summary is printed at the end):
 #   1. --compile --check on one GPU: a two-stage plan of transformer:small, all stages on one rank, trained
@@ -57,7 +57,7 @@ PYEOF
 STATUS[compile-check]=$?
 
 # a GPT-style model of about 100M parameters: big enough that the GPU, not the host, sets the step time
-GPT="transformer:small,layers=8,hidden=1024,seq=256,heads=16,ffn=4096,vocab=1024"
+GPT=${GPU_CHECK_MODEL:-"transformer:small,layers=8,hidden=1024,seq=256,heads=16,ffn=4096,vocab=1024"}
 timeout 170 $PY -m evals.bench_api --model "$GPT" --batch-size 64 --micro-batch-size 8 --compile --no-torch \
     --steps 16 --warmup 3 --out "$OUT" > "$OUT/2-bench-compile-fp32.txt" 2>&1
 STATUS[bench-compile-fp32]=$?
