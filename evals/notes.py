@@ -162,6 +162,11 @@ NOTES: dict[str, str] = {
         "kernels per 530 ms step), so host time per micro-batch is what the ratio measures. Timed with the host "
         "alone on the H200 (one step each, no synchronisation until its end), the API issued its step in 399 ms, "
         "the plain loop in 426 ms and torch's one-stage ScheduleGPipe in 469 ms."),
+    "bench_api-compile": (
+        "On this shared 2-core host under load from other jobs (load average about 8), 20 steps alternating after "
+        "4 warm-ups (the compilations); an earlier 10-step run of the same command gave 0.90x the compiled loop "
+        "and 1.12x the eager API, so the CPU figures move by tens of percent with the load. Compiled stages beat "
+        "eager in both runs. The GPU figures come from `evals/gpu_check.sh`."),
     "bench_api-cuda": (
         "One H200 (torch 2.11.0+cu130), 16 steps alternating after 3 warm-ups; a 12-step run minutes earlier gave "
         "0.992x and 1.001x. fp32 is bound by the GPU at this size (about 1 s a step), so the three contestants "

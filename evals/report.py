@@ -56,6 +56,14 @@ PAPER = {
     "bench_api-bf16-cuda": "(the same at bf16, one autocast region per step in all three: "
                            "`python -m graphpipe.evals.bench_api --model mmt --batch-size 64 --micro-batch-size 8 "
                            "--precision bf16`)",
+    "bench_api-compile": "(issue 47's target: the API with compiled stages at >= 1.0x a torch.compile'd plain loop and "
+                         "above the eager API, side by side in one run: "
+                         "`python -m graphpipe.evals.bench_api --compile --no-torch`)",
+    "bench_api-compile-cuda": "(issue 47's GPU target: compiled API >= 1.0x a torch.compile'd plain loop on one GPU "
+                              "and above eager: `bash evals/gpu_check.sh`)",
+    "bench_api-compile-bf16-cuda": "(the same at bf16: `bash evals/gpu_check.sh`)",
+    "overlap_sends": "(issue 47: receives posted one action ahead on CUDA ranks against posted at use, two GPUs: "
+                     "`python -m graphpipe.evals.overlap_sends`)",
     "bench_api-torch": "(issue 31/32's target: >= 1.0x torch.distributed.pipelining on CPU ranks with the same "
                        "partition; other schedules run from the same CSV in torch's _PipelineScheduleRuntime: "
                        "`python -m graphpipe.evals.bench_api --ranks 4 --schedules 1f1b,zb-h1`)",
@@ -147,7 +155,17 @@ TABLE_COLUMNS["bench_api-bf16"] = TABLE_COLUMNS["bench_api"]
 TABLE_COLUMNS["bench_api-cuda"] = TABLE_COLUMNS["bench_api"][:2] + [("GPU", "device_name"), ("torch", "torch_version")] + \
     TABLE_COLUMNS["bench_api"][3:] + [("torch 1-stage ms/step", "torch_ms"), ("API / torch throughput", "throughput_ratio_vs_torch")]
 TABLE_COLUMNS["bench_api-bf16-cuda"] = TABLE_COLUMNS["bench_api-cuda"]
+TABLE_COLUMNS["bench_api-compile"] = TABLE_COLUMNS["bench_api"][:3] + [("torch", "torch_version")] + \
+    TABLE_COLUMNS["bench_api"][3:] + [("API compiled ms/step", "api_compiled_ms"), ("loop compiled ms/step", "loop_compiled_ms"),
+                                      ("compiled API / compiled loop", "compiled_api_vs_compiled_loop"),
+                                      ("compiled API / eager API", "compiled_api_vs_eager_api")]
+TABLE_COLUMNS["bench_api-compile-cuda"] = TABLE_COLUMNS["bench_api-compile"]
+TABLE_COLUMNS["bench_api-compile-bf16-cuda"] = TABLE_COLUMNS["bench_api-compile"]
+TABLE_COLUMNS["overlap_sends"] = [("model", "model"), ("GPU", "device_name"), ("batch", "batch_size"),
+                                  ("posted early ms", "early_ms"), ("posted at use ms", "at_use_ms"),
+                                  ("gain (at use / early)", "gain_ratio"), ("same loss", "losses_equal")]
 BENCH_API = ("bench_api", "bench_api-bf16", "bench_api-cuda", "bench_api-bf16-cuda")
+COMPILED = ("bench_api-compile", "bench_api-compile-cuda", "bench_api-compile-bf16-cuda")
 
 
 def _cli_line(res: dict[str, Any]) -> str:
@@ -184,10 +202,16 @@ def _rows_for_table(name: str, res: dict[str, Any]) -> list[dict[str, Any]]:
     if name == "bench_scale":
         for r in rows:
             r["search_range_s"] = [r["min_search_s"], r["max_search_s"]]
-    if name in BENCH_API:
+    if name in BENCH_API + COMPILED:
         for r in rows:
             r["api_ms"], r["loop_ms"] = r["api_step_s"] * 1e3, r["loop_step_s"] * 1e3
             r["torch_ms"] = r["torch_step_s"] * 1e3 if "torch_step_s" in r else None
+    if name in COMPILED:
+        for r in rows:
+            r["api_compiled_ms"], r["loop_compiled_ms"] = r["api_compiled_step_s"] * 1e3, r["loop_compiled_step_s"] * 1e3
+    if name == "overlap_sends":
+        for r in rows:
+            r["early_ms"], r["at_use_ms"] = r["early_median_s"] * 1e3, r["at_use_median_s"] * 1e3
     if name == "memory-runtime":
         for r in rows:
             r["measured_kb"], r["predicted_kb"] = r["peak_measured_bytes"] / 1e3, r["peak_predicted_bytes"] / 1e3
@@ -287,6 +311,18 @@ def _headline(name: str, res: dict[str, Any]) -> str:
         where = r.get("device_name", r["device"])
         where += f", torch {r['torch_version']}" if "torch_version" in r else ""
         return text + f" ({r['precision']} on {where}, median of {r['steps']} steps in alternating order)"
+    if name in COMPILED:
+        r = res["rows"][0]
+        return (f"compiled stages at {fmt(r['compiled_api_vs_compiled_loop'])}x a torch.compile'd plain loop's "
+                f"throughput, {fmt(r['compiled_api_vs_eager_api'])}x the eager API and "
+                f"{fmt(r['compiled_api_vs_eager_loop'])}x the eager loop ({r['precision']} on "
+                f"{r.get('device_name', r['device'])}, torch {r['torch_version']}, median of {r['steps']} steps in "
+                "alternating order)")
+    if name == "overlap_sends":
+        r = res["rows"][0]
+        return (f"receives posted one action ahead: {fmt(r['gain_ratio'])}x the step throughput of posting them at "
+                f"use (2 x {r['device_name']}, median of {r['steps_each']} alternating steps each; same loss: "
+                f"{r['losses_equal']})")
     if name == "bench_api-torch":
         return "; ".join(f"{r['schedule']}: ours {fmt(r['throughput_ratio'])}x torch ({r['ranks']} CPU ranks, median "
                          f"of {r['rounds']} paired rounds)" for r in res["rows"])

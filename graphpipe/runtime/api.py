@@ -85,7 +85,9 @@ class Pipeline:
     and ``loss_fn``: the module and ``loss_fn(output)`` or
     ``loss_fn(output, target)``; when omitted they come from the plan's
     model spec (a zoo spec or ``file.py:factory``). ``precision``: ``fp32``
-    or ``bf16`` (``torch.autocast``, weights kept in fp32).
+    or ``bf16`` (``torch.autocast``, weights kept in fp32). ``compile``: every
+    stage this rank hosts runs its forward and backward compiled by
+    ``torch.compile`` (inductor; refused for split-backward schedules).
 
     The model is captured on ``example_inputs`` and ``example_target``
     (either may be left out: the spec's are used, the target only with a
@@ -99,7 +101,7 @@ class Pipeline:
     def __init__(self, plan: Plan | str | os.PathLike, model: nn.Module | None = None,
                  loss_fn: Callable[..., torch.Tensor] | None = None, *, example_inputs: Any = None,
                  example_target: Any = None, precision: str = "fp32", seed: int = 0, timeout_s: float = 300.0,
-                 batchnorm: str | None = None) -> None:
+                 batchnorm: str | None = None, compile: bool = False) -> None:
         from graphpipe.plan import read_plan
         from graphpipe.sched.async_pipe import plan_spec
 
@@ -109,6 +111,14 @@ class Pipeline:
                             "versions); Pipeline trains synchronous schedules: re-plan with another --schedule")
         if precision not in ("fp32", "bf16"):
             raise InputError(f"precision must be fp32 or bf16, got {precision!r}")
+        if compile:
+            from graphpipe.runtime.compiled import compile_refusal
+
+            refusal = compile_refusal((a for actions in self.plan.schedule.device_actions for a in actions),
+                                      "compile=True")
+            if refusal is not None:
+                raise PlanError(refusal)
+        self._compile = bool(compile)
         self.precision, self.seed, self.timeout_s = precision, seed, timeout_s
         self.rank, self.world_size, self.backend, self._owns_group = _init_distributed(timeout_s)
         sg = self.plan.stage_graph
@@ -236,6 +246,7 @@ class Pipeline:
         self.rank, self.world_size, self.backend, self.device = rank, world_size, backend, device
         self._owns_group = False  # the worker's group: it destroys it
         self._batchnorm, self._measure, self._steps = options.batchnorm_for(plan), options.measure, 0
+        self._compile = options.compile
         self._model = self._loss_fn = None  # the runnable's module is dropped: only this rank's stages stay
         self._from_rank0 = False  # every rank built (or materializes) the same weights from the seed
         self._assemble(runnable.module, runnable.gm, runnable.op_nodes, runnable.io, runnable.loss_fn,
@@ -269,7 +280,7 @@ class Pipeline:
         self._stage_sources = dict(enumerate(split.programs)) if self.rank == 0 else mine
         self._setup = setup_rank(self.rank, self.world_size, self.plan, split, meta, loss_fn, self.device,
                                  self.backend, timeout_s=self.timeout_s, seed=self.seed, batchnorm=self._batchnorm,
-                                 fault=fault, measure=measure)
+                                 fault=fault, measure=measure, compile=self._compile)
         self._names = {}
         for s, prog in self._setup.programs.items():
             for name, p in prog.module.named_parameters():

@@ -152,6 +152,8 @@ class ExecutorContext:
     the plan's mini-batch, not the stream's rows)."""
     measure: bool = True
     """Time every action (synchronising the device first) and meter saved activations; off in the training API."""
+    compile: bool = False
+    """Run every hosted stage's forward (and so its backward) compiled by ``torch.compile``."""
 
 
 class RankExecutor:
@@ -165,13 +167,18 @@ class RankExecutor:
         self.programs = dict(ctx.programs)
         # one object per hosted stage: module, parameters and gradient buffer, BatchNorms, forward, what its
         # re-materialization and split backward keep per micro-batch (runtime/hosted.py)
-        self.hosted = {s: HostedStage.of(sg.stages[s], prog) for s, prog in sorted(self.programs.items())}
+        self.hosted = {s: HostedStage.of(sg.stages[s], prog, compile=ctx.compile)
+                       for s, prog in sorted(self.programs.items())}
         self.routing = routing = ctx.routing
         self.meta = dict(ctx.meta)
         self.loss_fn = ctx.loss_fn
         self.device = ctx.device
         self.timeout = timedelta(seconds=ctx.timeout_s)
-        self.mailbox = Mailbox(self.rank, routing, self._buffer_spec, self.device, ctx.timeout_s, ctx.link_groups)
+        # Receives are posted an action ahead on CUDA only when actions are not timed: a measuring run synchronises
+        # the whole device after each action, which would wait for a posted receive whose sender waits for us.
+        self.mailbox = Mailbox(self.rank, routing, self._buffer_spec, self.device, ctx.timeout_s, ctx.link_groups,
+                               post_early=self.device.type == "cuda" and not ctx.measure)
+        self._receive_lists: dict[Action, list] = {}
         self.dp_groups = dict(ctx.dp_groups)
         self.allreduce_order = {k: tuple(v) for k, v in ctx.allreduce_order.items()}
         last_b: dict[int, int] = {}
@@ -208,6 +215,34 @@ class RankExecutor:
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return [p for h in self.hosted.values() for p in h.parameters()]
+
+    def _receives(self, a: Action) -> list[tuple[Any, str, int, tuple]]:
+        """``(piece, value, source rank, message key)`` of every message action ``a`` consumes, in the order it
+        consumes them: F the activations of its incoming pieces, B and I the gradients of its outgoing ones,
+        W none. Computed once per action (the routing is fixed)."""
+        got = self._receive_lists.get(a)
+        if got is not None:
+            return got
+        got = []
+        q = self.routing.replica(a.stage_id, self.rank)
+        if a.kind == "F":
+            for piece in self.routing.incoming(a.stage_id, a.mb_id, q):
+                src = self.sg.stages[piece.producer].devices[piece.producer_replica]
+                got += [(piece, v, src, Routing.key("F", piece, v)) for v in self._edge_values[(piece.producer, piece.consumer)]]
+        elif a.kind in ("B", "I"):
+            for piece in self.routing.outgoing(a.stage_id, a.mb_id, q):
+                src = self.sg.stages[piece.consumer].devices[piece.consumer_replica]
+                got += [(piece, v, src, Routing.key("B", piece, v)) for v in self._edge_values[(piece.producer, piece.consumer)]
+                        if v in self.routing.grad_values]
+        self._receive_lists[a] = got
+        return got
+
+    def _prefetch(self, a: Action) -> None:
+        """Post the receives of action ``a`` now (CUDA ranks: :meth:`Mailbox.prefetch`), so its messages travel
+        while the action before it computes; waited for only where ``a`` consumes them."""
+        if self.mailbox.post_early:
+            for _, _, src, key in self._receives(a):
+                self.mailbox.prefetch(src, key)
 
     @property
     def weights(self) -> dict[int, Any]:
@@ -262,10 +297,8 @@ class RankExecutor:
         for name, index in prog.model_inputs:
             values[name] = inputs[index][rows]
         parts: dict[str, list[torch.Tensor]] = {}
-        for piece in self.routing.incoming(a.stage_id, a.mb_id, q):
-            src = self.sg.stages[piece.producer].devices[piece.producer_replica]
-            for value in self._edge_values[(piece.producer, piece.consumer)]:
-                parts.setdefault(value, []).append(self.mailbox.recv(src, Routing.key("F", piece, value)))
+        for _, value, src, key in self._receives(a):
+            parts.setdefault(value, []).append(self.mailbox.recv(src, key))
         leaves = {}
         for value, chunks in parts.items():
             # an unbatched value (a position table) comes whole with every piece: the first copy is the stage's
@@ -381,23 +414,19 @@ class RankExecutor:
         ready_at = time.perf_counter()
         leaves, outputs, loss = saved.pop((a.stage_id, a.mb_id))
         grads: dict[str, torch.Tensor] = {}
-        for piece in self.routing.outgoing(a.stage_id, a.mb_id, q):
-            src = self.sg.stages[piece.consumer].devices[piece.consumer_replica]
-            for value in self._edge_values[(piece.producer, piece.consumer)]:
-                if value not in self.routing.grad_values:
-                    continue
-                g = self.mailbox.recv(src, Routing.key("B", piece, value))
-                acc = grads.get(value)
-                rows = piece.producer_rows
-                if not self.meta[value].batched:  # every consumer shard's gradient of the whole value: summed
-                    grads[value] = g if acc is None else acc + g
-                    continue
-                if acc is None and rows.start == 0 and rows.stop == outputs[value].shape[0]:
-                    grads[value] = g  # a piece covering every row (the usual case): the received buffer is ours
-                    continue
-                if acc is None:
-                    acc = grads[value] = torch.zeros_like(outputs[value])
-                acc[rows] += g
+        for piece, value, src, key in self._receives(a):
+            g = self.mailbox.recv(src, key)
+            acc = grads.get(value)
+            rows = piece.producer_rows
+            if not self.meta[value].batched:  # every consumer shard's gradient of the whole value: summed
+                grads[value] = g if acc is None else acc + g
+                continue
+            if acc is None and rows.start == 0 and rows.stop == outputs[value].shape[0]:
+                grads[value] = g  # a piece covering every row (the usual case): the received buffer is ours
+                continue
+            if acc is None:
+                acc = grads[value] = torch.zeros_like(outputs[value])
+            acc[rows] += g
         self._sync()
         start = time.perf_counter()
         if self._fail_at == "B":
@@ -482,6 +511,8 @@ class RankExecutor:
         pending_ar: list[tuple[int, object, torch.Tensor, list[torch.Tensor], float]] = []
         finished_at: dict[int, float] = {}
         for pos, a in enumerate(self.actions):
+            if pos + 1 < len(self.actions):  # the next action's messages travel while this one computes (CUDA)
+                self._prefetch(self.actions[pos + 1])
             if a.kind == "F":
                 ready, start, end = self._forward(a, inputs, saved, t0)
             elif a.kind in ("B", "I"):

@@ -64,7 +64,7 @@ class HostedStage:
 
     stage: Stage
     program: StageProgram
-    forward: BoundForward
+    forward: BoundForward | Any
     """The stage's forward with its parameters passed in (no attribute chains per micro-batch)."""
     batchnorms: tuple
     """Its :class:`~graphpipe.runtime.batchnorm.ShardedBatchNorm` modules, in a fixed order."""
@@ -83,8 +83,14 @@ class HostedStage:
     """Micro-batch -> the checkpoint segments that ran (a second call is a re-materialization)."""
 
     @classmethod
-    def of(cls, stage: Stage, program: StageProgram) -> "HostedStage":
-        return cls(stage, program, BoundForward(program.module), tuple(sharded_batchnorms(program.module)))
+    def of(cls, stage: Stage, program: StageProgram, *, compile: bool = False) -> "HostedStage":
+        """``compile``: the bound forward compiled by ``torch.compile`` (:mod:`graphpipe.runtime.compiled`)."""
+        forward = BoundForward(program.module)
+        if compile:
+            from graphpipe.runtime.compiled import CompiledForward
+
+            forward = CompiledForward(forward, stage.id)
+        return cls(stage, program, forward, tuple(sharded_batchnorms(program.module)))
 
     @property
     def stage_id(self) -> int:

@@ -169,12 +169,12 @@ def build_runnable(spec: str, seed: int = 0, device: str = "cpu", capture: bool 
     rank materializes its stages.
     """
     from graphpipe import capture as cap
-    from graphpipe.runtime.materialize import buffers_to_meta, meta_copy, on_meta, params_on_meta
+    from graphpipe.runtime.materialize import buffers_to_meta, kept_values, meta_copy, on_meta, params_on_meta
 
     target, make_inputs = None, None
-    building = params_on_meta() if meta_params else contextlib.nullcontext()
+    building = params_on_meta() if meta_params else contextlib.nullcontext({})
     if ".py:" in spec:
-        with torch.random.fork_rng(devices=[]), building:
+        with torch.random.fork_rng(devices=[]), building as kept:
             torch.manual_seed(seed)
             made = cap.load_factory(spec)
         module, example, loss_fn, target = made.module, made.example_inputs, made.loss_fn, made.example_target
@@ -189,12 +189,12 @@ def build_runnable(spec: str, seed: int = 0, device: str = "cpu", capture: bool 
     else:
         from graphpipe import zoo
 
-        with building:
+        with building as kept:
             built = zoo.build(spec, device=device, seed=seed)
         module, example, loss_fn, make_inputs = built.module, built.example_inputs, built.loss_fn, built.make_inputs
     # no target is no leaf (torch's pytree counts None as one: the reference would call the module with it)
     target_leaves = tree_leaves(target) if target is not None else []
-    initial = buffers_to_meta(module) if meta_params else {}
+    initial = {**buffers_to_meta(module), **kept_values(module, kept)} if meta_params else {}
     if not capture:
         flat = tuple(tree_leaves(example)) + tuple(target_leaves)
         return Runnable(spec, module, None, {}, (), loss_fn,  # type: ignore[arg-type]

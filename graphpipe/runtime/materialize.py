@@ -40,32 +40,63 @@ import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["params_on_meta", "buffers_to_meta", "on_meta", "tensor_seed", "materialize_stages", "retarget_devices", "meta_copy",
+__all__ = ["params_on_meta", "kept_values", "buffers_to_meta", "fake_cpu", "on_meta", "tensor_seed", "materialize_stages", "retarget_devices", "meta_copy",
            "model_tensors", "Materialized"]
 
 
 @contextlib.contextmanager
-def params_on_meta() -> Iterator[None]:
+def params_on_meta() -> Iterator[dict[int, tuple[torch.Tensor, torch.Tensor]]]:
     """Build modules inside this block with their parameters on the meta device (buffers and every other tensor,
     example inputs included, stay where they are built).
 
     Each parameter is created as its module's code creates it and moved to
     meta at once, so the block holds one real parameter at a time and the
     code's random draws (the example inputs' among them) are the ones an
-    eager build makes.
+    eager build makes. A parameter of a module without ``reset_parameters``
+    (CLIP's ``logit_scale``, a class token) has no initialiser to run again:
+    it stays real until the block ends (its module's constructor may still
+    fill it), then moves to meta and its built value is kept in the yielded
+    dict, ``id(meta parameter) -> (meta parameter, value)``
+    (:func:`kept_values` names them).
     """
     original = nn.Module.register_parameter
+    kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    raw: list[tuple[nn.Module, str]] = []
 
     def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         original(module, name, param)
-        if param is not None and param.device.type != "meta":
+        if param is None or param.device.type == "meta":
+            return
+        if _has_initialiser(module):
             module._parameters[name] = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+        else:
+            raw.append((module, name))
 
     nn.Module.register_parameter = register  # type: ignore[method-assign]
     try:
-        yield
+        yield kept
+        moved: dict[int, nn.Parameter] = {}
+        for module, name in raw:
+            p = module._parameters.get(name)
+            if p is None or p.device.type == "meta":
+                continue
+            if id(p) not in moved:
+                meta = moved[id(p)] = nn.Parameter(p.detach().to("meta"), requires_grad=p.requires_grad)
+                kept[id(meta)] = (meta, p.detach())
+            module._parameters[name] = moved[id(p)]
     finally:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def _has_initialiser(module: nn.Module) -> bool:
+    """Whether ``module`` can fill its parameters again (``reset_parameters``, or ``nn.MultiheadAttention``'s
+    ``_reset_parameters``)."""
+    return callable(getattr(module, "reset_parameters", None)) or callable(getattr(module, "_reset_parameters", None))
+
+
+def kept_values(module: nn.Module, kept: Mapping[int, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """:func:`params_on_meta`'s kept values by the parameters' names in ``module``."""
+    return {name: kept[id(p)][1] for name, p in module.named_parameters() if id(p) in kept}
 
 
 def buffers_to_meta(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -205,7 +236,7 @@ def materialize_stages(model: nn.Module | None, programs: Mapping[int, Any], dev
             continue
         module, kind, attr, _ = by_name[name]
         old = getattr(module, kind)[attr]
-        new = torch.empty_like(old, device=device)
+        new = torch.zeros_like(old, device=device)  # what no initialiser writes is zero on every rank, not garbage
         if kind == "_parameters":
             new = nn.Parameter(new, requires_grad=old.requires_grad)
         getattr(module, kind)[attr] = new
@@ -269,11 +300,35 @@ def _initialiser_of(module: nn.Module, path: str, modules: Mapping[str, nn.Modul
     here = path
     while True:
         m = modules[here]
-        if callable(getattr(m, "reset_parameters", None)) or callable(getattr(m, "_reset_parameters", None)):
+        if _has_initialiser(m):
             return m, here
         if not here:
             return module, path
         here = here.rpartition(".")[0]
+
+
+@contextlib.contextmanager
+def fake_cpu(gm: torch.fx.GraphModule) -> Iterator[Any]:
+    """Run ``gm``, whose tensors are on the meta device, on fake CPU tensors inside this block (for what only
+    CPU kernels decide, such as autocast's dtypes); yields the converter for its inputs. Its device literals move
+    to the CPU for good (stage modules cut before keep theirs)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from graphpipe.capture import _restore_state, _swap_state
+
+    retarget_devices(gm, torch.device("cpu"))
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        def fake(t):
+            if not isinstance(t, torch.Tensor):
+                return t
+            real = torch.empty(t.shape, dtype=t.dtype, device="meta") if t.device.type == "meta" else t
+            return mode.from_tensor(real).to("cpu") if t.device.type == "meta" else mode.from_tensor(t)
+
+        swapped = _swap_state(gm, fake)
+        try:
+            yield fake
+        finally:
+            _restore_state(gm, swapped)
 
 
 def retarget_devices(gm: torch.fx.GraphModule, device: torch.device) -> bool:

@@ -46,14 +46,15 @@ class RankSetup:
 
 def setup_rank(rank: int, world_size: int, plan: Plan, split: ModelSplit, meta, loss_fn, device: torch.device,
                backend: str, *, timeout_s: float, seed: int, batchnorm: str, fault=None, measure: bool = True,
-               stream=None) -> RankSetup:
+               stream=None, compile: bool = False) -> RankSetup:
     """Routing, process groups (created by every rank in the same order), tied parameters and the executor of
     ``rank``: the one set-up of ``graphpipe run`` (synchronous and asynchronous) and :class:`graphpipe.Pipeline`.
 
     ``stream``: ``(stage graph, schedule)`` of an asynchronous run's stream
     (:func:`~graphpipe.sched.async_pipe.stream_schedule`), which ``split`` was
     cut for; its replicas all-reduce inside the weight versions, not after
-    the last backward, and its loss terms are scaled by the plan's mini-batch.
+    the last backward, and its loss terms are scaled by the plan's mini-batch. ``compile``: every hosted
+    stage's forward and backward compiled with ``torch.compile`` (:mod:`graphpipe.runtime.compiled`).
     """
     from graphpipe.runtime.comm import make_link_groups
 
@@ -103,6 +104,6 @@ def setup_rank(rank: int, world_size: int, plan: Plan, split: ModelSplit, meta, 
         rank=rank, stage_graph=sg, actions=tuple(schedule.device_actions[rank]) if rank < sg.num_devices else (),
         programs=programs, routing=routing, meta=meta, loss_fn=loss_fn, device=device, timeout_s=timeout_s,
         link_groups=link_groups, dp_groups={k: v for k, v in dp_groups.items() if rank in k}, allreduce_order=ar_order,
-        tied=tuple(tied), seed=seed, batchnorm=batchnorm, fault=fault, measure=measure,
+        tied=tuple(tied), seed=seed, batchnorm=batchnorm, fault=fault, measure=measure, compile=compile,
         loss_batch_size=plan.stage_graph.batch_size)
     return RankSetup(RankExecutor(ctx), programs, layout, tied_copies, buffer_stage)

@@ -531,16 +531,25 @@ def boundary_meta(gm: torch.fx.GraphModule, values: Sequence[str],
     (:class:`ValueMeta`). The executor relies on this to size receive buffers up front,
     so no shape message ever travels with the data. At ``bf16`` the graph
     runs under autocast, as the run does: a value's dtype is the one sent.
+    Autocast does not act on meta tensors, so a graph on the meta device (a
+    model materialized per stage) runs on fake CPU tensors there, its device
+    literals moved to the CPU (:func:`~graphpipe.runtime.materialize.fake_cpu`).
     """
+    import contextlib
+
+    from graphpipe.runtime.materialize import fake_cpu
+
     keep = set(values)
     runs = []
     training = gm.training
+    on_meta = any(t.device.type == "meta" for t in (*gm.parameters(), *gm.buffers()))
     gm.eval()  # shapes only: BatchNorm must not move its running statistics, dropout must not draw
     try:
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+        with (fake_cpu(gm) if on_meta and precision == "bf16" else contextlib.nullcontext(lambda x: x)) as convert, \
+                torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
             for n in (2, 3):
                 rec = _Recorder(gm, keep)
-                rec.run(*make_inputs(n, 0))
+                rec.run(*[convert(x) for x in make_inputs(n, 0)])
                 runs.append((n, rec.values))
     finally:
         gm.train(training)
