@@ -240,4 +240,20 @@ NOTES: dict[str, str] = {
         "by side (2 stages on 8 devices) and its lead over the sequential partitioners grows with the "
         "device count (over PipeDream 1.66x at 8 devices, 2.32x at 64)."
     ),
+    "bench_llm": (
+        "Measured on a 2-core host shared with four other engineers' test runs (load average 6-16 during the "
+        "run, in the config line), so wall times swing 2-3x between runs of the same command and say little; "
+        "the CPU seconds of each command (user + system) are the steadier figure and the one the ratios should "
+        "be read by. Where the time goes (cProfile, this model at 512 H100s): capture is mostly torch.export "
+        "tracing the 80 decoder layers one by one (about 70% of the cold command's CPU), costing them about "
+        "10%; the search is mostly the simulator scoring candidates (about 70% of its time), 160 of its 180 "
+        "simulations in gpp's idle-device pass, which re-splits each of the plan's ~40 two-layer stages over the "
+        "idle devices and scores each split under graph-1F1B and fill-drain. This change refuses a schedule whose "
+        "peak memory (from the action order, exact when every action takes time) is over the device's before "
+        "timing it (half the fill-drain trials here), takes score's peak from the action order instead of "
+        "sorting timed events, and solves the DP once per kind of stage of identical layers. Plans are the same "
+        "as before on this model and on every zoo model and PipeDream profile compared (46 plans at 8-64 "
+        "devices, stages and predicted figures). Not reached: the issue's targets (search under 10 s at 512, "
+        "cold command under 40 s); capturing a repeated block once and the idle-device pass scoring fewer "
+        "trials remain to do."),
 }

@@ -37,6 +37,10 @@ PAPER = {
                    "every zoo paper model at 128-1024 devices under 10 s and 2 GB for gpp, pipedream and gpipe, "
                    "piper finishing or stopping cleanly; no kernel kill, no traceback: "
                    "`python -m graphpipe.evals.bench_scale`)",
+    "bench_llm": "(no paper figure; issue 47's target: a Llama-3-70B-shaped Hugging Face model built on the meta "
+                 "device planned with `graphpipe plan ... --devices 512 --batch-size 2048 --cluster h100` (and 1024 "
+                 "devices): search under 10 s, the whole cold command under 40 s: "
+                 "`python -m graphpipe.evals.bench_llm --before DIR`)",
     "memory-runtime": "(no paper figure; issue 15's target: measured activation bytes within 10% of the prediction on "
                       "every device, and lower with re-materialization)",
     "rank-rss": "(no paper figure; issue 45's target: each rank's peak host RSS is its stages' state plus a fixed "
@@ -135,6 +139,12 @@ TABLE_COLUMNS: dict[str, list[tuple[str, str]]] = {
     "rank-rss": [("rank", "rank"), ("stages", "stages"), ("peak RSS (MB)", "rss_mb"), ("expected (MB)", "expected_mb"),
                  ("stages' weights+grads+activations (MB)", "stage_state_mb"),
                  ("RSS - tiny model's rank (MB)", "rss_minus_tiny_mb"), ("error vs expected", "error_vs_expected")],
+    "bench_llm": [("measure", "measure"), ("devices", "devices"), ("batch", "batch_size"), ("runs", "repeat"),
+                  ("before wall (s)", "before_median_wall_s"), ("after wall (s)", "after_median_wall_s"),
+                  ("wall ratio", "ratio_wall_s"), ("before CPU (s)", "before_median_cpu_s"),
+                  ("after CPU (s)", "after_median_cpu_s"), ("CPU ratio", "ratio_cpu_s"),
+                  ("before search (s)", "before_median_search_s"), ("after search (s)", "after_median_search_s"),
+                  ("search ratio", "ratio_search_s"), ("same plan", "same_plan")],
     "memory-runtime": [("model", "model"), ("strategy", "strategy"), ("schedule", "schedule"),
                        ("recompute", "recompute"), ("check", "check"), ("measured KB (fullest device)", "measured_kb"),
                        ("predicted KB", "predicted_kb"), ("memory error (worst device)", "memory_error"),
@@ -296,6 +306,11 @@ def _headline(name: str, res: dict[str, Any]) -> str:
                 f"{sum(r['outcome'] == 'ok' for r in rows)} plans, {sum(r['outcome'] == 'refused' for r in rows)} "
                 f"one-line refusals, {len(bad)} timeouts, kills or tracebacks (up to {top} devices); load average "
                 f"during the run {fmt(list(res['config'].get('load_average') or []))}" + _cli_line(res))
+    if name == "bench_llm":
+        return ("before / after, medians side by side (wall; CPU): " + ", ".join(
+            f"{r['measure']} at {r['devices']} devices {fmt(r['before_median_wall_s'])} / "
+            f"{fmt(r['after_median_wall_s'])} s; {fmt(r['before_median_cpu_s'])} / {fmt(r['after_median_cpu_s'])} s"
+            for r in res["rows"]) + f"; load average during the run {fmt(list(res['config'].get('load_average') or []))}")
     if name == "memory-runtime":
         if not s.get("runs"):
             return "no run"

@@ -46,7 +46,8 @@ from graphpipe.stages import StageGraph
 if TYPE_CHECKING:
     from graphpipe.sched import SharedHost
 
-__all__ = ["SearchOptions", "SearchResult", "Strategy", "stage_tps", "recompute_all", "placed_bottleneck", "simulated", "simulated_peak", "stage_memory", "cut_tps",
+__all__ = ["SearchOptions", "SearchResult", "Strategy", "stage_tps", "recompute_all", "placed_bottleneck", "simulated",
+           "simulated_peak", "simulated_fitting", "stage_memory", "cut_tps",
            "stage_out_bytes", "comm_links", "link_name", "divisors", "micro_batch_candidates"]
 
 
@@ -186,6 +187,27 @@ def simulated_peak(sg: StageGraph, cluster: Cluster, schedule_name: str,
     # the simulation checks the schedule's structure and deadlock freedom itself: no separate validation pass.
     figures = simulate_figures(sg, schedule, cluster, host=host)
     return float(figures["throughput"]), float(figures["max_peak_memory_bytes"])
+
+
+def simulated_fitting(sg: StageGraph, cluster: Cluster, schedule_name: str, host: SharedHost | None = None) -> float | None:
+    """The throughput :func:`simulated` gives ``sg`` under ``schedule_name`` if its peak memory fits, else None.
+
+    For searches that drop a plan that does not fit: on dedicated devices a
+    schedule whose peak (from its action order) is over the device memory is
+    refused before the timed simulation, which is most of a check's cost at
+    thousands of actions (a fill-drain schedule of a large model often holds
+    too many micro-batches). The answers equal :func:`simulated`'s.
+    """
+    if host is not None:
+        throughput, fits = simulated(sg, cluster, schedule_name, host)
+        return throughput if fits else None
+    from graphpipe.sched import make_schedule
+    from graphpipe.sched.simulator import score
+
+    got = score(sg, make_schedule(schedule_name, sg, cluster, validate=False), cluster, memory_limit=cluster.memory_bytes)
+    if got is None or not float(got.max_peak_memory_bytes) <= cluster.memory_bytes:
+        return None
+    return float(got.throughput)
 
 
 def stage_memory(graph: OpGraph, op_ids: Iterable[int], num_replicas: int, micro_batch_size: int,

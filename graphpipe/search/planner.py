@@ -68,7 +68,7 @@ from graphpipe.graph import OpGraph
 from graphpipe.plan import Plan
 from graphpipe.search import STRATEGY_NAMES, get_strategy
 from graphpipe.stages import StageGraph
-from graphpipe.search.common import SearchOptions, SearchResult, Strategy, simulated
+from graphpipe.search.common import SearchOptions, SearchResult, Strategy, simulated, simulated_fitting
 from graphpipe.search.memory_guard import memory_guard, stage
 from graphpipe.sp import make_series_parallel
 
@@ -613,7 +613,7 @@ def strip_recompute(sg: StageGraph, cluster: Cluster, schedule_name: str, host=N
     for stage_id in order:
         trial = replace(sg, stages=tuple(replace(s, recompute=False) if s.id == stage_id else s for s in sg.stages))
         if not once:
-            if simulated(trial, cluster, schedule_name, host)[1]:
+            if simulated_fitting(trial, cluster, schedule_name, host) is not None:
                 sg = trial
             continue
         changed = sg.stages[stage_id].devices
