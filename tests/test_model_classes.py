@@ -282,7 +282,7 @@ def test_a_loss_with_a_target_trains_through_the_api_from_the_first_step(tmp_pat
         loss.backward()
         opt.step()
         opt.zero_grad()
-        expected.append(float(loss))
+        expected.append(float(loss.detach()))
     _one_rank_world()
     try:
         pipe = Pipeline(plan, model_classes.untargeted()[0], loss_fn, timeout_s=60)
