@@ -7,6 +7,11 @@
 
     python -m graphpipe.evals.bench_api --ranks 4 --schedules 1f1b,zb-h1 --out evals   # vs torch's runtime, 4 CPU ranks
 
+``--compile``: four contestants side by side, the API eager and compiled (``Pipeline(..., compile=True)``)
+and the plain loop eager and compiled (``torch.compile`` of the model, inductor); ratios compiled API over
+compiled loop, over eager API and over eager loop (medians of alternating steps after warm-up, which
+includes the compilations).
+
 One rank, one stage (a gpipe plan of the zoo model on one device, fixed micro-batch size): the API's step
 (forward and backward over the micro-batches, then AdamW) against the loop a user would write for the same
 micro-batching (each micro-batch's loss scaled by its share of the mini-batch, backward, one AdamW step), with
@@ -41,9 +46,10 @@ def _free_port() -> int:
 
 
 def run(model: str = "transformer:small", batch_size: int = 32, micro_batch_size: int = 8, steps: int = 20,
-        warmup: int = 3, precision: str = "fp32", with_torch: bool = True) -> dict:
+        warmup: int = 3, precision: str = "fp32", with_torch: bool = True, compile: bool = False) -> dict:
     """Median step seconds of the API, the plain loop and (``with_torch``) torch.distributed.pipelining's
-    ``ScheduleGPipe`` with one stage, and the throughput ratios API/loop and API/torch."""
+    ``ScheduleGPipe`` with one stage, and the throughput ratios API/loop and API/torch. ``compile``: also the
+    API and the loop compiled by ``torch.compile`` (module docstring)."""
     import torch
     import torch.distributed as dist
 
@@ -68,19 +74,25 @@ def run(model: str = "transformer:small", batch_size: int = 32, micro_batch_size
     opt_loop = torch.optim.AdamW(reference.parameters(), lr=1e-4)
     on_device = tuple(x.to(device) for x in built.make_inputs(batch_size, 0))  # time the step, not the copy
 
-    def api_step(x) -> None:
-        pipe.step(x)
-        opt_api.step()
-        opt_api.zero_grad()
+    def api_step_of(pipe, opt):
+        def api_step(x) -> None:
+            pipe.step(x)
+            opt.step()
+            opt.zero_grad()
+        return api_step
 
-    def loop_step(x) -> None:
-        with autocast(precision, device):
-            for lo in range(0, batch_size, micro_batch_size):
-                mb = tuple(t[lo:lo + micro_batch_size] for t in x)
-                loss = built.loss_fn(reference(*mb)) * (micro_batch_size / batch_size)
-                loss.backward()
-        opt_loop.step()
-        opt_loop.zero_grad()
+    def loop_step_of(module, opt):  # the plain loop a user would write, around ``module`` (eager or compiled)
+        def loop_step(x) -> None:
+            with autocast(precision, device):
+                for lo in range(0, batch_size, micro_batch_size):
+                    mb = tuple(t[lo:lo + micro_batch_size] for t in x)
+                    loss = built.loss_fn(module(*mb)) * (micro_batch_size / batch_size)
+                    loss.backward()
+            opt.step()
+            opt.zero_grad()
+        return loop_step
+
+    api_step, loop_step = api_step_of(pipe, opt_api), loop_step_of(reference, opt_loop)
 
     def sync() -> None:
         if device.type == "cuda":
@@ -96,6 +108,15 @@ def run(model: str = "transformer:small", batch_size: int = 32, micro_batch_size
         return step
 
     contestants = [("api", timed(api_step)), ("loop", timed(loop_step))]
+    if compile:
+        built_c = zoo.build(model, seed=0)
+        built_c.module.load_state_dict(built.module.state_dict())
+        pipe_c = Pipeline(plan, built_c.module, built_c.loss_fn, precision=precision, compile=True)
+        opt_api_c = torch.optim.AdamW(pipe_c.parameters(), lr=1e-4)
+        plain = zoo.build(model, seed=0).module.to(device)
+        plain.load_state_dict(built.module.state_dict())
+        loop_compiled = loop_step_of(torch.compile(plain), torch.optim.AdamW(plain.parameters(), lr=1e-4))
+        contestants += [("api_compiled", timed(api_step_of(pipe_c, opt_api_c))), ("loop_compiled", timed(loop_compiled))]
     if with_torch:
         contestants.append(("torch", timed(_torch_one_stage(built, device, batch_size // micro_batch_size,
                                                             precision, batch_size))))
@@ -112,6 +133,11 @@ def run(model: str = "transformer:small", batch_size: int = 32, micro_batch_size
               "torch_version": torch.__version__, "steps": steps, "api_step_s": med["api"], "loop_step_s": med["loop"],
               "api_samples_per_s": batch_size / med["api"], "loop_samples_per_s": batch_size / med["loop"],
               "throughput_ratio": med["loop"] / med["api"]}
+    if compile:
+        result.update(api_compiled_step_s=med["api_compiled"], loop_compiled_step_s=med["loop_compiled"],
+                      compiled_api_vs_compiled_loop=med["loop_compiled"] / med["api_compiled"],
+                      compiled_api_vs_eager_api=med["api"] / med["api_compiled"],
+                      compiled_api_vs_eager_loop=med["loop"] / med["api_compiled"])
     if "torch" in med:
         result.update(torch_step_s=med["torch"], torch_samples_per_s=batch_size / med["torch"],
                       throughput_ratio_vs_torch=med["torch"] / med["api"])
@@ -204,7 +230,10 @@ def main(argv=None) -> int:
                              "(zb-h1, gpipe...) run from the same CSV in both runtimes")
     parser.add_argument("--no-torch", action="store_true",
                         help="one-rank mode: leave out torch.distributed.pipelining's one-stage ScheduleGPipe")
-    parser.add_argument("--out", default=None, help="write OUT/results/bench_api[-bf16|-torch].json")
+    parser.add_argument("--compile", action="store_true",
+                        help="one-rank mode: add the API and the plain loop compiled by torch.compile")
+    parser.add_argument("--warmup", type=int, default=3, help="one-rank mode: untimed steps (compilations) first")
+    parser.add_argument("--out", default=None, help="write OUT/results/bench_api[-bf16][-compile][-cuda].json")
     args = parser.parse_args(argv)
     import torch
 
@@ -224,19 +253,27 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(1)
     result = run(args.model, args.batch_size, args.micro_batch_size, args.steps, precision=args.precision,
-                 with_torch=not args.no_torch)
+                 with_torch=not args.no_torch, compile=args.compile, warmup=args.warmup)
     line = (f"{result['model']} batch {result['batch_size']} micro-batch {result['micro_batch_size']} "
             f"{result['precision']} on {result['device_name']}: API {result['api_step_s'] * 1e3:.2f} ms/step, plain "
             f"loop {result['loop_step_s'] * 1e3:.2f} ms/step, API/loop throughput {result['throughput_ratio']:.3f}")
     if "torch_step_s" in result:
         line += (f"; torch ScheduleGPipe (1 stage) {result['torch_step_s'] * 1e3:.2f} ms/step, API/torch "
                  f"{result['throughput_ratio_vs_torch']:.3f}")
+    if "api_compiled_step_s" in result:
+        line += (f"\ncompiled: API {result['api_compiled_step_s'] * 1e3:.2f} ms/step, plain loop "
+                 f"{result['loop_compiled_step_s'] * 1e3:.2f} ms/step; compiled API throughput over compiled loop "
+                 f"{result['compiled_api_vs_compiled_loop']:.3f}, over eager API {result['compiled_api_vs_eager_api']:.3f}, "
+                 f"over eager loop {result['compiled_api_vs_eager_loop']:.3f}")
     print(line)
     if args.out:
         from .common import write_result
 
-        summary = {k: result[k] for k in ("throughput_ratio", "throughput_ratio_vs_torch") if k in result}
+        summary = {k: result[k] for k in ("throughput_ratio", "throughput_ratio_vs_torch", "compiled_api_vs_compiled_loop",
+                                           "compiled_api_vs_eager_api", "compiled_api_vs_eager_loop") if k in result}
         name = "bench_api" if args.precision == "fp32" else f"bench_api-{args.precision}"
+        if args.compile:
+            name = "bench_api-compile" if args.precision == "fp32" else f"bench_api-compile-{args.precision}"
         if result["device"].startswith("cuda"):
             name += "-cuda"
         print(f"wrote {write_result(args.out, name, vars(args), [result], summary)}")

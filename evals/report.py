@@ -37,12 +37,19 @@ PAPER = {
                    "every zoo paper model at 128-1024 devices under 10 s and 2 GB for gpp, pipedream and gpipe, "
                    "piper finishing or stopping cleanly; no kernel kill, no traceback: "
                    "`python -m graphpipe.evals.bench_scale`)",
+    "bench_llm": "(no paper figure; issue 47's target: a Llama-3-70B-shaped Hugging Face model built on the meta "
+                 "device planned with `graphpipe plan ... --devices 512 --batch-size 2048 --cluster h100` (and 1024 "
+                 "devices): search under 10 s, the whole cold command under 40 s: "
+                 "`python -m graphpipe.evals.bench_llm --before DIR`)",
     "memory-runtime": "(no paper figure; issue 15's target: measured activation bytes within 10% of the prediction on "
                       "every device, and lower with re-materialization)",
     "rank-rss": "(no paper figure; issue 45's target: each rank's peak host RSS is its stages' state plus a fixed "
                 "per-process base, for a model too big for one rank: `python -m graphpipe.evals.rank_rss --out evals`)",
     "capture_time": "(no paper figure; `torch.export` capture of Hugging Face / timm models and meta-device Llama "
                     "shapes, medians of 3: `python -m graphpipe.evals.capture_time`)",
+    "clip": "(no paper figure; a real two-tower model, Hugging Face CLIP: gpp against PipeDream, Piper, GPipe and "
+            "torch.distributed.pipelining measured on CPU ranks beside the simulator, and CLIP ViT-B/16's shape "
+            "simulated on 8-64 V100s: `python -m graphpipe.evals.clip_pipelines --out evals`)",
     "bench_api": "(no paper figure; issue 31's target: `graphpipe.Pipeline`'s step at >= 0.98x a plain PyTorch loop "
                  "with the same micro-batching and AdamW: `python -m graphpipe.evals.bench_api`)",
     "bench_api-bf16": "(the same at bf16, one autocast region per step in both: "
@@ -53,6 +60,14 @@ PAPER = {
     "bench_api-bf16-cuda": "(the same at bf16, one autocast region per step in all three: "
                            "`python -m graphpipe.evals.bench_api --model mmt --batch-size 64 --micro-batch-size 8 "
                            "--precision bf16`)",
+    "bench_api-compile": "(issue 47's target: the API with compiled stages at >= 1.0x a torch.compile'd plain loop and "
+                         "above the eager API, side by side in one run: "
+                         "`python -m graphpipe.evals.bench_api --compile --no-torch`)",
+    "bench_api-compile-cuda": "(issue 47's GPU target: compiled API >= 1.0x a torch.compile'd plain loop on one GPU "
+                              "and above eager: `bash evals/gpu_check.sh`)",
+    "bench_api-compile-bf16-cuda": "(the same at bf16: `bash evals/gpu_check.sh`)",
+    "overlap_sends": "(issue 47: receives posted one action ahead on CUDA ranks against posted at use, two GPUs: "
+                     "`python -m graphpipe.evals.overlap_sends`)",
     "bench_api-torch": "(issue 31/32's target: >= 1.0x torch.distributed.pipelining on CPU ranks with the same "
                        "partition; other schedules run from the same CSV in torch's _PipelineScheduleRuntime: "
                        "`python -m graphpipe.evals.bench_api --ranks 4 --schedules 1f1b,zb-h1`)",
@@ -124,12 +139,21 @@ TABLE_COLUMNS: dict[str, list[tuple[str, str]]] = {
     "rank-rss": [("rank", "rank"), ("stages", "stages"), ("peak RSS (MB)", "rss_mb"), ("expected (MB)", "expected_mb"),
                  ("stages' weights+grads+activations (MB)", "stage_state_mb"),
                  ("RSS - tiny model's rank (MB)", "rss_minus_tiny_mb"), ("error vs expected", "error_vs_expected")],
+    "bench_llm": [("measure", "measure"), ("devices", "devices"), ("batch", "batch_size"), ("runs", "repeat"),
+                  ("before wall (s)", "before_median_wall_s"), ("after wall (s)", "after_median_wall_s"),
+                  ("wall ratio", "ratio_wall_s"), ("before CPU (s)", "before_median_cpu_s"),
+                  ("after CPU (s)", "after_median_cpu_s"), ("CPU ratio", "ratio_cpu_s"),
+                  ("before search (s)", "before_median_search_s"), ("after search (s)", "after_median_search_s"),
+                  ("search ratio", "ratio_search_s"), ("same plan", "same_plan")],
     "memory-runtime": [("model", "model"), ("strategy", "strategy"), ("schedule", "schedule"),
                        ("recompute", "recompute"), ("check", "check"), ("measured KB (fullest device)", "measured_kb"),
                        ("predicted KB", "predicted_kb"), ("memory error (worst device)", "memory_error"),
                        ("below none", "below_none")],
     "capture_time": [("case", "case"), ("capture (s)", "capture_s"), ("of which export (s)", "export_s"),
                      ("ops", "ops"), ("parameter bytes", "param_bytes"), ("max RSS (GB)", "max_rss_gb")],
+    "clip": [("part", "part"), ("strategy", "strategy"), ("devices", "devices"), ("batch", "batch_size"),
+             ("stages", "stages"), ("depth", "depth"), ("measured samples/s", "measured_throughput"),
+             ("simulated samples/s", "predicted_throughput")],
     "bench_api": [("model", "model"), ("precision", "precision"), ("device", "device"), ("batch", "batch_size"),
                   ("micro-batch", "micro_batch_size"), ("API ms/step", "api_ms"), ("loop ms/step", "loop_ms"),
                   ("API / loop throughput", "throughput_ratio")],
@@ -141,7 +165,17 @@ TABLE_COLUMNS["bench_api-bf16"] = TABLE_COLUMNS["bench_api"]
 TABLE_COLUMNS["bench_api-cuda"] = TABLE_COLUMNS["bench_api"][:2] + [("GPU", "device_name"), ("torch", "torch_version")] + \
     TABLE_COLUMNS["bench_api"][3:] + [("torch 1-stage ms/step", "torch_ms"), ("API / torch throughput", "throughput_ratio_vs_torch")]
 TABLE_COLUMNS["bench_api-bf16-cuda"] = TABLE_COLUMNS["bench_api-cuda"]
+TABLE_COLUMNS["bench_api-compile"] = TABLE_COLUMNS["bench_api"][:3] + [("torch", "torch_version")] + \
+    TABLE_COLUMNS["bench_api"][3:] + [("API compiled ms/step", "api_compiled_ms"), ("loop compiled ms/step", "loop_compiled_ms"),
+                                      ("compiled API / compiled loop", "compiled_api_vs_compiled_loop"),
+                                      ("compiled API / eager API", "compiled_api_vs_eager_api")]
+TABLE_COLUMNS["bench_api-compile-cuda"] = TABLE_COLUMNS["bench_api-compile"]
+TABLE_COLUMNS["bench_api-compile-bf16-cuda"] = TABLE_COLUMNS["bench_api-compile"]
+TABLE_COLUMNS["overlap_sends"] = [("model", "model"), ("GPU", "device_name"), ("batch", "batch_size"),
+                                  ("posted early ms", "early_ms"), ("posted at use ms", "at_use_ms"),
+                                  ("gain (at use / early)", "gain_ratio"), ("same loss", "losses_equal")]
 BENCH_API = ("bench_api", "bench_api-bf16", "bench_api-cuda", "bench_api-bf16-cuda")
+COMPILED = ("bench_api-compile", "bench_api-compile-cuda", "bench_api-compile-bf16-cuda")
 
 
 def _cli_line(res: dict[str, Any]) -> str:
@@ -178,10 +212,16 @@ def _rows_for_table(name: str, res: dict[str, Any]) -> list[dict[str, Any]]:
     if name == "bench_scale":
         for r in rows:
             r["search_range_s"] = [r["min_search_s"], r["max_search_s"]]
-    if name in BENCH_API:
+    if name in BENCH_API + COMPILED:
         for r in rows:
             r["api_ms"], r["loop_ms"] = r["api_step_s"] * 1e3, r["loop_step_s"] * 1e3
             r["torch_ms"] = r["torch_step_s"] * 1e3 if "torch_step_s" in r else None
+    if name in COMPILED:
+        for r in rows:
+            r["api_compiled_ms"], r["loop_compiled_ms"] = r["api_compiled_step_s"] * 1e3, r["loop_compiled_step_s"] * 1e3
+    if name == "overlap_sends":
+        for r in rows:
+            r["early_ms"], r["at_use_ms"] = r["early_median_s"] * 1e3, r["at_use_median_s"] * 1e3
     if name == "memory-runtime":
         for r in rows:
             r["measured_kb"], r["predicted_kb"] = r["peak_measured_bytes"] / 1e3, r["peak_predicted_bytes"] / 1e3
@@ -266,6 +306,11 @@ def _headline(name: str, res: dict[str, Any]) -> str:
                 f"{sum(r['outcome'] == 'ok' for r in rows)} plans, {sum(r['outcome'] == 'refused' for r in rows)} "
                 f"one-line refusals, {len(bad)} timeouts, kills or tracebacks (up to {top} devices); load average "
                 f"during the run {fmt(list(res['config'].get('load_average') or []))}" + _cli_line(res))
+    if name == "bench_llm":
+        return ("before / after, medians side by side (wall; CPU): " + ", ".join(
+            f"{r['measure']} at {r['devices']} devices {fmt(r['before_median_wall_s'])} / "
+            f"{fmt(r['after_median_wall_s'])} s; {fmt(r['before_median_cpu_s'])} / {fmt(r['after_median_cpu_s'])} s"
+            for r in res["rows"]) + f"; load average during the run {fmt(list(res['config'].get('load_average') or []))}")
     if name == "memory-runtime":
         if not s.get("runs"):
             return "no run"
@@ -281,9 +326,35 @@ def _headline(name: str, res: dict[str, Any]) -> str:
         where = r.get("device_name", r["device"])
         where += f", torch {r['torch_version']}" if "torch_version" in r else ""
         return text + f" ({r['precision']} on {where}, median of {r['steps']} steps in alternating order)"
+    if name in COMPILED:
+        r = res["rows"][0]
+        return (f"compiled stages at {fmt(r['compiled_api_vs_compiled_loop'])}x a torch.compile'd plain loop's "
+                f"throughput, {fmt(r['compiled_api_vs_eager_api'])}x the eager API and "
+                f"{fmt(r['compiled_api_vs_eager_loop'])}x the eager loop ({r['precision']} on "
+                f"{r.get('device_name', r['device'])}, torch {r['torch_version']}, median of {r['steps']} steps in "
+                "alternating order)")
+    if name == "overlap_sends":
+        r = res["rows"][0]
+        return (f"receives posted one action ahead: {fmt(r['gain_ratio'])}x the step throughput of posting them at "
+                f"use (2 x {r['device_name']}, median of {r['steps_each']} alternating steps each; same loss: "
+                f"{r['losses_equal']})")
     if name == "bench_api-torch":
         return "; ".join(f"{r['schedule']}: ours {fmt(r['throughput_ratio'])}x torch ({r['ranks']} CPU ranks, median "
                          f"of {r['rounds']} paired rounds)" for r in res["rows"])
+    if name == "clip":
+        cpu = {r["strategy"]: r for r in res["rows"] if r["part"] == "cpu" and "measured_throughput" in r}
+        top = max((r["devices"] for r in res["rows"] if r["part"] == "paper"), default=None)
+        paper = {r["strategy"]: r for r in res["rows"] if r["part"] == "paper" and r["devices"] == top
+                 and "predicted_throughput" in r}
+        if "gpp" not in cpu:
+            return "gpp did not run"
+        text = "measured on CPU ranks, gpp / " + ", ".join(
+            f"{k} {fmt(cpu['gpp']['measured_throughput'] / r['measured_throughput'])}x" for k, r in cpu.items() if k != "gpp")
+        if "gpp" in paper:
+            text += f"; simulated at {top} V100s, gpp / " + ", ".join(
+                f"{k} {fmt(paper['gpp']['predicted_throughput'] / r['predicted_throughput'])}x"
+                for k, r in paper.items() if k != "gpp")
+        return text
     if name == "capture_time":
         return "; ".join(f"{r['case']} {fmt(r['capture_s'])} s" for r in res["rows"])
     if name == "ablation":

@@ -80,13 +80,14 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch.fx.passes.split_module import split_module
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 from graphpipe.cluster import DeviceSpec, preset
 from graphpipe.errors import GraphCycleError, GraphpipeError, InputError, user_code_error
 from graphpipe.exporting import (Exported, IOSpec, deliver_target, export_model, module_path, module_stack,
                                  normalize_inputs, replicable_nodes, replicate_input_glue)
+from graphpipe.flops import UnknownCosts, flop_counter
 from graphpipe.graph import Affine, Op, OpGraph, SharedParams
 from graphpipe.zoo_models import Layer
 
@@ -462,19 +463,62 @@ class _Measure(fx.Interpreter):
     * attention: meta takes the math path, which saves the seq x seq
       probabilities; CPU and GPU runs take a fused kernel saving q, k, v, the
       output and the log-sum-exp. The fused CPU kernel's meta form runs
-      instead, and the math path under no_grad gives the FLOPs;
+      instead (:mod:`graphpipe.flops` counts its FLOPs);
     * ``embedding_bag``: the meta kernel saves an int64 ``offset2bag`` per
       index where CPU saves one per bag. The meta op runs with its saves
       uncounted, and the CPU kernel on a one-row table with indices of the
       same shape gives the saves (they do not depend on the table's rows).
     """
 
-    def __init__(self, gm: fx.GraphModule, flops: FlopCounterMode, meter: "_SavedMeter"):
+    def __init__(self, gm: fx.GraphModule, flops: FlopCounterMode, meter: "_SavedMeter", fake=None,
+                 unknown: UnknownCosts | None = None):
         super().__init__(gm)
+        self.unknown = unknown
         self.flops, self.meter = flops, meter
         self.costs: dict[str, _NodeCost] = {}
+        self.fake = fake
+        """On fake CPU tensors (bf16 of a meta module): meta tensor -> its fake CPU stand-in."""
+        self._constants: dict[int, Any] = {}
+
+    def fetch_attr(self, target: str):
+        value = super().fetch_attr(target)
+        if self.fake is not None and _on_meta(value):  # a tensor constant the state swap did not reach
+            value = self._constants.setdefault(id(value), self.fake(value))
+        return value
+
+    def _off_meta(self, args, kwargs):
+        """An exported op that names ``device=meta`` (a dtype cast, an ``arange`` of positions, a rotary table)
+        would make meta tensors among the fake CPU ones: it names the CPU instead."""
+        def cpu(v):
+            if isinstance(v, torch.device) and v.type == "meta" or isinstance(v, str) and v == "meta":
+                return torch.device("cpu")
+            return v
+        return tree_map(cpu, args), tree_map(cpu, kwargs)
 
     def call_function(self, target, args, kwargs):
+        if self.fake is not None:
+            args, kwargs = self._off_meta(args, kwargs)
+            try:
+                return self._call(target, args, kwargs)
+            except (RuntimeError, NotImplementedError):
+                # a graph exported on the meta device took the branch for accelerators (Mixtral's expert counts:
+                # an integer histc the CPU kernel lacks); its shapes come from the meta kernel, which is all a
+                # fake run needs of it (such ops save nothing for backward)
+                return self._on_meta_kernel(target, args, kwargs)
+        return self._call(target, args, kwargs)
+
+    def _on_meta_kernel(self, target, args, kwargs):
+        def meta(v):
+            return torch.empty(v.shape, dtype=v.dtype, device="meta") if isinstance(v, torch.Tensor) else v
+
+        with torch.no_grad():
+            from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+            with unset_fake_temporarily():
+                out = target(*tree_map(meta, args), **tree_map(meta, kwargs))
+        return tree_map(lambda v: self.fake(v) if _on_meta(v) else v, out)
+
+    def _call(self, target, args, kwargs):
         if target is _SDPA and _on_meta(args[0]):
             return self._attention(args, kwargs)
         if target in _EMBEDDING_BAGS and (_on_meta(args[0]) or _is_fake(args[0])):
@@ -487,9 +531,7 @@ class _Measure(fx.Interpreter):
         opts = {**dict(zip(names, rest)), **kwargs}
         if opts.get("dropout_p", 0.0) or opts.get("enable_gqa", False) or q.shape[-1] != v.shape[-1]:
             return _SDPA(*args, **kwargs)
-        with torch.no_grad():
-            _SDPA(*args, **kwargs)  # counted by FlopCounterMode
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(  # counted (graphpipe.flops)
             q, k, v, 0.0, bool(opts.get("is_causal", False)), attn_mask=opts.get("attn_mask"),
             scale=opts.get("scale"))[0]
 
@@ -523,6 +565,8 @@ class _Measure(fx.Interpreter):
                         for t in tree_leaves(out) if isinstance(t, torch.Tensor))
         self.costs[n.name] = _NodeCost(float(self.flops.get_total_flops() - f0), float(self.meter.total - b0),
                                        float(_nbytes(out)), frozenset(self.meter.saves), outputs)
+        if self.unknown is not None and n.op == "call_function":
+            self.unknown.note(n.target, self.costs[n.name].flops)
         self.meter.saves = None
         return out
 
@@ -544,25 +588,31 @@ def is_weight_copy(t: torch.Tensor) -> bool:
     return type(acc).__name__ == "AccumulateGrad" and isinstance(getattr(acc, "variable", None), nn.Parameter)
 
 
-def _measure(gm: fx.GraphModule, flat_inputs: Sequence[Any], loss_fn=None, precision: str = "fp32") -> dict[str, _NodeCost]:
+def _measure(gm: fx.GraphModule, flat_inputs: Sequence[Any], loss_fn=None, precision: str = "fp32",
+             name: str = "model") -> dict[str, _NodeCost]:
     """Costs of every node of ``gm`` run on ``flat_inputs`` (its positional arguments).
 
     At ``bf16`` the graph runs under CPU autocast; a module on the meta
     device runs on fake CPU tensors (nothing is allocated), since autocast
-    does not act on meta tensors.
+    does not act on meta tensors. Ops that look like compute but have no
+    FLOP formula are named in one warning (:class:`graphpipe.flops.UnknownCosts`).
     """
+    unknown = UnknownCosts()
     if precision == "bf16":
-        return _measure_bf16(gm, flat_inputs, loss_fn)
-    return _measure_run(gm, flat_inputs, loss_fn)
+        costs = _measure_bf16(gm, flat_inputs, loss_fn, unknown)
+    else:
+        costs = _measure_run(gm, flat_inputs, loss_fn, unknown=unknown)
+    unknown.warn(name)
+    return costs
 
 
 def _measure_run(gm: fx.GraphModule, flat_inputs: Sequence[Any], loss_fn=None,
-                 autocast: bool = False) -> dict[str, _NodeCost]:
+                 autocast: bool = False, fake=None, unknown: UnknownCosts | None = None) -> dict[str, _NodeCost]:
     # parameters, buffers and the input data are resident anyway: not activations (the runtime agrees)
     resident = list(gm.parameters()) + list(gm.buffers()) + [x for x in tree_leaves(list(flat_inputs))
                                                              if isinstance(x, torch.Tensor)]
-    flops, meter = FlopCounterMode(display=False), _SavedMeter(resident)
-    interp = _Measure(gm, flops, meter)
+    flops, meter = flop_counter(), _SavedMeter(resident)
+    interp = _Measure(gm, flops, meter, fake, unknown)
     cast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)
     with torch.enable_grad(), flops, torch.autograd.graph.saved_tensors_hooks(meter.pack, lambda t: t), cast:
         out = interp.run(*flat_inputs)
@@ -578,11 +628,12 @@ def _measure_run(gm: fx.GraphModule, flat_inputs: Sequence[Any], loss_fn=None,
     return interp.costs
 
 
-def _measure_bf16(gm: fx.GraphModule, flat_inputs: Sequence[Any], loss_fn=None) -> dict[str, _NodeCost]:
+def _measure_bf16(gm: fx.GraphModule, flat_inputs: Sequence[Any], loss_fn=None,
+                  unknown: UnknownCosts | None = None) -> dict[str, _NodeCost]:
     """:func:`_measure_run` under bf16 autocast; meta tensors become fake CPU tensors first."""
     state = list(gm.named_parameters(remove_duplicate=False)) + list(gm.named_buffers(remove_duplicate=False))
     if not any(_on_meta(t) for _, t in state) and not any(_on_meta(x) for x in flat_inputs):
-        return _measure_run(gm, flat_inputs, loss_fn, autocast=True)
+        return _measure_run(gm, flat_inputs, loss_fn, autocast=True, unknown=unknown)
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
@@ -595,7 +646,7 @@ def _measure_bf16(gm: fx.GraphModule, flat_inputs: Sequence[Any], loss_fn=None) 
         swapped = _swap_state(gm, fake)
         try:
             inputs = [fake(x) for x in flat_inputs]
-            return _measure_run(gm, inputs, loss_fn, autocast=True)
+            return _measure_run(gm, inputs, loss_fn, autocast=True, fake=fake, unknown=unknown)
         finally:
             _restore_state(gm, swapped)
 
@@ -654,7 +705,8 @@ def capture(module: nn.Module, example_inputs: Any, name: str | None = None,
     flat = io.flat_inputs(args, kwargs, example_target)
     batch = _batch_size(flat)
     try:
-        costs = _measure(gm, flat, io.wrap_loss(loss_fn) if loss_fn is not None else None, precision)
+        costs = _measure(gm, flat, io.wrap_loss(loss_fn) if loss_fn is not None else None, precision,
+                         name or type(module).__name__)
     except GraphpipeError:
         raise
     except Exception as exc:

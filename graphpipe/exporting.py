@@ -233,6 +233,22 @@ class IOSpec:
         target = pytree.tree_unflatten(list(flat[n:]), self.target_spec) if self.target_spec is not None else None
         return self.output(flat[:n]), target
 
+    def unflatten_inputs(self, flat: Sequence[Any]) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
+        """``(args, kwargs, target)`` from the graph's positional arguments: the inverse of :meth:`flat_inputs`,
+        to call the eager module on the data the graph runs on."""
+        n = len(flat) - self.num_target_leaves
+        args, kwargs = pytree.tree_unflatten(list(flat[:n]), self.in_spec)
+        target = pytree.tree_unflatten(list(flat[n:]), self.target_spec) if self.target_spec is not None else None
+        return tuple(args), dict(kwargs), target
+
+    def graph_output(self, output: Any, target: Any = None) -> tuple[Any, ...]:
+        """What the graph returns for the eager module's ``output`` (and the target): the leaves the loss reads,
+        then the target's, so the wrapped loss (:meth:`wrap_loss`) applies to an eager run too."""
+        leaves = pytree.tree_flatten(output)[0]
+        if len(leaves) != self.out_spec.num_leaves:
+            raise InputError(f"the module's output has {len(leaves)} leaves, the captured one {self.out_spec.num_leaves}")
+        return (*(leaves[i] for i in self.kept), *(pytree.tree_leaves(target) if self.target_spec is not None else ()))
+
     def wrap_loss(self, loss_fn: Callable[..., torch.Tensor]) -> Callable[[Any], torch.Tensor]:
         """``loss_fn(output)`` or ``loss_fn(output, target)`` as a function of the graph's return value."""
         takes_target = self.target_spec is not None

@@ -391,13 +391,19 @@ def profile_model(spec: str, device: str = "cpu", batch_sizes: Sequence[int] = (
     if dev.type not in ("cpu", "cuda"):
         raise InputError(f"--device must be cpu or cuda, got {device!r}")
     if ".py:" in spec:
-        module, example, _ = cap.load_factory(spec)
-        module = module.to(dev)
-        example = tuple(x.to(dev) if isinstance(x, torch.Tensor) else x for x in example)
+        with torch.random.fork_rng(devices=[]):  # the weights the runtime builds from the same seed
+            torch.manual_seed(seed)
+            made = cap.load_factory(spec)
+        module, model_id = made.module.to(dev), spec
+        # captured as the planner does (with the loss and its target), so the op names are the plan's
+        captured = cap.capture(module, made.example_inputs, name=model_id, user_file=spec.rpartition(":")[0],
+                               loss_fn=made.loss_fn, example_target=made.example_target)
+        args, kwargs = cap.normalize_inputs(made.example_inputs)
+        flat = tuple(x.to(dev) if isinstance(x, torch.Tensor) else x
+                     for x in captured.io.flat_inputs(args, kwargs, made.example_target))
 
         def make_inputs(b: int):
-            return resize_batch(example, b)
-        model_id = spec
+            return resize_batch(flat, b)
     else:
         from graphpipe import zoo
 
@@ -406,7 +412,7 @@ def profile_model(spec: str, device: str = "cpu", batch_sizes: Sequence[int] = (
 
         def make_inputs(b: int):
             return built.make_inputs(b, seed)
-    captured = cap.capture(module, example, name=model_id, user_file=spec.rpartition(":")[0] if ".py:" in spec else None)
+        captured = cap.capture(module, example, name=model_id)
     name = "cpu" if dev.type == "cpu" else f"cuda ({torch.cuda.get_device_name(dev)})"
     user_file = spec.rpartition(":")[0] if ".py:" in spec else None
     try:

@@ -13,6 +13,7 @@ takes a target return it as a fourth element:
 * :func:`llama`: ``LlamaForCausalLM`` with ``tie_word_embeddings=True``;
   next-token cross-entropy against a target of token ids.
 * :func:`bert`: ``BertForSequenceClassification``, class labels as target.
+* :func:`gpt2_meta`, :func:`mixtral_meta`: meta-device GPT-2 and Mixtral (capture only).
 * :func:`efficientnet`: timm's ``test_efficientnet`` (the EfficientNet
   family's small test size: depthwise-separable blocks, squeeze-excite,
   BatchNorm, dropout); class labels as target.
@@ -88,17 +89,22 @@ def llama_config(layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, 
     return cfg
 
 
-def llama_meta(cfg, batch: int = 2, seq: int = 128):
-    """``(model, inputs, loss_fn, target)`` of a meta-device Llama: no weights are allocated."""
-    T = _transformers()
+def _meta_lm(model_class, cfg, batch: int, seq: int):
+    """``(model, inputs, loss_fn, target)`` of a causal LM built on the meta device (no weights allocated):
+    next-token cross-entropy against the input ids."""
     with torch.device("meta"):
-        model = T.LlamaForCausalLM(cfg)
+        model = model_class(cfg)
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
 
     def loss_fn(out, labels):
         return F.cross_entropy(out.logits.flatten(0, 1), labels.flatten())
 
     return model, dict(input_ids=ids), loss_fn, ids
+
+
+def llama_meta(cfg, batch: int = 2, seq: int = 128):
+    """``(model, inputs, loss_fn, target)`` of a meta-device Llama: no weights are allocated."""
+    return _meta_lm(_transformers().LlamaForCausalLM, cfg, batch, seq)
 
 
 def bert():
@@ -121,3 +127,22 @@ def efficientnet():
     images = torch.randn(BATCH, 3, 64, 64)  # 2x2 maps at the end: BatchNorm over 2 rows x 4 values
     labels = torch.tensor([0, 4, 2, 1])
     return model, images, lambda out, y: F.cross_entropy(out, y), labels
+
+
+def gpt2_meta(batch: int = 2, seq: int = 16):
+    """A meta-device GPT-2: a learned position table read by dtype and device casts in the exported graph."""
+    T = _transformers()
+    cfg = T.GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0)
+    return _meta_lm(T.GPT2LMHeadModel, cfg, batch, seq)
+
+
+def mixtral_meta(experts: str | None = None, batch: int = 2, seq: int = 16):
+    """A meta-device Mixtral with 8 experts, 2 per token; ``experts`` names transformers' experts implementation
+    (None: its default, grouped matmuls)."""
+    T = _transformers()
+    cfg = T.MixtralConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
+                          max_position_embeddings=64)
+    if experts is not None:
+        cfg._experts_implementation = experts
+    return _meta_lm(T.MixtralForCausalLM, cfg, batch, seq)

@@ -101,8 +101,8 @@ def test_interleaving_error_suggests_flags_not_python(capsys, tmp_path, plan_doc
     assert code == 2, err
     assert "round_robin_chain" not in err and "(...)" not in err, err
     assert err == ("graphpipe: error: interleaved 1F1B needs several virtual stages per device group; all 2 stages "
-                   "are on different devices: use --schedule 1f1b, or a plan whose stages take the device groups in "
-                   "turn (stage s on group s % K, 2 or more stages per group)")
+                   "are on different devices: use --schedule 1f1b, or plan with --virtual-stages 2 (or auto), whose "
+                   "stages take the device groups in turn (stage s on group s % K)")
 
 
 @pytest.mark.parametrize("verb", ["plan", "simulate", "models"])

@@ -445,3 +445,39 @@ def test_bound_forward_equals_the_stage_module_and_reads_live_parameters():
     holder._parameters[name] = torch.nn.Parameter(torch.zeros_like(holder._parameters[name]))
     got, want = torch.utils._pytree.tree_leaves(bound(x)), torch.utils._pytree.tree_leaves(gm(x))
     assert torch.equal(got[0], want[0]) and not torch.equal(got[0], torch.utils._pytree.tree_leaves(before)[0])
+
+
+class _Posted:
+    """A stand-in for ``dist``'s point-to-point calls: records every posted receive, in order."""
+
+    def __init__(self):
+        self.receives = []  # (source, tag, work)
+
+    def irecv(self, buf, src, group=None, tag=0):
+        work = _Work()
+        self.receives.append((src, tag, work))
+        return work
+
+
+@pytest.mark.parametrize("post_early", [True, False])
+def test_prefetched_receives_are_posted_in_link_order_and_waited_only_when_consumed(monkeypatch, post_early):
+    """A CUDA rank posts the next action's receives early (every earlier message of the link too, in the order
+    NCCL matches them); nothing waits until a message is consumed, and consuming one waits on that one only.
+    A lazy rank (gloo) posts nothing ahead."""
+    import graphpipe.runtime.comm as comm
+
+    fake = _Posted()
+    monkeypatch.setattr(comm.dist, "irecv", fake.irecv)
+    routing = Routing(*_two_stage_chain())
+    keys = routing.links[(0, 1)]
+    assert len(keys) >= 3
+    box = comm.Mailbox(1, routing, lambda key: ((2,), torch.float32), torch.device("cpu"), 5.0, post_early=post_early)
+    box.prefetch(0, keys[2])
+    assert [(s, t) for s, t, _ in fake.receives] == ([(0, 0), (0, 1), (0, 2)] if post_early else [])
+    assert all(not w.waits for _, _, w in fake.receives)
+    buf = box.recv(0, keys[0])
+    assert buf.shape == (2,) and [len(w.waits) for _, _, w in fake.receives] == [1] + [0] * (2 if post_early else 0)
+    box.recv(0, keys[1])  # already posted (early) or posted now: never posted twice
+    assert [t for _, t, _ in fake.receives] == [0, 1, 2] if post_early else [0, 1]
+    box.prefetch(0, keys[1])  # a consumed message is not posted again
+    assert len(fake.receives) == (3 if post_early else 2)

@@ -103,6 +103,7 @@ def test_bad_csv_files_name_the_cell_and_exit_2(tmp_path, capsys, edit, message)
     path = _write(tmp_path / "bad.csv", rows)
     with pytest.raises(InputError, match=message.replace("(", r"\(").replace(")", r"\)")):
         read_torch_csv(path, plan.stage_graph)
+    capsys.readouterr()  # a first capture's progress note, if building the plan captured the model
     assert main(["simulate", str(tmp_path / "plan.json"), "--schedule-csv", path]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "bad.csv" in err and "Traceback" not in err, err
@@ -163,3 +164,128 @@ def test_torchs_runtime_executes_our_csvs_equal_to_one_process(tmp_path):
         assert result["check"]["passed"], result["check"]
         assert result["check"]["num_params_checked"] == result["check"]["num_params"] > 0
         assert "CSV of torch-csv" in result["baseline"], result["baseline"]
+
+
+# ------------------------------------------------------------------ torch's own files, written by torch's classes
+def _layers(n: int):
+    from graphpipe.graph import Affine, Op, OpGraph
+
+    return OpGraph.build("c", [Op(f"l{i}", "x", Affine(0, 1.0), Affine(0, 2.0), 4.0, 10.0) for i in range(n)],
+                         [(f"l{i}", f"l{i + 1}", 1.0) for i in range(n - 1)])
+
+
+V_SHAPED = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
+def torch_written(path, class_name: str, k: int, m: int, form: str, v: int = 2) -> str:
+    """``class_name``'s schedule for ``k`` ranks and ``m`` micro-batches as torch itself writes it
+    (``_dump_csv``; every rank's row), on the loop layout (stage ``s`` on rank ``s % k``) or the V."""
+    from test_zero_bubble import torch_schedule
+
+    torch_schedule(class_name, k, m, v)._dump_csv(str(path), format=form)
+    return str(path)
+
+
+def _layout(class_name: str, graph, k: int, m: int, mb: int = 1, v: int = 2) -> StageGraph:
+    from graphpipe.sched import looped_chain, v_shape_chain
+
+    if class_name in V_SHAPED:
+        return v_shape_chain(graph, k, m * mb, mb)
+    return looped_chain(graph, [(r,) for r in range(k)], v, m * mb, mb)
+
+
+OURS = {"ScheduleInterleaved1F1B": "interleaved", "ScheduleInterleavedZeroBubble": "interleaved-zb",
+        "ScheduleZBVZeroBubble": "zbv", "ScheduleDualPipeV": "dualpipev"}
+
+
+@pytest.mark.parametrize("class_name", sorted(OURS))
+@pytest.mark.parametrize("form", ["compute_only", "compute_comms"])
+@pytest.mark.parametrize("k,m", [(2, 4), (4, 8)])
+def test_torchs_own_files_read_as_our_generators(tmp_path, class_name, form, k, m):
+    """torch's compute-only and compute-and-comms files (DualPipeV's with OVERLAP_F_B pairs) read against a plan
+    of the same layout give our generator's schedule, action for action, and its simulated time."""
+    path = torch_written(tmp_path / "t.csv", class_name, k, m, form)
+    sg = _layout(class_name, _layers(2 * k), k, m)
+    cluster = preset("v100", k)
+    theirs = read_torch_csv(path, sg)
+    ours = make_schedule(OURS[class_name], sg, cluster)
+    assert theirs.device_actions == ours.device_actions
+    assert simulate(sg, theirs, cluster).iteration_time_s == simulate(sg, ours, cluster).iteration_time_s
+    if class_name == "ScheduleDualPipeV":
+        assert "OVERLAP_F_B" in open(path).read()
+    if form == "compute_comms":
+        assert "SEND_F" in open(path).read()
+
+
+def test_a_file_with_merged_backwards_reads_as_whole_backwards(tmp_path):
+    """torch's lowering merges an I followed at once by its W into one B (``_merge_bw``; its stored test files
+    are written so): such a file is the same schedule with B there, valid, and no slower (I + W = B)."""
+    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    path = torch_written(tmp_path / "zb.csv", "ScheduleInterleavedZeroBubble", 2, 8, "compute_only")
+    with open(path, newline="") as f:
+        rows = [[schedules._Action.from_str(c) for c in row] for row in csv.reader(f)]
+    merged = [[str(a) for a in schedules._merge_bw(list(row))] for row in rows]
+    sg = _layout("ScheduleInterleavedZeroBubble", _layers(4), 2, 8)
+    cluster = preset("v100", 2)
+    got = read_torch_csv(_write(tmp_path / "merged.csv", merged), sg)
+    assert any(a.kind == "B" for acts in got.device_actions for a in acts)
+    full = read_torch_csv(path, sg)
+    assert simulate(sg, got, cluster).iteration_time_s <= simulate(sg, full, cluster).iteration_time_s + 1e-12
+
+
+def test_the_files_micro_batch_count_travels_with_its_schedule(tmp_path, capsys):
+    """A CSV written with CP-SAT's micro-batch sizes simulates on the plan it started from (sizes follow the file,
+    with a note); a count the batch does not split into is refused naming it."""
+    plan_path = str(tmp_path / "plan.json")
+    write_plan(plan_path, chain_plan(batch=16, mb=2))
+    coarse = chain_plan(batch=16, mb=8)  # what CP-SAT may choose: 2 micro-batches instead of 8
+    out_csv = str(tmp_path / "coarse.csv")
+    from graphpipe.sched.torch_csv import write_torch_csv
+
+    write_torch_csv(out_csv, coarse.stage_graph, coarse.schedule)
+    capsys.readouterr()
+    assert main(["simulate", plan_path, "--schedule-csv", out_csv, "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["iteration_time_s"] == simulate(coarse.stage_graph, coarse.schedule,
+                                                                   coarse.cluster).iteration_time_s
+    assert "coarse.csv runs 2 micro-batches of batch 16: micro-batch size 2 -> 8 on every stage" in captured.err
+    odd = chain_plan(batch=3, mb=1)
+    odd_csv = str(tmp_path / "three.csv")
+    write_torch_csv(odd_csv, odd.stage_graph, odd.schedule)
+    assert main(["simulate", plan_path, "--schedule-csv", odd_csv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "three.csv runs 3 micro-batches of stage 0; the plan's batch of 16 does not " \
+                                      "split into 3 micro-batches" in err, err
+
+
+@pytest.mark.slow
+def test_torchs_runtime_runs_torchs_own_files_as_written(tmp_path):
+    """Files as torch writes them, run by torch's _PipelineScheduleRuntime from the file itself under --check:
+    interleaved zero bubble with comms and no REDUCE_GRAD cells (as torch's stored test files), DualPipeV's
+    compute-only file with OVERLAP_F_B pairs, and a coarser-micro-batch CSV on the plan it started from."""
+    from graphpipe.runtime import RunOptions, run_plans
+    from graphpipe.sched.torch_csv import plan_with_torch_csv, torch_file_rows, write_torch_csv
+
+    spec = "transformer:small,layers=6"  # 8 ops: 4 stages on 2 ranks, or a V of 8 on 4
+    graph = zoo.load_graph(spec)
+    plans = []
+    comms = torch_written(tmp_path / "zb.csv", "ScheduleInterleavedZeroBubble", 2, 8, "compute_comms")
+    with open(comms, newline="") as f:
+        rows = [[c for c in row if not any(x in c for x in ("REDUCE_GRAD", "UNSHARD", "RESHARD"))]
+                for row in csv.reader(f)]
+    for name, path, k, m in (("ScheduleInterleavedZeroBubble", _write(tmp_path / "zb-legacy.csv", rows), 2, 8),
+                             ("ScheduleDualPipeV", torch_written(tmp_path / "dp.csv", "ScheduleDualPipeV", 4, 8,
+                                                                 "compute_only"), 4, 8)):
+        sg = _layout(name, graph, k, m)
+        cluster = preset("v100", k)
+        base = Plan(model=zoo.canonical_spec(spec), stage_graph=sg, cluster=cluster, strategy="custom",
+                    schedule=make_schedule(OURS[name], sg, cluster))
+        plans.append(plan_with_torch_csv(base, path))
+    start, coarse = chain_plan(batch=16, mb=2), chain_plan(batch=16, mb=8)
+    coarse_csv = str(tmp_path / "coarse.csv")
+    write_torch_csv(coarse_csv, coarse.stage_graph, coarse.schedule)
+    plans.append(plan_with_torch_csv(start, coarse_csv))
+    assert [torch_file_rows(p)[1] for p in plans] == ["compute_comms", "compute_only", "compute_only"]
+    results = run_plans([(p, RunOptions(steps=2, check=True, baseline="torch", timeout_s=120)) for p in plans], 4)
+    for plan, result in zip(plans, results):
+        check = result["check"]
+        assert check["passed"] and check["num_params_checked"] == check["num_params"] > 0, check
+        assert "as written" in result["baseline"], result["baseline"]

@@ -218,8 +218,8 @@ def _layers(n: int) -> OpGraph:
                          [(f"l{i}", f"l{i + 1}", 0.0) for i in range(n - 1)])
 
 
-def _torch_orders(class_name: str, k: int, m: int, v: int = 2) -> list[list[str]]:
-    """Per-rank actions of torch's ``class_name`` schedule (its ``pipeline_order``, bubbles dropped), built on
+def torch_schedule(class_name: str, k: int, m: int, v: int = 2, rank: int = 0):
+    """torch's ``class_name`` schedule for ``k`` ranks and ``m`` micro-batches as rank ``rank`` builds it, on
     stand-in stages: ZBV's V (stages ``r`` and ``2K-1-r`` on rank ``r``) or the loop layout (``r + jK``)."""
     torch = pytest.importorskip("torch")
     schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
@@ -228,7 +228,7 @@ def _torch_orders(class_name: str, k: int, m: int, v: int = 2) -> list[list[str]
         pytest.skip(f"this torch has no {class_name}")
 
     class StandIn(stage_mod._PipelineStageBase):  # what the schedule's constructor reads, nothing more
-        def __init__(self, stage_index, rank):
+        def __init__(self, stage_index):
             self.stage_index, self.num_stages, self.group_size, self.group_rank = stage_index, v * k, k, rank
             self.submod = torch.nn.Identity()
             self.stage_index_to_group_rank = {}
@@ -242,12 +242,15 @@ def _torch_orders(class_name: str, k: int, m: int, v: int = 2) -> list[list[str]
         def _prepare_backward_infra(self, *args, **kwargs):
             return None
 
-    out = []
-    for rank in range(k):
-        ids = [rank, 2 * k - 1 - rank] if class_name == "ScheduleZBVZeroBubble" else [rank + j * k for j in range(v)]
-        schedule = getattr(schedules, class_name)([StandIn(i, rank) for i in ids], m)
-        out.append([str(a) for a in schedule.pipeline_order[rank] if a is not None])
-    return out
+    v_shaped = class_name in ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
+    ids = [rank, 2 * k - 1 - rank] if v_shaped else [rank + j * k for j in range(v)]
+    return getattr(schedules, class_name)([StandIn(i) for i in ids], m)
+
+
+def _torch_orders(class_name: str, k: int, m: int, v: int = 2) -> list[list[str]]:
+    """Per-rank actions of torch's ``class_name`` schedule (its ``pipeline_order``, bubbles dropped)."""
+    return [[str(a) for a in torch_schedule(class_name, k, m, v, rank).pipeline_order[rank] if a is not None]
+            for rank in range(k)]
 
 
 @pytest.mark.parametrize("k", [2, 3, 4])

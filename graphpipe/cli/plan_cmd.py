@@ -57,7 +57,14 @@ def register(sub) -> None:
                    help="override the strategy's schedule: gpipe, 1f1b, interleaved, graph-1f1b, zb-h1, graph-zb, zbv or "
                         "dualpipev (both cut the model into a V of 2K stages), "
                         "interleaved-zb, cpsat, or PipeDream's asynchronous 1f1b-async / 2bw (no flush; sequential-style "
-                        "1F1B order)")
+                        "1F1B order); interleaved and interleaved-zb take --virtual-stages (default auto)")
+    p.add_argument("--virtual-stages", default=None, metavar="V|auto",
+                   help="cut the model into K x V stages taking the strategy's K device groups in turn (stage s on "
+                        "group s mod K; every device a group of its own when the strategy's plan leaves devices idle "
+                        "or is one group) for the interleaved and interleaved-zb schedules (default schedule "
+                        "interleaved); auto picks V (1, 2, 4, ... up to 8) by simulated time and memory and the "
+                        "table lists each V tried (default: auto with those schedules, else 1). A plan whose stages "
+                        "run side by side (gpp on a branchy model) is refused, or kept as it is by auto")
     add_async_arguments(p)
     p.add_argument("--time-limit", type=float, default=10.0, metavar="S", help="CP-SAT time limit (default 10 s)")
     p.add_argument("--profile", default=None, metavar="FILE", help="measured per-op costs (graphpipe profile output)")
@@ -122,9 +129,28 @@ def _check_args(args) -> None:
     limit = args.baseline_time_limit
     if not (limit > 0 and limit <= MAX_TIME_LIMIT_S):  # also refuses nan
         raise InputError(f"--baseline-time-limit must be > 0 and at most {MAX_TIME_LIMIT_S:g} seconds, got {limit}")
-    if args.compare and args.schedule:
-        raise InputError("--compare runs every strategy with its own schedule; drop --schedule")
+    if args.compare and (args.schedule or args.virtual_stages is not None):
+        raise InputError(f"--compare runs every strategy with its own schedule; drop "
+                         f"{'--schedule' if args.schedule else '--virtual-stages'}")
+    args.virtual_stages = _virtual_stages(args.virtual_stages)
+    schedule = (args.schedule or "").lower()
+    if args.virtual_stages not in (None, 1) and (async_requested(args) or schedule in ("zbv", "dualpipev", "cpsat")):
+        raise InputError(f"--virtual-stages places stages in turn for the interleaved and interleaved-zb schedules; "
+                         f"--schedule {schedule} runs its own layout: drop --virtual-stages or pick one of them")
     check_outputs((args.out, "--out", JSON_SUFFIXES))
+
+
+def _virtual_stages(text):
+    """``--virtual-stages``: None, ``"auto"`` or an integer >= 1."""
+    if text is None or text.strip().lower() == "auto":
+        return None if text is None else "auto"
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < 1:
+        raise InputError(f"--virtual-stages must be a positive integer or auto, got {text!r}")
+    return value
 
 
 def _load_graph(args, cluster):
@@ -192,14 +218,19 @@ def _plan_one(args, source, graph, cluster, options, profile):
     plan = plan_request(PlanRequest(model_id=source.model_id, graph=graph, cluster=cluster,
                                     batch_size=args.batch_size, strategy=args.strategy, options=options,
                                     schedule="1f1b" if wants_async or wants_v else args.schedule,
-                                    time_limit_s=args.time_limit, progress=progress))
+                                    time_limit_s=args.time_limit, progress=progress,
+                                    virtual_stages=args.virtual_stages))
     if wants_async:  # the partition is the 1F1B one; the stream and its versions replace the flush
         plan = to_async(plan, args, options.host)
     if wants_v:  # the strategy's micro-batch size, the model cut anew into the V these schedules run on
-        plan = v_layout_plan(plan, args.schedule.lower())
+        flat_mb = min(st.micro_batch_size for st in plan.stage_graph.stages)
+        plan = v_layout_plan(plan, args.schedule.lower(), forced=args.micro_batch_size is not None)
+        mb = plan.stage_graph.stages[0].micro_batch_size
         sys.stderr.write(f"graphpipe: note: --schedule {args.schedule} cuts the model into a V of "
                          f"{plan.stage_graph.num_stages} stages on {cluster.num_devices} devices (stage d and "
-                         f"{plan.stage_graph.num_stages - 1}-d on device d), at {args.strategy}'s micro-batch size\n")
+                         f"{plan.stage_graph.num_stages - 1}-d on device d), at "
+                         + (f"{args.strategy}'s micro-batch size\n" if mb == flat_mb else
+                            f"micro-batch size {mb} ({args.strategy}'s {flat_mb} is too large for it)\n"))
     return _with_profile(plan, profile)
 
 
@@ -301,6 +332,10 @@ def format_plan(plan) -> str:
                  for st in sg.stages if st.recompute]
     lines.append(f"recompute       {'stages ' + ', '.join(recompute) if recompute else 'none'}"
                  f" (--recompute {s.recompute or '-'})")
+    if s.get("virtual_stages") is not None:
+        tried = s.get("virtual_stages_tried") or {}
+        lines.append(f"virtual stages  {s['virtual_stages']} per device group"
+                     + (f"; tried: {'; '.join(f'V={v}: {note}' for v, note in tried.items())}" if len(tried) > 1 else ""))
     if plan.merged:
         lines.append(f"merged          {len(plan.merged)} non-series-parallel region(s) into single ops")
     lines.append(f"search time     {s.time_s or 0.0:.3f} s")

@@ -58,9 +58,15 @@ def run(args) -> int:
                   (args.gantt_pair, "--gantt-pair", IMAGE_SUFFIXES))  # before the run, not after it
     plan = read_plan(args.plan)
     if args.schedule_csv is not None:
-        from graphpipe.sched.torch_csv import plan_with_torch_csv
+        import os
 
+        from graphpipe.sched.torch_csv import micro_batch_note, plan_with_torch_csv
+
+        before = plan.stage_graph
         plan = plan_with_torch_csv(plan, args.schedule_csv)
+        note = micro_batch_note(before, plan.stage_graph, os.path.basename(args.schedule_csv))
+        if note:
+            sys.stderr.write(f"graphpipe: note: {note}\n")
     planned = plan.search.get("precision")
     source = plan.search.get("precision_from")
     if source in ("profile", "capture") and planned != options.precision:

@@ -41,7 +41,9 @@ def register(sub) -> None:
                         "interleaved-zb, cpsat, 1f1b-async or 2bw")
     p.add_argument("--schedule-csv", default=None, metavar="IN.csv",
                    help="use the schedule of a torch.distributed.pipelining CSV (one row per rank, cells like 2F0, "
-                        "1I3, 0W1; compute-and-comms files too), validated against the plan")
+                        "1I3, 0W1; compute-and-comms files too; (F;B)OVERLAP_F_B pairs read as F then B), validated "
+                        "against the plan; the file's micro-batch count wins: the stages' micro-batch sizes follow it "
+                        "(a note says so), or a count the batch does not split into is refused")
     p.add_argument("--torch-csv", default=None, metavar="OUT.csv",
                    help="write the schedule as torch.distributed.pipelining's compute-only CSV (chain plans)")
     add_async_arguments(p)
@@ -83,9 +85,15 @@ def _run(args) -> int:
         raise InputError("--schedule and --schedule-csv both choose the schedule: give one")
     plan = read_plan(args.plan)
     if args.schedule_csv is not None:
-        from graphpipe.sched.torch_csv import plan_with_torch_csv
+        import os
 
+        from graphpipe.sched.torch_csv import micro_batch_note, plan_with_torch_csv
+
+        before = plan.stage_graph
         plan = plan_with_torch_csv(plan, args.schedule_csv)
+        note = micro_batch_note(before, plan.stage_graph, os.path.basename(args.schedule_csv))
+        if note:
+            sys.stderr.write(f"graphpipe: note: {note}\n")
     if args.schedule is None and (args.vertical_sync or args.update_every is not None or args.no_stash):
         args.schedule = plan.schedule.name  # the plan's own schedule, with other asynchronous options
     wants_async = async_requested(args)

@@ -88,6 +88,13 @@ def preflight(plan: Plan, options: RunOptions) -> None:
                              f"has --steps {options.steps}; raise --steps or use another folder")
     from graphpipe.sched.async_pipe import plan_spec
 
+    if options.compile:
+        from graphpipe.runtime.compiled import compile_refusal
+
+        refusal = compile_refusal(a for actions in plan.schedule.device_actions for a in actions)
+        if refusal is not None:
+            raise InputError(refusal)
+
     spec = plan_spec(plan)
     if options.checkpoint_dir and (spec is not None or options.baseline == "torch"):
         what = "--baseline torch" if options.baseline == "torch" else f"{spec.name} (no flush: no step boundary)"
@@ -98,6 +105,9 @@ def preflight(plan: Plan, options: RunOptions) -> None:
 
         if options.baseline == "torch":
             raise InputError(f"--baseline torch runs flushing schedules only; {spec.name} streams without a flush")
+        if options.compile:
+            raise InputError(f"--compile runs synchronous schedules; {spec.name}'s weight versions swap a stage's "
+                             "parameters per micro-batch: plan another --schedule or run without --compile")
         if options.precision != "fp32":
             raise InputError(f"{spec.name} runs at fp32 only (its replay check is exact); drop --precision")
         version_table(plan.stage_graph, spec, options.steps)  # 2bw's m must divide steps x micro-batches
@@ -122,7 +132,7 @@ def preflight(plan: Plan, options: RunOptions) -> None:
             raise InputError(f"stages {redo} re-materialize (recompute), which the torch.distributed.pipelining "
                              "baseline does not run; drop --baseline torch or re-plan with --recompute none")
 
-        check_torch_expressible(plan, split)
+        check_torch_expressible(plan, split, runnable.io)
     if options.backend == "nccl":
         import torch
 

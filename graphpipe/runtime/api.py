@@ -85,13 +85,23 @@ class Pipeline:
     and ``loss_fn``: the module and ``loss_fn(output)`` or
     ``loss_fn(output, target)``; when omitted they come from the plan's
     model spec (a zoo spec or ``file.py:factory``). ``precision``: ``fp32``
-    or ``bf16`` (``torch.autocast``, weights kept in fp32).
+    or ``bf16`` (``torch.autocast``, weights kept in fp32). ``compile``: every
+    stage this rank hosts runs its forward and backward compiled by
+    ``torch.compile`` (inductor; refused for split-backward schedules).
+
+    The model is captured on ``example_inputs`` and ``example_target``
+    (either may be left out: the spec's are used, the target only with a
+    loss that can take it). A loss that takes a target on a model captured
+    without one is captured again at the first ``step(inputs, target)``,
+    keeping the parameter tensors an optimizer already holds. Frozen
+    parameters (``requires_grad=False``) get no gradient, so optimizers over
+    :meth:`parameters` keep no state for them.
     """
 
     def __init__(self, plan: Plan | str | os.PathLike, model: nn.Module | None = None,
                  loss_fn: Callable[..., torch.Tensor] | None = None, *, example_inputs: Any = None,
                  example_target: Any = None, precision: str = "fp32", seed: int = 0, timeout_s: float = 300.0,
-                 batchnorm: str | None = None) -> None:
+                 batchnorm: str | None = None, compile: bool = False) -> None:
         from graphpipe.plan import read_plan
         from graphpipe.sched.async_pipe import plan_spec
 
@@ -101,6 +111,14 @@ class Pipeline:
                             "versions); Pipeline trains synchronous schedules: re-plan with another --schedule")
         if precision not in ("fp32", "bf16"):
             raise InputError(f"precision must be fp32 or bf16, got {precision!r}")
+        if compile:
+            from graphpipe.runtime.compiled import compile_refusal
+
+            refusal = compile_refusal((a for actions in self.plan.schedule.device_actions for a in actions),
+                                      "compile=True")
+            if refusal is not None:
+                raise PlanError(refusal)
+        self._compile = bool(compile)
         self.precision, self.seed, self.timeout_s = precision, seed, timeout_s
         self.rank, self.world_size, self.backend, self._owns_group = _init_distributed(timeout_s)
         sg = self.plan.stage_graph
@@ -120,9 +138,11 @@ class Pipeline:
         self._model = model if model is not None else spec_model
         self._loss_fn = loss_fn if loss_fn is not None else spec_loss
         if example_inputs is None:
-            example_inputs, example_target = spec_inputs, spec_target
-        from graphpipe.runtime.materialize import on_meta
-
+            example_inputs = spec_inputs
+            # the factory's target goes with its loss, or with a loss of the user's that takes one (an
+            # example_target given alone is the user's and kept)
+            if example_target is None and (loss_fn is None or _takes_target(loss_fn) is not False):
+                example_target = spec_target
         self._meta = on_meta(self._model)
         # a real model's stages take rank 0's weights before the first step, unless a checkpoint fills them
         self._from_rank0 = not self._meta and self.world_size > 1
@@ -190,7 +210,7 @@ class Pipeline:
                         dist.recv(buf, 0)
                         t.copy_(buf)
 
-    def _build(self, example: Any, target: Any) -> None:
+    def _build(self, example: Any, target: Any, keep: dict | None = None) -> None:
         """Capture the model on ``example`` (a whole mini-batch), cut it and build this rank's executor."""
         from graphpipe.capture import Granularity, trace_ops
         from graphpipe.runtime.jobs import plan_granularity
@@ -213,7 +233,7 @@ class Pipeline:
         from graphpipe.runtime.stage_modules import instrument
 
         self._assemble(model, instrument(exported.gm, rows(2)), op_nodes, exported.io,
-                       exported.io.wrap_loss(self._loss_fn), rows, fault=None, measure=self._measure)
+                       exported.io.wrap_loss(self._loss_fn), rows, fault=None, measure=self._measure, keep=keep)
 
     @classmethod
     def _for_job(cls, plan: Plan, runnable, *, rank: int, world_size: int, device: torch.device, backend: str,
@@ -226,6 +246,7 @@ class Pipeline:
         self.rank, self.world_size, self.backend, self.device = rank, world_size, backend, device
         self._owns_group = False  # the worker's group: it destroys it
         self._batchnorm, self._measure, self._steps = options.batchnorm_for(plan), options.measure, 0
+        self._compile = options.compile
         self._model = self._loss_fn = None  # the runnable's module is dropped: only this rank's stages stay
         self._from_rank0 = False  # every rank built (or materializes) the same weights from the seed
         self._assemble(runnable.module, runnable.gm, runnable.op_nodes, runnable.io, runnable.loss_fn,
@@ -233,9 +254,14 @@ class Pipeline:
         return self
 
     def _assemble(self, model, gm, op_nodes, io, loss_fn, make_rows, *, fault, measure: bool,
-                  initial=None) -> None:
+                  initial=None, keep=None) -> None:
         """Cut the captured graph by the plan's stages, materialize this rank's stages when the model is on the
-        meta device, and build this rank's executor (:func:`setup_rank`)."""
+        meta device, and build this rank's executor (:func:`setup_rank`).
+
+        ``keep``: ``(stage, name) -> parameter`` of an earlier build of this
+        rank; its tensors are put back in the new stage modules, so an
+        optimizer built on :meth:`parameters` goes on stepping the ones that train.
+        """
         from graphpipe.runtime.materialize import materialize_stages
         from graphpipe.runtime.stage_modules import boundary_meta, check_op_names, split_model
         from graphpipe.runtime.setup import setup_rank
@@ -244,6 +270,8 @@ class Pipeline:
         check_op_names([op.name for op in sg.graph.ops], tuple(op_nodes), self.plan.model)
         self._io = io
         split = split_model(gm, op_nodes, sg)
+        if keep:
+            _put_back(split, keep)
         meta = boundary_meta(gm, split.boundary_values, make_rows, self.precision)
         mine = {s: split.programs[s] for s in (sg.stages_on_device(self.rank) if self.rank < sg.num_devices else ())}
         self._uninitialised = sorted(materialize_stages(model, mine, self.device, self.seed, initial).uninitialised)
@@ -252,7 +280,7 @@ class Pipeline:
         self._stage_sources = dict(enumerate(split.programs)) if self.rank == 0 else mine
         self._setup = setup_rank(self.rank, self.world_size, self.plan, split, meta, loss_fn, self.device,
                                  self.backend, timeout_s=self.timeout_s, seed=self.seed, batchnorm=self._batchnorm,
-                                 fault=fault, measure=measure)
+                                 fault=fault, measure=measure, compile=self._compile)
         self._names = {}
         for s, prog in self._setup.programs.items():
             for name, p in prog.module.named_parameters():
@@ -267,6 +295,13 @@ class Pipeline:
             if io.target_spec is not None else []
         self.last_step = None
         """The last step's :class:`~graphpipe.runtime.executor.StepResult` (per-action times, activation peak)."""
+
+    def _recapture(self, inputs: Any, target: Any) -> None:
+        """The first ``step(inputs, target)`` of a model captured without a target: capture it again with this
+        mini-batch and target as the example (every rank steps together, so the collectives of the set-up
+        match), keeping this rank's parameter tensors and their optimizer state."""
+        keep = {(s, name): p for s, prog in self._setup.programs.items() for name, p in prog.module.named_parameters()}
+        self._build(inputs, target, keep)
 
     def _counted_parameters(self) -> list[nn.Parameter]:
         """The parameters this rank counts once in global sums: a stage's first replica, a tied parameter's owner."""
@@ -354,7 +389,9 @@ class Pipeline:
         if self._io.target_spec is not None and target is None:
             raise InputError("the loss takes a target: call step(inputs, target)")
         if self._io.target_spec is None and target is not None:
-            raise InputError("the loss was captured without a target (loss_fn(output)); call step(inputs)")
+            if self._model is None or _takes_target(self._loss_fn) is False:
+                raise InputError("the loss takes no target (loss_fn(output)); call step(inputs)")
+            self._recapture(inputs, target)
         flat = self._io.flat_inputs(args, kwargs, target)
         got, want = _batch(flat), self.plan.stage_graph.batch_size
         if got != want:
@@ -414,7 +451,7 @@ class Pipeline:
                 for n in names:
                     if src != self.rank:
                         meta = self._setup.executor.meta[n]
-                        values[n] = torch.empty((rows, *meta.sample_shape), dtype=meta.dtype, device=self.device)
+                        values[n] = torch.empty(meta.shape(rows), dtype=meta.dtype, device=self.device)
                         dist.recv(values[n], src)
             prog.module.eval()
             try:
@@ -617,6 +654,30 @@ class Pipeline:
             entry = {k[len(prefix):]: v.to(p.device) for k, v in state.items() if k.startswith(prefix)}
             if entry:
                 optimizer.state[p] = entry
+
+
+def _takes_target(loss_fn: Callable[..., Any]) -> bool | None:
+    """Whether ``loss_fn`` takes a second positional argument (the target); None when its signature is unknown."""
+    import inspect
+
+    try:
+        params = list(inspect.signature(loss_fn).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return True
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params) >= 2
+
+
+def _put_back(split, keep: dict) -> None:
+    """Each stage module's parameters replaced by the tensors ``keep`` holds for ``(stage, name)`` (tied copies
+    are cloned anew by every split; the model's own parameters are the same objects already)."""
+    for prog in split.programs:
+        for name, p in list(prog.module.named_parameters()):
+            old = keep.get((prog.stage_id, name))
+            if old is not None and old is not p:
+                owner, _, leaf = name.rpartition(".")
+                prog.module.get_submodule(owner)._parameters[leaf] = old
 
 
 def _batch(flat) -> int:

@@ -81,6 +81,7 @@ def replay_reference(plan: Plan, table: VersionTable, seed: int, lr: float, step
     gm = ref.gm
     gm.train()
     names = [n for n, _ in gm.named_parameters()]
+    trains = {n: p.requires_grad for n, p in gm.named_parameters()}  # False: frozen, never stepped
     versions = [[{n: p.detach().clone() for n, p in gm.named_parameters() if owner[n] == s}]
                 for s in range(sg.num_stages)]
     sums: list[dict[str, torch.Tensor] | None] = [None] * sg.num_stages
@@ -91,7 +92,7 @@ def replay_reference(plan: Plan, table: VersionTable, seed: int, lr: float, step
         params = {}
         for n in names:
             s = owner[n]
-            params[n] = versions[s][table.version[s][i]][n].clone().requires_grad_(True)
+            params[n] = versions[s][table.version[s][i]][n].clone().requires_grad_(trains[n])
         ctx = ShardContext(seed, 0, i * b, b, i * b, b)
         out = torch.func.functional_call(gm, params, (*(x[i * b:(i + 1) * b] for x in inputs), ctx))
         loss = ref.loss_fn(out) * b / sg.batch_size
@@ -99,11 +100,11 @@ def replay_reference(plan: Plan, table: VersionTable, seed: int, lr: float, step
         losses.append(float(loss.detach()))
         for s in range(sg.num_stages):
             mine = {n: params[n].grad if params[n].grad is not None else torch.zeros_like(params[n])
-                    for n in names if owner[n] == s}
+                    for n in names if owner[n] == s and trains[n]}
             sums[s] = mine if sums[s] is None else {n: sums[s][n] + g for n, g in mine.items()}
             if (i + 1) % table.group_size[s] == 0:
                 latest = versions[s][-1]
-                versions[s].append({n: latest[n] - lr * sums[s][n] for n in latest})
+                versions[s].append({n: latest[n] - lr * sums[s][n] if n in sums[s] else latest[n] for n in latest})
                 sums[s] = None
     weights = {n: versions[s][-1][n] for s in range(sg.num_stages) for n in versions[s][-1]}
     return ReplayResult(tuple(losses), weights)

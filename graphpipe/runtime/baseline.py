@@ -40,13 +40,15 @@ TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "graph-1f1b
                    "interleaved": "ScheduleInterleaved1F1B"}
 
 
-def torch_refusal(plan: Plan, split: ModelSplit | None = None) -> str | None:
+def torch_refusal(plan: Plan, split: ModelSplit | None = None, io=None) -> str | None:
     """Why torch.distributed.pipelining cannot express ``plan`` (``None`` when it can).
 
     Schedules torch has a class for run with that class (stage ``i`` on
     rank ``i``, round-robin for interleaved); any other flushing schedule
     (zero bubble, CP-SAT's, one read from a CSV) runs in torch's
     ``_PipelineScheduleRuntime`` from its CSV (:func:`csv_runtime_class`).
+    With the capture's ``io`` (:class:`~graphpipe.exporting.IOSpec`), a
+    loss target read by the last stage is torch's ``target`` (one tensor).
     """
     from graphpipe.sched.async_pipe import plan_spec
     from graphpipe.sched.torch_csv import torch_chain_refusal
@@ -78,7 +80,12 @@ def torch_refusal(plan: Plan, split: ModelSplit | None = None) -> str | None:
         return (f"stage {wrong[0]} is on device {sg.stages[wrong[0]].devices[0]}, but torch places stage i on rank "
                 f"{'i mod ranks' if name == 'interleaved' else 'i'}")
     if split is not None:
-        late = [p.stage_id for p in split.programs if p.model_inputs and p.stage_id != 0]
+        num_inputs = io.in_spec.num_leaves if io is not None else None  # the target's leaves follow the inputs
+        if io is not None and io.num_target_leaves > 1:
+            return f"the loss target has {io.num_target_leaves} tensors; torch's schedules split one target tensor"
+        late = [p.stage_id for p in split.programs if p.stage_id != 0
+                and any(num_inputs is None or i < num_inputs or p.stage_id != sg.num_stages - 1
+                        for _, i in p.model_inputs)]
         if late:
             return f"stage {late[0]} reads model inputs directly (torch feeds the inputs to stage 0 only)"
         if split.sink_stage != sg.num_stages - 1:
@@ -97,8 +104,8 @@ def csv_runtime_class():
     return getattr(schedules, "_PipelineScheduleRuntime", None) or getattr(schedules, "PipelineScheduleMulti", None)
 
 
-def check_torch_expressible(plan: Plan, split: ModelSplit | None = None) -> None:
-    reason = torch_refusal(plan, split)
+def check_torch_expressible(plan: Plan, split: ModelSplit | None = None, io=None) -> None:
+    reason = torch_refusal(plan, split, io)
     if reason:
         raise PlanError(f"torch.distributed.pipelining cannot run this plan: {reason}. "
                         "Run it with graphpipe's own runtime (drop --baseline torch)")
@@ -107,22 +114,27 @@ def check_torch_expressible(plan: Plan, split: ModelSplit | None = None) -> None
 class _TorchStage(torch.nn.Module):
     """A stage program with torch's calling convention: positional tensors in, tensor(s) out."""
 
-    def __init__(self, prog: StageProgram, prev: StageProgram | None, is_last: bool):
+    def __init__(self, prog: StageProgram, prev: StageProgram | None, is_last: bool, num_inputs: int,
+                 num_outputs: int):
         super().__init__()
         self.prog = prog.module
         self.names = prog.input_names
-        self.model_inputs = dict(prog.model_inputs)
+        self.model_inputs = {name: i for name, i in prog.model_inputs if i < num_inputs}
+        self.targets = [name for name, i in prog.model_inputs if i >= num_inputs]
         self.prev_outputs = prev.output_names if prev is not None else ()
         self.is_last = is_last
+        self.num_outputs = num_outputs
 
     def forward(self, *args):
         if self.model_inputs:
             values = {name: args[index] for name, index in self.model_inputs.items()}
         else:
             values = dict(zip(self.prev_outputs, args))
+        for name in self.targets:  # the graph passes the target through; torch hands it to the loss instead
+            values[name] = args[0].new_empty(0)
         sent, out = self.prog(*(values[n] for n in self.names))
         if self.is_last:
-            return out
+            return tuple(out[:self.num_outputs])  # the model's outputs, without the target's stand-in
         return sent[0] if len(sent) == 1 else tuple(sent)
 
 
@@ -143,44 +155,50 @@ def run_torch_job(rank: int, world_size: int, plan: Plan, options, device: torch
     runnable = load_runnable(plan.model, options.seed, "cpu", granularity=plan_granularity(plan), meta_params=True)
     check_op_names([op.name for op in sg.graph.ops], runnable.op_names, plan.model)
     split = split_model(runnable.gm, runnable.op_nodes, sg)
-    check_torch_expressible(plan, split)
+    check_torch_expressible(plan, split, runnable.io)
+    num_inputs, num_outputs = runnable.io.in_spec.num_leaves, len(runnable.io.kept)
     my_stages = sg.stages_on_device(rank) if rank < n else ()
     materialize_stages(runnable.module, {s: split.programs[s] for s in my_stages}, device, options.seed,
                        runnable.initial)
     loss_fn, make_inputs = runnable.loss_fn, runnable.make_inputs
+    runnable_takes_target = runnable.io.num_target_leaves == 1
     num_mbs = sg.num_micro_batches(0)
-    wrappers = {s: _TorchStage(split.programs[s], split.programs[s - 1] if s else None, s == sg.num_stages - 1).to(device)
+    wrappers = {s: _TorchStage(split.programs[s], split.programs[s - 1] if s else None, s == sg.num_stages - 1,
+                               num_inputs, num_outputs).to(device)
                 for s in my_stages}
     del runnable
     schedule = None
     if my_stages:
         stages = [pp.PipelineStage(wrappers[s], s, sg.num_stages, device, group=group) for s in my_stages]
-        loss = lambda output, target: loss_fn(output)  # noqa: E731 - torch passes (output, target)
+        def loss(output, target):  # torch passes (output, target): the target is ours, or a stand-in
+            output = output if isinstance(output, tuple) else (output,)
+            return loss_fn((*output, target) if runnable_takes_target else output)
         if plan.schedule.name in TORCH_SCHEDULES:
             cls = getattr(pp, TORCH_SCHEDULES[plan.schedule.name])
             schedule = cls(stages if plan.schedule.name == "interleaved" else stages[0], num_mbs, loss_fn=loss,
                            scale_grads=True)
         else:  # torch's own CSV loader and lowering (sends, receives) run the plan's schedule
             schedule = _csv_schedule(plan, stages, num_mbs, loss, rank)
-    params = [p for s in my_stages for p in split.programs[s].module.parameters()]
+    params = [p for s in my_stages for p in split.programs[s].module.parameters() if p.requires_grad]  # not frozen
     optimizer = torch.optim.SGD(params, lr=options.lr) if params else None
     reference = None
     if options.check and my_stages:
         reference = reference_step(plan.model, options.seed, sg.batch_size, data_seed(options.seed, 0), "cpu",
-                                   meta_params=True)
+                                   plan_granularity(plan), meta_params=True)
     step_times, step_losses = [], []
     check_stats = (0.0, 0, 0)
     for step in range(options.steps):
-        inputs = make_inputs(sg.batch_size, data_seed(options.seed, step)) if 0 in my_stages else ()
-        inputs = tuple(x.to(device) for x in inputs)
+        flat = make_inputs(sg.batch_size, data_seed(options.seed, step))
+        inputs = tuple(x.to(device) for x in flat[:num_inputs]) if 0 in my_stages else ()
+        target = flat[num_inputs].to(device) if runnable_takes_target else torch.zeros(sg.batch_size, device=device)
         zero_grads(params)  # persistent buffers zeroed in place, as our executor does
         losses: list = []
         dist.barrier(group=control)
         t0 = time.perf_counter()
         if schedule is not None:
             if sg.num_stages - 1 in my_stages:
-                # torch insists on a target for the last stage; our loss_fn reads the output only.
-                schedule.step(*inputs, target=torch.zeros(sg.batch_size, device=device), losses=losses)
+                # torch insists on a target for the last stage; a loss without one gets zeros it does not read
+                schedule.step(*inputs, target=target, losses=losses)
             else:
                 schedule.step(*inputs)
         if device.type == "cuda":
@@ -197,23 +215,58 @@ def run_torch_job(rank: int, world_size: int, plan: Plan, options, device: torch
                       records=[], backend=dist.get_backend(), control=control,
                       extra={"baseline": "torch.distributed.pipelining." + (
                           TORCH_SCHEDULES.get(plan.schedule.name)
-                          or f"{csv_runtime_class().__name__} (CSV of {plan.schedule.name})")})
+                          or f"{csv_runtime_class().__name__} (CSV of {plan.schedule.name}{_file_note(plan)})")})
+
+
+def _file_note(plan: Plan) -> str:
+    from graphpipe.sched.torch_csv import torch_file_rows
+
+    kept = torch_file_rows(plan)
+    return f", {plan.search['torch_csv'].get('file')} as written, {kept[1]}" if kept is not None else ""
 
 
 def _csv_schedule(plan: Plan, stages, num_mbs: int, loss, rank: int):
-    """torch's CSV runtime over this rank's ``stages``, loaded from the plan's schedule written as torch's CSV."""
+    """torch's CSV runtime over this rank's ``stages``: loaded from the torch file the plan's schedule was read
+    from, as written (compute-only, or compute-and-comms with torch's own sends and receives), else from the
+    plan's schedule written as torch's compute-only CSV."""
+    import csv
+    import io
     import os
     import tempfile
 
-    from graphpipe.sched.torch_csv import write_torch_csv
+    from graphpipe.files import write_text_atomic
+    from graphpipe.sched.torch_csv import to_torch_rows, torch_file_rows
 
     cls = csv_runtime_class()
     schedule = cls(stages, num_mbs, loss_fn=loss, scale_grads=True)
+    kept = torch_file_rows(plan)
+    rows, form = kept if kept is not None else (to_torch_rows(plan.stage_graph, plan.schedule), "compute_only")
     fd, path = tempfile.mkstemp(prefix=f"graphpipe-torch-rank{rank}-", suffix=".csv")
     os.close(fd)
     try:
-        write_torch_csv(path, plan.stage_graph, plan.schedule)
-        schedule._load_csv(path)
+        text = io.StringIO()
+        csv.writer(text, lineterminator="\n").writerows(rows)
+        write_text_atomic(path, text.getvalue())
+        if form == "compute_comms":
+            schedule._load_csv(path, format="compute_comms")
+            _add_missing_reduce_grads(schedule, num_mbs)
+        else:
+            schedule._load_csv(path)
     finally:
         os.unlink(path)
     return schedule
+
+
+def _add_missing_reduce_grads(schedule, num_mbs: int) -> None:
+    """A compute-and-comms file whose rank lists no ``REDUCE_GRAD`` (torch's own test files predate it) gets
+    torch's own pass that adds one after each stage's last backward: that action is where torch divides the
+    summed gradients by the micro-batch count (``scale_grads``), which one-process training needs."""
+    from torch.distributed.pipelining import schedules
+
+    add = getattr(schedules, "_add_reduce_grad", None)
+    reduce_grad = getattr(getattr(schedules, "_ComputationType", None), "REDUCE_GRAD", None)
+    if add is None or reduce_grad is None:  # an older torch scales gradients without the action
+        return
+    for rank, actions in schedule.pipeline_order_with_comms.items():
+        if not any(a is not None and a.computation_type == reduce_grad for a in actions):
+            schedule.pipeline_order_with_comms[rank] = add(actions, num_mbs)

@@ -14,6 +14,14 @@ sits in its link's sequence.
   up to the one it needs (receive buffers are sized from the per-sample
   shapes computed at setup, so no metadata travels), then waits on it.
   Messages posted early just land in their buffers and are picked up later.
+* ``prefetch`` (CUDA ranks): the executor posts the receives of its *next*
+  action before it computes the current one, so the transfer runs on NCCL's
+  stream while this rank's kernels run, and ``recv`` then only makes the
+  compute stream wait for a message already in flight. On a CPU (gloo) a
+  posted receive gains nothing the lazy post does not, so gloo keeps posting
+  at ``recv``; so does a measuring run (``graphpipe run`` without
+  ``--no-measure``), whose device synchronisation after every action would
+  otherwise wait for a posted receive whose sender is waiting for this rank.
 * Messages between two stages on the same rank (interleaved virtual stages)
   never touch the network: they are handed over in a local dictionary.
 
@@ -54,8 +62,11 @@ class Mailbox:
     """Sends and receives of one rank during one iteration (call :meth:`reset` per iteration)."""
 
     def __init__(self, rank: int, routing: Routing, buffer_spec: Callable[[MessageKey], tuple[tuple[int, ...], torch.dtype]],
-                 device: torch.device, timeout_s: float, groups: Mapping[tuple[int, int], object] | None = None):
+                 device: torch.device, timeout_s: float, groups: Mapping[tuple[int, int], object] | None = None,
+                 post_early: bool | None = None):
         self.rank = rank
+        self.post_early = device.type == "cuda" if post_early is None else post_early
+        """Whether :meth:`prefetch` posts receives ahead of use (CUDA by default; see the module docstring)."""
         self.routing = routing
         self.buffer_spec = buffer_spec
         self.device = device
@@ -91,6 +102,20 @@ class Mailbox:
             except KeyError:
                 raise RuntimeError(f"rank {self.rank}: local message {key} was not produced before it was needed "
                                    "(the schedule runs a consumer before its producer on this device)") from None
+        self._post_through(src, key)
+        work, buf = self._pending.pop(key)
+        self.wait_work(work, f"message {_describe(key)} from rank {src}")
+        return buf
+
+    def prefetch(self, src: int, key: MessageKey) -> None:
+        """Post the receive of ``key`` (and of every earlier message of its link) now, without waiting for it;
+        nothing on a rank that posts lazily (:attr:`post_early` false) or for a local message."""
+        if self.post_early and src != self.rank:
+            self._post_through(src, key)
+
+    def _post_through(self, src: int, key: MessageKey) -> None:
+        """``dist.irecv`` for every not-yet-posted message of the link from ``src`` up to ``key``, in link order
+        (the order NCCL matches them in)."""
         link = (src, self.rank)
         keys = self.routing.links.get(link, ())
         target = self.routing.position.get(link, {}).get(key)
@@ -105,9 +130,6 @@ class Mailbox:
             self._pending[k] = (work, buf)
             posted += 1
         self._posted[src] = posted
-        work, buf = self._pending.pop(key)
-        self.wait_work(work, f"message {_describe(key)} from rank {src}")
-        return buf
 
     def wait_work(self, work, what: str) -> None:
         """Wait with the process-group timeout; name the peer when it does not answer.

@@ -152,6 +152,8 @@ class ExecutorContext:
     the plan's mini-batch, not the stream's rows)."""
     measure: bool = True
     """Time every action (synchronising the device first) and meter saved activations; off in the training API."""
+    compile: bool = False
+    """Run every hosted stage's forward (and so its backward) compiled by ``torch.compile``."""
 
 
 class RankExecutor:
@@ -165,13 +167,18 @@ class RankExecutor:
         self.programs = dict(ctx.programs)
         # one object per hosted stage: module, parameters and gradient buffer, BatchNorms, forward, what its
         # re-materialization and split backward keep per micro-batch (runtime/hosted.py)
-        self.hosted = {s: HostedStage.of(sg.stages[s], prog) for s, prog in sorted(self.programs.items())}
+        self.hosted = {s: HostedStage.of(sg.stages[s], prog, compile=ctx.compile)
+                       for s, prog in sorted(self.programs.items())}
         self.routing = routing = ctx.routing
         self.meta = dict(ctx.meta)
         self.loss_fn = ctx.loss_fn
         self.device = ctx.device
         self.timeout = timedelta(seconds=ctx.timeout_s)
-        self.mailbox = Mailbox(self.rank, routing, self._buffer_spec, self.device, ctx.timeout_s, ctx.link_groups)
+        # Receives are posted an action ahead on CUDA only when actions are not timed: a measuring run synchronises
+        # the whole device after each action, which would wait for a posted receive whose sender waits for us.
+        self.mailbox = Mailbox(self.rank, routing, self._buffer_spec, self.device, ctx.timeout_s, ctx.link_groups,
+                               post_early=self.device.type == "cuda" and not ctx.measure)
+        self._receive_lists: dict[Action, list] = {}
         self.dp_groups = dict(ctx.dp_groups)
         self.allreduce_order = {k: tuple(v) for k, v in ctx.allreduce_order.items()}
         last_b: dict[int, int] = {}
@@ -204,10 +211,38 @@ class RankExecutor:
     # ------------------------------------------------------------ helpers
     def _buffer_spec(self, key) -> tuple[tuple[int, ...], torch.dtype]:
         m = self.meta[key[7]]
-        return (self.routing.rows[key], *m.sample_shape), m.dtype
+        return m.shape(self.routing.rows[key]), m.dtype
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return [p for h in self.hosted.values() for p in h.parameters()]
+
+    def _receives(self, a: Action) -> list[tuple[Any, str, int, tuple]]:
+        """``(piece, value, source rank, message key)`` of every message action ``a`` consumes, in the order it
+        consumes them: F the activations of its incoming pieces, B and I the gradients of its outgoing ones,
+        W none. Computed once per action (the routing is fixed)."""
+        got = self._receive_lists.get(a)
+        if got is not None:
+            return got
+        got = []
+        q = self.routing.replica(a.stage_id, self.rank)
+        if a.kind == "F":
+            for piece in self.routing.incoming(a.stage_id, a.mb_id, q):
+                src = self.sg.stages[piece.producer].devices[piece.producer_replica]
+                got += [(piece, v, src, Routing.key("F", piece, v)) for v in self._edge_values[(piece.producer, piece.consumer)]]
+        elif a.kind in ("B", "I"):
+            for piece in self.routing.outgoing(a.stage_id, a.mb_id, q):
+                src = self.sg.stages[piece.consumer].devices[piece.consumer_replica]
+                got += [(piece, v, src, Routing.key("B", piece, v)) for v in self._edge_values[(piece.producer, piece.consumer)]
+                        if v in self.routing.grad_values]
+        self._receive_lists[a] = got
+        return got
+
+    def _prefetch(self, a: Action) -> None:
+        """Post the receives of action ``a`` now (CUDA ranks: :meth:`Mailbox.prefetch`), so its messages travel
+        while the action before it computes; waited for only where ``a`` consumes them."""
+        if self.mailbox.post_early:
+            for _, _, src, key in self._receives(a):
+                self.mailbox.prefetch(src, key)
 
     @property
     def weights(self) -> dict[int, Any]:
@@ -223,7 +258,7 @@ class RankExecutor:
         replicas all-reduce, so they come back before it (the API calls this
         at the start of every step). The buffers are reused, not reallocated.
         """
-        if any(p.grad is None for p in self.parameters()):
+        if any(p.grad is None for h in self.hosted.values() for p in h.trainable()):
             for h in self.hosted.values():
                 h.bind_grad_buffers()
 
@@ -262,13 +297,12 @@ class RankExecutor:
         for name, index in prog.model_inputs:
             values[name] = inputs[index][rows]
         parts: dict[str, list[torch.Tensor]] = {}
-        for piece in self.routing.incoming(a.stage_id, a.mb_id, q):
-            src = self.sg.stages[piece.producer].devices[piece.producer_replica]
-            for value in self._edge_values[(piece.producer, piece.consumer)]:
-                parts.setdefault(value, []).append(self.mailbox.recv(src, Routing.key("F", piece, value)))
+        for _, value, src, key in self._receives(a):
+            parts.setdefault(value, []).append(self.mailbox.recv(src, key))
         leaves = {}
         for value, chunks in parts.items():
-            t = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+            # an unbatched value (a position table) comes whole with every piece: the first copy is the stage's
+            t = chunks[0] if len(chunks) == 1 or not self.meta[value].batched else torch.cat(chunks)
             if self.meta[value].needs_grad:
                 t.requires_grad_(True)
                 leaves[value] = t
@@ -306,7 +340,8 @@ class RankExecutor:
         for piece in self.routing.outgoing(a.stage_id, a.mb_id, q):
             dst = self.sg.stages[piece.consumer].devices[piece.consumer_replica]
             for value in self._edge_values[(piece.producer, piece.consumer)]:
-                self.mailbox.send(dst, Routing.key("F", piece, value), by_name[value][piece.producer_rows])
+                sent_value = by_name[value] if not self.meta[value].batched else by_name[value][piece.producer_rows]
+                self.mailbox.send(dst, Routing.key("F", piece, value), sent_value)
         saved[(a.stage_id, a.mb_id)] = (leaves, by_name, loss)
         if loss is not None:  # read once at the iteration's end: a float() here would wait for the device
             self._loss_terms.append((a.mb_id, loss.detach().float()))
@@ -379,20 +414,19 @@ class RankExecutor:
         ready_at = time.perf_counter()
         leaves, outputs, loss = saved.pop((a.stage_id, a.mb_id))
         grads: dict[str, torch.Tensor] = {}
-        for piece in self.routing.outgoing(a.stage_id, a.mb_id, q):
-            src = self.sg.stages[piece.consumer].devices[piece.consumer_replica]
-            for value in self._edge_values[(piece.producer, piece.consumer)]:
-                if value not in self.routing.grad_values:
-                    continue
-                g = self.mailbox.recv(src, Routing.key("B", piece, value))
-                acc = grads.get(value)
-                rows = piece.producer_rows
-                if acc is None and rows.start == 0 and rows.stop == outputs[value].shape[0]:
-                    grads[value] = g  # a piece covering every row (the usual case): the received buffer is ours
-                    continue
-                if acc is None:
-                    acc = grads[value] = torch.zeros_like(outputs[value])
-                acc[rows] += g
+        for piece, value, src, key in self._receives(a):
+            g = self.mailbox.recv(src, key)
+            acc = grads.get(value)
+            rows = piece.producer_rows
+            if not self.meta[value].batched:  # every consumer shard's gradient of the whole value: summed
+                grads[value] = g if acc is None else acc + g
+                continue
+            if acc is None and rows.start == 0 and rows.stop == outputs[value].shape[0]:
+                grads[value] = g  # a piece covering every row (the usual case): the received buffer is ours
+                continue
+            if acc is None:
+                acc = grads[value] = torch.zeros_like(outputs[value])
+            acc[rows] += g
         self._sync()
         start = time.perf_counter()
         if self._fail_at == "B":
@@ -411,7 +445,7 @@ class RankExecutor:
         if a.kind == "I":
             leaves_in = [leaves[v] for v in sorted(leaves)]
             dinputs, hosted.pending_w[a.mb_id] = backward_input(tensors, grad_tensors, leaves_in,
-                                                                hosted.parameters())
+                                                                hosted.trainable())
             for leaf, g in zip(leaves_in, dinputs):
                 leaf.grad = g
         elif tensors:
@@ -424,6 +458,7 @@ class RankExecutor:
             hosted.segment_calls.pop(a.mb_id, None)
         self._sync()
         end = time.perf_counter()
+        answered: set[str] = set()  # unbatched values whose gradient went back with their first piece
         for piece in self.routing.incoming(a.stage_id, a.mb_id, q):
             dst = self.sg.stages[piece.producer].devices[piece.producer_replica]
             for value in self._edge_values[(piece.producer, piece.consumer)]:
@@ -431,6 +466,11 @@ class RankExecutor:
                     continue
                 leaf = leaves[value]
                 g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+                if not self.meta[value].batched:  # the stage used the first copy: the others get no gradient
+                    g = torch.zeros_like(leaf) if value in answered else g
+                    answered.add(value)
+                    self.mailbox.send(dst, Routing.key("B", piece, value), g)
+                    continue
                 self.mailbox.send(dst, Routing.key("B", piece, value), g[piece.consumer_rows])
         return ready_at - t0, start - t0, end - t0
 
@@ -471,6 +511,8 @@ class RankExecutor:
         pending_ar: list[tuple[int, object, torch.Tensor, list[torch.Tensor], float]] = []
         finished_at: dict[int, float] = {}
         for pos, a in enumerate(self.actions):
+            if pos + 1 < len(self.actions):  # the next action's messages travel while this one computes (CUDA)
+                self._prefetch(self.actions[pos + 1])
             if a.kind == "F":
                 ready, start, end = self._forward(a, inputs, saved, t0)
             elif a.kind in ("B", "I"):
@@ -555,7 +597,7 @@ class RankExecutor:
             while issued.get(devices, 0) < len(order) and order[issued.get(devices, 0)] in done_stages:
                 stage_id = order[issued.get(devices, 0)]
                 issued[devices] = issued.get(devices, 0) + 1
-                params = self.hosted[stage_id].parameters()
+                params = self.hosted[stage_id].trainable()
                 if not params:
                     continue
                 zero_grads([p for p in params if p.grad is None])  # every replica reduces the same tensors

@@ -64,7 +64,7 @@ class HostedStage:
 
     stage: Stage
     program: StageProgram
-    forward: BoundForward
+    forward: BoundForward | Any
     """The stage's forward with its parameters passed in (no attribute chains per micro-batch)."""
     batchnorms: tuple
     """Its :class:`~graphpipe.runtime.batchnorm.ShardedBatchNorm` modules, in a fixed order."""
@@ -83,8 +83,14 @@ class HostedStage:
     """Micro-batch -> the checkpoint segments that ran (a second call is a re-materialization)."""
 
     @classmethod
-    def of(cls, stage: Stage, program: StageProgram) -> "HostedStage":
-        return cls(stage, program, BoundForward(program.module), tuple(sharded_batchnorms(program.module)))
+    def of(cls, stage: Stage, program: StageProgram, *, compile: bool = False) -> "HostedStage":
+        """``compile``: the bound forward compiled by ``torch.compile`` (:mod:`graphpipe.runtime.compiled`)."""
+        forward = BoundForward(program.module)
+        if compile:
+            from graphpipe.runtime.compiled import CompiledForward
+
+            forward = CompiledForward(forward, stage.id)
+        return cls(stage, program, forward, tuple(sharded_batchnorms(program.module)))
 
     @property
     def stage_id(self) -> int:
@@ -96,6 +102,11 @@ class HostedStage:
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return list(self.program.module.parameters())
+
+    def trainable(self) -> list[torch.nn.Parameter]:
+        """The parameters that train: a frozen one (``requires_grad=False``) gets no gradient buffer, no
+        all-reduce and so no optimizer state (optimizers skip a parameter whose ``.grad`` is None)."""
+        return [p for p in self.program.module.parameters() if p.requires_grad]
 
     def param(self, name: str) -> torch.nn.Parameter:
         """The parameter called ``name`` in the stage module."""
@@ -112,7 +123,7 @@ class HostedStage:
     def bind_grad_buffers(self) -> None:
         """``.grad`` as views into one zeroed flat buffer (:func:`flat_grad_buffer`; an existing buffer and its
         views are reused), or zeroed per-parameter tensors where the stage mixes dtypes or devices."""
-        params = self.parameters()
+        params = self.trainable()
         if self.grad_views is not None:
             self.grad_buffer.zero_()
             for p, g in zip(params, self.grad_views):
@@ -128,7 +139,7 @@ class HostedStage:
         if self.grad_buffer is not None:
             self.grad_buffer.zero_()
         else:
-            zero_grads(self.parameters())
+            zero_grads(self.trainable())
 
     def idle(self) -> bool:
         """No micro-batch is waiting for its backward or its weight gradient."""

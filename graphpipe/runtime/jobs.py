@@ -45,11 +45,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-
 import os
 import socket
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 from torch.utils._pytree import tree_leaves
@@ -59,11 +58,15 @@ import torch.distributed as dist
 
 from graphpipe.errors import PlanError, UserCodeError
 from graphpipe.plan import Plan
+from graphpipe.runtime.numerics import SPREAD_FACTOR, allowed, float64_graph, spread
 from graphpipe.runtime.options import CHECK_ATOL, CHECK_RTOL, FaultInjection, RunOptions, fault_from_env
 
 __all__ = ["RunOptions", "FaultInjection", "fault_from_env", "Runnable", "load_runnable", "data_seed",
            "build_runnable", "plan_granularity", "Reference", "reference_run", "reference_layout", "reference_step", "compare_gradients", "compare_buffers",
            "finish_job", "CHECK_RTOL", "CHECK_ATOL"]
+
+log = logging.getLogger(__name__)
+
 
 def autocast(precision: str, device: torch.device | str):
     """``torch.autocast`` to bfloat16 for ``bf16``, a no-op context for ``fp32`` (a disabled ``torch.autocast``
@@ -189,11 +192,13 @@ def build_runnable(spec: str, seed: int = 0, device: str = "cpu", capture: bool 
         with building as kept:
             built = zoo.build(spec, device=device, seed=seed)
         module, example, loss_fn, make_inputs = built.module, built.example_inputs, built.loss_fn, built.make_inputs
+    # no target is no leaf (torch's pytree counts None as one: the reference would call the module with it)
+    target_leaves = tree_leaves(target) if target is not None else []
     initial = {**buffers_to_meta(module), **kept_values(module, kept)} if meta_params else {}
     if not capture:
-        flat = tuple(tree_leaves((example, target)))
+        flat = tuple(tree_leaves(example)) + tuple(target_leaves)
         return Runnable(spec, module, None, {}, (), loss_fn,  # type: ignore[arg-type]
-                        make_inputs or _synthetic_inputs(flat, device, len(tree_leaves(target))), None, meta_params,
+                        make_inputs or _synthetic_inputs(flat, device, len(target_leaves)), None, meta_params,
                         initial)
     from graphpipe.runtime.stage_modules import instrument
 
@@ -214,7 +219,7 @@ def build_runnable(spec: str, seed: int = 0, device: str = "cpu", capture: bool 
             raise exc from None
     args, kwargs = cap.normalize_inputs(example)
     flat = exported.io.flat_inputs(args, kwargs, target)
-    make_inputs = make_inputs or _synthetic_inputs(flat, device, len(tree_leaves(target)))
+    make_inputs = make_inputs or _synthetic_inputs(flat, device, len(target_leaves))
     gm = exported.gm
     # the meta device (preflight) only cuts the model: no run to find random calls
     gm = instrument(gm, shapes(make_inputs(2, 0)) if device != "meta" else None)
@@ -282,10 +287,21 @@ class Reference:
     """Stochastic or BatchNorm ops whose input had no batch dimension (their draws cannot match the pipeline's)."""
     meta_params: bool = False
     """Weights materialized per tensor name (:mod:`graphpipe.runtime.materialize`), as the run's ranks do."""
+    grad_spread: tuple[dict[str, float], ...] = ()
+    """Per step, per parameter: the largest ``|fp32 - fp64|`` of the reference's gradient (empty: not measured);
+    widens the comparison's tolerance (:mod:`graphpipe.runtime.numerics`)."""
+    buffer_spread: tuple[dict[str, float], ...] = ()
+    loss_spread: tuple[float, ...] = ()
 
     @property
     def num_params(self) -> int:
         return len(self.grads[0]) if self.grads else 0
+
+    def spread_at(self, step: int) -> tuple[dict[str, float] | None, dict[str, float] | None]:
+        """``(gradient spreads, buffer spreads)`` of step ``step`` (None where not measured)."""
+        if not self.grad_spread:
+            return None, None
+        return self.grad_spread[step], self.buffer_spread[step]
 
 
 def reference_layout(plan: Plan, node_stages: dict[str, int], batchnorm: str) -> dict[str, dict[str, int]]:
@@ -304,7 +320,7 @@ def reference_layout(plan: Plan, node_stages: dict[str, int], batchnorm: str) ->
 
 def reference_run(spec: str, seed: int, batch_size: int, layout: dict[str, dict[str, int]], steps: int, lr: float,
                   device: str = "cpu", granularity: str | None = None, precision: str = "fp32",
-                  meta_params: bool = False) -> Reference:
+                  meta_params: bool = False, with_spread: bool = False, float64: bool = False) -> Reference:
     """``steps`` SGD steps of a fresh copy of the model on one process with the pipeline's semantics.
 
     ``layout`` (:func:`reference_layout`) says at which rows every dropout
@@ -312,13 +328,16 @@ def reference_run(spec: str, seed: int, batch_size: int, layout: dict[str, dict[
     ``k`` reads ``make_inputs(batch_size, data_seed(seed, k))`` like the
     pipeline. ``meta_params``: the weights are those every rank materializes
     (:func:`~graphpipe.runtime.materialize.materialize_stages`, all stages here).
+    ``float64``: the whole run in float64; ``with_spread`` (fp32): that run
+    too, and the reference's own fp32-vs-fp64 spread per step
+    (:mod:`graphpipe.runtime.numerics`).
     """
     from graphpipe.runtime.batchnorm import sharded_batchnorms
     from graphpipe.runtime.rng import ReferenceContext
 
     ref = load_runnable(spec, seed, device, granularity=granularity, meta_params=meta_params)
-    gm = ref.gm
-    _materialize_whole(ref, gm, device, seed)
+    _materialize_whole(ref, ref.gm, device, seed)
+    gm = float64_graph(ref.gm) if float64 else ref.gm
     gm.train()
     params = dict(gm.named_parameters())
     optimizer = torch.optim.SGD(list(params.values()), lr=lr)
@@ -326,6 +345,8 @@ def reference_run(spec: str, seed: int, batch_size: int, layout: dict[str, dict[
     for step in range(steps):
         optimizer.zero_grad(set_to_none=True)
         inputs = ref.make_inputs(batch_size, data_seed(seed, step))
+        if float64:
+            inputs = tuple(x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs)
         ctx = ReferenceContext(seed, step, batch_size, layout)
         with autocast(precision, device):  # one region per step, as the run: the weight copies are cast anew
             loss = ref.loss_fn(gm(*inputs, ctx))
@@ -337,7 +358,19 @@ def reference_run(spec: str, seed: int, batch_size: int, layout: dict[str, dict[
         grads.append({n: p.grad.detach().clone() for n, p in params.items() if p.grad is not None})
         buffers.append({n: b.detach().clone() for n, b in gm.named_buffers()})
         optimizer.step()
-    return Reference(tuple(losses), tuple(grads), tuple(buffers), tuple(sorted(unbatched)), meta_params)
+    ref32 = Reference(tuple(losses), tuple(grads), tuple(buffers), tuple(sorted(unbatched)), meta_params)
+    if not with_spread or precision != "fp32":
+        return ref32
+    try:
+        ref64 = reference_run(spec, seed, batch_size, layout, steps, lr, device, granularity, float64=True,
+                              meta_params=meta_params)
+    except Exception as exc:  # noqa: BLE001 - a model that cannot run in float64 is checked at the fixed tolerance
+        log.warning("%s: the float64 reference failed (%s: %s); --check uses the fixed fp32 tolerance",
+                    spec, type(exc).__name__, exc)
+        return ref32
+    return replace(ref32, grad_spread=tuple(spread(a, b) for a, b in zip(ref32.grads, ref64.grads)),
+                   buffer_spread=tuple(spread(a, b) for a, b in zip(ref32.buffers, ref64.buffers)),
+                   loss_spread=tuple(abs(a - b) for a, b in zip(ref32.losses, ref64.losses)))
 
 
 def _materialize_whole(ref: Runnable, module: torch.nn.Module, device: str, seed: int) -> None:
@@ -354,22 +387,29 @@ def _materialize_whole(ref: Runnable, module: torch.nn.Module, device: str, seed
 
 
 def reference_step(spec: str, seed: int, batch_size: int, step_seed: int, device: str,
-                   meta_params: bool = False) -> tuple[float, dict[str, torch.Tensor]]:
+                   granularity: str | None = None, meta_params: bool = False) -> tuple[float, dict[str, torch.Tensor]]:
     """Single-process loss and gradients of a fresh copy of the model on the whole mini-batch (PyTorch's semantics).
 
-    The torch.distributed.pipelining baseline's reference; ours is :func:`reference_run`. ``meta_params``: the
-    weights every rank materializes (:func:`reference_run`'s).
+    The torch.distributed.pipelining baseline's reference; ours is
+    :func:`reference_run`. The eager module runs on the data the graph runs
+    on, its keyword inputs by name and the target to the loss
+    (:meth:`~graphpipe.exporting.IOSpec.unflatten_inputs`). ``meta_params``:
+    the weights every rank materializes (:func:`reference_run`'s).
     """
-    ref = load_runnable(spec, seed, device, capture=False, meta_params=meta_params)
+    ref = load_runnable(spec, seed, device, granularity=granularity, meta_params=meta_params)
     _materialize_whole(ref, ref.module, device, seed)
-    inputs = ref.make_inputs(batch_size, step_seed)
-    loss = ref.loss_fn(ref.module(*inputs))
+    args, kwargs, target = ref.io.unflatten_inputs(ref.make_inputs(batch_size, step_seed))
+    loss = ref.loss_fn(ref.io.graph_output(ref.module(*args, **kwargs), target))
     loss.backward()
     return float(loss.detach()), {n: p.grad for n, p in ref.module.named_parameters() if p.grad is not None}
 
 
-def compare_buffers(named_buffers, ref_buffers: dict[str, torch.Tensor], options: RunOptions) -> tuple[float, int, int]:
-    """``(max |a - b|, elements outside tolerance, buffers counted)``; ``named_buffers`` yields ``(name, buffer, counted)``."""
+def compare_buffers(named_buffers, ref_buffers: dict[str, torch.Tensor], options: RunOptions,
+                    spreads: dict[str, float] | None = None) -> tuple[float, int, int]:
+    """``(max |a - b|, elements outside tolerance, buffers counted)``; ``named_buffers`` yields ``(name, buffer, counted)``.
+
+    ``spreads``: the reference's fp32-vs-fp64 spread per buffer, which widens its tolerance
+    (:func:`~graphpipe.runtime.numerics.allowed`)."""
     max_abs, mismatches, count = 0.0, 0, 0
     for name, b, counted in named_buffers:
         if name not in ref_buffers:
@@ -378,19 +418,26 @@ def compare_buffers(named_buffers, ref_buffers: dict[str, torch.Tensor], options
         diff = (b.double() - ref.double()).abs()
         if diff.numel():
             max_abs = max(max_abs, float(diff.max()))
-        mismatches += int((diff > options.atol + options.rtol * ref.double().abs()).sum())
+        mismatches += int((diff > allowed(ref.double(), options.atol, options.rtol, (spreads or {}).get(name, 0.0))).sum())
         count += int(counted)
     return max_abs, mismatches, count
 
 
-def compare_gradients(named_params, ref_grads: dict[str, torch.Tensor], options: RunOptions) -> tuple[float, int, int]:
+def compare_gradients(named_params, ref_grads: dict[str, torch.Tensor], options: RunOptions,
+                      spreads: dict[str, float] | None = None) -> tuple[float, int, int]:
     """``(max |a - b|, elements outside atol + rtol*|b|, parameters counted)`` against the reference.
 
     ``named_params`` yields ``(name, parameter, counted)``; ``name`` is the
-    parameter's name in the whole model.
+    parameter's name in the whole model. Frozen parameters (``requires_grad=False``)
+    are not compared or counted: they must have no gradient. ``spreads``: the
+    reference's fp32-vs-fp64 spread per parameter, which widens its tolerance.
     """
     max_abs, mismatches, count = 0.0, 0, 0
     for name, p, counted in named_params:
+        if not p.requires_grad:  # frozen: it must stay without a gradient, and the reference has none either
+            if p.grad is not None and bool(p.grad.ne(0).any()):
+                raise PlanError(f"--check: frozen parameter {name!r} got a gradient in the pipelined run")
+            continue
         if name not in ref_grads:
             raise PlanError(f"--check: parameter {name!r} has no gradient in the single-process run")
         if p.grad is None:
@@ -399,7 +446,7 @@ def compare_gradients(named_params, ref_grads: dict[str, torch.Tensor], options:
         diff = (p.grad - ref).abs()
         if diff.numel():
             max_abs = max(max_abs, float(diff.max()))
-        mismatches += int((diff > options.atol + options.rtol * ref.abs()).sum())
+        mismatches += int((diff > allowed(ref, options.atol, options.rtol, (spreads or {}).get(name, 0.0))).sum())
         count += int(counted)
     return max_abs, mismatches, count
 
@@ -454,7 +501,7 @@ def finish_job(rank: int, world_size: int, plan: Plan, options: RunOptions, step
     elif options.check:
         if reference is None:
             reference = reference_step(plan.model, options.seed, sg.batch_size, data_seed(options.seed, 0), "cpu",
-                                       meta_params=True)  # the baseline's weights (runtime/baseline.py)
+                                       plan_granularity(plan), meta_params=True)  # the baseline's weights
         ref_loss = reference[0]
         loss_diff = abs(float(losses[0]) - ref_loss)
         total_params = len(reference[1])  # every parameter the forward uses must have been compared once
@@ -472,7 +519,9 @@ def _check_summary(plan: Plan, options: RunOptions, losses: list[float], referen
     """Rank 0's verdict over every step: losses, gradients and buffers; plus the full-batch comparison (reported)."""
     steps = len(reference.losses)
     loss_diffs = [abs(losses[k] - reference.losses[k]) for k in range(steps)]
-    losses_ok = all(d <= options.atol + options.rtol * abs(r) for d, r in zip(loss_diffs, reference.losses))
+    loss_spread = reference.loss_spread or (0.0,) * steps
+    losses_ok = all(d <= float(allowed(torch.tensor(r), options.atol, options.rtol, w))
+                    for d, r, w in zip(loss_diffs, reference.losses, loss_spread))
     num_buffers = len(reference.buffers[0]) if reference.buffers else 0
     passed = (counts[0] == 0 and losses_ok and int(counts[1]) == reference.num_params
               and int(counts[2]) == num_buffers)
@@ -485,6 +534,10 @@ def _check_summary(plan: Plan, options: RunOptions, losses: list[float], referen
              "batchnorm": options.batchnorm_for(plan)}
     if reference.unbatched:
         check["inexact_ops"] = list(reference.unbatched)
+    if reference.grad_spread:  # the tolerance each value got on top of atol + rtol |b|
+        check["fp64_spread"] = {"factor": SPREAD_FACTOR, "loss": max(loss_spread),
+                                "max_grad": max((w for step in reference.grad_spread for w in step.values()),
+                                                default=0.0)}
     full = reference_run(plan.model, options.seed, plan.stage_graph.batch_size, {}, 1, options.lr,
                          granularity=plan_granularity(plan), meta_params=reference.meta_params)
     check["full_batch"] = {

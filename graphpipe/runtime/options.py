@@ -136,6 +136,9 @@ class RunOptions:
              "--checkpoint-every steps, keeping the newest 2, and start from DIR's newest complete one"))
     checkpoint_every: int = field(default=1, metadata=flag(
         "--checkpoint-every", metavar="K", help="steps between checkpoints with --checkpoint-dir"))
+    compile: bool = field(default=False, metadata=flag(
+        "--compile", help="compile every stage's forward and backward with torch.compile (inductor); refused for "
+                          "split-backward (zero bubble) and PipeDream schedules"))
     max_restarts: int = field(default=0, metadata=flag(
         "--max-restarts", metavar="R",
         help="when a rank fails (killed, out of memory, an error), start every rank again up to R times, resuming "
@@ -168,6 +171,9 @@ class RunOptions:
             raise InputError(f"--threads must be between 1 and 4096, got {self.num_threads!r}")
         if not isinstance(self.cpus_per_rank, int) or self.cpus_per_rank < 0:
             raise InputError(f"--cpus-per-rank must be a non-negative integer, got {self.cpus_per_rank!r}")
+        if self.compile and self.baseline is not None:
+            raise InputError("--compile compiles graphpipe's own stages; --baseline torch runs torch's runtime: "
+                             "drop one of them")
         if self.baseline not in (None, "torch"):
             raise InputError(f"--baseline must be 'torch', got {self.baseline!r}")
         if isinstance(self.checkpoint_every, bool) or not isinstance(self.checkpoint_every, int) \

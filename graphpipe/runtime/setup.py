@@ -21,7 +21,7 @@ from graphpipe.plan import Plan
 from graphpipe.runtime.executor import ExecutorContext, RankExecutor, TiedSync
 from graphpipe.runtime.jobs import reference_layout
 from graphpipe.runtime.routing import Routing
-from graphpipe.runtime.stage_modules import ModelSplit, StageProgram
+from graphpipe.runtime.stage_modules import ModelSplit, StageProgram, check_unbatched_edges
 
 __all__ = ["setup_rank", "RankSetup"]
 
@@ -46,20 +46,22 @@ class RankSetup:
 
 def setup_rank(rank: int, world_size: int, plan: Plan, split: ModelSplit, meta, loss_fn, device: torch.device,
                backend: str, *, timeout_s: float, seed: int, batchnorm: str, fault=None, measure: bool = True,
-               stream=None) -> RankSetup:
+               stream=None, compile: bool = False) -> RankSetup:
     """Routing, process groups (created by every rank in the same order), tied parameters and the executor of
     ``rank``: the one set-up of ``graphpipe run`` (synchronous and asynchronous) and :class:`graphpipe.Pipeline`.
 
     ``stream``: ``(stage graph, schedule)`` of an asynchronous run's stream
     (:func:`~graphpipe.sched.async_pipe.stream_schedule`), which ``split`` was
     cut for; its replicas all-reduce inside the weight versions, not after
-    the last backward, and its loss terms are scaled by the plan's mini-batch.
+    the last backward, and its loss terms are scaled by the plan's mini-batch. ``compile``: every hosted
+    stage's forward and backward compiled with ``torch.compile`` (:mod:`graphpipe.runtime.compiled`).
     """
     from graphpipe.runtime.comm import make_link_groups
 
     sg, schedule = stream if stream is not None else (plan.stage_graph, plan.schedule)
     my_stages = sg.stages_on_device(rank) if rank < sg.num_devices else ()
     routing = Routing(sg, schedule, _edge_values(split), [v for v, m in meta.items() if m.needs_grad])
+    check_unbatched_edges(routing, meta)
     link_groups = make_link_groups(routing, world_size, backend)
     dp_groups, ar_order = {}, {}
     for stage in sg.stages:  # every rank creates every group, in stage order (new_group is collective)
@@ -102,6 +104,6 @@ def setup_rank(rank: int, world_size: int, plan: Plan, split: ModelSplit, meta, 
         rank=rank, stage_graph=sg, actions=tuple(schedule.device_actions[rank]) if rank < sg.num_devices else (),
         programs=programs, routing=routing, meta=meta, loss_fn=loss_fn, device=device, timeout_s=timeout_s,
         link_groups=link_groups, dp_groups={k: v for k, v in dp_groups.items() if rank in k}, allreduce_order=ar_order,
-        tied=tuple(tied), seed=seed, batchnorm=batchnorm, fault=fault, measure=measure,
+        tied=tuple(tied), seed=seed, batchnorm=batchnorm, fault=fault, measure=measure, compile=compile,
         loss_batch_size=plan.stage_graph.batch_size)
     return RankSetup(RankExecutor(ctx), programs, layout, tied_copies, buffer_stage)

@@ -51,8 +51,10 @@ and returns it unchanged (its gradient flows back the same way).
 
 Every value crossing a stage boundary must be a tensor whose dim 0 is the
 batch (it is sliced and concatenated along dim 0 when producer and consumer
-micro-batch sizes or replica counts differ); :func:`boundary_meta` checks
-that by running the model at two batch sizes.
+micro-batch sizes or replica counts differ) or whose shape does not change
+with the batch (an *unbatched* value such as a position table, carried
+whole with every micro-batch, :class:`ValueMeta`); :func:`boundary_meta`
+tells them apart by running the model at two batch sizes.
 
 Example
 -------
@@ -87,6 +89,7 @@ from graphpipe.errors import PlanError, some
 from graphpipe.stages import StageGraph
 
 __all__ = ["StageProgram", "BoundForward", "Segment", "ModelSplit", "ValueMeta", "TiedParameter", "split_model", "boundary_meta", "check_op_names",
+           "check_unbatched_edges",
            "instrument", "CTX_NAME"]
 
 CTX_NAME = "rng_ctx"
@@ -141,15 +144,33 @@ class Segment:
 
 @dataclass(frozen=True, slots=True)
 class ValueMeta:
-    """A batch-major tensor crossing a stage boundary: shape without dim 0, and dtype."""
+    """A tensor crossing a stage boundary: its shape without dim 0 (batch-major) or whole (unbatched), and dtype.
+
+    An *unbatched* value has the same shape at every batch size (a learned
+    position table of shape ``(1, seq, d)``, a relative position bias
+    ``(1, heads, q, k)``, a scalar). It travels whole with every micro-batch
+    (one copy per message, never sliced by rows); the gradients its consumers
+    send back are summed on the producer. A *constant* one is also equal at
+    every batch (computed from parameters alone), so a consumer shard fed by
+    several producer shards may take any copy; an unbatched value that
+    depends on the rows needs producer and consumer shards to match one to
+    one (:func:`check_unbatched_edges`).
+    """
 
     sample_shape: tuple[int, ...]
     dtype: torch.dtype
+    batched: bool = True
+    constant: bool = False
+    """Unbatched and equal at two batch sizes: it does not depend on the rows."""
 
     @property
     def needs_grad(self) -> bool:
         """Gradients flow back only through floating-point values."""
         return self.dtype.is_floating_point or self.dtype.is_complex
+
+    def shape(self, rows: int) -> tuple[int, ...]:
+        """The shape of one message carrying ``rows`` samples of this value."""
+        return (rows, *self.sample_shape) if self.batched else self.sample_shape
 
 
 @dataclass(frozen=True, slots=True)
@@ -506,7 +527,8 @@ def boundary_meta(gm: torch.fx.GraphModule, values: Sequence[str],
 
     Runs the captured graph (no grad) at batch sizes 2 and 3: a value is
     batch-major when its dim 0 follows the batch size and its other dims do
-    not change. The executor relies on this to size receive buffers up front,
+    not change; a value of the same shape at both sizes is unbatched
+    (:class:`ValueMeta`). The executor relies on this to size receive buffers up front,
     so no shape message ever travels with the data. At ``bf16`` the graph
     runs under autocast, as the run does: a value's dtype is the one sent.
     Autocast does not act on meta tensors, so a graph on the meta device (a
@@ -531,22 +553,57 @@ def boundary_meta(gm: torch.fx.GraphModule, values: Sequence[str],
                 runs.append((n, rec.values))
     finally:
         gm.train(training)
+    from_inputs: set[str] = set()  # values that depend on a graph input (meta tensors cannot be compared)
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" or any(str(a) in from_inputs for a in node.all_input_nodes):
+            from_inputs.add(node.name)
     meta = {}
     for name in values:
-        shapes = []
-        for n, vals in runs:
-            value = vals.get(name)
+        got = [(n, vals.get(name)) for n, vals in runs]
+        for n, value in got:
             if not isinstance(value, torch.Tensor):
-                raise PlanError(f"fx value {name!r} crosses a stage boundary but is a {type(value).__name__}, not a tensor; "
-                                "keep the op that produces it in the same stage as its users")
-            if value.dim() == 0 or value.shape[0] != n:
-                raise PlanError(f"fx value {name!r} crosses a stage boundary but has no batch dimension "
-                                f"(shape {tuple(value.shape)} at batch size {n}); keep its producer and users in one stage")
-            shapes.append(tuple(value.shape[1:]))
-        if shapes[0] != shapes[1]:
-            raise PlanError(f"fx value {name!r}: per-sample shape changes with the batch size ({shapes[0]} vs {shapes[1]})")
-        meta[name] = ValueMeta(shapes[0], runs[0][1][name].dtype)
+                raise PlanError(f"fx value {name!r} crosses a stage boundary but is a {type(value).__name__}, not a "
+                                "tensor; keep the op that produces it in the same stage as its users")
+        (n0, v0), (n1, v1) = got
+        if v0.shape == v1.shape:  # the same shape at two batch sizes: unbatched, carried whole
+            # constant: computed from no input (parameters, buffers, literals); on real tensors it must also be
+            # equal at both sizes (a value the graph builds from the inputs' shapes alone is not, say)
+            from torch._subclasses.fake_tensor import FakeTensor
+
+            shapes_only = v0.device.type == "meta" or isinstance(v0, FakeTensor)  # fake_cpu's run holds no values
+            constant = name not in from_inputs and (shapes_only or bool(torch.equal(v0, v1)))
+            meta[name] = ValueMeta(tuple(v0.shape), v0.dtype, batched=False, constant=constant)
+            continue
+        if v0.dim() == 0 or v0.shape[0] != n0 or v1.shape[0] != n1 or v0.shape[1:] != v1.shape[1:]:
+            raise PlanError(f"fx value {name!r} crosses a stage boundary but its dim 0 is not the batch (shape "
+                            f"{tuple(v0.shape)} at batch size {n0}, {tuple(v1.shape)} at {n1}); keep its producer "
+                            "and users in one stage")
+        meta[name] = ValueMeta(tuple(v0.shape[1:]), v0.dtype)
     return meta
+
+
+def check_unbatched_edges(routing, meta: Mapping[str, ValueMeta]) -> None:
+    """Refuse a row-dependent unbatched value on a stage edge whose shards do not match one to one.
+
+    A constant unbatched value (a position table) is the same in every
+    micro-batch, so a consumer shard may take it from any producer shard. One
+    that depends on the rows (a mean over the micro-batch) is the value of one
+    producer shard: it crosses only where every consumer shard is exactly
+    one producer shard.
+    """
+    for (p, c), values in routing.edge_values.items():
+        loose = [v for v in values if not meta[v].batched and not meta[v].constant]
+        if not loose:
+            continue
+        from graphpipe.runtime.routing import shard_size
+
+        rows_p, rows_c = shard_size(routing.sg.stages[p]), shard_size(routing.sg.stages[c])
+        if rows_p != rows_c or any(len(pieces) != 1 for (pp, cc, _, _), pieces in routing.by_consumer.items()
+                                   if (pp, cc) == (p, c)):
+            raise PlanError(f"fx value {loose[0]!r} (shape {meta[loose[0]].sample_shape}) crosses stage edge "
+                            f"{p}->{c} without a batch dimension and depends on the rows, but the producer's shards "
+                            f"hold {rows_p} rows and the consumer's {rows_c}: give both stages one micro-batch size "
+                            "and replica layout, or keep its producer and users in one stage")
 
 
 class BoundForward:

@@ -104,9 +104,9 @@ class WeightVersions:
         v = self._version(mb_id)
         used = self._versions[v if self.stash else self._latest]
         if self._sum is None:
-            self._sum = {n: torch.zeros_like(t) for n, t in used.items()}
+            self._sum = {n: torch.zeros_like(t) for n, t in used.items() if t.requires_grad}  # frozen: no sum
         for n, t in used.items():
-            if t.grad is not None:
+            if t.grad is not None and n in self._sum:
                 self._sum[n].add_(t.grad)
                 t.grad = None
         if self.stash:

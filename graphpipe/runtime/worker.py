@@ -140,7 +140,8 @@ def run_job(rank: int, world_size: int, plan: Plan, options: RunOptions, device:
     if options.check and (my_stages or rank == 0):
         # the reference trains at the run's precision too, one autocast region per step as the run
         reference = reference_run(plan.model, options.seed, sg.batch_size, layout, options.steps, options.lr,
-                                  granularity=plan_granularity(plan), precision=options.precision, meta_params=True)
+                                  granularity=plan_granularity(plan), precision=options.precision, meta_params=True,
+                                  with_spread=True)
 
     start = pipe.resume(options.checkpoint_dir, optimizer=optimizer) if options.checkpoint_dir else 0
     if start >= options.steps:
@@ -156,10 +157,10 @@ def run_job(rank: int, world_size: int, plan: Plan, options: RunOptions, device:
             grads = compare_gradients(((programs[s].param_names.get(name, name), p,
                                         step == start and sg.stages[s].devices[0] == rank and (s, name) not in tied_copies)
                                        for s in sorted(programs) for name, p in programs[s].module.named_parameters()),
-                                      reference.grads[step], options)
+                                      reference.grads[step], options, reference.spread_at(step)[0])
             bufs = compare_buffers(((name, b, step == start and sg.stages[s].devices[0] == rank and buffer_stage[name] == s)
                                     for s in sorted(programs) for name, b in programs[s].module.named_buffers()),
-                                   reference.buffers[step], options)
+                                   reference.buffers[step], options, reference.spread_at(step)[1])
             check_stats = [max(check_stats[0], grads[0], bufs[0]), check_stats[1] + grads[1] + bufs[1],
                            check_stats[2] + grads[2], check_stats[3] + bufs[2]]
         if optimizer is not None:

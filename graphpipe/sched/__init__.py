@@ -11,7 +11,7 @@ schedule into a :class:`Timeline`; :func:`write_trace` and
 
 from graphpipe.actions import Action, Schedule
 from graphpipe.sched.generators import (SCHEDULE_NAMES, gpipe, interleaved_1f1b, make_schedule, one_f_one_b,
-                                        round_robin_chain, v_shape_chain)
+                                        looped_chain, round_robin_chain, v_shape_chain)
 from graphpipe.sched.graph1f1b import graph_1f1b, warmup_counts
 from graphpipe.sched.zero_bubble import dualpipev, graph_zb, zb_h1, zbv
 from graphpipe.sched.simulator import (ActionRecord, AllReduceRecord, SharedHost, Timeline, TransferRecord,
@@ -23,7 +23,7 @@ from graphpipe.sched.gantt import plot_gantt, plot_gantt_pair
 __all__ = [
     "Action", "Schedule",
     "SCHEDULE_NAMES", "gpipe", "one_f_one_b", "interleaved_1f1b", "graph_1f1b", "make_schedule",
-    "round_robin_chain", "v_shape_chain", "warmup_counts", "zb_h1", "graph_zb", "zbv", "dualpipev",
+    "round_robin_chain", "looped_chain", "v_shape_chain", "warmup_counts", "zb_h1", "graph_zb", "zbv", "dualpipev",
     "validate_schedule", "validate_plan", "format_grid",
     "simulate", "SharedHost", "build_timeline", "predicted_figures", "edge_delay",
     "Timeline", "ActionRecord", "TransferRecord", "AllReduceRecord",

@@ -45,7 +45,7 @@ from graphpipe.sched.graph1f1b import (assemble, graph_1f1b, one_f_one_b_sequenc
 from graphpipe.sched.validate import validate_schedule
 from graphpipe.sched.zero_bubble import dualpipev, graph_zb, interleaved_zb, zb_h1, zbv
 
-__all__ = ["gpipe", "one_f_one_b", "interleaved_1f1b", "round_robin_chain", "v_shape_chain", "make_schedule",
+__all__ = ["gpipe", "one_f_one_b", "interleaved_1f1b", "round_robin_chain", "looped_chain", "v_shape_chain", "make_schedule",
            "SCHEDULE_NAMES", "interleaved_groups", "interleaved_layout"]
 
 
@@ -122,8 +122,8 @@ def interleaved_groups(sg: StageGraph) -> tuple[tuple[int, ...], ...]:
     k = len(groups)
     if k == sg.num_stages:
         raise ScheduleError(f"interleaved 1F1B needs several virtual stages per device group; all {k} stages are on "
-                            f"different devices: use --schedule 1f1b, or a plan whose stages take the device groups "
-                            f"in turn (stage s on group s % K, 2 or more stages per group)")
+                            f"different devices: use --schedule 1f1b, or plan with --virtual-stages 2 (or auto), whose "
+                            f"stages take the device groups in turn (stage s on group s % K)")
     if sg.num_stages % k:
         raise ScheduleError(f"interleaved 1F1B needs the same number of stages on each of the {k} device groups; "
                             f"{sg.num_stages} stages is not a multiple of {k}; use --schedule 1f1b, or a plan with "
@@ -204,11 +204,10 @@ def round_robin_chain(graph: OpGraph, num_devices: int, virtual_per_device: int,
                       micro_batch_size: int) -> StageGraph:
     """Cut the op order ``0..n-1`` into ``K*v`` contiguous pieces of near-equal time, placed round-robin.
 
-    Piece ``s`` goes on device ``s % K``. Contiguous ranges of a topological
-    order are convex (a path between two ops of ``[i, j]`` only visits ids
-    between them), so every piece is a valid stage. The cut minimises the
-    slowest piece's ``fwd + bwd`` time at ``micro_batch_size`` (bisection on
-    the bottleneck with a greedy feasibility test).
+    Piece ``s`` goes on device ``s % K`` (:func:`looped_chain` with one device per group). Contiguous ranges
+    of a topological order are convex (a path between two ops of ``[i, j]`` only visits ids between them),
+    so every piece is a valid stage. The cut minimises the slowest piece's ``fwd + bwd`` time at
+    ``micro_batch_size``.
 
     >>> from graphpipe.graph import Op, OpGraph, Affine
     >>> g = OpGraph.build("c", [Op(f"l{i}", "x", Affine(0, 1), Affine(0, 2)) for i in range(8)],
@@ -217,20 +216,51 @@ def round_robin_chain(graph: OpGraph, num_devices: int, virtual_per_device: int,
     >>> [(s.op_ids, s.devices) for s in sg.stages]
     [((0, 1), (0,)), ((2, 3), (1,)), ((4, 5), (0,)), ((6, 7), (1,))]
     """
-    for label, value in (("num_devices", num_devices), ("virtual_per_device", virtual_per_device)):
-        if not isinstance(value, int) or value < 1:
-            raise InputError(f"{label} must be a positive integer, got {value!r}")
-    pieces = num_devices * virtual_per_device
+    if not isinstance(num_devices, int) or num_devices < 1:
+        raise InputError(f"num_devices must be a positive integer, got {num_devices!r}")
+    return looped_chain(graph, tuple((d,) for d in range(num_devices)), virtual_per_device, batch_size,
+                        micro_batch_size, sequential=False)
+
+
+def looped_chain(graph: OpGraph, groups: Sequence[Sequence[int]], virtual: int, batch_size: int,
+                 micro_batch_size: int, recompute: bool = False, num_devices: int | None = None,
+                 sequential: bool = True) -> StageGraph:
+    """The op order cut into ``K*v`` contiguous stages placed in turn over the ``K`` device ``groups``.
+
+    Stage ``s`` runs on group ``s % K`` (interleaved 1F1B's looped layout, Narayanan et al. SC'21 §2.2);
+    a group of ``r`` devices splits each micro-batch over its replicas. The cut minimises the slowest
+    stage's ``fwd + bwd`` time per micro-batch on its group (each replica runs ``micro_batch_size / r``
+    samples): a bisection on that bottleneck with a greedy test, each stage taking as many ops as fit,
+    which is exact for a fixed order of stages. ``sequential`` (the default) makes stage ``i`` feed only
+    stage ``i + 1``, which relays whatever crosses the cut (as torch's pipelines do), so a model with
+    branches still gives a chain; contiguous ranges of a topological order are convex.
+
+    >>> from graphpipe.graph import Op, OpGraph, Affine
+    >>> g = OpGraph.build("c", [Op(f"l{i}", "x", Affine(0, 1), Affine(0, 2)) for i in range(6)],
+    ...                   [(f"l{i}", f"l{i+1}", 1) for i in range(5)])
+    >>> sg = looped_chain(g, [(0, 1), (2,)], 2, 4, 2)
+    >>> [(s.op_ids, s.devices) for s in sg.stages]
+    [((0, 1), (0, 1)), ((2,), (2,)), ((3, 4), (0, 1)), ((5,), (2,))]
+    """
+    if not isinstance(virtual, int) or isinstance(virtual, bool) or virtual < 1:
+        raise InputError(f"the number of virtual stages per device group must be a positive integer, got {virtual!r}")
+    groups = tuple(tuple(g) for g in groups)
+    k = len(groups)
+    pieces = k * virtual
     n = graph.num_ops
     if n < pieces:
-        raise InputError(f"cannot cut {n} ops into {pieces} virtual stages ({num_devices} devices x "
-                         f"{virtual_per_device}); use fewer devices or virtual stages")
-    cost = [graph.fwd_time((i,), micro_batch_size) + graph.bwd_time((i,), micro_batch_size) for i in range(n)]
-    cuts = _balanced_cuts(cost, pieces)
-    bounds = [0, *cuts, n]
-    stages = [Stage(s, tuple(range(bounds[s], bounds[s + 1])), (s % num_devices,), micro_batch_size)
+        raise InputError(f"cannot cut {n} ops into {pieces} virtual stages ({k} device groups x {virtual}); "
+                         "use fewer devices or virtual stages")
+    rows = []
+    for devices in groups:
+        share = micro_batch_size / len(devices)
+        rows.append([graph.fwd_time((i,), share) + graph.bwd_time((i,), share) for i in range(n)])
+    bounds = [0, *_balanced_cuts(rows, pieces), n]
+    stages = [Stage(s, tuple(range(bounds[s], bounds[s + 1])), groups[s % k], micro_batch_size, recompute)
               for s in range(pieces)]
-    return StageGraph.build(graph, stages, batch_size, num_devices, allow_shared_devices=virtual_per_device > 1)
+    return StageGraph.build(graph, stages, batch_size,
+                            num_devices if num_devices is not None else 1 + max(d for g in groups for d in g),
+                            allow_shared_devices=virtual > 1, sequential=sequential)
 
 
 def v_shape_chain(graph: OpGraph, num_devices: int, batch_size: int, micro_batch_size: int) -> StageGraph:
@@ -254,12 +284,15 @@ V_LAYOUT_SCHEDULES = ("zbv", "dualpipev")
 """Schedules that run on :func:`v_shape_chain`'s layout only (``plan --schedule`` cuts the model into it)."""
 
 
-def v_layout_plan(plan, name: str):
+def v_layout_plan(plan, name: str, forced: bool = False):
     """``plan``'s model cut anew into a V (:func:`v_shape_chain`: ``2K`` stages on the cluster's ``K`` devices)
     at the plan's smallest micro-batch size, scheduled with ``name`` (``zbv`` or ``dualpipev``) and simulated.
 
-    Raises :class:`~graphpipe.errors.InputError` when the V does not fit a device's memory, and
-    :class:`~graphpipe.errors.ScheduleError` when the model is no chain or has too few ops or micro-batches.
+    When the schedule refuses that size (DualPipeV needs a micro-batch per stage) or the V does not fit
+    in memory there, smaller divisors of the batch are tried in turn, unless the size was ``forced``
+    (``--micro-batch-size``). Raises :class:`~graphpipe.errors.InputError` when the V does not fit a
+    device's memory, and :class:`~graphpipe.errors.ScheduleError` when the model is no chain or has too
+    few ops or micro-batches, each for the plan's own size.
     """
     from dataclasses import replace as with_fields
 
@@ -268,37 +301,51 @@ def v_layout_plan(plan, name: str):
 
     sg, cluster = plan.stage_graph, plan.cluster
     mb = min(st.micro_batch_size for st in sg.stages)
-    v = v_shape_chain(sg.graph, cluster.num_devices, sg.batch_size, mb)
-    schedule = make_schedule(name, v, cluster)
-    figures = predicted_figures(simulate(v, schedule, cluster))
-    worst = max(range(cluster.num_devices), key=lambda d: figures["peak_memory_bytes"][d])
-    need = figures["peak_memory_bytes"][worst]
-    if need > cluster.memory_bytes:
-        raise InputError(f"{name}: the V layout (micro-batch {mb}) needs {need / 1e9:.3g} GB on device {worst}, "
-                         f"the device has {cluster.memory_bytes / 1e9:.3g} GB: use a smaller --micro-batch-size or "
-                         "more devices")
-    return with_fields(plan, stage_graph=v, schedule=schedule, predicted=figures,
-                       search={**dict(plan.search), "layout": f"v ({v.num_stages} stages, micro-batch {mb})"})
+    sizes = [mb] if forced else [mb] + [b for b in range(mb - 1, 0, -1) if sg.batch_size % b == 0]
+    first_error = None
+    for b in sizes:
+        v = v_shape_chain(sg.graph, cluster.num_devices, sg.batch_size, b)
+        try:
+            schedule = make_schedule(name, v, cluster)
+        except ScheduleError as exc:
+            first_error = first_error or exc
+            continue
+        figures = predicted_figures(simulate(v, schedule, cluster))
+        worst = max(range(cluster.num_devices), key=lambda d: figures["peak_memory_bytes"][d])
+        need = figures["peak_memory_bytes"][worst]
+        if need > cluster.memory_bytes:
+            first_error = first_error or InputError(
+                f"{name}: the V layout (micro-batch {b}) needs {need / 1e9:.3g} GB on device {worst}, the device "
+                f"has {cluster.memory_bytes / 1e9:.3g} GB: use a smaller --micro-batch-size or more devices")
+            continue
+        return with_fields(plan, stage_graph=v, schedule=schedule, predicted=figures,
+                           search={**dict(plan.search), "layout": f"v ({v.num_stages} stages, micro-batch {b})"})
+    raise first_error
 
 
-def _balanced_cuts(cost: Sequence[float], pieces: int) -> list[int]:
-    """Cut positions splitting ``cost`` into exactly ``pieces`` non-empty runs, minimising the largest sum."""
-    n = len(cost)
+def _balanced_cuts(rows: Sequence[Sequence[float]], pieces: int) -> list[int]:
+    """Cut positions splitting the ops into exactly ``pieces`` non-empty runs, minimising the largest run's
+    sum; run ``s`` costs op ``i`` ``rows[s % len(rows)][i]`` (its device group's time for it)."""
+    n = len(rows[0])
 
     def greedy(limit: float) -> list[int] | None:
-        cuts, acc = [], 0.0
-        for i, c in enumerate(cost):
+        cuts, acc, piece = [], 0.0, 0
+        for i in range(n):
+            row = rows[piece % len(rows)]
             # Cut before i when adding it would pass the limit, or when the ops
             # left are only just enough to give every remaining piece one.
-            if i > 0 and (acc + c > limit or n - i == pieces - 1 - len(cuts)):
+            if i > 0 and (acc + row[i] > limit or n - i == pieces - 1 - len(cuts)):
                 cuts.append(i)
-                acc = 0.0
-            if c > limit:
+                acc, piece = 0.0, piece + 1
+                row = rows[piece % len(rows)]
+                if piece >= pieces:
+                    return None
+            if row[i] > limit:
                 return None
-            acc += c
+            acc += row[i]
         return cuts if len(cuts) <= pieces - 1 else None
 
-    lo, hi = max(cost, default=0.0), sum(cost)
+    lo, hi = 0.0, sum(max(column) for column in zip(*rows))
     for _ in range(100):
         mid = (lo + hi) / 2
         if greedy(mid) is None:

@@ -324,7 +324,7 @@ def _allreduce_spans(sg: StageGraph, cluster: Cluster, result) -> list[tuple[int
     for st in sg.stages:
         if st.num_replicas > 1:
             nbytes = sg.param_bytes(st.id)
-            start = max(t for slot in (1, 2) for t in result.stage_end[st.id][slot] if not math.isnan(t))
+            start = max(t for slot in (1, 2) for t in result.stage_end[st.id][slot] if t == t)  # t == t: not nan
             spans.append((st.id, st.devices, start, start + cluster.allreduce_time(st.devices, nbytes), nbytes))
     return spans
 
@@ -525,7 +525,43 @@ def _run_lockstep(sg: StageGraph, schedule: Schedule, cluster: Cluster, duration
     return reps, rep_index, result
 
 
-def score(sg: StageGraph, schedule: Schedule, cluster: Cluster) -> Score:
+def _peak_in_list_order(sg: StageGraph, schedule: Schedule, cluster: Cluster, devices: Iterable[int],
+                        durations: Sequence[Sequence[float]]) -> float | None:
+    """The largest peak bytes over ``devices`` exactly as :func:`_memory` sums them, or None when it cannot tell.
+
+    When every action on a device takes time, its memory events in time
+    order are its actions in list order (each action's allocation precedes
+    its release, and the next action starts no earlier than that release,
+    which sorts first at equal times), so the peak needs no start times: the
+    same additions in the same order as :func:`_memory`, bit for bit. An
+    action of zero length (an op with no cost) may reorder equal-time events:
+    None then, and the caller falls back to the timed events.
+    ``durations[s]``: stage ``s``'s F, B, I, W times.
+    """
+    state, buffers, stash, working = _memory_terms(sg, cluster)
+    timed = {kind: [durations[s][i] > 0 for s in range(sg.num_stages)] for i, kind in enumerate("FBIW")}
+    peak = 0.0
+    for d in devices:
+        live = top = 0.0
+        for s, kind, _ in schedule.device_actions[d]:
+            if not timed[kind][s]:
+                return None
+            if kind == "F":
+                live += stash[s]
+            elif kind in ("B", "I"):
+                if working[s]:
+                    live += working[s]
+                if kind == "B":
+                    top = max(top, live)
+                    live += -stash[s] - working[s]
+            else:
+                live += -stash[s] - working[s]
+            top = max(top, live)
+        peak = max(peak, state[d] + buffers[d] + top)
+    return peak
+
+
+def score(sg: StageGraph, schedule: Schedule, cluster: Cluster, memory_limit: float | None = None) -> Score | None:
     """:func:`simulate`'s figures that rank plans, without building the timeline (dedicated devices).
 
     Devices whose action lists are equal run in lockstep -- the same
@@ -537,21 +573,32 @@ def score(sg: StageGraph, schedule: Schedule, cluster: Cluster) -> Score:
     checked: this is for schedules a generator made, scored many times in a
     search; :func:`simulate` the plan that wins. A deadlock still raises
     :class:`DeadlockError`.
+
+    With ``memory_limit`` (bytes), a schedule whose peak memory provably
+    exceeds it returns None without running the engine: a search that keeps
+    only plans that fit needs no timing of one that does not (the peak comes
+    from the action order, :func:`_peak_in_list_order`, when that is exact).
     """
     _check_cluster(sg, cluster)
     _, duration, delay = _engine_inputs(sg, cluster)
+    reps, _, _ = _lockstep_classes(sg, schedule)
+    durations = [(duration(s, "F"), duration(s, "B"), duration(s, "I"), duration(s, "W")) for s in range(sg.num_stages)]
+    peak = _peak_in_list_order(sg, schedule, cluster, reps, durations)
+    if peak is not None and memory_limit is not None and peak > memory_limit:
+        return None
     reps, _, result = _run_lockstep(sg, schedule, cluster, duration, delay)
     acts = [schedule.device_actions[d] for d in reps]
     end = max((e[-1] for e in result.ends if e), default=0.0)
     for st in sg.stages:
         if st.num_replicas > 1:
-            start = max(t for slot in (1, 2) for t in result.stage_end[st.id][slot] if not math.isnan(t))
+            start = max(t for slot in (1, 2) for t in result.stage_end[st.id][slot] if t == t)  # t == t: not nan
             end = max(end, start + cluster.allreduce_time(st.devices, sg.param_bytes(st.id)))
-    by_device: list[list[tuple[Action, float, float]]] = [[] for _ in range(sg.num_devices)]
-    for i, d in enumerate(reps):
-        by_device[d] = list(zip(acts[i], result.starts[i], result.ends[i]))
-    state, buffers, act_peak, _ = _memory(sg, cluster, reps, by_device)
-    peak = max((state[d] + buffers[d] + act_peak[d] for d in range(sg.num_devices)), default=0.0)
+    if peak is None:
+        by_device: list[list[tuple[Action, float, float]]] = [[] for _ in range(sg.num_devices)]
+        for i, d in enumerate(reps):
+            by_device[d] = list(zip(acts[i], result.starts[i], result.ends[i]))
+        state, buffers, act_peak, _ = _memory(sg, cluster, reps, by_device)
+        peak = max((state[d] + buffers[d] + act_peak[d] for d in range(sg.num_devices)), default=0.0)
     return Score(end, _throughput(sg, end), peak)
 
 

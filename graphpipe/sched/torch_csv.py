@@ -49,7 +49,9 @@ from graphpipe.errors import InputError, ScheduleError
 from graphpipe.stages import StageGraph
 
 __all__ = ["torch_chain_refusal", "to_torch_rows", "write_torch_csv", "from_torch_rows", "read_torch_csv",
-           "plan_with_torch_csv", "TORCH_COMMS"]
+           "plan_with_torch_csv", "csv_format", "micro_batch_counts", "with_micro_batches", "micro_batch_note",
+           "torch_file_rows",
+           "TORCH_COMMS"]
 
 _CELL = re.compile(r"^(\d+)([A-Z_]+?)(\d*)$")
 TORCH_COMMS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B", "UNSHARD", "RESHARD", "REDUCE_GRAD")
@@ -206,28 +208,125 @@ def from_torch_rows(rows: Sequence[Sequence[str]], sg: StageGraph, name: str = "
     return Schedule(name, tuple(tuple(acts) for acts in per_rank))
 
 
+def _read_rows(path: str) -> list[list[str]]:
+    try:
+        with open(path, newline="") as f:
+            return [list(row) for row in csv.reader(f)]
+    except (OSError, UnicodeDecodeError, csv.Error) as exc:
+        raise InputError(f"cannot read schedule CSV {path}: {exc}") from None
+
+
 def read_torch_csv(path: str, sg: StageGraph) -> Schedule:
     """Read a torch schedule CSV (compute-only, or compute-and-comms) for the plan's stage graph and validate it
     (:func:`from_torch_rows`, then :func:`~graphpipe.sched.validate_schedule`)."""
     from graphpipe.sched.validate import validate_schedule
 
-    try:
-        with open(path, newline="") as f:
-            rows = list(csv.reader(f))
-    except (OSError, UnicodeDecodeError, csv.Error) as exc:
-        raise InputError(f"cannot read schedule CSV {path}: {exc}") from None
-    schedule = from_torch_rows(rows, sg, name="torch-csv", source=os.path.basename(path))
+    schedule = from_torch_rows(_read_rows(path), sg, name="torch-csv", source=os.path.basename(path))
     validate_schedule(sg, schedule)
     return schedule
 
 
+def csv_format(rows: Sequence[Sequence[str]]) -> str:
+    """``compute_comms`` when the grid has torch's communication cells (``SEND_F``, ``REDUCE_GRAD``, ...), else
+    ``compute_only``: the ``format`` torch's ``_load_csv`` takes for it."""
+    for row in rows:
+        for cell in row:
+            m = _CELL.match(cell.strip())
+            if m and m.group(2) in TORCH_COMMS:
+                return "compute_comms"
+    return "compute_only"
+
+
+def micro_batch_counts(rows: Sequence[Sequence[str]], source: str = "schedule CSV") -> dict[int, int]:
+    """Per stage named in the grid, the number of micro-batches it runs (its largest micro-batch id + 1)."""
+    counts: dict[int, int] = {}
+    for r, row in enumerate(rows):
+        for c, cell in enumerate(row):
+            for a in _cell_actions(cell, f"{source}: rank {r} (line {r + 1}), step {c}"):
+                counts[a.stage_id] = max(counts.get(a.stage_id, 0), a.mb_id + 1)
+    return counts
+
+
+def with_micro_batches(sg: StageGraph, counts: dict[int, int], source: str = "schedule CSV") -> StageGraph:
+    """``sg`` with each stage's micro-batch size set so that it runs ``counts[stage]`` micro-batches, as the
+    schedule file does (torch's file says how many micro-batches, not their size); ``sg`` itself when they agree.
+
+    Raises :class:`~graphpipe.errors.InputError` naming the count to plan when the batch does not split into
+    that many micro-batches (or a replicated stage's replicas do not split them).
+    """
+    from dataclasses import replace
+
+    from graphpipe.errors import PlanError
+
+    stages = []
+    for st in sg.stages:
+        m = counts.get(st.id, sg.num_micro_batches(st.id))
+        if m == sg.num_micro_batches(st.id):
+            stages.append(st)
+            continue
+        size = sg.batch_size // m if m and sg.batch_size % m == 0 else None
+        if size is None or (not st.round_robin and size % st.num_replicas):
+            raise InputError(f"{source} runs {m} micro-batches of stage {st.id}; the plan's batch of "
+                             f"{sg.batch_size} does not split into {m} micro-batches"
+                             f"{f' over its {st.num_replicas} replicas' if size else ''}: plan with a batch size "
+                             f"that is a multiple of {m} (--micro-batch-size batch/{m})")
+        stages.append(replace(st, micro_batch_size=size))
+    if all(a is b for a, b in zip(stages, sg.stages)):
+        return sg
+    try:
+        return replace(sg, stages=tuple(stages))
+    except PlanError as exc:
+        raise InputError(f"{source}: the plan with its micro-batch counts is not valid: {exc}") from None
+
+
+def micro_batch_note(before: StageGraph, after: StageGraph, source: str) -> str | None:
+    """One line saying which stages' micro-batch sizes a schedule file changed (:func:`with_micro_batches`),
+    or None when it changed none."""
+    changed = [(a.id, a.micro_batch_size, b.micro_batch_size) for a, b in zip(before.stages, after.stages)
+               if a.micro_batch_size != b.micro_batch_size]
+    if not changed:
+        return None
+    sizes = sorted({(old, new) for _, old, new in changed})
+    what = ", ".join(f"{old} -> {new}" for old, new in sizes)
+    return (f"{source} runs {after.num_micro_batches(changed[0][0])} micro-batches of batch {after.batch_size}: "
+            f"micro-batch size {what} on {'every stage' if len(changed) == after.num_stages else f'stages {[c[0] for c in changed]}'}")
+
+
 def plan_with_torch_csv(plan, path: str):
     """``plan`` with the schedule of torch CSV ``path`` (read and validated by :func:`read_torch_csv`), its
-    predicted figures simulated anew, no asynchrony (a CSV schedule flushes every step)."""
+    predicted figures simulated anew, no asynchrony (a CSV schedule flushes every step).
+
+    The file's micro-batch counts are kept (:func:`with_micro_batches`): when they differ from the plan's,
+    the stages' micro-batch sizes follow the file. The grid itself is kept in ``plan.search["torch_csv"]``
+    (``file``, ``format``, ``rows``), so that torch's runtime can run the file as written
+    (``run --baseline torch``).
+    """
     from dataclasses import replace
 
     from graphpipe.sched.simulator import predicted_figures, simulate
+    from graphpipe.sched.validate import validate_schedule
 
-    schedule = read_torch_csv(path, plan.stage_graph)
-    figures = predicted_figures(simulate(plan.stage_graph, schedule, plan.cluster))
+    rows = _read_rows(path)
+    source = os.path.basename(path)
+    sg = with_micro_batches(plan.stage_graph, micro_batch_counts(rows, source), source)
+    schedule = from_torch_rows(rows, sg, name="torch-csv", source=source)
+    validate_schedule(sg, schedule)
+    figures = predicted_figures(simulate(sg, schedule, plan.cluster))
+    plan = replace(plan, stage_graph=sg, search={**dict(plan.search), "torch_csv": {
+        "file": source, "format": csv_format(rows), "rows": [list(row) for row in rows]}})
     return replace(plan.with_schedule(schedule, {**dict(plan.predicted), **figures}), asynchrony={})
+
+
+def torch_file_rows(plan) -> tuple[list[list[str]], str] | None:
+    """The torch CSV grid a plan's schedule was read from and its ``format``, when the plan's schedule is still
+    that file's (:func:`plan_with_torch_csv`); None otherwise."""
+    kept = plan.search.get("torch_csv") if plan.schedule.name == "torch-csv" else None
+    if not kept or "rows" not in kept:
+        return None
+    try:
+        back = from_torch_rows(kept["rows"], plan.stage_graph)
+    except (InputError, ScheduleError):
+        return None
+    if back.device_actions != plan.schedule.device_actions:
+        return None
+    return [list(row) for row in kept["rows"]], kept.get("format") or csv_format(kept["rows"])

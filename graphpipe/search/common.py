@@ -46,7 +46,8 @@ from graphpipe.stages import StageGraph
 if TYPE_CHECKING:
     from graphpipe.sched import SharedHost
 
-__all__ = ["SearchOptions", "SearchResult", "Strategy", "stage_tps", "recompute_all", "placed_bottleneck", "simulated", "stage_memory", "cut_tps",
+__all__ = ["SearchOptions", "SearchResult", "Strategy", "stage_tps", "recompute_all", "placed_bottleneck", "simulated",
+           "simulated_peak", "simulated_fitting", "stage_memory", "cut_tps",
            "stage_out_bytes", "comm_links", "link_name", "divisors", "micro_batch_candidates"]
 
 
@@ -168,16 +169,46 @@ def simulated(sg: StageGraph, cluster: Cluster, schedule_name: str, host: Shared
     On dedicated devices by :func:`graphpipe.sched.simulator.score` (the same figures as ``simulate``, without the
     timeline, one replica of each lockstep class): searches call this for every candidate they rank.
     """
+    throughput, peak = simulated_peak(sg, cluster, schedule_name, host)
+    return throughput, peak <= cluster.memory_bytes
+
+
+def simulated_peak(sg: StageGraph, cluster: Cluster, schedule_name: str,
+                   host: SharedHost | None = None) -> tuple[float, float]:
+    """(throughput, largest device peak in bytes) of :func:`simulated`: for a search that reports how far a
+    plan is from fitting."""
     from graphpipe.sched import make_schedule
     from graphpipe.sched.simulator import score, simulate_figures
 
     schedule = make_schedule(schedule_name, sg, cluster, validate=False)
     if host is None:
         got = score(sg, schedule, cluster)
-        return float(got.throughput), float(got.max_peak_memory_bytes) <= cluster.memory_bytes
+        return float(got.throughput), float(got.max_peak_memory_bytes)
     # the simulation checks the schedule's structure and deadlock freedom itself: no separate validation pass.
     figures = simulate_figures(sg, schedule, cluster, host=host)
-    return float(figures["throughput"]), float(figures["max_peak_memory_bytes"]) <= cluster.memory_bytes
+    return float(figures["throughput"]), float(figures["max_peak_memory_bytes"])
+
+
+def simulated_fitting(sg: StageGraph, cluster: Cluster, schedule_name: str, host: SharedHost | None = None) -> float | None:
+    """The throughput :func:`simulated` gives ``sg`` under ``schedule_name`` if its peak memory fits, else None.
+
+    For searches that drop a plan that does not fit: on dedicated devices a
+    schedule whose peak (from its action order) is over the device memory is
+    refused before the timed simulation, which is most of a check's cost at
+    thousands of actions (a fill-drain schedule of a large model often holds
+    too many micro-batches). The answers equal :func:`simulated`'s.
+    """
+    if host is not None:
+        throughput, fits = simulated(sg, cluster, schedule_name, host)
+        return throughput if fits else None
+    from graphpipe.sched import make_schedule
+    from graphpipe.sched.simulator import score
+
+    got = score(sg, make_schedule(schedule_name, sg, cluster, validate=False), cluster, memory_limit=cluster.memory_bytes)
+    if got is None or not float(got.max_peak_memory_bytes) <= cluster.memory_bytes:
+        return None
+    return float(got.throughput)
+
 
 def stage_memory(graph: OpGraph, op_ids: Iterable[int], num_replicas: int, micro_batch_size: int,
                  in_flight: int, cluster: Cluster, recompute: bool = False, inputs: float | None = None,

@@ -112,7 +112,8 @@ from graphpipe.cluster import Cluster, Link
 from graphpipe.errors import DeviceMemoryError, InfeasibleError
 from graphpipe.graph import OpGraph
 from graphpipe.search.common import (SearchOptions, SearchResult, Strategy, comm_links, link_name,
-                                     micro_batch_candidates, placed_bottleneck, recompute_all, simulated)
+                                     micro_batch_candidates, placed_bottleneck, recompute_all, simulated_fitting)
+from graphpipe.search.repeats import cost_signature
 from graphpipe.search.gpp_blocks import BlockCosts
 from graphpipe.search.gpp_dp import INF, DPStage, Table, TargetDP
 from graphpipe.search.gpp_solve import first_feasible, make_dp, min_bottleneck
@@ -588,13 +589,17 @@ def _spread_idle(sg: StageGraph, cluster: Cluster, link: Link | None, throughput
     best, runs = (throughput, sg, schedule_name), 0
     if not idle:
         return sg, throughput, schedule_name, 0
+    solved: dict[tuple, object] = {}  # stages of identical layers pose one DP problem (graphpipe.search.repeats)
     for st in sg.stages:
         if len(st.op_ids) < 2:
             continue
         pool = sorted(st.devices + tuple(idle))
         ops = sorted(st.op_ids)
-        sol = min_bottleneck(chain_tree(induced_subgraph(graph, ops)), cluster, sg.batch_size, st.micro_batch_size, len(pool),
-                             power_of_two, link, recompute)
+        key = (cost_signature(graph, ops), st.micro_batch_size, len(pool))
+        if key not in solved:
+            solved[key] = min_bottleneck(chain_tree(induced_subgraph(graph, ops)), cluster, sg.batch_size,
+                                         st.micro_batch_size, len(pool), power_of_two, link, recompute)
+        sol = solved[key]
         if sol is None or len(sol.stages) < 2:
             continue
         stages, nxt = [], 0
@@ -680,8 +685,8 @@ def _score_best(sg: StageGraph, cluster: Cluster, host=None) -> tuple[float, str
     """
     best = None
     for schedule in (STRATEGY.default_schedule, FILL_DRAIN):
-        throughput, fits = simulated(sg, cluster, schedule, host)
-        if fits and (best is None or throughput > best[0] * (1 + 1e-12)):
+        throughput = simulated_fitting(sg, cluster, schedule, host)
+        if throughput is not None and (best is None or throughput > best[0] * (1 + 1e-12)):
             best = (throughput, schedule)
     return best
 

@@ -68,7 +68,7 @@ from graphpipe.graph import OpGraph
 from graphpipe.plan import Plan
 from graphpipe.search import STRATEGY_NAMES, get_strategy
 from graphpipe.stages import StageGraph
-from graphpipe.search.common import SearchOptions, SearchResult, Strategy, simulated
+from graphpipe.search.common import SearchOptions, SearchResult, Strategy, simulated, simulated_fitting
 from graphpipe.search.memory_guard import memory_guard, stage
 from graphpipe.sp import make_series_parallel
 
@@ -122,16 +122,38 @@ class PlanRequest:
     """Called on every improving CP-SAT solution; the CLI passes one that writes to stderr."""
     monotone: bool = True
     """Search fewer device counts too and keep the fastest (:func:`_over_device_counts`)."""
+    virtual_stages: int | str | None = None
+    """Stages per device group taken in turn (:mod:`graphpipe.search.looped`): an integer, ``"auto"``, or None
+    (one, or ``"auto"`` when ``schedule`` is interleaved or interleaved-zb)."""
 
     def __post_init__(self) -> None:
+        from graphpipe.search.looped import VIRTUAL_SCHEDULES, check_virtual_stages
+
         _check_batch_size(self.batch_size)
         get_strategy(self.strategy)
+        virtual = check_virtual_stages(self.virtual_stages)
+        name = self.schedule_name
+        if name in VIRTUAL_SCHEDULES and virtual == 1:
+            raise InputError(f"--schedule {name} runs 2 or more virtual stages per device group; use "
+                             f"--virtual-stages 2 (or auto), or --schedule {'1f1b' if name == 'interleaved' else 'zb-h1'} "
+                             "for one stage per group")
+        if virtual not in (None, 1) and name not in (None, *VIRTUAL_SCHEDULES):
+            raise InputError(f"--virtual-stages {virtual} places stages in turn for the {' and '.join(VIRTUAL_SCHEDULES)} "
+                             f"schedules; --schedule {self.schedule} runs its own layout: drop --virtual-stages or "
+                             "pick one of them")
         if self.schedule_name in ASYNC_SCHEDULES:
             raise InputError(f"plan with schedule='1f1b' and then graphpipe.sched.async_pipe.with_async for "
                              f"{self.schedule!r} (graphpipe plan --schedule {self.schedule} does this)")
         if self.options.host is not None and self.co_optimised:
             raise InputError("the CP-SAT schedule models dedicated devices, not a shared host; "
                              "drop the host option or pick another schedule")
+
+    @property
+    def looped(self) -> bool:
+        """Whether the plan takes device groups in turn with several stages each (:mod:`graphpipe.search.looped`)."""
+        from graphpipe.search.looped import VIRTUAL_SCHEDULES
+
+        return self.virtual_stages not in (None, 1) or self.schedule_name in VIRTUAL_SCHEDULES
 
     @property
     def record(self) -> Strategy:
@@ -163,11 +185,13 @@ class PlanRequest:
 
 def make_plan(model_id: str, graph: OpGraph, cluster: Cluster, batch_size: int, strategy: str = "gpp",
               options: SearchOptions = SearchOptions(), schedule: str | None = None,
-              time_limit_s: float = 10.0, progress: ProgressFn | None = None, monotone: bool = True) -> Plan:
+              time_limit_s: float = 10.0, progress: ProgressFn | None = None, monotone: bool = True,
+              virtual_stages: int | str | None = None) -> Plan:
     """Partition, schedule and simulate ``graph`` on ``cluster``: :func:`plan_request` of a :class:`PlanRequest`."""
     return plan_request(PlanRequest(model_id=model_id, graph=graph, cluster=cluster, batch_size=batch_size,
                                     strategy=strategy, options=options, schedule=schedule,
-                                    time_limit_s=time_limit_s, progress=progress, monotone=monotone))
+                                    time_limit_s=time_limit_s, progress=progress, monotone=monotone,
+                                    virtual_stages=virtual_stages))
 
 
 def plan_request(request: PlanRequest) -> Plan:
@@ -191,13 +215,67 @@ def plan_request(request: PlanRequest) -> Plan:
     """
     started = time.perf_counter()
     limit = None if request.options.max_memory_gb is None else request.options.max_memory_gb * 2**30
+    flat = replace(request, schedule=None, virtual_stages=None) if request.looped else request
     with memory_guard(request.strategy, limit), _collector_paused():
-        if request.searches_device_counts:
-            plan = _over_device_counts(request)
+        if flat.searches_device_counts:
+            plan = _over_device_counts(flat)
         else:
-            plan = _plan_on(request, request.cluster.num_devices)
+            plan = _plan_on(flat, request.cluster.num_devices)
             plan = replace(plan, search={**plan.search, "device_counts_tried": [request.cluster.num_devices]})
+        if request.looped:
+            plan = _looped(request, plan)
     return replace(plan, search={**plan.search, "time_s": time.perf_counter() - started})
+
+
+def _looped(request: PlanRequest, flat: Plan) -> Plan:
+    """``flat``'s device groups taken in turn by ``request.virtual_stages`` stages each (:mod:`graphpipe.search.looped`).
+
+    ``auto`` tries 2, 4, ... virtual stages and, unless a virtual-stage schedule was named, ``flat`` itself
+    (one stage per group); the fastest fit wins and ``plan.search`` says which and why.
+    """
+    from graphpipe.search import looped
+
+    started = time.perf_counter()
+    auto = request.virtual_stages in (None, "auto")
+    own = looped.LayoutTry(1, None, flat.predicted.throughput, f"{flat.predicted.throughput:.4g} samples/s, "
+                                                               f"{request.strategy}'s own plan ({flat.schedule.name})")
+    try:
+        groups = looped.device_groups(flat.stage_graph, request.strategy)
+    except InputError as exc:
+        if not (auto and request.schedule is None):
+            raise
+        return replace(flat, search={**flat.search, "virtual_stages": 1, "virtual_stages_tried": looped.summary(
+            [own, looped.LayoutTry(2, None, None, str(exc).removeprefix("--virtual-stages: "))], own)})
+    num_devices = request.cluster.num_devices
+    if len(flat.stage_graph.devices_used()) < num_devices or len(groups) == 1:
+        groups = tuple((d,) for d in range(num_devices))  # the user asked for a pipeline over N devices: all of them
+    graph = flat.stage_graph.graph  # series-parallel contracted, as the flat plan's stages are
+    schedule = request.schedule_name or looped.VIRTUAL_SCHEDULES[0]
+    counts = looped.auto_counts(graph.num_ops, len(groups)) if auto else [request.virtual_stages]
+    recompute = request.options.recompute or request.record.default_recompute
+    with stage(f"{request.strategy} (virtual stages)"):
+        tries = [looped.best_layout(graph, groups, v, request.cluster, request.batch_size, schedule, request.options,
+                                    recompute) for v in counts]
+    if auto and request.schedule is None:
+        tries.insert(0, own)
+    winner = looped.pick(tries, request.strategy, schedule)
+    notes = {"virtual_stages": winner.virtual, "virtual_stages_tried": looped.summary(tries, winner)}
+    if winner.stage_graph is None:  # one stage per group won
+        return replace(flat, search={**flat.search, **notes})
+    sg = winner.stage_graph
+    search = {**flat.search, **notes, "recompute_stages": [s.id for s in sg.stages if s.recompute],
+              "num_stages": sg.num_stages, "micro_batch_size": sg.stages[0].micro_batch_size}
+    for key in ("recompute_segments", "bottleneck_tps", "model_bottleneck_tps", "throughput_estimate"):
+        search.pop(key, None)  # figures of the flat plan's stages, not of these
+    used = len(sg.devices_used())
+    for key, value in (("unused_devices", num_devices - used), ("devices_used", used)):
+        if key in search:
+            search[key] = value
+    plan = _scheduled(request, sg, schedule, flat.merged, search)
+    _check_memory(request, plan)
+    search = {**plan.search, "schedule": plan.schedule.name,
+              "schedule_time_s": (flat.search.schedule_time_s or 0.0) + time.perf_counter() - started}
+    return replace(plan, search=search)
 
 
 @contextmanager
@@ -535,7 +613,7 @@ def strip_recompute(sg: StageGraph, cluster: Cluster, schedule_name: str, host=N
     for stage_id in order:
         trial = replace(sg, stages=tuple(replace(s, recompute=False) if s.id == stage_id else s for s in sg.stages))
         if not once:
-            if simulated(trial, cluster, schedule_name, host)[1]:
+            if simulated_fitting(trial, cluster, schedule_name, host) is not None:
                 sg = trial
             continue
         changed = sg.stages[stage_id].devices
