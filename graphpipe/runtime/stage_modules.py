@@ -568,7 +568,10 @@ def boundary_meta(gm: torch.fx.GraphModule, values: Sequence[str],
         if v0.shape == v1.shape:  # the same shape at two batch sizes: unbatched, carried whole
             # constant: computed from no input (parameters, buffers, literals); on real tensors it must also be
             # equal at both sizes (a value the graph builds from the inputs' shapes alone is not, say)
-            constant = name not in from_inputs and (v0.device.type == "meta" or bool(torch.equal(v0, v1)))
+            from torch._subclasses.fake_tensor import FakeTensor
+
+            shapes_only = v0.device.type == "meta" or isinstance(v0, FakeTensor)  # fake_cpu's run holds no values
+            constant = name not in from_inputs and (shapes_only or bool(torch.equal(v0, v1)))
             meta[name] = ValueMeta(tuple(v0.shape), v0.dtype, batched=False, constant=constant)
             continue
         if v0.dim() == 0 or v0.shape[0] != n0 or v1.shape[0] != n1 or v0.shape[1:] != v1.shape[1:]:
