@@ -236,7 +236,9 @@ def materialize_stages(model: nn.Module | None, programs: Mapping[int, Any], dev
             continue
         module, kind, attr, _ = by_name[name]
         old = getattr(module, kind)[attr]
-        new = torch.zeros_like(old, device=device)  # what no initialiser writes is zero on every rank, not garbage
+        # filled on the CPU and moved after: a CUDA generator draws other values than the CPU's, and the values
+        # must not depend on the device (the --check reference runs on the CPU); what no initialiser writes is zero
+        new = torch.zeros_like(old, device="cpu")
         if kind == "_parameters":
             new = nn.Parameter(new, requires_grad=old.requires_grad)
         getattr(module, kind)[attr] = new
@@ -249,6 +251,17 @@ def materialize_stages(model: nn.Module | None, programs: Mapping[int, Any], dev
             if name in real:
                 real[name].copy_(value)
                 done.uninitialised.discard(name)
+    if torch.device(device).type != "cpu":
+        moved_from = {}
+        for name, t in list(real.items()):
+            module, kind, attr, _ = by_name[name]
+            moved = t.detach().to(device)
+            if kind == "_parameters":
+                moved = nn.Parameter(moved, requires_grad=t.requires_grad)
+            getattr(module, kind)[attr] = moved
+            moved_from[id(t)] = moved
+            real[name] = moved
+        done.replaced = {k: moved_from.get(id(v), v) for k, v in done.replaced.items()}
     for tid, name in wanted.items():  # tied copies: their own parameter, equal to the original
         if tid in done.replaced or name not in real:
             continue
