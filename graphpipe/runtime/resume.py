@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from graphpipe.runtime.step_checkpoints import newest_complete, prune, publish, step_dir, temporary_dir
+from graphpipe.runtime.step_checkpoints import check_keep, newest_complete, prune, publish, step_dir, temporary_dir
 
 # ``pipe`` below is a graphpipe.Pipeline (not imported: api imports this module).
 Pipeline = Any
@@ -102,10 +102,7 @@ def save_step(pipe: Pipeline, root: str | os.PathLike, step: int, optimizer: tor
 
     root = os.fspath(root)
     final = step_dir(root, step)  # checks step
-    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-        from graphpipe.errors import InputError
-
-        raise InputError(f"keep must be a positive integer (checkpoints to keep), got {keep!r}")
+    check_keep(keep)  # before anything is written, not at the prune after it
     finish_pending(pipe)
     token = _broadcast(pipe, uuid.uuid4().hex)
     tmp = temporary_dir(root, step, token)

@@ -45,8 +45,8 @@ from typing import Callable
 
 from graphpipe.errors import InputError
 
-__all__ = ["MANIFEST", "step_dir", "temporary_dir", "publish", "is_complete", "list_steps", "newest_complete",
-           "prune"]
+__all__ = ["MANIFEST", "check_keep", "step_dir", "temporary_dir", "publish", "is_complete", "list_steps",
+           "newest_complete", "prune"]
 
 log = logging.getLogger(__name__)
 
@@ -162,11 +162,16 @@ def newest_complete(root: str | os.PathLike,
     return None
 
 
+def check_keep(keep: int) -> None:
+    """Refuse a ``keep`` (checkpoints to keep) that is not a positive integer, before anything is written."""
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise InputError(f"keep must be a positive integer (checkpoints to keep), got {keep!r}")
+
+
 def prune(root: str | os.PathLike, keep: int) -> list[int]:
     """Remove all but the newest ``keep`` complete checkpoints, incomplete ones older than the oldest kept, and
     the temporary folders of saves that died (steps up to the newest complete one); returns the steps removed."""
-    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-        raise InputError(f"keep must be a positive integer (checkpoints to keep), got {keep!r}")
+    check_keep(keep)
     steps = list_steps(root)
     complete = [s for s, _, ok in steps if ok]
     if len(complete) <= keep:
