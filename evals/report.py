@@ -45,6 +45,9 @@ PAPER = {
                       "every device, and lower with re-materialization)",
     "rank-rss": "(no paper figure; issue 45's target: each rank's peak host RSS is its stages' state plus a fixed "
                 "per-process base, for a model too big for one rank: `python -m graphpipe.evals.rank_rss --out evals`)",
+    "ill-conditioned": "(no paper figure; issue 46's target: `--check` on EfficientNet-B0 and Inception-v3 at small "
+                       "images and micro-batch 4 passes on correct runs and still fails a wrong gradient: "
+                       "`python -m graphpipe.evals.ill_conditioned --out evals`)",
     "capture_time": "(no paper figure; `torch.export` capture of Hugging Face / timm models and meta-device Llama "
                     "shapes, medians of 3: `python -m graphpipe.evals.capture_time`)",
     "clip": "(no paper figure; a real two-tower model, Hugging Face CLIP: gpp against PipeDream, Piper, GPipe and "
@@ -139,6 +142,10 @@ TABLE_COLUMNS: dict[str, list[tuple[str, str]]] = {
     "rank-rss": [("rank", "rank"), ("stages", "stages"), ("peak RSS (MB)", "rss_mb"), ("expected (MB)", "expected_mb"),
                  ("stages' weights+grads+activations (MB)", "stage_state_mb"),
                  ("RSS - tiny model's rank (MB)", "rss_minus_tiny_mb"), ("error vs expected", "error_vs_expected")],
+    "ill-conditioned": [("model", "model"), ("check", "variant"), ("verdict", "verdict"), ("expected", "expected"),
+                        ("max abs diff", "max_abs_diff"), ("mismatched elements", "mismatches"),
+                        ("reference's fp32-vs-fp64 spread", "fp64_spread"),
+                        ("eager fp32-vs-fp64", "eager_spread")],
     "bench_llm": [("measure", "measure"), ("devices", "devices"), ("batch", "batch_size"), ("runs", "repeat"),
                   ("before wall (s)", "before_median_wall_s"), ("after wall (s)", "after_median_wall_s"),
                   ("wall ratio", "ratio_wall_s"), ("before CPU (s)", "before_median_cpu_s"),
@@ -247,6 +254,10 @@ def _headline(name: str, res: dict[str, Any]) -> str:
                 f"{fmt(min(r['rss_mb'] for r in rows))}-{fmt(max(r['rss_mb'] for r in rows))} MB per rank, a tiny "
                 f"model's rank {fmt(s['tiny_rank_median_bytes'] / 1e6)} MB; measured within "
                 f"{fmt(100 * s['max_error_vs_expected'])}% of the launcher's estimate")
+    if name == "ill-conditioned":
+        return (f"{s['as_expected']}/{s['runs']} `graphpipe run --check` runs gave the expected verdict on "
+                f"{res['config']['ranks']} CPU ranks (batch {res['config']['batch_size']}, micro-batch "
+                f"{res['config']['micro_batch_size']}): correct runs PASSED, the wrong gradient FAILED")
     if name == "throughput":
         ups = [x for x in s.get("speedup_vs_best_spp", []) if x["speedup"]]
         if not ups:

@@ -35,6 +35,11 @@
    outputs leave at or downstream of it, so the op graph stays acyclic, and
    any grouping of ops into stages whose stage graph is a DAG is a valid
    split. Zoo models come out exactly as their series-parallel layer DAGs.
+   A unit whose own nodes run both before and after another op (a block
+   written with ``nn.Sequential`` children and its own squeeze-and-excite
+   and residual between and after them) would close a cycle; such an op is
+   cut into one op per level, ``name`` and ``name[1]``
+   (:mod:`graphpipe.reentrant`).
 4. **Cost.** The graph is run once (meta tensors cost nothing) under
    ``torch.utils.flop_counter.FlopCounterMode`` and a byte meter. Per op and
    per sample (sizes divided by the example batch size): ``fwd = overhead +
@@ -89,6 +94,7 @@ from graphpipe.exporting import (Exported, IOSpec, deliver_target, export_model,
                                  normalize_inputs, replicable_nodes, replicate_input_glue)
 from graphpipe.flops import UnknownCosts, flop_counter
 from graphpipe.graph import Affine, Op, OpGraph, SharedParams
+from graphpipe.reentrant import split_reentrant_ops
 from graphpipe.zoo_models import Layer
 
 __all__ = [
@@ -322,6 +328,7 @@ def group_nodes(gm: fx.GraphModule, units: Mapping[fx.Node, tuple[str, str]],
             owner[node] = owner[later[0] if later else earlier[-1]]
         else:
             owner[node] = new_op(node.name, "")
+    split_reentrant_ops(nodes, owner, path_of)  # a module leaving its op and coming back: one op per level
     return owner, path_of
 
 

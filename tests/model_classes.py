@@ -198,3 +198,33 @@ class CustomOp(nn.Module):
 def custom_op():
     torch.manual_seed(0)
     return CustomOp(), (torch.randn(BATCH, 8),), lambda out: out.pow(2).mean()
+
+
+class SEBlock(nn.Module):
+    """A block whose own ops run between its children and after them (squeeze-and-excite, a residual)."""
+
+    def __init__(self, c: int):
+        super().__init__()
+        self.expand = nn.Sequential(nn.Conv2d(c, 2 * c, 1), nn.BatchNorm2d(2 * c), nn.SiLU())
+        self.project = nn.Sequential(nn.Conv2d(2 * c, c, 1), nn.BatchNorm2d(c))
+
+    def forward(self, x):
+        h = self.expand(x)
+        s = torch.sigmoid(h.mean((2, 3), keepdim=True))
+        return x + self.project(h * s)
+
+
+class Reentrant(nn.Module):
+    def __init__(self, c: int = 4):
+        super().__init__()
+        self.stem = nn.Conv2d(3, c, 3, padding=1)
+        self.blocks = nn.Sequential(SEBlock(c), SEBlock(c))
+        self.head = nn.Linear(c, 3)
+
+    def forward(self, x):
+        return self.head(self.blocks(self.stem(x)).mean((2, 3)))
+
+
+def reentrant():
+    torch.manual_seed(0)
+    return Reentrant(), (torch.randn(BATCH, 3, 4, 4),), lambda out: out.pow(2).mean()

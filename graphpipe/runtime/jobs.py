@@ -333,7 +333,7 @@ def reference_run(spec: str, seed: int, batch_size: int, layout: dict[str, dict[
     (:mod:`graphpipe.runtime.numerics`).
     """
     from graphpipe.runtime.batchnorm import sharded_batchnorms
-    from graphpipe.runtime.rng import ReferenceContext
+    from graphpipe.runtime.rng import ReferenceContext, ShardContext
 
     ref = load_runnable(spec, seed, device, granularity=granularity, meta_params=meta_params)
     _materialize_whole(ref, ref.gm, device, seed)
@@ -342,16 +342,27 @@ def reference_run(spec: str, seed: int, batch_size: int, layout: dict[str, dict[
     params = dict(gm.named_parameters())
     optimizer = torch.optim.SGD(list(params.values()), lr=lr)
     losses, grads, buffers, unbatched = [], [], [], set()
+    rows = uniform_rows(layout, batch_size)
     for step in range(steps):
         optimizer.zero_grad(set_to_none=True)
         inputs = ref.make_inputs(batch_size, data_seed(seed, step))
         if float64:
             inputs = tuple(x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs)
-        ctx = ReferenceContext(seed, step, batch_size, layout)
         with autocast(precision, device):  # one region per step, as the run: the weight copies are cast anew
-            loss = ref.loss_fn(gm(*inputs, ctx))
-            loss.backward()
-        unbatched.update(ctx.unbatched)
+            if rows is None:
+                ctx = ReferenceContext(seed, step, batch_size, layout)
+                loss = ref.loss_fn(gm(*inputs, ctx))
+                loss.backward()
+                unbatched.update(ctx.unbatched)
+            else:  # gradient accumulation over the pipeline's own shards, in order
+                loss = 0.0
+                for lo in range(0, batch_size, rows):
+                    ctx = ShardContext(seed, step, lo, rows, lo, rows)
+                    part = tuple(x[lo:lo + rows] if _batched(x, batch_size) else x for x in inputs)
+                    term = ref.loss_fn(gm(*part, ctx)) * (rows / batch_size)
+                    term.backward()
+                    loss = loss + term.detach()
+                    unbatched.update(ctx.unbatched)
         for bn in sharded_batchnorms(gm):
             bn.commit()
         losses.append(float(loss.detach()))
@@ -371,6 +382,27 @@ def reference_run(spec: str, seed: int, batch_size: int, layout: dict[str, dict[
     return replace(ref32, grad_spread=tuple(spread(a, b) for a, b in zip(ref32.grads, ref64.grads)),
                    buffer_spread=tuple(spread(a, b) for a, b in zip(ref32.buffers, ref64.buffers)),
                    loss_spread=tuple(abs(a - b) for a, b in zip(ref32.losses, ref64.losses)))
+
+
+def uniform_rows(layout: dict[str, dict[str, int]], batch_size: int) -> int | None:
+    """The rows every call of every op holds in the pipeline when that is one number below the batch, else None.
+
+    Then the reference runs shard by shard and accumulates gradients, as
+    the pipeline does: every op sees the rows, and the kernels the shapes,
+    of its pipelined call, so fp32 rounding (and a ReLU or max-pool decision
+    it tips) matches the run's. Plans with several shard sizes (gpp's
+    per-stage micro-batches, synchronised BatchNorm) keep the whole-batch
+    reference cut per op (:class:`~graphpipe.runtime.rng.ReferenceContext`).
+    """
+    sizes = {n for kinds in layout.values() for n in kinds.values()}
+    if len(sizes) != 1:
+        return None
+    (rows,) = sizes
+    return rows if 0 < rows < batch_size and batch_size % rows == 0 else None
+
+
+def _batched(x: Any, batch_size: int) -> bool:
+    return isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] == batch_size
 
 
 def _materialize_whole(ref: Runnable, module: torch.nn.Module, device: str, seed: int) -> None:

@@ -30,7 +30,7 @@ __all__ = ["RunOptions", "flag", "FaultInjection", "fault_from_env", "PRECISIONS
 CHECK_RTOL = 1.3e-6
 CHECK_ATOL = 1e-5
 
-FAULT_POINTS = ("F", "B", "setup", "hang", "kill")
+FAULT_POINTS = ("F", "B", "setup", "hang", "kill", "grad")
 
 MAX_TIMEOUT_S = 86400.0
 """Longest --timeout (a day): a wait longer than that is a hang."""
@@ -44,7 +44,9 @@ class FaultInjection:
     ``setup`` raises before joining the process group, ``hang`` stops
     answering at the first F (its peers must time out), ``kill`` SIGKILLs
     the rank at the end of its second training step (after that step's
-    checkpoint, if any), as the out-of-memory killer would. A restarted run
+    checkpoint, if any), as the out-of-memory killer would, and ``grad``
+    halves the rank's gradients after every step (a wrong gradient, such as
+    a micro-batch missed, which ``--check`` must report). A restarted run
     (``--max-restarts``) runs without it: the fault fires once.
     """
 
@@ -63,7 +65,7 @@ class FaultInjection:
 
 
 def fault_from_env(environ=None) -> FaultInjection | None:
-    """The test hook's way in: ``GRAPHPIPE_FAIL_RANK=R`` and ``GRAPHPIPE_FAIL_AT=F|B|setup|hang``.
+    """The test hook's way in: ``GRAPHPIPE_FAIL_RANK=R`` and ``GRAPHPIPE_FAIL_AT=F|B|setup|hang|kill|grad``.
 
     Read once at the edge (the launcher, ``python -m graphpipe.runtime``)
     and carried in :attr:`RunOptions.fault`; the executor never reads the
@@ -122,6 +124,12 @@ class RunOptions:
         "--precision", metavar="fp32|bf16",
         help="training precision: fp32, or bf16 under torch.autocast (forward, backward and the --check reference); "
              "warned about when the plan's profile was measured at another"))
+    check_tolerance: Literal["fp64", "fixed"] = field(default="fp64", metadata=flag(
+        "--check-tolerance", choices=("fp64", "fixed"),
+        help="--check's tolerance: fp64 adds to atol + rtol*|reference| eight times the reference's own fp32-vs-fp64 "
+             "spread per tensor (a second reference run in float64), so ill-conditioned networks pass; fixed: "
+             "atol + rtol*|reference| alone and no float64 run (faster; fails correct runs of ill-conditioned "
+             "networks)"))
     batchnorm: str | None = field(default=None, metadata=flag(
         "--batchnorm", metavar="MODE",
         help="BatchNorm under micro-batching: per-micro-batch (normalise each replica's rows; running statistics over "
@@ -159,6 +167,8 @@ class RunOptions:
             raise InputError(f"--warmup must be a non-negative integer, got {self.warmup_steps!r}")
         if not self.warmup_steps < self.steps:  # one step: it is measured; the CLI refuses other cases
             object.__setattr__(self, "warmup_steps", 0 if self.steps == 1 else min(self.warmup_steps, self.steps - 1))
+        if self.check_tolerance not in ("fp64", "fixed"):
+            raise InputError(f"--check-tolerance must be fp64 or fixed, got {self.check_tolerance!r}")
         if self.backend not in ("auto", "gloo", "nccl"):
             raise InputError(f"--backend must be gloo, nccl or auto, got {self.backend!r}")
         if not 0 < self.timeout_s <= MAX_TIMEOUT_S:  # inf and 1e300 overflow the process group's timedelta

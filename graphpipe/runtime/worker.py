@@ -141,7 +141,7 @@ def run_job(rank: int, world_size: int, plan: Plan, options: RunOptions, device:
         # the reference trains at the run's precision too, one autocast region per step as the run
         reference = reference_run(plan.model, options.seed, sg.batch_size, layout, options.steps, options.lr,
                                   granularity=plan_granularity(plan), precision=options.precision, meta_params=True,
-                                  with_spread=True)
+                                  with_spread=options.check_tolerance == "fp64")
 
     start = pipe.resume(options.checkpoint_dir, optimizer=optimizer) if options.checkpoint_dir else 0
     if start >= options.steps:
@@ -152,6 +152,10 @@ def run_job(rank: int, world_size: int, plan: Plan, options: RunOptions, device:
     for step in range(start, options.steps):
         inputs = make_inputs(sg.batch_size, data_seed(options.seed, step)) if pipe.reads_inputs else None
         steps.append(pipe.timed_step(inputs, group=control))
+        if options.fault is not None and options.fault.hits(rank, "grad"):  # a wrong gradient --check must catch
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(0.5)
         if reference is not None and my_stages:
             # Replicas all compare; only a stage's first replica counts (and only the owner of a tied parameter).
             grads = compare_gradients(((programs[s].param_names.get(name, name), p,
