@@ -150,3 +150,34 @@ def test_check_is_exact_on_ill_conditioned_plans_and_still_fails_a_wrong_gradien
     for check in (bad_ill, bad_reentrant):
         assert not check["passed"] and check["num_mismatches"] > 0, check
     assert "fp64_spread" in bad_reentrant
+
+
+def test_the_whole_batch_reference_runs_each_row_kernel_on_its_stages_rows():
+    """A convolution over 3x3 maps sums in another order at 16 rows than at 4 (how much depends on the CPU's
+    kernels); run on the pipeline's rows it gives the pipeline's numbers bit for bit, the rest stays whole."""
+    from torch.export import export
+
+    from graphpipe.runtime.numerics import _by_rows, rows_as_the_pipeline
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv2d(768, 192, 1)
+            self.fc = torch.nn.Linear(192 * 9, 3)
+
+        def forward(self, x, tokens):
+            return self.fc(torch.relu(self.conv(x)).flatten(1)), torch.nn.functional.linear(tokens, self.fc.weight[:, :4])
+
+    torch.manual_seed(0)
+    net = Net()
+    x, tokens = torch.randn(16, 768, 3, 3), torch.randn(5, 4)  # tokens: dim 0 is not the batch
+    gm = export(net, (x, tokens)).module()
+    pieces = [net(x[lo:lo + 4], tokens)[0] for lo in range(0, 16, 4)]
+    kernels = [n for n in gm.graph.nodes if n.op == "call_function" and ("conv" in str(n.target)
+                                                                        or "linear" in str(n.target))]
+    layout = {n.name: {"dropout": 4, "batchnorm": 4} for n in kernels}
+    rows_as_the_pipeline(gm, layout, 16)
+    assert sum(n.target is _by_rows for n in gm.graph.nodes) == len(kernels) == 3
+    out, projected = gm(x, tokens)
+    assert torch.equal(out, torch.cat(pieces))
+    assert torch.equal(projected, torch.nn.functional.linear(tokens, net.fc.weight[:, :4]))

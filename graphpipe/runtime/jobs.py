@@ -58,7 +58,7 @@ import torch.distributed as dist
 
 from graphpipe.errors import PlanError, UserCodeError
 from graphpipe.plan import Plan
-from graphpipe.runtime.numerics import SPREAD_FACTOR, allowed, float64_graph, spread
+from graphpipe.runtime.numerics import SPREAD_FACTOR, allowed, float64_graph, rows_as_the_pipeline, spread
 from graphpipe.runtime.options import CHECK_ATOL, CHECK_RTOL, FaultInjection, RunOptions, fault_from_env
 
 __all__ = ["RunOptions", "FaultInjection", "fault_from_env", "Runnable", "load_runnable", "data_seed",
@@ -305,7 +305,7 @@ class Reference:
 
 
 def reference_layout(plan: Plan, node_stages: dict[str, int], batchnorm: str) -> dict[str, dict[str, int]]:
-    """Rows per call of every context-taking op in the pipeline: ``{op: {"dropout": n, "batchnorm": n}}``.
+    """Rows per call of every context-taking op and row kernel in the pipeline: ``{op: {"dropout": n, "batchnorm": n}}``.
 
     A stage replica holds ``micro_batch_size / replicas`` rows; synchronised
     BatchNorm normalises the whole micro-batch.
@@ -338,11 +338,13 @@ def reference_run(spec: str, seed: int, batch_size: int, layout: dict[str, dict[
     ref = load_runnable(spec, seed, device, granularity=granularity, meta_params=meta_params)
     _materialize_whole(ref, ref.gm, device, seed)
     gm = float64_graph(ref.gm) if float64 else ref.gm
+    rows = uniform_rows(layout, batch_size)
+    if rows is None and layout:
+        rows_as_the_pipeline(gm, layout, batch_size)
     gm.train()
     params = dict(gm.named_parameters())
     optimizer = torch.optim.SGD(list(params.values()), lr=lr)
     losses, grads, buffers, unbatched = [], [], [], set()
-    rows = uniform_rows(layout, batch_size)
     for step in range(steps):
         optimizer.zero_grad(set_to_none=True)
         inputs = ref.make_inputs(batch_size, data_seed(seed, step))

@@ -26,13 +26,13 @@ Example
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Any, Mapping
 
 import torch
 import torch.fx
 from torch.utils._pytree import tree_map
 
-__all__ = ["SPREAD_FACTOR", "float64_graph", "spread", "allowed"]
+__all__ = ["SPREAD_FACTOR", "float64_graph", "spread", "allowed", "rows_as_the_pipeline", "ROW_KERNELS"]
 
 SPREAD_FACTOR = 8.0
 """Multiples of the reference's own fp32-vs-fp64 spread a pipelined value may differ by: two fp32 evaluations
@@ -71,3 +71,42 @@ def spread(fp32: Mapping[str, torch.Tensor], fp64: Mapping[str, torch.Tensor]) -
 def allowed(reference: torch.Tensor, atol: float, rtol: float, spread_of: float = 0.0) -> torch.Tensor:
     """Elementwise tolerance: ``atol + rtol * |reference| + SPREAD_FACTOR * spread``."""
     return atol + rtol * reference.abs() + SPREAD_FACTOR * spread_of
+
+
+ROW_KERNELS = {torch.ops.aten.conv1d.default: 0, torch.ops.aten.conv2d.default: 0, torch.ops.aten.conv3d.default: 0,
+               torch.ops.aten.convolution.default: 0, torch.ops.aten.linear.default: 0,
+               torch.ops.aten.matmul.default: 0, torch.ops.aten.mm.default: 0, torch.ops.aten.addmm.default: 1}
+"""Row-independent kernels whose fp32 rounding depends on how many rows they get (a 1x1 convolution over 3x3 maps
+sums in another order at 16 rows than at 4), with the position of their batch-major argument."""
+
+
+def rows_as_the_pipeline(gm: torch.fx.GraphModule, layout: Mapping[str, Mapping[str, int]],
+                         batch_size: int) -> torch.fx.GraphModule:
+    """``gm`` (in place) with every :data:`ROW_KERNELS` call run on the rows its pipelined call holds.
+
+    The whole-batch reference (plans whose stages hold shards of several
+    sizes) runs a convolution over all ``batch_size`` rows where the
+    pipeline runs it on a stage's shard; the results differ by rounding,
+    and where a ReLU input sits within that rounding of zero the two take
+    different branches and a gradient moves by its own size. Run on the
+    same rows (``layout[node]["dropout"]``: the stage's shard), each kernel
+    rounds as in the run. A call whose argument's dim 0 is not the batch
+    (flattened tokens) runs whole.
+    """
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in ROW_KERNELS:
+            continue
+        rows = layout.get(node.name, {}).get("dropout", batch_size)
+        if 0 < rows < batch_size and batch_size % rows == 0:
+            node.args = (node.target, ROW_KERNELS[node.target], rows, batch_size, *node.args)
+            node.target = _by_rows
+    gm.recompile()
+    return gm
+
+
+def _by_rows(kernel, arg: int, rows: int, batch_size: int, *args: Any, **kwargs: Any):
+    x = args[arg]
+    if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] != batch_size:
+        return kernel(*args, **kwargs)
+    outs = [kernel(*args[:arg], x[lo:lo + rows], *args[arg + 1:], **kwargs) for lo in range(0, batch_size, rows)]
+    return torch.cat(outs)

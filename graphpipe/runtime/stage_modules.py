@@ -87,6 +87,7 @@ import torch.fx
 
 from graphpipe.errors import PlanError, some
 from graphpipe.stages import StageGraph
+from graphpipe.runtime.numerics import ROW_KERNELS
 
 __all__ = ["StageProgram", "BoundForward", "Segment", "ModelSplit", "ValueMeta", "TiedParameter", "split_model", "boundary_meta", "check_op_names",
            "check_unbatched_edges",
@@ -195,7 +196,8 @@ class ModelSplit:
     tied: tuple[TiedParameter, ...] = ()
     """Parameters read by more than one stage (their gradients are summed across the copies)."""
     node_stages: Mapping[str, int] = field(default_factory=dict)
-    """Stage of every fx node that takes the context (dropout, BatchNorm): the reference cuts its input the same way."""
+    """Stage of every fx node that takes the context (dropout, BatchNorm) or is a row kernel
+    (:data:`~graphpipe.runtime.numerics.ROW_KERNELS`): the reference cuts its input the same way."""
 
 
 def check_op_names(plan_ops: Sequence[str], captured_ops: Sequence[str], model: str) -> None:
@@ -334,8 +336,8 @@ def split_model(gm: torch.fx.GraphModule, op_nodes: Mapping[str, Sequence[str]],
     programs = [replace(prog, **segment_stage(prog.module, op_of, sg.stages[prog.stage_id].checkpoints))
                 if sg.stages[prog.stage_id].checkpoints else prog for prog in programs]
     boundary = tuple(n.name for n in sorted({n for v in sends.values() for n in v}, key=order.__getitem__))
-    node_stages = {n.name: node_stage[n] for n in nodes if ctx_node is not None and ctx_node in n.all_input_nodes
-                   and n in node_stage}
+    node_stages = {n.name: node_stage[n] for n in nodes if n in node_stage and (
+        (ctx_node is not None and ctx_node in n.all_input_nodes) or (n.op == "call_function" and n.target in ROW_KERNELS))}
     return ModelSplit(tuple(programs), sink, boundary, tied, node_stages)
 
 
