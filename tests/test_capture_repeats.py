@@ -41,6 +41,40 @@ def test_tiny_llama_unrolled_equals_whole_capture(layers):
     assert len(model.model.layers) == layers  # the cut stack is restored
 
 
+def _tiny_lm(family: str):
+    """A 10-layer causal LM of another family: (module, inputs, capture kwargs)."""
+    transformers = pytest.importorskip("transformers")
+    common = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=10, num_attention_heads=4, vocab_size=128,
+                  max_position_embeddings=64)
+    cls, config = {
+        "qwen2": lambda: (transformers.Qwen2ForCausalLM, transformers.Qwen2Config(num_key_value_heads=2, tie_word_embeddings=True,
+                                                                                   **common)),
+        "mistral": lambda: (transformers.MistralForCausalLM,
+                            transformers.MistralConfig(num_key_value_heads=2, sliding_window=8, **common)),
+        "gpt-neox": lambda: (transformers.GPTNeoXForCausalLM, transformers.GPTNeoXConfig(**common)),
+        "gpt2": lambda: (transformers.GPT2LMHeadModel,
+                         transformers.GPT2Config(n_embd=64, n_layer=10, n_head=4, vocab_size=128, n_positions=64,
+                                                 bos_token_id=0, eos_token_id=0)),
+    }[family]()
+    with torch.device("meta"):
+        model = cls(config)
+
+    def loss_fn(out, labels):
+        return F.cross_entropy(out.logits.flatten(0, 1), labels.flatten())
+
+    ids = torch.zeros(2, 16, dtype=torch.long, device="meta")
+    return model, {"input_ids": ids}, dict(name=family, loss_fn=loss_fn, example_target=ids.clone())
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral", "gpt-neox", "gpt2"])
+def test_other_lm_families_unrolled_equal_whole_capture(family):
+    """Not Llama-specific: Qwen2 (tied head), Mistral (sliding window), GPT-NeoX and GPT-2 stacks unroll exactly."""
+    model, inputs, kw = _tiny_lm(family)
+    assert len(repeated_stacks(model)) == 1
+    unrolled = unrolled_capture(model, inputs, **kw)
+    assert unrolled is not None and unrolled == _whole(model, inputs, **kw)
+
+
 def test_tiny_llama_bf16_unrolled_equals_whole_capture():
     model, inputs, kw = _tiny_llama(9)
     assert unrolled_capture(model, inputs, precision="bf16", **kw) == _whole(model, inputs, precision="bf16", **kw)
