@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any, Iterator, Sequence
 
 import torch.nn as nn
@@ -155,14 +156,15 @@ def _in_block(path: str, block: str) -> bool:
     return path == block or path.startswith(block + ".")
 
 
-def unroll(graph: OpGraph, paths: dict[str, str], stack: str, keys: Sequence[str]) -> tuple[OpGraph, dict[str, str]] | None:
+def unroll(graph: OpGraph, paths: dict[str, str], stack: str,
+           keys: Sequence[str]) -> tuple[OpGraph, dict[str, str]] | None:
     """The op graph with the stack at ``stack`` (captured with its first :data:`KEPT` blocks) grown to all its blocks.
 
-    ``keys``: the names of the stack's children (``"0"``, ``"1"``, ... in a ``ModuleList``), in order.
-
-    ``paths``: op name -> module path of its unit ("" for glue). Returns the
-    new graph and paths, or None when the captured graph is not periodic as
-    the module docstring requires (the caller then captures everything).
+    ``paths``: op name -> module path of its unit ("" for glue); ``keys``:
+    the names of the stack's children in order (``"0"``, ``"1"``, ... in a
+    ``ModuleList``). Returns the new graph and paths, or None when the
+    captured graph is not periodic as the module docstring requires (the
+    caller then captures everything).
     """
     num_blocks = len(keys)
     blocks = [_block_path(stack, keys[j]) for j in range(KEPT)]
@@ -171,7 +173,7 @@ def unroll(graph: OpGraph, paths: dict[str, str], stack: str, keys: Sequence[str
         path = paths.get(op.name, "")
         member.append(next((j for j, b in enumerate(blocks) if _in_block(path, b)), None))
     ids = [[v for v, j in enumerate(member) if j == k] for k in range(KEPT)]
-    if any(not block or not op_ids_contiguous(block) for block in ids) or len({len(b) for b in ids}) != 1:
+    if any(not block or not _contiguous(block) for block in ids) or len({len(b) for b in ids}) != 1:
         return None
     if any(ids[k][-1] + 1 != ids[k + 1][0] for k in range(KEPT - 1)):
         return None
@@ -228,8 +230,7 @@ def unroll(graph: OpGraph, paths: dict[str, str], stack: str, keys: Sequence[str
         name_of = {i: _block_path(stack, keys[j]) + rel(graph.ops[v].name, k) for i, v in enumerate(ids[k])}
         for i, v in enumerate(ids[k]):
             op = graph.ops[v]
-            ops.append(type(op)(name_of[i], op.kind, op.fwd, op.bwd, op.param_bytes, op.act_bytes, op.out_bytes,
-                                op.wgrad))
+            ops.append(replace(op, name=name_of[i]))
             new_paths[name_of[i]] = _block_path(stack, keys[j]) + paths[op.name][len(blocks[k]):]
         edges += [(src, name_of[i], b, sv) for src, i, b, sv in sorted(into[k], key=repr)]
         edges += [(name_of[i], dst, b, sv) for i, dst, b, sv in sorted(out_of[k], key=repr)]
@@ -237,7 +238,8 @@ def unroll(graph: OpGraph, paths: dict[str, str], stack: str, keys: Sequence[str
         if j + 1 < num_blocks:
             nxt = role[j + 1]
             pattern = link[0] if j == 0 else (link[KEPT - 2] if nxt == KEPT - 1 else link[1])
-            following = {i: _block_path(stack, keys[j + 1]) + rel(graph.ops[v].name, nxt) for i, v in enumerate(ids[nxt])}
+            following = {i: _block_path(stack, keys[j + 1]) + rel(graph.ops[v].name, nxt)
+                         for i, v in enumerate(ids[nxt])}
             edges += [(name_of[i], following[t], b, sv) for i, t, b, sv in sorted(pattern, key=repr)]
     for v in range(last + 1, graph.num_ops):
         ops.append(graph.ops[v])
@@ -245,7 +247,7 @@ def unroll(graph: OpGraph, paths: dict[str, str], stack: str, keys: Sequence[str
     return OpGraph.build(graph.name, ops, edges, graph.shared), new_paths
 
 
-def op_ids_contiguous(op_ids: Sequence[int]) -> bool:
+def _contiguous(op_ids: Sequence[int]) -> bool:
     return all(b == a + 1 for a, b in zip(op_ids, op_ids[1:]))
 
 

@@ -47,8 +47,8 @@ def _tiny_lm(family: str):
     common = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=10, num_attention_heads=4, vocab_size=128,
                   max_position_embeddings=64)
     cls, config = {
-        "qwen2": lambda: (transformers.Qwen2ForCausalLM, transformers.Qwen2Config(num_key_value_heads=2, tie_word_embeddings=True,
-                                                                                   **common)),
+        "qwen2": lambda: (transformers.Qwen2ForCausalLM,
+                          transformers.Qwen2Config(num_key_value_heads=2, tie_word_embeddings=True, **common)),
         "mistral": lambda: (transformers.MistralForCausalLM,
                             transformers.MistralConfig(num_key_value_heads=2, sliding_window=8, **common)),
         "gpt-neox": lambda: (transformers.GPTNeoXForCausalLM, transformers.GPTNeoXConfig(**common)),
