@@ -934,8 +934,19 @@ def load_factory(spec: str) -> Factory:
 
 def graph_from_factory(spec: str, device: DeviceSpec | None = None, granularity: Granularity | None = None,
                        precision: str = "fp32") -> OpGraph:
-    """Capture the module of a ``file.py:factory`` spec (see :func:`load_factory`)."""
-    return captured_from_factory(spec, device, granularity, precision).graph
+    """The op graph of a ``file.py:factory`` spec's module (see :func:`load_factory`).
+
+    What :func:`captured_from_factory` gives, with each stack of identical
+    blocks captured once (:func:`graphpipe.capture_repeats.capture_graph`):
+    planning needs the graph only, not the runnable module.
+    """
+    from graphpipe.capture_repeats import capture_graph
+
+    made = load_factory(spec)
+    name = os.path.splitext(os.path.basename(spec.rpartition(":")[0]))[0]
+    return capture_graph(made.module, made.example_inputs, name=name, device=device,
+                         user_file=spec.rpartition(":")[0], loss_fn=made.loss_fn, example_target=made.example_target,
+                         granularity=granularity, precision=precision)
 
 
 def captured_from_factory(spec: str, device: DeviceSpec | None = None, granularity: Granularity | None = None,

@@ -4,7 +4,9 @@
   (gpp's idle-device split, :func:`graphpipe.search.gpp._spread_idle`);
 * ``score(..., memory_limit=)``: a schedule whose peak memory, taken from its action order, is over
   the device's is refused without the timed simulation; the peak from the action order is the timed
-  events' peak bit for bit when every action takes time.
+  events' peak bit for bit when every action takes time;
+* ``score(..., give_up_after=)``: gpp's idle-device pass stops timing a trial once a device provably ends
+  after the best so far.
 """
 
 from __future__ import annotations
@@ -55,12 +57,13 @@ def _plans(model: str, graph, cluster, batch_size: int):
 
 
 def _without_shortcuts(monkeypatch):
-    """Undo both shortcuts: every stage its own DP problem, every schedule timed before its memory is read."""
+    """Undo the shortcuts: every stage its own DP problem, every schedule timed to the end before its memory is
+    read (no ``memory_limit``, no ``give_up_after``)."""
     import graphpipe.search.gpp as gpp
     import graphpipe.search.planner as planner
     from graphpipe.search.common import simulated
 
-    def timed_fitting(sg, cluster, schedule_name, host=None):
+    def timed_fitting(sg, cluster, schedule_name, host=None, above=None):
         throughput, fits = simulated(sg, cluster, schedule_name, host)
         return throughput if fits else None
 

@@ -70,12 +70,14 @@ class Stuck:
 @dataclass(frozen=True, slots=True)
 class EngineResult:
     """``starts[d][k]`` / ``ends[d][k]`` of the ``k``-th action of device ``d``;
-    ``stage_end[s][kind][mb]`` the latest replica end; ``stuck`` non-empty on deadlock."""
+    ``stage_end[s][kind][mb]`` the latest replica end; ``stuck`` non-empty on deadlock; ``gave_up``: the run
+    stopped early, proving an action ends after ``run_engine``'s ``give_up_after`` (the times are partial)."""
 
     starts: tuple[tuple[float, ...], ...]
     ends: tuple[tuple[float, ...], ...]
     stage_end: tuple[tuple[tuple[float, ...], ...], ...]
     stuck: tuple[Stuck, ...]
+    gave_up: bool = False
 
 
 def action_deps(action: Action, preds, succs, mb_size, fdel, bdel) -> list[tuple[int, int, int, float]]:
@@ -111,7 +113,7 @@ def run_engine(sg: StageGraph, device_actions: Sequence[Sequence[Action]],
                duration: Callable[[int, str], float],
                fwd_delay: Callable[[int, int], float],
                bwd_delay: Callable[[int, int], float],
-               replicas: Sequence[int] | None = None) -> EngineResult:
+               replicas: Sequence[int] | None = None, give_up_after: float | None = None) -> EngineResult:
     """Evaluate start/end times of every action (see module docstring).
 
     Preconditions (checked by :func:`graphpipe.sched.validate.check_structure`):
@@ -121,6 +123,13 @@ def run_engine(sg: StageGraph, device_actions: Sequence[Sequence[Action]],
     ``replicas[s]``: how many of the listed devices run each action of stage
     ``s`` (default: its devices, one for a round-robin stage); a caller that
     lists one device of several in lockstep passes the count it listed.
+
+    ``give_up_after`` (seconds): a search that only wants a schedule ending
+    by then. The run stops (``gave_up``) as soon as a device provably ends
+    later: when an action of it could start at ``t`` and the actions left on
+    it, this one included, take ``busy`` seconds, it ends no earlier than
+    ``t + busy`` whatever the rest does, as a device runs one action at a time
+    (past a relative margin of 1e-9, far above the rounding of those sums).
     """
     num_devices = len(device_actions)
     tab = _Tables(sg, duration, fwd_delay, bwd_delay, replicas)
@@ -141,6 +150,10 @@ def run_engine(sg: StageGraph, device_actions: Sequence[Sequence[Action]],
     head_cursor = [0] * num_devices
     head_ready = [0.0] * num_devices
     blocked_on: list[tuple[int, int, int] | None] = [None] * num_devices
+    left_busy = None  # per device: compute time of the actions it has not started (with give_up_after)
+    if give_up_after is not None:
+        give_up_after *= 1 + 1e-9
+        left_busy = [sum(dur[a[0]][_DURATION_INDEX[a[1]]] for a in acts) for acts in device_actions]
     stack = list(range(num_devices - 1, -1, -1))
     while stack:
         d = stack.pop()
@@ -183,7 +196,12 @@ def run_engine(sg: StageGraph, device_actions: Sequence[Sequence[Action]],
                 blocked_on[d] = key
                 break
             k = KIND_INDEX[kind]
-            end = ready + dur[s][_DURATION_INDEX[kind]]
+            step = dur[s][_DURATION_INDEX[kind]]
+            if left_busy is not None:
+                if ready + left_busy[d] > give_up_after:
+                    return tab.result(device_actions, pos, blocked_on, starts, ends, gave_up=True)
+                left_busy[d] -= step
+            end = ready + step
             d_starts.append(ready)
             d_ends.append(end)
             free[d] = end
@@ -309,7 +327,9 @@ class _Tables:
         self.done[s][k][j] = self.partial[s][k][j]
         return True
 
-    def result(self, device_actions, pos, blocked_on, starts, ends) -> EngineResult:
+    def result(self, device_actions, pos, blocked_on, starts, ends, gave_up: bool = False) -> EngineResult:
+        if gave_up:
+            return EngineResult(tuple(map(tuple, starts)), tuple(map(tuple, ends)), (), (), True)
         stuck = []
         for d, acts in enumerate(device_actions):
             if pos[d] < len(acts):

@@ -504,9 +504,12 @@ _LAST_RUN: list[tuple] = []
 """The last :func:`_run_lockstep` (stage graph, cluster, action lists, its answer): at most one entry."""
 
 
-def _run_lockstep(sg: StageGraph, schedule: Schedule, cluster: Cluster, duration, delay):
+def _run_lockstep(sg: StageGraph, schedule: Schedule, cluster: Cluster, duration, delay, classes=None,
+                  give_up_after: float | None = None):
     """:func:`run_engine` on one device of each :func:`_lockstep_classes` class: ``(representatives, each
     device's index among them, result)``; a deadlock raises :class:`DeadlockError` naming the real devices.
+    ``classes``: :func:`_lockstep_classes`'s answer, when the caller has it already; ``give_up_after``:
+    :func:`run_engine`'s (a run that gave up is not kept).
 
     The last answer is kept and returned again for the same stage graph (the
     same object), an equal cluster and equal action lists: a search scores
@@ -517,8 +520,11 @@ def _run_lockstep(sg: StageGraph, schedule: Schedule, cluster: Cluster, duration
         last_sg, last_cluster, last_actions, answer = _LAST_RUN[0]
         if last_sg is sg and last_cluster == cluster and last_actions == schedule.device_actions:
             return answer
-    reps, rep_index, replicas = _lockstep_classes(sg, schedule)
-    result = run_engine(sg, [schedule.device_actions[d] for d in reps], duration, delay, delay, replicas)
+    reps, rep_index, replicas = classes if classes is not None else _lockstep_classes(sg, schedule)
+    result = run_engine(sg, [schedule.device_actions[d] for d in reps], duration, delay, delay, replicas,
+                        give_up_after)
+    if result.gave_up:
+        return reps, rep_index, result
     if result.stuck:
         raise_deadlock(schedule, [replace(s, device=reps[s.device]) for s in result.stuck])
     _LAST_RUN[:] = [(sg, cluster, schedule.device_actions, (reps, rep_index, result))]
@@ -539,29 +545,36 @@ def _peak_in_list_order(sg: StageGraph, schedule: Schedule, cluster: Cluster, de
     ``durations[s]``: stage ``s``'s F, B, I, W times.
     """
     state, buffers, stash, working = _memory_terms(sg, cluster)
-    timed = {kind: [durations[s][i] > 0 for s in range(sg.num_stages)] for i, kind in enumerate("FBIW")}
+    untimed = {(s, kind) for i, kind in enumerate("FBIW") for s in range(sg.num_stages) if not durations[s][i] > 0}
+    release = [-stash[s] - working[s] for s in range(sg.num_stages)]  # what a B or W frees, as _memory adds it
     peak = 0.0
     for d in devices:
+        acts = schedule.device_actions[d]
+        if untimed and any((s, kind) in untimed for s, kind, _ in acts):
+            return None
         live = top = 0.0
-        for s, kind, _ in schedule.device_actions[d]:
-            if not timed[kind][s]:
-                return None
+        for s, kind, _ in acts:  # (runs for every action of every scored schedule: kept to plain comparisons)
             if kind == "F":
                 live += stash[s]
-            elif kind in ("B", "I"):
+            elif kind == "B":
                 if working[s]:
                     live += working[s]
-                if kind == "B":
-                    top = max(top, live)
-                    live += -stash[s] - working[s]
+                if live > top:
+                    top = live
+                live += release[s]
+            elif kind == "I":
+                if working[s]:
+                    live += working[s]
             else:
-                live += -stash[s] - working[s]
-            top = max(top, live)
+                live += release[s]
+            if live > top:
+                top = live
         peak = max(peak, state[d] + buffers[d] + top)
     return peak
 
 
-def score(sg: StageGraph, schedule: Schedule, cluster: Cluster, memory_limit: float | None = None) -> Score | None:
+def score(sg: StageGraph, schedule: Schedule, cluster: Cluster, memory_limit: float | None = None,
+          give_up_after: float | None = None) -> Score | None:
     """:func:`simulate`'s figures that rank plans, without building the timeline (dedicated devices).
 
     Devices whose action lists are equal run in lockstep -- the same
@@ -578,15 +591,23 @@ def score(sg: StageGraph, schedule: Schedule, cluster: Cluster, memory_limit: fl
     exceeds it returns None without running the engine: a search that keeps
     only plans that fit needs no timing of one that does not (the peak comes
     from the action order, :func:`_peak_in_list_order`, when that is exact).
+
+    With ``give_up_after`` (seconds), a schedule whose iteration provably
+    ends later also returns None, as soon as the engine can tell
+    (:func:`~graphpipe.sched.engine.run_engine`): a search that keeps only
+    a plan faster than the best so far needs no exact time of a slower one.
     """
     _check_cluster(sg, cluster)
     _, duration, delay = _engine_inputs(sg, cluster)
-    reps, _, _ = _lockstep_classes(sg, schedule)
+    classes = _lockstep_classes(sg, schedule)
+    reps = classes[0]
     durations = [(duration(s, "F"), duration(s, "B"), duration(s, "I"), duration(s, "W")) for s in range(sg.num_stages)]
     peak = _peak_in_list_order(sg, schedule, cluster, reps, durations)
     if peak is not None and memory_limit is not None and peak > memory_limit:
         return None
-    reps, _, result = _run_lockstep(sg, schedule, cluster, duration, delay)
+    reps, _, result = _run_lockstep(sg, schedule, cluster, duration, delay, classes, give_up_after)
+    if result.gave_up:
+        return None
     acts = [schedule.device_actions[d] for d in reps]
     end = max((e[-1] for e in result.ends if e), default=0.0)
     for st in sg.stages:

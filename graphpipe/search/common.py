@@ -189,7 +189,8 @@ def simulated_peak(sg: StageGraph, cluster: Cluster, schedule_name: str,
     return float(figures["throughput"]), float(figures["max_peak_memory_bytes"])
 
 
-def simulated_fitting(sg: StageGraph, cluster: Cluster, schedule_name: str, host: SharedHost | None = None) -> float | None:
+def simulated_fitting(sg: StageGraph, cluster: Cluster, schedule_name: str, host: SharedHost | None = None,
+                      above: float | None = None) -> float | None:
     """The throughput :func:`simulated` gives ``sg`` under ``schedule_name`` if its peak memory fits, else None.
 
     For searches that drop a plan that does not fit: on dedicated devices a
@@ -197,6 +198,12 @@ def simulated_fitting(sg: StageGraph, cluster: Cluster, schedule_name: str, host
     refused before the timed simulation, which is most of a check's cost at
     thousands of actions (a fill-drain schedule of a large model often holds
     too many micro-batches). The answers equal :func:`simulated`'s.
+
+    ``above`` (samples per second, dedicated devices): None also when the
+    throughput is provably below it, told by the engine before it has timed
+    every action (:func:`graphpipe.sched.simulator.score`'s
+    ``give_up_after``); a search
+    keeping only a plan faster than the best so far passes that best.
     """
     if host is not None:
         throughput, fits = simulated(sg, cluster, schedule_name, host)
@@ -204,7 +211,9 @@ def simulated_fitting(sg: StageGraph, cluster: Cluster, schedule_name: str, host
     from graphpipe.sched import make_schedule
     from graphpipe.sched.simulator import score
 
-    got = score(sg, make_schedule(schedule_name, sg, cluster, validate=False), cluster, memory_limit=cluster.memory_bytes)
+    give_up_after = sg.batch_size / above if above else None
+    got = score(sg, make_schedule(schedule_name, sg, cluster, validate=False), cluster, memory_limit=cluster.memory_bytes,
+                give_up_after=give_up_after)
     if got is None or not float(got.max_peak_memory_bytes) <= cluster.memory_bytes:
         return None
     return float(got.throughput)

@@ -614,7 +614,7 @@ def _spread_idle(sg: StageGraph, cluster: Cluster, link: Link | None, throughput
         trial = StageGraph.build(graph, stages, sg.batch_size, sg.num_devices)
         if _slower_than(trial, cluster, best[0], host):
             continue
-        scored = _score_best(trial, cluster, host)
+        scored = _score_best(trial, cluster, host, above=best[0] * (1 + 1e-9))
         runs += 1
         if scored is not None and scored[0] > best[0] * (1 + 1e-9):
             best = (scored[0], trial, scored[1])
@@ -677,15 +677,17 @@ def _slower_than(sg: StageGraph, cluster: Cluster, throughput: float, host=None)
     return bound > 0 and sg.batch_size / bound < throughput * (1 - 1e-6)
 
 
-def _score_best(sg: StageGraph, cluster: Cluster, host=None) -> tuple[float, str] | None:
+def _score_best(sg: StageGraph, cluster: Cluster, host=None, above: float | None = None) -> tuple[float, str] | None:
     """(throughput, schedule) of the faster of graph-1F1B and fill-drain that fits in memory; None if neither.
 
     Ties go to graph-1F1B (fewer micro-batches in flight). ``host``: simulate on a shared host
-    (:attr:`SearchOptions.host`).
+    (:attr:`SearchOptions.host`). ``above``: a schedule provably slower than this throughput counts as not
+    fitting (:func:`~graphpipe.search.common.simulated_fitting`): the idle-device pass only keeps a trial
+    faster than its best so far.
     """
     best = None
     for schedule in (STRATEGY.default_schedule, FILL_DRAIN):
-        throughput = simulated_fitting(sg, cluster, schedule, host)
+        throughput = simulated_fitting(sg, cluster, schedule, host, above)
         if throughput is not None and (best is None or throughput > best[0] * (1 + 1e-12)):
             best = (throughput, schedule)
     return best

@@ -1,0 +1,291 @@
+"""Capture a long stack of identical blocks once: export a few of them and unroll the op graph.
+
+``torch.export`` traces every decoder layer of a large language model one
+by one, so capturing an 80-layer model costs 80 times one layer although
+the layers are copies of each other. For planning only the op graph
+matters, and the op graph of a stack of identical blocks is periodic: the
+first block, then the same op (same costs, same edges of the same bytes)
+again and again, then the last one. :func:`capture_graph` captures the
+module with each such stack cut to its first :data:`KEPT` blocks, reads the
+period off the blocks it kept, and writes the op graph the whole stack would
+have given.
+
+Which stacks are cut (:func:`repeated_stacks`): an ``nn.ModuleList`` or
+``nn.Sequential`` of at least ``2 * KEPT`` children that are all the same
+(:func:`block_signature`: the same module classes nested the same way,
+parameters and buffers of the same names, shapes, dtypes and
+``requires_grad``, the same plain attributes apart from a block's own
+index), sharing no parameter with one another or with the rest of the
+model. The rest is checked on what the cut capture gives
+(:func:`unroll`): the kept blocks' ops come one block after another, the
+middle blocks' ops, edges and costs are identical, a block only feeds the
+next one, and no glue op (named after its fx node, so its name would shift
+with the number of layers) follows the blocks. Anything else, including a
+forward that fails on the cut stack (one indexing ``layers[i]`` for ``i`` in
+``range(config.num_layers)``), captures the whole module as before.
+
+Every block's ops are identical to a middle block's except the first and
+the last (the first reads the embedding, the last may absorb a final
+norm), so the unrolled graph equals the fully captured one, names
+included (tests compare them on Hugging Face Llama and zoo transformers).
+The runtime still captures the whole module: it needs the runnable graph.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import replace
+from typing import Any, Iterator, Sequence
+
+import torch.nn as nn
+
+from graphpipe.graph import OpGraph
+
+__all__ = ["KEPT", "block_signature", "same_blocks", "repeated_stacks", "unroll", "unrolled_capture", "capture_graph"]
+
+log = logging.getLogger(__name__)
+
+KEPT = 4
+"""Blocks of a stack the cut capture keeps: the first, two middle ones (compared with each other) and the last."""
+
+_PLAIN = (str, float, bool, type(None))
+
+
+def _plain(value: Any) -> bool:
+    if isinstance(value, (tuple, list)):
+        return all(_plain(v) or isinstance(v, int) for v in value)
+    return isinstance(value, _PLAIN)
+
+
+def block_signature(block: nn.Module) -> tuple[tuple, dict[tuple[str, str], int]]:
+    """What must be equal for two blocks of a stack to give the same ops (names and ids left out), and its integers.
+
+    The first part, per submodule (in order): its relative path and class,
+    its parameters' and buffers' names, shapes, dtypes and
+    ``requires_grad``, its training flag and its plain attributes (strings,
+    floats, booleans, None, tuples of them). The second: its integer
+    attributes, ``(submodule path, name) -> value``; along a stack each must
+    be the same in every block or count the blocks (a ``layer_idx``), see
+    :func:`same_blocks`.
+
+    >>> a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+    >>> block_signature(a) == block_signature(b), block_signature(a) == block_signature(nn.Linear(4, 5))
+    (True, False)
+    """
+    parts, ints = [], {}
+    for path, m in block.named_modules():
+        params = tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in m.named_parameters(recurse=False))
+        buffers = tuple((n, tuple(b.shape), b.dtype) for n, b in m.named_buffers(recurse=False))
+        attrs = []
+        for key, value in sorted(vars(m).items()):
+            if key.startswith("_"):
+                continue
+            if isinstance(value, int) and not isinstance(value, bool):
+                ints[(path, key)] = value
+            elif _plain(value):
+                attrs.append((key, value if not isinstance(value, list) else tuple(value)))
+        parts.append((path, type(m).__module__, type(m).__qualname__, params, buffers, m.training, tuple(attrs)))
+    return tuple(parts), ints
+
+
+def same_blocks(blocks: Sequence[nn.Module]) -> bool:
+    """Whether ``blocks`` are copies of one block: equal :func:`block_signature`, each integer constant or a counter.
+
+    A counter (``layer_idx``: block ``i`` holds ``i + c``) names a block; it
+    is allowed because a block's ops cannot be told apart by it unless the
+    forward branches on it, which the periodicity check of :func:`unroll`
+    then sees.
+    """
+    signatures = [block_signature(b) for b in blocks]
+    if any(s[0] != signatures[0][0] or s[1].keys() != signatures[0][1].keys() for s in signatures):
+        return False
+    for key, value in signatures[0][1].items():
+        values = [s[1][key] for s in signatures]
+        if len(set(values)) > 1 and len({v - i for i, v in enumerate(values)}) > 1:
+            return False
+    return True
+
+
+def repeated_stacks(module: nn.Module) -> list[tuple[str, tuple[str, ...]]]:
+    """``(path, its children's names)`` of every stack of identical blocks worth cutting (module docstring).
+
+    Outermost first; a stack inside another chosen one is left whole.
+    """
+    uses = Counter(id(p) for _, p in module.named_parameters(remove_duplicate=False))
+    found: list[tuple[str, tuple[str, ...]]] = []
+    for path, m in module.named_modules():
+        if not isinstance(m, (nn.ModuleList, nn.Sequential)) or len(m) < 2 * KEPT:
+            continue
+        if any(path == p or path.startswith(p + ".") for p, _ in found if p) or any(p == "" for p, _ in found):
+            continue
+        children = list(m._modules.values())
+        if any(c is None for c in children) or len({id(c) for c in children}) != len(children):
+            continue
+        if next(children[0].parameters(), None) is None:
+            continue
+        if not same_blocks(children):
+            continue
+        if any(uses[id(p)] != 1 for c in children for _, p in c.named_parameters(remove_duplicate=False)):
+            continue  # a parameter tied between blocks or to the rest of the model: its ops share it
+        found.append((path, tuple(m._modules)))
+    return found
+
+
+@contextmanager
+def _cut(module: nn.Module, stacks: Sequence[tuple[str, Sequence[str]]]) -> Iterator[None]:
+    """Keep the first :data:`KEPT` children of each stack while the block runs; restore them after."""
+    saved = []
+    try:
+        for path, _ in stacks:
+            holder = module.get_submodule(path) if path else module
+            saved.append((holder, holder._modules))
+            holder._modules = type(holder._modules)(list(holder._modules.items())[:KEPT])
+        yield
+    finally:
+        for holder, modules in saved:
+            holder._modules = modules
+
+
+def _block_path(stack: str, key: str) -> str:
+    return f"{stack}.{key}" if stack else key
+
+
+def _in_block(path: str, block: str) -> bool:
+    return path == block or path.startswith(block + ".")
+
+
+def unroll(graph: OpGraph, paths: dict[str, str], stack: str,
+           keys: Sequence[str]) -> tuple[OpGraph, dict[str, str]] | None:
+    """The op graph with the stack at ``stack`` (captured with its first :data:`KEPT` blocks) grown to all its blocks.
+
+    ``paths``: op name -> module path of its unit ("" for glue); ``keys``:
+    the names of the stack's children in order (``"0"``, ``"1"``, ... in a
+    ``ModuleList``). Returns the new graph and paths, or None when the
+    captured graph is not periodic as the module docstring requires (the
+    caller then captures everything).
+    """
+    num_blocks = len(keys)
+    blocks = [_block_path(stack, keys[j]) for j in range(KEPT)]
+    member: list[int | None] = []
+    for op in graph.ops:
+        path = paths.get(op.name, "")
+        member.append(next((j for j, b in enumerate(blocks) if _in_block(path, b)), None))
+    ids = [[v for v, j in enumerate(member) if j == k] for k in range(KEPT)]
+    if any(not block or not _contiguous(block) for block in ids) or len({len(b) for b in ids}) != 1:
+        return None
+    if any(ids[k][-1] + 1 != ids[k + 1][0] for k in range(KEPT - 1)):
+        return None
+    first, last = ids[0][0], ids[-1][-1]
+    if any(m is not None for m in member[:first] + member[last + 1:]):
+        return None
+    if any(paths.get(graph.ops[v].name, "") == "" for v in range(last + 1, graph.num_ops)):
+        return None  # a glue op after the stack is named after its fx node, whose number grows with the stack
+    if any(any(member[graph.op_id(name)] is not None for name in s.ops) for s in graph.shared):
+        return None
+    local = {v: (k, i) for k, block in enumerate(ids) for i, v in enumerate(block)}
+
+    def rel(name: str, k: int) -> str:
+        return name[len(blocks[k]):]
+
+    def body(k: int) -> tuple:
+        ops = tuple((rel(graph.ops[v].name, k), graph.ops[v].kind, graph.ops[v].fwd, graph.ops[v].bwd,
+                     graph.ops[v].param_bytes, graph.ops[v].act_bytes, graph.ops[v].out_bytes, graph.ops[v].wgrad)
+                    for v in ids[k])
+        if any(not graph.ops[v].name.startswith(blocks[k]) for v in ids[k]):
+            return ()
+        return ops
+
+    into: list[set] = [set() for _ in range(KEPT)]  # edges from ops before the stack, per block
+    out_of: list[set] = [set() for _ in range(KEPT)]  # edges to ops after the stack, per block
+    link: list[set] = [set() for _ in range(KEPT)]  # edges block k -> block k + 1
+    inner: list[set] = [set() for _ in range(KEPT)]  # edges inside block k
+    outside = []
+    for e in graph.edges:
+        s, d = local.get(e.src), local.get(e.dst)
+        if s is None and d is None:
+            outside.append((graph.ops[e.src].name, graph.ops[e.dst].name, e.bytes, e.saved))
+        elif s is None:
+            into[d[0]].add((graph.ops[e.src].name, d[1], e.bytes, e.saved))
+        elif d is None:
+            out_of[s[0]].add((s[1], graph.ops[e.dst].name, e.bytes, e.saved))
+        elif s[0] == d[0]:
+            inner[s[0]].add((s[1], d[1], e.bytes, e.saved))
+        elif d[0] == s[0] + 1:
+            link[s[0]].add((s[1], d[1], e.bytes, e.saved))
+        else:
+            return None  # a block feeding one further on: not a chain of blocks
+    middle = body(1)
+    if not middle or middle != body(2) or not body(0) or not body(KEPT - 1):
+        return None
+    if inner[1] != inner[2] or into[1] != into[2] or out_of[1] != out_of[2]:
+        return None
+    # block j of the whole stack is kept block role(j): the first, a middle one, or the last
+    role = [0] + [1] * (num_blocks - 2) + [KEPT - 1]
+    ops, new_paths, edges = [], {}, list(outside)
+    for v in range(first):
+        ops.append(graph.ops[v])
+    for j, k in enumerate(role):
+        name_of = {i: _block_path(stack, keys[j]) + rel(graph.ops[v].name, k) for i, v in enumerate(ids[k])}
+        for i, v in enumerate(ids[k]):
+            op = graph.ops[v]
+            ops.append(replace(op, name=name_of[i]))
+            new_paths[name_of[i]] = _block_path(stack, keys[j]) + paths[op.name][len(blocks[k]):]
+        edges += [(src, name_of[i], b, sv) for src, i, b, sv in sorted(into[k], key=repr)]
+        edges += [(name_of[i], dst, b, sv) for i, dst, b, sv in sorted(out_of[k], key=repr)]
+        edges += [(name_of[i], name_of[t], b, sv) for i, t, b, sv in sorted(inner[k], key=repr)]
+        if j + 1 < num_blocks:
+            nxt = role[j + 1]
+            pattern = link[0] if j == 0 else (link[KEPT - 2] if nxt == KEPT - 1 else link[1])
+            following = {i: _block_path(stack, keys[j + 1]) + rel(graph.ops[v].name, nxt)
+                         for i, v in enumerate(ids[nxt])}
+            edges += [(name_of[i], following[t], b, sv) for i, t, b, sv in sorted(pattern, key=repr)]
+    for v in range(last + 1, graph.num_ops):
+        ops.append(graph.ops[v])
+    new_paths.update({op.name: paths.get(op.name, "") for op in ops if op.name not in new_paths})
+    return OpGraph.build(graph.name, ops, edges, graph.shared), new_paths
+
+
+def _contiguous(op_ids: Sequence[int]) -> bool:
+    return all(b == a + 1 for a, b in zip(op_ids, op_ids[1:]))
+
+
+def unrolled_capture(module: nn.Module, example_inputs: Any, **kwargs: Any) -> OpGraph | None:
+    """The op graph of ``module`` captured with each stack of identical blocks cut and unrolled; None if it cannot be.
+
+    Takes :func:`~graphpipe.capture.capture`'s arguments. None when no stack
+    qualifies (:func:`repeated_stacks`), the forward fails on the cut stacks,
+    or a cut stack's graph is not periodic (:func:`unroll`).
+    """
+    from graphpipe.capture import capture
+
+    stacks = repeated_stacks(module)
+    if not stacks:
+        return None
+    try:
+        with _cut(module, stacks):
+            cut = capture(module, example_inputs, **kwargs)
+    except Exception as exc:  # the forward needs every block (it indexes them by a count of its own)
+        log.info("capturing with stacks cut to %d blocks failed (%s); capturing the whole module", KEPT, exc)
+        return None
+    graph, paths = cut.graph, dict(cut.paths or {})
+    for path, keys in stacks:
+        grown = unroll(graph, paths, path, keys)
+        if grown is None:
+            log.info("stack %r is not periodic once captured; capturing the whole module", path)
+            return None
+        graph, paths = grown
+    return graph
+
+
+def capture_graph(module: nn.Module, example_inputs: Any, **kwargs: Any) -> OpGraph:
+    """:func:`graphpipe.capture.capture`'s op graph, capturing each stack of identical blocks once.
+
+    Takes :func:`~graphpipe.capture.capture`'s arguments:
+    :func:`unrolled_capture` where it applies, else the whole capture.
+    """
+    from graphpipe.capture import capture
+
+    graph = unrolled_capture(module, example_inputs, **kwargs)
+    return graph if graph is not None else capture(module, example_inputs, **kwargs).graph

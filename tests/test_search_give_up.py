@@ -1,0 +1,97 @@
+"""A schedule provably slower than a bound is not timed to the end (engine give_up_after, gpp's idle-device pass).
+
+Oracles: the full simulation (score without a limit) and the idle-device pass / whole gpp search with every
+trial timed to the end.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from graphpipe.cluster import preset
+from graphpipe.errors import GraphpipeError
+from graphpipe.graph import Affine, Op, OpGraph
+from graphpipe.sched import make_schedule
+from graphpipe.sched import simulator
+from graphpipe.sched.simulator import score
+from graphpipe.search import gpp
+from graphpipe.search.common import SearchOptions
+from graphpipe.search.gpp import _Candidate, _score_best, _spread_idle, _to_stage_graph, partition
+from graphpipe.search.gpp_solve import min_bottleneck
+
+from test_sched_simulator import SCORED_SCHEDULES, _plans_to_score
+
+
+def test_score_gives_up_only_on_a_schedule_ending_after_the_limit():
+    """Every answer with a limit is the full answer, or None when the full iteration really ends later."""
+    gave_up = compared = 0
+    for name, sg, cluster in _plans_to_score():
+        for schedule_name in SCORED_SCHEDULES:
+            try:
+                schedule = make_schedule(schedule_name, sg, cluster)
+            except GraphpipeError:
+                continue
+            full = score(sg, schedule, cluster)
+            for factor in (0.3, 0.9, 0.999, 1.0, 1.001, 2.0):
+                limit = full.iteration_time_s * factor
+                simulator._LAST_RUN.clear()  # the kept run would answer without the engine
+                got = score(sg, schedule, cluster, give_up_after=limit)
+                if got is None:
+                    assert full.iteration_time_s > limit, (name, schedule_name, factor)
+                    gave_up += 1
+                else:
+                    assert got == full, (name, schedule_name, factor)
+                if factor >= 1.0:
+                    assert got == full, (name, schedule_name, factor)
+                compared += 1
+    assert compared >= 300 and gave_up >= 50  # the limit bites well before the end on most schedules
+
+
+def _timed_to_the_end(monkeypatch):
+    """gpp with every idle-device trial simulated to the end (the unpruned search)."""
+    real = gpp._score_best
+    monkeypatch.setattr(gpp, "_score_best", lambda sg, cluster, host=None, above=None: real(sg, cluster, host))
+
+
+def _spread(graph, cluster, batch, micro_batch):
+    start = min_bottleneck(graph, cluster, batch, micro_batch)
+    cand = _Candidate(micro_batch, start.stages, start.bottleneck_tps, start.source_in_flight, 0.0)
+    sg = _to_stage_graph(graph, graph, {}, cand, cluster, batch)
+    before, schedule = _score_best(sg, cluster)
+    return _spread_idle(sg, cluster, None, before, schedule)
+
+
+@pytest.mark.parametrize("devices,batch,micro_batch", [(32, 64, 16), (48, 256, 32)])
+def test_idle_pass_equals_the_pass_timing_every_trial(profiles_dir, monkeypatch, devices, batch, micro_batch):
+    from graphpipe.importers.pipedream_txt import read_pipedream
+
+    graph = read_pipedream(os.path.join(profiles_dir, "alexnet", "graph.txt"))
+    cluster = preset("v100", devices)
+    pruned = _spread(graph, cluster, batch, micro_batch)
+    _timed_to_the_end(monkeypatch)
+    full = _spread(graph, cluster, batch, micro_batch)
+    assert full[3] >= 1 and pruned[:3] == full[:3]  # the same stage graph, throughput and schedule
+
+
+def _llm_chain(num_layers: int, scale: float = 1.0) -> OpGraph:
+    """A decoder-only LM's shape (Llama-3-70B's per-sample costs on an H100): embedding, identical layers, head."""
+    ops = [Op("embed", "embedding", Affine(8e-6, 0.0), Affine(1.6e-5, 0.0), 4.2e9 * scale, 0.0, 4194304.0)]
+    ops += [Op(f"layer{i}", "decoder", Affine(8e-6, 4.44e-4), Affine(1.6e-5, 8.88e-4), 3.42e9 * scale, 1.0e8,
+               4194304.0) for i in range(num_layers)]
+    ops += [Op("head", "linear", Affine(8e-6, 5.44e-4), Affine(1.6e-5, 1.088e-3), 4.2e9 * scale, 7.0e7, 6.6e7)]
+    names = [op.name for op in ops]
+    return OpGraph.build("llm", ops, [(a, b, 4194304.0) for a, b in zip(names, names[1:])])
+
+
+@pytest.mark.parametrize("num_layers,devices,batch,scale,recompute", [
+    (8, 64, 256, 1.0, "none"), (12, 48, 128, 0.5, "all"), (16, 96, 512, 1.0, "none"), (8, 32, 128, 1.0, "all")])
+def test_gpp_plans_equal_the_search_timing_every_trial(monkeypatch, num_layers, devices, batch, scale, recompute):
+    """Models whose idle-device pass runs trials (the DP's plan leaves devices idle; the pass tries 2-8 splits)."""
+    graph, cluster, options = _llm_chain(num_layers, scale), preset("h100", devices), SearchOptions(recompute=recompute)
+    pruned = partition(graph, cluster, batch, options)
+    _timed_to_the_end(monkeypatch)
+    full = partition(graph, cluster, batch, options)
+    assert pruned.stage_graph == full.stage_graph and pruned.schedule_name == full.schedule_name
+    assert pruned.stats["throughput_estimate"] == full.stats["throughput_estimate"]
