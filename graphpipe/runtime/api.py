@@ -213,7 +213,7 @@ class Pipeline:
     def _build(self, example: Any, target: Any, keep: dict | None = None) -> None:
         """Capture the model on ``example`` (a whole mini-batch), cut it and build this rank's executor."""
         from graphpipe.capture import Granularity, trace_ops
-        from graphpipe.runtime.jobs import plan_granularity
+        from graphpipe.runtime.runnable import plan_granularity
 
         if self._meta:  # captured and cut on the meta device: each rank materializes its own stages only
             from graphpipe.runtime.materialize import meta_copy
@@ -239,7 +239,7 @@ class Pipeline:
     def _for_job(cls, plan: Plan, runnable, *, rank: int, world_size: int, device: torch.device, backend: str,
                  options) -> "Pipeline":
         """``graphpipe run``'s pipeline: process group up, model built from the plan's spec and captured
-        (:func:`~graphpipe.runtime.jobs.load_runnable`, once per process), timing and the meter as ``options``
+        (:func:`~graphpipe.runtime.runnable.load_runnable`, once per process), timing and the meter as ``options``
         say."""
         self = cls.__new__(cls)
         self.plan, self.precision, self.seed, self.timeout_s = plan, options.precision, options.seed, options.timeout_s
@@ -363,7 +363,7 @@ class Pipeline:
         default the world) first, so the step's times share one start
         (``graphpipe run``'s measurement).
         """
-        from graphpipe.runtime.jobs import autocast
+        from graphpipe.runtime.runnable import autocast
 
         self._ready_to_run()
         executor = self._setup.executor
@@ -431,7 +431,7 @@ class Pipeline:
     def forward(self, inputs: Any) -> Any:
         """The model's output for ``inputs`` (no grad, eval mode: dropout off, BatchNorm running statistics),
         on every rank. Each stage runs once on the whole batch on its first replica, in stage order."""
-        from graphpipe.runtime.jobs import autocast
+        from graphpipe.runtime.runnable import autocast
 
         self._ready_to_run()
         sg = self.plan.stage_graph
