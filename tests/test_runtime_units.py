@@ -368,7 +368,7 @@ def test_gradients_rebind_into_the_same_buffer_after_the_optimizer_drops_them(on
     plan = _plan("transformer:small", (["embed", "layer0", "layer1", "layer2", "layer3", "head"],), [(0,)], [4], 8, 1,
                  "gpipe")
     runnable = load_runnable(plan.model, 0)
-    pipe = Pipeline._for_job(plan, runnable, rank=0, world_size=1, device=torch.device("cpu"), backend="gloo",
+    pipe = Pipeline.for_job(plan, runnable, rank=0, world_size=1, device=torch.device("cpu"), backend="gloo",
                              options=RunOptions(measure=False))
     params = list(pipe.parameters())
     inputs = runnable.make_inputs(8, 0)

@@ -236,11 +236,13 @@ class Pipeline:
                        exported.io.wrap_loss(self._loss_fn), rows, fault=None, measure=self._measure, keep=keep)
 
     @classmethod
-    def _for_job(cls, plan: Plan, runnable, *, rank: int, world_size: int, device: torch.device, backend: str,
-                 options) -> "Pipeline":
-        """``graphpipe run``'s pipeline: process group up, model built from the plan's spec and captured
-        (:func:`~graphpipe.runtime.runnable.load_runnable`, once per process), timing and the meter as ``options``
-        say."""
+    def for_job(cls, plan: Plan, runnable, *, rank: int, world_size: int, device: torch.device, backend: str,
+                options) -> "Pipeline":
+        """``graphpipe run``'s pipeline (:func:`graphpipe.runtime.worker.run_job`) in a process group already up:
+        the model built from the plan's spec and captured (a :class:`~graphpipe.runtime.runnable.Runnable` of
+        :func:`~graphpipe.runtime.runnable.load_runnable`, once per process), timing, the saved-tensor meter and
+        the fault hook as the job's :class:`~graphpipe.runtime.options.RunOptions` say. The worker destroys the
+        group, not the pipeline."""
         self = cls.__new__(cls)
         self.plan, self.precision, self.seed, self.timeout_s = plan, options.precision, options.seed, options.timeout_s
         self.rank, self.world_size, self.backend, self.device = rank, world_size, backend, device

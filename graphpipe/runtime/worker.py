@@ -132,7 +132,7 @@ def run_job(rank: int, world_size: int, plan: Plan, options: RunOptions, device:
     unseeded = _warn_unseeded(runnable, plan.model) if rank == 0 else {}
     make_inputs = runnable.make_inputs
     # graphpipe run is a user of the training API: synthetic data, SGD, and its report.
-    pipe = Pipeline._for_job(plan, runnable, rank=rank, world_size=world_size, device=device, backend=backend,
+    pipe = Pipeline.for_job(plan, runnable, rank=rank, world_size=world_size, device=device, backend=backend,
                              options=options)
     del runnable  # drop every other stage's parameters
     ctx = pipe.rank_setup
