@@ -129,7 +129,7 @@ def run_staleness(config: dict[str, Any], progress) -> tuple[list, dict]:
     rows = []
     for (label, plan), raw in zip(labels, results):
         m = raw.measured
-        if "stream_time_s" in m:
+        if m.stream_time_s is not None:
             clock = _window_ends(raw.records, plan.stage_graph.num_micro_batches(0), config["steps"])
         else:  # flushing: one step after another (the optimizer steps between them are not timed)
             clock, t = [], 0.0

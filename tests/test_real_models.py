@@ -322,7 +322,7 @@ def _run_real_model_plans():
         if not (check.passed and check.steps_checked == 3 and check.num_params_checked == check.num_params > 0
                 and check.num_buffers_checked == check.num_buffers):
             failures[name] = check
-        assert "full_batch" in check and "unseeded_ops" not in check, name
+        assert check.full_batch is not None and check.unseeded_ops is None, name
     assert not failures, failures
     by_name = dict(zip(names, results))
     assert by_name["branchy/gpp"].check.num_buffers == 9  # three BatchNorms: mean, var, count
