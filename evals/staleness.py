@@ -85,7 +85,7 @@ def run_async_throughput(config: dict[str, Any], progress) -> tuple[list, dict]:
         rows.append({"source": "measured (4 CPU ranks)", "model": model, "devices": config["measured_devices"],
                      "schedule": name, "throughput": m.throughput, "x_1f1b": m.throughput / flush_of[model],
                      "peak_memory_gb": None,
-                     "stashed_gb": max(m.get("stashed_weight_bytes", [0.0])) / 1e9, "replicated": None})
+                     "stashed_gb": max(m.stashed_weight_bytes or [0.0]) / 1e9, "replicated": None})
     progress.step("measured")
     sim = [r for r in rows if r["source"] == "simulated" and r["schedule"] == "1f1b-async"]
     return rows, {"min_async_over_flush_simulated": min(r["x_1f1b"] for r in sim),
@@ -140,7 +140,7 @@ def run_staleness(config: dict[str, Any], progress) -> tuple[list, dict]:
         tail = max(1, len(losses) // 10)
         rows.append({"schedule": label, "final_loss": sum(losses[-tail:]) / tail, "first_loss": losses[0],
                      "wall_clock_s": clock[-1], "steady_iteration_ms": m.iteration_time_s * 1e3,
-                     "stashed_weight_bytes": max(m.get("stashed_weight_bytes", [0.0])),
+                     "stashed_weight_bytes": max(m.stashed_weight_bytes or [0.0]),
                      "peak_memory_bytes_predicted": max(plan.predicted["peak_memory_bytes"]),
                      "losses": losses, "clock_s": clock})
         progress.step(label)

@@ -328,7 +328,7 @@ class RunSummary(_Record):
 
 
 def finish_job(rank: int, world_size: int, plan: Plan, options: RunOptions, step_times: Sequence[float],
-               step_losses: Sequence[float], check_stats: tuple[float, int, int], reference, records: Sequence,
+               step_losses: Sequence[float], check_stats: Sequence[float], reference, records: Sequence,
                backend: str, baseline: str | None = None, starts: Sequence[float] | None = None,
                control=None) -> RunResult | None:
     """Combine every rank's figures on rank 0 into its :class:`RunResult` (collective: every rank calls it).
@@ -338,7 +338,8 @@ def finish_job(rank: int, world_size: int, plan: Plan, options: RunOptions, step
     processes, so rank 0 shifts every rank's records to the earliest start:
     the measured timeline is then causally exact (a consumer's F never
     starts before its producer's F ended). Across hosts each rank's barrier
-    exit stays its zero. ``reference``: graphpipe's
+    exit stays its zero. ``check_stats``: this rank's ``(max |a - b|,
+    mismatches, parameters counted[, buffers counted])``. ``reference``: graphpipe's
     :class:`~graphpipe.runtime.reference.Reference`, or the torch baseline's
     ``(loss, gradients)`` of step 0 (``None`` on ranks that computed none).
     """
