@@ -56,7 +56,7 @@ def run(model: str = "transformer:small", batch_size: int = 32, micro_batch_size
     from graphpipe import zoo
     from graphpipe.cluster import preset
     from graphpipe.runtime.api import Pipeline
-    from graphpipe.runtime.jobs import autocast
+    from graphpipe.runtime.runnable import autocast
     from graphpipe.search.common import SearchOptions
     from graphpipe.search.planner import make_plan
 
@@ -151,7 +151,7 @@ def _torch_one_stage(built, device, num_mbs: int, precision: str, batch_size: in
     from torch.distributed import pipelining as pp
 
     from graphpipe import zoo
-    from graphpipe.runtime.jobs import autocast
+    from graphpipe.runtime.runnable import autocast
 
     module = zoo.build(built.name, seed=0).module.to(device)
     module.load_state_dict(built.module.state_dict())
@@ -205,10 +205,10 @@ def vs_torch(ranks: int = 2, rounds: int = 5, steps: int = 8, batch_size: int = 
     for i, name in enumerate(schedules):
         mine = results[2 * i::2 * len(schedules)]
         theirs = results[2 * i + 1::2 * len(schedules)]
-        ours = [r["measured"]["iteration_time_s"] for r in mine]
-        torch_s = [r["measured"]["iteration_time_s"] for r in theirs]
+        ours = [r.measured.iteration_time_s for r in mine]
+        torch_s = [r.measured.iteration_time_s for r in theirs]
         rows.append({"model": GPT, "ranks": ranks, "batch_size": batch_size, "micro_batch_size": batch_size // 8,
-                     "schedule": name, "torch_runs": theirs[0]["baseline"], "cpus_per_rank": pin, "rounds": rounds,
+                     "schedule": name, "torch_runs": theirs[0].baseline, "cpus_per_rank": pin, "rounds": rounds,
                      "steps": steps, "ours_iteration_s": ours, "torch_iteration_s": torch_s,
                      "ours_median_ms": statistics.median(ours) * 1e3, "torch_median_ms": statistics.median(torch_s) * 1e3,
                      "throughput_ratio": statistics.median(t / o for o, t in zip(ours, torch_s))})

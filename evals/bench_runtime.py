@@ -448,8 +448,8 @@ def main(argv: list[str] | None = None) -> int:
     step_times: dict[str, list[float]] = {n: [] for n in names}
     per_round: dict[str, list[float]] = {n: [] for n in names}
     for (name, plan, _), result in zip(jobs, raw):
-        step_times[name].extend(result["measured"]["step_times_s"])
-        per_round[name].append(result["measured"]["iteration_time_s"])
+        step_times[name].extend(result.measured.step_times_s)
+        per_round[name].append(result.measured.iteration_time_s)
 
     def paired(a: str, b: str) -> float:
         """Median over rounds of the throughput ratio a/b, each round's two jobs run back to back.
@@ -499,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": time.perf_counter() - started,
     }
     config = {"ranks": args.ranks, "batch_size": args.batch_size, "steps": steps, "rounds": rounds, "uno": uno, "gpt": gpt,
-              "threads_per_rank": 1, "cpus_per_rank": pin, "rank_cpus": raw[0].get("rank_cpus"), "backend": "gloo",
+              "threads_per_rank": 1, "cpus_per_rank": pin, "rank_cpus": raw[0].rank_cpus, "backend": "gloo",
               "link": link, "cluster": cpu_cluster_doc(link, args.ranks),
               "profile_batch_sizes": sizes, "cpu_share": shares, "load_average": os.getloadavg(), "cpu_count": os.cpu_count(),
               "command": "python -m graphpipe.evals.bench_runtime" + (" --quick" if args.quick else "")

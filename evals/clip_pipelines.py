@@ -98,7 +98,7 @@ def measure_cpu(ranks: int = 4, batch_size: int = 16, steps: int = 6, reps: int 
                                                    baseline="torch" if n == "torch" else None)) for n in names],
                             ranks)
         for n, res in zip(names, results):
-            runs[n].append(res["measured"]["iteration_time_s"])
+            runs[n].append(res.measured.iteration_time_s)
     rows = []
     for n in names:
         plan = plans[n]

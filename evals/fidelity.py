@@ -55,11 +55,11 @@ def measure(model: str, strategy: str, schedule: str | None, devices: int, batch
     plan = br.plan_for(model, raw, cluster, batch_size, strategy, schedule)
     predicted_s, slowdown, concurrency = br.predict_calibrated(plan, raw, _share(devices, model, quick, pin))
     result = run_plan(plan, RunOptions(steps=steps, warmup_steps=1, cpus_per_rank=pin))
-    measured_s = result["measured"]["iteration_time_s"]
+    measured_s = result.measured.iteration_time_s
     from graphpipe.runtime.measure import memory_error
 
     used = plan.stage_graph.devices_used()
-    mem_measured = [result["measured"]["peak_activation_bytes"][d] for d in used]
+    mem_measured = [result.measured.peak_activation_bytes[d] for d in used]
     mem_predicted = [plan.predicted["peak_activation_bytes"][d] for d in used]
     return {
         "devices": devices,
@@ -75,5 +75,5 @@ def measure(model: str, strategy: str, schedule: str | None, devices: int, batch
         "cpu_slowdown": slowdown,
         "cpus_per_rank": pin,
         "mean_busy_ranks": concurrency,
-        "measured_throughput": result["measured"]["throughput"],
+        "measured_throughput": result.measured.throughput,
     }

@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from graphpipe.runtime.results import RunResult
 
 __all__ = ["matrix_plans", "memory_rows", "summary", "config", "run", "main"]
 
@@ -76,7 +79,7 @@ def _short(spec: str) -> str:
     return spec.rsplit("/", 1)[-1] if ".py:" in spec else spec
 
 
-def memory_rows(plans: dict[str, Any], results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def memory_rows(plans: dict[str, Any], results: list[RunResult]) -> list[dict[str, Any]]:
     """One row per run: check, per-device measured / predicted activation bytes, worst memory and time errors.
 
     ``time_error`` compares the measured iteration with the plan's simulation on the ``v100`` preset it was
@@ -85,13 +88,13 @@ def memory_rows(plans: dict[str, Any], results: list[dict[str, Any]]) -> list[di
     rows = []
     for (name, plan), result in zip(plans.items(), results):
         used = plan.stage_graph.devices_used()
-        measured = result["measured"]["peak_activation_bytes"]
+        measured = result.measured.peak_activation_bytes
         predicted = plan.predicted["peak_activation_bytes"]
         errors = [abs(measured[d] - predicted[d]) / predicted[d] for d in used if predicted[d] > 0]
-        t_pred, t_meas = plan.predicted["iteration_time_s"], result["measured"]["iteration_time_s"]
+        t_pred, t_meas = plan.predicted["iteration_time_s"], result.measured.iteration_time_s
         model, strategy, schedule, recompute = name.split("/")
         rows.append({"run": name, "model": model, "strategy": strategy, "schedule": schedule, "recompute": recompute,
-                     "check": bool(result["check"]["passed"]),
+                     "check": bool(result.check.passed),
                      "measured_bytes": [measured[d] for d in used], "predicted_bytes": [predicted[d] for d in used],
                      "peak_measured_bytes": max(measured[d] for d in used),
                      "peak_predicted_bytes": max(predicted[d] for d in used),

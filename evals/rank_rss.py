@@ -61,8 +61,8 @@ def run(spec: str = SPEC, ranks: int = 4, batch: int = 4, steps: int = 2, memory
         pass
     plan = _plan(spec, ranks, batch, memory_gb)
     options = RunOptions(steps=steps, warmup_steps=1, timeout_s=1200, num_threads=1)
-    tiny = run_plan(_plan(TINY, ranks, batch, None), options)["measured"]["peak_rss_bytes"]
-    measured = run_plan(plan, options)["measured"]["peak_rss_bytes"]
+    tiny = run_plan(_plan(TINY, ranks, batch, None), options).measured.peak_rss_bytes
+    measured = run_plan(plan, options).measured.peak_rss_bytes
     base = statistics.median(tiny)
     sg = plan.stage_graph
     rows = []

@@ -80,12 +80,12 @@ def run_async_throughput(config: dict[str, Any], progress) -> tuple[list, dict]:
     results = run_plans(jobs)
     flush_of = {}
     for (model, name), raw in zip(keys, results):
-        m = raw["measured"]
-        flush_of.setdefault(model, m["throughput"])
+        m = raw.measured
+        flush_of.setdefault(model, m.throughput)
         rows.append({"source": "measured (4 CPU ranks)", "model": model, "devices": config["measured_devices"],
-                     "schedule": name, "throughput": m["throughput"], "x_1f1b": m["throughput"] / flush_of[model],
+                     "schedule": name, "throughput": m.throughput, "x_1f1b": m.throughput / flush_of[model],
                      "peak_memory_gb": None,
-                     "stashed_gb": max(m.get("stashed_weight_bytes", [0.0])) / 1e9, "replicated": None})
+                     "stashed_gb": max(m.stashed_weight_bytes or [0.0]) / 1e9, "replicated": None})
     progress.step("measured")
     sim = [r for r in rows if r["source"] == "simulated" and r["schedule"] == "1f1b-async"]
     return rows, {"min_async_over_flush_simulated": min(r["x_1f1b"] for r in sim),
@@ -128,19 +128,19 @@ def run_staleness(config: dict[str, Any], progress) -> tuple[list, dict]:
     results = run_plans(jobs)
     rows = []
     for (label, plan), raw in zip(labels, results):
-        m = raw["measured"]
-        if "stream_time_s" in m:
-            clock = _window_ends(raw["records"], plan.stage_graph.num_micro_batches(0), config["steps"])
+        m = raw.measured
+        if m.stream_time_s is not None:
+            clock = _window_ends(raw.records, plan.stage_graph.num_micro_batches(0), config["steps"])
         else:  # flushing: one step after another (the optimizer steps between them are not timed)
             clock, t = [], 0.0
-            for s in m["step_times_s"]:
+            for s in m.step_times_s:
                 t += s
                 clock.append(t)
-        losses = raw["losses"]
+        losses = raw.losses
         tail = max(1, len(losses) // 10)
         rows.append({"schedule": label, "final_loss": sum(losses[-tail:]) / tail, "first_loss": losses[0],
-                     "wall_clock_s": clock[-1], "steady_iteration_ms": m["iteration_time_s"] * 1e3,
-                     "stashed_weight_bytes": max(m.get("stashed_weight_bytes", [0.0])),
+                     "wall_clock_s": clock[-1], "steady_iteration_ms": m.iteration_time_s * 1e3,
+                     "stashed_weight_bytes": max(m.stashed_weight_bytes or [0.0]),
                      "peak_memory_bytes_predicted": max(plan.predicted["peak_memory_bytes"]),
                      "losses": losses, "clock_s": clock})
         progress.step(label)

@@ -109,7 +109,6 @@ __all__ = [
     "group_nodes",
     "split_by_ops",
     "load_factory",
-    "graph_from_factory",
     "captured_from_factory",
     "is_weight_copy",
 ]
@@ -930,23 +929,6 @@ def load_factory(spec: str) -> Factory:
     if len(result) == 4 and not any(isinstance(x, torch.Tensor) for x in tree_leaves(target)):
         raise InputError(f"{spec}: the fourth item (example_target) must be a tensor or a tuple/dict of tensors")
     return Factory(net, inputs if not isinstance(inputs, torch.Tensor) else (inputs,), loss_fn, target)
-
-
-def graph_from_factory(spec: str, device: DeviceSpec | None = None, granularity: Granularity | None = None,
-                       precision: str = "fp32") -> OpGraph:
-    """The op graph of a ``file.py:factory`` spec's module (see :func:`load_factory`).
-
-    What :func:`captured_from_factory` gives, with each stack of identical
-    blocks captured once (:func:`graphpipe.capture_repeats.capture_graph`):
-    planning needs the graph only, not the runnable module.
-    """
-    from graphpipe.capture_repeats import capture_graph
-
-    made = load_factory(spec)
-    name = os.path.splitext(os.path.basename(spec.rpartition(":")[0]))[0]
-    return capture_graph(made.module, made.example_inputs, name=name, device=device,
-                         user_file=spec.rpartition(":")[0], loss_fn=made.loss_fn, example_target=made.example_target,
-                         granularity=granularity, precision=precision)
 
 
 def captured_from_factory(spec: str, device: DeviceSpec | None = None, granularity: Granularity | None = None,

@@ -34,16 +34,22 @@ The runtime still captures the whole module: it needs the runnable graph.
 from __future__ import annotations
 
 import logging
+import os
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import torch.nn as nn
 
 from graphpipe.graph import OpGraph
 
-__all__ = ["KEPT", "block_signature", "same_blocks", "repeated_stacks", "unroll", "unrolled_capture", "capture_graph"]
+if TYPE_CHECKING:
+    from graphpipe.capture import Granularity
+    from graphpipe.cluster import DeviceSpec
+
+__all__ = ["KEPT", "block_signature", "same_blocks", "repeated_stacks", "unroll", "unrolled_capture", "capture_graph",
+           "graph_from_factory"]
 
 log = logging.getLogger(__name__)
 
@@ -289,3 +295,20 @@ def capture_graph(module: nn.Module, example_inputs: Any, **kwargs: Any) -> OpGr
 
     graph = unrolled_capture(module, example_inputs, **kwargs)
     return graph if graph is not None else capture(module, example_inputs, **kwargs).graph
+
+
+def graph_from_factory(spec: str, device: DeviceSpec | None = None, granularity: Granularity | None = None,
+                       precision: str = "fp32") -> OpGraph:
+    """The op graph of a ``file.py:factory`` spec's module (see :func:`graphpipe.capture.load_factory`).
+
+    What :func:`graphpipe.capture.captured_from_factory` gives, with each stack of identical
+    blocks captured once (:func:`capture_graph`):
+    planning needs the graph only, not the runnable module.
+    """
+    from graphpipe.capture import load_factory
+
+    made = load_factory(spec)
+    name = os.path.splitext(os.path.basename(spec.rpartition(":")[0]))[0]
+    return capture_graph(made.module, made.example_inputs, name=name, device=device,
+                         user_file=spec.rpartition(":")[0], loss_fn=made.loss_fn, example_target=made.example_target,
+                         granularity=granularity, precision=precision)

@@ -57,7 +57,8 @@ def load_model(spec: str, device: DeviceSpec | None = None, pipedream_batch_size
     at ``granularity`` (:meth:`graphpipe.capture.Granularity.parse`).
     """
     if ".py:" in spec:
-        from graphpipe.capture import Granularity, graph_from_factory
+        from graphpipe.capture import Granularity
+        from graphpipe.capture_repeats import graph_from_factory
 
         path, factory = spec.rsplit(":", 1)
         from graphpipe.progress import slow_notice

@@ -17,7 +17,7 @@ from graphpipe.cluster import preset
 from graphpipe.plan import Plan
 from graphpipe.runtime import RunOptions, run_plans
 from graphpipe.runtime.async_run import replay_reference, stream_inputs
-from graphpipe.runtime.jobs import load_runnable
+from graphpipe.runtime.runnable import load_runnable
 from graphpipe.runtime.rng import ShardContext
 from graphpipe.sched import make_schedule
 from graphpipe.sched.async_pipe import async_spec_for, version_table, with_async
@@ -98,12 +98,12 @@ def test_every_small_zoo_models_pipedream_plan_matches_the_replay_on_2_and_4_ran
     results = run_plans(jobs, world_size=4)
     assert any(st.round_robin and st.num_replicas > 1 for *_, plan in labels for st in plan.stage_graph.stages)
     for (model, n, name, kw, plan), raw in zip(labels, results[:-1]):
-        check = raw["check"]
-        assert check["passed"] and check["num_params_checked"] == check["num_params"] > 0, (model, n, name, kw, check)
+        check = raw.check
+        assert check.passed and check.num_params_checked == check.num_params > 0, (model, n, name, kw, check)
         # stashed weights are tensors: measured bytes equal the version schedule's count x the plan's weight bytes
-        measured = raw["measured"]
-        assert measured["stashed_weight_bytes"] == measured["stashed_weight_bytes_predicted"], (model, n, name)
+        measured = raw.measured
+        assert measured.stashed_weight_bytes == measured.stashed_weight_bytes_predicted, (model, n, name)
         if name == "2bw":
-            assert max(max(v) for v in raw["async"]["stashed_versions"]) <= 1
-    assert not results[-1]["check"]["passed"]  # backward on the latest weights: not the replayed training
-    assert results[-1]["measured"]["stashed_weight_bytes"] == [0.0] * 4
+            assert max(max(v) for v in raw.async_run.stashed_versions) <= 1
+    assert not results[-1].check.passed  # backward on the latest weights: not the replayed training
+    assert results[-1].measured.stashed_weight_bytes == (0.0,) * 4

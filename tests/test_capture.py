@@ -18,7 +18,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from graphpipe import zoo
-from graphpipe.capture import capture, graph_from_factory, load_factory, split_by_ops
+from graphpipe.capture import capture, load_factory, split_by_ops
+from graphpipe.capture_repeats import graph_from_factory
 from graphpipe.errors import InputError
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -4,7 +4,7 @@ import os
 
 import torch
 
-from graphpipe.runtime.jobs import build_runnable
+from graphpipe.runtime.runnable import build_runnable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODELS = os.path.join(HERE, "target_models.py")

@@ -32,10 +32,10 @@ def test_compiled_stages_train_like_one_eager_process(one_rank_group):
     groups = (["branch0.layer0", "branch0.layer1"], ["branch1.layer0", "branch1.layer1"], ["concat", "head"])
     plan = _plan("mmt:small", groups, [(0,)] * 3, [4, 4, 4], 8, 1, "gpipe", shared=True)
     result = run_job(0, 1, plan, RunOptions(steps=2, check=True, compile=True), torch.device("cpu"), "gloo")
-    check = result["check"]
-    assert check["passed"], check
-    assert check["num_params_checked"] == check["num_params"] > 0
-    assert len(result["losses"]) == 2 and result["losses"][1] != result["losses"][0]
+    check = result.check
+    assert check.passed, check
+    assert check.num_params_checked == check.num_params > 0
+    assert len(result.losses) == 2 and result.losses[1] != result.losses[0]
     assert counters["aot_autograd"]["total"] - before >= 3  # one joint forward/backward graph per stage
 
 

@@ -105,9 +105,9 @@ def test_real_models_run_check_for_gpp_pipedream_and_gpipe():
     results = run_plans([(plans[n], RunOptions(steps=2, warmup_steps=1, check=True, timeout_s=180)) for n in names], 4)
     failures = {}
     for name, result in zip(names, results):
-        check = result["check"]
-        if not (check["passed"] and check["num_params_checked"] == check["num_params"] > 0
-                and check["num_buffers_checked"] == check["num_buffers"]):
+        check = result.check
+        if not (check.passed and check.num_params_checked == check.num_params > 0
+                and check.num_buffers_checked == check.num_buffers):
             failures[name] = check
     assert not failures, failures
     for model in {n.split("/")[0] for n in names}:  # every model really ran pipelined in some plan

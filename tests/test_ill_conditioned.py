@@ -100,7 +100,8 @@ def test_pieces_of_a_cut_op_are_never_left_and_reentered_on_random_graphs():
 @pytest.mark.parametrize("spec", [ILL, REENTRANT])
 def test_the_reference_of_a_plan_with_one_shard_size_is_plain_gradient_accumulation(spec):
     from graphpipe.capture import load_factory
-    from graphpipe.runtime.jobs import data_seed, load_runnable, reference_run, uniform_rows
+    from graphpipe.runtime.reference import reference_run, uniform_rows
+    from graphpipe.runtime.runnable import data_seed, load_runnable
 
     rows = 2
     ref = load_runnable(spec, 0, "cpu")
@@ -143,13 +144,13 @@ def test_check_is_exact_on_ill_conditioned_plans_and_still_fails_a_wrong_gradien
     jobs = [(ill, RunOptions(**fixed)), (reentrant, RunOptions(**fixed)),
             (ill, RunOptions(**fixed, fault=FaultInjection(1, "grad"))),
             (reentrant, RunOptions(**{**fixed, "check_tolerance": "fp64"}, fault=FaultInjection(0, "grad")))]
-    ok_ill, ok_reentrant, bad_ill, bad_reentrant = (r["check"] for r in run_plans(jobs, 2))
+    ok_ill, ok_reentrant, bad_ill, bad_reentrant = (r.check for r in run_plans(jobs, 2))
     for check in (ok_ill, ok_reentrant):
-        assert check["passed"] and check["num_params_checked"] == check["num_params"] > 0, check
-        assert "fp64_spread" not in check  # the fixed tolerance runs no float64 reference
+        assert check.passed and check.num_params_checked == check.num_params > 0, check
+        assert check.fp64_spread is None  # the fixed tolerance runs no float64 reference
     for check in (bad_ill, bad_reentrant):
-        assert not check["passed"] and check["num_mismatches"] > 0, check
-    assert "fp64_spread" in bad_reentrant
+        assert not check.passed and check.num_mismatches > 0, check
+    assert bad_reentrant.fp64_spread is not None
 
 
 def test_the_whole_batch_reference_runs_each_row_kernel_on_its_stages_rows():
@@ -181,3 +182,29 @@ def test_the_whole_batch_reference_runs_each_row_kernel_on_its_stages_rows():
     out, projected = gm(x, tokens)
     assert torch.equal(out, torch.cat(pieces))
     assert torch.equal(projected, torch.nn.functional.linear(tokens, net.fc.weight[:, :4]))
+
+
+def test_a_stack_of_reentrant_blocks_captured_once_equals_the_whole_capture():
+    """Planning captures a stack of identical blocks once and unrolls it (graphpipe.capture_repeats): the pieces
+    ``blocks.k`` and ``blocks.k[1]`` of every block come out as the whole capture makes them."""
+    from model_classes import SEBlock
+
+    from graphpipe.capture import capture
+    from graphpipe.capture_repeats import unrolled_capture
+
+    class Deep(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem = torch.nn.Conv2d(3, 4, 3, padding=1)
+            self.blocks = torch.nn.Sequential(*[SEBlock(4) for _ in range(9)])
+            self.head = torch.nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.head(self.blocks(self.stem(x)).mean((2, 3)))
+
+    torch.manual_seed(0)
+    model, x = Deep(), torch.randn(BATCH, 3, 4, 4)
+    unrolled = unrolled_capture(model, (x,), name="deep", loss_fn=lambda out: out.pow(2).mean())
+    whole = capture(model, (x,), name="deep", loss_fn=lambda out: out.pow(2).mean()).graph
+    assert unrolled is not None and unrolled == whole
+    assert {f"blocks.{k}[1]" for k in range(9)} <= {op.name for op in whole.ops}

@@ -54,7 +54,7 @@ def chain_plan(spec: str, groups, devices, mbs, schedule: str = "1f1b", recomput
 
 def rank_setup(plan: Plan):
     """What a rank builds before its first step, short of process groups: split, boundary values, routing."""
-    from graphpipe.runtime.jobs import load_runnable
+    from graphpipe.runtime.runnable import load_runnable
     from graphpipe.runtime.routing import Routing
     from graphpipe.runtime.stage_modules import boundary_meta, check_unbatched_edges, split_model
 
@@ -110,7 +110,7 @@ def test_a_row_dependent_scalar_crosses_only_between_matching_shards():
 # ------------------------------------------------------------------ frozen parameters
 def test_frozen_parameters_get_no_gradient_buffer_and_are_not_compared():
     from graphpipe.errors import PlanError
-    from graphpipe.runtime.jobs import compare_gradients
+    from graphpipe.runtime.reference import compare_gradients
     from graphpipe.runtime.options import RunOptions
 
     frozen = torch.nn.Parameter(torch.ones(3), requires_grad=False)
@@ -151,14 +151,14 @@ def test_model_classes_match_single_process_for_two_steps():
                                                   **plans[n][1])) for n in names], 4)
     failures = {}
     for name, result in zip(names, results):
-        check = result["check"]
-        if not (check["passed"] and check["num_params_checked"] == check["num_params"] > 0):
+        check = result.check
+        if not (check.passed and check.num_params_checked == check.num_params > 0):
             failures[name] = check
     assert not failures, failures
     by_name = dict(zip(names, results))
     trainable = sum(p.requires_grad for p in __import__("model_classes").frozen()[0].parameters())
-    assert by_name["frozen/replicated"]["check"]["num_params"] == trainable < 21  # frozen ones left out
-    assert by_name["chain-target/torch"]["baseline"].startswith("torch.distributed.pipelining")
+    assert by_name["frozen/replicated"].check.num_params == trainable < 21  # frozen ones left out
+    assert by_name["chain-target/torch"].baseline.startswith("torch.distributed.pipelining")
 
 
 # ------------------------------------------------------------------ capture
@@ -359,7 +359,7 @@ def test_check_tolerance_grows_with_the_references_own_rounding_but_still_catche
     """Oracle: the reference run twice, fp32 and float64. A pipelined gradient as far from the reference as fp32
     rounding moves it passes; the same gradient fails the fixed fp32 tolerance; half a gradient (a lost
     micro-batch) fails even the widened one. A well-conditioned model's spread stays at rounding level."""
-    from graphpipe.runtime.jobs import compare_gradients, reference_run
+    from graphpipe.runtime.reference import compare_gradients, reference_run
     from graphpipe.runtime.options import RunOptions
 
     ill = reference_run(ILL, 0, BATCH, {}, 2, 0.01, with_spread=True)
@@ -386,7 +386,7 @@ def test_check_tolerance_grows_with_the_references_own_rounding_but_still_catche
 
 
 def test_float64_graph_widens_the_dtypes_the_export_spelled_out():
-    from graphpipe.runtime.jobs import load_runnable
+    from graphpipe.runtime.runnable import load_runnable
     from graphpipe.runtime.numerics import float64_graph
 
     runnable = load_runnable(POS)

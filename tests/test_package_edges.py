@@ -123,5 +123,7 @@ def test_the_wheel_lists_every_package_folder_and_one_top_level_name():
 
 @pytest.mark.parametrize("module", ["graphpipe.runtime.worker", "graphpipe.runtime.baseline"])
 def test_the_executor_and_the_torch_baseline_share_the_job_helpers(module):
+    """Both build the model, check it and assemble their result with the same code, so they compare."""
     graph = import_graph()
-    assert graph.has_edge(module, "graphpipe.runtime.jobs")
+    for shared in ("graphpipe.runtime.runnable", "graphpipe.runtime.reference", "graphpipe.runtime.results"):
+        assert graph.has_edge(module, shared), (module, shared)

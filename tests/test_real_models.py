@@ -113,7 +113,7 @@ def test_deferred_batchnorm_running_stats_equal_full_batch_ones():
 
 
 def test_split_keeps_tied_copies_apart_and_names_them():
-    from graphpipe.runtime.jobs import load_runnable
+    from graphpipe.runtime.runnable import load_runnable
     from graphpipe.runtime.stage_modules import split_model
 
     plan = hand_built(TIED, (["embed", "block0"], ["add", "block1", "add_1"], ["block2", "head"]),
@@ -130,7 +130,7 @@ def test_split_keeps_tied_copies_apart_and_names_them():
 
 
 def test_a_layer_called_from_two_stages_gets_a_private_copy_in_the_second():
-    from graphpipe.runtime.jobs import load_runnable
+    from graphpipe.runtime.runnable import load_runnable
     from graphpipe.runtime.stage_modules import split_model
 
     plan = hand_built(SHARED, (["inp", "shared"], ["shared_1", "out"]), [(0,), (1,)], [2, 2], 2, "gpipe")
@@ -146,7 +146,7 @@ def test_a_layer_called_from_two_stages_gets_a_private_copy_in_the_second():
 
 
 def test_global_generator_draws_are_seeded_per_shard_and_replayed_by_the_reference():
-    from graphpipe.runtime.jobs import load_runnable
+    from graphpipe.runtime.runnable import load_runnable
     from graphpipe.runtime.rng import ReferenceContext, ShardContext
 
     runnable = load_runnable(NOISY)
@@ -164,7 +164,7 @@ def test_global_generator_draws_are_seeded_per_shard_and_replayed_by_the_referen
 
 
 def test_unseeded_random_op_is_named():
-    from graphpipe.runtime.jobs import load_runnable
+    from graphpipe.runtime.runnable import load_runnable
     from graphpipe.runtime.rng import ShardContext, find_unseeded_random
 
     runnable = load_runnable(OWN_RNG)
@@ -202,7 +202,7 @@ def test_batchnorm_mode_round_trips_through_the_plan_file(tmp_path):
 def test_every_strategy_plans_the_tied_model_into_something_the_runtime_runs():
     """Planner and runtime agree: a split tie is synchronised, never refused (all strategies, with replication)."""
     from graphpipe.runtime import RunOptions, preflight
-    from graphpipe.runtime.jobs import load_runnable
+    from graphpipe.runtime.runnable import load_runnable
     from graphpipe.runtime.stage_modules import split_model
 
     for strategy in ALL_STRATEGIES:
@@ -220,7 +220,7 @@ def test_stage_module_under_checkpoint_replays_masks_and_records_batchnorm_once(
     from torch.utils.checkpoint import checkpoint
 
     from graphpipe.runtime.batchnorm import sharded_batchnorms
-    from graphpipe.runtime.jobs import load_runnable
+    from graphpipe.runtime.runnable import load_runnable
     from graphpipe.runtime.rng import ShardContext
     from graphpipe.runtime.stage_modules import split_model
 
@@ -315,20 +315,20 @@ def _run_real_model_plans():
     *results, own_result = run_plans([(plans[n], RunOptions(steps=3, warmup_steps=1, check=True, timeout_s=120))
                                       for n in names] + [(own, RunOptions(steps=1, check=True))], 4)
     # a custom op with a generator of its own: named, and --check cannot be exact for it
-    assert list(own_result["check"]["unseeded_ops"]) == ["randn"]
+    assert list(own_result.check.unseeded_ops) == ["randn"]
     failures = {}
     for name, result in zip(names, results):
-        check = result["check"]
-        if not (check["passed"] and check["steps_checked"] == 3 and check["num_params_checked"] == check["num_params"] > 0
-                and check["num_buffers_checked"] == check["num_buffers"]):
+        check = result.check
+        if not (check.passed and check.steps_checked == 3 and check.num_params_checked == check.num_params > 0
+                and check.num_buffers_checked == check.num_buffers):
             failures[name] = check
-        assert "full_batch" in check and "unseeded_ops" not in check, name
+        assert check.full_batch is not None and check.unseeded_ops is None, name
     assert not failures, failures
     by_name = dict(zip(names, results))
-    assert by_name["branchy/gpp"]["check"]["num_buffers"] == 9  # three BatchNorms: mean, var, count
-    assert by_name["branchy/replicated/sync"]["check"]["batchnorm"] == "sync"
+    assert by_name["branchy/gpp"].check.num_buffers == 9  # three BatchNorms: mean, var, count
+    assert by_name["branchy/replicated/sync"].check.batchnorm == "sync"
     # micro-batched BatchNorm is not full-batch BatchNorm: reported, and not zero
-    assert by_name["branchy/gpp"]["check"]["full_batch"]["loss_abs_diff"] > 0
+    assert by_name["branchy/gpp"].check.full_batch.loss_abs_diff > 0
     for name in names:  # the plans really were micro-batched (and replicated where named)
         sg = plans[name].stage_graph
         assert all(s.micro_batch_size < BATCH for s in sg.stages), name

@@ -29,8 +29,8 @@ def test_recompute_check_and_measured_activation_memory():
     assert all(s.recompute for name, p in plans.items() if name.endswith("/all") for s in p.stage_graph.stages)
     results = run_plans([(p, RunOptions(steps=2, warmup_steps=1, check=True, timeout_s=120)) for p in plans.values()], 3)
     for result in results:
-        check = result["check"]
-        assert check["passed"] and check["num_params_checked"] == check["num_params"] > 0, check
+        check = result.check
+        assert check.passed and check.num_params_checked == check.num_params > 0, check
     rows = {r["run"]: r for r in memory_rows(plans, results)}
     for name, row in rows.items():
         assert row["memory_error"] <= 0.10, (name, row)
@@ -49,7 +49,7 @@ def test_data_parallel_stages_rematerialize_in_segments_and_measure_lower():
         assert plan.stage_graph.num_stages == 1 and max(plan.predicted["in_flight"]) == 1, name
         assert bool(plan.stage_graph.stages[0].checkpoints) == name.endswith("/all"), name
     results = run_plans([(p, RunOptions(steps=2, warmup_steps=1, check=True, timeout_s=120)) for p in plans.values()], 4)
-    assert all(r["check"]["passed"] for r in results)
+    assert all(r.check.passed for r in results)
     rows = {r["run"]: r for r in memory_rows(plans, results)}
     for name, row in rows.items():
         assert row["memory_error"] <= 0.10, (name, row)
@@ -67,11 +67,11 @@ def test_cuda_rank_measures_the_activations_the_model_predicts():
     plans = matrix_plans(("mmt:small",), ("gpipe",), ("gpipe",), 1)
     results = run_plans([(p, RunOptions(steps=2, warmup_steps=1, check=True, timeout_s=120)) for p in plans.values()],
                         1)
-    assert all(r["backend"] == "nccl" and r["check"]["passed"] for r in results)
+    assert all(r.backend == "nccl" and r.check.passed for r in results)
     rows = {r["run"]: r for r in memory_rows(plans, results)}
     for name, row in rows.items():
         assert row["memory_error"] <= 0.02, (name, row)
     for result in results:  # the allocator's peak holds at least the activations it was asked for
-        cuda_peak = result["measured"]["cuda_max_memory_allocated_bytes"][0]
-        assert cuda_peak >= result["measured"]["peak_activation_bytes"][0] > 0
+        cuda_peak = result.measured.cuda_max_memory_allocated_bytes[0]
+        assert cuda_peak >= result.measured.peak_activation_bytes[0] > 0
     assert rows["mmt:small/gpipe/gpipe/all"]["peak_measured_bytes"] < rows["mmt:small/gpipe/gpipe/none"]["peak_measured_bytes"]

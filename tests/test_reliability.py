@@ -308,7 +308,7 @@ def test_warmup_is_refused_not_clamped(plan_file, argv, fragment):
 
 
 def test_run_options_refuse_a_negative_warmup():
-    from graphpipe.runtime.jobs import RunOptions
+    from graphpipe.runtime.options import RunOptions
 
     with pytest.raises(InputError, match="--warmup"):
         RunOptions(steps=3, warmup_steps=-1)

@@ -85,9 +85,9 @@ def run_checked(plans: dict, names: list[str], ranks: int = 4) -> list[dict]:
     single-process training with all its parameters checked. Returns the results in ``names`` order."""
     results = run_plans([(plans[n], RunOptions(steps=2, warmup_steps=1, check=True, timeout_s=120)) for n in names],
                         ranks)
-    failures = {name: result["check"] for name, result in zip(names, results)
-                if not (result["check"]["passed"]
-                        and result["check"]["num_params_checked"] == result["check"]["num_params"] > 0)}
+    failures = {name: result.check for name, result in zip(names, results)
+                if not (result.check.passed
+                        and result.check.num_params_checked == result.check.num_params > 0)}
     assert not failures, failures
     return results
 
@@ -97,14 +97,14 @@ def test_every_model_strategy_and_schedule_matches_single_process():
     names = sorted(plans)
     results = run_checked(plans, names)
     for name, result in zip(names, results):
-        assert result["records"], name
-        kinds = {r["kind"] for r in result["records"]}
+        assert result.records, name
+        kinds = {r["kind"] for r in result.records}
         assert {"F", "B"} <= kinds, name
     # the data-parallel stages all-reduced their gradients
     replicated = results[names.index("mmt/replicated")]
-    assert any(r["kind"] == "AR" for r in replicated["records"])
+    assert any(r["kind"] == "AR" for r in replicated.records)
     for name in ("mmt/replicated", "twobranch/fan-out", "transformer/interleaved", "dlrm:small/pipedream/4dev/1f1b"):
-        check_measured_timeline(plans[name], results[names.index(name)]["records"])
+        check_measured_timeline(plans[name], results[names.index(name)].records)
 
 
 def check_measured_timeline(plan, records):
@@ -202,18 +202,18 @@ def test_torch_baseline_matches_our_runtime_on_a_sequential_plan():
     ours, theirs, unmeasured = run_plans([(plan, RunOptions(steps=3, check=True, cpus_per_rank=pin)),
                                           (plan, RunOptions(steps=3, check=True, baseline="torch", cpus_per_rank=pin)),
                                           (plan, RunOptions(steps=3, check=True, cpus_per_rank=pin, measure=False))], 2)
-    assert ours["check"]["passed"] and theirs["check"]["passed"], (ours["check"], theirs["check"])
+    assert ours.check.passed and theirs.check.passed, (ours.check, theirs.check)
     # --no-measure (the API's path: no per-action synchronisation, no saved-tensor meter) computes the same steps
-    assert unmeasured["check"]["passed"] and unmeasured["losses"] == ours["losses"], unmeasured["check"]
-    assert "peak_activation_bytes" in ours["measured"] and "peak_activation_bytes" not in unmeasured["measured"]
+    assert unmeasured.check.passed and unmeasured.losses == ours.losses, unmeasured.check
+    assert ours.measured.peak_activation_bytes is not None and unmeasured.measured.peak_activation_bytes is None
     if pin:
         allowed = sorted(os.sched_getaffinity(0))
-        assert ours["rank_cpus"] == theirs["rank_cpus"] == [[allowed[0]], [allowed[1]]]
-    assert theirs["baseline"].endswith("Schedule1F1B")
+        assert ours.rank_cpus == theirs.rank_cpus == ((allowed[0],), (allowed[1],))
+    assert theirs.baseline.endswith("Schedule1F1B")
     import torch
 
     # Same model, data and SGD updates: the losses of every step agree.
-    torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(theirs["losses"]), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(ours.losses), torch.tensor(theirs.losses), rtol=1e-5, atol=1e-6)
 
 
 def test_torchrun_entry_point_runs_one_rank(tmp_path):
@@ -244,7 +244,7 @@ def test_nccl_run_matches_single_process_when_every_rank_has_a_gpu():
     plans = [planned("transformer:small", "pipedream", 2, "1f1b"), planned("mmt:small", "gpp", 2)]
     results = run_plans([(p, RunOptions(steps=2, check=True, backend="nccl")) for p in plans], 2)
     for result in results:
-        assert result["backend"] == "nccl" and result["check"]["passed"], result["check"]
+        assert result.backend == "nccl" and result.check.passed, result.check
 
 
 def test_torchrun_entry_point_refuses_pinning_beyond_the_hosts_cpus(tmp_path):

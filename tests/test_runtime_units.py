@@ -23,7 +23,8 @@ from graphpipe.runtime.baseline import torch_refusal
 from graphpipe.runtime.executor import flat_grad_buffer, zero_grads
 from graphpipe.runtime.routing import Routing, edge_pieces
 from graphpipe.runtime.stage_modules import check_op_names, split_model
-from graphpipe.runtime.jobs import RunOptions, load_runnable
+from graphpipe.runtime.options import RunOptions
+from graphpipe.runtime.runnable import load_runnable
 from graphpipe.sched import make_schedule
 from graphpipe.stages import Stage, StageGraph
 
@@ -288,10 +289,10 @@ def test_all_stages_on_one_rank_match_single_process(case, one_rank_group):
     spec, groups, mbs, schedule, sequential = ONE_RANK_CASES[case]
     plan = _plan(spec, groups, [(0,)] * len(groups), mbs, 8, 1, schedule, shared=True, sequential=sequential)
     result = run_job(0, 1, plan, RunOptions(steps=2, check=True), torch.device("cpu"), "gloo")
-    check = result["check"]
-    assert check["passed"], check
-    assert check["num_params_checked"] == check["num_params"] > 0
-    assert len(result["losses"]) == 2 and result["losses"][1] != result["losses"][0]  # the optimizer stepped
+    check = result.check
+    assert check.passed, check
+    assert check.num_params_checked == check.num_params > 0
+    assert len(result.losses) == 2 and result.losses[1] != result.losses[0]  # the optimizer stepped
 
 
 def test_flat_grad_buffer_holds_the_accumulated_gradients():
@@ -367,7 +368,7 @@ def test_gradients_rebind_into_the_same_buffer_after_the_optimizer_drops_them(on
     plan = _plan("transformer:small", (["embed", "layer0", "layer1", "layer2", "layer3", "head"],), [(0,)], [4], 8, 1,
                  "gpipe")
     runnable = load_runnable(plan.model, 0)
-    pipe = Pipeline._for_job(plan, runnable, rank=0, world_size=1, device=torch.device("cpu"), backend="gloo",
+    pipe = Pipeline.for_job(plan, runnable, rank=0, world_size=1, device=torch.device("cpu"), backend="gloo",
                              options=RunOptions(measure=False))
     params = list(pipe.parameters())
     inputs = runnable.make_inputs(8, 0)

@@ -161,9 +161,9 @@ def test_torchs_runtime_executes_our_csvs_equal_to_one_process(tmp_path):
         plans.append(plan_with_torch_csv(plan, path))
     results = run_plans([(p, RunOptions(steps=2, check=True, baseline="torch", timeout_s=120)) for p in plans], 4)
     for plan, result in zip(plans, results):
-        assert result["check"]["passed"], result["check"]
-        assert result["check"]["num_params_checked"] == result["check"]["num_params"] > 0
-        assert "CSV of torch-csv" in result["baseline"], result["baseline"]
+        assert result.check.passed, result.check
+        assert result.check.num_params_checked == result.check.num_params > 0
+        assert "CSV of torch-csv" in result.baseline, result.baseline
 
 
 # ------------------------------------------------------------------ torch's own files, written by torch's classes
@@ -286,6 +286,6 @@ def test_torchs_runtime_runs_torchs_own_files_as_written(tmp_path):
     assert [torch_file_rows(p)[1] for p in plans] == ["compute_comms", "compute_only", "compute_only"]
     results = run_plans([(p, RunOptions(steps=2, check=True, baseline="torch", timeout_s=120)) for p in plans], 4)
     for plan, result in zip(plans, results):
-        check = result["check"]
-        assert check["passed"] and check["num_params_checked"] == check["num_params"] > 0, check
-        assert "as written" in result["baseline"], result["baseline"]
+        check = result.check
+        assert check.passed and check.num_params_checked == check.num_params > 0, check
+        assert "as written" in result.baseline, result.baseline

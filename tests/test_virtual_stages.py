@@ -192,11 +192,11 @@ def test_interleaved_plans_train_as_one_process_in_both_runtimes():
             for baseline in (None, "torch")]
     results = run_plans(jobs, 2)
     for (plan, options), result in zip(jobs, results):
-        check = result["check"]
-        assert check["passed"] and check["num_params_checked"] == check["num_params"] > 0, (plan.schedule.name, check)
+        check = result.check
+        assert check.passed and check.num_params_checked == check.num_params > 0, (plan.schedule.name, check)
         if options.baseline:
             expected = "ScheduleInterleaved1F1B" if plan.schedule.name == "interleaved" else "CSV of interleaved-zb"
-            assert expected in result["baseline"], result["baseline"]
+            assert expected in result.baseline, result.baseline
 
     # PipeDream's groups of two replicas each (split micro-batches), on a model with two towers relayed
     # along the chain: graphpipe's runtime (torch's has no replicas)
@@ -204,7 +204,7 @@ def test_interleaved_plans_train_as_one_process_in_both_runtimes():
                     SearchOptions(micro_batch_size=4), schedule="interleaved", virtual_stages=2)
     assert [len(st.devices) for st in mmt.stage_graph.stages] == [2, 2, 2, 2]
     (result,) = run_plans([(mmt, RunOptions(steps=2, check=True, timeout_s=120))], 4)
-    assert result["check"]["passed"] and result["check"]["num_params_checked"] == result["check"]["num_params"] > 0
+    assert result.check.passed and result.check.num_params_checked == result.check.num_params > 0
 
 
 def test_a_v_layout_takes_a_smaller_micro_batch_when_the_strategys_is_too_large(tmp_path, capsys):
@@ -261,4 +261,4 @@ def test_a_factory_model_plans_interleaved_and_trains_as_one_process_in_torchs_r
     results = run_plans([(plan, RunOptions(steps=2, check=True, timeout_s=120, baseline=b)) for b in (None, "torch")],
                         2)
     for result in results:
-        assert result["check"]["passed"] and result["check"]["num_params_checked"] == result["check"]["num_params"] > 0
+        assert result.check.passed and result.check.num_params_checked == result.check.num_params > 0

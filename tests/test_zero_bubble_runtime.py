@@ -51,7 +51,7 @@ def test_zero_bubble_runs_match_single_process():
         assert {"I", "W"} <= kinds and ("B" in kinds) == name.endswith("dualpipev"), name
     results = run_checked(plans, names)
     for name, result in zip(names, results):
-        assert {"F", "I", "W"} <= {r["kind"] for r in result["records"]}, name  # the measured timeline shows I, W
-        check_measured_timeline(plans[name], result["records"])
+        assert {"F", "I", "W"} <= {r["kind"] for r in result.records}, name  # the measured timeline shows I, W
+        check_measured_timeline(plans[name], result.records)
     replicated = results[names.index("mmt/replicated/graph-zb")]
-    assert any(r["kind"] == "AR" for r in replicated["records"])
+    assert any(r["kind"] == "AR" for r in replicated.records)

@@ -19,9 +19,14 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from graphpipe.errors import InputError
 from graphpipe.runtime.flags import add_run_arguments
+
+if TYPE_CHECKING:
+    from graphpipe.runtime.results import RunDevices
 
 log = logging.getLogger(__name__)
 
@@ -87,16 +92,15 @@ def run(args) -> int:
         sys.stderr.write(f"graphpipe: error: {exc}\n")
         return 2 if exc.out_of_memory else 1
     log.info("all ranks finished")
-    summary["devices"] = _note_device(plan, options)  # after the run: beside the prediction error it explains
-    timeline = summary.pop("timeline", None)
-    _write_outputs(args, plan, timeline)
+    # after the run: beside the prediction error it explains
+    summary = replace(summary, devices=_note_device(plan, options))
+    _write_outputs(args, plan, summary.timeline)
     if args.json:
-        json.dump(summary, sys.stdout, indent=1)
+        json.dump(summary.to_dict(), sys.stdout, indent=1)
         sys.stdout.write("\n")
     else:
         sys.stdout.write(format_summary(summary))
-    check = summary.get("check")
-    return 1 if check is not None and not check["passed"] else 0
+    return 1 if summary.check is not None and not summary.check.passed else 0
 
 
 def _check_steps(args) -> None:
@@ -130,14 +134,16 @@ def _same_device(planned: str, actual: str) -> bool:
     return bool(key) and key[0] in actual.lower()
 
 
-def _note_device(plan, options) -> dict[str, str]:
+def _note_device(plan, options) -> RunDevices:
+    from graphpipe.runtime.results import RunDevices
+
     actual = run_device(options.backend, plan.cluster.num_devices)
     planned = plan.cluster.device.name
     if not _same_device(planned, actual):
         sys.stderr.write(f"graphpipe: note: the plan was made for {planned}; this run is on {actual}. The predicted "
                          "figures are for the planned device, so the prediction error below compares two devices "
                          "(plan for this host with a profile or a cluster file to compare like with like)\n")
-    return {"planned": planned, "run": actual}
+    return RunDevices(planned=planned, run=actual)
 
 
 def _write_outputs(args, plan, timeline) -> None:

@@ -22,8 +22,13 @@ Pieces:
 * :mod:`~graphpipe.runtime.api` is the training API, :class:`graphpipe.Pipeline`;
 * :mod:`~graphpipe.runtime.setup` sets a rank up (:func:`~graphpipe.runtime.setup.setup_rank`,
   shared by every path);
+* :mod:`~graphpipe.runtime.runnable` builds and captures the model a job
+  runs, with its loss and synthetic data;
 * :mod:`~graphpipe.runtime.worker` runs ``graphpipe run``'s jobs through the
-  API (synthetic data, SGD), checking gradients against a single-process run;
+  API (synthetic data, SGD), checking gradients against
+  :mod:`~graphpipe.runtime.reference`, the single-process run;
+* :mod:`~graphpipe.runtime.results` holds a run's result as frozen records
+  (:class:`RunResult`, :class:`RunSummary`) and their JSON form;
 * :mod:`~graphpipe.runtime.launch` spawns and watches the ranks;
 * :mod:`~graphpipe.runtime.materialize` gives a model built on the meta
   device real storage for one rank's stages only, initialised per tensor name;
@@ -55,16 +60,17 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import Any
 
 from graphpipe.errors import InputError
 from graphpipe.plan import Plan, plan_to_dict
 from graphpipe.runtime.options import FaultInjection, RunOptions, fault_from_env
 from graphpipe.runtime.launch import RuntimeFailure, launch
+from graphpipe.runtime.results import RunResult, RunSummary
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RunOptions", "FaultInjection", "RuntimeFailure", "preflight", "run_plan", "run_plans"]
+__all__ = ["RunOptions", "FaultInjection", "RuntimeFailure", "RunResult", "RunSummary", "preflight", "run_plan",
+           "run_plans"]
 
 
 def preflight(plan: Plan, options: RunOptions) -> None:
@@ -76,7 +82,7 @@ def preflight(plan: Plan, options: RunOptions) -> None:
     from graphpipe.sched import validate_plan
 
     from graphpipe.runtime.stage_modules import check_op_names, split_model
-    from graphpipe.runtime.jobs import load_runnable, plan_granularity
+    from graphpipe.runtime.runnable import load_runnable, plan_granularity
 
     validate_plan(plan)
     if options.checkpoint_dir:
@@ -142,11 +148,11 @@ def preflight(plan: Plan, options: RunOptions) -> None:
                              f"this machine {n} GPU(s); use --backend gloo")
 
 
-def run_plans(plans: list[tuple[Plan, RunOptions]], world_size: int | None = None) -> list[dict[str, Any]]:
+def run_plans(plans: list[tuple[Plan, RunOptions]], world_size: int | None = None) -> list[RunResult]:
     """Run several plans one after the other in one set of processes (amortises start-up).
 
     ``world_size`` defaults to the largest plan's device count; smaller plans
-    leave the extra ranks idle. Returns rank 0's raw result per plan. The
+    leave the extra ranks idle. Returns rank 0's :class:`RunResult` per plan. The
     processes start with the first plan's ``num_threads`` and
     ``cpus_per_rank``.
     """
@@ -175,12 +181,10 @@ def run_plans(plans: list[tuple[Plan, RunOptions]], world_size: int | None = Non
             log.warning("%s -- restarting every rank (%d of --max-restarts %d)", exc, restarts, max_restarts)
             jobs = [(doc, replace(options, fault=None)) for doc, options in jobs]  # an injected fault fires once
             continue
-        for result, reason in zip(results, skipped):
-            if result is not None and "resumed_from_step" in result:
-                result["restarts"] = restarts
-            if result is not None and reason:
-                result["check_skipped"] = reason
-        return results
+        return [result if result is None else
+                replace(result, restarts=restarts if result.resumed_from_step is not None else None,
+                        check_skipped=reason)
+                for result, reason in zip(results, skipped)]
 
 
 def _fit_host_memory(plans: list[tuple[Plan, RunOptions]], world: int) -> tuple[list, list[str | None]]:
@@ -209,26 +213,22 @@ def _fit_host_memory(plans: list[tuple[Plan, RunOptions]], world: int) -> tuple[
     return out, skipped
 
 
-def run_plan(plan: Plan, options: RunOptions | None = None) -> dict[str, Any]:
-    """Run ``plan`` on one process per device; the summary (measured, predicted, check) plus ``timeline``.
+def run_plan(plan: Plan, options: RunOptions | None = None) -> RunSummary:
+    """Run ``plan`` on one process per device; its :class:`RunSummary` (measured, predicted, check, timeline).
 
     Example (spawns processes)::
 
         summary = run_plan(read_plan("plan.json"), RunOptions(steps=5, check=True))
-        summary["measured"]["throughput"], summary["check"]["passed"]
+        summary.measured.throughput, summary.check.passed
     """
     from graphpipe.runtime.measure import measured_timeline, summarize
 
     options = options or RunOptions()
     raw = run_plans([(plan, options)])[0]
-    summary = summarize(plan, raw)
-    if "check_skipped" in raw:
-        summary["check_skipped"] = raw["check_skipped"]
     shown = plan
-    if "async" in raw:  # the measured timeline of a stream is the whole run
+    if raw.async_run is not None:  # the measured timeline of a stream is the whole run
         from graphpipe.sched.async_pipe import stream_graph, stream_schedule
 
         shown = replace(plan, stage_graph=stream_graph(plan.stage_graph, options.steps),
                         schedule=stream_schedule(plan.stage_graph, plan.schedule.name, options.steps))
-    summary["timeline"] = measured_timeline(shown, raw["records"]) if raw["records"] else None
-    return summary
+    return replace(summarize(plan, raw), timeline=measured_timeline(shown, raw.records) if raw.records else None)

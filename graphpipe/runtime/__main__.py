@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     from graphpipe.plan import plan_to_dict, read_plan
     from graphpipe.runtime import preflight
     from graphpipe.runtime.flags import options_from_args
-    from graphpipe.runtime.jobs import fault_from_env
+    from graphpipe.runtime.options import fault_from_env
     from graphpipe.runtime.measure import format_summary, summarize
     from graphpipe.runtime.worker import run_rank
 
@@ -64,11 +64,11 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0 and result is not None:
         summary = summarize(plan, result)
         if args.json:
-            json.dump(summary, sys.stdout, indent=1)
+            json.dump(summary.to_dict(), sys.stdout, indent=1)
             sys.stdout.write("\n")
         else:
             sys.stdout.write(format_summary(summary))
-        if "check" in summary and not summary["check"]["passed"]:
+        if summary.check is not None and not summary.check.passed:
             return 1
     return 0
 

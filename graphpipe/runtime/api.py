@@ -213,7 +213,7 @@ class Pipeline:
     def _build(self, example: Any, target: Any, keep: dict | None = None) -> None:
         """Capture the model on ``example`` (a whole mini-batch), cut it and build this rank's executor."""
         from graphpipe.capture import Granularity, trace_ops
-        from graphpipe.runtime.jobs import plan_granularity
+        from graphpipe.runtime.runnable import plan_granularity
 
         if self._meta:  # captured and cut on the meta device: each rank materializes its own stages only
             from graphpipe.runtime.materialize import meta_copy
@@ -236,11 +236,13 @@ class Pipeline:
                        exported.io.wrap_loss(self._loss_fn), rows, fault=None, measure=self._measure, keep=keep)
 
     @classmethod
-    def _for_job(cls, plan: Plan, runnable, *, rank: int, world_size: int, device: torch.device, backend: str,
-                 options) -> "Pipeline":
-        """``graphpipe run``'s pipeline: process group up, model built from the plan's spec and captured
-        (:func:`~graphpipe.runtime.jobs.load_runnable`, once per process), timing and the meter as ``options``
-        say."""
+    def for_job(cls, plan: Plan, runnable, *, rank: int, world_size: int, device: torch.device, backend: str,
+                options) -> "Pipeline":
+        """``graphpipe run``'s pipeline (:func:`graphpipe.runtime.worker.run_job`) in a process group already up:
+        the model built from the plan's spec and captured (a :class:`~graphpipe.runtime.runnable.Runnable` of
+        :func:`~graphpipe.runtime.runnable.load_runnable`, once per process), timing, the saved-tensor meter and
+        the fault hook as the job's :class:`~graphpipe.runtime.options.RunOptions` say. The worker destroys the
+        group, not the pipeline."""
         self = cls.__new__(cls)
         self.plan, self.precision, self.seed, self.timeout_s = plan, options.precision, options.seed, options.timeout_s
         self.rank, self.world_size, self.backend, self.device = rank, world_size, backend, device
@@ -363,7 +365,7 @@ class Pipeline:
         default the world) first, so the step's times share one start
         (``graphpipe run``'s measurement).
         """
-        from graphpipe.runtime.jobs import autocast
+        from graphpipe.runtime.runnable import autocast
 
         self._ready_to_run()
         executor = self._setup.executor
@@ -431,7 +433,7 @@ class Pipeline:
     def forward(self, inputs: Any) -> Any:
         """The model's output for ``inputs`` (no grad, eval mode: dropout off, BatchNorm running statistics),
         on every rank. Each stage runs once on the whole batch on its first replica, in stage order."""
-        from graphpipe.runtime.jobs import autocast
+        from graphpipe.runtime.runnable import autocast
 
         self._ready_to_run()
         sg = self.plan.stage_graph

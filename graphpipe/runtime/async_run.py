@@ -31,14 +31,15 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from graphpipe.errors import InputError, PlanError
 from graphpipe.plan import Plan
-from graphpipe.runtime.jobs import RunOptions, data_seed, load_runnable, plan_granularity
+from graphpipe.runtime.options import RunOptions
+from graphpipe.runtime.results import AsyncRun, Measured, ReplayCheck, RunResult
+from graphpipe.runtime.runnable import data_seed, load_runnable, plan_granularity
 from graphpipe.runtime.rng import ShardContext
 from graphpipe.sched.async_pipe import AsyncSpec, VersionTable, stream_graph, stream_schedule, version_table
 
@@ -121,8 +122,9 @@ def _window_times(records: list[dict], num_mbs_per_window: int, steps: int) -> l
 
 
 def run_async_job(rank: int, world_size: int, plan: Plan, spec: AsyncSpec, options: RunOptions,
-                  device: torch.device, backend: str, control=None) -> dict[str, Any] | None:
-    """Run ``plan``'s stream of ``options.steps`` mini-batches on this rank; rank 0 returns the result."""
+                  device: torch.device, backend: str, control=None) -> RunResult | None:
+    """Run ``plan``'s stream of ``options.steps`` mini-batches on this rank; rank 0 returns its
+    :class:`~graphpipe.runtime.results.RunResult`."""
     from graphpipe.runtime.stage_modules import boundary_meta, check_op_names, split_model
     from graphpipe.runtime.stash import WeightVersions
     from graphpipe.runtime.setup import setup_rank
@@ -190,18 +192,13 @@ def run_async_job(rank: int, world_size: int, plan: Plan, spec: AsyncSpec, optio
         for i, loss in g["sink_losses"].items():
             losses_by_mb[i] = losses_by_mb.get(i, 0.0) + loss
     step_losses = [sum(losses_by_mb.get(i, 0.0) for i in range(k * m, (k + 1) * m)) for k in range(steps)]
-    out: dict[str, Any] = {
-        "measured": {"iteration_time_s": iteration, "throughput": sg.batch_size / iteration,
-                     "step_times_s": diffs or [iteration], "warmup_steps": 1 if diffs else 0,
-                     "stream_time_s": stream_s, "stream_throughput": sg.batch_size * steps / stream_s,
-                     "stashed_weight_bytes": [float(g["stash_bytes"]) for g in gathered][:sg.num_devices],
-                     "stashed_weight_bytes_predicted": predicted_stash_bytes(sg, table),
-                     "iteration": "median over windows w >= 1 of the gap between windows' last backward ends"},
-        "losses": step_losses,
-        "records": all_records,
-        "backend": backend,
-        "async": {"schedule": spec.name, **spec.to_dict(), "stashed_versions": [list(v) for v in table.peak_stashed]},
-    }
+    measured = Measured(iteration_time_s=iteration, throughput=sg.batch_size / iteration,
+                        step_times_s=diffs or [iteration], warmup_steps=1 if diffs else 0, stream_time_s=stream_s,
+                        stream_throughput=sg.batch_size * steps / stream_s,
+                        stashed_weight_bytes=[float(g["stash_bytes"]) for g in gathered][:sg.num_devices],
+                        stashed_weight_bytes_predicted=predicted_stash_bytes(sg, table),
+                        iteration="median over windows w >= 1 of the gap between windows' last backward ends")
+    check = None
     if options.check and reference is not None:
         max_abs = max(g["check"][0] for g in gathered)
         mismatches = sum(g["check"][1] for g in gathered)
@@ -210,14 +207,18 @@ def run_async_job(rank: int, world_size: int, plan: Plan, spec: AsyncSpec, optio
         loss_bad = sum(1 for i in losses_by_mb
                        if abs(losses_by_mb[i] - reference.mb_losses[i])
                        > options.atol + options.rtol * abs(reference.mb_losses[i]))
-        out["check"] = {"passed": (mismatches == 0 and loss_bad == 0 and len(losses_by_mb) == table.num_micro_batches
-                                   and compared == len(reference.weights)),
-                        "max_abs_diff": max([max_abs, *loss_diffs]), "num_mismatches": mismatches + loss_bad,
-                        "num_params_checked": compared, "num_params": len(reference.weights),
-                        "losses_checked": len(losses_by_mb), "what": "every micro-batch's loss and the final weights",
-                        "reference": "single-process replay of the version schedule", "loss": step_losses[0],
-                        "reference_loss": sum(reference.mb_losses[:m]), "rtol": options.rtol, "atol": options.atol}
-    return out
+        check = ReplayCheck(passed=(mismatches == 0 and loss_bad == 0 and len(losses_by_mb) == table.num_micro_batches
+                                    and compared == len(reference.weights)),
+                            max_abs_diff=max([max_abs, *loss_diffs]), num_mismatches=mismatches + loss_bad,
+                            num_params_checked=compared, num_params=len(reference.weights),
+                            losses_checked=len(losses_by_mb), what="every micro-batch's loss and the final weights",
+                            reference="single-process replay of the version schedule", loss=step_losses[0],
+                            reference_loss=sum(reference.mb_losses[:m]), rtol=options.rtol, atol=options.atol)
+    return RunResult(measured=measured, losses=step_losses, records=all_records, backend=backend,
+                     async_run=AsyncRun(schedule=spec.name, vertical_sync=spec.vertical_sync,
+                                        update_every=spec.update_every, stash=spec.stash,
+                                        stashed_versions=table.peak_stashed),
+                     check=check)
 
 
 def predicted_stash_bytes(sg, table: VersionTable) -> list[float]:

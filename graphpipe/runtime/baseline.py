@@ -23,7 +23,7 @@ checked before anything is launched.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,9 @@ from graphpipe.plan import Plan
 from graphpipe.progress import step_done
 from graphpipe.runtime.executor import zero_grads
 from graphpipe.runtime.stage_modules import ModelSplit, StageProgram
+
+if TYPE_CHECKING:
+    from graphpipe.runtime.results import RunResult
 
 __all__ = ["torch_refusal", "check_torch_expressible", "csv_runtime_class", "run_torch_job", "TORCH_SCHEDULES"]
 
@@ -139,14 +142,16 @@ class _TorchStage(torch.nn.Module):
 
 
 def run_torch_job(rank: int, world_size: int, plan: Plan, options, device: torch.device,
-                  control=None) -> dict[str, Any] | None:
-    """Run ``plan`` on torch.distributed.pipelining; rank 0 returns the result (same shape as ours)."""
+                  control=None) -> RunResult | None:
+    """Run ``plan`` on torch.distributed.pipelining; rank 0 returns its
+    :class:`~graphpipe.runtime.results.RunResult` (as graphpipe's executor does, with ``baseline`` set)."""
     from torch.distributed import pipelining as pp
 
     from graphpipe.runtime.materialize import materialize_stages
     from graphpipe.runtime.stage_modules import check_op_names, split_model
-    from graphpipe.runtime.jobs import (compare_gradients, data_seed, finish_job, load_runnable, plan_granularity,
-                                        reference_step)
+    from graphpipe.runtime.reference import compare_gradients, reference_step
+    from graphpipe.runtime.results import finish_job
+    from graphpipe.runtime.runnable import data_seed, load_runnable, plan_granularity
 
     sg = plan.stage_graph
     n = sg.num_devices
@@ -213,9 +218,9 @@ def run_torch_job(rank: int, world_size: int, plan: Plan, options, device: torch
             optimizer.step()
     return finish_job(rank, world_size, plan, options, step_times, step_losses, check_stats, reference,
                       records=[], backend=dist.get_backend(), control=control,
-                      extra={"baseline": "torch.distributed.pipelining." + (
+                      baseline="torch.distributed.pipelining." + (
                           TORCH_SCHEDULES.get(plan.schedule.name)
-                          or f"{csv_runtime_class().__name__} (CSV of {plan.schedule.name}{_file_note(plan)})")})
+                          or f"{csv_runtime_class().__name__} (CSV of {plan.schedule.name}{_file_note(plan)})"))
 
 
 def _file_note(plan: Plan) -> str:

@@ -40,7 +40,7 @@ its inputs are in, ``start`` when compute begins, ``end`` when compute ends
 its producer's ``end``, as in the simulator.
 
 Test hook (documented in :mod:`graphpipe.runtime`): ``fault`` (a
-:class:`~graphpipe.runtime.jobs.FaultInjection` for rank ``r`` at ``F`` or
+:class:`~graphpipe.runtime.options.FaultInjection` for rank ``r`` at ``F`` or
 ``B``) makes rank ``r`` raise at its first action of that kind; at ``hang``
 it stops answering at its first F instead.
 """
@@ -71,7 +71,7 @@ __all__ = ["TimedAction", "StepResult", "ExecutorContext", "RankExecutor", "Inje
 
 
 class InjectedFailure(RuntimeError):
-    """Raised by the fault-injection test hook (:class:`~graphpipe.runtime.jobs.FaultInjection`)."""
+    """Raised by the fault-injection test hook (:class:`~graphpipe.runtime.options.FaultInjection`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,7 +146,7 @@ class ExecutorContext:
     seed: int = 0
     batchnorm: str = "per-micro-batch"
     fault: Any = None
-    """Test hook (:class:`~graphpipe.runtime.jobs.FaultInjection`); None in real runs."""
+    """Test hook (:class:`~graphpipe.runtime.options.FaultInjection`); None in real runs."""
     loss_batch_size: int | None = None
     """The mini-batch every loss term is scaled by (None: the stage graph's batch; an asynchronous stream's is
     the plan's mini-batch, not the stream's rows)."""

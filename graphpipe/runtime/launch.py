@@ -60,6 +60,7 @@ from graphpipe.errors import GraphpipeError, InputError
 from graphpipe.progress import Progress, set_step_hook
 from graphpipe.runtime.memory import RANK_MEMORY_BYTES, available_memory
 from graphpipe.runtime.options import RunOptions
+from graphpipe.runtime.results import RunResult
 
 __all__ = ["RuntimeFailure", "launch", "free_port", "host_rank_limit", "check_host_capacity"]
 
@@ -201,9 +202,9 @@ def _child(rank: int, world_size: int, jobs, init_method: str, results: mp.Queue
         if rank == 0:  # rank 0's steps are the run's: each one moves the launcher's bar
             set_step_hook(lambda: results.put(("step", rank, None, None, time.time())))
 
-        def done(index: int, result: dict | None) -> None:
-            if rank == 0:
-                results.put(("job", rank, index, result, time.time()))
+        def done(index: int, result: RunResult | None) -> None:
+            if rank == 0:  # as its JSON object: the launcher rebuilds the record (RunResult.from_dict)
+                results.put(("job", rank, index, None if result is None else result.to_dict(), time.time()))
 
         run_rank(rank, world_size, jobs, init_method, done)
         beat.stopped.set()
@@ -233,8 +234,9 @@ def _quiet_resource_tracker() -> None:
         warnings.filterwarnings("ignore", message="resource_tracker", category=UserWarning)
 
 
-def launch(jobs: Sequence[tuple[dict, RunOptions]], world_size: int) -> list[dict | None]:
-    """Run ``jobs`` (plan documents with options) on ``world_size`` fresh processes; rank 0's results.
+def launch(jobs: Sequence[tuple[dict, RunOptions]], world_size: int) -> list[RunResult | None]:
+    """Run ``jobs`` (plan documents with options) on ``world_size`` fresh processes; rank 0's
+    :class:`~graphpipe.runtime.results.RunResult` per job.
 
     Raises :class:`RuntimeFailure` when any rank fails.
     """
@@ -276,7 +278,7 @@ def launch(jobs: Sequence[tuple[dict, RunOptions]], world_size: int) -> list[dic
                 if kind == "step":
                     bar.update()
                 elif kind == "job":
-                    job_results[index] = payload
+                    job_results[index] = None if payload is None else RunResult.from_dict(payload)
                     bar.update(max(0, steps_before[index + 1] - bar.done))  # a loop that reports no steps
                     log.info("job %d of %d finished", index + 1, len(jobs))
                 else:

@@ -16,10 +16,13 @@ issue to observed completion. The iteration time is the measured one
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from graphpipe.actions import Action
 from graphpipe.plan import Plan
+
+if TYPE_CHECKING:
+    from graphpipe.runtime.results import RunResult, RunSummary
 
 __all__ = ["measured_timeline", "summarize", "format_summary", "memory_error", "SavedBytesMeter"]
 
@@ -183,48 +186,38 @@ def measured_timeline(plan: Plan, records: Iterable[Mapping[str, Any]], iteratio
                           iteration_time_s=iteration_time_s)
 
 
-def summarize(plan: Plan, result: Mapping[str, Any]) -> dict[str, Any]:
-    """The ``--json`` object: measured figures, the plan's predicted figures, the check."""
+def summarize(plan: Plan, result: RunResult) -> RunSummary:
+    """A run beside its plan's prediction (what ``--json`` prints): measured and predicted figures, the check."""
+    from graphpipe.runtime.results import PlanInfo, Predicted, RunSummary
+
     predicted = dict(plan.predicted)
     if not predicted or "peak_activation_bytes" not in predicted:  # plans from older versions lack it
         from graphpipe.sched import predicted_figures, simulate
 
         predicted = predicted_figures(simulate(plan.stage_graph, plan.schedule, plan.cluster))
-    measured = dict(result["measured"])
-    doc: dict[str, Any] = {
-        "plan": {"model": plan.model, "strategy": plan.strategy, "schedule": plan.schedule.name,
-                 "num_devices": plan.cluster.num_devices, "batch_size": plan.batch_size,
-                 "num_stages": plan.stage_graph.num_stages},
-        "measured": measured,
-        "predicted": {k: predicted[k] for k in ("iteration_time_s", "throughput", "bubble_fraction",
-                                                "peak_memory_bytes", "peak_activation_bytes",
-                                                "stashed_weight_bytes") if k in predicted},
-        "losses": result.get("losses", []),
-        "backend": result.get("backend"),
-        "precision": result.get("precision", "fp32"),
-        "plan_precision": plan.search.get("precision"),
-    }
-    if result.get("rank_cpus"):
-        doc["rank_cpus"] = result["rank_cpus"]
-    if "iteration_time_s" in predicted and measured.get("iteration_time_s"):
-        doc["prediction_error"] = abs(predicted["iteration_time_s"] - measured["iteration_time_s"]) / measured["iteration_time_s"]
-    if measured.get("peak_activation_bytes") and predicted.get("peak_activation_bytes"):
-        doc["memory_error"] = memory_error(measured["peak_activation_bytes"], predicted["peak_activation_bytes"])
-    if measured.get("peak_rss_bytes"):  # beside what the launcher expected each rank to hold (runtime/memory.py)
+    measured = result.measured
+    figures = {k: predicted[k] for k in ("iteration_time_s", "throughput", "bubble_fraction", "peak_memory_bytes",
+                                         "peak_activation_bytes", "stashed_weight_bytes") if k in predicted}
+    if measured.peak_rss_bytes:  # beside what the launcher expected each rank to hold (runtime/memory.py)
         from graphpipe.runtime.memory import rank_memory
 
         expected = [r.total_bytes for r in rank_memory(plan)]
-        doc["predicted"]["host_memory_bytes"] = expected + [0.0] * (len(measured["peak_rss_bytes"]) - len(expected))
-    if "check" in result:
-        doc["check"] = result["check"]
-    if "resumed_from_step" in result:
-        doc["resumed_from_step"] = result["resumed_from_step"]
-        doc["restarts"] = result.get("restarts", 0)
-    if "async" in result:
-        doc["async"] = result["async"]
-    if "baseline" in result:
-        doc["baseline"] = result["baseline"]
-    return doc
+        figures["host_memory_bytes"] = expected + [0.0] * (len(measured.peak_rss_bytes) - len(expected))
+    prediction_error = memory = None
+    if "iteration_time_s" in predicted and measured.iteration_time_s:
+        prediction_error = abs(predicted["iteration_time_s"] - measured.iteration_time_s) / measured.iteration_time_s
+    if measured.peak_activation_bytes and predicted.get("peak_activation_bytes"):
+        memory = memory_error(measured.peak_activation_bytes, predicted["peak_activation_bytes"])
+    return RunSummary(
+        plan=PlanInfo(model=plan.model, strategy=plan.strategy, schedule=plan.schedule.name,
+                      num_devices=plan.cluster.num_devices, batch_size=plan.batch_size,
+                      num_stages=plan.stage_graph.num_stages),
+        measured=measured, predicted=Predicted(**figures), losses=result.losses, backend=result.backend,
+        precision=result.precision or "fp32", plan_precision=plan.search.get("precision"),
+        rank_cpus=result.rank_cpus or None, prediction_error=prediction_error, memory_error=memory,
+        check=result.check, resumed_from_step=result.resumed_from_step,
+        restarts=(result.restarts or 0) if result.resumed_from_step is not None else None,
+        async_run=result.async_run, baseline=result.baseline, check_skipped=result.check_skipped)
 
 
 def memory_error(measured: Iterable[float], predicted: Iterable[float]) -> float:
@@ -237,42 +230,43 @@ def memory_error(measured: Iterable[float], predicted: Iterable[float]) -> float
     return max(errors, default=0.0)
 
 
-def format_summary(summary: dict) -> str:
+def format_summary(summary: RunSummary) -> str:
     """The human-readable lines of a run's summary (:func:`summarize`): measured, predicted, losses, check."""
-    m, p = summary["measured"], summary.get("predicted", {})
-    lines = [f"plan: {summary['plan']['model']} strategy={summary['plan']['strategy']} "
-             f"schedule={summary['plan']['schedule']} devices={summary['plan']['num_devices']} "
-             f"batch={summary['plan']['batch_size']} backend={summary.get('backend')} "
-             f"precision={summary.get('precision', 'fp32')}"
-             + (f" baseline={summary['baseline']}" if summary.get("baseline") else ""),
-             f"measured:  iteration {m['iteration_time_s'] * 1e3:.3f} ms  throughput {m['throughput']:.1f} samples/s"
-             f"  (median of {len(m['step_times_s'])} steps after {m['warmup_steps']} warm-up)"]
-    if summary.get("resumed_from_step"):
-        lines.append(f"resumed:   from the checkpoint of step {summary['resumed_from_step']}"
-                     + (f" after {summary['restarts']} restart(s)" if summary.get("restarts") else ""))
-    if "iteration_time_s" in p:
-        lines.append(f"predicted: iteration {p['iteration_time_s'] * 1e3:.3f} ms  throughput {p['throughput']:.1f} samples/s"
-                     f"  (error {summary.get('prediction_error', float('nan')) * 100:.1f}% of measured)")
-    if "memory_error" in summary:
-        mm, pp = m["peak_activation_bytes"], p["peak_activation_bytes"]
+    m, p, info = summary.measured, summary.predicted, summary.plan
+    lines = [f"plan: {info.model} strategy={info.strategy} schedule={info.schedule} devices={info.num_devices} "
+             f"batch={info.batch_size} backend={summary.backend} precision={summary.precision}"
+             + (f" baseline={summary.baseline}" if summary.baseline else ""),
+             f"measured:  iteration {m.iteration_time_s * 1e3:.3f} ms  throughput {m.throughput:.1f} samples/s"
+             f"  (median of {len(m.step_times_s)} steps after {m.warmup_steps} warm-up)"]
+    if summary.resumed_from_step:
+        lines.append(f"resumed:   from the checkpoint of step {summary.resumed_from_step}"
+                     + (f" after {summary.restarts} restart(s)" if summary.restarts else ""))
+    if p.iteration_time_s is not None:
+        error = summary.prediction_error if summary.prediction_error is not None else float("nan")
+        lines.append(f"predicted: iteration {p.iteration_time_s * 1e3:.3f} ms  throughput {p.throughput:.1f} samples/s"
+                     f"  (error {error * 100:.1f}% of measured)")
+    if summary.memory_error is not None:
         lines.append("activations (MB per device, measured / predicted): "
-                     + " ".join(f"{a / 1e6:.3g}/{b / 1e6:.3g}" for a, b in zip(mm, pp))
-                     + f"  (worst error {summary['memory_error'] * 100:.1f}% of predicted)")
-    if "peak_rss_bytes" in m and "host_memory_bytes" in p:
+                     + " ".join(f"{a / 1e6:.3g}/{b / 1e6:.3g}" for a, b in zip(m.peak_activation_bytes,
+                                                                          p.peak_activation_bytes))
+                     + f"  (worst error {summary.memory_error * 100:.1f}% of predicted)")
+    if m.peak_rss_bytes is not None and p.host_memory_bytes is not None:
         lines.append("host memory (MB per rank, peak RSS measured / expected): "
-                     + " ".join(f"{a / 1e6:.4g}/{b / 1e6:.4g}" for a, b in zip(m["peak_rss_bytes"], p["host_memory_bytes"])))
-    if "stashed_weight_bytes" in m:
-        pp = m.get("stashed_weight_bytes_predicted", [float("nan")] * len(m["stashed_weight_bytes"]))
+                     + " ".join(f"{a / 1e6:.4g}/{b / 1e6:.4g}" for a, b in zip(m.peak_rss_bytes, p.host_memory_bytes)))
+    if m.stashed_weight_bytes is not None:
+        pp = m.stashed_weight_bytes_predicted
+        if pp is None:
+            pp = [float("nan")] * len(m.stashed_weight_bytes)
         lines.append("stashed weights (bytes per device, measured / predicted for this run): "
-                     + " ".join(f"{a:.0f}/{b:.0f}" for a, b in zip(m["stashed_weight_bytes"], pp))
-                     + f"  (steady-state iteration; whole stream {m['stream_time_s'] * 1e3:.3f} ms)")
-    if summary.get("losses"):
-        lines.append("loss per step: " + " ".join(f"{x:.6g}" for x in summary["losses"]))
-    if "check_skipped" in summary:
-        lines.append(summary["check_skipped"])
-    if "check" in summary:
-        c = summary["check"]
-        lines.append(f"check: {'PASSED' if c['passed'] else 'FAILED'}  max_abs_diff {c['max_abs_diff']:.3g}  "
-                     f"loss {c['loss']:.6g} vs {c['reference_loss']:.6g}  params {c['num_params_checked']}/{c['num_params']}"
-                     f"  mismatches {c['num_mismatches']} (rtol {c['rtol']:g}, atol {c['atol']:g})")
+                     + " ".join(f"{a:.0f}/{b:.0f}" for a, b in zip(m.stashed_weight_bytes, pp))
+                     + f"  (steady-state iteration; whole stream {m.stream_time_s * 1e3:.3f} ms)")
+    if summary.losses:
+        lines.append("loss per step: " + " ".join(f"{x:.6g}" for x in summary.losses))
+    if summary.check_skipped:
+        lines.append(summary.check_skipped)
+    if summary.check is not None:
+        c = summary.check
+        lines.append(f"check: {'PASSED' if c.passed else 'FAILED'}  max_abs_diff {c.max_abs_diff:.3g}  "
+                     f"loss {c.loss:.6g} vs {c.reference_loss:.6g}  params {c.num_params_checked}/{c.num_params}"
+                     f"  mismatches {c.num_mismatches} (rtol {c.rtol:g}, atol {c.atol:g})")
     return "\n".join(lines) + "\n"

@@ -1,7 +1,8 @@
 """The settings of one run (``graphpipe run``'s flags, the training API's checks), free of torch.
 
 :class:`RunOptions` and the test hook :class:`FaultInjection` live apart
-from :mod:`graphpipe.runtime.jobs` so that building the command line (every
+from the modules that run a job (:mod:`graphpipe.runtime.runnable`,
+:mod:`graphpipe.runtime.reference`) so that building the command line (every
 ``graphpipe`` command builds every subcommand's flags) and planning never
 import torch: a plan of a cached or file-given graph needs none of it.
 

@@ -16,7 +16,7 @@ micro-batch. Rank, device, schedule and time do not enter, so
 * the same shard gets the same mask on any rank and in any order;
 * a recomputed forward (``torch.utils.checkpoint``) gets the same mask: the
   seed is a function of the call's arguments, not of an RNG state;
-* the reference (:func:`graphpipe.runtime.jobs.reference_run`) runs the
+* the reference (:func:`graphpipe.runtime.reference.reference_run`) runs the
   whole mini-batch but cuts every stochastic op's input at the same shard
   boundaries (:class:`ReferenceContext`), so its masks are the pipeline's.
 

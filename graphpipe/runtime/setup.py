@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from graphpipe.plan import Plan
 from graphpipe.runtime.executor import ExecutorContext, RankExecutor, TiedSync
-from graphpipe.runtime.jobs import reference_layout
+from graphpipe.runtime.reference import reference_layout
 from graphpipe.runtime.routing import Routing
 from graphpipe.runtime.stage_modules import ModelSplit, StageProgram, check_unbatched_edges
 

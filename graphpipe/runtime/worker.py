@@ -21,7 +21,7 @@ warm-up steps.
 ``--check`` (``RunOptions.check``): before the first step each rank runs
 the same model on one process on the whole mini-batch for every step, with
 the pipeline's dropout streams and BatchNorm mode
-(:func:`~graphpipe.runtime.jobs.reference_run`), and after every step
+(:func:`~graphpipe.runtime.reference.reference_run`), and after every step
 compares the loss, the gradient of every parameter it owns and every buffer
 with ``|a - b| <= atol + rtol*|b|`` (fp32 defaults of
 ``torch.testing.assert_close``: rtol 1.3e-6, atol 1e-5). Rank 0 also looks
@@ -36,7 +36,7 @@ import os
 import signal
 from dataclasses import asdict, replace
 from datetime import timedelta
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -45,8 +45,10 @@ from graphpipe.errors import PlanError
 from graphpipe.plan import Plan, plan_from_dict
 from graphpipe.progress import step_done
 from graphpipe.runtime.executor import StepResult
-from graphpipe.runtime.jobs import (RunOptions, compare_buffers, compare_gradients, data_seed, finish_job,
-                                    load_runnable, plan_granularity, reference_run)
+from graphpipe.runtime.options import RunOptions
+from graphpipe.runtime.reference import compare_buffers, compare_gradients, reference_run
+from graphpipe.runtime.results import RunResult, finish_job
+from graphpipe.runtime.runnable import data_seed, load_runnable, plan_granularity
 
 __all__ = ["rank_cpus", "pin_rank", "run_rank", "run_job", "peak_rss_bytes"]
 
@@ -100,8 +102,9 @@ def _pick_backend(requested: str, world_size: int) -> str:
 
 
 def run_job(rank: int, world_size: int, plan: Plan, options: RunOptions, device: torch.device,
-            backend: str, control=None) -> dict[str, Any] | None:
-    """Run one plan on this rank; rank 0 returns the job's result, other ranks ``None``.
+            backend: str, control=None) -> RunResult | None:
+    """Run one plan on this rank; rank 0 returns the job's :class:`~graphpipe.runtime.results.RunResult`, other
+    ranks ``None``.
 
     ``control`` is the process group for barriers and figures (a CPU gloo
     group under NCCL; ``None``: the world group).
@@ -129,7 +132,7 @@ def run_job(rank: int, world_size: int, plan: Plan, options: RunOptions, device:
     unseeded = _warn_unseeded(runnable, plan.model) if rank == 0 else {}
     make_inputs = runnable.make_inputs
     # graphpipe run is a user of the training API: synthetic data, SGD, and its report.
-    pipe = Pipeline._for_job(plan, runnable, rank=rank, world_size=world_size, device=device, backend=backend,
+    pipe = Pipeline.for_job(plan, runnable, rank=rank, world_size=world_size, device=device, backend=backend,
                              options=options)
     del runnable  # drop every other stage's parameters
     ctx = pipe.rank_setup
@@ -191,21 +194,22 @@ def run_job(rank: int, world_size: int, plan: Plan, options: RunOptions, device:
     out = finish_job(rank, world_size, plan, measured, [s.iteration_time_s for s in steps], [s.loss for s in steps],
                      tuple(check_stats), reference, records=[[asdict(r) for r in s.records] for s in steps],
                      backend=backend, starts=[s.t0 for s in steps], control=control)
-    if out is not None:
-        out["precision"] = options.precision
-        if options.checkpoint_dir:
-            out["resumed_from_step"] = start
-        if options.measure:
-            out["measured"]["peak_activation_bytes"] = [float(m[0]) for m in mems]
-        out["measured"]["peak_rss_bytes"] = [float(m[2]) for m in mems]
-        if any(s.cuda_peak_bytes is not None for s in timed):
-            out["measured"]["cuda_max_memory_allocated_bytes"] = [float(m[1]) for m in mems]
-    if out is not None and "check" in out and unseeded:
-        out["check"]["unseeded_ops"] = unseeded
-    if out is not None and out.get("check", {}).get("inexact_ops"):
+    if out is None:
+        return None
+    memory = {"peak_rss_bytes": [float(m[2]) for m in mems]}
+    if options.measure:
+        memory["peak_activation_bytes"] = [float(m[0]) for m in mems]
+    if any(s.cuda_peak_bytes is not None for s in timed):
+        memory["cuda_max_memory_allocated_bytes"] = [float(m[1]) for m in mems]
+    check = out.check
+    if check is not None and unseeded:
+        check = replace(check, unseeded_ops=unseeded)
+    if check is not None and check.inexact_ops:
         log.warning("%s: op(s) %s take an input without a batch dimension: their dropout masks or BatchNorm "
                     "statistics cannot be cut per micro-batch, so --check cannot be exact for them",
-                    plan.model, ", ".join(out["check"]["inexact_ops"]))
+                    plan.model, ", ".join(check.inexact_ops))
+    return replace(out, measured=replace(out.measured, **memory), check=check, precision=options.precision,
+                   resumed_from_step=start if options.checkpoint_dir else None)
     return out
 
 
@@ -226,7 +230,7 @@ def _warn_unseeded(runnable, model: str) -> dict[str, str]:
 
 
 def run_rank(rank: int, world_size: int, jobs: Sequence[tuple[dict, RunOptions]], init_method: str,
-             on_job_done: Callable[[int, dict | None], None] | None = None) -> list[dict | None]:
+             on_job_done: Callable[[int, RunResult | None], None] | None = None) -> list[RunResult | None]:
     """Join the process group and run every job in order; returns rank 0's results (``None`` elsewhere)."""
     options0 = jobs[0][1]
     pin_rank(int(os.environ.get("LOCAL_RANK", rank)), options0.cpus_per_rank)

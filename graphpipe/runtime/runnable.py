@@ -1,0 +1,248 @@
+"""The model a job runs: built from a plan's ``model`` spec, captured, with its loss and synthetic data.
+
+Every rank of ``graphpipe run`` (:mod:`graphpipe.runtime.worker`, the
+``torch.distributed.pipelining`` baseline :mod:`graphpipe.runtime.baseline`,
+the asynchronous stream :mod:`graphpipe.runtime.async_run`) and
+``--check``'s single-process reference (:mod:`graphpipe.runtime.reference`)
+build the same model from the same seed here, so they agree on its weights,
+its op names and its data:
+
+* :func:`load_runnable` (once per process, then deep copies) and
+  :func:`build_runnable`, the model named by a zoo spec or ``file.py:factory``
+  as a :class:`Runnable`: module, capture, loss, ``make_inputs``;
+* :func:`data_seed`, the seed of step ``k``'s synthetic mini-batch;
+* :func:`autocast`, the precision a step runs at;
+* :func:`plan_granularity`, the capture granularity the plan was made at.
+
+Example
+-------
+>>> data_seed(0, 2), data_seed(3, 2)
+(2, 3002)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from torch.utils._pytree import tree_leaves
+
+import torch
+
+from graphpipe.errors import PlanError, UserCodeError
+from graphpipe.plan import Plan
+
+__all__ = ["Runnable", "load_runnable", "build_runnable", "data_seed", "autocast", "plan_granularity"]
+
+log = logging.getLogger(__name__)
+
+
+def autocast(precision: str, device: torch.device | str):
+    """``torch.autocast`` to bfloat16 for ``bf16``, a no-op context for ``fp32`` (a disabled ``torch.autocast``
+    still costs its set-up on every step)."""
+    if precision != "bf16":
+        return contextlib.nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
+
+
+def data_seed(seed: int, step: int) -> int:
+    return seed * 1000 + step
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Runnable:
+    """A model ready to split: the module, its capture, loss and data generator."""
+
+    spec: str
+    module: torch.nn.Module
+    gm: torch.fx.GraphModule
+    op_nodes: dict[str, tuple[str, ...]]
+    op_names: tuple[str, ...]
+    loss_fn: Callable[[Any], torch.Tensor]
+    """The loss of what ``gm`` returns (the model's outputs the loss reads, then the target)."""
+    make_inputs: Callable[[int, int], tuple[torch.Tensor, ...]]
+    """``make_inputs(batch_size, seed)``: ``gm``'s positional arguments (inputs, then the target's leaves)."""
+    io: Any = None
+    """The :class:`~graphpipe.exporting.IOSpec` of ``gm`` (None without capture)."""
+    meta_params: bool = False
+    """The module's parameters and buffers are on the meta device (:func:`~graphpipe.runtime.materialize.params_on_meta`):
+    each rank materializes its own stages; ``make_inputs`` still makes real data."""
+    initial: dict = field(default_factory=dict)
+    """With ``meta_params``: the buffers' values as built, by name (:func:`~graphpipe.runtime.materialize.buffers_to_meta`)."""
+
+    def shape_inputs(self, batch_size: int, seed: int = 0) -> tuple:
+        """``make_inputs``, on the meta device when the parameters are: for runs that only read shapes."""
+        from graphpipe.runtime.materialize import meta_copy
+
+        made = self.make_inputs(batch_size, seed)
+        return meta_copy(made) if self.meta_params else made
+
+    def output(self, graph_out: Any) -> Any:
+        """The model's output structure from what ``gm`` (or the sink stage) returns."""
+        return self.io.output(graph_out) if self.io is not None else graph_out
+
+
+_PRISTINE: dict[tuple, Runnable] = {}
+"""Captured runnables by (spec, seed, device, granularity, factory file stamp), as first built, never trained."""
+_PRISTINE_MAX = 8
+
+
+def load_runnable(spec: str, seed: int = 0, device: str = "cpu", capture: bool = True,
+                  granularity: str | None = None, meta_params: bool = False) -> Runnable:
+    """:func:`build_runnable`, exported once per process: a rank running many jobs of one model (tests, evals,
+    ``--check``'s reference) gets a deep copy of the first capture (weights as built from ``seed``), not a
+    second export."""
+    if not capture:
+        return build_runnable(spec, seed, device, capture, granularity, meta_params)
+    key = (spec, seed, device, granularity, _factory_stamp(spec), meta_params)
+    if key not in _PRISTINE:
+        if len(_PRISTINE) >= _PRISTINE_MAX:
+            _PRISTINE.pop(next(iter(_PRISTINE)))
+        _PRISTINE[key] = build_runnable(spec, seed, device, capture, granularity, meta_params)
+    pristine = _PRISTINE[key]
+    import copy
+
+    module, gm = copy.deepcopy((pristine.module, pristine.gm))  # one memo: the copies share their tensors
+    return Runnable(spec, module, gm, pristine.op_nodes, pristine.op_names, pristine.loss_fn, pristine.make_inputs,
+                    pristine.io, pristine.meta_params, pristine.initial)
+
+
+def _factory_stamp(spec: str) -> tuple:
+    """A factory file's modification time and size (an edited file is captured anew)."""
+    if ".py:" not in spec:
+        return ()
+    path = spec.rpartition(":")[0]
+    try:
+        st = os.stat(path)
+    except OSError:
+        return ()
+    return (st.st_mtime_ns, st.st_size)
+
+
+def build_runnable(spec: str, seed: int = 0, device: str = "cpu", capture: bool = True,
+                   granularity: str | None = None, meta_params: bool = False) -> Runnable:
+    """Build (and capture) the model named by a plan's ``model``: a zoo spec or ``file.py:factory``.
+
+    The runnable graph takes the model's inputs flattened (keyword inputs in
+    the factory's order), then the target's leaves when the loss takes one;
+    ``loss_fn`` takes what the graph returns. Factory models get synthetic
+    inputs shaped like their example inputs (floats ~ N(0, 1), integers
+    uniform in ``[min, max]`` of the example, booleans as in the example's
+    range) and targets made of the example target's own rows, resampled
+    (:func:`_synthetic_inputs`), so a loss sees labels from its domain.
+    ``capture=False`` skips the export (the single-process reference needs
+    only the module). ``meta_params``: the module is built with its
+    parameters on the meta device (:func:`~graphpipe.runtime.materialize.params_on_meta`;
+    a factory that builds on the meta device itself is accepted too) and
+    captured on meta inputs; nothing of its weights is allocated until a
+    rank materializes its stages.
+    """
+    from graphpipe import capture as cap
+    from graphpipe.runtime.materialize import buffers_to_meta, kept_values, meta_copy, on_meta, params_on_meta
+
+    target, make_inputs = None, None
+    building = params_on_meta() if meta_params else contextlib.nullcontext({})
+    if ".py:" in spec:
+        with torch.random.fork_rng(devices=[]), building as kept:
+            torch.manual_seed(seed)
+            made = cap.load_factory(spec)
+        module, example, loss_fn, target = made.module, made.example_inputs, made.loss_fn, made.example_target
+        if not meta_params and on_meta(module):
+            raise PlanError(f"{spec} builds its model on the meta device: only a run that materializes each rank's "
+                            "stages can use it (graphpipe run does; this path needs real weights)")
+        if not meta_params:
+            module = module.to(device)
+    elif spec.endswith((".json", ".txt")) or os.path.sep in spec:
+        raise PlanError(f"plan model {spec!r} is a graph file, which has no module to run; the runtime needs a zoo "
+                        "spec (mmt:small) or path/to/file.py:factory — plan that instead")
+    else:
+        from graphpipe import zoo
+
+        with building as kept:
+            built = zoo.build(spec, device=device, seed=seed)
+        module, example, loss_fn, make_inputs = built.module, built.example_inputs, built.loss_fn, built.make_inputs
+    # no target is no leaf (torch's pytree counts None as one: the reference would call the module with it)
+    target_leaves = tree_leaves(target) if target is not None else []
+    initial = {**buffers_to_meta(module), **kept_values(module, kept)} if meta_params else {}
+    if not capture:
+        flat = tuple(tree_leaves(example)) + tuple(target_leaves)
+        return Runnable(spec, module, None, {}, (), loss_fn,  # type: ignore[arg-type]
+                        make_inputs or _synthetic_inputs(flat, device, len(target_leaves)), None, meta_params,
+                        initial)
+    from graphpipe.runtime.stage_modules import instrument
+
+    shapes = meta_copy if meta_params else (lambda x: x)  # meta weights are captured on meta inputs
+    try:
+        exported, op_nodes, _ = cap.trace_ops(module, shapes(example), loss_fn, shapes(target),
+                                              cap.Granularity.parse(granularity))
+    except UserCodeError as exc:
+        if not meta_params:
+            raise
+        # code that makes tensors of its own on the CPU (a generator of its own) cannot run on meta inputs:
+        # every rank builds the whole model with real weights, as the eager path does
+        log.warning("%s: cannot be captured on the meta device (%s); every rank builds "
+                                            "the whole model", spec, exc)
+        try:
+            return build_runnable(spec, seed, device, capture, granularity, meta_params=False)
+        except PlanError:  # the factory builds on meta itself: the capture's own error is the one to show
+            raise exc from None
+    args, kwargs = cap.normalize_inputs(example)
+    flat = exported.io.flat_inputs(args, kwargs, target)
+    make_inputs = make_inputs or _synthetic_inputs(flat, device, len(target_leaves))
+    gm = exported.gm
+    # the meta device (preflight) only cuts the model: no run to find random calls
+    gm = instrument(gm, shapes(make_inputs(2, 0)) if device != "meta" else None)
+    return Runnable(spec, module, gm, op_nodes, tuple(op_nodes), exported.io.wrap_loss(loss_fn), make_inputs, exported.io,
+                    meta_params, initial)
+
+
+def plan_granularity(plan: Plan) -> str | None:
+    """The ``--granularity`` the plan's model was captured at (None: the default)."""
+    return plan.search.get("granularity") if plan.search else None
+
+
+def _synthetic_inputs(example: Sequence[torch.Tensor], device: str, num_targets: int = 0):
+    """``make_inputs(batch_size, seed)``: fresh tensors shaped like ``example`` (flat), drawn from ``seed``.
+
+    The last ``num_targets`` leaves are the loss's target: their rows are the
+    example target's own, drawn with replacement, so a BCE label stays in
+    [0, 1], a class index stays a valid class and a regression target keeps
+    its scale (random normals there made a recommender's BCE loss negative).
+    Inputs are drawn afresh (floats ~ N(0, 1), integers and booleans within
+    the example's range). A target on the meta device, or one with no batch
+    dimension, cannot be resampled and is drawn like an input.
+    """
+    lows = [int(x.min().item()) if isinstance(x, torch.Tensor) and x.numel() and not x.dtype.is_floating_point
+            and x.device.type != "meta" else 0 for x in example]
+    highs = [int(x.max().item()) if isinstance(x, torch.Tensor) and x.numel() and not x.dtype.is_floating_point
+             and x.device.type != "meta" else 0 for x in example]
+    first_target = len(example) - num_targets
+
+    def resamplable(i: int, x) -> bool:
+        return (i >= first_target and isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] > 0
+                and x.device.type != "meta")
+
+    def make_inputs(batch_size: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+        gen = torch.Generator().manual_seed(seed)
+        out = []
+        for i, (x, lo, hi) in enumerate(zip(example, lows, highs)):
+            if not isinstance(x, torch.Tensor):
+                out.append(x)
+                continue
+            shape = (batch_size, *x.shape[1:])
+            if resamplable(i, x):
+                rows = torch.randint(0, x.shape[0], (batch_size,), generator=gen)
+                out.append(x.detach().cpu()[rows].to(device))
+            elif x.dtype.is_floating_point:
+                out.append(torch.randn(shape, generator=gen, dtype=x.dtype).to(device))
+            elif x.dtype == torch.bool:
+                out.append(torch.randint(lo, hi + 1, shape, generator=gen).bool().to(device))
+            else:  # integers: uniform in the example's [0 or min, max]; a constant input stays constant
+                low = lo if lo == hi else min(lo, 0)
+                out.append(torch.randint(low, hi + 1, shape, generator=gen, dtype=x.dtype).to(device))
+        return tuple(out)
+
+    return make_inputs
