@@ -208,3 +208,20 @@ def test_a_stack_of_reentrant_blocks_captured_once_equals_the_whole_capture():
     whole = capture(model, (x,), name="deep", loss_fn=lambda out: out.pow(2).mean()).graph
     assert unrolled is not None and unrolled == whole
     assert {f"blocks.{k}[1]" for k in range(9)} <= {op.name for op in whole.ops}
+
+
+def test_a_row_kernel_runs_whole_where_cutting_its_rows_would_change_it():
+    from graphpipe.runtime.numerics import ROW_KERNELS, _by_rows
+
+    aten = torch.ops.aten
+    torch.manual_seed(0)
+    w, v = torch.randn(3, 16), torch.randn(16)  # a 1-D input of the batch's length: linear contracts over it
+    assert torch.equal(_by_rows(aten.linear.default, ROW_KERNELS[aten.linear.default], 4, 16, v, w),
+                       aten.linear.default(v, w))
+    x, m, bias = torch.randn(16, 5), torch.randn(5, 2), torch.randn(16, 2)  # a full-size bias: no piece fits it
+    assert torch.equal(_by_rows(aten.addmm.default, ROW_KERNELS[aten.addmm.default], 4, 16, bias, x, m),
+                       aten.addmm.default(bias, x, m))
+    signal = torch.randn(16, 40)  # conv1d's unbatched form (channels, length): dim 0 is channels
+    kernel = torch.randn(2, 16, 3)
+    assert torch.equal(_by_rows(aten.conv1d.default, ROW_KERNELS[aten.conv1d.default], 4, 16, signal, kernel),
+                       aten.conv1d.default(signal, kernel))

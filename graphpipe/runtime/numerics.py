@@ -73,11 +73,13 @@ def allowed(reference: torch.Tensor, atol: float, rtol: float, spread_of: float 
     return atol + rtol * reference.abs() + SPREAD_FACTOR * spread_of
 
 
-ROW_KERNELS = {torch.ops.aten.conv1d.default: 0, torch.ops.aten.conv2d.default: 0, torch.ops.aten.conv3d.default: 0,
-               torch.ops.aten.convolution.default: 0, torch.ops.aten.linear.default: 0,
-               torch.ops.aten.matmul.default: 0, torch.ops.aten.mm.default: 0, torch.ops.aten.addmm.default: 1}
-"""Row-independent kernels whose fp32 rounding depends on how many rows they get (a 1x1 convolution over 3x3 maps
-sums in another order at 16 rows than at 4), with the position of their batch-major argument."""
+ROW_KERNELS = {torch.ops.aten.conv1d.default: (0, 3), torch.ops.aten.conv2d.default: (0, 4),
+               torch.ops.aten.conv3d.default: (0, 5), torch.ops.aten.convolution.default: (0, 3),
+               torch.ops.aten.linear.default: (0, 2), torch.ops.aten.mm.default: (0, 2),
+               torch.ops.aten.addmm.default: (1, 2)}
+"""Kernels whose fp32 rounding depends on how many rows they get (a 1x1 convolution over 3x3 maps sums in another
+order at 16 rows than at 4), with the position of the argument whose rows they treat independently and the
+fewest dims it has then (an unbatched ``conv1d`` input or a 1-D ``linear`` input contracts over dim 0)."""
 
 
 def rows_as_the_pipeline(gm: torch.fx.GraphModule, layout: Mapping[str, Mapping[str, int]],
@@ -104,9 +106,14 @@ def rows_as_the_pipeline(gm: torch.fx.GraphModule, layout: Mapping[str, Mapping[
     return gm
 
 
-def _by_rows(kernel, arg: int, rows: int, batch_size: int, *args: Any, **kwargs: Any):
+def _by_rows(kernel, where: tuple[int, int], rows: int, batch_size: int, *args: Any, **kwargs: Any):
+    """``kernel(*args, **kwargs)``, its row argument cut into ``rows``-row pieces when it has the batch's rows
+    (and no other argument does: a full-size bias would not broadcast against a piece)."""
+    arg, min_dim = where
     x = args[arg]
-    if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] != batch_size:
+    others = [a for i, a in enumerate(args) if i != arg] + list(kwargs.values())
+    if (not isinstance(x, torch.Tensor) or x.dim() < min_dim or x.shape[0] != batch_size
+            or any(isinstance(a, torch.Tensor) and a.dim() >= 2 and a.shape[0] == batch_size for a in others)):
         return kernel(*args, **kwargs)
     outs = [kernel(*args[:arg], x[lo:lo + rows], *args[arg + 1:], **kwargs) for lo in range(0, batch_size, rows)]
     return torch.cat(outs)
