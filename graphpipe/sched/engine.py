@@ -130,93 +130,129 @@ def run_engine(sg: StageGraph, device_actions: Sequence[Sequence[Action]],
     it, this one included, take ``busy`` seconds, it ends no earlier than
     ``t + busy`` whatever the rest does, as a device runs one action at a time
     (past a relative margin of 1e-9, far above the rounding of those sums).
+
+    The loop runs once per action of every simulation a search scores, so it
+    is kept to local names and list indexing: each device runs its actions
+    until one waits for a (stage, slot, mb) not yet done, registers in that
+    entry's waiting list and resumes when the last replica finishes it.
     """
     num_devices = len(device_actions)
     tab = _Tables(sg, duration, fwd_delay, bwd_delay, replicas)
-    preds, succs, mb_size, fdel, bdel, dur, done = tab.preds, tab.succs, tab.mb_size, tab.fdel, tab.bdel, tab.dur, tab.done
-    partial, remaining = tab.partial, tab.remaining
-    # Per (stage, kind): how to list an action's dependencies (action_deps, unrolled for the common cases).
-    same_size = [all(mb_size[p] == mb_size[s] for p in preds[s]) and all(mb_size[c] == mb_size[s] for c in succs[s])
-                 for s in range(len(preds))]
-    f_deps = [tuple((p, fdel[(p, s)]) for p in preds[s]) for s in range(len(preds))]
-    b_deps = [tuple((c, bdel[(s, c)]) for c in succs[s]) for s in range(len(preds))]
-    waiters: dict[tuple[int, int, int], list[int]] = {}
-
+    done, partial, remaining = tab.done, tab.partial, tab.remaining
+    # waiting[s][k][mb]: the devices whose next action waits for (s, k, mb), or None
+    waiting: list[list[list[list[int] | None]]] = [[[None] * len(per_kind) for per_kind in per_stage]
+                                                   for per_stage in done]
+    table = _kind_table(tab, waiting)
     pos = [0] * num_devices
     free = [0.0] * num_devices
     starts: list[list[float]] = [[] for _ in range(num_devices)]
     ends: list[list[float]] = [[] for _ in range(num_devices)]
-    head_deps: list[list[tuple[int, int, int, float]] | None] = [None] * num_devices
-    head_cursor = [0] * num_devices
-    head_ready = [0.0] * num_devices
+    resume: list[tuple | None] = [None] * num_devices  # a mixed-size head action's (deps, cursor, ready so far)
     blocked_on: list[tuple[int, int, int] | None] = [None] * num_devices
     left_busy = None  # per device: compute time of the actions it has not started (with give_up_after)
     if give_up_after is not None:
         give_up_after *= 1 + 1e-9
-        left_busy = [sum(dur[a[0]][_DURATION_INDEX[a[1]]] for a in acts) for acts in device_actions]
+        steps = [{kind: entry[2] for kind, entry in per_stage.items()} for per_stage in table]
+        left_busy = [sum([steps[s][kind] for s, kind, _ in acts]) for acts in device_actions]
     stack = list(range(num_devices - 1, -1, -1))
     while stack:
         d = stack.pop()
         acts = device_actions[d]
         n_acts = len(acts)
+        p = pos[d]
+        t_free = free[d]
+        busy = left_busy[d] if left_busy is not None else None
         blocked_on[d] = None
         d_starts, d_ends = starts[d], ends[d]
-        while pos[d] < n_acts:
-            action = acts[pos[d]]
-            s, kind, j = action
-            deps = head_deps[d]
-            if deps is None:
-                if not same_size[s]:
-                    deps = action_deps(action, preds, succs, mb_size, fdel, bdel)
-                elif kind == "F":
-                    deps = [(p, 0, j, delay) for p, delay in f_deps[s]]
-                elif kind == "W":
-                    deps = [(s, 1, j, 0.0)]
+        while p < n_acts:
+            s, kind, j = acts[p]
+            srcs, k, step, own_done, own_wait, single = table[s][kind]
+            ready = t_free
+            key = None
+            if srcs is not None:  # every neighbour has this stage's micro-batch size: dependency j of each
+                for dep_done, delay, s2, k2 in srcs:
+                    t = dep_done[j]
+                    if t is None:
+                        key = (s2, k2, j)
+                        break
+                    t += delay
+                    if t > ready:
+                        ready = t
+            else:
+                if resume[d] is not None:
+                    deps, cursor, ready = resume[d]
+                    resume[d] = None
                 else:
-                    deps = [(s, 0, j, 0.0)] + [(c, 1, j, delay) for c, delay in b_deps[s]]
-                head_deps[d] = deps
-                head_cursor[d] = 0
-                head_ready[d] = free[d]
-            ready = head_ready[d]
-            cursor = head_cursor[d]
-            n_deps = len(deps)
-            while cursor < n_deps:
-                s2, k2, mb2, delay = deps[cursor]
-                t = done[s2][k2][mb2]
-                if t is None:
-                    break
-                if t + delay > ready:
-                    ready = t + delay
-                cursor += 1
-            if cursor < n_deps:
-                head_ready[d] = ready
-                head_cursor[d] = cursor
-                key = deps[cursor][:3]
-                waiters.setdefault(key, []).append(d)
+                    deps, cursor = action_deps(acts[p], tab.preds, tab.succs, tab.mb_size, tab.fdel, tab.bdel), 0
+                n_deps = len(deps)
+                while cursor < n_deps:
+                    s2, k2, mb2, delay = deps[cursor]
+                    t = done[s2][k2][mb2]
+                    if t is None:
+                        key = (s2, k2, mb2)
+                        resume[d] = (deps, cursor, ready)
+                        break
+                    t += delay
+                    if t > ready:
+                        ready = t
+                    cursor += 1
+            if key is not None:
+                wait = waiting[key[0]][key[1]]
+                if wait[key[2]] is None:
+                    wait[key[2]] = [d]
+                else:
+                    wait[key[2]].append(d)
                 blocked_on[d] = key
                 break
-            k = KIND_INDEX[kind]
-            step = dur[s][_DURATION_INDEX[kind]]
-            if left_busy is not None:
-                if ready + left_busy[d] > give_up_after:
+            if busy is not None:
+                if ready + busy > give_up_after:
                     return tab.result(device_actions, pos, blocked_on, starts, ends, gave_up=True)
-                left_busy[d] -= step
+                busy -= step
             end = ready + step
             d_starts.append(ready)
             d_ends.append(end)
-            free[d] = end
-            pos[d] += 1
-            head_deps[d] = None
-            # tab.finish, inlined: this replica's end; the stage-level end once every replica has run it
-            left = remaining[s][k]
-            if end > partial[s][k][j]:
-                partial[s][k][j] = end
-            left[j] -= 1
-            if not left[j]:
-                done[s][k][j] = partial[s][k][j]
-                for w in waiters.pop((s, k, j), ()):
-                    stack.append(w)
+            t_free = end
+            p += 1
+            if single:
+                own_done[j] = end
+            else:  # tab.finish, inlined: the stage-level end once every replica has run it
+                if end > partial[s][k][j]:
+                    partial[s][k][j] = end
+                left = remaining[s][k]
+                left[j] -= 1
+                if left[j]:
+                    continue
+                own_done[j] = partial[s][k][j]
+            woken = own_wait[j]
+            if woken is not None:
+                stack.extend(woken)
+                own_wait[j] = None
+        pos[d] = p
+        free[d] = t_free
+        if busy is not None:
+            left_busy[d] = busy
     return tab.result(device_actions, pos, blocked_on, starts, ends)
+
+
+def _kind_table(tab: "_Tables", waiting) -> list[dict[str, tuple]]:
+    """Per stage, per kind: ``(sources, completion slot, duration, the slot's done list, its waiting list, one
+    replica)`` for :func:`run_engine`.
+
+    ``sources`` lists ``(done list, delay, stage, slot)`` of each dependency when every neighbour of the stage has
+    its micro-batch size (dependency ``j`` of micro-batch ``j``), else None (:func:`action_deps` per action).
+    """
+    out = []
+    for s in range(len(tab.preds)):
+        size = tab.mb_size[s]
+        same = (all(tab.mb_size[p] == size for p in tab.preds[s]) and all(tab.mb_size[c] == size for c in tab.succs[s]))
+        own = tab.done[s]
+        fwd = tuple((tab.done[p][0], tab.fdel[(p, s)], p, 0) for p in tab.preds[s])
+        bwd = ((own[0], 0.0, s, 0),) + tuple((tab.done[c][1], tab.bdel[(s, c)], c, 1) for c in tab.succs[s])
+        srcs = {"F": fwd, "B": bwd, "I": bwd, "W": ((own[1], 0.0, s, 1),)}
+        out.append({kind: (srcs[kind] if same or kind == "W" else None, KIND_INDEX[kind], tab.dur[s][i],
+                           own[KIND_INDEX[kind]], waiting[s][KIND_INDEX[kind]], tab.replicas[s] == 1)
+                    for kind, i in _DURATION_INDEX.items()})
+    return out
 
 
 def run_engine_shared(sg: StageGraph, device_actions: Sequence[Sequence[Action]],
@@ -309,6 +345,7 @@ class _Tables:
         num_mbs = [sg.num_micro_batches(s) for s in range(num_stages)]
         if replicas is None:  # round-robin: one replica runs each mb
             replicas = [1 if st.round_robin else len(st.devices) for st in sg.stages]
+        self.replicas = list(replicas)  # listed devices running each action of a stage
         self.fdel = {(p, c): fwd_delay(p, c) for p, c in sg.edges}
         self.bdel = {(p, c): bwd_delay(p, c) for p, c in sg.edges}
         self.dur = [tuple(duration(s, kind) for kind in _DURATION_INDEX) for s in range(num_stages)]
@@ -336,7 +373,8 @@ class _Tables:
                 key = blocked_on[d]
                 waits = Action(key[0], _slot_kind(device_actions, key), key[2]) if key else acts[pos[d]]
                 stuck.append(Stuck(d, pos[d], acts[pos[d]], waits))
-        stage_end = tuple(tuple(tuple(x if x is not None else float("nan") for x in per_kind) for per_kind in per_stage)
+        stage_end = tuple(tuple(tuple(per_kind) if None not in per_kind else
+                                tuple(x if x is not None else float("nan") for x in per_kind) for per_kind in per_stage)
                           for per_stage in self.done)
         return EngineResult(tuple(map(tuple, starts)), tuple(map(tuple, ends)), stage_end, tuple(stuck))
 

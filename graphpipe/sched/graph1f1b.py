@@ -170,17 +170,24 @@ def one_f_one_b_sequence(stage_id: int, num_mbs: int, warmup: int) -> list[Actio
     '0F0 0F1 0B0 0F2 0B1 0F3 0B2 0B3'
     """
     warmup = max(1, min(warmup, num_mbs))
-    out = [Action(stage_id, "F", j) for j in range(warmup)]
-    for k in range(num_mbs):
-        out.append(Action(stage_id, "B", k))
-        if warmup + k < num_mbs:
-            out.append(Action(stage_id, "F", warmup + k))
+    # Built by slices, not one append per action: a search builds this for every stage of every plan it scores
+    # (tuple.__new__ skips the named tuple's Python-level constructor; the objects are the same Actions).
+    new = tuple.__new__
+    fwd = [new(Action, (stage_id, "F", j)) for j in range(num_mbs)]
+    bwd = [new(Action, (stage_id, "B", j)) for j in range(num_mbs)]
+    steady = num_mbs - warmup  # B_k then F_{warmup + k}, for k < steady
+    out = fwd[:warmup]
+    alternating = [None] * (2 * steady)
+    alternating[0::2] = bwd[:steady]
+    alternating[1::2] = fwd[warmup:]
+    out += alternating
+    out += bwd[steady:]
     return out
 
 
 def assemble(sg: StageGraph, name: str, per_stage: Sequence[Sequence[Action]]) -> Schedule:
     """Place each stage's action list on every device of the stage (one stage per device)."""
-    lists: list[list[Action]] = [[] for _ in range(sg.num_devices)]
+    lists: list[Sequence[Action]] = [[] for _ in range(sg.num_devices)]
     for st in sg.stages:
         for d in st.devices:
             if lists[d]:
@@ -195,9 +202,10 @@ def assemble(sg: StageGraph, name: str, per_stage: Sequence[Sequence[Action]]) -
                 lists[d] = []
             for a in per_stage[st.id]:
                 lists[st.replica_of(a.mb_id)].append(a)
-        else:
+        else:  # one tuple shared by the replicas: Schedule keeps it, and the simulator tells them alike by identity
+            shared = tuple(per_stage[st.id])
             for d in st.devices:
-                lists[d] = list(per_stage[st.id])
+                lists[d] = shared
     return Schedule.from_lists(name, lists)
 
 

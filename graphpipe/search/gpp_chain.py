@@ -104,6 +104,9 @@ class ChainDP(TargetDP):
         self._levels = 0
         """Bounds of the last solve whose back-pointers are filled in (a solve up to a depth stops early)."""
         self._pairs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._last: tuple | None = None
+        """The last solve's ``(t_max, depth, table, states counted)``: a search often asks the same target
+        twice in a row (a feasibility test, then the stages), and the back-pointers are still those."""
 
     def _options(self, t_max: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The (i, j) that are options under ``t_max``, sorted by i then j, and their rows
@@ -127,29 +130,38 @@ class ChainDP(TargetDP):
         ``depth``: only bounds up to it are asked about; the table may then end there (level by level,
         bound ``v`` needs only the levels up to ``v``).
         """
+        if self._last is not None and self._last[:2] == (t_max, depth):
+            self.t_max = t_max
+            self.dp_states += self._last[3]
+            return self._last[2]
+        counted = self.dp_states
         self.t_max = t_max
         n, size, mbs = self.n, self.kcap + 1, self.num_mbs
         top = size if depth is None else min(depth + 1, size)
         i, j, reach = self._options(t_max)
         starts = np.flatnonzero(np.r_[True, i[1:] != i[:-1]])   # every i has its single op: no empty run
-        order = np.arange(len(i))
         limit = (self.num_devices + 1) * _STAGES
         keys = np.full((size, n + 1), _NONE, dtype=np.int64)
         keys[:, n] = 0
         choice = np.zeros((size, n, 2), dtype=np.int64)   # (j, u) of ops i..n-1 at bound v
         nd = len(self.ds)
+        # need[v - 1, pair]: the devices-and-one-stage key of the pair as one stage at bound v, every level at
+        # once (reach is sorted along its device choices: the first one holding min(v, M) in flight).
+        held_at = np.minimum(np.arange(1, top), mbs)
+        first = np.sum(reach[None, :, :] < held_at[:, None, None], axis=-1)
+        need_all = np.where(first < nd, self._ds[np.minimum(first, nd - 1)] * _STAGES + 1, _NONE)
+        # total clipped at limit (infeasible) times (n + 1) plus j: one min per i picks the fewest (devices,
+        # stages), then the smallest j among equal totals (the order the pairs are sorted in).
+        width = n + 1
         for v in range(1, top):
-            first = np.sum(reach < min(v, mbs), axis=-1)        # first device choice holding it (nd: none)
-            need = np.where(first < nd, self._ds[np.minimum(first, nd - 1)] * _STAGES + 1, _NONE)
-            total = need + keys[v - 1, j]
-            best = np.minimum.reduceat(total, starts)
-            # the smallest j among equal totals: pairs are sorted by j within each i
-            at = np.minimum.reduceat(np.where(total == best[i], order, len(i)), starts)
-            best = np.where(best >= limit, _NONE, best)
+            total = np.minimum(need_all[v - 1] + keys[v - 1, j], limit)
+            packed = np.minimum.reduceat(total * width + j, starts)
+            best, best_j = packed // width, packed % width
+            best[best >= limit] = _NONE
             prev, prev_j = keys[v - 1, :n], choice[v - 1, :, 0]
-            take = (best < prev) | ((best == prev) & (best < _NONE) & (j[at] < prev_j))
+            take = (best < prev) | ((best == prev) & (best < _NONE) & (best_j < prev_j))
             keys[v, :n] = np.where(take, best, prev)
-            choice[v, :, 0] = np.where(take, j[at], prev_j)
+            choice[v, :, 0] = np.where(take, best_j, prev_j)
             choice[v, :, 1] = np.where(take, v - 1, choice[v - 1, :, 1])
             self.dp_states += n
             if not take.any():  # need only grows with v: no later level changes anything either
@@ -161,7 +173,9 @@ class ChainDP(TargetDP):
         devices = [key // _STAGES if key < _NONE else INF for key in root]
         stages = [key % _STAGES if key < _NONE else 0 for key in root]
         how = [tuple(c) if key < _NONE else None for key, c in zip(root, choice[:top, 0].tolist())]
-        return Table.of(devices, stages, how)
+        table = Table.of(devices, stages, how)
+        self._last = (t_max, depth, table, self.dp_states - counted)
+        return table
 
     def extract(self, v: int) -> list[DPStage]:
         """Stages of the solution with depth <= v (after :meth:`solve`), first stage first."""
