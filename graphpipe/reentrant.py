@@ -24,7 +24,7 @@ reads ``blocks.0``'s ``mul`` becomes ``blocks.0`` (the ``mul``) and
 
 from __future__ import annotations
 
-from typing import Hashable, Mapping, MutableMapping, Sequence
+from typing import Mapping, MutableMapping, Sequence
 
 import torch.fx as fx
 
@@ -33,18 +33,20 @@ __all__ = ["cyclic_ops", "split_reentrant_ops"]
 
 def cyclic_ops(nodes: Sequence[fx.Node], owner: Mapping[fx.Node, str]) -> list[str]:
     """Ops on a cycle of the contracted graph (in order of their first node); empty when it is acyclic."""
-    succ: dict[str, set[str]] = {}
+    import networkx as nx
+
+    contracted = nx.DiGraph()
     for n in nodes:
         op = owner.get(n)
         if op is None:
             continue
-        succ.setdefault(op, set())
+        contracted.add_node(op)
         for m in n.all_input_nodes:
             src = owner.get(m)
             if src is not None and src != op:
-                succ.setdefault(src, set()).add(op)
+                contracted.add_edge(src, op)
     on_cycle = set()
-    for component in _strongly_connected(succ):
+    for component in nx.strongly_connected_components(contracted):
         if len(component) > 1:
             on_cycle.update(component)
     first = {}
@@ -85,50 +87,3 @@ def split_reentrant_ops(nodes: Sequence[fx.Node], owner: MutableMapping[fx.Node,
                     added.append(piece)
                 owner[n] = piece
     return added
-
-
-def _strongly_connected(succ: Mapping[Hashable, set]) -> list[list]:
-    """Tarjan's strongly connected components, iteratively (graphs of thousands of ops)."""
-    index: dict = {}
-    low: dict = {}
-    stack: list = []
-    on_stack: set = set()
-    out = []
-    counter = 0
-    for root in succ:
-        if root in index:
-            continue
-        work = [(root, iter(succ.get(root, ())))]
-        index[root] = low[root] = counter
-        counter += 1
-        stack.append(root)
-        on_stack.add(root)
-        while work:
-            v, it = work[-1]
-            advanced = False
-            for w in it:
-                if w not in index:
-                    index[w] = low[w] = counter
-                    counter += 1
-                    stack.append(w)
-                    on_stack.add(w)
-                    work.append((w, iter(succ.get(w, ()))))
-                    advanced = True
-                    break
-                if w in on_stack:
-                    low[v] = min(low[v], index[w])
-            if advanced:
-                continue
-            work.pop()
-            if work:
-                low[work[-1][0]] = min(low[work[-1][0]], low[v])
-            if low[v] == index[v]:
-                component = []
-                while True:
-                    w = stack.pop()
-                    on_stack.discard(w)
-                    component.append(w)
-                    if w == v:
-                        break
-                out.append(component)
-    return out

@@ -111,7 +111,7 @@ def reference_run(spec: str, seed: int, batch_size: int, layout: dict[str, dict[
     (:mod:`graphpipe.runtime.numerics`).
     """
     from graphpipe.runtime.batchnorm import sharded_batchnorms
-    from graphpipe.runtime.rng import ReferenceContext, ShardContext
+    from graphpipe.runtime.rng import ReferenceContext, ShardContext, _rows
 
     ref = load_runnable(spec, seed, device, granularity=granularity, meta_params=meta_params)
     _materialize_whole(ref, ref.gm, device, seed)
@@ -138,7 +138,7 @@ def reference_run(spec: str, seed: int, batch_size: int, layout: dict[str, dict[
                 loss = 0.0
                 for lo in range(0, batch_size, rows):
                     ctx = ShardContext(seed, step, lo, rows, lo, rows)
-                    part = tuple(x[lo:lo + rows] if _batched(x, batch_size) else x for x in inputs)
+                    part = tuple(_rows(x, batch_size, slice(lo, lo + rows)) for x in inputs)
                     term = ref.loss_fn(gm(*part, ctx)) * (rows / batch_size)
                     term.backward()
                     loss = loss + term.detach()
@@ -181,10 +181,6 @@ def uniform_rows(layout: dict[str, dict[str, int]], batch_size: int) -> int | No
         return None
     (rows,) = sizes
     return rows if 0 < rows < batch_size and batch_size % rows == 0 else None
-
-
-def _batched(x, batch_size: int) -> bool:
-    return isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] == batch_size
 
 
 def _materialize_whole(ref: Runnable, module: torch.nn.Module, device: str, seed: int) -> None:
