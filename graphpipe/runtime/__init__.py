@@ -86,12 +86,11 @@ def preflight(plan: Plan, options: RunOptions) -> None:
 
     validate_plan(plan)
     if options.checkpoint_dir:
-        from graphpipe.runtime.step_checkpoints import newest_complete
+        from graphpipe.runtime.step_checkpoints import check_steps_left, newest_complete
 
         found = newest_complete(options.checkpoint_dir)
-        if found is not None and found[0] >= options.steps:
-            raise InputError(f"--checkpoint-dir {options.checkpoint_dir} already holds step {found[0]}, and the run "
-                             f"has --steps {options.steps}; raise --steps or use another folder")
+        if found is not None:
+            check_steps_left(options.checkpoint_dir, found[0], options.steps)
     from graphpipe.sched.async_pipe import plan_spec
 
     if options.compile:

@@ -31,7 +31,6 @@ every collective, so a failing rank ends the job instead of hanging it.
 from __future__ import annotations
 
 import os
-import shutil
 import time
 import uuid
 from datetime import timedelta
@@ -44,6 +43,8 @@ import torch.nn as nn
 from graphpipe.errors import InputError, PlanError
 from graphpipe.exporting import normalize_inputs
 from graphpipe.plan import Plan
+from graphpipe.runtime.resume import StepCheckpoints
+from graphpipe.runtime.step_checkpoints import replace_dir
 
 __all__ = ["Pipeline"]
 
@@ -147,6 +148,7 @@ class Pipeline:
         # a real model's stages take rank 0's weights before the first step, unless a checkpoint fills them
         self._from_rank0 = not self._meta and self.world_size > 1
         self._steps, self._measure = 0, False  # the API times nothing (graphpipe run measures)
+        self._checkpoints = StepCheckpoints()
         self._build(example_inputs, example_target)
         if not self._setup.programs:
             import logging
@@ -248,6 +250,7 @@ class Pipeline:
         self.rank, self.world_size, self.backend, self.device = rank, world_size, backend, device
         self._owns_group = False  # the worker's group: it destroys it
         self._batchnorm, self._measure, self._steps = options.batchnorm_for(plan), options.measure, 0
+        self._checkpoints = StepCheckpoints()
         self._compile = options.compile
         self._model = self._loss_fn = None  # the runnable's module is dropped: only this rank's stages stay
         self._from_rank0 = False  # every rank built (or materializes) the same weights from the seed
@@ -550,11 +553,9 @@ class Pipeline:
 
         self._receive_rank0_weights()
         if step is not None or async_save:
-            from graphpipe.runtime.resume import save_step
-
             if step is None:
                 raise InputError("async_save needs step=N: only step checkpoints are written in the background")
-            save_step(self, directory, step, optimizer, keep=keep, async_save=async_save)
+            self._checkpoints.save(self, directory, step, optimizer, keep=keep, async_save=async_save)
             return
         self.wait_checkpoint()
         directory = os.fspath(directory)
@@ -565,11 +566,7 @@ class Pipeline:
         dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp))
         dist.barrier()
         if self.rank == 0:
-            old = f"{directory}.old-{token[0]}"
-            if os.path.exists(directory):
-                os.replace(directory, old)
-            os.replace(tmp, directory)
-            shutil.rmtree(old, ignore_errors=True)
+            replace_dir(tmp, directory)
         dist.barrier()
 
     def resume(self, directory: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None) -> int:
@@ -580,15 +577,15 @@ class Pipeline:
         naming it, never loaded. The checkpoint may come from another plan of
         the same model (fewer ranks after a host was lost). Collective.
         """
-        from graphpipe.runtime.resume import resume_newest
-
-        return resume_newest(self, directory, optimizer)
+        step = self._checkpoints.resume(self, directory, optimizer)
+        if step is None:
+            return 0
+        self._steps = step
+        return step
 
     def wait_checkpoint(self) -> None:
         """Wait until an ``async_save`` checkpoint is written, and seal it (collective; a no-op without one)."""
-        from graphpipe.runtime.resume import finish_pending
-
-        finish_pending(self)
+        self._checkpoints.finish(self)
 
     @property
     def steps_done(self) -> int:

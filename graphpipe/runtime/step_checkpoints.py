@@ -45,8 +45,8 @@ from typing import Callable
 
 from graphpipe.errors import InputError
 
-__all__ = ["MANIFEST", "check_keep", "step_dir", "temporary_dir", "publish", "is_complete", "list_steps",
-           "newest_complete", "prune"]
+__all__ = ["MANIFEST", "check_keep", "step_dir", "temporary_dir", "replace_dir", "publish", "is_complete",
+           "list_steps", "newest_complete", "prune", "check_steps_left"]
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +80,28 @@ def _sizes(folder: str) -> dict[str, int]:
     return sizes
 
 
+def check_steps_left(folder: str | os.PathLike, done: int, steps: int, error: type[Exception] = InputError) -> None:
+    """Refuse a run of ``steps`` steps resuming from ``folder`` whose newest checkpoint holds step ``done``
+    (nothing would be trained): ``graphpipe run`` asks before it starts its ranks, each rank again once it has
+    resumed (another job may have saved a newer step in between)."""
+    if done >= steps:
+        raise error(f"--checkpoint-dir {os.fspath(folder)} already holds step {done}, and the run has --steps "
+                    f"{steps}; raise --steps or use another folder")
+
+
+def replace_dir(tmp: str, final: str) -> None:
+    """Rename the folder ``tmp`` to ``final``, replacing a ``final`` that exists: the old one is first renamed
+    aside and removed only after the new one is in place, so a job killed at any point leaves a whole folder
+    under ``final`` (the old or the new) or, between the two renames, the old one beside it."""
+    old = None
+    if os.path.exists(final):
+        old = f"{tmp}.replaced"
+        os.replace(final, old)
+    os.replace(tmp, final)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def publish(tmp: str, final: str) -> None:
     """Seal a fully written checkpoint: write its manifest (fsynced), then rename ``tmp`` to ``final``.
 
@@ -95,13 +117,7 @@ def publish(tmp: str, final: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(manifest + ".part", manifest)
-    old = None
-    if os.path.exists(final):
-        old = f"{tmp}.replaced"
-        os.replace(final, old)
-    os.replace(tmp, final)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    replace_dir(tmp, final)
     try:  # the rename itself survives a power cut only once the parent folder is synced
         fd = os.open(os.path.dirname(final) or ".", os.O_RDONLY)
         try:

@@ -49,6 +49,7 @@ from graphpipe.runtime.options import RunOptions
 from graphpipe.runtime.reference import compare_buffers, compare_gradients, reference_run
 from graphpipe.runtime.results import RunResult, finish_job
 from graphpipe.runtime.runnable import data_seed, load_runnable, plan_granularity
+from graphpipe.runtime.step_checkpoints import check_steps_left
 
 __all__ = ["rank_cpus", "pin_rank", "run_rank", "run_job", "peak_rss_bytes"]
 
@@ -147,9 +148,8 @@ def run_job(rank: int, world_size: int, plan: Plan, options: RunOptions, device:
                                   with_spread=options.check_tolerance == "fp64")
 
     start = pipe.resume(options.checkpoint_dir, optimizer=optimizer) if options.checkpoint_dir else 0
-    if start >= options.steps:
-        raise PlanError(f"--checkpoint-dir {options.checkpoint_dir} already holds step {start}, and the run has "
-                        f"--steps {options.steps}; raise --steps or use another folder")
+    if options.checkpoint_dir:
+        check_steps_left(options.checkpoint_dir, start, options.steps, PlanError)
     steps: list[StepResult] = []
     check_stats = [0.0, 0, 0, 0]
     for step in range(start, options.steps):
