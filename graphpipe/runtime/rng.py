@@ -69,7 +69,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 __all__ = ["ShardContext", "ReferenceContext", "stream_seed", "seeded_dropout", "SeededDropout", "seeded_call",
-           "instrument_dropout", "instrument_random", "find_unseeded_random", "DROPOUT_MODULES"]
+           "instrument_dropout", "instrument_random", "find_unseeded_random", "DROPOUT_MODULES", "draw_keep",
+           "keep_mask"]
 
 log = logging.getLogger(__name__)
 
@@ -180,15 +181,45 @@ def seeded_dropout(x: torch.Tensor, p: float, training: bool, ctx, op: str, chan
     if p >= 1.0:
         return x * 0.0
     outs = []
+    traced = getattr(ctx, "keep_mask", None)  # a compiled stage's context: the seed is a tensor input
     for lo, piece in ctx.pieces(op, "dropout", x):
         shape = (*piece.shape[:2], *([1] * (piece.dim() - 2))) if channelwise and piece.dim() > 2 else piece.shape
-        keep = torch.empty(shape, dtype=piece.dtype, device=piece.device)
-        if piece.device.type != "meta":  # a shape-only run (a model on the meta device) draws nothing
-            gen = torch.Generator(device=piece.device).manual_seed(stream_seed(ctx.seed, ctx.step, op, lo))
-            with _mark("ours"):
-                keep.bernoulli_(1.0 - p, generator=gen)
+        if traced is not None:
+            keep = traced(op, list(shape), piece.dtype, piece.device, 1.0 - p)
+        else:
+            keep = draw_keep(stream_seed(ctx.seed, ctx.step, op, lo), shape, piece.dtype, piece.device, 1.0 - p)
         outs.append(piece * keep * (1.0 / (1.0 - p)))
     return ctx.join(outs)
+
+
+def draw_keep(seed: int, shape, dtype: torch.dtype, device: torch.device, q: float) -> torch.Tensor:
+    """A dropout keep-mask of ``shape``: Bernoulli(``q``) draws from a generator of its own seeded with ``seed``.
+
+    The one place masks are drawn, eagerly or (through :func:`keep_mask`) inside a compiled stage, so both
+    draw the same bits.
+    """
+    keep = torch.empty(tuple(shape), dtype=dtype, device=device)
+    if keep.device.type != "meta":  # a shape-only run (a model on the meta device) draws nothing
+        gen = torch.Generator(device=keep.device).manual_seed(seed)
+        with _mark("ours"):
+            keep.bernoulli_(q, generator=gen)
+    return keep
+
+
+@torch.library.custom_op("graphpipe::keep_mask", mutates_args=())
+def keep_mask(seed: torch.Tensor, shape: list[int], dtype: torch.dtype, device: torch.device, q: float) -> torch.Tensor:
+    """:func:`draw_keep` with the seed in a one-element int64 tensor, as an operator ``torch.compile`` keeps whole.
+
+    Why: a compiled stage cannot create a generator inside its graph, and a
+    seed passed as a Python int would be a constant of the graph (one
+    recompilation per micro-batch and step). As a tensor it is an input.
+    """
+    return draw_keep(int(seed.item()), shape, dtype, device, q)
+
+
+@keep_mask.register_fake
+def _(seed, shape, dtype, device, q):
+    return torch.empty(tuple(shape), dtype=dtype, device=device)
 
 
 class SeededDropout(nn.Module):
