@@ -116,7 +116,9 @@ def _ctx_users(graph: torch.fx.Graph, module: torch.nn.Module):
     ctx = next((n for n in graph.nodes if n.op == "placeholder" and n.name == CTX_NAME), None)
     dropouts, global_draws = [], []
     for node in ctx.users if ctx is not None else ():
-        if "rng_ctx" in node.kwargs:
+        if getattr(node.target, "seeded_attention", False):  # attention dropout: drawn as a dropout when compiled
+            dropouts.append(node.kwargs["rng_op"])
+        elif "rng_ctx" in node.kwargs:
             global_draws.append(node.kwargs.get("rng_op", node.name))
         elif node.op == "call_module" and isinstance(module.get_submodule(node.target), SeededDropout):
             dropouts.append(node.args[2])
