@@ -415,7 +415,8 @@ def instrument_dropout(gm: torch.fx.GraphModule, ctx_node: torch.fx.Node) -> lis
     for node in list(gm.graph.nodes):
         if node.op == "call_module":
             module = gm.get_submodule(node.target)
-            if type(module) not in DROPOUT_MODULES or not node.args:
+            # a dropout module called twice (T5's encoder.dropout) was replaced at its first call
+            if (type(module) not in DROPOUT_MODULES and type(module) is not SeededDropout) or not node.args:
                 continue
             if not isinstance(module, SeededDropout):
                 _set_submodule(gm, node.target, SeededDropout(module.p, type(module) is not nn.Dropout))
