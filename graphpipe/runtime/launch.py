@@ -84,12 +84,14 @@ class RuntimeFailure(GraphpipeError):
 
     ``out_of_memory``: a rank ran out of memory (``MemoryError``, or a SIGKILL
     while the kernel's out-of-memory killer ran): the command exits 2, as for
-    any input too large for the host.
+    any input too large for the host. ``refused``: a rank refused its part
+    (a stage ``--compile`` cannot compile): it exits 2 too, an input to change.
     """
 
-    def __init__(self, message: str, out_of_memory: bool = False):
+    def __init__(self, message: str, out_of_memory: bool = False, refused: bool = False):
         super().__init__(message)
         self.out_of_memory = out_of_memory
+        self.refused = refused
 
 
 def free_port() -> int:
@@ -406,7 +408,8 @@ class _Watch:
         causes = [e for e in reports if not (_LOST.search(e[2]) or _TIMEOUT.search(e[2]))]
         if causes:
             stamp, rank, message = causes[0]
-            return self._fail(f"rank {rank} failed: {message}", "MemoryError" in message)
+            return self._fail(f"rank {rank} failed: {message}", "MemoryError" in message,
+                              message.startswith("CompileError:"))
         if any(_TIMEOUT.search(m) for _, _, m in reports):
             silent = self._silent()
             if any(self._waiting(r) for r in silent) and waited < self.timeout_s + 2 * _GRACE_S:
@@ -419,9 +422,9 @@ class _Watch:
         stamp, rank, message = reports[0]
         return self._fail(f"rank {rank} failed: {message}")
 
-    def _fail(self, message: str, out_of_memory: bool = False) -> RuntimeFailure:
+    def _fail(self, message: str, out_of_memory: bool = False, refused: bool = False) -> RuntimeFailure:
         self.failed = True
-        return RuntimeFailure(message, out_of_memory)
+        return RuntimeFailure(message, out_of_memory, refused)
 
     def _silent(self) -> list[int]:
         return [r for r, p in enumerate(self.procs)
