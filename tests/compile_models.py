@@ -76,5 +76,5 @@ class GlobalNoise(nn.Module):
 
 def global_noise():
     torch.manual_seed(0)
-    return GlobalNoise(), (torch.randn(BATCH, 4),), lambda out, y: F.cross_entropy(out, y), torch.zeros(BATCH,
-                                                                                                         dtype=torch.long)
+    target = torch.zeros(BATCH, dtype=torch.long)
+    return GlobalNoise(), (torch.randn(BATCH, 4),), lambda out, y: F.cross_entropy(out, y), target

@@ -39,6 +39,14 @@ What remains is an op with a generator of its *own* (its draws depend on
 how often it ran, on which rank): :func:`find_unseeded_random` names it,
 and the run warns that ``--check`` cannot be exact for it.
 
+Compiled stages (:mod:`graphpipe.runtime.compiled`) draw the same masks:
+every mask comes from :func:`draw_keep`, eagerly or through the
+:func:`keep_mask` operator whose seed is a tensor input of the compiled
+graph. ``scaled_dot_product_attention`` with dropout runs its kernel in
+:func:`seeded_call` eagerly; in a compiled stage, and in the reference of
+a compiled run (:func:`explicit_attention`), it is written out with such
+a mask, as the kernel's own masks cannot be drawn inside a graph.
+
 Example
 -------
 >>> import torch
@@ -399,7 +407,8 @@ def instrument_random(gm: torch.fx.GraphModule, ctx_node: torch.fx.Node, inputs:
             module = gm.get_submodule(node.target)
             module.__class__ = _seeded_class(type(module))
         elif node.op == "call_function":
-            node.target = _seeded_attention(node.target) if node.target in _ATTENTIONS else _seeded_function(node.target)
+            seeded = _seeded_attention if node.target in _ATTENTIONS else _seeded_function
+            node.target = seeded(node.target)
         elif node.op == "call_method":
             node.op, node.target = "call_function", _seeded_function(None, node.target)
         else:
