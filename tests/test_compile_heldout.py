@@ -132,3 +132,39 @@ def test_the_cli_refusal_of_a_stage_takes_every_rank_down_with_one_line(tmp_path
     assert main(["run", path, "--compile", "--steps", "2", "--timeout", "60"]) == 2
     err = capsys.readouterr().err.strip()
     assert "randn_like" in err and "stage" in err and "Traceback" not in err and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("sync", [False, True])
+def test_compiled_batchnorm_files_its_statistics_as_the_eager_stage_does(sync, one_rank_group):
+    """A compiled ShardedBatchNorm (per shard, or synchronised over a group) normalises as eagerly and files its
+    statistics under the same (op, first row) key: the shard's row, or the micro-batch's under sync."""
+    import torch.distributed as dist
+
+    from graphpipe.runtime.batchnorm import ShardedBatchNorm
+    from graphpipe.runtime.rng import ShardContext
+    from graphpipe.runtime.stage_modules import BoundForward
+
+    class Stage(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bn = ShardedBatchNorm(torch.nn.BatchNorm1d(3))
+
+        def forward(self, x, rng_ctx=None):
+            return self.bn(x, rng_ctx, "bn")
+
+    class Leaves(torch.fx.Tracer):
+        def is_leaf_module(self, m, name):
+            return isinstance(m, ShardedBatchNorm) or super().is_leaf_module(m, name)
+
+    root = Stage()
+    gm = torch.fx.GraphModule(root, Leaves().trace(root))
+    gm.bn.group = dist.group.WORLD if sync else None
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
+    ctx = ShardContext(0, 0, 6, 4, 4, 8)  # rows 6..9 of the micro-batch starting at row 4
+    eager = gm(x, ctx)
+    expected = dict(gm.bn.pending)
+    gm.bn.pending.clear()
+    got = CompiledForward(BoundForward(gm), stage_id=0, backend="eager")(x, ctx)
+    torch.testing.assert_close(got, eager)
+    assert list(gm.bn.pending) == list(expected) == [("bn", 4 if sync else 6)]
+    torch.testing.assert_close(gm.bn.pending[("bn", 4 if sync else 6)], expected[("bn", 4 if sync else 6)])

@@ -87,6 +87,9 @@ class TracedContext:
     :class:`CompiledForward` after it).
     """
 
+    mb_lo = 0
+    """Read by synchronised BatchNorm for its record's key, which :meth:`record` leaves to after the call."""
+
     def __init__(self, dropout_ops: tuple[str, ...]):
         self.index = {op: i for i, op in enumerate(dropout_ops)}
         self.seeds = torch.zeros(max(len(dropout_ops), 1), dtype=torch.int64)
