@@ -251,7 +251,7 @@ def launch(jobs: Sequence[tuple[dict, RunOptions]], world_size: int) -> list[Run
     init_method = f"tcp://127.0.0.1:{free_port()}"
     procs = [ctx.Process(target=_child, args=(r, world_size, list(jobs), init_method, results, os.getpid()),
                          daemon=True, name=f"graphpipe-rank{r}") for r in range(world_size)]
-    watch = _Watch(procs, max(options.timeout_s for _, options in jobs))
+    watch = _Watch(procs, max(options.timeout_s for _, options in jobs), any(options.compile for _, options in jobs))
     job_results: dict[int, dict | None] = {}
     bar: Progress | None = None
     try:
@@ -350,8 +350,9 @@ class _Watch:
     a peer (each such wait ends in its own report within the timeout).
     """
 
-    def __init__(self, procs, timeout_s: float):
+    def __init__(self, procs, timeout_s: float, compiling: bool = False):
         self.procs, self.timeout_s = procs, timeout_s
+        self.compiling = compiling  # --compile: a rank's first step compiles its stages, a common slow rank
         self.finished: set[int] = set()
         self.errors: dict[int, tuple[float, str]] = {}  # rank -> (stamp, message)
         self.deaths: dict[int, tuple[float, int]] = {}  # rank -> (seen at, exit code): died without a report
@@ -514,7 +515,8 @@ class _Watch:
             where = "; ".join(f"rank {r} at {self._state(r)[0][1]}" for r in moving)
             return (f"rank{'s' if len(moving) > 1 else ''} {ranks} did not answer within the {self.timeout_s:g} s "
                     f"timeout but {'were' if len(moving) > 1 else 'was'} still working ({where}): slow, not hung "
-                    f"(a loaded host?); raise --timeout. Meanwhile {count}: {waiting}")
+                    f"(a loaded host?{' compiling its stages in its first step?' if self.compiling else ''}); "
+                    f"raise --timeout. Meanwhile {count}: {waiting}")
         named = sorted({int(r) for _, _, m in errors for r in _PEER.findall(m)} & set(silent))
         hung = named or silent or suspects
         ranks = ", ".join(map(str, hung))
