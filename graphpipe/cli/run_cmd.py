@@ -88,9 +88,9 @@ def run(args) -> int:
              plan.cluster.num_devices, options.steps)
     try:
         summary = run_plan(plan, options)
-    except RuntimeFailure as exc:  # a rank failed: 1; a rank out of memory: 2, an input too large for the host
+    except RuntimeFailure as exc:  # a rank failed: 1; out of memory or refusing its stage: 2, an input to change
         sys.stderr.write(f"graphpipe: error: {exc}\n")
-        return 2 if exc.out_of_memory else 1
+        return 2 if exc.out_of_memory or exc.refused else 1
     log.info("all ranks finished")
     # after the run: beside the prediction error it explains
     summary = replace(summary, devices=_note_device(plan, options))

@@ -107,7 +107,11 @@ class ShardedBatchNorm(nn.Module):
                 y = F.batch_norm(piece, None, None, self.weight, self.bias, True, 0.0, self.eps)
                 stats = _stats(piece)
             if self.track_running_stats:
-                self.pending[(op, lo)] = stats
+                record = getattr(ctx, "record", None)  # a compiled stage's context keys the statistics after the call
+                if record is not None:
+                    record(self, op, stats)
+                else:
+                    self.pending[(op, lo)] = stats
             outs.append(y)
         return ctx.join(outs)
 

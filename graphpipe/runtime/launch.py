@@ -84,12 +84,14 @@ class RuntimeFailure(GraphpipeError):
 
     ``out_of_memory``: a rank ran out of memory (``MemoryError``, or a SIGKILL
     while the kernel's out-of-memory killer ran): the command exits 2, as for
-    any input too large for the host.
+    any input too large for the host. ``refused``: a rank refused its part
+    (a stage ``--compile`` cannot compile): it exits 2 too, an input to change.
     """
 
-    def __init__(self, message: str, out_of_memory: bool = False):
+    def __init__(self, message: str, out_of_memory: bool = False, refused: bool = False):
         super().__init__(message)
         self.out_of_memory = out_of_memory
+        self.refused = refused
 
 
 def free_port() -> int:
@@ -249,7 +251,7 @@ def launch(jobs: Sequence[tuple[dict, RunOptions]], world_size: int) -> list[Run
     init_method = f"tcp://127.0.0.1:{free_port()}"
     procs = [ctx.Process(target=_child, args=(r, world_size, list(jobs), init_method, results, os.getpid()),
                          daemon=True, name=f"graphpipe-rank{r}") for r in range(world_size)]
-    watch = _Watch(procs, max(options.timeout_s for _, options in jobs))
+    watch = _Watch(procs, max(options.timeout_s for _, options in jobs), any(options.compile for _, options in jobs))
     job_results: dict[int, dict | None] = {}
     bar: Progress | None = None
     try:
@@ -348,8 +350,9 @@ class _Watch:
     a peer (each such wait ends in its own report within the timeout).
     """
 
-    def __init__(self, procs, timeout_s: float):
+    def __init__(self, procs, timeout_s: float, compiling: bool = False):
         self.procs, self.timeout_s = procs, timeout_s
+        self.compiling = compiling  # --compile: a rank's first step compiles its stages, a common slow rank
         self.finished: set[int] = set()
         self.errors: dict[int, tuple[float, str]] = {}  # rank -> (stamp, message)
         self.deaths: dict[int, tuple[float, int]] = {}  # rank -> (seen at, exit code): died without a report
@@ -406,7 +409,8 @@ class _Watch:
         causes = [e for e in reports if not (_LOST.search(e[2]) or _TIMEOUT.search(e[2]))]
         if causes:
             stamp, rank, message = causes[0]
-            return self._fail(f"rank {rank} failed: {message}", "MemoryError" in message)
+            return self._fail(f"rank {rank} failed: {message}", "MemoryError" in message,
+                              message.startswith("CompileError:"))
         if any(_TIMEOUT.search(m) for _, _, m in reports):
             silent = self._silent()
             if any(self._waiting(r) for r in silent) and waited < self.timeout_s + 2 * _GRACE_S:
@@ -419,9 +423,9 @@ class _Watch:
         stamp, rank, message = reports[0]
         return self._fail(f"rank {rank} failed: {message}")
 
-    def _fail(self, message: str, out_of_memory: bool = False) -> RuntimeFailure:
+    def _fail(self, message: str, out_of_memory: bool = False, refused: bool = False) -> RuntimeFailure:
         self.failed = True
-        return RuntimeFailure(message, out_of_memory)
+        return RuntimeFailure(message, out_of_memory, refused)
 
     def _silent(self) -> list[int]:
         return [r for r, p in enumerate(self.procs)
@@ -511,7 +515,8 @@ class _Watch:
             where = "; ".join(f"rank {r} at {self._state(r)[0][1]}" for r in moving)
             return (f"rank{'s' if len(moving) > 1 else ''} {ranks} did not answer within the {self.timeout_s:g} s "
                     f"timeout but {'were' if len(moving) > 1 else 'was'} still working ({where}): slow, not hung "
-                    f"(a loaded host?); raise --timeout. Meanwhile {count}: {waiting}")
+                    f"(a loaded host?{' compiling its stages in its first step?' if self.compiling else ''}); "
+                    f"raise --timeout. Meanwhile {count}: {waiting}")
         named = sorted({int(r) for _, _, m in errors for r in _PEER.findall(m)} & set(silent))
         hung = named or silent or suspects
         ranks = ", ".join(map(str, hung))

@@ -39,6 +39,14 @@ What remains is an op with a generator of its *own* (its draws depend on
 how often it ran, on which rank): :func:`find_unseeded_random` names it,
 and the run warns that ``--check`` cannot be exact for it.
 
+Compiled stages (:mod:`graphpipe.runtime.compiled`) draw the same masks:
+every mask comes from :func:`draw_keep`, eagerly or through the
+:func:`keep_mask` operator whose seed is a tensor input of the compiled
+graph. ``scaled_dot_product_attention`` with dropout runs its kernel in
+:func:`seeded_call` eagerly; in a compiled stage, and in the reference of
+a compiled run (:func:`explicit_attention`), it is written out with such
+a mask, as the kernel's own masks cannot be drawn inside a graph.
+
 Example
 -------
 >>> import torch
@@ -69,7 +77,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 __all__ = ["ShardContext", "ReferenceContext", "stream_seed", "seeded_dropout", "SeededDropout", "seeded_call",
-           "instrument_dropout", "instrument_random", "find_unseeded_random", "DROPOUT_MODULES"]
+           "instrument_dropout", "instrument_random", "find_unseeded_random", "DROPOUT_MODULES", "draw_keep",
+           "keep_mask", "explicit_attention"]
 
 log = logging.getLogger(__name__)
 
@@ -182,13 +191,47 @@ def seeded_dropout(x: torch.Tensor, p: float, training: bool, ctx, op: str, chan
     outs = []
     for lo, piece in ctx.pieces(op, "dropout", x):
         shape = (*piece.shape[:2], *([1] * (piece.dim() - 2))) if channelwise and piece.dim() > 2 else piece.shape
-        keep = torch.empty(shape, dtype=piece.dtype, device=piece.device)
-        if piece.device.type != "meta":  # a shape-only run (a model on the meta device) draws nothing
-            gen = torch.Generator(device=piece.device).manual_seed(stream_seed(ctx.seed, ctx.step, op, lo))
-            with _mark("ours"):
-                keep.bernoulli_(1.0 - p, generator=gen)
-        outs.append(piece * keep * (1.0 / (1.0 - p)))
+        outs.append(piece * _keep(ctx, op, lo, shape, piece, 1.0 - p) * (1.0 / (1.0 - p)))
     return ctx.join(outs)
+
+
+def _keep(ctx, op: str, lo: int, shape, like: torch.Tensor, q: float) -> torch.Tensor:
+    """Op ``op``'s keep-mask for the rows starting at ``lo``: from the compiled stage's context
+    (:class:`~graphpipe.runtime.compiled.TracedContext`, the seed a tensor input) or drawn here."""
+    traced = getattr(ctx, "keep_mask", None)
+    if traced is not None:
+        return traced(op, list(shape), like.dtype, like.device, q)
+    return draw_keep(stream_seed(ctx.seed, ctx.step, op, lo), shape, like.dtype, like.device, q)
+
+
+def draw_keep(seed: int, shape, dtype: torch.dtype, device: torch.device, q: float) -> torch.Tensor:
+    """A dropout keep-mask of ``shape``: Bernoulli(``q``) draws from a generator of its own seeded with ``seed``.
+
+    The one place masks are drawn, eagerly or (through :func:`keep_mask`) inside a compiled stage, so both
+    draw the same bits.
+    """
+    keep = torch.empty(tuple(shape), dtype=dtype, device=device)
+    if keep.device.type != "meta":  # a shape-only run (a model on the meta device) draws nothing
+        gen = torch.Generator(device=keep.device).manual_seed(seed)
+        with _mark("ours"):
+            keep.bernoulli_(q, generator=gen)
+    return keep
+
+
+@torch.library.custom_op("graphpipe::keep_mask", mutates_args=())
+def keep_mask(seed: torch.Tensor, shape: list[int], dtype: torch.dtype, device: torch.device, q: float) -> torch.Tensor:
+    """:func:`draw_keep` with the seed in a one-element int64 tensor, as an operator ``torch.compile`` keeps whole.
+
+    Why: a compiled stage cannot create a generator inside its graph, and a
+    seed passed as a Python int would be a constant of the graph (one
+    recompilation per micro-batch and step). As a tensor it is an input.
+    """
+    return draw_keep(int(seed.item()), shape, dtype, device, q)
+
+
+@keep_mask.register_fake
+def _(seed, shape, dtype, device, q):
+    return torch.empty(tuple(shape), dtype=dtype, device=device)
 
 
 class SeededDropout(nn.Module):
@@ -240,6 +283,72 @@ def seeded_call(fn, args: tuple, kwargs: dict, ctx, op: str):
                     torch.cuda.manual_seed(seed)
             outs.append(fn(*a, **k))
     return outs[0] if len(outs) == 1 else _cat_outputs(outs)
+
+
+_ATTENTION_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_ATTENTIONS = (F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default)
+
+
+@contextlib.contextmanager
+def explicit_attention(on: bool = True):
+    """Within it, attention with dropout draws its masks as compiled stages do (:func:`seeded_attention`):
+    the ``--check`` reference of a compiled run."""
+    before = getattr(_region, "explicit_attention", False)
+    _region.explicit_attention = on
+    try:
+        yield
+    finally:
+        _region.explicit_attention = before
+
+
+def _seeded_attention(fn):
+    """A stand-in for ``scaled_dot_product_attention`` (``fn``) taking ``rng_ctx``/``rng_op``.
+
+    Eagerly, with its dropout, it runs the kernel inside :func:`seeded_call`
+    (the kernel's own masks, from the forked global generator). A compiled
+    stage cannot fork that generator, so there (and in the reference of a
+    compiled run, :func:`explicit_attention`) the attention is written out
+    (scores, softmax, a keep-mask as :func:`seeded_dropout` draws it, times
+    the values): the same function of (seed, step, op, rows) in both.
+    """
+    def call(*args, rng_ctx=None, rng_op: str = "", **kwargs):
+        named = {**dict(zip(_ATTENTION_ARGS, args)), **kwargs}
+        p = named.get("dropout_p", 0.0)
+        if rng_ctx is None or not p or not (getattr(rng_ctx, "keep_mask", None) is not None
+                                            or getattr(_region, "explicit_attention", False)):
+            return seeded_call(fn, args, kwargs, rng_ctx, rng_op)
+        query = named["query"]
+        rows = query.shape[0]
+        pieces = rng_ctx.pieces(rng_op, "dropout", query)
+        outs = []
+        for lo, piece in pieces:
+            cut = slice(lo - pieces[0][0], lo - pieces[0][0] + piece.shape[0])
+            part = {k: _rows(v, rows, cut) for k, v in named.items()}
+            outs.append(_written_attention(part, lambda shape, like: _keep(rng_ctx, rng_op, lo, shape, like, 1.0 - p)))
+        return rng_ctx.join(outs)
+
+    call.__name__ = call.__qualname__ = "seeded_attention"
+    call.seeded_attention = True
+    return call
+
+
+def _written_attention(a: Mapping[str, Any], keep) -> torch.Tensor:
+    """``scaled_dot_product_attention`` of the arguments ``a`` written out, its dropout mask from ``keep``."""
+    q, k, v, mask = a["query"], a["key"], a["value"], a.get("attn_mask")
+    p = a["dropout_p"]
+    if a.get("enable_gqa", False) and k.shape[-3] != q.shape[-3]:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
+    scale = a.get("scale") or 1.0 / float(q.shape[-1]) ** 0.5
+    scores = (q @ k.transpose(-2, -1)) * scale
+    if a.get("is_causal", False):
+        causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    attn = torch.softmax(scores, dim=-1)
+    attn = attn * keep(attn.shape, attn) * (1.0 / (1.0 - p))
+    return attn @ v
 
 
 def _rows(x, rows: int, cut: slice):
@@ -298,7 +407,8 @@ def instrument_random(gm: torch.fx.GraphModule, ctx_node: torch.fx.Node, inputs:
             module = gm.get_submodule(node.target)
             module.__class__ = _seeded_class(type(module))
         elif node.op == "call_function":
-            node.target = _seeded_function(node.target)
+            seeded = _seeded_attention if node.target in _ATTENTIONS else _seeded_function
+            node.target = seeded(node.target)
         elif node.op == "call_method":
             node.op, node.target = "call_function", _seeded_function(None, node.target)
         else:
@@ -314,7 +424,8 @@ def instrument_dropout(gm: torch.fx.GraphModule, ctx_node: torch.fx.Node) -> lis
     for node in list(gm.graph.nodes):
         if node.op == "call_module":
             module = gm.get_submodule(node.target)
-            if type(module) not in DROPOUT_MODULES or not node.args:
+            # a dropout module called twice (T5's encoder.dropout) was replaced at its first call
+            if (type(module) not in DROPOUT_MODULES and type(module) is not SeededDropout) or not node.args:
                 continue
             if not isinstance(module, SeededDropout):
                 _set_submodule(gm, node.target, SeededDropout(module.p, type(module) is not nn.Dropout))

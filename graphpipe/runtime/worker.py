@@ -142,10 +142,14 @@ def run_job(rank: int, world_size: int, plan: Plan, options: RunOptions, device:
     optimizer = torch.optim.SGD(params, lr=options.lr) if params else None
     reference = None
     if options.check and (my_stages or rank == 0):
-        # the reference trains at the run's precision too, one autocast region per step as the run
-        reference = reference_run(plan.model, options.seed, sg.batch_size, layout, options.steps, options.lr,
-                                  granularity=plan_granularity(plan), precision=options.precision, meta_params=True,
-                                  with_spread=options.check_tolerance == "fp64")
+        # the reference trains at the run's precision too, one autocast region per step as the run; a compiled
+        # run's attention dropout is written out (runtime/compiled.py), and so is the reference's
+        from graphpipe.runtime.rng import explicit_attention
+
+        with explicit_attention(options.compile):
+            reference = reference_run(plan.model, options.seed, sg.batch_size, layout, options.steps, options.lr,
+                                      granularity=plan_granularity(plan), precision=options.precision, meta_params=True,
+                                      with_spread=options.check_tolerance == "fp64")
 
     start = pipe.resume(options.checkpoint_dir, optimizer=optimizer) if options.checkpoint_dir else 0
     if options.checkpoint_dir:
