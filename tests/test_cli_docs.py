@@ -69,6 +69,15 @@ def test_each_flag_sets_its_field(argv, field, value):
     assert all(getattr(options, n) == getattr(RunOptions(), n) for n in others)
 
 
+def test_the_timeout_left_out_waits_longer_under_compile():
+    """--timeout's default covers a first step that compiles every stage while peers wait; a given one is kept."""
+    from graphpipe.runtime.options import COMPILE_TIMEOUT_S, DEFAULT_TIMEOUT_S
+
+    assert _parsed([]).timeout_s == DEFAULT_TIMEOUT_S < _parsed(["--compile"]).timeout_s == COMPILE_TIMEOUT_S
+    assert _parsed(["--compile", "--timeout", "30"]).timeout_s == 30.0
+    assert RunOptions(compile=True, timeout_s=5.0).timeout_s == 5.0
+
+
 def test_bf16_widens_the_check_tolerance():
     assert _parsed(["--precision", "bf16"]).rtol > RunOptions().rtol
 

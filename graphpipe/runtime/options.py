@@ -35,6 +35,11 @@ FAULT_POINTS = ("F", "B", "setup", "hang", "kill", "grad")
 
 MAX_TIMEOUT_S = 86400.0
 """Longest --timeout (a day): a wait longer than that is a hang."""
+DEFAULT_TIMEOUT_S = 60.0
+"""--timeout when not given."""
+COMPILE_TIMEOUT_S = 600.0
+"""--timeout when not given with --compile: a rank's first step compiles every stage it hosts (minutes for a large
+stage on a CPU) while the ranks waiting for its messages count that time against the timeout."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,8 +117,10 @@ class RunOptions:
         "--baseline", choices=("torch",),
         help="run on torch.distributed.pipelining instead (sequential plans only; gpipe, 1f1b and interleaved with "
              "torch's classes, any other flushing schedule from its CSV in _PipelineScheduleRuntime)"))
-    timeout_s: float = field(default=60.0, metadata=flag(
-        "--timeout", metavar="S", help="process-group timeout in seconds: a rank waiting longer fails the run"))
+    timeout_s: float | None = field(default=None, metadata=flag(
+        "--timeout", metavar="S", help="process-group timeout in seconds: a rank waiting longer fails the run "
+                                       f"(default {DEFAULT_TIMEOUT_S:g}; {COMPILE_TIMEOUT_S:g} with --compile, whose "
+                                       "first step compiles every stage while its peers wait)"))
     seed: int = field(default=0, metadata=flag("--seed", metavar="N", help="model weights and data seed"))
     lr: float = field(default=0.01, metadata=flag("--lr", help="SGD learning rate of the per-rank optimizer step"))
     num_threads: int = field(default=1, metadata=flag(
@@ -172,6 +179,8 @@ class RunOptions:
             raise InputError(f"--check-tolerance must be fp64 or fixed, got {self.check_tolerance!r}")
         if self.backend not in ("auto", "gloo", "nccl"):
             raise InputError(f"--backend must be gloo, nccl or auto, got {self.backend!r}")
+        if self.timeout_s is None:
+            object.__setattr__(self, "timeout_s", COMPILE_TIMEOUT_S if self.compile else DEFAULT_TIMEOUT_S)
         if not 0 < self.timeout_s <= MAX_TIMEOUT_S:  # inf and 1e300 overflow the process group's timedelta
             raise InputError(f"--timeout must be > 0 and at most {MAX_TIMEOUT_S:g} seconds, got {self.timeout_s!r}")
         if not (math.isfinite(self.lr) and self.lr >= 0):
