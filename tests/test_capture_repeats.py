@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from graphpipe import zoo
 from graphpipe.capture import capture
-from graphpipe.capture_repeats import KEPT, capture_graph, repeated_stacks, same_blocks, unrolled_capture
+from graphpipe.capture_repeats import KEPT, Stack, capture_graph, repeated_stacks, same_blocks, unrolled_capture
 
 
 def _whole(module, inputs, **kw):
@@ -32,7 +32,7 @@ def _tiny_llama(layers: int):
 @pytest.mark.parametrize("layers", [9, 12])
 def test_tiny_llama_unrolled_equals_whole_capture(layers):
     model, inputs, kw = _tiny_llama(layers)
-    assert repeated_stacks(model) == [("model.layers", tuple(str(i) for i in range(layers)))]
+    assert repeated_stacks(model) == [Stack("model.layers", tuple(str(i) for i in range(layers)))]
     unrolled = unrolled_capture(model, inputs, **kw)
     assert unrolled is not None
     whole = _whole(model, inputs, **kw)
@@ -83,7 +83,7 @@ def test_tiny_llama_bf16_unrolled_equals_whole_capture():
 def test_zoo_transformer_branches_unrolled_equal_whole_capture():
     built = zoo.build("mmt:branches=2,layers=9,hidden=64,heads=4,ffn=128,seq=16", device="meta")
     stacks = repeated_stacks(built.module)
-    assert [path for path, _ in stacks] == ["branch0", "branch1"]
+    assert [s.path for s in stacks] == ["branch0", "branch1"]
     kw = dict(name="mmt", loss_fn=built.loss_fn)
     unrolled = unrolled_capture(built.module, built.example_inputs, **kw)
     assert unrolled is not None and unrolled == _whole(built.module, built.example_inputs, **kw)
