@@ -1,4 +1,4 @@
-"""Capture a long stack of identical blocks once: export a few of them and unroll the op graph.
+"""Capture a long stack of repeating blocks once: export a few of them and unroll the op graph.
 
 ``torch.export`` traces every decoder layer of a large language model one
 by one, so capturing an 80-layer model costs 80 times one layer although
@@ -11,23 +11,35 @@ period off the blocks it kept, and writes the op graph the whole stack would
 have given.
 
 Which stacks are cut (:func:`repeated_stacks`): an ``nn.ModuleList`` or
-``nn.Sequential`` of at least ``2 * KEPT`` children that are all the same
+``nn.Sequential`` whose children, after a prefix of any others, repeat to
+the last one in units of ``period`` consecutive children (a :class:`Stack`),
+at least ``2 * KEPT`` units. Children one period apart must be the same
 (:func:`block_signature`: the same module classes nested the same way,
 parameters and buffers of the same names, shapes, dtypes and
 ``requires_grad``, the same plain attributes apart from a block's own
-index), sharing no parameter with one another or with the rest of the
-model. The rest is checked on what the cut capture gives
-(:func:`unroll`): the kept blocks' ops come one block after another, the
-middle blocks' ops, edges and costs are identical, a block only feeds the
-next one, and no glue op (named after its fx node, so its name would shift
-with the number of layers) follows the blocks. Anything else, including a
-forward that fails on the cut stack (one indexing ``layers[i]`` for ``i`` in
+index) and share no parameter with one another or with the rest of the
+model. The shortest period is taken, then the shortest prefix: a stack of
+identical decoder layers is a period of 1 from child 0; DeepSeek-V3's
+three dense layers before its mixture-of-experts ones a prefix of 3;
+Gemma-2's sliding and global attention layers a period of 2, Gemma-3's
+five local to one global a period of 6 after a prefix that makes the run
+end in a whole unit; T5's first block, which alone holds the relative
+position table, a prefix of 1. The cut keeps the prefix and the first
+:data:`KEPT` units. The rest is checked on what the cut capture gives
+(:func:`unroll`): the kept units' ops come one unit after another, the
+middle units' ops, edges and costs are identical, a unit only feeds the
+next one (and is fed by ops before the run, the prefix's included), and
+no glue op (named after its fx node, so its name would shift with the
+number of layers) follows the run. Anything else, including a forward that
+fails on the cut stack (one indexing ``layers[i]`` for ``i`` in
 ``range(config.num_layers)``), captures the whole module as before.
 
-Every block's ops are identical to a middle block's except the first and
-the last (the first reads the embedding, the last may absorb a final
-norm), so the unrolled graph equals the fully captured one, names
-included (tests compare them on Hugging Face Llama and zoo transformers).
+Every unit's ops are identical to a middle unit's except the first and
+the last (the first reads the embedding or the prefix, the last may absorb
+a final norm), so the unrolled graph equals the fully captured one, names
+included (tests compare them on Hugging Face Llama, Gemma-2, Llama-4,
+DeepSeek-V3, T5 and other architectures at small widths, and on zoo
+transformers).
 The runtime still captures the whole module: it needs the runnable graph.
 """
 
@@ -316,6 +328,7 @@ def unrolled_capture(module: nn.Module, example_inputs: Any, **kwargs: Any) -> O
 
     stacks = repeated_stacks(module)
     if not stacks:
+        log.info("no stack of at least %d repeating blocks; capturing the whole module", 2 * KEPT)
         return None
     try:
         with _cut(module, stacks):
@@ -330,6 +343,7 @@ def unrolled_capture(module: nn.Module, example_inputs: Any, **kwargs: Any) -> O
             log.info("stack %r is not periodic once captured; capturing the whole module", stack.path)
             return None
         graph, paths = grown
+    log.info("unrolled %s", ", ".join(f"{s.path!r} ({s.units} units of {s.period} after {s.start})" for s in stacks))
     return graph
 
 
