@@ -31,7 +31,7 @@ from typing import Any
 
 __all__ = ["ARCHS", "NAMES", "build", "qwen2_72b", "mixtral_8x22b", "qwen3_moe_30b_a3b", "gemma2_27b", "gemma3_27b",
            "phi3_medium", "falcon_40b", "gpt_neox_20b", "opt_66b", "bloom_176b", "mistral_large_123b",
-           "deepseek_v3_e16", "llama4_maverick", "t5_11b"]
+           "deepseek_v3_e16", "llama4_maverick", "llama4_scout", "t5_11b"]
 
 # name -> (model class, config class, published shape, tiny overrides)
 ARCHS: dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]] = {
@@ -115,6 +115,13 @@ ARCHS: dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]] = {
                              vocab_size=202048, max_position_embeddings=1048576, tie_word_embeddings=False),
                         dict(hidden_size=64, intermediate_size=32, intermediate_size_mlp=96, num_attention_heads=4,
                              num_key_value_heads=2, head_dim=16, num_local_experts=4, vocab_size=128)),
+    "llama4_scout": ("Llama4ForCausalLM", "Llama4TextConfig",
+                     dict(hidden_size=5120, intermediate_size=8192, intermediate_size_mlp=16384,
+                          num_hidden_layers=48, num_attention_heads=40, num_key_value_heads=8, head_dim=128,
+                          num_local_experts=16, num_experts_per_tok=1, interleave_moe_layer_step=1,
+                          vocab_size=202048, max_position_embeddings=262144, tie_word_embeddings=False),
+                     dict(hidden_size=64, intermediate_size=32, intermediate_size_mlp=96, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=16, num_local_experts=4, vocab_size=128)),
     "t5_11b": ("T5ForConditionalGeneration", "T5Config",
                dict(d_model=1024, d_ff=65536, d_kv=128, num_layers=24, num_decoder_layers=24, num_heads=128,
                     vocab_size=32128, feed_forward_proj="relu", tie_word_embeddings=False),
@@ -186,4 +193,5 @@ bloom_176b = _factory("bloom_176b")
 mistral_large_123b = _factory("mistral_large_123b")
 deepseek_v3_e16 = _factory("deepseek_v3_e16")
 llama4_maverick = _factory("llama4_maverick")
+llama4_scout = _factory("llama4_scout")
 t5_11b = _factory("t5_11b")

@@ -377,10 +377,17 @@ def _export_dynamic_batch(module: nn.Module, args: tuple, kwargs: dict, dynamic:
             raise exc from None
         inputs = [n.meta.get("val") for n in ep.graph.nodes if n.op == "placeholder"
                   and n.name in ep.graph_signature.user_inputs]
-        if any(isinstance(v, torch.Tensor) and v.dim() >= 1 and not isinstance(v.shape[0], torch.SymInt)
-               for v in inputs):
+        if any(isinstance(v, torch.Tensor) and v.dim() >= 1 and not _symbolic(v.shape[0], ep) for v in inputs):
             raise exc from None
         return ep
+
+
+def _symbolic(size: Any, ep) -> bool:
+    """Whether an exported input's dim is still a symbol with a range of values (not specialized to one)."""
+    if not isinstance(size, torch.SymInt) or size.node.expr.is_number:
+        return False
+    bounds = ep.range_constraints.get(size.node.expr)
+    return bounds is None or bounds.lower != bounds.upper
 
 
 def export_model(module: nn.Module, example_inputs: Any, loss_fn: Callable[..., Any] | None = None,

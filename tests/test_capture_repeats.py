@@ -170,6 +170,7 @@ def test_short_stacks_are_left_whole():
 @pytest.mark.parametrize("arch, layers, expected", [
     ("deepseek_v3_e16", 12, [("model.layers", 3, 1)]),  # 3 dense layers, then mixture-of-experts ones
     ("gemma2_27b", 16, [("model.layers", 0, 2)]),  # sliding and global attention in turn
+    ("gemma3_27b", 50, [("model.layers", 2, 6)]),  # 5 local : 1 global; the run ends in a whole unit
     ("llama4_maverick", 32, [("model.layers", 0, 4)]),  # experts every 2nd layer, no rotary every 4th
     ("t5_11b", 10, [("encoder.block", 1, 1), ("decoder.block", 1, 1)]),  # block 0 holds the position table
     ("mixtral_8x22b", 9, [("model.layers", 0, 1)]),
