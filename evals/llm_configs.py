@@ -17,11 +17,11 @@ the whole one). An architecture whose class the installed transformers
 lacks raises a one-line error naming it.
 
 DeepSeek-V3 is built with 16 routed experts instead of 256 (everything
-else at its shape): on meta the experts are three stacked weights per layer
-whatever their count, but the router's top-k over 256 groups of 8 makes
-transformers' grouped-matmul offsets of 256 entries per layer, so the
-counted FLOPs per token are the same and the capture is not slowed for
-nothing. A model name says when a shape is reduced.
+else at its shape): with 256, one of its layers holds about 11 billion
+parameters, more than an 80 GB device keeps for training, and a pipeline
+stage is whole layers, so the plan would be refused (as Llama-4 Maverick's
+is: 128 experts, about 16 billion parameters a layer) before the search
+says anything. A model name says when a shape is reduced.
 """
 
 from __future__ import annotations
