@@ -37,7 +37,7 @@ _PLAN = ("import logging, sys; logging.basicConfig(level=logging.WARNING, format
 
 
 def run_plan(name: str, devices: int, batch_size: int, cluster: str) -> dict:
-    """One cold ``graphpipe plan evals/llm_configs.py:NAME`` in a fresh process: seconds, peak RSS, the plan's search."""
+    """One cold ``graphpipe plan evals/llm_configs.py:NAME`` in a fresh process: seconds, peak RSS, its search."""
     spec = f"{os.path.join(_HERE, 'llm_configs.py')}:{name}"
     cmd = [sys.executable, "-c", _PLAN, "plan", spec, "--devices", str(devices), "--batch-size", str(batch_size),
            "--cluster", cluster, "--json"]

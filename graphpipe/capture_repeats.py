@@ -60,8 +60,8 @@ if TYPE_CHECKING:
     from graphpipe.capture import Granularity
     from graphpipe.cluster import DeviceSpec
 
-__all__ = ["KEPT", "Stack", "block_signature", "same_blocks", "repeated_stacks", "unroll", "unrolled_capture", "capture_graph",
-           "graph_from_factory"]
+__all__ = ["KEPT", "Stack", "block_signature", "same_blocks", "repeated_stacks", "unroll", "unrolled_capture",
+           "capture_graph", "graph_from_factory"]
 
 log = logging.getLogger(__name__)
 
