@@ -41,6 +41,10 @@ PAPER = {
                  "device planned with `graphpipe plan ... --devices 512 --batch-size 2048 --cluster h100` (and 1024 "
                  "devices): search under 10 s, the whole cold command under 40 s: "
                  "`python -m graphpipe.evals.bench_llm --before DIR`)",
+    "bench_llm_configs": "(no paper figure; issue 47's held-out check: Hugging Face decoders and an "
+                         "encoder-decoder nobody tuned for, at their published shapes on the meta device, planned "
+                         "with the same bars as Llama-3-70B: search under 10 s at 512 and 1024 devices, the whole "
+                         "cold command under 40 s: `python -m graphpipe.evals.bench_llm_configs`)",
     "memory-runtime": "(no paper figure; issue 15's target: measured activation bytes within 10% of the prediction on "
                       "every device, and lower with re-materialization)",
     "rank-rss": "(no paper figure; issue 45's target: each rank's peak host RSS is its stages' state plus a fixed "
@@ -152,6 +156,11 @@ TABLE_COLUMNS: dict[str, list[tuple[str, str]]] = {
                   ("after CPU (s)", "after_median_cpu_s"), ("CPU ratio", "ratio_cpu_s"),
                   ("before search (s)", "before_median_search_s"), ("after search (s)", "after_median_search_s"),
                   ("search ratio", "ratio_search_s"), ("same plan", "same_plan")],
+    "bench_llm_configs": [("config", "config"), ("devices", "devices"), ("runs", "runs"),
+                          ("cold wall (s)", "median_wall_s"), ("cold CPU (s)", "median_cpu_s"),
+                          ("search (s)", "median_search_s"), ("peak RSS (GB)", "median_peak_rss_gb"),
+                          ("stages", "stages"), ("repeated blocks cut", "shortcut"), ("outcome", "outcome"),
+                          ("command", "command")],
     "memory-runtime": [("model", "model"), ("strategy", "strategy"), ("schedule", "schedule"),
                        ("recompute", "recompute"), ("check", "check"), ("measured KB (fullest device)", "measured_kb"),
                        ("predicted KB", "predicted_kb"), ("memory error (worst device)", "memory_error"),
@@ -240,7 +249,7 @@ def _errors(res: dict[str, Any]) -> list[str]:
     for r in res["rows"]:
         if r.get("error") and r["error"] not in seen:
             seen.add(r["error"])
-            tag = ", ".join(str(r[k]) for k in ("model", "strategy", "variant") if r.get(k))
+            tag = ", ".join(str(r[k]) for k in ("model", "config", "strategy", "variant") if r.get(k))
             out.append(f"- {tag}: {r['error']}")
     return out
 
@@ -322,6 +331,19 @@ def _headline(name: str, res: dict[str, Any]) -> str:
             f"{r['measure']} at {r['devices']} devices {fmt(r['before_median_wall_s'])} / "
             f"{fmt(r['after_median_wall_s'])} s; {fmt(r['before_median_cpu_s'])} / {fmt(r['after_median_cpu_s'])} s"
             for r in res["rows"]) + f"; load average during the run {fmt(list(res['config'].get('load_average') or []))}")
+    if name == "bench_llm_configs":
+        rows = res["rows"]
+        ok = [r for r in rows if r["outcome"] == "ok"]
+        worst_search = max(ok, key=lambda r: r["median_search_s"], default=None)
+        worst_cold = max(ok, key=lambda r: r["median_cpu_s"], default=None)
+        return (f"{len(ok)}/{len(rows)} plans ({len({r['config'] for r in rows})} configurations); longest median "
+                f"search {fmt(worst_search and worst_search['median_search_s'])} s "
+                f"({worst_search and worst_search['config']} at {worst_search and worst_search['devices']} devices), "
+                f"longest cold command {fmt(worst_cold and worst_cold['median_cpu_s'])} CPU s "
+                f"({worst_cold and worst_cold['config']}), largest peak RSS "
+                f"{fmt(max((r['median_peak_rss_gb'] for r in rows), default=None))} GB; repeated blocks cut in "
+                f"{sum(r['shortcut'].startswith('yes') for r in rows)}/{len(rows)}; load average during the run "
+                f"{fmt(list(res['config'].get('load_average') or []))}")
     if name == "memory-runtime":
         if not s.get("runs"):
             return "no run"

@@ -432,6 +432,7 @@ class _SavedMeter:
         if key not in self._seen:
             self._seen.add(key)
             self.total += storage.nbytes()
+            self.keep.append(t)  # a save whose graph is freed (a router's top-k) must not free the key for reuse
         if self.saves is not None and key not in self._resident:
             self.saves.add(key)
         return t

@@ -1,4 +1,4 @@
-"""Capture a long stack of identical blocks once: export a few of them and unroll the op graph.
+"""Capture a long stack of repeating blocks once: export a few of them and unroll the op graph.
 
 ``torch.export`` traces every decoder layer of a large language model one
 by one, so capturing an 80-layer model costs 80 times one layer although
@@ -11,23 +11,35 @@ period off the blocks it kept, and writes the op graph the whole stack would
 have given.
 
 Which stacks are cut (:func:`repeated_stacks`): an ``nn.ModuleList`` or
-``nn.Sequential`` of at least ``2 * KEPT`` children that are all the same
+``nn.Sequential`` whose children, after a prefix of any others, repeat to
+the last one in units of ``period`` consecutive children (a :class:`Stack`),
+at least ``2 * KEPT`` units. Children one period apart must be the same
 (:func:`block_signature`: the same module classes nested the same way,
 parameters and buffers of the same names, shapes, dtypes and
 ``requires_grad``, the same plain attributes apart from a block's own
-index), sharing no parameter with one another or with the rest of the
-model. The rest is checked on what the cut capture gives
-(:func:`unroll`): the kept blocks' ops come one block after another, the
-middle blocks' ops, edges and costs are identical, a block only feeds the
-next one, and no glue op (named after its fx node, so its name would shift
-with the number of layers) follows the blocks. Anything else, including a
-forward that fails on the cut stack (one indexing ``layers[i]`` for ``i`` in
+index) and share no parameter with one another or with the rest of the
+model. The shortest period is taken, then the shortest prefix: a stack of
+identical decoder layers is a period of 1 from child 0; DeepSeek-V3's
+three dense layers before its mixture-of-experts ones a prefix of 3;
+Gemma-2's sliding and global attention layers a period of 2, Gemma-3's
+five local to one global a period of 6 after a prefix that makes the run
+end in a whole unit; T5's first block, which alone holds the relative
+position table, a prefix of 1. The cut keeps the prefix and the first
+:data:`KEPT` units. The rest is checked on what the cut capture gives
+(:func:`unroll`): the kept units' ops come one unit after another, the
+middle units' ops, edges and costs are identical, a unit only feeds the
+next one (and is fed by ops before the run, the prefix's included), and
+no glue op (named after its fx node, so its name would shift with the
+number of layers) follows the run. Anything else, including a forward that
+fails on the cut stack (one indexing ``layers[i]`` for ``i`` in
 ``range(config.num_layers)``), captures the whole module as before.
 
-Every block's ops are identical to a middle block's except the first and
-the last (the first reads the embedding, the last may absorb a final
-norm), so the unrolled graph equals the fully captured one, names
-included (tests compare them on Hugging Face Llama and zoo transformers).
+Every unit's ops are identical to a middle unit's except the first and
+the last (the first reads the embedding or the prefix, the last may absorb
+a final norm), so the unrolled graph equals the fully captured one, names
+included (tests compare them on Hugging Face Llama, Gemma-2, Llama-4,
+DeepSeek-V3, T5 and other architectures at small widths, and on zoo
+transformers).
 The runtime still captures the whole module: it needs the runnable graph.
 """
 
@@ -37,7 +49,7 @@ import logging
 import os
 from collections import Counter
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import torch.nn as nn
@@ -48,8 +60,8 @@ if TYPE_CHECKING:
     from graphpipe.capture import Granularity
     from graphpipe.cluster import DeviceSpec
 
-__all__ = ["KEPT", "block_signature", "same_blocks", "repeated_stacks", "unroll", "unrolled_capture", "capture_graph",
-           "graph_from_factory"]
+__all__ = ["KEPT", "Stack", "block_signature", "same_blocks", "repeated_stacks", "unroll", "unrolled_capture",
+           "capture_graph", "graph_from_factory"]
 
 log = logging.getLogger(__name__)
 
@@ -96,58 +108,111 @@ def block_signature(block: nn.Module) -> tuple[tuple, dict[tuple[str, str], int]
     return tuple(parts), ints
 
 
-def same_blocks(blocks: Sequence[nn.Module]) -> bool:
+def same_blocks(blocks: Sequence[nn.Module], stride: int = 1) -> bool:
     """Whether ``blocks`` are copies of one block: equal :func:`block_signature`, each integer constant or a counter.
 
-    A counter (``layer_idx``: block ``i`` holds ``i + c``) names a block; it
-    is allowed because a block's ops cannot be told apart by it unless the
+    A counter (``layer_idx``: block ``i`` holds ``stride * i + c``; the
+    blocks of a stack taken every ``stride``-th) names a block; it is
+    allowed because a block's ops cannot be told apart by it unless the
     forward branches on it, which the periodicity check of :func:`unroll`
     then sees.
     """
-    signatures = [block_signature(b) for b in blocks]
+    return _same(tuple(block_signature(b) for b in blocks), stride)
+
+
+def _same(signatures: Sequence[tuple[tuple, dict[tuple[str, str], int]]], stride: int) -> bool:
     if any(s[0] != signatures[0][0] or s[1].keys() != signatures[0][1].keys() for s in signatures):
         return False
     for key, value in signatures[0][1].items():
         values = [s[1][key] for s in signatures]
-        if len(set(values)) > 1 and len({v - i for i, v in enumerate(values)}) > 1:
+        if len(set(values)) > 1 and len({v - stride * i for i, v in enumerate(values)}) > 1:
             return False
     return True
 
 
-def repeated_stacks(module: nn.Module) -> list[tuple[str, tuple[str, ...]]]:
-    """``(path, its children's names)`` of every stack of identical blocks worth cutting (module docstring).
+@dataclass(frozen=True)
+class Stack:
+    """A run of repeating blocks at the end of a ``ModuleList``/``Sequential``: what :func:`unroll` grows.
 
-    Outermost first; a stack inside another chosen one is left whole.
+    ``keys``: the names of all the holder's children in order; the first
+    ``start`` of them are a prefix of other blocks (DeepSeek's dense layers
+    before its mixture-of-experts ones, T5's first block holding the
+    relative position table), captured as they are; from ``start`` on the
+    children repeat with ``period`` (1: identical blocks; 2: Gemma-2's
+    sliding and global attention layers in turn), in units of ``period``
+    consecutive children, at least ``2 * KEPT`` units, to the last child.
+    """
+
+    path: str
+    keys: tuple[str, ...]
+    start: int = 0
+    period: int = 1
+
+    @property
+    def units(self) -> int:
+        """How many units of ``period`` children the run has."""
+        return (len(self.keys) - self.start) // self.period
+
+    @property
+    def kept(self) -> int:
+        """Children the cut capture keeps: the prefix and the first :data:`KEPT` units."""
+        return self.start + KEPT * self.period
+
+    def child(self, unit: int, offset: int) -> str:
+        """The module path of child ``offset`` of unit ``unit``."""
+        return _block_path(self.path, self.keys[self.start + unit * self.period + offset])
+
+
+def _periodic_run(signatures: Sequence[tuple[tuple, dict[tuple[str, str], int]]]) -> tuple[int, int] | None:
+    """``(start, period)`` of the shortest period, then the shortest prefix, after which ``signatures`` repeat.
+
+    The run must reach the last child in whole units, of at least
+    ``2 * KEPT`` units; its children ``period`` apart must be
+    :func:`same_blocks` (integers constant or counting). None when no
+    period up to an eighth of the stack fits.
+    """
+    n = len(signatures)
+    for period in range(1, n // (2 * KEPT) + 1):
+        for start in range(n % period, n - 2 * KEPT * period + 1, period):
+            if all(_same(signatures[start + offset::period], period) for offset in range(period)):
+                return start, period
+    return None
+
+
+def repeated_stacks(module: nn.Module) -> list[Stack]:
+    """Every run of repeating blocks worth cutting (:class:`Stack`; module docstring), outermost first.
+
+    A stack inside another chosen one is left whole.
     """
     uses = Counter(id(p) for _, p in module.named_parameters(remove_duplicate=False))
-    found: list[tuple[str, tuple[str, ...]]] = []
+    found: list[Stack] = []
     for path, m in module.named_modules():
         if not isinstance(m, (nn.ModuleList, nn.Sequential)) or len(m) < 2 * KEPT:
             continue
-        if any(path == p or path.startswith(p + ".") for p, _ in found if p) or any(p == "" for p, _ in found):
+        if any(path == s.path or path.startswith(s.path + ".") for s in found if s.path) or \
+                any(s.path == "" for s in found):
             continue
         children = list(m._modules.values())
         if any(c is None for c in children) or len({id(c) for c in children}) != len(children):
             continue
-        if next(children[0].parameters(), None) is None:
+        run = _periodic_run([block_signature(c) for c in children])
+        if run is None or next(children[run[0]].parameters(), None) is None:
             continue
-        if not same_blocks(children):
-            continue
-        if any(uses[id(p)] != 1 for c in children for _, p in c.named_parameters(remove_duplicate=False)):
+        if any(uses[id(p)] != 1 for c in children[run[0]:] for _, p in c.named_parameters(remove_duplicate=False)):
             continue  # a parameter tied between blocks or to the rest of the model: its ops share it
-        found.append((path, tuple(m._modules)))
+        found.append(Stack(path, tuple(m._modules), *run))
     return found
 
 
 @contextmanager
-def _cut(module: nn.Module, stacks: Sequence[tuple[str, Sequence[str]]]) -> Iterator[None]:
-    """Keep the first :data:`KEPT` children of each stack while the block runs; restore them after."""
+def _cut(module: nn.Module, stacks: Sequence[Stack]) -> Iterator[None]:
+    """Keep each stack's prefix and first :data:`KEPT` units while the block runs; restore them after."""
     saved = []
     try:
-        for path, _ in stacks:
-            holder = module.get_submodule(path) if path else module
+        for stack in stacks:
+            holder = module.get_submodule(stack.path) if stack.path else module
             saved.append((holder, holder._modules))
-            holder._modules = type(holder._modules)(list(holder._modules.items())[:KEPT])
+            holder._modules = type(holder._modules)(list(holder._modules.items())[:stack.kept])
         yield
     finally:
         for holder, modules in saved:
@@ -158,55 +223,46 @@ def _block_path(stack: str, key: str) -> str:
     return f"{stack}.{key}" if stack else key
 
 
-def _in_block(path: str, block: str) -> bool:
-    return path == block or path.startswith(block + ".")
+def unroll(graph: OpGraph, paths: dict[str, str], stack: Stack) -> tuple[OpGraph, dict[str, str]] | None:
+    """The op graph with ``stack`` (captured with its prefix and first :data:`KEPT` units) grown to all its units.
 
-
-def unroll(graph: OpGraph, paths: dict[str, str], stack: str,
-           keys: Sequence[str]) -> tuple[OpGraph, dict[str, str]] | None:
-    """The op graph with the stack at ``stack`` (captured with its first :data:`KEPT` blocks) grown to all its blocks.
-
-    ``paths``: op name -> module path of its unit ("" for glue); ``keys``:
-    the names of the stack's children in order (``"0"``, ``"1"``, ... in a
-    ``ModuleList``). Returns the new graph and paths, or None when the
-    captured graph is not periodic as the module docstring requires (the
-    caller then captures everything).
+    ``paths``: op name -> module path of its unit ("" for glue). Returns the
+    new graph and paths, or None when the captured graph is not periodic as
+    the module docstring requires (the caller then captures everything).
     """
-    num_blocks = len(keys)
-    blocks = [_block_path(stack, keys[j]) for j in range(KEPT)]
-    member: list[int | None] = []
+    prefix = f"{stack.path}." if stack.path else ""
+    where = {stack.keys[stack.start + i]: divmod(i, stack.period) for i in range(KEPT * stack.period)}
+    member: list[tuple[int, int] | None] = []  # (unit, offset in it) of each op of a kept unit
     for op in graph.ops:
         path = paths.get(op.name, "")
-        member.append(next((j for j, b in enumerate(blocks) if _in_block(path, b)), None))
-    ids = [[v for v, j in enumerate(member) if j == k] for k in range(KEPT)]
+        member.append(where.get(path[len(prefix):].split(".", 1)[0]) if path.startswith(prefix) else None)
+    ids = [[v for v, m in enumerate(member) if m is not None and m[0] == k] for k in range(KEPT)]
     if any(not block or not _contiguous(block) for block in ids) or len({len(b) for b in ids}) != 1:
         return None
     if any(ids[k][-1] + 1 != ids[k + 1][0] for k in range(KEPT - 1)):
         return None
     first, last = ids[0][0], ids[-1][-1]
-    if any(m is not None for m in member[:first] + member[last + 1:]):
-        return None
     if any(paths.get(graph.ops[v].name, "") == "" for v in range(last + 1, graph.num_ops)):
         return None  # a glue op after the stack is named after its fx node, whose number grows with the stack
     if any(any(member[graph.op_id(name)] is not None for name in s.ops) for s in graph.shared):
         return None
     local = {v: (k, i) for k, block in enumerate(ids) for i, v in enumerate(block)}
 
-    def rel(name: str, k: int) -> str:
-        return name[len(blocks[k]):]
+    def rel(v: int) -> str:
+        unit, offset = member[v]
+        return graph.ops[v].name[len(stack.child(unit, offset)):]
 
     def body(k: int) -> tuple:
-        ops = tuple((rel(graph.ops[v].name, k), graph.ops[v].kind, graph.ops[v].fwd, graph.ops[v].bwd,
-                     graph.ops[v].param_bytes, graph.ops[v].act_bytes, graph.ops[v].out_bytes, graph.ops[v].wgrad)
-                    for v in ids[k])
-        if any(not graph.ops[v].name.startswith(blocks[k]) for v in ids[k]):
+        if any(not graph.ops[v].name.startswith(stack.child(*member[v])) for v in ids[k]):
             return ()
-        return ops
+        return tuple((member[v][1], rel(v), graph.ops[v].kind, graph.ops[v].fwd, graph.ops[v].bwd,
+                      graph.ops[v].param_bytes, graph.ops[v].act_bytes, graph.ops[v].out_bytes, graph.ops[v].wgrad)
+                     for v in ids[k])
 
-    into: list[set] = [set() for _ in range(KEPT)]  # edges from ops before the stack, per block
-    out_of: list[set] = [set() for _ in range(KEPT)]  # edges to ops after the stack, per block
-    link: list[set] = [set() for _ in range(KEPT)]  # edges block k -> block k + 1
-    inner: list[set] = [set() for _ in range(KEPT)]  # edges inside block k
+    into: list[set] = [set() for _ in range(KEPT)]  # edges from ops before the stack, per unit
+    out_of: list[set] = [set() for _ in range(KEPT)]  # edges to ops after the stack, per unit
+    link: list[set] = [set() for _ in range(KEPT)]  # edges unit k -> unit k + 1
+    inner: list[set] = [set() for _ in range(KEPT)]  # edges inside unit k
     outside = []
     for e in graph.edges:
         s, d = local.get(e.src), local.get(e.dst)
@@ -221,31 +277,35 @@ def unroll(graph: OpGraph, paths: dict[str, str], stack: str,
         elif d[0] == s[0] + 1:
             link[s[0]].add((s[1], d[1], e.bytes, e.saved))
         else:
-            return None  # a block feeding one further on: not a chain of blocks
+            return None  # a unit feeding one further on: not a chain of units
     middle = body(1)
     if not middle or middle != body(2) or not body(0) or not body(KEPT - 1):
         return None
     if inner[1] != inner[2] or into[1] != into[2] or out_of[1] != out_of[2]:
         return None
-    # block j of the whole stack is kept block role(j): the first, a middle one, or the last
-    role = [0] + [1] * (num_blocks - 2) + [KEPT - 1]
+    # unit j of the whole run is kept unit role(j): the first, a middle one, or the last
+    num_units = stack.units
+    role = [0] + [1] * (num_units - 2) + [KEPT - 1]
+
+    def names(j: int, k: int) -> dict[int, str]:
+        return {i: stack.child(j, member[v][1]) + rel(v) for i, v in enumerate(ids[k])}
+
     ops, new_paths, edges = [], {}, list(outside)
     for v in range(first):
         ops.append(graph.ops[v])
     for j, k in enumerate(role):
-        name_of = {i: _block_path(stack, keys[j]) + rel(graph.ops[v].name, k) for i, v in enumerate(ids[k])}
+        name_of = names(j, k)
         for i, v in enumerate(ids[k]):
             op = graph.ops[v]
             ops.append(replace(op, name=name_of[i]))
-            new_paths[name_of[i]] = _block_path(stack, keys[j]) + paths[op.name][len(blocks[k]):]
+            new_paths[name_of[i]] = stack.child(j, member[v][1]) + paths[op.name][len(stack.child(*member[v])):]
         edges += [(src, name_of[i], b, sv) for src, i, b, sv in sorted(into[k], key=repr)]
         edges += [(name_of[i], dst, b, sv) for i, dst, b, sv in sorted(out_of[k], key=repr)]
         edges += [(name_of[i], name_of[t], b, sv) for i, t, b, sv in sorted(inner[k], key=repr)]
-        if j + 1 < num_blocks:
+        if j + 1 < num_units:
             nxt = role[j + 1]
             pattern = link[0] if j == 0 else (link[KEPT - 2] if nxt == KEPT - 1 else link[1])
-            following = {i: _block_path(stack, keys[j + 1]) + rel(graph.ops[v].name, nxt)
-                         for i, v in enumerate(ids[nxt])}
+            following = names(j + 1, nxt)
             edges += [(name_of[i], following[t], b, sv) for i, t, b, sv in sorted(pattern, key=repr)]
     for v in range(last + 1, graph.num_ops):
         ops.append(graph.ops[v])
@@ -268,6 +328,7 @@ def unrolled_capture(module: nn.Module, example_inputs: Any, **kwargs: Any) -> O
 
     stacks = repeated_stacks(module)
     if not stacks:
+        log.info("no stack of at least %d repeating blocks; capturing the whole module", 2 * KEPT)
         return None
     try:
         with _cut(module, stacks):
@@ -276,12 +337,13 @@ def unrolled_capture(module: nn.Module, example_inputs: Any, **kwargs: Any) -> O
         log.info("capturing with stacks cut to %d blocks failed (%s); capturing the whole module", KEPT, exc)
         return None
     graph, paths = cut.graph, dict(cut.paths or {})
-    for path, keys in stacks:
-        grown = unroll(graph, paths, path, keys)
+    for stack in stacks:
+        grown = unroll(graph, paths, stack)
         if grown is None:
-            log.info("stack %r is not periodic once captured; capturing the whole module", path)
+            log.info("stack %r is not periodic once captured; capturing the whole module", stack.path)
             return None
         graph, paths = grown
+    log.info("unrolled %s", ", ".join(f"{s.path!r} ({s.units} units of {s.period} after {s.start})" for s in stacks))
     return graph
 
 

@@ -299,9 +299,9 @@ def _set_submodule(root: nn.Module, path: str, module: nn.Module) -> None:
     parent.add_module(parts[-1], module) if parts[-1] not in parent._modules else setattr(parent, parts[-1], module)
 
 
-def _dynamic_shapes(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
-    """Dim 0 of every tensor input is the batch (one symbol for all)."""
-    batch = torch.export.Dim("batch")
+def _dynamic_shapes(module: nn.Module, args: tuple, kwargs: dict, batch: Any = None) -> dict[str, Any]:
+    """Dim 0 of every tensor input is the batch (one symbol for all; or ``batch``, :data:`torch.export.Dim.AUTO`)."""
+    batch = torch.export.Dim("batch") if batch is None else batch
     try:
         bound = inspect.signature(module.forward).bind(*args, **kwargs)
     except TypeError as exc:
@@ -356,6 +356,40 @@ def _export_location(exc: BaseException) -> str:
 
 
 # ------------------------------------------------------------------- export
+def _export_dynamic_batch(module: nn.Module, args: tuple, kwargs: dict, dynamic: dict[str, Any]):
+    """``torch.export`` with a dynamic batch; where its solver cannot prove a guard that holds, the batch found.
+
+    Some guards hold for every batch but are beyond the symbolic solver (Llama-4's
+    mixture of experts reshapes its tokens into ``Min(hidden, tokens)``-strided views):
+    a named ``Dim`` then fails with "Constraints violated". ``Dim.AUTO`` records such
+    guards instead; the export is kept only if the batch stayed a symbol (a model that
+    does fix the batch still gets the first error).
+    """
+    try:
+        return torch.export.export(module, args, kwargs, dynamic_shapes=dynamic, strict=False)
+    except Exception as exc:
+        if "Constraints violated" not in str(exc):
+            raise
+        auto = _dynamic_shapes(module, args, kwargs, torch.export.Dim.AUTO)
+        try:
+            ep = torch.export.export(module, args, kwargs, dynamic_shapes=auto, strict=False)
+        except Exception:
+            raise exc from None
+        inputs = [n.meta.get("val") for n in ep.graph.nodes if n.op == "placeholder"
+                  and n.name in ep.graph_signature.user_inputs]
+        if any(isinstance(v, torch.Tensor) and v.dim() >= 1 and not _symbolic(v.shape[0], ep) for v in inputs):
+            raise exc from None
+        return ep
+
+
+def _symbolic(size: Any, ep) -> bool:
+    """Whether an exported input's dim is still a symbol with a range of values (not specialized to one)."""
+    if not isinstance(size, torch.SymInt) or size.node.expr.is_number:
+        return False
+    bounds = ep.range_constraints.get(size.node.expr)
+    return bounds is None or bounds.lower != bounds.upper
+
+
 def export_model(module: nn.Module, example_inputs: Any, loss_fn: Callable[..., Any] | None = None,
                  example_target: Any = None) -> Exported:
     """Export ``module`` on its example inputs into a flat runnable graph (module docstring).
@@ -371,20 +405,21 @@ def export_model(module: nn.Module, example_inputs: Any, loss_fn: Callable[..., 
     t0 = time.perf_counter()
     training = module.training
     module.train()
-    config = getattr(module, "config", None)  # a Hugging Face model: training keeps no KV cache
-    use_cache = getattr(config, "use_cache", None)
+    # a Hugging Face model: training keeps no KV cache (an encoder-decoder's stacks hold configs of their own)
+    configs = {id(c): c for m in module.modules() if (c := getattr(m, "config", None)) is not None
+               and getattr(c, "use_cache", None)}
     try:
-        if use_cache:
+        for config in configs.values():
             config.use_cache = False
         with _opaque_batchnorms(module) as batchnorms, _quiet_torch_logs(), _no_stack_traces():
-            ep = torch.export.export(module, args, kwargs, dynamic_shapes=dynamic, strict=False)
+            ep = _export_dynamic_batch(module, args, kwargs, dynamic)
     except Exception as exc:  # export raises many types; the first line and the user's location say why
         raise UserCodeError(f"{_export_location(exc)}torch.export cannot capture {type(module).__name__}: "
                             f"{type(exc).__name__}: {_first_line(exc)}") from exc
     finally:
         module.train(training)
-        if use_cache:
-            config.use_cache = use_cache
+        for config in configs.values():
+            config.use_cache = True
     seconds = time.perf_counter() - t0
     gm = ep.module()
     in_spec = ep.call_spec.in_spec

@@ -291,3 +291,34 @@ def test_embedding_bag_act_bytes_are_what_a_cpu_step_saves():
         out = table(indices)
     assert meter.peak > 0 and g.ops[0].act_bytes * batch == meter.peak
     del out
+
+
+class _FixesBatch(nn.Module):
+    """Reshapes by the example's batch size: the exported graph would only run at that batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(x).reshape(4, 8).sum(-1)
+
+
+def test_a_model_fixing_the_batch_is_still_refused():
+    from graphpipe.errors import UserCodeError
+
+    with pytest.raises(UserCodeError, match="torch.export cannot capture _FixesBatch"):
+        capture(_FixesBatch(), (torch.randn(4, 8),), loss_fn=lambda out: out.sum())
+
+
+def test_llama4_experts_capture_with_a_dynamic_batch():
+    """Llama-4's mixture of experts: a named batch dimension fails export's solver; the capture still keeps the
+    batch a symbol, so the graph runs at another micro-batch size."""
+    pytest.importorskip("transformers")
+    from graphpipe.evals.llm_configs import build
+
+    model, inputs, loss_fn, labels = build("llama4_scout", layers=2, tiny=True, seq=16)
+    captured = capture(model, inputs, loss_fn=loss_fn, example_target=labels)
+    assert captured.graph.num_ops > 0
+    placeholder = next(n for n in captured.gm.graph.nodes if n.op == "placeholder")
+    assert isinstance(placeholder.meta["val"].shape[0], torch.SymInt)

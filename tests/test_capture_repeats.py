@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from graphpipe import zoo
 from graphpipe.capture import capture
-from graphpipe.capture_repeats import KEPT, capture_graph, repeated_stacks, same_blocks, unrolled_capture
+from graphpipe.capture_repeats import KEPT, Stack, capture_graph, repeated_stacks, same_blocks, unrolled_capture
 
 
 def _whole(module, inputs, **kw):
@@ -32,7 +32,7 @@ def _tiny_llama(layers: int):
 @pytest.mark.parametrize("layers", [9, 12])
 def test_tiny_llama_unrolled_equals_whole_capture(layers):
     model, inputs, kw = _tiny_llama(layers)
-    assert repeated_stacks(model) == [("model.layers", tuple(str(i) for i in range(layers)))]
+    assert repeated_stacks(model) == [Stack("model.layers", tuple(str(i) for i in range(layers)))]
     unrolled = unrolled_capture(model, inputs, **kw)
     assert unrolled is not None
     whole = _whole(model, inputs, **kw)
@@ -83,7 +83,7 @@ def test_tiny_llama_bf16_unrolled_equals_whole_capture():
 def test_zoo_transformer_branches_unrolled_equal_whole_capture():
     built = zoo.build("mmt:branches=2,layers=9,hidden=64,heads=4,ffn=128,seq=16", device="meta")
     stacks = repeated_stacks(built.module)
-    assert [path for path, _ in stacks] == ["branch0", "branch1"]
+    assert [s.path for s in stacks] == ["branch0", "branch1"]
     kw = dict(name="mmt", loss_fn=built.loss_fn)
     unrolled = unrolled_capture(built.module, built.example_inputs, **kw)
     assert unrolled is not None and unrolled == _whole(built.module, built.example_inputs, **kw)
@@ -164,3 +164,85 @@ def test_tied_blocks_are_not_cut():
 def test_short_stacks_are_left_whole():
     model = _Stack([16] * (2 * KEPT - 1))
     assert repeated_stacks(model) == []
+
+
+# --- held-out architectures (evals/llm_configs.py at tiny widths): the oracle is the whole capture of the same model
+@pytest.mark.parametrize("arch, layers, expected", [
+    ("deepseek_v3_e16", 12, [("model.layers", 3, 1)]),  # 3 dense layers, then mixture-of-experts ones
+    ("gemma2_27b", 16, [("model.layers", 0, 2)]),  # sliding and global attention in turn
+    ("gemma3_27b", 50, [("model.layers", 2, 6)]),  # 5 local : 1 global; the run ends in a whole unit
+    ("llama4_maverick", 32, [("model.layers", 0, 4)]),  # experts every 2nd layer, no rotary every 4th
+    ("t5_11b", 10, [("encoder.block", 1, 1), ("decoder.block", 1, 1)]),  # block 0 holds the position table
+    ("mixtral_8x22b", 9, [("model.layers", 0, 1)]),
+    ("falcon_40b", 9, [("transformer.h", 0, 1)]),
+    ("bloom_176b", 9, [("transformer.h", 0, 1)]),
+])
+def test_held_out_llm_unrolled_equals_whole_capture(arch, layers, expected):
+    pytest.importorskip("transformers")
+    from graphpipe.evals.llm_configs import build
+
+    model, inputs, loss_fn, labels = build(arch, layers=layers, tiny=True, seq=16)
+    stacks = repeated_stacks(model)
+    assert [(s.path, s.start, s.period) for s in stacks] == expected
+    kw = dict(name=arch, loss_fn=loss_fn, example_target=labels)
+    unrolled = unrolled_capture(model, inputs, **kw)
+    assert unrolled is not None
+    assert unrolled == _whole(model, inputs, **kw)  # names, kinds, costs, bytes, edges and ids
+    assert all(len(model.get_submodule(s.path)) == len(s.keys) for s in stacks)  # the cut stacks are restored
+
+
+class _Other(nn.Module):
+    """Another kind of block (a different class): periodic stacks interleave it with :class:`_Block`."""
+
+    def __init__(self, width: int, layer_idx: int = 0):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.layer_idx = layer_idx
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x)) + x
+
+
+class _Mixed(nn.Module):
+    def __init__(self, blocks):
+        super().__init__()
+        self.layers = nn.ModuleList(blocks)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("prefix, period, units", [(0, 2, 8), (3, 1, 9), (1, 3, 8), (2, 2, 9)])
+def test_periodic_stack_with_a_prefix_unrolls_exactly(prefix, period, units):
+    """A prefix of other blocks, then a unit of ``period`` blocks of two kinds repeated: found and unrolled exactly."""
+    torch.manual_seed(0)
+    blocks = [nn.Linear(16, 16) for _ in range(prefix)]  # a prefix of other modules
+    layout = [_Other if j == period - 1 else _Block for j in range(period)]
+    blocks += [(layout[j](16, prefix + u * period + j) if layout[j] is _Other else _Block(16, 0))
+               for u in range(units) for j in range(period)]
+    model = _Mixed(blocks)
+    x = torch.randn(4, 16)
+    stacks = repeated_stacks(model)
+    assert [(s.start, s.period, s.units) for s in stacks] == [(prefix, period, units)]
+    unrolled = unrolled_capture(model, (x,), loss_fn=_mse)
+    assert unrolled is not None and unrolled == _whole(model, (x,), loss_fn=_mse)
+
+
+def test_a_period_the_forward_breaks_falls_back():
+    """Blocks alternating in two kinds whose forward also branches every third block: not periodic, whole capture."""
+    blocks = [(_Block if i % 2 else _Other)(16, i) for i in range(16)]
+    model = _Mixed(blocks)
+    assert [(s.start, s.period) for s in repeated_stacks(model)] == [(0, 2)]  # the modules look periodic...
+    x = torch.randn(4, 16)
+    assert unrolled_capture(model, (x,), loss_fn=_mse) is None  # ...their ops are not
+    assert capture_graph(model, (x,), loss_fn=_mse) == _whole(model, (x,), loss_fn=_mse)
+
+
+def test_a_counter_must_count_with_the_period():
+    """Along a period-2 stack, an integer attribute must step by 2 (a layer index), not by 1."""
+    good = [(_Block if i % 2 else _Other)(16, i) for i in range(16)]
+    assert same_blocks(good[1::2], stride=2) and not same_blocks(good[1::2])
+    bad = [(_Block if i % 2 else _Other)(16, i // 2) for i in range(16)]
+    assert not same_blocks(bad[1::2], stride=2)

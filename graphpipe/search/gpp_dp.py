@@ -451,7 +451,10 @@ class BottleneckDP(TargetDP):
         devices, stages, choice = [INF] * size, [0] * size, [None] * size
         nxt = self._series(x, i + 1, k)
         # Child i partitioned on its own; the suffix's source depth u is its downstream depth.
-        for u in nxt.breakpoints:
+        leaf = self.tree.kinds[kids[i]] == "op"
+        if leaf:
+            self._series_leaf(kids[i], nxt, devices, stages, choice)
+        for u in () if leaf else nxt.breakpoints:
             rest_d, rest_s, how = nxt.devices[u], nxt.stages[u], ("child", u)
             child = self._value(kids[i], u)
             if not child.breakpoints:
@@ -490,6 +493,35 @@ class BottleneckDP(TargetDP):
                 devices[v], stages[v], choice[v] = best[0], best[1], best[3]
         got = self._memo[key] = self._table(devices, stages, choice)
         return got
+
+    def _series_leaf(self, leaf: int, nxt: Table, devices: list[int], stages: list[int], choice: list) -> None:
+        """The "child" options of :meth:`_series` when the child is one op, in one sweep over the bounds.
+
+        A leaf's table is infeasible below its first breakpoint and constant from there on, so the option
+        ``("child", u)`` offers one (devices, stages) pair to every bound from a start that grows with
+        ``u``. Offering the options in ``u`` order and keeping the first strictly best one at each bound is
+        what the general loop (every ``u``, every bound) computes, in time linear in the bounds.
+        """
+        offers = []
+        for u in nxt.breakpoints:
+            child = self._value(leaf, u)
+            if child.breakpoints:
+                start = child.breakpoints[0]
+                offers.append((start, nxt.devices[u] + child.devices[start], nxt.stages[u] + child.stages[start],
+                               ("child", u)))
+        best, at, size = None, 0, len(devices)
+        for v in range(size):
+            while at < len(offers) and offers[at][0] <= v:
+                offer = offers[at]
+                at += 1
+                if best is None or offer[1] < best[1] or (offer[1] == best[1] and offer[2] < best[2]):
+                    best = offer
+            if best is not None:
+                if at == len(offers):  # no offer left: the best holds for every remaining bound
+                    devices[v:], stages[v:], choice[v:] = ([best[1]] * (size - v), [best[2]] * (size - v),
+                                                           [best[3]] * (size - v))
+                    return
+                devices[v], stages[v], choice[v] = best[1], best[2], best[3]
 
     def _parallel(self, x: int, j: int, k: int) -> Table:
         """Children j..p-1 of parallel node x, all with downstream depth k."""
