@@ -81,6 +81,8 @@ class HostedStage:
     """Micro-batch -> the weight gradient zero bubble's I left for its W."""
     segment_calls: dict[int, set[int]] = field(default_factory=dict)
     """Micro-batch -> the checkpoint segments that ran (a second call is a re-materialization)."""
+    _slots: tuple | None = field(default=None, repr=False)
+    """(the module, the ``_parameters`` dicts of its sub-modules in ``modules()`` order), for :meth:`parameters`."""
 
     @classmethod
     def of(cls, stage: Stage, program: StageProgram, *, compile: bool = False) -> "HostedStage":
@@ -101,12 +103,33 @@ class HostedStage:
         return self.program.module
 
     def parameters(self) -> list[torch.nn.Parameter]:
-        return list(self.program.module.parameters())
+        """The stage module's parameters, each once, in ``module.parameters()``'s order.
+
+        Read through the owners' ``_parameters`` dicts, found once per module
+        (as :class:`~graphpipe.runtime.stage_modules.BoundForward` reads its
+        tensors): ``module.parameters()`` walks every sub-module on each call,
+        and the training API asks at every step (:meth:`RankExecutor.ensure_grads
+        <graphpipe.runtime.executor.RankExecutor.ensure_grads>`). A parameter
+        replaced later (a checkpoint load, a materialization, a weight
+        version) is the one returned; the module's structure is fixed once
+        built.
+        """
+        module = self.program.module
+        if self._slots is None or self._slots[0] is not module:
+            self._slots = (module, [m._parameters for m in module.modules() if m._parameters])
+        seen: set[int] = set()
+        out = []
+        for table in self._slots[1]:
+            for p in table.values():
+                if p is not None and id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+        return out
 
     def trainable(self) -> list[torch.nn.Parameter]:
         """The parameters that train: a frozen one (``requires_grad=False``) gets no gradient buffer, no
         all-reduce and so no optimizer state (optimizers skip a parameter whose ``.grad`` is None)."""
-        return [p for p in self.program.module.parameters() if p.requires_grad]
+        return [p for p in self.parameters() if p.requires_grad]
 
     def param(self, name: str) -> torch.nn.Parameter:
         """The parameter called ``name`` in the stage module."""
