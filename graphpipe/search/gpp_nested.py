@@ -75,6 +75,10 @@ class NestedChainDP(BottleneckDP):
         self.chains: dict[int, tuple[int, ChainRanges]] = {}
         """The chains solved in numpy: per series node, where its last run of more than ``_MIN_CHAIN`` op
         children starts, and that run's options."""
+        self._depths: dict[int, int] = {}
+        """Per chain, the downstream depths its parents can ask about: stages below it hold at least one op
+        each of a path from it to the sink, which has at most the graph's longest path minus its own ops."""
+        longest = _longest_paths(tree)
         for x, kind in enumerate(tree.kinds):
             kids = tree.children[x]
             start = len(kids)
@@ -82,6 +86,7 @@ class NestedChainDP(BottleneckDP):
                 start -= 1
             if kind == "series" and len(kids) - start > _MIN_CHAIN:
                 self.chains[x] = start, ChainRanges(self.blocks, x, self.link, start)
+                self._depths[x] = min(self.kcap + 1, tree.longest_path - longest[x] + 1)
         self._solved: dict[int, tuple[int, np.ndarray, np.ndarray, np.ndarray]] = {}
         """Per chain, its latest solve: (rank, keys[k, v, i], next child j[k, v, i], rest bound u[k, v, i])."""
 
@@ -110,10 +115,10 @@ class NestedChainDP(BottleneckDP):
     def _solve_chain(self, x: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """keys[k, v, i]: ops i.. of chain x with downstream depth k and source depth <= v, as a
         (devices, stages) key; at_j and at_u: the first stage (ops i..j-1) and the bound after it.
-        The root is only ever asked about depth 0, so its chain has that one row."""
+        Only the depths its parents can ask about have rows (the root's: depth 0)."""
         ranges = self.chains[x][1]
         n, size, mbs = ranges.n, self.kcap + 1, self.num_mbs
-        rows = 1 if x == self.tree.root else size
+        rows = self._depths[x]
         ds = np.array(self.ds, dtype=np.int64)
         pi, pj, reach = ranges.options(self.t_max)
         starts = np.flatnonzero(np.r_[True, pi[1:] != pi[:-1]])   # every i has its single op: no empty run
@@ -175,3 +180,21 @@ class NestedChainDP(BottleneckDP):
             else:
                 out.append(self._stage(x, i, j, self._base_devices(x, i, j, u + 1), u + 1))
             i, v = j, u
+
+
+def _longest_paths(tree) -> list[int]:
+    """Ops on the longest path through each node of ``tree`` (series: the sum over children, parallel: the
+    most of any child)."""
+    out = [0] * len(tree.kinds)
+
+    def visit(x: int) -> int:
+        kids = tree.children[x]
+        if not kids:
+            out[x] = 1
+        else:
+            lengths = [visit(c) for c in kids]
+            out[x] = sum(lengths) if tree.kinds[x] == "series" else max(lengths)
+        return out[x]
+
+    visit(tree.root)
+    return out
