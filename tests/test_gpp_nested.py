@@ -15,10 +15,11 @@ from graphpipe.graph import OpGraph
 from graphpipe.search.gpp_blocks import BlockCosts
 from graphpipe.search.gpp_dp import INF, BottleneckDP
 from graphpipe.search.gpp_nested import _MIN_CHAIN, NestedChainDP
-from graphpipe.search.gpp_solve import first_feasible, make_dp
+from graphpipe.search.gpp_solve import make_dp
 from graphpipe.search.gpp_tree import build_tree
 from graphpipe.sp import make_series_parallel
 from test_gpp import BATCH, SLOW_LINK, _tight
+from test_gpp_chain import probe_targets
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -61,11 +62,8 @@ def _same_dp(tree, cluster, batch, mb, link, recompute, rng, num_targets=12) -> 
     general = BottleneckDP(tree, cluster, batch, mb, link=link, blocks=blocks)
     fast = NestedChainDP(tree, cluster, batch, mb, link=link, blocks=blocks)
     assert fast.chains, "the graph holds no chain the fast path takes"
-    targets = list(general.candidate_targets())
-    best, _ = first_feasible(general, targets, general.kcap)
-    near = targets[best:best + num_targets] if best is not None else []
     checked = 0
-    for t in rng.sample(targets, min(num_targets, len(targets))) + near + targets[-1:]:
+    for t in probe_targets(general, num_targets, rng):
         want, got = general.solve(t), fast.solve(t)
         assert (got.devices, got.stages, got.breakpoints) == (want.devices, want.stages, want.breakpoints), t
         for v, d in enumerate(want.devices):

@@ -75,12 +75,14 @@ def stage_keys(reach: np.ndarray, ds: np.ndarray, top: int, mbs: int) -> np.ndar
     """need[v - 1, pair]: the devices-and-one-stage key of each pair as one stage at bound ``v`` (``1 <= v <
     top``), every level at once; ``reach[pair]`` (sorted along the device choices ``ds``) from
     :meth:`ChainRanges.options`: the first device count holding ``min(v, mbs)`` in flight."""
-    held_at = np.minimum(np.arange(1, top), mbs)[:, None]
-    first = np.zeros((len(held_at), len(reach)), dtype=np.int64)
-    for c in range(len(ds)):  # how many device choices hold too few, one choice at a time
-        first += reach[None, :, c] < held_at
-    nd = len(ds)
-    return np.where(first < nd, ds[np.minimum(first, nd - 1)] * _STAGES + 1, _NONE)
+    # narrow integers: the counts fit (in-flight counts are at most the graph's longest path), and these
+    # arrays (levels x pairs) are the biggest the chain DPs make
+    held_at = np.minimum(np.arange(1, top), mbs).astype(np.int32)[:, None]
+    reach = reach.astype(np.int32).T
+    first = np.zeros((len(held_at), reach.shape[1]), dtype=np.int16)
+    for row in reach:  # how many device choices hold too few, one choice at a time
+        first += row[None, :] < held_at
+    return np.append(ds * _STAGES + 1, _NONE)[first]   # index len(ds): no device count holds that many
 
 
 class ChainRanges:
