@@ -361,9 +361,11 @@ def test_docstring_examples():
 
     import graphpipe.search as search
     import graphpipe.search.gpp as gpp
+    import graphpipe.search.gpp_chain as gpp_chain
     import graphpipe.search.gpp_dp as gpp_dp
+    import graphpipe.search.gpp_nested as gpp_nested
     import graphpipe.search.planner as planner
 
-    for module in (gpp, gpp_dp, planner, search):
+    for module in (gpp, gpp_chain, gpp_dp, gpp_nested, planner, search):
         result = doctest.testmod(module)
         assert result.failed == 0 and result.attempted > 0, module.__name__

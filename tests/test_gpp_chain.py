@@ -27,6 +27,15 @@ GRAPHS = ([random_sp_graph(n, seed) for n in (5, 8, 12, 16) for seed in range(3)
           + [branches_graph(4, 3), chain_graph(12), branches_graph(3, 5)])  # equal ops: many ties
 
 
+def probe_targets(dp, num_targets, rng) -> list[float]:
+    """Targets to compare two DPs at: a sample, those just above the optimum (where the search probes most,
+    and ties are common), and the largest."""
+    targets = list(dp.candidate_targets())
+    best, _ = first_feasible(dp, targets, dp.kcap)
+    near = targets[best:best + num_targets] if best is not None else []
+    return rng.sample(targets, min(num_targets, len(targets))) + near + targets[-1:]
+
+
 def _same_dp(tree, cluster, batch, mb, link, recompute, targets_per_dp, rng):
     """Both DPs on one tree: equal tables at sampled targets and at those just above the optimum (where the
     search probes most, and ties are common), equal back-pointers in every state, equal stages at every
@@ -34,11 +43,8 @@ def _same_dp(tree, cluster, batch, mb, link, recompute, targets_per_dp, rng):
     blocks = BlockCosts(tree, cluster, batch, mb, recompute=recompute)
     general = BottleneckDP(tree, cluster, batch, mb, link=link, blocks=blocks)
     chain = ChainDP(tree, cluster, batch, mb, link=link, blocks=blocks)
-    targets = list(general.candidate_targets())
-    best, _ = first_feasible(chain, targets, chain.kcap)
-    near = targets[best:best + targets_per_dp] if best is not None else []
     checked = 0
-    for t in rng.sample(targets, min(targets_per_dp, len(targets))) + near + targets[-1:]:
+    for t in probe_targets(chain, targets_per_dp, rng):
         want, got = general.solve(t), chain.solve(t)
         assert (got.devices, got.stages, got.breakpoints) == (want.devices, want.stages, want.breakpoints), t
         for i in range(chain.n):  # every state's back-pointer, not only those on the root's path

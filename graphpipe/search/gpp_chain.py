@@ -52,10 +52,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from graphpipe.cluster import Link
+from graphpipe.search.gpp_blocks import BlockCosts
 from graphpipe.search.gpp_dp import INF, DPStage, Table, TargetDP
 from graphpipe.search.gpp_tree import DPTree
 
-__all__ = ["ChainDP", "is_chain"]
+__all__ = ["ChainDP", "ChainRanges", "is_chain", "stage_keys"]
 
 _STAGES = 1 << 20
 """A (devices, stages) pair is kept as ``devices * _STAGES + stages``: one integer compares both in order."""
@@ -69,6 +71,64 @@ def is_chain(tree: DPTree) -> bool:
     return tree.kinds[root] == "series" and all(tree.kinds[c] == "op" for c in tree.children[root])
 
 
+def stage_keys(reach: np.ndarray, ds: np.ndarray, top: int, mbs: int) -> np.ndarray:
+    """need[v - 1, pair]: the devices-and-one-stage key of each pair as one stage at bound ``v`` (``1 <= v <
+    top``), every level at once; ``reach[pair]`` (sorted along the device choices ``ds``) from
+    :meth:`ChainRanges.options`: the first device count holding ``min(v, mbs)`` in flight."""
+    # narrow integers: the counts fit (in-flight counts are at most the graph's longest path), and these
+    # arrays (levels x pairs) are the biggest the chain DPs make
+    held_at = np.minimum(np.arange(1, top), mbs).astype(np.int32)[:, None]
+    reach = reach.astype(np.int32).T
+    first = np.zeros((len(held_at), reach.shape[1]), dtype=np.int16)
+    for row in reach:  # how many device choices hold too few, one choice at a time
+        first += row[None, :] < held_at
+    return np.append(ds * _STAGES + 1, _NONE)[first]   # index len(ds): no device count holds that many
+
+
+class ChainRanges:
+    """The stage options of a series node's children from ``start`` on, all ops (a chain), as arrays: which
+    ranges of them the DP tries under a target, and what each holds on how many devices.
+
+    ``cost[i, j, c]`` and ``held[i, j, c]``: ops ``i..j-1`` (children ``start + i..``) as one stage on
+    ``ds[c]`` replicas (``i < n``, ``j <= n``). Op ``i`` alone takes its own leaf's tables, as BottleneckDP's "child" option does (a
+    range's prefix sums may differ in the last bit).
+    """
+
+    def __init__(self, blocks: BlockCosts, x: int, link: Link | None, start: int = 0):
+        kids = blocks.tree.children[x][start:]
+        n = self.n = len(kids)
+        cost = blocks.stage_cost(x, link)[start:, start:][:n].copy()
+        held = blocks.max_in_flight(x)[start:, start:][:n].copy()
+        for i, leaf in enumerate(kids):
+            cost[i, i + 1] = blocks.stage_cost(leaf, link)[0, 1]
+            held[i, i + 1] = blocks.max_in_flight(leaf)[0, 1]
+        self.cost = cost
+        self.held = held = np.maximum(held, 0)
+        # A range of >= 2 ops grows while its compute (not its cut) meets the target and it fits memory on
+        # some device count (_range_ends): the cheapest such compute per range says up to which target.
+        compute = blocks.stage_tps(x)[start:, start:][:n] if link is not None else cost
+        self._grows_below = np.min(np.where(held > 0, compute, np.inf), axis=-1)
+        ij = np.arange(n + 1)[None, :] - np.arange(n)[:, None]   # j - i
+        self._single = ij == 1
+        self._longer = ij >= 2
+
+    def options(self, t_max: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The (i, j) that are options under ``t_max``, sorted by i then j, and their rows
+        reach[c]: the most in-flight ops i..j-1 hold as one stage on at most ``ds[c]`` devices (0: none)."""
+        # Ranges of >= 2 ops are tried while every range from i up to them grows (see __init__).
+        grows = (self._grows_below <= t_max) | ~self._longer
+        alive = np.logical_and.accumulate(grows, axis=1) & self._longer
+        i, j = np.nonzero(self._single | alive)
+        reach = np.maximum.accumulate(np.where(self.cost[i, j] <= t_max, self.held[i, j], 0), axis=-1)
+        longer = alive[i, j]
+        # A longer range is an option when it holds something and differs from the next longer one, or
+        # that one is not tried (else the longer one dominates it). Its next is the next pair, if alive.
+        ends = np.ones(len(i), dtype=bool)
+        ends[:-1] = ~(longer[1:] & (i[1:] == i[:-1])) | np.any(reach[:-1] != reach[1:], axis=-1)
+        keep = ~longer | ((reach[:, -1] > 0) & ends)
+        return i[keep], j[keep], reach[keep]
+
+
 class ChainDP(TargetDP):
     """:class:`~graphpipe.search.gpp_dp.BottleneckDP` for a chain tree (module docstring), same interface
     and arguments (:class:`~graphpipe.search.gpp_dp.TargetDP`'s).
@@ -80,25 +140,9 @@ class ChainDP(TargetDP):
         if not is_chain(tree):
             raise ValueError("ChainDP needs a chain tree: one series node over its ops (gpp_tree.chain_tree)")
         super().__init__(tree, *args, **kwargs)
-        blocks, link, root = self.blocks, self.link, tree.root
-        kids = tree.children[root]
-        n = self.n = len(kids)
-        # [i, j, c]: ops i..j-1 on ds[c] replicas, for i < n and j <= n. Op i alone takes its own leaf's
-        # tables, as BottleneckDP's "child" option does (a range's prefix sums may differ in the last bit).
-        cost = blocks.stage_cost(root, link)[:n].copy()
-        held = blocks.max_in_flight(root)[:n].copy()
-        for i, leaf in enumerate(kids):
-            cost[i, i + 1] = blocks.stage_cost(leaf, link)[0, 1]
-            held[i, i + 1] = blocks.max_in_flight(leaf)[0, 1]
-        self._cost = cost
-        self._held = held = np.maximum(held, 0)
-        # A range of >= 2 ops grows while its compute (not its cut) meets the target and it fits memory on
-        # some device count (_range_ends): the cheapest such compute per range says up to which target.
-        compute = blocks.stage_tps(root)[:n] if link is not None else cost
-        self._grows_below = np.min(np.where(held > 0, compute, np.inf), axis=-1)
-        ij = np.arange(n + 1)[None, :] - np.arange(n)[:, None]   # j - i
-        self._single = ij == 1
-        self._longer = ij >= 2
+        self._ranges = ChainRanges(self.blocks, tree.root, self.link)
+        self.n = self._ranges.n
+        self._cost = self._ranges.cost
         self._ds = np.array(self.ds, dtype=np.int64)
         self._choice: np.ndarray | None = None
         self._levels = 0
@@ -107,22 +151,6 @@ class ChainDP(TargetDP):
         self._last: tuple | None = None
         """The last solve's ``(t_max, depth, table, states counted)``: a search often asks the same target
         twice in a row (a feasibility test, then the stages), and the back-pointers are still those."""
-
-    def _options(self, t_max: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The (i, j) that are options under ``t_max``, sorted by i then j, and their rows
-        reach[c]: the most in-flight ops i..j-1 hold as one stage on at most ``ds[c]`` devices (0: none)."""
-        # Ranges of >= 2 ops are tried while every range from i up to them grows (see __init__).
-        grows = (self._grows_below <= t_max) | ~self._longer
-        alive = np.logical_and.accumulate(grows, axis=1) & self._longer
-        i, j = np.nonzero(self._single | alive)
-        reach = np.maximum.accumulate(np.where(self._cost[i, j] <= t_max, self._held[i, j], 0), axis=-1)
-        longer = alive[i, j]
-        # A longer range is an option when it holds something and differs from the next longer one, or
-        # that one is not tried (else the longer one dominates it). Its next is the next pair, if alive.
-        ends = np.ones(len(i), dtype=bool)
-        ends[:-1] = ~(longer[1:] & (i[1:] == i[:-1])) | np.any(reach[:-1] != reach[1:], axis=-1)
-        keep = ~longer | ((reach[:, -1] > 0) & ends)
-        return i[keep], j[keep], reach[keep]
 
     def solve(self, t_max: float, depth: int | None = None) -> Table:
         """Run the DP for target ``t_max``; returns the whole chain's table (index = bound on its depth).
@@ -138,18 +166,13 @@ class ChainDP(TargetDP):
         self.t_max = t_max
         n, size, mbs = self.n, self.kcap + 1, self.num_mbs
         top = size if depth is None else min(depth + 1, size)
-        i, j, reach = self._options(t_max)
+        i, j, reach = self._ranges.options(t_max)
         starts = np.flatnonzero(np.r_[True, i[1:] != i[:-1]])   # every i has its single op: no empty run
         limit = (self.num_devices + 1) * _STAGES
         keys = np.full((size, n + 1), _NONE, dtype=np.int64)
         keys[:, n] = 0
         choice = np.zeros((size, n, 2), dtype=np.int64)   # (j, u) of ops i..n-1 at bound v
-        nd = len(self.ds)
-        # need[v - 1, pair]: the devices-and-one-stage key of the pair as one stage at bound v, every level at
-        # once (reach is sorted along its device choices: the first one holding min(v, M) in flight).
-        held_at = np.minimum(np.arange(1, top), mbs)
-        first = np.sum(reach[None, :, :] < held_at[:, None, None], axis=-1)
-        need_all = np.where(first < nd, self._ds[np.minimum(first, nd - 1)] * _STAGES + 1, _NONE)
+        need_all = stage_keys(reach, self._ds, top, mbs)
         # total clipped at limit (infeasible) times (n + 1) plus j: one min per i picks the fewest (devices,
         # stages), then the smallest j among equal totals (the order the pairs are sorted in).
         width = n + 1

@@ -32,6 +32,7 @@ from graphpipe.graph import OpGraph
 from graphpipe.search.gpp_blocks import BlockCosts
 from graphpipe.search.gpp_chain import ChainDP, is_chain
 from graphpipe.search.gpp_dp import BottleneckDP, DPSolution, Table, TargetDP
+from graphpipe.search.gpp_nested import NestedChainDP
 from graphpipe.search.gpp_tree import DPTree, build_tree
 
 __all__ = ["make_dp", "first_feasible", "min_bottleneck"]
@@ -40,8 +41,9 @@ __all__ = ["make_dp", "first_feasible", "min_bottleneck"]
 def make_dp(tree: DPTree, cluster: Cluster, batch_size: int, micro_batch_size: int, num_devices: int | None = None,
             power_of_two: bool = False, link: Link | None = None, recompute: bool = False,
             blocks: BlockCosts | None = None) -> TargetDP:
-    """The DP for ``tree``: :class:`ChainDP` on a chain (same answers, faster), else :class:`BottleneckDP`."""
-    cls = ChainDP if is_chain(tree) else BottleneckDP
+    """The DP for ``tree``: :class:`ChainDP` on a chain, else :class:`NestedChainDP` (:class:`BottleneckDP` with
+    its long nested chains in numpy): the same answers as :class:`BottleneckDP`, faster."""
+    cls = ChainDP if is_chain(tree) else NestedChainDP
     return cls(tree, cluster, batch_size, micro_batch_size, num_devices, power_of_two, link, recompute, blocks)
 
 

@@ -1,0 +1,200 @@
+"""GraphPipe's DP on an SP tree whose long chains are solved in numpy, every downstream depth at once.
+
+An SP tree that is not itself a chain often holds one: T5's encoder is a
+series node of some fifty ops beside the decoder's embedding. The general
+DP (:class:`~graphpipe.search.gpp_dp.BottleneckDP`) solves such a node once
+per downstream depth ``k`` its parent asks about, a Python loop per state
+(node, child, ``k``); on T5-11B that was most of the search.
+:class:`NestedChainDP` is that DP, except that a run of more than
+``_MIN_CHAIN`` op children ending a series node (the whole node, or the ops
+after a parallel child, like T5's decoder) is solved for every ``k`` in one
+numpy pass, by the recurrence of :mod:`graphpipe.search.gpp_chain` with a
+third axis:
+
+    D[k][v][i] = min(D[k][v-1][i],  min over j of need(i, j, v) + D[k][v-1][j]),
+    D[k][v][n] = 0 if v >= k else infeasible,
+
+the boundary being the general DP's empty suffix at downstream depth ``k``
+(:meth:`BottleneckDP._identity <graphpipe.search.gpp_dp.BottleneckDP._identity>`).
+The options and their order are the chain DP's, which equal the general
+DP's, so the tables and the extracted stages are the general DP's
+(``tests/test_gpp_nested.py`` checks both on random SP graphs with nested
+chains and on a small T5). Level ``v`` only changes depths ``k < v``, and a
+depth whose level changes nothing is complete (``need`` grows with ``v``), so
+each level works on a window of depths.
+
+The tables are memoised like the general DP's, under the rank of the node's
+scope; the back-pointers of the latest solve of each chain are kept for
+:meth:`extract`, which solves the chain again when the table came from an
+earlier target of equal rank (the same comparisons, so the same answer).
+
+Example
+-------
+>>> from graphpipe.cluster import preset
+>>> from graphpipe.graph import Affine, Op, OpGraph
+>>> from graphpipe.search.gpp_tree import build_tree
+>>> names = [f"e{i}" for i in range(14)] + ["x", "t"]
+>>> ops = [Op(n, "x", Affine(0, 1e-3), Affine(0, 2e-3)) for n in names]
+>>> edges = [(a, b, 1) for a, b in zip(names[:13], names[1:14])] + [("e13", "t", 1), ("x", "t", 1)]
+>>> tree = build_tree(OpGraph.build("enc", ops, edges))
+>>> dp = NestedChainDP(tree, preset("v100", 8), 16, 2)
+>>> [dp.chains[x][1].n for x in dp.chains]  # the 14-op branch
+[14]
+>>> general = BottleneckDP(tree, preset("v100", 8), 16, 2)
+>>> dp.best_at(0.008) == general.best_at(0.008)
+True
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from graphpipe.search.gpp_chain import ChainRanges, stage_keys
+from graphpipe.search.gpp_dp import INF, BottleneckDP, DPStage, Table
+
+__all__ = ["NestedChainDP"]
+
+_MIN_CHAIN = 12
+"""Chains of at most this many ops stay with the general DP: numpy's per-call overhead beats their loops."""
+_STAGES = 1 << 20
+"""A (devices, stages) pair is kept as ``devices * _STAGES + stages``: one integer compares both in order."""
+_NONE = 1 << 60
+"""The key of an infeasible pair (devices above any cluster's); the sum of two stays inside int64."""
+
+
+class NestedChainDP(BottleneckDP):
+    """:class:`~graphpipe.search.gpp_dp.BottleneckDP` with its long nested chains vectorised (module
+    docstring); same arguments, same tables and stages.
+
+    Not a value object: it memoises states across targets and keeps each chain's latest back-pointers.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        tree = self.tree
+        self.chains: dict[int, tuple[int, ChainRanges]] = {}
+        """The chains solved in numpy: per series node, where its last run of more than ``_MIN_CHAIN`` op
+        children starts, and that run's options."""
+        self._depths: dict[int, int] = {}
+        """Per chain, the downstream depths its parents can ask about: stages below it hold at least one op
+        each of a path from it to the sink, which has at most the graph's longest path minus its own ops."""
+        longest = _longest_paths(tree)
+        for x, kind in enumerate(tree.kinds):
+            kids = tree.children[x]
+            start = len(kids)
+            while start and tree.kinds[kids[start - 1]] == "op":
+                start -= 1
+            if kind == "series" and len(kids) - start > _MIN_CHAIN:
+                self.chains[x] = start, ChainRanges(self.blocks, x, self.link, start)
+                self._depths[x] = min(self.kcap + 1, tree.longest_path - longest[x] + 1)
+        self._solved: dict[int, tuple[int, np.ndarray, np.ndarray, np.ndarray]] = {}
+        """Per chain, its latest solve: (rank, keys[k, v, i], next child j[k, v, i], rest bound u[k, v, i])."""
+
+    def _series(self, x: int, i: int, k: int) -> Table:
+        start = self.chains[x][0] if x in self.chains else len(self.tree.children[x])
+        if i < start or i == len(self.tree.children[x]):
+            return super()._series(x, i, k)
+        key = (x, i, k, self._rank(x, i))
+        got = self._memo.get(key)
+        if got is None:
+            _, keys, at_j, at_u = self._chain(x)
+            row, js, us = keys[k, :, i - start].tolist(), at_j[k, :, i - start].tolist(), at_u[k, :, i - start].tolist()
+            got = self._memo[key] = Table.of(
+                [c // _STAGES if c < _NONE else INF for c in row], [c % _STAGES if c < _NONE else 0 for c in row],
+                [("chain", start + j, u) if c < _NONE else None for c, j, u in zip(row, js, us)])
+        return got
+
+    def _chain(self, x: int) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+        """Chain x's tables under the current target, for every downstream depth (solved if not yet)."""
+        rank = self._rank(x, self.chains[x][0])
+        got = self._solved.get(x)
+        if got is None or got[0] != rank:
+            got = self._solved[x] = (rank, *self._solve_chain(x))
+        return got
+
+    def _solve_chain(self, x: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """keys[k, v, i]: ops i.. of chain x with downstream depth k and source depth <= v, as a
+        (devices, stages) key; at_j and at_u: the first stage (ops i..j-1) and the bound after it.
+        Only the depths its parents can ask about have rows (the root's: depth 0)."""
+        ranges = self.chains[x][1]
+        n, size, mbs = ranges.n, self.kcap + 1, self.num_mbs
+        rows = self._depths[x]
+        ds = np.array(self.ds, dtype=np.int64)
+        pi, pj, reach = ranges.options(self.t_max)
+        starts = np.flatnonzero(np.r_[True, pi[1:] != pi[:-1]])   # every i has its single op: no empty run
+        limit = (self.num_devices + 1) * _STAGES
+        need_all = stage_keys(reach, ds, size, mbs)   # need_all[v - 1, pair]: the pair as one stage at depth v
+        keys = np.full((rows, size, n + 1), _NONE, dtype=np.int64)
+        keys[:, :, n] = np.where(np.arange(size)[None, :] >= np.arange(rows)[:, None], 0, _NONE)  # empty suffix
+        at_j = np.zeros((rows, size, n), dtype=np.int32)
+        at_u = np.zeros((rows, size, n), dtype=np.int32)
+        complete = np.full(rows, size, dtype=np.int64)   # the level after which depth k's rows stop changing
+        lo, width = 0, n + 1
+        for v in range(1, size):
+            # depths lo..hi-1: those below lo are complete, those from v on have nothing feasible yet
+            hi = min(v, rows)
+            if lo >= hi:
+                break
+            prev_keys = keys[lo:hi, v - 1]
+            total = np.minimum(need_all[v - 1][None, :] + prev_keys[:, pj], limit)
+            packed = np.minimum.reduceat(total * width + pj, starts, axis=1)
+            best, best_j = packed // width, packed % width
+            best[best >= limit] = _NONE
+            prev, prev_j = prev_keys[:, :n], at_j[lo:hi, v - 1]
+            take = (best < prev) | ((best == prev) & (best < _NONE) & (best_j < prev_j))
+            keys[lo:hi, v, :n] = np.where(take, best, prev)
+            at_j[lo:hi, v] = np.where(take, best_j, prev_j)
+            at_u[lo:hi, v] = np.where(take, v - 1, at_u[lo:hi, v - 1])
+            self.dp_states += (hi - lo) * n
+            # a depth whose level changed nothing is complete: need only grows with v (gpp_chain)
+            for k in np.flatnonzero(~take.any(axis=1)) + lo:
+                complete[k] = min(complete[k], v)
+            while lo < hi and complete[lo] < size:
+                lo += 1
+        for k in range(lo):   # rows that left the window hold their last level from there on
+            v = complete[k]
+            keys[k, v + 1:], at_j[k, v + 1:], at_u[k, v + 1:] = keys[k, v], at_j[k, v], at_u[k, v]
+        return keys, at_j, at_u
+
+    def _collect_series(self, x: int, i: int, k: int, v: int, out: list[DPStage]) -> None:
+        if x not in self.chains:
+            return super()._collect_series(x, i, k, v, out)
+        kids = self.tree.children[x]
+        start = self.chains[x][0]
+        while i < start:   # the general DP's steps up to the chain
+            how = self._series(x, i, k).choice[v]
+            if how[0] == "child":
+                self._collect(kids[i], how[1], v, out)
+                i, v = i + 1, how[1]
+            else:
+                _, j, u, d = how
+                out.append(self._stage(x, i, j, d, u + 1))
+                i, v = j, u
+        if i == len(kids):
+            return
+        _, _, at_j, at_u = self._chain(x)
+        while i < len(kids):
+            j, u = start + int(at_j[k, v, i - start]), int(at_u[k, v, i - start])
+            if j == i + 1:   # the op alone, from its own leaf's tables (the general DP's "child")
+                out.append(self._stage(kids[i], 0, 1, self._base_devices(kids[i], 0, 1, u + 1), u + 1))
+            else:
+                out.append(self._stage(x, i, j, self._base_devices(x, i, j, u + 1), u + 1))
+            i, v = j, u
+
+
+def _longest_paths(tree) -> list[int]:
+    """Ops on the longest path through each node of ``tree`` (series: the sum over children, parallel: the
+    most of any child)."""
+    out = [0] * len(tree.kinds)
+
+    def visit(x: int) -> int:
+        kids = tree.children[x]
+        if not kids:
+            out[x] = 1
+        else:
+            lengths = [visit(c) for c in kids]
+            out[x] = sum(lengths) if tree.kinds[x] == "series" else max(lengths)
+        return out[x]
+
+    visit(tree.root)
+    return out
