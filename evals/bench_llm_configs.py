@@ -25,10 +25,15 @@ import sys
 import tempfile
 import time
 
+import graphpipe
+
 __all__ = ["main", "run_plan"]
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_ROOT = os.path.dirname(_HERE)
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(graphpipe.__file__)))
+"""The folder holding the ``graphpipe`` package (the clone's root in a checkout): the subprocesses' import path.
+Not this file's parent: installed, this module is ``graphpipe/evals`` and its parent the package itself, whose
+modules (``profile``, ``models``) would shadow the standard library's and other packages'."""
 
 # the plan command, with graphpipe.capture_repeats' log on stderr (whether it cut the stacks, or why not)
 _PLAN = ("import logging, sys; logging.basicConfig(level=logging.WARNING, format='%(name)s: %(message)s'); "
@@ -102,8 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cluster", default="h100")
     p.add_argument("--out", default="evals")
     p.add_argument("--name", default="bench_llm_configs")
+    p.add_argument("--update", action="store_true",
+                   help="replace only these configs' rows in the results already written (the others keep theirs, "
+                        "and the config records which were measured again, when and under what load)")
     args = p.parse_args(argv)
-    from graphpipe.evals.common import write_result
+    from graphpipe.evals.common import read_result, write_result
     from graphpipe.evals.llm_configs import ARCHS, NAMES
 
     names = args.configs.split(",") if args.configs else list(NAMES)
@@ -123,6 +131,14 @@ def main(argv: list[str] | None = None) -> int:
     config = {"configs": names, "devices": counts, "batch_size": args.batch_size, "cluster": args.cluster,
               "repeat": args.repeat, "load_average": os.getloadavg(), "cpus": os.cpu_count(),
               "shapes": {n: ARCHS[n][2] for n in names}}
+    old = read_result(args.out, args.name) if args.update else None
+    if old is not None:
+        rows = [r for r in old["rows"] if r["config"] not in names] + rows
+        rows.sort(key=lambda r: (NAMES.index(r["config"]) if r["config"] in NAMES else len(NAMES), r["devices"]))
+        again = dict(old["config"].get("measured_again", {}))
+        again.update({n: {"devices": counts, "repeat": args.repeat, "load_average": config["load_average"],
+                          "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())} for n in names})
+        config = dict(old["config"], measured_again=again)
     path = write_result(args.out, args.name, config, rows)
     print(f"wrote {path}")
     return 0
