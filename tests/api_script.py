@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import api_models  # noqa: E402
 
 import graphpipe  # noqa: E402
+from graphpipe.runtime import teardown  # noqa: E402
 
 
 def main() -> None:
@@ -80,7 +81,11 @@ def main() -> None:
         for w in gathered:
             merged.update(w)
         torch.save({"losses": losses, "norms": norms, "weights": merged, "eval": out, "memory": memory}, args.out)
-    pipe.close()  # every rank meets, then the process group goes
+    pipe.close()  # every rank meets, then the process groups go
+    # a group alive at interpreter exit can abort this rank after a successful run (graphpipe.runtime.teardown)
+    left = teardown.gloo_threads()
+    if left:
+        sys.exit(f"rank {os.environ.get('RANK')}: {left} gloo worker thread(s) outlive Pipeline.close()")
 
 
 if __name__ == "__main__":

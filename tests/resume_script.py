@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import resume_models as rm  # noqa: E402
 
 import graphpipe  # noqa: E402
+from graphpipe.runtime import teardown  # noqa: E402
 
 
 def main() -> None:
@@ -63,6 +64,9 @@ def main() -> None:
             merged.update(w)
         torch.save({"start": start, "attempt": attempt, "losses": losses, "weights": merged}, args.out)
     pipe.close()
+    left = teardown.gloo_threads()  # a group alive at exit can abort the rank (graphpipe.runtime.teardown)
+    if left:
+        sys.exit(f"rank {pipe.rank}: {left} gloo worker thread(s) outlive Pipeline.close()")
 
 
 if __name__ == "__main__":

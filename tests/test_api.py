@@ -201,6 +201,9 @@ def test_bad_inputs_are_clear_errors(tmp_path):
             pipe.load(str(other))
         pipe.close()  # the Pipeline created the group: close ends it
         assert not dist.is_initialized()
+        with pytest.raises(InputError, match="this Pipeline was closed"):
+            pipe.step(x, y)
+        assert sum(p.numel() for p in pipe.parameters()) > 0  # its weights stay readable
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_port()}", rank=0, world_size=1)
         mine = Pipeline(plan, api_models.TwoBranch(), api_models.loss_fn, timeout_s=30)
         mine.close()  # the caller's group stays the caller's

@@ -45,6 +45,7 @@ from graphpipe.exporting import normalize_inputs
 from graphpipe.plan import Plan
 from graphpipe.runtime.resume import StepCheckpoints
 from graphpipe.runtime.step_checkpoints import replace_dir
+from graphpipe.runtime.teardown import before_init, collect_groups
 
 __all__ = ["Pipeline"]
 
@@ -64,6 +65,7 @@ def _init_distributed(timeout_s: float) -> tuple[int, int, str, bool]:
     if use_cuda:
         torch.cuda.set_device(local)
     timeout = timedelta(seconds=timeout_s)
+    before_init()
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if attempt is None:
         dist.init_process_group(backend, timeout=timeout)
@@ -149,6 +151,7 @@ class Pipeline:
         self._from_rank0 = not self._meta and self.world_size > 1
         self._steps, self._measure = 0, False  # the API times nothing (graphpipe run measures)
         self._checkpoints = StepCheckpoints()
+        self._closed = False
         self._build(example_inputs, example_target)
         if not self._setup.programs:
             import logging
@@ -251,6 +254,7 @@ class Pipeline:
         self._owns_group = False  # the worker's group: it destroys it
         self._batchnorm, self._measure, self._steps = options.batchnorm_for(plan), options.measure, 0
         self._checkpoints = StepCheckpoints()
+        self._closed = False
         self._compile = options.compile
         self._model = self._loss_fn = None  # the runnable's module is dropped: only this rank's stages stay
         self._from_rank0 = False  # every rank built (or materializes) the same weights from the seed
@@ -381,7 +385,10 @@ class Pipeline:
         self._steps += 1
 
     def _ready_to_run(self) -> None:
-        """Before a step or an evaluation: rank 0's weights in (a real model), every meta tensor filled."""
+        """Before a step or an evaluation: not closed, rank 0's weights in (a real model), every meta tensor
+        filled."""
+        if self._closed:
+            raise InputError("this Pipeline was closed: its process groups are gone (build a new one to train on)")
         self._receive_rank0_weights()
         if self._uninitialised:
             names = self._uninitialised
@@ -521,21 +528,36 @@ class Pipeline:
         return state
 
     def close(self) -> None:
-        """End of training: every rank waits for the others, then the default process group is destroyed if
-        this Pipeline created it (one you initialised is yours to destroy, after this barrier).
+        """End of training: every rank waits for the others, then the process groups go.
 
-        The barrier keeps a rank from tearing its connections down while a peer
-        still works (rank 0 writing results, say): under gloo, ranks that
-        destroyed the group and exited ahead of a busy peer sometimes aborted
-        at interpreter exit ("terminate called without an active exception",
-        torch 2.13).
+        The groups this Pipeline made (replicas', tied parameters', NCCL's
+        links, the checkpoint writer's) are destroyed and every reference to
+        them dropped, and the default group is destroyed if this Pipeline
+        created it (one you initialised is yours to destroy, after this
+        barrier). When close returns, no group of the Pipeline's keeps a
+        thread: under gloo one still alive at interpreter exit could abort
+        the rank after a successful run (:mod:`graphpipe.runtime.teardown`).
+        The Pipeline trains no more; its parameters stay readable. A script
+        that initialises the default group itself should ``import
+        torch.distributed.nn`` before doing so: imported later, that module
+        keeps the world group alive until the interpreter exits.
         """
         if not dist.is_initialized():
             return
         self.wait_checkpoint()
         dist.barrier()
+        self._closed = True
+        mine = self._setup.executor.release_groups() + self._checkpoints.release_group()
         if self._owns_group:
             dist.destroy_process_group()
+        else:
+            for group in mine:
+                try:
+                    dist.destroy_process_group(group)
+                except ValueError:  # "Invalid process group": the caller destroyed it already
+                    pass
+        del mine
+        collect_groups()
 
     def save(self, directory: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None, *,
              step: int | None = None, keep: int = 2, async_save: bool = False) -> None:

@@ -48,7 +48,7 @@ it stops answering at its first F instead.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any, Callable, Mapping, Sequence
 
@@ -489,6 +489,37 @@ class RankExecutor:
         return start - t0, start - t0, end - t0
 
     # ------------------------------------------------------------ iteration
+    def release_groups(self) -> list:
+        """Forget every process group this executor reaches (replicas', tied parameters', links', synchronised
+        BatchNorms', weight versions'); returns the distinct ones this rank belongs to.
+
+        The end of training: a group one of these objects still held would
+        keep its threads until the interpreter exits, where gloo's can abort
+        the rank (:mod:`graphpipe.runtime.teardown`). The executor runs no
+        iteration afterwards.
+        """
+        found: dict[int, object] = {}
+
+        def keep(group) -> None:
+            if isinstance(group, dist.ProcessGroup):
+                found.setdefault(id(group), group)
+
+        for group in (*self.dp_groups.values(), *self.mailbox.groups.values(), *(t.group for t in self.tied)):
+            keep(group)
+        for h in self.hosted.values():
+            if h.weights is not None:
+                keep(h.weights.group)
+                h.weights.group = None
+            for bn in h.batchnorms:
+                keep(bn.group)
+                bn.group = None
+        self.dp_groups = {}
+        self.tied = tuple(replace(t, group=None) for t in self.tied)
+        self.mailbox.groups = {}
+        self.mailbox.reset()  # posted receives and sends hold the transport of the groups they went through
+        self.ctx = replace(self.ctx, link_groups={}, dp_groups={}, tied=self.tied)
+        return list(found.values())
+
     def run_iteration(self, inputs: Sequence[torch.Tensor] | None, t0: float, step: int = 0) -> StepResult:
         """Run every action of this rank once (step ``step``); gradients are left in ``.grad`` (all-reduced).
 

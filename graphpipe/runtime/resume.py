@@ -93,6 +93,11 @@ class StepCheckpoints:
         self.pending: PendingSave | None = None
         self.group = None
 
+    def release_group(self) -> list:
+        """The writer's process group, if one was made, which this object then forgets (``Pipeline.close``)."""
+        group, self.group = self.group, None
+        return [] if group is None else [group]
+
     def finish(self, pipe: Pipeline) -> None:
         """Wait for the asynchronous save, if any, and seal it (collective: every rank calls it)."""
         pending, self.pending = self.pending, None

@@ -50,6 +50,7 @@ from graphpipe.runtime.reference import compare_buffers, compare_gradients, refe
 from graphpipe.runtime.results import RunResult, finish_job
 from graphpipe.runtime.runnable import data_seed, load_runnable, plan_granularity
 from graphpipe.runtime.step_checkpoints import check_steps_left
+from graphpipe.runtime.teardown import before_init, collect_groups
 
 __all__ = ["rank_cpus", "pin_rank", "run_rank", "run_job", "peak_rss_bytes"]
 
@@ -246,6 +247,7 @@ def run_rank(rank: int, world_size: int, jobs: Sequence[tuple[dict, RunOptions]]
         torch.cuda.set_device(device)
     if options0.fault is not None and options0.fault.hits(rank, "setup"):
         raise RuntimeError(f"injected failure at setup ({options0.fault.describe()})")
+    before_init()
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=options0.timeout_s),
                             device_id=device if backend == "nccl" else None)
@@ -260,5 +262,8 @@ def run_rank(rank: int, world_size: int, jobs: Sequence[tuple[dict, RunOptions]]
             on_job_done(index, result)
     # Only a rank that finished leaves the group: a failing one exits with the group open, so its peers' "connection
     # closed" cannot reach the launcher before this rank's own error report (both callers exit after an error).
+    # The groups must be gone, threads joined, before the interpreter exits (graphpipe.runtime.teardown).
+    del control
     dist.destroy_process_group()
+    collect_groups()
     return results
