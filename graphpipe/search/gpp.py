@@ -687,7 +687,9 @@ def _score_best(sg: StageGraph, cluster: Cluster, host=None, above: float | None
     """
     best = None
     for schedule in (STRATEGY.default_schedule, FILL_DRAIN):
-        throughput = simulated_fitting(sg, cluster, schedule, host, above)
+        # fill-drain is kept only when faster than graph-1F1B: a run that provably is not stops early
+        floor = above if best is None else max(above or 0.0, best[0] * (1 + 1e-12))
+        throughput = simulated_fitting(sg, cluster, schedule, host, floor)
         if throughput is not None and (best is None or throughput > best[0] * (1 + 1e-12)):
             best = (throughput, schedule)
     return best
