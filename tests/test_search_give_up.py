@@ -128,3 +128,30 @@ def test_gpp_plans_equal_the_search_timing_every_trial(monkeypatch, num_layers, 
     full = partition(graph, cluster, batch, options)
     assert pruned.stage_graph == full.stage_graph and pruned.schedule_name == full.schedule_name
     assert pruned.stats["throughput_estimate"] == full.stats["throughput_estimate"]
+
+
+def test_gpipe_time_bound_is_at_most_the_simulated_iteration():
+    """The fill-drain bound (gpp skips a fill-drain run it proves slower than the floor) never exceeds the
+    simulated iteration, and is that iteration where nothing waits on a transfer (within rounding)."""
+    from graphpipe.sched.generators import gpipe_time_bound_s
+
+    bounded = tight = 0
+    for name, sg, cluster in _plans_to_score() + [(f"llm{n}", *_llm_stage_graph(n)) for n in (2, 4, 8)]:
+        bound = gpipe_time_bound_s(sg, cluster)
+        if bound is None:
+            continue
+        simulator._LAST_RUN.clear()
+        full = score(sg, make_schedule("gpipe", sg, cluster), cluster).iteration_time_s
+        assert bound <= full * (1 + 1e-9), name
+        bounded += 1
+        tight += bound >= full * (1 - 1e-9)
+    assert bounded >= 8 and tight >= 1
+
+
+def _llm_stage_graph(num_stages: int):
+    """A chain of identical stages on one device each, on devices of one node (transfers nearly free)."""
+    graph = _llm_chain(2 * num_stages - 2)
+    cluster = preset("h100", num_stages)
+    stages = tuple(gpp.DPStage((2 * i, 2 * i + 1), 1, 1, 0.0) for i in range(num_stages))
+    cand = _Candidate(8, stages, 0.0, 1, 0.0)
+    return _to_stage_graph(graph, graph, {}, cand, cluster, 64), cluster

@@ -178,9 +178,15 @@ class ChainDP(TargetDP):
         # total clipped at limit (infeasible) times (n + 1) plus j: one min per i picks the fewest (devices,
         # stages), then the smallest j among equal totals (the order the pairs are sorted in).
         width = n + 1
+        j = j.astype(np.int64)
+        total = np.empty(len(j), dtype=np.int64)
         for v in range(1, top):
-            total = np.minimum(need_all[v - 1] + keys[v - 1, j], limit)
-            packed = np.minimum.reduceat(total * width + j, starts)
+            np.take(keys[v - 1], j, out=total)   # min(need + rest, limit) * width + j, in place
+            total += need_all[v - 1]
+            np.minimum(total, limit, out=total)
+            total *= width
+            total += j
+            packed = np.minimum.reduceat(total, starts)
             best, best_j = packed // width, packed % width
             best[best >= limit] = _NONE
             prev, prev_j = keys[v - 1, :n], choice[v - 1, :, 0]

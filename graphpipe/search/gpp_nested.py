@@ -144,14 +144,21 @@ class NestedChainDP(BottleneckDP):
         at_u = np.zeros((rows, size, n), dtype=np.int32)
         complete = np.full(rows, size, dtype=np.int64)   # the level after which depth k's rows stop changing
         lo, width = 0, n + 1
+        pj = pj.astype(np.int64)
+        scratch = np.empty((min(rows, size), len(pj)), dtype=np.int64)
         for v in range(1, size):
             # depths lo..hi-1: those below lo are complete, those from v on have nothing feasible yet
             hi = min(v, rows)
             if lo >= hi:
                 break
             prev_keys = keys[lo:hi, v - 1]
-            total = np.minimum(need_all[v - 1][None, :] + prev_keys[:, pj], limit)
-            packed = np.minimum.reduceat(total * width + pj, starts, axis=1)
+            total = scratch[:hi - lo]   # min(need + rest, limit) * width + j, in place (levels x pairs)
+            np.take(prev_keys, pj, axis=1, out=total)
+            total += need_all[v - 1]
+            np.minimum(total, limit, out=total)
+            total *= width
+            total += pj
+            packed = np.minimum.reduceat(total, starts, axis=1)
             best, best_j = packed // width, packed % width
             best[best >= limit] = _NONE
             prev, prev_j = prev_keys[:, :n], at_j[lo:hi, v - 1]
