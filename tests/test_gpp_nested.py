@@ -14,6 +14,7 @@ from graphpipe.cluster import preset
 from graphpipe.graph import OpGraph
 from graphpipe.search.gpp_blocks import BlockCosts
 from graphpipe.search.gpp_dp import INF, BottleneckDP
+from graphpipe.search import gpp_nested
 from graphpipe.search.gpp_nested import _MIN_CHAIN, NestedChainDP
 from graphpipe.search.gpp_solve import make_dp
 from graphpipe.search.gpp_tree import build_tree
@@ -116,3 +117,33 @@ def test_make_dp_picks_the_nested_chain_dp_for_trees_with_long_chains():
         kids = tree.children[x]
         assert tree.kinds[x] == "series" and len(kids) - start == ranges.n > _MIN_CHAIN
         assert all(tree.kinds[c] == "op" for c in kids[start:])
+
+
+def test_kept_solves_answer_as_a_fresh_solve_when_a_search_returns_to_a_target(monkeypatch):
+    """Targets visited in a random order with returns (as a bisection and the next depth's search do): the
+    tables and stages equal the general DP's at every visit, fewer chains are solved than by a DP keeping
+    only its latest solve, and the DP states counted equal that DP's (a return counted as the solve it saves)."""
+    rng = random.Random(11)
+    tree = build_tree(_nested_chains_graph(3))
+    cluster = preset("v100", 16)
+    blocks = BlockCosts(tree, cluster, BATCH * 4, 4)
+    general = BottleneckDP(tree, cluster, BATCH * 4, 4, blocks=blocks)
+    pool = probe_targets(general, 6, rng)
+    walk = [rng.choice(pool) for _ in range(40)]
+    dps, solves = {}, {}
+    for keep in (gpp_nested._KEEP, 1):
+        monkeypatch.setattr(gpp_nested, "_KEEP", keep)
+        dp = dps[keep] = NestedChainDP(tree, cluster, BATCH * 4, 4, blocks=blocks)
+        real, solves[keep] = dp._solve_chain, []
+        dp._solve_chain = lambda x, real=real, calls=solves[keep]: calls.append(x) or real(x)
+    for t in walk:
+        want = general.solve(t)
+        for keep in sorted(dps):
+            monkeypatch.setattr(gpp_nested, "_KEEP", keep)
+            got = dps[keep].solve(t)
+            assert (got.devices, got.stages, got.breakpoints) == (want.devices, want.stages, want.breakpoints), t
+            for v, d in enumerate(want.devices):
+                if d < INF:
+                    assert dps[keep].extract(v) == general.extract(v), (t, v)
+        assert dps[1].dp_states == dps[max(dps)].dp_states, t
+    assert len(solves[max(dps)]) < len(solves[1])

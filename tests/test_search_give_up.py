@@ -49,10 +49,43 @@ def test_score_gives_up_only_on_a_schedule_ending_after_the_limit():
     assert compared >= 300 and gave_up >= 50  # the limit bites well before the end on most schedules
 
 
+def _best_timing_both(sg, cluster, host=None, above=None):
+    """_score_best's rule with both schedules simulated to the end: the faster that fits, ties to graph-1F1B."""
+    from graphpipe.search.common import simulated_fitting
+
+    best = None
+    for schedule in (gpp.STRATEGY.default_schedule, gpp.FILL_DRAIN):
+        simulator._LAST_RUN.clear()
+        throughput = simulated_fitting(sg, cluster, schedule, host)
+        if throughput is not None and (best is None or throughput > best[0] * (1 + 1e-12)):
+            best = (throughput, schedule)
+    return best
+
+
 def _timed_to_the_end(monkeypatch):
-    """gpp with every idle-device trial simulated to the end (the unpruned search)."""
-    real = gpp._score_best
-    monkeypatch.setattr(gpp, "_score_best", lambda sg, cluster, host=None, above=None: real(sg, cluster, host))
+    """gpp with every idle-device trial, and both schedules of each, simulated to the end (the unpruned search)."""
+    monkeypatch.setattr(gpp, "_score_best", _best_timing_both)
+
+
+def test_score_best_equals_both_schedules_timed_to_the_end():
+    """Fill-drain stops as soon as it provably cannot beat graph-1F1B; the answer is the one timing both fully,
+    and with a floor ``above`` it is that answer, or None only when that answer is provably below the floor."""
+    compared = 0
+    for name, sg, cluster in _plans_to_score():
+        want = _best_timing_both(sg, cluster)
+        simulator._LAST_RUN.clear()
+        assert _score_best(sg, cluster) == want, name
+        for factor in (0.5, 0.999, 1.0, 1.001, 1.5):
+            if want is None:
+                continue
+            simulator._LAST_RUN.clear()
+            got = _score_best(sg, cluster, above=want[0] * factor)
+            if got is None:
+                assert want[0] < want[0] * factor, (name, factor)
+            else:
+                assert got == want, (name, factor)
+            compared += 1
+    assert compared >= 50
 
 
 def _spread(graph, cluster, batch, micro_batch):
@@ -95,3 +128,30 @@ def test_gpp_plans_equal_the_search_timing_every_trial(monkeypatch, num_layers, 
     full = partition(graph, cluster, batch, options)
     assert pruned.stage_graph == full.stage_graph and pruned.schedule_name == full.schedule_name
     assert pruned.stats["throughput_estimate"] == full.stats["throughput_estimate"]
+
+
+def test_gpipe_time_bound_is_at_most_the_simulated_iteration():
+    """The fill-drain bound (gpp skips a fill-drain run it proves slower than the floor) never exceeds the
+    simulated iteration, and is that iteration where nothing waits on a transfer (within rounding)."""
+    from graphpipe.sched.generators import gpipe_time_bound_s
+
+    bounded = tight = 0
+    for name, sg, cluster in _plans_to_score() + [(f"llm{n}", *_llm_stage_graph(n)) for n in (2, 4, 8)]:
+        bound = gpipe_time_bound_s(sg, cluster)
+        if bound is None:
+            continue
+        simulator._LAST_RUN.clear()
+        full = score(sg, make_schedule("gpipe", sg, cluster), cluster).iteration_time_s
+        assert bound <= full * (1 + 1e-9), name
+        bounded += 1
+        tight += bound >= full * (1 - 1e-9)
+    assert bounded >= 8 and tight >= 1
+
+
+def _llm_stage_graph(num_stages: int):
+    """A chain of identical stages on one device each, on devices of one node (transfers nearly free)."""
+    graph = _llm_chain(2 * num_stages - 2)
+    cluster = preset("h100", num_stages)
+    stages = tuple(gpp.DPStage((2 * i, 2 * i + 1), 1, 1, 0.0) for i in range(num_stages))
+    cand = _Candidate(8, stages, 0.0, 1, 0.0)
+    return _to_stage_graph(graph, graph, {}, cand, cluster, 64), cluster

@@ -45,7 +45,7 @@ from graphpipe.sched.graph1f1b import (assemble, graph_1f1b, one_f_one_b_sequenc
 from graphpipe.sched.validate import validate_schedule
 from graphpipe.sched.zero_bubble import dualpipev, graph_zb, interleaved_zb, zb_h1, zbv
 
-__all__ = ["gpipe", "one_f_one_b", "interleaved_1f1b", "round_robin_chain", "looped_chain", "v_shape_chain", "make_schedule",
+__all__ = ["gpipe", "gpipe_time_bound_s", "one_f_one_b", "interleaved_1f1b", "round_robin_chain", "looped_chain", "v_shape_chain", "make_schedule",
            "SCHEDULE_NAMES", "interleaved_groups", "interleaved_layout"]
 
 
@@ -68,6 +68,48 @@ def gpipe(sg: StageGraph) -> Schedule:
                           + tuple(Action(s, "B", j) for s, mine in reversed(key) for j in mine))
         lists.append(built[key])
     return Schedule.from_lists("gpipe", lists)
+
+
+def gpipe_time_bound_s(sg: StageGraph, cluster) -> float | None:
+    """No simulation of :func:`gpipe`'s schedule of ``sg`` on dedicated devices ends an iteration sooner;
+    None where this bound does not apply (a device holding several stages, a round-robin stage, stages
+    of different micro-batch sizes).
+
+    Each device runs its stage's M forwards in micro-batch order, then its M backwards. So the last
+    forward on a stage ends no earlier than its first forward's start plus M forwards, nor than the last
+    forward on each producer plus that edge's delay and one forward (``f_end``); its first backward (of
+    micro-batch 0) starts after that, and after the first backward of each consumer plus one backward
+    and the delay (``b_start``); its last backward ends M backwards later, and a replicated stage's
+    gradient all-reduce follows it. The durations and delays are the simulator's (longest paths over
+    the engine's own dependencies, with the waits left out); a search compares the bound to a
+    throughput with a relative margin far above the rounding of these sums.
+    """
+    from graphpipe.sched.simulator import edge_delay
+
+    stages = sg.stages
+    devices = [d for st in stages for d in st.devices]
+    if (len(devices) != len(set(devices)) or any(st.round_robin for st in stages)
+            or len({st.micro_batch_size for st in stages}) > 1):
+        return None
+    n = sg.num_stages
+    m = sg.num_micro_batches(0) if n else 0
+    fwd = [sg.fwd_time(s) for s in range(n)]
+    bwd = [sg.bwd_time(s) for s in range(n)]
+    delay = {(p, c): edge_delay(sg, cluster, p, c) for p, c in sg.edges}
+    f_start, f_end = [0.0] * n, [0.0] * n   # stage ids are a topological order
+    for s in range(n):
+        preds = sg.preds(s)
+        f_start[s] = max((f_start[p] + fwd[p] + delay[(p, s)] for p in preds), default=0.0)
+        f_end[s] = max([f_start[s] + m * fwd[s]] + [f_end[p] + delay[(p, s)] + fwd[s] for p in preds])
+    b_start = [0.0] * n
+    end = 0.0
+    for s in range(n - 1, -1, -1):
+        b_start[s] = max([f_end[s]] + [b_start[c] + bwd[c] + delay[(s, c)] for c in sg.succs(s)])
+        last = b_start[s] + m * bwd[s]
+        if stages[s].num_replicas > 1:
+            last += cluster.allreduce_time(stages[s].devices, sg.param_bytes(s))
+        end = max(end, last)
+    return end
 
 
 def _own_micro_batches(sg: StageGraph, stage_id: int, device: int) -> range:

@@ -118,6 +118,7 @@ from graphpipe.search.gpp_blocks import BlockCosts
 from graphpipe.search.gpp_dp import INF, DPStage, Table, TargetDP
 from graphpipe.search.gpp_solve import first_feasible, make_dp, min_bottleneck
 from graphpipe.search.gpp_tree import DPTree, build_tree, chain_tree
+from graphpipe.sched.generators import gpipe_time_bound_s
 from graphpipe.sp import induced_subgraph, make_series_parallel
 from graphpipe.stages import Stage, StageGraph
 
@@ -687,7 +688,14 @@ def _score_best(sg: StageGraph, cluster: Cluster, host=None, above: float | None
     """
     best = None
     for schedule in (STRATEGY.default_schedule, FILL_DRAIN):
-        throughput = simulated_fitting(sg, cluster, schedule, host, above)
+        # fill-drain is kept only when faster than graph-1F1B: a run that provably is not stops early, or is
+        # not run when its timeline's bound already says so
+        floor = above if best is None else max(above or 0.0, best[0] * (1 + 1e-12))
+        if schedule == FILL_DRAIN and floor and host is None:
+            bound = gpipe_time_bound_s(sg, cluster)
+            if bound is not None and bound > 0 and sg.batch_size / bound < floor * (1 - 1e-6):
+                continue
+        throughput = simulated_fitting(sg, cluster, schedule, host, floor)
         if throughput is not None and (best is None or throughput > best[0] * (1 + 1e-12)):
             best = (throughput, schedule)
     return best

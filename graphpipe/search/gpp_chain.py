@@ -75,13 +75,15 @@ def stage_keys(reach: np.ndarray, ds: np.ndarray, top: int, mbs: int) -> np.ndar
     """need[v - 1, pair]: the devices-and-one-stage key of each pair as one stage at bound ``v`` (``1 <= v <
     top``), every level at once; ``reach[pair]`` (sorted along the device choices ``ds``) from
     :meth:`ChainRanges.options`: the first device count holding ``min(v, mbs)`` in flight."""
-    # narrow integers: the counts fit (in-flight counts are at most the graph's longest path), and these
-    # arrays (levels x pairs) are the biggest the chain DPs make
-    held_at = np.minimum(np.arange(1, top), mbs).astype(np.int32)[:, None]
-    reach = reach.astype(np.int32).T
-    first = np.zeros((len(held_at), reach.shape[1]), dtype=np.int16)
-    for row in reach:  # how many device choices hold too few, one choice at a time
-        first += row[None, :] < held_at
+    # first[v - 1, pair]: how many device choices hold fewer than min(v, mbs). A choice holding r < mbs
+    # counts from level v = r + 1 on (row r), one holding mbs or more never: one step per choice and pair,
+    # summed down the levels (narrow integers: these arrays, levels x pairs, are the biggest the DPs make).
+    levels, pairs = max(top - 1, 0), reach.shape[0]
+    steps = np.zeros((levels + 1, pairs), dtype=np.int16)
+    columns = np.arange(pairs)
+    for row in reach.T:  # one device choice at a time: its pairs are distinct, so no index repeats
+        steps[np.where(row < mbs, np.minimum(row, levels), levels), columns] += 1
+    first = np.cumsum(steps[:levels], axis=0, dtype=np.int16)
     return np.append(ds * _STAGES + 1, _NONE)[first]   # index len(ds): no device count holds that many
 
 
@@ -176,9 +178,15 @@ class ChainDP(TargetDP):
         # total clipped at limit (infeasible) times (n + 1) plus j: one min per i picks the fewest (devices,
         # stages), then the smallest j among equal totals (the order the pairs are sorted in).
         width = n + 1
+        j = j.astype(np.int64)
+        total = np.empty(len(j), dtype=np.int64)
         for v in range(1, top):
-            total = np.minimum(need_all[v - 1] + keys[v - 1, j], limit)
-            packed = np.minimum.reduceat(total * width + j, starts)
+            np.take(keys[v - 1], j, out=total)   # min(need + rest, limit) * width + j, in place
+            total += need_all[v - 1]
+            np.minimum(total, limit, out=total)
+            total *= width
+            total += j
+            packed = np.minimum.reduceat(total, starts)
             best, best_j = packed // width, packed % width
             best[best >= limit] = _NONE
             prev, prev_j = keys[v - 1, :n], choice[v - 1, :, 0]

@@ -24,9 +24,10 @@ depth whose level changes nothing is complete (``need`` grows with ``v``), so
 each level works on a window of depths.
 
 The tables are memoised like the general DP's, under the rank of the node's
-scope; the back-pointers of the latest solve of each chain are kept for
-:meth:`extract`, which solves the chain again when the table came from an
-earlier target of equal rank (the same comparisons, so the same answer).
+scope; the arrays of each chain's last few solves are kept by rank (a
+search returns to ranks it left), for the tables and for :meth:`extract`,
+which solves the chain again when no kept solve has the current rank (the
+same comparisons, so the same answer).
 
 Example
 -------
@@ -56,6 +57,8 @@ __all__ = ["NestedChainDP"]
 
 _MIN_CHAIN = 12
 """Chains of at most this many ops stay with the general DP: numpy's per-call overhead beats their loops."""
+_KEEP = 8
+"""Solves kept per chain: a search returns to a rank it left (another depth, a target between two tried)."""
 _STAGES = 1 << 20
 """A (devices, stages) pair is kept as ``devices * _STAGES + stages``: one integer compares both in order."""
 _NONE = 1 << 60
@@ -87,8 +90,9 @@ class NestedChainDP(BottleneckDP):
             if kind == "series" and len(kids) - start > _MIN_CHAIN:
                 self.chains[x] = start, ChainRanges(self.blocks, x, self.link, start)
                 self._depths[x] = min(self.kcap + 1, tree.longest_path - longest[x] + 1)
-        self._solved: dict[int, tuple[int, np.ndarray, np.ndarray, np.ndarray]] = {}
-        """Per chain, its latest solve: (rank, keys[k, v, i], next child j[k, v, i], rest bound u[k, v, i])."""
+        self._solved: dict[int, dict[int, tuple[int, np.ndarray, np.ndarray, np.ndarray, int]]] = {}
+        """Per chain, its latest solves by rank, oldest first (at most ``_KEEP``): (rank, keys[k, v, i], next
+        child j[k, v, i], rest bound u[k, v, i], DP states the solve counted)."""
 
     def _series(self, x: int, i: int, k: int) -> Table:
         start = self.chains[x][0] if x in self.chains else len(self.tree.children[x])
@@ -107,10 +111,20 @@ class NestedChainDP(BottleneckDP):
     def _chain(self, x: int) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
         """Chain x's tables under the current target, for every downstream depth (solved if not yet)."""
         rank = self._rank(x, self.chains[x][0])
-        got = self._solved.get(x)
-        if got is None or got[0] != rank:
-            got = self._solved[x] = (rank, *self._solve_chain(x))
-        return got
+        kept = self._solved.setdefault(x, {})
+        if kept and next(reversed(kept)) == rank:
+            return kept[rank][:4]
+        got = kept.pop(rank, None)
+        if got is None:
+            counted = self.dp_states
+            arrays = self._solve_chain(x)
+            got = (rank, *arrays, self.dp_states - counted)
+            if len(kept) >= _KEEP:
+                del kept[next(iter(kept))]
+        else:   # counted as solved again, as the chain DP counts a target it returns to
+            self.dp_states += got[4]
+        kept[rank] = got   # the latest last
+        return got[:4]
 
     def _solve_chain(self, x: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """keys[k, v, i]: ops i.. of chain x with downstream depth k and source depth <= v, as a
@@ -130,14 +144,21 @@ class NestedChainDP(BottleneckDP):
         at_u = np.zeros((rows, size, n), dtype=np.int32)
         complete = np.full(rows, size, dtype=np.int64)   # the level after which depth k's rows stop changing
         lo, width = 0, n + 1
+        pj = pj.astype(np.int64)
+        scratch = np.empty((min(rows, size), len(pj)), dtype=np.int64)
         for v in range(1, size):
             # depths lo..hi-1: those below lo are complete, those from v on have nothing feasible yet
             hi = min(v, rows)
             if lo >= hi:
                 break
             prev_keys = keys[lo:hi, v - 1]
-            total = np.minimum(need_all[v - 1][None, :] + prev_keys[:, pj], limit)
-            packed = np.minimum.reduceat(total * width + pj, starts, axis=1)
+            total = scratch[:hi - lo]   # min(need + rest, limit) * width + j, in place (levels x pairs)
+            np.take(prev_keys, pj, axis=1, out=total)
+            total += need_all[v - 1]
+            np.minimum(total, limit, out=total)
+            total *= width
+            total += pj
+            packed = np.minimum.reduceat(total, starts, axis=1)
             best, best_j = packed // width, packed % width
             best[best >= limit] = _NONE
             prev, prev_j = prev_keys[:, :n], at_j[lo:hi, v - 1]
