@@ -30,6 +30,11 @@ def pytest_configure(config) -> None:
     # Progress lines depend on how long work takes (a capture over 2 s on a loaded host says so): off, so the
     # one-line errors tests read stay one line. tests/test_progress.py turns it on where it is the subject.
     os.environ["GRAPHPIPE_PROGRESS"] = "off"
+    # Tests that bring a process group up in this process must not leave it alive at its exit, where a gloo
+    # group's threads can abort the interpreter (graphpipe.runtime.teardown): bind torch's defaults now.
+    from graphpipe.runtime.teardown import before_init
+
+    before_init()
 
 
 def pytest_unconfigure(config) -> None:
