@@ -1,4 +1,4 @@
-"""Run by tests/test_teardown.py: ``graphpipe run``'s rank loop (``run_rank``) on 2 spawned CPU ranks, then
+"""Run by tests/test_teardown.py: ``graphpipe run``'s rank loop (``run_rank``) on RANKS spawned CPU ranks, then
 report per rank how many gloo worker threads it ran during the job and how many outlive ``run_rank``.
 
     python tests/teardown_script.py PLAN.json RANKS OUT.json

@@ -2,9 +2,9 @@
 
 Under gloo a group still alive when the interpreter finalises can abort the
 rank after a successful run (SIGABRT, "terminate called without an active
-exception"; :mod:`graphpipe.runtime.teardown`). It struck about one run in a
-hundred, so a rerun proves nothing: the oracle is the cause itself, the
-gloo worker threads a live group keeps. ``tests/api_script.py`` (every
+exception"; :mod:`graphpipe.runtime.teardown`). It strikes rarely, so a
+rerun proves nothing: the oracle is the cause itself, the gloo worker
+threads a live group keeps. ``tests/api_script.py`` (every
 torchrun test of the training API) exits non-zero if any outlives
 ``Pipeline.close()``; here the same holds for ``graphpipe run``'s rank loop,
 with a replicated stage (a replicas' group) and a pipeline cut (messages).
@@ -24,7 +24,6 @@ from graphpipe.cluster import preset
 from graphpipe.plan import Plan, write_plan
 from graphpipe.sched import make_schedule
 from graphpipe.stages import Stage, StageGraph
-from graphpipe.runtime.teardown import gloo_threads
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -7,8 +7,8 @@ created in Python, freeing it takes the GIL. Should the group still be
 alive when the interpreter finalises, that thread is refused the GIL and
 unwound inside a destructor that may not throw: the rank aborts with
 "terminate called without an active exception" (SIGABRT) after a run that
-succeeded, and torchrun reports the job as failed. It struck about one run
-in a hundred on a loaded host.
+succeeded, and torchrun reports the job as failed; rarely, and more often
+on a loaded host.
 
 So no group may outlive the end of training: each must be freed, its
 threads joined, before the rank returns. Two holders used to keep groups
