@@ -90,9 +90,9 @@ class NestedChainDP(BottleneckDP):
             if kind == "series" and len(kids) - start > _MIN_CHAIN:
                 self.chains[x] = start, ChainRanges(self.blocks, x, self.link, start)
                 self._depths[x] = min(self.kcap + 1, tree.longest_path - longest[x] + 1)
-        self._solved: dict[int, dict[int, tuple[int, np.ndarray, np.ndarray, np.ndarray, int]]] = {}
-        """Per chain, its latest solves by rank, oldest first (at most ``_KEEP``): (rank, keys[k, v, i], next
-        child j[k, v, i], rest bound u[k, v, i], DP states the solve counted)."""
+        self._solved: dict[int, dict[int, tuple[int, np.ndarray, int, int, int]]] = {}
+        """Per chain, its latest solves by rank, oldest first (at most ``_KEEP``): (rank, then
+        :meth:`_solve_chain`'s packed table, width and infeasible bound, then the DP states it counted)."""
 
     def _series(self, x: int, i: int, k: int) -> Table:
         start = self.chains[x][0] if x in self.chains else len(self.tree.children[x])
@@ -101,81 +101,92 @@ class NestedChainDP(BottleneckDP):
         key = (x, i, k, self._rank(x, i))
         got = self._memo.get(key)
         if got is None:
-            _, keys, at_j, at_u = self._chain(x)
-            row, js, us = keys[k, :, i - start].tolist(), at_j[k, :, i - start].tolist(), at_u[k, :, i - start].tolist()
+            packed, width, big = self._chain(x)
+            column = packed[:, k, i - start]
+            levels = np.arange(len(column))
+            fell = np.r_[False, column[1:] < column[:-1]]   # the levels that took a new stage
+            rests = np.maximum.accumulate(np.where(fell, levels - 1, 0)).tolist()
+            row, js = (column // width).tolist(), (column % width).tolist()
+            feasible = (column < big).tolist()
             got = self._memo[key] = Table.of(
-                [c // _STAGES if c < _NONE else INF for c in row], [c % _STAGES if c < _NONE else 0 for c in row],
-                [("chain", start + j, u) if c < _NONE else None for c, j, u in zip(row, js, us)])
+                [c // _STAGES if f else INF for c, f in zip(row, feasible)],
+                [c % _STAGES if f else 0 for c, f in zip(row, feasible)],
+                [("chain", start + j, u) if f else None for j, u, f in zip(js, rests, feasible)])
         return got
 
-    def _chain(self, x: int) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
-        """Chain x's tables under the current target, for every downstream depth (solved if not yet)."""
+    def _chain(self, x: int) -> tuple[np.ndarray, int, int]:
+        """Chain x's packed table under the current target, for every downstream depth (solved if not yet):
+        :meth:`_solve_chain`'s answer."""
         rank = self._rank(x, self.chains[x][0])
         kept = self._solved.setdefault(x, {})
         if kept and next(reversed(kept)) == rank:
-            return kept[rank][:4]
+            return kept[rank][1:4]
         got = kept.pop(rank, None)
         if got is None:
             counted = self.dp_states
-            arrays = self._solve_chain(x)
-            got = (rank, *arrays, self.dp_states - counted)
+            solved = self._solve_chain(x)
+            got = (rank, *solved, self.dp_states - counted)
             if len(kept) >= _KEEP:
                 del kept[next(iter(kept))]
         else:   # counted as solved again, as the chain DP counts a target it returns to
             self.dp_states += got[4]
         kept[rank] = got   # the latest last
-        return got[:4]
+        return got[1:4]
 
-    def _solve_chain(self, x: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """keys[k, v, i]: ops i.. of chain x with downstream depth k and source depth <= v, as a
-        (devices, stages) key; at_j and at_u: the first stage (ops i..j-1) and the bound after it.
-        Only the depths its parents can ask about have rows (the root's: depth 0)."""
+    def _solve_chain(self, x: int) -> tuple[np.ndarray, int, int]:
+        """(packed, width, big): ``packed[v, k, i]``, ops i.. of chain x with downstream depth k and source
+        depth <= v, as ``key * width + j`` where ``key`` is the (devices, stages) key and ops i..j-1 the
+        first stage; ``big`` and above: infeasible. Only the depths its parents can ask about have rows (the
+        root's: depth 0). The bound after the first stage is the level before the last one whose value fell
+        (a level takes a stage only if it is smaller, :meth:`_series`).
+
+        One integer per state lets a level be a few numpy calls: the candidates ``need + rest`` of every
+        pair packed with their ``j`` compare as the recurrence orders them (the smallest key, then the
+        smallest ``j``), and a level keeps its previous value unless a candidate is smaller. A sum that
+        reaches the cluster's size is infeasible whatever it is, so it is not clipped."""
         ranges = self.chains[x][1]
         n, size, mbs = ranges.n, self.kcap + 1, self.num_mbs
         rows = self._depths[x]
         ds = np.array(self.ds, dtype=np.int64)
         pi, pj, reach = ranges.options(self.t_max)
         starts = np.flatnonzero(np.r_[True, pi[1:] != pi[:-1]])   # every i has its single op: no empty run
+        width = n + 1
         limit = (self.num_devices + 1) * _STAGES
-        need_all = stage_keys(reach, ds, size, mbs)   # need_all[v - 1, pair]: the pair as one stage at depth v
-        keys = np.full((rows, size, n + 1), _NONE, dtype=np.int64)
-        keys[:, :, n] = np.where(np.arange(size)[None, :] >= np.arange(rows)[:, None], 0, _NONE)  # empty suffix
-        at_j = np.zeros((rows, size, n), dtype=np.int32)
-        at_u = np.zeros((rows, size, n), dtype=np.int32)
-        complete = np.full(rows, size, dtype=np.int64)   # the level after which depth k's rows stop changing
-        lo, width = 0, n + 1
+        big = limit * width   # every key from ``limit`` on is infeasible; sums of two stay inside int64
         pj = pj.astype(np.int64)
+        # need_all[v - 1, pair]: the pair as one stage at depth v; with j packed in
+        need = np.minimum(stage_keys(reach, ds, size, mbs), limit) * width + pj
+        rest = np.full((2, rows, n + 1), big, dtype=np.int64)   # key * width at levels v - 1 and v, by parity
+        rest[0, 0, n] = 0   # the empty suffix meets downstream depth k from level k on
+        packed = np.empty((size, rows, n), dtype=np.int64)
+        packed[0] = big
+        complete = np.full(rows, size, dtype=np.int64)   # the level after which depth k's rows stop changing
+        lo = 0
         scratch = np.empty((min(rows, size), len(pj)), dtype=np.int64)
         for v in range(1, size):
             # depths lo..hi-1: those below lo are complete, those from v on have nothing feasible yet
             hi = min(v, rows)
             if lo >= hi:
                 break
-            prev_keys = keys[lo:hi, v - 1]
-            total = scratch[:hi - lo]   # min(need + rest, limit) * width + j, in place (levels x pairs)
-            np.take(prev_keys, pj, axis=1, out=total)
-            total += need_all[v - 1]
-            np.minimum(total, limit, out=total)
-            total *= width
-            total += pj
-            packed = np.minimum.reduceat(total, starts, axis=1)
-            best, best_j = packed // width, packed % width
-            best[best >= limit] = _NONE
-            prev, prev_j = prev_keys[:, :n], at_j[lo:hi, v - 1]
-            take = (best < prev) | ((best == prev) & (best < _NONE) & (best_j < prev_j))
-            keys[lo:hi, v, :n] = np.where(take, best, prev)
-            at_j[lo:hi, v] = np.where(take, best_j, prev_j)
-            at_u[lo:hi, v] = np.where(take, v - 1, at_u[lo:hi, v - 1])
+            total = scratch[:hi - lo]
+            np.take(rest[(v - 1) & 1, lo:hi], pj, axis=1, out=total)
+            total += need[v - 1]
+            cur = packed[v, lo:hi]
+            np.minimum(np.minimum.reduceat(total, starts, axis=1), packed[v - 1, lo:hi], out=cur)
+            now = rest[v & 1]
+            np.subtract(cur, cur % width, out=now[lo:hi, :n])
+            now[v - 1:v + 1, n] = 0
+            packed[v, hi:] = big
             self.dp_states += (hi - lo) * n
-            # a depth whose level changed nothing is complete: need only grows with v (gpp_chain)
-            for k in np.flatnonzero(~take.any(axis=1)) + lo:
-                complete[k] = min(complete[k], v)
-            while lo < hi and complete[lo] < size:
+            # a depth whose level changed nothing is complete (need only grows with v, gpp_chain), and the
+            # window leaves its lowest depths first
+            while lo < hi and not (packed[v, lo] < packed[v - 1, lo]).any():
+                complete[lo] = v
                 lo += 1
         for k in range(lo):   # rows that left the window hold their last level from there on
             v = complete[k]
-            keys[k, v + 1:], at_j[k, v + 1:], at_u[k, v + 1:] = keys[k, v], at_j[k, v], at_u[k, v]
-        return keys, at_j, at_u
+            packed[v + 1:, k] = packed[v, k]
+        return packed, width, big
 
     def _collect_series(self, x: int, i: int, k: int, v: int, out: list[DPStage]) -> None:
         if x not in self.chains:
@@ -193,9 +204,11 @@ class NestedChainDP(BottleneckDP):
                 i, v = j, u
         if i == len(kids):
             return
-        _, _, at_j, at_u = self._chain(x)
+        packed, width, _ = self._chain(x)
         while i < len(kids):
-            j, u = start + int(at_j[k, v, i - start]), int(at_u[k, v, i - start])
+            column = packed[:v + 1, k, i - start]
+            fell = np.flatnonzero(column[1:] < column[:-1])   # level fell[-1] + 1 took the stage
+            j, u = start + int(column[v] % width), int(fell[-1]) if len(fell) else 0
             if j == i + 1:   # the op alone, from its own leaf's tables (the general DP's "child")
                 out.append(self._stage(kids[i], 0, 1, self._base_devices(kids[i], 0, 1, u + 1), u + 1))
             else:
