@@ -52,7 +52,7 @@ def _same_dp(tree, cluster, batch, mb, link, recompute, targets_per_dp, rng):
             for v, how in enumerate(state.choice):
                 if how is not None:
                     j, u = (i + 1, how[1]) if how[0] == "child" else how[1:3]
-                    assert tuple(chain._choice[v, i]) == (j, u), (t, i, v)
+                    assert chain.choice(v, i) == (j, u), (t, i, v)
         for v, d in enumerate(want.devices):
             if d < INF:
                 stages = chain.extract(v)

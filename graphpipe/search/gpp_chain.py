@@ -57,7 +57,7 @@ from graphpipe.search.gpp_blocks import BlockCosts
 from graphpipe.search.gpp_dp import INF, DPStage, Table, TargetDP
 from graphpipe.search.gpp_tree import DPTree
 
-__all__ = ["ChainDP", "ChainRanges", "is_chain", "stage_keys"]
+__all__ = ["ChainDP", "ChainRanges", "is_chain", "rest_bounds", "stage_keys"]
 
 _STAGES = 1 << 20
 """A (devices, stages) pair is kept as ``devices * _STAGES + stages``: one integer compares both in order."""
@@ -69,6 +69,14 @@ def is_chain(tree: DPTree) -> bool:
     """Whether ``tree`` is one series node over ops: the chain view, or the SP tree of a branchless graph."""
     root = tree.root
     return tree.kinds[root] == "series" and all(tree.kinds[c] == "op" for c in tree.children[root])
+
+
+def rest_bounds(column: np.ndarray) -> np.ndarray:
+    """u[v]: the bound after the first stage of a packed DP column (levels ``0..``), the level before the last
+    one at or below ``v`` whose value fell: a level takes a new stage only if it is smaller (0: none)."""
+    levels = np.arange(len(column))
+    fell = np.r_[False, column[1:] < column[:-1]]
+    return np.maximum.accumulate(np.where(fell, levels - 1, 0))
 
 
 def stage_keys(reach: np.ndarray, ds: np.ndarray, top: int, mbs: int) -> np.ndarray:
@@ -147,6 +155,9 @@ class ChainDP(TargetDP):
         self._cost = self._ranges.cost
         self._ds = np.array(self.ds, dtype=np.int64)
         self._choice: np.ndarray | None = None
+        """The last solve's packed table (:meth:`solve`): each state's first stage and, from where its value
+        fell, the bound after it."""
+        self._width = 0
         self._levels = 0
         """Bounds of the last solve whose back-pointers are filled in (a solve up to a depth stops early)."""
         self._pairs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
@@ -170,43 +181,48 @@ class ChainDP(TargetDP):
         top = size if depth is None else min(depth + 1, size)
         i, j, reach = self._ranges.options(t_max)
         starts = np.flatnonzero(np.r_[True, i[1:] != i[:-1]])   # every i has its single op: no empty run
-        limit = (self.num_devices + 1) * _STAGES
-        keys = np.full((size, n + 1), _NONE, dtype=np.int64)
-        keys[:, n] = 0
-        choice = np.zeros((size, n, 2), dtype=np.int64)   # (j, u) of ops i..n-1 at bound v
-        need_all = stage_keys(reach, self._ds, top, mbs)
-        # total clipped at limit (infeasible) times (n + 1) plus j: one min per i picks the fewest (devices,
-        # stages), then the smallest j among equal totals (the order the pairs are sorted in).
         width = n + 1
+        limit = (self.num_devices + 1) * _STAGES
+        big = limit * width
+        # packed[v, i]: ops i.. at bound v as key * width + j (ops i..j-1 the first stage; ``big`` and above:
+        # infeasible), so one min per i picks the fewest (devices, stages), then the smallest j (the order
+        # the pairs are sorted in); a level keeps its previous value unless a candidate is smaller. A sum
+        # reaching the cluster's size is infeasible whatever it is, so it is not clipped.
         j = j.astype(np.int64)
+        need = np.minimum(stage_keys(reach, self._ds, top, mbs), limit) * width + j
+        packed = np.empty((size, n), dtype=np.int64)
+        packed[0] = big
+        rest = np.full(n + 1, big, dtype=np.int64)   # the last level's keys times width; the empty suffix: 0
+        rest[n] = 0
         total = np.empty(len(j), dtype=np.int64)
         for v in range(1, top):
-            np.take(keys[v - 1], j, out=total)   # min(need + rest, limit) * width + j, in place
-            total += need_all[v - 1]
-            np.minimum(total, limit, out=total)
-            total *= width
-            total += j
-            packed = np.minimum.reduceat(total, starts)
-            best, best_j = packed // width, packed % width
-            best[best >= limit] = _NONE
-            prev, prev_j = keys[v - 1, :n], choice[v - 1, :, 0]
-            take = (best < prev) | ((best == prev) & (best < _NONE) & (best_j < prev_j))
-            keys[v, :n] = np.where(take, best, prev)
-            choice[v, :, 0] = np.where(take, best_j, prev_j)
-            choice[v, :, 1] = np.where(take, v - 1, choice[v - 1, :, 1])
+            np.take(rest, j, out=total)
+            total += need[v - 1]
+            cur = packed[v]
+            np.minimum(np.minimum.reduceat(total, starts), packed[v - 1], out=cur)
+            np.subtract(cur, cur % width, out=rest[:n])
             self.dp_states += n
-            if not take.any():  # need only grows with v: no later level changes anything either
-                keys[v + 1:], choice[v + 1:] = keys[v], choice[v]
+            if not (cur < packed[v - 1]).any():  # need only grows with v: no later level changes anything
+                packed[v + 1:] = cur
                 top = size
                 break
-        self._choice, self._levels, self._pairs = choice, top, (i, j, reach)
-        root = keys[:top, 0].tolist()
-        devices = [key // _STAGES if key < _NONE else INF for key in root]
-        stages = [key % _STAGES if key < _NONE else 0 for key in root]
-        how = [tuple(c) if key < _NONE else None for key, c in zip(root, choice[:top, 0].tolist())]
+        self._choice, self._levels, self._pairs, self._width = packed, top, (i, j, reach), width
+        root = packed[:top, 0]
+        feasible = (root < big).tolist()
+        keys, js, rests = (root // width).tolist(), (root % width).tolist(), rest_bounds(root).tolist()
+        devices = [key // _STAGES if f else INF for key, f in zip(keys, feasible)]
+        stages = [key % _STAGES if f else 0 for key, f in zip(keys, feasible)]
+        how = [(jj, u) if f else None for jj, u, f in zip(js, rests, feasible)]
         table = Table.of(devices, stages, how)
         self._last = (t_max, depth, table, self.dp_states - counted)
         return table
+
+    def choice(self, v: int, i: int) -> tuple[int, int]:
+        """(j, u) of ops i.. at bound v in the last solve: the first stage is ops i..j-1, the rest within
+        bound u."""
+        assert self._choice is not None
+        column = self._choice[:v + 1, i]
+        return int(column[v] % self._width), int(rest_bounds(column)[v])
 
     def extract(self, v: int) -> list[DPStage]:
         """Stages of the solution with depth <= v (after :meth:`solve`), first stage first."""
@@ -217,7 +233,7 @@ class ChainDP(TargetDP):
         flat = pi * (self.n + 1) + pj   # sorted: pairs come sorted by i, then j
         out, i = [], 0
         while i < self.n:
-            j, u = (int(a) for a in self._choice[v, i])
+            j, u = self.choice(v, i)
             k_in = min(u + 1, self.num_mbs)
             c = int(np.argmax(reach[np.searchsorted(flat, i * (self.n + 1) + j)] >= k_in))
             out.append(DPStage(tuple(range(i, j)), self.ds[c], k_in, float(self._cost[i, j, c])))

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from graphpipe.search.gpp_chain import ChainRanges, stage_keys
+from graphpipe.search.gpp_chain import ChainRanges, rest_bounds, stage_keys
 from graphpipe.search.gpp_dp import INF, BottleneckDP, DPStage, Table
 
 __all__ = ["NestedChainDP"]
@@ -103,9 +103,7 @@ class NestedChainDP(BottleneckDP):
         if got is None:
             packed, width, big = self._chain(x)
             column = packed[:, k, i - start]
-            levels = np.arange(len(column))
-            fell = np.r_[False, column[1:] < column[:-1]]   # the levels that took a new stage
-            rests = np.maximum.accumulate(np.where(fell, levels - 1, 0)).tolist()
+            rests = rest_bounds(column).tolist()
             row, js = (column // width).tolist(), (column % width).tolist()
             feasible = (column < big).tolist()
             got = self._memo[key] = Table.of(
@@ -207,8 +205,7 @@ class NestedChainDP(BottleneckDP):
         packed, width, _ = self._chain(x)
         while i < len(kids):
             column = packed[:v + 1, k, i - start]
-            fell = np.flatnonzero(column[1:] < column[:-1])   # level fell[-1] + 1 took the stage
-            j, u = start + int(column[v] % width), int(fell[-1]) if len(fell) else 0
+            j, u = start + int(column[v] % width), int(rest_bounds(column)[v])
             if j == i + 1:   # the op alone, from its own leaf's tables (the general DP's "child")
                 out.append(self._stage(kids[i], 0, 1, self._base_devices(kids[i], 0, 1, u + 1), u + 1))
             else:
