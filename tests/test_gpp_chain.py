@@ -16,7 +16,7 @@ from graphpipe.costs import CostArrays
 from graphpipe.models import load_model
 from graphpipe.search.common import comm_links
 from graphpipe.search.gpp_blocks import BlockCosts
-from graphpipe.search.gpp_chain import _NONE, _STAGES, ChainDP, is_chain, stage_keys
+from graphpipe.search.gpp_chain import _NONE, _STAGES, ChainDP, is_chain, packed_stage_keys, stage_keys
 from graphpipe.search.gpp_dp import INF, BottleneckDP
 from graphpipe.search.gpp_solve import first_feasible, make_dp, min_bottleneck
 from graphpipe.search.gpp_tree import build_tree, chain_tree
@@ -221,3 +221,9 @@ def test_stage_keys_equal_their_definition_on_random_reaches():
             for p in range(pairs):
                 c = next((c for c in range(choices) if reach[p, c] >= min(v, mbs)), None)
                 assert got[v - 1, p] == (_NONE if c is None else ds[c] * _STAGES + 1), (v, p)
+        # as the DPs add them up: clipped at a limit (some keys above it), times a width, plus each pair's end
+        limit, width = int(rng.integers(1, 600)) * _STAGES, int(rng.integers(1, 60))
+        j = rng.integers(0, width, pairs).astype(np.int64)
+        packed = packed_stage_keys(reach, ds, top, mbs, limit, width, j)
+        assert packed.dtype == np.int64
+        np.testing.assert_array_equal(packed, np.minimum(got, limit) * width + j[None, :])

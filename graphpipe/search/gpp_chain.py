@@ -57,7 +57,7 @@ from graphpipe.search.gpp_blocks import BlockCosts
 from graphpipe.search.gpp_dp import INF, DPStage, Table, TargetDP
 from graphpipe.search.gpp_tree import DPTree
 
-__all__ = ["ChainDP", "ChainRanges", "is_chain", "rest_bounds", "stage_keys"]
+__all__ = ["ChainDP", "ChainRanges", "is_chain", "packed_stage_keys", "rest_bounds", "stage_keys"]
 
 _STAGES = 1 << 20
 """A (devices, stages) pair is kept as ``devices * _STAGES + stages``: one integer compares both in order."""
@@ -83,16 +83,31 @@ def stage_keys(reach: np.ndarray, ds: np.ndarray, top: int, mbs: int) -> np.ndar
     """need[v - 1, pair]: the devices-and-one-stage key of each pair as one stage at bound ``v`` (``1 <= v <
     top``), every level at once; ``reach[pair]`` (sorted along the device choices ``ds``) from
     :meth:`ChainRanges.options`: the first device count holding ``min(v, mbs)`` in flight."""
-    # first[v - 1, pair]: how many device choices hold fewer than min(v, mbs). A choice holding r < mbs
-    # counts from level v = r + 1 on (row r), one holding mbs or more never: one step per choice and pair,
-    # summed down the levels (narrow integers: these arrays, levels x pairs, are the biggest the DPs make).
+    return np.append(ds * _STAGES + 1, _NONE)[_first_fitting(reach, top, mbs)]
+
+
+def packed_stage_keys(reach: np.ndarray, ds: np.ndarray, top: int, mbs: int, limit: int, width: int,
+                      j: np.ndarray) -> np.ndarray:
+    """:func:`stage_keys` as the DPs add them up, ``min(need, limit) * width + j[pair]`` (``limit`` and above:
+    infeasible; ``j``: each pair's end), in one lookup of a table already scaled."""
+    table = np.minimum(np.append(ds * _STAGES + 1, _NONE), limit) * width
+    out = table[_first_fitting(reach, top, mbs)]
+    out += j
+    return out
+
+
+def _first_fitting(reach: np.ndarray, top: int, mbs: int) -> np.ndarray:
+    """first[v - 1, pair]: how many device choices hold fewer than ``min(v, mbs)`` in flight (``1 <= v <
+    top``), as int16."""
+    # A choice holding r < mbs counts from level v = r + 1 on (row r), one holding mbs or more never: one
+    # step per choice and pair, summed down the levels (narrow integers: these arrays, levels x pairs, are
+    # the biggest the DPs make).
     levels, pairs = max(top - 1, 0), reach.shape[0]
     steps = np.zeros((levels + 1, pairs), dtype=np.int16)
     columns = np.arange(pairs)
     for row in reach.T:  # one device choice at a time: its pairs are distinct, so no index repeats
         steps[np.where(row < mbs, np.minimum(row, levels), levels), columns] += 1
-    first = np.cumsum(steps[:levels], axis=0, dtype=np.int16)
-    return np.append(ds * _STAGES + 1, _NONE)[first]   # index len(ds): no device count holds that many
+    return np.cumsum(steps[:levels], axis=0, dtype=np.int16)   # len(ds): no device count holds that many
 
 
 class ChainRanges:
@@ -189,7 +204,7 @@ class ChainDP(TargetDP):
         # the pairs are sorted in); a level keeps its previous value unless a candidate is smaller. A sum
         # reaching the cluster's size is infeasible whatever it is, so it is not clipped.
         j = j.astype(np.int64)
-        need = np.minimum(stage_keys(reach, self._ds, top, mbs), limit) * width + j
+        need = packed_stage_keys(reach, self._ds, top, mbs, limit, width, j)
         packed = np.empty((size, n), dtype=np.int64)
         packed[0] = big
         rest = np.full(n + 1, big, dtype=np.int64)   # the last level's keys times width; the empty suffix: 0

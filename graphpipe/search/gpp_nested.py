@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from graphpipe.search.gpp_chain import ChainRanges, rest_bounds, stage_keys
+from graphpipe.search.gpp_chain import ChainRanges, packed_stage_keys, rest_bounds
 from graphpipe.search.gpp_dp import INF, BottleneckDP, DPStage, Table
 
 __all__ = ["NestedChainDP"]
@@ -153,7 +153,7 @@ class NestedChainDP(BottleneckDP):
         big = limit * width   # every key from ``limit`` on is infeasible; sums of two stay inside int64
         pj = pj.astype(np.int64)
         # need_all[v - 1, pair]: the pair as one stage at depth v; with j packed in
-        need = np.minimum(stage_keys(reach, ds, size, mbs), limit) * width + pj
+        need = packed_stage_keys(reach, ds, size, mbs, limit, width, pj)
         rest = np.full((2, rows, n + 1), big, dtype=np.int64)   # key * width at levels v - 1 and v, by parity
         rest[0, 0, n] = 0   # the empty suffix meets downstream depth k from level k on
         packed = np.empty((size, rows, n), dtype=np.int64)
