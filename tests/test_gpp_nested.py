@@ -135,7 +135,7 @@ def test_kept_solves_answer_as_a_fresh_solve_when_a_search_returns_to_a_target(m
         monkeypatch.setattr(gpp_nested, "_KEEP", keep)
         dp = dps[keep] = NestedChainDP(tree, cluster, BATCH * 4, 4, blocks=blocks)
         real, solves[keep] = dp._solve_chain, []
-        dp._solve_chain = lambda x, real=real, calls=solves[keep]: calls.append(x) or real(x)
+        dp._solve_chain = lambda x, depths, real=real, calls=solves[keep]: calls.append(x) or real(x, depths)
     for t in walk:
         want = general.solve(t)
         for keep in sorted(dps):

@@ -438,6 +438,10 @@ class BottleneckDP(TargetDP):
             self._memo[key] = got
         return got
 
+    def _will_ask(self, x: int, depths: Sequence[int]) -> None:
+        """Node x is about to be asked for these downstream depths (a hint for subclasses that solve several
+        depths at once; this DP solves each when asked)."""
+
     def _series(self, x: int, i: int, k: int) -> Table:
         """Children i..m-1 of series node x with downstream depth k (suffix DP)."""
         kids = self.tree.children[x]
@@ -454,6 +458,8 @@ class BottleneckDP(TargetDP):
         leaf = self.tree.kinds[kids[i]] == "op"
         if leaf:
             self._series_leaf(kids[i], nxt, devices, stages, choice)
+        else:
+            self._will_ask(kids[i], nxt.breakpoints)
         for u in () if leaf else nxt.breakpoints:
             rest_d, rest_s, how = nxt.devices[u], nxt.stages[u], ("child", u)
             child = self._value(kids[i], u)

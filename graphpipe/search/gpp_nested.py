@@ -48,6 +48,9 @@ True
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
+from typing import Sequence
+
 import numpy as np
 
 from graphpipe.search.gpp_chain import ChainRanges, packed_stage_keys, rest_bounds
@@ -90,9 +93,14 @@ class NestedChainDP(BottleneckDP):
             if kind == "series" and len(kids) - start > _MIN_CHAIN:
                 self.chains[x] = start, ChainRanges(self.blocks, x, self.link, start)
                 self._depths[x] = min(self.kcap + 1, tree.longest_path - longest[x] + 1)
-        self._solved: dict[int, dict[int, tuple[int, np.ndarray, int, int, int]]] = {}
-        """Per chain, its latest solves by rank, oldest first (at most ``_KEEP``): (rank, then
-        :meth:`_solve_chain`'s packed table, width and infeasible bound, then the DP states it counted)."""
+        self._solved: dict[int, dict[int, tuple[dict[int, np.ndarray], dict[int, int], int, int]]] = {}
+        """Per chain, its latest solves by rank, oldest first (at most ``_KEEP``): the packed table of each
+        downstream depth solved (:meth:`_solve_chain`), the DP states each counted, the width and the
+        infeasible bound."""
+        self._pending: dict[int, set[int]] = {}
+        """Per chain, the downstream depths its parent said it will ask about (:meth:`_will_ask`)."""
+        self._asked: dict[int, set[int]] = {}
+        """Per chain, the depths asked during the current visit to its rank (each counted once a visit)."""
 
     def _series(self, x: int, i: int, k: int) -> Table:
         start = self.chains[x][0] if x in self.chains else len(self.tree.children[x])
@@ -101,8 +109,8 @@ class NestedChainDP(BottleneckDP):
         key = (x, i, k, self._rank(x, i))
         got = self._memo.get(key)
         if got is None:
-            packed, width, big = self._chain(x)
-            column = packed[:, k, i - start]
+            packed, width, big = self._chain_row(x, k)
+            column = packed[:, i - start]
             rests = rest_bounds(column).tolist()
             row, js = (column // width).tolist(), (column % width).tolist()
             feasible = (column < big).tolist()
@@ -112,39 +120,60 @@ class NestedChainDP(BottleneckDP):
                 [("chain", start + j, u) if f else None for j, u, f in zip(js, rests, feasible)])
         return got
 
-    def _chain(self, x: int) -> tuple[np.ndarray, int, int]:
-        """Chain x's packed table under the current target, for every downstream depth (solved if not yet):
-        :meth:`_solve_chain`'s answer."""
+    def _reset(self) -> None:
+        super()._reset()
+        self._pending = {}   # hints are for one target
+
+    def _will_ask(self, x: int, depths: Sequence[int]) -> None:
+        """Node x is about to be asked for these downstream depths: the chains it ends in (through parallel
+        nodes, and as the last children of series nodes) are solved for all of them at once."""
+        kind = self.tree.kinds[x]
+        if kind == "parallel":
+            for child in self.tree.children[x]:
+                self._will_ask(child, depths)
+        elif kind == "series" and x in self.chains:
+            self._pending.setdefault(x, set()).update(d for d in depths if d < self._depths[x])
+
+    def _chain_row(self, x: int, k: int) -> tuple[np.ndarray, int, int]:
+        """Chain x's packed table at downstream depth k under the current target, ``[v, i]`` (solved if not
+        yet, with the depths its parent said it will ask about): :meth:`_solve_chain`'s answer."""
         rank = self._rank(x, self.chains[x][0])
         kept = self._solved.setdefault(x, {})
-        if kept and next(reversed(kept)) == rank:
-            return kept[rank][1:4]
-        got = kept.pop(rank, None)
-        if got is None:
-            counted = self.dp_states
-            solved = self._solve_chain(x)
-            got = (rank, *solved, self.dp_states - counted)
-            if len(kept) >= _KEEP:
-                del kept[next(iter(kept))]
-        else:   # counted as solved again, as the chain DP counts a target it returns to
-            self.dp_states += got[4]
-        kept[rank] = got   # the latest last
-        return got[1:4]
+        if not kept or next(reversed(kept)) != rank:   # a new visit to this rank
+            got = kept.pop(rank, None)
+            if got is None:
+                if len(kept) >= _KEEP:
+                    del kept[next(iter(kept))]
+                got = ({}, {}, 0, 0)
+            kept[rank] = got   # the latest last
+            self._asked[x] = set()
+        rows, states, width, big = kept[rank]
+        if k not in rows:
+            wanted = sorted({k} | {d for d in self._pending.pop(x, ()) if d not in rows})
+            packed, width, big, counted = self._solve_chain(x, wanted)
+            for r, d in enumerate(wanted):
+                rows[d], states[d] = packed[:, r], counted[r]
+            kept[rank] = rows, states, width, big
+        if k not in self._asked[x]:   # a state is counted once a visit, as the chain DP counts a target
+            self._asked[x].add(k)
+            self.dp_states += states[k]
+        return rows[k], width, big
 
-    def _solve_chain(self, x: int) -> tuple[np.ndarray, int, int]:
-        """(packed, width, big): ``packed[v, k, i]``, ops i.. of chain x with downstream depth k and source
-        depth <= v, as ``key * width + j`` where ``key`` is the (devices, stages) key and ops i..j-1 the
-        first stage; ``big`` and above: infeasible. Only the depths its parents can ask about have rows (the
-        root's: depth 0). The bound after the first stage is the level before the last one whose value fell
-        (a level takes a stage only if it is smaller, :meth:`_series`).
+    def _solve_chain(self, x: int, depths: Sequence[int]) -> tuple[np.ndarray, int, int, list[int]]:
+        """(packed, width, big, states): ``packed[v, r, i]``, ops i.. of chain x with downstream depth
+        ``depths[r]`` (sorted, distinct) and source depth <= v, as ``key * width + j`` where ``key`` is the
+        (devices, stages) key and ops i..j-1 the first stage; ``big`` and above: infeasible; ``states[r]``:
+        the DP states row r evaluated. The bound after the first stage is the level before the last one
+        whose value fell (a level takes a stage only if it is smaller, :meth:`_series`).
 
-        One integer per state lets a level be a few numpy calls: the candidates ``need + rest`` of every
-        pair packed with their ``j`` compare as the recurrence orders them (the smallest key, then the
-        smallest ``j``), and a level keeps its previous value unless a candidate is smaller. A sum that
-        reaches the cluster's size is infeasible whatever it is, so it is not clipped."""
+        Rows are independent, so only those asked about are solved. One integer per state lets a level be
+        a few numpy calls: the candidates ``need + rest`` of every pair packed with their ``j`` compare as
+        the recurrence orders them (the smallest key, then the smallest ``j``), and a level keeps its
+        previous value unless a candidate is smaller. A sum that reaches the cluster's size is infeasible
+        whatever it is, so it is not clipped."""
         ranges = self.chains[x][1]
         n, size, mbs = ranges.n, self.kcap + 1, self.num_mbs
-        rows = self._depths[x]
+        m = len(depths)
         ds = np.array(self.ds, dtype=np.int64)
         pi, pj, reach = ranges.options(self.t_max)
         starts = np.flatnonzero(np.r_[True, pi[1:] != pi[:-1]])   # every i has its single op: no empty run
@@ -152,39 +181,43 @@ class NestedChainDP(BottleneckDP):
         limit = (self.num_devices + 1) * _STAGES
         big = limit * width   # every key from ``limit`` on is infeasible; sums of two stay inside int64
         pj = pj.astype(np.int64)
-        # need_all[v - 1, pair]: the pair as one stage at depth v; with j packed in
+        # need[v - 1, pair]: the pair as one stage at depth v; with j packed in
         need = packed_stage_keys(reach, ds, size, mbs, limit, width, pj)
-        rest = np.full((2, rows, n + 1), big, dtype=np.int64)   # key * width at levels v - 1 and v, by parity
-        rest[0, 0, n] = 0   # the empty suffix meets downstream depth k from level k on
-        packed = np.empty((size, rows, n), dtype=np.int64)
-        packed[0] = big
-        complete = np.full(rows, size, dtype=np.int64)   # the level after which depth k's rows stop changing
+        rest = np.full((2, m, n + 1), big, dtype=np.int64)   # key * width at levels v - 1 and v, by parity
+        first = min(depths[0] + 1, size)
+        rest[(first - 1) & 1, :bisect_right(depths, first - 1), n] = 0   # the empty suffix meets depth k
+        packed = np.empty((size, m, n), dtype=np.int64)
+        packed[:first] = big
+        left = np.full(m, size, dtype=np.int64)   # the level at which each row left the window
         lo = 0
-        scratch = np.empty((min(rows, size), len(pj)), dtype=np.int64)
-        for v in range(1, size):
-            # depths lo..hi-1: those below lo are complete, those from v on have nothing feasible yet
-            hi = min(v, rows)
+        scratch = np.empty((m, len(pj)), dtype=np.int64)
+        for v in range(first, size):
+            # rows lo..hi-1: those below lo are complete, those from hi on have nothing feasible yet
+            hi = bisect_left(depths, v)
+            now = rest[v & 1]
+            now[bisect_left(depths, v - 1):bisect_right(depths, v), n] = 0   # from level k on, in both buffers
             if lo >= hi:
-                break
+                if lo == m:
+                    break
+                packed[v, lo:] = big
+                continue
             total = scratch[:hi - lo]
             np.take(rest[(v - 1) & 1, lo:hi], pj, axis=1, out=total)
             total += need[v - 1]
             cur = packed[v, lo:hi]
             np.minimum(np.minimum.reduceat(total, starts, axis=1), packed[v - 1, lo:hi], out=cur)
-            now = rest[v & 1]
             np.subtract(cur, cur % width, out=now[lo:hi, :n])
-            now[v - 1:v + 1, n] = 0
             packed[v, hi:] = big
-            self.dp_states += (hi - lo) * n
-            # a depth whose level changed nothing is complete (need only grows with v, gpp_chain), and the
-            # window leaves its lowest depths first
+            # a row whose level changed nothing is complete (need only grows with v, gpp_chain), and the
+            # window leaves its lowest rows first
             while lo < hi and not (packed[v, lo] < packed[v - 1, lo]).any():
-                complete[lo] = v
+                left[lo] = v + 1
                 lo += 1
-        for k in range(lo):   # rows that left the window hold their last level from there on
-            v = complete[k]
-            packed[v + 1:, k] = packed[v, k]
-        return packed, width, big
+        for r in range(lo):   # rows that left the window hold their last level from there on
+            v = left[r] - 1
+            packed[v + 1:, r] = packed[v, r]
+        states = [n * max(int(left[r]) - 1 - d, 0) for r, d in enumerate(depths)]
+        return packed, width, big, states
 
     def _collect_series(self, x: int, i: int, k: int, v: int, out: list[DPStage]) -> None:
         if x not in self.chains:
@@ -202,9 +235,9 @@ class NestedChainDP(BottleneckDP):
                 i, v = j, u
         if i == len(kids):
             return
-        packed, width, _ = self._chain(x)
+        packed, width, _ = self._chain_row(x, k)
         while i < len(kids):
-            column = packed[:v + 1, k, i - start]
+            column = packed[:v + 1, i - start]
             j, u = start + int(column[v] % width), int(rest_bounds(column)[v])
             if j == i + 1:   # the op alone, from its own leaf's tables (the general DP's "child")
                 out.append(self._stage(kids[i], 0, 1, self._base_devices(kids[i], 0, 1, u + 1), u + 1))
