@@ -31,7 +31,7 @@ from typing import Any
 
 __all__ = ["ARCHS", "NAMES", "build", "qwen2_72b", "mixtral_8x22b", "qwen3_moe_30b_a3b", "gemma2_27b", "gemma3_27b",
            "phi3_medium", "falcon_40b", "gpt_neox_20b", "opt_66b", "bloom_176b", "mistral_large_123b",
-           "deepseek_v3_e16", "llama4_maverick", "llama4_scout", "t5_11b"]
+           "deepseek_v3_e16", "llama4_maverick", "llama4_scout", "t5_11b", "ul2_20b", "bart_large"]
 
 _TINY = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
 """The tiny widths most architectures take (:func:`build` with ``tiny=True``)."""
@@ -120,12 +120,21 @@ ARCHS: dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]] = {
                dict(d_model=1024, d_ff=65536, d_kv=128, num_layers=24, num_decoder_layers=24, num_heads=128,
                     vocab_size=32128, feed_forward_proj="relu", tie_word_embeddings=False),
                dict(d_model=64, d_ff=96, d_kv=16, num_heads=4, vocab_size=128)),
+    "ul2_20b": ("T5ForConditionalGeneration", "T5Config",
+                dict(d_model=4096, d_ff=16384, d_kv=256, num_layers=32, num_decoder_layers=32, num_heads=16,
+                     vocab_size=32128, feed_forward_proj="gated-silu", tie_word_embeddings=False),
+                dict(d_model=64, d_ff=96, d_kv=16, num_heads=4, vocab_size=128)),
+    "bart_large": ("BartForConditionalGeneration", "BartConfig",
+                   dict(d_model=1024, encoder_layers=12, decoder_layers=12, encoder_attention_heads=16,
+                        decoder_attention_heads=16, encoder_ffn_dim=4096, decoder_ffn_dim=4096, vocab_size=50265),
+                   dict(d_model=64, encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=96,
+                        decoder_ffn_dim=96, vocab_size=128)),
 }
 """Every architecture :func:`build` knows."""
 
 NAMES = tuple(ARCHS)
 
-_DEPTH_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "num_decoder_layers")
+_DEPTH_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "num_decoder_layers", "encoder_layers", "decoder_layers")
 
 
 def build(name: str, layers: int | None = None, tiny: bool = False, batch: int = 2, seq: int = 128):
@@ -189,3 +198,5 @@ deepseek_v3_e16 = _factory("deepseek_v3_e16")
 llama4_maverick = _factory("llama4_maverick")
 llama4_scout = _factory("llama4_scout")
 t5_11b = _factory("t5_11b")
+ul2_20b = _factory("ul2_20b")
+bart_large = _factory("bart_large")

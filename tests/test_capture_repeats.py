@@ -173,6 +173,7 @@ def test_short_stacks_are_left_whole():
     ("gemma3_27b", 50, [("model.layers", 2, 6)]),  # 5 local : 1 global; the run ends in a whole unit
     ("llama4_maverick", 32, [("model.layers", 0, 4)]),  # experts every 2nd layer, no rotary every 4th
     ("t5_11b", 10, [("encoder.block", 1, 1), ("decoder.block", 1, 1)]),  # block 0 holds the position table
+    ("bart_large", 9, [("model.encoder.layers", 0, 1), ("model.decoder.layers", 0, 1)]),  # learned positions
     ("mixtral_8x22b", 9, [("model.layers", 0, 1)]),
     ("falcon_40b", 9, [("transformer.h", 0, 1)]),
     ("bloom_176b", 9, [("transformer.h", 0, 1)]),
