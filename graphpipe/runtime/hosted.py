@@ -81,6 +81,10 @@ class HostedStage:
     """Micro-batch -> the weight gradient zero bubble's I left for its W."""
     segment_calls: dict[int, set[int]] = field(default_factory=dict)
     """Micro-batch -> the checkpoint segments that ran (a second call is a re-materialization)."""
+    persistent_grads: bool = True
+    """Whether the gradients live in one flat buffer kept across steps (:meth:`bind_grad_buffers`). Without
+    (:meth:`leave_grads_to_autograd`), an iteration's first backward hands each parameter its freshly computed
+    gradient, as in a plain training loop after ``optimizer.zero_grad()``."""
     _slots: tuple | None = field(default=None, repr=False)
     """(the module, the ``_parameters`` dicts of its sub-modules in ``modules()`` order), for :meth:`parameters`."""
 
@@ -157,6 +161,30 @@ class HostedStage:
             self.grad_buffer, self.grad_views = flat, [p.grad for p in params]
         else:
             zero_grads(params)
+
+    def leave_grads_to_autograd(self) -> None:
+        """No flat buffer: a ``.grad`` that is None when an iteration starts (``optimizer.zero_grad()``) is
+        created by autograd from the first micro-batch's gradient instead of being added to zeros.
+
+        For a stage whose gradients are never all-reduced (one replica) and
+        whose steps are not timed against a profile: it saves the memset of
+        the buffer and one addition per parameter per step (a kernel each on
+        a GPU), and the sums are the same numbers (``0 + g`` is ``g``).
+        :meth:`fill_missing_grads` gives a parameter no micro-batch reached
+        its zero gradient afterwards, as the buffer would have.
+        """
+        self.persistent_grads = False
+        self.grad_buffer = self.grad_views = None
+        for p in self.trainable():  # a new executor starts from no gradient, as a bound buffer starts zeroed
+            p.grad = None
+
+    def fill_missing_grads(self) -> None:
+        """A zero ``.grad`` for every trainable parameter that has none after an iteration (one the stage's
+        outputs do not depend on): every trainable parameter has a gradient after a step, with or without a
+        persistent buffer."""
+        for p in self.trainable():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
 
     def zero_grad(self) -> None:
         if self.grad_buffer is not None:
