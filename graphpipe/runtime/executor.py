@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
+from functools import partial
 from datetime import timedelta
 from typing import Any, Callable, Mapping, Sequence
 
@@ -368,10 +369,8 @@ class RankExecutor:
         args = [values[n] for n in prog.input_names]
         scale = plan.scale
         versions = hosted.weights
-
-        def run_stage(*xs):  # the stage's forward, and the loss on the sink (so re-materialization covers it)
-            sent, out = hosted.forward(*xs) if versions is None else versions.call(a.mb_id, *xs)
-            return sent, out, (self.loss_fn(out) * scale if prog.is_sink else None)
+        # the stage's forward, and the loss on the sink (so re-materialization covers it)
+        run_stage = partial(self._run_stage, hosted, a.mb_id, scale) if stage.recompute else None
 
         with self.saved_meter.hooks():  # activation memory, measured (runtime/measure.py)
             if stage.recompute and prog.segments:  # re-materialization one checkpointed segment at a time
@@ -380,7 +379,7 @@ class RankExecutor:
                 sent, out, loss = torch.utils.checkpoint.checkpoint(run_stage, *args, ctx, use_reentrant=False)
                 hosted.stash[a.mb_id] = [self.saved_meter.hold(t) for t in args if isinstance(t, torch.Tensor)]
             else:
-                sent, out, loss = run_stage(*args, ctx)
+                sent, out, loss = self._run_stage(hosted, a.mb_id, scale, *args, ctx)
         by_name = dict(zip(prog.output_names, sent))
         self._sync()
         end = time.perf_counter()  # compute ends here; messages leave after it (the simulator's semantics)
@@ -393,6 +392,13 @@ class RankExecutor:
             hosted.redo_bytes = ([self.saved_meter.probe(fn, *xs, ctx) for fn, xs in pieces]
                                  if prog.segments else self.saved_meter.probe(run_stage, *args, ctx))
         return ready_at - t0, start - t0, end - t0
+
+    def _run_stage(self, hosted: HostedStage, mb_id: int, scale: float, *xs):
+        """``(sent, out, loss)``: stage ``hosted``'s forward of micro-batch ``mb_id`` on ``xs`` (its inputs and
+        shard context), and on the sink the loss term, scaled by the shard's share of the mini-batch."""
+        versions = hosted.weights
+        sent, out = hosted.forward(*xs) if versions is None else versions.call(mb_id, *xs)
+        return sent, out, (self.loss_fn(out) * scale if hosted.program.is_sink else None)
 
     def _forward_segments(self, a: Action, prog, versions, args: list, ctx, scale: float):
         """A re-materializing stage's forward, one checkpoint per segment (:func:`segment_stage`).

@@ -118,17 +118,21 @@ class HostedStage:
         version) is the one returned; the module's structure is fixed once
         built.
         """
-        module = self.program.module
-        if self._slots is None or self._slots[0] is not module:
-            self._slots = (module, [m._parameters for m in module.modules() if m._parameters])
         seen: set[int] = set()
         out = []
-        for table in self._slots[1]:
+        for table in self._tables():
             for p in table.values():
                 if p is not None and id(p) not in seen:
                     seen.add(id(p))
                     out.append(p)
         return out
+
+    def _tables(self) -> list[dict]:
+        """The ``_parameters`` dicts of the module's sub-modules, found once per module."""
+        module = self.program.module
+        if self._slots is None or self._slots[0] is not module:
+            self._slots = (module, [m._parameters for m in module.modules() if m._parameters])
+        return self._slots[1]
 
     def trainable(self) -> list[torch.nn.Parameter]:
         """The parameters that train: a frozen one (``requires_grad=False``) gets no gradient buffer, no
@@ -182,9 +186,10 @@ class HostedStage:
         """A zero ``.grad`` for every trainable parameter that has none after an iteration (one the stage's
         outputs do not depend on): every trainable parameter has a gradient after a step, with or without a
         persistent buffer."""
-        for p in self.trainable():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
+        for table in self._tables():  # straight from the tables: run after every step, it builds no list
+            for p in table.values():
+                if p is not None and p.grad is None and p.requires_grad:
+                    p.grad = torch.zeros_like(p)
 
     def zero_grad(self) -> None:
         if self.grad_buffer is not None:
