@@ -361,26 +361,32 @@ def _two_stage_chain():
 
 
 def test_gradients_rebind_into_the_same_buffer_after_the_optimizer_drops_them(one_rank_group):
-    """``opt.zero_grad()`` sets ``.grad = None``; the next step's gradients go back into the stage's flat buffer
-    (the one replicas all-reduce), zeroed, as the same views: no reallocation per step."""
+    """A timed run (``measure``, what the profile accumulated into): ``opt.zero_grad()`` sets ``.grad = None``;
+    the next step's gradients go back into the stage's flat buffer (the one replicas all-reduce), zeroed, as the
+    same views: no reallocation per step. Untimed (the training API) on a stage of one replica, the step's first
+    backward creates the gradients instead (as a plain loop's): the same numbers, bit for bit."""
     from graphpipe.runtime.api import Pipeline
 
     plan = _plan("transformer:small", (["embed", "layer0", "layer1", "layer2", "layer3", "head"],), [(0,)], [4], 8, 1,
                  "gpipe")
     runnable = load_runnable(plan.model, 0)
-    pipe = Pipeline.for_job(plan, runnable, rank=0, world_size=1, device=torch.device("cpu"), backend="gloo",
-                             options=RunOptions(measure=False))
-    params = list(pipe.parameters())
     inputs = runnable.make_inputs(8, 0)
-    pipe._train(inputs)
-    views = [p.grad for p in params]
-    first = [g.clone() for g in views]
-    for p in params:
-        p.grad = None
-    pipe._train(inputs)
-    assert all(p.grad is v for p, v in zip(params, views))
-    for p, g in zip(params, first):  # zeroed before the step: the same data gives the same gradients, not twice
-        torch.testing.assert_close(p.grad, g)
+    got = {}
+    for measure in (True, False):
+        pipe = Pipeline.for_job(plan, runnable, rank=0, world_size=1, device=torch.device("cpu"), backend="gloo",
+                                 options=RunOptions(measure=measure))
+        params = list(pipe.parameters())
+        pipe._train(inputs)
+        views = [p.grad for p in params]
+        first = [g.clone() for g in views]
+        for p in params:
+            p.grad = None
+        pipe._train(inputs)
+        assert all((p.grad is v) == measure for p, v in zip(params, views))
+        for p, g in zip(params, first):  # zeroed before the step: the same data gives the same gradients, not twice
+            torch.testing.assert_close(p.grad, g)
+        got[measure] = [p.grad.clone() for p in params]
+    assert all(torch.equal(a, b) for a, b in zip(got[True], got[False]))
 
 
 def test_bound_forward_equals_the_stage_module_and_reads_live_parameters():

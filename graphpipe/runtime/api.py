@@ -278,6 +278,8 @@ class Pipeline:
         sg = self.plan.stage_graph
         check_op_names([op.name for op in sg.graph.ops], tuple(op_nodes), self.plan.model)
         self._io = io
+        self._plain_structures: set[tuple[int, int]] = set()
+        """Input structures (:func:`_plain_structure`) this capture's full check accepted (:meth:`_flat`)."""
         split = split_model(gm, op_nodes, sg)
         if keep:
             _put_back(split, keep)
@@ -397,6 +399,27 @@ class Pipeline:
                              "first with pipe.load(checkpoint)")
 
     def _flat(self, inputs: Any, target: Any) -> tuple:
+        """The graph's flat inputs for ``inputs`` and ``target``, checked against the captured structure.
+
+        Inputs that are a tensor or a tuple (list) of tensors, with no target
+        or a tensor, flatten to themselves: once such a structure passed the
+        full check (``pytree`` flattening and a comparison of tree specs,
+        tens of microseconds per step), the same structure is taken as is.
+        """
+        key = _plain_structure(inputs, target)
+        if key is not None and key in self._plain_structures:
+            flat = ((inputs,) if key[0] == 0 else tuple(inputs)) + ((target,) if key[1] else ())
+        else:
+            flat = self._flat_checked(inputs, target)
+            if key is not None:
+                self._plain_structures.add(key)
+        got, want = _batch(flat), self.plan.stage_graph.batch_size
+        if got != want:
+            raise InputError(f"mini-batch of {got} rows, but the plan is for batch size {want}: give the whole "
+                             f"mini-batch on every rank (re-plan with --batch-size {got} to train at {got})")
+        return flat
+
+    def _flat_checked(self, inputs: Any, target: Any) -> tuple:
         args, kwargs = normalize_inputs(inputs)
         if self._io.target_spec is not None and target is None:
             raise InputError("the loss takes a target: call step(inputs, target)")
@@ -404,12 +427,7 @@ class Pipeline:
             if self._model is None or _takes_target(self._loss_fn) is False:
                 raise InputError("the loss takes no target (loss_fn(output)); call step(inputs)")
             self._recapture(inputs, target)
-        flat = self._io.flat_inputs(args, kwargs, target)
-        got, want = _batch(flat), self.plan.stage_graph.batch_size
-        if got != want:
-            raise InputError(f"mini-batch of {got} rows, but the plan is for batch size {want}: give the whole "
-                             f"mini-batch on every rank (re-plan with --batch-size {got} to train at {got})")
-        return flat
+        return self._io.flat_inputs(args, kwargs, target)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
         """Scale every gradient so the global ``norm_type`` norm (all stages, each parameter once) is at most
@@ -688,6 +706,27 @@ def _takes_target(loss_fn: Callable[..., Any]) -> bool | None:
     if any(p.kind is p.VAR_POSITIONAL for p in params):
         return True
     return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params) >= 2
+
+
+def _plain_structure(inputs: Any, target: Any) -> tuple[int, int] | None:
+    """``(0 for a tensor or 1 + n for n tensors in a tuple or list, 1 with a tensor target else 0)``: a structure
+    whose flat inputs are the tensors themselves; None for any other (dicts, nested inputs, a structured target).
+
+    >>> import torch
+    >>> _plain_structure(torch.ones(2), None), _plain_structure([torch.ones(2)] * 2, torch.ones(2))
+    ((0, 0), (3, 1))
+    >>> _plain_structure({"x": torch.ones(2)}, None) is None
+    True
+    """
+    if isinstance(inputs, torch.Tensor):
+        shape = 0
+    elif isinstance(inputs, (tuple, list)) and all(isinstance(x, torch.Tensor) for x in inputs):
+        shape = 1 + len(inputs)
+    else:
+        return None
+    if target is None:
+        return shape, 0
+    return (shape, 1) if isinstance(target, torch.Tensor) else None
 
 
 def _put_back(split, keep: dict) -> None:

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
+from functools import partial
 from datetime import timedelta
 from typing import Any, Callable, Mapping, Sequence
 
@@ -118,6 +119,33 @@ class TiedSync:
     group: object | None
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class ActionPlan:
+    """What one action of a rank needs that the plan fixes, worked out once when the executor is built rather
+    than at every step: the stage, the rows its shard holds and the messages it consumes and sends.
+
+    On a host-bound step (small kernels, a fast GPU) the lookups this saves
+    (the replica, the routing's pieces, message keys, the loss scale) are a
+    visible share of each action's time.
+    """
+
+    hosted: HostedStage
+    rows: slice
+    """Rows ``[lo, hi)`` of the mini-batch the shard holds."""
+    mb_lo: int
+    """First row of the whole micro-batch the shard belongs to (a replica's shard is a part of it)."""
+    scale: float
+    """The shard's share of the mini-batch: its loss term's factor."""
+    receives: tuple[tuple[Any, str, int, tuple], ...]
+    """``(piece, value, source rank, message key)`` of every message it consumes, in order: F the activations
+    of its incoming pieces, B and I the gradients of its outgoing ones, W none."""
+    sends: tuple[tuple[int, tuple, str, slice | None, bool], ...]
+    """``(destination rank, message key, value, its rows, zeros)`` of every message it sends after computing, in
+    send order: F the activations of its outgoing pieces, B and I the gradients of its incoming ones. Rows None:
+    an unbatched value, sent whole; ``zeros``: a later copy of an unbatched value whose gradient went back with
+    the first (zeros instead)."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
 class ExecutorContext:
     """Everything a :class:`RankExecutor` needs, built once per rank by :func:`~graphpipe.runtime.setup.setup_rank`."""
@@ -178,7 +206,6 @@ class RankExecutor:
         # the whole device after each action, which would wait for a posted receive whose sender waits for us.
         self.mailbox = Mailbox(self.rank, routing, self._buffer_spec, self.device, ctx.timeout_s, ctx.link_groups,
                                post_early=self.device.type == "cuda" and not ctx.measure)
-        self._receive_lists: dict[Action, list] = {}
         self.dp_groups = dict(ctx.dp_groups)
         self.allreduce_order = {k: tuple(v) for k, v in ctx.allreduce_order.items()}
         last_b: dict[int, int] = {}
@@ -187,8 +214,15 @@ class RankExecutor:
                 last_b[a.stage_id] = pos
         self._last_b_pos = {pos: s for s, pos in last_b.items()}
         self._edge_values = routing.edge_values
-        for h in self.hosted.values():  # persistent gradient storage, one flat buffer per stage (see zero_grad)
-            h.bind_grad_buffers()
+        # Persistent gradient storage, one flat buffer per stage (see zero_grad), where replicas all-reduce it or
+        # the run is timed against a profile that accumulated into one; otherwise (the training API on a stage
+        # of one replica) autograd creates each step's gradients, as a plain loop's first backward does.
+        for s, h in self.hosted.items():
+            if ctx.measure or sg.stages[s].num_replicas > 1:
+                h.bind_grad_buffers()
+            else:
+                h.leave_grads_to_autograd()
+        self._autograd_grads = tuple(h for h in self.hosted.values() if not h.persistent_grads)
         self.seed = ctx.seed
         self.step = 0
         self.batchnorm = ctx.batchnorm
@@ -207,6 +241,7 @@ class RankExecutor:
         self.loss_batch_size = ctx.loss_batch_size or sg.batch_size
         self.sink_losses: dict[int, float] = {}  # micro-batch -> this rank's loss term, last iteration (sink stages)
         self._loss_terms: list[tuple[int, torch.Tensor]] = []  # this iteration's, on the device
+        self._plans = {a: self._plan(a) for a in dict.fromkeys(self.actions)}
 
     # ------------------------------------------------------------ helpers
     def _buffer_spec(self, key) -> tuple[tuple[int, ...], torch.dtype]:
@@ -216,32 +251,45 @@ class RankExecutor:
     def parameters(self) -> list[torch.nn.Parameter]:
         return [p for h in self.hosted.values() for p in h.parameters()]
 
-    def _receives(self, a: Action) -> list[tuple[Any, str, int, tuple]]:
-        """``(piece, value, source rank, message key)`` of every message action ``a`` consumes, in the order it
-        consumes them: F the activations of its incoming pieces, B and I the gradients of its outgoing ones,
-        W none. Computed once per action (the routing is fixed)."""
-        got = self._receive_lists.get(a)
-        if got is not None:
-            return got
-        got = []
-        q = self.routing.replica(a.stage_id, self.rank)
+    def _plan(self, a: Action) -> ActionPlan:
+        """Action ``a``'s :class:`ActionPlan` (the routing and the stage graph are fixed once built)."""
+        sg, routing, stage = self.sg, self.routing, self.sg.stages[a.stage_id]
+        q = routing.replica(a.stage_id, self.rank)
+        rows = self._shard_rows(a.stage_id, a.mb_id, q)
+        receives, sends = [], []
         if a.kind == "F":
-            for piece in self.routing.incoming(a.stage_id, a.mb_id, q):
-                src = self.sg.stages[piece.producer].devices[piece.producer_replica]
-                got += [(piece, v, src, Routing.key("F", piece, v)) for v in self._edge_values[(piece.producer, piece.consumer)]]
+            for piece in routing.incoming(a.stage_id, a.mb_id, q):
+                src = sg.stages[piece.producer].devices[piece.producer_replica]
+                receives += [(piece, v, src, Routing.key("F", piece, v))
+                             for v in self._edge_values[(piece.producer, piece.consumer)]]
+            for piece in routing.outgoing(a.stage_id, a.mb_id, q):
+                dst = sg.stages[piece.consumer].devices[piece.consumer_replica]
+                sends += [(dst, Routing.key("F", piece, v), v, piece.producer_rows if self.meta[v].batched else None,
+                           False) for v in self._edge_values[(piece.producer, piece.consumer)]]
         elif a.kind in ("B", "I"):
-            for piece in self.routing.outgoing(a.stage_id, a.mb_id, q):
-                src = self.sg.stages[piece.consumer].devices[piece.consumer_replica]
-                got += [(piece, v, src, Routing.key("B", piece, v)) for v in self._edge_values[(piece.producer, piece.consumer)]
-                        if v in self.routing.grad_values]
-        self._receive_lists[a] = got
-        return got
+            for piece in routing.outgoing(a.stage_id, a.mb_id, q):
+                src = sg.stages[piece.consumer].devices[piece.consumer_replica]
+                receives += [(piece, v, src, Routing.key("B", piece, v))
+                             for v in self._edge_values[(piece.producer, piece.consumer)] if v in routing.grad_values]
+            answered: set[str] = set()  # unbatched values whose gradient goes back with their first piece
+            for piece in routing.incoming(a.stage_id, a.mb_id, q):
+                dst = sg.stages[piece.producer].devices[piece.producer_replica]
+                for v in self._edge_values[(piece.producer, piece.consumer)]:
+                    if v not in routing.grad_values:
+                        continue
+                    batched = self.meta[v].batched
+                    sends.append((dst, Routing.key("B", piece, v), v, piece.consumer_rows if batched else None,
+                                  not batched and v in answered))
+                    if not batched:
+                        answered.add(v)
+        return ActionPlan(self.hosted[a.stage_id], rows, a.mb_id * stage.micro_batch_size,
+                          (rows.stop - rows.start) / self.loss_batch_size, tuple(receives), tuple(sends))
 
     def _prefetch(self, a: Action) -> None:
         """Post the receives of action ``a`` now (CUDA ranks: :meth:`Mailbox.prefetch`), so its messages travel
         while the action before it computes; waited for only where ``a`` consumes them."""
         if self.mailbox.post_early:
-            for _, _, src, key in self._receives(a):
+            for _, _, src, key in self._plans[a].receives:
                 self.mailbox.prefetch(src, key)
 
     @property
@@ -257,9 +305,12 @@ class RankExecutor:
         iteration's backwards must accumulate into the flat buffers the
         replicas all-reduce, so they come back before it (the API calls this
         at the start of every step). The buffers are reused, not reallocated.
+        A stage without a persistent buffer
+        (:meth:`~graphpipe.runtime.hosted.HostedStage.leave_grads_to_autograd`)
+        is left alone: its first backward creates the gradients.
         """
-        if any(p.grad is None for h in self.hosted.values() for p in h.trainable()):
-            for h in self.hosted.values():
+        for h in self.hosted.values():
+            if h.persistent_grads and any(p.grad is None for p in h.trainable()):
                 h.bind_grad_buffers()
 
     def zero_grad(self) -> None:
@@ -289,15 +340,13 @@ class RankExecutor:
 
     # ------------------------------------------------------------ actions
     def _forward(self, a: Action, inputs: Sequence[torch.Tensor] | None, saved: dict, t0: float) -> tuple[float, float, float]:
-        prog = self.programs[a.stage_id]
-        q = self.routing.replica(a.stage_id, self.rank)
+        plan = self._plans[a]
+        hosted, rows = plan.hosted, plan.rows
+        prog, stage = hosted.program, hosted.stage
         ready_at = time.perf_counter()
-        values: dict[str, torch.Tensor] = {}
-        rows = self._shard_rows(a.stage_id, a.mb_id, q)
-        for name, index in prog.model_inputs:
-            values[name] = inputs[index][rows]
+        values: dict[str, torch.Tensor] = {name: inputs[index][rows] for name, index in prog.model_inputs}
         parts: dict[str, list[torch.Tensor]] = {}
-        for _, value, src, key in self._receives(a):
+        for _, value, src, key in plan.receives:
             parts.setdefault(value, []).append(self.mailbox.recv(src, key))
         leaves = {}
         for value, chunks in parts.items():
@@ -309,22 +358,19 @@ class RankExecutor:
             values[value] = t
         self._sync()
         start = time.perf_counter()
-        if self._fail_at == "F":
-            raise InjectedFailure(f"injected failure at action {a} ({self._fault_text})")
-        if self._fail_at == "hang":
-            while True:  # a silent rank: its peers must time out, not wait forever
-                time.sleep(3600)
-        stage = self.sg.stages[a.stage_id]
-        ctx = ShardContext(self.seed, self.step, rows.start, rows.stop - rows.start,
-                           a.mb_id * stage.micro_batch_size, stage.micro_batch_size)
+        if self._fail_at is not None:
+            if self._fail_at == "F":
+                raise InjectedFailure(f"injected failure at action {a} ({self._fault_text})")
+            if self._fail_at == "hang":
+                while True:  # a silent rank: its peers must time out, not wait forever
+                    time.sleep(3600)
+        ctx = ShardContext(self.seed, self.step, rows.start, rows.stop - rows.start, plan.mb_lo,
+                           stage.micro_batch_size)
         args = [values[n] for n in prog.input_names]
-        scale = (rows.stop - rows.start) / self.loss_batch_size
-        hosted = self.hosted[a.stage_id]
+        scale = plan.scale
         versions = hosted.weights
-
-        def run_stage(*xs):  # the stage's forward, and the loss on the sink (so re-materialization covers it)
-            sent, out = hosted.forward(*xs) if versions is None else versions.call(a.mb_id, *xs)
-            return sent, out, (self.loss_fn(out) * scale if prog.is_sink else None)
+        # the stage's forward, and the loss on the sink (so re-materialization covers it)
+        run_stage = partial(self._run_stage, hosted, a.mb_id, scale) if stage.recompute else None
 
         with self.saved_meter.hooks():  # activation memory, measured (runtime/measure.py)
             if stage.recompute and prog.segments:  # re-materialization one checkpointed segment at a time
@@ -333,15 +379,12 @@ class RankExecutor:
                 sent, out, loss = torch.utils.checkpoint.checkpoint(run_stage, *args, ctx, use_reentrant=False)
                 hosted.stash[a.mb_id] = [self.saved_meter.hold(t) for t in args if isinstance(t, torch.Tensor)]
             else:
-                sent, out, loss = run_stage(*args, ctx)
+                sent, out, loss = self._run_stage(hosted, a.mb_id, scale, *args, ctx)
         by_name = dict(zip(prog.output_names, sent))
         self._sync()
         end = time.perf_counter()  # compute ends here; messages leave after it (the simulator's semantics)
-        for piece in self.routing.outgoing(a.stage_id, a.mb_id, q):
-            dst = self.sg.stages[piece.consumer].devices[piece.consumer_replica]
-            for value in self._edge_values[(piece.producer, piece.consumer)]:
-                sent_value = by_name[value] if not self.meta[value].batched else by_name[value][piece.producer_rows]
-                self.mailbox.send(dst, Routing.key("F", piece, value), sent_value)
+        for dst, key, value, value_rows, _ in plan.sends:
+            self.mailbox.send(dst, key, by_name[value] if value_rows is None else by_name[value][value_rows])
         saved[(a.stage_id, a.mb_id)] = (leaves, by_name, loss)
         if loss is not None:  # read once at the iteration's end: a float() here would wait for the device
             self._loss_terms.append((a.mb_id, loss.detach().float()))
@@ -349,6 +392,13 @@ class RankExecutor:
             hosted.redo_bytes = ([self.saved_meter.probe(fn, *xs, ctx) for fn, xs in pieces]
                                  if prog.segments else self.saved_meter.probe(run_stage, *args, ctx))
         return ready_at - t0, start - t0, end - t0
+
+    def _run_stage(self, hosted: HostedStage, mb_id: int, scale: float, *xs):
+        """``(sent, out, loss)``: stage ``hosted``'s forward of micro-batch ``mb_id`` on ``xs`` (its inputs and
+        shard context), and on the sink the loss term, scaled by the shard's share of the mini-batch."""
+        versions = hosted.weights
+        sent, out = hosted.forward(*xs) if versions is None else versions.call(mb_id, *xs)
+        return sent, out, (self.loss_fn(out) * scale if hosted.program.is_sink else None)
 
     def _forward_segments(self, a: Action, prog, versions, args: list, ctx, scale: float):
         """A re-materializing stage's forward, one checkpoint per segment (:func:`segment_stage`).
@@ -410,11 +460,11 @@ class RankExecutor:
 
     def _backward(self, a: Action, saved: dict, t0: float) -> tuple[float, float, float]:
         """B, or zero bubble's I (input gradients only; the weight gradients wait for :meth:`_weight`)."""
-        q = self.routing.replica(a.stage_id, self.rank)
+        plan = self._plans[a]
         ready_at = time.perf_counter()
         leaves, outputs, loss = saved.pop((a.stage_id, a.mb_id))
         grads: dict[str, torch.Tensor] = {}
-        for piece, value, src, key in self._receives(a):
+        for piece, value, src, key in plan.receives:
             g = self.mailbox.recv(src, key)
             acc = grads.get(value)
             rows = piece.producer_rows
@@ -441,7 +491,7 @@ class RankExecutor:
                 tensors.append(out)
                 grad_tensors.append(g)
         self._begin_rebuild(a.stage_id)  # the checkpoint rebuilds the stage's activations for this backward
-        hosted = self.hosted[a.stage_id]
+        hosted = plan.hosted
         if a.kind == "I":
             leaves_in = [leaves[v] for v in sorted(leaves)]
             dinputs, hosted.pending_w[a.mb_id] = backward_input(tensors, grad_tensors, leaves_in,
@@ -458,20 +508,12 @@ class RankExecutor:
             hosted.segment_calls.pop(a.mb_id, None)
         self._sync()
         end = time.perf_counter()
-        answered: set[str] = set()  # unbatched values whose gradient went back with their first piece
-        for piece in self.routing.incoming(a.stage_id, a.mb_id, q):
-            dst = self.sg.stages[piece.producer].devices[piece.producer_replica]
-            for value in self._edge_values[(piece.producer, piece.consumer)]:
-                if value not in self.routing.grad_values:
-                    continue
-                leaf = leaves[value]
-                g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-                if not self.meta[value].batched:  # the stage used the first copy: the others get no gradient
-                    g = torch.zeros_like(leaf) if value in answered else g
-                    answered.add(value)
-                    self.mailbox.send(dst, Routing.key("B", piece, value), g)
-                    continue
-                self.mailbox.send(dst, Routing.key("B", piece, value), g[piece.consumer_rows])
+        for dst, key, value, value_rows, zeros in plan.sends:
+            leaf = leaves[value]
+            g = leaf.grad
+            if g is None or zeros:  # an unbatched value's later copies get no gradient: the stage used the first
+                g = torch.zeros_like(leaf)
+            self.mailbox.send(dst, key, g if value_rows is None else g[value_rows])
         return ready_at - t0, start - t0, end - t0
 
     def _weight(self, a: Action, t0: float) -> tuple[float, float, float]:
@@ -560,6 +602,8 @@ class RankExecutor:
             # without a polling thread).
             finished_at.update({i: time.perf_counter() - t0 for i, ar in enumerate(pending_ar)
                                 if i not in finished_at and ar[1].is_completed()})
+        for h in self._autograd_grads:
+            h.fill_missing_grads()
         waiting = [(s, mb) for s, h in self.hosted.items() for mb in h.pending_w]
         if saved or waiting:
             raise RuntimeError(f"rank {self.rank}: forward without backward for {sorted(saved)[:4]}, input "

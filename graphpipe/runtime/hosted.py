@@ -81,6 +81,10 @@ class HostedStage:
     """Micro-batch -> the weight gradient zero bubble's I left for its W."""
     segment_calls: dict[int, set[int]] = field(default_factory=dict)
     """Micro-batch -> the checkpoint segments that ran (a second call is a re-materialization)."""
+    persistent_grads: bool = True
+    """Whether the gradients live in one flat buffer kept across steps (:meth:`bind_grad_buffers`). Without
+    (:meth:`leave_grads_to_autograd`), an iteration's first backward hands each parameter its freshly computed
+    gradient, as in a plain training loop after ``optimizer.zero_grad()``."""
     _slots: tuple | None = field(default=None, repr=False)
     """(the module, the ``_parameters`` dicts of its sub-modules in ``modules()`` order), for :meth:`parameters`."""
 
@@ -114,17 +118,21 @@ class HostedStage:
         version) is the one returned; the module's structure is fixed once
         built.
         """
-        module = self.program.module
-        if self._slots is None or self._slots[0] is not module:
-            self._slots = (module, [m._parameters for m in module.modules() if m._parameters])
         seen: set[int] = set()
         out = []
-        for table in self._slots[1]:
+        for table in self._tables():
             for p in table.values():
                 if p is not None and id(p) not in seen:
                     seen.add(id(p))
                     out.append(p)
         return out
+
+    def _tables(self) -> list[dict]:
+        """The ``_parameters`` dicts of the module's sub-modules, found once per module."""
+        module = self.program.module
+        if self._slots is None or self._slots[0] is not module:
+            self._slots = (module, [m._parameters for m in module.modules() if m._parameters])
+        return self._slots[1]
 
     def trainable(self) -> list[torch.nn.Parameter]:
         """The parameters that train: a frozen one (``requires_grad=False``) gets no gradient buffer, no
@@ -157,6 +165,31 @@ class HostedStage:
             self.grad_buffer, self.grad_views = flat, [p.grad for p in params]
         else:
             zero_grads(params)
+
+    def leave_grads_to_autograd(self) -> None:
+        """No flat buffer: a ``.grad`` that is None when an iteration starts (``optimizer.zero_grad()``) is
+        created by autograd from the first micro-batch's gradient instead of being added to zeros.
+
+        For a stage whose gradients are never all-reduced (one replica) and
+        whose steps are not timed against a profile: it saves the memset of
+        the buffer and one addition per parameter per step (a kernel each on
+        a GPU), and the sums are the same numbers (``0 + g`` is ``g``).
+        :meth:`fill_missing_grads` gives a parameter no micro-batch reached
+        its zero gradient afterwards, as the buffer would have.
+        """
+        self.persistent_grads = False
+        self.grad_buffer = self.grad_views = None
+        for p in self.trainable():  # a new executor starts from no gradient, as a bound buffer starts zeroed
+            p.grad = None
+
+    def fill_missing_grads(self) -> None:
+        """A zero ``.grad`` for every trainable parameter that has none after an iteration (one the stage's
+        outputs do not depend on): every trainable parameter has a gradient after a step, with or without a
+        persistent buffer."""
+        for table in self._tables():  # straight from the tables: run after every step, it builds no list
+            for p in table.values():
+                if p is not None and p.grad is None and p.requires_grad:
+                    p.grad = torch.zeros_like(p)
 
     def zero_grad(self) -> None:
         if self.grad_buffer is not None:
