@@ -138,7 +138,9 @@ def main(argv: list[str] | None = None) -> int:
         again = dict(old["config"].get("measured_again", {}))
         again.update({n: {"devices": counts, "repeat": args.repeat, "load_average": config["load_average"],
                           "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())} for n in names})
-        config = dict(old["config"], measured_again=again)
+        measured = set(old["config"]["configs"]) | set(names)   # a config measured for the first time joins
+        config = dict(old["config"], measured_again=again, configs=[n for n in NAMES if n in measured],
+                      shapes=dict(old["config"].get("shapes", {}), **config["shapes"]))
     path = write_result(args.out, args.name, config, rows)
     print(f"wrote {path}")
     return 0

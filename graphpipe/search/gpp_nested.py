@@ -21,13 +21,18 @@ DP's, so the tables and the extracted stages are the general DP's
 (``tests/test_gpp_nested.py`` checks both on random SP graphs with nested
 chains and on a small T5). Level ``v`` only changes depths ``k < v``, and a
 depth whose level changes nothing is complete (``need`` grows with ``v``), so
-each level works on a window of depths.
+each level works on a window of depths. The depths ``k`` are independent
+rows, and a parent asks about few of them (T5's encoder: the breakpoints of
+the decoder's table, a handful of up to 73), so a chain is solved only at
+the depths its parent announces (:meth:`BottleneckDP._will_ask
+<graphpipe.search.gpp_dp.BottleneckDP._will_ask>`) and at any other it is
+asked about.
 
 The tables are memoised like the general DP's, under the rank of the node's
-scope; the arrays of each chain's last few solves are kept by rank (a
-search returns to ranks it left), for the tables and for :meth:`extract`,
-which solves the chain again when no kept solve has the current rank (the
-same comparisons, so the same answer).
+scope; the rows of each chain's last few ranks are kept (a search returns to
+ranks it left), for the tables and for :meth:`extract`, which solves a row
+again when no kept one has the current rank (the same comparisons, so the
+same answer).
 
 Example
 -------
