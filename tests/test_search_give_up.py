@@ -49,6 +49,34 @@ def test_score_gives_up_only_on_a_schedule_ending_after_the_limit():
     assert compared >= 300 and gave_up >= 50  # the limit bites well before the end on most schedules
 
 
+def test_drain_tails_are_at_most_what_each_device_waits_for_after_its_last_action():
+    """The oracle is the full timeline: every device's last action ends at least its tail before the last action
+    of the iteration, on every scored schedule (zero-bubble ones included, whose W ends a device with no tail)."""
+    from graphpipe.sched.engine import drain_tails
+    from graphpipe.sched.simulator import _engine_inputs, simulate
+
+    checked = positive = 0
+    for name, sg, cluster in _plans_to_score():
+        _, duration, _ = _engine_inputs(sg, cluster)
+        for schedule_name in SCORED_SCHEDULES:
+            try:
+                schedule = make_schedule(schedule_name, sg, cluster)
+            except GraphpipeError:
+                continue
+            timeline = simulate(sg, schedule, cluster)
+            last = {}
+            for rec in timeline.actions:
+                last[rec.device] = max(last.get(rec.device, 0.0), rec.end)
+            end = max(last.values())
+            tails = drain_tails(sg, schedule.device_actions, duration)
+            for d, acts in enumerate(schedule.device_actions):
+                if acts:
+                    assert last[d] + tails[d] <= end * (1 + 1e-12), (name, schedule_name, d)
+                    checked += 1
+                    positive += tails[d] > 0
+    assert checked >= 300 and positive >= 100
+
+
 def _best_timing_both(sg, cluster, host=None, above=None):
     """_score_best's rule with both schedules simulated to the end: the faster that fits, ties to graph-1F1B."""
     from graphpipe.search.common import simulated_fitting

@@ -39,7 +39,7 @@ from typing import Callable, Sequence
 from graphpipe.actions import Action
 from graphpipe.stages import StageGraph, covered_mbs
 
-__all__ = ["EngineResult", "Stuck", "run_engine", "run_engine_shared", "action_deps", "covering_consumer_mbs",
+__all__ = ["EngineResult", "Stuck", "run_engine", "run_engine_shared", "drain_tails", "action_deps", "covering_consumer_mbs",
            "KIND_INDEX"]
 
 KIND_INDEX = {"F": 0, "B": 1, "I": 1, "W": 2}
@@ -113,7 +113,8 @@ def run_engine(sg: StageGraph, device_actions: Sequence[Sequence[Action]],
                duration: Callable[[int, str], float],
                fwd_delay: Callable[[int, int], float],
                bwd_delay: Callable[[int, int], float],
-               replicas: Sequence[int] | None = None, give_up_after: float | None = None) -> EngineResult:
+               replicas: Sequence[int] | None = None, give_up_after: float | None = None,
+               tails: Sequence[float] | None = None) -> EngineResult:
     """Evaluate start/end times of every action (see module docstring).
 
     Preconditions (checked by :func:`graphpipe.sched.validate.check_structure`):
@@ -130,6 +131,9 @@ def run_engine(sg: StageGraph, device_actions: Sequence[Sequence[Action]],
     it, this one included, take ``busy`` seconds, it ends no earlier than
     ``t + busy`` whatever the rest does, as a device runs one action at a time
     (past a relative margin of 1e-9, far above the rounding of those sums).
+    ``tails[d]`` (with ``give_up_after``): seconds the iteration provably
+    runs after device ``d``'s last action ends (the backward of that
+    micro-batch on the stages before it, :func:`drain_tails`), added to that bound.
 
     The loop runs once per action of every simulation a search scores, so it
     is kept to local names and list indexing: each device runs its actions
@@ -154,6 +158,8 @@ def run_engine(sg: StageGraph, device_actions: Sequence[Sequence[Action]],
         give_up_after *= 1 + 1e-9
         steps = [{kind: entry[2] for kind, entry in per_stage.items()} for per_stage in table]
         left_busy = [sum([steps[s][kind] for s, kind, _ in acts]) for acts in device_actions]
+        if tails is not None:   # the drain after a device's last action ends: the iteration runs at least that
+            left_busy = [busy + tail for busy, tail in zip(left_busy, tails)]
     stack = list(range(num_devices - 1, -1, -1))
     while stack:
         d = stack.pop()
@@ -232,6 +238,18 @@ def run_engine(sg: StageGraph, device_actions: Sequence[Sequence[Action]],
         if busy is not None:
             left_busy[d] = busy
     return tab.result(device_actions, pos, blocked_on, starts, ends)
+
+
+def drain_tails(sg: StageGraph, device_actions: Sequence[Sequence[Action]],
+                duration: Callable[[int, str], float]) -> list[float]:
+    """Per device, seconds the iteration provably runs after its last action ends: when that action is a
+    B or an I of stage ``s`` on micro-batch ``j``, each stage before ``s`` still runs its own backward
+    (B or I) of ``j`` after it, one after another along the longest such path; after an F or a W nothing
+    need follow (transfers and all-reduces only add)."""
+    down = [0.0] * sg.num_stages
+    for s in range(sg.num_stages):   # stage ids are a topological order
+        down[s] = max((min(duration(p, "B"), duration(p, "I")) + down[p] for p in sg.preds(s)), default=0.0)
+    return [down[acts[-1][0]] if acts and acts[-1][1] in ("B", "I") else 0.0 for acts in device_actions]
 
 
 def _kind_table(tab: "_Tables", waiting) -> list[dict[str, tuple]]:

@@ -74,7 +74,7 @@ from graphpipe.cluster import Cluster
 from graphpipe.errors import ScheduleError
 from graphpipe.stages import StageGraph
 
-from graphpipe.sched.engine import covering_consumer_mbs, run_engine, run_engine_shared
+from graphpipe.sched.engine import covering_consumer_mbs, drain_tails, run_engine, run_engine_shared
 from graphpipe.sched.validate import check_structure, raise_deadlock
 
 __all__ = ["SharedHost", "ActionRecord", "TransferRecord", "AllReduceRecord", "Timeline", "simulate", "build_timeline",
@@ -521,8 +521,9 @@ def _run_lockstep(sg: StageGraph, schedule: Schedule, cluster: Cluster, duration
         if last_sg is sg and last_cluster == cluster and last_actions == schedule.device_actions:
             return answer
     reps, rep_index, replicas = classes if classes is not None else _lockstep_classes(sg, schedule)
-    result = run_engine(sg, [schedule.device_actions[d] for d in reps], duration, delay, delay, replicas,
-                        give_up_after)
+    acts = [schedule.device_actions[d] for d in reps]
+    tails = drain_tails(sg, acts, duration) if give_up_after is not None else None
+    result = run_engine(sg, acts, duration, delay, delay, replicas, give_up_after, tails)
     if result.gave_up:
         return reps, rep_index, result
     if result.stuck:
