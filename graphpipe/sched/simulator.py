@@ -547,11 +547,13 @@ def _peak_in_list_order(sg: StageGraph, schedule: Schedule, cluster: Cluster, de
     """
     state, buffers, stash, working = _memory_terms(sg, cluster)
     untimed = {(s, kind) for i, kind in enumerate("FBIW") for s in range(sg.num_stages) if not durations[s][i] > 0}
+    # only a device holding such a stage can list such an action: the others need no scan
+    suspects = {d for st in sg.stages if any((st.id, kind) in untimed for kind in "FBIW") for d in st.devices}
     release = [-stash[s] - working[s] for s in range(sg.num_stages)]  # what a B or W frees, as _memory adds it
     peak = 0.0
     for d in devices:
         acts = schedule.device_actions[d]
-        if untimed and any((s, kind) in untimed for s, kind, _ in acts):
+        if d in suspects and any((s, kind) in untimed for s, kind, _ in acts):
             return None
         live = top = 0.0
         for s, kind, _ in acts:  # (runs for every action of every scored schedule: kept to plain comparisons)
