@@ -24,28 +24,34 @@ from graphpipe.search.gpp_solve import min_bottleneck
 from test_sched_simulator import SCORED_SCHEDULES, _plans_to_score
 
 
-def test_score_gives_up_only_on_a_schedule_ending_after_the_limit():
-    """Every answer with a limit is the full answer, or None when the full iteration really ends later."""
-    gave_up = compared = 0
+def _scored_schedules():
+    """(plan name, stage graph, cluster, schedule name, schedule) of every schedule the search scores, on the
+    simulator tests' plans."""
     for name, sg, cluster in _plans_to_score():
         for schedule_name in SCORED_SCHEDULES:
             try:
-                schedule = make_schedule(schedule_name, sg, cluster)
+                yield name, sg, cluster, schedule_name, make_schedule(schedule_name, sg, cluster)
             except GraphpipeError:
                 continue
-            full = score(sg, schedule, cluster)
-            for factor in (0.3, 0.9, 0.999, 1.0, 1.001, 2.0):
-                limit = full.iteration_time_s * factor
-                simulator._LAST_RUN.clear()  # the kept run would answer without the engine
-                got = score(sg, schedule, cluster, give_up_after=limit)
-                if got is None:
-                    assert full.iteration_time_s > limit, (name, schedule_name, factor)
-                    gave_up += 1
-                else:
-                    assert got == full, (name, schedule_name, factor)
-                if factor >= 1.0:
-                    assert got == full, (name, schedule_name, factor)
-                compared += 1
+
+
+def test_score_gives_up_only_on_a_schedule_ending_after_the_limit():
+    """Every answer with a limit is the full answer, or None when the full iteration really ends later."""
+    gave_up = compared = 0
+    for name, sg, cluster, schedule_name, schedule in _scored_schedules():
+        full = score(sg, schedule, cluster)
+        for factor in (0.3, 0.9, 0.999, 1.0, 1.001, 2.0):
+            limit = full.iteration_time_s * factor
+            simulator._LAST_RUN.clear()  # the kept run would answer without the engine
+            got = score(sg, schedule, cluster, give_up_after=limit)
+            if got is None:
+                assert full.iteration_time_s > limit, (name, schedule_name, factor)
+                gave_up += 1
+            else:
+                assert got == full, (name, schedule_name, factor)
+            if factor >= 1.0:
+                assert got == full, (name, schedule_name, factor)
+            compared += 1
     assert compared >= 300 and gave_up >= 50  # the limit bites well before the end on most schedules
 
 
@@ -56,24 +62,19 @@ def test_drain_tails_are_at_most_what_each_device_waits_for_after_its_last_actio
     from graphpipe.sched.simulator import _engine_inputs, simulate
 
     checked = positive = 0
-    for name, sg, cluster in _plans_to_score():
+    for name, sg, cluster, schedule_name, schedule in _scored_schedules():
         _, duration, _ = _engine_inputs(sg, cluster)
-        for schedule_name in SCORED_SCHEDULES:
-            try:
-                schedule = make_schedule(schedule_name, sg, cluster)
-            except GraphpipeError:
-                continue
-            timeline = simulate(sg, schedule, cluster)
-            last = {}
-            for rec in timeline.actions:
-                last[rec.device] = max(last.get(rec.device, 0.0), rec.end)
-            end = max(last.values())
-            tails = drain_tails(sg, schedule.device_actions, duration)
-            for d, acts in enumerate(schedule.device_actions):
-                if acts:
-                    assert last[d] + tails[d] <= end * (1 + 1e-12), (name, schedule_name, d)
-                    checked += 1
-                    positive += tails[d] > 0
+        timeline = simulate(sg, schedule, cluster)
+        last = {}
+        for rec in timeline.actions:
+            last[rec.device] = max(last.get(rec.device, 0.0), rec.end)
+        end = max(last.values())
+        tails = drain_tails(sg, schedule.device_actions, duration)
+        for d, acts in enumerate(schedule.device_actions):
+            if acts:
+                assert last[d] + tails[d] <= end * (1 + 1e-12), (name, schedule_name, d)
+                checked += 1
+                positive += tails[d] > 0
     assert checked >= 300 and positive >= 100
 
 
