@@ -16,7 +16,7 @@ from graphpipe.costs import CostArrays
 from graphpipe.models import load_model
 from graphpipe.search.common import comm_links
 from graphpipe.search.gpp_blocks import BlockCosts
-from graphpipe.search.gpp_chain import _NONE, _STAGES, ChainDP, is_chain, packed_stage_keys, stage_keys
+from graphpipe.search.gpp_chain import _NONE, _STAGES, ChainDP, is_chain, packed_stage_keys
 from graphpipe.search.gpp_dp import INF, BottleneckDP
 from graphpipe.search.gpp_solve import first_feasible, make_dp, min_bottleneck
 from graphpipe.search.gpp_tree import build_tree, chain_tree
@@ -206,24 +206,24 @@ def test_extract_refuses_a_bound_the_last_solve_did_not_reach():
     assert dp.extract(dp.kcap) and stages
 
 
-def test_stage_keys_equal_their_definition_on_random_reaches():
-    """need[v - 1, pair] is the first device choice whose reach holds min(v, mbs) in flight (none: _NONE), by
-    definition one pair and level at a time."""
+def test_packed_stage_keys_equal_their_definition_on_random_reaches():
+    """need[v - 1, pair] is the key of the first device choice whose reach holds min(v, mbs) in flight (none:
+    _NONE), by definition one pair and level at a time; the DPs get it clipped at a limit, times a width, plus
+    each pair's end. Under a limit above every device count's key, each key survives exactly."""
     rng = np.random.default_rng(5)
     for _ in range(400):
         pairs, choices = int(rng.integers(0, 25)), int(rng.integers(1, 11))
         top, mbs = int(rng.integers(1, 30)), int(rng.integers(1, 40))
         reach = np.maximum.accumulate(rng.integers(0, 35, (pairs, choices)), axis=1)
         ds = np.sort(rng.choice(512, choices, replace=False) + 1).astype(np.int64)
-        got = stage_keys(reach, ds, top, mbs)
-        assert got.shape == (max(top - 1, 0), pairs) and got.dtype == np.int64
+        want = np.empty((max(top - 1, 0), pairs), dtype=np.int64)
         for v in range(1, top):
             for p in range(pairs):
                 c = next((c for c in range(choices) if reach[p, c] >= min(v, mbs)), None)
-                assert got[v - 1, p] == (_NONE if c is None else ds[c] * _STAGES + 1), (v, p)
-        # as the DPs add them up: clipped at a limit (some keys above it), times a width, plus each pair's end
-        limit, width = int(rng.integers(1, 600)) * _STAGES, int(rng.integers(1, 60))
+                want[v - 1, p] = _NONE if c is None else ds[c] * _STAGES + 1
+        width = int(rng.integers(1, 60))
         j = rng.integers(0, width, pairs).astype(np.int64)
-        packed = packed_stage_keys(reach, ds, top, mbs, limit, width, j)
-        assert packed.dtype == np.int64
-        np.testing.assert_array_equal(packed, np.minimum(got, limit) * width + j[None, :])
+        for limit in (513 * _STAGES, int(rng.integers(1, 600)) * _STAGES):  # no key clipped; some clipped
+            packed = packed_stage_keys(reach, ds, top, mbs, limit, width, j)
+            assert packed.shape == want.shape and packed.dtype == np.int64
+            np.testing.assert_array_equal(packed, np.minimum(want, limit) * width + j[None, :])

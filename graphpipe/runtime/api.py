@@ -404,7 +404,7 @@ class Pipeline:
         Inputs that are a tensor or a tuple (list) of tensors, with no target
         or a tensor, flatten to themselves: once such a structure passed the
         full check (``pytree`` flattening and a comparison of tree specs,
-        tens of microseconds per step), the same structure is taken as is.
+        every step), the same structure is taken as is.
         """
         key = _plain_structure(inputs, target)
         if key is not None and key in self._plain_structures:

@@ -57,7 +57,7 @@ from graphpipe.search.gpp_blocks import BlockCosts
 from graphpipe.search.gpp_dp import INF, DPStage, Table, TargetDP
 from graphpipe.search.gpp_tree import DPTree
 
-__all__ = ["ChainDP", "ChainRanges", "is_chain", "packed_stage_keys", "rest_bounds", "stage_keys"]
+__all__ = ["ChainDP", "ChainRanges", "is_chain", "pack_bounds", "packed_stage_keys", "rest_bounds"]
 
 _STAGES = 1 << 20
 """A (devices, stages) pair is kept as ``devices * _STAGES + stages``: one integer compares both in order."""
@@ -79,18 +79,23 @@ def rest_bounds(column: np.ndarray) -> np.ndarray:
     return np.maximum.accumulate(np.where(fell, levels - 1, 0))
 
 
-def stage_keys(reach: np.ndarray, ds: np.ndarray, top: int, mbs: int) -> np.ndarray:
-    """need[v - 1, pair]: the devices-and-one-stage key of each pair as one stage at bound ``v`` (``1 <= v <
-    top``), every level at once; ``reach[pair]`` (sorted along the device choices ``ds``) from
-    :meth:`ChainRanges.options`: the first device count holding ``min(v, mbs)`` in flight."""
-    return np.append(ds * _STAGES + 1, _NONE)[_first_fitting(reach, top, mbs)]
+def pack_bounds(n: int, num_devices: int) -> tuple[int, int, int]:
+    """``(width, limit, big)`` of a chain of ``n`` ops on ``num_devices``: a DP state is ``key * width + j``
+    (``j <= n`` the end of its first stage); keys from ``limit`` on need more devices than there are, so
+    packed values from ``big`` on are infeasible, and sums of two stay inside int64."""
+    width = n + 1
+    limit = (num_devices + 1) * _STAGES
+    return width, limit, limit * width
 
 
 def packed_stage_keys(reach: np.ndarray, ds: np.ndarray, top: int, mbs: int, limit: int, width: int,
                       j: np.ndarray) -> np.ndarray:
-    """:func:`stage_keys` as the DPs add them up, ``min(need, limit) * width + j[pair]`` (``limit`` and above:
-    infeasible; ``j``: each pair's end), in one lookup of a table already scaled."""
-    table = np.minimum(np.append(ds * _STAGES + 1, _NONE), limit) * width
+    """need[v - 1, pair] as the DPs add it up: the devices-and-one-stage key of each pair as one stage at
+    bound ``v`` (``1 <= v < top``), clipped at ``limit`` (infeasible), times ``width``, plus the pair's end
+    ``j[pair]``; every level at once. ``reach[pair]`` (sorted along the device choices ``ds``) comes from
+    :meth:`ChainRanges.options`; the key is that of the first device count holding ``min(v, mbs)`` in flight
+    (none: infeasible), looked up in a table already scaled."""
+    table = np.minimum(np.append(ds * _STAGES + 1, _NONE), limit) * width   # index len(ds): none holds that many
     out = table[_first_fitting(reach, top, mbs)]
     out += j
     return out
@@ -172,7 +177,6 @@ class ChainDP(TargetDP):
         self._choice: np.ndarray | None = None
         """The last solve's packed table (:meth:`solve`): each state's first stage and, from where its value
         fell, the bound after it."""
-        self._width = 0
         self._levels = 0
         """Bounds of the last solve whose back-pointers are filled in (a solve up to a depth stops early)."""
         self._pairs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
@@ -196,9 +200,7 @@ class ChainDP(TargetDP):
         top = size if depth is None else min(depth + 1, size)
         i, j, reach = self._ranges.options(t_max)
         starts = np.flatnonzero(np.r_[True, i[1:] != i[:-1]])   # every i has its single op: no empty run
-        width = n + 1
-        limit = (self.num_devices + 1) * _STAGES
-        big = limit * width
+        width, limit, big = pack_bounds(n, self.num_devices)
         # packed[v, i]: ops i.. at bound v as key * width + j (ops i..j-1 the first stage; ``big`` and above:
         # infeasible), so one min per i picks the fewest (devices, stages), then the smallest j (the order
         # the pairs are sorted in); a level keeps its previous value unless a candidate is smaller. A sum
@@ -221,7 +223,7 @@ class ChainDP(TargetDP):
                 packed[v + 1:] = cur
                 top = size
                 break
-        self._choice, self._levels, self._pairs, self._width = packed, top, (i, j, reach), width
+        self._choice, self._levels, self._pairs = packed, top, (i, j, reach)
         root = packed[:top, 0]
         feasible = (root < big).tolist()
         keys, js, rests = (root // width).tolist(), (root % width).tolist(), rest_bounds(root).tolist()
@@ -237,7 +239,7 @@ class ChainDP(TargetDP):
         bound u."""
         assert self._choice is not None
         column = self._choice[:v + 1, i]
-        return int(column[v] % self._width), int(rest_bounds(column)[v])
+        return int(column[v] % (self.n + 1)), int(rest_bounds(column)[v])
 
     def extract(self, v: int) -> list[DPStage]:
         """Stages of the solution with depth <= v (after :meth:`solve`), first stage first."""

@@ -58,7 +58,7 @@ from typing import Sequence
 
 import numpy as np
 
-from graphpipe.search.gpp_chain import ChainRanges, packed_stage_keys, rest_bounds
+from graphpipe.search.gpp_chain import _STAGES, ChainRanges, pack_bounds, packed_stage_keys, rest_bounds
 from graphpipe.search.gpp_dp import INF, BottleneckDP, DPStage, Table
 
 __all__ = ["NestedChainDP"]
@@ -67,10 +67,6 @@ _MIN_CHAIN = 12
 """Chains of at most this many ops stay with the general DP: numpy's per-call overhead beats their loops."""
 _KEEP = 8
 """Solves kept per chain: a search returns to a rank it left (another depth, a target between two tried)."""
-_STAGES = 1 << 20
-"""A (devices, stages) pair is kept as ``devices * _STAGES + stages``: one integer compares both in order."""
-_NONE = 1 << 60
-"""The key of an infeasible pair (devices above any cluster's); the sum of two stays inside int64."""
 
 
 class NestedChainDP(BottleneckDP):
@@ -98,10 +94,9 @@ class NestedChainDP(BottleneckDP):
             if kind == "series" and len(kids) - start > _MIN_CHAIN:
                 self.chains[x] = start, ChainRanges(self.blocks, x, self.link, start)
                 self._depths[x] = min(self.kcap + 1, tree.longest_path - longest[x] + 1)
-        self._solved: dict[int, dict[int, tuple[dict[int, np.ndarray], dict[int, int], int, int]]] = {}
+        self._solved: dict[int, dict[int, tuple[dict[int, np.ndarray], dict[int, int]]]] = {}
         """Per chain, its latest solves by rank, oldest first (at most ``_KEEP``): the packed table of each
-        downstream depth solved (:meth:`_solve_chain`), the DP states each counted, the width and the
-        infeasible bound."""
+        downstream depth solved (:meth:`_solve_chain`) and the DP states each counted."""
         self._pending: dict[int, set[int]] = {}
         """Per chain, the downstream depths its parent said it will ask about (:meth:`_will_ask`)."""
         self._asked: dict[int, set[int]] = {}
@@ -149,25 +144,26 @@ class NestedChainDP(BottleneckDP):
             if got is None:
                 if len(kept) >= _KEEP:
                     del kept[next(iter(kept))]
-                got = ({}, {}, 0, 0)
+                got = ({}, {})
             kept[rank] = got   # the latest last
             self._asked[x] = set()
-        rows, states, width, big = kept[rank]
+        rows, states = kept[rank]
         if k not in rows:
             wanted = sorted({k} | {d for d in self._pending.pop(x, ()) if d not in rows})
-            packed, width, big, counted = self._solve_chain(x, wanted)
+            packed, counted = self._solve_chain(x, wanted)
             for r, d in enumerate(wanted):
                 rows[d], states[d] = packed[:, r], counted[r]
-            kept[rank] = rows, states, width, big
         if k not in self._asked[x]:   # a state is counted once a visit, as the chain DP counts a target
             self._asked[x].add(k)
             self.dp_states += states[k]
+        width, _, big = pack_bounds(self.chains[x][1].n, self.num_devices)
         return rows[k], width, big
 
-    def _solve_chain(self, x: int, depths: Sequence[int]) -> tuple[np.ndarray, int, int, list[int]]:
-        """(packed, width, big, states): ``packed[v, r, i]``, ops i.. of chain x with downstream depth
-        ``depths[r]`` (sorted, distinct) and source depth <= v, as ``key * width + j`` where ``key`` is the
-        (devices, stages) key and ops i..j-1 the first stage; ``big`` and above: infeasible; ``states[r]``:
+    def _solve_chain(self, x: int, depths: Sequence[int]) -> tuple[np.ndarray, list[int]]:
+        """(packed, states): ``packed[v, r, i]``, ops i.. of chain x with downstream depth ``depths[r]``
+        (sorted, distinct) and source depth <= v, as ``key * width + j`` where ``key`` is the (devices,
+        stages) key and ops i..j-1 the first stage (:func:`~graphpipe.search.gpp_chain.pack_bounds`: from
+        ``big`` on, infeasible); ``states[r]``:
         the DP states row r evaluated. The bound after the first stage is the level before the last one
         whose value fell (a level takes a stage only if it is smaller, :meth:`_series`).
 
@@ -182,9 +178,7 @@ class NestedChainDP(BottleneckDP):
         ds = np.array(self.ds, dtype=np.int64)
         pi, pj, reach = ranges.options(self.t_max)
         starts = np.flatnonzero(np.r_[True, pi[1:] != pi[:-1]])   # every i has its single op: no empty run
-        width = n + 1
-        limit = (self.num_devices + 1) * _STAGES
-        big = limit * width   # every key from ``limit`` on is infeasible; sums of two stay inside int64
+        width, limit, big = pack_bounds(n, self.num_devices)
         pj = pj.astype(np.int64)
         # need[v - 1, pair]: the pair as one stage at depth v; with j packed in
         need = packed_stage_keys(reach, ds, size, mbs, limit, width, pj)
@@ -222,7 +216,7 @@ class NestedChainDP(BottleneckDP):
             v = left[r] - 1
             packed[v + 1:, r] = packed[v, r]
         states = [n * max(int(left[r]) - 1 - d, 0) for r, d in enumerate(depths)]
-        return packed, width, big, states
+        return packed, states
 
     def _collect_series(self, x: int, i: int, k: int, v: int, out: list[DPStage]) -> None:
         if x not in self.chains:
