@@ -50,6 +50,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import os
+import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -59,6 +61,9 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from graphpipe.errors import InputError, UserCodeError
+
+_STDLIB = os.path.dirname(os.path.abspath(contextlib.__file__)) + os.sep
+_GRAPHPIPE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 __all__ = ["IOSpec", "Exported", "export_model", "module_path", "module_stack", "replicable_nodes",
            "replicate_input_glue", "normalize_inputs", "deliver_target"]
@@ -152,6 +157,33 @@ def _quiet_torch_logs():
     finally:
         for n, level in saved.items():
             logging.getLogger(n).setLevel(level)
+
+
+@contextlib.contextmanager
+def _no_partial_graph_dump():
+    """torch.export prints a failing export's partial graph to stderr (one line per parameter, tens of
+    kilobytes for an LLM) before raising; our one-line error says what failed. What else export writes to
+    stderr (warnings) is passed on once it returns or raises."""
+    import io
+    import sys
+
+    buffer, real = io.StringIO(), sys.stderr
+    sys.stderr = buffer
+    try:
+        yield
+    except BaseException as exc:
+        text = buffer.getvalue()
+        graph = getattr(exc, "partial_fx_graph", None)
+        if graph is not None:
+            text = text.replace(str(graph), "").strip("\n")
+            text = text + "\n" if text else ""
+        sys.stderr = real
+        real.write(text)
+        raise
+    finally:
+        if sys.stderr is buffer:
+            sys.stderr = real
+            real.write(buffer.getvalue())
 
 
 @contextlib.contextmanager
@@ -343,6 +375,20 @@ def _first_line(exc: BaseException) -> str:
     return type(exc).__name__
 
 
+def _export_reason(exc: BaseException) -> str:
+    """Why export stopped, in one line: a guard on a data-dependent value is a Python branch (or a shape)
+    that depends on a tensor's values, shown with the source line torch names."""
+    import re
+
+    reason = f"{type(exc).__name__}: {_first_line(exc)}"
+    if "data-dependent" not in reason:
+        return reason
+    m = re.search(r'File "([^"]+)", line \d+, in \w+\n\s*(\S[^\n]*)', str(exc))
+    code = f"`{m.group(2).strip()}` " if m and "/torch/" not in m.group(1) else ""
+    return (f"{code}depends on a tensor's values, which export cannot trace (a Python branch, loop or "
+            f"shape on data; {reason})")
+
+
 def _export_location(exc: BaseException) -> str:
     """``file:line: `` of the user's frame export stopped in (from its message or traceback)."""
     import re
@@ -352,7 +398,17 @@ def _export_location(exc: BaseException) -> str:
         return f"{m.group(1)}:{m.group(2)}: "
     from graphpipe.errors import user_location
 
-    return user_location(exc)
+    where = user_location(exc)
+    if where:
+        return where
+    # a model whose code is installed (transformers, timm): the deepest frame of that code
+    torch_dir = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+    frames = traceback.extract_tb(exc.__traceback__) if exc.__traceback__ else []
+    for frame in reversed(frames):
+        name = frame.filename
+        if not name.startswith(("<", torch_dir, _STDLIB, _GRAPHPIPE)):
+            return f"{name}:{frame.lineno}: "
+    return ""
 
 
 # ------------------------------------------------------------------- export
@@ -411,11 +467,12 @@ def export_model(module: nn.Module, example_inputs: Any, loss_fn: Callable[..., 
     try:
         for config in configs.values():
             config.use_cache = False
-        with _opaque_batchnorms(module) as batchnorms, _quiet_torch_logs(), _no_stack_traces():
+        with (_opaque_batchnorms(module) as batchnorms, _quiet_torch_logs(), _no_stack_traces(),
+              _no_partial_graph_dump()):
             ep = _export_dynamic_batch(module, args, kwargs, dynamic)
     except Exception as exc:  # export raises many types; the first line and the user's location say why
         raise UserCodeError(f"{_export_location(exc)}torch.export cannot capture {type(module).__name__}: "
-                            f"{type(exc).__name__}: {_first_line(exc)}") from exc
+                            f"{_export_reason(exc)}") from exc
     finally:
         module.train(training)
         for config in configs.values():
