@@ -598,7 +598,8 @@ def _is_dropout_type(typ: Any) -> bool:
 
 
 def _drop_guards(gm: fx.GraphModule) -> None:
-    """Remove export's input guard and metadata assertions (module docstring, point 5)."""
+    """Remove export's input guard and metadata assertions (module docstring, point 5), in the bodies of
+    higher-order ops too (a ``torch.no_grad()`` region is a graph of its own: M2M100's positions)."""
     for node in list(gm.graph.nodes):
         if node.op == "call_module" and str(node.target).startswith("_guards_fn"):
             gm.graph.erase_node(node)
@@ -607,6 +608,10 @@ def _drop_guards(gm: fx.GraphModule) -> None:
             gm.graph.erase_node(node)
     if hasattr(gm, "_guards_fn"):
         delattr(gm, "_guards_fn")
+    for name, sub in list(gm.named_modules())[1:]:
+        if isinstance(sub, fx.GraphModule):
+            _drop_guards(sub)
+            sub.recompile()
 
 
 def _outputs_read_by_loss(gm: fx.GraphModule, in_spec, out_spec, out_leaves: list, args: tuple, kwargs: dict,
@@ -699,12 +704,17 @@ def replicate_input_glue(gm: fx.GraphModule, owner: Mapping[fx.Node, str], repli
     """
     new_owner: dict[fx.Node, str] = {}
     copies: dict[tuple[fx.Node, str], fx.Node] = {}
+    position = {node: i for i, node in enumerate(gm.graph.nodes)}
 
     def copy_for(node: fx.Node, op: str, before: fx.Node) -> fx.Node:
         key = (node, op)
         if key in copies:
             return copies[key]
         args_env = {a: copy_for(a, op, before) if a in replicable else a for a in node.all_input_nodes}
+        for a in node.all_input_nodes:  # a subgraph's get_attr sits just before its call (no_grad, autocast)
+            if a.op == "get_attr" and position[a] > position[before]:
+                before.prepend(a)
+                position[a] = position[before] - 0.5
         with gm.graph.inserting_before(before):
             clone = gm.graph.node_copy(node, lambda a: args_env[a])
         copies[key] = clone

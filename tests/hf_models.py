@@ -119,6 +119,21 @@ def bert():
     return model, inputs, lambda out, y: F.cross_entropy(out.logits, y), labels
 
 
+def m2m100():
+    """An M2M100 translation model (NLLB's architecture) with LayerDrop off: its sinusoidal positions are computed
+    under ``torch.no_grad()``, which export records as a higher-order op with a graph of its own."""
+    T = _transformers()
+    torch.manual_seed(0)
+    cfg = T.M2M100Config(vocab_size=64, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                         decoder_attention_heads=4, encoder_ffn_dim=48, decoder_ffn_dim=48, max_position_embeddings=32,
+                         encoder_layerdrop=0.0, decoder_layerdrop=0.0)
+    model = T.M2M100ForConditionalGeneration(cfg)
+    g = torch.Generator().manual_seed(1)
+    ids, decoder_ids, labels = (torch.randint(3, 64, (BATCH, 8), generator=g) for _ in range(3))
+    return (model, dict(input_ids=ids, decoder_input_ids=decoder_ids),
+            lambda out, y: F.cross_entropy(out.logits.flatten(0, 1), y.flatten()), labels)
+
+
 def efficientnet():
     import timm
 

@@ -114,6 +114,21 @@ def test_real_models_run_check_for_gpp_pipedream_and_gpipe():
         assert any(plans[n].stage_graph.num_stages > 1 for n in names if n.startswith(model + "/")), model
 
 
+def test_a_no_grad_region_is_cut_and_trained_like_one_process():
+    """M2M100's positions come from a ``torch.no_grad()`` region, a higher-order op whose body is a graph of its
+    own: its input glue is copied after the body's ``get_attr``, its metadata assertions are dropped and its
+    device literals retargeted as the main graph's are (each rank captures on meta), so --check passes."""
+    from graphpipe.runtime import RunOptions, run_plans
+    from graphpipe.search.planner import make_plan
+
+    spec = _factory("m2m100")
+    plan = make_plan(spec, captured_from_factory(spec).graph, preset("v100", 3), BATCH, "gpp")
+    assert plan.stage_graph.num_stages > 1
+    result, = run_plans([(plan, RunOptions(steps=2, warmup_steps=1, check=True, timeout_s=180))], 3)
+    check = result.check
+    assert check.passed and check.num_params_checked == check.num_params > 0
+
+
 def test_meta_device_llama_capture_allocates_nothing():
     """A factory may build on the meta device: capture then costs the model without weights."""
     import hf_models

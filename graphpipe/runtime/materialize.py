@@ -366,14 +366,19 @@ def retarget_devices(gm: torch.fx.GraphModule, device: torch.device) -> bool:
         return value
 
     changed = False
-    for node in gm.graph.nodes:
-        if node.op not in ("call_function", "call_method"):
+    for sub in gm.modules():  # a higher-order op's body (no_grad, autocast regions) is a graph of its own
+        if not isinstance(sub, torch.fx.GraphModule):
             continue
-        kwargs = {k: fix(v) if k == "device" else v for k, v in node.kwargs.items()}
-        args = tuple(fix(a) if isinstance(a, torch.device) else a for a in node.args)
-        if kwargs != dict(node.kwargs) or args != tuple(node.args):
-            node.kwargs, node.args = kwargs, args
+        changed_here = False
+        for node in sub.graph.nodes:
+            if node.op not in ("call_function", "call_method"):
+                continue
+            kwargs = {k: fix(v) if k == "device" else v for k, v in node.kwargs.items()}
+            args = tuple(fix(a) if isinstance(a, torch.device) else a for a in node.args)
+            if kwargs != dict(node.kwargs) or args != tuple(node.args):
+                node.kwargs, node.args = kwargs, args
+                changed_here = True
+        if changed_here:
+            sub.recompile()
             changed = True
-    if changed:
-        gm.recompile()
     return changed
