@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
 import logging
 import os
 import traceback
@@ -58,6 +59,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from graphpipe.errors import InputError, UserCodeError
@@ -157,6 +159,64 @@ def _quiet_torch_logs():
     finally:
         for n, level in saved.items():
             logging.getLogger(n).setLevel(level)
+
+
+DATA_VALUE = "_graphpipe_value"
+"""Attribute of a meta tensor made from Python data during export: its values, on the CPU (:class:`_KeepDataValues`)."""
+
+
+def _data_leaf(value: Any) -> bool:
+    if isinstance(value, (list, tuple)):
+        return all(_data_leaf(v) for v in value)
+    return isinstance(value, (bool, int, float)) and not isinstance(value, torch.SymInt)
+
+
+@contextlib.contextmanager
+def _outside_tracing():
+    """A real tensor made inside export's tracing (its fake and proxy modes set aside): it holds values."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes(), torch._C.DisableTorchFunction():
+        yield
+
+
+class _KeepDataValues(TorchFunctionMode):
+    """Export of a meta-device model: a tensor made from Python data keeps its values beside it.
+
+    On the meta device ``torch.tensor([3.0, 4.0], device=x.device)`` and a list index (``qkv[..., [-2], :]``,
+    which torch turns into such a tensor: Falcon's attention) hold no data, and export lifts them into the graph
+    as constants that only their shape survives; a run then had nothing to fill them with (an index of garbage).
+    Each such tensor gets its values, made on the CPU, as :data:`DATA_VALUE`; a list index is made into the
+    tensor torch would make, so it gets them too. Materializing a stage fills the constant from them.
+    """
+
+    _MAKERS = (torch.tensor, torch.as_tensor, torch.Tensor.new_tensor)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if (func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and len(args) >= 2
+                and isinstance(args[0], torch.Tensor) and args[0].device.type == "meta"):
+            args = (args[0], self._index(args[1], args[0].device), *args[2:])
+        out = func(*args, **kwargs)
+        if func in self._MAKERS and isinstance(out, torch.Tensor) and out.device.type == "meta":
+            data = args[1] if func is torch.Tensor.new_tensor else args[0] if args else kwargs.get("data")
+            if _data_leaf(data):
+                with _outside_tracing():
+                    value = torch.tensor(data, dtype=out.dtype)
+                setattr(out, DATA_VALUE, value)
+        return out
+
+    def _index(self, index: Any, device: torch.device) -> Any:
+        """``index`` with each list of Python numbers made into its tensor (with its values kept)."""
+        if isinstance(index, list) and index and _data_leaf(index):
+            with _outside_tracing():
+                value = torch.tensor(index)
+            made = torch.tensor(index, device=device)
+            setattr(made, DATA_VALUE, value)
+            return made
+        if isinstance(index, tuple):
+            return tuple(self._index(i, device) for i in index)
+        return index
 
 
 @contextlib.contextmanager
@@ -460,6 +520,7 @@ def export_model(module: nn.Module, example_inputs: Any, loss_fn: Callable[..., 
     dynamic = _dynamic_shapes(module, args, kwargs)
     t0 = time.perf_counter()
     training = module.training
+    meta = any(t.device.type == "meta" for t in itertools.chain(module.parameters(), module.buffers()))
     module.train()
     # a Hugging Face model: training keeps no KV cache (an encoder-decoder's stacks hold configs of their own)
     configs = {id(c): c for m in module.modules() if (c := getattr(m, "config", None)) is not None
@@ -468,7 +529,7 @@ def export_model(module: nn.Module, example_inputs: Any, loss_fn: Callable[..., 
         for config in configs.values():
             config.use_cache = False
         with (_opaque_batchnorms(module) as batchnorms, _quiet_torch_logs(), _no_stack_traces(),
-              _no_partial_graph_dump()):
+              _no_partial_graph_dump(), _KeepDataValues() if meta else contextlib.nullcontext()):
             ep = _export_dynamic_batch(module, args, kwargs, dynamic)
     except Exception as exc:  # export raises many types; the first line and the user's location say why
         raise UserCodeError(f"{_export_location(exc)}torch.export cannot capture {type(module).__name__}: "
@@ -484,6 +545,7 @@ def export_model(module: nn.Module, example_inputs: Any, loss_fn: Callable[..., 
     _restore_modules(gm, module, batchnorms)
     _drop_counter_updates(gm, [owner for owner, bn in batchnorms if bn is not owner])
     _drop_guards(gm)
+    _histc_on_floats(gm)
     _use_module_names(gm, module)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     input_names = tuple(n.name for n in placeholders)
@@ -612,6 +674,34 @@ def _drop_guards(gm: fx.GraphModule) -> None:
         if isinstance(sub, fx.GraphModule):
             _drop_guards(sub)
             sub.recompile()
+
+
+def _histc_on_floats(gm: fx.GraphModule) -> None:
+    """``histc`` of an integer tensor counts it as floats and gives back the integer dtype.
+
+    transformers' grouped experts count tokens per expert with ``histc``, on floats where the device is
+    the CPU (which has no integer kernel) and on integers elsewhere, so a model captured on the meta device
+    records the integer call, which then fails on a CPU rank. The counts are small integers, exact in float32.
+    """
+    for node in list(gm.graph.nodes):
+        val = node.args[0].meta.get("val") if node.op == "call_function" and node.target is torch.ops.aten.histc.default \
+            and isinstance(node.args[0], fx.Node) else None
+        if not isinstance(val, torch.Tensor) or val.dtype.is_floating_point:
+            continue
+        with gm.graph.inserting_before(node):
+            floats = gm.graph.call_function(torch.ops.aten._to_copy.default, (node.args[0],), {"dtype": torch.float32})
+        node.args = (floats, *node.args[1:])
+        with gm.graph.inserting_after(node):
+            back = gm.graph.call_function(torch.ops.aten._to_copy.default, (node,), {"dtype": val.dtype})
+        node.replace_all_uses_with(back, delete_user_cb=lambda user: user is not back)
+        for new in (floats, back):  # module path and the rest of the histc's metadata
+            new.meta = {k: v for k, v in node.meta.items() if k != "val"}
+        floats.meta["val"] = val.to(torch.float32)
+        out = node.meta.get("val")
+        if isinstance(out, torch.Tensor):
+            back.meta["val"] = out
+            node.meta["val"] = out.to(torch.float32)
+    gm.recompile()
 
 
 def _outputs_read_by_loss(gm: fx.GraphModule, in_spec, out_spec, out_leaves: list, args: tuple, kwargs: dict,

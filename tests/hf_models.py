@@ -14,6 +14,7 @@ takes a target return it as a fourth element:
   next-token cross-entropy against a target of token ids.
 * :func:`bert`: ``BertForSequenceClassification``, class labels as target.
 * :func:`gpt2_meta`, :func:`mixtral_meta`: meta-device GPT-2 and Mixtral (capture only).
+* :func:`m2m100`, :func:`mixtral`: an encoder-decoder with a ``no_grad`` region, a mixture of experts (runs).
 * :func:`efficientnet`: timm's ``test_efficientnet`` (the EfficientNet
   family's small test size: depthwise-separable blocks, squeeze-excite,
   BatchNorm, dropout); class labels as target.
@@ -132,6 +133,20 @@ def m2m100():
     ids, decoder_ids, labels = (torch.randint(3, 64, (BATCH, 8), generator=g) for _ in range(3))
     return (model, dict(input_ids=ids, decoder_input_ids=decoder_ids),
             lambda out, y: F.cross_entropy(out.logits.flatten(0, 1), y.flatten()), labels)
+
+
+def mixtral():
+    """A small Mixtral with real weights (8 experts, 2 per token, transformers' grouped experts): a run's ranks
+    capture it on the meta device, where transformers counts tokens per expert with an integer ``histc``."""
+    T = _transformers()
+    torch.manual_seed(0)
+    cfg = T.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
+                          max_position_embeddings=32)
+    model = T.MixtralForCausalLM(cfg)
+    g = torch.Generator().manual_seed(1)
+    ids, labels = (torch.randint(0, 64, (BATCH, 8), generator=g) for _ in range(2))
+    return model, dict(input_ids=ids), lambda out, y: F.cross_entropy(out.logits.flatten(0, 1), y.flatten()), labels
 
 
 def efficientnet():

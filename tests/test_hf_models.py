@@ -129,6 +129,22 @@ def test_a_no_grad_region_is_cut_and_trained_like_one_process():
     assert check.passed and check.num_params_checked == check.num_params > 0
 
 
+def test_mixtral_experts_train_like_one_process_on_cpu_ranks():
+    """Each rank captures the model on meta, where transformers' grouped experts count tokens per expert with
+    an integer ``histc`` that the CPU lacks: graphpipe counts them as floats (exact), and --check passes."""
+    from graphpipe.runtime import RunOptions, run_plans
+    from graphpipe.search.common import SearchOptions
+    from graphpipe.search.planner import make_plan
+
+    spec = _factory("mixtral")
+    plan = make_plan(spec, captured_from_factory(spec).graph, preset("v100", 2), BATCH, "gpipe",
+                     SearchOptions(micro_batch_size=2))
+    assert plan.stage_graph.num_stages == 2
+    result, = run_plans([(plan, RunOptions(steps=2, warmup_steps=1, check=True, timeout_s=180))], 2)
+    check = result.check
+    assert check.passed and check.num_params_checked == check.num_params > 0
+
+
 def test_meta_device_llama_capture_allocates_nothing():
     """A factory may build on the meta device: capture then costs the model without weights."""
     import hf_models

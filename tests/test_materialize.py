@@ -164,3 +164,33 @@ def test_cli_run_that_cannot_fit_exits_2_before_starting_a_rank(tmp_path, capsys
     assert main(["run", path, "--steps", "2"]) == 2
     err = capsys.readouterr().err
     assert "would need about" in err and "1.0 GiB available" in err and "Traceback" not in err
+
+
+def test_constants_made_from_python_data_keep_their_values_when_captured_on_meta(tmp_path):
+    """A list index (``y[:, [-2, 0]]``, Falcon's attention) and ``torch.tensor(data, device=y.device)`` become
+    graph constants; captured on meta they hold no data, so each rank fills them from the values export saw
+    (not empty storage): the materialized graph computes what the eager module does with the same weights."""
+    from graphpipe.runtime.reference import _materialize_whole
+    from graphpipe.runtime.rng import ReferenceContext
+    from graphpipe.runtime.runnable import load_runnable
+
+    path = tmp_path / "consts.py"
+    path.write_text(
+        "import torch\n"
+        "class M(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__(); self.l = torch.nn.Linear(4, 6)\n"
+        "    def forward(self, x):\n"
+        "        y = self.l(x)\n"
+        "        return y[:, [-2, 0]] * torch.tensor([3.0, 4.0], device=y.device)\n"
+        "def make():\n"
+        "    return M(), (torch.randn(8, 4),), lambda out: out.sum()\n")
+    ref = load_runnable(f"{path}:make", 0, "cpu", meta_params=True)
+    constants = [b for name, b in ref.gm.named_buffers() if "lifted" in name]
+    assert len(constants) == 2 and all(b.device.type == "meta" for b in constants)
+    _materialize_whole(ref, ref.gm, "cpu", 0)
+    values = sorted(b.tolist() for name, b in ref.gm.named_buffers() if "lifted" in name)
+    assert values == [[-2, 0], [3.0, 4.0]]
+    x = torch.randn(8, 4)
+    out = ref.gm(x, ReferenceContext(0, 0, 8, {}))
+    torch.testing.assert_close(out[0] if isinstance(out, (tuple, list)) else out, ref.module(x))

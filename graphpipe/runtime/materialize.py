@@ -40,6 +40,8 @@ import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
+from graphpipe.exporting import DATA_VALUE
+
 __all__ = ["params_on_meta", "kept_values", "buffers_to_meta", "fake_cpu", "on_meta", "tensor_seed", "materialize_stages", "retarget_devices", "meta_copy",
            "model_tensors", "Materialized"]
 
@@ -211,6 +213,7 @@ def materialize_stages(model: nn.Module | None, programs: Mapping[int, Any], dev
     owners = model_tensors(model) if model is not None else {}
     # model name of every meta tensor the stages hold; a tied copy is named after its original
     wanted: dict[int, str] = {}
+    known: dict[int, torch.Tensor] = {}  # a graph constant made from Python data: its values (exporting.DATA_VALUE)
     for prog in programs.values():
         for name, p in prog.module.named_parameters(remove_duplicate=False):
             if p.device.type == "meta" and id(p) not in wanted:
@@ -220,6 +223,8 @@ def materialize_stages(model: nn.Module | None, programs: Mapping[int, Any], dev
             if b.device.type == "meta" and id(b) not in wanted:
                 wanted[id(b)] = owners[id(b)][3] if id(b) in owners else name
                 done.meta.append(b)
+                if id(b) not in owners and getattr(b, DATA_VALUE, None) is not None:
+                    known[id(b)] = getattr(b, DATA_VALUE)
     graphs = [gm for prog in programs.values() for gm in _stage_graphs(prog)]
     for gm in graphs:
         if isinstance(gm, torch.fx.GraphModule):
@@ -232,7 +237,8 @@ def materialize_stages(model: nn.Module | None, programs: Mapping[int, Any], dev
         if name in real or name in done.uninitialised:
             continue
         if name not in by_name:  # a tensor of the stage modules only (a graph constant): no initialiser knows it
-            done.uninitialised.add(name)
+            if not any(wanted[tid] == name for tid in known):
+                done.uninitialised.add(name)
             continue
         module, kind, attr, _ = by_name[name]
         old = getattr(module, kind)[attr]
@@ -270,6 +276,9 @@ def materialize_stages(model: nn.Module | None, programs: Mapping[int, Any], dev
             if isinstance(base, nn.Parameter) else base.detach().clone()
     for table, key, t in list(_holders(graphs)):
         if id(t) in done.replaced:
+            table[key] = done.replaced[id(t)]
+        elif id(t) in known:  # a constant made from Python data: the values export saw
+            done.replaced[id(t)] = known[id(t)].to(device, copy=True)
             table[key] = done.replaced[id(t)]
         elif id(t) in wanted:  # no owner in the model: storage only, filled by a checkpoint
             fresh = torch.empty_like(t, device=device)
