@@ -80,7 +80,9 @@ def gpipe_time_bound_s(sg: StageGraph, cluster) -> float | None:
     forward on each producer plus that edge's delay and one forward (``f_end``); its first backward (of
     micro-batch 0) starts after that, and after the first backward of each consumer plus one backward
     and the delay (``b_start``); its last backward ends M backwards later, and a replicated stage's
-    gradient all-reduce follows it. The durations and delays are the simulator's (longest paths over
+    gradient all-reduce follows it; nor can it end before the last backward on each consumer plus the
+    delay and one backward (``b_end``: every micro-batch's backward waits for the consumer's of the same
+    micro-batch). The durations and delays are the simulator's (longest paths over
     the engine's own dependencies, with the waits left out); a search compares the bound to a
     throughput with a relative margin far above the rounding of these sums.
     """
@@ -101,11 +103,13 @@ def gpipe_time_bound_s(sg: StageGraph, cluster) -> float | None:
         preds = sg.preds(s)
         f_start[s] = max((f_start[p] + fwd[p] + delay[(p, s)] for p in preds), default=0.0)
         f_end[s] = max([f_start[s] + m * fwd[s]] + [f_end[p] + delay[(p, s)] + fwd[s] for p in preds])
-    b_start = [0.0] * n
+    b_start, b_end = [0.0] * n, [0.0] * n
     end = 0.0
     for s in range(n - 1, -1, -1):
-        b_start[s] = max([f_end[s]] + [b_start[c] + bwd[c] + delay[(s, c)] for c in sg.succs(s)])
-        last = b_start[s] + m * bwd[s]
+        succs = sg.succs(s)
+        b_start[s] = max([f_end[s]] + [b_start[c] + bwd[c] + delay[(s, c)] for c in succs])
+        b_end[s] = max([b_start[s] + m * bwd[s]] + [b_end[c] + delay[(s, c)] + bwd[s] for c in succs])
+        last = b_end[s]
         if stages[s].num_replicas > 1:
             last += cluster.allreduce_time(stages[s].devices, sg.param_bytes(s))
         end = max(end, last)
