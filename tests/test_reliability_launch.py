@@ -180,3 +180,23 @@ def test_a_lost_store_connection_is_an_effect_of_the_rank_that_timed_out():
     verdict = str(watch.verdict())
     assert verdict.startswith("rank 2 did not answer within the 5 s timeout but was still working "
                               "(rank 2 at exporting.py:export_model:347): slow, not hung"), verdict
+
+
+def test_a_failing_op_of_a_captured_graph_is_named_by_its_graph_line_not_torchs():
+    """A rank whose captured graph fails inside an aten op reports that op's line of the graph (its node and
+    arguments), not torch's ``_ops.py``; an error elsewhere keeps its file and line."""
+    import torch
+    import torch.fx as fx
+
+    from graphpipe.runtime.launch import _where
+
+    g = fx.Graph()
+    x, i = g.placeholder("x"), g.placeholder("i")
+    g.output(g.call_function(torch.ops.aten.index.Tensor, (x, [i])))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    with pytest.raises(IndexError) as err:
+        gm(torch.zeros(3), torch.tensor([7]))
+    assert _where(err.value) == " (at the captured graph's index_tensor = torch.ops.aten.index.Tensor(x, [i]))"
+    with pytest.raises(ValueError) as err:
+        raise ValueError("bad")
+    assert _where(err.value).startswith(" (at test_reliability_launch.py:")

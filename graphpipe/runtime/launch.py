@@ -214,8 +214,7 @@ def _child(rank: int, world_size: int, jobs, init_method: str, results: mp.Queue
     except BaseException as exc:  # noqa: BLE001 - everything must reach the parent
         stamp = time.time()
         beat.stopped.set()
-        last = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
-        where = f" (at {os.path.basename(last[0].filename)}:{last[0].lineno})" if last else ""
+        where = _where(exc)
         text = f"{type(exc).__name__}: {exc}".strip().splitlines()
         message = " ".join(line.strip() for line in text[:6]) + where
         try:
@@ -224,6 +223,17 @@ def _child(rank: int, world_size: int, jobs, init_method: str, results: mp.Queue
             results.join_thread()
         finally:
             os._exit(1)
+
+
+def _where(exc: BaseException) -> str:
+    """`` (at file:line)`` of the frame that raised; where it is an op of a captured graph (fx's generated code,
+    whose frame names no file), that graph's line: the op and its arguments say more than torch's ``_ops.py``."""
+    frames = traceback.extract_tb(exc.__traceback__) if exc.__traceback__ else []
+    for frame in reversed(frames):
+        if frame.filename.startswith("<eval_with_key>") and frame.line:
+            code = frame.line.split(";")[0].strip()
+            return f" (at the captured graph's {code[:157] + '...' if len(code) > 160 else code})"
+    return f" (at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
 
 
 def _quiet_resource_tracker() -> None:
