@@ -31,7 +31,8 @@ from typing import Any
 
 __all__ = ["ARCHS", "NAMES", "build", "qwen2_72b", "mixtral_8x22b", "qwen3_moe_30b_a3b", "gemma2_27b", "gemma3_27b",
            "phi3_medium", "falcon_40b", "gpt_neox_20b", "opt_66b", "bloom_176b", "mistral_large_123b",
-           "deepseek_v3_e16", "llama4_maverick", "llama4_scout", "t5_11b", "ul2_20b", "bart_large"]
+           "deepseek_v3_e16", "llama4_maverick", "llama4_scout", "t5_11b", "ul2_20b", "bart_large",
+           "nllb_3b", "gpt_oss_120b"]
 
 _TINY = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
 """The tiny widths most architectures take (:func:`build` with ``tiny=True``)."""
@@ -129,6 +130,19 @@ ARCHS: dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]] = {
                         decoder_attention_heads=16, encoder_ffn_dim=4096, decoder_ffn_dim=4096, vocab_size=50265),
                    dict(d_model=64, encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=96,
                         decoder_ffn_dim=96, vocab_size=128)),
+    # NLLB-200 3.3B (dense): M2M100's architecture, with training-time LayerDrop off (a branch on a random draw
+    # cannot be exported); its sinusoidal positions are made in a torch.no_grad() region
+    "nllb_3b": ("M2M100ForConditionalGeneration", "M2M100Config",
+                dict(d_model=2048, encoder_layers=24, decoder_layers=24, encoder_attention_heads=16,
+                     decoder_attention_heads=16, encoder_ffn_dim=8192, decoder_ffn_dim=8192, vocab_size=256206,
+                     encoder_layerdrop=0.0, decoder_layerdrop=0.0, scale_embedding=True),
+                dict(d_model=64, encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=96,
+                     decoder_ffn_dim=96, vocab_size=128)),
+    "gpt_oss_120b": ("GptOssForCausalLM", "GptOssConfig",
+                     dict(hidden_size=2880, intermediate_size=2880, num_hidden_layers=36, num_attention_heads=64,
+                          num_key_value_heads=8, head_dim=64, num_local_experts=128, num_experts_per_tok=4,
+                          sliding_window=128, vocab_size=201088, tie_word_embeddings=False),
+                     dict(_TINY, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8)),
 }
 """Every architecture :func:`build` knows."""
 
@@ -200,3 +214,5 @@ llama4_scout = _factory("llama4_scout")
 t5_11b = _factory("t5_11b")
 ul2_20b = _factory("ul2_20b")
 bart_large = _factory("bart_large")
+nllb_3b = _factory("nllb_3b")
+gpt_oss_120b = _factory("gpt_oss_120b")

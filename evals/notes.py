@@ -281,7 +281,7 @@ NOTES: dict[str, str] = {
         "device count (over PipeDream 1.66x at 8 devices, 2.32x at 64)."
     ),
     "bench_llm_configs": (
-        "Seventeen published shapes nobody tuned the planner for, each through the whole cold command twice at "
+        "Nineteen published shapes nobody tuned the planner for, each through the whole cold command twice at "
         "512 and 1024 H100s (medians; measured one command at a time on a 2-core host shared with other "
         "jobs, so CPU seconds are the figure to read). Every one cuts its repeated blocks, including the "
         "shapes the first version of the shortcut refused and captured whole: Gemma-2's alternating sliding "
@@ -326,7 +326,13 @@ NOTES: dict[str, str] = {
         "nested encoder chain, the chain view's DP and graph-1F1B timed in the idle pass share the time "
         "about evenly, and deeper encoder-decoders grow past it (a T5 of 48 + 48 layers, not in this table: "
         "its plan command on a saved graph took 36 s at 512 devices after the chain-DP changes, 57 s before, "
-        "one run each). "
+        "one run each). Then fill-drain's bound learned the backward drain after each consumer's last "
+        "micro-batch (every backward waits for its consumer's of the same micro-batch), which settles idle-pass "
+        "trials it could not before (LongT5-XL's 60 near-ties); T5-11B's and UL2-20B's rows were measured again "
+        "after it (UL2-20B: 4.99 s at 512 and 8.7 s at 1024; same plans on 27 cases side by side), with two "
+        "shapes added: NLLB-200 3.3B (M2M100's architecture with LayerDrop off; its positions come from a "
+        "torch.no_grad() region, which capture failed on before) and GPT-OSS-120B (128 experts, sliding and "
+        "full attention in turn), both under a second of search. "
         "Llama-4 Maverick is refused in one line: a layer of 128 experts is about 16 "
         "billion parameters, more than an 80 GB device holds for training, and stages are whole layers (no "
         "expert parallelism); DeepSeek-V3 is built with 16 routed experts for the same reason (256 would make "

@@ -174,6 +174,8 @@ def test_short_stacks_are_left_whole():
     ("llama4_maverick", 32, [("model.layers", 0, 4)]),  # experts every 2nd layer, no rotary every 4th
     ("t5_11b", 10, [("encoder.block", 1, 1), ("decoder.block", 1, 1)]),  # block 0 holds the position table
     ("bart_large", 9, [("model.encoder.layers", 0, 1), ("model.decoder.layers", 0, 1)]),  # learned positions
+    ("nllb_3b", 9, [("model.encoder.layers", 0, 1), ("model.decoder.layers", 0, 1)]),  # positions under no_grad
+    ("gpt_oss_120b", 16, [("model.layers", 0, 2)]),  # sliding and full attention in turn, experts everywhere
     ("mixtral_8x22b", 9, [("model.layers", 0, 1)]),
     ("falcon_40b", 9, [("transformer.h", 0, 1)]),
     ("bloom_176b", 9, [("transformer.h", 0, 1)]),
