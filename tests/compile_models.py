@@ -78,3 +78,23 @@ def global_noise():
     torch.manual_seed(0)
     target = torch.zeros(BATCH, dtype=torch.long)
     return GlobalNoise(), (torch.randn(BATCH, 4),), lambda out, y: F.cross_entropy(out, y), target
+
+
+class DropPath(nn.Module):
+    """Stochastic depth (timm, Hugging Face Swin and BEiT): ``torch.rand((batch, 1))``, then ``torch.randn`` noise
+    of the same batch-sized kind, each a factory whose size carries the batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.a(x)
+        keep = (0.5 + torch.rand((h.shape[0], 1), dtype=h.dtype, device=h.device)).floor()
+        h = h + self.b(h) * keep / 0.5
+        return self.c(h + 0.1 * torch.randn((h.shape[0], 4), dtype=h.dtype, device=h.device))
+
+
+def drop_path():
+    torch.manual_seed(0)
+    return DropPath(), (torch.randn(BATCH, 4),), lambda out, y: F.cross_entropy(out, y), torch.randint(0, 2, (BATCH,))

@@ -105,6 +105,24 @@ def noisy():
     return TransformerBlock(), (torch.randn(BATCH, 3, 6),), lambda out: out.pow(2).mean()
 
 
+class DropPath(nn.Module):
+    """Stochastic depth as timm and Hugging Face write it: a ``torch.rand`` of shape ``(batch, 1, 1)``, a
+    factory whose size, not any tensor argument, carries the batch."""
+
+    def __init__(self, dim: int = 6, keep: float = 0.5):
+        super().__init__()
+        self.fc, self.keep = nn.Linear(dim, dim), keep
+
+    def forward(self, x):
+        mask = (self.keep + torch.rand((x.shape[0], 1, 1), dtype=x.dtype, device=x.device)).floor()
+        return x + self.fc(x) * mask / self.keep
+
+
+def drop_path():
+    torch.manual_seed(0)
+    return nn.Sequential(DropPath(), DropPath()), (torch.randn(BATCH, 3, 6),), lambda out: out.pow(2).mean()
+
+
 class OwnGenerator(Layer):
     """A custom op with a generator of its own: its draws depend on how often it ran, where (cannot be replayed)."""
 

@@ -72,6 +72,30 @@ def test_an_op_drawing_from_the_global_generator_is_refused_naming_stage_and_op(
         run_job(0, 1, plan, RunOptions(steps=1, compile=True), torch.device("cpu"), "gloo")
 
 
+def test_batch_sized_random_factories_compile_and_draw_what_eager_draws(one_rank_group):
+    """Drop-path's ``rand((B, 1))`` and a ``randn((B, 4))`` in two compiled stages: --check against the eager
+    reference passes (the draws come from the seeds the eager stages seed the global generator with), with no
+    graph break and one compilation per stage; and the operator draws what the seeded global generator does."""
+    from torch._dynamo.utils import counters
+
+    from graphpipe.runtime.rng import draw_sized
+    from graphpipe.runtime.worker import run_job
+
+    for normal, factory in ((False, torch.rand), (True, torch.randn)):
+        with torch.random.fork_rng():
+            torch.manual_seed(12345)
+            expected = factory((3, 5))
+        assert torch.equal(draw_sized(12345, normal, (3, 5), torch.float32, torch.device("cpu")), expected)
+    torch._dynamo.reset()
+    counters.clear()
+    plan = _plan("drop_path", 2, [(0,)] * 2, 1)
+    result = run_job(0, 1, plan, RunOptions(steps=2, check=True, compile=True), torch.device("cpu"), "gloo")
+    assert result.check.passed and result.check.num_params_checked == result.check.num_params > 0, result.check
+    assert not result.check.unseeded_ops
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["aot_autograd"]["total"] == 2, dict(counters["aot_autograd"])
+
+
 def test_a_graph_break_and_the_recompile_limit_are_errors_not_silent_eager_runs():
     def branchy(x):
         return x * 2 if float(x.sum()) > 0 else x  # a Python branch on a value: dynamo must break the graph

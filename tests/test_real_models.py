@@ -27,6 +27,7 @@ TIED = os.path.join(HERE, "real_models.py") + ":tied_lm"
 NOISY = os.path.join(HERE, "real_models.py") + ":noisy"
 SHARED = os.path.join(HERE, "real_models.py") + ":shared_layer"
 OWN_RNG = os.path.join(HERE, "real_models.py") + ":own_generator"
+DROP_PATH = os.path.join(HERE, "real_models.py") + ":drop_path"
 BATCH = 8
 ALL_STRATEGIES = ("gpp", "pipedream", "gpipe", "piper")
 
@@ -161,6 +162,32 @@ def test_global_generator_draws_are_seeded_per_shard_and_replayed_by_the_referen
         torch.testing.assert_close(gm(x[lo:lo + 2], ShardContext(0, 1, lo, 2, lo, 2))[0], full[lo:lo + 2])
     (again,) = gm(x[0:2], ShardContext(0, 2, 0, 2, 0, 2))  # another step, another draw
     assert not torch.allclose(again, full[0:2])
+
+
+def test_a_random_factory_sized_by_the_batch_draws_each_shards_rows_as_the_reference_does():
+    """Drop-path's ``torch.rand((batch, 1, 1))`` has no batched tensor argument: its size's first entry is the
+    batch, so each shard draws its own rows (seeded by the first row) and the reference, cut at the same
+    rows, draws the same ones; before, it drew from the global generator unseeded (BEiT's --check failed)."""
+    from graphpipe.runtime.runnable import load_runnable
+    from graphpipe.runtime.rng import ReferenceContext, ShardContext
+
+    runnable = load_runnable(DROP_PATH)
+    gm, x = runnable.gm, runnable.make_inputs(BATCH, 3)[0]
+    takes_ctx = [n.name for n in gm.graph.nodes if any(a.name == "rng_ctx" for a in n.all_input_nodes)]
+    assert len(takes_ctx) == 2 and all("rand" in name for name in takes_ctx)
+    layout = {node: {"dropout": 2} for node in takes_ctx}
+    ref = ReferenceContext(0, 1, BATCH, layout)
+    full = gm(x, ref)
+    full = full[0] if isinstance(full, (tuple, list)) else full
+    assert not ref.unbatched
+    torch.manual_seed(7)  # the global generator's state plays no part
+    for lo in (6, 0, 2, 4):
+        shard = ShardContext(0, 1, lo, 2, lo, 2)
+        out = gm(x[lo:lo + 2], shard)
+        torch.testing.assert_close(out[0] if isinstance(out, (tuple, list)) else out, full[lo:lo + 2])
+        assert not shard.unbatched
+    kept = (full != x).any(dim=(1, 2))  # a row dropped by both layers is the input itself
+    assert 0 < int(kept.sum()) < BATCH
 
 
 def test_unseeded_random_op_is_named():

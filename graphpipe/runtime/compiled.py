@@ -27,8 +27,12 @@ The run's semantics (docs/semantics.md) survive compilation:
   micro-batch or a step is thus new data, not a new graph;
 * BatchNorm's per-call statistics leave the graph as values and are filed
   under their shard after the call, as the eager stage files them;
-* an op that draws from the *global* generator (seeded per shard by forking
-  it, :func:`~graphpipe.runtime.rng.seeded_call`) cannot be traced: such a
+* a random factory whose size carries the batch (drop-path's
+  ``torch.rand((B, 1, 1))``) draws through the
+  :func:`~graphpipe.runtime.rng.sized_draw` operator from its seed, the
+  values the eager stage draws; any other op that draws from the *global*
+  generator (seeded per shard by forking it,
+  :func:`~graphpipe.runtime.rng.seeded_call`) cannot be traced: such a
   stage is refused, naming the op.
 
 Refused up front: split backward (zero bubble's I and W actions): AOTAutograd
@@ -55,7 +59,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from graphpipe.runtime.rng import ShardContext, keep_mask, stream_seed
+from graphpipe.runtime.rng import ShardContext, keep_mask, sized_draw, stream_seed
 from graphpipe.runtime.stage_modules import CTX_NAME
 
 __all__ = ["CompileError", "compile_refusal", "CompiledForward", "TracedContext"]
@@ -106,6 +110,10 @@ class TracedContext:
         """Dropout ``op``'s keep-mask, drawn from this call's seed for it."""
         return keep_mask(self.seeds[self.index[op]], shape, dtype, device, q)
 
+    def sized_draw(self, op: str, normal: bool, shape: list[int], dtype: torch.dtype, device: torch.device):
+        """Random factory ``op``'s draw of ``shape`` (a drop-path's ``rand``), from this call's seed for it."""
+        return sized_draw(self.seeds[self.index[op]], normal, shape, dtype, device)
+
     def record(self, bn, op: str, stats: torch.Tensor) -> None:
         """A BatchNorm's statistics of this call (filed under the shard by :meth:`CompiledForward.__call__`)."""
         self.records.append((bn, op, stats))
@@ -114,13 +122,15 @@ class TracedContext:
 def _ctx_users(graph: torch.fx.Graph, module: torch.nn.Module):
     """``(dropout op names, ops drawing from the global generator)`` of a stage graph, from the nodes that
     read its ``rng_ctx`` placeholder."""
-    from graphpipe.runtime.rng import SeededDropout, seeded_dropout
+    from graphpipe.runtime.rng import SIZED_DRAWS, SeededDropout, seeded_dropout
 
     ctx = next((n for n in graph.nodes if n.op == "placeholder" and n.name == CTX_NAME), None)
     dropouts, global_draws = [], []
     for node in ctx.users if ctx is not None else ():
         if getattr(node.target, "seeded_attention", False):  # attention dropout: drawn as a dropout when compiled
             dropouts.append(node.kwargs["rng_op"])
+        elif getattr(node.target, "wrapped", None) in SIZED_DRAWS and node.kwargs.get("rng_size_at") is not None:
+            dropouts.append(node.kwargs["rng_op"])  # drop-path's batch-sized rand: drawn from its seed (sized_draw)
         elif "rng_ctx" in node.kwargs:
             global_draws.append(node.kwargs.get("rng_op", node.name))
         elif node.op == "call_module" and isinstance(module.get_submodule(node.target), SeededDropout):

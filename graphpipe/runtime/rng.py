@@ -78,7 +78,7 @@ from torch.utils._pytree import tree_leaves
 
 __all__ = ["ShardContext", "ReferenceContext", "stream_seed", "seeded_dropout", "SeededDropout", "seeded_call",
            "instrument_dropout", "instrument_random", "find_unseeded_random", "DROPOUT_MODULES", "draw_keep",
-           "keep_mask", "explicit_attention"]
+           "keep_mask", "explicit_attention", "SIZED_DRAWS", "draw_sized", "sized_draw"]
 
 log = logging.getLogger(__name__)
 
@@ -234,6 +234,38 @@ def _(seed, shape, dtype, device, q):
     return torch.empty(tuple(shape), dtype=dtype, device=device)
 
 
+SIZED_DRAWS = {torch.ops.aten.rand.default: False, torch.ops.aten.randn.default: True}
+"""Random factories a compiled stage draws through :func:`sized_draw` (value: normal, not uniform) when their size
+carries the batch (drop-path); eagerly they run in :func:`seeded_call` with the global generator seeded alike."""
+
+
+def draw_sized(seed: int, normal: bool, shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.randn``/``torch.rand`` of ``shape`` from a generator of its own seeded with ``seed``: the values
+    the global generator seeded with ``seed`` gives (:func:`seeded_call`), so compiled and eager stages agree."""
+    out = torch.empty(tuple(shape), dtype=dtype, device=device)
+    if out.device.type != "meta":
+        gen = torch.Generator(device=out.device).manual_seed(seed)
+        with _mark("ours"):
+            if normal:
+                out.normal_(generator=gen)
+            else:
+                out.uniform_(generator=gen)
+    return out
+
+
+@torch.library.custom_op("graphpipe::sized_draw", mutates_args=())
+def sized_draw(seed: torch.Tensor, normal: bool, shape: list[int], dtype: torch.dtype,
+               device: torch.device) -> torch.Tensor:
+    """:func:`draw_sized` with the seed in a one-element int64 tensor, an operator ``torch.compile`` keeps whole
+    (as :func:`keep_mask`: the seed is an input of the graph, not a constant)."""
+    return draw_sized(int(seed.item()), normal, shape, dtype, device)
+
+
+@sized_draw.register_fake
+def _(seed, normal, shape, dtype, device):
+    return torch.empty(tuple(shape), dtype=dtype, device=device)
+
+
 class SeededDropout(nn.Module):
     """Stands in for an ``nn.Dropout*`` module: same ``p``, follows ``train()``/``eval()``, seeded masks."""
 
@@ -248,7 +280,7 @@ class SeededDropout(nn.Module):
         return f"p={self.p}, channelwise={self.channelwise}"
 
 
-def seeded_call(fn, args: tuple, kwargs: dict, ctx, op: str):
+def seeded_call(fn, args: tuple, kwargs: dict, ctx, op: str, size_at: int | None = None):
     """``fn(*args, **kwargs)`` with the global generator seeded per shard (:func:`stream_seed`), then restored.
 
     In the reference (:class:`ReferenceContext`) ``fn`` runs once per shard
@@ -256,10 +288,21 @@ def seeded_call(fn, args: tuple, kwargs: dict, ctx, op: str):
     tensor outputs are concatenated, so each shard draws what it draws in the
     pipeline. Only valid for ops that treat samples independently (the ops
     that draw random numbers usually do: dropout, noise, transformer layers).
+    ``size_at``: the position of a factory's ``size`` argument whose first entry is the batch
+    (``torch.rand((x.shape[0], 1, 1))``, the drop-path of timm and Hugging Face models); each shard
+    draws its own rows of it.
     """
     if ctx is None:
         return fn(*args, **kwargs)
-    first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.dim() > 0), None)
+    traced = getattr(ctx, "sized_draw", None)
+    if traced is not None and size_at is not None and fn in SIZED_DRAWS:  # a compiled stage: its seed is an input
+        return traced(op, SIZED_DRAWS[fn], list(args[size_at]), kwargs.get("dtype") or torch.get_default_dtype(),
+                      torch.device(kwargs.get("device") or "cpu"))
+    if size_at is not None:  # a stand-in of the batch rows the size names, for the pieces
+        size = list(args[size_at])
+        first = torch.empty((size[0], 0), device="meta")
+    else:
+        first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.dim() > 0), None)
     if first is None:
         ctx.unbatched.append(op)
         return fn(*args, **kwargs)
@@ -267,14 +310,18 @@ def seeded_call(fn, args: tuple, kwargs: dict, ctx, op: str):
     rows = first.shape[0]
     outs = []
     for lo, piece in pieces:
-        if len(pieces) == 1:
+        if size_at is not None:
+            a, k = (*args[:size_at], [piece.shape[0], *size[1:]], *args[size_at + 1:]), kwargs
+        elif len(pieces) == 1:
             a, k = args, kwargs
         else:
             cut = slice(lo - pieces[0][0], lo - pieces[0][0] + piece.shape[0])
             a = tuple(_rows(x, rows, cut) for x in args)
             k = {key: _rows(x, rows, cut) for key, x in kwargs.items()}
-        devices = sorted({x.device for x in (*a, *k.values()) if isinstance(x, torch.Tensor) and x.device.type == "cuda"},
-                         key=str)
+        devices = {x.device for x in (*a, *k.values()) if isinstance(x, torch.Tensor) and x.device.type == "cuda"}
+        if isinstance(k.get("device"), (torch.device, str)) and torch.device(k["device"]).type == "cuda":
+            devices.add(torch.device(k["device"]))  # a factory's draws come from the device it makes them on
+        devices = sorted(devices, key=str)
         seed = stream_seed(ctx.seed, ctx.step, op, lo)
         with torch.random.fork_rng(devices=devices), _mark("seeded"):
             torch.default_generator.manual_seed(seed)
@@ -379,11 +426,12 @@ def _seeded_class(cls: type) -> type:
 
 def _seeded_function(fn, method: str | None = None):
     """A function calling ``fn`` (or ``args[0].method``) inside :func:`seeded_call`; fx names it after ``fn``."""
-    def call(*args, rng_ctx=None, rng_op: str = "", **kwargs):
+    def call(*args, rng_ctx=None, rng_op: str = "", rng_size_at: int | None = None, **kwargs):
         target = (lambda self, *a, **k: getattr(self, method)(*a, **k)) if method else fn
-        return seeded_call(target, args, kwargs, rng_ctx, rng_op)
+        return seeded_call(target, args, kwargs, rng_ctx, rng_op, rng_size_at)
 
     call.__name__ = call.__qualname__ = f"seeded_{method or getattr(fn, '__name__', 'op')}"
+    call.wrapped = fn
     return call
 
 
@@ -408,6 +456,9 @@ def instrument_random(gm: torch.fx.GraphModule, ctx_node: torch.fx.Node, inputs:
             module.__class__ = _seeded_class(type(module))
         elif node.op == "call_function":
             seeded = _seeded_attention if node.target in _ATTENTIONS else _seeded_function
+            size_at = _batch_size_argument(node)
+            if size_at is not None:
+                node.kwargs = {**node.kwargs, "rng_size_at": size_at}
             node.target = seeded(node.target)
         elif node.op == "call_method":
             node.op, node.target = "call_function", _seeded_function(None, node.target)
@@ -448,6 +499,18 @@ def instrument_dropout(gm: torch.fx.GraphModule, ctx_node: torch.fx.Node) -> lis
 def _set_submodule(root: nn.Module, target: str, module: nn.Module) -> None:
     parent, _, name = target.rpartition(".")
     setattr(root.get_submodule(parent) if parent else root, name, module)
+
+
+def _batch_size_argument(node: torch.fx.Node) -> int | None:
+    """Position of a random factory's ``size`` argument whose first entry is the batch: a symbol of the
+    captured graph (its batch is its one dynamic dimension), not a literal (``aten.rand([B, 1, 1])``)."""
+    schema = getattr(node.target, "_schema", None)
+    for i, arg in enumerate(schema.arguments if schema is not None else ()):
+        if arg.name == "size" and i < len(node.args):
+            size = node.args[i]
+            if isinstance(size, (list, tuple)) and size and isinstance(size[0], torch.fx.Node):
+                return i
+    return None
 
 
 class _RandomSpy(TorchDispatchMode):
