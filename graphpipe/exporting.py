@@ -683,11 +683,15 @@ def _histc_on_floats(gm: fx.GraphModule) -> None:
     the CPU (which has no integer kernel) and on integers elsewhere, so a model captured on the meta device
     records the integer call, which then fails on a CPU rank. The counts are small integers, exact in float32.
     """
+    changed = False
     for node in list(gm.graph.nodes):
-        val = node.args[0].meta.get("val") if node.op == "call_function" and node.target is torch.ops.aten.histc.default \
-            and isinstance(node.args[0], fx.Node) else None
+        if node.op != "call_function" or node.target is not torch.ops.aten.histc.default \
+                or not isinstance(node.args[0], fx.Node):
+            continue
+        val = node.args[0].meta.get("val")
         if not isinstance(val, torch.Tensor) or val.dtype.is_floating_point:
             continue
+        changed = True
         with gm.graph.inserting_before(node):
             floats = gm.graph.call_function(torch.ops.aten._to_copy.default, (node.args[0],), {"dtype": torch.float32})
         node.args = (floats, *node.args[1:])
@@ -701,7 +705,8 @@ def _histc_on_floats(gm: fx.GraphModule) -> None:
         if isinstance(out, torch.Tensor):
             back.meta["val"] = out
             node.meta["val"] = out.to(torch.float32)
-    gm.recompile()
+    if changed:
+        gm.recompile()
 
 
 def _outputs_read_by_loss(gm: fx.GraphModule, in_spec, out_spec, out_leaves: list, args: tuple, kwargs: dict,
