@@ -123,6 +123,16 @@ def user_location(exc: BaseException, user_file: str | None = None) -> str:
     return f"{user_file}: " if user_file else ""
 
 
+def library_location(exc: BaseException, skip: tuple[str, ...] = ()) -> str:
+    """``"file:line: "`` of the deepest traceback frame outside graphpipe, the stdlib and the folders ``skip``
+    ("" when none): a model whose code is installed (transformers) fails in that library, not in user code."""
+    frames = traceback.extract_tb(exc.__traceback__) if exc.__traceback__ else []
+    for frame in reversed(frames):
+        if not frame.filename.startswith(("<", *_NOT_USER, *skip)):
+            return f"{frame.filename}:{frame.lineno}: "
+    return ""
+
+
 def user_code_error(exc: BaseException, doing: str, user_file: str | None = None) -> UserCodeError:
     """One line for a failure in the user's code: ``file:line: <doing> failed: Type: message``.
 

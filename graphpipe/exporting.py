@@ -52,7 +52,6 @@ import inspect
 import itertools
 import logging
 import os
-import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -63,9 +62,6 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from graphpipe.errors import InputError, UserCodeError
-
-_STDLIB = os.path.dirname(os.path.abspath(contextlib.__file__)) + os.sep
-_GRAPHPIPE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 __all__ = ["IOSpec", "Exported", "export_model", "module_path", "module_stack", "replicable_nodes",
            "replicate_input_glue", "normalize_inputs", "deliver_target"]
@@ -227,23 +223,20 @@ def _no_partial_graph_dump():
     import io
     import sys
 
-    buffer, real = io.StringIO(), sys.stderr
+    buffer, real, graph = io.StringIO(), sys.stderr, None
     sys.stderr = buffer
     try:
         yield
     except BaseException as exc:
-        text = buffer.getvalue()
         graph = getattr(exc, "partial_fx_graph", None)
+        raise
+    finally:
+        sys.stderr = real
+        text = buffer.getvalue()
         if graph is not None:
             text = text.replace(str(graph), "").strip("\n")
             text = text + "\n" if text else ""
-        sys.stderr = real
         real.write(text)
-        raise
-    finally:
-        if sys.stderr is buffer:
-            sys.stderr = real
-            real.write(buffer.getvalue())
 
 
 @contextlib.contextmanager
@@ -456,19 +449,10 @@ def _export_location(exc: BaseException) -> str:
     m = re.search(r'File "([^"]+)", line (\d+), in (\w+)', str(exc))
     if m and "/torch/" not in m.group(1):
         return f"{m.group(1)}:{m.group(2)}: "
-    from graphpipe.errors import user_location
+    from graphpipe.errors import library_location, user_location
 
-    where = user_location(exc)
-    if where:
-        return where
-    # a model whose code is installed (transformers, timm): the deepest frame of that code
-    torch_dir = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-    frames = traceback.extract_tb(exc.__traceback__) if exc.__traceback__ else []
-    for frame in reversed(frames):
-        name = frame.filename
-        if not name.startswith(("<", torch_dir, _STDLIB, _GRAPHPIPE)):
-            return f"{name}:{frame.lineno}: "
-    return ""
+    # a model whose code is installed (transformers, timm) and no user frame: the deepest frame of that code
+    return user_location(exc) or library_location(exc, (os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,))
 
 
 # ------------------------------------------------------------------- export
@@ -662,17 +646,18 @@ def _is_dropout_type(typ: Any) -> bool:
 def _drop_guards(gm: fx.GraphModule) -> None:
     """Remove export's input guard and metadata assertions (module docstring, point 5), in the bodies of
     higher-order ops too (a ``torch.no_grad()`` region is a graph of its own: M2M100's positions)."""
-    for node in list(gm.graph.nodes):
-        if node.op == "call_module" and str(node.target).startswith("_guards_fn"):
-            gm.graph.erase_node(node)
-        elif node.op == "call_function" and not node.users and any(
-                s in str(getattr(node.target, "__name__", node.target)) for s in _ASSERTIONS):
-            gm.graph.erase_node(node)
-    if hasattr(gm, "_guards_fn"):
-        delattr(gm, "_guards_fn")
-    for name, sub in list(gm.named_modules())[1:]:
-        if isinstance(sub, fx.GraphModule):
-            _drop_guards(sub)
+    for sub in list(gm.modules()):
+        if not isinstance(sub, fx.GraphModule):
+            continue
+        for node in list(sub.graph.nodes):
+            if node.op == "call_module" and str(node.target).startswith("_guards_fn"):
+                sub.graph.erase_node(node)
+            elif node.op == "call_function" and not node.users and any(
+                    s in str(getattr(node.target, "__name__", node.target)) for s in _ASSERTIONS):
+                sub.graph.erase_node(node)
+        if hasattr(sub, "_guards_fn"):
+            delattr(sub, "_guards_fn")
+        if sub is not gm:  # a body's code is its own; the caller recompiles the main graph
             sub.recompile()
 
 

@@ -186,8 +186,6 @@ def _llm_stage_graph(num_stages: int, head: float = 1.0):
     """A chain of stages on one device each, on devices of one node (transfers nearly free): identical layers
     two per stage, the first stage with the embedding and the last with the head (``head`` times its compute)."""
     graph = _llm_chain(2 * num_stages - 2, head=head)
-
-
     cluster = preset("h100", num_stages)
     stages = tuple(gpp.DPStage((2 * i, 2 * i + 1), 1, 1, 0.0) for i in range(num_stages))
     cand = _Candidate(8, stages, 0.0, 1, 0.0)

@@ -232,12 +232,13 @@ def materialize_stages(model: nn.Module | None, programs: Mapping[int, Any], dev
     if not wanted:
         return done
     by_name = {entry[3]: entry for entry in owners.values()}
+    known_names = {wanted[tid] for tid in known}
     real: dict[str, torch.Tensor] = {}  # model name -> its real tensor (set into the model's own module)
     for name in wanted.values():
         if name in real or name in done.uninitialised:
             continue
         if name not in by_name:  # a tensor of the stage modules only (a graph constant): no initialiser knows it
-            if not any(wanted[tid] == name for tid in known):
+            if name not in known_names:
                 done.uninitialised.add(name)
             continue
         module, kind, attr, _ = by_name[name]
