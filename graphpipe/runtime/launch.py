@@ -211,6 +211,7 @@ def _child(rank: int, world_size: int, jobs, init_method: str, results: mp.Queue
         run_rank(rank, world_size, jobs, init_method, done)
         beat.stopped.set()
         results.put(("done", rank, None, None, time.time()))
+        _leave(results, 0)
     except BaseException as exc:  # noqa: BLE001 - everything must reach the parent
         stamp = time.time()
         beat.stopped.set()
@@ -219,10 +220,27 @@ def _child(rank: int, world_size: int, jobs, init_method: str, results: mp.Queue
         message = " ".join(line.strip() for line in text[:6]) + where
         try:
             results.put(("error", rank, None, message, stamp))
-            results.close()
-            results.join_thread()
         finally:
-            os._exit(1)
+            _leave(results, 1)
+
+
+def _leave(results: mp.Queue, code: int) -> None:
+    """End the rank once its last report is through the queue, skipping the interpreter's finalisation.
+
+    A finished rank has nothing left to tear down (its groups are destroyed,
+    its files written and closed), but finalising an interpreter that
+    imported torch, dynamo and export takes most of a second of CPU per
+    rank, which on a small host is a good share of a short run. A failing
+    rank must not finalise either: a gloo thread could abort it in a
+    destructor and turn its report into a signal.
+    """
+    try:
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        results.close()
+        results.join_thread()
+    finally:
+        os._exit(code)
 
 
 def _where(exc: BaseException) -> str:
