@@ -129,16 +129,21 @@ def config(quick: bool) -> dict[str, Any]:
 
 def run(config: dict[str, Any], progress=None) -> tuple[list, dict]:
     """Plan the matrix, run every plan once on ``ranks`` CPU ranks (``--check``), return rows and summary."""
-    from graphpipe.runtime import RunOptions, run_plans
-
     precision = config.get("precision", "fp32")
     plans = matrix_plans(config["models"], config["strategies"], config["schedules"], config["ranks"],
                          tuple(config.get("recompute", ("none", "all"))), precision)
+    return run_planned(plans, config["ranks"], precision, progress)
+
+
+def run_planned(plans: dict[str, Any], ranks: int, precision: str = "fp32", progress=None) -> tuple[list, dict]:
+    """:func:`run` on plans already made (``{"model/strategy/schedule/recompute": Plan}``, as :func:`matrix_plans`
+    names them): one world of ``ranks`` CPU ranks runs them all."""
+    from graphpipe.runtime import RunOptions, run_plans
     from graphpipe.runtime.flags import BF16_CHECK_TOLERANCE
 
     tolerance = BF16_CHECK_TOLERANCE if precision == "bf16" else {}
     results = run_plans([(p, RunOptions(steps=2, warmup_steps=1, check=True, timeout_s=300, precision=precision,
-                                        **tolerance)) for p in plans.values()], config["ranks"])
+                                        **tolerance)) for p in plans.values()], ranks)
     rows = memory_rows(plans, results)
     if progress is not None:
         for r in rows:

@@ -120,19 +120,22 @@ def test_bf16_plan_records_its_precision_and_run_warns_at_fp32(tmp_path):
 
 @pytest.mark.slow
 def test_bf16_plans_predict_the_activation_bytes_bf16_runs_measure():
-    """Every small zoo model and Hugging Face CLIP: gpp, pipedream and gpipe plans captured at bf16, run under
-    autocast on 4 CPU ranks: --check passes (bf16 tolerances) and every device's measured peak of saved bytes is
-    within 10% of the prediction."""
+    """Every small zoo model and Hugging Face CLIP, each planned by one of gpp, pipedream and gpipe in turn (every
+    strategy on two models) and captured at bf16, run under autocast on 4 CPU ranks: --check passes (bf16
+    tolerances) and every device's measured peak of saved bytes is within 10% of the prediction."""
     import os
 
     pytest.importorskip("transformers")
     from graphpipe.evals import memory_runtime
 
     clip = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_models.py") + ":clip"
-    config = {"models": list(BF16_MODELS) + [clip], "strategies": ["gpp", "pipedream", "gpipe"],
-              "schedules": ["graph-1f1b"], "recompute": ["none"], "ranks": 4, "precision": "bf16"}
-    rows, summary = memory_runtime.run(config)
-    assert summary["runs"] == len(rows) >= 15
+    strategies = ("gpp", "pipedream", "gpipe")
+    plans = {}
+    for i, spec in enumerate(list(BF16_MODELS) + [clip]):
+        plans.update(memory_runtime.matrix_plans([spec], [strategies[i % 3]], ["graph-1f1b"], 4, ("none",), "bf16"))
+    assert {name.split("/")[-3] for name in plans} == set(strategies)
+    rows, summary = memory_runtime.run_planned(plans, 4, "bf16")
+    assert summary["runs"] == len(rows) == len(BF16_MODELS) + 1
     assert summary["checks_passed"] == summary["runs"], [r["run"] for r in rows if not r["check"]]
     assert summary["within_10pct"] == summary["runs"], [(r["run"], r["memory_error"]) for r in rows]
 

@@ -68,13 +68,21 @@ def _assert_same_weights(got, want):
 sys.path.insert(0, HERE)
 
 
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The oracle: the ``four`` plan trained ``STEPS`` steps without interruption, saving synchronously (how a
+    checkpoint is written does not change the training)."""
+    tmp = tmp_path_factory.mktemp("straight")
+    done, _ = _torchrun(_plan(tmp, "four"), str(tmp / "ck"), str(tmp / "straight.pt"), 4)
+    assert done["start"] == 0 and sorted(done["losses"]) == list(range(STEPS))
+    return done
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
-def test_a_rank_killed_mid_run_is_restarted_and_ends_with_the_uninterrupted_weights(tmp_path, async_save):
+def test_a_rank_killed_mid_run_is_restarted_and_ends_with_the_uninterrupted_weights(tmp_path, async_save, straight):
     plan = _plan(tmp_path, "four")
     extra = ["--async-save"] if async_save else []
-    straight, _ = _torchrun(plan, str(tmp_path / "ck-straight"), str(tmp_path / "straight.pt"), 4, *extra)
-    assert straight["start"] == 0 and sorted(straight["losses"]) == list(range(STEPS))
     killed, proc = _torchrun(plan, str(tmp_path / "ck"), str(tmp_path / "killed.pt"), 4, "--kill-rank", "2",
                              "--kill-at", "5", *extra, restarts=1)
     assert killed["attempt"] == 1, "torchrun did not restart the job"
@@ -88,11 +96,10 @@ def test_a_rank_killed_mid_run_is_restarted_and_ends_with_the_uninterrupted_weig
 
 
 @pytest.mark.slow
-def test_resuming_on_fewer_ranks_from_the_larger_plans_checkpoint(tmp_path):
+def test_resuming_on_fewer_ranks_from_the_larger_plans_checkpoint(tmp_path, straight):
     """A host is lost for good: train 4 steps on 4 ranks, re-plan for 3, resume from step 4 and finish; the same
     weights as 8 steps on 4 ranks straight (every plan of the model trains the same algorithm)."""
     four, three = _plan(tmp_path, "four"), _plan(tmp_path, "three")
-    straight, _ = _torchrun(four, str(tmp_path / "ck-straight"), str(tmp_path / "straight.pt"), 4)
     ckpt = str(tmp_path / "ck")
     # stop after step 4 on 4 ranks: a run of 4 steps writes step-2 and step-4
     cmd_steps = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-addr", "127.0.0.1",
