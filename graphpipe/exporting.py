@@ -51,6 +51,7 @@ import contextlib
 import inspect
 import itertools
 import logging
+import operator
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
@@ -64,7 +65,7 @@ from torch.utils import _pytree as pytree
 from graphpipe.errors import InputError, UserCodeError
 
 __all__ = ["IOSpec", "Exported", "export_model", "module_path", "module_stack", "replicable_nodes",
-           "replicate_input_glue", "normalize_inputs", "deliver_target"]
+           "replicate_input_glue", "normalize_inputs", "deliver_target", "join_outputs"]
 
 log = logging.getLogger(__name__)
 
@@ -259,6 +260,18 @@ def _no_stack_traces():
 def deliver_target(target: Any) -> Any:
     """Identity: carries the loss target from the data to the stage computing the loss (a graph node of that op)."""
     return target
+
+
+def join_outputs(*values: Any) -> tuple[Any, ...]:
+    """Identity on several values: the outputs the loss reads, gathered by one graph node.
+
+    A loss reading outputs of two branches (a dual encoder's image and text
+    embeddings) would otherwise have two sink ops, which a plan may put on two
+    stages; the loss runs on one. Capture makes this node an op of its own (or
+    part of the one op producing all the values), so every plan computes the
+    loss's inputs in one stage.
+    """
+    return values
 
 
 # ------------------------------------------------------------- I/O contract
@@ -607,7 +620,7 @@ def export_model(module: nn.Module, example_inputs: Any, loss_fn: Callable[..., 
     out_leaves = list(output.args[0]) if isinstance(output.args[0], (tuple, list)) else [output.args[0]]
     kept = _outputs_read_by_loss(gm, in_spec, out_spec, out_leaves, args, kwargs, loss_fn, example_target)
     target_spec, num_target = None, 0
-    new_out: list[Any] = [out_leaves[i] for i in kept]
+    new_out: list[Any] = _joined([out_leaves[i] for i in kept], gm, output)
     if example_target is not None:
         t_leaves, target_spec = pytree.tree_flatten(example_target)
         num_target = len(t_leaves)
@@ -628,6 +641,21 @@ def export_model(module: nn.Module, example_inputs: Any, loss_fn: Callable[..., 
     gm = fx.GraphModule(gm, gm.graph, class_name=type(module).__name__)
     io = IOSpec(in_spec, input_names, out_spec, tuple(kept), target_spec, num_target)
     return Exported(gm, io, seconds)
+
+
+def _joined(values: list[Any], gm: fx.GraphModule, output: fx.Node) -> list[Any]:
+    """``values`` (the outputs the loss reads), each computed node read through one :func:`join_outputs` node
+    when there are several (see there)."""
+    heads = list(dict.fromkeys(v for v in values if isinstance(v, fx.Node) and v.op != "placeholder"))
+    if len(heads) < 2:
+        return values
+    with gm.graph.inserting_before(output):
+        joined = gm.graph.call_function(join_outputs, tuple(heads))
+        items = {h: gm.graph.call_function(operator.getitem, (joined, i)) for i, h in enumerate(heads)}
+    for h, item in items.items():
+        item.meta["val"] = h.meta.get("val")
+    joined.meta["val"] = tuple(h.meta.get("val") for h in heads)
+    return [items.get(v, v) if isinstance(v, fx.Node) else v for v in values]
 
 
 def _placeholder_after(gm: fx.GraphModule, name: str) -> fx.Node:
