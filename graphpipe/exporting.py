@@ -607,6 +607,7 @@ def export_model(module: nn.Module, example_inputs: Any, loss_fn: Callable[..., 
             config.use_cache = True
     seconds = time.perf_counter() - t0
     gm = ep.module()
+    _refuse_vmap(gm, module)
     in_spec = ep.call_spec.in_spec
     out_spec = ep.call_spec.out_spec
     _restore_modules(gm, module, batchnorms)
@@ -656,6 +657,33 @@ def _joined(values: list[Any], gm: fx.GraphModule, output: fx.Node) -> list[Any]
         item.meta["val"] = h.meta.get("val")
     joined.meta["val"] = tuple(h.meta.get("val") for h in heads)
     return [items.get(v, v) if isinstance(v, fx.Node) else v for v in values]
+
+
+def _refuse_vmap(gm: fx.GraphModule, module: nn.Module) -> None:
+    """Refuse a graph that runs ``torch.vmap``, naming the module that calls it.
+
+    Export records vmap as calls entering and leaving a batching level, with
+    no data edge to the batched ops between them: nothing can cut such a
+    region into stages or copy it into the ops reading it, and fx's dead-code
+    pass drops the calls (the graph then fails when run). Gemma-3 builds its
+    image-token attention mask this way when given ``token_type_ids``.
+    """
+    node = next((n for n in gm.graph.nodes if n.op == "call_function"
+                 and getattr(n.target, "__name__", "") == "_vmap_increment_nesting"), None)
+    if node is None:
+        return
+    stack = module_stack(node)
+    where, inside = "", f" in {type(module).__name__}.forward"
+    if stack:
+        path = module_path(stack[-1][1])
+        try:
+            typ = type(module.get_submodule(path))
+            where = f"{inspect.getsourcefile(typ)}: "
+        except (AttributeError, TypeError):
+            typ = None
+        inside = f" inside {path}" + (f" ({typ.__name__})" if typ is not None else "")
+    raise UserCodeError(f"{where}torch.export cannot capture {type(module).__name__}: torch.vmap runs{inside}, "
+                        "and its batching levels have no data edges, so the graph cannot be cut into stages")
 
 
 def _placeholder_after(gm: fx.GraphModule, name: str) -> fx.Node:

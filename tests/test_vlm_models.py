@@ -1,10 +1,9 @@
 """Vision-language models (a vision tower beside a text path) through capture, gpp and ``--check``.
 
 Built from tiny configs in code (tests/vlm_models.py). Oracles: ``--check``'s single-process reference (loss,
-every gradient, every buffer) on 3 CPU ranks (on 2 the
-tiny widths plan as one stage); the plan's stage graph (the vision tower a branch of its own);
-the example's token structure (image placeholders per row) in the run's synthetic data; the refusal's named
-source line for a model that fixes the batch.
+every gradient, every buffer) on 3 CPU ranks (on 2, the tiny widths plan as one stage); the plan's stage graph
+(the vision tower a branch of its own, the loss's inputs in one stage); the example's token structure (image
+placeholders per row) in the run's synthetic data; the source line a batch-fixing refusal names.
 """
 
 from __future__ import annotations
@@ -38,38 +37,51 @@ def _reaches(sg, src: int, dst: int) -> bool:
     return False
 
 
-def test_vision_language_models_train_like_one_process():
-    """PaliGemma (image features scattered into the text embeddings), Mllama (cross-attention) and AltCLIP (a
-    loss over both towers' outputs) each get a gpp plan whose vision tower is a stage beside the text path's,
-    and train through it on 3 ranks with loss and every gradient equal to one process."""
-    from graphpipe.exporting import join_outputs
-    from graphpipe.runtime import RunOptions, run_plans
+def _gpp_with_the_tower_beside_the_text(name: str):
+    """The captured model and its gpp plan on 3 devices, checked to run the vision tower in a stage of its own
+    beside the text embedding's (neither feeds the other)."""
     from graphpipe.search.planner import make_plan
 
-    plans = {}
-    for name in ("paligemma", "mllama", "altclip"):
-        spec = f"{SPEC}:{name}"
-        cap = captured_from_factory(spec)
-        graph = cap.graph
-        plan = make_plan(spec, graph, preset("v100", 3), BATCH, "gpp")
-        sg = plan.stage_graph
-        vision = {sg.stage_of(graph.op_id(op.name)) for op in graph.ops if "vision" in op.name}
-        text = {sg.stage_of(graph.op_id(op.name)) for op in graph.ops if "embed_tokens" in op.name
-                or "word_embeddings" in op.name}
-        assert len(vision) == 1 and len(text) == 1, (name, vision, text)
-        (v,), (t,) = vision, text
-        # the tower and the text embedding run side by side: neither stage feeds the other
-        assert v != t and not _reaches(sg, v, t) and not _reaches(sg, t, v), (name, sg.edges)
-        if name == "altclip":  # the loss reads both towers: one node gathers them, in one stage
-            joins = [n for n in cap.gm.graph.nodes if n.target is join_outputs]
-            assert len(joins) == 1 and len(joins[0].args) == 2
-        plans[name] = plan
-    names = sorted(plans)
-    results = run_plans([(plans[n], RunOptions(steps=1, warmup_steps=0, check=True, timeout_s=180))
-                         for n in names], 3)
-    for name, result in zip(names, results):
-        check = result.check
-        assert check.passed and check.num_params_checked == check.num_params > 0, (name, check)
+    spec = f"{SPEC}:{name}"
+    cap = captured_from_factory(spec)
+    graph = cap.graph
+    plan = make_plan(spec, graph, preset("v100", 3), BATCH, "gpp")  # on 2, tiny widths plan as one stage
+    sg = plan.stage_graph
+    vision = {sg.stage_of(graph.op_id(op.name)) for op in graph.ops if "vision" in op.name}
+    text = {sg.stage_of(graph.op_id(op.name)) for op in graph.ops if "embed_tokens" in op.name
+            or "word_embeddings" in op.name}
+    assert len(vision) == 1 and len(text) == 1, (name, vision, text)
+    (v,), (t,) = vision, text
+    assert v != t and not _reaches(sg, v, t) and not _reaches(sg, t, v), (name, sg.edges)
+    return cap, plan
+
+
+def test_paligemma_trains_like_one_process_with_its_vision_tower_beside_the_text_path():
+    """PaliGemma scatters its projected image features into the text embeddings (``masked_scatter`` on the
+    image placeholders): gpp runs the SigLIP tower beside the embedding, and 3 ranks train it with loss and
+    every gradient equal to one process."""
+    from graphpipe.runtime import RunOptions, run_plans
+
+    _, plan = _gpp_with_the_tower_beside_the_text("paligemma")
+    result, = run_plans([(plan, RunOptions(steps=1, warmup_steps=0, check=True, timeout_s=180))], 3)
+    check = result.check
+    assert check.passed and check.num_params_checked == check.num_params > 0, check
+
+
+def test_a_loss_over_both_towers_is_computed_in_one_stage():
+    """AltCLIP's loss reads the image and the text embeddings, the last ops of two branches: one node gathers
+    them, so the plan that puts the towers on two stages still computes the loss in one (the runtime refused
+    the plan, the output coming from two stages)."""
+    from graphpipe.exporting import join_outputs
+    from graphpipe.runtime.stage_modules import split_model
+
+    cap, plan = _gpp_with_the_tower_beside_the_text("altclip")
+    joins = [n for n in cap.gm.graph.nodes if n.target is join_outputs]
+    assert len(joins) == 1 and len(joins[0].args) == 2
+    sg = plan.stage_graph
+    sinks = [s for s in range(sg.num_stages) if not any(a == s for a, _ in sg.edges)]
+    assert len(sinks) == 1 and sg.stage_of(cap.graph.op_id("join_outputs")) == sinks[0]
+    split_model(cap.gm, cap.op_nodes, sg)  # raised PlanError before the join
 
 
 def test_synthetic_token_ids_keep_the_image_placeholders_of_every_row():
@@ -113,3 +125,28 @@ def test_a_model_that_fixes_the_batch_is_refused_naming_the_line(tmp_path):
     message = str(err.value)
     assert "\n" not in message and message.startswith(f"{path}:6: ") and "Constraints violated" not in message
     assert "`rows = list(self.l(x))` fixes the batch to the example's 3" in message
+
+
+def test_a_model_running_vmap_is_refused_naming_the_module(tmp_path):
+    """Export keeps torch.vmap as batching-level calls without data edges (Gemma-3's image-token mask given
+    ``token_type_ids``): the refusal names the module running it, where the graph failed when run."""
+    from graphpipe.errors import UserCodeError
+
+    path = tmp_path / "vm.py"
+    path.write_text(
+        "import torch\n"
+        "class Mask(torch.nn.Module):\n"
+        "    def forward(self, x):\n"
+        "        return torch.vmap(lambda r: r * (r > 0))(x)\n"
+        "class M(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__(); self.l = torch.nn.Linear(4, 4); self.mask = Mask()\n"
+        "    def forward(self, x):\n"
+        "        return self.l(x) + self.mask(x)\n"
+        "def make():\n"
+        "    return M(), (torch.randn(3, 4),), lambda out: out.sum()\n")
+    with pytest.raises(UserCodeError) as err:
+        captured_from_factory(f"{path}:make")
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(f"{path}: ")
+    assert "torch.vmap runs inside mask (Mask)" in message
