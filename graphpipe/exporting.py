@@ -62,6 +62,7 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
+from graphpipe.capture_refusals import BatchFixedAt, BatchFixedError, refuse_vmap
 from graphpipe.errors import InputError, UserCodeError
 
 __all__ = ["IOSpec", "Exported", "export_model", "module_path", "module_stack", "replicable_nodes",
@@ -446,7 +447,7 @@ def _export_reason(exc: BaseException) -> str:
     that depends on a tensor's values, shown with the source line torch names."""
     import re
 
-    if isinstance(exc, _BatchFixedError):
+    if isinstance(exc, BatchFixedError):
         return str(exc)
     reason = f"{type(exc).__name__}: {_first_line(exc)}"
     if "data-dependent" not in reason:
@@ -461,7 +462,7 @@ def _export_location(exc: BaseException) -> str:
     """``file:line: `` of the user's frame export stopped in (from its message or traceback)."""
     import re
 
-    if isinstance(exc, _BatchFixedError):
+    if isinstance(exc, BatchFixedError):
         return f"{exc.where[0]}:{exc.where[1]}: "
     m = re.search(r'File "([^"]+)", line (\d+), in (\w+)', str(exc))
     if m and "/torch/" not in m.group(1):
@@ -470,67 +471,6 @@ def _export_location(exc: BaseException) -> str:
 
     # a model whose code is installed (transformers, timm) and no user frame: the deepest frame of that code
     return user_location(exc) or library_location(exc, (os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,))
-
-
-class _BatchFixedAt(logging.Handler):
-    """While exporting, where the model's code first fixed a batch symbol to the example's batch size.
-
-    torch's shape environment logs each guard it adds; ``Eq(s3, 8)`` on a dim 0
-    symbol is the batch becoming a constant (a Python list of the batch's rows,
-    a loop over them). The handler keeps the source line of the first such guard
-    (the deepest frame outside torch, graphpipe and the standard library), so the
-    refusal can name it instead of torch's "Constraints violated".
-    """
-
-    _LOGGER = "torch.fx.experimental.symbolic_shapes"
-
-    def __init__(self, batch: int):
-        super().__init__(logging.INFO)
-        import re
-
-        self._guard = re.compile(rf"^Eq\((?:s\d+, {batch}|{batch}, s\d+)\)$")
-        self.where: tuple[str, int, str] | None = None
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if self.where is not None or "[guard added]" not in str(record.msg) or len(record.args or ()) < 2:
-            return
-        if not self._guard.match(str(record.args[1])):
-            return
-        import traceback
-
-        import graphpipe
-
-        skip = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (traceback, graphpipe, torch))
-        skip += ("<",)
-        for frame in reversed(traceback.extract_stack()):
-            if not frame.filename.startswith(skip):
-                self.where = (frame.filename, frame.lineno or 0, (frame.line or "").strip())
-                return
-
-    @contextlib.contextmanager
-    def watching(self):
-        """Attach to torch's shape logger at INFO, printing nothing else."""
-        logger = logging.getLogger(self._LOGGER)
-        saved = logger.level, logger.propagate
-        logger.setLevel(logging.INFO)
-        logger.propagate = False
-        logger.addHandler(self)
-        try:
-            yield self
-        finally:
-            logger.removeHandler(self)
-            logger.setLevel(saved[0])
-            logger.propagate = saved[1]
-
-
-class _BatchFixedError(Exception):
-    """Export fixed the batch at a known source line (``_BatchFixedAt.where``); the message says so."""
-
-    def __init__(self, where: tuple[str, int, str], batch: int):
-        self.where = where
-        code = f"`{where[2]}` " if where[2] else ""
-        super().__init__(f"{code}fixes the batch to the example's {batch} (a Python list or loop as long as the "
-                         "batch, or a shape read from data), so no graph runs at other micro-batch sizes")
 
 
 # ------------------------------------------------------------------- export
@@ -550,7 +490,7 @@ def _export_dynamic_batch(module: nn.Module, args: tuple, kwargs: dict, dynamic:
             raise
         auto = _dynamic_shapes(module, args, kwargs, torch.export.Dim.AUTO)
         batch = _check_batch_inputs(args, kwargs)
-        fixed = _BatchFixedAt(batch)
+        fixed = BatchFixedAt(batch)
         try:
             with fixed.watching():
                 ep = torch.export.export(module, args, kwargs, dynamic_shapes=auto, strict=False)
@@ -560,7 +500,7 @@ def _export_dynamic_batch(module: nn.Module, args: tuple, kwargs: dict, dynamic:
                   and n.name in ep.graph_signature.user_inputs]
         if any(isinstance(v, torch.Tensor) and v.dim() >= 1 and not _symbolic(v.shape[0], ep) for v in inputs):
             if fixed.where is not None:
-                raise _BatchFixedError(fixed.where, batch) from exc
+                raise BatchFixedError(fixed.where, batch) from exc
             raise exc from None
         return ep
 
@@ -607,7 +547,7 @@ def export_model(module: nn.Module, example_inputs: Any, loss_fn: Callable[..., 
             config.use_cache = True
     seconds = time.perf_counter() - t0
     gm = ep.module()
-    _refuse_vmap(gm, module)
+    refuse_vmap(gm, module)
     in_spec = ep.call_spec.in_spec
     out_spec = ep.call_spec.out_spec
     _restore_modules(gm, module, batchnorms)
@@ -657,33 +597,6 @@ def _joined(values: list[Any], gm: fx.GraphModule, output: fx.Node) -> list[Any]
         item.meta["val"] = h.meta.get("val")
     joined.meta["val"] = tuple(h.meta.get("val") for h in heads)
     return [items.get(v, v) if isinstance(v, fx.Node) else v for v in values]
-
-
-def _refuse_vmap(gm: fx.GraphModule, module: nn.Module) -> None:
-    """Refuse a graph that runs ``torch.vmap``, naming the module that calls it.
-
-    Export records vmap as calls entering and leaving a batching level, with
-    no data edge to the batched ops between them: nothing can cut such a
-    region into stages or copy it into the ops reading it, and fx's dead-code
-    pass drops the calls (the graph then fails when run). Gemma-3 builds its
-    image-token attention mask this way when given ``token_type_ids``.
-    """
-    node = next((n for n in gm.graph.nodes if n.op == "call_function"
-                 and getattr(n.target, "__name__", "") == "_vmap_increment_nesting"), None)
-    if node is None:
-        return
-    stack = module_stack(node)
-    where, inside = "", f" in {type(module).__name__}.forward"
-    if stack:
-        path = module_path(stack[-1][1])
-        try:
-            typ = type(module.get_submodule(path))
-            where = f"{inspect.getsourcefile(typ)}: "
-        except (AttributeError, TypeError):
-            typ = None
-        inside = f" inside {path}" + (f" ({typ.__name__})" if typ is not None else "")
-    raise UserCodeError(f"{where}torch.export cannot capture {type(module).__name__}: torch.vmap runs{inside}, "
-                        "and its batching levels have no data edges, so the graph cannot be cut into stages")
 
 
 def _placeholder_after(gm: fx.GraphModule, name: str) -> fx.Node:

@@ -9,8 +9,6 @@ Each factory follows the ``file.py:factory`` contract with a target:
   whose features the text decoder reads through cross-attention layers.
 * :func:`altclip`: ``AltCLIPModel``, a dual encoder; the loss reads both
   towers' embeddings (a per-row loss, not the in-batch contrastive one).
-* :func:`llava`: ``LlavaForConditionalGeneration`` (refused: it lists the
-  batch's image features in Python).
 
 Next-token cross-entropy against a target of token ids for the decoders.
 """
@@ -98,14 +96,3 @@ def altclip():
 
     return T.AltCLIPModel(cfg), {"input_ids": ids, "pixel_values": _pixels(3, 16, 16)}, loss_fn, target
 
-
-def llava():
-    T = _transformers()
-    torch.manual_seed(0)
-    text = T.LlamaConfig(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
-                         vocab_size=64, num_hidden_layers=1)
-    cfg = T.LlavaConfig(vision_config=T.CLIPVisionConfig(**_vision()).to_dict(), text_config=text.to_dict(),
-                        image_token_index=IMAGE_TOKEN, vision_feature_layer=-1, image_seq_length=4)
-    ids, target = _ids(4)
-    return T.LlavaForConditionalGeneration(cfg), {"input_ids": ids, "pixel_values": _pixels(3, 16, 16)}, \
-        lm_loss, target
