@@ -104,14 +104,23 @@ def test_synthetic_token_ids_keep_the_image_placeholders_of_every_row():
     assert all(torch.equal(x, z) for x, z in zip(a, b))
 
 
+def _refusal(path, source: str) -> str:
+    """The one-line message capture refuses the model of ``source`` (written to ``path``, factory ``make``) with."""
+    from graphpipe.errors import UserCodeError
+
+    path.write_text("import torch\n" + source)
+    with pytest.raises(UserCodeError) as err:
+        captured_from_factory(f"{path}:make")
+    message = str(err.value)
+    assert "\n" not in message
+    return message
+
+
 def test_a_model_that_fixes_the_batch_is_refused_naming_the_line(tmp_path):
     """A Python list of the batch's rows (LLaVA's image features) fixes the batch to the example's: the refusal
     names that line and quotes it, in one line, instead of torch's "Constraints violated"."""
-    from graphpipe.errors import UserCodeError
-
     path = tmp_path / "rows.py"
-    path.write_text(
-        "import torch\n"
+    message = _refusal(path, (
         "class M(torch.nn.Module):\n"
         "    def __init__(self):\n"
         "        super().__init__(); self.l = torch.nn.Linear(4, 4)\n"
@@ -119,22 +128,16 @@ def test_a_model_that_fixes_the_batch_is_refused_naming_the_line(tmp_path):
         "        rows = list(self.l(x))\n"
         "        return torch.cat(rows, dim=0)\n"
         "def make():\n"
-        "    return M(), (torch.randn(3, 2, 4),), lambda out: out.sum()\n")
-    with pytest.raises(UserCodeError) as err:
-        captured_from_factory(f"{path}:make")
-    message = str(err.value)
-    assert "\n" not in message and message.startswith(f"{path}:6: ") and "Constraints violated" not in message
+        "    return M(), (torch.randn(3, 2, 4),), lambda out: out.sum()\n"))
+    assert message.startswith(f"{path}:6: ") and "Constraints violated" not in message
     assert "`rows = list(self.l(x))` fixes the batch to the example's 3" in message
 
 
 def test_a_model_running_vmap_is_refused_naming_the_module(tmp_path):
     """Export keeps torch.vmap as batching-level calls without data edges (Gemma-3's image-token mask given
     ``token_type_ids``): the refusal names the module running it, where the graph failed when run."""
-    from graphpipe.errors import UserCodeError
-
     path = tmp_path / "vm.py"
-    path.write_text(
-        "import torch\n"
+    message = _refusal(path, (
         "class Mask(torch.nn.Module):\n"
         "    def forward(self, x):\n"
         "        return torch.vmap(lambda r: r * (r > 0))(x)\n"
@@ -144,9 +147,5 @@ def test_a_model_running_vmap_is_refused_naming_the_module(tmp_path):
         "    def forward(self, x):\n"
         "        return self.l(x) + self.mask(x)\n"
         "def make():\n"
-        "    return M(), (torch.randn(3, 4),), lambda out: out.sum()\n")
-    with pytest.raises(UserCodeError) as err:
-        captured_from_factory(f"{path}:make")
-    message = str(err.value)
-    assert "\n" not in message and message.startswith(f"{path}: ")
-    assert "torch.vmap runs inside mask (Mask)" in message
+        "    return M(), (torch.randn(3, 4),), lambda out: out.sum()\n"))
+    assert message.startswith(f"{path}: ") and "torch.vmap runs inside mask (Mask)" in message
