@@ -60,16 +60,16 @@ class BatchFixedAt(logging.Handler):
 
     @contextlib.contextmanager
     def watching(self):
-        """Attach to torch's shape logger at INFO, printing nothing else."""
+        """Be torch's shape logger's only handler, at INFO, for the duration (it prints nothing then)."""
         logger = logging.getLogger(self._LOGGER)
-        saved = logger.level, logger.propagate
+        saved = logger.level, logger.propagate, logger.handlers[:]
         logger.setLevel(logging.INFO)
         logger.propagate = False
-        logger.addHandler(self)
+        logger.handlers[:] = [self]
         try:
             yield self
         finally:
-            logger.removeHandler(self)
+            logger.handlers[:] = saved[2]
             logger.setLevel(saved[0])
             logger.propagate = saved[1]
 

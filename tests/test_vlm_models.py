@@ -116,9 +116,10 @@ def _refusal(path, source: str) -> str:
     return message
 
 
-def test_a_model_that_fixes_the_batch_is_refused_naming_the_line(tmp_path):
+def test_a_model_that_fixes_the_batch_is_refused_naming_the_line(tmp_path, capfd):
     """A Python list of the batch's rows (LLaVA's image features) fixes the batch to the example's: the refusal
-    names that line and quotes it, in one line, instead of torch's "Constraints violated"."""
+    names that line and quotes it, in one line, instead of torch's "Constraints violated"; torch's shape log,
+    watched for it, prints nothing."""
     path = tmp_path / "rows.py"
     message = _refusal(path, (
         "class M(torch.nn.Module):\n"
@@ -131,6 +132,7 @@ def test_a_model_that_fixes_the_batch_is_refused_naming_the_line(tmp_path):
         "    return M(), (torch.randn(3, 2, 4),), lambda out: out.sum()\n"))
     assert message.startswith(f"{path}:6: ") and "Constraints violated" not in message
     assert "`rows = list(self.l(x))` fixes the batch to the example's 3" in message
+    assert "symbolic_shapes" not in capfd.readouterr().err
 
 
 def test_a_model_running_vmap_is_refused_naming_the_module(tmp_path):
