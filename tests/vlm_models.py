@@ -54,7 +54,7 @@ def paligemma():
     T = _transformers()
     torch.manual_seed(0)
     text = T.GemmaConfig(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
-                         head_dim=8, vocab_size=64, num_hidden_layers=2)
+                         head_dim=8, vocab_size=64, num_hidden_layers=1)
     cfg = T.PaliGemmaConfig(vision_config=T.SiglipVisionConfig(**_vision(projection_dim=16)).to_dict(),
                             text_config=text.to_dict(), image_token_index=IMAGE_TOKEN, projection_dim=16,
                             hidden_size=16)
