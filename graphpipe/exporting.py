@@ -51,6 +51,7 @@ import contextlib
 import inspect
 import itertools
 import logging
+import operator
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
@@ -61,10 +62,11 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
+from graphpipe.capture_refusals import BatchFixedAt, BatchFixedError, refuse_vmap
 from graphpipe.errors import InputError, UserCodeError
 
 __all__ = ["IOSpec", "Exported", "export_model", "module_path", "module_stack", "replicable_nodes",
-           "replicate_input_glue", "normalize_inputs", "deliver_target"]
+           "replicate_input_glue", "normalize_inputs", "deliver_target", "join_outputs"]
 
 log = logging.getLogger(__name__)
 
@@ -261,6 +263,18 @@ def deliver_target(target: Any) -> Any:
     return target
 
 
+def join_outputs(*values: Any) -> tuple[Any, ...]:
+    """Identity on several values: the outputs the loss reads, gathered by one graph node.
+
+    A loss reading outputs of two branches (a dual encoder's image and text
+    embeddings) would otherwise have two sink ops, which a plan may put on two
+    stages; the loss runs on one. Capture makes this node an op of its own (or
+    part of the one op producing all the values), so every plan computes the
+    loss's inputs in one stage.
+    """
+    return values
+
+
 # ------------------------------------------------------------- I/O contract
 def normalize_inputs(example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """``(args, kwargs)`` of a factory's example inputs: a tensor, a tuple/list (positional), or a dict (keyword)."""
@@ -433,6 +447,8 @@ def _export_reason(exc: BaseException) -> str:
     that depends on a tensor's values, shown with the source line torch names."""
     import re
 
+    if isinstance(exc, BatchFixedError):
+        return str(exc)
     reason = f"{type(exc).__name__}: {_first_line(exc)}"
     if "data-dependent" not in reason:
         return reason
@@ -446,6 +462,8 @@ def _export_location(exc: BaseException) -> str:
     """``file:line: `` of the user's frame export stopped in (from its message or traceback)."""
     import re
 
+    if isinstance(exc, BatchFixedError):
+        return f"{exc.where[0]}:{exc.where[1]}: "
     m = re.search(r'File "([^"]+)", line (\d+), in (\w+)', str(exc))
     if m and "/torch/" not in m.group(1):
         return f"{m.group(1)}:{m.group(2)}: "
@@ -471,13 +489,18 @@ def _export_dynamic_batch(module: nn.Module, args: tuple, kwargs: dict, dynamic:
         if "Constraints violated" not in str(exc):
             raise
         auto = _dynamic_shapes(module, args, kwargs, torch.export.Dim.AUTO)
+        batch = _check_batch_inputs(args, kwargs)
+        fixed = BatchFixedAt(batch)
         try:
-            ep = torch.export.export(module, args, kwargs, dynamic_shapes=auto, strict=False)
+            with fixed.watching():
+                ep = torch.export.export(module, args, kwargs, dynamic_shapes=auto, strict=False)
         except Exception:
             raise exc from None
         inputs = [n.meta.get("val") for n in ep.graph.nodes if n.op == "placeholder"
                   and n.name in ep.graph_signature.user_inputs]
         if any(isinstance(v, torch.Tensor) and v.dim() >= 1 and not _symbolic(v.shape[0], ep) for v in inputs):
+            if fixed.where is not None:
+                raise BatchFixedError(fixed.where, batch) from exc
             raise exc from None
         return ep
 
@@ -524,6 +547,7 @@ def export_model(module: nn.Module, example_inputs: Any, loss_fn: Callable[..., 
             config.use_cache = True
     seconds = time.perf_counter() - t0
     gm = ep.module()
+    refuse_vmap(gm, module)
     in_spec = ep.call_spec.in_spec
     out_spec = ep.call_spec.out_spec
     _restore_modules(gm, module, batchnorms)
@@ -537,7 +561,7 @@ def export_model(module: nn.Module, example_inputs: Any, loss_fn: Callable[..., 
     out_leaves = list(output.args[0]) if isinstance(output.args[0], (tuple, list)) else [output.args[0]]
     kept = _outputs_read_by_loss(gm, in_spec, out_spec, out_leaves, args, kwargs, loss_fn, example_target)
     target_spec, num_target = None, 0
-    new_out: list[Any] = [out_leaves[i] for i in kept]
+    new_out: list[Any] = _joined([out_leaves[i] for i in kept], gm, output)
     if example_target is not None:
         t_leaves, target_spec = pytree.tree_flatten(example_target)
         num_target = len(t_leaves)
@@ -558,6 +582,21 @@ def export_model(module: nn.Module, example_inputs: Any, loss_fn: Callable[..., 
     gm = fx.GraphModule(gm, gm.graph, class_name=type(module).__name__)
     io = IOSpec(in_spec, input_names, out_spec, tuple(kept), target_spec, num_target)
     return Exported(gm, io, seconds)
+
+
+def _joined(values: list[Any], gm: fx.GraphModule, output: fx.Node) -> list[Any]:
+    """``values`` (the outputs the loss reads), each computed node read through one :func:`join_outputs` node
+    when there are several (see there)."""
+    heads = list(dict.fromkeys(v for v in values if isinstance(v, fx.Node) and v.op != "placeholder"))
+    if len(heads) < 2:
+        return values
+    with gm.graph.inserting_before(output):
+        joined = gm.graph.call_function(join_outputs, tuple(heads))
+        items = {h: gm.graph.call_function(operator.getitem, (joined, i)) for i, h in enumerate(heads)}
+    for h, item in items.items():
+        item.meta["val"] = h.meta.get("val")
+    joined.meta["val"] = tuple(h.meta.get("val") for h in heads)
+    return [items.get(v, v) if isinstance(v, fx.Node) else v for v in values]
 
 
 def _placeholder_after(gm: fx.GraphModule, name: str) -> fx.Node:

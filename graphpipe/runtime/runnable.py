@@ -129,10 +129,10 @@ def build_runnable(spec: str, seed: int = 0, device: str = "cpu", capture: bool 
     The runnable graph takes the model's inputs flattened (keyword inputs in
     the factory's order), then the target's leaves when the loss takes one;
     ``loss_fn`` takes what the graph returns. Factory models get synthetic
-    inputs shaped like their example inputs (floats ~ N(0, 1), integers
-    uniform in ``[min, max]`` of the example, booleans as in the example's
-    range) and targets made of the example target's own rows, resampled
-    (:func:`_synthetic_inputs`), so a loss sees labels from its domain.
+    inputs shaped like their example inputs (floats ~ N(0, 1); integers and
+    booleans the example's rows, resampled together) and targets made of the
+    example target's own rows, resampled (:func:`_synthetic_inputs`), so a
+    loss sees labels from its domain and token ids keep their structure.
     ``capture=False`` skips the export (the single-process reference needs
     only the module). ``meta_params``: the module is built with its
     parameters on the meta device (:func:`~graphpipe.runtime.materialize.params_on_meta`;
@@ -211,38 +211,40 @@ def _synthetic_inputs(example: Sequence[torch.Tensor], device: str, num_targets:
     example target's own, drawn with replacement, so a BCE label stays in
     [0, 1], a class index stays a valid class and a regression target keeps
     its scale (random normals there made a recommender's BCE loss negative).
-    Inputs are drawn afresh (floats ~ N(0, 1), integers and booleans within
-    the example's range). A target on the meta device, or one with no batch
-    dimension, cannot be resampled and is drawn like an input.
+    Floating inputs are drawn afresh (N(0, 1)). Integer and boolean inputs
+    are the example's rows, drawn with replacement, the same rows for all of
+    them: token ids keep a vision-language model's image placeholders where
+    the model puts its image features (one per feature, in every row), and
+    inputs that go together (ids, attention masks, token types) stay
+    consistent (uniform draws scattered placeholders at random). One whose
+    example is on the meta device has no values to resample and is zeros.
     """
-    lows = [int(x.min().item()) if isinstance(x, torch.Tensor) and x.numel() and not x.dtype.is_floating_point
-            and x.device.type != "meta" else 0 for x in example]
-    highs = [int(x.max().item()) if isinstance(x, torch.Tensor) and x.numel() and not x.dtype.is_floating_point
-             and x.device.type != "meta" else 0 for x in example]
     first_target = len(example) - num_targets
 
-    def resamplable(i: int, x) -> bool:
-        return (i >= first_target and isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] > 0
-                and x.device.type != "meta")
+    def resamplable(x) -> bool:
+        return isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] > 0 and x.device.type != "meta"
+
+    rows_of = [x.shape[0] for i, x in enumerate(example) if i < first_target and resamplable(x)
+               and not x.dtype.is_floating_point]
 
     def make_inputs(batch_size: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
         gen = torch.Generator().manual_seed(seed)
+        shared = torch.randint(0, min(rows_of), (batch_size,), generator=gen) if rows_of else None
         out = []
-        for i, (x, lo, hi) in enumerate(zip(example, lows, highs)):
+        for i, x in enumerate(example):
             if not isinstance(x, torch.Tensor):
                 out.append(x)
                 continue
             shape = (batch_size, *x.shape[1:])
-            if resamplable(i, x):
+            if i >= first_target and resamplable(x):
                 rows = torch.randint(0, x.shape[0], (batch_size,), generator=gen)
                 out.append(x.detach().cpu()[rows].to(device))
             elif x.dtype.is_floating_point:
                 out.append(torch.randn(shape, generator=gen, dtype=x.dtype).to(device))
-            elif x.dtype == torch.bool:
-                out.append(torch.randint(lo, hi + 1, shape, generator=gen).bool().to(device))
-            else:  # integers: uniform in the example's [0 or min, max]; a constant input stays constant
-                low = lo if lo == hi else min(lo, 0)
-                out.append(torch.randint(low, hi + 1, shape, generator=gen, dtype=x.dtype).to(device))
+            elif resamplable(x):  # integers and booleans: the example's rows, the same for every such input
+                out.append(x.detach().cpu()[shared].to(device))
+            else:
+                out.append(torch.zeros(shape, dtype=x.dtype, device=device))
         return tuple(out)
 
     return make_inputs

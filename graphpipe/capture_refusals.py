@@ -1,0 +1,113 @@
+"""Refusals of models whose exported graph cannot run at every micro-batch size or be cut into stages.
+
+Each names where the model's code does it, in one line, instead of torch's
+message (which names a symbol or no line at all):
+
+* :class:`BatchFixedAt` watches export's shape log for the guard that fixes
+  the batch to the example's size (a Python list of the batch's rows, as
+  LLaVA makes of its image features) and keeps that source line;
+* :func:`refuse_vmap` refuses a graph that runs ``torch.vmap``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import os
+import re
+import traceback
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from graphpipe.errors import UserCodeError
+
+__all__ = ["BatchFixedAt", "BatchFixedError", "refuse_vmap"]
+
+
+class BatchFixedAt(logging.Handler):
+    """While exporting, where the model's code first fixed a batch symbol to the example's batch size.
+
+    torch's shape environment logs each guard it adds; ``Eq(s3, 8)`` on a dim 0
+    symbol is the batch becoming a constant (a Python list of the batch's rows,
+    a loop over them). The handler keeps the source line of the first such guard
+    (the deepest frame outside torch, graphpipe and the standard library), so the
+    refusal can name it instead of torch's "Constraints violated".
+    """
+
+    _LOGGER = "torch.fx.experimental.symbolic_shapes"
+
+    def __init__(self, batch: int):
+        super().__init__(logging.INFO)
+        self._guard = re.compile(rf"^Eq\((?:s\d+, {batch}|{batch}, s\d+)\)$")
+        self.where: tuple[str, int, str] | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.where is not None or "[guard added]" not in str(record.msg) or len(record.args or ()) < 2:
+            return
+        if not self._guard.match(str(record.args[1])):
+            return
+        import graphpipe
+
+        skip = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (traceback, graphpipe, torch))
+        skip += ("<",)
+        for frame in reversed(traceback.extract_stack()):
+            if not frame.filename.startswith(skip):
+                self.where = (frame.filename, frame.lineno or 0, (frame.line or "").strip())
+                return
+
+    @contextlib.contextmanager
+    def watching(self):
+        """Be torch's shape logger's only handler, at INFO, for the duration (it prints nothing then)."""
+        logger = logging.getLogger(self._LOGGER)
+        saved = logger.level, logger.propagate, logger.handlers[:]
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+        logger.handlers[:] = [self]
+        try:
+            yield self
+        finally:
+            logger.handlers[:] = saved[2]
+            logger.setLevel(saved[0])
+            logger.propagate = saved[1]
+
+
+class BatchFixedError(Exception):
+    """Export fixed the batch at a known source line (``BatchFixedAt.where``); the message says so."""
+
+    def __init__(self, where: tuple[str, int, str], batch: int):
+        self.where = where
+        code = f"`{where[2]}` " if where[2] else ""
+        super().__init__(f"{code}fixes the batch to the example's {batch} (a Python list or loop as long as the "
+                         "batch, or a shape read from data), so no graph runs at other micro-batch sizes")
+
+
+def refuse_vmap(gm: fx.GraphModule, module: nn.Module) -> None:
+    """Refuse a graph that runs ``torch.vmap``, naming the module that calls it.
+
+    Export records vmap as calls entering and leaving a batching level, with
+    no data edge to the batched ops between them: nothing can cut such a
+    region into stages or copy it into the ops reading it, and fx's dead-code
+    pass drops the calls (the graph then fails when run). Gemma-3 builds its
+    image-token attention mask this way when given ``token_type_ids``.
+    """
+    node = next((n for n in gm.graph.nodes if n.op == "call_function"
+                 and getattr(n.target, "__name__", "") == "_vmap_increment_nesting"), None)
+    if node is None:
+        return
+    from graphpipe.exporting import module_path, module_stack
+
+    stack = module_stack(node)
+    where, inside = "", f" in {type(module).__name__}.forward"
+    if stack:
+        path = module_path(stack[-1][1])
+        try:
+            typ = type(module.get_submodule(path))
+            where = f"{inspect.getsourcefile(typ)}: "
+        except (AttributeError, TypeError):
+            typ = None
+        inside = f" inside {path}" + (f" ({typ.__name__})" if typ is not None else "")
+    raise UserCodeError(f"{where}torch.export cannot capture {type(module).__name__}: torch.vmap runs{inside}, "
+                        "and its batching levels have no data edges, so the graph cannot be cut into stages")
