@@ -197,3 +197,32 @@ def test_verbose_run_shows_progress_and_both_devices(plan_file):
     assert "the plan was made for V100-16GB; this run is on CPU" in proc.stderr
     summary = json.loads(proc.stdout)
     assert summary["devices"]["planned"] == "V100-16GB" and summary["devices"]["run"].startswith("CPU")
+
+
+_PROBE = '''import multiprocessing, os
+import torch
+
+
+def make():
+    if multiprocessing.parent_process() is not None:  # in a rank, not in the launcher's preflight
+        raise ValueError("probe=" + os.environ.get("GRAPHPIPE_TEST_PROBE", "unset") + " cwd=" + os.getcwd())
+    return torch.nn.Linear(4, 2), (torch.randn(4, 4),), lambda out: out.sum()
+'''
+
+
+def test_every_launch_gives_its_ranks_the_launchers_environment_and_directory_of_the_moment(tmp_path, monkeypatch):
+    """Ranks are forked by a forkserver started at the first launch of the process: each later launch's ranks
+    still see the launcher's environment and working directory as they are at that launch, not the server's."""
+    from graphpipe.capture import captured_from_factory
+    from graphpipe.cluster import preset
+    from graphpipe.runtime import RunOptions, RuntimeFailure, run_plans
+    from graphpipe.search.planner import make_plan
+
+    spec = str(tmp_path / "probe.py") + ":make"
+    (tmp_path / "probe.py").write_text(_PROBE)
+    plan = make_plan(spec, captured_from_factory(spec).graph, preset("v100", 1), 4, "gpp")
+    for value, cwd in (("first", tmp_path), ("second", tmp_path.parent)):
+        monkeypatch.setenv("GRAPHPIPE_TEST_PROBE", value)
+        monkeypatch.chdir(cwd)
+        with pytest.raises(RuntimeFailure, match=f"probe={value} cwd={cwd}"):
+            run_plans([(plan, RunOptions(steps=1, timeout_s=60))], 1)

@@ -1,9 +1,15 @@
-"""Spawn one process per device, watch them, and never hang (docs/design.md, "The runtime").
+"""Start one process per device, watch them, and never hang (docs/design.md, "The runtime").
 
-:func:`launch` starts ``world_size`` processes (``spawn`` start method, so
-every rank starts from a clean interpreter, as under ``torchrun``) on a free
-loopback port, lets each run :func:`graphpipe.runtime.worker.run_rank`, and
-watches them:
+:func:`launch` starts ``world_size`` processes on a free loopback port, lets
+each run :func:`graphpipe.runtime.worker.run_rank`, and watches them. Ranks
+on a CPU are forked by a ``forkserver`` that has imported the runtime,
+torch.export and dynamo once (:data:`PRELOAD`) and nothing else: each starts
+as a clean interpreter would after those imports (no state of the
+launcher's), with the launcher's environment and working
+directory of the moment, without paying the imports again (most of a small
+run's start-up). Ranks that may use CUDA, or a platform without
+``forkserver``, are spawned (``spawn``, as under ``torchrun``).
+The launcher watches them:
 
 * a rank that raises reports ``rank R: <exception>`` through a queue and
   exits non-zero; the parent then terminates every other rank and raises
@@ -121,21 +127,66 @@ def check_host_capacity(world_size: int) -> None:
                          "or run under torchrun on more hosts")
 
 
-def _detach(parent_pid: int) -> None:
-    """First thing in a rank: own process group, die with the launcher, signals back on.
+PRELOAD = ("graphpipe.runtime.worker", "torch.export", "torch._dynamo")
+"""What the forkserver imports before it forks any rank: what every rank imports (torch.export pulls dynamo in at a
+rank's first capture)."""
 
-    The launcher blocked SIGINT/SIGTERM/SIGHUP while it started us, so none
-    arrives between fork and here.
+
+def _context(jobs: Sequence[tuple[dict, RunOptions]]):
+    """The rank processes' start method: ``forkserver`` preloaded with :data:`PRELOAD` for CPU ranks, else ``spawn``.
+
+    Ranks that may use CUDA are spawned: a CUDA process must not be forked
+    from one that touched CUDA, and on a GPU host start-up is a small share
+    of a run anyway.
     """
+    if "forkserver" not in mp.get_all_start_methods() or any(_may_use_cuda(options.backend) for _, options in jobs):
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))
+    return ctx
+
+
+def _may_use_cuda(backend: str) -> bool:
+    if backend == "gloo":
+        return False
+    import torch
+
+    return backend == "nccl" or torch.cuda.is_available()
+
+
+def _start_server(ctx) -> int | None:
+    """Start the forkserver (once per launcher process) and return its pid: the ranks' parent."""
+    if ctx.get_start_method() != "forkserver":
+        return None
+    from multiprocessing import forkserver
+
+    forkserver.ensure_running()
+    return getattr(forkserver._forkserver, "_forkserver_pid", None)
+
+
+def _detach(parent_pid: int, forker_pid: int | None, env: dict[str, str]) -> None:
+    """First thing in a rank: the launcher's environment, own process group, die with the launcher, signals on.
+
+    The launcher blocked SIGINT/SIGTERM/SIGHUP while it started us (and the
+    forkserver, started under the same mask, forks with them blocked), so
+    none arrives between fork and here. A forkserver's rank is its child, not
+    the launcher's; the server ends when the launcher does (its pipe to the
+    launcher closes), which ends the rank in turn.
+    """
+    if os.environ != env:  # the forkserver's environment is the launcher's when the server started
+        os.environ.clear()
+        os.environ.update(env)
+    if forker_pid is not None:
+        _let_go_of_the_server()
     os.setpgid(0, 0)  # Ctrl-C at the terminal goes to the foreground group: the launcher only
     try:
         import ctypes
 
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: the kernel ends us when the launcher dies, even by SIGKILL
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: the kernel ends us when our parent dies, even by SIGKILL
     except (OSError, AttributeError):
         pass
-    if os.getppid() != parent_pid:  # the launcher died before prctl took effect
+    if os.getppid() != (forker_pid or parent_pid) or not _alive(parent_pid):  # gone before prctl took effect
         os._exit(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides; it ends us with SIGTERM
     for signum in (signal.SIGTERM, signal.SIGHUP):
@@ -194,8 +245,40 @@ class _Heartbeat(threading.Thread):
                 return
 
 
-def _child(rank: int, world_size: int, jobs, init_method: str, results: mp.Queue, parent_pid: int) -> None:
-    _detach(parent_pid)
+def _let_go_of_the_server() -> None:
+    """Close a forkserver child's copy of the server's liveness pipe.
+
+    multiprocessing hands every forked child the pipe whose end-of-file tells
+    the server its launcher is gone (so the child could start processes of its
+    own). While a rank holds it, a launcher killed by SIGKILL leaves the server
+    running and the rank with it; closed, the server exits with the launcher and
+    the kernel's parent-death signal ends the rank.
+    """
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if fd is not None:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+        server._forkserver_alive_fd = None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _child(rank: int, world_size: int, jobs, init_method: str, results: mp.Queue, parent_pid: int,
+           forker_pid: int | None, env: dict[str, str]) -> None:
+    _detach(parent_pid, forker_pid, env)
     beat = _Heartbeat(rank, results, threading.main_thread().ident)
     beat.start()
     try:
@@ -274,19 +357,24 @@ def launch(jobs: Sequence[tuple[dict, RunOptions]], world_size: int) -> list[Run
         return []
     check_host_capacity(world_size)
     _quiet_resource_tracker()
-    ctx = mp.get_context("spawn")
+    ctx = _context(jobs)
     results: mp.Queue = ctx.Queue()
     init_method = f"tcp://127.0.0.1:{free_port()}"
-    procs = [ctx.Process(target=_child, args=(r, world_size, list(jobs), init_method, results, os.getpid()),
-                         daemon=True, name=f"graphpipe-rank{r}") for r in range(world_size)]
+    env = dict(os.environ)
+    procs: list = []
     watch = _Watch(procs, max(options.timeout_s for _, options in jobs), any(options.compile for _, options in jobs))
     job_results: dict[int, dict | None] = {}
     bar: Progress | None = None
     try:
-        # Signals wait while the ranks start (they inherit the mask and unblock it
-        # in _detach); a Ctrl-C here arrives right after, inside this try.
+        # Signals wait while the ranks start (they inherit the mask, from the forkserver
+        # started under it, and unblock it in _detach); a Ctrl-C here arrives right after,
+        # inside this try.
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
         try:
+            forker = _start_server(ctx)
+            procs.extend(ctx.Process(target=_child, args=(r, world_size, list(jobs), init_method, results, os.getpid(),
+                                                          forker, env), daemon=True, name=f"graphpipe-rank{r}")
+                         for r in range(world_size))
             for p in procs:
                 p.start()
         finally:
