@@ -48,7 +48,7 @@ def clip():
     model = T.CLIPModel(cfg)
     inputs = dict(input_ids=torch.randint(2, 64, (BATCH, 8)), attention_mask=torch.ones(BATCH, 8, dtype=torch.long),
                   pixel_values=torch.randn(BATCH, 3, 16, 16))
-    inputs["input_ids"][0, 0] = 63  # the runtime draws ids in [min, max] of the example
+    inputs["input_ids"][0, 0] = 63  # the extreme ids in the rows the runtime resamples its data from
     inputs["input_ids"][1, 0] = 2
     target = torch.tensor([1.0, 0.0, 1.0, 1.0])
 

@@ -66,7 +66,7 @@ class PosTable(nn.Module):
 
 def _ids():
     ids = torch.randint(0, 16, (BATCH, SEQ))
-    ids[0, 0] = 15  # the runtime draws ids in [min, max] of the example
+    ids[0, 0] = 15  # the largest id in the rows the runtime resamples its data from
     return ids
 
 

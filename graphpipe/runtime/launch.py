@@ -137,9 +137,14 @@ def _context(jobs: Sequence[tuple[dict, RunOptions]]):
 
     Ranks that may use CUDA are spawned: a CUDA process must not be forked
     from one that touched CUDA, and on a GPU host start-up is a small share
-    of a run anyway.
+    of a run anyway. ``GRAPHPIPE_START_METHOD=spawn|forkserver`` overrides
+    the choice (``evals/bench_launch.py`` compares the two).
     """
-    if "forkserver" not in mp.get_all_start_methods() or any(_may_use_cuda(options.backend) for _, options in jobs):
+    chosen = os.environ.get("GRAPHPIPE_START_METHOD", "")
+    if chosen not in ("", "spawn", "forkserver"):
+        raise InputError(f"GRAPHPIPE_START_METHOD={chosen!r}: use spawn or forkserver (or leave it unset)")
+    if (chosen == "spawn" or "forkserver" not in mp.get_all_start_methods()
+            or (not chosen and any(_may_use_cuda(options.backend) for _, options in jobs))):
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(PRELOAD))
