@@ -61,6 +61,7 @@ from graphpipe.errors import FormatError, InputError
 
 __all__ = [
     "MAX_DOCUMENT_BYTES",
+    "pid_alive",
     "MAX_DEPTH",
     "read_json_file",
     "check_depth",
@@ -255,7 +256,7 @@ def _remove_stale(path: str) -> None:
         return
     for name in names:
         pid_text = name[len(prefix):].partition("-")[0]
-        if not pid_text.isdigit() or int(pid_text) == os.getpid() or _alive(int(pid_text)):
+        if not pid_text.isdigit() or int(pid_text) == os.getpid() or pid_alive(int(pid_text)):
             continue
         try:
             os.unlink(os.path.join(folder, name))
@@ -263,7 +264,8 @@ def _remove_stale(path: str) -> None:
             pass
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (one of another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -63,6 +63,7 @@ import warnings
 from typing import Sequence
 
 from graphpipe.errors import GraphpipeError, InputError
+from graphpipe.files import pid_alive
 from graphpipe.progress import Progress, set_step_hook
 from graphpipe.runtime.memory import RANK_MEMORY_BYTES, available_memory
 from graphpipe.runtime.options import RunOptions
@@ -191,7 +192,7 @@ def _detach(parent_pid: int, forker_pid: int | None, env: dict[str, str]) -> Non
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: the kernel ends us when our parent dies, even by SIGKILL
     except (OSError, AttributeError):
         pass
-    if os.getppid() != (forker_pid or parent_pid) or not _alive(parent_pid):  # gone before prctl took effect
+    if os.getppid() != (forker_pid or parent_pid) or not pid_alive(parent_pid):  # gone before prctl took effect
         os._exit(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides; it ends us with SIGTERM
     for signum in (signal.SIGTERM, signal.SIGHUP):
@@ -269,16 +270,6 @@ def _let_go_of_the_server() -> None:
         except OSError:
             pass
         server._forkserver_alive_fd = None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _child(rank: int, world_size: int, jobs, init_method: str, results: mp.Queue, parent_pid: int,
