@@ -17,6 +17,7 @@ import logging
 import os
 import re
 import traceback
+from typing import Callable
 
 import torch
 import torch.fx as fx
@@ -49,9 +50,8 @@ class BatchFixedAt(logging.Handler):
             return
         if not self._guard.match(str(record.args[1])):
             return
-        import graphpipe
-
-        skip = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (traceback, graphpipe, torch))
+        ours = os.path.dirname(os.path.abspath(__file__))  # graphpipe's own folder (no import of the package here)
+        skip = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (traceback, torch)) + (ours + os.sep,)
         skip += ("<",)
         for frame in reversed(traceback.extract_stack()):
             if not frame.filename.startswith(skip):
@@ -84,8 +84,9 @@ class BatchFixedError(Exception):
                          "batch, or a shape read from data), so no graph runs at other micro-batch sizes")
 
 
-def refuse_vmap(gm: fx.GraphModule, module: nn.Module) -> None:
-    """Refuse a graph that runs ``torch.vmap``, naming the module that calls it.
+def refuse_vmap(gm: fx.GraphModule, module: nn.Module, path_of: Callable[[fx.Node], str | None]) -> None:
+    """Refuse a graph that runs ``torch.vmap``, naming the module that calls it (``path_of(node)``: the path of
+    the innermost module a node of ``gm`` was traced in, or ``None``).
 
     Export records vmap as calls entering and leaving a batching level, with
     no data edge to the batched ops between them: nothing can cut such a
@@ -97,12 +98,9 @@ def refuse_vmap(gm: fx.GraphModule, module: nn.Module) -> None:
                  and getattr(n.target, "__name__", "") == "_vmap_increment_nesting"), None)
     if node is None:
         return
-    from graphpipe.exporting import module_path, module_stack
-
-    stack = module_stack(node)
+    path = path_of(node)
     where, inside = "", f" in {type(module).__name__}.forward"
-    if stack:
-        path = module_path(stack[-1][1])
+    if path is not None:
         try:
             typ = type(module.get_submodule(path))
             where = f"{inspect.getsourcefile(typ)}: "

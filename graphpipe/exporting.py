@@ -547,7 +547,7 @@ def export_model(module: nn.Module, example_inputs: Any, loss_fn: Callable[..., 
             config.use_cache = True
     seconds = time.perf_counter() - t0
     gm = ep.module()
-    refuse_vmap(gm, module)
+    refuse_vmap(gm, module, lambda node: module_path(module_stack(node)[-1][1]) if module_stack(node) else None)
     in_spec = ep.call_spec.in_spec
     out_spec = ep.call_spec.out_spec
     _restore_modules(gm, module, batchnorms)
