@@ -46,15 +46,14 @@ print(time.perf_counter() - t0)
 """
 
 
-def _timed(argv: list[str], env: dict[str, str]) -> float:
-    """Wall seconds of the command, or the figure it prints when it prints one."""
+def _timed(argv: list[str], env: dict[str, str], prints_time: bool) -> float:
+    """Wall seconds of the command, or, with ``prints_time``, the seconds it prints last."""
     t0 = time.perf_counter()
     proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=900)
     elapsed = time.perf_counter() - t0
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(argv)} failed: {proc.stderr.strip().splitlines()[-1:]}")
-    printed = proc.stdout.strip().splitlines()
-    return float(printed[-1]) if printed and argv[1] == "-c" else elapsed
+    return float(proc.stdout.split()[-1]) if prints_time else elapsed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.repeat + 1):  # the first round warms the page cache and is dropped
             for way, argv in ways.items():
                 for method in METHODS:
-                    t = _timed(argv, {**os.environ, "GRAPHPIPE_START_METHOD": method, "GRAPHPIPE_PROGRESS": "off"})
+                    t = _timed(argv, {**os.environ, "GRAPHPIPE_START_METHOD": method, "GRAPHPIPE_PROGRESS": "off"},
+                               prints_time=way == "repeated")
                     if i:
                         times[(way, method)].append(t)
     rows = [{"launch": w, "start_method": m, "ranks": args.ranks, "median_s": statistics.median(t),

@@ -191,8 +191,8 @@ TABLE_COLUMNS["bench_api-compile"] = TABLE_COLUMNS["bench_api"][:3] + [("torch",
                                       ("compiled API / eager API", "compiled_api_vs_eager_api")]
 TABLE_COLUMNS["bench_api-compile-cuda"] = TABLE_COLUMNS["bench_api-compile"]
 TABLE_COLUMNS["bench_api-compile-bf16-cuda"] = TABLE_COLUMNS["bench_api-compile"]
-TABLE_COLUMNS["bench_launch"] = [("launch", "launch"), ("start method", "start_method"), ("ranks", "ranks"), ("median (s)", "median_s"),
-                                 ("min-max (s)", "range_s"), ("runs", "runs")]
+TABLE_COLUMNS["bench_launch"] = [("launch", "launch"), ("start method", "start_method"), ("ranks", "ranks"),
+                                 ("median (s)", "median_s"), ("min-max (s)", "range_s"), ("runs", "runs")]
 TABLE_COLUMNS["overlap_sends"] = [("model", "model"), ("GPU", "device_name"), ("batch", "batch_size"),
                                   ("posted early ms", "early_ms"), ("posted at use ms", "at_use_ms"),
                                   ("gain (at use / early)", "gain_ratio"), ("same loss", "losses_equal")]

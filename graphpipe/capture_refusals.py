@@ -23,9 +23,11 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from graphpipe.errors import UserCodeError
+from graphpipe.errors import UserCodeError, library_frame
 
 __all__ = ["BatchFixedAt", "BatchFixedError", "refuse_vmap"]
+
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
 
 class BatchFixedAt(logging.Handler):
@@ -50,13 +52,9 @@ class BatchFixedAt(logging.Handler):
             return
         if not self._guard.match(str(record.args[1])):
             return
-        ours = os.path.dirname(os.path.abspath(__file__))  # graphpipe's own folder (no import of the package here)
-        skip = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (traceback, torch)) + (ours + os.sep,)
-        skip += ("<",)
-        for frame in reversed(traceback.extract_stack()):
-            if not frame.filename.startswith(skip):
-                self.where = (frame.filename, frame.lineno or 0, (frame.line or "").strip())
-                return
+        frame = library_frame(traceback.extract_stack(), (_TORCH,))
+        if frame is not None:
+            self.where = (frame.filename, frame.lineno or 0, (frame.line or "").strip())
 
     @contextlib.contextmanager
     def watching(self):

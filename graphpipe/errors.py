@@ -31,6 +31,8 @@ __all__ = [
     "UserCodeError",
     "user_code_error",
     "user_location",
+    "library_frame",
+    "library_location",
 ]
 
 
@@ -123,14 +125,20 @@ def user_location(exc: BaseException, user_file: str | None = None) -> str:
     return f"{user_file}: " if user_file else ""
 
 
-def library_location(exc: BaseException, skip: tuple[str, ...] = ()) -> str:
-    """``"file:line: "`` of the deepest traceback frame outside graphpipe, the stdlib and the folders ``skip``
-    ("" when none): a model whose code is installed (transformers) fails in that library, not in user code."""
-    frames = traceback.extract_tb(exc.__traceback__) if exc.__traceback__ else []
+def library_frame(frames: list[traceback.FrameSummary], skip: tuple[str, ...] = ()) -> traceback.FrameSummary | None:
+    """The deepest of ``frames`` (a traceback's or a stack's, outermost first) outside graphpipe, the stdlib and
+    the folders ``skip``: where an installed library (transformers) called in, when no user code did."""
     for frame in reversed(frames):
         if not frame.filename.startswith(("<", *_NOT_USER, *skip)):
-            return f"{frame.filename}:{frame.lineno}: "
-    return ""
+            return frame
+    return None
+
+
+def library_location(exc: BaseException, skip: tuple[str, ...] = ()) -> str:
+    """``"file:line: "`` of :func:`library_frame` in ``exc``'s traceback ("" when none): a model whose code is
+    installed (transformers) fails in that library, not in user code."""
+    frame = library_frame(traceback.extract_tb(exc.__traceback__) if exc.__traceback__ else [], skip)
+    return f"{frame.filename}:{frame.lineno}: " if frame is not None else ""
 
 
 def user_code_error(exc: BaseException, doing: str, user_file: str | None = None) -> UserCodeError:

@@ -61,7 +61,6 @@ from graphpipe.errors import FormatError, InputError
 
 __all__ = [
     "MAX_DOCUMENT_BYTES",
-    "pid_alive",
     "MAX_DEPTH",
     "read_json_file",
     "check_depth",
@@ -75,6 +74,7 @@ __all__ = [
     "string",
     "array",
     "mapping",
+    "pid_alive",
 ]
 
 MAX_DOCUMENT_BYTES = 256 * 2**20
@@ -265,7 +265,7 @@ def _remove_stale(path: str) -> None:
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether a process ``pid`` exists (one of another user's counts)."""
+    """Whether a process ``pid`` exists (another user's process counts as alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -160,17 +160,7 @@ def _may_use_cuda(backend: str) -> bool:
     return backend == "nccl" or torch.cuda.is_available()
 
 
-def _start_server(ctx) -> int | None:
-    """Start the forkserver (once per launcher process) and return its pid: the ranks' parent."""
-    if ctx.get_start_method() != "forkserver":
-        return None
-    from multiprocessing import forkserver
-
-    forkserver.ensure_running()
-    return getattr(forkserver._forkserver, "_forkserver_pid", None)
-
-
-def _detach(parent_pid: int, forker_pid: int | None, env: dict[str, str]) -> None:
+def _detach(parent_pid: int, forked: bool, env: dict[str, str]) -> None:
     """First thing in a rank: the launcher's environment, own process group, die with the launcher, signals on.
 
     The launcher blocked SIGINT/SIGTERM/SIGHUP while it started us (and the
@@ -182,7 +172,7 @@ def _detach(parent_pid: int, forker_pid: int | None, env: dict[str, str]) -> Non
     if os.environ != env:  # the forkserver's environment is the launcher's when the server started
         os.environ.clear()
         os.environ.update(env)
-    if forker_pid is not None:
+    if forked:
         _let_go_of_the_server()
     os.setpgid(0, 0)  # Ctrl-C at the terminal goes to the foreground group: the launcher only
     try:
@@ -192,7 +182,9 @@ def _detach(parent_pid: int, forker_pid: int | None, env: dict[str, str]) -> Non
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: the kernel ends us when our parent dies, even by SIGKILL
     except (OSError, AttributeError):
         pass
-    if os.getppid() != (forker_pid or parent_pid) or not pid_alive(parent_pid):  # gone before prctl took effect
+    # the launcher died before prctl took effect (a forked rank's parent is the server, which may outlive the
+    # launcher by a moment: its liveness is the launcher's own)
+    if not pid_alive(parent_pid) or (not forked and os.getppid() != parent_pid):
         os._exit(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides; it ends us with SIGTERM
     for signum in (signal.SIGTERM, signal.SIGHUP):
@@ -273,8 +265,8 @@ def _let_go_of_the_server() -> None:
 
 
 def _child(rank: int, world_size: int, jobs, init_method: str, results: mp.Queue, parent_pid: int,
-           forker_pid: int | None, env: dict[str, str]) -> None:
-    _detach(parent_pid, forker_pid, env)
+           forked: bool, env: dict[str, str]) -> None:
+    _detach(parent_pid, forked, env)
     beat = _Heartbeat(rank, results, threading.main_thread().ident)
     beat.start()
     try:
@@ -367,9 +359,9 @@ def launch(jobs: Sequence[tuple[dict, RunOptions]], world_size: int) -> list[Run
         # inside this try.
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
         try:
-            forker = _start_server(ctx)
+            forked = ctx.get_start_method() == "forkserver"
             procs.extend(ctx.Process(target=_child, args=(r, world_size, list(jobs), init_method, results, os.getpid(),
-                                                          forker, env), daemon=True, name=f"graphpipe-rank{r}")
+                                                          forked, env), daemon=True, name=f"graphpipe-rank{r}")
                          for r in range(world_size))
             for p in procs:
                 p.start()
