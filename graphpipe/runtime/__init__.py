@@ -116,9 +116,9 @@ def preflight(plan: Plan, options: RunOptions) -> None:
         if options.precision != "fp32":
             raise InputError(f"{spec.name} runs at fp32 only (its replay check is exact); drop --precision")
         version_table(plan.stage_graph, spec, options.steps)  # 2bw's m must divide steps x micro-batches
-    # a factory is built with its parameters on meta (or builds on meta itself): nothing is allocated here either
-    runnable = load_runnable(plan.model, options.seed, "meta" if ".py:" not in plan.model else "cpu",
-                             granularity=plan_granularity(plan), meta_params=".py:" in plan.model)
+    # Captured as each rank loads it (parameters on meta: nothing is allocated here either), so the launcher
+    # ships this capture to the ranks instead of each exporting the model again (runtime/shipping.py).
+    runnable = load_runnable(plan.model, options.seed, "cpu", granularity=plan_granularity(plan), meta_params=True)
     check_op_names([op.name for op in plan.graph.ops], runnable.op_names, plan.model)
     split = split_model(runnable.gm, runnable.op_nodes, plan.stage_graph)
     if options.precision == "bf16":

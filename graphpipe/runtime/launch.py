@@ -265,12 +265,15 @@ def _let_go_of_the_server() -> None:
 
 
 def _child(rank: int, world_size: int, jobs, init_method: str, results: mp.Queue, parent_pid: int,
-           forked: bool, env: dict[str, str]) -> None:
+           forked: bool, env: dict[str, str], shipped: dict) -> None:
     _detach(parent_pid, forked, env)
     beat = _Heartbeat(rank, results, threading.main_thread().ident)
     beat.start()
     try:
+        from graphpipe.runtime.runnable import adopt_shipments
         from graphpipe.runtime.worker import run_rank
+
+        adopt_shipments(shipped)
 
         if rank == 0:  # rank 0's steps are the run's: each one moves the launcher's bar
             set_step_hook(lambda: results.put(("step", rank, None, None, time.time())))
@@ -335,6 +338,15 @@ def _quiet_resource_tracker() -> None:
         warnings.filterwarnings("ignore", message="resource_tracker", category=UserWarning)
 
 
+def _shipments(jobs: Sequence[tuple[dict, RunOptions]]) -> dict:
+    """The jobs' models as this process captured them (its preflight), for the ranks to rebuild rather than
+    export again (:mod:`graphpipe.runtime.shipping`); empty where nothing is captured here."""
+    from graphpipe.runtime.runnable import shipments
+
+    return shipments([(doc["model"], options.seed, (doc.get("search") or {}).get("granularity"))
+                      for doc, options in jobs])
+
+
 def launch(jobs: Sequence[tuple[dict, RunOptions]], world_size: int) -> list[RunResult | None]:
     """Run ``jobs`` (plan documents with options) on ``world_size`` fresh processes; rank 0's
     :class:`~graphpipe.runtime.results.RunResult` per job.
@@ -349,6 +361,7 @@ def launch(jobs: Sequence[tuple[dict, RunOptions]], world_size: int) -> list[Run
     results: mp.Queue = ctx.Queue()
     init_method = f"tcp://127.0.0.1:{free_port()}"
     env = dict(os.environ)
+    shipped = _shipments(jobs)
     procs: list = []
     watch = _Watch(procs, max(options.timeout_s for _, options in jobs), any(options.compile for _, options in jobs))
     job_results: dict[int, dict | None] = {}
@@ -361,7 +374,7 @@ def launch(jobs: Sequence[tuple[dict, RunOptions]], world_size: int) -> list[Run
         try:
             forked = ctx.get_start_method() == "forkserver"
             procs.extend(ctx.Process(target=_child, args=(r, world_size, list(jobs), init_method, results, os.getpid(),
-                                                          forked, env), daemon=True, name=f"graphpipe-rank{r}")
+                                                          forked, env, shipped), daemon=True, name=f"graphpipe-rank{r}")
                          for r in range(world_size))
             for p in procs:
                 p.start()

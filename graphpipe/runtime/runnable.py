@@ -72,6 +72,9 @@ class Runnable:
     each rank materializes its own stages; ``make_inputs`` still makes real data."""
     initial: dict = field(default_factory=dict)
     """With ``meta_params``: the buffers' values as built, by name (:func:`~graphpipe.runtime.materialize.buffers_to_meta`)."""
+    shipment: bytes | None = None
+    """The capture as :func:`~graphpipe.runtime.shipping.pack` bytes, for the ranks a launcher starts (captures that
+    a rank would make: on the CPU, parameters on meta; None otherwise, or where it cannot travel)."""
 
     def shape_inputs(self, batch_size: int, seed: int = 0) -> tuple:
         """``make_inputs``, on the meta device when the parameters are: for runs that only read shapes."""
@@ -89,6 +92,32 @@ _PRISTINE: dict[tuple, Runnable] = {}
 """Captured runnables by (spec, seed, device, granularity, factory file stamp), as first built, never trained."""
 _PRISTINE_MAX = 8
 
+_SHIPPED: dict[tuple, bytes] = {}
+"""Captures the launcher shipped to this rank (:func:`adopt_shipments`), by :func:`load_runnable`'s key."""
+
+
+def rank_key(spec: str, seed: int, granularity: str | None) -> tuple:
+    """:func:`load_runnable`'s key for what a rank loads: on the CPU, parameters on meta (runtime/worker.py)."""
+    return (spec, seed, "cpu", granularity, _factory_stamp(spec), True)
+
+
+def shipments(wanted: Sequence[tuple[str, int, str | None]]) -> dict[tuple, bytes]:
+    """The captures this process holds of the rank loads ``wanted`` (spec, seed, granularity), packed for the
+    ranks it is about to start: they rebuild them instead of capturing (:mod:`graphpipe.runtime.shipping`).
+    Only what is already captured travels; the rest the ranks capture themselves."""
+    out = {}
+    for spec, seed, granularity in wanted:
+        key = rank_key(spec, seed, granularity)
+        pristine = _PRISTINE.get(key)
+        if pristine is not None and pristine.shipment is not None:
+            out[key] = pristine.shipment
+    return out
+
+
+def adopt_shipments(shipped: dict[tuple, bytes]) -> None:
+    """In a rank: the launcher's captures, used by :func:`load_runnable` in place of capturing anew."""
+    _SHIPPED.update(shipped)
+
 
 def load_runnable(spec: str, seed: int = 0, device: str = "cpu", capture: bool = True,
                   granularity: str | None = None, meta_params: bool = False) -> Runnable:
@@ -101,13 +130,13 @@ def load_runnable(spec: str, seed: int = 0, device: str = "cpu", capture: bool =
     if key not in _PRISTINE:
         if len(_PRISTINE) >= _PRISTINE_MAX:
             _PRISTINE.pop(next(iter(_PRISTINE)))
-        _PRISTINE[key] = build_runnable(spec, seed, device, capture, granularity, meta_params)
+        _PRISTINE[key] = build_runnable(spec, seed, device, capture, granularity, meta_params, _SHIPPED.pop(key, None))
     pristine = _PRISTINE[key]
     import copy
 
     module, gm = copy.deepcopy((pristine.module, pristine.gm))  # one memo: the copies share their tensors
     return Runnable(spec, module, gm, pristine.op_nodes, pristine.op_names, pristine.loss_fn, pristine.make_inputs,
-                    pristine.io, pristine.meta_params, pristine.initial)
+                    pristine.io, pristine.meta_params, pristine.initial, pristine.shipment)
 
 
 def _factory_stamp(spec: str) -> tuple:
@@ -123,7 +152,8 @@ def _factory_stamp(spec: str) -> tuple:
 
 
 def build_runnable(spec: str, seed: int = 0, device: str = "cpu", capture: bool = True,
-                   granularity: str | None = None, meta_params: bool = False) -> Runnable:
+                   granularity: str | None = None, meta_params: bool = False,
+                   shipped: bytes | None = None) -> Runnable:
     """Build (and capture) the model named by a plan's ``model``: a zoo spec or ``file.py:factory``.
 
     The runnable graph takes the model's inputs flattened (keyword inputs in
@@ -138,7 +168,10 @@ def build_runnable(spec: str, seed: int = 0, device: str = "cpu", capture: bool 
     parameters on the meta device (:func:`~graphpipe.runtime.materialize.params_on_meta`;
     a factory that builds on the meta device itself is accepted too) and
     captured on meta inputs; nothing of its weights is allocated until a
-    rank materializes its stages.
+    rank materializes its stages. ``shipped``: the launcher's capture of this
+    model (:mod:`~graphpipe.runtime.shipping`), rebuilt around the module
+    built here instead of exporting it again (captured anyway where it does
+    not fit).
     """
     from graphpipe import capture as cap
     from graphpipe.runtime.materialize import buffers_to_meta, kept_values, meta_copy, on_meta, params_on_meta
@@ -172,9 +205,17 @@ def build_runnable(spec: str, seed: int = 0, device: str = "cpu", capture: bool 
         return Runnable(spec, module, None, {}, (), loss_fn,  # type: ignore[arg-type]
                         make_inputs or _synthetic_inputs(flat, device, len(target_leaves)), None, meta_params,
                         initial)
-    from graphpipe.runtime.stage_modules import instrument
-
     shapes = meta_copy if meta_params else (lambda x: x)  # meta weights are captured on meta inputs
+    if shipped is not None:
+        from graphpipe.runtime.shipping import ShipMismatch, unpack
+
+        try:
+            gm, op_nodes, io = unpack(shipped, module)
+        except ShipMismatch as exc:
+            log.info("%s: capturing on this rank: %s", spec, exc)
+        else:
+            return _assemble(spec, module, gm, op_nodes, io, example, target, loss_fn, make_inputs, device,
+                             meta_params, initial, shipped)
     try:
         exported, op_nodes, _ = cap.trace_ops(module, shapes(example), loss_fn, shapes(target),
                                               cap.Granularity.parse(granularity))
@@ -189,14 +230,35 @@ def build_runnable(spec: str, seed: int = 0, device: str = "cpu", capture: bool 
             return build_runnable(spec, seed, device, capture, granularity, meta_params=False)
         except PlanError:  # the factory builds on meta itself: the capture's own error is the one to show
             raise exc from None
+    shipment = None
+    if device == "cpu" and meta_params:  # what ranks load: a launcher holding it ships it to them
+        from graphpipe.runtime.shipping import pack
+
+        try:
+            shipment = pack(module, exported.gm, op_nodes, exported.io)
+        except Exception as exc:  # noqa: BLE001 - an object that cannot travel: the ranks capture themselves
+            log.info("%s: the capture cannot be shipped to ranks (%s: %s)", spec, type(exc).__name__, exc)
+    return _assemble(spec, module, exported.gm, op_nodes, exported.io, example, target, loss_fn, make_inputs, device,
+                     meta_params, initial, shipment)
+
+
+def _assemble(spec: str, module: torch.nn.Module, gm: torch.fx.GraphModule, op_nodes: dict, io: Any, example: Any,
+              target: Any, loss_fn: Callable, make_inputs: Callable | None, device: str, meta_params: bool,
+              initial: dict, shipment: bytes | None) -> Runnable:
+    """The :class:`Runnable` of a capture (made here or shipped): its synthetic data, its graph instrumented."""
+    from graphpipe import capture as cap
+    from graphpipe.runtime.materialize import meta_copy
+    from graphpipe.runtime.stage_modules import instrument
+
+    shapes = meta_copy if meta_params else (lambda x: x)
     args, kwargs = cap.normalize_inputs(example)
-    flat = exported.io.flat_inputs(args, kwargs, target)
-    make_inputs = make_inputs or _synthetic_inputs(flat, device, len(target_leaves))
-    gm = exported.gm
+    flat = io.flat_inputs(args, kwargs, target)
+    num_targets = len(tree_leaves(target)) if target is not None else 0
+    make_inputs = make_inputs or _synthetic_inputs(flat, device, num_targets)
     # the meta device (preflight) only cuts the model: no run to find random calls
     gm = instrument(gm, shapes(make_inputs(2, 0)) if device != "meta" else None)
-    return Runnable(spec, module, gm, op_nodes, tuple(op_nodes), exported.io.wrap_loss(loss_fn), make_inputs, exported.io,
-                    meta_params, initial)
+    return Runnable(spec, module, gm, op_nodes, tuple(op_nodes), io.wrap_loss(loss_fn), make_inputs, io,
+                    meta_params, initial, shipment)
 
 
 def plan_granularity(plan: Plan) -> str | None:
