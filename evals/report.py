@@ -73,10 +73,10 @@ PAPER = {
     "bench_api-compile-cuda": "(issue 47's GPU target: compiled API >= 1.0x a torch.compile'd plain loop on one GPU "
                               "and above eager: `bash evals/gpu_check.sh`)",
     "bench_api-compile-bf16-cuda": "(the same at bf16: `bash evals/gpu_check.sh`)",
-    "bench_launch": "(no paper figure; a run's start-up on a small host: CPU ranks forked by a preloaded forkserver "
-                    "against ranks spawned afresh, for a fresh `graphpipe run` command of a small model and for a "
-                    "later launch in one process, medians in alternating order: "
-                    "`python -m graphpipe.evals.bench_launch --out evals`)",
+    "bench_launch": "(no paper figure; a run's start-up on a small host: ranks spawned afresh, forked by a preloaded "
+                    "forkserver, and forked and given the launcher's capture instead of exporting the model, for a "
+                    "fresh `graphpipe run` command of a small model and for a later launch in one process, medians "
+                    "in alternating order: `python -m graphpipe.evals.bench_launch --out evals`)",
     "overlap_sends": "(issue 47: receives posted one action ahead on CUDA ranks against posted at use, two GPUs: "
                      "`python -m graphpipe.evals.overlap_sends`)",
     "bench_api-torch": "(issue 31/32's target: >= 1.0x torch.distributed.pipelining on CPU ranks with the same "
@@ -264,11 +264,12 @@ def _headline(name: str, res: dict[str, Any]) -> str:
     s = res.get("summary") or {}
     if name == "bench_launch":
         by = {(r["launch"], r["start_method"]): r["median_s"] for r in res["rows"]}
-        return (f"{res['config']['spec']} on {res['config']['ranks']} CPU ranks, 2 steps, spawned vs forked by the "
-                f"forkserver: a fresh `graphpipe run` {fmt(by[('command', 'spawn')])} s vs "
-                f"{fmt(by[('command', 'forkserver')])} s ({fmt(s['spawn_over_forkserver']['command'])}x); a later "
-                f"launch in one process {fmt(by[('repeated', 'spawn')])} s vs {fmt(by[('repeated', 'forkserver')])} s "
-                f"({fmt(s['spawn_over_forkserver']['repeated'])}x)")
+        ways = ", ".join(f"{'a fresh `graphpipe run`' if w == 'command' else 'a later launch in one process'} "
+                         f"{fmt(by[(w, 'spawn')])} / {fmt(by[(w, 'forkserver')])} / {fmt(by[(w, 'shipped')])} s "
+                         f"({fmt(s[f'{w}_spawn_over_shipped'])}x / {fmt(s[f'{w}_forkserver_over_shipped'])}x)"
+                         for w in ("command", "repeated"))
+        return (f"{res['config']['spec']} on {res['config']['ranks']} CPU ranks, 2 steps, spawned / forked / forked "
+                f"with the launcher's capture shipped (ratios to shipped): {ways}")
     if name == "rank-rss":
         rows = res["rows"]
         return (f"{res['config']['spec']} ({fmt(s['whole_model_weight_bytes'] / 1e6)} MB of weights, too big for one "

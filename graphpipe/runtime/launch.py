@@ -340,8 +340,15 @@ def _quiet_resource_tracker() -> None:
 
 def _shipments(jobs: Sequence[tuple[dict, RunOptions]]) -> dict:
     """The jobs' models as this process captured them (its preflight), for the ranks to rebuild rather than
-    export again (:mod:`graphpipe.runtime.shipping`); empty where nothing is captured here."""
+    export again (:mod:`graphpipe.runtime.shipping`); empty where nothing is captured here, or with
+    ``GRAPHPIPE_SHIP_CAPTURE=off`` (every rank captures, as under ``torchrun``: ``evals/bench_launch.py``)."""
     from graphpipe.runtime.runnable import shipments
+
+    chosen = os.environ.get("GRAPHPIPE_SHIP_CAPTURE", "")
+    if chosen not in ("", "on", "off"):
+        raise InputError(f"GRAPHPIPE_SHIP_CAPTURE={chosen!r}: use on or off (or leave it unset)")
+    if chosen == "off":
+        return {}
 
     return shipments([(doc["model"], options.seed, (doc.get("search") or {}).get("granularity"))
                       for doc, options in jobs])
