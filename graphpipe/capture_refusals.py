@@ -6,7 +6,13 @@ message (which names a symbol or no line at all):
 * :class:`BatchFixedAt` watches export's shape log for the guard that fixes
   the batch to the example's size (a Python list of the batch's rows, as
   LLaVA makes of its image features) and keeps that source line;
-* :func:`refuse_vmap` refuses a graph that runs ``torch.vmap``.
+* :func:`refuse_vmap` refuses a graph that runs ``torch.vmap``;
+* :class:`CustomBackwards` watches ``torch.autograd.Function.apply`` while
+  exporting: export records a custom Function's forward as plain ops and
+  drops its ``backward``, so one whose backward is not its forward's
+  derivative (a straight-through estimator) would silently train with other
+  gradients (and ``--check``, whose reference runs the same captured graph,
+  could not see it).
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import torch.nn as nn
 
 from graphpipe.errors import UserCodeError, library_frame
 
-__all__ = ["BatchFixedAt", "BatchFixedError", "refuse_vmap"]
+__all__ = ["BatchFixedAt", "BatchFixedError", "CustomBackwards", "refuse_vmap"]
 
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
@@ -107,3 +113,110 @@ def refuse_vmap(gm: fx.GraphModule, module: nn.Module, path_of: Callable[[fx.Nod
         inside = f" inside {path}" + (f" ({typ.__name__})" if typ is not None else "")
     raise UserCodeError(f"{where}torch.export cannot capture {type(module).__name__}: torch.vmap runs{inside}, "
                         "and its batching levels have no data edges, so the graph cannot be cut into stages")
+
+
+class CustomBackwards:
+    """While exporting, the custom ``torch.autograd.Function`` calls whose ``backward`` differs from their forward's
+    derivative (module docstring), each with the source line that applied it.
+
+    Each call of a Function defined outside torch is probed once per class, outside export's tracing, on random
+    inputs of the call's shapes: the Function's own ``backward`` against autograd through its ``forward``. One
+    whose probe cannot run is counted as differing (nothing shows the gradient export keeps is the user's).
+    Bloom's GeLU (a hand-written derivative of its tanh approximation) keeps its gradient and passes.
+    """
+
+    def __init__(self) -> None:
+        self.found: list[tuple[type, str]] = []
+        self._probed: set[type] = set()
+
+    def refusal(self, module: nn.Module) -> UserCodeError | None:
+        """The one-line error for the first differing Function, or None."""
+        if not self.found:
+            return None
+        cls, where = self.found[0]
+        return UserCodeError(f"{where}torch.export cannot capture {type(module).__name__}: the custom "
+                             f"autograd.Function {cls.__qualname__} has a backward that is not its forward's "
+                             "derivative (or its forward does not run on random inputs of its call's shapes), and "
+                             "export keeps only the forward's ops (its gradient would be autograd's through them); "
+                             "write that gradient with tensor ops instead (a straight-through estimator: "
+                             "x + (f(x) - x).detach())")
+
+    @contextlib.contextmanager
+    def watching(self):
+        function = torch.autograd.Function
+        original = function.__dict__["apply"]
+        watch = self
+
+        def apply(cls, *args, **kwargs):
+            if cls not in watch._probed and not cls.__module__.startswith(("torch.", "graphpipe.")):
+                same = _same_gradient(cls, args, kwargs, original.__func__)
+                if same is not None:  # a call with nothing to differentiate (on the data) leaves it unprobed
+                    watch._probed.add(cls)
+                if same is False:
+                    frame = library_frame(traceback.extract_stack()[:-1], (_TORCH,))
+                    watch.found.append((cls, f"{frame.filename}:{frame.lineno}: " if frame is not None else ""))
+            return original.__func__(cls, *args, **kwargs)
+
+        function.apply = classmethod(apply)
+        try:
+            yield self
+        finally:
+            function.apply = original
+
+
+class _Ctx:
+    """A stand-in for a Function's context when its forward runs as plain autograd ops."""
+
+    needs_input_grad: tuple = ()
+
+    def save_for_backward(self, *tensors):
+        self.saved_tensors = tensors
+
+    def mark_dirty(self, *args):
+        pass
+
+    def mark_non_differentiable(self, *args):
+        pass
+
+    def set_materialize_grads(self, value):
+        pass
+
+
+def _same_gradient(cls: type, args: tuple, kwargs: dict, apply: Callable) -> bool | None:
+    """Whether ``cls``'s backward (through ``apply``, torch's own ``Function.apply``) equals autograd through its
+    forward on random inputs of ``args``' shapes (None: no input or output of this call needs a gradient)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    def real(value):
+        if not isinstance(value, torch.Tensor):
+            return value
+        # a symbolic size (the batch) at 2 rows: a paper-size model's activations would not fit in float64
+        shape = [min(int(s.node.hint), 2) if isinstance(s, torch.SymInt) else int(s) for s in value.shape]
+        if value.dtype.is_floating_point:
+            return torch.randn(shape, generator=gen, dtype=torch.float64).requires_grad_(value.requires_grad)
+        return torch.zeros(shape, dtype=value.dtype)
+
+    try:
+        with _disable_current_modes(), torch._C.DisableTorchFunction(), torch.enable_grad():
+            gen = torch.Generator().manual_seed(0)
+            xs = [real(a) for a in args]
+            wrt = [x for x in xs if isinstance(x, torch.Tensor) and x.requires_grad]
+            if not wrt:
+                return None
+            ours = apply(cls, *xs, **kwargs)
+            theirs = cls.forward(_Ctx(), *xs, **kwargs)
+            ours, theirs = (o if isinstance(o, (tuple, list)) else (o,) for o in (ours, theirs))
+            pairs = [(a, b) for a, b in zip(ours, theirs) if isinstance(a, torch.Tensor) and a.requires_grad
+                     and isinstance(b, torch.Tensor) and b.requires_grad]
+            if not pairs:
+                return None
+            grads = [torch.randn(a.shape, generator=gen, dtype=a.dtype) for a, _ in pairs]
+            g_ours = torch.autograd.grad([a for a, _ in pairs], wrt, grads, allow_unused=True)
+            g_theirs = torch.autograd.grad([b for _, b in pairs], wrt, grads, allow_unused=True)
+        return all((a is None and b is None) or (a is not None and b is not None
+                                                 and torch.allclose(a, b, rtol=1e-4, atol=1e-6))
+                   or (a is None and b is not None and not b.any()) or (b is None and a is not None and not a.any())
+                   for a, b in zip(g_ours, g_theirs))
+    except Exception as exc:  # noqa: BLE001 - a forward that cannot run on random inputs: its gradient is unconfirmed
+        logging.getLogger(__name__).debug("probing %s's backward failed: %r", cls.__qualname__, exc)
+        return False

@@ -62,7 +62,7 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from graphpipe.capture_refusals import BatchFixedAt, BatchFixedError, refuse_vmap
+from graphpipe.capture_refusals import BatchFixedAt, BatchFixedError, CustomBackwards, refuse_vmap
 from graphpipe.errors import InputError, UserCodeError
 
 __all__ = ["IOSpec", "Exported", "export_model", "module_path", "module_stack", "replicable_nodes",
@@ -532,11 +532,13 @@ def export_model(module: nn.Module, example_inputs: Any, loss_fn: Callable[..., 
     # a Hugging Face model: training keeps no KV cache (an encoder-decoder's stacks hold configs of their own)
     configs = {id(c): c for m in module.modules() if (c := getattr(m, "config", None)) is not None
                and getattr(c, "use_cache", None)}
+    custom = CustomBackwards()
     try:
         for config in configs.values():
             config.use_cache = False
         with (_opaque_batchnorms(module) as batchnorms, _quiet_torch_logs(), _no_stack_traces(),
-              _no_partial_graph_dump(), _KeepDataValues() if meta else contextlib.nullcontext()):
+              _no_partial_graph_dump(), _KeepDataValues() if meta else contextlib.nullcontext(),
+              custom.watching()):
             ep = _export_dynamic_batch(module, args, kwargs, dynamic)
     except Exception as exc:  # export raises many types; the first line and the user's location say why
         raise UserCodeError(f"{_export_location(exc)}torch.export cannot capture {type(module).__name__}: "
@@ -545,6 +547,8 @@ def export_model(module: nn.Module, example_inputs: Any, loss_fn: Callable[..., 
         module.train(training)
         for config in configs.values():
             config.use_cache = True
+    if (refusal := custom.refusal(module)) is not None:
+        raise refusal
     seconds = time.perf_counter() - t0
     gm = ep.module()
     refuse_vmap(gm, module, lambda node: module_path(module_stack(node)[-1][1]) if module_stack(node) else None)

@@ -311,6 +311,66 @@ def test_a_model_fixing_the_batch_is_still_refused():
         capture(_FixesBatch(), (torch.randn(4, 8),), loss_fn=lambda out: out.sum())
 
 
+class _RoundSTE(torch.autograd.Function):
+    """Straight-through rounding (quantization-aware training): its backward is not its forward's derivative."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x * 4) / 4
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class _Cube(torch.autograd.Function):
+    """A hand-written backward that is its forward's derivative (as Bloom's GeLU)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x ** 3
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return 3 * x * x * grad
+
+
+class _CustomBackward(nn.Module):
+    def __init__(self, function):
+        super().__init__()
+        self.function = function
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.b(self.function.apply(torch.tanh(self.a(self.function.apply(x)))))  # first call: on the data
+
+
+@pytest.mark.parametrize("function", [_RoundSTE, _Cube])
+def test_a_custom_backward_export_would_drop_is_refused_and_a_derivative_is_kept(function):
+    """Export keeps a custom autograd.Function's forward ops and drops its backward. A backward that differs from
+    the forward's derivative (a straight-through estimator) is refused naming the Function and its line; one that is
+    the derivative captures, and the captured graph's gradients are the module's (the oracle)."""
+    from graphpipe.errors import UserCodeError
+
+    torch.manual_seed(0)
+    model, x = _CustomBackward(function), torch.randn(4, 4)
+    loss_fn = lambda out: out.square().sum()  # noqa: E731
+    if function is _RoundSTE:
+        with pytest.raises(UserCodeError, match=r"test_capture\.py:\d+: .*autograd\.Function _RoundSTE has a "
+                                                r"backward that is not its forward's derivative"):
+            capture(model, (x,), loss_fn=loss_fn)
+        return
+    cap = capture(model, (x,), loss_fn=loss_fn)
+    expected = dict(zip([n for n, _ in model.named_parameters()],
+                        torch.autograd.grad(loss_fn(model(x)), list(model.parameters()))))
+    captured = dict(cap.gm.named_parameters())
+    got = torch.autograd.grad(loss_fn(run_gm(cap, x)), [captured[name] for name in expected])
+    for (name, want), grad in zip(expected.items(), got):
+        torch.testing.assert_close(grad, want, msg=name)
+
+
 def test_llama4_experts_capture_with_a_dynamic_batch():
     """Llama-4's mixture of experts: a named batch dimension fails export's solver; the capture still keeps the
     batch a symbol, so the graph runs at another micro-batch size."""

@@ -103,6 +103,20 @@ def test_a_tensor_without_initialiser_is_listed_and_buffers_keep_their_built_val
     assert torch.equal(net.left[1].running_mean, torch.full((6,), 2.0))
 
 
+def test_a_weight_normed_layer_is_initialised_through_its_parametrization():
+    """``weight_norm`` (HuBERT's and Wav2Vec2's positional convolution): the layer's initialiser reaches the stored
+    ``g`` and ``v``, as an eager build's does. Oracle: weight norm's own invariant (``g`` is the norm of ``v`` per
+    output slice, so the computed weight is ``v``) and ``Conv1d.reset_parameters``'s bound ``1/sqrt(fan_in)``."""
+    with torch.device("meta"):
+        conv = nn.utils.parametrizations.weight_norm(nn.Conv1d(4, 4, 3), dim=2)
+    materialize_stages(conv, {0: stage(conv)}, torch.device("cpu"), seed=0)
+    g, v = conv.parametrizations.weight.original0, conv.parametrizations.weight.original1
+    assert g.device.type == v.device.type == "cpu" and torch.isfinite(v).all() and v.abs().max() > 0
+    assert v.abs().max() <= 1 / (4 * 3) ** 0.5
+    torch.testing.assert_close(g, torch.norm_except_dim(v, 2, 2))
+    torch.testing.assert_close(conv.weight, v)
+
+
 def test_device_literals_captured_on_meta_are_retargeted():
     class Pos(nn.Module):
         def forward(self, x):

@@ -310,11 +310,44 @@ def _initialise(model: nn.Module | None, owners, real: Mapping[str, torch.Tensor
             torch.manual_seed(tensor_seed(seed, path))
             reset = getattr(module, "reset_parameters", getattr(module, "_reset_parameters", None))
             if callable(reset):
-                reset()
+                with _through_parametrizations(module):
+                    reset()
             if callable(hf_init):  # the model's own scheme, over torch's default where it has one
                 hf_init(module)
             elif not callable(reset):
                 done.uninitialised.update(tensors)
+
+
+@contextlib.contextmanager
+def _through_parametrizations(module: nn.Module) -> Iterator[None]:
+    """Let ``module``'s initialiser fill its parametrized tensors (``weight_norm``'s ``weight``: HuBERT's and
+    Wav2Vec2's positional convolution).
+
+    Reading a parametrized ``module.weight`` computes a new tensor from the
+    stored originals (weight norm's ``g`` and ``v``), so ``reset_parameters``
+    filling it in place filled a temporary and left the originals as
+    allocated (garbage: the model trained to NaN). Inside this block the name
+    reads a plain tensor of its shape; after the initialiser it is assigned
+    back, which sets the originals through the parametrization's
+    ``right_inverse`` as an eager ``module.weight = ...`` does.
+    """
+    from torch.nn.utils import parametrize
+
+    if not parametrize.is_parametrized(module):
+        yield
+        return
+    cls = type(module)  # parametrize gave this module a class of its own, holding one property per name
+    plain = {name: torch.empty_like(getattr(module, name)) for name in module.parametrizations}
+    saved = {name: cls.__dict__[name] for name in plain}
+    for name in plain:
+        setattr(cls, name, property(lambda self, name=name: plain[name]))
+    try:
+        yield
+    finally:
+        for name, prop in saved.items():
+            setattr(cls, name, prop)
+    for name, value in plain.items():
+        setattr(module, name, value)
 
 
 def _initialiser_of(module: nn.Module, path: str, modules: Mapping[str, nn.Module]) -> tuple[nn.Module, str]:
