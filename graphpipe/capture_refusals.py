@@ -27,7 +27,7 @@ import torch.nn as nn
 
 from graphpipe.errors import UserCodeError, library_frame
 
-__all__ = ["BatchFixedAt", "BatchFixedError", "meta_value_error", "refuse_vmap"]
+__all__ = ["BatchFixedAt", "BatchFixedError", "MetaValueError", "meta_value_error", "refuse_vmap"]
 
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
@@ -111,11 +111,15 @@ def refuse_vmap(gm: fx.GraphModule, module: nn.Module, path_of: Callable[[fx.Nod
                         "and its batching levels have no data edges, so the graph cannot be cut into stages")
 
 
+class MetaValueError(UserCodeError):
+    """A model on the meta device reads a tensor's value: refused whatever the depth it is captured at."""
+
+
 _VALUE_OPS = ("_local_scalar_dense", "item", "nonzero", "tolist")
 """Ops of an exported graph that read a tensor's values (a data-dependent shape or a Python number)."""
 
 
-def meta_value_error(exc: BaseException, gm: fx.GraphModule) -> UserCodeError | None:
+def meta_value_error(exc: BaseException, gm: fx.GraphModule) -> MetaValueError | None:
     """The one-line refusal when running ``gm`` on the meta device failed because an op reads a tensor's value.
 
     A model built on the meta device has shapes but no values, so an op
@@ -135,6 +139,6 @@ def meta_value_error(exc: BaseException, gm: fx.GraphModule) -> UserCodeError | 
         if files:
             where = f"{files[-1].split(', in ')[0][5:]}: "
     op = str(node.target) if node is not None else "an op"
-    return UserCodeError(f"{where}the forward reads a tensor's value ({op}: a shape that depends on the data, such "
+    return MetaValueError(f"{where}the forward reads a tensor's value ({op}: a shape that depends on the data, such "
                          "as tokens per expert), which a model on the meta device does not have; build the model "
                          "and its example inputs on the CPU (real tensors) to capture it")

@@ -28,9 +28,10 @@ position table, a prefix of 1. The cut keeps the prefix and the first
 :data:`KEPT` units. The rest is checked on what the cut capture gives
 (:func:`unroll`): the kept units' ops come one unit after another, the
 middle units' ops, edges and costs are identical, a unit only feeds the
-next one (and is fed by ops before the run, the prefix's included), and
-no glue op (named after its fx node, so its name would shift with the
-number of layers) follows the run. Anything else, including a forward that
+next one (and is fed by ops before the run, the prefix's included); a
+glue op after the run is named after its fx node, numbered per base name,
+and is renamed by the nodes the left-out units would have made (the two
+middle units must have made the same). Anything else, including a forward that
 fails on the cut stack (one indexing ``layers[i]`` for ``i`` in
 ``range(config.num_layers)``), captures the whole module as before.
 
@@ -54,6 +55,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import torch.nn as nn
 
+from graphpipe.capture_refusals import MetaValueError
 from graphpipe.graph import OpGraph
 
 if TYPE_CHECKING:
@@ -379,6 +381,8 @@ def unrolled_capture(module: nn.Module, example_inputs: Any, **kwargs: Any) -> O
     try:
         with _cut(module, stacks):
             cut = capture(module, example_inputs, **kwargs)
+    except MetaValueError:
+        raise  # no depth captures a value the meta device does not have: refuse now, not after a whole capture
     except Exception as exc:  # the forward needs every block (it indexes them by a count of its own)
         log.info("capturing with stacks cut to %d blocks failed (%s); capturing the whole module", KEPT, exc)
         return None
