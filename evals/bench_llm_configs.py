@@ -97,6 +97,30 @@ def _median_row(runs: list[dict], batch_size: int, cluster: str) -> dict:
     return row
 
 
+def merge(args: argparse.Namespace, names: list[str], counts: list[int], rows: list[dict],
+          update: bool) -> tuple[dict, list[dict]]:
+    """The result's config and rows: ``rows`` of ``names`` alone, or, with ``update``, replacing only their rows
+    in the results already written (the config records which were measured again, when the sweep started and
+    under what load)."""
+    from graphpipe.evals.common import read_result
+    from graphpipe.evals.llm_configs import ARCHS, NAMES
+
+    config = {"configs": names, "devices": counts, "batch_size": args.batch_size, "cluster": args.cluster,
+              "repeat": args.repeat, "load_average": os.getloadavg(), "cpus": os.cpu_count(),
+              "shapes": {n: ARCHS[n][2] for n in names}}
+    old = read_result(args.out, args.name) if update else None
+    if old is None:
+        return config, rows
+    rows = [r for r in old["rows"] if r["config"] not in names] + rows
+    rows.sort(key=lambda r: (NAMES.index(r["config"]) if r["config"] in NAMES else len(NAMES), r["devices"]))
+    again = dict(old["config"].get("measured_again", {}))
+    again.update({n: {"devices": counts, "repeat": args.repeat, "load_average": config["load_average"],
+                      "when": args.started} for n in names})
+    measured = set(old["config"]["configs"]) | set(names)   # a config measured for the first time joins
+    return dict(old["config"], measured_again=again, configs=[n for n in NAMES if n in measured],
+                shapes=dict(old["config"].get("shapes", {}), **config["shapes"])), rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m graphpipe.evals.bench_llm_configs",
                                 description=__doc__.splitlines()[0])
@@ -111,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="replace only these configs' rows in the results already written (the others keep theirs, "
                         "and the config records which were measured again, when and under what load)")
     args = p.parse_args(argv)
-    from graphpipe.evals.common import read_result, write_result
+    args.started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())  # the sweep's start: "when" it was measured
+    from graphpipe.evals.common import write_result
     from graphpipe.evals.llm_configs import ARCHS, NAMES
 
     names = args.configs.split(",") if args.configs else list(NAMES)
@@ -119,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown configs {', '.join(unknown)}; known: {', '.join(NAMES)}")
     counts = [int(x) for x in args.devices.split(",")]
-    rows = []
+    rows: list[dict] = []
+    path = None
     for name in names:
         runs: dict[int, list[dict]] = {n: [] for n in counts}
         for _ in range(args.repeat):
@@ -128,20 +154,9 @@ def main(argv: list[str] | None = None) -> int:
         for n in counts:
             rows.append(_median_row(runs[n], args.batch_size, args.cluster))
             print(json.dumps(rows[-1]), flush=True)
-    config = {"configs": names, "devices": counts, "batch_size": args.batch_size, "cluster": args.cluster,
-              "repeat": args.repeat, "load_average": os.getloadavg(), "cpus": os.cpu_count(),
-              "shapes": {n: ARCHS[n][2] for n in names}}
-    old = read_result(args.out, args.name) if args.update else None
-    if old is not None:
-        rows = [r for r in old["rows"] if r["config"] not in names] + rows
-        rows.sort(key=lambda r: (NAMES.index(r["config"]) if r["config"] in NAMES else len(NAMES), r["devices"]))
-        again = dict(old["config"].get("measured_again", {}))
-        again.update({n: {"devices": counts, "repeat": args.repeat, "load_average": config["load_average"],
-                          "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())} for n in names})
-        measured = set(old["config"]["configs"]) | set(names)   # a config measured for the first time joins
-        config = dict(old["config"], measured_again=again, configs=[n for n in NAMES if n in measured],
-                      shapes=dict(old["config"].get("shapes", {}), **config["shapes"]))
-    path = write_result(args.out, args.name, config, rows)
+        # written after every configuration, so a sweep stopped part way keeps the rows it measured
+        done = names[:names.index(name) + 1]
+        path = write_result(args.out, args.name, *merge(args, done, counts, rows, args.update))
     print(f"wrote {path}")
     return 0
 

@@ -88,6 +88,7 @@ from torch.fx.passes.split_module import split_module
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
+from graphpipe.capture_refusals import meta_value_error
 from graphpipe.cluster import DeviceSpec, preset
 from graphpipe.errors import GraphCycleError, GraphpipeError, InputError, user_code_error
 from graphpipe.exporting import (Exported, IOSpec, deliver_target, export_model, module_path, module_stack,
@@ -717,7 +718,9 @@ def capture(module: nn.Module, example_inputs: Any, name: str | None = None,
     except GraphpipeError:
         raise
     except Exception as exc:
-        raise user_code_error(exc, "running the module's forward on its example inputs", user_file) from exc
+        refusal = meta_value_error(exc, gm)
+        raise (refusal or user_code_error(exc, "running the module's forward on its example inputs",
+                                          user_file)) from exc
     by_name = {n.name: n for n in gm.graph.nodes}
     members: dict[str, list[fx.Node]] = {op: [by_name[x] for x in names] for op, names in op_nodes.items()}
     op_of_node = {x: op for op, names in op_nodes.items() for x in names}

@@ -13,6 +13,8 @@ message (which names a symbol or no line at all):
   derivative (a straight-through estimator) would silently train with other
   gradients (and ``--check``, whose reference runs the same captured graph,
   could not see it).
+* :func:`meta_value_error` names the op that reads a tensor's value on the
+  meta device, where there is none (JetMoE's tokens per expert).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch.nn as nn
 
 from graphpipe.errors import UserCodeError, library_frame
 
-__all__ = ["BatchFixedAt", "BatchFixedError", "CustomBackwards", "refuse_vmap"]
+__all__ = ["BatchFixedAt", "BatchFixedError", "CustomBackwards", "MetaValueError", "meta_value_error", "refuse_vmap"]
 
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
@@ -220,3 +222,36 @@ def _same_gradient(cls: type, args: tuple, kwargs: dict, apply: Callable) -> boo
     except Exception as exc:  # noqa: BLE001 - a forward that cannot run on random inputs: its gradient is unconfirmed
         logging.getLogger(__name__).debug("probing %s's backward failed: %r", cls.__qualname__, exc)
         return False
+
+
+class MetaValueError(UserCodeError):
+    """A model on the meta device reads a tensor's value: refused whatever the depth it is captured at."""
+
+
+_VALUE_OPS = ("_local_scalar_dense", "item", "nonzero", "tolist")
+"""Ops of an exported graph that read a tensor's values (a data-dependent shape or a Python number)."""
+
+
+def meta_value_error(exc: BaseException, gm: fx.GraphModule) -> MetaValueError | None:
+    """The one-line refusal when running ``gm`` on the meta device failed because an op reads a tensor's value.
+
+    A model built on the meta device has shapes but no values, so an op
+    whose output shape depends on data (``.item()`` or ``.tolist()`` of the
+    tokens routed to each expert, as JetMoE's experts split their inputs) has
+    nothing to run on. None when ``exc`` is another failure. The message
+    names the op's source line when export kept it.
+    """
+    if "meta tensors" not in str(exc) and "meta tensor" not in str(exc):
+        return None
+    node = next((n for n in gm.graph.nodes if n.op == "call_function"
+                 and getattr(n.target, "__name__", "").split(".")[0] in _VALUE_OPS), None)
+    where = ""
+    if node is not None:
+        trace = (node.meta.get("stack_trace") or "").strip().splitlines()
+        files = [line.strip() for line in trace if line.strip().startswith("File ")]
+        if files:
+            where = f"{files[-1].split(', in ')[0][5:]}: "
+    op = str(node.target) if node is not None else "an op"
+    return MetaValueError(f"{where}the forward reads a tensor's value ({op}: a shape that depends on the data, such "
+                         "as tokens per expert), which a model on the meta device does not have; build the model "
+                         "and its example inputs on the CPU (real tensors) to capture it")

@@ -28,9 +28,10 @@ position table, a prefix of 1. The cut keeps the prefix and the first
 :data:`KEPT` units. The rest is checked on what the cut capture gives
 (:func:`unroll`): the kept units' ops come one unit after another, the
 middle units' ops, edges and costs are identical, a unit only feeds the
-next one (and is fed by ops before the run, the prefix's included), and
-no glue op (named after its fx node, so its name would shift with the
-number of layers) follows the run. Anything else, including a forward that
+next one (and is fed by ops before the run, the prefix's included); a
+glue op after the run is named after its fx node, numbered per base name,
+and is renamed by the nodes the left-out units would have made (the two
+middle units must have made the same). Anything else, including a forward that
 fails on the cut stack (one indexing ``layers[i]`` for ``i`` in
 ``range(config.num_layers)``), captures the whole module as before.
 
@@ -54,6 +55,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import torch.nn as nn
 
+from graphpipe.capture_refusals import MetaValueError
 from graphpipe.graph import OpGraph
 
 if TYPE_CHECKING:
@@ -223,12 +225,15 @@ def _block_path(stack: str, key: str) -> str:
     return f"{stack}.{key}" if stack else key
 
 
-def unroll(graph: OpGraph, paths: dict[str, str], stack: Stack) -> tuple[OpGraph, dict[str, str]] | None:
+def unroll(graph: OpGraph, paths: dict[str, str], stack: Stack,
+           op_nodes: dict[str, Sequence[str]] | None = None) -> tuple[OpGraph, dict[str, str]] | None:
     """The op graph with ``stack`` (captured with its prefix and first :data:`KEPT` units) grown to all its units.
 
     ``paths``: op name -> module path of its unit ("" for glue). Returns the
     new graph and paths, or None when the captured graph is not periodic as
     the module docstring requires (the caller then captures everything).
+    ``op_nodes`` (op name -> its fx node names) lets glue ops after the
+    stack be renamed as the whole capture names them (:func:`_glue_names`).
     """
     prefix = f"{stack.path}." if stack.path else ""
     where = {stack.keys[stack.start + i]: divmod(i, stack.period) for i in range(KEPT * stack.period)}
@@ -242,8 +247,14 @@ def unroll(graph: OpGraph, paths: dict[str, str], stack: Stack) -> tuple[OpGraph
     if any(ids[k][-1] + 1 != ids[k + 1][0] for k in range(KEPT - 1)):
         return None
     first, last = ids[0][0], ids[-1][-1]
+    renamed: dict[str, str] = {}
     if any(paths.get(graph.ops[v].name, "") == "" for v in range(last + 1, graph.num_ops)):
-        return None  # a glue op after the stack is named after its fx node, whose number grows with the stack
+        # a glue op after the stack is named after its fx node, whose number grows with the stack
+        glue = [graph.ops[v].name for v in range(last + 1, graph.num_ops) if paths.get(graph.ops[v].name, "") == ""]
+        renamed = _glue_names(glue, [[graph.ops[v].name for v in block] for block in ids], op_nodes,
+                              stack.units - KEPT)
+        if renamed is None:
+            return None
     if any(any(member[graph.op_id(name)] is not None for name in s.ops) for s in graph.shared):
         return None
     local = {v: (k, i) for k, block in enumerate(ids) for i, v in enumerate(block)}
@@ -308,9 +319,46 @@ def unroll(graph: OpGraph, paths: dict[str, str], stack: Stack) -> tuple[OpGraph
             following = names(j + 1, nxt)
             edges += [(name_of[i], following[t], b, sv) for i, t, b, sv in sorted(pattern, key=repr)]
     for v in range(last + 1, graph.num_ops):
-        ops.append(graph.ops[v])
+        op = graph.ops[v]
+        ops.append(replace(op, name=renamed[op.name]) if op.name in renamed else op)
+        if op.name in renamed:
+            new_paths[renamed[op.name]] = ""
     new_paths.update({op.name: paths.get(op.name, "") for op in ops if op.name not in new_paths})
+    edges = [(renamed.get(src, src), renamed.get(dst, dst), b, sv) for src, dst, b, sv in edges]
     return OpGraph.build(graph.name, ops, edges, graph.shared), new_paths
+
+
+def _glue_names(glue: Sequence[str], units: Sequence[Sequence[str]], op_nodes: dict[str, Sequence[str]] | None,
+                extra: int) -> dict[str, str] | None:
+    """The names the whole capture gives the glue ops ``glue`` after a stack grown by ``extra`` units.
+
+    A glue op is named after its first fx node, and fx numbers nodes per
+    base name in the order it makes them (``mul``, ``mul_1``, ...): each of
+    the ``extra`` units the cut capture left out would have made as many
+    nodes of each base name as a middle unit did, so ``mul_26`` after the
+    stack is ``mul_{26 + extra * (mul nodes a unit makes)}`` in the whole
+    capture (Pegasus-X's decoder positions come after its encoder stack). None
+    when the two middle units (``units[1]``, ``units[2]``: their op names)
+    made different nodes, or the nodes are not known.
+    """
+    if op_nodes is None:
+        return None
+    made = [Counter(_base(node)[0] for op in unit for node in op_nodes.get(op, ())) for unit in units[1:3]]
+    if made[0] != made[1] or not made[0]:
+        return None
+    renamed = {}
+    for name in glue:
+        base, number = _base(name)
+        if made[0][base]:
+            number += extra * made[0][base]
+            renamed[name] = f"{base}_{number}" if number else base
+    return renamed
+
+
+def _base(node: str) -> tuple[str, int]:
+    """fx's base name and number of a node name: ``mul_26`` -> ``("mul", 26)``, ``sin`` -> ``("sin", 0)``."""
+    base, _, number = node.rpartition("_")
+    return (base, int(number)) if base and number.isdigit() else (node, 0)
 
 
 def _contiguous(op_ids: Sequence[int]) -> bool:
@@ -333,12 +381,14 @@ def unrolled_capture(module: nn.Module, example_inputs: Any, **kwargs: Any) -> O
     try:
         with _cut(module, stacks):
             cut = capture(module, example_inputs, **kwargs)
+    except MetaValueError:
+        raise  # no depth captures a value the meta device does not have: refuse now, not after a whole capture
     except Exception as exc:  # the forward needs every block (it indexes them by a count of its own)
         log.info("capturing with stacks cut to %d blocks failed (%s); capturing the whole module", KEPT, exc)
         return None
-    graph, paths = cut.graph, dict(cut.paths or {})
+    graph, paths, op_nodes = cut.graph, dict(cut.paths or {}), dict(cut.op_nodes)
     for stack in stacks:
-        grown = unroll(graph, paths, stack)
+        grown = unroll(graph, paths, stack, op_nodes)
         if grown is None:
             log.info("stack %r is not periodic once captured; capturing the whole module", stack.path)
             return None

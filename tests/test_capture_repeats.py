@@ -179,6 +179,8 @@ def test_short_stacks_are_left_whole():
     ("mixtral_8x22b", 9, [("model.layers", 0, 1)]),
     ("falcon_40b", 9, [("transformer.h", 0, 1)]),
     ("bloom_176b", 9, [("transformer.h", 0, 1)]),
+    ("pegasus_x_large", 16, [("model.encoder.layers", 0, 2), ("model.decoder.layers", 0, 1)]),  # glue after a stack
+    ("whisper_large_v3", 9, [("model.encoder.layers", 0, 1), ("model.decoder.layers", 0, 1)]),  # log-mel input
 ])
 def test_held_out_llm_unrolled_equals_whole_capture(arch, layers, expected):
     pytest.importorskip("transformers")

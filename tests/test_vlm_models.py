@@ -116,6 +116,28 @@ def _refusal(path, source: str) -> str:
     return message
 
 
+def test_a_value_read_on_the_meta_device_is_refused_in_one_line(tmp_path):
+    """Tokens per expert read with .tolist() (JetMoE's experts split their inputs so): on the CPU the model
+    captures; on the meta device there is no value to read, and the refusal says so and what to do."""
+    path = tmp_path / "route.py"
+    source = (
+        "class M(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__(); self.a = torch.nn.Linear(4, 4); self.b = torch.nn.Linear(4, 4)\n"
+        "    def forward(self, x):\n"
+        "        sizes = torch.stack([(x[:, 0] >= 0).sum(), (x[:, 0] < 0).sum()]).tolist()\n"
+        "        left, right = torch.split(x, sizes)\n"
+        "        return torch.cat([self.a(left), self.b(right)])\n"
+        "def make(device='meta'):\n"
+        "    with torch.device(device):\n"
+        "        return M(), (torch.zeros(3, 4),), lambda out: out.sum()\n"
+        "def make_cpu():\n"
+        "    return make('cpu')\n")
+    message = _refusal(path, source)
+    assert "reads a tensor's value (aten.item" in message and "on the CPU" in message
+    assert captured_from_factory(f"{path}:make_cpu").graph.num_ops > 0
+
+
 def test_a_model_that_fixes_the_batch_is_refused_naming_the_line(tmp_path, capfd):
     """A Python list of the batch's rows (LLaVA's image features) fixes the batch to the example's: the refusal
     names that line and quotes it, in one line, instead of torch's "Constraints violated"; torch's shape log,
