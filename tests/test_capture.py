@@ -371,6 +371,44 @@ def test_a_custom_backward_export_would_drop_is_refused_and_a_derivative_is_kept
         torch.testing.assert_close(grad, want, msg=name)
 
 
+class _InPlaceDouble(torch.autograd.Function):
+    """Doubles its input in place: the probe's leaf inputs cannot be modified in place, so it stays unconfirmed."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.mark_dirty(x)
+        return x.mul_(2)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+
+class _AfterLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.b(_InPlaceDouble.apply(self.a(x)))
+
+
+def test_a_custom_backward_the_probe_cannot_run_is_captured_with_a_warning(caplog):
+    """A Function whose forward the probe cannot run (in place on its inputs) is not known wrong: it captures, a
+    warning names it, and the captured gradients are the module's (here autograd's through the forward is right)."""
+    torch.manual_seed(0)
+    model, x = _AfterLinear(), torch.randn(4, 4)
+    loss_fn = lambda out: out.square().sum()  # noqa: E731
+    with caplog.at_level("WARNING", logger="graphpipe.capture"):
+        cap = capture(model, (x,), loss_fn=loss_fn)
+    assert "could not compare the custom autograd.Function _InPlaceDouble's backward" in caplog.text
+    expected = torch.autograd.grad(loss_fn(model(x)), list(model.parameters()))
+    captured = dict(cap.gm.named_parameters())
+    got = torch.autograd.grad(loss_fn(run_gm(cap, x)), [captured[n] for n, _ in model.named_parameters()])
+    for want, grad in zip(expected, got):
+        torch.testing.assert_close(grad, want)
+
+
 def test_llama4_experts_capture_with_a_dynamic_batch():
     """Llama-4's mixture of experts: a named batch dimension fails export's solver; the capture still keeps the
     batch a symbol, so the graph runs at another micro-batch size."""
