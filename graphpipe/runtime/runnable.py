@@ -96,9 +96,14 @@ _SHIPPED: dict[tuple, bytes] = {}
 """Captures the launcher shipped to this rank (:func:`adopt_shipments`), by :func:`load_runnable`'s key."""
 
 
+def _key(spec: str, seed: int, device: str, granularity: str | None, meta_params: bool) -> tuple:
+    """:func:`load_runnable`'s cache key (an edited factory file is another key)."""
+    return (spec, seed, device, granularity, _factory_stamp(spec), meta_params)
+
+
 def rank_key(spec: str, seed: int, granularity: str | None) -> tuple:
     """:func:`load_runnable`'s key for what a rank loads: on the CPU, parameters on meta (runtime/worker.py)."""
-    return (spec, seed, "cpu", granularity, _factory_stamp(spec), True)
+    return _key(spec, seed, "cpu", granularity, True)
 
 
 def shipments(wanted: Sequence[tuple[str, int, str | None]]) -> dict[tuple, bytes]:
@@ -126,7 +131,7 @@ def load_runnable(spec: str, seed: int = 0, device: str = "cpu", capture: bool =
     second export."""
     if not capture:
         return build_runnable(spec, seed, device, capture, granularity, meta_params)
-    key = (spec, seed, device, granularity, _factory_stamp(spec), meta_params)
+    key = _key(spec, seed, device, granularity, meta_params)
     if key not in _PRISTINE:
         if len(_PRISTINE) >= _PRISTINE_MAX:
             _PRISTINE.pop(next(iter(_PRISTINE)))

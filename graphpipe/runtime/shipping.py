@@ -1,12 +1,12 @@
 """A model's capture, made once by the launcher and shipped to its ranks instead of exported again on each.
 
 Every rank needs the model's captured graph to cut its stages, and
-capturing is most of a rank's start-up: torch.export traces the whole model
-(about 1.5 CPU seconds for a small zoo model, tens for a large Hugging Face
-one), on every rank at once, on a host whose cores the ranks share. The
-launcher has already captured the model in its preflight, so it packs that
-capture into bytes (:func:`pack`) and each rank rebuilds it around the model
-it builds itself (:func:`unpack`), which takes milliseconds.
+capturing is most of a rank's start-up: torch.export traces the whole model,
+on every rank at once, on a host whose cores the ranks share. The launcher
+has already captured the model in its preflight, so it packs that capture
+into bytes (:func:`pack`) and each rank rebuilds it around the model it
+builds itself (:func:`unpack`), a small fraction of an export's time
+(evals/REPORT.md, ``bench_launch``).
 
 What travels is the graph after export and op grouping, before the runtime's
 instrumentation (which the rank runs as before): each node's kind, name,
