@@ -39,7 +39,9 @@
    written with ``nn.Sequential`` children and its own squeeze-and-excite
    and residual between and after them) would close a cycle; such an op is
    cut into one op per level, ``name`` and ``name[1]``
-   (:mod:`graphpipe.reentrant`).
+   (:mod:`graphpipe.reentrant`). Two ops joined by a value no stage
+   boundary can split into micro-batches (``(batch * patches, ...)``) are
+   merged, with any op between them (:mod:`graphpipe.folded`).
 4. **Cost.** The graph is run once (meta tensors cost nothing) under
    ``torch.utils.flop_counter.FlopCounterMode`` and a byte meter. Per op and
    per sample (sizes divided by the example batch size): ``fwd = overhead +
@@ -94,6 +96,7 @@ from graphpipe.errors import GraphCycleError, GraphpipeError, InputError, user_c
 from graphpipe.exporting import (Exported, IOSpec, deliver_target, export_model, module_path, module_stack,
                                  normalize_inputs, replicable_nodes, replicate_input_glue)
 from graphpipe.flops import UnknownCosts, flop_counter
+from graphpipe.folded import merge_folded_ops
 from graphpipe.graph import Affine, Op, OpGraph, SharedParams
 from graphpipe.reentrant import split_reentrant_ops
 from graphpipe.zoo_models import Layer
@@ -329,6 +332,7 @@ def group_nodes(gm: fx.GraphModule, units: Mapping[fx.Node, tuple[str, str]],
         else:
             owner[node] = new_op(node.name, "")
     split_reentrant_ops(nodes, owner, path_of)  # a module leaving its op and coming back: one op per level
+    merge_folded_ops(nodes, owner, path_of, batch)  # a value no boundary may cut (batch * patches rows) joins its ops
     return owner, path_of
 
 

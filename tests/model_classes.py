@@ -231,3 +231,38 @@ class Reentrant(nn.Module):
 def reentrant():
     torch.manual_seed(0)
     return Reentrant(), (torch.randn(BATCH, 3, 4, 4),), lambda out: out.pow(2).mean()
+
+
+class PatchBlock(nn.Module):
+    def __init__(self, c: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(c)
+        self.fc = nn.Linear(c, c)
+
+    def forward(self, t):
+        return t + self.fc(self.norm(t))
+
+
+class Patches(nn.Module):
+    """MobileViT's shape: blocks of a ModuleList run on an image unfolded to ``(batch * 4 patches, tokens, c)``."""
+
+    def __init__(self, c: int = 4):
+        super().__init__()
+        self.stem = nn.Conv2d(3, c, 3, padding=1)
+        self.mix = nn.ModuleList([PatchBlock(c), PatchBlock(c)])
+        self.out = nn.Conv2d(c, c, 1)
+        self.head = nn.Linear(c, 3)
+
+    def forward(self, x):
+        h = self.stem(x)
+        b, c, hh, ww = h.shape
+        t = h.reshape(b, c, hh // 2, 2, ww // 2, 2).permute(0, 3, 5, 2, 4, 1).reshape(b * 4, -1, c)
+        for block in self.mix:
+            t = block(t)
+        h = t.reshape(b, 2, 2, hh // 2, ww // 2, c).permute(0, 5, 3, 1, 4, 2).reshape(b, c, hh, ww)
+        return self.head(self.out(h).mean((2, 3)))
+
+
+def patches():
+    torch.manual_seed(0)
+    return Patches(), (torch.randn(BATCH, 3, 4, 4),), lambda out: out.pow(2).mean()

@@ -1,0 +1,132 @@
+"""Ops joined by a value that no stage boundary may cut: merged into one op.
+
+Stages exchange *batch-major* values (dim 0 the batch, every other dim
+fixed) and *unbatched* ones (no dim depends on the batch: a position
+table), split and stitched per micro-batch by the runtime
+(:func:`graphpipe.runtime.stage_modules.boundary_meta`). A value whose
+shape depends on the batch some other way cannot be cut into
+micro-batches: MobileViT unfolds an image into patches and runs its
+transformer layers on ``(batch * patches, tokens, dim)``; a model written
+sequence-first passes ``(seq, batch, dim)``; a mixture-of-experts block
+that gives each expert its own module hands it a data-dependent number of
+rows. A tuple (a ``split`` or ``topk`` result) is no tensor to send either.
+
+Capture contracts nodes into ops by module (:func:`graphpipe.capture.group_nodes`);
+when such a value flows from one op into another, :func:`merge_folded_ops`
+merges the two, and any op on a path between them (merging two ops of a
+DAG joined by an edge and another path would close a cycle), so the
+planners, which cut only between ops, never cut it. MobileViT's
+unfold-transform-fold block becomes one op; models whose values are all
+batch-major keep exactly the ops they had.
+"""
+
+from __future__ import annotations
+
+from typing import Any, MutableMapping, Sequence
+
+import torch
+import torch.fx as fx
+
+__all__ = ["splittable", "merge_folded_ops"]
+
+
+def _symbols(dim: Any) -> set[str]:
+    if isinstance(dim, torch.SymInt):
+        return {str(s) for s in dim.node.expr.free_symbols}
+    return set()
+
+
+def splittable(value: Any, batch: str | None) -> bool:
+    """Whether a node's value (its ``meta["val"]``) may cross a stage boundary.
+
+    True for a non-tensor scalar or no value (left to the rules that place
+    it), a tensor of no symbolic dim, and a tensor whose dim 0 is exactly
+    the batch symbol ``batch`` and whose other dims are fixed; False for any
+    other tensor and for a tuple or list holding a tensor.
+    """
+    if isinstance(value, (tuple, list)):
+        return not any(isinstance(v, torch.Tensor) for v in value)
+    if batch is None or not isinstance(value, torch.Tensor):
+        return True
+    symbols = [_symbols(d) for d in value.shape]
+    if not any(symbols):
+        return True
+    return str(value.shape[0]) == batch and not any(symbols[1:])
+
+
+def merge_folded_ops(nodes: Sequence[fx.Node], owner: MutableMapping[fx.Node, str],
+                     path_of: MutableMapping[str, str], batch: str | None) -> dict[str, tuple[str, ...]]:
+    """Merge every two ops a non-:func:`splittable` value joins, and the ops on paths between them, in place.
+
+    ``nodes`` in graph (topological) order. A merged op takes the name of
+    its member whose first node comes first and the module path the
+    members share (dot-wise common prefix). Returns merged op -> the ops it
+    absorbed (empty when no value needed it: the common case).
+    """
+    import networkx as nx
+
+    parent: dict[str, str] = {}
+
+    def find(op: str) -> str:
+        while parent.get(op, op) != op:
+            op = parent[op]
+        return op
+
+    first: dict[str, int] = {}
+    for i, n in enumerate(nodes):
+        if n in owner:
+            first.setdefault(owner[n], i)
+
+    def union(a: str, b: str) -> bool:
+        ra, rb = find(a), find(b)
+        if ra == rb:
+            return False
+        keep, drop = (ra, rb) if first[ra] <= first[rb] else (rb, ra)
+        parent[drop] = keep
+        return True
+
+    for n in nodes:
+        op = owner.get(n)
+        if op is None or splittable(n.meta.get("val"), batch):
+            continue
+        for u in n.users:
+            other = owner.get(u)
+            if other is not None and other != op:
+                union(op, other)
+    if not parent:
+        return {}
+    while True:  # merging two ops joined by an edge and a longer path closes a cycle: merge the cycle too
+        contracted = nx.DiGraph()
+        for n in nodes:
+            if n not in owner:
+                continue
+            dst = find(owner[n])
+            contracted.add_node(dst)
+            for m in n.all_input_nodes:
+                if m in owner and find(owner[m]) != dst:
+                    contracted.add_edge(find(owner[m]), dst)
+        merged = False
+        for component in nx.strongly_connected_components(contracted):
+            ops = sorted(component, key=first.__getitem__)
+            for other in ops[1:]:
+                merged |= union(ops[0], other)
+        if not merged:
+            break
+    groups: dict[str, list[str]] = {}
+    for op in first:
+        groups.setdefault(find(op), []).append(op)
+    for n in nodes:
+        if n in owner:
+            owner[n] = find(owner[n])
+    out = {}
+    for root, members in groups.items():
+        if len(members) > 1:
+            paths = [path_of[m].split(".") for m in members if path_of.get(m)]  # glue ops have no path
+            common = []
+            for parts in zip(*paths):
+                if len(set(parts)) > 1:
+                    break
+                common.append(parts[0])
+            path_of[root] = ".".join(common)
+            out[root] = tuple(m for m in members if m != root)
+    return out

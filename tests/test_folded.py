@@ -1,0 +1,110 @@
+"""Values no stage boundary may cut (``graphpipe/folded.py``): the ops they join are merged at capture.
+
+Oracles: the runtime's own test of a boundary value (``boundary_meta`` runs
+the graph at two batch sizes and refuses a value whose dim 0 does not follow
+the batch), applied to every value that crosses between ops of the capture
+without merging; every chain of stages over the merged capture set up as a
+rank does; a forward whose merge closes a cycle.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from test_model_classes import MODELS, chain_plan, rank_setup
+
+PATCHES = MODELS + ":patches"
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _crossing(runnable) -> list:
+    """fx nodes read by an op other than the one producing them."""
+    owner = {n: op for op, nodes in runnable.op_nodes.items() for n in nodes}
+    return [node for node in runnable.gm.graph.nodes if node.name in owner
+            and any(owner.get(u.name, owner[node.name]) != owner[node.name] for u in node.users)]
+
+
+def test_capture_lets_cross_exactly_the_values_the_runtime_can_split(monkeypatch):
+    import graphpipe.capture as capture
+    from graphpipe.errors import PlanError
+    from graphpipe.folded import splittable
+    from graphpipe.runtime.runnable import build_runnable
+    from graphpipe.runtime.stage_modules import boundary_meta
+
+    with monkeypatch.context() as m:
+        m.setattr(capture, "merge_folded_ops", lambda *a, **k: {})
+        unmerged = build_runnable(PATCHES)
+    batch = capture._batch_symbol(unmerged.gm)
+    refused, allowed = set(), set()
+    for node in _crossing(unmerged):
+        try:
+            boundary_meta(unmerged.gm, [node.name], unmerged.make_inputs)
+            allowed.add(node.name)
+        except PlanError as e:
+            assert "dim 0 is not the batch" in str(e)
+            refused.add(node.name)
+        assert splittable(node.meta["val"], batch) == (node.name in allowed), node.name
+    assert refused and allowed  # the patches between mix.0 and mix.1; the image into and out of them
+    merged = build_runnable(PATCHES)
+    assert list(merged.op_nodes) == ["stem", "mix.0", "out", "head"]  # mix.1 joined mix.0
+    ours, theirs = set(merged.op_nodes["mix.0"]), set(unmerged.op_nodes["mix.0"]) | set(unmerged.op_nodes["mix.1"])
+    assert ours <= theirs and all(n.startswith("sym_size") for n in theirs - ours)  # one copy of the input glue
+    boundary_meta(merged.gm, [n.name for n in _crossing(merged)], merged.make_inputs)  # nothing refused
+
+
+@pytest.mark.parametrize("groups", [(1, 3), (2, 2), (3, 1), (1, 1, 1, 1)])
+def test_every_chain_of_stages_over_the_merged_ops_sets_up(groups):
+    plan = chain_plan(PATCHES, groups, [(i,) for i in range(len(groups))], [2, 4, 2, 4][:len(groups)])
+    _, meta = rank_setup(plan)
+    assert meta and all(m.batched for m in meta.values())
+
+
+class _Folds(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        u = self.fc(x)
+        return u.reshape(-1, 4), u  # (2 * batch, 4) and (batch, 8)
+
+
+class _Mid(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, u):
+        return self.fc(u)
+
+
+class _Joins(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, t, g):
+        return self.fc(t).reshape(g.shape) + g
+
+
+class _Cycle(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([_Folds(), _Mid(), _Joins()])
+
+    def forward(self, x):
+        t, u = self.blocks[0](x)
+        return self.blocks[2](t, self.blocks[1](u))
+
+
+def test_merging_two_ops_also_merges_the_op_on_a_path_between_them():
+    """blocks.0 hands blocks.2 a folded value and blocks.1 a batch-major one that blocks.2 reads too: merging
+    blocks.0 and blocks.2 alone would leave blocks.1 both after and before the merged op."""
+    from graphpipe.capture import capture
+
+    cap = capture(_Cycle(), (torch.randn(3, 8),), name="cycle", loss_fn=lambda out: out.pow(2).mean())
+    assert [op.name for op in cap.graph.ops] == ["blocks.0"]
+    assert cap.paths == {"blocks.0": "blocks"}
