@@ -44,6 +44,8 @@ _HEAVY_WORDS = ("mm", "matmul", "conv", "attention", "einsum", "gemm", "linear")
 """Op names that say "this is where the compute is": zero FLOPs from such an op means no formula, not no work."""
 _FREE_NAMESPACES = ("aten", "prims", "graphpipe", "_c10d_functional", "c10d_functional", "higher_order")
 """Namespaces whose zero-FLOP ops are genuinely cheap (elementwise, views) or graphpipe's own markers."""
+_RESAMPLING = ("upsample", "_upsample", "grid_sampler")
+"""Interpolation kernels (``upsample_bilinear2d`` says "linear"): a few operations per output element, not a matmul."""
 
 
 def grouped_mm_flop(a_shape, b_shape, offs=None, bias=None, out_dtype=None, *args, out_shape=None, **kwargs) -> int:
@@ -112,7 +114,8 @@ class UnknownCosts:
             return
         name = target.name() if hasattr(target, "name") else str(target)
         namespace, _, op = name.partition("::")
-        heavy = any(word in op.split(".")[0] for word in _HEAVY_WORDS)
+        base = op.split(".")[0]
+        heavy = any(word in base for word in _HEAVY_WORDS) and not base.startswith(_RESAMPLING)
         if heavy or namespace not in _FREE_NAMESPACES:
             self.counts[name] = self.counts.get(name, 0) + 1
 

@@ -231,6 +231,19 @@ def test_ops_without_a_flop_formula_are_named_once(caplog):
     assert len(warnings) == 1 and "graphpipe_tests::fused_scale" in warnings[0] and "aten" not in warnings[0]
 
 
+def test_interpolation_is_cheap_and_a_matmul_counted_at_zero_is_not():
+    from graphpipe.flops import UnknownCosts
+
+    unknown = UnknownCosts()
+    unknown.note(torch.ops.aten.upsample_bilinear2d.vec, 0)  # MobileViT's and segmentation heads' resizing
+    unknown.note(torch.ops.aten.grid_sampler_2d.default, 0)
+    unknown.note(torch.ops.aten.relu.default, 0)
+    assert unknown.counts == {}
+    unknown.note(torch.ops.aten.mm.default, 0)
+    unknown.note(torch.ops.aten.linear.default, 0)
+    assert sorted(unknown.counts) == ["aten::linear", "aten::mm"]
+
+
 # ------------------------------------------------------------------ the training API
 def _one_rank_world():
     import socket
