@@ -22,11 +22,17 @@ PROFILE_NAMES = ("alexnet", "gnmt", "inception_v3", "nasnetamobile", "resnet18",
 
 def pytest_configure(config) -> None:
     """The captured-graph cache (graphpipe.graph_cache) in a folder of this session's own, shared with the
-    subprocesses it starts: tests never read or fill the user's ~/.cache, and repeat captures are still saved."""
+    subprocesses it starts and, under pytest-xdist, with the workers (started after this ran in the controller,
+    they inherit its folder; writes are atomic): tests never read or fill the user's ~/.cache, and repeat
+    captures are still saved once for all."""
     import tempfile
 
-    config._graphpipe_cache = tempfile.mkdtemp(prefix="graphpipe-test-cache-")
-    os.environ["GRAPHPIPE_CACHE_DIR"] = config._graphpipe_cache
+    if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("GRAPHPIPE_TEST_CACHE"):
+        config._graphpipe_cache = None  # the controller's folder; the controller removes it
+        os.environ["GRAPHPIPE_CACHE_DIR"] = os.environ["GRAPHPIPE_TEST_CACHE"]
+    else:
+        config._graphpipe_cache = tempfile.mkdtemp(prefix="graphpipe-test-cache-")
+        os.environ["GRAPHPIPE_CACHE_DIR"] = os.environ["GRAPHPIPE_TEST_CACHE"] = config._graphpipe_cache
     # Progress lines depend on how long work takes (a capture over 2 s on a loaded host says so): off, so the
     # one-line errors tests read stay one line. tests/test_progress.py turns it on where it is the subject.
     os.environ["GRAPHPIPE_PROGRESS"] = "off"
@@ -40,7 +46,8 @@ def pytest_configure(config) -> None:
 def pytest_unconfigure(config) -> None:
     import shutil
 
-    shutil.rmtree(getattr(config, "_graphpipe_cache", ""), ignore_errors=True)
+    if getattr(config, "_graphpipe_cache", None):
+        shutil.rmtree(config._graphpipe_cache, ignore_errors=True)
 
 
 def make_op(name: str, fwd: float = 1e-3, bwd: float | None = None, alpha: float = 0.0,

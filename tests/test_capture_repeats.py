@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from graphpipe import zoo
 from graphpipe.capture import capture
 from graphpipe.capture_repeats import KEPT, Stack, capture_graph, repeated_stacks, same_blocks, unrolled_capture
+from graphpipe.evals.check_unrolled import IN_SUITE, check
 
 
 def _whole(module, inputs, **kw):
@@ -166,34 +167,12 @@ def test_short_stacks_are_left_whole():
     assert repeated_stacks(model) == []
 
 
-# --- held-out architectures (evals/llm_configs.py at tiny widths): the oracle is the whole capture of the same model
-@pytest.mark.parametrize("arch, layers, expected", [
-    ("deepseek_v3_e16", 12, [("model.layers", 3, 1)]),  # 3 dense layers, then mixture-of-experts ones
-    ("gemma2_27b", 16, [("model.layers", 0, 2)]),  # sliding and global attention in turn
-    ("gemma3_27b", 50, [("model.layers", 2, 6)]),  # 5 local : 1 global; the run ends in a whole unit
-    ("llama4_maverick", 32, [("model.layers", 0, 4)]),  # experts every 2nd layer, no rotary every 4th
-    ("t5_11b", 10, [("encoder.block", 1, 1), ("decoder.block", 1, 1)]),  # block 0 holds the position table
-    ("bart_large", 9, [("model.encoder.layers", 0, 1), ("model.decoder.layers", 0, 1)]),  # learned positions
-    ("nllb_3b", 9, [("model.encoder.layers", 0, 1), ("model.decoder.layers", 0, 1)]),  # positions under no_grad
-    ("gpt_oss_120b", 16, [("model.layers", 0, 2)]),  # sliding and full attention in turn, experts everywhere
-    ("mixtral_8x22b", 9, [("model.layers", 0, 1)]),
-    ("falcon_40b", 9, [("transformer.h", 0, 1)]),
-    ("bloom_176b", 9, [("transformer.h", 0, 1)]),
-    ("pegasus_x_large", 16, [("model.encoder.layers", 0, 2), ("model.decoder.layers", 0, 1)]),  # glue after a stack
-    ("whisper_large_v3", 9, [("model.encoder.layers", 0, 1), ("model.decoder.layers", 0, 1)]),  # log-mel input
-])
-def test_held_out_llm_unrolled_equals_whole_capture(arch, layers, expected):
+# --- held-out architectures (evals/llm_configs.py at tiny widths): the oracle is the whole capture of the same model;
+# evals/check_unrolled.py runs every case, the suite one per kind of stack (IN_SUITE)
+@pytest.mark.parametrize("arch", IN_SUITE)
+def test_held_out_llm_unrolled_equals_whole_capture(arch):
     pytest.importorskip("transformers")
-    from graphpipe.evals.llm_configs import build
-
-    model, inputs, loss_fn, labels = build(arch, layers=layers, tiny=True, seq=16)
-    stacks = repeated_stacks(model)
-    assert [(s.path, s.start, s.period) for s in stacks] == expected
-    kw = dict(name=arch, loss_fn=loss_fn, example_target=labels)
-    unrolled = unrolled_capture(model, inputs, **kw)
-    assert unrolled is not None
-    assert unrolled == _whole(model, inputs, **kw)  # names, kinds, costs, bytes, edges and ids
-    assert all(len(model.get_submodule(s.path)) == len(s.keys) for s in stacks)  # the cut stacks are restored
+    check(arch)  # the stacks found, the unrolled graph equal to the whole capture, the stacks restored
 
 
 class _Other(nn.Module):
