@@ -1,15 +1,16 @@
 """Ops joined by a value that no stage boundary may cut: merged into one op.
 
-Stages exchange *batch-major* values (dim 0 the batch, every other dim
-fixed) and *unbatched* ones (no dim depends on the batch: a position
-table), split and stitched per micro-batch by the runtime
+Stages exchange *batched* values (one dim the batch, dim 0 or another as
+in a sequence-first ``(seq, batch, dim)``, every other dim fixed) and
+*unbatched* ones (no dim depends on the batch: a position table), split
+and stitched per micro-batch by the runtime
 (:func:`graphpipe.runtime.stage_modules.boundary_meta`). A value whose
 shape depends on the batch some other way cannot be cut into
 micro-batches: MobileViT unfolds an image into patches and runs its
-transformer layers on ``(batch * patches, tokens, dim)``; a model written
-sequence-first passes ``(seq, batch, dim)``; a mixture-of-experts block
-that gives each expert its own module hands it a data-dependent number of
-rows. A tuple (a ``split`` or ``topk`` result) is no tensor to send either.
+transformer layers on ``(batch * patches, tokens, dim)``; a
+mixture-of-experts block that gives each expert its own module hands it a
+data-dependent number of rows. A tuple (a ``split`` or ``topk`` result) is
+no tensor to send either.
 
 Capture contracts nodes into ops by module (:func:`graphpipe.capture.group_nodes`);
 when such a value flows from one op into another, :func:`merge_folded_ops`
@@ -40,18 +41,18 @@ def splittable(value: Any, batch: str | None) -> bool:
     """Whether a node's value (its ``meta["val"]``) may cross a stage boundary.
 
     True for a non-tensor scalar or no value (left to the rules that place
-    it), a tensor of no symbolic dim, and a tensor whose dim 0 is exactly
-    the batch symbol ``batch`` and whose other dims are fixed; False for any
-    other tensor and for a tuple or list holding a tensor.
+    it), a tensor of no symbolic dim, and a tensor one dim of which is
+    exactly the batch symbol ``batch`` (dim 0, or another: the runtime sends
+    it batch-major) and whose other dims are fixed; False for any other
+    tensor and for a tuple or list holding a tensor.
     """
     if isinstance(value, (tuple, list)):
         return not any(isinstance(v, torch.Tensor) for v in value)
     if batch is None or not isinstance(value, torch.Tensor):
         return True
     symbols = [_symbols(d) for d in value.shape]
-    if not any(symbols):
-        return True
-    return str(value.shape[0]) == batch and not any(symbols[1:])
+    batched = [k for k, d in enumerate(value.shape) if symbols[k] and str(d) == batch]
+    return not any(symbols) or (len(batched) == 1 and sum(map(bool, symbols)) == 1)
 
 
 def merge_folded_ops(nodes: Sequence[fx.Node], owner: MutableMapping[fx.Node, str],

@@ -266,3 +266,24 @@ class Patches(nn.Module):
 def patches():
     torch.manual_seed(0)
     return Patches(), (torch.randn(BATCH, 3, 4, 4),), lambda out: out.pow(2).mean()
+
+
+class SeqFirst(nn.Module):
+    """Token ids -> ``nn.TransformerEncoder`` as it comes by default (``batch_first=False``: layers exchange
+    ``(seq, batch, dim)``) -> per-token logits, batch-first again."""
+
+    def __init__(self, d: int = 8, layers: int = 3):
+        super().__init__()
+        self.tok = nn.Embedding(20, d)
+        layer = nn.TransformerEncoderLayer(d, 2, 16, dropout=0.0)
+        self.enc = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(d, 20)
+
+    def forward(self, ids):
+        return self.head(self.enc(self.tok(ids).transpose(0, 1)).transpose(0, 1))
+
+
+def seq_first():
+    torch.manual_seed(0)
+    ids = torch.randint(0, 20, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    return SeqFirst(), (ids,), lambda out: out.pow(2).mean()

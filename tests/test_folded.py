@@ -44,10 +44,15 @@ def test_capture_lets_cross_exactly_the_values_the_runtime_can_split(monkeypatch
             boundary_meta(unmerged.gm, [node.name], unmerged.make_inputs)
             allowed.add(node.name)
         except PlanError as e:
-            assert "dim 0 is not the batch" in str(e)
+            assert "no dim of it is the batch" in str(e)
             refused.add(node.name)
         assert splittable(node.meta["val"], batch) == (node.name in allowed), node.name
     assert refused and allowed  # the patches between mix.0 and mix.1; the image into and out of them
+    seq_first = build_runnable(MODELS + ":seq_first")
+    crossing = _crossing(seq_first)
+    assert any(node.meta["val"].shape[1] != node.meta["val"].shape[0] for node in crossing)  # (seq, batch, dim)
+    assert all(splittable(node.meta["val"], capture._batch_symbol(seq_first.gm)) for node in crossing)
+    boundary_meta(seq_first.gm, [n.name for n in crossing], seq_first.make_inputs)  # nothing refused
     merged = build_runnable(PATCHES)
     assert list(merged.op_nodes) == ["stem", "mix.0", "out", "head"]  # mix.1 joined mix.0
     ours, theirs = set(merged.op_nodes["mix.0"]), set(unmerged.op_nodes["mix.0"]) | set(unmerged.op_nodes["mix.1"])
@@ -108,3 +113,18 @@ def test_merging_two_ops_also_merges_the_op_on_a_path_between_them():
     cap = capture(_Cycle(), (torch.randn(3, 8),), name="cycle", loss_fn=lambda out: out.pow(2).mean())
     assert [op.name for op in cap.graph.ops] == ["blocks.0"]
     assert cap.paths == {"blocks.0": "blocks"}
+
+
+def test_a_sequence_first_value_crosses_batch_major_and_comes_back_as_the_stage_computed_it():
+    """``nn.TransformerEncoder`` by default hands its layers ``(seq, batch, dim)``: each layer stays an op, and the
+    runtime carries the value batch-major on the wire."""
+    plan = chain_plan(MODELS + ":seq_first", (2, 1, 2), [(0,), (1,), (2,)], [2, 4, 2])
+    assert [op.name for op in plan.stage_graph.graph.ops] == ["tok", "enc.layers.0", "enc.layers.1",
+                                                               "enc.layers.2", "head"]
+    _, meta = rank_setup(plan)
+    assert meta and {(m.batch_dim, m.sample_shape) for m in meta.values()} == {(1, (5, 8))}
+    m = next(iter(meta.values()))
+    x = torch.randn(5, 3, 8)
+    assert m.to_wire(x).shape == m.shape(3) == (3, 5, 8)
+    assert torch.equal(m.to_wire(x)[1], x[:, 1]) and torch.equal(m.from_wire(m.to_wire(x)), x)
+    assert m.from_wire(m.to_wire(x)).is_contiguous()

@@ -142,11 +142,14 @@ def test_check_is_exact_on_ill_conditioned_plans_and_still_fails_a_wrong_gradien
     reentrant = chain_plan(REENTRANT, (5, 9), [(0,), (1,)], [2, 2], "graph-1f1b")  # cut inside blocks.0
     fixed = dict(steps=2, warmup_steps=1, check=True, timeout_s=120, check_tolerance="fixed")
     patches = chain_plan(MODELS + ":patches", (2, 2), [(0,), (1,)], [2, 4], "graph-1f1b")  # unfolded rows inside
+    # (seq, batch, dim) across the cut: rows stitched (2 -> 4) and sliced (4 -> 2) along the batch, not dim 0
+    seq_first = [chain_plan(MODELS + ":seq_first", (2, 3), [(0,), (1,)], mbs, "graph-1f1b") for mbs in ([2, 4], [4, 2])]
     jobs = [(ill, RunOptions(**fixed)), (reentrant, RunOptions(**fixed)), (patches, RunOptions(**fixed)),
+            *[(plan, RunOptions(**fixed)) for plan in seq_first],
             (ill, RunOptions(**fixed, fault=FaultInjection(1, "grad"))),
             (reentrant, RunOptions(**{**fixed, "check_tolerance": "fp64"}, fault=FaultInjection(0, "grad")))]
-    ok_ill, ok_reentrant, ok_patches, bad_ill, bad_reentrant = (r.check for r in run_plans(jobs, 2))
-    for check in (ok_ill, ok_reentrant, ok_patches):
+    ok_ill, ok_reentrant, ok_patches, ok_seq, ok_seq2, bad_ill, bad_reentrant = (r.check for r in run_plans(jobs, 2))
+    for check in (ok_ill, ok_reentrant, ok_patches, ok_seq, ok_seq2):
         assert check.passed and check.num_params_checked == check.num_params > 0, check
         assert check.fp64_spread is None  # the fixed tolerance runs no float64 reference
     for check in (bad_ill, bad_reentrant):

@@ -481,8 +481,9 @@ class Pipeline:
                 for n in names:
                     if src != self.rank:
                         meta = self._setup.executor.meta[n]
-                        values[n] = torch.empty(meta.shape(rows), dtype=meta.dtype, device=self.device)
-                        dist.recv(values[n], src)
+                        buffer = torch.empty(meta.shape(rows), dtype=meta.dtype, device=self.device)
+                        dist.recv(buffer, src)
+                        values[n] = meta.from_wire(buffer)  # batch-major on the wire
             prog.module.eval()
             try:
                 with autocast(self.precision, self.device):
@@ -496,7 +497,7 @@ class Pipeline:
                     if dst == self.rank:
                         values[n] = by_name[n]
                     else:
-                        dist.send(by_name[n].contiguous(), dst)
+                        dist.send(self._setup.executor.meta[n].to_wire(by_name[n]).contiguous(), dst)
             if prog.is_sink:
                 out = tuple(t.cpu() if isinstance(t, torch.Tensor) else t for t in model_out)
         holder = [out]

@@ -352,6 +352,7 @@ class RankExecutor:
         for value, chunks in parts.items():
             # an unbatched value (a position table) comes whole with every piece: the first copy is the stage's
             t = chunks[0] if len(chunks) == 1 or not self.meta[value].batched else torch.cat(chunks)
+            t = self.meta[value].from_wire(t)  # messages carry the batch at dim 0; (seq, batch, dim) moves back
             if self.meta[value].needs_grad:
                 t.requires_grad_(True)
                 leaves[value] = t
@@ -384,7 +385,8 @@ class RankExecutor:
         self._sync()
         end = time.perf_counter()  # compute ends here; messages leave after it (the simulator's semantics)
         for dst, key, value, value_rows, _ in plan.sends:
-            self.mailbox.send(dst, key, by_name[value] if value_rows is None else by_name[value][value_rows])
+            t = by_name[value]
+            self.mailbox.send(dst, key, t if value_rows is None else self.meta[value].to_wire(t)[value_rows])
         saved[(a.stage_id, a.mb_id)] = (leaves, by_name, loss)
         if loss is not None:  # read once at the iteration's end: a float() here would wait for the device
             self._loss_terms.append((a.mb_id, loss.detach().float()))
@@ -471,12 +473,13 @@ class RankExecutor:
             if not self.meta[value].batched:  # every consumer shard's gradient of the whole value: summed
                 grads[value] = g if acc is None else acc + g
                 continue
-            if acc is None and rows.start == 0 and rows.stop == outputs[value].shape[0]:
-                grads[value] = g  # a piece covering every row (the usual case): the received buffer is ours
+            m = self.meta[value]
+            if acc is None and rows.start == 0 and rows.stop == outputs[value].shape[m.batch_dim]:
+                grads[value] = m.from_wire(g)  # a piece covering every row (the usual case): the received buffer
                 continue
             if acc is None:
                 acc = grads[value] = torch.zeros_like(outputs[value])
-            acc[rows] += g
+            m.to_wire(acc)[rows] += g  # a view: the rows land in acc
         self._sync()
         start = time.perf_counter()
         if self._fail_at == "B":
@@ -513,7 +516,7 @@ class RankExecutor:
             g = leaf.grad
             if g is None or zeros:  # an unbatched value's later copies get no gradient: the stage used the first
                 g = torch.zeros_like(leaf)
-            self.mailbox.send(dst, key, g if value_rows is None else g[value_rows])
+            self.mailbox.send(dst, key, g if value_rows is None else self.meta[value].to_wire(g)[value_rows])
         return ready_at - t0, start - t0, end - t0
 
     def _weight(self, a: Action, t0: float) -> tuple[float, float, float]:

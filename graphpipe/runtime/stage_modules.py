@@ -163,6 +163,10 @@ class ValueMeta:
     batched: bool = True
     constant: bool = False
     """Unbatched and equal at two batch sizes: it does not depend on the rows."""
+    batch_dim: int = 0
+    """Where the batch is in the value as the stages compute it: 1 for ``(seq, batch, dim)``, as
+    ``nn.Transformer`` takes its inputs by default. Messages always carry it batch-major (the batch moved to
+    dim 0, :meth:`to_wire`), so rows are sliced and stitched the same way for every value."""
 
     @property
     def needs_grad(self) -> bool:
@@ -172,6 +176,14 @@ class ValueMeta:
     def shape(self, rows: int) -> tuple[int, ...]:
         """The shape of one message carrying ``rows`` samples of this value."""
         return (rows, *self.sample_shape) if self.batched else self.sample_shape
+
+    def to_wire(self, t: torch.Tensor) -> torch.Tensor:
+        """The value (or its gradient) as a message carries it: batch at dim 0 (a view)."""
+        return t.movedim(self.batch_dim, 0) if self.batch_dim else t
+
+    def from_wire(self, t: torch.Tensor) -> torch.Tensor:
+        """A message's rows in the layout the stage computes with, contiguous (a stage's ``view`` needs it)."""
+        return t.movedim(0, self.batch_dim).contiguous() if self.batch_dim else t
 
 
 @dataclass(frozen=True, slots=True)
@@ -528,8 +540,9 @@ def boundary_meta(gm: torch.fx.GraphModule, values: Sequence[str],
     """Per-sample shape and dtype of every boundary value.
 
     Runs the captured graph (no grad) at batch sizes 2 and 3: a value is
-    batch-major when its dim 0 follows the batch size and its other dims do
-    not change; a value of the same shape at both sizes is unbatched
+    batched when one dim follows the batch size and its other dims do not
+    change (dim 0, or another: a sequence-first ``(seq, batch, dim)``, whose
+    messages carry it batch-major); a value of the same shape at both sizes is unbatched
     (:class:`ValueMeta`). The executor relies on this to size receive buffers up front,
     so no shape message ever travels with the data. At ``bf16`` the graph
     runs under autocast, as the run does: a value's dtype is the one sent.
@@ -576,11 +589,13 @@ def boundary_meta(gm: torch.fx.GraphModule, values: Sequence[str],
             constant = name not in from_inputs and (shapes_only or bool(torch.equal(v0, v1)))
             meta[name] = ValueMeta(tuple(v0.shape), v0.dtype, batched=False, constant=constant)
             continue
-        if v0.dim() == 0 or v0.shape[0] != n0 or v1.shape[0] != n1 or v0.shape[1:] != v1.shape[1:]:
-            raise PlanError(f"fx value {name!r} crosses a stage boundary but its dim 0 is not the batch (shape "
+        moved = [k for k in range(v0.dim()) if v0.dim() == v1.dim() and v0.shape[k] != v1.shape[k]]
+        k = moved[0] if len(moved) == 1 else None
+        if k is None or v0.shape[k] != n0 or v1.shape[k] != n1:
+            raise PlanError(f"fx value {name!r} crosses a stage boundary but no dim of it is the batch (shape "
                             f"{tuple(v0.shape)} at batch size {n0}, {tuple(v1.shape)} at {n1}); keep its producer "
                             "and users in one stage")
-        meta[name] = ValueMeta(tuple(v0.shape[1:]), v0.dtype)
+        meta[name] = ValueMeta(tuple(v0.shape[:k] + v0.shape[k + 1:]), v0.dtype, batch_dim=k)
     return meta
 
 
