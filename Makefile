@@ -32,12 +32,14 @@ demo: install bytecode
 	$(VENV)/bin/graphpipe simulate out/mmt-gpp.json --gantt out/mmt-gpp.png --trace out/mmt-gpp.trace.json
 
 # Tests run in parallel processes (pytest-xdist), one per core up to 4: most tests are one single-threaded
-# process (an export, a search), so two cores finish the suite in well under the time of one.
+# process (an export, a search), so two cores finish the suite in well under the time of one. Each module
+# runs whole on one worker (loadscope), so a module's fixtures run once; tests/conftest.py hands out the
+# modules with slow tests first.
 # TEST_WORKERS=0 runs them in this process, one after another.
 TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; print(min(4, len(os.sched_getaffinity(0))))")
 
 test: install bytecode
-	$(PY) -m pytest -q -x -n $(TEST_WORKERS) --dist worksteal --doctest-modules graphpipe evals tests
+	$(PY) -m pytest -q -x -n $(TEST_WORKERS) --dist loadscope --doctest-modules graphpipe evals tests
 
 bench: install
 	$(VENV)/bin/graphpipe eval search-time

@@ -43,6 +43,20 @@ def pytest_configure(config) -> None:
     before_init()
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """Modules holding a ``slow`` test (multi-rank runs, whole-model captures) first, each kept whole.
+
+    ``make test`` hands modules to its workers one at a time (pytest-xdist's ``loadscope``: a module's
+    fixtures, such as test_evals' quick run of every experiment, run once); a long module handed out last
+    would leave the other workers idle while it runs."""
+    slow = {item.module.__name__ for item in items if item.get_closest_marker("slow") is not None
+            and getattr(item, "module", None) is not None}
+    first = [item for item in items if getattr(item, "module", None) is not None and item.module.__name__ in slow]
+    if first:
+        chosen = set(map(id, first))
+        items[:] = first + [item for item in items if id(item) not in chosen]
+
+
 def pytest_unconfigure(config) -> None:
     import shutil
 

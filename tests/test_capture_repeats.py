@@ -169,6 +169,7 @@ def test_short_stacks_are_left_whole():
 
 # --- held-out architectures (evals/llm_configs.py at tiny widths): the oracle is the whole capture of the same model;
 # evals/check_unrolled.py runs every case, the suite one per kind of stack (IN_SUITE)
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", IN_SUITE)
 def test_held_out_llm_unrolled_equals_whole_capture(arch):
     pytest.importorskip("transformers")

@@ -43,6 +43,7 @@ def quick_run(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_every_experiment_writes_results_and_a_figure(quick_run):
     for name in EXPERIMENTS:
         with open(os.path.join(quick_run, "results", f"{name}.json")) as fh:

@@ -93,6 +93,7 @@ def test_chain_dp_equals_the_general_dp_on_real_models():
             assert _same_dp(tree, cluster, 512, mb, link, False, 6, rng) > 0
 
 
+@pytest.mark.slow
 def test_chain_dp_equals_the_general_dp_at_every_target():
     """Every candidate target of one real search (mmt's chain view, 32 V100s, micro-batch 64, cuts on the
     intra-node link): above the optimum, where the depth frontier probes, states tie on (devices, stages)

@@ -118,6 +118,7 @@ def test_ctrl_c_during_rank_start_up_is_one_line(plan_file):
     assert _wait_all_gone(pids, GONE_WITHIN_S) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hung", [0, 1])
 def test_a_hung_rank_is_named_not_the_idle_rank_that_timed_out(tmp_path, hung):
     """Rank ``hung`` goes silent at its first F; its peers (rank 0 among them when rank 1 hangs, and an idle
@@ -160,6 +161,7 @@ def _cpu_seconds(pid: int) -> float:
         return 0.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("victim", [1, 2])
 def test_a_rank_killed_by_the_kernel_is_the_message_not_its_peers(tmp_path, victim):
     """``kill -9`` of one rank of a 3-rank run (what the out-of-memory killer does): its peers see the connection
