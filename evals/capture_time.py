@@ -76,10 +76,10 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=None, help="write OUT/results/capture_time.json")
     args = parser.parse_args(argv)
-    cases = [c for c in args.only.split(",") if c] if args.only else list(CASES)
-    unknown = [c for c in cases if c not in CASES]
-    if unknown:
-        print(f"unknown case(s) {', '.join(unknown)}; known: {', '.join(CASES)}", file=sys.stderr)
+    from .common import chosen_cases
+
+    cases = chosen_cases(args.only, CASES)
+    if cases is None:
         return 2
     rows = run(cases, args.repeats)
     if args.out:

@@ -76,10 +76,10 @@ def main(argv=None) -> int:
     parser.add_argument("--only", default=None, help=f"comma-separated cases of {', '.join(CASES)}")
     parser.add_argument("--out", default=None, help="write OUT/results/check_unrolled.json")
     args = parser.parse_args(argv)
-    cases = [c for c in args.only.split(",") if c] if args.only else list(CASES)
-    unknown = [c for c in cases if c not in CASES]
-    if unknown:
-        print(f"unknown case(s) {', '.join(unknown)}; known: {', '.join(CASES)}", file=sys.stderr)
+    from .common import chosen_cases
+
+    cases = chosen_cases(args.only, CASES)
+    if cases is None:
         return 2
     rows, failed = [], 0
     for name in cases:

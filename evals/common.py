@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable, Sequence
 from graphpipe.graph import write_json_atomic
 from graphpipe.progress import Progress as _Progress
 
-__all__ = ["environment", "write_result", "read_result", "Progress", "median_time", "results_dir", "DATA_DIR"]
+__all__ = ["environment", "write_result", "read_result", "Progress", "median_time", "results_dir", "DATA_DIR", "chosen_cases"]
 
 #: The repository's data folder (real PipeDream profiles, synthetic graphs; see its READMEs). evals/ sits
 #: beside it in a checkout, and an editable install keeps that layout.
@@ -114,3 +114,16 @@ def median_time(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
         result = fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times), result
+
+
+def chosen_cases(only: str | None, known) -> list[str] | None:
+    """The cases a ``--only a,b`` option names (all of ``known`` without it), or None after printing the
+    unknown ones and the known ones to stderr (the script then exits 2)."""
+    import sys
+
+    cases = [c for c in only.split(",") if c] if only else list(known)
+    unknown = [c for c in cases if c not in known]
+    if unknown:
+        print(f"unknown case(s) {', '.join(unknown)}; known: {', '.join(known)}", file=sys.stderr)
+        return None
+    return cases
