@@ -10,7 +10,7 @@ units after its prefix), checks which stacks :func:`repeated_stacks` finds
 capture: names, kinds, costs, bytes, edges and ids must be equal, and the cut
 stacks restored. The whole capture exports every layer, which is the point
 of the shortcut and what makes the deep cases slow (Gemma-3 at 50 layers,
-Llama-4 at 32: about 40 s each on 2 cores), so ``tests/test_capture_repeats.py``
+Llama-4 at 32), so ``tests/test_capture_repeats.py``
 runs the cases of :data:`IN_SUITE` (one per kind of stack) and this script
 runs them all. Exit 1 when a case fails.
 """

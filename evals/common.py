@@ -22,7 +22,8 @@ from typing import Any, Callable, Iterable, Sequence
 from graphpipe.graph import write_json_atomic
 from graphpipe.progress import Progress as _Progress
 
-__all__ = ["environment", "write_result", "read_result", "Progress", "median_time", "results_dir", "DATA_DIR", "chosen_cases"]
+__all__ = ["environment", "write_result", "read_result", "Progress", "median_time", "results_dir", "DATA_DIR",
+           "chosen_cases"]
 
 #: The repository's data folder (real PipeDream profiles, synthetic graphs; see its READMEs). evals/ sits
 #: beside it in a checkout, and an editable install keeps that layout.

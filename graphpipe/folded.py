@@ -18,7 +18,7 @@ merges the two, and any op on a path between them (merging two ops of a
 DAG joined by an edge and another path would close a cycle), so the
 planners, which cut only between ops, never cut it. MobileViT's
 unfold-transform-fold block becomes one op; models whose values are all
-batch-major keep exactly the ops they had.
+batched or unbatched keep exactly the ops they had.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ from typing import Any, MutableMapping, Sequence
 
 import torch
 import torch.fx as fx
+
+from graphpipe.reentrant import contracted_graph
 
 __all__ = ["splittable", "merge_folded_ops"]
 
@@ -78,13 +80,11 @@ def merge_folded_ops(nodes: Sequence[fx.Node], owner: MutableMapping[fx.Node, st
         if n in owner:
             first.setdefault(owner[n], i)
 
-    def union(a: str, b: str) -> bool:
+    def union(a: str, b: str) -> None:
         ra, rb = find(a), find(b)
-        if ra == rb:
-            return False
-        keep, drop = (ra, rb) if first[ra] <= first[rb] else (rb, ra)
-        parent[drop] = keep
-        return True
+        if ra != rb:
+            keep, drop = (ra, rb) if first[ra] <= first[rb] else (rb, ra)
+            parent[drop] = keep
 
     for n in nodes:
         op = owner.get(n)
@@ -96,23 +96,13 @@ def merge_folded_ops(nodes: Sequence[fx.Node], owner: MutableMapping[fx.Node, st
                 union(op, other)
     if not parent:
         return {}
-    while True:  # merging two ops joined by an edge and a longer path closes a cycle: merge the cycle too
-        contracted = nx.DiGraph()
-        for n in nodes:
-            if n not in owner:
-                continue
-            dst = find(owner[n])
-            contracted.add_node(dst)
-            for m in n.all_input_nodes:
-                if m in owner and find(owner[m]) != dst:
-                    contracted.add_edge(find(owner[m]), dst)
-        merged = False
-        for component in nx.strongly_connected_components(contracted):
-            ops = sorted(component, key=first.__getitem__)
-            for other in ops[1:]:
-                merged |= union(ops[0], other)
-        if not merged:
-            break
+    # merging two ops joined by an edge and a longer path closes a cycle: each cycle's ops merge too (the graph of
+    # the strongly connected components is acyclic, so one pass is enough)
+    merged_graph = contracted_graph(nodes, lambda n: find(owner[n]) if n in owner else None)
+    for component in nx.strongly_connected_components(merged_graph):
+        ops = sorted(component, key=first.__getitem__)
+        for other in ops[1:]:
+            union(ops[0], other)
     groups: dict[str, list[str]] = {}
     for op in first:
         groups.setdefault(find(op), []).append(op)

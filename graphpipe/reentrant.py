@@ -24,29 +24,37 @@ reads ``blocks.0``'s ``mul`` becomes ``blocks.0`` (the ``mul``) and
 
 from __future__ import annotations
 
-from typing import Mapping, MutableMapping, Sequence
+from typing import Callable, Mapping, MutableMapping, Sequence
 
 import torch.fx as fx
 
-__all__ = ["cyclic_ops", "split_reentrant_ops"]
+__all__ = ["contracted_graph", "cyclic_ops", "split_reentrant_ops"]
+
+
+def contracted_graph(nodes: Sequence[fx.Node], op_of: Callable[[fx.Node], str | None]):
+    """The ``networkx.DiGraph`` of ops: one vertex per op ``op_of`` gives a node, an edge where a node of one
+    op reads a node of another (nodes ``op_of`` maps to None are left out)."""
+    import networkx as nx
+
+    contracted = nx.DiGraph()
+    for n in nodes:
+        op = op_of(n)
+        if op is None:
+            continue
+        contracted.add_node(op)
+        for m in n.all_input_nodes:
+            src = op_of(m)
+            if src is not None and src != op:
+                contracted.add_edge(src, op)
+    return contracted
 
 
 def cyclic_ops(nodes: Sequence[fx.Node], owner: Mapping[fx.Node, str]) -> list[str]:
     """Ops on a cycle of the contracted graph (in order of their first node); empty when it is acyclic."""
     import networkx as nx
 
-    contracted = nx.DiGraph()
-    for n in nodes:
-        op = owner.get(n)
-        if op is None:
-            continue
-        contracted.add_node(op)
-        for m in n.all_input_nodes:
-            src = owner.get(m)
-            if src is not None and src != op:
-                contracted.add_edge(src, op)
     on_cycle = set()
-    for component in nx.strongly_connected_components(contracted):
+    for component in nx.strongly_connected_components(contracted_graph(nodes, owner.get)):
         if len(component) > 1:
             on_cycle.update(component)
     first = {}

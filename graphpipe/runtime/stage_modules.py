@@ -589,7 +589,7 @@ def boundary_meta(gm: torch.fx.GraphModule, values: Sequence[str],
             constant = name not in from_inputs and (shapes_only or bool(torch.equal(v0, v1)))
             meta[name] = ValueMeta(tuple(v0.shape), v0.dtype, batched=False, constant=constant)
             continue
-        moved = [k for k in range(v0.dim()) if v0.dim() == v1.dim() and v0.shape[k] != v1.shape[k]]
+        moved = [k for k in range(v0.dim()) if v0.shape[k] != v1.shape[k]] if v0.dim() == v1.dim() else []
         k = moved[0] if len(moved) == 1 else None
         if k is None or v0.shape[k] != n0 or v1.shape[k] != n1:
             raise PlanError(f"fx value {name!r} crosses a stage boundary but no dim of it is the batch (shape "
