@@ -49,10 +49,10 @@ dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", r
 if cuda:
     torch.cuda.set_device(0)
 result = run_job(0, 1, plan, RunOptions(steps=3, check=True, compile=True, backend=backend), device, backend)
-check = result["check"]
-print("compile --check passed:", check["passed"], "params", check["num_params_checked"], "/", check["num_params"],
-      "max_abs_diff", check["max_abs_diff"])
-raise SystemExit(0 if check["passed"] else 1)
+check = result.check
+print("compile --check passed:", check.passed, "params", check.num_params_checked, "/", check.num_params,
+      "max_abs_diff", check.max_abs_diff, "loss", check.loss, "reference", check.reference_loss)
+raise SystemExit(0 if check.passed else 1)
 PYEOF
 STATUS[compile-check]=$?
 
