@@ -48,7 +48,8 @@ backend, device = ("nccl", torch.device("cuda:0")) if cuda else ("gloo", torch.d
 dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
 if cuda:
     torch.cuda.set_device(0)
-result = run_job(0, 1, plan, RunOptions(steps=3, check=True, compile=True, backend=backend), device, backend)
+control = dist.new_group(backend="gloo") if cuda else None  # barriers and figures travel on CPU tensors
+result = run_job(0, 1, plan, RunOptions(steps=3, check=True, compile=True, backend=backend), device, backend, control)
 check = result.check
 print("compile --check passed:", check.passed, "params", check.num_params_checked, "/", check.num_params,
       "max_abs_diff", check.max_abs_diff, "loss", check.loss, "reference", check.reference_loss)

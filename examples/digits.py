@@ -89,7 +89,7 @@ def train(args) -> None:
     for epoch in range(args.epochs):
         losses = []
         for xb, yb in batches(tx, ty, epoch):
-            losses.append(pipe.step(xb, yb))
+            losses.append(pipe.step(xb, yb).item())  # .item() waits for the device: a real loop logs less often
             pipe.clip_grad_norm_(1.0)
             opt.step()
             opt.zero_grad()

@@ -60,8 +60,8 @@ def main() -> None:
             sched.step()
     for step in range(args.resume_at, args.resume_at + args.steps):
         x, y = api_models.data(step)
-        losses.append(pipe.step(x, y))
-        norms.append(pipe.clip_grad_norm_(1.0))
+        losses.append(pipe.step(x, y).item())
+        norms.append(pipe.clip_grad_norm_(1.0).item())
         opt.step()
         sched.step()
         opt.zero_grad()

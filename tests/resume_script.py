@@ -46,7 +46,7 @@ def main() -> None:
     losses = {}
     for step in range(start, args.steps):
         xb, yb = rm.next_batch(x, y)
-        losses[step] = pipe.step(xb, yb)
+        losses[step] = pipe.step(xb, yb).item()
         pipe.clip_grad_norm_(1.0)
         opt.step()
         opt.zero_grad()

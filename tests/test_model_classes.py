@@ -302,7 +302,7 @@ def test_a_loss_with_a_target_trains_through_the_api_from_the_first_step(tmp_pat
         opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
         got = []
         for x, y in batches:
-            got.append(pipe.step(x, y))
+            got.append(pipe.step(x, y).item())
             opt.step()
             opt.zero_grad()
         assert got == pytest.approx(expected, rel=1e-5)

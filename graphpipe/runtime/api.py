@@ -338,20 +338,24 @@ class Pipeline:
             yield self._names[p], p
 
     # ------------------------------------------------------------------ training
-    def step(self, inputs: Any, target: Any = None) -> float:
+    def step(self, inputs: Any, target: Any = None) -> torch.Tensor:
         """Forward and backward of one mini-batch through the plan's schedule; returns its loss on every rank.
 
         ``inputs``: a tensor, a tuple of inputs or a dict of keyword inputs
         (the whole mini-batch, the plan's batch size); ``target`` when the
         loss takes one. Gradients accumulate into ``.grad`` (all-reduced over
         replicas, summed over tied copies); zero them between steps.
+
+        The loss comes back as a detached 0-dim float64 tensor on this rank's
+        device, as a plain loop's ``loss`` does: ``loss.item()`` (or
+        ``float(loss)``) waits for the device, so read it when logging, not
+        every step, and the next step's work is queued while this one runs.
         """
         self._train(self._flat(inputs, target))
-        if self.world_size == 1:
-            return self.last_step.loss
-        loss = torch.tensor([self.last_step.loss], dtype=torch.float64, device=self.device)
-        dist.all_reduce(loss)  # on the device: an NCCL group reduces CUDA tensors only
-        return float(loss)
+        loss = self.last_step.terms.tensor()
+        if self.world_size > 1:
+            dist.all_reduce(loss)  # on the device: an NCCL group reduces CUDA tensors only
+        return loss
 
     def timed_step(self, flat: tuple | None, *, group=None):
         """One step on the graph's flat inputs (``None`` on ranks whose stages read none), every rank starting
@@ -429,12 +433,13 @@ class Pipeline:
             self._recapture(inputs, target)
         return self._io.flat_inputs(args, kwargs, target)
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale every gradient so the global ``norm_type`` norm (all stages, each parameter once) is at most
         ``max_norm``, as ``torch.nn.utils.clip_grad_norm_`` on the whole model; returns the norm before clipping.
 
         The partial norms stay on the device and are all-reduced there (one
-        collective, one device-to-host read for the returned float).
+        collective); the norm comes back as a 0-dim float64 tensor on the
+        device, as torch's does, so clipping never waits for the device.
         """
         norm_type = float(norm_type)
         grads = [p.grad.detach() for p in self._counted if p.grad is not None]
@@ -454,7 +459,7 @@ class Pipeline:
         mine = [p.grad for p in self._setup.executor.parameters() if p.grad is not None]
         if mine:
             torch._foreach_mul_(mine, coef.to(mine[0].dtype))
-        return float(norm)
+        return norm
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()

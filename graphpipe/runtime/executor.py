@@ -90,12 +90,49 @@ class TimedAction:
     end: float
 
 
+class LossTerms:
+    """One iteration's loss terms on this rank (its sink micro-batches), kept on the device until read.
+
+    Reading a loss on the host waits for the device to finish the step; a
+    plain PyTorch loop does not wait unless its user reads ``loss.item()``.
+    So the iteration ends without a read: :meth:`tensor` sums the terms on
+    the device (no wait), :meth:`by_micro_batch` and :meth:`total` copy them
+    to the host once, when first asked.
+    """
+
+    __slots__ = ("_mb_ids", "_values", "_device", "_host")
+
+    def __init__(self, terms: list[tuple[int, torch.Tensor]], device: torch.device) -> None:
+        self._mb_ids = [mb for mb, _ in terms]
+        self._values = torch.stack([t for _, t in terms]) if terms else None
+        self._device = device
+        self._host: dict[int, float] | None = None
+
+    def tensor(self) -> torch.Tensor:
+        """The sum of the terms as a 0-dim float64 tensor on the device (zero when this rank has none)."""
+        if self._values is None:
+            return torch.zeros((), dtype=torch.float64, device=self._device)
+        return self._values.to(torch.float64).sum()
+
+    def by_micro_batch(self) -> dict[int, float]:
+        """Micro-batch -> this rank's loss term (one device-to-host copy, on the first call)."""
+        if self._host is None:
+            self._host = {}
+            if self._values is not None:
+                for mb_id, value in zip(self._mb_ids, self._values.tolist()):
+                    self._host[mb_id] = self._host.get(mb_id, 0.0) + value
+        return self._host
+
+    def total(self) -> float:
+        return sum(self.by_micro_batch().values())
+
+
 @dataclass(slots=True)
 class StepResult:
     iteration_time_s: float
     """This rank's time from the shared start until its last action and all-reduce finished."""
-    loss: float
-    """This rank's share of the mini-batch loss (sum over its sink micro-batches)."""
+    terms: LossTerms
+    """This rank's loss terms, on the device (:attr:`loss` reads them)."""
     records: list[TimedAction] = field(default_factory=list)
     t0: float = 0.0
     """This rank's ``time.perf_counter()`` at the shared start (records are relative to it)."""
@@ -103,6 +140,11 @@ class StepResult:
     """Peak bytes of tensors saved for backward on this rank during the iteration (:class:`SavedBytesMeter`)."""
     cuda_peak_bytes: int | None = None
     """``torch.cuda.max_memory_allocated`` over the iteration on a CUDA rank; None on CPU."""
+
+    @property
+    def loss(self) -> float:
+        """This rank's share of the mini-batch loss (sum over its sink micro-batches); waits for the device."""
+        return self.terms.total()
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,9 +281,14 @@ class RankExecutor:
         self._fault_text = fault.describe() if fault is not None else ""
         # Asynchronous schedules: the stream's loss terms are scaled by the mini-batch, not by the stream's rows.
         self.loss_batch_size = ctx.loss_batch_size or sg.batch_size
-        self.sink_losses: dict[int, float] = {}  # micro-batch -> this rank's loss term, last iteration (sink stages)
+        self._last_terms = LossTerms([], self.device)
         self._loss_terms: list[tuple[int, torch.Tensor]] = []  # this iteration's, on the device
         self._plans = {a: self._plan(a) for a in dict.fromkeys(self.actions)}
+
+    @property
+    def sink_losses(self) -> dict[int, float]:
+        """Micro-batch -> this rank's loss term in the last iteration (sink stages); waits for the device."""
+        return self._last_terms.by_micro_batch()
 
     # ------------------------------------------------------------ helpers
     def _buffer_spec(self, key) -> tuple[tuple[int, ...], torch.dtype]:
@@ -623,12 +670,9 @@ class RankExecutor:
         self._sum_tied_gradients()
         self.mailbox.flush()
         self._sync()
-        self.sink_losses = {}
-        if self._loss_terms:  # one device-to-host copy for every loss term of the iteration
-            for (mb_id, _), value in zip(self._loss_terms, torch.stack([t for _, t in self._loss_terms]).tolist()):
-                self.sink_losses[mb_id] = self.sink_losses.get(mb_id, 0.0) + value
+        self._last_terms = LossTerms(self._loss_terms, self.device)  # read on the host only when asked
         self._loss_terms = []
-        return StepResult(time.perf_counter() - t0, sum(self.sink_losses.values()), records, t0, self.saved_meter.peak,
+        return StepResult(time.perf_counter() - t0, self._last_terms, records, t0, self.saved_meter.peak,
                           torch.cuda.max_memory_allocated(self.device) if cuda else None)
 
     def _commit_batchnorms(self) -> None:
