@@ -211,6 +211,24 @@ NOTES: dict[str, str] = {
         "One H200 (torch 2.11.0+cu130), 16 steps alternating after 3 warm-ups; a 12-step run minutes earlier gave "
         "0.992x and 1.001x. fp32 is bound by the GPU at this size (about 1 s a step), so the three contestants "
         "are within 1% of each other; the previous H100 run gave 0.991x and 1.002x."),
+    "bench_api-compile-cuda": (
+        "One H200 (torch 2.11.0+cu130), `bash evals/gpu_check.sh` (16 steps alternating after 3 warm-ups; the "
+        "run's git_sha field reads the device copy's stale metadata: the code was e8d664c). fp32 at this size is "
+        "bound by the GPU (a 249 ms step), so all four contestants are within 0.1%: compiled API 0.9995x the "
+        "compiled loop (247.48 against 247.34 ms) and 1.007x the eager API. The run before `Pipeline.step` stopped "
+        "reading its loss on the host (same machine kind, 481d8ce) gave 0.989x."),
+    "bench_api-compile-bf16-cuda": (
+        "One H200 (torch 2.11.0+cu130), 40 steps alternating after 3 warm-ups (`python -m graphpipe.evals.bench_api "
+        "--model <gpu_check's model> --batch-size 64 --micro-batch-size 8 --compile --no-torch --steps 40 "
+        "--precision bf16`; code e8d664c). At bf16 this step is bound by the host, not the GPU: "
+        "`python -m graphpipe.evals.profile_api --precision bf16 --compile` on the same machine counted 4270 "
+        "kernels a step taking 39.3 ms of GPU time (API) and 4267 taking 38.5 ms (loop), in steps of 84-124 ms. "
+        "So the ratio measures host time, which varies between machines and runs: 0.978x (481d8ce, before the "
+        "change below), then 0.988x (16 steps) and 1.034x (this row) after it; the eager API over the eager loop "
+        "1.007x, 0.943x and 1.029x in the same three runs. The change: `Pipeline.step` used to read the step's "
+        "loss on the host (`float`), which waits for the GPU, so the optimizer's kernels were queued only after "
+        "the device had drained; it now returns the loss as a 0-dim device tensor, as a plain loop's `loss` is, "
+        "and `clip_grad_norm_` returns its norm the same way, as torch's does."),
     "bench_scale": (
         "Where the time and memory went before issue 34 (cProfile, transformer, batch 16 per device): Piper's "
         "seed, the linear DP, built (stage ends x devices x every replica count 1..N x stages) arrays: 84 of "

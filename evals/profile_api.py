@@ -1,0 +1,118 @@
+"""Where one training step of ``graphpipe.Pipeline`` spends device and host time, beside the plain loop's step.
+
+::
+
+    python -m graphpipe.evals.profile_api --model transformer:small --precision bf16 --compile --out /tmp/prof
+
+A diagnostic for ``bench_api``'s ratios, not a benchmark: the same one-rank, one-stage set-up (a gpipe plan,
+fixed micro-batch size, AdamW), warmed up, then ``--steps`` steps of each contestant under ``torch.profiler``.
+For each it prints the kernels' total device time and count per step, the host time per step, and the
+operators with the largest device (CPU: self) time; ``--out`` also writes each contestant's Chrome trace.
+A ratio below 1.0 in ``bench_api`` is then either more device work (the kernel totals differ) or a device
+left idle (equal kernel totals, longer steps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import time
+
+__all__ = ["main"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="transformer:small")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--micro-batch-size", type=int, default=8)
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument("--compile", action="store_true", help="profile the compiled API and compiled loop instead")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--out", default=None, help="write OUT/profile_api-<contestant>.json traces")
+    args = parser.parse_args(argv)
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from graphpipe import zoo
+    from graphpipe.cluster import preset
+    from graphpipe.runtime.api import Pipeline
+    from graphpipe.runtime.runnable import autocast
+    from graphpipe.search.common import SearchOptions
+    from graphpipe.search.planner import make_plan
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
+    cuda = torch.cuda.is_available()
+    batch, micro = args.batch_size, args.micro_batch_size
+    plan = make_plan(zoo.canonical_spec(args.model), zoo.load_graph(args.model), preset("h100" if cuda else "v100", 1),
+                     batch, "gpipe", SearchOptions(micro_batch_size=micro, recompute="none"))
+    built = zoo.build(args.model, seed=0)
+    pipe = Pipeline(plan, built.module, built.loss_fn, precision=args.precision, compile=args.compile)
+    device = pipe.device
+    plain = zoo.build(args.model, seed=0).module.to(device)
+    plain.load_state_dict(built.module.state_dict())
+    module = torch.compile(plain) if args.compile else plain
+    opt_api = torch.optim.AdamW(pipe.parameters(), lr=1e-4)
+    opt_loop = torch.optim.AdamW(plain.parameters(), lr=1e-4)
+    x = tuple(t.to(device) for t in built.make_inputs(batch, 0))
+
+    def api() -> None:
+        pipe.step(x)
+        opt_api.step()
+        opt_api.zero_grad()
+
+    def loop() -> None:
+        with autocast(args.precision, device):
+            for lo in range(0, batch, micro):
+                loss = built.loss_fn(module(*(t[lo:lo + micro] for t in x))) * (micro / batch)
+                loss.backward()
+        opt_loop.step()
+        opt_loop.zero_grad()
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    for _ in range(args.warmup):
+        api()
+        loop()
+    sync()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    for name, fn in (("api", api), ("loop", loop)):
+        with profile(activities=activities) as prof:
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                fn()
+            issued = time.perf_counter() - t0
+            sync()
+            wall = time.perf_counter() - t0
+        events = prof.key_averages()
+        if cuda:
+            kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+            device_us = sum(getattr(e, "device_time", None) or e.cuda_time for e in kernels) / args.steps
+            print(f"{name}: {wall / args.steps * 1e3:.2f} ms/step (host issued it in "
+                  f"{issued / args.steps * 1e3:.2f} ms), kernels {len(kernels) / args.steps:.0f}/step "
+                  f"taking {device_us / 1e3:.2f} ms/step")
+            print(events.table(sort_by="self_device_time_total", row_limit=args.top, max_name_column_width=60))
+        else:
+            print(f"{name}: {wall / args.steps * 1e3:.2f} ms/step")
+            print(events.table(sort_by="self_cpu_time_total", row_limit=args.top, max_name_column_width=60))
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            prof.export_chrome_trace(os.path.join(args.out, f"profile_api-{name}.json"))
+    pipe.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
