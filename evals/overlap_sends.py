@@ -57,7 +57,7 @@ def _rank(rank: int, port: int, out: str, steps: int, batch: int, mbs: int, plan
         sync()
         if i >= 4:
             times[early].append(time.perf_counter() - t0)
-            losses[early].add(loss)
+            losses[early].add(loss.item())
     mailbox.post_early = True
     from torch.profiler import ProfilerActivity, profile
 

@@ -243,3 +243,18 @@ def test_runtime_bench_compares_torch_on_a_plan_it_runs():
     assert plan.schedule.name == "1f1b" and plan.stage_graph.num_stages == 4
     assert not any(s.recompute for s in plan.stage_graph.stages)
     preflight(plan, RunOptions(baseline="torch"))  # raises InputError on a recomputing stage
+
+
+def test_the_gpu_overlap_check_runs_on_cpu_ranks_and_compares_equal_losses(tmp_path):
+    """``evals/overlap_sends.py`` (part 3 of ``evals/gpu_check.sh``) smoke-tested on two gloo ranks: a GPU check
+    that breaks is found only when a device is lent, so its CPU mode runs here. Its loss comparison once read
+    ``Pipeline.step``'s tensors into a set (tensors hash by identity) and always said the modes differed."""
+    import json
+
+    from graphpipe.evals.overlap_sends import main
+
+    assert main(["--out", str(tmp_path), "--model", "transformer:small,layers=2,hidden=32,seq=8,heads=2,ffn=64,vocab=64",
+                 "--steps", "2", "--batch-size", "8"]) in (0, None)
+    row = json.loads((tmp_path / "results" / "overlap_sends-cpu.json").read_text())["rows"][0]
+    assert row["losses_equal"] is True
+    assert len(row["early_step_s"]) == len(row["at_use_step_s"]) == 2

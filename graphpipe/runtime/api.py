@@ -361,7 +361,7 @@ class Pipeline:
         """One step on the graph's flat inputs (``None`` on ranks whose stages read none), every rank starting
         at a barrier on ``group`` (default the world), so the step's per-action times share one start;
         returns this rank's :class:`~graphpipe.runtime.executor.StepResult`. ``graphpipe run``'s loop."""
-        self._train(flat, start_together=True, group=group)
+        self._train(flat, start_together=True, group=group, wait=True)
         return self.last_step
 
     @property
@@ -371,12 +371,13 @@ class Pipeline:
         copies and buffers that are not counted (what ``--check`` needs)."""
         return self._setup
 
-    def _train(self, flat: tuple | None, *, start_together: bool = False, group=None) -> None:
+    def _train(self, flat: tuple | None, *, start_together: bool = False, group=None, wait: bool = False) -> None:
         """One step on the graph's flat inputs (``None`` on ranks whose stages read none).
 
         ``start_together``: every rank meets at a barrier (on ``group``,
         default the world) first, so the step's times share one start
-        (``graphpipe run``'s measurement).
+        (``graphpipe run``'s measurement); ``wait``: the step's time ends when
+        the device has finished it (:meth:`RankExecutor.run_iteration`).
         """
         from graphpipe.runtime.runnable import autocast
 
@@ -387,7 +388,7 @@ class Pipeline:
             dist.barrier(group=group)
         with autocast(self.precision, self.device):
             self.last_step = executor.run_iteration(flat if self.reads_inputs else None, time.perf_counter(),
-                                                    self._steps)
+                                                    self._steps, wait=wait)
         self._steps += 1
 
     def _ready_to_run(self) -> None:
@@ -439,7 +440,8 @@ class Pipeline:
 
         The partial norms stay on the device and are all-reduced there (one
         collective); the norm comes back as a 0-dim float64 tensor on the
-        device, as torch's does, so clipping never waits for the device.
+        device (torch's is a 0-dim tensor too), so clipping never waits for
+        the device.
         """
         norm_type = float(norm_type)
         grads = [p.grad.detach() for p in self._counted if p.grad is not None]

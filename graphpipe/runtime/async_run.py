@@ -162,7 +162,7 @@ def run_async_job(rank: int, world_size: int, plan: Plan, spec: AsyncSpec, optio
     inputs = stream_inputs(make_inputs, sg.batch_size, options.seed, steps) if reads_inputs else None
     dist.barrier(group=control)
     t0 = time.perf_counter()
-    result = executor.run_iteration(inputs, t0, 0)
+    result = executor.run_iteration(inputs, t0, 0, wait=True)
     records = [{"rank": r.rank, "stage_id": r.stage_id, "kind": r.kind, "mb_id": r.mb_id, "ready": r.ready + t0,
                 "start": r.start + t0, "end": r.end + t0} for r in result.records]
     check = [0.0, 0, 0]  # max |a - b|, mismatches, parameters compared (a stage's first replica counts them)

@@ -612,11 +612,15 @@ class RankExecutor:
         self.ctx = replace(self.ctx, link_groups={}, dp_groups={}, tied=self.tied)
         return list(found.values())
 
-    def run_iteration(self, inputs: Sequence[torch.Tensor] | None, t0: float, step: int = 0) -> StepResult:
+    def run_iteration(self, inputs: Sequence[torch.Tensor] | None, t0: float, step: int = 0, *,
+                      wait: bool = False) -> StepResult:
         """Run every action of this rank once (step ``step``); gradients are left in ``.grad`` (all-reduced).
 
         Gradients accumulate over micro-batches into the buffers
-        :meth:`zero_grad` cleared, as in single-device training.
+        :meth:`zero_grad` cleared, as in single-device training. ``wait``:
+        on a CUDA rank, end the step's time when the device has finished its
+        work (a timed step, ``graphpipe run``'s); otherwise the step returns
+        once the host has queued it, as a plain loop's step does.
         """
         self.step = step
         self.mailbox.reset()
@@ -670,6 +674,8 @@ class RankExecutor:
         self._sum_tied_gradients()
         self.mailbox.flush()
         self._sync()
+        if wait and cuda and not self.measure:  # the step's time is the device's, not how fast the host queued it
+            torch.cuda.synchronize(self.device)
         self._last_terms = LossTerms(self._loss_terms, self.device)  # read on the host only when asked
         self._loss_terms = []
         return StepResult(time.perf_counter() - t0, self._last_terms, records, t0, self.saved_meter.peak,
