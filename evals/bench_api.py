@@ -31,18 +31,55 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
 
-__all__ = ["run", "main"]
+__all__ = ["run", "main", "one_rank_plan", "api_step_of", "loop_step_of"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def one_rank_plan(model: str, batch_size: int, micro_batch_size: int):
+    """The one-rank gpipe plan of zoo ``model`` at a fixed micro-batch size (one stage, one device), with the
+    environment of a one-process world set unless a process group exists."""
+    import torch
+    import torch.distributed as dist
+
+    from graphpipe import zoo
+    from graphpipe.cluster import preset
+    from graphpipe.runtime.launch import free_port
+    from graphpipe.search.common import SearchOptions
+    from graphpipe.search.planner import make_plan
+
+    if not dist.is_initialized():
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
+    cluster = preset("h100" if torch.cuda.is_available() else "v100", 1)  # paper-size mmt overflows one V100
+    return make_plan(zoo.canonical_spec(model), zoo.load_graph(model), cluster, batch_size, "gpipe",
+                     SearchOptions(micro_batch_size=micro_batch_size, recompute="none"))
+
+
+def api_step_of(pipe, opt):
+    """One training step through the API: ``pipe.step`` on the mini-batch, then the optimizer."""
+    def api_step(x) -> None:
+        pipe.step(x)
+        opt.step()
+        opt.zero_grad()
+    return api_step
+
+
+def loop_step_of(module, opt, loss_fn, batch_size: int, micro_batch_size: int, precision: str, device):
+    """The plain loop a user would write around ``module`` (eager or compiled): each micro-batch's loss scaled by
+    its share of the mini-batch, backward, one optimizer step, under one autocast region at bf16."""
+    from graphpipe.runtime.runnable import autocast
+
+    def loop_step(x) -> None:
+        with autocast(precision, device):
+            for lo in range(0, batch_size, micro_batch_size):
+                mb = tuple(t[lo:lo + micro_batch_size] for t in x)
+                loss = loss_fn(module(*mb)) * (micro_batch_size / batch_size)
+                loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return loop_step
 
 
 def run(model: str = "transformer:small", batch_size: int = 32, micro_batch_size: int = 8, steps: int = 20,
@@ -54,17 +91,9 @@ def run(model: str = "transformer:small", batch_size: int = 32, micro_batch_size
     import torch.distributed as dist
 
     from graphpipe import zoo
-    from graphpipe.cluster import preset
     from graphpipe.runtime.api import Pipeline
-    from graphpipe.runtime.runnable import autocast
-    from graphpipe.search.common import SearchOptions
-    from graphpipe.search.planner import make_plan
 
-    if not dist.is_initialized():
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
-    cluster = preset("h100" if torch.cuda.is_available() else "v100", 1)  # paper-size mmt overflows one V100
-    plan = make_plan(zoo.canonical_spec(model), zoo.load_graph(model), cluster, batch_size, "gpipe",
-                     SearchOptions(micro_batch_size=micro_batch_size, recompute="none"))
+    plan = one_rank_plan(model, batch_size, micro_batch_size)
     built = zoo.build(model, seed=0)
     pipe = Pipeline(plan, built.module, built.loss_fn, precision=precision)
     device = pipe.device
@@ -74,25 +103,10 @@ def run(model: str = "transformer:small", batch_size: int = 32, micro_batch_size
     opt_loop = torch.optim.AdamW(reference.parameters(), lr=1e-4)
     on_device = tuple(x.to(device) for x in built.make_inputs(batch_size, 0))  # time the step, not the copy
 
-    def api_step_of(pipe, opt):
-        def api_step(x) -> None:
-            pipe.step(x)
-            opt.step()
-            opt.zero_grad()
-        return api_step
+    def loop_of(module, opt):
+        return loop_step_of(module, opt, built.loss_fn, batch_size, micro_batch_size, precision, device)
 
-    def loop_step_of(module, opt):  # the plain loop a user would write, around ``module`` (eager or compiled)
-        def loop_step(x) -> None:
-            with autocast(precision, device):
-                for lo in range(0, batch_size, micro_batch_size):
-                    mb = tuple(t[lo:lo + micro_batch_size] for t in x)
-                    loss = built.loss_fn(module(*mb)) * (micro_batch_size / batch_size)
-                    loss.backward()
-            opt.step()
-            opt.zero_grad()
-        return loop_step
-
-    api_step, loop_step = api_step_of(pipe, opt_api), loop_step_of(reference, opt_loop)
+    api_step, loop_step = api_step_of(pipe, opt_api), loop_of(reference, opt_loop)
 
     def sync() -> None:
         if device.type == "cuda":
@@ -115,7 +129,7 @@ def run(model: str = "transformer:small", batch_size: int = 32, micro_batch_size
         opt_api_c = torch.optim.AdamW(pipe_c.parameters(), lr=1e-4)
         plain = zoo.build(model, seed=0).module.to(device)
         plain.load_state_dict(built.module.state_dict())
-        loop_compiled = loop_step_of(torch.compile(plain), torch.optim.AdamW(plain.parameters(), lr=1e-4))
+        loop_compiled = loop_of(torch.compile(plain), torch.optim.AdamW(plain.parameters(), lr=1e-4))
         contestants += [("api_compiled", timed(api_step_of(pipe_c, opt_api_c))), ("loop_compiled", timed(loop_compiled))]
     if with_torch:
         contestants.append(("torch", timed(_torch_one_stage(built, device, batch_size // micro_batch_size,

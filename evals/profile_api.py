@@ -16,16 +16,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import time
 
 __all__ = ["main"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(argv=None) -> int:
@@ -45,54 +38,38 @@ def main(argv=None) -> int:
     from torch.profiler import ProfilerActivity, profile
 
     from graphpipe import zoo
-    from graphpipe.cluster import preset
     from graphpipe.runtime.api import Pipeline
-    from graphpipe.runtime.runnable import autocast
-    from graphpipe.search.common import SearchOptions
-    from graphpipe.search.planner import make_plan
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
+    from .bench_api import api_step_of, loop_step_of, one_rank_plan
+
     cuda = torch.cuda.is_available()
     batch, micro = args.batch_size, args.micro_batch_size
-    plan = make_plan(zoo.canonical_spec(args.model), zoo.load_graph(args.model), preset("h100" if cuda else "v100", 1),
-                     batch, "gpipe", SearchOptions(micro_batch_size=micro, recompute="none"))
+    plan = one_rank_plan(args.model, batch, micro)
     built = zoo.build(args.model, seed=0)
     pipe = Pipeline(plan, built.module, built.loss_fn, precision=args.precision, compile=args.compile)
     device = pipe.device
     plain = zoo.build(args.model, seed=0).module.to(device)
     plain.load_state_dict(built.module.state_dict())
     module = torch.compile(plain) if args.compile else plain
-    opt_api = torch.optim.AdamW(pipe.parameters(), lr=1e-4)
-    opt_loop = torch.optim.AdamW(plain.parameters(), lr=1e-4)
     x = tuple(t.to(device) for t in built.make_inputs(batch, 0))
-
-    def api() -> None:
-        pipe.step(x)
-        opt_api.step()
-        opt_api.zero_grad()
-
-    def loop() -> None:
-        with autocast(args.precision, device):
-            for lo in range(0, batch, micro):
-                loss = built.loss_fn(module(*(t[lo:lo + micro] for t in x))) * (micro / batch)
-                loss.backward()
-        opt_loop.step()
-        opt_loop.zero_grad()
+    api_step = api_step_of(pipe, torch.optim.AdamW(pipe.parameters(), lr=1e-4))
+    loop_step = loop_step_of(module, torch.optim.AdamW(plain.parameters(), lr=1e-4), built.loss_fn, batch, micro,
+                             args.precision, device)
 
     def sync() -> None:
         if cuda:
             torch.cuda.synchronize(device)
 
     for _ in range(args.warmup):
-        api()
-        loop()
+        api_step(x)
+        loop_step(x)
     sync()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    for name, fn in (("api", api), ("loop", loop)):
+    for name, fn in (("api", api_step), ("loop", loop_step)):
         with profile(activities=activities) as prof:
             t0 = time.perf_counter()
             for _ in range(args.steps):
-                fn()
+                fn(x)
             issued = time.perf_counter() - t0
             sync()
             wall = time.perf_counter() - t0

@@ -47,9 +47,9 @@ def _plan(tmp_path, strategy: str, devices: int = 3) -> str:
     return path
 
 
-def torchrun(plan: str, out: str, steps: int, *extra: str, ranks: int = 3, check: bool = True):
+def torchrun(plan: str, out: str, steps: int, *extra: str, ranks: int = 3, check: bool = True, script: str = SCRIPT):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr",
-           "127.0.0.1", "--master-port", str(_port()), SCRIPT, plan, out, str(steps), *extra]
+           "127.0.0.1", "--master-port", str(_port()), script, plan, out, str(steps), *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     if check:

@@ -134,8 +134,8 @@ def test_a_pipeline_over_ranks_trains_and_evaluates_a_sequence_first_model_as_on
     """``Pipeline.step`` and ``Pipeline.forward`` on three torchrun ranks, values crossing sequence-first between
     them: the losses, the evaluation output and every final weight equal plain training of the same model."""
     import os
-    import subprocess
-    import sys
+
+    from test_api import torchrun
 
     from graphpipe.capture import load_factory
     from graphpipe.plan import write_plan
@@ -143,14 +143,8 @@ def test_a_pipeline_over_ranks_trains_and_evaluates_a_sequence_first_model_as_on
     plan_path = str(tmp_path / "plan.json")
     write_plan(plan_path, chain_plan(MODELS + ":seq_first", (2, 1, 2), [(0,), (1,), (2,)], [2, 4, 2], "graph-1f1b"))
     out = str(tmp_path / "out.pt")
-    with __import__("socket").socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "factory_pipeline_script.py")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-addr",
-                           "127.0.0.1", "--master-port", str(port), script, plan_path, out, "3"],
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    torchrun(plan_path, out, 3, script=os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                    "factory_pipeline_script.py"))
     got = torch.load(out)
 
     made = load_factory(MODELS + ":seq_first")
