@@ -226,6 +226,13 @@ class Plan:
             raise PlanError(f"schedule lists {self.schedule.num_devices} devices, cluster has {self.cluster.num_devices}")
         if self.batchnorm not in BATCHNORM_MODES:
             raise InputError(f"--batchnorm must be one of {', '.join(BATCHNORM_MODES)}, got {self.batchnorm!r}")
+        for stage in self.stage_graph.stages:  # tensor parallelism all-reduces per layer: never across nodes
+            for group in stage.tp_groups:
+                nodes = sorted({self.cluster.node_of(d) for d in group})
+                if len(nodes) > 1:
+                    raise PlanError(f"stage {stage.id}: tp group {list(group)} spans nodes {nodes} "
+                                    f"({self.cluster.devices_per_node} devices per node); a tp group must sit in "
+                                    f"one node: align the stage's devices to nodes or lower its tp")
 
     @property
     def graph(self) -> OpGraph:
@@ -239,8 +246,18 @@ class Plan:
         return replace(self, schedule=schedule, predicted=dict(predicted or {}))
 
 
+def _layout_to_dict(stage: Stage) -> dict[str, Any]:
+    """A stage's parallelism inside itself: ``tp`` and ``shard`` (and FSDP's ``reshard_after_forward``)."""
+    return {"tp": stage.tp, "shard": stage.shard,
+            **({"reshard_after_forward": stage.reshard_after_forward} if stage.shard == "fsdp" else {})}
+
+
 def plan_to_dict(plan: Plan) -> dict[str, Any]:
+    """The plan file's object. Stages carry ``tp``/``shard`` when any stage of the plan is parallel inside
+    itself; a plan whose stages are all whole copies (tp 1, shard none) writes neither key, byte for byte
+    as before those keys existed, and reads back the same."""
     sg = plan.stage_graph
+    layouts = any(s.parallel for s in sg.stages)
     return {
         "format": PLAN_FORMAT,
         "model": plan.model,
@@ -251,7 +268,8 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         "stages": [
             {"id": s.id, "ops": [plan.graph.ops[i].name for i in s.op_ids], "devices": list(s.devices),
              "micro_batch_size": s.micro_batch_size, "recompute": s.recompute, "replica_mode": s.replica_mode,
-             **({"checkpoints": [plan.graph.ops[i].name for i in s.checkpoints]} if s.checkpoints else {})}
+             **({"checkpoints": [plan.graph.ops[i].name for i in s.checkpoints]} if s.checkpoints else {}),
+             **(_layout_to_dict(s) if layouts else {})}
             for s in sg.stages
         ],
         "stage_edges": [list(e) for e in sg.edges],
@@ -292,6 +310,9 @@ def plan_from_dict(doc: Any, where: str = "plan") -> Plan:
                                       for k, d in enumerate(files.array(s["devices"], f"{at}.devices"))),
                                 files.integer(s["micro_batch_size"], f"{at}.micro_batch_size", 1),
                                 s.get("recompute", False), replica_mode=s.get("replica_mode", "split"),
+                                tp=files.integer(s.get("tp", 1), f"{at}.tp", 1),
+                                shard=s.get("shard", "none"),
+                                reshard_after_forward=s.get("reshard_after_forward", True),
                                 checkpoints=tuple(graph.op_id(files.string(name, f"{at}.checkpoints[{k}]"))
                                                   for k, name in enumerate(files.array(s.get("checkpoints", []),
                                                                                        f"{at}.checkpoints")))))

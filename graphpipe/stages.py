@@ -22,14 +22,20 @@ Example
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable, Literal, Mapping, Sequence, get_args
 
 from graphpipe import costs
 from graphpipe.errors import PlanError
 from graphpipe.graph import OpGraph
 
-__all__ = ["Stage", "StageGraph", "covered_mbs", "ReplicaMode", "REPLICA_MODES"]
+__all__ = ["Stage", "StageGraph", "covered_mbs", "ReplicaMode", "REPLICA_MODES", "ShardMode", "SHARD_MODES"]
+
+ShardMode = Literal["none", "fsdp"]
+SHARD_MODES: tuple[ShardMode, ...] = get_args(ShardMode)
+"""How a stage's replicas hold its model state: ``none``, each replica a whole copy (data parallelism, gradients
+all-reduced), or ``fsdp``, parameters, gradients and optimizer state sharded over the replicas and gathered for
+compute (FSDP / ZeRO-3: torch's ``fully_shard`` over the stage's replica group)."""
 
 ReplicaMode = Literal["split", "round-robin"]
 REPLICA_MODES: tuple[ReplicaMode, ...] = get_args(ReplicaMode)
@@ -53,6 +59,15 @@ class Stage:
     checkpoints: tuple[int, ...] = ()
     """Ops (ids, none the stage's first) where a re-materializing stage starts a new segment: B rebuilds one
     segment at a time (:func:`graphpipe.costs.segment_bytes`); ``()``: the whole stage at once."""
+    tp: int = 1
+    """Tensor-parallel degree: ``devices`` split into groups of ``tp`` consecutive devices, each group one
+    replica that splits the stage's weights (Megatron-style column/row-wise layers) over its devices."""
+    shard: ShardMode = "none"
+    """:data:`SHARD_MODES`: whole copies per replica, or FSDP-sharded model state across the replicas."""
+    reshard_after_forward: bool = True
+    """FSDP only: free the gathered parameters after each forward (gather again for backward, per
+    micro-batch), or keep them gathered from the first forward to the last backward of the step
+    (torchtitan's choice under pipelining: one all-gather per step, more memory)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "op_ids", tuple(sorted(self.op_ids)))
@@ -71,6 +86,19 @@ class Stage:
         if self.replica_mode not in REPLICA_MODES:
             raise PlanError(f"stage {self.id}: replica_mode must be one of {', '.join(REPLICA_MODES)}, "
                             f"got {self.replica_mode!r}")
+        if not isinstance(self.tp, int) or isinstance(self.tp, bool) or self.tp < 1:
+            raise PlanError(f"stage {self.id}: tp must be a positive integer, got {self.tp!r}")
+        if len(self.devices) % self.tp:
+            raise PlanError(f"stage {self.id}: tp {self.tp} does not divide its {len(self.devices)} devices "
+                            f"{list(self.devices)}; give it a multiple of {self.tp} devices or another tp")
+        if self.shard not in SHARD_MODES:
+            raise PlanError(f"stage {self.id}: shard must be one of {', '.join(SHARD_MODES)}, got {self.shard!r}")
+        if not isinstance(self.reshard_after_forward, bool):
+            raise PlanError(f"stage {self.id}: reshard_after_forward must be true or false, "
+                            f"got {self.reshard_after_forward!r}")
+        if self.round_robin and (self.tp > 1 or self.shard != "none"):
+            raise PlanError(f"stage {self.id}: a round-robin stage (PipeDream's whole micro-batches per replica) "
+                            f"keeps whole copies; set tp 1 and shard none, or replica_mode split")
         if self.checkpoints and not self.recompute:
             raise PlanError(f"stage {self.id}: checkpoints need recompute (they cut its re-materialization)")
         stray = sorted(set(self.checkpoints) - set(self.op_ids[1:]))
@@ -80,12 +108,23 @@ class Stage:
 
     @property
     def num_replicas(self) -> int:
-        return len(self.devices)
+        """Data-parallel replicas: the stage's devices over its tensor-parallel degree."""
+        return len(self.devices) // self.tp
+
+    @property
+    def tp_groups(self) -> tuple[tuple[int, ...], ...]:
+        """The replicas' device groups: ``tp`` consecutive devices each (one device each when tp is 1)."""
+        return tuple(self.devices[i:i + self.tp] for i in range(0, len(self.devices), self.tp))
+
+    @property
+    def parallel(self) -> bool:
+        """Whether the stage is parallel inside itself (tensor parallel or sharded), not only replicated."""
+        return self.tp > 1 or self.shard != "none"
 
     @property
     def samples_per_replica(self) -> float:
         """Samples one device processes per micro-batch of this stage (all of them under round-robin)."""
-        return self.micro_batch_size if self.round_robin else self.micro_batch_size / len(self.devices)
+        return self.micro_batch_size if self.round_robin else self.micro_batch_size / self.num_replicas
 
     @property
     def round_robin(self) -> bool:
@@ -242,9 +281,7 @@ class StageGraph:
             raise PlanError(f"stage graph has a cycle among stages {stuck}: some stage is not convex")
         if sequential:
             order = list(range(n))
-        renumbered = [Stage(new, stages[old].op_ids, stages[old].devices, stages[old].micro_batch_size,
-                            stages[old].recompute, replica_mode=stages[old].replica_mode,
-                            checkpoints=stages[old].checkpoints) for new, old in enumerate(order)]
+        renumbered = [replace(stages[old], id=new) for new, old in enumerate(order)]
         return cls(graph, tuple(renumbered), batch_size, num_devices, allow_shared_devices=allow_shared_devices,
                    sequential=sequential)
 

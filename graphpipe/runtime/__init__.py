@@ -70,7 +70,21 @@ from graphpipe.runtime.results import RunResult, RunSummary
 log = logging.getLogger(__name__)
 
 __all__ = ["RunOptions", "FaultInjection", "RuntimeFailure", "RunResult", "RunSummary", "preflight", "run_plan",
-           "run_plans"]
+           "run_plans", "layout_refusal"]
+
+
+def layout_refusal(plan: Plan) -> str | None:
+    """Why the runtime cannot execute ``plan``'s parallelism inside its stages (None: it can).
+
+    The planner may give a stage tensor parallelism (``tp``) or FSDP sharding (``shard``); the executor runs
+    every stage as whole copies on each of its devices, so such a stage is refused by name before any rank
+    starts rather than run with other semantics than planned.
+    """
+    for stage in plan.stage_graph.stages:
+        if stage.parallel:
+            return (f"stage {stage.id} is planned with tp {stage.tp}, shard {stage.shard}: the runtime executes "
+                    f"whole-copy stages only (tp 1, shard none) for now; re-plan with --tp 1 --shard none to run it")
+    return None
 
 
 def preflight(plan: Plan, options: RunOptions) -> None:
@@ -85,6 +99,9 @@ def preflight(plan: Plan, options: RunOptions) -> None:
     from graphpipe.runtime.runnable import load_runnable, plan_granularity
 
     validate_plan(plan)
+    refusal = layout_refusal(plan)
+    if refusal is not None:
+        raise InputError(refusal)
     if options.checkpoint_dir:
         from graphpipe.runtime.step_checkpoints import check_steps_left, newest_complete
 

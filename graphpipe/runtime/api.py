@@ -112,6 +112,11 @@ class Pipeline:
         if plan_spec(self.plan) is not None:
             raise PlanError(f"the plan's schedule {self.plan.schedule.name!r} is asynchronous (PipeDream's weight "
                             "versions); Pipeline trains synchronous schedules: re-plan with another --schedule")
+        from graphpipe.runtime import layout_refusal
+
+        refusal = layout_refusal(self.plan)
+        if refusal is not None:
+            raise PlanError(refusal)
         if precision not in ("fp32", "bf16"):
             raise InputError(f"precision must be fp32 or bf16, got {precision!r}")
         if compile:
