@@ -65,6 +65,7 @@ from graphpipe.errors import InputError
 from graphpipe.plan import Plan, plan_to_dict
 from graphpipe.runtime.options import FaultInjection, RunOptions, fault_from_env
 from graphpipe.runtime.launch import RuntimeFailure, launch
+from graphpipe.runtime.layouts import layout_refusal
 from graphpipe.runtime.results import RunResult, RunSummary
 
 log = logging.getLogger(__name__)
@@ -72,19 +73,6 @@ log = logging.getLogger(__name__)
 __all__ = ["RunOptions", "FaultInjection", "RuntimeFailure", "RunResult", "RunSummary", "preflight", "run_plan",
            "run_plans", "layout_refusal"]
 
-
-def layout_refusal(plan: Plan) -> str | None:
-    """Why the runtime cannot execute ``plan``'s parallelism inside its stages (None: it can).
-
-    The planner may give a stage tensor parallelism (``tp``) or FSDP sharding (``shard``); the executor runs
-    every stage as whole copies on each of its devices, so such a stage is refused by name before any rank
-    starts rather than run with other semantics than planned.
-    """
-    for stage in plan.stage_graph.stages:
-        if stage.parallel:
-            return (f"stage {stage.id} is planned with tp {stage.tp}, shard {stage.shard}: the runtime executes "
-                    f"whole-copy stages only (tp 1, shard none) for now; re-plan with --tp 1 --shard none to run it")
-    return None
 
 
 def preflight(plan: Plan, options: RunOptions) -> None:

@@ -112,7 +112,7 @@ class Pipeline:
         if plan_spec(self.plan) is not None:
             raise PlanError(f"the plan's schedule {self.plan.schedule.name!r} is asynchronous (PipeDream's weight "
                             "versions); Pipeline trains synchronous schedules: re-plan with another --schedule")
-        from graphpipe.runtime import layout_refusal
+        from graphpipe.runtime.layouts import layout_refusal
 
         refusal = layout_refusal(self.plan)
         if refusal is not None:
