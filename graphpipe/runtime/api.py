@@ -120,6 +120,10 @@ class Pipeline:
     keeping the parameter tensors an optimizer already holds. Frozen
     parameters (``requires_grad=False``) get no gradient, so optimizers over
     :meth:`parameters` keep no state for them.
+
+    ``_job`` is ``graphpipe run``'s own way in (a :class:`JobModel`: the
+    model it captured once per process, its timing and fault hook); scripts
+    leave it out.
     """
 
     def __init__(self, plan: Plan | str | os.PathLike, model: nn.Module | None = None,

@@ -2,7 +2,7 @@
 
 Rank 0 of every job builds a :class:`RunResult` (:func:`finish_job` for
 graphpipe's executor and the ``torch.distributed.pipelining`` baseline,
-:func:`graphpipe.runtime.async_run.run_async_job` for the asynchronous
+:meth:`graphpipe.runtime.async_run.StreamEngine.finish` for the asynchronous
 stream): the measured figures (:class:`Measured`), the losses, the
 per-action records, and ``--check``'s verdict (:class:`CheckResult`, or
 :class:`ReplayCheck` for the asynchronous schedules). The launcher hands

@@ -11,8 +11,11 @@ whose stages read model inputs.
 One *job* is one plan run for some steps; :func:`run_rank` runs a list of
 jobs in one process group, so tests amortise process start-up over many
 plans. A plan for fewer devices than the world leaves the extra ranks idle.
+:func:`run_job` picks the job's engine and hands it to the one job driver
+(:func:`~graphpipe.runtime.driver.drive_job`); :class:`PipelineEngine` is
+graphpipe's own (a :class:`~graphpipe.Pipeline`).
 
-Measured iteration time: ranks meet at a barrier, each takes ``t0`` right
+Measured iteration time: ranks meet at a barrier (the driver's), each takes ``t0`` right
 after it, runs its actions and gradient all-reduces, and the step time is
 the max over ranks of ``end - t0`` (the optimizer step is excluded, as in
 the simulator). The reported figure is the median over the steps after the
