@@ -43,7 +43,7 @@ from graphpipe.runtime.runnable import data_seed, load_runnable, plan_granularit
 from graphpipe.runtime.rng import ShardContext
 from graphpipe.sched.async_pipe import AsyncSpec, VersionTable, stream_graph, stream_schedule, version_table
 
-__all__ = ["ReplayResult", "replay_reference", "stream_inputs", "StreamEngine", "run_async_job", "stage_of_params",
+__all__ = ["ReplayResult", "replay_reference", "stream_inputs", "StreamEngine", "stage_of_params",
            "predicted_stash_bytes"]
 
 
@@ -273,16 +273,6 @@ class StreamEngine:
                 dist.destroy_process_group(group)
             except ValueError:  # already destroyed
                 pass
-
-
-def run_async_job(rank: int, world_size: int, plan: Plan, spec: AsyncSpec, options: RunOptions,
-                  device: torch.device, backend: str, control=None) -> RunResult | None:
-    """Run ``plan``'s stream of ``options.steps`` mini-batches on this rank (:class:`StreamEngine` under the job
-    driver); rank 0 returns its :class:`~graphpipe.runtime.results.RunResult`."""
-    from graphpipe.runtime.driver import JobComm, drive_job
-
-    return drive_job(StreamEngine(rank, world_size, plan, spec, options, device, backend, control), options,
-                     rank=rank, comm=JobComm(control, world_size))
 
 
 def predicted_stash_bytes(sg, table: VersionTable) -> list[float]:

@@ -37,7 +37,7 @@ from graphpipe.runtime.stage_modules import ModelSplit, StageProgram
 if TYPE_CHECKING:
     from graphpipe.runtime.results import RunResult
 
-__all__ = ["torch_refusal", "check_torch_expressible", "csv_runtime_class", "TorchEngine", "run_torch_job",
+__all__ = ["torch_refusal", "check_torch_expressible", "csv_runtime_class", "TorchEngine",
            "TORCH_SCHEDULES"]
 
 TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "graph-1f1b": "Schedule1F1B",
@@ -263,16 +263,6 @@ class TorchEngine:
     def close(self) -> None:
         """torch's stages keep their groups (the job's world, or one sub-group over the plan's ranks)."""
         self.schedule = None
-
-
-def run_torch_job(rank: int, world_size: int, plan: Plan, options, device: torch.device,
-                  control=None) -> RunResult | None:
-    """Run ``plan`` on torch.distributed.pipelining; rank 0 returns its
-    :class:`~graphpipe.runtime.results.RunResult` (as graphpipe's executor does, with ``baseline`` set)."""
-    from graphpipe.runtime.driver import JobComm, drive_job
-
-    return drive_job(TorchEngine(rank, world_size, plan, options, device, control), options, rank=rank,
-                     comm=JobComm(control, world_size))
 
 
 def _file_note(plan: Plan) -> str:
