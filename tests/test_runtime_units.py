@@ -365,7 +365,7 @@ def test_gradients_rebind_into_the_same_buffer_after_the_optimizer_drops_them(on
     the next step's gradients go back into the stage's flat buffer (the one replicas all-reduce), zeroed, as the
     same views: no reallocation per step. Untimed (the training API) on a stage of one replica, the step's first
     backward creates the gradients instead (as a plain loop's): the same numbers, bit for bit."""
-    from graphpipe.runtime.api import Pipeline
+    from graphpipe.runtime.api import JobModel, Pipeline
 
     plan = _plan("transformer:small", (["embed", "layer0", "layer1", "layer2", "layer3", "head"],), [(0,)], [4], 8, 1,
                  "gpipe")
@@ -373,8 +373,7 @@ def test_gradients_rebind_into_the_same_buffer_after_the_optimizer_drops_them(on
     inputs = runnable.make_inputs(8, 0)
     got = {}
     for measure in (True, False):
-        pipe = Pipeline.for_job(plan, runnable, rank=0, world_size=1, device=torch.device("cpu"), backend="gloo",
-                                 options=RunOptions(measure=measure))
+        pipe = Pipeline(plan, _job=JobModel(runnable, measure=measure))
         params = list(pipe.parameters())
         pipe._train(inputs)
         views = [p.grad for p in params]

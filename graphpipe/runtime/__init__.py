@@ -16,16 +16,21 @@ Pieces:
 * :mod:`~graphpipe.runtime.routing` derives which rows of which tensor go to
   which rank, and the message order of every rank pair;
 * :mod:`~graphpipe.runtime.comm` posts non-blocking sends and in-order receives;
-* :mod:`~graphpipe.runtime.executor` interprets a rank's action list
-  (one :class:`~graphpipe.runtime.executor.ExecutorContext` each) over one
-  :class:`~graphpipe.runtime.hosted.HostedStage` per stage the rank hosts;
+* :mod:`~graphpipe.runtime.executor` dispatches a rank's typed actions
+  (one :class:`~graphpipe.runtime.executor.ExecutorContext` each) to one
+  :class:`~graphpipe.runtime.hosted.HostedStage` per stage the rank hosts,
+  which computes them and sends and receives their messages;
 * :mod:`~graphpipe.runtime.api` is the training API, :class:`graphpipe.Pipeline`;
 * :mod:`~graphpipe.runtime.setup` sets a rank up (:func:`~graphpipe.runtime.setup.setup_rank`,
   shared by every path);
 * :mod:`~graphpipe.runtime.runnable` builds and captures the model a job
   runs, with its loss and synthetic data;
-* :mod:`~graphpipe.runtime.worker` runs ``graphpipe run``'s jobs through the
-  API (synthetic data, SGD), checking gradients against
+* :mod:`~graphpipe.runtime.driver` is the one job driver (barriers,
+  timing, warm-up, ``--check`` cadence, fault hooks, checkpoints, memory)
+  over an engine: graphpipe's (:mod:`~graphpipe.runtime.worker`, through
+  the API: synthetic data, SGD), PipeDream's stream
+  (:mod:`~graphpipe.runtime.async_run`) or torch's
+  (:mod:`~graphpipe.runtime.baseline`), each checked against
   :mod:`~graphpipe.runtime.reference`, the single-process run;
 * :mod:`~graphpipe.runtime.results` holds a run's result as frozen records
   (:class:`RunResult`, :class:`RunSummary`) and their JSON form;

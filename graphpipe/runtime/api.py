@@ -33,6 +33,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Iterator
 
@@ -47,7 +48,27 @@ from graphpipe.runtime.resume import StepCheckpoints
 from graphpipe.runtime.step_checkpoints import replace_dir
 from graphpipe.runtime.teardown import before_init, collect_groups
 
-__all__ = ["Pipeline"]
+__all__ = ["Pipeline", "JobModel"]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class JobModel:
+    """``graphpipe run``'s model for :class:`Pipeline` (its ``_job`` argument): built from the plan's spec and
+    captured once per process, and what the job measures.
+
+    A job (:mod:`graphpipe.runtime.worker`) has already built and captured
+    the model (:func:`~graphpipe.runtime.runnable.load_runnable`, a
+    :class:`~graphpipe.runtime.runnable.Runnable`, on meta parameters) in a
+    process group that is already up; the Pipeline cuts that capture instead
+    of capturing the model again, and every rank materializes its own stages
+    from the seed (no weights from rank 0).
+    """
+
+    runnable: Any
+    measure: bool = True
+    """Time every action (synchronising the device) and meter saved activations (``graphpipe run --measure``)."""
+    fault: Any = None
+    """The test hook (:class:`~graphpipe.runtime.options.FaultInjection`), for the executor's F/B/hang points."""
 
 
 def _init_distributed(timeout_s: float) -> tuple[int, int, str, bool]:
@@ -99,12 +120,16 @@ class Pipeline:
     keeping the parameter tensors an optimizer already holds. Frozen
     parameters (``requires_grad=False``) get no gradient, so optimizers over
     :meth:`parameters` keep no state for them.
+
+    ``_job`` is ``graphpipe run``'s own way in (a :class:`JobModel`: the
+    model it captured once per process, its timing and fault hook); scripts
+    leave it out.
     """
 
     def __init__(self, plan: Plan | str | os.PathLike, model: nn.Module | None = None,
                  loss_fn: Callable[..., torch.Tensor] | None = None, *, example_inputs: Any = None,
                  example_target: Any = None, precision: str = "fp32", seed: int = 0, timeout_s: float = 300.0,
-                 batchnorm: str | None = None, compile: bool = False) -> None:
+                 batchnorm: str | None = None, compile: bool = False, _job: JobModel | None = None) -> None:
         from graphpipe.plan import read_plan
         from graphpipe.sched.async_pipe import plan_spec
 
@@ -134,6 +159,17 @@ class Pipeline:
             raise PlanError(f"the plan needs {sg.num_devices} ranks, torchrun started {self.world_size}")
         self.device = torch.device(f"cuda:{torch.cuda.current_device()}") if self.backend == "nccl" else torch.device("cpu")
         self._batchnorm = batchnorm or getattr(self.plan, "batchnorm", None) or "per-micro-batch"
+        self._steps = 0
+        self._checkpoints = StepCheckpoints()
+        self._closed = False
+        if _job is not None:
+            self._measure = _job.measure
+            self._model = self._loss_fn = None  # the job's module is dropped: only this rank's stages stay
+            self._from_rank0 = False  # every rank built (or materializes) the same weights from the seed
+            r = _job.runnable
+            self._assemble(r.module, r.gm, r.op_nodes, r.io, r.loss_fn, r.shape_inputs, fault=_job.fault,
+                           measure=_job.measure, initial=r.initial)
+            return
         if model is not None and loss_fn is None:
             raise InputError("Pipeline(plan, model, loss_fn): a model needs its loss_fn")
         # the plan's model for its example inputs: with the user's model given, its weights are never allocated
@@ -154,9 +190,7 @@ class Pipeline:
         self._meta = on_meta(self._model)
         # a real model's stages take rank 0's weights before the first step, unless a checkpoint fills them
         self._from_rank0 = not self._meta and self.world_size > 1
-        self._steps, self._measure = 0, False  # the API times nothing (graphpipe run measures)
-        self._checkpoints = StepCheckpoints()
-        self._closed = False
+        self._measure = False  # the API times nothing (graphpipe run measures)
         self._build(example_inputs, example_target)
         if not self._setup.programs:
             import logging
@@ -244,28 +278,6 @@ class Pipeline:
 
         self._assemble(model, instrument(exported.gm, rows(2)), op_nodes, exported.io,
                        exported.io.wrap_loss(self._loss_fn), rows, fault=None, measure=self._measure, keep=keep)
-
-    @classmethod
-    def for_job(cls, plan: Plan, runnable, *, rank: int, world_size: int, device: torch.device, backend: str,
-                options) -> "Pipeline":
-        """``graphpipe run``'s pipeline (:func:`graphpipe.runtime.worker.run_job`) in a process group already up:
-        the model built from the plan's spec and captured (a :class:`~graphpipe.runtime.runnable.Runnable` of
-        :func:`~graphpipe.runtime.runnable.load_runnable`, once per process), timing, the saved-tensor meter and
-        the fault hook as the job's :class:`~graphpipe.runtime.options.RunOptions` say. The worker destroys the
-        group, not the pipeline."""
-        self = cls.__new__(cls)
-        self.plan, self.precision, self.seed, self.timeout_s = plan, options.precision, options.seed, options.timeout_s
-        self.rank, self.world_size, self.backend, self.device = rank, world_size, backend, device
-        self._owns_group = False  # the worker's group: it destroys it
-        self._batchnorm, self._measure, self._steps = options.batchnorm_for(plan), options.measure, 0
-        self._checkpoints = StepCheckpoints()
-        self._closed = False
-        self._compile = options.compile
-        self._model = self._loss_fn = None  # the runnable's module is dropped: only this rank's stages stay
-        self._from_rank0 = False  # every rank built (or materializes) the same weights from the seed
-        self._assemble(runnable.module, runnable.gm, runnable.op_nodes, runnable.io, runnable.loss_fn,
-                       runnable.shape_inputs, fault=options.fault, measure=options.measure, initial=runnable.initial)
-        return self
 
     def _assemble(self, model, gm, op_nodes, io, loss_fn, make_rows, *, fault, measure: bool,
                   initial=None, keep=None) -> None:
@@ -362,38 +374,59 @@ class Pipeline:
             dist.all_reduce(loss)  # on the device: an NCCL group reduces CUDA tensors only
         return loss
 
-    def timed_step(self, flat: tuple | None, *, group=None):
-        """One step on the graph's flat inputs (``None`` on ranks whose stages read none), every rank starting
-        at a barrier on ``group`` (default the world), so the step's per-action times share one start;
-        returns this rank's :class:`~graphpipe.runtime.executor.StepResult`. ``graphpipe run``'s loop."""
-        self._train(flat, start_together=True, group=group, wait=True)
+    def timed_step(self, flat: tuple | None, *, start: Callable[[], float]):
+        """One timed step on the graph's flat inputs (``None`` on ranks whose stages read none): ``start()``
+        (the job driver's barrier, :class:`~graphpipe.runtime.driver.StepClock`) returns the shared start the
+        step's per-action times count from, and the step ends when the device has finished it. Returns this
+        rank's :class:`~graphpipe.runtime.executor.StepResult`. ``graphpipe run``'s step."""
+        self._train(flat, start=start, wait=True)
         return self.last_step
 
     @property
     def rank_setup(self):
-        """This rank's :class:`~graphpipe.runtime.setup.RankSetup`: its executor (one
-        :class:`~graphpipe.runtime.hosted.HostedStage` per stage it hosts), the reference's layout, the tied
-        copies and buffers that are not counted (what ``--check`` needs)."""
+        """This rank's :class:`~graphpipe.runtime.setup.RankSetup` (its executor, one
+        :class:`~graphpipe.runtime.hosted.HostedStage` per stage it hosts), for diagnostics such as
+        ``evals/overlap_sends.py``; training never needs it."""
         return self._setup
 
-    def _train(self, flat: tuple | None, *, start_together: bool = False, group=None, wait: bool = False) -> None:
+    @property
+    def check_layout(self) -> dict[str, dict[str, int]]:
+        """Rows per call of every context-taking op: how ``--check``'s single-process reference cuts its dropout
+        and BatchNorm to match this plan (:func:`~graphpipe.runtime.reference.reference_layout`)."""
+        return self._setup.layout
+
+    def counted_tensors(self) -> tuple[list[tuple[str, torch.Tensor, bool]], list[tuple[str, torch.Tensor, bool]]]:
+        """``(parameters, buffers)`` of this rank's stages as ``(name in the model, tensor, counted)``, stage by
+        stage: ``counted`` where this rank counts the tensor in a whole-model tally (a stage's first replica; a
+        tied parameter's owner; a buffer's first stage), so every tensor is counted once over all ranks. What
+        ``--check`` compares (every copy) and counts."""
+        sg, setup = self.plan.stage_graph, self._setup
+        params, buffers = [], []
+        for s in sorted(setup.programs):
+            prog = setup.programs[s]
+            first = sg.stages[s].devices[0] == self.rank
+            for name, p in prog.module.named_parameters():
+                params.append((prog.param_names.get(name, name), p, first and (s, name) not in setup.tied_copies))
+            for name, b in prog.module.named_buffers():
+                buffers.append((name, b, first and setup.buffer_stage[name] == s))
+        return params, buffers
+
+    def _train(self, flat: tuple | None, *, start: Callable[[], float] | None = None, wait: bool = False) -> None:
         """One step on the graph's flat inputs (``None`` on ranks whose stages read none).
 
-        ``start_together``: every rank meets at a barrier (on ``group``,
-        default the world) first, so the step's times share one start
-        (``graphpipe run``'s measurement); ``wait``: the step's time ends when
-        the device has finished it (:meth:`RankExecutor.run_iteration`).
+        ``start``: called when the step is ready to run, returns its start
+        time (``graphpipe run``'s barrier, so every rank's times share one
+        start); ``wait``: the step's time ends when the device has finished
+        it (:meth:`RankExecutor.run_iteration`).
         """
         from graphpipe.runtime.runnable import autocast
 
         self._ready_to_run()
         executor = self._setup.executor
         executor.ensure_grads()
-        if start_together:
-            dist.barrier(group=group)
+        t0 = start() if start is not None else time.perf_counter()
         with autocast(self.precision, self.device):
-            self.last_step = executor.run_iteration(flat if self.reads_inputs else None, time.perf_counter(),
-                                                    self._steps, wait=wait)
+            self.last_step = executor.run_iteration(flat if self.reads_inputs else None, t0, self._steps, wait=wait)
         self._steps += 1
 
     def _ready_to_run(self) -> None:

@@ -29,7 +29,6 @@ sink micro-batches and the final weights of its stages with
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import dataclass
 
 import torch
@@ -37,13 +36,14 @@ import torch.distributed as dist
 
 from graphpipe.errors import InputError, PlanError
 from graphpipe.plan import Plan
+from graphpipe.runtime.driver import CheckTally, JobRun, StepReport
 from graphpipe.runtime.options import RunOptions
 from graphpipe.runtime.results import AsyncRun, Measured, ReplayCheck, RunResult
 from graphpipe.runtime.runnable import data_seed, load_runnable, plan_granularity
 from graphpipe.runtime.rng import ShardContext
 from graphpipe.sched.async_pipe import AsyncSpec, VersionTable, stream_graph, stream_schedule, version_table
 
-__all__ = ["ReplayResult", "replay_reference", "stream_inputs", "run_async_job", "stage_of_params",
+__all__ = ["ReplayResult", "replay_reference", "stream_inputs", "StreamEngine", "stage_of_params",
            "predicted_stash_bytes"]
 
 
@@ -121,104 +121,158 @@ def _window_times(records: list[dict], num_mbs_per_window: int, steps: int) -> l
     return ends
 
 
-def run_async_job(rank: int, world_size: int, plan: Plan, spec: AsyncSpec, options: RunOptions,
-                  device: torch.device, backend: str, control=None) -> RunResult | None:
-    """Run ``plan``'s stream of ``options.steps`` mini-batches on this rank; rank 0 returns its
-    :class:`~graphpipe.runtime.results.RunResult`."""
-    from graphpipe.runtime.stage_modules import boundary_meta, check_op_names, split_model
-    from graphpipe.runtime.stash import WeightVersions
-    from graphpipe.runtime.setup import setup_rank
+class StreamEngine:
+    """PipeDream's asynchronous stream as a job engine (:class:`~graphpipe.runtime.driver.Engine`): the whole
+    run of ``options.steps`` mini-batches is one driver step (no per-step barrier, no flush), weights updated
+    inside their :class:`~graphpipe.runtime.stash.WeightVersions` (the driver's optimizer gets no parameters),
+    and ``--check`` compares the final weights with the replay oracle (module docstring)."""
 
-    sg, steps = plan.stage_graph, options.steps
-    if sg.num_devices > world_size:
-        raise PlanError(f"plan needs {sg.num_devices} ranks, the job has {world_size}")
-    table = version_table(sg, spec, steps)
-    ssg = stream_graph(sg, steps)
-    stream = stream_schedule(sg, spec.name, steps)
-    my_stages = sg.stages_on_device(rank) if rank < sg.num_devices else ()
-    runnable = load_runnable(plan.model, options.seed, "cpu", granularity=plan_granularity(plan))
-    check_op_names([op.name for op in sg.graph.ops], runnable.op_names, plan.model)
-    split = split_model(runnable.gm, runnable.op_nodes, ssg)
-    if split.tied:
-        raise InputError(f"{plan.model} ties parameters across stages ({split.tied[0].name}); asynchronous schedules "
-                         f"keep one version history per stage and do not run tied copies yet")
-    meta = boundary_meta(runnable.gm, split.boundary_values, runnable.make_inputs, options.precision)
-    setup = setup_rank(rank, world_size, plan, split, meta, runnable.loss_fn, device, backend,
-                       timeout_s=options.timeout_s, seed=options.seed, batchnorm="per-micro-batch",  # as its replay
-                       fault=options.fault, stream=(ssg, stream))
-    executor, programs, make_inputs = setup.executor, setup.programs, runnable.make_inputs
-    reads_inputs = any(programs[s].model_inputs for s in my_stages)
-    del runnable, split
-    actions = executor.actions
-    for s, prog in programs.items():
-        stage = sg.stages[s]
-        mbs = [a.mb_id for a in actions if a.stage_id == s and a.kind == "F"]
-        executor.hosted[s].weights = WeightVersions(
-            s, prog.module, table, mbs, options.lr, stage.num_replicas if stage.round_robin else 1,
-            executor.dp_groups.get(stage.devices), stash=spec.stash, wait=executor.mailbox.wait_work)
-    reference = (replay_reference(plan, table, options.seed, options.lr, steps)
-                 if options.check and (my_stages or rank == 0) else None)
+    checks_each_step = False
 
-    inputs = stream_inputs(make_inputs, sg.batch_size, options.seed, steps) if reads_inputs else None
-    dist.barrier(group=control)
-    t0 = time.perf_counter()
-    result = executor.run_iteration(inputs, t0, 0, wait=True)
-    records = [{"rank": r.rank, "stage_id": r.stage_id, "kind": r.kind, "mb_id": r.mb_id, "ready": r.ready + t0,
-                "start": r.start + t0, "end": r.end + t0} for r in result.records]
-    check = [0.0, 0, 0]  # max |a - b|, mismatches, parameters compared (a stage's first replica counts them)
-    if reference is not None and my_stages:
-        for s in sorted(programs):
-            for name, p in programs[s].module.named_parameters():
-                model_name = programs[s].param_names.get(name, name)
-                _compare(p.detach(), reference.weights[model_name], options, check,
-                         sg.stages[s].devices[0] == rank)
-    stash_bytes = sum(w.peak_stashed_bytes for w in executor.weights.values())
-    mine = {"records": records, "t0": t0, "end": t0 + result.iteration_time_s, "sink_losses": dict(executor.sink_losses),
-            "stash_bytes": stash_bytes, "check": check}
-    gathered = [None] * world_size if rank == 0 else None
-    dist.gather_object(mine, gathered, dst=0, group=control)
-    if rank != 0:
-        return None
-    origin = min(g["t0"] for g in gathered)
-    all_records = [{**r, "ready": r["ready"] - origin, "start": r["start"] - origin, "end": r["end"] - origin}
-                   for g in gathered for r in g["records"]]
-    m = sg.num_micro_batches(0)
-    ends = _window_times(all_records, m, steps)
-    diffs = [b - a for a, b in zip(ends, ends[1:])]
-    iteration = statistics.median(diffs) if diffs else ends[0]
-    stream_s = max(g["end"] for g in gathered) - origin
-    losses_by_mb: dict[int, float] = {}
-    for g in gathered:  # replicas of a split sink each hold their rows' share of a micro-batch's loss
-        for i, loss in g["sink_losses"].items():
-            losses_by_mb[i] = losses_by_mb.get(i, 0.0) + loss
-    step_losses = [sum(losses_by_mb.get(i, 0.0) for i in range(k * m, (k + 1) * m)) for k in range(steps)]
-    measured = Measured(iteration_time_s=iteration, throughput=sg.batch_size / iteration,
-                        step_times_s=diffs or [iteration], warmup_steps=1 if diffs else 0, stream_time_s=stream_s,
-                        stream_throughput=sg.batch_size * steps / stream_s,
-                        stashed_weight_bytes=[float(g["stash_bytes"]) for g in gathered][:sg.num_devices],
-                        stashed_weight_bytes_predicted=predicted_stash_bytes(sg, table),
-                        iteration="median over windows w >= 1 of the gap between windows' last backward ends")
-    check = None
-    if options.check and reference is not None:
-        max_abs = max(g["check"][0] for g in gathered)
-        mismatches = sum(g["check"][1] for g in gathered)
-        compared = sum(g["check"][2] for g in gathered)
-        loss_diffs = [abs(losses_by_mb[i] - reference.mb_losses[i]) for i in sorted(losses_by_mb)]
-        loss_bad = sum(1 for i in losses_by_mb
-                       if abs(losses_by_mb[i] - reference.mb_losses[i])
-                       > options.atol + options.rtol * abs(reference.mb_losses[i]))
-        check = ReplayCheck(passed=(mismatches == 0 and loss_bad == 0 and len(losses_by_mb) == table.num_micro_batches
-                                    and compared == len(reference.weights)),
-                            max_abs_diff=max([max_abs, *loss_diffs]), num_mismatches=mismatches + loss_bad,
-                            num_params_checked=compared, num_params=len(reference.weights),
-                            losses_checked=len(losses_by_mb), what="every micro-batch's loss and the final weights",
-                            reference="single-process replay of the version schedule", loss=step_losses[0],
-                            reference_loss=sum(reference.mb_losses[:m]), rtol=options.rtol, atol=options.atol)
-    return RunResult(measured=measured, losses=step_losses, records=all_records, backend=backend,
-                     async_run=AsyncRun(schedule=spec.name, vertical_sync=spec.vertical_sync,
-                                        update_every=spec.update_every, stash=spec.stash,
-                                        stashed_versions=table.peak_stashed),
-                     check=check)
+    def __init__(self, rank: int, world_size: int, plan: Plan, spec: AsyncSpec, options: RunOptions,
+                 device: torch.device, backend: str, control=None) -> None:
+        self.rank, self.world_size, self.plan, self.spec, self.options = rank, world_size, plan, spec, options
+        self.device, self.backend, self.control = device, backend, control
+        sg = plan.stage_graph
+        self.my_stages = sg.stages_on_device(rank) if rank < sg.num_devices else ()
+        self.reference: ReplayResult | None = None
+        self.executor = None
+
+    def prepare(self) -> None:
+        from graphpipe.runtime.setup import setup_rank
+        from graphpipe.runtime.stage_modules import boundary_meta, check_op_names, split_model
+        from graphpipe.runtime.stash import WeightVersions
+
+        plan, spec, options, rank = self.plan, self.spec, self.options, self.rank
+        sg, steps = plan.stage_graph, options.steps
+        self.table = table = version_table(sg, spec, steps)
+        ssg = stream_graph(sg, steps)
+        stream = stream_schedule(sg, spec.name, steps)
+        runnable = load_runnable(plan.model, options.seed, "cpu", granularity=plan_granularity(plan))
+        check_op_names([op.name for op in sg.graph.ops], runnable.op_names, plan.model)
+        split = split_model(runnable.gm, runnable.op_nodes, ssg)
+        if split.tied:
+            raise InputError(f"{plan.model} ties parameters across stages ({split.tied[0].name}); asynchronous "
+                             f"schedules keep one version history per stage and do not run tied copies yet")
+        meta = boundary_meta(runnable.gm, split.boundary_values, runnable.make_inputs, options.precision)
+        setup = setup_rank(rank, self.world_size, plan, split, meta, runnable.loss_fn, self.device, self.backend,
+                           timeout_s=options.timeout_s, seed=options.seed, batchnorm="per-micro-batch",  # as its replay
+                           fault=options.fault, stream=(ssg, stream))
+        self.executor = executor = setup.executor
+        self.programs = programs = setup.programs
+        self.make_inputs = runnable.make_inputs
+        self.reads_inputs = any(programs[s].model_inputs for s in self.my_stages)
+        del runnable, split
+        actions = executor.actions
+        for s, prog in programs.items():
+            stage = sg.stages[s]
+            mbs = [a.mb_id for a in actions if a.stage_id == s and a.kind == "F"]
+            executor.hosted[s].weights = WeightVersions(
+                s, prog.module, table, mbs, options.lr, stage.num_replicas if stage.round_robin else 1,
+                executor.dp_groups.get(stage.devices), stash=spec.stash, wait=executor.mailbox.wait_work)
+        if options.check and (self.my_stages or rank == 0):
+            self.reference = replay_reference(plan, table, options.seed, options.lr, steps)
+
+    def num_steps(self) -> int:
+        return 1  # the stream of every mini-batch is one run of the action list
+
+    def parameters(self) -> list:
+        return []  # each stage's weight versions step themselves
+
+    def resume(self, directory: str, optimizer) -> int:
+        raise PlanError("--checkpoint-dir: asynchronous schedules write no step checkpoints")
+
+    def save(self, directory: str, optimizer, step: int) -> None:
+        self.resume(directory, optimizer)
+
+    def step(self, step: int, clock) -> StepReport:
+        sg, options = self.plan.stage_graph, self.options
+        inputs = stream_inputs(self.make_inputs, sg.batch_size, options.seed, options.steps) if self.reads_inputs \
+            else None
+        t0 = clock.start()
+        result = self.executor.run_iteration(inputs, t0, 0, wait=True)
+        records = tuple({"rank": r.rank, "stage_id": r.stage_id, "kind": r.kind, "mb_id": r.mb_id,
+                         "ready": r.ready + t0, "start": r.start + t0, "end": r.end + t0} for r in result.records)
+        return StepReport(result.iteration_time_s, sum(self.executor.sink_losses.values()), t0, records)
+
+    def check(self, step: int, first: bool) -> CheckTally | None:
+        """The final weights of this rank's stages against the replay's (a stage's first replica counts)."""
+        if self.reference is None or not self.my_stages:
+            return None
+        tally = CheckTally()
+        sg = self.plan.stage_graph
+        for s in sorted(self.programs):
+            for name, p in self.programs[s].module.named_parameters():
+                model_name = self.programs[s].param_names.get(name, name)
+                tally = tally + _compare(p.detach(), self.reference.weights[model_name], self.options,
+                                         sg.stages[s].devices[0] == self.rank)
+        return tally
+
+    def finish(self, run: JobRun) -> RunResult | None:
+        """Rank 0 lays every rank's records, loss terms, stashed bytes and check on the stream's windows."""
+        plan, options, spec, table, rank = self.plan, self.options, self.spec, self.table, self.rank
+        sg, steps = plan.stage_graph, options.steps
+        report = run.reports[0]
+        executor = self.executor
+        stash_bytes = sum(w.peak_stashed_bytes for w in executor.weights.values())
+        mine = {"records": list(report.records), "t0": report.t0, "end": report.t0 + report.iteration_time_s,
+                "sink_losses": dict(executor.sink_losses), "stash_bytes": stash_bytes,
+                "check": (run.tally.max_abs_diff, run.tally.num_mismatches, run.tally.num_params)}
+        gathered = [None] * self.world_size if rank == 0 else None
+        dist.gather_object(mine, gathered, dst=0, group=self.control)
+        if rank != 0:
+            return None
+        origin = min(g["t0"] for g in gathered)
+        all_records = [{**r, "ready": r["ready"] - origin, "start": r["start"] - origin, "end": r["end"] - origin}
+                       for g in gathered for r in g["records"]]
+        m = sg.num_micro_batches(0)
+        ends = _window_times(all_records, m, steps)
+        diffs = [b - a for a, b in zip(ends, ends[1:])]
+        iteration = statistics.median(diffs) if diffs else ends[0]
+        stream_s = max(g["end"] for g in gathered) - origin
+        losses_by_mb: dict[int, float] = {}
+        for g in gathered:  # replicas of a split sink each hold their rows' share of a micro-batch's loss
+            for i, loss in g["sink_losses"].items():
+                losses_by_mb[i] = losses_by_mb.get(i, 0.0) + loss
+        step_losses = [sum(losses_by_mb.get(i, 0.0) for i in range(k * m, (k + 1) * m)) for k in range(steps)]
+        measured = Measured(iteration_time_s=iteration, throughput=sg.batch_size / iteration,
+                            step_times_s=diffs or [iteration], warmup_steps=1 if diffs else 0, stream_time_s=stream_s,
+                            stream_throughput=sg.batch_size * steps / stream_s,
+                            stashed_weight_bytes=[float(g["stash_bytes"]) for g in gathered][:sg.num_devices],
+                            stashed_weight_bytes_predicted=predicted_stash_bytes(sg, table),
+                            iteration="median over windows w >= 1 of the gap between windows' last backward ends")
+        check = None
+        reference = self.reference
+        if options.check and reference is not None:
+            total = CheckTally()
+            for g in gathered:
+                total = total + CheckTally(*g["check"])
+            loss_diffs = [abs(losses_by_mb[i] - reference.mb_losses[i]) for i in sorted(losses_by_mb)]
+            loss_bad = sum(1 for i in losses_by_mb
+                           if abs(losses_by_mb[i] - reference.mb_losses[i])
+                           > options.atol + options.rtol * abs(reference.mb_losses[i]))
+            check = ReplayCheck(passed=(total.num_mismatches == 0 and loss_bad == 0
+                                        and len(losses_by_mb) == table.num_micro_batches
+                                        and total.num_params == len(reference.weights)),
+                                max_abs_diff=max([total.max_abs_diff, *loss_diffs]),
+                                num_mismatches=total.num_mismatches + loss_bad,
+                                num_params_checked=total.num_params, num_params=len(reference.weights),
+                                losses_checked=len(losses_by_mb), what="every micro-batch's loss and the final weights",
+                                reference="single-process replay of the version schedule", loss=step_losses[0],
+                                reference_loss=sum(reference.mb_losses[:m]), rtol=options.rtol, atol=options.atol)
+        return RunResult(measured=measured, losses=step_losses, records=all_records, backend=self.backend,
+                         async_run=AsyncRun(schedule=spec.name, vertical_sync=spec.vertical_sync,
+                                            update_every=spec.update_every, stash=spec.stash,
+                                            stashed_versions=table.peak_stashed),
+                         check=check)
+
+    def close(self) -> None:
+        """The job's end: the executor forgets its groups (replicas', links', weight versions')."""
+        for group in self.executor.release_groups():
+            try:
+                dist.destroy_process_group(group)
+            except ValueError:  # already destroyed
+                pass
 
 
 def predicted_stash_bytes(sg, table: VersionTable) -> list[float]:
@@ -232,9 +286,8 @@ def predicted_stash_bytes(sg, table: VersionTable) -> list[float]:
     return out
 
 
-def _compare(a: torch.Tensor, b: torch.Tensor, options: RunOptions, acc: list, counted: bool) -> None:
+def _compare(a: torch.Tensor, b: torch.Tensor, options: RunOptions, counted: bool) -> CheckTally:
+    """One tensor against the replay's: ``|a - b|``'s max and the elements outside ``atol + rtol |b|``."""
     diff = (a.double() - b.double()).abs()
-    if diff.numel():
-        acc[0] = max(acc[0], float(diff.max()))
-    acc[1] += int((diff > options.atol + options.rtol * b.double().abs()).sum())
-    acc[2] += int(counted)
+    return CheckTally(float(diff.max()) if diff.numel() else 0.0,
+                      int((diff > options.atol + options.rtol * b.double().abs()).sum()), int(counted))

@@ -30,14 +30,15 @@ import torch.distributed as dist
 
 from graphpipe.errors import PlanError
 from graphpipe.plan import Plan
-from graphpipe.progress import step_done
+from graphpipe.runtime.driver import CheckTally, StepReport
 from graphpipe.runtime.executor import zero_grads
 from graphpipe.runtime.stage_modules import ModelSplit, StageProgram
 
 if TYPE_CHECKING:
     from graphpipe.runtime.results import RunResult
 
-__all__ = ["torch_refusal", "check_torch_expressible", "csv_runtime_class", "run_torch_job", "TORCH_SCHEDULES"]
+__all__ = ["torch_refusal", "check_torch_expressible", "csv_runtime_class", "TorchEngine",
+           "TORCH_SCHEDULES"]
 
 TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "graph-1f1b": "Schedule1F1B",
                    "interleaved": "ScheduleInterleaved1F1B"}
@@ -141,86 +142,127 @@ class _TorchStage(torch.nn.Module):
         return sent[0] if len(sent) == 1 else tuple(sent)
 
 
-def run_torch_job(rank: int, world_size: int, plan: Plan, options, device: torch.device,
-                  control=None) -> RunResult | None:
-    """Run ``plan`` on torch.distributed.pipelining; rank 0 returns its
-    :class:`~graphpipe.runtime.results.RunResult` (as graphpipe's executor does, with ``baseline`` set)."""
-    from torch.distributed import pipelining as pp
+class TorchEngine:
+    """``torch.distributed.pipelining`` as a job engine (:class:`~graphpipe.runtime.driver.Engine`): the plan's
+    stage programs in torch's ``PipelineStage``s, driven by torch's schedule class (or its CSV runtime), on the
+    same data and weights as graphpipe's executor; ``--check`` compares step 0 with one plain PyTorch step."""
 
-    from graphpipe.runtime.materialize import materialize_stages
-    from graphpipe.runtime.stage_modules import check_op_names, split_model
-    from graphpipe.runtime.reference import compare_gradients, reference_step
-    from graphpipe.runtime.results import finish_job
-    from graphpipe.runtime.runnable import data_seed, load_runnable, plan_granularity
+    checks_each_step = False  # the reference is one plain step (reference_step)
 
-    sg = plan.stage_graph
-    n = sg.num_devices
-    group = dist.new_group(list(range(n))) if world_size > n else None
-    # built on meta, each rank materializing its own stages, as graphpipe's executor does: the same weights
-    runnable = load_runnable(plan.model, options.seed, "cpu", granularity=plan_granularity(plan), meta_params=True)
-    check_op_names([op.name for op in sg.graph.ops], runnable.op_names, plan.model)
-    split = split_model(runnable.gm, runnable.op_nodes, sg)
-    check_torch_expressible(plan, split, runnable.io)
-    num_inputs, num_outputs = runnable.io.in_spec.num_leaves, len(runnable.io.kept)
-    my_stages = sg.stages_on_device(rank) if rank < n else ()
-    materialize_stages(runnable.module, {s: split.programs[s] for s in my_stages}, device, options.seed,
-                       runnable.initial)
-    loss_fn, make_inputs = runnable.loss_fn, runnable.make_inputs
-    runnable_takes_target = runnable.io.num_target_leaves == 1
-    num_mbs = sg.num_micro_batches(0)
-    wrappers = {s: _TorchStage(split.programs[s], split.programs[s - 1] if s else None, s == sg.num_stages - 1,
-                               num_inputs, num_outputs).to(device)
-                for s in my_stages}
-    del runnable
-    schedule = None
-    if my_stages:
-        stages = [pp.PipelineStage(wrappers[s], s, sg.num_stages, device, group=group) for s in my_stages]
-        def loss(output, target):  # torch passes (output, target): the target is ours, or a stand-in
-            output = output if isinstance(output, tuple) else (output,)
-            return loss_fn((*output, target) if runnable_takes_target else output)
-        if plan.schedule.name in TORCH_SCHEDULES:
-            cls = getattr(pp, TORCH_SCHEDULES[plan.schedule.name])
-            schedule = cls(stages if plan.schedule.name == "interleaved" else stages[0], num_mbs, loss_fn=loss,
-                           scale_grads=True)
-        else:  # torch's own CSV loader and lowering (sends, receives) run the plan's schedule
-            schedule = _csv_schedule(plan, stages, num_mbs, loss, rank)
-    params = [p for s in my_stages for p in split.programs[s].module.parameters() if p.requires_grad]  # not frozen
-    optimizer = torch.optim.SGD(params, lr=options.lr) if params else None
-    reference = None
-    if options.check and my_stages:
-        reference = reference_step(plan.model, options.seed, sg.batch_size, data_seed(options.seed, 0), "cpu",
-                                   plan_granularity(plan), meta_params=True)
-    step_times, step_losses = [], []
-    check_stats = (0.0, 0, 0)
-    for step in range(options.steps):
-        flat = make_inputs(sg.batch_size, data_seed(options.seed, step))
-        inputs = tuple(x.to(device) for x in flat[:num_inputs]) if 0 in my_stages else ()
-        target = flat[num_inputs].to(device) if runnable_takes_target else torch.zeros(sg.batch_size, device=device)
-        zero_grads(params)  # persistent buffers zeroed in place, as our executor does
+    def __init__(self, rank: int, world_size: int, plan: Plan, options, device: torch.device, control=None) -> None:
+        self.rank, self.world_size, self.plan, self.options = rank, world_size, plan, options
+        self.device, self.control = device, control
+        sg = plan.stage_graph
+        self.my_stages = sg.stages_on_device(rank) if rank < sg.num_devices else ()
+        self.schedule = None
+        self.reference = None
+        self._params: list[torch.nn.Parameter] = []
+
+    def prepare(self) -> None:
+        from torch.distributed import pipelining as pp
+
+        from graphpipe.runtime.materialize import materialize_stages
+        from graphpipe.runtime.reference import reference_step
+        from graphpipe.runtime.runnable import data_seed, load_runnable, plan_granularity
+        from graphpipe.runtime.stage_modules import check_op_names, split_model
+
+        plan, options, device, my_stages = self.plan, self.options, self.device, self.my_stages
+        sg = plan.stage_graph
+        n = sg.num_devices
+        group = dist.new_group(list(range(n))) if self.world_size > n else None
+        # built on meta, each rank materializing its own stages, as graphpipe's executor does: the same weights
+        runnable = load_runnable(plan.model, options.seed, "cpu", granularity=plan_granularity(plan),
+                                 meta_params=True)
+        check_op_names([op.name for op in sg.graph.ops], runnable.op_names, plan.model)
+        split = split_model(runnable.gm, runnable.op_nodes, sg)
+        check_torch_expressible(plan, split, runnable.io)
+        self.num_inputs, num_outputs = runnable.io.in_spec.num_leaves, len(runnable.io.kept)
+        materialize_stages(runnable.module, {s: split.programs[s] for s in my_stages}, device, options.seed,
+                           runnable.initial)
+        loss_fn, self.make_inputs = runnable.loss_fn, runnable.make_inputs
+        self.takes_target = takes_target = runnable.io.num_target_leaves == 1
+        self.num_mbs = num_mbs = sg.num_micro_batches(0)
+        wrappers = {s: _TorchStage(split.programs[s], split.programs[s - 1] if s else None, s == sg.num_stages - 1,
+                                   self.num_inputs, num_outputs).to(device)
+                    for s in my_stages}
+        del runnable
+        if my_stages:
+            stages = [pp.PipelineStage(wrappers[s], s, sg.num_stages, device, group=group) for s in my_stages]
+
+            def loss(output, target):  # torch passes (output, target): the target is ours, or a stand-in
+                output = output if isinstance(output, tuple) else (output,)
+                return loss_fn((*output, target) if takes_target else output)
+            if plan.schedule.name in TORCH_SCHEDULES:
+                cls = getattr(pp, TORCH_SCHEDULES[plan.schedule.name])
+                self.schedule = cls(stages if plan.schedule.name == "interleaved" else stages[0], num_mbs,
+                                    loss_fn=loss, scale_grads=True)
+            else:  # torch's own CSV loader and lowering (sends, receives) run the plan's schedule
+                self.schedule = _csv_schedule(plan, stages, num_mbs, loss, self.rank)
+        self.programs = {s: split.programs[s] for s in my_stages}
+        self._params = [p for prog in self.programs.values() for p in prog.module.parameters()
+                        if p.requires_grad]  # not frozen
+        if options.check and my_stages:
+            self.reference = reference_step(plan.model, options.seed, sg.batch_size, data_seed(options.seed, 0), "cpu",
+                                            plan_granularity(plan), meta_params=True)
+
+    def num_steps(self) -> int:
+        return self.options.steps
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return self._params
+
+    def resume(self, directory: str, optimizer) -> int:
+        raise PlanError("--checkpoint-dir: the torch baseline writes no step checkpoints (drop --baseline torch)")
+
+    def save(self, directory: str, optimizer, step: int) -> None:
+        self.resume(directory, optimizer)
+
+    def step(self, step: int, clock) -> StepReport:
+        from graphpipe.runtime.runnable import data_seed
+
+        sg, device = self.plan.stage_graph, self.device
+        flat = self.make_inputs(sg.batch_size, data_seed(self.options.seed, step))
+        inputs = tuple(x.to(device) for x in flat[:self.num_inputs]) if 0 in self.my_stages else ()
+        target = (flat[self.num_inputs].to(device) if self.takes_target
+                  else torch.zeros(sg.batch_size, device=device))
+        zero_grads(self._params)  # persistent buffers zeroed in place, as our executor does
         losses: list = []
-        dist.barrier(group=control)
-        t0 = time.perf_counter()
-        if schedule is not None:
-            if sg.num_stages - 1 in my_stages:
+        t0 = clock.start()
+        if self.schedule is not None:
+            if sg.num_stages - 1 in self.my_stages:
                 # torch insists on a target for the last stage; a loss without one gets zeros it does not read
-                schedule.step(*inputs, target=target, losses=losses)
+                self.schedule.step(*inputs, target=target, losses=losses)
             else:
-                schedule.step(*inputs)
+                self.schedule.step(*inputs)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        step_times.append(time.perf_counter() - t0)
-        step_losses.append(float(sum(float(x.detach()) for x in losses) / num_mbs) if losses else 0.0)
-        step_done()
-        if step == 0 and reference is not None:
-            check_stats = compare_gradients(((name, p, True) for s in my_stages
-                                             for name, p in split.programs[s].module.named_parameters()), reference[1], options)
-        if optimizer is not None:
-            optimizer.step()
-    return finish_job(rank, world_size, plan, options, step_times, step_losses, check_stats, reference,
-                      records=[], backend=dist.get_backend(), control=control,
-                      baseline="torch.distributed.pipelining." + (
-                          TORCH_SCHEDULES.get(plan.schedule.name)
-                          or f"{csv_runtime_class().__name__} (CSV of {plan.schedule.name}{_file_note(plan)})"))
+        elapsed = time.perf_counter() - t0
+        loss = float(sum(float(x.detach()) for x in losses) / self.num_mbs) if losses else 0.0
+        return StepReport(elapsed, loss, t0)
+
+    def check(self, step: int, first: bool) -> CheckTally | None:
+        """Every gradient of this rank's stages against the plain step (by the stage module's names)."""
+        from graphpipe.runtime.reference import compare_gradients
+
+        if self.reference is None:
+            return None
+        return CheckTally.of_params(compare_gradients(
+            ((name, p, True) for prog in self.programs.values() for name, p in prog.module.named_parameters()),
+            self.reference.grads[0], self.options))
+
+    def finish(self, run) -> RunResult | None:
+        from graphpipe.runtime.results import finish_job
+
+        plan = self.plan
+        return finish_job(self.rank, self.world_size, plan, run.options, run.reports, run.tally, self.reference,
+                          backend=dist.get_backend(), control=self.control,
+                          baseline="torch.distributed.pipelining." + (
+                              TORCH_SCHEDULES.get(plan.schedule.name)
+                              or f"{csv_runtime_class().__name__} (CSV of {plan.schedule.name}{_file_note(plan)})"))
+
+    def close(self) -> None:
+        """torch's stages keep their groups (the job's world, or one sub-group over the plan's ranks)."""
+        self.schedule = None
 
 
 def _file_note(plan: Plan) -> str:

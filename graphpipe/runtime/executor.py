@@ -1,43 +1,29 @@
 """Interpret one rank's action list for one training iteration (docs/design.md, "The runtime").
 
-``F s j``: gather the stage's inputs for micro-batch ``j`` (rows of the
-model inputs, pieces received from every producer stage — concatenated in
-sample order when the consumer's micro-batch is larger, a slice when it is
-smaller), run the stage module, send every outgoing piece, keep the inputs
-and outputs for the backward. On the sink stage compute the loss
-``loss_fn(output) * rows / batch_size``: ``loss_fn`` is a mean over its
-batch, so these terms sum to the mini-batch mean and the gradients equal
-single-device training on the whole mini-batch.
+The executor turns the rank's part of the schedule into typed actions once
+(:class:`~graphpipe.runtime.hosted.Forward`,
+:class:`~graphpipe.runtime.hosted.Backward` — B, or zero bubble's I with
+``input_only`` — and :class:`~graphpipe.runtime.hosted.WeightGrad`), each
+holding what the plan fixes for it (its stage, rows, messages, loss scale),
+and dispatches them on their type to the
+:class:`~graphpipe.runtime.hosted.HostedStage` that computes them, with
+their own sends and receives (:mod:`graphpipe.runtime.hosted` describes F,
+B, I and W).
 
-``B s j``: sum the gradient pieces of every output from every consumer
-into one tensor per output, ``torch.autograd.backward`` from the outputs
-(and the loss on the sink), and send the gradient of every received input
-piece back to its producer. Parameter gradients accumulate over micro-batches.
+After the last ``B`` (or ``W``) of a data-parallel stage its replicas sum
+the stage's gradients asynchronously
+(:meth:`~graphpipe.runtime.hosted.HostedStage.sync_gradients`), in a fixed
+per-device-set order, so the all-reduce overlaps the rest of the schedule
+as in the simulator. At the end of the iteration, in one fixed order on
+every rank (so collectives of overlapping groups cannot cross): the
+replicas' gradient all-reduces complete; every BatchNorm commits its
+deferred running statistics
+(:meth:`~graphpipe.runtime.batchnorm.ShardedBatchNorm.commit`); the copies
+of every tied parameter get the sum of their gradients (:class:`TiedSync`).
 
-``I s j`` / ``W s j`` (zero bubble's split backward,
-:mod:`graphpipe.split_backward`): I receives the gradients like B,
-computes only the gradients of the stage inputs (graph retained) and sends
-them; W computes the weight gradients later and sends nothing.
-
-After the last ``B`` (or ``W``) of a data-parallel stage its replicas all-reduce (sum)
-the stage's gradients asynchronously, in a fixed per-device-set order, so
-the all-reduce overlaps the rest of the schedule as in the simulator.
-
-Every stage call gets a :class:`~graphpipe.runtime.rng.ShardContext` (seed,
-step, the rows it holds) as its last argument: dropout masks and BatchNorm
-statistics then depend on those rows only, never on rank or schedule
-(docs/semantics.md). At the end of the iteration, in one fixed order on every rank
-(so collectives of overlapping groups cannot cross): the replicas' gradient
-all-reduces complete; every BatchNorm commits its deferred running
-statistics (:meth:`~graphpipe.runtime.batchnorm.ShardedBatchNorm.commit`);
-the copies of every tied parameter get the sum of their gradients
-(:class:`TiedSync`).
-
-Every action is timed (``time.perf_counter``; CUDA is synchronised first),
-relative to a start shared through a barrier by the caller: ``ready`` when
-its inputs are in, ``start`` when compute begins, ``end`` when compute ends
-— its messages are posted right after, so a consumer never starts before
-its producer's ``end``, as in the simulator.
+Every action is timed (``time.perf_counter``; CUDA is synchronised first
+when measuring), relative to a start shared through a barrier by the
+caller; its messages are posted right after its compute ends.
 
 Test hook (documented in :mod:`graphpipe.runtime`): ``fault`` (a
 :class:`~graphpipe.runtime.options.FaultInjection` for rank ``r`` at ``F`` or
@@ -49,22 +35,18 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from functools import partial
 from datetime import timedelta
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
-import torch.utils.checkpoint
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from graphpipe.actions import Action
 from graphpipe.runtime.comm import Mailbox
-from graphpipe.runtime.hosted import HostedStage, flat_grad_buffer, zero_grads
-from graphpipe.runtime.rng import ShardContext
+from graphpipe.runtime.hosted import (Backward, Forward, GradientSync, HostedStage, StageAction, StageServices,
+                                      WeightGrad, flat_grad_buffer, zero_grads)
 from graphpipe.runtime.measure import NoMeter, SavedBytesMeter
 from graphpipe.runtime.routing import Routing
-from graphpipe.split_backward import backward_input, backward_weight
 from graphpipe.runtime.stage_modules import StageProgram, ValueMeta
 from graphpipe.stages import StageGraph
 
@@ -161,33 +143,6 @@ class TiedSync:
     group: object | None
 
 
-@dataclass(frozen=True, slots=True, eq=False)
-class ActionPlan:
-    """What one action of a rank needs that the plan fixes, worked out once when the executor is built rather
-    than at every step: the stage, the rows its shard holds and the messages it consumes and sends.
-
-    On a host-bound step (small kernels, a fast GPU) the lookups this saves
-    (the replica, the routing's pieces, message keys, the loss scale) are a
-    visible share of each action's time.
-    """
-
-    hosted: HostedStage
-    rows: slice
-    """Rows ``[lo, hi)`` of the mini-batch the shard holds."""
-    mb_lo: int
-    """First row of the whole micro-batch the shard belongs to (a replica's shard is a part of it)."""
-    scale: float
-    """The shard's share of the mini-batch: its loss term's factor."""
-    receives: tuple[tuple[Any, str, int, tuple], ...]
-    """``(piece, value, source rank, message key)`` of every message it consumes, in order: F the activations
-    of its incoming pieces, B and I the gradients of its outgoing ones, W none."""
-    sends: tuple[tuple[int, tuple, str, slice | None, bool], ...]
-    """``(destination rank, message key, value, its rows, zeros)`` of every message it sends after computing, in
-    send order: F the activations of its outgoing pieces, B and I the gradients of its incoming ones. Rows None:
-    an unbatched value, sent whole; ``zeros``: a later copy of an unbatched value whose gradient went back with
-    the first (zeros instead)."""
-
-
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
 class ExecutorContext:
     """Everything a :class:`RankExecutor` needs, built once per rank by :func:`~graphpipe.runtime.setup.setup_rank`."""
@@ -275,15 +230,20 @@ class RankExecutor:
         self.saved_meter = SavedBytesMeter(t for prog in self.programs.values()
                                            for t in (*prog.module.parameters(), *prog.module.buffers())) \
             if ctx.measure else NoMeter()
-        self._working = 0  # bytes of rebuilt activations counted now (one B, I or W runs at a time)
+        # what the hosted stages share while they compute: messages, values' metadata, loss, meter, step
+        self.services = StageServices(self.mailbox, self.meta, self.loss_fn, self.device, ctx.measure,
+                                      self.saved_meter, seed=ctx.seed)
+        for h in self.hosted.values():
+            h.services = self.services
         fault = ctx.fault
         self._fail_at = fault.at if fault is not None and fault.rank == self.rank else None
         self._fault_text = fault.describe() if fault is not None else ""
         # Asynchronous schedules: the stream's loss terms are scaled by the mini-batch, not by the stream's rows.
         self.loss_batch_size = ctx.loss_batch_size or sg.batch_size
         self._last_terms = LossTerms([], self.device)
-        self._loss_terms: list[tuple[int, torch.Tensor]] = []  # this iteration's, on the device
-        self._plans = {a: self._plan(a) for a in dict.fromkeys(self.actions)}
+        plans = {a: self._plan(a) for a in dict.fromkeys(self.actions)}
+        self.ops: tuple[StageAction, ...] = tuple(plans[a] for a in self.actions)
+        """The rank's actions, typed, in order: what :meth:`run_iteration` dispatches."""
 
     @property
     def sink_losses(self) -> dict[int, float]:
@@ -298,13 +258,19 @@ class RankExecutor:
     def parameters(self) -> list[torch.nn.Parameter]:
         return [p for h in self.hosted.values() for p in h.parameters()]
 
-    def _plan(self, a: Action) -> ActionPlan:
-        """Action ``a``'s :class:`ActionPlan` (the routing and the stage graph are fixed once built)."""
+    def _plan(self, a: Action) -> StageAction:
+        """Action ``a`` as a typed action with what the plan fixes for it (the routing and the stage graph are
+        fixed once built): its rows, the messages it consumes and sends, its loss scale."""
         sg, routing, stage = self.sg, self.routing, self.sg.stages[a.stage_id]
+        hosted = self.hosted[a.stage_id]
+        if a.kind == "W":
+            return WeightGrad(a, hosted)
+        if a.kind not in ("F", "B", "I"):
+            raise RuntimeError(f"rank {self.rank}: action {a} has kind {a.kind!r}; the runtime runs F, B, I, W")
         q = routing.replica(a.stage_id, self.rank)
-        rows = self._shard_rows(a.stage_id, a.mb_id, q)
         receives, sends = [], []
         if a.kind == "F":
+            rows = self._shard_rows(a.stage_id, a.mb_id, q)
             for piece in routing.incoming(a.stage_id, a.mb_id, q):
                 src = sg.stages[piece.producer].devices[piece.producer_replica]
                 receives += [(piece, v, src, Routing.key("F", piece, v))
@@ -313,30 +279,30 @@ class RankExecutor:
                 dst = sg.stages[piece.consumer].devices[piece.consumer_replica]
                 sends += [(dst, Routing.key("F", piece, v), v, piece.producer_rows if self.meta[v].batched else None,
                            False) for v in self._edge_values[(piece.producer, piece.consumer)]]
-        elif a.kind in ("B", "I"):
-            for piece in routing.outgoing(a.stage_id, a.mb_id, q):
-                src = sg.stages[piece.consumer].devices[piece.consumer_replica]
-                receives += [(piece, v, src, Routing.key("B", piece, v))
-                             for v in self._edge_values[(piece.producer, piece.consumer)] if v in routing.grad_values]
-            answered: set[str] = set()  # unbatched values whose gradient goes back with their first piece
-            for piece in routing.incoming(a.stage_id, a.mb_id, q):
-                dst = sg.stages[piece.producer].devices[piece.producer_replica]
-                for v in self._edge_values[(piece.producer, piece.consumer)]:
-                    if v not in routing.grad_values:
-                        continue
-                    batched = self.meta[v].batched
-                    sends.append((dst, Routing.key("B", piece, v), v, piece.consumer_rows if batched else None,
-                                  not batched and v in answered))
-                    if not batched:
-                        answered.add(v)
-        return ActionPlan(self.hosted[a.stage_id], rows, a.mb_id * stage.micro_batch_size,
-                          (rows.stop - rows.start) / self.loss_batch_size, tuple(receives), tuple(sends))
+            return Forward(a, hosted, rows, a.mb_id * stage.micro_batch_size,
+                           (rows.stop - rows.start) / self.loss_batch_size, tuple(receives), tuple(sends))
+        for piece in routing.outgoing(a.stage_id, a.mb_id, q):
+            src = sg.stages[piece.consumer].devices[piece.consumer_replica]
+            receives += [(piece, v, src, Routing.key("B", piece, v))
+                         for v in self._edge_values[(piece.producer, piece.consumer)] if v in routing.grad_values]
+        answered: set[str] = set()  # unbatched values whose gradient goes back with their first piece
+        for piece in routing.incoming(a.stage_id, a.mb_id, q):
+            dst = sg.stages[piece.producer].devices[piece.producer_replica]
+            for v in self._edge_values[(piece.producer, piece.consumer)]:
+                if v not in routing.grad_values:
+                    continue
+                batched = self.meta[v].batched
+                sends.append((dst, Routing.key("B", piece, v), v, piece.consumer_rows if batched else None,
+                              not batched and v in answered))
+                if not batched:
+                    answered.add(v)
+        return Backward(a, hosted, a.kind == "I", tuple(receives), tuple(sends))
 
-    def _prefetch(self, a: Action) -> None:
-        """Post the receives of action ``a`` now (CUDA ranks: :meth:`Mailbox.prefetch`), so its messages travel
-        while the action before it computes; waited for only where ``a`` consumes them."""
+    def _prefetch(self, op: StageAction) -> None:
+        """Post the receives of ``op`` now (CUDA ranks: :meth:`Mailbox.prefetch`), so its messages travel while
+        the action before it computes; waited for only where ``op`` consumes them."""
         if self.mailbox.post_early:
-            for _, _, src, key in self._plans[a].receives:
+            for _, _, src, key in op.receives:
                 self.mailbox.prefetch(src, key)
 
     @property
@@ -386,199 +352,28 @@ class RankExecutor:
         return slice(lo, lo + per)
 
     # ------------------------------------------------------------ actions
-    def _forward(self, a: Action, inputs: Sequence[torch.Tensor] | None, saved: dict, t0: float) -> tuple[float, float, float]:
-        plan = self._plans[a]
-        hosted, rows = plan.hosted, plan.rows
-        prog, stage = hosted.program, hosted.stage
-        ready_at = time.perf_counter()
-        values: dict[str, torch.Tensor] = {name: inputs[index][rows] for name, index in prog.model_inputs}
-        parts: dict[str, list[torch.Tensor]] = {}
-        for _, value, src, key in plan.receives:
-            parts.setdefault(value, []).append(self.mailbox.recv(src, key))
-        leaves = {}
-        for value, chunks in parts.items():
-            # an unbatched value (a position table) comes whole with every piece: the first copy is the stage's
-            t = chunks[0] if len(chunks) == 1 or not self.meta[value].batched else torch.cat(chunks)
-            t = self.meta[value].from_wire(t)  # messages carry the batch at dim 0; (seq, batch, dim) moves back
-            if self.meta[value].needs_grad:
-                t.requires_grad_(True)
-                leaves[value] = t
-            values[value] = t
-        self._sync()
-        start = time.perf_counter()
+    def _run(self, op: StageAction, inputs: Sequence[torch.Tensor] | None, t0: float) -> tuple[float, float, float]:
+        """Dispatch one typed action to the stage that computes it; ``(ready, start, end)`` from ``t0``."""
+        match op:
+            case Forward():
+                return self._forward(op, inputs, t0)
+            case Backward():
+                if self._fail_at == "B":
+                    raise InjectedFailure(f"injected failure at action {op.action} ({self._fault_text})")
+                return op.hosted.run_backward(op, t0)
+            case WeightGrad():
+                return op.hosted.run_weight_grad(op, t0)
+        raise TypeError(f"rank {self.rank}: {op!r} is not a typed action")
+
+    def _forward(self, op: Forward, inputs: Sequence[torch.Tensor] | None, t0: float) -> tuple[float, float, float]:
+        """F, after the fault hook's F and hang points (a hung rank's heartbeats point here)."""
         if self._fail_at is not None:
             if self._fail_at == "F":
-                raise InjectedFailure(f"injected failure at action {a} ({self._fault_text})")
+                raise InjectedFailure(f"injected failure at action {op.action} ({self._fault_text})")
             if self._fail_at == "hang":
                 while True:  # a silent rank: its peers must time out, not wait forever
                     time.sleep(3600)
-        ctx = ShardContext(self.seed, self.step, rows.start, rows.stop - rows.start, plan.mb_lo,
-                           stage.micro_batch_size)
-        args = [values[n] for n in prog.input_names]
-        scale = plan.scale
-        versions = hosted.weights
-        # the stage's forward, and the loss on the sink (so re-materialization covers it)
-        run_stage = partial(self._run_stage, hosted, a.mb_id, scale) if stage.recompute else None
-
-        with self.saved_meter.hooks():  # activation memory, measured (runtime/measure.py)
-            if stage.recompute and prog.segments:  # re-materialization one checkpointed segment at a time
-                sent, out, loss, pieces = self._forward_segments(a, prog, versions, args, ctx, scale)
-            elif stage.recompute:  # re-materialization: keep the inputs, re-run the forward inside B (non-reentrant)
-                sent, out, loss = torch.utils.checkpoint.checkpoint(run_stage, *args, ctx, use_reentrant=False)
-                hosted.stash[a.mb_id] = [self.saved_meter.hold(t) for t in args if isinstance(t, torch.Tensor)]
-            else:
-                sent, out, loss = self._run_stage(hosted, a.mb_id, scale, *args, ctx)
-        by_name = dict(zip(prog.output_names, sent))
-        self._sync()
-        end = time.perf_counter()  # compute ends here; messages leave after it (the simulator's semantics)
-        for dst, key, value, value_rows, _ in plan.sends:
-            t = by_name[value]
-            self.mailbox.send(dst, key, t if value_rows is None else self.meta[value].to_wire(t)[value_rows])
-        saved[(a.stage_id, a.mb_id)] = (leaves, by_name, loss)
-        if loss is not None:  # read once at the iteration's end: a float() here would wait for the device
-            self._loss_terms.append((a.mb_id, loss.detach().float()))
-        if stage.recompute and hosted.redo_bytes is None:  # once, after the timed compute
-            hosted.redo_bytes = ([self.saved_meter.probe(fn, *xs, ctx) for fn, xs in pieces]
-                                 if prog.segments else self.saved_meter.probe(run_stage, *args, ctx))
-        return ready_at - t0, start - t0, end - t0
-
-    def _run_stage(self, hosted: HostedStage, mb_id: int, scale: float, *xs):
-        """``(sent, out, loss)``: stage ``hosted``'s forward of micro-batch ``mb_id`` on ``xs`` (its inputs and
-        shard context), and on the sink the loss term, scaled by the shard's share of the mini-batch."""
-        versions = hosted.weights
-        sent, out = hosted.forward(*xs) if versions is None else versions.call(mb_id, *xs)
-        return sent, out, (self.loss_fn(out) * scale if hosted.program.is_sink else None)
-
-    def _forward_segments(self, a: Action, prog, versions, args: list, ctx, scale: float):
-        """A re-materializing stage's forward, one checkpoint per segment (:func:`segment_stage`).
-
-        Each segment runs under ``torch.utils.checkpoint`` (non-reentrant);
-        the stage's inputs and the values a segment hands to a later one are
-        held (counted) until B ends. The last segment's checkpoint also builds
-        the stage's output and the loss, as a whole-stage checkpoint does.
-        Returns ``(sent, out, loss, pieces)``, ``pieces`` each segment's
-        callable and inputs, for the probe.
-        """
-        key = (a.stage_id, a.mb_id)
-        env = dict(zip(prog.input_names, args))
-        held = [self.saved_meter.hold(t) for t in args if isinstance(t, torch.Tensor)]
-        pieces = []
-        last = len(prog.segments) - 1
-        for j, seg in enumerate(prog.segments):
-            def fn(*xs, seg=seg, tail=j == last):
-                got = seg.module(*xs) if versions is None else versions.call(a.mb_id, *xs, module=seg.module)
-                if not tail:
-                    return got
-                mine = dict(zip(seg.output_names, got))  # the stage's output from every segment's values
-                sent, out = prog.assemble(*(mine[n] if n in mine else env[n] for n in prog.gathers))
-                return sent, out, (self.loss_fn(out) * scale if prog.is_sink else None)
-            xs = [env[n] for n in seg.input_names]
-            pieces.append((fn, xs))
-            got = torch.utils.checkpoint.checkpoint(self._counted(key, j, fn), *xs, ctx, use_reentrant=False)
-            if j < last:
-                env.update(zip(seg.output_names, got))
-                held += [self.saved_meter.hold(env[n]) for n in seg.handed]
-        self.hosted[a.stage_id].stash[a.mb_id] = held
-        return (*got, pieces)  # the last segment's (sent, out, loss)
-
-    def _counted(self, key: tuple[int, int], j: int, fn):
-        """``fn`` (segment ``j`` of stage and micro-batch ``key``), whose calls after the first are its
-        re-materialization inside B: that segment's probed working set replaces the one counted before."""
-        hosted = self.hosted[key[0]]
-
-        def run(*xs):
-            calls = hosted.segment_calls.setdefault(key[1], set())
-            if j in calls:
-                rebuilt = hosted.redo_bytes[j]
-                self.saved_meter.add(rebuilt - self._working)
-                self._working = rebuilt
-            calls.add(j)
-            return fn(*xs)
-        return run
-
-    def _begin_rebuild(self, stage_id: int) -> None:
-        """B, I or W starts: a whole-stage checkpoint rebuilds all the stage's activations now (segments count
-        theirs as each rebuilds, :meth:`_counted`)."""
-        whole = self.sg.stages[stage_id].recompute and not self.programs[stage_id].segments
-        self._working = (self.hosted[stage_id].redo_bytes or 0) if whole else 0
-        self.saved_meter.add(self._working)
-
-    def _end_rebuild(self) -> None:
-        self.saved_meter.add(-self._working)
-        self._working = 0
-
-    def _backward(self, a: Action, saved: dict, t0: float) -> tuple[float, float, float]:
-        """B, or zero bubble's I (input gradients only; the weight gradients wait for :meth:`_weight`)."""
-        plan = self._plans[a]
-        ready_at = time.perf_counter()
-        leaves, outputs, loss = saved.pop((a.stage_id, a.mb_id))
-        grads: dict[str, torch.Tensor] = {}
-        for piece, value, src, key in plan.receives:
-            g = self.mailbox.recv(src, key)
-            acc = grads.get(value)
-            rows = piece.producer_rows
-            if not self.meta[value].batched:  # every consumer shard's gradient of the whole value: summed
-                grads[value] = g if acc is None else acc + g
-                continue
-            m = self.meta[value]
-            if acc is None and rows.start == 0 and rows.stop == outputs[value].shape[m.batch_dim]:
-                grads[value] = m.from_wire(g)  # a piece covering every row (the usual case): the received buffer
-                continue
-            if acc is None:
-                acc = grads[value] = torch.zeros_like(outputs[value])
-            m.to_wire(acc)[rows] += g  # a view: the rows land in acc
-        self._sync()
-        start = time.perf_counter()
-        if self._fail_at == "B":
-            raise InjectedFailure(f"injected failure at action {a} ({self._fault_text})")
-        tensors, grad_tensors = [], []
-        if loss is not None and loss.requires_grad:
-            tensors.append(loss)
-            grad_tensors.append(None)
-        for value, g in grads.items():
-            out = outputs[value]
-            if out.requires_grad:
-                tensors.append(out)
-                grad_tensors.append(g)
-        self._begin_rebuild(a.stage_id)  # the checkpoint rebuilds the stage's activations for this backward
-        hosted = plan.hosted
-        if a.kind == "I":
-            leaves_in = [leaves[v] for v in sorted(leaves)]
-            dinputs, hosted.pending_w[a.mb_id] = backward_input(tensors, grad_tensors, leaves_in,
-                                                                hosted.trainable())
-            for leaf, g in zip(leaves_in, dinputs):
-                leaf.grad = g
-        elif tensors:
-            torch.autograd.backward(tensors, grad_tensors)
-        self._end_rebuild()
-        if hosted.weights is not None:
-            hosted.weights.after_backward(a.mb_id)
-        if a.kind == "B":
-            hosted.stash.pop(a.mb_id, None)
-            hosted.segment_calls.pop(a.mb_id, None)
-        self._sync()
-        end = time.perf_counter()
-        for dst, key, value, value_rows, zeros in plan.sends:
-            leaf = leaves[value]
-            g = leaf.grad
-            if g is None or zeros:  # an unbatched value's later copies get no gradient: the stage used the first
-                g = torch.zeros_like(leaf)
-            self.mailbox.send(dst, key, g if value_rows is None else self.meta[value].to_wire(g)[value_rows])
-        return ready_at - t0, start - t0, end - t0
-
-    def _weight(self, a: Action, t0: float) -> tuple[float, float, float]:
-        """W: the weight gradients of a micro-batch whose I ran; frees the graph I retained."""
-        self._sync()
-        start = time.perf_counter()
-        hosted = self.hosted[a.stage_id]
-        self._begin_rebuild(a.stage_id)
-        backward_weight(hosted.pending_w.pop(a.mb_id))
-        self._end_rebuild()
-        hosted.stash.pop(a.mb_id, None)
-        hosted.segment_calls.pop(a.mb_id, None)
-        self._sync()
-        end = time.perf_counter()
-        return start - t0, start - t0, end - t0
+        return op.hosted.run_forward(op, inputs, t0)
 
     # ------------------------------------------------------------ iteration
     def release_groups(self) -> list:
@@ -622,7 +417,7 @@ class RankExecutor:
         work (a timed step, ``graphpipe run``'s); otherwise the step returns
         once the host has queued it, as a plain loop's step does.
         """
-        self.step = step
+        self.step = self.services.step = step
         self.mailbox.reset()
         if inputs is not None:  # the batch on this rank's device once: micro-batches are views of it, not activations
             inputs = tuple(x.to(self.device) for x in inputs)
@@ -630,54 +425,49 @@ class RankExecutor:
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
-        saved: dict = {}
+        for h in self.hosted.values():
+            h.saved.clear()
         records: list[TimedAction] = []
-        self._loss_terms: list[tuple[int, torch.Tensor]] = []
+        loss_terms = self.services.loss_terms = []  # this iteration's, on the device
         issued: dict[tuple[int, ...], int] = {}
         done_stages: set[int] = set()
-        pending_ar: list[tuple[int, object, torch.Tensor, list[torch.Tensor], float]] = []
+        pending: list[GradientSync] = []
         finished_at: dict[int, float] = {}
-        for pos, a in enumerate(self.actions):
-            if pos + 1 < len(self.actions):  # the next action's messages travel while this one computes (CUDA)
-                self._prefetch(self.actions[pos + 1])
-            if a.kind == "F":
-                ready, start, end = self._forward(a, inputs, saved, t0)
-            elif a.kind in ("B", "I"):
-                ready, start, end = self._backward(a, saved, t0)
-            elif a.kind == "W":
-                ready, start, end = self._weight(a, t0)
-            else:
-                raise RuntimeError(f"rank {self.rank}: action {a} has kind {a.kind!r}; the runtime runs F, B, I, W")
+        ops = self.ops
+        for pos, op in enumerate(ops):
+            if pos + 1 < len(ops):  # the next action's messages travel while this one computes (CUDA)
+                self._prefetch(ops[pos + 1])
+            ready, start, end = self._run(op, inputs, t0)
+            a = op.action
             records.append(TimedAction(self.rank, a.stage_id, a.kind, a.mb_id, ready, start, end))
             if pos in self._last_b_pos:
                 done_stages.add(self._last_b_pos[pos])
-                pending_ar.extend(self._issue_allreduces(done_stages, issued, t0))
+                pending.extend(self._issue_gradient_syncs(done_stages, issued))
             # An all-reduce that finished during this action ends no later than now (best resolution
             # without a polling thread).
-            finished_at.update({i: time.perf_counter() - t0 for i, ar in enumerate(pending_ar)
-                                if i not in finished_at and ar[1].is_completed()})
+            finished_at.update({i: time.perf_counter() - t0 for i, sync in enumerate(pending)
+                                if i not in finished_at and sync.is_completed()})
         for h in self._autograd_grads:
             h.fill_missing_grads()
+        saved = [(s, mb) for s, h in self.hosted.items() for mb in h.saved]
         waiting = [(s, mb) for s, h in self.hosted.items() for mb in h.pending_w]
         if saved or waiting:
             raise RuntimeError(f"rank {self.rank}: forward without backward for {sorted(saved)[:4]}, input "
                                f"gradients without weight gradients for {sorted(waiting)[:4]}")
-        for i, (stage_id, work, flat, grads, issued_at) in enumerate(pending_ar):
-            self.mailbox.wait_work(work, f"gradient all-reduce of stage {stage_id} with its replicas")
-            if grads is not None:
-                for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-                    g.copy_(reduced)
+        for i, sync in enumerate(pending):
+            sync.wait(self.mailbox.wait_work)
             self._sync()
             done = finished_at.get(i, time.perf_counter() - t0)
-            records.append(TimedAction(self.rank, stage_id, "AR", 0, issued_at, issued_at, done))
+            issued_at = sync.issued_at - t0
+            records.append(TimedAction(self.rank, sync.stage_id, "AR", 0, issued_at, issued_at, done))
         self._commit_batchnorms()
         self._sum_tied_gradients()
         self.mailbox.flush()
         self._sync()
         if wait and cuda and not self.measure:  # the step's time is the device's, not how fast the host queued it
             torch.cuda.synchronize(self.device)
-        self._last_terms = LossTerms(self._loss_terms, self.device)  # read on the host only when asked
-        self._loss_terms = []
+        self._last_terms = LossTerms(loss_terms, self.device)  # read on the host only when asked
+        self.services.loss_terms = []
         return StepResult(time.perf_counter() - t0, self._last_terms, records, t0, self.saved_meter.peak,
                           torch.cuda.max_memory_allocated(self.device) if cuda else None)
 
@@ -716,8 +506,9 @@ class RankExecutor:
     def _param(self, stage_id: int, name: str) -> torch.nn.Parameter:
         return self.hosted[stage_id].param(name)
 
-    def _issue_allreduces(self, done_stages: set[int], issued: dict, t0: float) -> list:
-        """Start the gradient all-reduce of every finished replicated stage whose turn has come."""
+    def _issue_gradient_syncs(self, done_stages: set[int], issued: dict) -> list[GradientSync]:
+        """Start the gradient all-reduce (:meth:`HostedStage.sync_gradients`) of every finished replicated stage
+        whose turn has come, in each device set's fixed order (the same on every replica)."""
         started = []
         for devices, order in self.allreduce_order.items():
             if self.rank not in devices:
@@ -725,17 +516,7 @@ class RankExecutor:
             while issued.get(devices, 0) < len(order) and order[issued.get(devices, 0)] in done_stages:
                 stage_id = order[issued.get(devices, 0)]
                 issued[devices] = issued.get(devices, 0) + 1
-                params = self.hosted[stage_id].trainable()
-                if not params:
-                    continue
-                zero_grads([p for p in params if p.grad is None])  # every replica reduces the same tensors
-                flat = self.hosted[stage_id].grad_buffer
-                grads = None
-                if flat is None or any(p.grad._base is not flat for p in params):
-                    # no flat buffer (mixed dtypes) or a .grad replaced by another tensor: reduce a copy
-                    grads = [p.grad for p in params]
-                    flat = _flatten_dense_tensors(grads)
-                now = time.perf_counter() - t0
-                work = dist.all_reduce(flat, group=self.dp_groups[devices], async_op=True)
-                started.append((stage_id, work, flat, grads, now))
+                sync = self.hosted[stage_id].sync_gradients(self.dp_groups[devices])
+                if sync is not None:
+                    started.append(sync)
         return started

@@ -197,8 +197,9 @@ def _materialize_whole(ref: Runnable, module: torch.nn.Module, device: str, seed
 
 
 def reference_step(spec: str, seed: int, batch_size: int, step_seed: int, device: str,
-                   granularity: str | None = None, meta_params: bool = False) -> tuple[float, dict[str, torch.Tensor]]:
-    """Single-process loss and gradients of a fresh copy of the model on the whole mini-batch (PyTorch's semantics).
+                   granularity: str | None = None, meta_params: bool = False) -> Reference:
+    """Single-process loss and gradients of a fresh copy of the model on the whole mini-batch (PyTorch's
+    semantics), as a one-step :class:`Reference` (no buffers).
 
     The torch.distributed.pipelining baseline's reference; ours is
     :func:`reference_run`. The eager module runs on the data the graph runs
@@ -211,7 +212,8 @@ def reference_step(spec: str, seed: int, batch_size: int, step_seed: int, device
     args, kwargs, target = ref.io.unflatten_inputs(ref.make_inputs(batch_size, step_seed))
     loss = ref.loss_fn(ref.io.graph_output(ref.module(*args, **kwargs), target))
     loss.backward()
-    return float(loss.detach()), {n: p.grad for n, p in ref.module.named_parameters() if p.grad is not None}
+    grads = {n: p.grad for n, p in ref.module.named_parameters() if p.grad is not None}
+    return Reference(losses=(float(loss.detach()),), grads=(grads,), buffers=(), meta_params=meta_params)
 
 
 def compare_buffers(named_buffers, ref_buffers: dict[str, torch.Tensor], options: RunOptions,

@@ -2,7 +2,7 @@
 
 Rank 0 of every job builds a :class:`RunResult` (:func:`finish_job` for
 graphpipe's executor and the ``torch.distributed.pipelining`` baseline,
-:func:`graphpipe.runtime.async_run.run_async_job` for the asynchronous
+:meth:`graphpipe.runtime.async_run.StreamEngine.finish` for the asynchronous
 stream): the measured figures (:class:`Measured`), the losses, the
 per-action records, and ``--check``'s verdict (:class:`CheckResult`, or
 :class:`ReplayCheck` for the asynchronous schedules). The launcher hands
@@ -38,10 +38,12 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, TypeVar
 
 from graphpipe.errors import InputError
+from graphpipe.runtime.driver import CheckTally
 
 if TYPE_CHECKING:
     from graphpipe.plan import Plan
     from graphpipe.runtime.options import RunOptions
+    from graphpipe.runtime.driver import StepReport
     from graphpipe.runtime.reference import Reference
 
 __all__ = ["Measured", "Fp64Spread", "FullBatch", "CheckResult", "ReplayCheck", "AsyncRun", "RunResult",
@@ -327,44 +329,42 @@ class RunSummary(_Record):
     """The measured :class:`~graphpipe.sched.Timeline` (``None`` without records); not part of the JSON."""
 
 
-def finish_job(rank: int, world_size: int, plan: Plan, options: RunOptions, step_times: Sequence[float],
-               step_losses: Sequence[float], check_stats: Sequence[float], reference, records: Sequence,
-               backend: str, baseline: str | None = None, starts: Sequence[float] | None = None,
+def finish_job(rank: int, world_size: int, plan: Plan, options: RunOptions, reports: Sequence[StepReport],
+               tally: CheckTally, reference: Reference | None, *, backend: str, baseline: str | None = None,
                control=None) -> RunResult | None:
     """Combine every rank's figures on rank 0 into its :class:`RunResult` (collective: every rank calls it).
 
-    Records are relative to each rank's own start after the barrier. On one
-    host ``time.perf_counter`` is one monotonic clock shared by all
-    processes, so rank 0 shifts every rank's records to the earliest start:
-    the measured timeline is then causally exact (a consumer's F never
-    starts before its producer's F ended). Across hosts each rank's barrier
-    exit stays its zero. ``check_stats``: this rank's ``(max |a - b|,
-    mismatches, parameters counted[, buffers counted])``. ``reference``: graphpipe's
-    :class:`~graphpipe.runtime.reference.Reference`, or the torch baseline's
-    ``(loss, gradients)`` of step 0 (``None`` on ranks that computed none).
+    ``reports``: this rank's :class:`~graphpipe.runtime.driver.StepReport`
+    of every step run. Records are relative to each rank's own start after
+    the barrier. On one host ``time.perf_counter`` is one monotonic clock
+    shared by all processes, so rank 0 shifts every rank's records to the
+    earliest start: the measured timeline is then causally exact (a
+    consumer's F never starts before its producer's F ended). Across hosts
+    each rank's barrier exit stays its zero. ``tally``: this rank's
+    ``--check`` comparison. ``reference``: ``--check``'s
+    :class:`~graphpipe.runtime.reference.Reference` (``None`` on ranks that
+    computed none); the torch ``baseline``'s is one plain PyTorch step
+    (:func:`~graphpipe.runtime.reference.reference_step`), checked on step 0.
     """
     import torch
     import torch.distributed as dist
 
-    from graphpipe.runtime.reference import Reference
-
     sg = plan.stage_graph
-    times = torch.tensor(list(step_times), dtype=torch.float64)
+    times = torch.tensor([r.iteration_time_s for r in reports], dtype=torch.float64)
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=control)
-    losses = torch.tensor(list(step_losses), dtype=torch.float64)
+    losses = torch.tensor([r.loss for r in reports], dtype=torch.float64)
     dist.all_reduce(losses, op=dist.ReduceOp.SUM, group=control)
-    max_abs = torch.tensor([check_stats[0]], dtype=torch.float64)
+    max_abs = torch.tensor([tally.max_abs_diff], dtype=torch.float64)
     dist.all_reduce(max_abs, op=dist.ReduceOp.MAX, group=control)
-    counts = torch.tensor([check_stats[1], check_stats[2], check_stats[3] if len(check_stats) > 3 else 0],
-                          dtype=torch.float64)
+    counts = torch.tensor([tally.num_mismatches, tally.num_params, tally.num_buffers], dtype=torch.float64)
     dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=control)
+    total = CheckTally(float(max_abs[0]), int(counts[0]), int(counts[1]), int(counts[2]))
     measured_idx = list(range(options.warmup_steps, options.steps))
     step_list = [float(times[i]) for i in measured_idx]
     med = statistics.median(step_list)
     shown = min(measured_idx, key=lambda i: (abs(float(times[i]) - med), i))
     gathered = [None] * world_size if rank == 0 else None
-    mine = (socket.gethostname(), starts[shown] if starts else 0.0, list(records[shown]) if records else [],
-            sorted(os.sched_getaffinity(0)))
+    mine = (socket.gethostname(), reports[shown].t0, list(reports[shown].records), sorted(os.sched_getaffinity(0)))
     dist.gather_object(mine, gathered, dst=0, group=control)
     if rank != 0:
         return None
@@ -373,10 +373,10 @@ def finish_job(rank: int, world_size: int, plan: Plan, options: RunOptions, step
         gathered = [(host, t0, [_shift(r, t0 - origin) for r in recs], cpus) for host, t0, recs, cpus in gathered]
     loss_list = [float(x) for x in losses]
     check = None
-    if options.check and isinstance(reference, Reference):
-        check = _check_summary(plan, options, loss_list, reference, float(max_abs[0]), counts)
+    if options.check and baseline is not None:
+        check = _baseline_check(plan, options, loss_list, reference, total)
     elif options.check:
-        check = _baseline_check(plan, options, loss_list, reference, float(max_abs[0]), counts)
+        check = _check_summary(plan, options, loss_list, reference, total)
     return RunResult(
         measured=Measured(iteration_time_s=med, throughput=sg.batch_size / med, step_times_s=step_list,
                           warmup_steps=options.warmup_steps, timeline_step=shown),
@@ -384,8 +384,8 @@ def finish_job(rank: int, world_size: int, plan: Plan, options: RunOptions, step
         rank_cpus=[cpus for _, _, _, cpus in gathered], baseline=baseline, check=check)
 
 
-def _baseline_check(plan: Plan, options: RunOptions, losses: list[float], reference, max_abs: float,
-                    counts) -> CheckResult:
+def _baseline_check(plan: Plan, options: RunOptions, losses: list[float], reference: Reference | None,
+                    total: CheckTally) -> CheckResult:
     """The torch baseline's verdict: step 0's loss and every gradient against one plain PyTorch step."""
     from graphpipe.runtime.reference import reference_step
     from graphpipe.runtime.runnable import data_seed, plan_granularity
@@ -394,18 +394,19 @@ def _baseline_check(plan: Plan, options: RunOptions, losses: list[float], refere
     if reference is None:
         reference = reference_step(plan.model, options.seed, sg.batch_size, data_seed(options.seed, 0), "cpu",
                                    plan_granularity(plan), meta_params=True)  # the baseline's weights
-    ref_loss = reference[0]
+    ref_loss = reference.losses[0]
     loss_diff = abs(losses[0] - ref_loss)
-    total_params = len(reference[1])  # every parameter the forward uses must have been compared once
-    passed = (counts[0] == 0 and loss_diff <= options.atol + options.rtol * abs(ref_loss)
-              and int(counts[1]) == total_params)
-    return CheckResult(passed=bool(passed), max_abs_diff=max(max_abs, loss_diff), loss=losses[0],
-                       reference_loss=ref_loss, loss_abs_diff=loss_diff, num_params_checked=int(counts[1]),
-                       num_params=total_params, num_mismatches=int(counts[0]), rtol=options.rtol, atol=options.atol)
+    total_params = reference.num_params  # every parameter the forward uses must have been compared once
+    passed = (total.num_mismatches == 0 and loss_diff <= options.atol + options.rtol * abs(ref_loss)
+              and total.num_params == total_params)
+    return CheckResult(passed=bool(passed), max_abs_diff=max(total.max_abs_diff, loss_diff), loss=losses[0],
+                       reference_loss=ref_loss, loss_abs_diff=loss_diff, num_params_checked=total.num_params,
+                       num_params=total_params, num_mismatches=total.num_mismatches, rtol=options.rtol,
+                       atol=options.atol)
 
 
-def _check_summary(plan: Plan, options: RunOptions, losses: list[float], reference: Reference, max_abs: float,
-                   counts) -> CheckResult:
+def _check_summary(plan: Plan, options: RunOptions, losses: list[float], reference: Reference,
+                   total: CheckTally) -> CheckResult:
     """Rank 0's verdict over every step: losses, gradients and buffers; plus the full-batch comparison (reported)."""
     import torch
 
@@ -419,8 +420,8 @@ def _check_summary(plan: Plan, options: RunOptions, losses: list[float], referen
     losses_ok = all(d <= float(allowed(torch.tensor(r), options.atol, options.rtol, w))
                     for d, r, w in zip(loss_diffs, reference.losses, loss_spread))
     num_buffers = len(reference.buffers[0]) if reference.buffers else 0
-    passed = (counts[0] == 0 and losses_ok and int(counts[1]) == reference.num_params
-              and int(counts[2]) == num_buffers)
+    passed = (total.num_mismatches == 0 and losses_ok and total.num_params == reference.num_params
+              and total.num_buffers == num_buffers)
     fp64 = None
     if reference.grad_spread:  # the tolerance each value got on top of atol + rtol |b|
         fp64 = Fp64Spread(factor=SPREAD_FACTOR, loss=max(loss_spread),
@@ -432,11 +433,11 @@ def _check_summary(plan: Plan, options: RunOptions, losses: list[float], referen
         max_grad_abs_diff=max((float((g - reference.grads[0][n]).abs().max()) for n, g in full.grads[0].items()
                                if n in reference.grads[0] and g.numel()), default=0.0))
     return CheckResult(
-        passed=bool(passed), max_abs_diff=max([max_abs, *loss_diffs]), loss=losses[0],
+        passed=bool(passed), max_abs_diff=max([total.max_abs_diff, *loss_diffs]), loss=losses[0],
         reference_loss=reference.losses[0], loss_abs_diff=loss_diffs[0], steps_checked=steps,
-        losses_checked=losses[:steps], reference_losses=reference.losses, num_params_checked=int(counts[1]),
-        num_params=reference.num_params, num_buffers_checked=int(counts[2]), num_buffers=num_buffers,
-        num_mismatches=int(counts[0]), rtol=options.rtol, atol=options.atol, batchnorm=options.batchnorm_for(plan),
+        losses_checked=losses[:steps], reference_losses=reference.losses, num_params_checked=total.num_params,
+        num_params=reference.num_params, num_buffers_checked=total.num_buffers, num_buffers=num_buffers,
+        num_mismatches=total.num_mismatches, rtol=options.rtol, atol=options.atol, batchnorm=options.batchnorm_for(plan),
         inexact_ops=reference.unbatched or None, fp64_spread=fp64, full_batch=full_batch)
 
 

@@ -11,8 +11,11 @@ whose stages read model inputs.
 One *job* is one plan run for some steps; :func:`run_rank` runs a list of
 jobs in one process group, so tests amortise process start-up over many
 plans. A plan for fewer devices than the world leaves the extra ranks idle.
+:func:`run_job` picks the job's engine and hands it to the one job driver
+(:func:`~graphpipe.runtime.driver.drive_job`); :class:`PipelineEngine` is
+graphpipe's own (a :class:`~graphpipe.Pipeline`).
 
-Measured iteration time: ranks meet at a barrier, each takes ``t0`` right
+Measured iteration time: ranks meet at a barrier (the driver's), each takes ``t0`` right
 after it, runs its actions and gradient all-reduces, and the step time is
 the max over ranks of ``end - t0`` (the optimizer step is excluded, as in
 the simulator). The reported figure is the median over the steps after the
@@ -33,7 +36,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 from dataclasses import asdict, replace
 from datetime import timedelta
 from typing import Callable, Sequence
@@ -43,16 +45,15 @@ import torch.distributed as dist
 
 from graphpipe.errors import PlanError
 from graphpipe.plan import Plan, plan_from_dict
-from graphpipe.progress import step_done
-from graphpipe.runtime.executor import StepResult
+from graphpipe.runtime.driver import (CheckTally, Engine, JobComm, JobRun, StepClock, StepReport, drive_job,
+                                      peak_rss_bytes)
 from graphpipe.runtime.options import RunOptions
-from graphpipe.runtime.reference import compare_buffers, compare_gradients, reference_run
+from graphpipe.runtime.reference import Reference, compare_buffers, compare_gradients, reference_run
 from graphpipe.runtime.results import RunResult, finish_job
 from graphpipe.runtime.runnable import data_seed, load_runnable, plan_granularity
-from graphpipe.runtime.step_checkpoints import check_steps_left
 from graphpipe.runtime.teardown import before_init, collect_groups
 
-__all__ = ["rank_cpus", "pin_rank", "run_rank", "run_job", "peak_rss_bytes"]
+__all__ = ["rank_cpus", "pin_rank", "run_rank", "run_job", "PipelineEngine", "peak_rss_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -90,13 +91,6 @@ def _cpu_list(cpus: Sequence[int]) -> str:
     return ",".join(map(str, cpus[:8])) + (",..." if len(cpus) > 8 else "")
 
 
-def peak_rss_bytes() -> int:
-    """This process's peak resident set size so far (``getrusage``'s ``ru_maxrss``, KiB on Linux)."""
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def _pick_backend(requested: str, world_size: int) -> str:
     if requested != "auto":
         return requested
@@ -108,114 +102,128 @@ def run_job(rank: int, world_size: int, plan: Plan, options: RunOptions, device:
     """Run one plan on this rank; rank 0 returns the job's :class:`~graphpipe.runtime.results.RunResult`, other
     ranks ``None``.
 
-    ``control`` is the process group for barriers and figures (a CPU gloo
-    group under NCCL; ``None``: the world group).
+    The engine is the plan's: torch's schedule (``--baseline torch``),
+    PipeDream's stream (an asynchronous schedule) or graphpipe's executor;
+    :func:`~graphpipe.runtime.driver.drive_job` runs it. ``control`` is the
+    process group for barriers and figures (a CPU gloo group under NCCL;
+    ``None``: the world group).
     """
-    if options.baseline == "torch":
-        from graphpipe.runtime.baseline import run_torch_job
-
-        return run_torch_job(rank, world_size, plan, options, device, control)
     from graphpipe.sched.async_pipe import plan_spec
 
-    spec = plan_spec(plan)
-    if spec is not None:  # PipeDream's asynchronous schedules: one stream, weight versions (runtime/async_run.py)
-        from graphpipe.runtime.async_run import run_async_job
+    if plan.stage_graph.num_devices > world_size:
+        raise PlanError(f"plan needs {plan.stage_graph.num_devices} ranks, the job has {world_size}")
+    engine: Engine
+    if options.baseline == "torch":
+        from graphpipe.runtime.baseline import TorchEngine
 
-        return run_async_job(rank, world_size, plan, spec, options, device, backend, control)
-    sg = plan.stage_graph
-    if sg.num_devices > world_size:
-        raise PlanError(f"plan needs {sg.num_devices} ranks, the job has {world_size}")
-    from graphpipe.runtime.api import Pipeline
+        engine = TorchEngine(rank, world_size, plan, options, device, control)
+    elif (spec := plan_spec(plan)) is not None:  # PipeDream's asynchronous schedules: one stream, weight versions
+        from graphpipe.runtime.async_run import StreamEngine
 
-    my_stages = sg.stages_on_device(rank) if rank < sg.num_devices else ()
-    # Every rank builds the model with its parameters on the meta device, so all agree on the boundary values and
-    # shapes; each materializes only its own stages' weights (runtime/materialize.py).
-    runnable = load_runnable(plan.model, options.seed, "cpu", granularity=plan_granularity(plan), meta_params=True)
-    unseeded = _warn_unseeded(runnable, plan.model) if rank == 0 else {}
-    make_inputs = runnable.make_inputs
-    # graphpipe run is a user of the training API: synthetic data, SGD, and its report.
-    pipe = Pipeline.for_job(plan, runnable, rank=rank, world_size=world_size, device=device, backend=backend,
-                             options=options)
-    del runnable  # drop every other stage's parameters
-    ctx = pipe.rank_setup
-    programs, layout, tied_copies, buffer_stage = ctx.programs, ctx.layout, ctx.tied_copies, ctx.buffer_stage
-    params = list(pipe.parameters())
-    optimizer = torch.optim.SGD(params, lr=options.lr) if params else None
-    reference = None
-    if options.check and (my_stages or rank == 0):
-        # the reference trains at the run's precision too, one autocast region per step as the run; a compiled
-        # run's attention dropout is written out (runtime/compiled.py), and so is the reference's
-        from graphpipe.runtime.rng import explicit_attention
+        engine = StreamEngine(rank, world_size, plan, spec, options, device, backend, control)
+    else:
+        engine = PipelineEngine(rank, world_size, plan, options, device, backend, control)
+    return drive_job(engine, options, rank=rank, comm=JobComm(control, world_size))
 
-        with explicit_attention(options.compile):
-            reference = reference_run(plan.model, options.seed, sg.batch_size, layout, options.steps, options.lr,
-                                      granularity=plan_granularity(plan), precision=options.precision, meta_params=True,
-                                      with_spread=options.check_tolerance == "fp64")
 
-    start = pipe.resume(options.checkpoint_dir, optimizer=optimizer) if options.checkpoint_dir else 0
-    if options.checkpoint_dir:
-        check_steps_left(options.checkpoint_dir, start, options.steps, PlanError)
-    steps: list[StepResult] = []
-    check_stats = [0.0, 0, 0, 0]
-    for step in range(start, options.steps):
-        inputs = make_inputs(sg.batch_size, data_seed(options.seed, step)) if pipe.reads_inputs else None
-        steps.append(pipe.timed_step(inputs, group=control))
-        if options.fault is not None and options.fault.hits(rank, "grad"):  # a wrong gradient --check must catch
-            for p in params:
-                if p.grad is not None:
-                    p.grad.mul_(0.5)
-        if reference is not None and my_stages:
-            # Replicas all compare; only a stage's first replica counts (and only the owner of a tied parameter).
-            grads = compare_gradients(((programs[s].param_names.get(name, name), p,
-                                        step == start and sg.stages[s].devices[0] == rank and (s, name) not in tied_copies)
-                                       for s in sorted(programs) for name, p in programs[s].module.named_parameters()),
-                                      reference.grads[step], options, reference.spread_at(step)[0])
-            bufs = compare_buffers(((name, b, step == start and sg.stages[s].devices[0] == rank and buffer_stage[name] == s)
-                                    for s in sorted(programs) for name, b in programs[s].module.named_buffers()),
-                                   reference.buffers[step], options, reference.spread_at(step)[1])
-            check_stats = [max(check_stats[0], grads[0], bufs[0]), check_stats[1] + grads[1] + bufs[1],
-                           check_stats[2] + grads[2], check_stats[3] + bufs[2]]
-        if optimizer is not None:
-            optimizer.step()
-            optimizer.zero_grad()
-        if options.checkpoint_dir and (step + 1) % options.checkpoint_every == 0:
-            pipe.save(options.checkpoint_dir, optimizer, step=step + 1)
-        if options.fault is not None and options.fault.hits(rank, "kill") and step == start + 1:
-            os.kill(os.getpid(), signal.SIGKILL)
-        step_done()
-    measured = options
-    if start:  # the run's steps (and the reference's losses it is checked against) begin at the resumed step
-        measured = replace(options, steps=options.steps - start,
-                           warmup_steps=min(options.warmup_steps, options.steps - start - 1))
-        if reference is not None:
-            reference = replace(reference, losses=reference.losses[start:], buffers=reference.buffers[start:])
-    # Activation memory per device (rank = device): peak bytes saved for backward, and CUDA's allocator peak.
-    timed = steps[options.warmup_steps:] or steps
-    mem = torch.tensor([float(max(s.peak_saved_bytes for s in timed)),
-                        float(max(s.cuda_peak_bytes or 0 for s in timed)), float(peak_rss_bytes())],
-                       dtype=torch.float64)
-    mems = [torch.zeros_like(mem) for _ in range(world_size)]
-    dist.all_gather(mems, mem, group=control)
-    out = finish_job(rank, world_size, plan, measured, [s.iteration_time_s for s in steps], [s.loss for s in steps],
-                     tuple(check_stats), reference, records=[[asdict(r) for r in s.records] for s in steps],
-                     backend=backend, starts=[s.t0 for s in steps], control=control)
-    if out is None:
-        return None
-    memory = {"peak_rss_bytes": [float(m[2]) for m in mems]}
-    if options.measure:
-        memory["peak_activation_bytes"] = [float(m[0]) for m in mems]
-    if any(s.cuda_peak_bytes is not None for s in timed):
-        memory["cuda_max_memory_allocated_bytes"] = [float(m[1]) for m in mems]
-    check = out.check
-    if check is not None and unseeded:
-        check = replace(check, unseeded_ops=unseeded)
-    if check is not None and check.inexact_ops:
-        log.warning("%s: op(s) %s take an input without a batch dimension: their dropout masks or BatchNorm "
-                    "statistics cannot be cut per micro-batch, so --check cannot be exact for them",
-                    plan.model, ", ".join(check.inexact_ops))
-    return replace(out, measured=replace(out.measured, **memory), check=check, precision=options.precision,
-                   resumed_from_step=start if options.checkpoint_dir else None)
-    return out
+class PipelineEngine:
+    """graphpipe's synchronous runtime as a job engine (:class:`~graphpipe.runtime.driver.Engine`): a
+    :class:`~graphpipe.Pipeline` built from the plan's model spec (synthetic data; the driver's SGD), checked
+    after every step against :func:`~graphpipe.runtime.reference.reference_run`."""
+
+    checks_each_step = True
+
+    def __init__(self, rank: int, world_size: int, plan: Plan, options: RunOptions, device: torch.device,
+                 backend: str, control=None) -> None:
+        self.rank, self.world_size, self.plan, self.options = rank, world_size, plan, options
+        self.device, self.backend, self.control = device, backend, control
+        sg = plan.stage_graph
+        self.my_stages = sg.stages_on_device(rank) if rank < sg.num_devices else ()
+        self.pipe = None
+        self.reference: Reference | None = None
+        self.unseeded: dict[str, str] = {}
+
+    def prepare(self) -> None:
+        from graphpipe.runtime.api import JobModel, Pipeline
+
+        plan, options = self.plan, self.options
+        # Every rank builds the model with its parameters on the meta device, so all agree on the boundary values
+        # and shapes; each materializes only its own stages' weights (runtime/materialize.py).
+        runnable = load_runnable(plan.model, options.seed, "cpu", granularity=plan_granularity(plan), meta_params=True)
+        self.unseeded = _warn_unseeded(runnable, plan.model) if self.rank == 0 else {}
+        self.make_inputs = runnable.make_inputs
+        # graphpipe run is a user of the training API, through its public constructor: the job's capture, timing
+        # and fault hook ride in its job argument
+        self.pipe = Pipeline(plan, precision=options.precision, seed=options.seed, timeout_s=options.timeout_s,
+                             batchnorm=options.batchnorm_for(plan), compile=options.compile,
+                             _job=JobModel(runnable, measure=options.measure, fault=options.fault))
+        del runnable  # drop every other stage's parameters
+        if options.check and (self.my_stages or self.rank == 0):
+            # the reference trains at the run's precision too, one autocast region per step as the run; a compiled
+            # run's attention dropout is written out (runtime/compiled.py), and so is the reference's
+            from graphpipe.runtime.rng import explicit_attention
+
+            with explicit_attention(options.compile):
+                self.reference = reference_run(plan.model, options.seed, plan.stage_graph.batch_size,
+                                               self.pipe.check_layout, options.steps, options.lr,
+                                               granularity=plan_granularity(plan), precision=options.precision,
+                                               meta_params=True, with_spread=options.check_tolerance == "fp64")
+
+    def num_steps(self) -> int:
+        return self.options.steps
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return list(self.pipe.parameters())
+
+    def resume(self, directory: str, optimizer) -> int:
+        return self.pipe.resume(directory, optimizer=optimizer)
+
+    def save(self, directory: str, optimizer, step: int) -> None:
+        self.pipe.save(directory, optimizer, step=step)
+
+    def step(self, step: int, clock: StepClock) -> StepReport:
+        sg = self.plan.stage_graph
+        inputs = (self.make_inputs(sg.batch_size, data_seed(self.options.seed, step))
+                  if self.pipe.reads_inputs else None)
+        got = self.pipe.timed_step(inputs, start=clock.start)
+        return StepReport(got.iteration_time_s, got.loss, got.t0, tuple(asdict(r) for r in got.records),
+                          got.peak_saved_bytes, got.cuda_peak_bytes)
+
+    def check(self, step: int, first: bool) -> CheckTally | None:
+        """Every gradient and buffer of this rank against the reference's step ``step``; replicas all compare,
+        only the copy :meth:`Pipeline.counted_tensors` counts is counted, at the first step."""
+        if self.reference is None or not self.my_stages:
+            return None
+        ref, options = self.reference, self.options
+        params, buffers = self.pipe.counted_tensors()
+        grad_spread, buffer_spread = ref.spread_at(step)
+        grads = compare_gradients(((n, p, first and c) for n, p, c in params), ref.grads[step], options, grad_spread)
+        bufs = compare_buffers(((n, b, first and c) for n, b, c in buffers), ref.buffers[step], options,
+                               buffer_spread)
+        return CheckTally.of_params(grads) + CheckTally.of_buffers(bufs)
+
+    def finish(self, run: JobRun) -> RunResult | None:
+        reference = self.reference
+        if run.start and reference is not None:  # checked against the reference's steps from the resumed one
+            reference = replace(reference, losses=reference.losses[run.start:], buffers=reference.buffers[run.start:])
+        out = finish_job(self.rank, self.world_size, self.plan, run.options, run.reports, run.tally, reference,
+                         backend=self.backend, control=self.control)
+        if out is None:
+            return None
+        check = out.check
+        if check is not None and self.unseeded:
+            check = replace(check, unseeded_ops=self.unseeded)
+        if check is not None and check.inexact_ops:
+            log.warning("%s: op(s) %s take an input without a batch dimension: their dropout masks or BatchNorm "
+                        "statistics cannot be cut per micro-batch, so --check cannot be exact for them",
+                        self.plan.model, ", ".join(check.inexact_ops))
+        return replace(out, measured=replace(out.measured, **run.memory.measured_fields(self.options.measure)),
+                       check=check, precision=self.options.precision,
+                       resumed_from_step=run.start if run.resumed else None)
+
+    def close(self) -> None:
+        """The job's end: the Pipeline releases the groups it made (the job's world group stays, run_rank's)."""
+        self.pipe.close()
 
 
 def _warn_unseeded(runnable, model: str) -> dict[str, str]:
