@@ -114,7 +114,7 @@ class Pipeline:
                             "versions); Pipeline trains synchronous schedules: re-plan with another --schedule")
         from graphpipe.runtime import layout_refusal
 
-        refusal = layout_refusal(self.plan)
+        refusal = layout_refusal(self.plan, compile=compile)
         if refusal is not None:
             raise PlanError(refusal)
         if precision not in ("fp32", "bf16"):
@@ -294,9 +294,11 @@ class Pipeline:
         """Model names of hosted tensors built on meta that no initialiser filled: a checkpoint must (:meth:`load`)."""
         # rank 0 sends every stage's weights from its whole model (:meth:`_receive_rank0_weights`)
         self._stage_sources = dict(enumerate(split.programs)) if self.rank == 0 else mine
+        if any(stage.parallel for stage in sg.stages):
+            self._receive_rank0_weights()  # FSDP and TP stages shard their weights in the set-up: whole ones first
         self._setup = setup_rank(self.rank, self.world_size, self.plan, split, meta, loss_fn, self.device,
                                  self.backend, timeout_s=self.timeout_s, seed=self.seed, batchnorm=self._batchnorm,
-                                 fault=fault, measure=measure, compile=self._compile)
+                                 fault=fault, measure=measure, compile=self._compile, model=model)
         self._names = {}
         for s, prog in self._setup.programs.items():
             for name, p in prog.module.named_parameters():

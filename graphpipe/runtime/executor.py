@@ -61,6 +61,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from graphpipe.actions import Action
 from graphpipe.runtime.comm import Mailbox
 from graphpipe.runtime.hosted import HostedStage, flat_grad_buffer, zero_grads
+from graphpipe.runtime.intra_stage import replica_lead, replica_ranks
 from graphpipe.runtime.rng import ShardContext
 from graphpipe.runtime.measure import NoMeter, SavedBytesMeter
 from graphpipe.runtime.routing import Routing
@@ -284,6 +285,9 @@ class RankExecutor:
         self._last_terms = LossTerms([], self.device)
         self._loss_terms: list[tuple[int, torch.Tensor]] = []  # this iteration's, on the device
         self._plans = {a: self._plan(a) for a in dict.fromkeys(self.actions)}
+        self.intra_stage = None
+        """The FSDP and tensor-parallel stages hosted here (:class:`~graphpipe.runtime.intra_stage.IntraStage`,
+        set by :func:`~graphpipe.runtime.setup.setup_rank`)."""
 
     @property
     def sink_losses(self) -> dict[int, float]:
@@ -302,31 +306,32 @@ class RankExecutor:
         """Action ``a``'s :class:`ActionPlan` (the routing and the stage graph are fixed once built)."""
         sg, routing, stage = self.sg, self.routing, self.sg.stages[a.stage_id]
         q = routing.replica(a.stage_id, self.rank)
+        lead = replica_lead(stage, q) == self.rank  # a TP group's messages leave from its first rank only
         rows = self._shard_rows(a.stage_id, a.mb_id, q)
         receives, sends = [], []
         if a.kind == "F":
             for piece in routing.incoming(a.stage_id, a.mb_id, q):
-                src = sg.stages[piece.producer].devices[piece.producer_replica]
+                src = replica_lead(sg.stages[piece.producer], piece.producer_replica)
                 receives += [(piece, v, src, Routing.key("F", piece, v))
                              for v in self._edge_values[(piece.producer, piece.consumer)]]
-            for piece in routing.outgoing(a.stage_id, a.mb_id, q):
-                dst = sg.stages[piece.consumer].devices[piece.consumer_replica]
+            for piece in routing.outgoing(a.stage_id, a.mb_id, q) if lead else ():
                 sends += [(dst, Routing.key("F", piece, v), v, piece.producer_rows if self.meta[v].batched else None,
-                           False) for v in self._edge_values[(piece.producer, piece.consumer)]]
+                           False) for v in self._edge_values[(piece.producer, piece.consumer)]
+                          for dst in replica_ranks(sg.stages[piece.consumer], piece.consumer_replica)]
         elif a.kind in ("B", "I"):
             for piece in routing.outgoing(a.stage_id, a.mb_id, q):
-                src = sg.stages[piece.consumer].devices[piece.consumer_replica]
+                src = replica_lead(sg.stages[piece.consumer], piece.consumer_replica)
                 receives += [(piece, v, src, Routing.key("B", piece, v))
                              for v in self._edge_values[(piece.producer, piece.consumer)] if v in routing.grad_values]
             answered: set[str] = set()  # unbatched values whose gradient goes back with their first piece
-            for piece in routing.incoming(a.stage_id, a.mb_id, q):
-                dst = sg.stages[piece.producer].devices[piece.producer_replica]
+            for piece in routing.incoming(a.stage_id, a.mb_id, q) if lead else ():
                 for v in self._edge_values[(piece.producer, piece.consumer)]:
                     if v not in routing.grad_values:
                         continue
                     batched = self.meta[v].batched
-                    sends.append((dst, Routing.key("B", piece, v), v, piece.consumer_rows if batched else None,
-                                  not batched and v in answered))
+                    for dst in replica_ranks(sg.stages[piece.producer], piece.producer_replica):
+                        sends.append((dst, Routing.key("B", piece, v), v, piece.consumer_rows if batched else None,
+                                      not batched and v in answered))
                     if not batched:
                         answered.add(v)
         return ActionPlan(self.hosted[a.stage_id], rows, a.mb_id * stage.micro_batch_size,
@@ -435,7 +440,8 @@ class RankExecutor:
             t = by_name[value]
             self.mailbox.send(dst, key, t if value_rows is None else self.meta[value].to_wire(t)[value_rows])
         saved[(a.stage_id, a.mb_id)] = (leaves, by_name, loss)
-        if loss is not None:  # read once at the iteration's end: a float() here would wait for the device
+        if loss is not None and self.rank in stage.devices[::stage.tp]:  # a TP group's loss counts once
+            # read once at the iteration's end: a float() here would wait for the device
             self._loss_terms.append((a.mb_id, loss.detach().float()))
         if stage.recompute and hosted.redo_bytes is None:  # once, after the timed compute
             hosted.redo_bytes = ([self.saved_meter.probe(fn, *xs, ctx) for fn, xs in pieces]
@@ -637,6 +643,8 @@ class RankExecutor:
         done_stages: set[int] = set()
         pending_ar: list[tuple[int, object, torch.Tensor, list[torch.Tensor], float]] = []
         finished_at: dict[int, float] = {}
+        if self.intra_stage:  # FSDP / TP stages (runtime/intra_stage.py)
+            self.intra_stage.before_iteration()
         for pos, a in enumerate(self.actions):
             if pos + 1 < len(self.actions):  # the next action's messages travel while this one computes (CUDA)
                 self._prefetch(self.actions[pos + 1])
@@ -651,6 +659,8 @@ class RankExecutor:
             records.append(TimedAction(self.rank, a.stage_id, a.kind, a.mb_id, ready, start, end))
             if pos in self._last_b_pos:
                 done_stages.add(self._last_b_pos[pos])
+                if self.intra_stage:  # a sharded stage's reduce-scatter, a TP stage's replica all-reduce
+                    self.intra_stage.after_last_backward(self._last_b_pos[pos])
                 pending_ar.extend(self._issue_allreduces(done_stages, issued, t0))
             # An all-reduce that finished during this action ends no later than now (best resolution
             # without a polling thread).
@@ -685,6 +695,8 @@ class RankExecutor:
         """Deferred running statistics of every BatchNorm here, stage by stage (replicas merge their shards)."""
         for stage_id in sorted(self.programs):
             stage = self.sg.stages[stage_id]
+            if not self.hosted[stage_id].batchnorms:
+                continue
             group = None
             if stage.num_replicas > 1 and (self.batchnorm != "sync" or stage.round_robin):
                 group = self.dp_groups[stage.devices]  # replicas hold different rows' statistics: merge them
