@@ -38,6 +38,9 @@ def _meta_copy(module):
 
 
 def main() -> None:
+    import faulthandler, os
+    if os.environ.get("GP_DUMP"):
+        faulthandler.dump_traceback_later(int(os.environ["GP_DUMP"]), exit=True)
     plan_path, out, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
     args = sys.argv[4:]
     made = load_factory(read_plan(plan_path).model)
@@ -46,7 +49,7 @@ def main() -> None:
         model = _meta_copy(made.module)
     pipe = graphpipe.Pipeline(plan_path, model, made.loss_fn, example_inputs=made.example_inputs,
                               example_target=made.example_target, timeout_s=120)
-    opt = torch.optim.Adam(pipe.parameters(), lr=1e-2)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
     if "--load" in args:
         pipe.load(args[args.index("--load") + 1], opt)
     losses = []

@@ -146,22 +146,33 @@ def _bias_of(node) -> str | None:
     return b.target if getattr(b, "op", None) == "get_attr" else None
 
 
+def _hf_model(model: nn.Module | None) -> tuple[str, nn.Module] | None:
+    """``(path, module)`` of the first Hugging Face model inside ``model`` whose config has a TP plan."""
+    if model is None:
+        return None
+    for path, module in model.named_modules():
+        if getattr(getattr(module, "config", None), "base_model_tp_plan", None):
+            return path, module
+    return None
+
+
 def _hf_rules(model: nn.Module | None) -> list[tuple[str, str]]:
-    """``(module pattern, style)`` of a Hugging Face model's ``base_model_tp_plan`` (with the base model's
-    prefix as the model names it), or ``[]``."""
-    config = getattr(model, "config", None)
-    plan = getattr(config, "base_model_tp_plan", None) or {}
-    prefix = getattr(model, "base_model_prefix", "") or ""
-    rules = []
-    for pattern, style in plan.items():
-        rules.append((pattern, style))
-        if prefix:
-            rules.append((f"{prefix}.{pattern}", style))
-    return rules
+    """``(module pattern in the whole model's names, style)`` of a Hugging Face model's ``base_model_tp_plan``,
+    or ``[]``: its patterns are relative to the base model (``layers.*.self_attn.q_proj``)."""
+    found = _hf_model(model)
+    if found is None:
+        return []
+    path, hf = found
+    prefix = ".".join(p for p in (path, getattr(hf, "base_model_prefix", "") or "") if p)
+    if prefix and not any(n == prefix or n.startswith(prefix + ".") for n, _ in model.named_modules()):
+        prefix = path  # the model found is the base model itself
+    return [(f"{prefix}.{pattern}" if prefix else pattern, style)
+            for pattern, style in hf.config.base_model_tp_plan.items()]
 
 
 def _heads(model: nn.Module | None) -> dict[str, int]:
-    config = getattr(model, "config", None)
+    found = _hf_model(model)
+    config = found[1].config if found is not None else getattr(model, "config", None)
     out = {}
     for key in ("num_attention_heads", "num_key_value_heads"):
         v = getattr(config, key, None)
@@ -193,7 +204,7 @@ def tp_placements(gm: torch.fx.GraphModule, param_names: dict[str, str], tp: int
         for node in linears:
             w = _weight_of(node)
             module = names[w].rpartition(".")[0]
-            style = next((s for pat, s in rules if fnmatch.fnmatchcase(module, pat.replace("*", "*"))), None)
+            style = next((s for pat, s in rules if fnmatch.fnmatchcase(module, pat)), None)
             if style in ("colwise", "rowwise"):
                 _assign(styles, node, "col" if style == "colwise" else "row")
     else:
@@ -268,12 +279,14 @@ class _TPForward:
 
     def __call__(self, *xs):
         from torch.distributed.tensor import DTensor, Replicate
-        from torch.distributed.tensor.experimental import implicit_replication
 
         args = [DTensor.from_local(x, self.mesh, [Replicate()], run_check=False)
                 if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in xs]
-        with implicit_replication():  # constants and buffers made inside the graph are the same on every rank
-            sent, out = self.inner(*args)
+        # constants and buffers made inside the graph are the same on every rank of the group: plain tensors are
+        # Replicate, in this forward and in the backward (which reads the flag where it runs; torch's
+        # ``implicit_replication()`` context would reset it before the backward)
+        torch._C._set_dtensor_allow_implicit_replication(True)
+        sent, out = self.inner(*args)
         return tuple(full_value(t) for t in sent), torch.utils._pytree.tree_map(full_value, out)
 
 
@@ -334,11 +347,50 @@ def parallelize_stage(hosted, meshes: StageMeshes, model: nn.Module | None = Non
             d = DTensor.from_local(_local_chunk(p.detach(), pl, meshes.tp), meshes.tp, [pl], run_check=False,
                                    shape=p.shape, stride=p.stride())
             owner._parameters[attr] = nn.Parameter(d, requires_grad=p.requires_grad)
+    _register_attention_rules()
     hosted.forward = _TPForward(hosted.forward, meshes.tp)
     # the backward of a TP stage mixes DTensor gradients with plain tensors the forward saved (constants,
     # index tables): those are replicated, so the whole rank treats plain tensors as Replicate
     torch._C._set_dtensor_allow_implicit_replication(True)
     return _Parallel(stage, meshes, hosted)
+
+
+_ATTENTION_RULES = []
+
+
+def _register_attention_rules() -> None:
+    """DTensor rules for CPU's fused attention (``_scaled_dot_product_flash_attention_for_cpu`` and its
+    backward), which DTensor has none for: it would derive one through the op's decomposition, which takes
+    minutes. Attention is independent per head, so heads sharded on dim 1 (or everything replicated) in, the
+    same out; once per process."""
+    if _ATTENTION_RULES:
+        return
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.experimental import register_sharding
+
+    aten = torch.ops.aten
+    forward = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    backward = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+    if forward is None or backward is None:
+        return
+    rep, heads = Replicate(), Shard(1)
+
+    def mask(kwargs) -> list:  # a mask broadcast over heads ((batch, 1, q, k)) is the same for every head
+        return [rep] if kwargs.get("attn_mask") is not None else []
+
+    @register_sharding(forward.default)
+    def _forward(query, key, value, *args, **kwargs):
+        rest = [None] * len(args)
+        return [([rep, rep], [rep, rep, rep, *rest, *mask(kwargs)]),
+                ([heads, heads], [heads, heads, heads, *rest, *mask(kwargs)])]
+
+    @register_sharding(backward.default)
+    def _backward(grad_out, query, key, value, out, logsumexp, *args, **kwargs):
+        rest = [None] * len(args)
+        return [([rep, rep, rep], [rep] * 6 + rest + mask(kwargs)),
+                ([heads, heads, heads], [heads] * 6 + rest + mask(kwargs))]
+
+    _ATTENTION_RULES.append(True)
 
 
 def _local_chunk(t: torch.Tensor, placement, mesh) -> torch.Tensor:
