@@ -7,6 +7,8 @@ into a validated plan with the 1f1b (or another) schedule, as a person editing a
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -104,14 +106,13 @@ def hand_plan(spec: str, stages: list[tuple[tuple[str, ...], tuple[int, ...], in
     from dataclasses import replace
 
     from graphpipe.cluster import preset
-    from graphpipe.models import load_model
     from graphpipe.sched.generators import make_schedule
     from graphpipe.search.common import SearchOptions
     from graphpipe.search.planner import make_plan
     from graphpipe.stages import Stage, StageGraph
 
     num_devices = devices or max(d for _, ds, _, _ in stages for d in ds) + 1
-    source = load_model(spec)
+    source = _loaded(spec)
     base = make_plan(source.model_id, source.graph, preset("v100", num_devices), batch, "gpipe",
                      SearchOptions(micro_batch_size=micro_batch_size))
     graph = base.stage_graph.graph
@@ -123,3 +124,11 @@ def hand_plan(spec: str, stages: list[tuple[tuple[str, ...], tuple[int, ...], in
              for i, (_, ds, tp, shard) in enumerate(stages)]
     sg = StageGraph.build(graph, built, batch, num_devices)
     return replace(base, stage_graph=sg, schedule=make_schedule(schedule, sg), predicted={}, strategy="custom")
+
+
+@functools.lru_cache(maxsize=None)
+def _loaded(spec: str):
+    """The captured model of ``spec``, once per process (a capture takes seconds)."""
+    from graphpipe.models import load_model
+
+    return load_model(spec)

@@ -1,16 +1,19 @@
-"""Run under torchrun by tests/test_intra_stage.py: train ``file.py:factory`` through graphpipe.Pipeline on a
-plan with FSDP / tensor-parallel stages; rank 0 writes the losses and the final weights, whole, by name.
+"""Run under torchrun by tests/test_intra_stage.py: train ``file.py:factory`` models through graphpipe.Pipeline on
+plans with FSDP / tensor-parallel stages, one plan after another in the same ranks; rank 0 writes, per plan, the
+losses, the final weights (whole, by name) and each rank's share of its stages' state.
 
-    torchrun --nproc-per-node N tests/intra_stage_script.py PLAN.json OUT.pt STEPS [--meta] [--save DIR] [--load DIR]
+    torchrun --nproc-per-node N tests/intra_stage_script.py STEPS OUT_DIR PLAN.json [PLAN.json ...]
+        [--save DIR] [--load DIR]
 
-``--meta``: the model is built on the meta device (each rank materializes its own stages). ``--save DIR``: a
-checkpoint after the steps; ``--load DIR``: load one before them (any layout wrote it). Each rank also reports
-its share of its stages' parameters, gradients and optimizer state (``shares``).
+Each plan's results go to ``OUT_DIR/<plan file name>.pt``. ``--save DIR``: a checkpoint of each plan after its
+steps (``DIR/<plan file name>``); ``--load DIR``: a checkpoint (written under any layout) loaded before them.
 """
 
+import os
 import sys
 
 import torch
+import torch.distributed.nn  # noqa: F401  (before the group is up: see graphpipe.Pipeline.close)
 import torch.distributed as dist
 
 import graphpipe
@@ -30,35 +33,21 @@ def _local(t):
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _meta_copy(module):
-    """The same architecture with every tensor on the meta device (what a user builds under torch.device('meta'))."""
-    import copy
-
-    return copy.deepcopy(module).to("meta")
-
-
-def main() -> None:
-    import faulthandler, os
-    if os.environ.get("GP_DUMP"):
-        faulthandler.dump_traceback_later(int(os.environ["GP_DUMP"]), exit=True)
-    plan_path, out, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    args = sys.argv[4:]
+def train(plan_path: str, steps: int, out: str, save: str | None, load: str | None) -> None:
     made = load_factory(read_plan(plan_path).model)
-    model = made.module
-    if "--meta" in args:
-        model = _meta_copy(made.module)
-    pipe = graphpipe.Pipeline(plan_path, model, made.loss_fn, example_inputs=made.example_inputs,
+    pipe = graphpipe.Pipeline(plan_path, made.module, made.loss_fn, example_inputs=made.example_inputs,
                               example_target=made.example_target, timeout_s=120)
-    opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
-    if "--load" in args:
-        pipe.load(args[args.index("--load") + 1], opt)
+    params = list(pipe.parameters()) or [torch.zeros(1, requires_grad=True)]  # a rank the plan leaves idle
+    opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    if load:
+        pipe.load(load, opt)
     losses = []
     for _ in range(steps):
         losses.append(pipe.step(made.example_inputs, made.example_target).item())
         opt.step()
-        opt.zero_grad(set_to_none=False)
-    if "--save" in args:
-        pipe.save(args[args.index("--save") + 1], opt)
+        opt.zero_grad(set_to_none=False)  # the gradients stay allocated: their share is measured below
+    if save:
+        pipe.save(save, opt)
     params = list(pipe.named_parameters())
     shares = {"params": sum(_local(p).numel() for _, p in params),
               "grads": sum(_local(p.grad).numel() for _, p in params if p.grad is not None),
@@ -71,6 +60,28 @@ def main() -> None:
         merged = {name: w for part, _ in gathered for name, w in part.items()}
         torch.save({"losses": losses, "weights": merged, "shares": [s for _, s in gathered]}, out)
     pipe.close()
+
+
+def main() -> None:
+    import faulthandler
+
+    if os.environ.get("GP_DUMP"):  # debugging a stuck job: every thread's stack after that many seconds
+        faulthandler.dump_traceback_later(int(os.environ["GP_DUMP"]), exit=True)
+    args = sys.argv[1:]
+    options = {}
+    for flag in ("--save", "--load"):
+        if flag in args:
+            i = args.index(flag)
+            options[flag] = args[i + 1]
+            del args[i:i + 2]
+    steps, out_dir, plans = int(args[0]), args[1], args[2:]
+    dist.init_process_group("gloo")
+    for plan in plans:
+        name = os.path.splitext(os.path.basename(plan))[0]
+        save = os.path.join(options["--save"], name) if "--save" in options else None
+        train(plan, steps, os.path.join(out_dir, name + ".pt"), save, options.get("--load"))
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
