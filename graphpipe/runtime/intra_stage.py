@@ -54,7 +54,7 @@ from graphpipe.errors import PlanError
 from graphpipe.stages import Stage, StageGraph
 
 __all__ = ["StageMeshes", "build_stage_meshes", "layout_refusal", "tp_placements", "parallelize_stage",
-           "IntraStage", "full_value", "replica_lead", "replica_ranks"]
+           "IntraStage", "full_value", "local_pair", "attach", "replica_lead", "replica_ranks"]
 
 log = logging.getLogger(__name__)
 
@@ -290,6 +290,16 @@ class _TPForward:
         return tuple(full_value(t) for t in sent), torch.utils._pytree.tree_map(full_value, out)
 
 
+def local_pair(t, whole: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(DTensor t's local shard, the same piece of the whole tensor whole)``: compares a shard with a
+    single-process run's tensor without gathering it."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    index = tuple(slice(o, o + n) for o, n in zip(offset, shape))
+    return t.to_local(), whole[index]
+
+
 def full_value(t):
     """A DTensor as the plain (replicated) tensor it stands for, differentiably; anything else as is."""
     from torch.distributed.tensor import DTensor
@@ -482,4 +492,10 @@ def attach(executor, sg: StageGraph, split, rank: int, device: torch.device, tim
         if s in meshes:
             parallel[s] = parallelize_stage(hosted, meshes[s], model)
     executor._autograd_grads = tuple(h for h in executor.hosted.values() if not h.persistent_grads)
+    if parallel and executor.measure:
+        # the saved-activation meter reads each saved tensor's storage, which a DTensor (a wrapper) has none of:
+        # a rank with a parallel stage reports no activation peak
+        from graphpipe.runtime.measure import NoMeter
+
+        executor.saved_meter = NoMeter()
     executor.intra_stage = IntraStage(parallel, timeout_s)
