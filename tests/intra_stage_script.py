@@ -2,11 +2,11 @@
 plans with FSDP / tensor-parallel stages, one plan after another in the same ranks; rank 0 writes, per plan, the
 losses, the final weights (whole, by name) and each rank's share of its stages' state.
 
-    torchrun --nproc-per-node N tests/intra_stage_script.py STEPS OUT_DIR PLAN.json [PLAN.json ...]
-        [--save DIR] [--load DIR]
+    torchrun --nproc-per-node N tests/intra_stage_script.py STEPS OUT_DIR PLAN.json[,KEY=VALUE...] ...
 
-Each plan's results go to ``OUT_DIR/<plan file name>.pt``. ``--save DIR``: a checkpoint of each plan after its
-steps (``DIR/<plan file name>``); ``--load DIR``: a checkpoint (written under any layout) loaded before them.
+Each plan's results go to ``OUT_DIR/<plan file name>.pt``. Options after a plan, comma-separated: ``steps=N``
+(instead of STEPS), ``save=DIR`` (a checkpoint with the optimizer's state after the steps), ``load=DIR`` (one,
+written under any layout, loaded before them).
 """
 
 import os
@@ -67,19 +67,14 @@ def main() -> None:
 
     if os.environ.get("GP_DUMP"):  # debugging a stuck job: every thread's stack after that many seconds
         faulthandler.dump_traceback_later(int(os.environ["GP_DUMP"]), exit=True)
-    args = sys.argv[1:]
-    options = {}
-    for flag in ("--save", "--load"):
-        if flag in args:
-            i = args.index(flag)
-            options[flag] = args[i + 1]
-            del args[i:i + 2]
-    steps, out_dir, plans = int(args[0]), args[1], args[2:]
+    steps, out_dir, plans = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
     dist.init_process_group("gloo")
-    for plan in plans:
+    for item in plans:
+        plan, *rest = item.split(",")
+        options = dict(kv.split("=", 1) for kv in rest)
         name = os.path.splitext(os.path.basename(plan))[0]
-        save = os.path.join(options["--save"], name) if "--save" in options else None
-        train(plan, steps, os.path.join(out_dir, name + ".pt"), save, options.get("--load"))
+        train(plan, int(options.get("steps", steps)), os.path.join(out_dir, name + ".pt"), options.get("save"),
+              options.get("load"))
     dist.barrier()
     dist.destroy_process_group()
 

@@ -79,3 +79,45 @@ def test_fsdp_tp_and_mixed_layouts_train_as_one_process(tmp_path):
     for share in fsdp["shares"][1:3]:
         assert abs(share["params"] - stage / 2) <= 16 and share["grads"] == share["params"] == share["optim"]
     assert branchy["shares"][0]["params"] < sum(p.numel() for p in models.Branchy().parameters()) / 2
+
+
+def test_llama_tp_and_a_checkpoint_across_layouts(tmp_path):
+    """One job of 3 ranks: a tiny HF Llama whose first stage is TP 2 (its base_model_tp_plan, 4 heads and 2 KV
+    heads split by KV group); an FSDP plan's checkpoint (weights and momentum) loaded by a TP plan, which goes on
+    training as one process would have."""
+    llama = write(tmp_path, "llama", "llama", [(("model.model.embed", "model.model.layers.0"), (0, 1), 2, "none"),
+                                               (("",), (2,), 1, "none")])
+    fsdp = write(tmp_path, "fsdp", "mlp_chain", [(("stem", "block0"), (0,), 1, "none"), (("",), (1, 2), 1, "fsdp")])
+    tp = write(tmp_path, "tp", "mlp_chain", [(("stem",), (0,), 1, "none"), (("",), (1, 2), 2, "none")])
+    ck = str(tmp_path / "ck")
+    torchrun("2", str(tmp_path), llama, f"{fsdp},save={ck}", f"{tp},steps=1,load={ck}", ranks=3, script=SCRIPT)
+    got = check(str(tmp_path / "llama.pt"), "llama", 2)
+    named = dict(models.llama()[0].named_parameters())
+    split = sum(p.numel() for n, p in named.items() if ".layers.0." in n and n.endswith("proj.weight"))
+    whole = sum(p.numel() for n, p in named.items() if ".layers.0." in n or "embed" in n) - split
+    # each TP rank: half of every projection, the embedding and the norms whole
+    assert got["shares"][0]["params"] == got["shares"][1]["params"] == whole + split // 2
+    check(str(tmp_path / "fsdp.pt"), "mlp_chain", 2)
+    resumed = torch.load(str(tmp_path / "tp.pt"), weights_only=False)
+    losses, weights = oracle("mlp_chain", 3)
+    torch.testing.assert_close(resumed["losses"][0], losses[2])
+    for name, w in weights.items():
+        torch.testing.assert_close(resumed["weights"][name], w, msg=name)
+
+
+def test_a_tp_degree_the_heads_cannot_take_is_refused_naming_the_op():
+    from graphpipe.errors import PlanError
+    from graphpipe.runtime.intra_stage import tp_placements
+    from graphpipe.runtime.stage_modules import split_model
+
+    plan = models.hand_plan(f"{SPEC}:llama", [(("model.model.embed", "model.model.layers.0"), (0, 1, 2, 3), 4, "none"),
+                                               (("",), (4,), 1, "none")])
+    model = models.llama()[0]
+    from graphpipe.capture import Granularity, trace_ops
+    from graphpipe.runtime.runnable import plan_granularity
+
+    exported, op_nodes, _ = trace_ops(model, models.llama()[1], models._next_token, models.llama()[3],
+                                      Granularity.parse(plan_granularity(plan)))
+    prog = split_model(exported.gm, op_nodes, plan.stage_graph).programs[0]
+    with pytest.raises(PlanError, match=r"op model\.model\.layers\.0\.self_attn\.[kv]_proj .*num_key_value_heads is 2"):
+        tp_placements(prog.module, dict(prog.param_names), 4, 0, model)

@@ -54,7 +54,7 @@ from graphpipe.errors import PlanError
 from graphpipe.stages import Stage, StageGraph
 
 __all__ = ["StageMeshes", "build_stage_meshes", "layout_refusal", "tp_placements", "parallelize_stage",
-           "IntraStage", "full_value", "local_pair", "attach", "replica_lead", "replica_ranks"]
+           "IntraStage", "full_value", "local_pair", "attach", "like", "counts_here", "replica_lead", "replica_ranks"]
 
 log = logging.getLogger(__name__)
 
@@ -251,8 +251,9 @@ def tp_placements(gm: torch.fx.GraphModule, param_names: dict[str, str], tp: int
             raise PlanError(f"stage {stage_id} with tp {tp}: op {names[n].rpartition('.')[0]} cannot split "
                             f"{tuple(params[n].shape)} by {tp} ({'column' if style == 'col' else 'row'}-wise); "
                             f"choose a tp that divides it")
-        for key, count in heads.items():
-            if count % tp and re.search(r"(^|\.)(q|k|v|o|qkv|query|key|value)(_proj)?\.", names[n]):
+        for key, count in heads.items():  # query heads split with q/o, key/value heads (GQA groups) with k/v
+            which = r"(k|v|key|value)" if key == "num_key_value_heads" else r"(q|o|qkv|query)"
+            if count % tp and re.search(rf"(^|\.){which}(_proj)?\.", names[n]):
                 raise PlanError(f"stage {stage_id} with tp {tp}: op {names[n].rpartition('.')[0]} splits attention "
                                 f"by heads, but {key} is {count}, which {tp} does not divide; choose a tp that "
                                 "divides it")
@@ -298,6 +299,32 @@ def local_pair(t, whole: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
     index = tuple(slice(o, o + n) for o, n in zip(offset, shape))
     return t.to_local(), whole[index]
+
+
+def like(param: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+    """``whole`` (a tensor of ``param``'s global shape, or a scalar) laid out as DTensor ``param`` is; ``whole``
+    itself when ``param`` is a plain tensor: optimizer state read from a checkpoint of any layout."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(param, DTensor) or whole.shape != param.shape:
+        return whole
+    _, piece = local_pair(param, whole)
+    return DTensor.from_local(piece.clone(), param.device_mesh, param.placements, run_check=False,
+                              shape=param.shape, stride=param.stride())
+
+
+def counts_here(stage: Stage, rank: int, params) -> list:
+    """The parameters of parallel stage ``stage`` this rank counts once in global sums (a gradient norm, a
+    checkpoint): FSDP, every rank's shard; TP, the first replica's shards, a replicated one on its first rank."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if stage.shard == "fsdp":
+        return list(params)
+    if rank not in stage.tp_groups[0]:
+        return []
+    lead = rank == stage.tp_groups[0][0]
+    return [p for p in params
+            if lead or (isinstance(p, DTensor) and not all(isinstance(pl, Replicate) for pl in p.placements))]
 
 
 def full_value(t):
