@@ -79,9 +79,13 @@ def test_round_robin_keeps_whole_copies():
         Stage(0, (0,), (0, 1), 2, replica_mode="round-robin", tp=2)
 
 
-def test_runtime_refuses_layouts_until_it_runs_them():
+def test_runtime_runs_fsdp_and_tp_stages_and_refuses_the_rest_in_one_line():
     from graphpipe.runtime import layout_refusal
 
     assert layout_refusal(_plan()) is None
-    refusal = layout_refusal(_plan({1: {"shard": "fsdp"}}))
-    assert refusal is not None and "stage 1" in refusal and "--tp 1 --shard none" in refusal
+    assert layout_refusal(_plan({1: {"shard": "fsdp"}})) is None
+    assert layout_refusal(_plan({0: {"tp": 2}, 1: {"shard": "fsdp", "reshard_after_forward": False}})) is None
+    refusal = layout_refusal(_plan({1: {"shard": "fsdp", "tp": 2}}))
+    assert refusal is not None and "stage 1" in refusal and "\n" not in refusal and "tp 1 or shard none" in refusal
+    refusal = layout_refusal(_plan({1: {"tp": 2}}), compile=True)
+    assert refusal is not None and "stage 1" in refusal and "--compile" in refusal

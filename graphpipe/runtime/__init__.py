@@ -92,7 +92,7 @@ def preflight(plan: Plan, options: RunOptions) -> None:
     from graphpipe.runtime.runnable import load_runnable, plan_granularity
 
     validate_plan(plan)
-    refusal = layout_refusal(plan)
+    refusal = layout_refusal(plan, compile=options.compile)
     if refusal is not None:
         raise InputError(refusal)
     if options.checkpoint_dir:

@@ -139,7 +139,7 @@ class Pipeline:
                             "versions); Pipeline trains synchronous schedules: re-plan with another --schedule")
         from graphpipe.runtime.layouts import layout_refusal
 
-        refusal = layout_refusal(self.plan)
+        refusal = layout_refusal(self.plan, compile=compile)
         if refusal is not None:
             raise PlanError(refusal)
         if precision not in ("fp32", "bf16"):
@@ -306,9 +306,11 @@ class Pipeline:
         """Model names of hosted tensors built on meta that no initialiser filled: a checkpoint must (:meth:`load`)."""
         # rank 0 sends every stage's weights from its whole model (:meth:`_receive_rank0_weights`)
         self._stage_sources = dict(enumerate(split.programs)) if self.rank == 0 else mine
+        if any(stage.parallel for stage in sg.stages):
+            self._receive_rank0_weights()  # FSDP and TP stages shard their weights in the set-up: whole ones first
         self._setup = setup_rank(self.rank, self.world_size, self.plan, split, meta, loss_fn, self.device,
                                  self.backend, timeout_s=self.timeout_s, seed=self.seed, batchnorm=self._batchnorm,
-                                 fault=fault, measure=measure, compile=self._compile)
+                                 fault=fault, measure=measure, compile=self._compile, model=model)
         self._names = {}
         for s, prog in self._setup.programs.items():
             for name, p in prog.module.named_parameters():
@@ -333,9 +335,14 @@ class Pipeline:
 
     def _counted_parameters(self) -> list[nn.Parameter]:
         """The parameters this rank counts once in global sums: a stage's first replica, a tied parameter's owner."""
+        from graphpipe.runtime.intra_stage import counts_here
+
         sg, setup = self.plan.stage_graph, self._setup
         out = []
         for s, prog in setup.programs.items():
+            if sg.stages[s].parallel:  # FSDP / TP: every shard of the first replica counts (intra_stage)
+                out += counts_here(sg.stages[s], self.rank, prog.module.parameters())
+                continue
             if sg.stages[s].devices[0] != self.rank:
                 continue
             for name, p in prog.module.named_parameters():
@@ -482,7 +489,7 @@ class Pipeline:
         the device.
         """
         norm_type = float(norm_type)
-        grads = [p.grad.detach() for p in self._counted if p.grad is not None]
+        grads = [_local(p.grad.detach()) for p in self._counted if p.grad is not None]
         if grads:
             norms = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float64) for g in grads])
             local = norms.max() if norm_type == float("inf") else norms.pow(norm_type).sum()
@@ -496,7 +503,7 @@ class Pipeline:
             dist.all_reduce(total)
             norm = total[0] ** (1.0 / norm_type)
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        mine = [p.grad for p in self._setup.executor.parameters() if p.grad is not None]
+        mine = [_local(p.grad) for p in self._setup.executor.parameters() if p.grad is not None]
         if mine:
             torch._foreach_mul_(mine, coef.to(mine[0].dtype))
         return norm
@@ -734,11 +741,18 @@ class Pipeline:
         if not state:
             return
         dcp.load(state, storage_reader=dcp.FileSystemReader(directory), no_dist=True)
+        from graphpipe.runtime.intra_stage import like
+
         for name, p in params:
             prefix = f"optim/{name}/"
-            entry = {k[len(prefix):]: v.to(p.device) for k, v in state.items() if k.startswith(prefix)}
+            entry = {k[len(prefix):]: like(p, v.to(p.device)) for k, v in state.items() if k.startswith(prefix)}
             if entry:
                 optimizer.state[p] = entry
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """An FSDP / TP stage's DTensor as this rank's shard (a view: in-place changes reach it); others as is."""
+    return t.to_local() if hasattr(t, "device_mesh") else t
 
 
 def _takes_target(loss_fn: Callable[..., Any]) -> bool | None:

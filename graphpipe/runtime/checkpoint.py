@@ -122,15 +122,26 @@ def read_tensors(layout: CheckpointLayout, into: Mapping[str, torch.Tensor]) -> 
             for f, keys in by_file.items():
                 with safe_open(f, framework="pt", device="cpu") as fh:
                     for key in keys:
-                        into[key].copy_(fh.get_tensor(key))
+                        _copy_whole(into[key], fh.get_tensor(key))
         return
     import torch.distributed.checkpoint as dcp
 
-    staged = {k: (t if t.device.type == "cpu" and t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype))
-              for k, t in into.items()}
+    staged = {k: (t if t.device.type == "cpu" and t.is_contiguous() and not hasattr(t, "device_mesh")
+                  else torch.empty(t.shape, dtype=t.dtype)) for k, t in into.items()}
     # no_dist: each rank reads its own tensors; no collective (ranks load different keys)
     dcp.load(staged, storage_reader=dcp.FileSystemReader(layout.path), no_dist=True)
     with torch.no_grad():
         for k, t in into.items():
             if staged[k] is not t:
-                t.copy_(staged[k])
+                _copy_whole(t, staged[k])
+
+
+def _copy_whole(t: torch.Tensor, whole: torch.Tensor) -> None:
+    """Copy the whole tensor ``whole`` into ``t``; a DTensor (an FSDP / TP stage's) takes its own piece."""
+    if hasattr(t, "device_mesh"):
+        from graphpipe.runtime.intra_stage import local_pair
+
+        local, piece = local_pair(t, whole)
+        local.copy_(piece)
+    else:
+        t.copy_(whole)

@@ -45,6 +45,7 @@ from graphpipe.actions import Action
 from graphpipe.runtime.comm import Mailbox
 from graphpipe.runtime.hosted import (Backward, Forward, GradientSync, HostedStage, StageAction, StageServices,
                                       WeightGrad, flat_grad_buffer, zero_grads)
+from graphpipe.runtime.intra_stage import replica_lead, replica_ranks
 from graphpipe.runtime.measure import NoMeter, SavedBytesMeter
 from graphpipe.runtime.routing import Routing
 from graphpipe.runtime.stage_modules import StageProgram, ValueMeta
@@ -244,6 +245,9 @@ class RankExecutor:
         plans = {a: self._plan(a) for a in dict.fromkeys(self.actions)}
         self.ops: tuple[StageAction, ...] = tuple(plans[a] for a in self.actions)
         """The rank's actions, typed, in order: what :meth:`run_iteration` dispatches."""
+        self.intra_stage = None
+        """The FSDP and tensor-parallel stages hosted here (:class:`~graphpipe.runtime.intra_stage.IntraStage`,
+        set by :func:`~graphpipe.runtime.setup.setup_rank`)."""
 
     @property
     def sink_losses(self) -> dict[int, float]:
@@ -268,32 +272,33 @@ class RankExecutor:
         if a.kind not in ("F", "B", "I"):
             raise RuntimeError(f"rank {self.rank}: action {a} has kind {a.kind!r}; the runtime runs F, B, I, W")
         q = routing.replica(a.stage_id, self.rank)
+        lead = replica_lead(stage, q) == self.rank  # a TP group's messages leave from its first rank only
         receives, sends = [], []
         if a.kind == "F":
             rows = self._shard_rows(a.stage_id, a.mb_id, q)
             for piece in routing.incoming(a.stage_id, a.mb_id, q):
-                src = sg.stages[piece.producer].devices[piece.producer_replica]
+                src = replica_lead(sg.stages[piece.producer], piece.producer_replica)
                 receives += [(piece, v, src, Routing.key("F", piece, v))
                              for v in self._edge_values[(piece.producer, piece.consumer)]]
-            for piece in routing.outgoing(a.stage_id, a.mb_id, q):
-                dst = sg.stages[piece.consumer].devices[piece.consumer_replica]
+            for piece in routing.outgoing(a.stage_id, a.mb_id, q) if lead else ():
                 sends += [(dst, Routing.key("F", piece, v), v, piece.producer_rows if self.meta[v].batched else None,
-                           False) for v in self._edge_values[(piece.producer, piece.consumer)]]
+                           False) for v in self._edge_values[(piece.producer, piece.consumer)]
+                          for dst in replica_ranks(sg.stages[piece.consumer], piece.consumer_replica)]
             return Forward(a, hosted, rows, a.mb_id * stage.micro_batch_size,
                            (rows.stop - rows.start) / self.loss_batch_size, tuple(receives), tuple(sends))
         for piece in routing.outgoing(a.stage_id, a.mb_id, q):
-            src = sg.stages[piece.consumer].devices[piece.consumer_replica]
+            src = replica_lead(sg.stages[piece.consumer], piece.consumer_replica)
             receives += [(piece, v, src, Routing.key("B", piece, v))
                          for v in self._edge_values[(piece.producer, piece.consumer)] if v in routing.grad_values]
         answered: set[str] = set()  # unbatched values whose gradient goes back with their first piece
-        for piece in routing.incoming(a.stage_id, a.mb_id, q):
-            dst = sg.stages[piece.producer].devices[piece.producer_replica]
+        for piece in routing.incoming(a.stage_id, a.mb_id, q) if lead else ():
             for v in self._edge_values[(piece.producer, piece.consumer)]:
                 if v not in routing.grad_values:
                     continue
                 batched = self.meta[v].batched
-                sends.append((dst, Routing.key("B", piece, v), v, piece.consumer_rows if batched else None,
-                              not batched and v in answered))
+                for dst in replica_ranks(sg.stages[piece.producer], piece.producer_replica):
+                    sends.append((dst, Routing.key("B", piece, v), v, piece.consumer_rows if batched else None,
+                                  not batched and v in answered))
                 if not batched:
                     answered.add(v)
         return Backward(a, hosted, a.kind == "I", tuple(receives), tuple(sends))
@@ -434,6 +439,8 @@ class RankExecutor:
         pending: list[GradientSync] = []
         finished_at: dict[int, float] = {}
         ops = self.ops
+        if self.intra_stage:  # FSDP / TP stages (runtime/intra_stage.py)
+            self.intra_stage.before_iteration()
         for pos, op in enumerate(ops):
             if pos + 1 < len(ops):  # the next action's messages travel while this one computes (CUDA)
                 self._prefetch(ops[pos + 1])
@@ -442,6 +449,8 @@ class RankExecutor:
             records.append(TimedAction(self.rank, a.stage_id, a.kind, a.mb_id, ready, start, end))
             if pos in self._last_b_pos:
                 done_stages.add(self._last_b_pos[pos])
+                if self.intra_stage:  # a sharded stage's reduce-scatter, a TP stage's replica all-reduce
+                    self.intra_stage.after_last_backward(self._last_b_pos[pos])
                 pending.extend(self._issue_gradient_syncs(done_stages, issued))
             # An all-reduce that finished during this action ends no later than now (best resolution
             # without a polling thread).
@@ -475,6 +484,8 @@ class RankExecutor:
         """Deferred running statistics of every BatchNorm here, stage by stage (replicas merge their shards)."""
         for stage_id in sorted(self.programs):
             stage = self.sg.stages[stage_id]
+            if not self.hosted[stage_id].batchnorms:
+                continue
             group = None
             if stage.num_replicas > 1 and (self.batchnorm != "sync" or stage.round_robin):
                 group = self.dp_groups[stage.devices]  # replicas hold different rows' statistics: merge them

@@ -392,7 +392,8 @@ class HostedStage:
             t = by_name[value]
             sv.mailbox.send(dst, key, t if value_rows is None else sv.meta[value].to_wire(t)[value_rows])
         self.saved[mb_id] = (leaves, by_name, loss)
-        if loss is not None:  # read once at the iteration's end: a float() here would wait for the device
+        if loss is not None and sv.mailbox.rank in stage.devices[::stage.tp]:  # a TP group's loss counts once
+            # read once at the iteration's end: a float() here would wait for the device
             sv.loss_terms.append((mb_id, loss.detach().float()))
         if stage.recompute and self.redo_bytes is None:  # once, after the timed compute
             self.redo_bytes = ([meter.probe(fn, *xs, ctx) for fn, xs in pieces]

@@ -7,15 +7,25 @@ from graphpipe.plan import Plan
 __all__ = ["layout_refusal"]
 
 
-def layout_refusal(plan: Plan) -> str | None:
-    """Why the runtime cannot execute ``plan``'s parallelism inside its stages (None: it can).
+def layout_refusal(plan: Plan, *, compile: bool = False) -> str | None:
+    """Why the runtime cannot execute ``plan``'s parallelism inside its stages, in one line (None: it can).
 
-    The planner may give a stage tensor parallelism (``tp``) or FSDP sharding (``shard``); the executor runs
-    every stage as whole copies on each of its devices, so such a stage is refused by name before any rank
+    FSDP stages and tensor-parallel stages run on torch's ``fully_shard`` and DTensor
+    (:mod:`graphpipe.runtime.intra_stage`); what of them it does not run is refused by name before any rank
     starts rather than run with other semantics than planned.
     """
-    for stage in plan.stage_graph.stages:
-        if stage.parallel:
-            return (f"stage {stage.id} is planned with tp {stage.tp}, shard {stage.shard}: the runtime executes "
-                    f"whole-copy stages only (tp 1, shard none) for now; re-plan with --tp 1 --shard none to run it")
-    return None
+    from graphpipe.runtime.intra_stage import layout_refusal as stage_refusal
+    from graphpipe.sched.async_pipe import plan_spec
+
+    parallel = [s for s in plan.stage_graph.stages if s.parallel]
+    if not parallel:
+        return None
+    first = parallel[0]
+    if plan_spec(plan) is not None:
+        return (f"stage {first.id} is planned with tp {first.tp}, shard {first.shard}, and the schedule "
+                f"{plan.schedule.name!r} is asynchronous (weight versions per micro-batch): FSDP and TP stages run "
+                "synchronous schedules only; re-plan with another --schedule or --tp 1 --shard none")
+    if compile:
+        return (f"stage {first.id} is planned with tp {first.tp}, shard {first.shard}: compiled stages run whole "
+                "copies only; drop --compile (compile=True) or re-plan with --tp 1 --shard none")
+    return stage_refusal(plan.stage_graph)

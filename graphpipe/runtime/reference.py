@@ -255,7 +255,12 @@ def compare_gradients(named_params, ref_grads: dict[str, torch.Tensor], options:
         if p.grad is None:
             raise PlanError(f"--check: parameter {name!r} got no gradient in the pipelined run")
         ref = ref_grads[name].to(p.grad.device)
-        diff = (p.grad - ref).abs()
+        grad = p.grad
+        if hasattr(grad, "device_mesh"):  # an FSDP / TP stage's shard (a DTensor): against its piece of the reference
+            from graphpipe.runtime.intra_stage import local_pair
+
+            grad, ref = local_pair(grad, ref)
+        diff = (grad - ref).abs()
         if diff.numel():
             max_abs = max(max_abs, float(diff.max()))
         mismatches += int((diff > allowed(ref, options.atol, options.rtol, (spreads or {}).get(name, 0.0))).sum())

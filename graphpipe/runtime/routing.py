@@ -148,7 +148,8 @@ class Routing:
                                 "every (stage, micro-batch) must have exactly one F and one B per replica")
 
     def replica(self, stage_id: int, rank: int) -> int:
-        return self.sg.stages[stage_id].devices.index(rank)
+        stage = self.sg.stages[stage_id]
+        return stage.devices.index(rank) // stage.tp  # a tensor-parallel group is one replica
 
     def outgoing(self, stage_id: int, mb_id: int, replica: int) -> list[Piece]:
         """Pieces a producer shard sends after its F, consumer by consumer."""
@@ -163,21 +164,22 @@ class Routing:
         stage = self.sg.stages[stage_id]
         q = self.replica(stage_id, rank)
         out = []
+        if stage.tp > 1 and stage.tp_groups[q][0] != rank:
+            return out  # a tensor-parallel group's messages leave once, from its first rank
         if kind == "F":
             for piece in self.outgoing(stage_id, mb_id, q):
-                dst = self.sg.stages[piece.consumer].devices[piece.consumer_replica]
                 for value in self.edge_values[(piece.producer, piece.consumer)]:
                     key = self.key("F", piece, value)
                     self.rows[key] = piece.hi - piece.lo
-                    out.append((dst, key))
+                    # every rank of the consumer's TP group gets its own copy (one rank when tp is 1)
+                    out.extend((dst, key) for dst in self.sg.stages[piece.consumer].tp_groups[piece.consumer_replica])
         elif kind in ("B", "I"):  # zero bubble's I sends the input gradients, W nothing
             for piece in self.incoming(stage_id, mb_id, q):
-                dst = self.sg.stages[piece.producer].devices[piece.producer_replica]
                 for value in self.edge_values[(piece.producer, piece.consumer)]:
                     if value in self.grad_values:
                         key = self.key("B", piece, value)
                         self.rows[key] = piece.hi - piece.lo
-                        out.append((dst, key))
+                        out.extend((dst, key) for dst in self.sg.stages[piece.producer].tp_groups[piece.producer_replica])
         elif kind != "W":
             raise PlanError(f"action {stage_id}{kind}{mb_id} on device {rank}: the runtime executes F, B, I and W "
                             f"(stage {stage.id})")

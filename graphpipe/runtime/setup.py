@@ -46,7 +46,7 @@ class RankSetup:
 
 def setup_rank(rank: int, world_size: int, plan: Plan, split: ModelSplit, meta, loss_fn, device: torch.device,
                backend: str, *, timeout_s: float, seed: int, batchnorm: str, fault=None, measure: bool = True,
-               stream=None, compile: bool = False) -> RankSetup:
+               stream=None, compile: bool = False, model=None) -> RankSetup:
     """Routing, process groups (created by every rank in the same order), tied parameters and the executor of
     ``rank``: the one set-up of ``graphpipe run`` (synchronous and asynchronous) and :class:`graphpipe.Pipeline`.
 
@@ -54,7 +54,8 @@ def setup_rank(rank: int, world_size: int, plan: Plan, split: ModelSplit, meta, 
     (:func:`~graphpipe.sched.async_pipe.stream_schedule`), which ``split`` was
     cut for; its replicas all-reduce inside the weight versions, not after
     the last backward, and its loss terms are scaled by the plan's mini-batch. ``compile``: every hosted
-    stage's forward and backward compiled with ``torch.compile`` (:mod:`graphpipe.runtime.compiled`).
+    stage's forward and backward compiled with ``torch.compile`` (:mod:`graphpipe.runtime.compiled`). ``model``:
+    the whole model (on meta or not), whose Hugging Face ``base_model_tp_plan`` a tensor-parallel stage follows.
     """
     from graphpipe.runtime.comm import make_link_groups
 
@@ -65,7 +66,7 @@ def setup_rank(rank: int, world_size: int, plan: Plan, split: ModelSplit, meta, 
     link_groups = make_link_groups(routing, world_size, backend)
     dp_groups, ar_order = {}, {}
     for stage in sg.stages:  # every rank creates every group, in stage order (new_group is collective)
-        if stage.num_replicas > 1 and stage.devices not in dp_groups:
+        if stage.num_replicas > 1 and not stage.parallel and stage.devices not in dp_groups:
             dp_groups[stage.devices] = dist.new_group(list(stage.devices))
             if stream is not None:
                 continue
@@ -106,4 +107,9 @@ def setup_rank(rank: int, world_size: int, plan: Plan, split: ModelSplit, meta, 
         link_groups=link_groups, dp_groups={k: v for k, v in dp_groups.items() if rank in k}, allreduce_order=ar_order,
         tied=tuple(tied), seed=seed, batchnorm=batchnorm, fault=fault, measure=measure, compile=compile,
         loss_batch_size=plan.stage_graph.batch_size)
-    return RankSetup(RankExecutor(ctx), programs, layout, tied_copies, buffer_stage)
+    executor = RankExecutor(ctx)
+    if any(stage.parallel for stage in sg.stages):  # FSDP and TP stages (every rank builds every mesh)
+        from graphpipe.runtime.intra_stage import attach
+
+        attach(executor, sg, split, rank, device, timeout_s, model)
+    return RankSetup(executor, programs, layout, tied_copies, buffer_stage)

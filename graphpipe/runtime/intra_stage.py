@@ -1,0 +1,528 @@
+"""Parallelism inside a stage, run on torch's own parts (docs/design.md, "Parallelism inside a stage").
+
+A plan's stage may be parallel inside itself (:attr:`graphpipe.stages.Stage.tp`,
+:attr:`~graphpipe.stages.Stage.shard`): its devices are ``num_replicas`` groups of
+``tp`` consecutive ranks. This module executes such stages with torch's
+well-kept pieces instead of hand-written collectives:
+
+* **Meshes.** Every rank creates, in stage order, the process groups of every
+  parallel stage (``new_group`` is collective over the world): one per
+  tensor-parallel group (a row of the stage's ``replicas x tp`` grid) and one
+  per data-parallel column; a rank of the stage wraps its two in 1-D
+  :class:`~torch.distributed.device_mesh.DeviceMesh` objects
+  (:meth:`DeviceMesh.from_group`), so no mesh creates groups of its own.
+* **FSDP** (``shard: fsdp``, tp 1). The stage module is wrapped by
+  :func:`torch.distributed.fsdp.fully_shard` over the replica mesh, with the
+  plan's ``reshard_after_forward``. As :mod:`torch.distributed.pipelining`'s
+  stage does, every backward of a step runs without gradient
+  synchronisation (gradients accumulate unsharded, parameters stay gathered
+  until the step's last backward) and the stage's reduce-scatter is started by
+  hand after its last B or W: so every synchronous schedule, split backward
+  included, accumulates micro-batches exactly. Gradients are summed (divide
+  factor 1), like graphpipe's own replica all-reduce, because each replica's
+  loss term is already scaled by its share of the mini-batch.
+* **Tensor parallelism** (tp > 1, shard none). The stage's parameters become
+  :class:`~torch.distributed.tensor.DTensor` on the TP mesh (``Shard(0)`` for
+  column-wise linear weights and biases, ``Shard(1)`` for row-wise weights,
+  ``Replicate`` otherwise, :func:`tp_placements`); the stage's inputs enter as
+  ``Replicate`` DTensors and its outputs leave as plain tensors
+  (``full_tensor``). DTensor's sharding propagation runs every captured op
+  on global shapes and inserts the collectives (the all-reduce after a
+  row-wise layer), so a captured graph's literal shapes stay right and an op
+  that cannot split runs replicated. Replicas' gradients are all-reduced over
+  the mesh's replica dimension (local shards, one collective per parameter).
+
+Refused in one line, before a step: FSDP and TP in one stage (2-D), tied
+parameters on a parallel stage, and a TP degree that does not divide a
+model's attention heads (naming the projection).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import re
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from graphpipe.errors import PlanError
+from graphpipe.stages import Stage, StageGraph
+
+__all__ = ["StageMeshes", "build_stage_meshes", "layout_refusal", "tp_placements", "parallelize_stage",
+           "IntraStage", "full_value", "local_pair", "attach", "like", "counts_here", "replica_lead", "replica_ranks"]
+
+log = logging.getLogger(__name__)
+
+
+def replica_ranks(stage: Stage, replica: int) -> tuple[int, ...]:
+    """The ranks of ``stage``'s replica ``replica``: its tensor-parallel group (one rank when tp is 1)."""
+    return stage.tp_groups[replica]
+
+
+def replica_lead(stage: Stage, replica: int) -> int:
+    """The rank that sends replica ``replica``'s messages (its TP group's first)."""
+    return stage.tp_groups[replica][0]
+
+
+def layout_refusal(sg: StageGraph) -> str | None:
+    """What of the stages' layouts the runtime cannot execute, in one line (None: it runs them all)."""
+    for stage in sg.stages:
+        if stage.tp > 1 and stage.shard == "fsdp":
+            return (f"stage {stage.id} is planned with tp {stage.tp} and shard fsdp together (2-D inside one "
+                    "stage): the runtime runs FSDP or TP per stage, not both; give the stage tp 1 or shard none")
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class StageMeshes:
+    """One parallel stage's meshes on a rank of it: ``tp`` (its TP group) and ``dp`` (its replica column)."""
+
+    stage_id: int
+    tp: Any
+    """1-D DeviceMesh over this rank's TP group (None when the stage's tp is 1)."""
+    dp: Any
+    """1-D DeviceMesh over the ranks at this rank's TP position in every replica (None with one replica)."""
+    dp_group: Any = None
+
+
+def build_stage_meshes(sg: StageGraph, rank: int, device_type: str, timeout_s: float) -> dict[int, StageMeshes]:
+    """Stage -> :class:`StageMeshes` of every parallel stage ``rank`` hosts.
+
+    Collective: every rank of the world calls it with the same stage graph, and creates every group of every
+    parallel stage in the same order (TP rows, then replica columns, stage by stage).
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+
+    timeout = timedelta(seconds=timeout_s)
+    out: dict[int, StageMeshes] = {}
+    for stage in sg.stages:
+        if not stage.parallel:
+            continue
+        rows = stage.tp_groups
+        tp_group = dp_group = None
+        if stage.tp > 1:
+            for row in rows:
+                g = dist.new_group(list(row), timeout=timeout)
+                if rank in row:
+                    tp_group = g
+        if stage.num_replicas > 1:
+            for j in range(stage.tp):
+                column = [row[j] for row in rows]
+                g = dist.new_group(column, timeout=timeout)
+                if rank in column:
+                    dp_group = g
+        if rank in stage.devices:
+            out[stage.id] = StageMeshes(
+                stage.id,
+                DeviceMesh.from_group(tp_group, device_type) if tp_group is not None else None,
+                DeviceMesh.from_group(dp_group, device_type) if dp_group is not None else None,
+                dp_group)
+    return out
+
+
+# ---------------------------------------------------------------- tensor-parallel placements
+_LINEAR = {"aten.linear.default", "aten.addmm.default", "aten.mm.default", "aten.matmul.default"}
+
+
+def _target(node) -> str:
+    return str(node.target) if node.op == "call_function" else ""
+
+
+def _weight_of(node) -> str | None:
+    """The ``get_attr`` target of a linear node's weight (``aten.linear(x, w, b)``), or None."""
+    if _target(node) != "aten.linear.default" or len(node.args) < 2:
+        return None
+    w = node.args[1]
+    return w.target if getattr(w, "op", None) == "get_attr" else None
+
+
+def _bias_of(node) -> str | None:
+    b = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+    return b.target if getattr(b, "op", None) == "get_attr" else None
+
+
+def _hf_model(model: nn.Module | None) -> tuple[str, nn.Module] | None:
+    """``(path, module)`` of the first Hugging Face model inside ``model`` whose config has a TP plan."""
+    if model is None:
+        return None
+    for path, module in model.named_modules():
+        if getattr(getattr(module, "config", None), "base_model_tp_plan", None):
+            return path, module
+    return None
+
+
+def _hf_rules(model: nn.Module | None) -> list[tuple[str, str]]:
+    """``(module pattern in the whole model's names, style)`` of a Hugging Face model's ``base_model_tp_plan``,
+    or ``[]``: its patterns are relative to the base model (``layers.*.self_attn.q_proj``)."""
+    found = _hf_model(model)
+    if found is None:
+        return []
+    path, hf = found
+    prefix = ".".join(p for p in (path, getattr(hf, "base_model_prefix", "") or "") if p)
+    if prefix and not any(n == prefix or n.startswith(prefix + ".") for n, _ in model.named_modules()):
+        prefix = path  # the model found is the base model itself
+    return [(f"{prefix}.{pattern}" if prefix else pattern, style)
+            for pattern, style in hf.config.base_model_tp_plan.items()]
+
+
+def _heads(model: nn.Module | None) -> dict[str, int]:
+    found = _hf_model(model)
+    config = found[1].config if found is not None else getattr(model, "config", None)
+    out = {}
+    for key in ("num_attention_heads", "num_key_value_heads"):
+        v = getattr(config, key, None)
+        if isinstance(v, int):
+            out[key] = v
+    return out
+
+
+def tp_placements(gm: torch.fx.GraphModule, param_names: dict[str, str], tp: int, stage_id: int,
+                  model: nn.Module | None = None) -> dict[str, str]:
+    """Stage parameter name -> ``"col"`` (Shard(0)), ``"row"`` (Shard(1) weight) or ``"rep"`` (Replicate).
+
+    With a Hugging Face model whose config carries ``base_model_tp_plan``,
+    its ``colwise``/``rowwise`` layers are the split ones. Otherwise the
+    captured graph decides (Megatron's pairing): a linear whose output
+    reaches another linear without passing a third is column-wise, the one it
+    reaches row-wise, so the pair needs one all-reduce (DTensor inserts it). A
+    linear whose output features ``tp`` does not divide stays replicated.
+    Refuses (:class:`PlanError`) a ``tp`` that does not divide a model's
+    attention or key/value heads, naming the projection it would split.
+    """
+    names = {n: param_names.get(n, n) for n, _ in gm.named_parameters()}
+    params = dict(gm.named_parameters())
+    styles: dict[str, str] = {n: "rep" for n in names}
+    linears = [n for n in gm.graph.nodes if _weight_of(n) is not None]
+    rules = _hf_rules(model)
+    heads = _heads(model)
+    if rules:
+        for node in linears:
+            w = _weight_of(node)
+            module = names[w].rpartition(".")[0]
+            style = next((s for pat, s in rules if fnmatch.fnmatchcase(module, pat)), None)
+            if style in ("colwise", "rowwise"):
+                _assign(styles, node, "col" if style == "colwise" else "row")
+    else:
+        users: dict[Any, list] = {}
+        for node in gm.graph.nodes:
+            for a in node.all_input_nodes:
+                users.setdefault(a, []).append(node)
+        row_of: dict[Any, list] = {}
+        for node in linears:  # the first linears its output reaches
+            seen, frontier, reached = set(), list(users.get(node, ())), []
+            while frontier:
+                n = frontier.pop()
+                if n in seen:
+                    continue
+                seen.add(n)
+                if _weight_of(n) is not None:
+                    if n.args[0] in seen or n.args[0] is node or any(a in seen for a in n.args[:1]):
+                        reached.append(n)
+                    continue
+                if n.op == "output":
+                    continue
+                frontier.extend(users.get(n, ()))
+            row_of[node] = reached
+        assigned: set = set()
+        for node in linears:
+            if node in assigned:
+                continue
+            for row in row_of[node]:
+                if row in assigned:
+                    continue
+                cols = [c for c in linears if row in row_of[c] and c not in assigned]
+                if all(_splits(params[_weight_of(c)], 0, tp) for c in cols) and _splits(params[_weight_of(row)], 1, tp):
+                    for c in cols:
+                        _assign(styles, c, "col")
+                        assigned.add(c)
+                    _assign(styles, row, "row")
+                    assigned.add(row)
+                break
+    for n, style in styles.items():  # the split must be one the weights (and the model's heads) can take
+        if style == "rep" or n not in params:
+            continue
+        dim = 0 if style == "col" else 1
+        if params[n].dim() >= 1 and not _splits(params[n], dim if params[n].dim() > 1 else 0, tp):
+            raise PlanError(f"stage {stage_id} with tp {tp}: op {names[n].rpartition('.')[0]} cannot split "
+                            f"{tuple(params[n].shape)} by {tp} ({'column' if style == 'col' else 'row'}-wise); "
+                            f"choose a tp that divides it")
+        for key, count in heads.items():  # query heads split with q/o, key/value heads (GQA groups) with k/v
+            which = r"(k|v|key|value)" if key == "num_key_value_heads" else r"(q|o|qkv|query)"
+            if count % tp and re.search(rf"(^|\.){which}(_proj)?\.", names[n]):
+                raise PlanError(f"stage {stage_id} with tp {tp}: op {names[n].rpartition('.')[0]} splits attention "
+                                f"by heads, but {key} is {count}, which {tp} does not divide; choose a tp that "
+                                "divides it")
+    return styles
+
+
+def _splits(p: torch.Tensor, dim: int, tp: int) -> bool:
+    return p.dim() > dim and p.shape[dim] % tp == 0 and p.shape[dim] >= tp
+
+
+def _assign(styles: dict[str, str], node, style: str) -> None:
+    styles[_weight_of(node)] = style
+    bias = _bias_of(node)
+    if bias is not None:
+        styles[bias] = "col" if style == "col" else "rep"
+
+
+# ---------------------------------------------------------------- stage wrappers
+class _TPForward:
+    """A TP stage's forward: inputs as Replicate DTensors on the TP mesh, outputs back as plain tensors."""
+
+    def __init__(self, inner, mesh):
+        self.inner, self.mesh = inner, mesh
+
+    def __call__(self, *xs):
+        from torch.distributed.tensor import DTensor, Replicate
+
+        args = [DTensor.from_local(x, self.mesh, [Replicate()], run_check=False)
+                if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in xs]
+        # constants and buffers made inside the graph are the same on every rank of the group: plain tensors are
+        # Replicate, in this forward and in the backward (which reads the flag where it runs; torch's
+        # ``implicit_replication()`` context would reset it before the backward)
+        torch._C._set_dtensor_allow_implicit_replication(True)
+        sent, out = self.inner(*args)
+        return tuple(full_value(t) for t in sent), torch.utils._pytree.tree_map(full_value, out)
+
+
+def local_pair(t, whole: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(DTensor t's local shard, the same piece of the whole tensor whole)``: compares a shard with a
+    single-process run's tensor without gathering it."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    index = tuple(slice(o, o + n) for o, n in zip(offset, shape))
+    return t.to_local(), whole[index]
+
+
+def like(param: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+    """``whole`` (a tensor of ``param``'s global shape, or a scalar) laid out as DTensor ``param`` is; ``whole``
+    itself when ``param`` is a plain tensor: optimizer state read from a checkpoint of any layout."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(param, DTensor) or whole.shape != param.shape:
+        return whole
+    _, piece = local_pair(param, whole)
+    return DTensor.from_local(piece.clone(), param.device_mesh, param.placements, run_check=False,
+                              shape=param.shape, stride=param.stride())
+
+
+def counts_here(stage: Stage, rank: int, params) -> list:
+    """The parameters of parallel stage ``stage`` this rank counts once in global sums (a gradient norm, a
+    checkpoint): FSDP, every rank's shard; TP, the first replica's shards, a replicated one on its first rank."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if stage.shard == "fsdp":
+        return list(params)
+    if rank not in stage.tp_groups[0]:
+        return []
+    lead = rank == stage.tp_groups[0][0]
+    return [p for p in params
+            if lead or (isinstance(p, DTensor) and not all(isinstance(pl, Replicate) for pl in p.placements))]
+
+
+def full_value(t):
+    """A DTensor as the plain (replicated) tensor it stands for, differentiably; anything else as is."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+class _ShardedCall(nn.Module):
+    """The module ``fully_shard`` wraps: the stage module as its child, its bound forward as its forward (so
+    FSDP's hooks run around graphpipe's parameter-passing call)."""
+
+    def __init__(self, module: nn.Module, forward):
+        super().__init__()
+        self.stage = module
+        object.__setattr__(self, "_call", forward)
+
+    def forward(self, *xs):
+        return self._call(*xs)
+
+
+@dataclass(eq=False)
+class _Parallel:
+    stage: Stage
+    meshes: StageMeshes
+    hosted: Any
+    fsdp: nn.Module | None = None
+
+
+def parallelize_stage(hosted, meshes: StageMeshes, model: nn.Module | None = None) -> _Parallel:
+    """Make hosted stage ``hosted`` (a :class:`~graphpipe.runtime.hosted.HostedStage` whose weights are
+    materialized) FSDP-sharded or tensor-parallel as its plan says; its forward is wrapped accordingly."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    stage, module = hosted.stage, hosted.module
+    hosted.leave_grads_to_autograd()
+    if stage.shard == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        if meshes.dp is None:  # one replica: nothing to shard over
+            return _Parallel(stage, meshes, hosted)
+        wrapper = _ShardedCall(module, hosted.forward)
+        fully_shard(wrapper, mesh=meshes.dp, reshard_after_forward=stage.reshard_after_forward)
+        wrapper.set_gradient_divide_factor(1.0)  # replicas' loss terms are scaled already: sum, as all-reduce
+        wrapper.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM), factor 1: exact
+        hosted.forward = wrapper
+        return _Parallel(stage, meshes, hosted, fsdp=wrapper)
+    styles = tp_placements(module, dict(hosted.program.param_names), stage.tp, stage.id, model)
+    placement = {"col": Shard(0), "row": Shard(1), "rep": Replicate()}
+    with torch.no_grad():
+        for name, p in list(module.named_parameters()):
+            owner_path, _, attr = name.rpartition(".")
+            owner = module.get_submodule(owner_path) if owner_path else module
+            style = styles.get(name, "rep")
+            pl = placement[style] if (style != "row" or p.dim() > 1) else Replicate()
+            d = DTensor.from_local(_local_chunk(p.detach(), pl, meshes.tp), meshes.tp, [pl], run_check=False,
+                                   shape=p.shape, stride=p.stride())
+            owner._parameters[attr] = nn.Parameter(d, requires_grad=p.requires_grad)
+    _register_attention_rules()
+    hosted.forward = _TPForward(hosted.forward, meshes.tp)
+    # the backward of a TP stage mixes DTensor gradients with plain tensors the forward saved (constants,
+    # index tables): those are replicated, so the whole rank treats plain tensors as Replicate
+    torch._C._set_dtensor_allow_implicit_replication(True)
+    return _Parallel(stage, meshes, hosted)
+
+
+_ATTENTION_RULES = []
+
+
+def _register_attention_rules() -> None:
+    """DTensor rules for CPU's fused attention (``_scaled_dot_product_flash_attention_for_cpu`` and its
+    backward), which DTensor has none for: it would derive one through the op's decomposition, which takes
+    minutes. Attention is independent per head, so heads sharded on dim 1 (or everything replicated) in, the
+    same out; once per process."""
+    if _ATTENTION_RULES:
+        return
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.experimental import register_sharding
+
+    aten = torch.ops.aten
+    forward = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    backward = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+    if forward is None or backward is None:
+        return
+    rep, heads = Replicate(), Shard(1)
+
+    def mask(kwargs) -> list:  # a mask broadcast over heads ((batch, 1, q, k)) is the same for every head
+        return [rep] if kwargs.get("attn_mask") is not None else []
+
+    @register_sharding(forward.default)
+    def _forward(query, key, value, *args, **kwargs):
+        rest = [None] * len(args)
+        return [([rep, rep], [rep, rep, rep, *rest, *mask(kwargs)]),
+                ([heads, heads], [heads, heads, heads, *rest, *mask(kwargs)])]
+
+    @register_sharding(backward.default)
+    def _backward(grad_out, query, key, value, out, logsumexp, *args, **kwargs):
+        rest = [None] * len(args)
+        return [([rep, rep, rep], [rep] * 6 + rest + mask(kwargs)),
+                ([heads, heads, heads], [heads] * 6 + rest + mask(kwargs))]
+
+    _ATTENTION_RULES.append(True)
+
+
+def _local_chunk(t: torch.Tensor, placement, mesh) -> torch.Tensor:
+    """This rank's piece of ``t`` (every rank holds the same whole ``t``): no communication."""
+    from torch.distributed.tensor import Shard
+
+    if not isinstance(placement, Shard):
+        return t.clone()
+    n, i = mesh.size(), mesh.get_local_rank()
+    return t.chunk(n, dim=placement.dim)[i].clone()
+
+
+class IntraStage:
+    """The parallel stages a rank hosts, and what its executor calls around a step (hooks in
+    :meth:`graphpipe.runtime.executor.RankExecutor.run_iteration`)."""
+
+    def __init__(self, parallel: dict[int, _Parallel], timeout_s: float):
+        self.parallel = parallel
+        self.timeout = timedelta(seconds=timeout_s)
+
+    def __bool__(self) -> bool:
+        return bool(self.parallel)
+
+    def before_iteration(self) -> None:
+        """FSDP stages: no gradient synchronisation and no resharding in any backward of the step (torch's
+        pipelining does the same); the reduce-scatter is :meth:`after_last_backward`'s."""
+        for p in self.parallel.values():
+            if p.fsdp is not None:
+                p.fsdp.set_is_last_backward(False)
+                p.fsdp.set_reshard_after_backward(False)
+                p.fsdp.set_requires_gradient_sync(False)
+
+    def after_last_backward(self, stage_id: int) -> None:
+        """Stage ``stage_id`` ran its step's last B or W: reduce its gradients over its replicas."""
+        p = self.parallel.get(stage_id)
+        if p is None:
+            return
+        if p.fsdp is not None:
+            from torch.distributed.fsdp import fully_shard
+
+            p.fsdp.set_is_last_backward(True)
+            p.fsdp.set_reshard_after_backward(True)
+            p.fsdp.set_requires_gradient_sync(True)
+            state = fully_shard.state(p.fsdp)
+            for s in state._state_ctx.all_states:
+                for group in s._fsdp_param_groups:
+                    group.post_backward()
+            state._root_post_backward_final_callback()
+            return
+        from torch.distributed.tensor import DTensor
+
+        params = p.hosted.trainable()
+        for param in params:  # a gradient left Partial or replicated by DTensor's rules: the parameter's layout
+            g = param.grad
+            if isinstance(g, DTensor) and tuple(g.placements) != tuple(param.placements):
+                param.grad = g.redistribute(placements=param.placements)
+        if p.meshes.dp_group is None:
+            return
+        works = []
+        for param in params:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            g = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+            works.append(dist.all_reduce(g, group=p.meshes.dp_group, async_op=True))
+        for w in works:
+            w.wait(self.timeout)
+
+
+def attach(executor, sg: StageGraph, split, rank: int, device: torch.device, timeout_s: float,
+           model: nn.Module | None = None) -> None:
+    """Build every parallel stage's meshes (collective) and make ``executor``'s hosted parallel stages FSDP or
+    tensor-parallel; sets ``executor.intra_stage``. The one hook :func:`graphpipe.runtime.setup.setup_rank` calls."""
+    refusal = layout_refusal(sg)
+    if refusal is not None:
+        raise PlanError(refusal)
+    for tie in split.tied:
+        parallel = [s for s in tie.stages if sg.stages[s].parallel]
+        if parallel:
+            raise PlanError(f"parameter {tie.name} is tied across stages {list(tie.stages)}, and stage {parallel[0]} "
+                            "is FSDP-sharded or tensor-parallel: tied parameters run on whole-copy stages only; "
+                            "give that stage tp 1 and shard none")
+    for s, hosted in executor.hosted.items():
+        if sg.stages[s].parallel and hosted.batchnorms:
+            raise PlanError(f"stage {s} is FSDP-sharded or tensor-parallel and holds BatchNorm: its statistics "
+                            "merge over whole-copy replicas only; give that stage tp 1 and shard none")
+    meshes = build_stage_meshes(sg, rank, device.type, timeout_s)
+    parallel = {}
+    for s, hosted in executor.hosted.items():
+        if s in meshes:
+            parallel[s] = parallelize_stage(hosted, meshes[s], model)
+    executor._autograd_grads = tuple(h for h in executor.hosted.values() if not h.persistent_grads)
+    if parallel and executor.measure:
+        # the saved-activation meter reads each saved tensor's storage, which a DTensor (a wrapper) has none of:
+        # a rank with a parallel stage reports no activation peak
+        from graphpipe.runtime.measure import NoMeter
+
+        executor.saved_meter = NoMeter()
+    executor.intra_stage = IntraStage(parallel, timeout_s)

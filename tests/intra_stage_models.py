@@ -1,0 +1,134 @@
+"""Tiny models for the FSDP / tensor-parallel stage tests (no dropout or BatchNorm: pipelined training equals
+plain single-process training to fp32 rounding), and the hand-written plans they run under.
+
+A plan is written as the stages' op-name prefixes, devices and layouts (tp, shard); :func:`hand_plan` turns that
+into a validated plan with the 1f1b (or another) schedule, as a person editing a plan's JSON would.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+BATCH = 8
+WIDTH = 16
+
+
+class MLPChain(nn.Module):
+    """Two Megatron-style MLP blocks (column-wise then row-wise) and a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(6, WIDTH)
+        self.block0 = nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.GELU(), nn.Linear(2 * WIDTH, WIDTH))
+        self.block1 = nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.Tanh(), nn.Linear(2 * WIDTH, WIDTH))
+        self.head = nn.Linear(WIDTH, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.stem(x))
+        h = h + self.block0(h)
+        h = h + self.block1(h)
+        return self.head(h)
+
+
+class Branchy(nn.Module):
+    """Two MLP branches over one stem, joined by a head: branches can take different layouts."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(6, WIDTH)
+        self.left = nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.ReLU(), nn.Linear(2 * WIDTH, WIDTH))
+        self.right = nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.Tanh(), nn.Linear(2 * WIDTH, WIDTH))
+        self.head = nn.Linear(2 * WIDTH, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.stem(x))
+        return self.head(torch.cat([self.left(h), self.right(h)], dim=-1))
+
+
+def _data(seed: int = 0):
+    gen = torch.Generator().manual_seed(100 + seed)
+    return torch.randn(BATCH, 6, generator=gen), torch.randint(0, 3, (BATCH,), generator=gen)
+
+
+def _ce(out, labels):
+    return F.cross_entropy(out, labels)
+
+
+def mlp_chain():
+    torch.manual_seed(0)
+    return MLPChain(), _data()[0], _ce, _data()[1]
+
+
+def branchy():
+    torch.manual_seed(0)
+    return Branchy(), _data()[0], _ce, _data()[1]
+
+
+def llama_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                       tie_word_embeddings=False, attention_dropout=0.0, use_cache=False)
+
+
+class _Logits(nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids):
+        return self.model(input_ids=ids).logits
+
+
+def llama():
+    """A tiny Hugging Face Llama (GQA: 4 heads, 2 KV heads), loss = next-token cross-entropy on fixed ids."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(llama_config())
+    ids = torch.randint(0, 64, (BATCH, 12), generator=torch.Generator().manual_seed(7))
+    return _Logits(model), ids, _next_token, ids
+
+
+def _next_token(logits, ids):
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+def hand_plan(spec: str, stages: list[tuple[tuple[str, ...], tuple[int, ...], int, str]], *, batch: int = BATCH,
+              micro_batch_size: int = 4, schedule: str = "1f1b", devices: int | None = None):
+    """A plan of ``spec`` with the stages written by hand: ``(op-name prefixes, devices, tp, shard)`` each; every
+    op goes to the first stage one of whose prefixes starts its name (``""`` takes the rest)."""
+    from dataclasses import replace
+
+    from graphpipe.cluster import preset
+    from graphpipe.sched.generators import make_schedule
+    from graphpipe.search.common import SearchOptions
+    from graphpipe.search.planner import make_plan
+    from graphpipe.stages import Stage, StageGraph
+
+    num_devices = devices or max(d for _, ds, _, _ in stages for d in ds) + 1
+    source = _loaded(spec)
+    base = make_plan(source.model_id, source.graph, preset("v100", num_devices), batch, "gpipe",
+                     SearchOptions(micro_batch_size=micro_batch_size))
+    graph = base.stage_graph.graph
+    owner: dict[int, int] = {}
+    for op_id, op in enumerate(graph.ops):
+        owner[op_id] = next(i for i, (prefixes, _, _, _) in enumerate(stages)
+                            if any(op.name.startswith(p) for p in prefixes))
+    built = [Stage(i, tuple(o for o, s in owner.items() if s == i), tuple(ds), micro_batch_size, tp=tp, shard=shard)
+             for i, (_, ds, tp, shard) in enumerate(stages)]
+    sg = StageGraph.build(graph, built, batch, num_devices)
+    return replace(base, stage_graph=sg, schedule=make_schedule(schedule, sg), predicted={}, strategy="custom")
+
+
+@functools.lru_cache(maxsize=None)
+def _loaded(spec: str):
+    """The captured model of ``spec``, once per process (a capture takes seconds)."""
+    from graphpipe.models import load_model
+
+    return load_model(spec)

@@ -1,0 +1,83 @@
+"""Run under torchrun by tests/test_intra_stage.py: train ``file.py:factory`` models through graphpipe.Pipeline on
+plans with FSDP / tensor-parallel stages, one plan after another in the same ranks; rank 0 writes, per plan, the
+losses, the final weights (whole, by name) and each rank's share of its stages' state.
+
+    torchrun --nproc-per-node N tests/intra_stage_script.py STEPS OUT_DIR PLAN.json[,KEY=VALUE...] ...
+
+Each plan's results go to ``OUT_DIR/<plan file name>.pt``. Options after a plan, comma-separated: ``steps=N``
+(instead of STEPS), ``save=DIR`` (a checkpoint with the optimizer's state after the steps), ``load=DIR`` (one,
+written under any layout, loaded before them).
+"""
+
+import os
+import sys
+
+import torch
+import torch.distributed.nn  # noqa: F401  (before the group is up: see graphpipe.Pipeline.close)
+import torch.distributed as dist
+
+import graphpipe
+from graphpipe.capture import load_factory
+from graphpipe.plan import read_plan
+
+
+def _whole(t):
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _local(t):
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def train(plan_path: str, steps: int, out: str, save: str | None, load: str | None) -> None:
+    made = load_factory(read_plan(plan_path).model)
+    pipe = graphpipe.Pipeline(plan_path, made.module, made.loss_fn, example_inputs=made.example_inputs,
+                              example_target=made.example_target, timeout_s=120)
+    params = list(pipe.parameters()) or [torch.zeros(1, requires_grad=True)]  # a rank the plan leaves idle
+    opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    if load:
+        pipe.load(load, opt)
+    losses = []
+    for _ in range(steps):
+        losses.append(pipe.step(made.example_inputs, made.example_target).item())
+        opt.step()
+        opt.zero_grad(set_to_none=False)  # the gradients stay allocated: their share is measured below
+    if save:
+        pipe.save(save, opt)
+    params = list(pipe.named_parameters())
+    shares = {"params": sum(_local(p).numel() for _, p in params),
+              "grads": sum(_local(p.grad).numel() for _, p in params if p.grad is not None),
+              "optim": sum(_local(v).numel() for _, p in params for v in opt.state[p].values()
+                           if isinstance(v, torch.Tensor) and v.dim())}
+    weights = {name: _whole(p.detach()).clone() for name, p in params}
+    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object((weights, shares), gathered, dst=0)
+    if dist.get_rank() == 0:
+        merged = {name: w for part, _ in gathered for name, w in part.items()}
+        torch.save({"losses": losses, "weights": merged, "shares": [s for _, s in gathered]}, out)
+    pipe.close()
+
+
+def main() -> None:
+    import faulthandler
+
+    if os.environ.get("GP_DUMP"):  # debugging a stuck job: every thread's stack after that many seconds
+        faulthandler.dump_traceback_later(int(os.environ["GP_DUMP"]), exit=True)
+    steps, out_dir, plans = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
+    dist.init_process_group("gloo")
+    for item in plans:
+        plan, *rest = item.split(",")
+        options = dict(kv.split("=", 1) for kv in rest)
+        name = os.path.splitext(os.path.basename(plan))[0]
+        train(plan, int(options.get("steps", steps)), os.path.join(out_dir, name + ".pt"), options.get("save"),
+              options.get("load"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

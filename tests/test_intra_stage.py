@@ -1,0 +1,123 @@
+"""FSDP and tensor-parallel stages (graphpipe/runtime/intra_stage.py) under torchrun on CPU ranks (gloo).
+
+Oracle: plain single-process training of the same model on the same data with the same SGD (momentum): per-step
+losses and final weights equal at fp32 tolerances. The plans are written by hand, as a person edits a plan's
+devices, tp and shard per stage: an FSDP stage, TP stages of a plain MLP (column/row pairs found in the captured
+graph) and of a Hugging Face Llama (its base_model_tp_plan, heads split by KV group), a branchy model whose
+branches take different layouts, a chain mixing whole-copy replicas with a TP stage, and a checkpoint written
+under one layout loaded under another.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import intra_stage_models as models  # noqa: E402
+from test_api import torchrun  # noqa: E402
+
+SCRIPT = os.path.join(HERE, "intra_stage_script.py")
+SPEC = os.path.join(HERE, "intra_stage_models.py")
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def oracle(factory: str, steps: int, start: dict | None = None):
+    model, x, loss_fn, y = getattr(models, factory)()
+    if start is not None:
+        model.load_state_dict(start)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for _ in range(steps):
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses, {n: p.detach() for n, p in model.named_parameters()}
+
+
+def write(tmp_path, name: str, factory: str, stages, **kw) -> str:
+    from graphpipe.plan import write_plan
+
+    path = str(tmp_path / f"{name}.json")
+    write_plan(path, models.hand_plan(f"{SPEC}:{factory}", stages, **kw))
+    return path
+
+
+def check(out: str, factory: str, steps: int) -> dict:
+    got = torch.load(out, weights_only=False)
+    losses, weights = oracle(factory, steps)
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(losses))
+    assert set(got["weights"]) == set(weights)
+    for name, w in weights.items():
+        torch.testing.assert_close(got["weights"][name], w, msg=name)
+    return got
+
+
+def test_fsdp_tp_and_mixed_layouts_train_as_one_process(tmp_path):
+    """One job of 4 ranks, four hand-written plans: FSDP, TP, replicas + TP on a chain; TP and FSDP branches."""
+    plans = [
+        write(tmp_path, "fsdp", "mlp_chain", [(("stem", "block0"), (0,), 1, "none"), (("",), (1, 2), 1, "fsdp")]),
+        write(tmp_path, "tp", "mlp_chain", [(("stem",), (0,), 1, "none"), (("",), (1, 2), 2, "none")]),
+        write(tmp_path, "chain", "mlp_chain", [(("stem", "block0"), (0, 1), 1, "none"), (("",), (2, 3), 2, "none")]),
+        write(tmp_path, "branchy", "branchy", [(("stem", "right"), (0, 1), 2, "none"),
+                                                (("left", "head"), (2, 3), 1, "fsdp")]),
+    ]
+    torchrun(str(3), str(tmp_path), *plans, ranks=4, script=SCRIPT)
+    fsdp = check(str(tmp_path / "fsdp.pt"), "mlp_chain", 3)
+    check(str(tmp_path / "tp.pt"), "mlp_chain", 3)
+    check(str(tmp_path / "chain.pt"), "mlp_chain", 3)
+    branchy = check(str(tmp_path / "branchy.pt"), "branchy", 3)
+    # each rank of a sharded stage holds about half of that stage's parameters, gradients and optimizer state
+    model = models.MLPChain()
+    stage = sum(p.numel() for n, p in model.named_parameters() if not n.startswith(("stem", "block0")))
+    for share in fsdp["shares"][1:3]:
+        assert abs(share["params"] - stage / 2) <= 16 and share["grads"] == share["params"] == share["optim"]
+    assert branchy["shares"][0]["params"] < sum(p.numel() for p in models.Branchy().parameters()) / 2
+
+
+def test_llama_tp_and_a_checkpoint_across_layouts(tmp_path):
+    """One job of 3 ranks: a tiny HF Llama whose first stage is TP 2 (its base_model_tp_plan, 4 heads and 2 KV
+    heads split by KV group); an FSDP plan's checkpoint (weights and momentum) loaded by a TP plan, which goes on
+    training as one process would have."""
+    llama = write(tmp_path, "llama", "llama", [(("model.model.embed", "model.model.layers.0"), (0, 1), 2, "none"),
+                                               (("",), (2,), 1, "none")])
+    fsdp = write(tmp_path, "fsdp", "mlp_chain", [(("stem", "block0"), (0,), 1, "none"), (("",), (1, 2), 1, "fsdp")])
+    tp = write(tmp_path, "tp", "mlp_chain", [(("stem",), (0,), 1, "none"), (("",), (1, 2), 2, "none")])
+    ck = str(tmp_path / "ck")
+    torchrun("2", str(tmp_path), llama, f"{fsdp},save={ck}", f"{tp},steps=1,load={ck}", ranks=3, script=SCRIPT)
+    got = check(str(tmp_path / "llama.pt"), "llama", 2)
+    named = dict(models.llama()[0].named_parameters())
+    split = sum(p.numel() for n, p in named.items() if ".layers.0." in n and n.endswith("proj.weight"))
+    whole = sum(p.numel() for n, p in named.items() if ".layers.0." in n or "embed" in n) - split
+    # each TP rank: half of every projection, the embedding and the norms whole
+    assert got["shares"][0]["params"] == got["shares"][1]["params"] == whole + split // 2
+    check(str(tmp_path / "fsdp.pt"), "mlp_chain", 2)
+    resumed = torch.load(str(tmp_path / "tp.pt"), weights_only=False)
+    losses, weights = oracle("mlp_chain", 3)
+    torch.testing.assert_close(resumed["losses"][0], losses[2])
+    for name, w in weights.items():
+        torch.testing.assert_close(resumed["weights"][name], w, msg=name)
+
+
+def test_a_tp_degree_the_heads_cannot_take_is_refused_naming_the_op():
+    from graphpipe.errors import PlanError
+    from graphpipe.runtime.intra_stage import tp_placements
+    from graphpipe.runtime.stage_modules import split_model
+
+    plan = models.hand_plan(f"{SPEC}:llama", [(("model.model.embed", "model.model.layers.0"), (0, 1, 2, 3), 4, "none"),
+                                               (("",), (4,), 1, "none")])
+    model = models.llama()[0]
+    from graphpipe.capture import Granularity, trace_ops
+    from graphpipe.runtime.runnable import plan_granularity
+
+    exported, op_nodes, _ = trace_ops(model, models.llama()[1], models._next_token, models.llama()[3],
+                                      Granularity.parse(plan_granularity(plan)))
+    prog = split_model(exported.gm, op_nodes, plan.stage_graph).programs[0]
+    with pytest.raises(PlanError, match=r"op model\.model\.layers\.0\.self_attn\.[kv]_proj .*num_key_value_heads is 2"):
+        tp_placements(prog.module, dict(prog.param_names), 4, 0, model)
