@@ -33,6 +33,10 @@ What :func:`export_model` does to the exported program, and why:
    its own copy, so no integer or mask ever has to cross a stage boundary.
 5. Export's run-time guard (``_guards_fn``) and metadata assertions are
    removed: a stage legitimately runs at another batch size than the example.
+6. **Constant inputs are part of the program.** A ``bool``, ``int``,
+   string or ``None`` input (``output_hidden_states=True``) was specialized
+   by export; its placeholder is replaced by the value, so stages are only
+   ever handed tensors, and :class:`IOSpec` refuses other values in one line.
 
 Example
 -------
@@ -304,13 +308,30 @@ class IOSpec:
     kept: tuple[int, ...]
     target_spec: pytree.TreeSpec | None = None
     num_target_leaves: int = 0
+    constants: tuple[tuple[int, str, Any], ...] = ()
+    """``(leaf position in in_spec, input name, value)`` of every non-tensor input leaf (a ``bool`` flag, an int,
+    a string, ``None``): export specialized the program to these values, so they are part of the graph, not
+    graph inputs; :meth:`flat_inputs` checks a caller passes the same ones."""
+
+    @property
+    def num_inputs(self) -> int:
+        """How many of the graph's positional arguments are model inputs (the target's leaves follow them)."""
+        return self.in_spec.num_leaves - len(self.constants)
 
     def flat_inputs(self, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None,
                     target: Any = None) -> tuple[Any, ...]:
-        """The graph's positional arguments for these inputs (and target)."""
+        """The graph's positional arguments for these inputs (and target): the tensor leaves, constants dropped."""
         leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs or {})))
         if spec != self.in_spec:
             raise InputError(f"inputs do not have the structure the model was captured with ({self.in_spec}); got {spec}")
+        if self.constants:
+            for pos, name, value in self.constants:
+                if not _same_constant(leaves[pos], value):
+                    raise InputError(f"input {name!r} is {leaves[pos]!r}, but the model was captured with {value!r}, "
+                                     "which is part of the captured program: capture with the value you run with "
+                                     "(the factory's example inputs)")
+            dropped = {pos for pos, _, _ in self.constants}
+            leaves = [x for i, x in enumerate(leaves) if i not in dropped]
         if self.target_spec is not None:
             t_leaves, t_spec = pytree.tree_flatten(target)
             if t_spec != self.target_spec:
@@ -336,7 +357,10 @@ class IOSpec:
         """``(args, kwargs, target)`` from the graph's positional arguments: the inverse of :meth:`flat_inputs`,
         to call the eager module on the data the graph runs on."""
         n = len(flat) - self.num_target_leaves
-        args, kwargs = pytree.tree_unflatten(list(flat[:n]), self.in_spec)
+        leaves = list(flat[:n])
+        for pos, _, value in self.constants:  # in increasing position order: each lands where it was
+            leaves.insert(pos, value)
+        args, kwargs = pytree.tree_unflatten(leaves, self.in_spec)
         target = pytree.tree_unflatten(list(flat[n:]), self.target_spec) if self.target_spec is not None else None
         return tuple(args), dict(kwargs), target
 
@@ -366,6 +390,44 @@ class Exported:
     gm: fx.GraphModule
     io: IOSpec
     seconds: float = 0.0
+
+
+def _same_constant(given: Any, captured: Any) -> bool:
+    try:
+        return type(given) is type(captured) and bool(given == captured)
+    except Exception:  # noqa: BLE001 - a value without a plain equality: the same object only
+        return given is captured
+
+
+def _fold_constant_inputs(gm: fx.GraphModule, args: tuple, kwargs: dict) -> tuple[tuple[int, str, Any], ...]:
+    """Take the non-tensor input leaves out of the graph's inputs (module docstring, 6).
+
+    Non-strict export specializes the program to the example's ``bool``/``int``/``str``/``None`` inputs (a
+    branch on ``output_hidden_states`` is taken once), yet keeps a placeholder for each; a stage would then be
+    handed a Python value as if it were a tensor. Each such placeholder is replaced by its value in any node
+    reading it and removed. Returns ``(leaf position, input name, value)`` of each, for :class:`IOSpec`.
+    """
+    with_paths, _ = pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(with_paths):  # not one placeholder per leaf: leave the graph as export made it
+        return ()
+    constants = []
+    for pos, ((path, value), node) in enumerate(zip(with_paths, placeholders)):
+        if isinstance(value, torch.Tensor):
+            continue
+        for user in list(node.users):
+            user.args = fx.node.map_arg(user.args, lambda a, node=node, value=value: value if a is node else a)
+            user.kwargs = fx.node.map_arg(user.kwargs, lambda a, node=node, value=value: value if a is node else a)
+        gm.graph.erase_node(node)
+        constants.append((pos, _leaf_name(path), value))
+    return tuple(constants)
+
+
+def _leaf_name(path: tuple) -> str:
+    """``flag`` for keyword input ``flag``, ``input 0`` for the first positional one, ``cfg['k']`` inside one."""
+    where, first, *rest = path
+    head = f"input {first.idx}" if where.idx == 0 else str(first.key)
+    return head + "".join(str(k) for k in rest)
 
 
 # ------------------------------------------------------------------ helpers
@@ -559,6 +621,7 @@ def export_model(module: nn.Module, example_inputs: Any, loss_fn: Callable[..., 
     _drop_guards(gm)
     _histc_on_floats(gm)
     _use_module_names(gm, module)
+    constants = _fold_constant_inputs(gm, args, kwargs)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     input_names = tuple(n.name for n in placeholders)
     output = next(n for n in gm.graph.nodes if n.op == "output")
@@ -584,7 +647,7 @@ def export_model(module: nn.Module, example_inputs: Any, loss_fn: Callable[..., 
     gm.graph.lint()
     # a plain GraphModule over the same tensors (export's module refuses train()/eval())
     gm = fx.GraphModule(gm, gm.graph, class_name=type(module).__name__)
-    io = IOSpec(in_spec, input_names, out_spec, tuple(kept), target_spec, num_target)
+    io = IOSpec(in_spec, input_names, out_spec, tuple(kept), target_spec, num_target, constants)
     return Exported(gm, io, seconds)
 
 

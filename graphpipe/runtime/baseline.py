@@ -83,7 +83,7 @@ def torch_refusal(plan: Plan, split: ModelSplit | None = None, io=None) -> str |
         return (f"stage {wrong[0]} is on device {sg.stages[wrong[0]].devices[0]}, but torch places stage i on rank "
                 f"{'i mod ranks' if name == 'interleaved' else 'i'}")
     if split is not None:
-        num_inputs = io.in_spec.num_leaves if io is not None else None  # the target's leaves follow the inputs
+        num_inputs = io.num_inputs if io is not None else None  # the target's leaves follow the inputs
         if io is not None and io.num_target_leaves > 1:
             return f"the loss target has {io.num_target_leaves} tensors; torch's schedules split one target tensor"
         late = [p.stage_id for p in split.programs if p.stage_id != 0
@@ -161,7 +161,7 @@ def run_torch_job(rank: int, world_size: int, plan: Plan, options, device: torch
     check_op_names([op.name for op in sg.graph.ops], runnable.op_names, plan.model)
     split = split_model(runnable.gm, runnable.op_nodes, sg)
     check_torch_expressible(plan, split, runnable.io)
-    num_inputs, num_outputs = runnable.io.in_spec.num_leaves, len(runnable.io.kept)
+    num_inputs, num_outputs = runnable.io.num_inputs, len(runnable.io.kept)
     my_stages = sg.stages_on_device(rank) if rank < n else ()
     materialize_stages(runnable.module, {s: split.programs[s] for s in my_stages}, device, options.seed,
                        runnable.initial)

@@ -1,0 +1,112 @@
+"""The edges real models hit (issue 65), each against an oracle.
+
+Oracles: the eager module (outputs and gradients, ``torch.testing.assert_close``); ``--check``'s single-process
+reference for multi-rank runs (loss, every gradient and buffer after each step), all plans in one launched
+2-rank job; one-line errors (``InputError``) for refusals.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+from graphpipe.errors import InputError
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+EDGES = os.path.join(HERE, "edge_models.py")
+sys.path.insert(0, HERE)
+import edge_models  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _eager_and_captured(factory: str):
+    from graphpipe.capture import load_factory, trace_ops
+    from graphpipe.exporting import normalize_inputs
+
+    made = load_factory(f"{EDGES}:{factory}")
+    exported, op_nodes, _ = trace_ops(made.module, made.example_inputs, made.loss_fn)
+    return made, exported, op_nodes, normalize_inputs(made.example_inputs)
+
+
+# ------------------------------------------------------------ 1. non-tensor inputs
+def test_non_tensor_inputs_are_part_of_the_captured_program():
+    """A bool, an int, a string and None: the graph takes the tensor alone, computes what the eager module does
+    with those values, and a caller passing another value is refused in one line."""
+    made, exported, _, (args, kwargs) = _eager_and_captured("flagged")
+    io = exported.io
+    assert [n.name for n in exported.gm.graph.nodes if n.op == "placeholder"] == ["x"]
+    assert [(name, value) for _, name, value in io.constants] == [
+        ("output_hidden_states", True), ("scale", 2), ("mode", "shifted"), ("extra", None)]
+    flat = io.flat_inputs(args, kwargs)
+    assert len(flat) == io.num_inputs == 1 and isinstance(flat[0], torch.Tensor)
+    assert io.unflatten_inputs(flat)[1] == kwargs  # the eager module is called with the constants again
+    want = made.module(**kwargs)
+    got = io.output(exported.gm(*flat))
+    torch.testing.assert_close(got["logits"], want["logits"])
+    torch.testing.assert_close(got["hidden_states"][1], want["hidden_states"][1])
+    with pytest.raises(InputError, match="input 'output_hidden_states' is False, but the model was captured "
+                                         "with True") as info:
+        io.flat_inputs(args, {**kwargs, "output_hidden_states": False})
+    assert "\n" not in str(info.value)
+
+
+# ------------------------------------------------------------ 4. in place on a received value
+def test_a_stage_mutating_a_received_value_in_place_clones_it_and_the_gradient_is_exact():
+    """Stage 1 of ``in_place`` does ``h += pos`` and ``h[:, :2].mul_(0.5)`` on the ``h`` stage 0 sends: the stage
+    reads a clone, so autograd accepts the received leaf and its gradient (and every weight's) is the eager one."""
+    from graphpipe.runtime.stage_modules import split_model
+    from test_real_models import hand_built
+
+    made, exported, op_nodes, (args, _) = _eager_and_captured("in_place")
+    plan = hand_built(f"{EDGES}:in_place", (["stem"], ["blocks.0", "blocks.1", "head"]), [(0,), (1,)], [8, 8], 2,
+                      "1f1b")
+    split = split_model(exported.gm, op_nodes, plan.stage_graph)
+    first, second = split.programs
+    assert not any(n.name.endswith("_clone") for n in first.module.graph.nodes)  # it mutates nothing it receives
+    clones = [n for n in second.module.graph.nodes if n.name.endswith("_clone")]
+    assert [c.args[0].name for c in clones] == list(second.input_names)
+    (x,) = args
+    (sent, _) = first.module(x)
+    received = sent[0].detach().requires_grad_(True)
+    _, out = second.module(received)
+    loss = made.loss_fn(exported.io.output(out))
+    loss.backward()
+    sent[0].backward(received.grad)
+    eager = edge_models.in_place()[0]
+    eager.load_state_dict(made.module.state_dict())
+    ref = made.loss_fn(eager(x))
+    ref.backward()
+    torch.testing.assert_close(loss, ref)
+    grads = {name: p.grad for name, p in made.module.named_parameters()}
+    for name, p in eager.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, msg=lambda m, n=name: f"{n}: {m}")
+
+
+# ------------------------------------------------------------ multi-rank runs, one launched job
+def _edge_plans() -> dict:
+    from test_real_models import hand_built
+
+    return {
+        "flagged": hand_built(f"{EDGES}:flagged", (["stem", "blocks.0"], ["blocks.1", "head", "join_outputs"]),
+                              [(0,), (1,)], [2, 2], 2, "1f1b"),
+        "in_place": hand_built(f"{EDGES}:in_place", (["stem"], ["blocks.0", "blocks.1", "head"]), [(0,), (1,)],
+                               [2, 2], 2, "1f1b"),
+    }
+
+
+@pytest.mark.slow
+def test_edge_models_train_on_two_ranks_like_one_process():
+    """``graphpipe run --check`` of each edge model over 2 ranks: constant inputs no longer reach a rank, an
+    in-place op on a received value trains, loss and every gradient equal one process for 2 steps."""
+    from graphpipe.runtime import RunOptions, run_plans
+
+    plans = _edge_plans()
+    names = sorted(plans)
+    results = run_plans([(plans[n], RunOptions(steps=2, warmup_steps=1, check=True, timeout_s=120)) for n in names], 2)
+    failures = {name: r.check for name, r in zip(names, results)
+                if not (r.check.passed and r.check.num_params_checked == r.check.num_params > 0)}
+    assert not failures, failures
