@@ -20,6 +20,8 @@ EDGES = os.path.join(HERE, "edge_models.py")
 sys.path.insert(0, HERE)
 import edge_models  # noqa: E402
 
+from test_runtime_units import one_rank_group  # noqa: E402,F401  (the fixture)
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -110,3 +112,50 @@ def test_edge_models_train_on_two_ranks_like_one_process():
     failures = {name: r.check for name, r in zip(names, results)
                 if not (r.check.passed and r.check.num_params_checked == r.check.num_params > 0)}
     assert not failures, failures
+
+
+# ------------------------------------------------------------ 5. checkpoints load into the plain module
+def test_a_pipeline_checkpoint_loads_into_the_plain_module(one_rank_group, tmp_path):
+    """``Pipeline.save`` after an SGD step holds every parameter and persistent buffer, the never-called
+    ``post_layernorm`` and the never-read buffer included, and the tied head of a GPT-style toy under the
+    embedding's name: ``load_into_module`` fills a fresh plain module with strict ``load_state_dict``, and it
+    computes what the pipeline computes."""
+    from graphpipe.capture import load_factory
+    from graphpipe.runtime.api import Pipeline
+    from graphpipe.runtime.checkpoint import checkpoint_layout, load_into_module
+    from graphpipe.cluster import preset
+    from graphpipe.plan import Plan
+    from graphpipe.sched import make_schedule
+    from test_real_models import TIED, TIED_STAGES, graph_of
+    from test_runtime_units import make_sg
+
+    cases = {"unused": (f"{EDGES}:unused", (["stem", "blocks.0"], ["blocks.1", "head"])),
+             "tied": (TIED, TIED_STAGES[:1] + (TIED_STAGES[1] + TIED_STAGES[2],))}
+    for name, (spec, groups) in cases.items():
+        graph = graph_of(spec)
+        sg = make_sg(graph, [tuple(graph.op_id(op) for op in g) for g in groups], [(0,), (0,)], [4, 4],
+                     edge_models.BATCH, 1, shared=True)
+        plan = Plan(model=spec, stage_graph=sg, cluster=preset("v100", 1), strategy="custom",
+                    schedule=make_schedule("gpipe", sg, preset("v100", 1)))
+        made = load_factory(spec)
+        pipe = Pipeline(plan, made.module, made.loss_fn)
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+        pipe.step(made.example_inputs)
+        opt.step()
+        pipe.save(tmp_path / name)
+        plain = load_factory(spec).module
+        with torch.no_grad():
+            for t in plain.state_dict(keep_vars=True).values():
+                t.zero_()  # nothing left from the factory's seed: every value comes from the checkpoint
+        load_into_module(plain, tmp_path / name)
+        for key, value in made.module.state_dict().items():  # the trained weights (the pipeline's own tensors)
+            torch.testing.assert_close(plain.state_dict()[key], value, msg=lambda m, k=key: f"{name} {key}: {m}")
+        trained = dict(pipe.named_parameters())
+        assert any(not torch.equal(trained[k], load_factory(spec).module.state_dict()[k]) for k in trained)
+        plain.eval(), made.module.eval()
+        args = made.example_inputs
+        torch.testing.assert_close(plain(*args), pipe.forward(args))
+        pipe.close()
+    saved = checkpoint_layout(tmp_path / "unused").shapes
+    assert {"model/post_layernorm.weight", "model/post_layernorm.bias", "buffer/unused_stat"} <= set(saved)
+    assert "buffer/cache" not in saved  # not persistent, and no stage holds it
