@@ -37,6 +37,10 @@ What :func:`export_model` does to the exported program, and why:
    string or ``None`` input (``output_hidden_states=True``) was specialized
    by export; its placeholder is replaced by the value, so stages are only
    ever handed tensors, and :class:`IOSpec` refuses other values in one line.
+7. **Keyword inputs through ``**kwargs``** (transformers 5's
+   ``output_hidden_states``, ``num_items_in_batch``) are bound as named
+   parameters of ``forward`` while exporting, since export cannot give a
+   var-keyword argument a dynamic batch.
 
 Example
 -------
@@ -460,6 +464,50 @@ def _set_submodule(root: nn.Module, path: str, module: nn.Module) -> None:
     parent.add_module(parts[-1], module) if parts[-1] not in parent._modules else setattr(parent, parts[-1], module)
 
 
+@contextlib.contextmanager
+def _keywords_bound(module: nn.Module, kwargs: Mapping[str, Any]):
+    """While exporting: ``module.forward`` with every keyword input that would land in its ``**kwargs`` bound as
+    a keyword parameter of its own (module docstring, 7).
+
+    ``torch.export`` cannot take ``dynamic_shapes`` for a var-keyword argument (it fails with "Must provide a
+    tree_name when there might be a mismatch"), and transformers 5 passes ``output_hidden_states``,
+    ``num_items_in_batch`` and the like through ``**kwargs``. The instance's ``forward`` is replaced by a
+    function with the same parameters plus those names (keyword-only) that calls the original; the module
+    itself, its parameter names and module paths are untouched, and the attribute is removed afterwards.
+    """
+    try:
+        sig = inspect.signature(module.forward)
+    except (TypeError, ValueError):
+        yield
+        return
+    params = list(sig.parameters.values())
+    if not any(p.kind is p.VAR_KEYWORD for p in params):
+        yield
+        return
+    named = {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    extra = [k for k in kwargs if k not in named]
+    if not extra:
+        yield
+        return
+    original = module.forward
+    fixed = [p for p in params if p.kind is not p.VAR_KEYWORD]
+    fixed += [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=None) for k in extra]
+
+    def forward(*args: Any, **kw: Any) -> Any:
+        return original(*args, **kw)
+
+    forward.__signature__ = sig.replace(parameters=fixed)  # type: ignore[attr-defined]
+    had = "forward" in module.__dict__
+    module.forward = forward
+    try:
+        yield
+    finally:
+        if had:
+            module.forward = original
+        else:
+            del module.forward
+
+
 def _dynamic_shapes(module: nn.Module, args: tuple, kwargs: dict, batch: Any = None) -> dict[str, Any]:
     """Dim 0 of every tensor input is the batch (one symbol for all; or ``batch``, :data:`torch.export.Dim.AUTO`)."""
     batch = torch.export.Dim("batch") if batch is None else batch
@@ -582,10 +630,17 @@ def export_model(module: nn.Module, example_inputs: Any, loss_fn: Callable[..., 
     ``loss_fn`` (with ``example_target`` when it takes one) lets outputs the
     loss never reads be dropped. The module may live on the meta device.
     """
-    import time
-
     args, kwargs = normalize_inputs(example_inputs)
     _check_batch_inputs(args, kwargs)
+    with _keywords_bound(module, kwargs):
+        return _export_bound(module, args, kwargs, loss_fn, example_target)
+
+
+def _export_bound(module: nn.Module, args: tuple, kwargs: dict, loss_fn: Callable[..., Any] | None,
+                  example_target: Any) -> Exported:
+    """:func:`export_model` once ``**kwargs`` inputs are bound (:func:`_keywords_bound`)."""
+    import time
+
     dynamic = _dynamic_shapes(module, args, kwargs)
     t0 = time.perf_counter()
     training = module.training

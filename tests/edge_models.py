@@ -101,3 +101,36 @@ class Unused(nn.Module):
 def unused():
     torch.manual_seed(0)
     return Unused(), (torch.randn(BATCH, 4),), lambda out: out.pow(2).mean()
+
+
+def gpt2_labels():
+    """Tiny GPT-2 as a Hugging Face user calls it: ``labels=`` (the loss computed inside forward) and
+    ``output_hidden_states=True``, which transformers 5 passes through ``**kwargs``."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
+                     attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    ids = torch.randint(0, 64, (BATCH, 8))
+    inputs = {"input_ids": ids, "labels": ids.clone(), "output_hidden_states": True}
+    return GPT2LMHeadModel(cfg), inputs, lambda out: out.loss + 0.01 * out.hidden_states[1].pow(2).mean()
+
+
+class VarKeywords(nn.Module):
+    """Keyword inputs that reach forward only through ``**kwargs`` (transformers 5's way): a tensor and a flag."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, **kwargs):
+        h = self.lin(x)
+        if kwargs.get("scale") is not None:
+            h = h * kwargs["scale"]
+        return (h, x) if kwargs.get("output_hidden_states") else (h,)
+
+
+def var_keywords():
+    torch.manual_seed(0)
+    inputs = {"x": torch.randn(BATCH, 4), "scale": torch.rand(BATCH, 1), "output_hidden_states": True}
+    return VarKeywords(), inputs, lambda out: out[0].pow(2).mean()

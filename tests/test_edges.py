@@ -56,6 +56,20 @@ def test_non_tensor_inputs_are_part_of_the_captured_program():
     assert "\n" not in str(info.value)
 
 
+# ------------------------------------------------------------ 2. keyword inputs through **kwargs
+def test_keyword_inputs_through_var_keywords_are_captured():
+    """A tensor and a flag that reach ``forward(x, **kwargs)`` only through ``**kwargs``: torch.export alone fails
+    on them ("Must provide a tree_name"); the capture binds them, takes the tensor as an input with a dynamic
+    batch, folds the flag, computes the eager output at another batch size, and leaves ``forward`` as it was."""
+    made, exported, _, (args, kwargs) = _eager_and_captured("var_keywords")
+    assert "forward" not in made.module.__dict__
+    assert exported.io.input_names == ("x", "scale")
+    assert [name for _, name, _ in exported.io.constants] == ["output_hidden_states"]
+    rows = {k: v[:3] if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}  # another batch size
+    got = exported.io.output(exported.gm(*exported.io.flat_inputs((), rows)))
+    torch.testing.assert_close(got[0], made.module(**rows)[0])
+
+
 # ------------------------------------------------------------ 4. in place on a received value
 def test_a_stage_mutating_a_received_value_in_place_clones_it_and_the_gradient_is_exact():
     """Stage 1 of ``in_place`` does ``h += pos`` and ``h[:, :2].mul_(0.5)`` on the ``h`` stage 0 sends: the stage
@@ -95,6 +109,9 @@ def _edge_plans() -> dict:
     return {
         "flagged": hand_built(f"{EDGES}:flagged", (["stem", "blocks.0"], ["blocks.1", "head", "join_outputs"]),
                               [(0,), (1,)], [2, 2], 2, "1f1b"),
+        "gpt2_labels": hand_built(f"{EDGES}:gpt2_labels", (["transformer.wte", "transformer.wpe", "transformer.h.0"],
+                                                           ["transformer.h.1", "lm_head", "join_outputs"]),
+                                  [(0,), (1,)], [4, 4], 2, "1f1b"),
         "in_place": hand_built(f"{EDGES}:in_place", (["stem"], ["blocks.0", "blocks.1", "head"]), [(0,), (1,)],
                                [2, 2], 2, "1f1b"),
     }
@@ -102,8 +119,9 @@ def _edge_plans() -> dict:
 
 @pytest.mark.slow
 def test_edge_models_train_on_two_ranks_like_one_process():
-    """``graphpipe run --check`` of each edge model over 2 ranks: constant inputs no longer reach a rank, an
-    in-place op on a received value trains, loss and every gradient equal one process for 2 steps."""
+    """``graphpipe run --check`` of each edge model over 2 ranks: constant inputs no longer reach a rank, a tiny
+    GPT-2 called with ``labels=`` and ``output_hidden_states=True`` (through ``**kwargs``) trains, an in-place op
+    on a received value trains; loss and every gradient equal one process for 2 steps."""
     from graphpipe.runtime import RunOptions, run_plans
 
     plans = _edge_plans()
