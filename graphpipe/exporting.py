@@ -41,6 +41,10 @@ What :func:`export_model` does to the exported program, and why:
    ``output_hidden_states``, ``num_items_in_batch``) are bound as named
    parameters of ``forward`` while exporting, since export cannot give a
    var-keyword argument a dynamic batch.
+8. **dtype-dependent constants.** Export runs at fp32; ``torch.finfo(float32)``
+   extremes a module's code took from its tensors' dtype are replaced by
+   bf16's (:func:`bf16_safe_constants`), so the program runs at fp32 and under
+   bf16 autocast alike, as the eager module does.
 
 Example
 -------
@@ -427,6 +431,43 @@ def _fold_constant_inputs(gm: fx.GraphModule, args: tuple, kwargs: dict) -> tupl
     return tuple(constants)
 
 
+_FP32_EXTREMES = {torch.finfo(torch.float32).max: torch.finfo(torch.bfloat16).max,
+                  torch.finfo(torch.float32).min: torch.finfo(torch.bfloat16).min}
+"""fp32's largest finite values -> bf16's (:func:`bf16_safe_constants`)."""
+
+
+def bf16_safe_constants(gm: fx.GraphModule) -> tuple[str, ...]:
+    """Replace, in every node's scalar arguments, ``torch.finfo(torch.float32).max`` / ``.min`` by bf16's; returns
+    the names of the nodes changed (module docstring, 8).
+
+    Capture runs the module at fp32, so code written against the tensor's dtype
+    (``torch.clamp(h, min=torch.finfo(h.dtype).min, max=torch.finfo(h.dtype).max)`` in DETR and T5, or
+    ``masked_fill(mask, torch.finfo(dtype).min)``) records fp32's extremes, which a bf16 tensor cannot hold: a
+    run under autocast fails with "value cannot be converted to type c10::BFloat16 without overflow" where
+    the eager module, seeing bf16, used bf16's. bf16's extremes are what eager code computes at bf16, and at
+    fp32 they differ from fp32's only for values beyond 3.39e38 (a clamp) or are equally -inf-like (a mask
+    filled before a softmax), so the one program runs at both precisions.
+    """
+    changed = []
+
+    def safe(value: Any) -> Any:
+        if isinstance(value, float) and value in _FP32_EXTREMES:
+            return _FP32_EXTREMES[value]
+        return value
+
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        args = pytree.tree_map(safe, node.args)
+        kwargs = pytree.tree_map(safe, node.kwargs)
+        if args != node.args or kwargs != node.kwargs:
+            node.args, node.kwargs = args, kwargs
+            changed.append(node.name)
+    if changed:
+        log.info("torch.finfo(float32) extremes made bf16-safe at %d node(s): %s", len(changed), ", ".join(changed[:5]))
+    return tuple(changed)
+
+
 def _leaf_name(path: tuple) -> str:
     """``flag`` for keyword input ``flag``, ``input 0`` for the first positional one, ``cfg['k']`` inside one."""
     where, first, *rest = path
@@ -677,6 +718,7 @@ def _export_bound(module: nn.Module, args: tuple, kwargs: dict, loss_fn: Callabl
     _histc_on_floats(gm)
     _use_module_names(gm, module)
     constants = _fold_constant_inputs(gm, args, kwargs)
+    bf16_safe_constants(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     input_names = tuple(n.name for n in placeholders)
     output = next(n for n in gm.graph.nodes if n.op == "output")

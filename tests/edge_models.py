@@ -134,3 +134,39 @@ def var_keywords():
     torch.manual_seed(0)
     inputs = {"x": torch.randn(BATCH, 4), "scale": torch.rand(BATCH, 1), "output_hidden_states": True}
     return VarKeywords(), inputs, lambda out: out[0].pow(2).mean()
+
+
+class ClampLayer(nn.Module):
+    """DETR's encoder layer's tail: a clamp to the range of the hidden states' own dtype, and an attention-like
+    score masked with that dtype's minimum."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+
+    def forward(self, h, mask):
+        scores = self.lin(h)
+        scores = scores.masked_fill(mask, torch.finfo(scores.dtype).min)
+        h = h + scores.softmax(-1)
+        clamp_value = torch.finfo(h.dtype).max - 1000
+        return torch.clamp(h, min=-clamp_value, max=clamp_value)
+
+
+class DtypeDependent(nn.Module):
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.stem = nn.Linear(4, dim)
+        self.layers = nn.ModuleList(ClampLayer(dim) for _ in range(2))
+        self.head = nn.Linear(dim, 2)
+
+    def forward(self, x, mask):
+        h = self.stem(x)
+        for layer in self.layers:
+            h = layer(h, mask)
+        return self.head(h)
+
+
+def dtype_dependent():
+    torch.manual_seed(0)
+    return (DtypeDependent(), (torch.randn(BATCH, 4), torch.rand(BATCH, 8) < 0.3),
+            lambda out: out.float().pow(2).mean())

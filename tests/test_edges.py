@@ -70,6 +70,33 @@ def test_keyword_inputs_through_var_keywords_are_captured():
     torch.testing.assert_close(got[0], made.module(**rows)[0])
 
 
+# ------------------------------------------------------------ 3. dtype-dependent code at bf16
+def test_dtype_dependent_constants_run_at_fp32_and_under_bf16_autocast():
+    """DETR's ``clamp(h, ±(finfo(h.dtype).max - 1000))`` and a ``masked_fill(mask, finfo(dtype).min)``: captured at
+    fp32, the graph holds bf16-safe extremes, so it runs under bf16 autocast (a bf16 tensor cannot take fp32's
+    extremes) and equals the eager module at both precisions; ``inspect`` says how the program was captured."""
+    from graphpipe.exporting import bf16_safe_constants
+
+    made, exported, _, (args, _) = _eager_and_captured("dtype_dependent")
+    gm = exported.gm
+    assert bf16_safe_constants(gm) == ()  # done at capture already
+    masked = [n for n in gm.graph.nodes if n.target is torch.ops.aten.masked_fill.Scalar]
+    assert masked and all(n.args[2] == torch.finfo(torch.bfloat16).min for n in masked)
+    torch.testing.assert_close(gm(*args)[0], made.module(*args))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, want = gm(*args)[0], made.module(*args)
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want)
+
+
+def test_inspect_says_at_which_precision_the_program_was_captured(capsys):
+    from graphpipe.cli import main
+
+    assert main(["inspect", f"{EDGES}:dtype_dependent"]) == 0
+    out = capsys.readouterr().out
+    assert "captured at fp32" in out and "bf16" in out
+
+
 # ------------------------------------------------------------ 4. in place on a received value
 def test_a_stage_mutating_a_received_value_in_place_clones_it_and_the_gradient_is_exact():
     """Stage 1 of ``in_place`` does ``h += pos`` and ``h[:, :2].mul_(0.5)`` on the ``h`` stage 0 sends: the stage
