@@ -170,3 +170,42 @@ def dtype_dependent():
     torch.manual_seed(0)
     return (DtypeDependent(), (torch.randn(BATCH, 4), torch.rand(BATCH, 8) < 0.3),
             lambda out: out.float().pow(2).mean())
+
+
+class GraphConv(nn.Module):
+    """A GCN layer on the nodes of every graph of the batch at once (torch_geometric's layout: ``(nodes, dim)``)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+
+    def forward(self, h, src, dst):
+        messages = self.lin(h)[src]
+        return torch.relu(torch.zeros_like(h).index_add(0, dst, messages) + h)
+
+
+class FoldedGNN(nn.Module):
+    """Batch folded into the node dimension: ``(batch, nodes, dim)`` -> ``(batch * nodes, dim)`` through two
+    graph convolutions and a linear head per node, then per-graph mean pooling: no value between the layers can
+    be cut into micro-batches, so capture merges them into one op."""
+
+    def __init__(self, nodes: int = 4, dim: int = 8) -> None:
+        super().__init__()
+        self.register_buffer("src", torch.tensor([0, 1, 2, 3, 1]), persistent=False)
+        self.register_buffer("dst", torch.tensor([1, 2, 3, 0, 3]), persistent=False)
+        self.convs = nn.ModuleList(GraphConv(dim) for _ in range(2))
+        self.lin = nn.Linear(dim, 2)
+
+    def forward(self, x):
+        b, n, d = x.shape
+        offsets = (torch.arange(b, device=x.device) * n)[:, None]
+        src, dst = (self.src[None] + offsets).reshape(-1), (self.dst[None] + offsets).reshape(-1)
+        h = x.reshape(b * n, d)
+        for conv in self.convs:
+            h = conv(h, src, dst)
+        return self.lin(h).reshape(b, n, -1).mean(1)  # the head per node, then per-graph mean pooling
+
+
+def folded_gnn():
+    torch.manual_seed(0)
+    return FoldedGNN(), (torch.randn(BATCH, 4, 8),), lambda out: out.pow(2).mean()

@@ -129,6 +129,20 @@ def test_a_stage_mutating_a_received_value_in_place_clones_it_and_the_gradient_i
         torch.testing.assert_close(grads[name], p.grad, msg=lambda m, n=name: f"{n}: {m}")
 
 
+# ------------------------------------------------------------ 8. a folded GNN's op name
+def test_a_gnn_with_its_batch_folded_into_the_nodes_is_one_op_named_after_its_modules():
+    """Every value between the convolutions and the head is ``(batch * nodes, dim)``: one op, named after the
+    modules it spans (``convs+lin``, kind ``folded``), not after its first member with kind ``glue``; MobileViT's
+    shape (blocks of ``mix`` on unfolded patches) is named after the module the blocks share."""
+    from graphpipe.capture import captured_from_factory
+
+    cap = captured_from_factory(f"{EDGES}:folded_gnn")
+    assert [(op.name, op.kind) for op in cap.graph.ops] == [("convs+lin", "folded")]
+    patches = captured_from_factory(os.path.join(HERE, "model_classes.py") + ":patches")
+    assert [(op.name, op.kind) for op in patches.graph.ops] == [
+        ("stem", "conv2d"), ("mix", "modulelist"), ("out", "conv2d"), ("head", "linear")]
+
+
 # ------------------------------------------------------------ multi-rank runs, one launched job
 def _edge_plans() -> dict:
     from test_real_models import hand_built
