@@ -247,3 +247,31 @@ def test_plan_and_simulate_print_one_prediction(tmp_path, capsys):
             assert figures.get("shared_params_allreduce_s") == charged, where
             split_ties += bool(charged)
     assert split_ties > 0
+
+
+# ------------------------------------------------------------ 7. memory estimates
+def test_a_rank_is_charged_a_second_copy_of_its_largest_ops_gradients():
+    """An embedding of 40 MB beside a 4 MB layer on rank 0, a 20 MB head on rank 1: each rank's estimate gains its
+    largest op's parameter bytes (the gradient autograd makes before adding it into ``.grad``), and the
+    launcher's host check counts it."""
+    from graphpipe.cluster import preset
+    from graphpipe.graph import Op, OpGraph
+    from graphpipe.plan import Plan
+    from graphpipe.runtime.memory import check_host_memory, rank_memory
+    from graphpipe.sched import make_schedule
+    from graphpipe.stages import Stage, StageGraph
+
+    g = OpGraph.build("lm", [Op("embed", "embedding", param_bytes=40e6), Op("layer", "linear", param_bytes=4e6),
+                             Op("head", "linear", param_bytes=20e6)], [("embed", "layer", 8.0), ("layer", "head", 8.0)])
+    sg = StageGraph.build(g, [Stage(0, (0, 1), (0,), 2), Stage(1, (2,), (1,), 2)], 4, 2)
+    plan = Plan(model="lm", stage_graph=sg, cluster=preset("v100", 2), strategy="custom",
+                schedule=make_schedule("1f1b", sg, preset("v100", 2)))
+    ranks = rank_memory(plan)
+    assert [r.transient_bytes for r in ranks] == [40e6, 20e6]
+    assert [r.state_bytes for r in ranks] == [88e6, 40e6]
+    for r in ranks:
+        assert r.total_bytes == r.state_bytes + r.activation_bytes + r.base_bytes + r.transient_bytes
+    need = sum(r.total_bytes for r in ranks)
+    assert check_host_memory(plan, available=need) == ranks
+    with pytest.raises(InputError):
+        check_host_memory(plan, available=need - 30e6)  # short of the transient gradients alone
