@@ -56,6 +56,49 @@ def test_non_tensor_inputs_are_part_of_the_captured_program():
     assert "\n" not in str(info.value)
 
 
+def test_pipeline_steps_a_model_with_non_tensor_inputs_and_refuses_another_value(one_rank_group):
+    """``Pipeline.step`` on the bool/int/str/None inputs (two stages on one rank): the loss and every gradient of
+    the eager module's micro-batched loop; a step with ``output_hidden_states=False`` is one-line InputError."""
+    from graphpipe.capture import load_factory
+    from graphpipe.runtime.api import Pipeline
+
+    made = load_factory(f"{EDGES}:flagged")
+    plan = _one_rank_plan(f"{EDGES}:flagged", (["stem", "blocks.0"], ["blocks.1", "head", "join_outputs"]))
+    eager = edge_models.flagged()[0]
+    eager.load_state_dict(made.module.state_dict())
+    pipe = Pipeline(plan, made.module, made.loss_fn)
+    loss = pipe.step(made.example_inputs)
+    inputs = made.example_inputs
+    ref = 0.0
+    for lo in range(0, edge_models.BATCH, 4):  # the plan's micro-batches of 4, each loss scaled by its share
+        part = {**inputs, "x": inputs["x"][lo:lo + 4]}
+        term = made.loss_fn(eager(**part)) * 0.5
+        term.backward()
+        ref += float(term)
+    torch.testing.assert_close(float(loss), ref)
+    grads = dict(eager.named_parameters())
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, msg=lambda m, n=name: f"{n}: {m}")
+    with pytest.raises(InputError, match="input 'output_hidden_states' is False") as info:
+        pipe.step({**inputs, "output_hidden_states": False})
+    assert "\n" not in str(info.value)
+    pipe.close()
+
+
+def _one_rank_plan(spec: str, groups):
+    from graphpipe.cluster import preset
+    from graphpipe.plan import Plan
+    from graphpipe.sched import make_schedule
+    from test_real_models import graph_of
+    from test_runtime_units import make_sg
+
+    graph = graph_of(spec)
+    sg = make_sg(graph, [tuple(graph.op_id(op) for op in g) for g in groups], [(0,)] * len(groups),
+                 [4] * len(groups), edge_models.BATCH, 1, shared=True)
+    return Plan(model=spec, stage_graph=sg, cluster=preset("v100", 1), strategy="custom",
+                schedule=make_schedule("gpipe", sg, preset("v100", 1)))
+
+
 # ------------------------------------------------------------ 2. keyword inputs through **kwargs
 def test_keyword_inputs_through_var_keywords_are_captured():
     """A tensor and a flag that reach ``forward(x, **kwargs)`` only through ``**kwargs``: torch.export alone fails
@@ -182,20 +225,12 @@ def test_a_pipeline_checkpoint_loads_into_the_plain_module(one_rank_group, tmp_p
     from graphpipe.capture import load_factory
     from graphpipe.runtime.api import Pipeline
     from graphpipe.runtime.checkpoint import checkpoint_layout, load_into_module
-    from graphpipe.cluster import preset
-    from graphpipe.plan import Plan
-    from graphpipe.sched import make_schedule
-    from test_real_models import TIED, TIED_STAGES, graph_of
-    from test_runtime_units import make_sg
+    from test_real_models import TIED, TIED_STAGES
 
     cases = {"unused": (f"{EDGES}:unused", (["stem", "blocks.0"], ["blocks.1", "head"])),
              "tied": (TIED, TIED_STAGES[:1] + (TIED_STAGES[1] + TIED_STAGES[2],))}
     for name, (spec, groups) in cases.items():
-        graph = graph_of(spec)
-        sg = make_sg(graph, [tuple(graph.op_id(op) for op in g) for g in groups], [(0,), (0,)], [4, 4],
-                     edge_models.BATCH, 1, shared=True)
-        plan = Plan(model=spec, stage_graph=sg, cluster=preset("v100", 1), strategy="custom",
-                    schedule=make_schedule("gpipe", sg, preset("v100", 1)))
+        plan = _one_rank_plan(spec, groups)
         made = load_factory(spec)
         pipe = Pipeline(plan, made.module, made.loss_fn)
         opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
