@@ -266,10 +266,12 @@ def test_plan_and_simulate_print_one_prediction(tmp_path, capsys):
     from graphpipe.plan import write_plan
     from test_real_models import TIED, planned
 
-    models = ["mmt:small", "transformer:small", TIED, os.path.join(HERE, "hf_models.py") + ":llama"]
+    every = (("gpp", 4), ("pipedream", 3), ("gpipe", 3), ("piper", 2))
+    models = {"mmt:small": every[:2], "transformer:small": every[2:], TIED: every,
+              os.path.join(HERE, "hf_models.py") + ":llama": every}
     split_ties = 0
-    for spec in models:
-        for strategy, devices in (("gpp", 4), ("pipedream", 3), ("gpipe", 3), ("piper", 2)):
+    for spec, strategies in models.items():
+        for strategy, devices in strategies:
             plan = planned(spec, strategy, devices)
             path = str(tmp_path / "plan.json")
             write_plan(path, plan)
