@@ -40,10 +40,10 @@ What :func:`export_model` does to the exported program, and why:
 7. **Keyword inputs through ``**kwargs``** (transformers 5's
    ``output_hidden_states``, ``num_items_in_batch``) are bound as named
    parameters of ``forward`` while exporting, since export cannot give a
-   var-keyword argument a dynamic batch.
+   var-keyword argument a dynamic batch (:mod:`graphpipe.export_inputs`).
 8. **dtype-dependent constants.** Export runs at fp32; ``torch.finfo(float32)``
    extremes a module's code took from its tensors' dtype are replaced by
-   bf16's (:func:`bf16_safe_constants`), so the program runs at fp32 and under
+   bf16's (:func:`graphpipe.export_inputs.bf16_safe_constants`), so the program runs at fp32 and under
    bf16 autocast alike, as the eager module does.
 
 Example
@@ -76,6 +76,7 @@ from torch.utils import _pytree as pytree
 
 from graphpipe.capture_refusals import BatchFixedAt, BatchFixedError, CustomBackwards, refuse_vmap
 from graphpipe.errors import InputError, UserCodeError
+from graphpipe.export_inputs import bf16_safe_constants, fold_constant_inputs, keywords_bound, same_constant
 
 __all__ = ["IOSpec", "Exported", "export_model", "module_path", "module_stack", "replicable_nodes",
            "replicate_input_glue", "normalize_inputs", "deliver_target", "join_outputs"]
@@ -334,7 +335,7 @@ class IOSpec:
             raise InputError(f"inputs do not have the structure the model was captured with ({self.in_spec}); got {spec}")
         if self.constants:
             for pos, name, value in self.constants:
-                if not _same_constant(leaves[pos], value):
+                if not same_constant(leaves[pos], value):
                     raise InputError(f"input {name!r} is {leaves[pos]!r}, but the model was captured with {value!r}, "
                                      "which is part of the captured program: capture with the value you run with "
                                      "(the factory's example inputs)")
@@ -400,81 +401,6 @@ class Exported:
     seconds: float = 0.0
 
 
-def _same_constant(given: Any, captured: Any) -> bool:
-    try:
-        return type(given) is type(captured) and bool(given == captured)
-    except Exception:  # noqa: BLE001 - a value without a plain equality: the same object only
-        return given is captured
-
-
-def _fold_constant_inputs(gm: fx.GraphModule, args: tuple, kwargs: dict) -> tuple[tuple[int, str, Any], ...]:
-    """Take the non-tensor input leaves out of the graph's inputs (module docstring, 6).
-
-    Non-strict export specializes the program to the example's ``bool``/``int``/``str``/``None`` inputs (a
-    branch on ``output_hidden_states`` is taken once), yet keeps a placeholder for each; a stage would then be
-    handed a Python value as if it were a tensor. Each such placeholder is replaced by its value in any node
-    reading it and removed. Returns ``(leaf position, input name, value)`` of each, for :class:`IOSpec`.
-    """
-    with_paths, _ = pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    if len(placeholders) != len(with_paths):  # not one placeholder per leaf: leave the graph as export made it
-        return ()
-    constants = []
-    for pos, ((path, value), node) in enumerate(zip(with_paths, placeholders)):
-        if isinstance(value, torch.Tensor):
-            continue
-        for user in list(node.users):
-            user.args = fx.node.map_arg(user.args, lambda a, node=node, value=value: value if a is node else a)
-            user.kwargs = fx.node.map_arg(user.kwargs, lambda a, node=node, value=value: value if a is node else a)
-        gm.graph.erase_node(node)
-        constants.append((pos, _leaf_name(path), value))
-    return tuple(constants)
-
-
-_FP32_EXTREMES = {torch.finfo(torch.float32).max: torch.finfo(torch.bfloat16).max,
-                  torch.finfo(torch.float32).min: torch.finfo(torch.bfloat16).min}
-"""fp32's largest finite values -> bf16's (:func:`bf16_safe_constants`)."""
-
-
-def bf16_safe_constants(gm: fx.GraphModule) -> tuple[str, ...]:
-    """Replace, in every node's scalar arguments, ``torch.finfo(torch.float32).max`` / ``.min`` by bf16's; returns
-    the names of the nodes changed (module docstring, 8).
-
-    Capture runs the module at fp32, so code written against the tensor's dtype
-    (``torch.clamp(h, min=torch.finfo(h.dtype).min, max=torch.finfo(h.dtype).max)`` in DETR and T5, or
-    ``masked_fill(mask, torch.finfo(dtype).min)``) records fp32's extremes, which a bf16 tensor cannot hold: a
-    run under autocast fails with "value cannot be converted to type c10::BFloat16 without overflow" where
-    the eager module, seeing bf16, used bf16's. bf16's extremes are what eager code computes at bf16, and at
-    fp32 they differ from fp32's only for values beyond 3.39e38 (a clamp) or are equally -inf-like (a mask
-    filled before a softmax), so the one program runs at both precisions.
-    """
-    changed = []
-
-    def safe(value: Any) -> Any:
-        if isinstance(value, float) and value in _FP32_EXTREMES:
-            return _FP32_EXTREMES[value]
-        return value
-
-    for node in gm.graph.nodes:
-        if node.op != "call_function":
-            continue
-        args = pytree.tree_map(safe, node.args)
-        kwargs = pytree.tree_map(safe, node.kwargs)
-        if args != node.args or kwargs != node.kwargs:
-            node.args, node.kwargs = args, kwargs
-            changed.append(node.name)
-    if changed:
-        log.info("torch.finfo(float32) extremes made bf16-safe at %d node(s): %s", len(changed), ", ".join(changed[:5]))
-    return tuple(changed)
-
-
-def _leaf_name(path: tuple) -> str:
-    """``flag`` for keyword input ``flag``, ``input 0`` for the first positional one, ``cfg['k']`` inside one."""
-    where, first, *rest = path
-    head = f"input {first.idx}" if where.idx == 0 else str(first.key)
-    return head + "".join(str(k) for k in rest)
-
-
 # ------------------------------------------------------------------ helpers
 def module_stack(node: fx.Node) -> list[tuple[str, str, type | str]]:
     """``(key, path, type)`` of every module a node was called inside, outermost first (root excluded)."""
@@ -503,50 +429,6 @@ def _set_submodule(root: nn.Module, path: str, module: nn.Module) -> None:
             parent.add_module(part, child)
         parent = child
     parent.add_module(parts[-1], module) if parts[-1] not in parent._modules else setattr(parent, parts[-1], module)
-
-
-@contextlib.contextmanager
-def _keywords_bound(module: nn.Module, kwargs: Mapping[str, Any]):
-    """While exporting: ``module.forward`` with every keyword input that would land in its ``**kwargs`` bound as
-    a keyword parameter of its own (module docstring, 7).
-
-    ``torch.export`` cannot take ``dynamic_shapes`` for a var-keyword argument (it fails with "Must provide a
-    tree_name when there might be a mismatch"), and transformers 5 passes ``output_hidden_states``,
-    ``num_items_in_batch`` and the like through ``**kwargs``. The instance's ``forward`` is replaced by a
-    function with the same parameters plus those names (keyword-only) that calls the original; the module
-    itself, its parameter names and module paths are untouched, and the attribute is removed afterwards.
-    """
-    try:
-        sig = inspect.signature(module.forward)
-    except (TypeError, ValueError):
-        yield
-        return
-    params = list(sig.parameters.values())
-    if not any(p.kind is p.VAR_KEYWORD for p in params):
-        yield
-        return
-    named = {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
-    extra = [k for k in kwargs if k not in named]
-    if not extra:
-        yield
-        return
-    original = module.forward
-    fixed = [p for p in params if p.kind is not p.VAR_KEYWORD]
-    fixed += [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=None) for k in extra]
-
-    def forward(*args: Any, **kw: Any) -> Any:
-        return original(*args, **kw)
-
-    forward.__signature__ = sig.replace(parameters=fixed)  # type: ignore[attr-defined]
-    had = "forward" in module.__dict__
-    module.forward = forward
-    try:
-        yield
-    finally:
-        if had:
-            module.forward = original
-        else:
-            del module.forward
 
 
 def _dynamic_shapes(module: nn.Module, args: tuple, kwargs: dict, batch: Any = None) -> dict[str, Any]:
@@ -673,13 +555,13 @@ def export_model(module: nn.Module, example_inputs: Any, loss_fn: Callable[..., 
     """
     args, kwargs = normalize_inputs(example_inputs)
     _check_batch_inputs(args, kwargs)
-    with _keywords_bound(module, kwargs):
+    with keywords_bound(module, kwargs):
         return _export_bound(module, args, kwargs, loss_fn, example_target)
 
 
 def _export_bound(module: nn.Module, args: tuple, kwargs: dict, loss_fn: Callable[..., Any] | None,
                   example_target: Any) -> Exported:
-    """:func:`export_model` once ``**kwargs`` inputs are bound (:func:`_keywords_bound`)."""
+    """:func:`export_model` once ``**kwargs`` inputs are bound (:func:`~graphpipe.export_inputs.keywords_bound`)."""
     import time
 
     dynamic = _dynamic_shapes(module, args, kwargs)
@@ -717,7 +599,7 @@ def _export_bound(module: nn.Module, args: tuple, kwargs: dict, loss_fn: Callabl
     _drop_guards(gm)
     _histc_on_floats(gm)
     _use_module_names(gm, module)
-    constants = _fold_constant_inputs(gm, args, kwargs)
+    constants = fold_constant_inputs(gm, args, kwargs)
     bf16_safe_constants(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     input_names = tuple(n.name for n in placeholders)

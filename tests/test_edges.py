@@ -118,7 +118,7 @@ def test_dtype_dependent_constants_run_at_fp32_and_under_bf16_autocast():
     """DETR's ``clamp(h, ±(finfo(h.dtype).max - 1000))`` and a ``masked_fill(mask, finfo(dtype).min)``: captured at
     fp32, the graph holds bf16-safe extremes, so it runs under bf16 autocast (a bf16 tensor cannot take fp32's
     extremes) and equals the eager module at both precisions; ``inspect`` says how the program was captured."""
-    from graphpipe.exporting import bf16_safe_constants
+    from graphpipe.export_inputs import bf16_safe_constants
 
     made, exported, _, (args, _) = _eager_and_captured("dtype_dependent")
     gm = exported.gm
