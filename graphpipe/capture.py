@@ -762,7 +762,7 @@ def capture(module: nn.Module, example_inputs: Any, name: str | None = None,
                     crossing.add((src.name, op_name))  # a value read by several nodes of the op crosses once
                     edge_bytes[(src_op, op_name)] = edge_bytes.get((src_op, op_name), 0.0) + costs[src.name].out_bytes / batch
                     incoming.setdefault((src_op, op_name), {}).update(costs[src.name].outputs)
-        ops.append(Op(op_name, _kind(modules, paths.get(op_name, "")),
+        ops.append(Op(op_name, _kind(modules, paths.get(op_name, ""), op_name),
                       fwd=Affine(device.op_overhead_s, flops / rate),
                       bwd=Affine(2 * device.op_overhead_s, 2 * flops / rate),
                       param_bytes=params, act_bytes=act, out_bytes=out))
@@ -833,10 +833,11 @@ def _node_params(gm: fx.GraphModule, node: fx.Node) -> list[nn.Parameter]:
     return found
 
 
-def _kind(modules: _Modules, path: str) -> str:
-    """A zoo Layer's ``kind``, else the unit module's class name in lower case; ``glue`` for glue ops."""
+def _kind(modules: _Modules, path: str, name: str = "") -> str:
+    """A zoo Layer's ``kind``, else the unit module's class name in lower case; ``folded`` for ops merged across
+    top-level modules (``convs+lin``, :func:`graphpipe.folded.merge_folded_ops`); ``glue`` for glue ops."""
     if not path:
-        return "glue"
+        return "folded" if "+" in name else "glue"
     module = modules.get(path)
     if module is None:
         return "glue"

@@ -33,6 +33,18 @@ What :func:`export_model` does to the exported program, and why:
    its own copy, so no integer or mask ever has to cross a stage boundary.
 5. Export's run-time guard (``_guards_fn``) and metadata assertions are
    removed: a stage legitimately runs at another batch size than the example.
+6. **Constant inputs are part of the program.** A ``bool``, ``int``,
+   string or ``None`` input (``output_hidden_states=True``) was specialized
+   by export; its placeholder is replaced by the value, so stages are only
+   ever handed tensors, and :class:`IOSpec` refuses other values in one line.
+7. **Keyword inputs through ``**kwargs``** (transformers 5's
+   ``output_hidden_states``, ``num_items_in_batch``) are bound as named
+   parameters of ``forward`` while exporting, since export cannot give a
+   var-keyword argument a dynamic batch (:mod:`graphpipe.export_inputs`).
+8. **dtype-dependent constants.** Export runs at fp32; ``torch.finfo(float32)``
+   extremes a module's code took from its tensors' dtype are replaced by
+   bf16's (:func:`graphpipe.export_inputs.bf16_safe_constants`), so the program runs at fp32 and under
+   bf16 autocast alike, as the eager module does.
 
 Example
 -------
@@ -64,6 +76,7 @@ from torch.utils import _pytree as pytree
 
 from graphpipe.capture_refusals import BatchFixedAt, BatchFixedError, CustomBackwards, refuse_vmap
 from graphpipe.errors import InputError, UserCodeError
+from graphpipe.export_inputs import bf16_safe_constants, fold_constant_inputs, keywords_bound, same_constant
 
 __all__ = ["IOSpec", "Exported", "export_model", "module_path", "module_stack", "replicable_nodes",
            "replicate_input_glue", "normalize_inputs", "deliver_target", "join_outputs"]
@@ -304,13 +317,30 @@ class IOSpec:
     kept: tuple[int, ...]
     target_spec: pytree.TreeSpec | None = None
     num_target_leaves: int = 0
+    constants: tuple[tuple[int, str, Any], ...] = ()
+    """``(leaf position in in_spec, input name, value)`` of every non-tensor input leaf (a ``bool`` flag, an int,
+    a string, ``None``): export specialized the program to these values, so they are part of the graph, not
+    graph inputs; :meth:`flat_inputs` checks a caller passes the same ones."""
+
+    @property
+    def num_inputs(self) -> int:
+        """How many of the graph's positional arguments are model inputs (the target's leaves follow them)."""
+        return self.in_spec.num_leaves - len(self.constants)
 
     def flat_inputs(self, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None,
                     target: Any = None) -> tuple[Any, ...]:
-        """The graph's positional arguments for these inputs (and target)."""
+        """The graph's positional arguments for these inputs (and target): the tensor leaves, constants dropped."""
         leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs or {})))
         if spec != self.in_spec:
             raise InputError(f"inputs do not have the structure the model was captured with ({self.in_spec}); got {spec}")
+        if self.constants:
+            for pos, name, value in self.constants:
+                if not same_constant(leaves[pos], value):
+                    raise InputError(f"input {name!r} is {leaves[pos]!r}, but the model was captured with {value!r}, "
+                                     "which is part of the captured program: capture with the value you run with "
+                                     "(the factory's example inputs)")
+            dropped = {pos for pos, _, _ in self.constants}
+            leaves = [x for i, x in enumerate(leaves) if i not in dropped]
         if self.target_spec is not None:
             t_leaves, t_spec = pytree.tree_flatten(target)
             if t_spec != self.target_spec:
@@ -336,7 +366,10 @@ class IOSpec:
         """``(args, kwargs, target)`` from the graph's positional arguments: the inverse of :meth:`flat_inputs`,
         to call the eager module on the data the graph runs on."""
         n = len(flat) - self.num_target_leaves
-        args, kwargs = pytree.tree_unflatten(list(flat[:n]), self.in_spec)
+        leaves = list(flat[:n])
+        for pos, _, value in self.constants:  # in increasing position order: each lands where it was
+            leaves.insert(pos, value)
+        args, kwargs = pytree.tree_unflatten(leaves, self.in_spec)
         target = pytree.tree_unflatten(list(flat[n:]), self.target_spec) if self.target_spec is not None else None
         return tuple(args), dict(kwargs), target
 
@@ -520,10 +553,17 @@ def export_model(module: nn.Module, example_inputs: Any, loss_fn: Callable[..., 
     ``loss_fn`` (with ``example_target`` when it takes one) lets outputs the
     loss never reads be dropped. The module may live on the meta device.
     """
-    import time
-
     args, kwargs = normalize_inputs(example_inputs)
     _check_batch_inputs(args, kwargs)
+    with keywords_bound(module, kwargs):
+        return _export_bound(module, args, kwargs, loss_fn, example_target)
+
+
+def _export_bound(module: nn.Module, args: tuple, kwargs: dict, loss_fn: Callable[..., Any] | None,
+                  example_target: Any) -> Exported:
+    """:func:`export_model` once ``**kwargs`` inputs are bound (:func:`~graphpipe.export_inputs.keywords_bound`)."""
+    import time
+
     dynamic = _dynamic_shapes(module, args, kwargs)
     t0 = time.perf_counter()
     training = module.training
@@ -559,6 +599,8 @@ def export_model(module: nn.Module, example_inputs: Any, loss_fn: Callable[..., 
     _drop_guards(gm)
     _histc_on_floats(gm)
     _use_module_names(gm, module)
+    constants = fold_constant_inputs(gm, args, kwargs)
+    bf16_safe_constants(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     input_names = tuple(n.name for n in placeholders)
     output = next(n for n in gm.graph.nodes if n.op == "output")
@@ -584,7 +626,7 @@ def export_model(module: nn.Module, example_inputs: Any, loss_fn: Callable[..., 
     gm.graph.lint()
     # a plain GraphModule over the same tensors (export's module refuses train()/eval())
     gm = fx.GraphModule(gm, gm.graph, class_name=type(module).__name__)
-    io = IOSpec(in_spec, input_names, out_spec, tuple(kept), target_spec, num_target)
+    io = IOSpec(in_spec, input_names, out_spec, tuple(kept), target_spec, num_target, constants)
     return Exported(gm, io, seconds)
 
 

@@ -61,10 +61,10 @@ def merge_folded_ops(nodes: Sequence[fx.Node], owner: MutableMapping[fx.Node, st
                      path_of: MutableMapping[str, str], batch: str | None) -> dict[str, tuple[str, ...]]:
     """Merge every two ops a non-:func:`splittable` value joins, and the ops on paths between them, in place.
 
-    ``nodes`` in graph (topological) order. A merged op takes the name of
-    its member whose first node comes first and the module path the
-    members share (dot-wise common prefix). Returns merged op -> the ops it
-    absorbed (empty when no value needed it: the common case).
+    ``nodes`` in graph (topological) order. A merged op takes the module
+    path the members share (dot-wise common prefix) and is named after what
+    it is (:func:`_merged_name`). Returns merged op -> the ops it absorbed
+    (empty when no value needed it: the common case).
     """
     import networkx as nx
 
@@ -109,7 +109,7 @@ def merge_folded_ops(nodes: Sequence[fx.Node], owner: MutableMapping[fx.Node, st
     for n in nodes:
         if n in owner:
             owner[n] = find(owner[n])
-    out = {}
+    out, renamed = {}, {}
     for root, members in groups.items():
         if len(members) > 1:
             paths = [path_of[m].split(".") for m in members if path_of.get(m)]  # glue ops have no path
@@ -118,6 +118,31 @@ def merge_folded_ops(nodes: Sequence[fx.Node], owner: MutableMapping[fx.Node, st
                 if len(set(parts)) > 1:
                     break
                 common.append(parts[0])
-            path_of[root] = ".".join(common)
-            out[root] = tuple(m for m in members if m != root)
+            name = _merged_name(".".join(common), paths, root, (set(path_of) - set(members)) | set(renamed.values()))
+            path_of[name] = ".".join(common)
+            if name != root:
+                renamed[root] = name
+                path_of.pop(root, None)
+            out[name] = tuple(m for m in members if m != name)
+    if renamed:
+        for n in nodes:
+            if owner.get(n) in renamed:
+                owner[n] = renamed[owner[n]]
     return out
+
+
+def _merged_name(common: str, paths: list[list[str]], first: str, taken: set[str]) -> str:
+    """A merged op's name: what it is (issue 65), not its first member's.
+
+    The module its members share (``mix`` for MobileViT's ``mix.0``, ``mix.1`` and the unfold/fold glue around
+    them); when they share none (a GNN whose batch is folded into the node dimension merges its ``convs.*`` and
+    its head), the top-level modules it spans joined by ``+`` (``convs+lin``: a character no module path or fx
+    node name has, so :func:`graphpipe.capture.capture` gives such an op the kind ``folded``); the first
+    member's name when it has no module at all, or when the name is taken.
+    """
+    if common:
+        name = common
+    else:
+        tops = list(dict.fromkeys(p[0] for p in paths))
+        name = "+".join(tops) if len(tops) > 1 else (tops[0] if tops else first)
+    return name if name not in taken else first

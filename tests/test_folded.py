@@ -54,8 +54,8 @@ def test_capture_lets_cross_exactly_the_values_the_runtime_can_split(monkeypatch
     assert all(splittable(node.meta["val"], capture._batch_symbol(seq_first.gm)) for node in crossing)
     boundary_meta(seq_first.gm, [n.name for n in crossing], seq_first.make_inputs)  # nothing refused
     merged = build_runnable(PATCHES)
-    assert list(merged.op_nodes) == ["stem", "mix.0", "out", "head"]  # mix.1 joined mix.0
-    ours, theirs = set(merged.op_nodes["mix.0"]), set(unmerged.op_nodes["mix.0"]) | set(unmerged.op_nodes["mix.1"])
+    assert list(merged.op_nodes) == ["stem", "mix", "out", "head"]  # mix.0 and mix.1, named after their module
+    ours, theirs = set(merged.op_nodes["mix"]), set(unmerged.op_nodes["mix.0"]) | set(unmerged.op_nodes["mix.1"])
     assert ours <= theirs and all(n.startswith("sym_size") for n in theirs - ours)  # one copy of the input glue
     boundary_meta(merged.gm, [n.name for n in _crossing(merged)], merged.make_inputs)  # nothing refused
 
@@ -111,8 +111,8 @@ def test_merging_two_ops_also_merges_the_op_on_a_path_between_them():
     from graphpipe.capture import capture
 
     cap = capture(_Cycle(), (torch.randn(3, 8),), name="cycle", loss_fn=lambda out: out.pow(2).mean())
-    assert [op.name for op in cap.graph.ops] == ["blocks.0"]
-    assert cap.paths == {"blocks.0": "blocks"}
+    assert [op.name for op in cap.graph.ops] == ["blocks"]  # named after the module its members share
+    assert cap.paths == {"blocks": "blocks"}
 
 
 def test_a_sequence_first_value_crosses_batch_major_and_comes_back_as_the_stage_computed_it():

@@ -50,4 +50,9 @@ def to_async(plan, args, host=None):
 
     spec = async_spec_for(args.schedule.lower(), plan.stage_graph, args.vertical_sync, args.update_every,
                           stash=not args.no_stash)
-    return with_async(plan, spec, host)
+    from dataclasses import replace
+
+    from graphpipe.search.tied import charge_plan
+
+    planned = with_async(plan, spec, host)
+    return replace(planned, predicted=charge_plan(planned.predicted, planned))  # the tied-weight all-reduce too

@@ -106,6 +106,12 @@ def _table(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+CAPTURE_PRECISION_NOTE = ("captured at fp32 (torch.export runs the module's code once, at fp32); the same program "
+                          "runs at bf16 under autocast, with torch.finfo(float32) extremes the code took from a "
+                          "tensor's dtype replaced by bf16's (graphpipe.exporting.bf16_safe_constants)")
+"""What ``inspect`` says about the precision a captured module's program was traced at (issue 65)."""
+
+
 def run(args) -> int:
     from graphpipe.cluster import load_cluster
 
@@ -114,6 +120,9 @@ def run(args) -> int:
                         precision=args.precision or "fp32", granularity=args.granularity)
     summary = inspect_summary(source.graph)
     summary = {"model_id": source.model_id, "source": source.kind, **summary}
+    if source.kind in ("factory", "zoo"):  # a module captured here: the precision its program was traced at
+        summary["notes"] = [CAPTURE_PRECISION_NOTE + (f"; activation bytes measured at {args.precision}"
+                                                      if args.precision == "bf16" else "")]
     if source.kind == "pipedream":
         from graphpipe.importers.pipedream_txt import read_zeroed_inputs
 

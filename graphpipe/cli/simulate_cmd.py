@@ -125,6 +125,9 @@ def _run(args) -> int:
         timeline = simulate(stream_graph(plan.stage_graph, 2), stream_schedule(plan.stage_graph, spec.name, 2),
                             plan.cluster, host=host)
         figures = async_figures(plan.stage_graph, plan.cluster, spec, host=host)
+    from graphpipe.search.tied import charge_plan
+
+    figures = charge_plan(figures, plan)  # tied weights split over stages: as graphpipe plan predicts (issue 65)
     if args.trace:
         from graphpipe.sched.trace import write_trace
 

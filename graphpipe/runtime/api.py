@@ -288,6 +288,7 @@ class Pipeline:
         rank; its tensors are put back in the new stage modules, so an
         optimizer built on :meth:`parameters` goes on stepping the ones that train.
         """
+        from graphpipe.runtime.checkpoint import unused_state
         from graphpipe.runtime.materialize import materialize_stages
         from graphpipe.runtime.stage_modules import boundary_meta, check_op_names, split_model
         from graphpipe.runtime.setup import setup_rank
@@ -308,6 +309,8 @@ class Pipeline:
         self._stage_sources = dict(enumerate(split.programs)) if self.rank == 0 else mine
         if any(stage.parallel for stage in sg.stages):
             self._receive_rank0_weights()  # FSDP and TP stages shard their weights in the set-up: whole ones first
+        # the tensors no stage holds (unused by forward), which rank 0 saves so a checkpoint is whole
+        self._unused_state = unused_state(model, split.programs) if self.rank == 0 else {}
         self._setup = setup_rank(self.rank, self.world_size, self.plan, split, meta, loss_fn, self.device,
                                  self.backend, timeout_s=self.timeout_s, seed=self.seed, batchnorm=self._batchnorm,
                                  fault=fault, measure=measure, compile=self._compile, model=model)
@@ -596,6 +599,7 @@ class Pipeline:
             for name, b in prog.module.named_buffers():
                 if self._setup.buffer_stage.get(name) == s:
                     state[f"buffer/{name}"] = b
+        state.update(getattr(self, "_unused_state", {}))  # rank 0: the whole model's unused tensors (issue 65)
         return state
 
     def close(self) -> None:

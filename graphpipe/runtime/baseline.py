@@ -84,7 +84,7 @@ def torch_refusal(plan: Plan, split: ModelSplit | None = None, io=None) -> str |
         return (f"stage {wrong[0]} is on device {sg.stages[wrong[0]].devices[0]}, but torch places stage i on rank "
                 f"{'i mod ranks' if name == 'interleaved' else 'i'}")
     if split is not None:
-        num_inputs = io.in_spec.num_leaves if io is not None else None  # the target's leaves follow the inputs
+        num_inputs = io.num_inputs if io is not None else None  # the target's leaves follow the inputs
         if io is not None and io.num_target_leaves > 1:
             return f"the loss target has {io.num_target_leaves} tensors; torch's schedules split one target tensor"
         late = [p.stage_id for p in split.programs if p.stage_id != 0
@@ -176,7 +176,7 @@ class TorchEngine:
         check_op_names([op.name for op in sg.graph.ops], runnable.op_names, plan.model)
         split = split_model(runnable.gm, runnable.op_nodes, sg)
         check_torch_expressible(plan, split, runnable.io)
-        self.num_inputs, num_outputs = runnable.io.in_spec.num_leaves, len(runnable.io.kept)
+        self.num_inputs, num_outputs = runnable.io.num_inputs, len(runnable.io.kept)
         materialize_stages(runnable.module, {s: split.programs[s] for s in my_stages}, device, options.seed,
                            runnable.initial)
         loss_fn, self.make_inputs = runnable.loss_fn, runnable.make_inputs

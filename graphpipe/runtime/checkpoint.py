@@ -14,6 +14,11 @@ the tensors asked for (the others are never loaded into memory):
 
 What is missing or has another shape is named in one
 :class:`~graphpipe.errors.InputError`, before anything is overwritten.
+
+A Pipeline checkpoint holds every parameter and persistent buffer of the
+model, those no stage computes with included (a VLM's unused
+``post_layernorm``: :func:`unused_state`, written by rank 0), so
+:func:`load_into_module` fills a plain, single-process copy of the model.
 """
 
 from __future__ import annotations
@@ -21,13 +26,14 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import torch
+import torch.nn as nn
 
 from graphpipe.errors import InputError, some
 
-__all__ = ["CheckpointLayout", "checkpoint_layout", "read_tensors"]
+__all__ = ["CheckpointLayout", "checkpoint_layout", "read_tensors", "unused_state", "load_into_module"]
 
 _HF_INDEX = "model.safetensors.index.json"
 
@@ -145,3 +151,53 @@ def _copy_whole(t: torch.Tensor, whole: torch.Tensor) -> None:
         local.copy_(piece)
     else:
         t.copy_(whole)
+def unused_state(model: nn.Module | None, programs: Iterable) -> dict[str, torch.Tensor]:
+    """``model/NAME`` and ``buffer/NAME`` of the model's parameters and persistent buffers no stage program holds
+    (the forward never reads them), from ``model``'s own tensors: what :meth:`graphpipe.Pipeline.state_dict`
+    adds on rank 0 so a checkpoint has the whole model. Tensors on the meta device (a model built without
+    weights) have no values and are left out; ``model=None`` gives nothing.
+    """
+    if model is None:
+        return {}
+    held_params, held_buffers = set(), set()
+    for prog in programs:
+        held_params.update(prog.param_names.get(n, n) for n, _ in prog.module.named_parameters())
+        held_buffers.update(n for n, _ in prog.module.named_buffers())
+    out: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters():
+        if name not in held_params and p.device.type != "meta":
+            out[f"model/{name}"] = p.detach()
+    persistent = set(model.state_dict(keep_vars=True))
+    for name, b in model.named_buffers():
+        if name in persistent and name not in held_buffers and b.device.type != "meta":
+            out[f"buffer/{name}"] = b.detach()
+    return out
+
+
+def load_into_module(module: nn.Module, path: str | os.PathLike, *, strict: bool = True) -> None:
+    """Load a :meth:`graphpipe.Pipeline.save` checkpoint (or any layout :func:`checkpoint_layout` reads) into the
+    plain ``module`` (one process, no process group): ``module.load_state_dict`` of its tensors.
+
+    A tied parameter is saved once, under the module's first name for it; its other names take that tensor.
+    With ``strict``, a key of ``module.state_dict()`` the checkpoint lacks is named in one error.
+
+    >>> # pipe.save("ckpt"); then, in any process:
+    >>> # model = build_model(); load_into_module(model, "ckpt"); model(x)
+    """
+    layout = checkpoint_layout(path)
+    wanted = module.state_dict(keep_vars=True)
+    first_name: dict[int, str] = {}
+    for name, t in wanted.items():
+        first_name.setdefault(id(t), name)
+    buffers = {name for name, _ in module.named_buffers()}
+
+    def key(name: str) -> str:
+        return layout.key(name, "buffer" if name in buffers else "model")
+
+    keys = {name: key(first_name[id(t)]) for name, t in wanted.items()}
+    if strict:
+        check_complete(layout, {keys[n]: tuple(t.shape) for n, t in wanted.items()})
+    into = {k: torch.empty(tuple(layout.shapes[k]), dtype=wanted[n].dtype) for n, k in keys.items()
+            if k in layout.shapes}
+    read_tensors(layout, into)
+    module.load_state_dict({n: into[k] for n, k in keys.items() if k in into}, strict=strict)

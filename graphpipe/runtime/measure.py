@@ -196,7 +196,9 @@ def summarize(plan: Plan, result: RunResult) -> RunSummary:
     if not predicted or "peak_activation_bytes" not in predicted:  # plans from older versions lack it
         from graphpipe.sched import predicted_figures, simulate
 
-        predicted = predicted_figures(simulate(plan.stage_graph, plan.schedule, plan.cluster))
+        from graphpipe.search.tied import charge_plan
+
+        predicted = charge_plan(predicted_figures(simulate(plan.stage_graph, plan.schedule, plan.cluster)), plan)
     measured = result.measured
     figures = {k: predicted[k] for k in ("iteration_time_s", "throughput", "bubble_fraction", "peak_memory_bytes",
                                          "peak_activation_bytes", "stashed_weight_bytes") if k in predicted}

@@ -91,7 +91,7 @@ from graphpipe.runtime.numerics import ROW_KERNELS
 
 __all__ = ["StageProgram", "BoundForward", "Segment", "ModelSplit", "ValueMeta", "TiedParameter", "split_model", "boundary_meta", "check_op_names",
            "check_unbatched_edges",
-           "instrument", "CTX_NAME"]
+           "instrument", "CTX_NAME", "clone_mutated_inputs"]
 
 CTX_NAME = "rng_ctx"
 """Name of the context placeholder :func:`instrument` adds (the last argument of every stage module)."""
@@ -333,6 +333,7 @@ def split_model(gm: torch.fx.GraphModule, op_nodes: Mapping[str, Sequence[str]],
         sent_nodes = sorted({n for c in consumers for n in sends[(s, c)]}, key=order.__getitem__)
         model_out = torch.fx.node.map_arg(output_node.args[0], lambda a: env[a]) if s == sink else None
         graph.output((tuple(env[n] for n in sent_nodes), model_out))
+        clone_mutated_inputs(graph)
         graph.lint()
         module = torch.fx.GraphModule(gm, graph, class_name=f"Stage{s}")
         producers = sorted(p for (p, c) in sends if c == s)
@@ -351,6 +352,51 @@ def split_model(gm: torch.fx.GraphModule, op_nodes: Mapping[str, Sequence[str]],
     node_stages = {n.name: node_stage[n] for n in nodes if n in node_stage and (
         (ctx_node is not None and ctx_node in n.all_input_nodes) or (n.op == "call_function" and n.target in ROW_KERNELS))}
     return ModelSplit(tuple(programs), sink, boundary, tied, node_stages)
+
+
+def _mutated_base(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The placeholder ``node`` is (or is a view of, through any chain of aten view ops), else None."""
+    while node.op == "call_function":
+        schema = getattr(node.target, "_schema", None)
+        returns = schema.returns if schema is not None else ()
+        alias = returns[0].alias_info if len(returns) == 1 else None
+        if alias is None or alias.is_write or not node.args or not isinstance(node.args[0], torch.fx.Node):
+            return None
+        node = node.args[0]  # a view (``slice``, ``view``, ``select``, ...) of its first argument
+    return node if node.op == "placeholder" else None
+
+
+def clone_mutated_inputs(graph: torch.fx.Graph) -> tuple[str, ...]:
+    """Read every stage input an op of ``graph`` mutates in place (``add_``, ``masked_fill_``, ``copy_`` into a
+    slice of it) through a clone, placed right after the inputs; returns their names.
+
+    Eagerly such a value is an intermediate (BLIP's ``embeddings += position_embeddings``); in a stage it is
+    a received tensor (a leaf that requires grad, which autograd refuses to mutate) or a slice of the
+    user's mini-batch (which the step must not change). ``clone``'s gradient is the identity, so the
+    received value's gradient stays exact, and every later reader in the stage, the values sent on
+    included, reads the mutated clone, as eagerly.
+    """
+    mutated: dict[torch.fx.Node, None] = {}
+    for node in graph.nodes:
+        schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+        if schema is None or not schema.is_mutable:
+            continue
+        for i, arg in enumerate(schema.arguments):
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+            base = _mutated_base(value) if isinstance(value, torch.fx.Node) else None
+            if base is not None and base.name != CTX_NAME:
+                mutated[base] = None
+    if not mutated:
+        return ()
+    last = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    for ph in reversed(list(mutated)):
+        with graph.inserting_after(last):
+            copy = graph.call_function(torch.ops.aten.clone.default, (ph,))
+        copy.name = f"{ph.name}_clone"
+        ph.replace_all_uses_with(copy, delete_user_cb=lambda user, copy=copy: user is not copy)
+    return tuple(ph.name for ph in mutated)
 
 
 def segment_stage(module: torch.fx.GraphModule, op_of: Mapping[str, int], checkpoints: Sequence[int]

@@ -577,4 +577,7 @@ def optimize_plan(plan: Plan, time_limit_s: float = 10.0, num_workers: int = 2, 
                   cpsat_time_s=result.solve_time_s, heuristic_makespan_s=result.heuristic_makespan_s,
                   cpsat_used_heuristic=result.used_heuristic, cpsat_message=result.message,
                   cpsat_pruned_sizes=pruned, cpsat_canonical=result.canonical, cpsat_split_backward=split)
-    return replace(plan, stage_graph=result.stage_graph, schedule=schedule, predicted=predicted, search=search)
+    out = replace(plan, stage_graph=result.stage_graph, schedule=schedule, predicted=predicted, search=search)
+    from graphpipe.search.tied import charge_plan
+
+    return replace(out, predicted=charge_plan(predicted, out))  # split ties' all-reduce, as every plan is charged

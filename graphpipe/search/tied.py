@@ -20,6 +20,11 @@ the models we know (one embedding matrix per iteration), and the memory
 check of :func:`~graphpipe.search.planner.make_plan` runs on the charged
 figures, so a plan whose copies do not fit is refused.
 
+Every command that predicts a plan's iteration charges it the same way
+(:func:`charge_plan`): ``graphpipe plan``, ``graphpipe simulate`` (flushing
+and asynchronous schedules), CP-SAT's re-timed plans and ``graphpipe run``'s
+predicted column, so one plan has one prediction whichever prints it.
+
 Example
 -------
 >>> from graphpipe.cluster import preset
@@ -41,7 +46,7 @@ from graphpipe.cluster import Cluster
 from graphpipe.graph import SharedParams
 from graphpipe.stages import StageGraph
 
-__all__ = ["shared_params_cost", "charge_shared_params"]
+__all__ = ["shared_params_cost", "charge_shared_params", "charge_plan"]
 
 
 def _stage_of_name(sg: StageGraph, name: str, merged: Mapping[str, Sequence[str]]) -> int | None:
@@ -89,3 +94,12 @@ def charge_shared_params(predicted: Mapping[str, Any], sg: StageGraph, shared: S
     out["shared_params_allreduce_s"] = seconds
     out["shared_params_copy_bytes"] = sum(extra.values())
     return out
+
+
+def charge_plan(figures: Mapping[str, Any], plan: Any) -> dict[str, Any]:
+    """``figures`` simulated for ``plan`` (a :class:`~graphpipe.plan.Plan`) charged for the ties its stages split
+    (:func:`charge_shared_params` over the plan's own graph and ``merged`` names): what every command prints."""
+    graph = plan.stage_graph.graph
+    if not graph.shared:
+        return dict(figures)
+    return charge_shared_params(figures, plan.stage_graph, graph.shared, plan.merged or {}, plan.cluster)
