@@ -29,7 +29,7 @@ from graphpipe.graph import OpGraph, graph_from_dict, graph_to_dict, read_json_f
 from graphpipe.stages import Stage, StageGraph
 
 __all__ = ["Plan", "Predicted", "SearchStats", "PLAN_FORMAT", "BatchnormMode", "BATCHNORM_MODES", "plan_to_dict",
-           "plan_from_dict", "read_plan", "write_plan"]
+           "plan_from_dict", "read_plan", "write_plan", "torchrun_flags"]
 
 PLAN_FORMAT = "graphpipe.plan/1"
 
@@ -242,8 +242,30 @@ class Plan:
     def batch_size(self) -> int:
         return self.stage_graph.batch_size
 
+    @property
+    def num_ranks(self) -> int:
+        """The ranks a job running this plan starts: one per device up to the last device holding a stage.
+
+        A plan may leave the cluster's last devices idle (``plan`` says "uses
+        3 of 4 devices"); a job runs it on the devices it uses, so
+        ``graphpipe.Pipeline`` refuses any other world size before its first
+        collective (:func:`torchrun_flags` gives the flag to start it with).
+        """
+        return max(self.stage_graph.devices_used()) + 1
+
     def with_schedule(self, schedule: Schedule, predicted: Mapping[str, Any] | None = None) -> "Plan":
         return replace(self, schedule=schedule, predicted=dict(predicted or {}))
+
+
+def torchrun_flags(plan: Plan) -> str:
+    """The torchrun flags that start :attr:`Plan.num_ranks` ranks on the plan's nodes: ``--nproc-per-node 3``
+    for a plan on devices 0-2 of one node, ``--nnodes 2 --nproc-per-node 8`` for one on two whole 8-device
+    nodes, ``--nnodes 2 --nproc-per-node 8 (4 on the last node)`` when its last node is not full."""
+    ranks, per_node = plan.num_ranks, plan.cluster.devices_per_node
+    if ranks <= per_node:
+        return f"--nproc-per-node {ranks}"
+    nodes, rest = -(-ranks // per_node), ranks % per_node
+    return f"--nnodes {nodes} --nproc-per-node {per_node}" + (f" ({rest} on the last node)" if rest else "")
 
 
 def _layout_to_dict(stage: Stage) -> dict[str, Any]:

@@ -257,6 +257,13 @@ def _report(args, plan, cluster) -> None:
         sys.stdout.write(format_plan(plan))
         if args.out:
             sys.stdout.write(f"wrote {args.out}\n")
+    if args.out:  # the launch line: a job of any other size is refused (Plan.num_ranks)
+        from graphpipe.plan import torchrun_flags
+
+        ranks = plan.num_ranks
+        (sys.stderr if args.json else sys.stdout).write(
+            f"train it on {ranks} rank{'s' if ranks != 1 else ''}: torchrun {torchrun_flags(plan)} your_script.py "
+            f"(with graphpipe.Pipeline(\"{args.out}\", model, loss_fn)), or: graphpipe run {args.out}\n")
 
 
 def _with_capture(args, plan):

@@ -81,6 +81,35 @@ def _init_distributed(timeout_s: float) -> tuple[int, int, str, bool]:
     return dist.get_rank(), world, backend, True
 
 
+def _check_world_size(plan: Plan, path: Any) -> None:
+    """Refuse, on every rank and before any collective, a job of another size than the plan's
+    :attr:`~graphpipe.plan.Plan.num_ranks`: a missing rank would leave its peers waiting, and an extra one
+    would hold no stage (no parameters for its optimizer)."""
+    import sys
+
+    from graphpipe.errors import LaunchError
+    from graphpipe.plan import torchrun_flags
+
+    if dist.is_available() and dist.is_initialized():
+        world, launcher = dist.get_world_size(), "the process group has"
+    elif "WORLD_SIZE" in os.environ:
+        world, launcher = int(os.environ["WORLD_SIZE"]), "torchrun started"
+    else:
+        return  # _init_distributed says how to start it
+    if world == plan.num_ranks:
+        return
+    name = f"{os.fspath(path)} " if path is not None else "the plan "
+    used = plan.stage_graph.devices_used()
+    on = f"device {used[0]}" if len(used) == 1 else f"devices {used[0]}-{used[-1]}" \
+        if used == tuple(range(used[0], used[-1] + 1)) else f"devices {list(used)}"
+    message = (f"{name}runs on {plan.num_ranks} rank{'s' if plan.num_ranks != 1 else ''} (its stages are on "
+               f"{on}), {launcher} {world}: start it with `torchrun {torchrun_flags(plan)}`")
+    rank = os.environ.get("RANK", "?") if not dist.is_initialized() else dist.get_rank()
+    sys.stderr.write(f"graphpipe: error: rank {rank}: {message}\n")
+    sys.stderr.flush()
+    raise LaunchError(message)
+
+
 class Pipeline:
     """This rank's part of a model trained by a graphpipe plan (module docstring).
 
@@ -128,10 +157,9 @@ class Pipeline:
                 raise PlanError(refusal)
         self._compile = bool(compile)
         self.precision, self.seed, self.timeout_s = precision, seed, timeout_s
+        _check_world_size(self.plan, plan if not isinstance(plan, Plan) else None)
         self.rank, self.world_size, self.backend, self._owns_group = _init_distributed(timeout_s)
         sg = self.plan.stage_graph
-        if sg.num_devices > self.world_size:
-            raise PlanError(f"the plan needs {sg.num_devices} ranks, torchrun started {self.world_size}")
         self.device = torch.device(f"cuda:{torch.cuda.current_device()}") if self.backend == "nccl" else torch.device("cpu")
         self._batchnorm = batchnorm or getattr(self.plan, "batchnorm", None) or "per-micro-batch"
         if model is not None and loss_fn is None:
