@@ -33,7 +33,7 @@ def register(sub) -> None:
     add_capture_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--device", default="v100", metavar="CLUSTER",
-                   help="device preset (v100, a100, h100) or cluster JSON for the analytical costs of zoo/factory models (default v100)")
+                   help="device preset (v100, a100, h100, cpu) or cluster JSON for the analytical costs of zoo/factory models (default v100)")
     p.add_argument("--pipedream-batch-size", type=int, default=128, metavar="B",
                    help="batch size a PipeDream profile was taken at (default 128, the published image profiles')")
     p.set_defaults(func=run)

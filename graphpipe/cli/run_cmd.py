@@ -139,10 +139,12 @@ def _note_device(plan, options) -> RunDevices:
 
     actual = run_device(options.backend, plan.cluster.num_devices)
     planned = plan.cluster.device.name
-    if not _same_device(planned, actual):
+    measured = str(plan.search.get("profile_device") or "")  # the plan's op costs were measured there
+    if not _same_device(planned, actual) and not (measured and _same_device(measured.split("(")[-1], actual)):
+        fix = "--cluster cpu" if actual.startswith("CPU") else "a profile or a cluster file"
         sys.stderr.write(f"graphpipe: note: the plan was made for {planned}; this run is on {actual}. The predicted "
                          "figures are for the planned device, so the prediction error below compares two devices "
-                         "(plan for this host with a profile or a cluster file to compare like with like)\n")
+                         f"(plan for this host with {fix} to compare like with like)\n")
     return RunDevices(planned=planned, run=actual)
 
 
