@@ -102,6 +102,7 @@ from graphpipe.reentrant import split_reentrant_ops
 from graphpipe.zoo_models import Layer
 
 __all__ = [
+    "op_param_bytes",
     "LAYER_TYPES",
     "PRECISIONS",
     "Granularity",
@@ -856,6 +857,23 @@ def _shared_params(param_ops: Mapping[int, list[str]], param_size: Mapping[int, 
         if len(users) > 1:
             groups[tuple(users)] = groups.get(tuple(users), 0) + param_size[pid]
     return tuple(SharedParams(users, float(nbytes)) for users, nbytes in groups.items())
+
+
+def op_param_bytes(gm: fx.GraphModule, op_nodes: Mapping[str, Sequence[str]]) -> dict[str, int]:
+    """Each op's parameter bytes as :func:`capture` counts them (a parameter at the first op reading it, in
+    ``op_nodes``' order): what the runtime compares with a plan's ops to tell the model is the plan's."""
+    by_name = {n.name: n for n in gm.graph.nodes}
+    seen: set[int] = set()
+    out: dict[str, int] = {}
+    for op_name, names in op_nodes.items():
+        total = 0
+        for name in names:
+            for p in _node_params(gm, by_name[name]):
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    total += p.numel() * p.element_size()
+        out[op_name] = total
+    return out
 
 
 def _node_params(gm: fx.GraphModule, node: fx.Node) -> list[nn.Parameter]:

@@ -24,7 +24,7 @@ from typing import Any, Iterator, Literal, Mapping, get_args
 from graphpipe.actions import Schedule
 from graphpipe import files
 from graphpipe.cluster import Cluster, cluster_from_dict, cluster_to_dict
-from graphpipe.errors import FormatError, InputError, PlanError
+from graphpipe.errors import FormatError, InputError, PlanError, some
 from graphpipe.graph import OpGraph, graph_from_dict, graph_to_dict, read_json_file, write_json_atomic
 from graphpipe.stages import Stage, StageGraph
 
@@ -326,7 +326,7 @@ def plan_from_dict(doc: Any, where: str = "plan") -> Plan:
             at = f"{where}.stages[{i}]"
             files.mapping(s, at)
             stages.append(Stage(files.integer(s["id"], f"{at}.id", 0),
-                                tuple(graph.op_id(files.string(name, f"{at}.ops[{k}]"))
+                                tuple(_op_id(graph, files.string(name, f"{at}.ops[{k}]"), f"{at}.ops[{k}]")
                                       for k, name in enumerate(files.array(s["ops"], f"{at}.ops"))),
                                 tuple(files.integer(d, f"{at}.devices[{k}]", 0, cluster.num_devices - 1)
                                       for k, d in enumerate(files.array(s["devices"], f"{at}.devices"))),
@@ -365,6 +365,16 @@ def plan_from_dict(doc: Any, where: str = "plan") -> Plan:
                 search=_figures(doc.get("search"), f"{where}.search"), merged=merged,
                 batchnorm=_batchnorm(doc.get("batchnorm", "per-micro-batch"), f"{where}.batchnorm"),
                 asynchrony=_asynchrony(doc.get("async"), f"{where}.async"))
+
+
+def _op_id(graph: OpGraph, name: str, at: str) -> int:
+    """The id of a stage's op, or the refusal naming the file, the stage and the op (a hand edit's typo)."""
+    try:
+        return graph.op_id(name)
+    except InputError:
+        raise PlanError(f"{at}: op {name!r} is not in the plan's graph {graph.name!r} "
+                        f"({graph.num_ops} ops: {some([op.name for op in graph.ops])}); stages list the graph's "
+                        "op names") from None
 
 
 def _check_stage_ops(graph: OpGraph, stages: list[tuple[int, list[str]]], where: str) -> None:

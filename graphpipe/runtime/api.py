@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from graphpipe.errors import InputError, PlanError
+from graphpipe.errors import GraphpipeError, InputError, PlanError, UserCodeError
 from graphpipe.exporting import normalize_inputs
 from graphpipe.plan import Plan
 from graphpipe.runtime.resume import StepCheckpoints
@@ -79,6 +79,22 @@ def _init_distributed(timeout_s: float) -> tuple[int, int, str, bool]:
         dist.init_process_group(backend, store=dist.PrefixStore(f"graphpipe/attempt-{attempt}", store), rank=rank,
                                 world_size=size, timeout=timeout)
     return dist.get_rank(), world, backend, True
+
+
+def _check_same_model(plan: Plan, gm, op_nodes) -> None:
+    """Refuse a model whose ops are not the plan's: other op names, or an op whose parameters differ in size
+    (a layer of another width captures under the same name)."""
+    from graphpipe.capture import op_param_bytes
+    from graphpipe.runtime.stage_modules import check_op_names
+
+    check_op_names([op.name for op in plan.graph.ops], tuple(op_nodes), plan.model)
+    captured = op_param_bytes(gm, op_nodes)
+    for op in plan.graph.ops:
+        got = captured.get(op.name)
+        if got is not None and op.param_bytes > 0 and got != op.param_bytes:
+            raise PlanError(f"the model given to Pipeline is not the plan's ({plan.model}): op {op.name!r} has "
+                            f"{got:,} parameter bytes, the plan's {int(op.param_bytes):,}; give Pipeline the model "
+                            "the plan was made from, or plan this one")
 
 
 def _check_world_size(plan: Plan, path: Any) -> None:
@@ -172,6 +188,7 @@ class Pipeline:
         spec_model, spec_inputs, spec_loss, spec_target = (None, None, None, None) if (
             model is not None and example_inputs is not None) else self._from_spec(build)
         self._model = model if model is not None else spec_model
+        self._given_model = model is not None and example_inputs is None  # captured on the plan's inputs
         self._loss_fn = loss_fn if loss_fn is not None else spec_loss
         if example_inputs is None:
             example_inputs = spec_inputs
@@ -259,8 +276,20 @@ class Pipeline:
             model, example, target = self._model, meta_copy(example), meta_copy(target)
         else:
             model = self._model.cpu() if self.backend != "nccl" else self._model
-        exported, op_nodes, _ = trace_ops(model, example, self._loss_fn, target,
-                                          Granularity.parse(plan_granularity(self.plan)))
+        try:
+            exported, op_nodes, _ = trace_ops(model, example, self._loss_fn, target,
+                                              Granularity.parse(plan_granularity(self.plan)))
+        except Exception as exc:
+            ours = isinstance(exc, GraphpipeError) and not isinstance(exc, UserCodeError)
+            if not self._given_model or keep is not None or ours:
+                raise
+            # the plan's model captured on these inputs when it was planned: the model given is another
+            text = str(exc) if isinstance(exc, UserCodeError) else \
+                f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
+            raise PlanError(f"the model given to Pipeline is not the plan's ({self.plan.model}): capturing it on "
+                            f"the plan's example inputs failed ({text}); give Pipeline the "
+                            "model the plan was made from, or plan this one") from exc
+        _check_same_model(self.plan, exported.gm, op_nodes)
         args, kwargs = normalize_inputs(example)
         flat = exported.io.flat_inputs(args, kwargs, target)
 
@@ -728,7 +757,11 @@ class Pipeline:
                     state[k] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
         if not state:
             return
-        dcp.load(state, storage_reader=dcp.FileSystemReader(directory), no_dist=True)
+        import warnings
+
+        with warnings.catch_warnings():  # each rank reads its own keys alone, on purpose (no_dist)
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, storage_reader=dcp.FileSystemReader(directory), no_dist=True)
         for name, p in params:
             prefix = f"optim/{name}/"
             entry = {k[len(prefix):]: v.to(p.device) for k, v in state.items() if k.startswith(prefix)}
