@@ -319,7 +319,8 @@ def format_plan(plan) -> str:
     """The stage table and the predicted figures of a plan, as printed by ``graphpipe plan``."""
     sg, p, s = plan.stage_graph, plan.predicted, plan.search
     in_flight = p.in_flight or [None] * sg.num_stages
-    lines = [f"{plan.model}: {plan.strategy} plan, {sg.num_stages} stages (depth {sg.depth()}) on "
+    stages = f"{sg.num_stages} stage{'s' if sg.num_stages != 1 else ''}"
+    lines = [f"{plan.model}: {plan.strategy} plan, {stages} (depth {sg.depth()}) on "
              f"{len(sg.devices_used())}/{plan.cluster.num_devices} {plan.cluster.device.name}, batch {sg.batch_size}, "
              f"schedule {plan.schedule.name}"]
     rows = [("stage", "ops", "devices", "mb", "in-flight")]

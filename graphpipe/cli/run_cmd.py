@@ -86,6 +86,11 @@ def run(args) -> int:
     check_host_capacity(plan.cluster.num_devices)
     log.info("running %s (%s, %s) on %d ranks, %d steps", args.plan, plan.model, plan.schedule.name,
              plan.cluster.num_devices, options.steps)
+    if options.compile:  # the first step waits for inductor on every rank: say so before the silence
+        from graphpipe.progress import note
+
+        note("--compile: each rank compiles its stages' forward and backward with torch.compile before its first "
+             "step (tens of seconds on a CPU); the step count starts after that")
     try:
         summary = run_plan(plan, options)
     except RuntimeFailure as exc:  # a rank failed: 1; out of memory or refusing its stage: 2, an input to change
