@@ -95,6 +95,11 @@ def test_a_job_of_another_size_is_refused_before_the_process_group(tmp_path, mon
                                "start it with `torchrun --nproc-per-node 1`")
     assert capsys.readouterr().err == f"graphpipe: error: rank 1: {info.value}\n"
     assert not dist.is_initialized()
+    from graphpipe.runtime.api import _check_world_size
+
+    _check_world_size(_plan((0,), 4), path, idle_ranks=True)  # an elastic job's extra ranks, asked for: let in
+    with pytest.raises(LaunchError, match=r"runs on 3 ranks \(its stages are on devices 0-2\), torchrun started 2"):
+        _check_world_size(_plan((0, 1, 2), 4), path, idle_ranks=True)  # too few: never
 
 
 @pytest.mark.slow

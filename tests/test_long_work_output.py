@@ -46,3 +46,23 @@ def test_ablation_counts_every_point_it_steps(monkeypatch):
         count = Count()
         experiments.run_ablation(config, count)
         assert count.done == experiments._num_points("ablation", config)
+
+
+def test_run_compile_says_it_is_compiling_before_the_silence(tmp_path, monkeypatch, capsys):
+    """``run --compile`` notes the compilation before launching (the launch itself is stopped here)."""
+    import graphpipe.runtime as runtime
+    from graphpipe.cli import main
+    from graphpipe.errors import InputError
+
+    path = str(tmp_path / "p.json")
+    assert main(["plan", "transformer:small", "-n", "2", "-b", "8", "--strategy", "gpipe", "--out", path]) == 0
+    capsys.readouterr()
+
+    def stop(plan, options):
+        raise InputError("stopped before the launch")
+
+    monkeypatch.setattr(runtime, "run_plan", stop)
+    monkeypatch.setenv("GRAPHPIPE_PROGRESS", "lines")
+    assert main(["run", path, "--compile", "--steps", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "graphpipe: --compile: each rank compiles its stages" in err and err.rstrip().endswith("stopped before the launch")

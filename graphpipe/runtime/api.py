@@ -97,10 +97,11 @@ def _check_same_model(plan: Plan, gm, op_nodes) -> None:
                             "the plan was made from, or plan this one")
 
 
-def _check_world_size(plan: Plan, path: Any) -> None:
+def _check_world_size(plan: Plan, path: Any, idle_ranks: bool = False) -> None:
     """Refuse, on every rank and before any collective, a job of another size than the plan's
     :attr:`~graphpipe.plan.Plan.num_ranks`: a missing rank would leave its peers waiting, and an extra one
-    would hold no stage (no parameters for its optimizer)."""
+    would hold no stage (no parameters for its optimizer). ``idle_ranks``: extra ranks are the caller's intent
+    (an elastic job whose plan for this world size uses fewer devices); only too few are refused."""
     import sys
 
     from graphpipe.errors import LaunchError
@@ -112,7 +113,7 @@ def _check_world_size(plan: Plan, path: Any) -> None:
         world, launcher = int(os.environ["WORLD_SIZE"]), "torchrun started"
     else:
         return  # _init_distributed says how to start it
-    if world == plan.num_ranks:
+    if world == plan.num_ranks or (idle_ranks and world > plan.num_ranks):
         return
     name = f"{os.fspath(path)} " if path is not None else "the plan "
     used = plan.stage_graph.devices_used()
@@ -136,6 +137,12 @@ class Pipeline:
     or ``bf16`` (``torch.autocast``, weights kept in fp32). ``compile``: every
     stage this rank hosts runs its forward and backward compiled by
     ``torch.compile`` (inductor; refused for split-backward schedules).
+    ``idle_ranks``: a job may start more ranks than the plan's
+    :attr:`~graphpipe.plan.Plan.num_ranks`; the extra ones host no stage,
+    have no parameters (build their optimizer only when
+    ``pipe.parameters()`` is not empty) and only join collectives. Without
+    it, any other number of ranks is refused on every rank, before any
+    collective, in one line with the torchrun flag to use.
 
     The model is captured on ``example_inputs`` and ``example_target``
     (either may be left out: the spec's are used, the target only with a
@@ -149,7 +156,7 @@ class Pipeline:
     def __init__(self, plan: Plan | str | os.PathLike, model: nn.Module | None = None,
                  loss_fn: Callable[..., torch.Tensor] | None = None, *, example_inputs: Any = None,
                  example_target: Any = None, precision: str = "fp32", seed: int = 0, timeout_s: float = 300.0,
-                 batchnorm: str | None = None, compile: bool = False) -> None:
+                 batchnorm: str | None = None, compile: bool = False, idle_ranks: bool = False) -> None:
         from graphpipe.plan import read_plan
         from graphpipe.sched.async_pipe import plan_spec
 
@@ -173,7 +180,7 @@ class Pipeline:
                 raise PlanError(refusal)
         self._compile = bool(compile)
         self.precision, self.seed, self.timeout_s = precision, seed, timeout_s
-        _check_world_size(self.plan, plan if not isinstance(plan, Plan) else None)
+        _check_world_size(self.plan, plan if not isinstance(plan, Plan) else None, idle_ranks)
         self.rank, self.world_size, self.backend, self._owns_group = _init_distributed(timeout_s)
         sg = self.plan.stage_graph
         self.device = torch.device(f"cuda:{torch.cuda.current_device()}") if self.backend == "nccl" else torch.device("cpu")
