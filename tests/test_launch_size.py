@@ -72,7 +72,8 @@ def test_num_ranks_and_the_torchrun_flags():
     assert _plan((0,), 4).num_ranks == 1 and torchrun_flags(_plan((0,), 4)) == "--nproc-per-node 1"
     assert _plan((0, 1, 2), 4).num_ranks == 3
     assert torchrun_flags(_plan(tuple(range(16)), 16, per_node=8)) == "--nnodes 2 --nproc-per-node 8"
-    assert torchrun_flags(_plan(tuple(range(12)), 16, per_node=8)) == "--nnodes 2 --nproc-per-node 8 (4 on the last node)"
+    uneven = _plan(tuple(range(12)), 16, per_node=8)
+    assert torchrun_flags(uneven) == "--nnodes 2 --nproc-per-node 8 (4 on the last node)"
 
 
 def test_a_job_of_another_size_is_refused_before_the_process_group(tmp_path, monkeypatch, capsys):

@@ -109,8 +109,9 @@ def test_the_wrong_model_for_a_plan_is_named_and_checkpoints_load_quietly(tmp_pa
     monkeypatch.setenv("WORLD_SIZE", "1")
     dist.init_process_group("gloo", rank=0, world_size=1)  # the caller's group: every Pipeline below joins it
     try:
-        with pytest.raises(PlanError, match=r"the model given to Pipeline is not the plan's \(.*api_models.py:branchy\)"
-                                            r": capturing it on the plan's example inputs failed \(.*RuntimeError: a and b must have same "):
+        with pytest.raises(PlanError, match=r"the model given to Pipeline is not the plan's \(.*api_models.py:"
+                                            r"branchy\): capturing it on the plan's example inputs failed \(.*"
+                                            r"RuntimeError: a and b must have same "):
             Pipeline(plan, _Narrow(), api_models.loss_fn)
         with pytest.raises(PlanError, match=r"plan does not match model .*op\(s\) the model does not have"):
             Pipeline(plan, torch.nn.Sequential(torch.nn.Linear(6, 3)), api_models.loss_fn)

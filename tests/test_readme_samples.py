@@ -18,7 +18,8 @@ def test_the_readme_marks_its_samples_and_render_replaces_only_them():
     assert set(blocks(text)) == set(SAMPLES)
     assert render(text, {}) == text
     swapped = render(text, {"quick-start": "x\n"})
-    assert blocks(swapped) == {"quick-start": "x\n"} and len(swapped) == len(text) - len(blocks(text)["quick-start"]) + 2
+    assert blocks(swapped) == {"quick-start": "x\n"}
+    assert len(swapped) == len(text) - len(blocks(text)["quick-start"]) + 2
 
 
 @pytest.mark.slow

@@ -2,8 +2,9 @@
 
 Prints the op table (id, name, kind, forward/backward seconds per sample at
 micro-batch size 1, i.e. ``t(1) = alpha + beta``, parameter and activation
-bytes; for a zoo or factory model a note says what alpha and beta are made of: with the analytical costs
-alpha, the device's fixed cost per layer call, is the same for every op and dominates small ones), the edge count, totals, whether the graph is series-parallel (the
+bytes; for a zoo or factory model a note says what alpha and beta are made of:
+with the analytical costs alpha, the device's fixed cost per layer call, is the
+same for every op and dominates small ones), the edge count, totals, whether the graph is series-parallel (the
 shape GraphPipe's partitioner needs, docs/design.md, "Series-parallel decomposition") and how many parallel
 branches its widest parallel node has. A non-SP graph is reported as such,
 with the regions that planning would contract.
@@ -34,7 +35,8 @@ def register(sub) -> None:
     add_capture_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--device", default="v100", metavar="CLUSTER",
-                   help="device preset (v100, a100, h100, cpu) or cluster JSON for the analytical costs of zoo/factory models (default v100)")
+                   help="device preset (v100, a100, h100, cpu) or cluster JSON for the analytical costs of "
+                        "zoo/factory models (default v100)")
     p.add_argument("--pipedream-batch-size", type=int, default=128, metavar="B",
                    help="batch size a PipeDream profile was taken at (default 128, the published image profiles')")
     p.set_defaults(func=run)

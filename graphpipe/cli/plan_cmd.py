@@ -41,8 +41,9 @@ def register(sub) -> None:
     p.add_argument("--batch-size", "-b", type=int, required=True, metavar="B", help="mini-batch size (samples)")
     p.add_argument("--strategy", default="gpp", choices=("gpp", "pipedream", "piper", "gpipe"),
                    help="partitioner (default gpp, GraphPipe)")
-    p.add_argument("--cluster", default="v100", metavar="PRESET|FILE", help="v100 (default), a100, h100, cpu (CPU ranks under gloo, "
-                   "for graphpipe run and Pipeline on CPU) or a JSON file")
+    p.add_argument("--cluster", default="v100", metavar="PRESET|FILE",
+                   help="v100 (default), a100, h100, cpu (CPU ranks under gloo, for graphpipe run and Pipeline on "
+                        "CPU) or a JSON file")
     p.add_argument("--memory-gb", type=float, default=None, metavar="G", help="override device memory (GB)")
     p.add_argument("--micro-batch-size", type=int, default=None, metavar="K", help="force one micro-batch size")
     p.add_argument("--per-stage-micro-batch", action="store_true", help="let each stage pick its micro-batch size")
