@@ -94,7 +94,8 @@ class Progress(_Progress):
     elsewhere), named ``eval NAME``, with the current point's label beside the count."""
 
     def __init__(self, name: str, total: int, stream=None):
-        super().__init__(f"eval {name}", total=max(total, 1), unit="point", stream=stream)
+        # heartbeat: a line at once and every 10 s, though a paper-size point can take minutes
+        super().__init__(f"eval {name}", total=max(total, 1), unit="point", stream=stream, heartbeat=True)
 
     def step(self, label: str = "") -> None:
         self.update(postfix=label[:60])

@@ -257,6 +257,8 @@ def run_ablation(config: dict[str, Any], progress: Progress) -> tuple[list, dict
         if best:
             mb = best["micro_batch_sizes"][0]
             variants.append(("concurrent stages only", lambda: _try_plan(model, n, batch, "gpp", SearchOptions(micro_batch_size=mb))))
+        else:  # no sequential plan to take the micro-batch size from: that point is skipped, still counted
+            progress.step(f"{model} concurrent stages only (no feasible spp)")
         variants += [
             ("gpp", lambda: _try_plan(model, n, batch, "gpp", SearchOptions(recompute="none"))),
             # re-materialization where memory or throughput asks for it (equal to gpp when memory is ample)
@@ -405,8 +407,8 @@ def _num_points(name: str, config: dict[str, Any]) -> int:
                 + len(config["scaling_devices"]) + len(config["branch_counts"]))
     if name == "branches":
         return len(config["branch_counts"]) * len(STRATEGIES) + 2 * len(config["mmt_branch_counts"])
-    if name == "ablation":
-        return 4 * len(config["models"])
+    if name == "ablation":  # per model: concurrent stages only, gpp and its three additions
+        return 5 * len(config["models"])
     if name == "case-study":
         return 2
     if name == "memory":

@@ -8,6 +8,11 @@ Plan once per world size the job may run at, then start it under torchrun with r
     done
     torchrun --nproc-per-node 4 --max-restarts 3 examples/elastic.py plans ckpt
 
+The plan for a world size may use fewer devices than it was given (at batch
+64 this model uses 3 of 4, and 1 of 2): ``Pipeline(..., idle_ranks=True)``
+lets the ranks past the plan's join the job holding no stage, where a plain
+``Pipeline`` refuses any world size but the plan's own (``plan`` prints it).
+
 Every 20 steps each rank writes its stages into ``ckpt/step-N`` (the newest 2
 are kept). When a rank dies (killed, out of memory), torchrun stops the others
 and starts every rank again; ``pipe.resume`` finds the newest complete
@@ -36,7 +41,7 @@ EVERY = 20
 def main(plans: str, ckpt: str) -> None:
     world = int(os.environ["WORLD_SIZE"])
     torch.manual_seed(0)
-    pipe = graphpipe.Pipeline(os.path.join(plans, f"{world}.json"), TwoTower(), loss_fn)
+    pipe = graphpipe.Pipeline(os.path.join(plans, f"{world}.json"), TwoTower(), loss_fn, idle_ranks=True)
     params = list(pipe.parameters())  # none on a rank the plan for this world size leaves idle
     opt = torch.optim.AdamW(params, lr=1e-3) if params else None
     user, item, clicked = clicks(4096, seed=1)

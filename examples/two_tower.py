@@ -1,7 +1,12 @@
 """Train a two-tower click model with graphpipe: plan it, then run this file under torchrun.
 
-    graphpipe plan examples/two_tower.py:factory --devices 4 --batch-size 64 --out two_tower.json
-    torchrun --nproc-per-node 4 examples/two_tower.py two_tower.json
+    graphpipe plan examples/two_tower.py:factory --devices 3 --batch-size 64 --out two_tower.json
+    torchrun --nproc-per-node 3 examples/two_tower.py two_tower.json
+
+Start as many ranks as the plan uses: ``plan`` prints the torchrun line. Given
+``--devices 4`` it says the fourth device does not help this model at this
+batch and writes a plan on 3; a job started with 4 ranks then stops on every
+rank, before any collective, with one line naming the 3 and the flag.
 
 The user tower and the item tower are branches: gpp puts them on different
 devices, side by side. The data is synthetic (clicks from a fixed random

@@ -92,7 +92,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from graphpipe.capture_refusals import meta_value_error
 from graphpipe.cluster import DeviceSpec, preset
-from graphpipe.errors import GraphCycleError, GraphpipeError, InputError, user_code_error
+from graphpipe.errors import GraphCycleError, GraphpipeError, InputError, UserCodeError, user_code_error
 from graphpipe.exporting import (Exported, IOSpec, deliver_target, export_model, module_path, module_stack,
                                  normalize_inputs, replicable_nodes, replicate_input_glue)
 from graphpipe.flops import UnknownCosts, flop_counter
@@ -102,6 +102,7 @@ from graphpipe.reentrant import split_reentrant_ops
 from graphpipe.zoo_models import Layer
 
 __all__ = [
+    "op_param_bytes",
     "LAYER_TYPES",
     "PRECISIONS",
     "Granularity",
@@ -686,6 +687,45 @@ def _restore_state(gm: nn.Module, swapped) -> None:
         getattr(module, kind)[name] = t
 
 
+def _loss_call_error(exc: BaseException, loss_fn, example_target: Any, user_file: str | None):
+    """The one line for a failure of the loss call (not of the module's forward), or None when the exception
+    did not come through it: the traceback passes through :meth:`IOSpec.wrap_loss`'s call of ``loss_fn``."""
+    import inspect
+
+    from graphpipe import exporting
+
+    tb, through = exc.__traceback__, False
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_name == "loss" and os.path.abspath(code.co_filename) == os.path.abspath(exporting.__file__):
+            through = True
+            break
+        tb = tb.tb_next
+    if not through or loss_fn is None:
+        return None
+    call = "loss_fn(output)" if example_target is None else "loss_fn(output, target)"
+    name = getattr(loss_fn, "__name__", "loss_fn")
+    doing = f"calling the loss {call.replace('loss_fn', name, 1)}"
+    code = getattr(loss_fn, "__code__", None)
+    if tb.tb_next is None and code is not None:  # the call itself failed (its arguments): point at the loss's def
+        text = str(exc).strip().splitlines()
+        error = UserCodeError(f"{code.co_filename}:{code.co_firstlineno}: {doing} failed: {type(exc).__name__}: "
+                              f"{text[0] if text else ''}")
+    else:
+        error = user_code_error(exc, doing, user_file)
+    if example_target is not None:
+        return error
+    try:
+        required = [p for p in inspect.signature(loss_fn).parameters.values()
+                    if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty]
+    except (TypeError, ValueError):
+        required = []
+    if len(required) < 2:
+        return error
+    return UserCodeError(f"{error}; the loss takes a target ({required[1].name!r}) but the factory returned none: "
+                         "return (module, example_inputs, loss_fn, example_target)")
+
+
 # -------------------------------------------------------------------- capture
 def capture(module: nn.Module, example_inputs: Any, name: str | None = None,
             device: DeviceSpec | None = None, layer_types: Sequence[type[nn.Module]] = (),
@@ -711,7 +751,8 @@ def capture(module: nn.Module, example_inputs: Any, name: str | None = None,
     except GraphpipeError:
         raise
     except Exception as exc:
-        raise user_code_error(exc, "exporting the module's forward (torch.export)", user_file) from exc
+        raise (_loss_call_error(exc, loss_fn, example_target, user_file)
+               or user_code_error(exc, "exporting the module's forward (torch.export)", user_file)) from exc
     gm, io = exported.gm, exported.io
     args, kwargs = normalize_inputs(example_inputs)
     flat = io.flat_inputs(args, kwargs, example_target)
@@ -722,7 +763,7 @@ def capture(module: nn.Module, example_inputs: Any, name: str | None = None,
     except GraphpipeError:
         raise
     except Exception as exc:
-        refusal = meta_value_error(exc, gm)
+        refusal = meta_value_error(exc, gm) or _loss_call_error(exc, loss_fn, example_target, user_file)
         raise (refusal or user_code_error(exc, "running the module's forward on its example inputs",
                                           user_file)) from exc
     by_name = {n.name: n for n in gm.graph.nodes}
@@ -816,6 +857,23 @@ def _shared_params(param_ops: Mapping[int, list[str]], param_size: Mapping[int, 
         if len(users) > 1:
             groups[tuple(users)] = groups.get(tuple(users), 0) + param_size[pid]
     return tuple(SharedParams(users, float(nbytes)) for users, nbytes in groups.items())
+
+
+def op_param_bytes(gm: fx.GraphModule, op_nodes: Mapping[str, Sequence[str]]) -> dict[str, int]:
+    """Each op's parameter bytes as :func:`capture` counts them (a parameter at the first op reading it, in
+    ``op_nodes``' order): what the runtime compares with a plan's ops to tell the model is the plan's."""
+    by_name = {n.name: n for n in gm.graph.nodes}
+    seen: set[int] = set()
+    out: dict[str, int] = {}
+    for op_name, names in op_nodes.items():
+        total = 0
+        for name in names:
+            for p in _node_params(gm, by_name[name]):
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    total += p.numel() * p.element_size()
+        out[op_name] = total
+    return out
 
 
 def _node_params(gm: fx.GraphModule, node: fx.Node) -> list[nn.Parameter]:

@@ -12,6 +12,15 @@ Presets
           paper uses 4 per node), NVLink 2 inside, 100 Gb/s InfiniBand between.
 ``a100``  8 x A100-80GB per node, NVLink 3 (300 GB/s per direction), 200 Gb/s IB.
 ``h100``  8 x H100-80GB SXM per node, NVLink 4 (450 GB/s per direction), 400 Gb/s IB.
+``cpu``   CPU ranks under gloo (``graphpipe run``, ``Pipeline`` on CPU), one rank a device,
+          64 to a host. Figures per rank: 4 GB of memory (``--memory-gb`` sets
+          yours), 100 GFLOP/s fp32 peak (one core's AVX2 FMA at ~3 GHz: 2 units x
+          8 lanes x 2 flops) at 30% of it, 50 us per layer call (Python and ATen
+          dispatch); gloo over loopback 100 us and 1 GB/s (measured on this
+          project's 2-core host: 0.42-0.50 GB/s for 1-16 MB messages with a
+          neighbour's load, so a quiet host does better), 10 GbE between hosts.
+          Planning from a ``graphpipe profile`` of the model replaces the compute
+          figures with measured ones.
 
 Peak FLOP/s are dense tensor-core peaks at the precision each preset states
 (``device.precision``: v100 fp16, a100 and h100 bf16); ``mfu`` is the fraction of
@@ -171,6 +180,13 @@ PRESETS: dict[str, dict[str, Any]] = {
         "intra_node": {"latency_s": 2e-6, "bandwidth_Bps": 450e9},
         "inter_node": {"latency_s": 6e-6, "bandwidth_Bps": 50e9},
     },
+    "cpu": {
+        "devices_per_node": 64,
+        "device": {"name": "CPU", "memory_bytes": 4e9, "peak_flops": 100e9, "op_overhead_s": 5e-5, "mfu": 0.3,
+                   "precision": "fp32"},
+        "intra_node": {"latency_s": 1e-4, "bandwidth_Bps": 1e9},
+        "inter_node": {"latency_s": 2e-4, "bandwidth_Bps": 1.25e9},
+    },
 }
 
 
@@ -256,7 +272,7 @@ def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
 
 
 def preset(name: str, num_devices: int = 1) -> Cluster:
-    """A preset cluster (``v100``, ``a100``, ``h100``) with ``num_devices`` devices."""
+    """A preset cluster (``v100``, ``a100``, ``h100``, ``cpu``) with ``num_devices`` devices."""
     key = name.lower()
     if key not in PRESETS:
         raise InputError(f"unknown cluster preset {name!r}; known: {', '.join(PRESETS)} (or a JSON file)")

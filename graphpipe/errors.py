@@ -24,6 +24,7 @@ __all__ = [
     "GraphCycleError",
     "FormatError",
     "PlanError",
+    "LaunchError",
     "ScheduleError",
     "InfeasibleError",
     "DeviceMemoryError",
@@ -58,6 +59,21 @@ class GraphCycleError(InputError):
 
 class PlanError(InputError):
     """A stage graph or plan that breaks an invariant (named in the message)."""
+
+
+class LaunchError(PlanError, SystemExit):
+    """A job started with another number of ranks than its plan runs on (``graphpipe.Pipeline`` under torchrun).
+
+    Every rank reads the same plan, so every rank raises it, before any
+    collective: none waits on a peer that is gone. Left uncaught (the usual
+    case: the user's training script) it ends the process with exit code 2
+    and no traceback, the one line having gone to stderr when it was raised;
+    caught, it is a :class:`PlanError` like any other.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.code = 2  # SystemExit's exit status when nothing catches it
 
 
 class ScheduleError(InputError):

@@ -6,7 +6,8 @@ devices -- and gives the same :class:`~graphpipe.graph.OpGraph` every time
 for the same inputs. The cache stores that graph as a ``graphpipe.graph/1``
 document, keyed by everything the capture reads:
 
-* the canonical zoo spec, the device's cost model (its ``repr``), the
+* the canonical zoo spec, the device's cost model (its ``repr``, its memory left out: the capture
+  never reads it, so each ``--memory-gb`` reads the same entry), the
   precision and the granularity;
 * the torch version (``torch.export``'s op sets move between releases);
 * a fingerprint of graphpipe's own source: any change to the package (the

@@ -46,6 +46,25 @@ class ModelSource:
     """zoo | factory | graph-json | pipedream"""
 
 
+def missing_factory(path: str) -> str:
+    """The refusal of a ``.py`` model given without ``:factory``: the file's top-level functions, read without
+    running it (its functions are candidates; which one builds the model only the user knows)."""
+    import ast
+
+    if not os.path.isfile(path):
+        return f"no such file: {path} (a Python model is given as file.py:factory)"
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), filename=path)
+    except (OSError, SyntaxError, ValueError) as exc:
+        return f"{path}: a Python model is given as {path}:FACTORY, and the file could not be read ({exc})"
+    names = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+             and not n.name.startswith("_")]
+    found = (f"functions in it: {', '.join(names)}" if names else "it defines no top-level function; add one that "
+             "returns (module, example_inputs, loss_fn[, example_target])")
+    return f"{path} is a Python file: name the factory that builds the model, as {path}:FACTORY ({found})"
+
+
 def load_model(spec: str, device: DeviceSpec | None = None, pipedream_batch_size: int = 128,
                precision: str = "fp32", granularity: str | None = None) -> ModelSource:
     """Resolve MODEL: ``file.py:factory``, a graph JSON, a PipeDream graph.txt, or a zoo spec.
@@ -67,6 +86,8 @@ def load_model(spec: str, device: DeviceSpec | None = None, pipedream_batch_size
             graph = graph_from_factory(spec, device=device, granularity=Granularity.parse(granularity),
                                        precision=precision)
         return ModelSource(graph, os.path.abspath(path) + ":" + factory, "factory")
+    if spec.endswith(".py"):
+        raise InputError(missing_factory(spec))
     if os.path.isdir(spec) and os.path.exists(os.path.join(spec, "graph.txt")):
         spec = os.path.join(spec, "graph.txt")
     if os.path.exists(spec) or spec.endswith((".json", ".txt")):

@@ -24,12 +24,12 @@ from typing import Any, Iterator, Literal, Mapping, get_args
 from graphpipe.actions import Schedule
 from graphpipe import files
 from graphpipe.cluster import Cluster, cluster_from_dict, cluster_to_dict
-from graphpipe.errors import FormatError, InputError, PlanError
+from graphpipe.errors import FormatError, InputError, PlanError, some
 from graphpipe.graph import OpGraph, graph_from_dict, graph_to_dict, read_json_file, write_json_atomic
 from graphpipe.stages import Stage, StageGraph
 
 __all__ = ["Plan", "Predicted", "SearchStats", "PLAN_FORMAT", "BatchnormMode", "BATCHNORM_MODES", "plan_to_dict",
-           "plan_from_dict", "read_plan", "write_plan"]
+           "plan_from_dict", "read_plan", "write_plan", "torchrun_flags"]
 
 PLAN_FORMAT = "graphpipe.plan/1"
 
@@ -242,8 +242,30 @@ class Plan:
     def batch_size(self) -> int:
         return self.stage_graph.batch_size
 
+    @property
+    def num_ranks(self) -> int:
+        """The ranks a job running this plan starts: one per device up to the last device holding a stage.
+
+        A plan may leave the cluster's last devices idle (``plan`` says "uses
+        3 of 4 devices"); a job runs it on the devices it uses, so
+        ``graphpipe.Pipeline`` refuses any other world size before its first
+        collective (:func:`torchrun_flags` gives the flag to start it with).
+        """
+        return max(self.stage_graph.devices_used()) + 1
+
     def with_schedule(self, schedule: Schedule, predicted: Mapping[str, Any] | None = None) -> "Plan":
         return replace(self, schedule=schedule, predicted=dict(predicted or {}))
+
+
+def torchrun_flags(plan: Plan) -> str:
+    """The torchrun flags that start :attr:`Plan.num_ranks` ranks on the plan's nodes: ``--nproc-per-node 3``
+    for a plan on devices 0-2 of one node, ``--nnodes 2 --nproc-per-node 8`` for one on two whole 8-device
+    nodes, ``--nnodes 2 --nproc-per-node 8 (4 on the last node)`` when its last node is not full."""
+    ranks, per_node = plan.num_ranks, plan.cluster.devices_per_node
+    if ranks <= per_node:
+        return f"--nproc-per-node {ranks}"
+    nodes, rest = -(-ranks // per_node), ranks % per_node
+    return f"--nnodes {nodes} --nproc-per-node {per_node}" + (f" ({rest} on the last node)" if rest else "")
 
 
 def _layout_to_dict(stage: Stage) -> dict[str, Any]:
@@ -304,7 +326,7 @@ def plan_from_dict(doc: Any, where: str = "plan") -> Plan:
             at = f"{where}.stages[{i}]"
             files.mapping(s, at)
             stages.append(Stage(files.integer(s["id"], f"{at}.id", 0),
-                                tuple(graph.op_id(files.string(name, f"{at}.ops[{k}]"))
+                                tuple(_op_id(graph, files.string(name, f"{at}.ops[{k}]"), f"{at}.ops[{k}]")
                                       for k, name in enumerate(files.array(s["ops"], f"{at}.ops"))),
                                 tuple(files.integer(d, f"{at}.devices[{k}]", 0, cluster.num_devices - 1)
                                       for k, d in enumerate(files.array(s["devices"], f"{at}.devices"))),
@@ -343,6 +365,16 @@ def plan_from_dict(doc: Any, where: str = "plan") -> Plan:
                 search=_figures(doc.get("search"), f"{where}.search"), merged=merged,
                 batchnorm=_batchnorm(doc.get("batchnorm", "per-micro-batch"), f"{where}.batchnorm"),
                 asynchrony=_asynchrony(doc.get("async"), f"{where}.async"))
+
+
+def _op_id(graph: OpGraph, name: str, at: str) -> int:
+    """The id of a stage's op, or the refusal naming the file, the stage and the op (a hand edit's typo)."""
+    try:
+        return graph.op_id(name)
+    except InputError:
+        raise PlanError(f"{at}: op {name!r} is not in the plan's graph {graph.name!r} "
+                        f"({graph.num_ops} ops: {some([op.name for op in graph.ops])}); stages list the graph's "
+                        "op names") from None
 
 
 def _check_stage_ops(graph: OpGraph, stages: list[tuple[int, list[str]]], where: str) -> None:

@@ -390,6 +390,10 @@ def profile_model(spec: str, device: str = "cpu", batch_sizes: Sequence[int] = (
                          "use --precision fp32")
     if dev.type not in ("cpu", "cuda"):
         raise InputError(f"--device must be cpu or cuda, got {device!r}")
+    if spec.endswith(".py"):
+        from graphpipe.models import missing_factory
+
+        raise InputError(missing_factory(spec))
     if ".py:" in spec:
         with torch.random.fork_rng(devices=[]):  # the weights the runtime builds from the same seed
             torch.manual_seed(seed)

@@ -64,18 +64,23 @@ class Progress:
     """
 
     def __init__(self, what: str, total: int | None, unit: str = "it", stream: TextIO | None = None,
-                 mode: str | None = None, every_s: float = LINE_EVERY_S):
+                 mode: str | None = None, every_s: float = LINE_EVERY_S, initial: int = 0, heartbeat: bool = False):
+        """``initial``: units already done before this count began (a run resumed at a checkpoint's step).
+        ``heartbeat``: in plain mode, a line at once and then every ``every_s`` seconds even while no unit
+        finishes (work whose first unit takes minutes; a command whose refusal must stay one line leaves it off)."""
         self.what, self.total, self.unit = what, total, unit
         self.stream = stream or sys.stderr
         self.mode = progress_mode(self.stream, mode)
         self.every_s = every_s
-        self.done = 0
-        self.first_at: float | None = None  # the rate is counted from the first unit (start-up is not work)
-        self.first_done = 0
+        self.done = self.initial = initial
         self.postfix = ""
         self.start = self.last_line = time.monotonic()
+        self._printed: tuple[int, str] | None = None  # (count, postfix) of the last line: close repeats none
         self._bar = None
         self._closed = False
+        self._lock = threading.Lock()
+        self._ticker: threading.Thread | None = None
+        self._stop = threading.Event()
         if self.mode == "bar":
             try:
                 from tqdm import tqdm
@@ -83,7 +88,17 @@ class Progress:
                 self.mode = "lines"
             else:
                 self._bar = tqdm(total=total, desc=f"graphpipe: {what}", unit=unit, file=self.stream,
-                                 dynamic_ncols=True, leave=True)
+                                 dynamic_ncols=True, leave=True, initial=initial)
+        if heartbeat and self.mode == "lines":
+            self._line()
+            self._ticker = threading.Thread(target=self._beat, daemon=True, name="graphpipe-progress")
+            self._ticker.start()
+
+    def _beat(self) -> None:
+        """Plain mode's heartbeat: the count again once ``every_s`` passed with no line."""
+        while not self._stop.wait(min(1.0, self.every_s)):
+            if time.monotonic() - self.last_line >= self.every_s:
+                self._line()
 
     def __enter__(self) -> "Progress":
         return self
@@ -93,8 +108,6 @@ class Progress:
 
     def update(self, n: int = 1, postfix: str | None = None) -> None:
         """``n`` more units done; ``postfix`` replaces the text shown beside the count."""
-        if n and self.first_at is None:
-            self.first_at, self.first_done = time.monotonic(), self.done + n
         self.done += n
         if postfix is not None:
             self.postfix = postfix
@@ -106,26 +119,30 @@ class Progress:
             self._line()
 
     def _line(self) -> None:
-        now = time.monotonic()
-        elapsed = now - self.start
-        count = f"{self.done}/{self.total}" if self.total else f"{self.done}"
-        since = now - self.first_at if self.first_at is not None else 0.0
-        rate = f", {(self.done - self.first_done) / since:.3g} {self.unit}/s" if since > 0 and self.done > self.first_done \
-            else ""
-        extra = f"  {self.postfix}" if self.postfix else ""
-        self.stream.write(f"graphpipe: {self.what}: {count} {self.unit} ({elapsed:.1f} s{rate}){extra}\n")
-        self.stream.flush()
-        self.last_line = time.monotonic()
+        with self._lock:
+            now = time.monotonic()
+            elapsed = now - self.start
+            count = f"{self.done}/{self.total}" if self.total else f"{self.done}"
+            # The rate over all the time this count has run, once two units are in: units of unequal cost (an
+            # experiment's points) would make a rate from the first unit's end a figure of the cheap ones only.
+            new = self.done - self.initial
+            rate = f", {new / elapsed:.3g} {self.unit}/s" if new >= 2 and elapsed > 0 else ""
+            extra = f"  {self.postfix}" if self.postfix else ""
+            self.stream.write(f"graphpipe: {self.what}: {count} {self.unit} ({elapsed:.1f} s{rate}){extra}\n")
+            self.stream.flush()
+            self.last_line = time.monotonic()
+            self._printed = (self.done, self.postfix)
 
     def close(self, quiet: bool = False) -> None:
         """End the bar, or print the last line (plain mode; not when ``quiet``: work that failed); idempotent."""
         if self._closed:
             return
         self._closed = True
+        self._stop.set()
         if self._bar is not None:
             self._bar.close()
-        elif self.mode == "lines" and not quiet:
-            self._line()
+        elif self.mode == "lines" and not quiet and self._printed != (self.done, self.postfix):
+            self._line()  # the last count, unless the last line already said it
 
 
 class slow_notice:

@@ -334,4 +334,12 @@ def load_graph(spec: str, device: DeviceSpec | None = None, precision: str = "fp
     in this process and on disk (:mod:`graphpipe.graph_cache`).
     """
     device = device if device is not None else preset("v100").device
-    return _load_graph_cached(canonical_spec(spec), device, precision, granularity)
+    # the capture reads the device's costs, never its memory: each --memory-gb must not capture the model anew
+    from dataclasses import replace
+
+    costs_only = replace(device, memory_bytes=MEMORY_KEY_BYTES)
+    return _load_graph_cached(canonical_spec(spec), costs_only, precision, granularity)
+
+
+MEMORY_KEY_BYTES = 1.0
+"""The device memory every cached capture is keyed at: captures differ by costs only (graph_cache)."""

@@ -135,3 +135,16 @@ def test_planning_from_the_cache_or_a_graph_file_imports_no_torch(cache, tmp_pat
     assert [s["ops"] for s in doc["stages"]] == [[expected.graph.ops[i].name for i in s.op_ids]
                                                  for s in expected.stage_graph.stages]
     assert doc["predicted"]["throughput"] == pytest.approx(expected.predicted["throughput"], rel=1e-12)
+
+
+def test_the_memory_budget_is_not_part_of_the_key(cache, monkeypatch):
+    """--memory-gb changes what fits, not what the capture measures: every memory reads the same entry, and
+    the graph equals a fresh capture at that memory."""
+    from graphpipe.cluster import load_cluster
+
+    first = zoo.load_graph("mmt:small", device=load_cluster("v100", 1).device)
+    for gb in (2, 7.5, 80):
+        zoo._load_graph_cached.cache_clear()
+        assert zoo.load_graph("mmt:small", device=load_cluster("v100", 1, memory_gb=gb).device) == first
+    assert len(os.listdir(cache)) == 1
+    assert _fresh("mmt:small", monkeypatch, device=load_cluster("v100", 1, memory_gb=2).device) == first

@@ -107,3 +107,13 @@ def test_zoo_models_branch_counts(capsys, spec, branches):
     doc = run_json(capsys, spec)
     assert doc["series_parallel"] is True
     assert doc["num_branches"] == branches
+
+
+def test_the_analytical_per_op_figure_is_explained(capsys):
+    """Under the analytical preset every small op reads about alpha (the device's fixed cost per call): the note
+    says what the figure is made of, with the device's alpha."""
+    assert main(["inspect", "twobranch:small"]) == 0
+    out = capsys.readouterr().out
+    note = [line for line in out.splitlines() if line.startswith("note: fwd s/sample is the analytical t(1)")]
+    assert len(note) == 1 and "alpha = 2e-05 s, V100-16GB's fixed cost of one layer call" in note[0]
+    assert "so they read alike" in note[0] and "graphpipe profile" in note[0]

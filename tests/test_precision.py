@@ -19,7 +19,8 @@ def _cli(*args):
 
 
 def test_presets_state_their_precision_and_cluster_files_round_trip_it():
-    assert {name: preset(name).device.precision for name in PRESETS} == {"v100": "fp16", "a100": "bf16", "h100": "bf16"}
+    assert {name: preset(name).device.precision for name in PRESETS} == {"v100": "fp16", "a100": "bf16", "h100": "bf16",
+                                                                              "cpu": "fp32"}
     doc = cluster_to_dict(preset("h100", 8))
     assert doc["device"]["precision"] == "bf16" and cluster_from_dict(doc) == preset("h100", 8)
     doc["device"]["precision"] = "fp8"

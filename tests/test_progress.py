@@ -26,9 +26,26 @@ def test_lines_count_every_unit_with_a_rate_and_the_label():
             time.sleep(0.01)
             bar.update(postfix=f"loss {k}")
     lines = out.getvalue().splitlines()
-    assert [line.split(" (")[0] for line in lines] == [f"graphpipe: run: {k}/4 step" for k in (1, 2, 3, 4, 4)]
-    assert "step/s" in lines[-1] and "step/s" not in lines[0]  # the rate starts with the first unit
+    assert [line.split(" (")[0] for line in lines] == [f"graphpipe: run: {k}/4 step" for k in (1, 2, 3, 4)]
+    assert "step/s" in lines[-1] and "step/s" not in lines[0]  # a rate once two units are in (close repeats none)
     assert lines[-1].endswith("loss 3")
+
+
+def test_a_resumed_count_starts_at_its_step_and_a_heartbeat_speaks_before_the_first_unit():
+    """initial: the steps a checkpoint holds; the rate counts only this count's units. heartbeat: a line at once
+    and while no unit finishes (an experiment whose first point takes minutes)."""
+    out = io.StringIO()
+    with Progress("run", total=10, unit="step", stream=out, mode="lines", every_s=3600, initial=6) as bar:
+        bar.update(2)
+    assert out.getvalue().startswith("graphpipe: run: 8/10 step (") and "0/10" not in out.getvalue()
+    out = io.StringIO()
+    bar = Progress("eval x", total=3, unit="point", stream=out, mode="lines", every_s=0.05, heartbeat=True)
+    assert out.getvalue().startswith("graphpipe: eval x: 0/3 point (")
+    deadline = time.monotonic() + 30
+    while out.getvalue().count("\n") < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    bar.close()
+    assert out.getvalue().count("0/3 point") >= 2
 
 
 def test_lines_are_rate_limited():

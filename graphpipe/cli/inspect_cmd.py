@@ -2,7 +2,9 @@
 
 Prints the op table (id, name, kind, forward/backward seconds per sample at
 micro-batch size 1, i.e. ``t(1) = alpha + beta``, parameter and activation
-bytes), the edge count, totals, whether the graph is series-parallel (the
+bytes; for a zoo or factory model a note says what alpha and beta are made of:
+with the analytical costs alpha, the device's fixed cost per layer call, is the
+same for every op and dominates small ones), the edge count, totals, whether the graph is series-parallel (the
 shape GraphPipe's partitioner needs, docs/design.md, "Series-parallel decomposition") and how many parallel
 branches its widest parallel node has. A non-SP graph is reported as such,
 with the regions that planning would contract.
@@ -33,7 +35,8 @@ def register(sub) -> None:
     add_capture_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--device", default="v100", metavar="CLUSTER",
-                   help="device preset (v100, a100, h100) or cluster JSON for the analytical costs of zoo/factory models (default v100)")
+                   help="device preset (v100, a100, h100, cpu) or cluster JSON for the analytical costs of "
+                        "zoo/factory models (default v100)")
     p.add_argument("--pipedream-batch-size", type=int, default=128, metavar="B",
                    help="batch size a PipeDream profile was taken at (default 128, the published image profiles')")
     p.set_defaults(func=run)
@@ -129,6 +132,16 @@ def run(args) -> int:
         summary["notes"] = [f"Input node {node}'s forward time {fwd:g} ms (data loading) was zeroed, as the real "
                             f"PipeDream optimizer does" + (f"; backward {bwd:g} ms too" if bwd else "")
                             for node, fwd, bwd in read_zeroed_inputs(args.model)]
+    if source.kind in ("zoo", "factory"):  # analytical costs: say what the per-op figure is made of
+        alpha = device.op_overhead_s
+        flat = sum(abs(o["fwd_s"] - alpha) < 0.1 * alpha for o in summary["ops"])
+        summary.setdefault("notes", []).append(
+            f"fwd s/sample is the analytical t(1) = alpha + beta: alpha = {alpha:g} s, {device.name}'s fixed cost of "
+            f"one layer call (--device), the same for every op, plus beta = the op's FLOPs per sample / "
+            f"({device.peak_flops:.3g} FLOP/s x mfu {device.mfu:g}); bwd is twice that"
+            + (f". At this size alpha is most of it for {flat} of {len(summary['ops'])} ops, so they read alike"
+               if flat > len(summary["ops"]) // 2 else "")
+            + "; `graphpipe profile` measures the ops instead")
     if args.json:
         print_json(summary)
     else:

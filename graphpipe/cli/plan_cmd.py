@@ -41,7 +41,9 @@ def register(sub) -> None:
     p.add_argument("--batch-size", "-b", type=int, required=True, metavar="B", help="mini-batch size (samples)")
     p.add_argument("--strategy", default="gpp", choices=("gpp", "pipedream", "piper", "gpipe"),
                    help="partitioner (default gpp, GraphPipe)")
-    p.add_argument("--cluster", default="v100", metavar="PRESET|FILE", help="v100 (default), a100, h100 or a JSON file")
+    p.add_argument("--cluster", default="v100", metavar="PRESET|FILE",
+                   help="v100 (default), a100, h100, cpu (CPU ranks under gloo, for graphpipe run and Pipeline on "
+                        "CPU) or a JSON file")
     p.add_argument("--memory-gb", type=float, default=None, metavar="G", help="override device memory (GB)")
     p.add_argument("--micro-batch-size", type=int, default=None, metavar="K", help="force one micro-batch size")
     p.add_argument("--per-stage-micro-batch", action="store_true", help="let each stage pick its micro-batch size")
@@ -257,6 +259,13 @@ def _report(args, plan, cluster) -> None:
         sys.stdout.write(format_plan(plan))
         if args.out:
             sys.stdout.write(f"wrote {args.out}\n")
+    if args.out:  # the launch line: a job of any other size is refused (Plan.num_ranks)
+        from graphpipe.plan import torchrun_flags
+
+        ranks = plan.num_ranks
+        (sys.stderr if args.json else sys.stdout).write(
+            f"train it on {ranks} rank{'s' if ranks != 1 else ''}: torchrun {torchrun_flags(plan)} your_script.py "
+            f"(with graphpipe.Pipeline(\"{args.out}\", model, loss_fn)), or: graphpipe run {args.out}\n")
 
 
 def _with_capture(args, plan):
@@ -276,7 +285,8 @@ def _with_profile(plan, profile):
         return plan
     from dataclasses import replace  # the costs are the profile's: so is the precision they hold for
 
-    return replace(plan, search={**plan.search, "precision": profile.precision, "precision_from": "profile"})
+    return replace(plan, search={**plan.search, "precision": profile.precision, "precision_from": "profile",
+                                 "profile_device": profile.device})  # run compares like with like on it
 
 
 # ------------------------------------------------------------------ output
@@ -310,7 +320,8 @@ def format_plan(plan) -> str:
     """The stage table and the predicted figures of a plan, as printed by ``graphpipe plan``."""
     sg, p, s = plan.stage_graph, plan.predicted, plan.search
     in_flight = p.in_flight or [None] * sg.num_stages
-    lines = [f"{plan.model}: {plan.strategy} plan, {sg.num_stages} stages (depth {sg.depth()}) on "
+    stages = f"{sg.num_stages} stage{'s' if sg.num_stages != 1 else ''}"
+    lines = [f"{plan.model}: {plan.strategy} plan, {stages} (depth {sg.depth()}) on "
              f"{len(sg.devices_used())}/{plan.cluster.num_devices} {plan.cluster.device.name}, batch {sg.batch_size}, "
              f"schedule {plan.schedule.name}"]
     rows = [("stage", "ops", "devices", "mb", "in-flight")]

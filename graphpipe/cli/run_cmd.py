@@ -86,6 +86,11 @@ def run(args) -> int:
     check_host_capacity(plan.cluster.num_devices)
     log.info("running %s (%s, %s) on %d ranks, %d steps", args.plan, plan.model, plan.schedule.name,
              plan.cluster.num_devices, options.steps)
+    if options.compile:  # the first step waits for inductor on every rank: say so before the silence
+        from graphpipe.progress import note
+
+        note("--compile: each rank compiles its stages' forward and backward with torch.compile before its first "
+             "step (tens of seconds on a CPU); the step count starts after that")
     try:
         summary = run_plan(plan, options)
     except RuntimeFailure as exc:  # a rank failed: 1; out of memory or refusing its stage: 2, an input to change
@@ -139,10 +144,12 @@ def _note_device(plan, options) -> RunDevices:
 
     actual = run_device(options.backend, plan.cluster.num_devices)
     planned = plan.cluster.device.name
-    if not _same_device(planned, actual):
+    measured = str(plan.search.get("profile_device") or "")  # the plan's op costs were measured there
+    if not _same_device(planned, actual) and not (measured and _same_device(measured.split("(")[-1], actual)):
+        fix = "--cluster cpu" if actual.startswith("CPU") else "a profile or a cluster file"
         sys.stderr.write(f"graphpipe: note: the plan was made for {planned}; this run is on {actual}. The predicted "
                          "figures are for the planned device, so the prediction error below compares two devices "
-                         "(plan for this host with a profile or a cluster file to compare like with like)\n")
+                         f"(plan for this host with {fix} to compare like with like)\n")
     return RunDevices(planned=planned, run=actual)
 
 

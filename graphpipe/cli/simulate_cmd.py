@@ -163,8 +163,9 @@ def _run(args) -> int:
 def format_summary(plan, figures: dict) -> str:
     """Human-readable summary: headline figures, one row per device, one row per stage."""
     sg = plan.stage_graph
+    stages = f"{sg.num_stages} stage{'s' if sg.num_stages != 1 else ''}"
     lines = [
-        f"plan: {plan.model} ({plan.strategy}), schedule {figures['schedule']}, {sg.num_stages} stages "
+        f"plan: {plan.model} ({plan.strategy}), schedule {figures['schedule']}, {stages} "
         f"(depth {sg.depth()}) on {plan.cluster.num_devices} x {plan.cluster.device.name}, batch {sg.batch_size}",
         f"iteration time: {figures['iteration_time_s'] * 1e3:.4g} ms   throughput: {figures['throughput']:.4g} samples/s"
         f"   mean bubble (devices in use): {figures['mean_bubble_fraction']:.3f}",

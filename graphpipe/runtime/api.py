@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from graphpipe.errors import InputError, PlanError
+from graphpipe.errors import GraphpipeError, InputError, PlanError, UserCodeError
 from graphpipe.exporting import normalize_inputs
 from graphpipe.plan import Plan
 from graphpipe.runtime.resume import StepCheckpoints
@@ -102,6 +102,52 @@ def _init_distributed(timeout_s: float) -> tuple[int, int, str, bool]:
     return dist.get_rank(), world, backend, True
 
 
+def _check_same_model(plan: Plan, gm, op_nodes) -> None:
+    """Refuse a model whose ops are not the plan's: other op names, or an op whose parameters differ in size
+    (a layer of another width captures under the same name)."""
+    from graphpipe.capture import op_param_bytes
+    from graphpipe.runtime.stage_modules import check_op_names
+
+    check_op_names([op.name for op in plan.graph.ops], tuple(op_nodes), plan.model)
+    captured = op_param_bytes(gm, op_nodes)
+    for op in plan.graph.ops:
+        got = captured.get(op.name)
+        if got is not None and op.param_bytes > 0 and got != op.param_bytes:
+            raise PlanError(f"the model given to Pipeline is not the plan's ({plan.model}): op {op.name!r} has "
+                            f"{got:,} parameter bytes, the plan's {int(op.param_bytes):,}; give Pipeline the model "
+                            "the plan was made from, or plan this one")
+
+
+def _check_world_size(plan: Plan, path: Any, idle_ranks: bool = False) -> None:
+    """Refuse, on every rank and before any collective, a job of another size than the plan's
+    :attr:`~graphpipe.plan.Plan.num_ranks`: a missing rank would leave its peers waiting, and an extra one
+    would hold no stage (no parameters for its optimizer). ``idle_ranks``: extra ranks are the caller's intent
+    (an elastic job whose plan for this world size uses fewer devices); only too few are refused."""
+    import sys
+
+    from graphpipe.errors import LaunchError
+    from graphpipe.plan import torchrun_flags
+
+    if dist.is_available() and dist.is_initialized():
+        world, launcher = dist.get_world_size(), "the process group has"
+    elif "WORLD_SIZE" in os.environ:
+        world, launcher = int(os.environ["WORLD_SIZE"]), "torchrun started"
+    else:
+        return  # _init_distributed says how to start it
+    if world == plan.num_ranks or (idle_ranks and world > plan.num_ranks):
+        return
+    name = f"{os.fspath(path)} " if path is not None else "the plan "
+    used = plan.stage_graph.devices_used()
+    on = f"device {used[0]}" if len(used) == 1 else f"devices {used[0]}-{used[-1]}" \
+        if used == tuple(range(used[0], used[-1] + 1)) else f"devices {list(used)}"
+    message = (f"{name}runs on {plan.num_ranks} rank{'s' if plan.num_ranks != 1 else ''} (its stages are on "
+               f"{on}), {launcher} {world}: start it with `torchrun {torchrun_flags(plan)}`")
+    rank = os.environ.get("RANK", "?") if not dist.is_initialized() else dist.get_rank()
+    sys.stderr.write(f"graphpipe: error: rank {rank}: {message}\n")
+    sys.stderr.flush()
+    raise LaunchError(message)
+
+
 class Pipeline:
     """This rank's part of a model trained by a graphpipe plan (module docstring).
 
@@ -112,6 +158,12 @@ class Pipeline:
     or ``bf16`` (``torch.autocast``, weights kept in fp32). ``compile``: every
     stage this rank hosts runs its forward and backward compiled by
     ``torch.compile`` (inductor; refused for split-backward schedules).
+    ``idle_ranks``: a job may start more ranks than the plan's
+    :attr:`~graphpipe.plan.Plan.num_ranks`; the extra ones host no stage,
+    have no parameters (build their optimizer only when
+    ``pipe.parameters()`` is not empty) and only join collectives. Without
+    it, any other number of ranks is refused on every rank, before any
+    collective, in one line with the torchrun flag to use.
 
     The model is captured on ``example_inputs`` and ``example_target``
     (either may be left out: the spec's are used, the target only with a
@@ -129,7 +181,8 @@ class Pipeline:
     def __init__(self, plan: Plan | str | os.PathLike, model: nn.Module | None = None,
                  loss_fn: Callable[..., torch.Tensor] | None = None, *, example_inputs: Any = None,
                  example_target: Any = None, precision: str = "fp32", seed: int = 0, timeout_s: float = 300.0,
-                 batchnorm: str | None = None, compile: bool = False, _job: JobModel | None = None) -> None:
+                 batchnorm: str | None = None, compile: bool = False, idle_ranks: bool = False,
+                 _job: JobModel | None = None) -> None:
         from graphpipe.plan import read_plan
         from graphpipe.sched.async_pipe import plan_spec
 
@@ -153,10 +206,10 @@ class Pipeline:
                 raise PlanError(refusal)
         self._compile = bool(compile)
         self.precision, self.seed, self.timeout_s = precision, seed, timeout_s
+        # graphpipe run (``_job``) starts a rank per device of the cluster: its idle ranks only join collectives
+        _check_world_size(self.plan, plan if not isinstance(plan, Plan) else None, idle_ranks or _job is not None)
         self.rank, self.world_size, self.backend, self._owns_group = _init_distributed(timeout_s)
         sg = self.plan.stage_graph
-        if sg.num_devices > self.world_size:
-            raise PlanError(f"the plan needs {sg.num_devices} ranks, torchrun started {self.world_size}")
         self.device = torch.device(f"cuda:{torch.cuda.current_device()}") if self.backend == "nccl" else torch.device("cpu")
         self._batchnorm = batchnorm or getattr(self.plan, "batchnorm", None) or "per-micro-batch"
         self._steps = 0
@@ -180,6 +233,7 @@ class Pipeline:
         spec_model, spec_inputs, spec_loss, spec_target = (None, None, None, None) if (
             model is not None and example_inputs is not None) else self._from_spec(build)
         self._model = model if model is not None else spec_model
+        self._given_model = model is not None and example_inputs is None  # captured on the plan's inputs
         self._loss_fn = loss_fn if loss_fn is not None else spec_loss
         if example_inputs is None:
             example_inputs = spec_inputs
@@ -265,8 +319,20 @@ class Pipeline:
             model, example, target = self._model, meta_copy(example), meta_copy(target)
         else:
             model = self._model.cpu() if self.backend != "nccl" else self._model
-        exported, op_nodes, _ = trace_ops(model, example, self._loss_fn, target,
-                                          Granularity.parse(plan_granularity(self.plan)))
+        try:
+            exported, op_nodes, _ = trace_ops(model, example, self._loss_fn, target,
+                                              Granularity.parse(plan_granularity(self.plan)))
+        except Exception as exc:
+            ours = isinstance(exc, GraphpipeError) and not isinstance(exc, UserCodeError)
+            if not self._given_model or keep is not None or ours:
+                raise
+            # the plan's model captured on these inputs when it was planned: the model given is another
+            text = str(exc) if isinstance(exc, UserCodeError) else \
+                f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
+            raise PlanError(f"the model given to Pipeline is not the plan's ({self.plan.model}): capturing it on "
+                            f"the plan's example inputs failed ({text}); give Pipeline the "
+                            "model the plan was made from, or plan this one") from exc
+        _check_same_model(self.plan, exported.gm, op_nodes)
         args, kwargs = normalize_inputs(example)
         flat = exported.io.flat_inputs(args, kwargs, target)
 
@@ -744,7 +810,11 @@ class Pipeline:
                     state[k] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
         if not state:
             return
-        dcp.load(state, storage_reader=dcp.FileSystemReader(directory), no_dist=True)
+        import warnings
+
+        with warnings.catch_warnings():  # each rank reads its own keys alone, on purpose (no_dist)
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, storage_reader=dcp.FileSystemReader(directory), no_dist=True)
         from graphpipe.runtime.intra_stage import like
 
         for name, p in params:

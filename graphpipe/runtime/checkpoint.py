@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
@@ -135,7 +136,9 @@ def read_tensors(layout: CheckpointLayout, into: Mapping[str, torch.Tensor]) -> 
     staged = {k: (t if t.device.type == "cpu" and t.is_contiguous() and not hasattr(t, "device_mesh")
                   else torch.empty(t.shape, dtype=t.dtype)) for k, t in into.items()}
     # no_dist: each rank reads its own tensors; no collective (ranks load different keys)
-    dcp.load(staged, storage_reader=dcp.FileSystemReader(layout.path), no_dist=True)
+    with warnings.catch_warnings():  # torch warns of no_dist, which is the intent here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(staged, storage_reader=dcp.FileSystemReader(layout.path), no_dist=True)
     with torch.no_grad():
         for k, t in into.items():
             if staged[k] is not t:

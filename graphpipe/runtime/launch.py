@@ -264,6 +264,17 @@ def _let_go_of_the_server() -> None:
         server._forkserver_alive_fd = None
 
 
+def _resumed_at(jobs) -> int:
+    """The step a one-job run resumes at (its checkpoint folder's newest complete step; 0 without one), so the
+    count goes on from there instead of starting at 0 and jumping at the end."""
+    if len(jobs) != 1 or not getattr(jobs[0][1], "checkpoint_dir", None):
+        return 0
+    from graphpipe.runtime.step_checkpoints import newest_complete
+
+    found = newest_complete(jobs[0][1].checkpoint_dir, warn=lambda _: None)  # the ranks name skipped ones
+    return min(found[0], jobs[0][1].steps) if found else 0
+
+
 def _child(rank: int, world_size: int, jobs, init_method: str, results: mp.Queue, parent_pid: int,
            forked: bool, env: dict[str, str], shipped: dict) -> None:
     _detach(parent_pid, forked, env)
@@ -390,7 +401,7 @@ def launch(jobs: Sequence[tuple[dict, RunOptions]], world_size: int) -> list[Run
         log.info("started %d ranks (pids %s)", world_size, ", ".join(str(p.pid) for p in procs))
         steps_before = [sum(options.steps for _, options in jobs[:i]) for i in range(len(jobs) + 1)]
         # No line of its own for the start: a run refused at once keeps its one-line error.
-        bar = Progress("run", total=steps_before[-1], unit="step")
+        bar = Progress("run", total=steps_before[-1], unit="step", initial=_resumed_at(jobs))
         bar.update(0, postfix=f"{world_size} rank{'s' if world_size != 1 else ''} started"
                               f"{f', {len(jobs)} jobs' if len(jobs) > 1 else ''}")
         began = last_note = time.monotonic()

@@ -24,7 +24,7 @@ from graphpipe.plan import Plan
 if TYPE_CHECKING:
     from graphpipe.runtime.results import RunResult, RunSummary
 
-__all__ = ["measured_timeline", "summarize", "format_summary", "memory_error", "SavedBytesMeter"]
+__all__ = ["measured_timeline", "summarize", "format_summary", "loss_line", "memory_error", "SavedBytesMeter"]
 
 
 
@@ -265,7 +265,7 @@ def format_summary(summary: RunSummary) -> str:
                      + " ".join(f"{a:.0f}/{b:.0f}" for a, b in zip(m.stashed_weight_bytes, pp))
                      + f"  (steady-state iteration; whole stream {m.stream_time_s * 1e3:.3f} ms)")
     if summary.losses:
-        lines.append("loss per step: " + " ".join(f"{x:.6g}" for x in summary.losses))
+        lines.append(loss_line(summary.losses))
     if summary.check_skipped:
         lines.append(summary.check_skipped)
     if summary.check is not None:
@@ -274,3 +274,26 @@ def format_summary(summary: RunSummary) -> str:
                      f"loss {c.loss:.6g} vs {c.reference_loss:.6g}  params {c.num_params_checked}/{c.num_params}"
                      f"  mismatches {c.num_mismatches} (rtol {c.rtol:g}, atol {c.atol:g})")
     return "\n".join(lines) + "\n"
+
+
+LOSSES_SHOWN = 12
+"""Most losses ``loss per step:`` lists one by one; a longer run shows its first and last few (``--json`` has all)."""
+
+
+def loss_line(losses) -> str:
+    """``loss per step: ...``, every loss of a short run; of a long one the first and last
+    ``LOSSES_SHOWN // 2``, the count, and the mean of the last tenth, so 27,000 steps stay one short line.
+
+    >>> loss_line([0.5, 0.25])
+    'loss per step: 0.5 0.25'
+    >>> loss_line([float(k) for k in range(100, 0, -1)])
+    'loss per step: 100 99 98 97 96 95 ... 6 5 4 3 2 1 (100 steps; mean of the last 10 5.5; --json lists all)'
+    """
+    losses = list(losses)
+    if len(losses) <= LOSSES_SHOWN:
+        return "loss per step: " + " ".join(f"{x:.6g}" for x in losses)
+    half = LOSSES_SHOWN // 2
+    tail = losses[-max(1, len(losses) // 10):]
+    return ("loss per step: " + " ".join(f"{x:.6g}" for x in losses[:half]) + " ... "
+            + " ".join(f"{x:.6g}" for x in losses[-half:])
+            + f" ({len(losses)} steps; mean of the last {len(tail)} {sum(tail) / len(tail):.6g}; --json lists all)")

@@ -282,4 +282,19 @@ def validate_plan(plan) -> None:
     if sg.num_devices != cluster.num_devices:
         raise ScheduleError(f"plan's stage graph uses {sg.num_devices} devices but its cluster has "
                             f"{cluster.num_devices}; regenerate the plan for this cluster")
+    _check_stage_devices(plan)
     validate_schedule(sg, plan.schedule)
+
+
+def _check_stage_devices(plan) -> None:
+    """A hand-edited plan whose stage moved device keeps the schedule of the old placement: say so in the plan
+    file's terms (``stages[i].devices``) and how to regenerate it, not in the validator's."""
+    sg, schedule = plan.stage_graph, plan.schedule
+    for d, actions in enumerate(schedule.device_actions):
+        for a in actions:
+            if 0 <= a.stage_id < sg.num_stages and d not in sg.stages[a.stage_id].devices:
+                stage = sg.stages[a.stage_id]
+                raise ScheduleError(
+                    f"the plan's schedule no longer matches stages[{stage.id}].devices ({list(stage.devices)}): it "
+                    f"runs stage {stage.id}'s {a} on device {d}. Regenerate the schedule for the stages as they are: "
+                    f"graphpipe simulate PLAN.json --schedule {schedule.name} --out PLAN.json")
