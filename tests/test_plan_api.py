@@ -152,3 +152,36 @@ def test_importing_graphpipe_is_cheap_and_plan_names_both():
             "assert issubclass(graphpipe.Plan, Plan) and callable(graphpipe.load_plan)\n"
             "assert 'torch' not in sys.modules\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+README = __import__("os").path.join(__import__("os").path.dirname(__file__), "..", "README.md")
+
+
+def test_the_readme_is_a_front_door():
+    """Under 15k characters; install, one's own model planned, simulated and run, and both Python APIs (planning
+    and training) in its first 80 lines."""
+    text = open(README, encoding="utf-8").read()
+    assert len(text) < 15_000, len(text)
+    head = "\n".join(text.splitlines()[:80])
+    for needle in ("## Install", "pip install", "graphpipe plan examples/two_tower.py:factory",
+                   "graphpipe simulate two_tower.json", "graphpipe run two_tower.json", "graphpipe.plan(",
+                   "plan.simulate()", "plan.save(", "graphpipe.Pipeline(", "pipe.step("):
+        assert needle in head, needle
+
+
+@pytest.mark.slow
+def test_the_readmes_planning_block_runs_as_written(tmp_path):
+    """The README's Python planning block, run in a copy of the examples, saves the plan ``graphpipe plan`` writes."""
+    import re
+    import shutil
+
+    text = open(README, encoding="utf-8").read()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "graphpipe.plan(" in b)
+    root = __import__("os").path.dirname(README)
+    shutil.copytree(__import__("os").path.join(root, "examples"), tmp_path / "examples")
+    subprocess.run([sys.executable, "-c", block], cwd=tmp_path, check=True, capture_output=True, timeout=600)
+    command = re.search(r"^graphpipe plan examples/two_tower\.py:factory (.*) --out two_tower\.json$", text, re.M)
+    subprocess.run([sys.executable, "-m", "graphpipe", "plan", "examples/two_tower.py:factory",
+                    *command.group(1).split(), "--out", "cli.json"], cwd=tmp_path, check=True, capture_output=True,
+                   timeout=600)
+    assert _untimed((tmp_path / "two_tower.json").read_text()) == _untimed((tmp_path / "cli.json").read_text())
