@@ -4,6 +4,13 @@ Capture a branchy network as a DAG of ops, cut it into a *graph* of pipeline
 stages, choose micro-batch sizes and a schedule, simulate the result and run
 it for real on ``torch.distributed``.
 
+The front door (docs/api.md), each imported on first use so ``import graphpipe`` stays cheap and torch-free::
+
+    plan = graphpipe.plan("mmt:small", devices=4, batch_size=32)   # graphpipe plan, as a function
+    plan.simulate().throughput; plan.save("plan.json")             # graphpipe simulate; plan --out
+    plan = graphpipe.load_plan("plan.json")
+    pipe = graphpipe.Pipeline("plan.json", model, loss_fn)          # training, under torchrun
+
 Glossary (names mean exactly this everywhere in the code):
 
 op

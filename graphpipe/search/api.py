@@ -19,8 +19,8 @@ Example
 -------
 >>> import graphpipe
 >>> plan = graphpipe.plan("data/synthetic/mmt-shaped-2x8.json", devices=4, batch_size=32, schedule="1f1b")
->>> plan.schedule.name, plan.stage_graph.num_stages > 1
-('1f1b', True)
+>>> plan.schedule.name, plan.strategy
+('1f1b', 'gpp')
 >>> prediction = plan.simulate()
 >>> prediction.iteration_time_s == plan.predicted.iteration_time_s, prediction.throughput > 0
 (True, True)
