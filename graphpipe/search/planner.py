@@ -9,6 +9,14 @@ co-optimises micro-batch sizes and the action order,
 :mod:`graphpipe.search.cpsat`), validate, simulate, and refuse plans whose
 simulated peak memory exceeds the device memory.
 
+A named schedule is read from its registry entry
+(:class:`~graphpipe.sched.generators.ScheduleSpec`), never from its name: one
+with a ``base`` is planned under that schedule and then converted here
+(:func:`_from_base`: the asynchronous schedules stream the 1F1B partition,
+the V layouts cut the model into ``2K`` stages), and a ``looped`` one takes
+the strategy's device groups in turn (:func:`_looped`), so
+``plan_request`` gives the whole plan ``graphpipe plan`` prints.
+
 Everything the planner knows about a strategy comes from its record: which
 schedule it uses, its default re-materialization, whether its search prices
 re-materialization, whether it is planned on exactly N devices, whether its
