@@ -6,7 +6,7 @@ tables and headlines always come from the result files, never from this text.
 
 NOTES: dict[str, str] = {
     "ill-conditioned": (
-        "Both networks are as ill-conditioned as the issue says: plain eager PyTorch at fp32 lies up to 0.035 "
+        "Both networks are as ill-conditioned as the target assumes: plain eager PyTorch at fp32 lies up to 0.035 "
         "(EfficientNet-B0) and 4.2 (Inception-v3) from fp64 on one step's gradients, and the reference's own "
         "fp32-vs-fp64 spread reaches 22 and 5.6 over two steps. Before this change `--check` compared the "
         "pipeline with one process running the whole mini-batch (BatchNorm cut per micro-batch): on the same "
@@ -49,14 +49,14 @@ NOTES: dict[str, str] = {
         "into a deep pipeline costs SPP the most; the paper measured real kernels on Summit. GPipe "
         "re-materializes every stage, as in its paper; on 8 V100s that costs it 25% of its throughput "
         "(501 -> 377 samples/s) for a 6x smaller peak (10.0 -> 1.6 GB; `graphpipe plan mmt --strategy gpipe "
-        "--devices 8 --batch-size 128 --recompute none|all`). Tables made before issue 15 show no GPipe "
+        "--devices 8 --batch-size 128 --recompute none|all`). Tables made before activation bytes were measured as autograd saves them show no GPipe "
         "row for MMT: activation bytes were then every tensor an op produced, with attention's seq x seq "
         "probabilities (meta tensors take the math path), 2.6x what autograd saves; they are now the "
         "saved bytes, as a run measures them, and plain GPipe fits too."),
     "search-time": (
         "Piper / gpp on MMT is 524-635x here, far above the paper's 9-21x and our own 15-21x of an earlier "
         "round (commit 2422f64: Piper 39-53 s, gpp 1.9-3.5 s). Both sides moved: gpp got 6-7x faster "
-        "(issue 16), and Piper's search went to 222-377 s after it took its real planner's objective "
+        "(its DP's rework), and Piper's search went to 222-377 s after it took its real planner's objective "
         "(msr-fiddle/piper algo.cpp, b4f4047) and the per-edge received bytes on its downset pairs "
         "(ced03e3). Our Piper is a Python reimplementation of an exhaustive DP over downset pairs, so the "
         "ratio is not a measurement of the paper's implementations; what carries over is the growth: "
@@ -79,7 +79,7 @@ NOTES: dict[str, str] = {
         "in the paper. Per-stage micro-batch sizes added nothing here: gpp's refinement found no "
         "improving per-stage change on these configs (the paper calls the gain incremental). The CP-SAT "
         "schedule splits each backward into I and W wherever no stage re-materializes (zero bubble, the "
-        "default of `--schedule cpsat` since issue 17) and reorders F, I and W: +4% on MMT, +37% on DLRM and "
+        "default of `--schedule cpsat` since zero bubble was added) and reorders F, I and W: +4% on MMT, +37% on DLRM and "
         "+7% on CANDLE-Uno over graph-1F1B, the same gains as the zero-bubble table's CP-SAT rows (MMT "
         "ends 1.8% from its bound in 20 s; DLRM and CANDLE-Uno are proven optimal). Without the split it "
         "added a few percent on MMT and nothing on the other two, where graph-1F1B was already optimal. "
@@ -234,7 +234,7 @@ NOTES: dict[str, str] = {
         "the device had drained; it now returns the loss as a 0-dim device tensor, as a plain loop's `loss` is, "
         "and `clip_grad_norm_` returns its norm the same way, as torch's does."),
     "bench_scale": (
-        "Where the time and memory went before issue 34 (cProfile, transformer, batch 16 per device): Piper's "
+        "Where the time and memory went before the large-cluster work (cProfile, transformer, batch 16 per device): Piper's "
         "seed, the linear DP, built (stage ends x devices x every replica count 1..N x stages) arrays: 84 of "
         "Piper's 89 s at 128 devices and past 24 GB at 1024 (the kernel's kill), although only the counts "
         "dividing the micro-batch are allowed; it now ranges over those alone, in chunks (same answers: "

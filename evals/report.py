@@ -31,25 +31,25 @@ PAPER = {
                   "reaches the flushing pipeline's accuracy per epoch, faster in wall-clock time; without stashing "
                   "training is inconsistent. 2BW (ICML'21, Fig. 6): its delay-1 update W(t+1) = W(t) - lr grad(W(t-1)) "
                   "matches the loss curve of synchronous training"),
-    "bench_gpp": "(no paper figure; issue 16's target: gpp's `make_plan` under 1 s at 32 devices, and "
+    "bench_gpp": "(no paper figure; our target: gpp's `make_plan` under 1 s at 32 devices, and "
                  "16-branch candle-uno on 1024 devices under 10 s, on a 2-core machine)",
-    "bench_scale": "(no paper figure; issue 34's target: `graphpipe plan MODEL --devices N --batch-size 16N` for "
+    "bench_scale": "(no paper figure; our target: `graphpipe plan MODEL --devices N --batch-size 16N` for "
                    "every zoo paper model at 128-1024 devices under 10 s and 2 GB for gpp, pipedream and gpipe, "
                    "piper finishing or stopping cleanly; no kernel kill, no traceback: "
                    "`python -m graphpipe.evals.bench_scale`)",
-    "bench_llm": "(no paper figure; issue 47's target: a Llama-3-70B-shaped Hugging Face model built on the meta "
+    "bench_llm": "(no paper figure; our target: a Llama-3-70B-shaped Hugging Face model built on the meta "
                  "device planned with `graphpipe plan ... --devices 512 --batch-size 2048 --cluster h100` (and 1024 "
                  "devices): search under 10 s, the whole cold command under 40 s: "
                  "`python -m graphpipe.evals.bench_llm --before DIR`)",
-    "bench_llm_configs": "(no paper figure; issue 47's held-out check: Hugging Face decoders and an "
+    "bench_llm_configs": "(no paper figure; a held-out check: Hugging Face decoders and an "
                          "encoder-decoder nobody tuned for, at their published shapes on the meta device, planned "
                          "with the same bars as Llama-3-70B: search under 10 s at 512 and 1024 devices, the whole "
                          "cold command under 40 s: `python -m graphpipe.evals.bench_llm_configs`)",
-    "memory-runtime": "(no paper figure; issue 15's target: measured activation bytes within 10% of the prediction on "
+    "memory-runtime": "(no paper figure; our target: measured activation bytes within 10% of the prediction on "
                       "every device, and lower with re-materialization)",
-    "rank-rss": "(no paper figure; issue 45's target: each rank's peak host RSS is its stages' state plus a fixed "
+    "rank-rss": "(no paper figure; our target: each rank's peak host RSS is its stages' state plus a fixed "
                 "per-process base, for a model too big for one rank: `python -m graphpipe.evals.rank_rss --out evals`)",
-    "ill-conditioned": "(no paper figure; issue 46's target: `--check` on EfficientNet-B0 and Inception-v3 at small "
+    "ill-conditioned": "(no paper figure; our target: `--check` on EfficientNet-B0 and Inception-v3 at small "
                        "images and micro-batch 4 passes on correct runs and still fails a wrong gradient: "
                        "`python -m graphpipe.evals.ill_conditioned --out evals`)",
     "capture_time": "(no paper figure; `torch.export` capture of Hugging Face / timm models and meta-device Llama "
@@ -57,29 +57,29 @@ PAPER = {
     "clip": "(no paper figure; a real two-tower model, Hugging Face CLIP: gpp against PipeDream, Piper, GPipe and "
             "torch.distributed.pipelining measured on CPU ranks beside the simulator, and CLIP ViT-B/16's shape "
             "simulated on 8-64 V100s: `python -m graphpipe.evals.clip_pipelines --out evals`)",
-    "bench_api": "(no paper figure; issue 31's target: `graphpipe.Pipeline`'s step at >= 0.98x a plain PyTorch loop "
+    "bench_api": "(no paper figure; our target: `graphpipe.Pipeline`'s step at >= 0.98x a plain PyTorch loop "
                  "with the same micro-batching and AdamW: `python -m graphpipe.evals.bench_api`)",
     "bench_api-bf16": "(the same at bf16, one autocast region per step in both: "
                       "`python -m graphpipe.evals.bench_api --precision bf16`)",
-    "bench_api-cuda": "(issue 31's GPU targets: the API's step at >= 0.98x a plain PyTorch loop and >= 1.0x "
+    "bench_api-cuda": "(our GPU targets: the API's step at >= 0.98x a plain PyTorch loop and >= 1.0x "
                       "torch.distributed.pipelining's ScheduleGPipe with one stage, on one GPU: "
                       "`python -m graphpipe.evals.bench_api --model mmt --batch-size 64 --micro-batch-size 8`)",
     "bench_api-bf16-cuda": "(the same at bf16, one autocast region per step in all three: "
                            "`python -m graphpipe.evals.bench_api --model mmt --batch-size 64 --micro-batch-size 8 "
                            "--precision bf16`)",
-    "bench_api-compile": "(issue 47's target: the API with compiled stages at >= 1.0x a torch.compile'd plain loop and "
+    "bench_api-compile": "(our target: the API with compiled stages at >= 1.0x a torch.compile'd plain loop and "
                          "above the eager API, side by side in one run: "
                          "`python -m graphpipe.evals.bench_api --compile --no-torch`)",
-    "bench_api-compile-cuda": "(issue 47's GPU target: compiled API >= 1.0x a torch.compile'd plain loop on one GPU "
+    "bench_api-compile-cuda": "(our GPU target: compiled API >= 1.0x a torch.compile'd plain loop on one GPU "
                               "and above eager: `bash evals/gpu_check.sh`)",
     "bench_api-compile-bf16-cuda": "(the same at bf16: `bash evals/gpu_check.sh`)",
     "bench_launch": "(no paper figure; a run's start-up on a small host: ranks spawned afresh, forked by a preloaded "
                     "forkserver, and forked and given the launcher's capture instead of exporting the model, for a "
                     "fresh `graphpipe run` command of a small model and for a later launch in one process, medians "
                     "in alternating order: `python -m graphpipe.evals.bench_launch --out evals`)",
-    "overlap_sends": "(issue 47: receives posted one action ahead on CUDA ranks against posted at use, two GPUs: "
+    "overlap_sends": "(our check: receives posted one action ahead on CUDA ranks against posted at use, two GPUs: "
                      "`python -m graphpipe.evals.overlap_sends`)",
-    "bench_api-torch": "(issue 31/32's target: >= 1.0x torch.distributed.pipelining on CPU ranks with the same "
+    "bench_api-torch": "(our target: >= 1.0x torch.distributed.pipelining on CPU ranks with the same "
                        "partition; other schedules run from the same CSV in torch's _PipelineScheduleRuntime: "
                        "`python -m graphpipe.evals.bench_api --ranks 4 --schedules 1f1b,zb-h1`)",
 }

@@ -114,6 +114,7 @@ __all__ = [
     "group_nodes",
     "split_by_ops",
     "load_factory",
+    "factory_result",
     "captured_from_factory",
     "is_weight_copy",
 ]
@@ -978,6 +979,11 @@ def load_factory(spec: str) -> Factory:
         result = factory()
     except Exception as exc:
         raise user_code_error(exc, f"calling {func_name}()", path) from exc
+    return factory_result(result, spec)
+
+
+def factory_result(result: Any, spec: str) -> Factory:
+    """``result``, what a factory returned, checked and read as a :class:`Factory`; ``spec`` names it in errors."""
     if not (isinstance(result, tuple) and len(result) in (3, 4)):
         raise InputError(f"{spec}: factory must return (module, example_inputs, loss_fn[, example_target]), got "
                          f"{type(result).__name__}{' of length ' + str(len(result)) if isinstance(result, tuple) else ''}")

@@ -329,3 +329,56 @@ def test_graph_schedules_on_round_robin_dags_are_valid_and_give_each_replica_its
             for d in st.devices:
                 own = len([j for j in range(sg.num_micro_batches(st.id)) if st.replica_of(j) == d])
                 assert _most_open(schedule.device_actions[d]) >= min(depth[st.id], own), (name, st, d)
+
+
+# ------------------------------------------------------------------ the registry
+def _layout_for(spec, graph, devices=2, batch=8):
+    """A stage graph of the layout the registry entry says its schedule runs on."""
+    from graphpipe.sched.generators import looped_chain, v_shape_chain
+
+    if spec.layout == "v":
+        return v_shape_chain(graph, devices, batch, 1)
+    if spec.layout == "looped":
+        return looped_chain(graph, [(d,) for d in range(devices)], 2, batch, 1)
+    per = graph.num_ops // devices
+    return StageGraph.build(graph, [Stage(i, tuple(range(per * i, per * i + per)), (i,), 1) for i in range(devices)],
+                            batch, devices)
+
+
+def _chain(n=8):
+    return OpGraph.build("c", [Op(f"l{i}", "x", Affine(0, 1e-3), Affine(0, 2e-3), 1e6, 1e4, 1e4) for i in range(n)],
+                         [(f"l{i}", f"l{i + 1}", 1e4) for i in range(n - 1)])
+
+
+@pytest.mark.parametrize("name", list(__import__("graphpipe.sched.generators", fromlist=["SCHEDULES"]).SCHEDULES))
+def test_each_registry_entry_says_what_its_schedule_does(name):
+    """The entry's fields are the generated schedule's properties: split backward iff I/W actions, the
+    layout it accepts, asynchrony as async_pipe knows it, one micro-batch size where it says so."""
+    from graphpipe.sched.async_pipe import ASYNC_SCHEDULES
+    from graphpipe.sched.generators import get_schedule
+
+    spec = get_schedule(name.upper())
+    assert spec.name == name and spec.summary
+    sg = _layout_for(spec, _chain())
+    schedule = make_schedule(name, sg, free_cluster(sg.num_devices))
+    kinds = {a.kind for actions in schedule.device_actions for a in actions}
+    assert spec.split_backward == ({"I", "W"} <= kinds), kinds
+    assert spec.asynchronous == (name in ASYNC_SCHEDULES)
+    assert (spec.base is not None) == (spec.asynchronous or spec.layout == "v")
+    if spec.layout != "plan":  # the strategy's own layout (one stage per device, a chain) is refused
+        with pytest.raises(ScheduleError):
+            make_schedule(name, _layout_for(get_schedule("1f1b"), _chain()))
+    if spec.one_micro_batch_size:
+        mixed = StageGraph.build(sg.graph, [s if s.id else Stage(0, s.op_ids, s.devices, 2) for s in sg.stages],
+                                 sg.batch_size, sg.num_devices, allow_shared_devices=True)
+        with pytest.raises(ScheduleError):
+            make_schedule(name, mixed)
+
+
+def test_an_unknown_schedule_is_refused_with_the_known_names():
+    from graphpipe.sched.generators import SCHEDULE_NAMES, get_schedule
+
+    with pytest.raises(ScheduleError, match="known: " + ", ".join(SCHEDULE_NAMES).replace("(", r"\(")):
+        get_schedule("zigzag")
+    with pytest.raises(ScheduleError, match="optimize_plan"):
+        get_schedule("cpsat")

@@ -19,7 +19,7 @@ import logging
 import sys
 from typing import Any
 
-from graphpipe.cli.async_flags import add_async_arguments, async_requested, to_async
+from graphpipe.cli.async_flags import add_async_arguments, async_requested
 from graphpipe.cli.common import MAX_TIME_LIMIT_S
 from graphpipe.errors import DeviceMemoryError, InputError
 
@@ -84,44 +84,40 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _options(args):
-    from graphpipe.cli.common import shared_host
-    from graphpipe.search.common import SearchOptions
-
-    if args.micro_batch_size is not None and args.micro_batch_size < 1:
-        raise InputError(f"--micro-batch-size must be a positive integer, got {args.micro_batch_size}")
-    return SearchOptions(micro_batch_size=args.micro_batch_size, per_stage_micro_batch=args.per_stage_micro_batch,
-                         recompute=args.recompute,
-                         power_of_two=args.power_of_two, host=shared_host(args.host_cores),
-                         max_memory_gb=args.max_memory_gb)
-
-
 def run(args) -> int:
-    from graphpipe.cluster import load_cluster
+    """``graphpipe plan``: the flags checked, then :func:`graphpipe.search.api.plan`'s plan printed and saved."""
+    from graphpipe.search.api import plan_inputs, plan_with
 
     _check_args(args)
-    cluster = load_cluster(args.cluster, args.devices, args.memory_gb)
-    if args.precision == "bf16":  # autocast keeps a bf16 copy of every weight for the step: model state
-        from dataclasses import replace
-
-        cluster = replace(cluster, bytes_per_param=cluster.bytes_per_param + 2.0)
-    options = _options(args)
-    source, graph, profile = _load_graph(args, cluster)
+    inputs = plan_inputs(args.model, devices=args.devices, cluster=args.cluster, memory_gb=args.memory_gb,
+                         precision=args.precision, granularity=args.granularity, profile=args.profile,
+                         micro_batch_size=args.micro_batch_size, recompute=args.recompute,
+                         per_stage_micro_batch=args.per_stage_micro_batch, power_of_two=args.power_of_two,
+                         host_cores=args.host_cores, max_memory_gb=args.max_memory_gb)
     if args.compare:
-        return _run_compare(args, source, graph, cluster, options, profile)
+        return _run_compare(args, inputs)
+    progress = None
+    if (args.schedule or "").lower() == "cpsat":
+        from graphpipe.search.cpsat import progress_writer
+
+        progress = progress_writer(sys.stderr)
     try:
-        plan = _with_capture(args, _plan_one(args, source, graph, cluster, options, profile))
+        plan = plan_with(inputs, batch_size=args.batch_size, strategy=args.strategy, schedule=args.schedule,
+                         time_limit_s=args.time_limit, progress=progress, virtual_stages=args.virtual_stages,
+                         vertical_sync=args.vertical_sync, update_every=args.update_every, stash=not args.no_stash,
+                         notes=lambda text: sys.stderr.write(f"graphpipe: note: {text}\n"))
     except DeviceMemoryError as exc:  # the search knows bytes; say which device they are and where it came from
         from graphpipe.cli.common import memory_source
 
-        raise DeviceMemoryError(f"{exc}{memory_source(args, cluster, profile)}") from exc
-    _report(args, plan, cluster)
+        raise DeviceMemoryError(f"{exc}{memory_source(args, inputs.cluster, inputs.profile)}") from exc
+    _report(args, plan, inputs.cluster)
     return 0
 
 
 def _check_args(args) -> None:
     """Refuse bad flag values and combinations before anything is built."""
     from graphpipe.cli.common import JSON_SUFFIXES, check_batch, check_outputs
+    from graphpipe.sched.generators import SCHEDULES
 
     if args.devices < 1:
         raise InputError(f"--devices must be >= 1, got {args.devices}")
@@ -136,7 +132,8 @@ def _check_args(args) -> None:
                          f"{'--schedule' if args.schedule else '--virtual-stages'}")
     args.virtual_stages = _virtual_stages(args.virtual_stages)
     schedule = (args.schedule or "").lower()
-    if args.virtual_stages not in (None, 1) and (async_requested(args) or schedule in ("zbv", "dualpipev", "cpsat")):
+    own_layout = schedule == "cpsat" or schedule in SCHEDULES and SCHEDULES[schedule].layout == "v"
+    if args.virtual_stages not in (None, 1) and (async_requested(args) or own_layout):
         raise InputError(f"--virtual-stages places stages in turn for the interleaved and interleaved-zb schedules; "
                          f"--schedule {schedule} runs its own layout: drop --virtual-stages or pick one of them")
     check_outputs((args.out, "--out", JSON_SUFFIXES))
@@ -155,85 +152,36 @@ def _virtual_stages(text):
     return value
 
 
-def _load_graph(args, cluster):
-    """``(source, graph, profile)``: the model's op graph, with the measured costs of ``--profile`` if given."""
-    from graphpipe.cli.common import load_model
-
-    profile = None
-    if args.profile:
-        from graphpipe.profile import apply_profile, read_profile
-
-        profile = read_profile(args.profile)  # a bad profile fails before the model is built
-    log.info("building %s for %d x %s", args.model, cluster.num_devices, cluster.device.name)
-    source = load_model(args.model, cluster.device, precision=args.precision or "fp32", granularity=args.granularity)
-    graph = source.graph
-    if profile is not None:
-        graph = apply_profile(graph, profile, model=source.model_id if source.kind in ("zoo", "factory") else None)
-    log.info("%s: %d ops, %d edges; searching (%s)", source.model_id, graph.num_ops, graph.num_edges,
-             "all four strategies" if args.compare else args.strategy)
-    return source, graph, profile
-
-
-def _run_compare(args, source, graph, cluster, options, profile) -> int:
+def _run_compare(args, inputs) -> int:
     """``--compare``: one row per strategy as each finishes; ``--out`` gets gpp's plan."""
     from graphpipe.cli.common import print_json
+    from graphpipe.search.api import recorded
     from graphpipe.search.planner import compare
 
     status = _Progress(sys.stderr)
     printer = None if args.json else _RowPrinter(sys.stdout, status)
     plans: dict = {}
+    model_id = inputs.source.model_id
     try:
-        rows = compare(source.model_id, graph, cluster, args.batch_size, options,
+        rows = compare(model_id, inputs.graph, inputs.cluster, args.batch_size, inputs.options,
                        baseline_time_limit_s=args.baseline_time_limit, on_row=printer, progress=status, plans=plans)
     finally:
         status.clear()
     if args.out and "gpp" in plans:  # the compared gpp plan, so a demo need not search it twice
         from graphpipe.plan import write_plan
 
-        write_plan(args.out, _with_profile(plans["gpp"], profile))
+        write_plan(args.out, recorded(plans["gpp"], inputs, capture=False))
         if not args.json:
             sys.stdout.write(f"wrote {args.out} (the gpp plan)\n")
     if args.json:
-        print_json({"model": source.model_id, "devices": args.devices, "batch_size": args.batch_size,
-                    "cluster": cluster.name, "results": rows})
+        print_json({"model": model_id, "devices": args.devices, "batch_size": args.batch_size,
+                    "cluster": inputs.cluster.name, "results": rows})
     if not any(r["feasible"] for r in rows):
         from graphpipe.errors import InfeasibleError
 
-        raise InfeasibleError(f"every strategy failed for {source.model_id} on {args.devices} devices at batch "
+        raise InfeasibleError(f"every strategy failed for {model_id} on {args.devices} devices at batch "
                               f"size {args.batch_size} (reasons in the table); try more devices or memory")
     return 0
-
-
-def _plan_one(args, source, graph, cluster, options, profile):
-    """The plan of ``--strategy`` (and ``--schedule``; an asynchronous one converts the 1F1B plan)."""
-    from graphpipe.search.planner import PlanRequest, plan_request
-
-    wants_async = async_requested(args)
-    progress = None
-    if (args.schedule or "").lower() == "cpsat":
-        from graphpipe.search.cpsat import progress_writer
-
-        progress = progress_writer(sys.stderr)
-    from graphpipe.sched.generators import V_LAYOUT_SCHEDULES, v_layout_plan
-
-    wants_v = (args.schedule or "").lower() in V_LAYOUT_SCHEDULES
-    plan = plan_request(PlanRequest(model_id=source.model_id, graph=graph, cluster=cluster,
-                                    batch_size=args.batch_size, strategy=args.strategy, options=options,
-                                    schedule="1f1b" if wants_async or wants_v else args.schedule,
-                                    time_limit_s=args.time_limit, progress=progress,
-                                    virtual_stages=args.virtual_stages))
-    if wants_async:  # the partition is the 1F1B one; the stream and its versions replace the flush
-        plan = to_async(plan, args, options.host)
-    if wants_v:  # the strategy's micro-batch size, the model cut anew into the V these schedules run on
-        flat_mb = min(st.micro_batch_size for st in plan.stage_graph.stages)
-        plan = v_layout_plan(plan, args.schedule.lower(), forced=args.micro_batch_size is not None)
-        mb = plan.stage_graph.stages[0].micro_batch_size
-        sys.stderr.write(f"graphpipe: note: --schedule {args.schedule} cuts the model into a V of "
-                         f"{plan.stage_graph.num_stages} stages on {cluster.num_devices} devices (stage d and "
-                         f"{plan.stage_graph.num_stages - 1}-d on device d), at "
-                         + (f"{args.strategy}'s micro-batch size\n" if mb == flat_mb else
-                            f"micro-batch size {mb} ({args.strategy}'s {flat_mb} is too large for it)\n"))
-    return _with_profile(plan, profile)
 
 
 def _report(args, plan, cluster) -> None:
@@ -266,27 +214,6 @@ def _report(args, plan, cluster) -> None:
         (sys.stderr if args.json else sys.stdout).write(
             f"train it on {ranks} rank{'s' if ranks != 1 else ''}: torchrun {torchrun_flags(plan)} your_script.py "
             f"(with graphpipe.Pipeline(\"{args.out}\", model, loss_fn)), or: graphpipe run {args.out}\n")
-
-
-def _with_capture(args, plan):
-    """Record how the module was captured: the runtime re-captures it the same way, and warns at another precision."""
-    from dataclasses import replace
-
-    changes = {}
-    if args.precision:
-        changes.update(precision=args.precision, precision_from="capture")
-    if args.granularity:
-        changes["granularity"] = args.granularity
-    return replace(plan, search={**plan.search, **changes}) if changes else plan
-
-
-def _with_profile(plan, profile):
-    if profile is None:
-        return plan
-    from dataclasses import replace  # the costs are the profile's: so is the precision they hold for
-
-    return replace(plan, search={**plan.search, "precision": profile.precision, "precision_from": "profile",
-                                 "profile_device": profile.device})  # run compares like with like on it
 
 
 # ------------------------------------------------------------------ output

@@ -74,7 +74,7 @@ def run(args) -> int:
 def _run(args) -> int:
     from graphpipe.plan import read_plan, write_plan
     from graphpipe.cli.common import shared_host
-    from graphpipe.sched import make_schedule, predicted_figures, simulate, validate_plan
+    from graphpipe.sched import make_schedule, validate_plan
 
     from graphpipe.cli.common import IMAGE_SUFFIXES, JSON_SUFFIXES, check_outputs
 
@@ -113,21 +113,16 @@ def _run(args) -> int:
     else:
         schedule = make_schedule(args.schedule, plan.stage_graph, plan.cluster)
         plan = replace(plan.with_schedule(schedule), asynchrony={})  # a flushing schedule has no versions
-    from graphpipe.sched.async_pipe import async_figures, plan_spec, stream_graph, stream_schedule
+    from graphpipe.sched.async_pipe import plan_spec
+    from graphpipe.sched.predict import predict
 
     spec = plan_spec(plan)
     log.info("simulating schedule %s (%d actions)", plan.schedule.name,
              sum(len(a) for a in plan.schedule.device_actions))
-    if spec is None:
-        timeline = simulate(plan.stage_graph, plan.schedule, plan.cluster, host=host)
-        figures = predicted_figures(timeline)
-    else:  # the figures are the steady state; the trace and Gantt chart show two mini-batches of the stream
-        timeline = simulate(stream_graph(plan.stage_graph, 2), stream_schedule(plan.stage_graph, spec.name, 2),
-                            plan.cluster, host=host)
-        figures = async_figures(plan.stage_graph, plan.cluster, spec, host=host)
+    timeline, figures = predict(plan, host, validate=False)  # validated above, or generated just now
     from graphpipe.search.tied import charge_plan
 
-    figures = charge_plan(figures, plan)  # tied weights split over stages: as graphpipe plan predicts (issue 65)
+    figures = charge_plan(figures, plan)  # tied weights split over stages: charged as graphpipe plan charges them
     if args.trace:
         from graphpipe.sched.trace import write_trace
 

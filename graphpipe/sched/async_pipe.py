@@ -72,11 +72,13 @@ from graphpipe.cluster import Cluster
 from graphpipe.errors import InputError, ScheduleError
 from graphpipe.stages import StageGraph
 
+from graphpipe.sched.generators import SCHEDULES, make_schedule
+
 __all__ = ["ASYNC_SCHEDULES", "AsyncSpec", "VersionTable", "stream_graph", "stream_schedule", "version_table",
            "async_figures", "group_sizes", "check_async_stage_graph", "async_spec_for", "with_async", "plan_spec"]
 
-ASYNC_SCHEDULES = ("1f1b-async", "2bw")
-"""Schedules that never flush (module docstring); ``1f1b`` is PipeDream-Flush."""
+ASYNC_SCHEDULES = tuple(name for name, spec in SCHEDULES.items() if spec.asynchronous)
+"""Schedules that never flush (module docstring; :attr:`ScheduleSpec.asynchronous`); ``1f1b`` is PipeDream-Flush."""
 
 STEADY_WINDOWS = (2, 4)
 """Stream lengths (in mini-batches) whose makespan difference is the steady-state time of ``4 - 2`` iterations."""
@@ -367,8 +369,6 @@ def with_async(plan, spec: AsyncSpec, host=None):
     The stage graph is unchanged (a sequential plan stays sequential); the
     predicted figures are the steady state of :func:`async_figures`.
     """
-    from graphpipe.sched.generators import make_schedule
-
     check_async_stage_graph(plan.stage_graph)
     schedule = make_schedule(spec.name, plan.stage_graph, plan.cluster)
     figures = async_figures(plan.stage_graph, plan.cluster, spec, host=host)

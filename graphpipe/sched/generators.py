@@ -1,4 +1,8 @@
-"""Schedule generators: GPipe, 1F1B, interleaved 1F1B, and the ``make_schedule`` registry (docs/design.md#schedules-and-the-simulator).
+"""Schedule generators (GPipe, 1F1B, interleaved 1F1B) and the schedule registry, :data:`SCHEDULES` (docs/design.md#schedules-and-the-simulator).
+
+Each registry entry (:class:`ScheduleSpec`, looked up with :func:`get_schedule`) carries its generator and
+what it needs of a plan: the stage layout it runs on (the strategy's own, looped device groups, or a V),
+split backward, asynchrony, its micro-batch rules. :func:`make_schedule` generates and validates one.
 
 Each generator is a pure function of a :class:`StageGraph` returning a
 :class:`Schedule` (per-device action lists; every replica of a stage gets the
@@ -31,8 +35,8 @@ Example
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Callable, Literal, Sequence
 
 from graphpipe.actions import Action, Schedule
 from graphpipe.cluster import Cluster
@@ -46,7 +50,8 @@ from graphpipe.sched.validate import validate_schedule
 from graphpipe.sched.zero_bubble import dualpipev, graph_zb, interleaved_zb, zb_h1, zbv
 
 __all__ = ["gpipe", "gpipe_time_bound_s", "one_f_one_b", "interleaved_1f1b", "round_robin_chain", "looped_chain", "v_shape_chain", "make_schedule",
-           "SCHEDULE_NAMES", "interleaved_groups", "interleaved_layout"]
+           "SCHEDULE_NAMES", "SCHEDULES", "ScheduleSpec", "get_schedule", "ORDER_FROM_COSTS", "V_LAYOUT_SCHEDULES",
+           "interleaved_groups", "interleaved_layout"]
 
 
 def gpipe(sg: StageGraph) -> Schedule:
@@ -326,49 +331,6 @@ def v_shape_chain(graph: OpGraph, num_devices: int, batch_size: int, micro_batch
     return StageGraph.build(graph, stages, batch_size, num_devices, allow_shared_devices=True)
 
 
-V_LAYOUT_SCHEDULES = ("zbv", "dualpipev")
-"""Schedules that run on :func:`v_shape_chain`'s layout only (``plan --schedule`` cuts the model into it)."""
-
-
-def v_layout_plan(plan, name: str, forced: bool = False):
-    """``plan``'s model cut anew into a V (:func:`v_shape_chain`: ``2K`` stages on the cluster's ``K`` devices)
-    at the plan's smallest micro-batch size, scheduled with ``name`` (``zbv`` or ``dualpipev``) and simulated.
-
-    When the schedule refuses that size (DualPipeV needs a micro-batch per stage) or the V does not fit
-    in memory there, smaller divisors of the batch are tried in turn, unless the size was ``forced``
-    (``--micro-batch-size``). Raises :class:`~graphpipe.errors.InputError` when the V does not fit a
-    device's memory, and :class:`~graphpipe.errors.ScheduleError` when the model is no chain or has too
-    few ops or micro-batches, each for the plan's own size.
-    """
-    from dataclasses import replace as with_fields
-
-    from graphpipe.errors import InputError
-    from graphpipe.sched.simulator import predicted_figures, simulate
-
-    sg, cluster = plan.stage_graph, plan.cluster
-    mb = min(st.micro_batch_size for st in sg.stages)
-    sizes = [mb] if forced else [mb] + [b for b in range(mb - 1, 0, -1) if sg.batch_size % b == 0]
-    first_error = None
-    for b in sizes:
-        v = v_shape_chain(sg.graph, cluster.num_devices, sg.batch_size, b)
-        try:
-            schedule = make_schedule(name, v, cluster)
-        except ScheduleError as exc:
-            first_error = first_error or exc
-            continue
-        figures = predicted_figures(simulate(v, schedule, cluster))
-        worst = max(range(cluster.num_devices), key=lambda d: figures["peak_memory_bytes"][d])
-        need = figures["peak_memory_bytes"][worst]
-        if need > cluster.memory_bytes:
-            first_error = first_error or InputError(
-                f"{name}: the V layout (micro-batch {b}) needs {need / 1e9:.3g} GB on device {worst}, the device "
-                f"has {cluster.memory_bytes / 1e9:.3g} GB: use a smaller --micro-batch-size or more devices")
-            continue
-        return with_fields(plan, stage_graph=v, schedule=schedule, predicted=figures,
-                           search={**dict(plan.search), "layout": f"v ({v.num_stages} stages, micro-batch {b})"})
-    raise first_error
-
-
 def _balanced_cuts(rows: Sequence[Sequence[float]], pieces: int) -> list[int]:
     """Cut positions splitting the ops into exactly ``pieces`` non-empty runs, minimising the largest run's
     sum; run ``s`` costs op ``i`` ``rows[s % len(rows)][i]`` (its device group's time for it)."""
@@ -407,28 +369,108 @@ def _balanced_cuts(rows: Sequence[Sequence[float]], pieces: int) -> list[int]:
     return cuts
 
 
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "graph-1f1b", "zb-h1", "graph-zb", "zbv", "dualpipev", "interleaved-zb",
-                  "1f1b-async", "2bw")
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ScheduleSpec:
+    """One schedule of the registry (:data:`SCHEDULES`): how to generate it and what it needs of a plan.
 
-ORDER_FROM_COSTS = frozenset({"graph-zb"})
-"""Schedules whose action order depends on the stage graph's costs (graph-zb picks a candidate by simulating
-it); every other generator reads only the structure (stages, devices, micro-batch counts)."""
+    The planner reads these fields instead of testing schedule names (as torch's ``get_schedule_class`` maps a
+    name to a class whose attributes say what it needs), so a new schedule is a generator and one entry.
+    """
 
-_GENERATORS: dict[str, Callable[[StageGraph, Cluster | None], Schedule]] = {
-    "gpipe": lambda sg, cluster: gpipe(sg),
-    "1f1b": lambda sg, cluster: one_f_one_b(sg),
-    "interleaved": lambda sg, cluster: interleaved_1f1b(sg),
-    "graph-1f1b": graph_1f1b,
-    "zb-h1": zb_h1,
-    "graph-zb": graph_zb,
-    "zbv": zbv,
-    "dualpipev": dualpipev,
-    "interleaved-zb": lambda sg, cluster: interleaved_zb(sg, *interleaved_layout(sg, "interleaved-zb")),
-    # PipeDream's asynchronous pipelines (graphpipe.sched.async_pipe): the plan keeps one mini-batch of the
-    # 1F1B order for display and validation; simulator and runtime stream it without a flush.
-    "1f1b-async": lambda sg, cluster: Schedule("1f1b-async", one_f_one_b(sg).device_actions),
-    "2bw": lambda sg, cluster: Schedule("2bw", one_f_one_b(sg).device_actions),
-}
+    name: str
+    """The ``--schedule`` name, also written as the plan's ``schedule.name``."""
+    generate: Callable[[StageGraph, Cluster | None], Schedule]
+    """``generate(stage_graph, cluster_or_None) -> Schedule``, not yet validated."""
+    summary: str
+    """One line for people: the schedule and where it comes from."""
+    layout: Literal["plan", "looped", "v"] = "plan"
+    """The stage layout it runs on: ``plan``, the strategy's own stage graph; ``looped``, ``K x v`` stages taking
+    the strategy's ``K`` device groups in turn (:mod:`graphpipe.search.looped`); ``v``, the model cut into ``2K``
+    stages in a V on ``K`` devices (:func:`v_shape_chain`)."""
+    split_backward: bool = False
+    """Backward split into input gradient (``I``) and weight gradient (``W``) actions (zero bubble)."""
+    asynchronous: bool = False
+    """No flush: PipeDream's weight versions (:mod:`graphpipe.sched.async_pipe`); scored as a steady state."""
+    one_micro_batch_size: bool = False
+    """Every stage must run the same micro-batch size."""
+    shrinks_micro_batch: bool = False
+    """The planner may lower the strategy's micro-batch size (to smaller divisors of the batch) until the
+    schedule accepts the plan and it fits in memory, unless the size was forced (DualPipeV needs enough
+    micro-batches for its V)."""
+    order_from_costs: bool = False
+    """The action order depends on the stage graph's costs (graph-zb simulates candidates); every other
+    order reads only the structure (stages, devices, micro-batch counts)."""
+    base: str | None = None
+    """The schedule whose plan this one starts from: the strategy searches and is scored under ``base``, then
+    its plan is converted (asynchronous schedules stream the 1F1B partition) or its micro-batch size is cut
+    into this layout (the V). None: the strategy searches under this schedule itself (a looped layout starts
+    from the strategy's own plan, whose device groups it takes in turn)."""
+
+    def __post_init__(self) -> None:
+        if self.layout not in ("plan", "looped", "v"):
+            raise InputError(f"schedule {self.name!r}: layout must be plan, looped or v, got {self.layout!r}")
+
+
+def _interleaved_zb(sg: StageGraph, cluster: Cluster | None) -> Schedule:
+    return interleaved_zb(sg, *interleaved_layout(sg, "interleaved-zb"))
+
+
+def _window(name: str) -> Callable[[StageGraph, Cluster | None], Schedule]:
+    """PipeDream's asynchronous pipelines (:mod:`graphpipe.sched.async_pipe`): the plan keeps one mini-batch of
+    the 1F1B order for display and validation; simulator and runtime stream it without a flush."""
+    return lambda sg, cluster: Schedule(name, one_f_one_b(sg).device_actions)
+
+
+SCHEDULES: dict[str, ScheduleSpec] = {spec.name: spec for spec in (
+    ScheduleSpec(name="gpipe", generate=lambda sg, cluster: gpipe(sg),
+                 summary="fill-drain: every forward, then every backward (GPipe)"),
+    ScheduleSpec(name="1f1b", generate=lambda sg, cluster: one_f_one_b(sg),
+                 summary="PipeDream-Flush 1F1B along a topological order of the stages"),
+    ScheduleSpec(name="interleaved", generate=lambda sg, cluster: interleaved_1f1b(sg), layout="looped",
+                 one_micro_batch_size=True,
+                 summary="Megatron-LM interleaved 1F1B over K device groups with v stages each"),
+    ScheduleSpec(name="graph-1f1b", generate=graph_1f1b,
+                 summary="GraphPipe's 1F1B on the stage DAG, warm-ups from every successor"),
+    ScheduleSpec(name="zb-h1", generate=zb_h1, split_backward=True,
+                 summary="zero bubble ZB-H1: 1F1B with weight gradients deferred into the bubbles (chains)"),
+    ScheduleSpec(name="graph-zb", generate=graph_zb, split_backward=True, order_from_costs=True,
+                 summary="graph-1F1B with split backward, W lag picked by simulation"),
+    ScheduleSpec(name="zbv", generate=zbv, layout="v", split_backward=True, one_micro_batch_size=True,
+                 shrinks_micro_batch=True, base="1f1b",
+                 summary="zero bubble ZB-V on 2K stages in a V"),
+    ScheduleSpec(name="dualpipev", generate=dualpipev, layout="v", split_backward=True, one_micro_batch_size=True,
+                 shrinks_micro_batch=True, base="1f1b",
+                 summary="DualPipeV (DeepSeek-V3's DualPipe folded onto one V) on 2K stages in a V"),
+    ScheduleSpec(name="interleaved-zb", generate=_interleaved_zb, layout="looped", split_backward=True,
+                 one_micro_batch_size=True,
+                 summary="interleaved 1F1B with split backward over K device groups with v stages each"),
+    ScheduleSpec(name="1f1b-async", generate=_window("1f1b-async"), asynchronous=True, base="1f1b",
+                 summary="PipeDream's asynchronous 1F1B: no flush, weight stashing"),
+    ScheduleSpec(name="2bw", generate=_window("2bw"), asynchronous=True, base="1f1b",
+                 summary="PipeDream-2BW: no flush, double-buffered weight versions"),
+)}
+"""Every generated schedule by name (``"cpsat"`` is an optimiser over plans, :mod:`graphpipe.search.cpsat`)."""
+
+SCHEDULE_NAMES = tuple(SCHEDULES)
+
+ORDER_FROM_COSTS = frozenset(name for name, spec in SCHEDULES.items() if spec.order_from_costs)
+"""Schedules whose action order depends on the stage graph's costs (:attr:`ScheduleSpec.order_from_costs`)."""
+
+V_LAYOUT_SCHEDULES = tuple(name for name, spec in SCHEDULES.items() if spec.layout == "v")
+"""Schedules that run on :func:`v_shape_chain`'s layout only (the planner cuts the model into it)."""
+
+
+def get_schedule(name: str) -> ScheduleSpec:
+    """The registry entry of schedule ``name`` (any case), or a :class:`ScheduleError` listing the known names.
+
+    >>> get_schedule("ZBV").layout, get_schedule("zbv").split_backward, get_schedule("2bw").base
+    ('v', True, '1f1b')
+    """
+    key = name.lower() if isinstance(name, str) else name
+    if key not in SCHEDULES:
+        hint = " ('cpsat' is graphpipe.search.cpsat.optimize_plan)" if key == "cpsat" else ""
+        raise ScheduleError(f"unknown schedule {name!r}; known: {', '.join(SCHEDULE_NAMES)}{hint}")
+    return SCHEDULES[key]
 
 
 def make_schedule(name: str, sg: StageGraph, cluster: Cluster | None = None, *, validate: bool = True) -> Schedule:
@@ -441,13 +483,10 @@ def make_schedule(name: str, sg: StageGraph, cluster: Cluster | None = None, *, 
     runs the validator's own checks (``check_structure``, then the deadlock
     check on the engine it runs anyway), so validating first would run them twice.
     """
-    key = name.lower()
-    if key not in _GENERATORS:
-        hint = " ('cpsat' is graphpipe.search.cpsat.optimize_plan)" if key == "cpsat" else ""
-        raise ScheduleError(f"unknown schedule {name!r}; known: {', '.join(SCHEDULE_NAMES)}{hint}")
+    spec = get_schedule(name)
     if cluster is not None and cluster.num_devices != sg.num_devices:
         raise ScheduleError(f"cluster has {cluster.num_devices} devices, the stage graph {sg.num_devices}")
-    schedule = _GENERATORS[key](sg, cluster)
+    schedule = spec.generate(sg, cluster)
     if validate:
         validate_schedule(sg, schedule)
     return schedule

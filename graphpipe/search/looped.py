@@ -43,21 +43,23 @@ Example
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 from graphpipe.cluster import Cluster
-from graphpipe.errors import GraphpipeError, InputError
+from graphpipe.errors import GraphpipeError, InputError, ScheduleError
 from graphpipe.graph import OpGraph
+from graphpipe.plan import Plan
+from graphpipe.sched.generators import SCHEDULES
 from graphpipe.search.common import SearchOptions, micro_batch_candidates, simulated_peak
 from graphpipe.stages import StageGraph
 
 __all__ = ["VIRTUAL_SCHEDULES", "MAX_AUTO_VIRTUAL", "LayoutTry", "check_virtual_stages", "device_groups",
-           "auto_counts", "best_layout", "pick", "summary"]
+           "auto_counts", "best_layout", "pick", "summary", "v_layout_plan"]
 
 log = logging.getLogger(__name__)
 
-VIRTUAL_SCHEDULES = ("interleaved", "interleaved-zb")
+VIRTUAL_SCHEDULES = tuple(name for name, spec in SCHEDULES.items() if spec.layout == "looped")
 """The schedules that run several stages per device group taken in turn (the default: ``interleaved``)."""
 
 MAX_AUTO_VIRTUAL = 8
@@ -193,3 +195,42 @@ def pick(tries: Sequence[LayoutTry], strategy: str, schedule: str) -> LayoutTry:
 def summary(tries: Sequence[LayoutTry], winner: LayoutTry) -> dict[str, str]:
     """``plan.search.virtual_stages_tried``: each ``V`` tried (as a string key) and its line, the winner marked."""
     return {str(t.virtual): ("won: " if t is winner else "") + t.note for t in tries}
+
+
+def v_layout_plan(plan: Plan, name: str, forced: bool = False) -> Plan:
+    """``plan``'s model cut anew into a V (:func:`~graphpipe.sched.generators.v_shape_chain`: ``2K`` stages on
+    the cluster's ``K`` devices) at the plan's smallest micro-batch size, scheduled with ``name`` (a schedule
+    whose :attr:`~graphpipe.sched.generators.ScheduleSpec.layout` is ``v``: zbv, dualpipev) and simulated.
+
+    When the schedule refuses that size (DualPipeV needs a micro-batch per stage) or the V does not fit in
+    memory there, smaller divisors of the batch are tried in turn (the entry's ``shrinks_micro_batch``),
+    unless the size was ``forced`` (``--micro-batch-size``). Raises :class:`~graphpipe.errors.InputError`
+    when the V does not fit a device's memory, and :class:`~graphpipe.errors.ScheduleError` when the model is
+    no chain or has too few ops or micro-batches, each for the plan's own size.
+    """
+    from graphpipe.sched.generators import get_schedule, make_schedule, v_shape_chain
+    from graphpipe.sched.simulator import predicted_figures, simulate
+
+    sg, cluster = plan.stage_graph, plan.cluster
+    mb = min(st.micro_batch_size for st in sg.stages)
+    shrinks = get_schedule(name).shrinks_micro_batch and not forced
+    sizes = [mb] + ([b for b in range(mb - 1, 0, -1) if sg.batch_size % b == 0] if shrinks else [])
+    first_error = None
+    for b in sizes:
+        v = v_shape_chain(sg.graph, cluster.num_devices, sg.batch_size, b)
+        try:
+            schedule = make_schedule(name, v, cluster)
+        except ScheduleError as exc:
+            first_error = first_error or exc
+            continue
+        figures = predicted_figures(simulate(v, schedule, cluster))
+        worst = max(range(cluster.num_devices), key=lambda d: figures["peak_memory_bytes"][d])
+        need = figures["peak_memory_bytes"][worst]
+        if need > cluster.memory_bytes:
+            first_error = first_error or InputError(
+                f"{name}: the V layout (micro-batch {b}) needs {need / 1e9:.3g} GB on device {worst}, the device "
+                f"has {cluster.memory_bytes / 1e9:.3g} GB: use a smaller --micro-batch-size or more devices")
+            continue
+        return replace(plan, stage_graph=v, schedule=schedule, predicted=figures,
+                       search={**dict(plan.search), "layout": f"v ({v.num_stages} stages, micro-batch {b})"})
+    raise first_error

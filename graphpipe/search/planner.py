@@ -9,6 +9,14 @@ co-optimises micro-batch sizes and the action order,
 :mod:`graphpipe.search.cpsat`), validate, simulate, and refuse plans whose
 simulated peak memory exceeds the device memory.
 
+A named schedule is read from its registry entry
+(:class:`~graphpipe.sched.generators.ScheduleSpec`), never from its name: one
+with a ``base`` is planned under that schedule and then converted here
+(:func:`_from_base`: the asynchronous schedules stream the 1F1B partition,
+the V layouts cut the model into ``2K`` stages), and a ``looped`` one takes
+the strategy's device groups in turn (:func:`_looped`), so
+``plan_request`` gives the whole plan ``graphpipe plan`` prints.
+
 Everything the planner knows about a strategy comes from its record: which
 schedule it uses, its default re-materialization, whether its search prices
 re-materialization, whether it is planned on exactly N devices, whether its
@@ -66,6 +74,7 @@ from graphpipe.cluster import Cluster
 from graphpipe.errors import DeviceMemoryError, GraphpipeError, InfeasibleError, InputError
 from graphpipe.graph import OpGraph
 from graphpipe.plan import Plan
+from graphpipe.sched.generators import SCHEDULES, ScheduleSpec, get_schedule
 from graphpipe.search import STRATEGY_NAMES, get_strategy
 from graphpipe.stages import StageGraph
 from graphpipe.search.common import SearchOptions, SearchResult, Strategy, simulated, simulated_fitting
@@ -84,7 +93,7 @@ COMPARE_KEYS = ("strategy", "feasible", "throughput", "iteration_time_s", "searc
 TIMING_KEYS = ("time_s", "partition_time_s", "schedule_time_s", "cpsat_time_s")
 """``plan.search`` keys that hold wall-clock times: the only fields two identical runs may differ in."""
 
-ASYNC_SCHEDULES = ("1f1b-async", "2bw")
+ASYNC_SCHEDULES = tuple(name for name, spec in SCHEDULES.items() if spec.asynchronous)
 """Schedules scored as a steady state, not one flushed iteration: planned as 1F1B, then converted."""
 
 ProgressFn = Callable[[float, float], None]
@@ -125,6 +134,15 @@ class PlanRequest:
     virtual_stages: int | str | None = None
     """Stages per device group taken in turn (:mod:`graphpipe.search.looped`): an integer, ``"auto"``, or None
     (one, or ``"auto"`` when ``schedule`` is interleaved or interleaved-zb)."""
+    vertical_sync: bool = False
+    """1f1b-async only: every stage runs a micro-batch on the weight version the input stage used."""
+    update_every: int | None = None
+    """2bw only: micro-batches per weight version (None: the micro-batches of one mini-batch)."""
+    stash: bool = True
+    """Asynchronous schedules: stash weight versions (False: PipeDream's ablation, backward on the latest)."""
+    notes: Callable[[str], None] | None = None
+    """Called with each note for people about what planning did (a V layout's micro-batch size); the CLI
+    writes them to stderr."""
 
     def __post_init__(self) -> None:
         from graphpipe.search.looped import VIRTUAL_SCHEDULES, check_virtual_stages
@@ -141,9 +159,18 @@ class PlanRequest:
             raise InputError(f"--virtual-stages {virtual} places stages in turn for the {' and '.join(VIRTUAL_SCHEDULES)} "
                              f"schedules; --schedule {self.schedule} runs its own layout: drop --virtual-stages or "
                              "pick one of them")
-        if self.schedule_name in ASYNC_SCHEDULES:
-            raise InputError(f"plan with schedule='1f1b' and then graphpipe.sched.async_pipe.with_async for "
-                             f"{self.schedule!r} (graphpipe plan --schedule {self.schedule} does this)")
+        if name is not None and name != "cpsat":
+            get_schedule(name)  # an unknown name fails here, in one line
+        if self.spec is None or not self.spec.asynchronous:
+            flag = ("--vertical-sync" if self.vertical_sync else "--update-every" if self.update_every is not None
+                    else "--no-stash" if not self.stash else None)
+            if flag:
+                raise InputError(f"{flag} is for the asynchronous schedules (--schedule 1f1b-async or 2bw); "
+                                 f"{f'schedule {self.schedule!r} flushes' if self.schedule else 'without one the plan flushes'} "
+                                 "every mini-batch")
+        elif self.update_every is not None and (isinstance(self.update_every, bool) or
+                                                not isinstance(self.update_every, int) or self.update_every < 1):
+            raise InputError(f"--update-every (2bw's m) must be >= 1, got {self.update_every}")
         if self.options.host is not None and self.co_optimised:
             raise InputError("the CP-SAT schedule models dedicated devices, not a shared host; "
                              "drop the host option or pick another schedule")
@@ -154,6 +181,13 @@ class PlanRequest:
         from graphpipe.search.looped import VIRTUAL_SCHEDULES
 
         return self.virtual_stages not in (None, 1) or self.schedule_name in VIRTUAL_SCHEDULES
+
+    @property
+    def spec(self) -> ScheduleSpec | None:
+        """The registry entry of the overriding schedule (:func:`~graphpipe.sched.generators.get_schedule`);
+        None for the strategy's own schedule and for CP-SAT."""
+        name = self.schedule_name
+        return None if name is None or name == "cpsat" else get_schedule(name)
 
     @property
     def record(self) -> Strategy:
@@ -213,6 +247,9 @@ def plan_request(request: PlanRequest) -> Plan:
     process passes its resident-memory budget (``options.max_memory_gb``,
     default half the machine's memory) before it finishes.
     """
+    spec = request.spec
+    if spec is not None and spec.base is not None:  # planned under its base schedule, then converted or re-cut
+        return _from_base(request, spec)
     started = time.perf_counter()
     limit = None if request.options.max_memory_gb is None else request.options.max_memory_gb * 2**30
     flat = replace(request, schedule=None, virtual_stages=None) if request.looped else request
@@ -225,6 +262,33 @@ def plan_request(request: PlanRequest) -> Plan:
         if request.looped:
             plan = _looped(request, plan)
     return replace(plan, search={**plan.search, "time_s": time.perf_counter() - started})
+
+
+def _from_base(request: PlanRequest, spec: ScheduleSpec) -> Plan:
+    """The plan of a schedule that starts from another's (:attr:`ScheduleSpec.base`): the strategy's plan under
+    the base schedule, streamed without a flush (asynchronous schedules keep its partition,
+    :func:`~graphpipe.sched.async_pipe.with_async`) or its micro-batch size cut into a V (:func:`looped.v_layout_plan`)."""
+    from graphpipe.search import looped
+
+    base = plan_request(replace(request, schedule=spec.base, vertical_sync=False, update_every=None, stash=True))
+    if spec.asynchronous:
+        from graphpipe.sched.async_pipe import async_spec_for, with_async
+
+        versions = async_spec_for(spec.name, base.stage_graph, request.vertical_sync, request.update_every,
+                                  stash=request.stash)
+        return with_async(base, versions, request.options.host)
+    if spec.layout != "v":
+        raise InputError(f"schedule {spec.name!r} starts from {spec.base!r} but has no conversion ({spec.layout} layout)")
+    flat_mb = min(st.micro_batch_size for st in base.stage_graph.stages)
+    plan = looped.v_layout_plan(base, spec.name, forced=request.options.micro_batch_size is not None)
+    if request.notes is not None:
+        sg, devices = plan.stage_graph, request.cluster.num_devices
+        mb = sg.stages[0].micro_batch_size
+        request.notes(f"--schedule {request.schedule} cuts the model into a V of {sg.num_stages} stages on {devices} "
+                      f"devices (stage d and {sg.num_stages - 1}-d on device d), at "
+                      + (f"{request.strategy}'s micro-batch size" if mb == flat_mb else
+                         f"micro-batch size {mb} ({request.strategy}'s {flat_mb} is too large for it)"))
+    return plan
 
 
 def _looped(request: PlanRequest, flat: Plan) -> Plan:
