@@ -815,7 +815,7 @@ class Pipeline:
         with warnings.catch_warnings():  # each rank reads its own keys alone, on purpose (no_dist)
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(state, storage_reader=dcp.FileSystemReader(directory), no_dist=True)
-        from graphpipe.runtime.intra_stage import like
+        from graphpipe.runtime.dtensors import like
 
         for name, p in params:
             prefix = f"optim/{name}/"

@@ -148,7 +148,7 @@ def read_tensors(layout: CheckpointLayout, into: Mapping[str, torch.Tensor]) -> 
 def _copy_whole(t: torch.Tensor, whole: torch.Tensor) -> None:
     """Copy the whole tensor ``whole`` into ``t``; a DTensor (an FSDP / TP stage's) takes its own piece."""
     if hasattr(t, "device_mesh"):
-        from graphpipe.runtime.intra_stage import local_pair
+        from graphpipe.runtime.dtensors import local_pair
 
         local, piece = local_pair(t, whole)
         local.copy_(piece)

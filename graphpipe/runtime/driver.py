@@ -56,7 +56,6 @@ if TYPE_CHECKING:
     import torch
 
     from graphpipe.runtime.options import RunOptions
-    from graphpipe.runtime.results import RunResult
 
 __all__ = ["StepReport", "CheckTally", "JobMemory", "JobRun", "JobComm", "StepClock", "Engine", "drive_job",
            "peak_rss_bytes"]
@@ -215,7 +214,7 @@ class Engine(Protocol):
     def save(self, directory: str, optimizer, step: int) -> None:
         """Write the step checkpoint of ``step`` steps done."""
 
-    def finish(self, run: JobRun) -> "RunResult | None":
+    def finish(self, run: JobRun) -> Any:  # a RunResult on rank 0 (not imported: results imports this module)
         """Rank 0's result (None elsewhere); collective."""
 
     def close(self) -> None:
@@ -229,7 +228,7 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def drive_job(engine: Engine, options: "RunOptions", *, rank: int, comm: JobComm) -> "RunResult | None":
+def drive_job(engine: Engine, options: "RunOptions", *, rank: int, comm: JobComm) -> Any:  # a RunResult on rank 0 (not imported: results imports this module)
     """Run one job on this rank through ``engine`` (module docstring); rank 0 returns its
     :class:`~graphpipe.runtime.results.RunResult`, other ranks ``None``. Collective."""
     from graphpipe.errors import PlanError

@@ -51,6 +51,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from graphpipe.errors import PlanError
+from graphpipe.runtime.dtensors import like, local_pair
 from graphpipe.stages import Stage, StageGraph
 
 __all__ = ["StageMeshes", "build_stage_meshes", "layout_refusal", "tp_placements", "parallelize_stage",
@@ -289,28 +290,6 @@ class _TPForward:
         torch._C._set_dtensor_allow_implicit_replication(True)
         sent, out = self.inner(*args)
         return tuple(full_value(t) for t in sent), torch.utils._pytree.tree_map(full_value, out)
-
-
-def local_pair(t, whole: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(DTensor t's local shard, the same piece of the whole tensor whole)``: compares a shard with a
-    single-process run's tensor without gathering it."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    index = tuple(slice(o, o + n) for o, n in zip(offset, shape))
-    return t.to_local(), whole[index]
-
-
-def like(param: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
-    """``whole`` (a tensor of ``param``'s global shape, or a scalar) laid out as DTensor ``param`` is; ``whole``
-    itself when ``param`` is a plain tensor: optimizer state read from a checkpoint of any layout."""
-    from torch.distributed.tensor import DTensor
-
-    if not isinstance(param, DTensor) or whole.shape != param.shape:
-        return whole
-    _, piece = local_pair(param, whole)
-    return DTensor.from_local(piece.clone(), param.device_mesh, param.placements, run_check=False,
-                              shape=param.shape, stride=param.stride())
 
 
 def counts_here(stage: Stage, rank: int, params) -> list:

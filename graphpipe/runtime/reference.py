@@ -257,7 +257,7 @@ def compare_gradients(named_params, ref_grads: dict[str, torch.Tensor], options:
         ref = ref_grads[name].to(p.grad.device)
         grad = p.grad
         if hasattr(grad, "device_mesh"):  # an FSDP / TP stage's shard (a DTensor): against its piece of the reference
-            from graphpipe.runtime.intra_stage import local_pair
+            from graphpipe.runtime.dtensors import local_pair
 
             grad, ref = local_pair(grad, ref)
         diff = (grad - ref).abs()
