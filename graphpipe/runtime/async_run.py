@@ -29,7 +29,7 @@ sink micro-batches and the final weights of its stages with
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
@@ -191,9 +191,8 @@ class StreamEngine:
             else None
         t0 = clock.start()
         result = self.executor.run_iteration(inputs, t0, 0, wait=True)
-        records = tuple({"rank": r.rank, "stage_id": r.stage_id, "kind": r.kind, "mb_id": r.mb_id,
-                         "ready": r.ready + t0, "start": r.start + t0, "end": r.end + t0} for r in result.records)
-        return StepReport(result.iteration_time_s, sum(self.executor.sink_losses.values()), t0, records)
+        return StepReport(result.iteration_time_s, sum(self.executor.sink_losses.values()), t0,
+                          tuple(result.records))
 
     def check(self, step: int, first: bool) -> CheckTally | None:
         """The final weights of this rank's stages against the replay's (a stage's first replica counts)."""
@@ -215,7 +214,7 @@ class StreamEngine:
         report = run.reports[0]
         executor = self.executor
         stash_bytes = sum(w.peak_stashed_bytes for w in executor.weights.values())
-        mine = {"records": list(report.records), "t0": report.t0, "end": report.t0 + report.iteration_time_s,
+        mine = {"records": [asdict(r) for r in report.records], "t0": report.t0, "end": report.t0 + report.iteration_time_s,
                 "sink_losses": dict(executor.sink_losses), "stash_bytes": stash_bytes,
                 "check": (run.tally.max_abs_diff, run.tally.num_mismatches, run.tally.num_params)}
         gathered = [None] * self.world_size if rank == 0 else None
@@ -223,8 +222,8 @@ class StreamEngine:
         if rank != 0:
             return None
         origin = min(g["t0"] for g in gathered)
-        all_records = [{**r, "ready": r["ready"] - origin, "start": r["start"] - origin, "end": r["end"] - origin}
-                       for g in gathered for r in g["records"]]
+        all_records = [{**r, "ready": r["ready"] + g["t0"] - origin, "start": r["start"] + g["t0"] - origin,
+                        "end": r["end"] + g["t0"] - origin} for g in gathered for r in g["records"]]
         m = sg.num_micro_batches(0)
         ends = _window_times(all_records, m, steps)
         diffs = [b - a for a, b in zip(ends, ends[1:])]

@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING, Any, Protocol, Sequence
 if TYPE_CHECKING:
     import torch
 
+    from graphpipe.runtime.executor import TimedAction
     from graphpipe.runtime.options import RunOptions
 
 __all__ = ["StepReport", "CheckTally", "JobMemory", "JobRun", "JobComm", "StepClock", "Engine", "drive_job",
@@ -71,8 +72,9 @@ class StepReport:
     """This rank's share of the mini-batch loss (its sink micro-batches; 0 on a rank without the sink)."""
     t0: float = 0.0
     """This rank's ``time.perf_counter()`` at the shared start (the records are relative to it)."""
-    records: tuple[dict[str, Any], ...] = ()
-    """The step's per-action records (a :class:`~graphpipe.runtime.executor.TimedAction` each, as a dict)."""
+    records: tuple["TimedAction", ...] = ()
+    """The step's per-action records, times relative to ``t0`` (they become JSON in
+    :func:`~graphpipe.runtime.results.finish_job` only)."""
     peak_saved_bytes: int = 0
     """Peak bytes autograd saved for backward during the step (the saved-tensor meter; 0 when not metered)."""
     cuda_peak_bytes: int | None = None

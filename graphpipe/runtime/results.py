@@ -34,7 +34,7 @@ from __future__ import annotations
 import os
 import socket
 import statistics
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, TypeVar
 
 from graphpipe.errors import InputError
@@ -364,7 +364,8 @@ def finish_job(rank: int, world_size: int, plan: Plan, options: RunOptions, repo
     med = statistics.median(step_list)
     shown = min(measured_idx, key=lambda i: (abs(float(times[i]) - med), i))
     gathered = [None] * world_size if rank == 0 else None
-    mine = (socket.gethostname(), reports[shown].t0, list(reports[shown].records), sorted(os.sched_getaffinity(0)))
+    mine = (socket.gethostname(), reports[shown].t0, [asdict(r) for r in reports[shown].records],
+            sorted(os.sched_getaffinity(0)))
     dist.gather_object(mine, gathered, dst=0, group=control)
     if rank != 0:
         return None

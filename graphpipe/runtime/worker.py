@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import asdict, replace
+from dataclasses import replace
 from datetime import timedelta
 from typing import Callable, Sequence
 
@@ -186,7 +186,7 @@ class PipelineEngine:
         inputs = (self.make_inputs(sg.batch_size, data_seed(self.options.seed, step))
                   if self.pipe.reads_inputs else None)
         got = self.pipe.timed_step(inputs, start=clock.start)
-        return StepReport(got.iteration_time_s, got.loss, got.t0, tuple(asdict(r) for r in got.records),
+        return StepReport(got.iteration_time_s, got.loss, got.t0, tuple(got.records),
                           got.peak_saved_bytes, got.cuda_peak_bytes)
 
     def check(self, step: int, first: bool) -> CheckTally | None:
