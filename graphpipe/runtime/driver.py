@@ -230,7 +230,7 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def drive_job(engine: Engine, options: "RunOptions", *, rank: int, comm: JobComm) -> Any:  # a RunResult on rank 0 (not imported: results imports this module)
+def drive_job(engine: Engine, options: "RunOptions", *, rank: int, comm: JobComm) -> Any:  # rank 0: a RunResult
     """Run one job on this rank through ``engine`` (module docstring); rank 0 returns its
     :class:`~graphpipe.runtime.results.RunResult`, other ranks ``None``. Collective."""
     from graphpipe.errors import PlanError
