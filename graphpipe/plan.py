@@ -233,6 +233,9 @@ class Plan:
                     raise PlanError(f"stage {stage.id}: tp group {list(group)} spans nodes {nodes} "
                                     f"({self.cluster.devices_per_node} devices per node); a tp group must sit in "
                                     f"one node: align the stage's devices to nodes or lower its tp")
+        if self.stage_graph.cluster is None and any(s.parallel for s in self.stage_graph.stages):
+            # the collectives of stages parallel inside themselves are priced on this plan's cluster
+            object.__setattr__(self, "stage_graph", replace(self.stage_graph, cluster=self.cluster))
 
     @property
     def graph(self) -> OpGraph:
@@ -332,7 +335,7 @@ def plan_from_dict(doc: Any, where: str = "plan") -> Plan:
         raise FormatError(f"{where}.sequential must be true or false, got {sequential!r}")
     try:
         sg = StageGraph(graph, tuple(stages), batch_size, cluster.num_devices, edges=edges,
-                        allow_shared_devices=shared, sequential=sequential)
+                        allow_shared_devices=shared, sequential=sequential, cluster=cluster)
     except PlanError as exc:  # say which file broke the invariant
         raise PlanError(f"{where}: {exc}") from None
     merged = {k: tuple(files.string(n, f"{where}.merged.{k}[]") for n in files.array(v, f"{where}.merged.{k}"))
