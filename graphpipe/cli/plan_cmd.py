@@ -48,6 +48,12 @@ def register(sub) -> None:
     p.add_argument("--recompute", default=None, metavar="none|all|auto",
                    help="re-materialization per stage: none, all, or auto where memory or throughput needs it "
                         "(default: all for gpipe, auto for the others)")
+    p.add_argument("--tp", default="auto", metavar="auto|1|2|4|8",
+                   help="tensor-parallel degree inside every stage (groups of devices of one node splitting each "
+                        "layer, Megatron-style); auto tries each dividing a node and keeps the fastest (default auto)")
+    p.add_argument("--shard", default="auto", metavar="auto|none|fsdp",
+                   help="model state of a stage's replicas: none (whole copies), fsdp (sharded, gathered for "
+                        "compute), auto (both tried; default)")
     p.add_argument("--power-of-two", action="store_true",
                    help="device counts and micro-batch sizes powers of two only (the paper's setting)")
     p.add_argument("--host-cores", type=int, default=None, metavar="N",
@@ -88,8 +94,10 @@ def _options(args):
 
     if args.micro_batch_size is not None and args.micro_batch_size < 1:
         raise InputError(f"--micro-batch-size must be a positive integer, got {args.micro_batch_size}")
+    from graphpipe.search.layouts import parse_shard, parse_tp
+
     return SearchOptions(micro_batch_size=args.micro_batch_size, per_stage_micro_batch=args.per_stage_micro_batch,
-                         recompute=args.recompute,
+                         recompute=args.recompute, tp=parse_tp(args.tp), shard=parse_shard(args.shard),
                          power_of_two=args.power_of_two, host=shared_host(args.host_cores),
                          max_memory_gb=args.max_memory_gb)
 
