@@ -201,4 +201,48 @@ def efficiency(throughput: float, num_devices: int, graph: OpGraph) -> float:
     return throughput * work_per_sample(graph) / num_devices if num_devices else math.nan
 
 
-__all__ += ["work_per_sample", "efficiency"]
+def stage_layouts(stage: Stage, cluster: Cluster, tps: Sequence[int], shards: Sequence[str]) -> list[Stage]:
+    """``stage`` under every layout of ``tps`` x ``shards`` its devices allow: tp dividing its device count with
+    every tp group inside one node, the micro-batch divisible by the replicas, FSDP only over 2 or more replicas
+    (gathered for the step: ``reshard_after_forward`` false)."""
+    out = []
+    for tp in tps:
+        n = len(stage.devices)
+        if n % tp or stage.micro_batch_size % (n // tp) or stage.round_robin:
+            continue
+        if any(len({cluster.node_of(d) for d in stage.devices[i:i + tp]}) > 1 for i in range(0, n, tp)):
+            continue
+        for shard in shards:
+            if shard == "fsdp" and n // tp < 2:
+                continue
+            out.append(replace(stage, tp=tp, shard=shard, reshard_after_forward=shard != "fsdp"))
+    return out
+
+
+def per_stage_layouts(sg: StageGraph, cluster: Cluster, in_flight: Sequence[int], tps: Sequence[int],
+                      shards: Sequence[str]) -> StageGraph:
+    """Each stage of ``sg`` on its own devices under the layout (:func:`stage_layouts`) that minimizes its
+    busy time in one step, ``M (F + B) + sync``, within the device memory at its ``in_flight`` micro-batches
+    (ties: its current layout). A graph of stages may so give a vision tower's stages tp 1 beside a text
+    decoder's tp 4: each branch's stages pick for their own layers. The planner keeps the result only when the
+    simulation says it is faster."""
+    stages = list(sg.stages)
+    for st in sg.stages:
+        def busy(trial: StageGraph, stage_id: int = st.id) -> float:
+            return (trial.num_micro_batches(stage_id) * (trial.fwd_time(stage_id) + trial.bwd_time(stage_id))
+                    + trial.sync_time(stage_id, cluster))
+
+        current = replace(sg, stages=tuple(stages), cluster=cluster)
+        best, best_time = stages[st.id], busy(current)
+        for option in stage_layouts(st, cluster, tps, shards):
+            trial = replace(current, stages=tuple(option if s.id == st.id else s for s in stages))
+            if trial.device_memory(st.id, cluster, max(1, int(in_flight[st.id]))) > cluster.memory_bytes:
+                continue
+            t = busy(trial)
+            if t < best_time * (1 - 1e-9):
+                best, best_time = option, t
+        stages[st.id] = best
+    return replace(sg, stages=tuple(stages), cluster=cluster)
+
+
+__all__ += ["work_per_sample", "efficiency", "stage_layouts", "per_stage_layouts"]

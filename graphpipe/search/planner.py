@@ -233,9 +233,35 @@ def plan_request(request: PlanRequest) -> Plan:
     if best is None:
         raise error
     layout, plan = best
-    search = {**plan.search, "layout": layout.as_dict(), "layouts_tried": tried,
-              "time_s": time.perf_counter() - started}
-    return replace(plan, search=search)
+    search = {**plan.search, "layout": layout.as_dict(), "layouts_tried": tried}
+    if request.record.ranks_candidates:  # gpp: every stage (branch) may take its own layout
+        plan = _per_stage_layouts(request, plan, tp, shard, search)
+    return replace(plan, search={**plan.search, **search, "time_s": time.perf_counter() - started})
+
+
+def _per_stage_layouts(request: PlanRequest, plan: Plan, tp, shard, search: dict[str, Any]) -> Plan:
+    """``plan`` with each stage under its own best layout (:func:`graphpipe.search.layouts.per_stage_layouts`),
+    kept when it simulates faster and fits memory; ``search["per_stage_layouts"]`` says whether it was."""
+    from graphpipe.search import layouts
+
+    cluster = request.cluster
+    tps = [t for t in layouts.TP_CHOICES if t <= cluster.devices_per_node] if tp == "auto" else [tp]
+    shards = ["none", "fsdp"] if shard == "auto" else [shard]
+    in_flight = plan.predicted.in_flight or [1] * plan.stage_graph.num_stages
+    sg = layouts.per_stage_layouts(plan.stage_graph, cluster, in_flight, tps, shards)
+    if sg.stages == plan.stage_graph.stages:
+        return plan
+    try:
+        trial = _scheduled(request, sg, plan.schedule.name, plan.merged, dict(plan.search))
+        _check_memory(request, trial)
+    except GraphpipeError as exc:
+        search["per_stage_layouts"] = f"not kept: {exc}"
+        return plan
+    if trial.predicted.throughput <= plan.predicted.throughput * (1 + 1e-9):
+        search["per_stage_layouts"] = f"not kept: {trial.predicted.throughput:.6g} samples/s"
+        return plan
+    search["per_stage_layouts"] = "kept"
+    return trial
 
 
 def _plan_layout(request: PlanRequest, layout) -> Plan:
