@@ -109,9 +109,11 @@ def test_fsdp_stage_memory_equals_hand_count(reshard):
 
 # ------------------------------------------- the oracle learns collectives
 def two_stage_chain(devices0, devices1, mb, batch, params0=4e8, edge=1e5, layout0=None, cl=None,
-                    mode="split") -> StageGraph:
+                    mode="split", slower1=1.0) -> StageGraph:
+    k = slower1
     g = OpGraph.build("two", [Op("a", "transformer", Affine(1e-4, 2e-3), Affine(2e-4, 4e-3), params0, 1e6, edge),
-                              Op("b", "transformer", Affine(1e-4, 2e-3), Affine(2e-4, 4e-3), 4e6, 1e6, edge)],
+                              Op("b", "transformer", Affine(1e-4 * k, 2e-3 * k), Affine(2e-4 * k, 4e-3 * k), 4e6, 1e6,
+                                 edge)],
                       [("a", "b", edge)])
     return StageGraph.build(g, [Stage(0, (0,), tuple(devices0), mb, replica_mode=mode, **(layout0 or {})),
                                 Stage(1, (1,), tuple(devices1), mb, replica_mode=mode)], batch,
@@ -185,11 +187,12 @@ def test_tp_and_fsdp_spans_by_oracle(layout):
 
 
 def test_cpsat_makespan_includes_the_all_reduce():
-    """CP-SAT's claimed makespan counts a replicated stage's all-reduce (it ends this iteration)."""
+    """CP-SAT's claimed makespan counts a replicated stage's all-reduce (it ends this iteration): stage 0 waits
+    for a 10x slower stage 1, so no redundant bound of the model (work + all-reduce) reaches its true end."""
     from graphpipe.search.cpsat import solve
 
     cl = cluster(3, per_node=4)
-    sg = two_stage_chain((0, 1), (2,), 2, 8, params0=4e9, cl=cl)
+    sg = two_stage_chain((0, 1), (2,), 2, 8, params0=4e9, cl=cl, slower1=10.0)
     res = solve(sg, cl, per_stage_micro_batch=False, time_limit_s=5.0)
     tl = simulate(res.stage_graph, res.schedule, cl)
     assert tl.iteration_time_s == pytest.approx(res.makespan_s, rel=1e-12)
@@ -245,15 +248,15 @@ def test_tp1_none_zoo_plans_are_byte_identical_to_before_layouts(name):
     """``--tp 1 --shard none`` plans of the zoo's small models, as the planner wrote them before layouts
     existed (tests/data/pp_only_plans, timing fields aside)."""
     from graphpipe.cluster import preset
+    from graphpipe.models import load_model
     from graphpipe.plan import plan_to_dict
     from graphpipe.search.planner import TIMING_KEYS
-    from graphpipe.zoo import build_graph
 
     with open(os.path.join(FIXTURES, name + ".json")) as fh:
         want = json.load(fh)
     model, strategy = name.rsplit("-", 1)
     model = model.replace("-small", ":small")
-    graph = build_graph(model, preset("v100", 4).device)
+    graph = load_model(model, preset("v100", 4).device).graph
     plan = make_plan(want["model"], graph, preset("v100", 4), 32, strategy, SearchOptions(tp=1, shard="none"))
     got = json.loads(json.dumps(plan_to_dict(plan)))
     for doc in (got, want):

@@ -219,15 +219,29 @@ def plan_request(request: PlanRequest) -> Plan:
         raise InputError(f"no layout with tp {tp} fits {cluster.num_devices} devices of {cluster.devices_per_node} "
                          f"per node at batch size {request.batch_size}: tp must divide a node and the device count")
     best, error, tried = None, None, []
+    by_tp: dict[int, float] = {}  # best throughput per tp degree tried
     for layout in tries:
+        if shard == "auto" and layout.shard == "fsdp" and _roomy(tried, layout.tp, cluster):
+            # sharding with the step's parameters kept gathered costs the same time as whole copies and only
+            # frees memory: skip it where whole copies planned well within memory
+            tried.append({**layout.as_dict(), "skipped": "whole copies fit within 90% of device memory"})
+            continue
+        if tp == "auto" and layout.shard == "none" and len(by_tp) >= 2:
+            degrees = sorted(by_tp)
+            if by_tp[degrees[-1]] < by_tp[degrees[-2]] * (1 - 1e-9):  # tp past the best only adds collectives
+                tried.append({**layout.as_dict(), "skipped": f"tp {degrees[-1]} was slower than tp {degrees[-2]}"})
+                continue
         try:
             plan = _plan_layout(request, layout)
         except GraphpipeError as exc:
             error = error or exc
             tried.append({**layout.as_dict(), "error": str(exc)})
+            by_tp.setdefault(layout.tp, 0.0)
             continue
         tried.append({**layout.as_dict(), "throughput": plan.predicted.throughput,
-                      "devices_used": len(plan.stage_graph.devices_used())})
+                      "devices_used": len(plan.stage_graph.devices_used()),
+                      "peak_memory_bytes": plan.predicted.max_peak_memory_bytes})
+        by_tp[layout.tp] = max(by_tp.get(layout.tp, 0.0), plan.predicted.throughput)
         if best is None or plan.predicted.throughput > best[1].predicted.throughput * (1 + 1e-9):
             best = (layout, plan)
     if best is None:
@@ -262,6 +276,13 @@ def _per_stage_layouts(request: PlanRequest, plan: Plan, tp, shard, search: dict
         return plan
     search["per_stage_layouts"] = "kept"
     return trial
+
+
+def _roomy(tried: list[dict[str, Any]], tp: int, cluster: Cluster) -> bool:
+    """Whether the whole-copy plan at ``tp`` was found and peaks below 90% of the device memory."""
+    row = next((r for r in tried if r["tp"] == tp and r["shard"] == "none"), None)
+    return (row is not None and "throughput" in row
+            and float(row.get("peak_memory_bytes") or 0.0) < 0.9 * cluster.memory_bytes)
 
 
 def _plan_layout(request: PlanRequest, layout) -> Plan:
