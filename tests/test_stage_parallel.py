@@ -263,3 +263,31 @@ def test_tp1_none_zoo_plans_are_byte_identical_to_before_layouts(name):
         for key in TIMING_KEYS:
             doc["search"].pop(key, None)
     assert got == want
+
+
+# ------------------------------------------- plans without a schedule
+def test_plan_without_schedule_gets_the_strategys_default_and_says_so(tmp_path):
+    """A hand-written plan file without ``schedule``/``predicted``: the strategy's own schedule (the one its
+    Strategy record names) and the simulator's figures for it, with one line saying so."""
+    from graphpipe.errors import FormatError
+    from graphpipe.plan import plan_to_dict, read_plan
+    from graphpipe.sched.complete import DEFAULT_SCHEDULES, read_plan_completed
+    from graphpipe.sched.simulator import simulate_figures
+    from graphpipe.search import get_strategy
+
+    assert all(get_strategy(name).default_schedule == sched for name, sched in DEFAULT_SCHEDULES.items())
+    cl = cluster(3, per_node=4)
+    sg = two_stage_chain((0, 1), (2,), 2, 8, cl=cl)
+    from graphpipe.plan import Plan
+    plan = Plan(model="two", stage_graph=sg, cluster=cl, strategy="gpipe", schedule=make_schedule("1f1b", sg, cl))
+    doc = plan_to_dict(plan)
+    del doc["schedule"], doc["predicted"]
+    path = tmp_path / "hand.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(FormatError, match="missing key 'schedule'"):
+        read_plan(str(path))
+    lines = []
+    back = read_plan_completed(str(path), say=lines.append)
+    assert back.schedule.name == "gpipe" and len(lines) == 1 and "gpipe" in lines[0]
+    want = simulate_figures(back.stage_graph, make_schedule("gpipe", back.stage_graph, cl), cl)
+    assert back.predicted.throughput == pytest.approx(want["throughput"], rel=1e-12)

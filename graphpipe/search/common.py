@@ -74,6 +74,9 @@ class SearchOptions:
     shard: str = "none"
     """``"none"`` (whole copies per replica), ``"fsdp"`` (model state sharded over a stage's replicas) or
     ``"auto"`` (both tried)."""
+    per_stage_layouts: bool = True
+    """With layouts searched (``tp``/``shard`` not 1/none), let a strategy that ranks candidates (gpp) give each
+    stage its own layout after the uniform search; False keeps one layout for every stage (torchtitan's)."""
     max_memory_gb: float | None = None
     """Resident-memory budget of the search's process, GiB (:mod:`graphpipe.search.memory_guard`): past it the
     search stops with a one-line error instead of growing until the kernel kills it. None: half the machine's."""
