@@ -107,6 +107,32 @@ def run_one(name: str, graph: OpGraph, devices: int, batch_size: int, variant: s
     return row
 
 
+def plot(out: str) -> str | None:
+    """``stage_parallel.png`` from the result file only: efficiency against devices, one panel per model."""
+    from .common import read_result
+    from .plots import _save, plt
+
+    res = read_result(out, "stage_parallel")
+    if res is None:
+        return None
+    ok = [r for r in res["rows"] if r["outcome"] == "ok"]
+    models = list(dict.fromkeys(r["model"] for r in ok))
+    fig, axes = plt.subplots(1, max(1, len(models)), figsize=(4.2 * max(1, len(models)), 3.4), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        for variant, marker in zip(VARIANTS, "osv"):
+            pts = sorted((r["devices"], r["efficiency"]) for r in ok if r["model"] == model and r["variant"] == variant)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, label=variant)
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(0, 1)
+        ax.set_title(model)
+        ax.set_xlabel("devices (H100)")
+        ax.set_ylabel("simulated efficiency")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend()
+    return _save(fig, out, "stage_parallel")
+
+
 def main(argv: list[str] | None = None) -> int:
     from graphpipe.graph import graph_from_dict
     import json
@@ -117,7 +143,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", default="llama70b,llama405b,multimodal")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--out", default="evals")
+    p.add_argument("--rows", default=None, help="merge these JSON-lines files of rows instead of planning")
     args = p.parse_args(argv)
+    if args.rows:  # rows printed by earlier runs (one per line), merged into one result file and plotted
+        rows = [json.loads(line) for path in args.rows.split(",") for line in open(path, encoding="utf-8")
+                if line.startswith("{")]
+        config = {"cluster": "h100", "batch": "max(256, 4 x devices)", "strategy": "gpp", "variants": list(VARIANTS),
+                  "merged_from": args.rows, "load_average": list(os.getloadavg())}
+        write_result(args.out, "stage_parallel", config, rows)
+        plot(args.out)
+        return 0
     flops = preset("h100", 1).device
     graphs = {}
     for name in args.models.split(","):
@@ -136,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     config = {"cluster": "h100", "devices": args.devices, "batch": "max(256, 4 x devices)", "strategy": "gpp",
               "variants": list(VARIANTS), "load_average": list(os.getloadavg())}
     write_result(args.out, "stage_parallel", config, rows)
+    plot(args.out)
     return 0
 
 
