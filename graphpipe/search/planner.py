@@ -221,16 +221,16 @@ def plan_request(request: PlanRequest) -> Plan:
     best, error, tried = None, None, []
     by_tp: dict[int, float] = {}  # best throughput per tp degree tried
     for layout in tries:
+        if tp == "auto" and layout.tp not in by_tp and len(by_tp) >= 2:
+            degrees = sorted(by_tp)
+            if by_tp[degrees[-1]] < by_tp[degrees[-2]] * (1 - 1e-9):  # tp past the best only adds collectives
+                tried.append({**layout.as_dict(), "skipped": f"tp {degrees[-1]} was slower than tp {degrees[-2]}"})
+                continue
         if shard == "auto" and layout.shard == "fsdp" and _roomy(tried, layout.tp, cluster):
             # sharding with the step's parameters kept gathered costs the same time as whole copies and only
             # frees memory: skip it where whole copies planned well within memory
             tried.append({**layout.as_dict(), "skipped": "whole copies fit within 90% of device memory"})
             continue
-        if tp == "auto" and layout.shard == "none" and len(by_tp) >= 2:
-            degrees = sorted(by_tp)
-            if by_tp[degrees[-1]] < by_tp[degrees[-2]] * (1 - 1e-9):  # tp past the best only adds collectives
-                tried.append({**layout.as_dict(), "skipped": f"tp {degrees[-1]} was slower than tp {degrees[-2]}"})
-                continue
         try:
             plan = _plan_layout(request, layout)
         except GraphpipeError as exc:
