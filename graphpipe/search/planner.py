@@ -302,6 +302,11 @@ def _plan_layout(request: PlanRequest, layout) -> Plan:
     sg = layouts.expand(small.stage_graph, sp_graph, cluster, layout, request.batch_size)
     search = {**small.search, "reduced_devices": reduced.cluster.num_devices,
               "reduced_throughput": small.predicted.throughput}
+    used = len(sg.devices_used())  # the reduced plan counted units; the plan's figures count devices
+    if "devices_used" in search:
+        search["devices_used"] = used
+    if "unused_devices" in search:
+        search["unused_devices"] = cluster.num_devices - used
     plan = _scheduled(request, sg, small.schedule.name, merged, search)
     _check_memory(request, plan)
     return replace(plan, search={**plan.search, "schedule_time_s": time.perf_counter() - started})
