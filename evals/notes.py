@@ -400,6 +400,16 @@ NOTES: dict[str, str] = {
         "every search under 10 s; the slowest are the two Mambas, whose capture is the time (the exported "
         "selective scan: about 34 of Mamba-2.8B's 40 s)."
     ),
+    "stage_parallel": (
+        "Simulated on the h100 preset (8 per node, NVLink 450 GB/s, 50 GB/s per device between nodes), gpp with "
+        "`--tp auto --shard auto` (per-stage), the same with one layout for every stage (uniform, torchtitan's "
+        "choice) and `--tp 1 --shard none` (PP-only, the plans before layouts). Efficiency is throughput over the "
+        "plan's own per-sample op costs spread over every device, not MFU. The LLM shapes are captured with "
+        "128-token samples, so at 4 samples per device the step-end gradient collectives (which start after "
+        "each stage's last backward, docs/limits.md) and the pipeline's fill and drain weigh on every plan; "
+        "per-stage layouts equal the uniform one wherever no stage gained from another tp on its own devices. "
+        "Rows missing for a model or device count were not run in this round (the search at 16,384 devices "
+        "ran for the 405B shape with one layout, see the config)."),
     "bench_llm": (
         "Measured on a 2-core host shared with other engineers' test runs (load average in the config line), so "
         "wall times swing 2-3x between runs of the same command and say little; the CPU seconds of each command "

@@ -190,9 +190,10 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-MAX_DEVICES = 1024
-"""Most devices a cluster may have: gpp plans mmt:small on 1,024 devices at the largest batch in about 20 s on
-one core, and on 4,096 did not finish in 2 minutes (searches are polynomial in the device count)."""
+MAX_DEVICES = 16384
+"""Most devices a cluster may have. The searches see at most 1,024 device groups whatever the count
+(:data:`graphpipe.search.layouts.MAX_UNITS`: replicas taken together past it); gpp plans mmt:small on 1,024
+devices at the largest batch in about 20 s on one core."""
 
 Precision = Literal["fp32", "tf32", "fp16", "bf16"]
 """A number format: what a device's peak FLOP/s assume, and what a run trains at."""

@@ -95,6 +95,18 @@ __all__ = [
     "segment_bytes",
     "best_checkpoints",
     "CostArrays",
+    "TP_BLOCK_SUFFIXES",
+    "TP_LINEAR_KINDS",
+    "TP_EMBEDDING_KINDS",
+    "tp_rule",
+    "tp_collectives_s",
+    "tp_affine",
+    "tp_state_share",
+    "ring_allgather_s",
+    "fsdp_micro_batch_s",
+    "sync_s",
+    "layout_state_bytes",
+    "tp_layer",
 ]
 
 Recompute = Literal["none", "all", "auto"]
@@ -543,3 +555,183 @@ class CostArrays:
         # one micro-batch must fit; with re-materialization its working set is in ``base``
         k = np.where(base + per_mb > capacity, -1, np.maximum(k, 1))
         return k.astype(np.int64)
+
+
+# ------------------------------------------------------ parallelism inside a stage
+# A stage's devices are ``num_replicas`` groups of ``tp`` devices (graphpipe.stages.Stage.tp_groups). Tensor
+# parallelism (TP) splits each splittable layer's weights over a group (Megatron-LM, Shoeybi et al. 2019, §3);
+# FSDP / ZeRO-3 (Rajbhandari et al. SC'20 §5; Zhao et al. VLDB'23 "PyTorch FSDP" §3) shards the model state of
+# the stage over its replicas and gathers it for compute. Each formula is a pure function of plain numbers.
+
+TP_BLOCK_SUFFIXES = ("layer", "block", "transformer")
+"""Op kinds (lower case) taken for transformer-like blocks: Megatron splits their attention by heads (QKV
+column-wise, output projection row-wise) and their MLP column- then row-wise, so a block all-reduces its
+output twice in forward (the ``g`` operators after attention and after the MLP) and twice in backward (the
+``f`` operators before them): Megatron-LM §3, Figure 3. ``llamadecoderlayer``, ``t5block``, zoo ``transformer``."""
+
+TP_LINEAR_KINDS = ("linear", "mlp", "head", "lmhead", "conv1d")
+"""Op kinds split as one column-then-row pair (or one column-parallel layer whose output is gathered): one
+all-reduce of the output in forward, one of the input gradient in backward (Megatron-LM §3, the MLP case)."""
+
+TP_EMBEDDING_KINDS = ("embedding",)
+"""Vocab-parallel embeddings: each device holds a slice of the vocabulary, looks up its rows and the group
+all-reduces the output once in forward; backward needs no collective (Megatron-LM §3, "input embedding")."""
+
+
+def tp_rule(kind: str, param_bytes: float) -> tuple[int, int, str]:
+    """(all-reduces in forward, all-reduces in backward, why not split) of one op under tensor parallelism.
+
+    An op splits when it has weights and its kind is a transformer-like block
+    (:data:`TP_BLOCK_SUFFIXES`: 2 and 2), a linear layer or MLP
+    (:data:`TP_LINEAR_KINDS`: 1 and 1) or an embedding (:data:`TP_EMBEDDING_KINDS`:
+    1 and 0). Any other op is replicated inside the tp group: its compute and
+    activations are whole on each device, its weights whole copies, and the
+    third value says why (``graphpipe inspect`` prints it).
+
+    >>> tp_rule("llamadecoderlayer", 8.0), tp_rule("linear", 8.0), tp_rule("embedding", 8.0)
+    ((2, 2, ''), (1, 1, ''), (1, 0, ''))
+    >>> tp_rule("glue", 0.0)[2], tp_rule("llamarmsnorm", 8.0)[2]
+    ('no weights to split: replicated in the tp group', 'no Megatron split for llamarmsnorm (norms, convolutions, pooling, recurrent and other layers keep whole weights): replicated in the tp group')
+    """
+    k = kind.lower()
+    if not param_bytes > 0:
+        return 0, 0, "no weights to split: replicated in the tp group"
+    if any(k.endswith(suffix) for suffix in TP_BLOCK_SUFFIXES) and "norm" not in k:
+        return 2, 2, ""
+    if k in TP_LINEAR_KINDS:
+        return 1, 1, ""
+    if k in TP_EMBEDDING_KINDS or k.endswith("embedding"):
+        return 1, 0, ""
+    return 0, 0, (f"no Megatron split for {kind} (norms, convolutions, pooling, recurrent and other layers keep "
+                  f"whole weights): replicated in the tp group")
+
+
+def tp_collectives_s(num_collectives, tp, latency_s, bandwidth_Bps, nbytes):
+    """Seconds of ``num_collectives`` ring all-reduces of ``nbytes`` each inside a tp group of ``tp`` devices
+    (Megatron-LM §3; with sequence parallelism, Korthikanti et al. 2022 §4.2.2, each becomes a reduce-scatter and
+    an all-gather of the same total volume): ``n (2 (t-1) latency + 2 (t-1)/t bytes / bandwidth)``.
+
+    >>> tp_collectives_s(2, 4, 0.0, 1.0, 8.0)   # 2 * 2 * 3/4 * 8
+    24.0
+    """
+    return num_collectives * ring_allreduce_s(tp, latency_s, bandwidth_Bps, nbytes)
+
+
+def tp_affine(alpha, beta, tp, splittable, num_collectives, latency_s, bandwidth_Bps, out_bytes):
+    """(alpha, beta) of one op's forward or backward on one device of a tp group: a splittable op's per-sample
+    compute divided by ``tp`` (its fixed per-call part is not: kernels launch on every device), plus its
+    collectives on ``out_bytes`` per sample (:func:`tp_collectives_s`, affine in the samples).
+
+    >>> tp_affine(1.0, 8.0, 4, True, 2, 0.5, 1.0, 4.0)   # alpha 1 + 2*2*3*0.5, beta 8/4 + 2*2*3/4*4
+    (7.0, 14.0)
+    """
+    if tp <= 1:
+        return alpha, beta
+    per_call = num_collectives * 2 * (tp - 1) * latency_s
+    per_sample = num_collectives * 2 * (tp - 1) / tp * out_bytes / bandwidth_Bps
+    return alpha + per_call, (beta / tp if splittable else beta) + per_sample
+
+
+def tp_state_share(param_bytes, tp, splittable):
+    """Parameter bytes one device of a tp group holds: a splittable op's weights over ``tp``, others whole.
+
+    >>> tp_state_share(8.0, 4, True), tp_state_share(8.0, 4, False)
+    (2.0, 8.0)
+    """
+    return param_bytes / tp if splittable and tp > 1 else param_bytes
+
+
+def ring_allgather_s(num_replicas, latency_s, bandwidth_Bps, nbytes):
+    """Ring all-gather (or reduce-scatter) of ``nbytes`` (the whole tensor) over ``r`` devices:
+    ``(r-1) latency + (r-1)/r bytes / bandwidth``, half a ring all-reduce (Thakur et al. 2005); 0 for one device.
+
+    >>> ring_allgather_s(4, 0.0, 1.0, 8.0), ring_allgather_s(1, 1.0, 1.0, 8.0)
+    (6.0, 0.0)
+    """
+    if num_replicas <= 1 or not nbytes > 0:
+        return 0.0
+    return (num_replicas - 1) * latency_s + (num_replicas - 1) / num_replicas * nbytes / bandwidth_Bps
+
+
+def fsdp_micro_batch_s(param_bytes, num_replicas, reshard_after_forward, latency_s, bandwidth_Bps):
+    """(forward, backward) seconds of FSDP collectives one micro-batch adds on a replica, charged exposed (an
+    upper bound: FSDP's prefetching hides part of it behind compute, FSDP paper §3.3).
+
+    ``reshard_after_forward`` (ZeRO-3): the stage's parameters (``param_bytes``, one tp rank's share) are
+    all-gathered before every forward, again before every backward, and the gradients reduce-scattered after
+    it; without it they are gathered once per step and kept (:func:`fsdp_step_s`), nothing per micro-batch.
+
+    >>> fsdp_micro_batch_s(8.0, 4, True, 0.0, 1.0), fsdp_micro_batch_s(8.0, 4, False, 0.0, 1.0)
+    ((6.0, 12.0), (0.0, 0.0))
+    """
+    if not reshard_after_forward:
+        return 0.0, 0.0
+    gather = ring_allgather_s(num_replicas, latency_s, bandwidth_Bps, param_bytes)
+    return gather, 2 * gather
+
+
+def sync_s(param_bytes, num_replicas, shard, reshard_after_forward, latency_s, bandwidth_Bps):
+    """Seconds of a stage's once-per-step collective after its last backward, on one tp rank's share
+    ``param_bytes``: data parallelism's ring all-reduce of the gradients (:func:`ring_allreduce_s`); FSDP
+    without resharding an all-gather at the step's start plus a reduce-scatter at its end, the same volume
+    (ZeRO §5: ZeRO-3 moves 1.5x DP's volume only when it gathers twice per step); FSDP resharding after
+    forward does all of it per micro-batch (:func:`fsdp_micro_batch_s`), nothing here.
+
+    >>> sync_s(8.0, 4, "none", True, 0.0, 1.0), sync_s(8.0, 4, "fsdp", False, 0.0, 1.0), sync_s(8.0, 4, "fsdp", True, 0.0, 1.0)
+    (12.0, 12.0, 0.0)
+    """
+    if shard == "fsdp" and reshard_after_forward:
+        return 0.0
+    return ring_allreduce_s(num_replicas, latency_s, bandwidth_Bps, param_bytes)
+
+
+def layout_state_bytes(param_bytes, largest_op_bytes, num_replicas, shard, reshard_after_forward, bytes_per_param):
+    """Model-state bytes on one device of a stage, ``param_bytes`` being one tp rank's share (ZeRO §5.3, FSDP §3.2).
+
+    * ``none``: :func:`state_bytes`, whole copies;
+    * ``fsdp`` resharding after forward: the state over the replicas, plus the gathered unit while it
+      computes, weights and gradient of the largest op (``largest_op_bytes``, fp32-sized: 2x);
+    * ``fsdp`` without resharding: weights and gradients gathered for the whole step (2x ``param_bytes``),
+      only the rest of the state (the optimizer's) sharded.
+
+    >>> layout_state_bytes(8.0, 2.0, 4, "none", True, 16.0)
+    32.0
+    >>> layout_state_bytes(8.0, 2.0, 4, "fsdp", True, 16.0), layout_state_bytes(8.0, 2.0, 4, "fsdp", False, 16.0)
+    (12.0, 20.0)
+    """
+    whole = state_bytes(param_bytes, bytes_per_param)
+    if shard != "fsdp":
+        return whole
+    if reshard_after_forward:
+        return whole / num_replicas + 2.0 * largest_op_bytes
+    kept = min(whole, 2.0 * param_bytes)
+    return kept + (whole - kept) / num_replicas
+
+
+def tp_layer(op: "Op", tp: int, latency_s: float, bandwidth_Bps: float) -> "Op":
+    """``op`` as one device of a tp group of ``tp`` runs it over a link of ``latency_s``/``bandwidth_Bps`` (the
+    node's): :func:`tp_rule`'s split, :func:`tp_affine` times (the weight-gradient part W split the same way, the
+    collectives falling on the input-gradient part), :func:`tp_state_share` weights, and a splittable op's saved
+    activations over ``tp`` (Megatron's sequence parallelism, Korthikanti et al. 2022 §4.2.2, which splits the
+    activations a plain tensor-parallel layer would keep whole). ``tp`` 1: ``op`` itself.
+
+    >>> from graphpipe.graph import Op, Affine
+    >>> op = Op("b", "transformer", Affine(0.0, 8.0), Affine(0.0, 16.0), 64.0, 32.0, 4.0)
+    >>> t = tp_layer(op, 4, 0.0, 1.0)
+    >>> t.fwd, t.bwd, t.param_bytes, t.act_bytes   # 8/4 + 2*2*3/4*4, 16/4 + 12
+    (Affine(alpha=0.0, beta=14.0), Affine(alpha=0.0, beta=16.0), 16.0, 8.0)
+    """
+    from dataclasses import replace as _replace  # stdlib; the module keeps graph types out of its imports
+
+    if tp <= 1:
+        return op
+    n_fwd, n_bwd, why = tp_rule(op.kind, op.param_bytes)
+    split = not why
+    f_alpha, f_beta = tp_affine(op.fwd.alpha, op.fwd.beta, tp, split, n_fwd, latency_s, bandwidth_Bps, op.out_bytes)
+    b_alpha, b_beta = tp_affine(op.bwd.alpha, op.bwd.beta, tp, split, n_bwd, latency_s, bandwidth_Bps, op.out_bytes)
+    affine = type(op.fwd)
+    w = weight_grad_model(op)
+    return _replace(op, fwd=affine(f_alpha, f_beta), bwd=affine(b_alpha, b_beta),
+                    wgrad=affine(w.alpha, w.beta / tp if split else w.beta),
+                    param_bytes=float(tp_state_share(op.param_bytes, tp, split)),
+                    act_bytes=float(op.act_bytes / tp if split else op.act_bytes))

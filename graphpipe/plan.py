@@ -19,7 +19,7 @@ which every reader of a plan file must call (the CLI does).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Iterator, Literal, Mapping, get_args
+from typing import Any, Callable, Iterator, Literal, Mapping, get_args
 
 from graphpipe.actions import Schedule
 from graphpipe import files
@@ -233,6 +233,9 @@ class Plan:
                     raise PlanError(f"stage {stage.id}: tp group {list(group)} spans nodes {nodes} "
                                     f"({self.cluster.devices_per_node} devices per node); a tp group must sit in "
                                     f"one node: align the stage's devices to nodes or lower its tp")
+        if self.stage_graph.cluster is None and any(s.parallel for s in self.stage_graph.stages):
+            # the collectives of stages parallel inside themselves are priced on this plan's cluster
+            object.__setattr__(self, "stage_graph", replace(self.stage_graph, cluster=self.cluster))
 
     @property
     def graph(self) -> OpGraph:
@@ -305,14 +308,20 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
     }
 
 
-def plan_from_dict(doc: Any, where: str = "plan") -> Plan:
-    """Parse a plan document; structural invariants are checked, the schedule is parsed only."""
+def plan_from_dict(doc: Any, where: str = "plan", complete: Callable[..., Any] | None = None) -> Plan:
+    """Parse a plan document; structural invariants are checked, the schedule is parsed only.
+
+    A document without ``schedule`` (a hand-written or edited plan) needs ``complete``:
+    ``complete(stage_graph, cluster, strategy) -> (schedule, predicted)`` gives the strategy's default schedule
+    and its simulated prediction (:func:`graphpipe.sched.complete.completion`, which ``simulate``, ``run`` and
+    ``Pipeline`` pass); ``predicted`` is then the simulation's whatever the document says. Without ``complete``
+    such a document is refused in one line."""
     if not isinstance(doc, dict):
         raise FormatError(f"{where}: expected a JSON object")
     fmt = doc.get("format")
     if fmt != PLAN_FORMAT:
         raise FormatError(f"{where}: unsupported format {fmt!r}; expected {PLAN_FORMAT!r}")
-    for key in ("graph", "cluster", "batch_size", "stages", "schedule"):
+    for key in ("graph", "cluster", "batch_size", "stages") + (() if complete is not None else ("schedule",)):
         if key not in doc:
             raise FormatError(f"{where}: missing key {key!r}")
     graph = graph_from_dict(doc["graph"], where=f"{where}.graph")
@@ -345,8 +354,9 @@ def plan_from_dict(doc: Any, where: str = "plan") -> Plan:
     _check_stage_ops(graph, [(files.integer(s["id"], f"{where}.stages[{i}].id", 0), list(s["ops"]))
                              for i, s in enumerate(doc["stages"])], where)
     stages.sort(key=lambda s: s.id)
-    schedule = Schedule.from_dict(doc["schedule"], cluster.num_devices, where=f"{where}.schedule")
-    shared = schedule.name.startswith("interleaved") or _devices_shared(stages)
+    schedule = (Schedule.from_dict(doc["schedule"], cluster.num_devices, where=f"{where}.schedule")
+                if "schedule" in doc else None)
+    shared = (schedule is not None and schedule.name.startswith("interleaved")) or _devices_shared(stages)
     edges = tuple(_stage_edge(e, f"{where}.stage_edges[{i}]")
                   for i, e in enumerate(files.array(doc.get("stage_edges", []), f"{where}.stage_edges")))
     sequential = doc.get("sequential", False)
@@ -354,14 +364,17 @@ def plan_from_dict(doc: Any, where: str = "plan") -> Plan:
         raise FormatError(f"{where}.sequential must be true or false, got {sequential!r}")
     try:
         sg = StageGraph(graph, tuple(stages), batch_size, cluster.num_devices, edges=edges,
-                        allow_shared_devices=shared, sequential=sequential)
+                        allow_shared_devices=shared, sequential=sequential, cluster=cluster)
     except PlanError as exc:  # say which file broke the invariant
         raise PlanError(f"{where}: {exc}") from None
     merged = {k: tuple(files.string(n, f"{where}.merged.{k}[]") for n in files.array(v, f"{where}.merged.{k}"))
               for k, v in files.mapping(doc.get("merged") or {}, f"{where}.merged").items()}
+    predicted = _figures(doc.get("predicted"), f"{where}.predicted")
+    if schedule is None:  # the strategy's default schedule, and what the simulator predicts for it
+        schedule, predicted = complete(sg, cluster, files.string(doc.get("strategy", "custom"), f"{where}.strategy"))
     return Plan(model=files.string(doc.get("model", graph.name), f"{where}.model"), stage_graph=sg, cluster=cluster,
                 strategy=files.string(doc.get("strategy", "custom"), f"{where}.strategy"), schedule=schedule,
-                predicted=_figures(doc.get("predicted"), f"{where}.predicted"),
+                predicted=predicted,
                 search=_figures(doc.get("search"), f"{where}.search"), merged=merged,
                 batchnorm=_batchnorm(doc.get("batchnorm", "per-micro-batch"), f"{where}.batchnorm"),
                 asynchrony=_asynchrony(doc.get("async"), f"{where}.async"))
@@ -457,8 +470,9 @@ def _devices_shared(stages: list[Stage]) -> bool:
         a == b or not set(a) & set(b) for i, a in enumerate(sets) for b in sets[i + 1:])
 
 
-def read_plan(path: str) -> Plan:
-    return plan_from_dict(read_json_file(path, "file"), where=path)
+def read_plan(path: str, complete: Callable[..., Any] | None = None) -> Plan:
+    """The plan file at ``path`` (``complete``: see :func:`plan_from_dict`)."""
+    return plan_from_dict(read_json_file(path, "file"), where=path, complete=complete)
 
 
 def write_plan(path: str, plan: Plan) -> None:

@@ -23,11 +23,14 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field, replace
-from typing import Iterable, Literal, Mapping, Sequence, get_args
+from typing import TYPE_CHECKING, Iterable, Literal, Mapping, Sequence, get_args
 
 from graphpipe import costs
 from graphpipe.errors import PlanError
 from graphpipe.graph import OpGraph
+
+if TYPE_CHECKING:
+    from graphpipe.cluster import Cluster
 
 __all__ = ["Stage", "StageGraph", "covered_mbs", "ReplicaMode", "REPLICA_MODES", "ShardMode", "SHARD_MODES"]
 
@@ -156,14 +159,19 @@ class StageGraph:
     stage i feeds only stage i+1, which relays every activation crossing the cut
     after stage i. Edges are then the chain (i, i+1) and ``edge_bytes(i, i+1)`` is
     the bytes per sample of all op edges from stages <= i to stages > i."""
+    cluster: "Cluster | None" = field(default=None, compare=False, repr=False)
+    """The cluster a stage parallel inside itself (tp > 1 or fsdp) prices its collectives on (tensor parallelism
+    on the node's link, FSDP on its replicas' link); needed only when some stage is parallel."""
     _stage_of: tuple[int, ...] = field(init=False, repr=False, compare=False)
     _succs: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
     _preds: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
     _edge_bytes: Mapping[tuple[int, int], float] = field(init=False, repr=False, compare=False)
     _on_device: Mapping[int, tuple[int, ...]] = field(init=False, repr=False, compare=False)
+    _costed: dict = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         g = self.graph
+        object.__setattr__(self, "_costed", {})
         if not isinstance(self.batch_size, int) or self.batch_size < 1:
             raise PlanError(f"batch size must be a positive integer, got {self.batch_size!r}")
         # Stage ids are 0..n-1 in order.
@@ -247,7 +255,8 @@ class StageGraph:
     # ------------------------------------------------------------------ build
     @classmethod
     def build(cls, graph: OpGraph, stages: Sequence[Stage], batch_size: int, num_devices: int,
-              allow_shared_devices: bool = False, sequential: bool = False) -> "StageGraph":
+              allow_shared_devices: bool = False, sequential: bool = False, cluster: "Cluster | None" = None
+              ) -> "StageGraph":
         """Build from stages in any order: renumbers them topologically (ties by smallest op id).
 
         A ``sequential`` pipeline keeps the given order (it is the pipeline's order);
@@ -283,7 +292,7 @@ class StageGraph:
             order = list(range(n))
         renumbered = [replace(stages[old], id=new) for new, old in enumerate(order)]
         return cls(graph, tuple(renumbered), batch_size, num_devices, allow_shared_devices=allow_shared_devices,
-                   sequential=sequential)
+                   sequential=sequential, cluster=cluster)
 
     # ----------------------------------------------------------------- access
     @property
@@ -325,27 +334,116 @@ class StageGraph:
         """Seconds of re-run forward at the start of each B (0 without re-materialization)."""
         return self.fwd_time(stage_id) if self.stages[stage_id].recompute else 0.0
 
-    def _action_times(self, stage_id: int) -> tuple[float, float]:
+    def costed_graph(self, stage_id: int) -> OpGraph:
+        """The op graph as one device of the stage runs it: ``graph`` itself for tp 1, else every op as one
+        device of a tp group (:func:`graphpipe.costs.tp_layer` on the node's link); one copy per tp degree."""
+        tp = self.stages[stage_id].tp
+        if tp == 1:
+            return self.graph
+        costed = self._costed.get(tp)
+        if costed is None:
+            if self.cluster is None:
+                raise PlanError(f"stage {stage_id} is tensor parallel (tp {tp}): its collectives need the cluster; "
+                                f"build the stage graph with cluster= (a Plan attaches its own)")
+            link = self.cluster.intra_node
+            costed = replace(self.graph, ops=tuple(costs.tp_layer(op, tp, link.latency_s, link.bandwidth_Bps)
+                                                   for op in self.graph.ops))
+            self._costed[tp] = costed
+        return costed
+
+    def _replica_link(self, stage_id: int):
+        """The link one tp rank's replicas (FSDP's shard group, the gradient all-reduce's ring) run over."""
         s = self.stages[stage_id]
-        sums = costs.stage_sums(self.graph, s.op_ids, 0.0, 0.0)
+        if self.cluster is None:
+            raise PlanError(f"stage {stage_id} is sharded (fsdp): its collectives need the cluster; build the stage "
+                            f"graph with cluster= (a Plan attaches its own)")
+        return self.cluster.allreduce_link(s.devices[::s.tp])
+
+    def _compute_times(self, stage_id: int) -> tuple[float, float]:
+        s = self.stages[stage_id]
+        sums = costs.stage_sums(self.costed_graph(stage_id), s.op_ids, 0.0, 0.0)
         return costs.action_times(sums.fwd_alpha, sums.fwd_beta, sums.bwd_alpha, sums.bwd_beta,
                                   s.samples_per_replica, s.recompute)
 
+    def fsdp_times(self, stage_id: int) -> tuple[float, float]:
+        """(forward, backward) seconds of FSDP collectives per micro-batch (:func:`graphpipe.costs.fsdp_micro_batch_s`;
+        0 unless the stage shards with resharding after forward)."""
+        s = self.stages[stage_id]
+        if s.shard != "fsdp" or s.num_replicas < 2:
+            return 0.0, 0.0
+        link = self._replica_link(stage_id)
+        return costs.fsdp_micro_batch_s(self.layout_param_bytes(stage_id), s.num_replicas, s.reshard_after_forward,
+                                        link.latency_s, link.bandwidth_Bps)
+
+    def _action_times(self, stage_id: int) -> tuple[float, float]:
+        fwd, bwd = self._compute_times(stage_id)
+        if self.stages[stage_id].shard == "fsdp":
+            gather_f, gather_b = self.fsdp_times(stage_id)
+            return fwd + gather_f, bwd + gather_b
+        return fwd, bwd
+
     def split_backward_times(self, stage_id: int) -> tuple[float, float]:
         """(I, W) seconds of one split backward micro-batch on one replica (:func:`graphpipe.costs.split_backward`):
-        I + W = :meth:`bwd_time`."""
+        I + W = :meth:`bwd_time`. FSDP's per-micro-batch gather and reduce-scatter fall on I."""
         s = self.stages[stage_id]
-        fwd, bwd = self._action_times(stage_id)
-        weight = costs.weight_grad_time(self.graph, s.op_ids, s.samples_per_replica)
-        return costs.split_backward(bwd - s.recompute * fwd, weight, fwd, s.recompute)
+        fwd, bwd = self._compute_times(stage_id)
+        weight = costs.weight_grad_time(self.costed_graph(stage_id), s.op_ids, s.samples_per_replica)
+        i, w = costs.split_backward(bwd - s.recompute * fwd, weight, fwd, s.recompute)
+        return i + self.fsdp_times(stage_id)[1], w
 
     def param_bytes(self, stage_id: int) -> float:
+        """Bytes of the stage's parameters (the whole stage, every tp rank's share together)."""
         return sum(self.graph.ops[i].param_bytes for i in self.stages[stage_id].op_ids)
 
+    def layout_param_bytes(self, stage_id: int) -> float:
+        """Parameter bytes one tp rank holds (:func:`graphpipe.costs.tp_state_share` summed; :meth:`param_bytes`
+        at tp 1)."""
+        g = self.costed_graph(stage_id)
+        return sum(g.ops[i].param_bytes for i in self.stages[stage_id].op_ids)
+
+    def sync_time(self, stage_id: int, cluster) -> float:
+        """Seconds of the stage's once-per-step collective after its last backward: the gradients' ring
+        all-reduce over its devices for whole copies (``cluster.allreduce_time``, as always), else
+        :func:`graphpipe.costs.sync_s` on one tp rank's share over the replicas."""
+        s = self.stages[stage_id]
+        if not s.parallel:
+            return cluster.allreduce_time(s.devices, self.param_bytes(stage_id)) if s.num_replicas > 1 else 0.0
+        link = cluster.allreduce_link(s.devices[::s.tp])
+        return costs.sync_s(self.layout_param_bytes(stage_id), s.num_replicas, s.shard, s.reshard_after_forward,
+                            link.latency_s, link.bandwidth_Bps)
+
+    def state_bytes(self, stage_id: int, cluster) -> float:
+        """Model-state bytes on one device of the stage: ``cluster.state_bytes`` of its parameters for whole
+        copies, else :func:`graphpipe.costs.layout_state_bytes` (tp share, FSDP sharding, gathered unit)."""
+        if not self.stages[stage_id].parallel:
+            return cluster.state_bytes(self.param_bytes(stage_id))
+        return self.model_state_bytes(stage_id, cluster.bytes_per_param)
+
+    def model_state_bytes(self, stage_id: int, bytes_per_param: float) -> float:
+        """:func:`graphpipe.costs.layout_state_bytes` of the stage at ``bytes_per_param`` bytes of state per
+        4 bytes of parameters (16: Adam in fp32; 8: weights and gradients, ``graphpipe run``'s SGD)."""
+        s = self.stages[stage_id]
+        g = self.costed_graph(stage_id)
+        largest = max(g.ops[i].param_bytes for i in s.op_ids)
+        return float(costs.layout_state_bytes(self.layout_param_bytes(stage_id), largest, s.num_replicas, s.shard,
+                                              s.reshard_after_forward, bytes_per_param))
+
+    def device_memory(self, stage_id: int, cluster, in_flight: int) -> float:
+        """Peak bytes on one device of the stage with ``in_flight`` micro-batches alive: :meth:`state_bytes` +
+        buffers + activations (:func:`graphpipe.costs.memory_bytes`'s terms, layout-aware)."""
+        s = self.stages[stage_id]
+        sums = self.stage_sums(stage_id)
+        kept, rebuilt = self.activation_terms(stage_id)
+        samples = s.samples_per_replica
+        return (self.state_bytes(stage_id, cluster) + costs.buffer_bytes(sums.inputs, sums.outputs, samples)
+                + kept * samples * in_flight + rebuilt * samples)
+
     def act_bytes_per_sample(self, stage_id: int) -> float:
-        """Saved-activation bytes per sample: the ops' ``act_bytes`` + :func:`graphpipe.costs.received_saved_bytes`."""
+        """Saved-activation bytes per sample on one device: the ops' ``act_bytes`` (a tp rank's share) +
+        :func:`graphpipe.costs.received_saved_bytes`."""
         op_ids = self.stages[stage_id].op_ids
-        return sum(self.graph.ops[i].act_bytes for i in op_ids) + costs.received_saved_bytes(self.graph, op_ids)
+        g = self.costed_graph(stage_id)
+        return sum(g.ops[i].act_bytes for i in op_ids) + costs.received_saved_bytes(g, op_ids)
 
     def input_bytes_per_sample(self, stage_id: int) -> float:
         """Bytes per sample the stage receives along its stage edges (relayed bytes in a sequential pipeline)."""
@@ -357,7 +455,7 @@ class StageGraph:
 
     def stage_sums(self, stage_id: int) -> costs.StageSums:
         """The stage's cost coefficients (:class:`graphpipe.costs.StageSums`), inputs and outputs as its edges carry."""
-        return costs.stage_sums(self.graph, self.stages[stage_id].op_ids, self.input_bytes_per_sample(stage_id),
+        return costs.stage_sums(self.costed_graph(stage_id), self.stages[stage_id].op_ids, self.input_bytes_per_sample(stage_id),
                                 self.output_bytes_per_sample(stage_id))
 
     def activation_terms(self, stage_id: int) -> tuple[float, float]:
@@ -369,7 +467,7 @@ class StageGraph:
             return sums.act, 0.0
         if not s.checkpoints:  # the whole stage: what segment_bytes gives for one segment, without its tables
             return sums.inputs, sums.act
-        return costs.segment_bytes(self.graph, s.op_ids, s.checkpoints, sums.inputs)
+        return costs.segment_bytes(self.costed_graph(stage_id), s.op_ids, s.checkpoints, sums.inputs)
 
     def depth(self) -> int:
         """Stages on the longest source-to-sink path."""

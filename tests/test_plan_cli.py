@@ -88,7 +88,8 @@ def test_bad_inputs_are_one_line_errors(capsys, model_file, argv, fragment):
 def test_more_devices_than_usable(capsys, tmp_path):
     path = str(tmp_path / "chain.json")
     write_json_atomic(path, graph_to_dict(chain_graph(2)))
-    code, out, err = _run(capsys, "plan", path, "-n", "8", "-b", "2", "--json")
+    # whole copies (tensor parallelism would use every device: --tp auto splits the chain's layers)
+    code, out, err = _run(capsys, "plan", path, "-n", "8", "-b", "2", "--tp", "1", "--shard", "none", "--json")
     assert code == 0
     doc = json.loads(out)
     used = doc["search"]["devices_used"]
@@ -102,13 +103,17 @@ def test_compare_includes_piper_refusal(capsys, tmp_path):
     code, out, _ = _run(capsys, "plan", path, "-n", "8", "-b", "32", "--compare", "--json")
     assert code == 0
     rows = json.loads(out)["results"]
-    assert [r["strategy"] for r in rows] == ["gpp", "pipedream", "piper", "gpipe"]
+    # each strategy's row (--tp/--shard auto), then its PP-only row (--tp 1 --shard none)
+    assert [r["strategy"] for r in rows] == [f"{s}{v}" for s in ("gpp", "pipedream", "piper", "gpipe")
+                                             for v in ("", " pp-only")]
     keys = {"strategy", "feasible", "throughput", "iteration_time_s", "search_time_s", "num_stages", "depth",
             "peak_memory_bytes", "error"}
     assert all(set(r) == keys for r in rows)
-    piper = rows[2]
-    assert piper["feasible"] is False and "downsets" in piper["error"]
-    assert rows[0]["feasible"] and rows[1]["feasible"]
+    by = {r["strategy"]: r for r in rows}
+    assert by["piper"]["feasible"] is False and "downsets" in by["piper"]["error"]
+    assert by["gpp"]["feasible"] and by["pipedream"]["feasible"]
+    assert all(by[s]["throughput"] >= by[f"{s} pp-only"]["throughput"] * (1 - 1e-9)
+               for s in ("gpp", "pipedream", "gpipe"))  # layouts include PP-only: never worse
     code, table, _ = _run(capsys, "plan", path, "-n", "8", "-b", "32", "--compare")
     assert code == 0 and "piper" in table and "downsets" in table and "vs gpp" in table
 
@@ -142,9 +147,9 @@ def test_compare_streams_rows_and_stops_slow_baselines(capsys, model_file):
     assert code == 0
     lines = out.splitlines()
     assert lines[0].startswith("strategy") and [ln.split()[0] for ln in lines[1:]] == \
-        ["gpp", "pipedream", "piper", "gpipe"]
-    assert "stopped" not in lines[1]  # gpp is never stopped
-    assert all("stopped after 1e-06 s" in ln for ln in lines[2:])
+        [s for s in ("gpp", "pipedream", "piper", "gpipe") for _ in ("", " pp-only")]  # each with its PP-only row
+    assert "stopped" not in lines[1] and "stopped" not in lines[2]  # gpp is never stopped
+    assert all("stopped after 1e-06 s" in ln for ln in lines[3:])
     assert multiprocessing.active_children() == []  # the stopped searches left nothing behind
 
 

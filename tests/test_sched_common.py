@@ -12,6 +12,7 @@ import itertools
 import random
 
 from graphpipe import costs
+from graphpipe.actions import Action
 from graphpipe.cluster import Cluster, DeviceSpec, Link
 from graphpipe.graph import Affine, Op, OpGraph
 from graphpipe.stages import Stage, StageGraph
@@ -66,15 +67,25 @@ def _overlaps(a_lo, a_hi, b_lo, b_hi) -> bool:
     return a_lo < b_hi and b_lo < a_hi
 
 
-def oracle_times(sg: StageGraph, schedule, cluster: Cluster) -> dict:
-    """``{(device, action_str): (start, end)}`` by relaxation to a fixpoint (None if it never settles)."""
+def oracle_times(sg: StageGraph, schedule, cluster: Cluster, durations=None) -> dict:
+    """``{(device, action_str): (start, end)}`` by relaxation to a fixpoint (None if it never settles).
+
+    ``durations(action)``: seconds of an action, derived by the caller (default: the stage graph's own times).
+    A message into or out of a round-robin stage carries a whole micro-batch over one link: its bytes are
+    ``edge_bytes * b`` on a single lane, however many replicas either side has."""
     b = [st.micro_batch_size for st in sg.stages]
     # Zero bubble: a stage whose backward is split sends its gradients from I; its W waits for its own I.
     grad_kind = {a.stage_id: "I" for acts in schedule.device_actions for a in acts if a.kind == "I"}
 
     def delay(p, c):
+        src, dst = sg.stages[p], sg.stages[c]
         nbytes = sg.edge_bytes(p, c) * b[p]
-        return cluster.transfer_time(sg.stages[p].devices, sg.stages[c].devices, nbytes)
+        if nbytes <= 0 or src.devices == dst.devices:
+            return 0.0
+        cross = any(cluster.node_of(x) != cluster.node_of(y) for x in src.devices for y in dst.devices)
+        link = cluster.inter_node if cross else cluster.intra_node
+        lanes = 1 if (src.round_robin or dst.round_robin) else min(len(src.devices), len(dst.devices))
+        return link.latency_s + nbytes / (link.bandwidth_Bps * lanes)
 
     def deps(a):
         s, j = a.stage_id, a.mb_id
@@ -95,6 +106,8 @@ def oracle_times(sg: StageGraph, schedule, cluster: Cluster) -> dict:
         return out
 
     def dur(a):
+        if durations is not None:
+            return durations(a)
         if a.kind in ("I", "W"):  # the defining split: W is the parameterised ops' share of B, I the rest
             g, st = sg.graph, sg.stages[a.stage_id]
             w = sum(costs.WEIGHT_GRAD_SHARE * g.ops[i].bwd(st.samples_per_replica) for i in st.op_ids
@@ -125,6 +138,50 @@ def oracle_times(sg: StageGraph, schedule, cluster: Cluster) -> dict:
     return None
 
 
+def oracle_ring_allreduce(r: int, link: Link, nbytes: float) -> float:
+    """A ring all-reduce by its definition: 2 (r - 1) steps, each a latency and a 1/r chunk of the bytes."""
+    return 0.0 if r <= 1 or nbytes <= 0 else sum(link.latency_s + nbytes / r / link.bandwidth_Bps
+                                                 for _ in range(2 * (r - 1)))
+
+
+def oracle_ring_gather(r: int, link: Link, nbytes: float) -> float:
+    """A ring all-gather (or reduce-scatter) by its definition: r - 1 steps of a 1/r chunk."""
+    return 0.0 if r <= 1 or nbytes <= 0 else sum(link.latency_s + nbytes / r / link.bandwidth_Bps
+                                                 for _ in range(r - 1))
+
+
+def oracle_sync(sg: StageGraph, cluster: Cluster, stage_id: int, param_bytes: float | None = None) -> float:
+    """A stage's once-per-step collective, by definition: whole copies all-reduce their gradients over every
+    device of the stage; a tp/fsdp stage's replicas (one tp rank's devices) all-reduce one rank's share
+    ``param_bytes`` (or, FSDP keeping the step's parameters gathered, gather it once and reduce-scatter it once);
+    FSDP resharding after every forward does nothing at the step's end."""
+    st = sg.stages[stage_id]
+    ring = st.devices[::st.tp]
+    link = cluster.inter_node if len({cluster.node_of(d) for d in ring}) > 1 else cluster.intra_node
+    nbytes = sum(sg.graph.ops[i].param_bytes for i in st.op_ids) if param_bytes is None else param_bytes
+    if st.shard == "fsdp":
+        return 0.0 if st.reshard_after_forward else 2 * oracle_ring_gather(len(ring), link, nbytes)
+    return oracle_ring_allreduce(len(ring), link, nbytes)
+
+
+def oracle_iteration(sg: StageGraph, schedule, cluster: Cluster, durations=None, syncs=None) -> float:
+    """The iteration's end by :func:`oracle_times` plus each stage's step-end collective: it starts when the
+    stage's last backward work ends on every replica -- its last W when the backward is split (the weight
+    gradients are what it reduces), else its last B -- and lasts ``syncs[stage]`` (default :func:`oracle_sync`)."""
+    times = oracle_times(sg, schedule, cluster, durations)
+    end = max(e for _, e in times.values())
+    for st in sg.stages:
+        if st.num_replicas < 2:
+            continue
+        kinds = ("W",) if any(a.kind == "W" and a.stage_id == st.id for acts in schedule.device_actions
+                              for a in acts) else ("B",)
+        last = max(e for (d, act), (_, e) in times.items()
+                   if Action.parse(act).stage_id == st.id and Action.parse(act).kind in kinds)
+        sync = oracle_sync(sg, cluster, st.id) if syncs is None else syncs[st.id]
+        end = max(end, last + sync)
+    return end
+
+
 def make_op_graph_diamond(fwd: float = 1.0, edge_bytes: float = 1e4) -> OpGraph:
     ops = [Op(n, "x", Affine(0.0, fwd), Affine(0.0, 2 * fwd), 4e6, 1e5, 1e4) for n in ("in", "a", "b", "out")]
     return OpGraph.build("diamond", ops, [("in", "a", edge_bytes), ("in", "b", edge_bytes),
@@ -132,4 +189,5 @@ def make_op_graph_diamond(fwd: float = 1.0, edge_bytes: float = 1e4) -> OpGraph:
 
 
 __all__ = ["free_cluster", "latency_cluster", "uniform_chain", "one_stage_per_op", "random_stage_graph",
-           "linearisations", "oracle_times", "make_op_graph_diamond", "make_op"]
+           "linearisations", "oracle_times", "make_op_graph_diamond", "make_op", "oracle_ring_allreduce",
+           "oracle_ring_gather", "oracle_sync", "oracle_iteration"]

@@ -44,6 +44,7 @@ def register(sub) -> None:
 
 def inspect_summary(graph: OpGraph) -> dict[str, Any]:
     """The facts ``inspect`` reports about ``graph``, as one JSON-ready dict."""
+    from graphpipe.costs import tp_rule
     from graphpipe.sp import decompose, is_series_parallel, num_branches
 
     series_parallel = is_series_parallel(graph)
@@ -66,10 +67,16 @@ def inspect_summary(graph: OpGraph) -> dict[str, Any]:
         "ops": [
             {"id": i, "name": op.name, "kind": op.kind, "fwd_s": op.fwd(1), "bwd_s": op.bwd(1),
              "param_bytes": op.param_bytes, "act_bytes": op.act_bytes, "out_bytes": op.out_bytes,
-             "preds": list(graph.preds(i)), "succs": list(graph.succs(i))}
+             "preds": list(graph.preds(i)), "succs": list(graph.succs(i)), "tp": _tp_cell(tp_rule(op.kind, op.param_bytes))}
             for i, op in enumerate(graph.ops)
         ],
     }
+
+
+def _tp_cell(rule: tuple[int, int, str]) -> str:
+    """How tensor parallelism treats an op: ``split, F/B all-reduces a/b``, or why it is replicated."""
+    forward, backward, why = rule
+    return why or f"split, {forward}/{backward} all-reduces (forward/backward)"
 
 
 def _bytes(n: float) -> str:
@@ -85,10 +92,10 @@ def _table(summary: dict[str, Any]) -> str:
     name_w = max([4] + [len(o["name"]) for o in ops])
     kind_w = max([4] + [len(o["kind"]) for o in ops])
     lines = [f"{'id':>5}  {'name':<{name_w}}  {'kind':<{kind_w}}  {'fwd s/sample':>12}  {'bwd s/sample':>12}  "
-             f"{'params':>11}  {'act/sample':>11}"]
+             f"{'params':>11}  {'act/sample':>11}  tensor parallel"]
     for o in ops:
         lines.append(f"{o['id']:>5}  {o['name']:<{name_w}}  {o['kind']:<{kind_w}}  {o['fwd_s']:>12.4g}  "
-                     f"{o['bwd_s']:>12.4g}  {_bytes(o['param_bytes']):>11}  {_bytes(o['act_bytes']):>11}")
+                     f"{o['bwd_s']:>12.4g}  {_bytes(o['param_bytes']):>11}  {_bytes(o['act_bytes']):>11}  {o['tp']}")
     s = summary
     lines += [
         "",

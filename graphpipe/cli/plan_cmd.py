@@ -50,6 +50,12 @@ def register(sub) -> None:
     p.add_argument("--recompute", default=None, metavar="none|all|auto",
                    help="re-materialization per stage: none, all, or auto where memory or throughput needs it "
                         "(default: all for gpipe, auto for the others)")
+    p.add_argument("--tp", default="auto", metavar="auto|1|2|4|8",
+                   help="tensor-parallel degree inside every stage (groups of devices of one node splitting each "
+                        "layer, Megatron-style); auto tries each dividing a node and keeps the fastest (default auto)")
+    p.add_argument("--shard", default="auto", metavar="auto|none|fsdp",
+                   help="model state of a stage's replicas: none (whole copies), fsdp (sharded, gathered for "
+                        "compute), auto (both tried; default)")
     p.add_argument("--power-of-two", action="store_true",
                    help="device counts and micro-batch sizes powers of two only (the paper's setting)")
     p.add_argument("--host-cores", type=int, default=None, metavar="N",
@@ -87,13 +93,15 @@ def register(sub) -> None:
 def run(args) -> int:
     """``graphpipe plan``: the flags checked, then :func:`graphpipe.search.api.plan`'s plan printed and saved."""
     from graphpipe.search.api import plan_inputs, plan_with
+    from graphpipe.search.layouts import parse_shard, parse_tp
 
     _check_args(args)
     inputs = plan_inputs(args.model, devices=args.devices, cluster=args.cluster, memory_gb=args.memory_gb,
                          precision=args.precision, granularity=args.granularity, profile=args.profile,
                          micro_batch_size=args.micro_batch_size, recompute=args.recompute,
                          per_stage_micro_batch=args.per_stage_micro_batch, power_of_two=args.power_of_two,
-                         host_cores=args.host_cores, max_memory_gb=args.max_memory_gb)
+                         host_cores=args.host_cores, max_memory_gb=args.max_memory_gb,
+                         tp=parse_tp(args.tp), shard=parse_shard(args.shard))
     if args.compare:
         return _run_compare(args, inputs)
     progress = None

@@ -50,7 +50,6 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from graphpipe.plan import read_plan
     from graphpipe.runtime import RuntimeFailure, run_plan
     from graphpipe.runtime.measure import format_summary
     from graphpipe.runtime.flags import options_from_args
@@ -61,7 +60,9 @@ def run(args) -> int:
     options = options_from_args(args)
     check_outputs((args.trace, "--trace", JSON_SUFFIXES), (args.gantt, "--gantt", IMAGE_SUFFIXES),
                   (args.gantt_pair, "--gantt-pair", IMAGE_SUFFIXES))  # before the run, not after it
-    plan = read_plan(args.plan)
+    from graphpipe.sched.complete import read_plan_completed
+
+    plan = read_plan_completed(args.plan, say=lambda line: print(f"graphpipe: {line}", file=sys.stderr))
     if args.schedule_csv is not None:
         import os
 

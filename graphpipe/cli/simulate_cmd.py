@@ -72,7 +72,7 @@ def run(args) -> int:
 
 
 def _run(args) -> int:
-    from graphpipe.plan import read_plan, write_plan
+    from graphpipe.plan import write_plan
     from graphpipe.cli.common import shared_host
     from graphpipe.sched import make_schedule, validate_plan
 
@@ -83,7 +83,9 @@ def _run(args) -> int:
                   (args.gantt, "--gantt", IMAGE_SUFFIXES), (args.torch_csv, "--torch-csv", (".csv",)))
     if args.schedule_csv is not None and args.schedule is not None:
         raise InputError("--schedule and --schedule-csv both choose the schedule: give one")
-    plan = read_plan(args.plan)
+    from graphpipe.sched.complete import read_plan_completed
+
+    plan = read_plan_completed(args.plan, say=lambda line: print(f"graphpipe: {line}", file=sys.stderr))
     if args.schedule_csv is not None:
         import os
 

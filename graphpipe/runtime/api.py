@@ -31,6 +31,7 @@ every collective, so a failing rank ends the job instead of hanging it.
 from __future__ import annotations
 
 import os
+import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -183,10 +184,12 @@ class Pipeline:
                  example_target: Any = None, precision: str = "fp32", seed: int = 0, timeout_s: float = 300.0,
                  batchnorm: str | None = None, compile: bool = False, idle_ranks: bool = False,
                  _job: JobModel | None = None) -> None:
-        from graphpipe.plan import read_plan
         from graphpipe.sched.async_pipe import plan_spec
 
-        self.plan = read_plan(os.fspath(plan)) if not isinstance(plan, Plan) else plan
+        from graphpipe.sched.complete import read_plan_completed
+
+        self.plan = (read_plan_completed(os.fspath(plan), say=lambda line: print(f"graphpipe: {line}", file=sys.stderr))
+                     if not isinstance(plan, Plan) else plan)
         if plan_spec(self.plan) is not None:
             raise PlanError(f"the plan's schedule {self.plan.schedule.name!r} is asynchronous (PipeDream's weight "
                             "versions); Pipeline trains synchronous schedules: re-plan with another --schedule")

@@ -82,6 +82,8 @@ def rank_memory(plan: Plan, state_per_weight: float = 2.0) -> list[RankMemory]:
     transient = [0.0] * sg.num_devices
     for stage in sg.stages:
         stage_bytes = sg.param_bytes(stage.id)
+        if stage.parallel:  # one tp rank's share, FSDP-sharded: the model's figure per weight byte
+            stage_bytes = sg.model_state_bytes(stage.id, 4.0 * state_per_weight) / state_per_weight
         names = {graph.ops[i].name for i in stage.op_ids}
         for group in graph.shared:  # a stage reading tied weights whose first op is elsewhere holds a copy
             if names & set(group.ops) and group.ops[0] not in names:

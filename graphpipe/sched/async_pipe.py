@@ -339,7 +339,7 @@ def async_figures(sg: StageGraph, cluster: Cluster, spec: AsyncSpec, host=None) 
     unit = spec.update_every // math.gcd(spec.update_every, sg.num_micro_batches(0))
     table = version_table(sg, spec, unit * -(-STEADY_WINDOWS[1] // unit))
     allreduce_s = max((sg.num_micro_batches(0) / table.group_size[st.id]
-                       * cluster.allreduce_time(st.devices, sg.param_bytes(st.id))
+                       * sg.sync_time(st.id, cluster)
                        for st in sg.stages if st.num_replicas > 1), default=0.0)  # per iteration
     iteration_s = pipeline_s + allreduce_s
     stash = [0.0] * sg.num_devices

@@ -116,7 +116,7 @@ def gpipe_time_bound_s(sg: StageGraph, cluster) -> float | None:
         b_end[s] = max([b_start[s] + m * bwd[s]] + [b_end[c] + delay[(s, c)] + bwd[s] for c in succs])
         last = b_end[s]
         if stages[s].num_replicas > 1:
-            last += cluster.allreduce_time(stages[s].devices, sg.param_bytes(s))
+            last += sg.sync_time(s, cluster)
         end = max(end, last)
     return end
 

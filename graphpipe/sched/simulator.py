@@ -323,9 +323,9 @@ def _allreduce_spans(sg: StageGraph, cluster: Cluster, result) -> list[tuple[int
     spans = []
     for st in sg.stages:
         if st.num_replicas > 1:
-            nbytes = sg.param_bytes(st.id)
+            nbytes = sg.layout_param_bytes(st.id)
             start = max(t for slot in (1, 2) for t in result.stage_end[st.id][slot] if t == t)  # t == t: not nan
-            spans.append((st.id, st.devices, start, start + cluster.allreduce_time(st.devices, nbytes), nbytes))
+            spans.append((st.id, st.devices, start, start + sg.sync_time(st.id, cluster), nbytes))
     return spans
 
 
@@ -387,7 +387,7 @@ def _memory_terms(sg: StageGraph, cluster: Cluster) -> tuple[list[float], list[f
         stash.append(kept * samples)
         working.append(rebuilt * samples)
         for d in st.devices:
-            state[d] += cluster.state_bytes(sums.param_bytes)
+            state[d] += sg.state_bytes(st.id, cluster)
             buffers[d] += costs.buffer_bytes(sums.inputs, sums.outputs, samples)
     return state, buffers, stash, working
 
@@ -616,7 +616,7 @@ def score(sg: StageGraph, schedule: Schedule, cluster: Cluster, memory_limit: fl
     for st in sg.stages:
         if st.num_replicas > 1:
             start = max(t for slot in (1, 2) for t in result.stage_end[st.id][slot] if t == t)  # t == t: not nan
-            end = max(end, start + cluster.allreduce_time(st.devices, sg.param_bytes(st.id)))
+            end = max(end, start + sg.sync_time(st.id, cluster))
     if peak is None:
         by_device: list[list[tuple[Action, float, float]]] = [[] for _ in range(sg.num_devices)]
         for i, d in enumerate(reps):

@@ -74,6 +74,8 @@ def torch_chain_refusal(sg: StageGraph) -> str | None:
     if len(sizes) > 1:
         return f"stages use different micro-batch sizes {sizes} (torch uses one for all stages)"
     for s in sg.stages:
+        if s.parallel:
+            return f"stage {s.id} is parallel inside itself (tp {s.tp}, shard {s.shard}); torch pipelining runs whole stages"
         if s.num_replicas > 1:
             return (f"stage {s.id} is replicated on devices {list(s.devices)} (torch pipelining has no data "
                     "parallelism inside a stage)")

@@ -68,6 +68,15 @@ class SearchOptions:
     """The devices time-share one host's processors (CPU ranks on fewer cores than ranks): every strategy
     scores its candidates by the shared-host simulation, and :func:`~graphpipe.search.planner.make_plan`
     also tries fewer devices, since on a saturated host an extra rank only adds work. None: dedicated devices."""
+    tp: int | str = 1
+    """Tensor-parallel degree of every stage: 1, 2, 4, 8 or ``"auto"`` (the planner tries each dividing a node,
+    :mod:`graphpipe.search.layouts`). 1 with ``shard="none"``: the plain search, whole-copy stages."""
+    shard: str = "none"
+    """``"none"`` (whole copies per replica), ``"fsdp"`` (model state sharded over a stage's replicas) or
+    ``"auto"`` (both tried)."""
+    per_stage_layouts: bool = True
+    """With layouts searched (``tp``/``shard`` not 1/none), let a strategy that ranks candidates (gpp) give each
+    stage its own layout after the uniform search; False keeps one layout for every stage (torchtitan's)."""
     max_memory_gb: float | None = None
     """Resident-memory budget of the search's process, GiB (:mod:`graphpipe.search.memory_guard`): past it the
     search stops with a one-line error instead of growing until the kernel kills it. None: half the machine's."""
@@ -79,6 +88,10 @@ class SearchOptions:
             raise InputError(f"--max-memory-gb must be a positive number of GB, got {self.max_memory_gb!r}")
         if self.micro_batch_size is not None and (not isinstance(self.micro_batch_size, int) or self.micro_batch_size < 1):
             raise InputError(f"--micro-batch-size must be a positive integer, got {self.micro_batch_size!r}")
+        if self.tp != "auto" and (isinstance(self.tp, bool) or self.tp not in (1, 2, 4, 8)):
+            raise InputError(f"--tp must be auto or one of 1, 2, 4, 8, got {self.tp!r}")
+        if self.shard not in ("auto", "none", "fsdp"):
+            raise InputError(f"--shard must be one of auto, none, fsdp, got {self.shard!r}")
         if self.recompute is not None and self.recompute not in costs.RECOMPUTE_CHOICES:
             raise InputError(f"--recompute must be one of {', '.join(costs.RECOMPUTE_CHOICES)}, got {self.recompute!r}")
 
@@ -288,6 +301,11 @@ def check_fits(sg: StageGraph, cluster: Cluster, in_flight: Mapping[int, int]) -
     over = []
     per_device: dict[int, float] = {}
     for s in sg.stages:
+        if s.parallel:  # tp shares and FSDP shards: the stage graph's layout-aware figures
+            mem = sg.device_memory(s.id, cluster, in_flight[s.id])
+            for d in s.devices:
+                per_device[d] = per_device.get(d, 0.0) + mem
+            continue
         mem = stage_memory(sg.graph, s.op_ids, s.num_replicas, s.micro_batch_size, in_flight[s.id], cluster,
                            s.recompute, sg.input_bytes_per_sample(s.id), sg.output_bytes_per_sample(s.id))
         for d in s.devices:

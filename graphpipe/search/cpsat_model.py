@@ -289,7 +289,7 @@ def model_data(sg: StageGraph, cluster: Cluster, candidates: Sequence[Sequence[i
     groups = tuple(sorted({s.devices for s in sg.stages}))
     group_stages = tuple(tuple(s.id for s in sg.stages if s.devices == grp) for grp in groups)
     sums = [sg.stage_sums(s) for s in range(sg.num_stages)]
-    state = tuple(sum(cluster.state_bytes(sums[s].param_bytes) for s in members) for members in group_stages)
+    state = tuple(sum(sg.state_bytes(s, cluster) for s in members) for members in group_stages)
     mem_unit = float(f"1e{max(0, math.floor(math.log10(max(cluster.memory_bytes, 1.0) / MEMORY_UNITS)))}")
     capacity = tuple(math.floor((cluster.memory_bytes - st) / mem_unit) for st in state)
     g = sg.graph
@@ -327,7 +327,7 @@ def model_data(sg: StageGraph, cluster: Cluster, candidates: Sequence[Sequence[i
             seconds = cluster.transfer_time(src, dst, sg.edge_bytes(p, c) * bp)
             delay[(p, c, bp)] = _ticks(seconds, unit)
             delay_error = max(delay_error, delay[(p, c, bp)] * unit - seconds)
-    allreduce_s = [cluster.allreduce_time(s.devices, sg.param_bytes(s.id)) for s in sg.stages]
+    allreduce_s = [sg.sync_time(s.id, cluster) for s in sg.stages]
     allreduce = tuple(_ticks(t, unit) for t in allreduce_s)
     allreduce_error = max((a * unit - t for a, t in zip(allreduce, allreduce_s)), default=0.0)
     # Horizon: a left-justified schedule idles only while waiting for a

@@ -643,7 +643,7 @@ def _stage_bound(sg: StageGraph, cluster: Cluster, up: Sequence[float], down: Se
         busy = sg.num_micro_batches(s) * (sg.fwd_time(s) + sg.bwd_time(s))
         after = down[s]
         if st.num_replicas > 1:
-            after = max(after, cluster.allreduce_time(st.devices, sg.param_bytes(s)))
+            after = max(after, sg.sync_time(s, cluster))
         bound = max(bound, up[s] + busy + after)
     return bound
 

@@ -229,7 +229,125 @@ def make_plan(model_id: str, graph: OpGraph, cluster: Cluster, batch_size: int, 
 
 
 def plan_request(request: PlanRequest) -> Plan:
-    """The plan ``request`` asks for; see the module docstring.
+    """The plan ``request`` asks for, over the layouts ``request.options`` allows (``tp``, ``shard``;
+    :mod:`graphpipe.search.layouts`): each layout planned by :func:`_plan_whole` on its reduced problem, expanded
+    and simulated on the cluster; the fastest wins (ties: the earlier, PP-only first). Only PP-only, on at most
+    :data:`graphpipe.search.layouts.MAX_UNITS` devices: :func:`_plan_whole` itself, as before layouts existed.
+    ``plan.search.layout`` and ``layouts_tried`` say what was tried and won."""
+    from graphpipe.search import layouts
+
+    started = time.perf_counter()
+    options, cluster = request.options, request.cluster
+    plain = request.looped or request.co_optimised or options.host is not None
+    if plain and (options.tp not in (1, "auto") or options.shard == "fsdp"):
+        raise InputError("tp > 1 and fsdp are planned with the strategies' own schedules on dedicated devices; drop "
+                         "--tp/--shard, or the --schedule/--virtual-stages/--host-cores option")
+    tp, shard = (1, "none") if plain else (options.tp, options.shard)
+    if tp == "auto" and not layouts.splittable_ops(request.graph):
+        tp = 1  # nothing to split: tp only replicates work
+    max_tp = min(cluster.devices_per_node, cluster.num_devices)
+    tries = layouts.candidates(cluster.devices_per_node, cluster.num_devices, max_tp, tp, shard, request.batch_size)
+    if tries == (layouts.PP_ONLY,):
+        return _plan_whole(request)
+    if not tries:
+        raise InputError(f"no layout with tp {tp} fits {cluster.num_devices} devices of {cluster.devices_per_node} "
+                         f"per node at batch size {request.batch_size}: tp must divide a node and the device count")
+    best, error, tried = None, None, []
+    by_tp: dict[int, float] = {}  # best throughput per tp degree tried
+    for layout in tries:
+        if tp == "auto" and layout.tp not in by_tp and len(by_tp) >= 2:
+            degrees = sorted(by_tp)
+            if by_tp[degrees[-1]] < by_tp[degrees[-2]] * (1 - 1e-9):  # tp past the best only adds collectives
+                tried.append({**layout.as_dict(), "skipped": f"tp {degrees[-1]} was slower than tp {degrees[-2]}"})
+                continue
+        if shard == "auto" and layout.shard == "fsdp" and _roomy(tried, layout.tp, cluster):
+            # sharding with the step's parameters kept gathered costs the same time as whole copies and only
+            # frees memory: skip it where whole copies planned well within memory
+            tried.append({**layout.as_dict(), "skipped": "whole copies fit within 90% of device memory"})
+            continue
+        try:
+            plan = _plan_layout(request, layout)
+        except GraphpipeError as exc:
+            error = error or exc
+            tried.append({**layout.as_dict(), "error": str(exc)})
+            by_tp.setdefault(layout.tp, 0.0)
+            continue
+        tried.append({**layout.as_dict(), "throughput": plan.predicted.throughput,
+                      "devices_used": len(plan.stage_graph.devices_used()),
+                      "peak_memory_bytes": plan.predicted.max_peak_memory_bytes})
+        by_tp[layout.tp] = max(by_tp.get(layout.tp, 0.0), plan.predicted.throughput)
+        if best is None or plan.predicted.throughput > best[1].predicted.throughput * (1 + 1e-9):
+            best = (layout, plan)
+    if best is None:
+        raise error
+    layout, plan = best
+    search = {**plan.search, "layout": layout.as_dict(), "layouts_tried": tried}
+    if request.record.ranks_candidates and options.per_stage_layouts:  # gpp: each stage (branch) its own layout
+        plan = _per_stage_layouts(request, plan, tp, shard, search)
+    return replace(plan, search={**plan.search, **search, "time_s": time.perf_counter() - started})
+
+
+def _per_stage_layouts(request: PlanRequest, plan: Plan, tp, shard, search: dict[str, Any]) -> Plan:
+    """``plan`` with each stage under its own best layout (:func:`graphpipe.search.layouts.per_stage_layouts`),
+    kept when it simulates faster and fits memory; ``search["per_stage_layouts"]`` says whether it was."""
+    from graphpipe.search import layouts
+
+    cluster = request.cluster
+    tps = [t for t in layouts.TP_CHOICES if t <= cluster.devices_per_node] if tp == "auto" else [tp]
+    shards = ["none", "fsdp"] if shard == "auto" else [shard]
+    in_flight = plan.predicted.in_flight or [1] * plan.stage_graph.num_stages
+    sg = layouts.per_stage_layouts(plan.stage_graph, cluster, in_flight, tps, shards)
+    if sg.stages == plan.stage_graph.stages:
+        return plan
+    try:
+        trial = _scheduled(request, sg, plan.schedule.name, plan.merged, dict(plan.search))
+        _check_memory(request, trial)
+    except GraphpipeError as exc:
+        search["per_stage_layouts"] = f"not kept: {exc}"
+        return plan
+    if trial.predicted.throughput <= plan.predicted.throughput * (1 + 1e-9):
+        search["per_stage_layouts"] = f"not kept: {trial.predicted.throughput:.6g} samples/s"
+        return plan
+    search["per_stage_layouts"] = "kept"
+    return trial
+
+
+def _roomy(tried: list[dict[str, Any]], tp: int, cluster: Cluster) -> bool:
+    """Whether the whole-copy plan at ``tp`` was found and peaks below 90% of the device memory."""
+    row = next((r for r in tried if r["tp"] == tp and r["shard"] == "none"), None)
+    return (row is not None and "throughput" in row
+            and float(row.get("peak_memory_bytes") or 0.0) < 0.9 * cluster.memory_bytes)
+
+
+def _plan_layout(request: PlanRequest, layout) -> Plan:
+    """``request`` planned with one uniform ``layout``: the strategy's whole-copy plan of the reduced problem,
+    expanded to the cluster, scheduled with the strategy's schedule, simulated and checked against memory."""
+    from graphpipe.search import layouts
+
+    if layout.pp_only and layout.group == 1:
+        return _plan_whole(request)
+    cluster = request.cluster
+    reduced = replace(request, graph=layouts.reduced_graph(request.graph, cluster, layout),
+                      cluster=layouts.reduced_cluster(cluster, layout),
+                      batch_size=request.batch_size // layout.group, progress=None)
+    small = _plan_whole(reduced)
+    started = time.perf_counter()
+    sp_graph, merged = make_series_parallel(request.graph)
+    sg = layouts.expand(small.stage_graph, sp_graph, cluster, layout, request.batch_size)
+    search = {**small.search, "reduced_devices": reduced.cluster.num_devices,
+              "reduced_throughput": small.predicted.throughput}
+    used = len(sg.devices_used())  # the reduced plan counted units; the plan's figures count devices
+    if "devices_used" in search:
+        search["devices_used"] = used
+    if "unused_devices" in search:
+        search["unused_devices"] = cluster.num_devices - used
+    plan = _scheduled(request, sg, small.schedule.name, merged, search)
+    _check_memory(request, plan)
+    return replace(plan, search={**plan.search, "schedule_time_s": time.perf_counter() - started})
+
+
+def _plan_whole(request: PlanRequest) -> Plan:
+    """The plan ``request`` asks for with whole-copy stages; see the module docstring.
 
     With ``request.monotone`` (the default; not for strategies planned on
     exactly N devices) the plan is the fastest the strategy finds on the
@@ -695,7 +813,7 @@ def place_checkpoints(sg: StageGraph, in_flight) -> StageGraph:
     cutting does not lower it). Time is unchanged: each segment's forward runs once more inside B, as the
     whole stage's would.
     """
-    stages = tuple(replace(s, checkpoints=costs.best_checkpoints(sg.graph, s.op_ids, sg.stage_sums(s.id).inputs,
+    stages = tuple(replace(s, checkpoints=costs.best_checkpoints(sg.costed_graph(s.id), s.op_ids, sg.stage_sums(s.id).inputs,
                                                                  max(1, in_flight[s.id])) if s.recompute else ())
                    for s in sg.stages)
     return replace(sg, stages=stages)
@@ -850,15 +968,20 @@ def compare(model_id: str, graph: OpGraph, cluster: Cluster, batch_size: int,
         raise InputError(f"the baseline time limit must be positive, got {baseline_time_limit_s}")
     isolate = baseline_time_limit_s is not None or progress is not None
     rows = []
+    layouts = options.tp != 1 or options.shard != "none"  # then each strategy's PP-only row follows its own
+    pp_only = replace(options, tp=1, shard="none")
     for strategy in STRATEGY_NAMES:
-        args = (model_id, graph, cluster, batch_size, strategy, options)
-        if isolate:
-            row, plan = _row_in_child(args, strategy, None if strategy == "gpp" else baseline_time_limit_s, progress)
-        else:
-            row, plan = _plan_row(*args)
-        if plans is not None and plan is not None:
-            plans[strategy] = plan
-        rows.append(row)
-        if on_row is not None:
-            on_row(row)
+        for name, opts in ((strategy, options), (f"{strategy} pp-only", pp_only))[:2 if layouts else 1]:
+            args = (model_id, graph, cluster, batch_size, strategy, opts)
+            if isolate:
+                row, plan = _row_in_child(args, strategy, None if strategy == "gpp" else baseline_time_limit_s,
+                                          progress)
+            else:
+                row, plan = _plan_row(*args)
+            row = {**row, "strategy": name}
+            if plans is not None and plan is not None:
+                plans[name] = plan
+            rows.append(row)
+            if on_row is not None:
+                on_row(row)
     return rows

@@ -1,0 +1,179 @@
+"""Parallelism inside stages: simulated efficiency against devices, per-stage layouts vs one layout vs PP-only.
+
+    python -m graphpipe.evals.stage_parallel --graphs DIR [--devices 64,512,4096,16384] [--out evals]
+
+For each model and device count, three gpp plans on H100s (``graphpipe plan ... --cluster h100``):
+
+* ``per-stage``: ``--tp auto --shard auto``, each stage (branch) free to re-pick its layout;
+* ``uniform``: the same search with one layout for every stage (torchtitan's choice:
+  ``SearchOptions(per_stage_layouts=False)``);
+* ``pp-only``: ``--tp 1 --shard none``, whole copies (the plans before layouts existed).
+
+Efficiency = predicted throughput / (devices / sum over ops of per-sample forward + backward seconds)
+(:func:`graphpipe.search.layouts.efficiency`), the share of perfect scaling the plan's own costs allow.
+
+Models: Llama-3-70B and Llama-3.1-405B shapes as captured from their Hugging Face classes on the meta device
+(``--graphs DIR`` holds their graph JSON files, ``llama70b.json`` and ``llama405b.json``, written by
+``graphpipe inspect``'s capture; capturing takes minutes, so it is done once), and a multimodal shape built here
+analytically (:func:`multimodal_graph`): a ViT-L-sized vision tower (24 layers, hidden 1024, 256 patches) beside
+the text embedding of a 7B-sized decoder (32 layers, hidden 4096, 256 image + 512 text tokens), one image-text
+pair per sample. Batches: 2048 samples per 512 devices (4 per device), at least 256.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import time
+from typing import Any
+
+from graphpipe.cluster import preset
+from graphpipe.graph import Affine, Op, OpGraph
+
+from .common import write_result
+
+__all__ = ["main", "multimodal_graph", "run_one", "VARIANTS"]
+
+VARIANTS = ("per-stage", "uniform", "pp-only")
+
+
+def _layer(name: str, hidden: int, seq: int, flops_per_s: float, ffn: int | None = None) -> Op:
+    """A transformer layer's analytical costs per sample: 2 FLOPs per multiply-add over the QKV/output
+    projections (4 h^2 per token), the MLP (2 h f), attention scores (2 s h), backward twice forward;
+    fp32 weights; saved activations ~34 s h bytes at 16-bit (Korthikanti et al. 2022, Table 2, no recompute)."""
+    ffn = ffn or 4 * hidden
+    flops = 2 * seq * (4 * hidden * hidden + 2 * hidden * ffn + 2 * seq * hidden)
+    params = (4 * hidden * hidden + 2 * hidden * ffn) * 4.0
+    return Op(name, "transformer", Affine(2e-5, flops / flops_per_s), Affine(4e-5, 2 * flops / flops_per_s), params,
+              34.0 * seq * hidden, 4.0 * seq * hidden)
+
+
+def multimodal_graph(flops_per_s: float) -> OpGraph:
+    """A LLaVA-shaped image-text model: vision tower and text embedding in parallel, then the decoder."""
+    vis_h, vis_seq, txt_h, txt_seq, vocab = 1024, 256, 4096, 512, 32000
+    seq = vis_seq + txt_seq
+    ops = [Op("vision.patch_embed", "linear", Affine(1e-5, 2 * vis_seq * 588 * vis_h / flops_per_s),
+              Affine(2e-5, 4 * vis_seq * 588 * vis_h / flops_per_s), 588 * vis_h * 4.0, 4.0 * vis_seq * 588,
+              4.0 * vis_seq * vis_h)]
+    ops += [_layer(f"vision.layers.{i}", vis_h, vis_seq, flops_per_s) for i in range(24)]
+    ops += [Op("projector", "linear", Affine(1e-5, 2 * vis_seq * vis_h * txt_h / flops_per_s),
+               Affine(2e-5, 4 * vis_seq * vis_h * txt_h / flops_per_s), vis_h * txt_h * 4.0, 4.0 * vis_seq * vis_h,
+               4.0 * vis_seq * txt_h),
+            Op("text.embed", "embedding", Affine(1e-5, 1e-7), Affine(1e-5, 2e-7), vocab * txt_h * 4.0, 0.0,
+               4.0 * txt_seq * txt_h)]
+    ops += [_layer(f"decoder.layers.{i}", txt_h, seq, flops_per_s, ffn=11008) for i in range(32)]
+    ops += [Op("lm_head", "linear", Affine(1e-5, 2 * txt_seq * txt_h * vocab / flops_per_s),
+               Affine(2e-5, 4 * txt_seq * txt_h * vocab / flops_per_s), vocab * txt_h * 4.0,
+               4.0 * txt_seq * (txt_h + vocab), 4.0)]
+    edges = [("vision.patch_embed", "vision.layers.0", 4.0 * vis_seq * vis_h)]
+    edges += [(f"vision.layers.{i}", f"vision.layers.{i + 1}", 4.0 * vis_seq * vis_h) for i in range(23)]
+    edges += [("vision.layers.23", "projector", 4.0 * vis_seq * vis_h),
+              ("projector", "decoder.layers.0", 4.0 * vis_seq * txt_h),
+              ("text.embed", "decoder.layers.0", 4.0 * txt_seq * txt_h)]
+    edges += [(f"decoder.layers.{i}", f"decoder.layers.{i + 1}", 4.0 * seq * txt_h) for i in range(31)]
+    edges += [("decoder.layers.31", "lm_head", 4.0 * seq * txt_h)]
+    return OpGraph.build("multimodal-vitl-7b", ops, edges)
+
+
+def run_one(name: str, graph: OpGraph, devices: int, batch_size: int, variant: str) -> dict[str, Any]:
+    """One plan: its efficiency, devices used, layouts and search time (CPU seconds of this process)."""
+    from dataclasses import replace
+
+    from graphpipe.errors import GraphpipeError
+    from graphpipe.search.common import SearchOptions
+    from graphpipe.search.layouts import efficiency
+    from graphpipe.search.planner import make_plan
+
+    cluster = preset("h100", devices)
+    options = {"per-stage": SearchOptions(tp="auto", shard="auto"),
+               "uniform": SearchOptions(tp="auto", shard="auto", per_stage_layouts=False),
+               "pp-only": SearchOptions()}[variant]
+    row: dict[str, Any] = {"model": name, "devices": devices, "batch_size": batch_size, "variant": variant}
+    cpu = time.process_time()
+    try:
+        plan = make_plan(name, graph, cluster, batch_size, "gpp", replace(options))
+    except GraphpipeError as exc:
+        row.update(outcome="refused", error=str(exc).splitlines()[0], search_cpu_s=time.process_time() - cpu)
+        return row
+    sg = plan.stage_graph
+    layouts = sorted({(s.tp, s.shard) for s in sg.stages})
+    row.update(outcome="ok", search_cpu_s=time.process_time() - cpu, throughput=plan.predicted.throughput,
+               efficiency=efficiency(plan.predicted.throughput, devices, graph),
+               devices_used=len(sg.devices_used()), stages=sg.num_stages,
+               layouts=", ".join(f"tp{t}/{s}" for t, s in layouts),
+               peak_memory_gb=plan.predicted.max_peak_memory_bytes / 1e9,
+               max_rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
+    return row
+
+
+def plot(out: str) -> str | None:
+    """``stage_parallel.png`` from the result file only: efficiency against devices, one panel per model."""
+    from .common import read_result
+    from .plots import _save, plt
+
+    res = read_result(out, "stage_parallel")
+    if res is None:
+        return None
+    ok = [r for r in res["rows"] if r["outcome"] == "ok"]
+    models = list(dict.fromkeys(r["model"] for r in ok))
+    fig, axes = plt.subplots(1, max(1, len(models)), figsize=(4.2 * max(1, len(models)), 3.4), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        for variant, marker in zip(VARIANTS, "osv"):
+            pts = sorted((r["devices"], r["efficiency"]) for r in ok if r["model"] == model and r["variant"] == variant)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, label=variant)
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(0, 1)
+        ax.set_title(model)
+        ax.set_xlabel("devices (H100)")
+        ax.set_ylabel("simulated efficiency")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend()
+    return _save(fig, out, "stage_parallel")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from graphpipe.graph import graph_from_dict
+    import json
+
+    p = argparse.ArgumentParser(prog="python -m graphpipe.evals.stage_parallel", description=__doc__.splitlines()[0])
+    p.add_argument("--graphs", required=True, help="folder holding llama70b.json and llama405b.json")
+    p.add_argument("--devices", default="64,512,4096,16384")
+    p.add_argument("--models", default="llama70b,llama405b,multimodal")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--out", default="evals")
+    p.add_argument("--rows", default=None, help="merge these JSON-lines files of rows instead of planning")
+    args = p.parse_args(argv)
+    if args.rows:  # rows printed by earlier runs (one per line), merged into one result file and plotted
+        rows = [json.loads(line) for path in args.rows.split(",") for line in open(path, encoding="utf-8")
+                if line.startswith("{")]
+        config = {"cluster": "h100", "batch": "max(256, 4 x devices)", "strategy": "gpp", "variants": list(VARIANTS),
+                  "merged_from": args.rows, "load_average": list(os.getloadavg())}
+        write_result(args.out, "stage_parallel", config, rows)
+        plot(args.out)
+        return 0
+    flops = preset("h100", 1).device
+    graphs = {}
+    for name in args.models.split(","):
+        if name == "multimodal":
+            graphs[name] = multimodal_graph(flops.peak_flops * flops.mfu)
+        else:
+            with open(os.path.join(args.graphs, f"{name}.json"), encoding="utf-8") as fh:
+                graphs[name] = graph_from_dict(json.load(fh))
+    rows = []
+    for name, graph in graphs.items():
+        for n in (int(x) for x in args.devices.split(",")):
+            for variant in args.variants.split(","):
+                row = run_one(name, graph, n, max(256, 4 * n), variant)
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    config = {"cluster": "h100", "devices": args.devices, "batch": "max(256, 4 x devices)", "strategy": "gpp",
+              "variants": list(VARIANTS), "load_average": list(os.getloadavg())}
+    write_result(args.out, "stage_parallel", config, rows)
+    plot(args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

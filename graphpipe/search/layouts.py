@@ -1,0 +1,248 @@
+"""Parallelism inside stages, searched with the graph of stages (docs/design.md#parallelism-inside-a-stage).
+
+A *layout* is how every stage of a plan is parallel inside itself: tensor
+parallelism over groups of ``tp`` devices of one node (Megatron-LM §3) and
+FSDP / ZeRO-3 sharding over its replicas (:mod:`graphpipe.costs`, "parallelism
+inside a stage"). The planner searches a layout without touching the
+partitioners: a plan with layout ``(tp, shard)`` on ``N`` devices is planned
+as a whole-copy plan of a *reduced* problem and then expanded.
+
+* The reduced graph (:func:`reduced_graph`) is the op graph as one device of a
+  tp group runs it (:func:`graphpipe.costs.tp_layer`: split compute, the
+  group's collectives, a tp rank's weights and activations); FSDP's
+  per-micro-batch gathers are added to the ops' per-call times.
+* The reduced cluster (:func:`reduced_cluster`) has one *unit* per
+  ``tp * group`` devices: a tp group, times ``group`` replicas taken together
+  when ``N / tp`` is more than :data:`MAX_UNITS` (the searches' device axes
+  stay at most that long, whatever ``N``). A unit's replicas process one
+  micro-batch of the reduced problem each, so the reduced batch is ``B / group``.
+  FSDP's sharded model state is priced by a lower ``bytes_per_param``.
+* :func:`expand` turns the reduced plan's stages back: unit ``u`` is devices
+  ``u*tp*group .. (u+1)*tp*group - 1``, a stage on ``r`` units has ``r * group``
+  replicas of ``tp`` devices, its micro-batch ``group`` times larger (the same
+  samples per replica), and the full stage graph prices it exactly
+  (:class:`graphpipe.stages.StageGraph`), so the simulator, not the reduced
+  problem, has the last word.
+
+The planner tries :func:`candidates` and keeps the fastest simulated plan;
+the PP-only layout (tp 1, whole copies) is always one of them when allowed, so
+a layout search is never worse than ``--tp 1 --shard none`` by construction.
+
+Example
+-------
+>>> candidates(8, 512, 8, "auto", "auto", 2048)[:3]
+(Layout(tp=1, shard='none', group=1), Layout(tp=1, shard='fsdp', group=1), Layout(tp=2, shard='none', group=1))
+>>> candidates(16384, 16384, 8, 8, "none", 32768)
+(Layout(tp=8, shard='none', group=2),)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any, Sequence
+
+from graphpipe import costs
+from graphpipe.cluster import Cluster
+from graphpipe.errors import InputError
+from graphpipe.graph import Affine, OpGraph
+from graphpipe.stages import Stage, StageGraph
+
+__all__ = ["Layout", "PP_ONLY", "MAX_UNITS", "TP_CHOICES", "SHARD_CHOICES", "parse_tp", "parse_shard", "candidates",
+           "group_for", "reduced_graph", "reduced_cluster", "expand", "splittable_ops"]
+
+MAX_UNITS = 1024
+"""Most units (device groups) a partitioner sees: past it, replicas are taken ``group`` at a time. 1,024 is the
+device count the searches were sized for (graphpipe.cluster's old limit)."""
+
+TP_CHOICES = (1, 2, 4, 8)
+"""``--tp`` values: powers of two up to a node of 8 (Megatron keeps tensor parallelism inside NVLink)."""
+
+SHARD_CHOICES = ("auto", "none", "fsdp")
+"""``--shard`` values."""
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """One uniform layout: every stage tp ``tp``, sharded ``shard`` (FSDP keeps its parameters gathered for the
+    step: ``reshard_after_forward`` false, torchtitan's setting under pipelining), replicas in groups of ``group``."""
+
+    tp: int = 1
+    shard: str = "none"
+    group: int = 1
+
+    @property
+    def pp_only(self) -> bool:
+        return self.tp == 1 and self.shard == "none"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"tp": self.tp, "shard": self.shard, "replica_group": self.group}
+
+
+PP_ONLY = Layout()
+
+
+def parse_tp(value: Any) -> int | str:
+    """``--tp``: ``auto`` or one of :data:`TP_CHOICES`; anything else is a one-line :class:`InputError`."""
+    if value in (None, "auto"):
+        return "auto"
+    try:
+        tp = int(value)
+    except (TypeError, ValueError):
+        tp = None
+    if isinstance(value, bool) or tp not in TP_CHOICES or str(value).strip() != str(tp) and not isinstance(value, int):
+        raise InputError(f"--tp must be auto or one of {', '.join(map(str, TP_CHOICES))}, got {value!r}")
+    return tp
+
+
+def parse_shard(value: Any) -> str:
+    """``--shard``: one of :data:`SHARD_CHOICES`."""
+    value = "auto" if value is None else value
+    if value not in SHARD_CHOICES:
+        raise InputError(f"--shard must be one of {', '.join(SHARD_CHOICES)}, got {value!r}")
+    return value
+
+
+def group_for(num_devices: int, tp: int, batch_size: int) -> int | None:
+    """Replicas per unit: 1, or the least power of two keeping ``num_devices / (tp * group)`` at most
+    :data:`MAX_UNITS`; None when it does not divide the batch or the devices.
+
+    >>> group_for(512, 8, 2048), group_for(16384, 8, 32768), group_for(16384, 1, 32768), group_for(16384, 8, 3)
+    (1, 2, 16, None)
+    """
+    group = 1
+    while num_devices // (tp * group) > MAX_UNITS:
+        group *= 2
+    if num_devices % (tp * group) or batch_size % group:
+        return None
+    return group
+
+
+def candidates(devices_per_node: int, num_devices: int, max_tp: int, tp: int | str, shard: str, batch_size: int
+               ) -> tuple[Layout, ...]:
+    """The layouts to try, PP-only first: ``tp`` (``auto``: every :data:`TP_CHOICES` value dividing the node and
+    at most ``max_tp``) times ``shard`` (``auto``: none and fsdp)."""
+    tps = [t for t in TP_CHOICES if t <= max_tp] if tp == "auto" else [tp]
+    shards = ["none", "fsdp"] if shard == "auto" else [shard]
+    out = []
+    for t in tps:
+        if t > 1 and (devices_per_node % t or num_devices % t):
+            continue
+        for s in shards:
+            group = group_for(num_devices, t, batch_size)
+            if group is not None:
+                out.append(Layout(t, s, group))
+    return tuple(out)
+
+
+def splittable_ops(graph: OpGraph) -> int:
+    """How many ops tensor parallelism splits (:func:`graphpipe.costs.tp_rule`)."""
+    return sum(1 for op in graph.ops if not costs.tp_rule(op.kind, op.param_bytes)[2])
+
+
+def _fsdp_replicas(layout: Layout) -> int:
+    """Replicas the reduced problem assumes an FSDP stage shards over: its unit's, and at least 2."""
+    return max(2, layout.group)
+
+
+def reduced_graph(graph: OpGraph, cluster: Cluster, layout: Layout) -> OpGraph:
+    """The op graph as one device of a unit runs it (module docstring); ``graph`` itself for PP-only."""
+    if layout.tp == 1:
+        return graph
+    link = cluster.intra_node
+    return replace(graph, ops=tuple(costs.tp_layer(op, layout.tp, link.latency_s, link.bandwidth_Bps)
+                                    for op in graph.ops))
+
+
+def reduced_cluster(cluster: Cluster, layout: Layout) -> Cluster:
+    """One device per unit (module docstring). FSDP: the optimizer's share of the state (all of it but the
+    gathered weights and gradients, 8 of every 16 bytes for Adam) over :func:`_fsdp_replicas`."""
+    size = layout.tp * layout.group
+    reduced = replace(cluster, num_devices=cluster.num_devices // size,
+                      devices_per_node=max(1, cluster.devices_per_node // size))
+    if layout.shard == "fsdp":
+        kept = min(cluster.bytes_per_param, 8.0)
+        reduced = replace(reduced, bytes_per_param=kept + (cluster.bytes_per_param - kept) / _fsdp_replicas(layout))
+    return reduced
+
+
+def expand(sg: StageGraph, graph: OpGraph, cluster: Cluster, layout: Layout, batch_size: int) -> StageGraph:
+    """The reduced plan's stage graph ``sg`` on the full ``cluster`` (module docstring), over ``graph`` (the
+    same ops by name). Round-robin stages become split ones (a tp group splits every micro-batch); a stage left
+    with one replica is not sharded (FSDP over one replica is a whole copy)."""
+    size = layout.tp * layout.group
+    stages = []
+    for st in sg.stages:
+        devices = tuple(d for u in st.devices for d in range(u * size, (u + 1) * size))
+        op_ids = tuple(graph.op_id(sg.graph.ops[i].name) for i in st.op_ids)
+        checkpoints = tuple(graph.op_id(sg.graph.ops[i].name) for i in st.checkpoints)
+        replicas = len(devices) // layout.tp
+        shard = layout.shard if replicas > 1 else "none"
+        stages.append(Stage(st.id, op_ids, devices, st.micro_batch_size * layout.group, st.recompute,
+                            replica_mode="split", checkpoints=checkpoints, tp=layout.tp, shard=shard,
+                            reshard_after_forward=False if shard == "fsdp" else True))
+    return StageGraph(graph, tuple(stages), batch_size, cluster.num_devices, allow_shared_devices=sg.allow_shared_devices,
+                      sequential=sg.sequential, cluster=cluster)
+
+
+def work_per_sample(graph: OpGraph) -> float:
+    """Seconds of forward and backward per sample summed over the ops (the per-sample coefficients, no per-call
+    part): the ideal's work, ``efficiency = throughput / (devices / work)``.
+
+    >>> from graphpipe.graph import Op
+    >>> work_per_sample(OpGraph.build("a", [Op("a", "x", Affine(1.0, 2.0), Affine(0.0, 4.0))], []))
+    6.0
+    """
+    return float(sum(op.fwd.beta + op.bwd.beta for op in graph.ops))
+
+
+def efficiency(throughput: float, num_devices: int, graph: OpGraph) -> float:
+    """``throughput / (num_devices / work_per_sample)``: the share of perfect scaling a plan reaches."""
+    return throughput * work_per_sample(graph) / num_devices if num_devices else math.nan
+
+
+def stage_layouts(stage: Stage, cluster: Cluster, tps: Sequence[int], shards: Sequence[str]) -> list[Stage]:
+    """``stage`` under every layout of ``tps`` x ``shards`` its devices allow: tp dividing its device count with
+    every tp group inside one node, the micro-batch divisible by the replicas, FSDP only over 2 or more replicas
+    (gathered for the step: ``reshard_after_forward`` false)."""
+    out = []
+    for tp in tps:
+        n = len(stage.devices)
+        if n % tp or stage.micro_batch_size % (n // tp) or stage.round_robin:
+            continue
+        if any(len({cluster.node_of(d) for d in stage.devices[i:i + tp]}) > 1 for i in range(0, n, tp)):
+            continue
+        for shard in shards:
+            if shard == "fsdp" and n // tp < 2:
+                continue
+            out.append(replace(stage, tp=tp, shard=shard, reshard_after_forward=shard != "fsdp"))
+    return out
+
+
+def per_stage_layouts(sg: StageGraph, cluster: Cluster, in_flight: Sequence[int], tps: Sequence[int],
+                      shards: Sequence[str]) -> StageGraph:
+    """Each stage of ``sg`` on its own devices under the layout (:func:`stage_layouts`) that minimizes its
+    busy time in one step, ``M (F + B) + sync``, within the device memory at its ``in_flight`` micro-batches
+    (ties: its current layout). A graph of stages may so give a vision tower's stages tp 1 beside a text
+    decoder's tp 4: each branch's stages pick for their own layers. The planner keeps the result only when the
+    simulation says it is faster."""
+    stages = list(sg.stages)
+    for st in sg.stages:
+        def busy(trial: StageGraph, stage_id: int = st.id) -> float:
+            return (trial.num_micro_batches(stage_id) * (trial.fwd_time(stage_id) + trial.bwd_time(stage_id))
+                    + trial.sync_time(stage_id, cluster))
+
+        current = replace(sg, stages=tuple(stages), cluster=cluster)
+        best, best_time = stages[st.id], busy(current)
+        for option in stage_layouts(st, cluster, tps, shards):
+            trial = replace(current, stages=tuple(option if s.id == st.id else s for s in stages))
+            if trial.device_memory(st.id, cluster, max(1, int(in_flight[st.id]))) > cluster.memory_bytes:
+                continue
+            t = busy(trial)
+            if t < best_time * (1 - 1e-9):
+                best, best_time = option, t
+        stages[st.id] = best
+    return replace(sg, stages=tuple(stages), cluster=cluster)
+
+
+__all__ += ["work_per_sample", "efficiency", "stage_layouts", "per_stage_layouts"]

@@ -1,0 +1,293 @@
+"""Parallelism inside a stage, priced and searched (docs/design.md#parallelism-inside-a-stage).
+
+Oracles: every expected figure below is derived here from its definition (Megatron's all-reduces per layer,
+ring collectives step by step, ZeRO-3 / FSDP sharding, the bytes per parameter of Adam in fp32), not imported
+from graphpipe.costs; the simulator is checked against the relaxation oracle of tests/test_sched_common.py with
+all-reduce, gather and tp collective spans; brute force over (tp, shard) equals the planner's layout search.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import replace
+
+import pytest
+
+from graphpipe.cluster import Cluster, DeviceSpec, Link
+from graphpipe.graph import Affine, Op, OpGraph
+from graphpipe.sched import make_schedule
+from graphpipe.sched.simulator import simulate
+from graphpipe.search.common import SearchOptions
+from graphpipe.search.planner import make_plan
+from graphpipe.stages import Stage, StageGraph
+
+from test_sched_common import oracle_iteration, oracle_ring_allreduce, oracle_ring_gather
+
+INTRA = Link(latency_s=1e-6, bandwidth_Bps=1e11)
+INTER = Link(latency_s=3e-6, bandwidth_Bps=1e10)
+
+
+def cluster(n: int, per_node: int = 4, memory: float = 1e12) -> Cluster:
+    return Cluster(name="t", num_devices=n, devices_per_node=per_node,
+                   device=DeviceSpec(name="x", memory_bytes=memory, peak_flops=1e15, op_overhead_s=0.0),
+                   intra_node=INTRA, inter_node=INTER)
+
+
+BLOCK = dict(fwd=Affine(1e-4, 2e-3), bwd=Affine(2e-4, 4e-3), param_bytes=4e8, act_bytes=1e6, out_bytes=1e5)
+
+
+def ops3() -> OpGraph:
+    """An embedding, a transformer block, and a norm (its weights are not split)."""
+    return OpGraph.build("three", [Op("emb", "embedding", Affine(1e-5, 1e-4), Affine(1e-5, 2e-4), 2e8, 0.0, 1e5),
+                                   Op("blk", "transformer", **BLOCK),
+                                   Op("norm", "layernorm", Affine(1e-5, 1e-4), Affine(1e-5, 2e-4), 4e4, 1e5, 1e5)],
+                         [("emb", "blk", 1e5), ("blk", "norm", 1e5)])
+
+
+def one_stage(graph: OpGraph, n: int, mb: int, batch: int, cl: Cluster, **layout) -> StageGraph:
+    return StageGraph.build(graph, [Stage(0, tuple(range(graph.num_ops)), tuple(range(n)), mb, **layout)], batch, n,
+                            cluster=cl)
+
+
+def _ring(t: int, link: Link, nbytes: float) -> float:
+    """One all-reduce inside a tp group, by its steps."""
+    return oracle_ring_allreduce(t, link, nbytes)
+
+
+# ------------------------------------------------------- a TP layer's cost
+def test_tp_layer_time_equals_megatron_collectives_per_layer():
+    """Megatron §3: a block all-reduces its output twice in forward and twice in backward, an embedding once
+    in forward; compute per sample over tp, per call not; a norm is replicated whole, no collective."""
+    g, cl, t, mb = ops3(), cluster(4), 4, 8
+    sg = one_stage(g, 4, mb, 16, cl, tp=t)  # one replica of 4: all 8 samples on every device
+    s = 8
+    emb_f = 1e-5 + 1e-4 * s / t + _ring(t, INTRA, 1e5 * s)
+    blk_f = 1e-4 + 2e-3 * s / t + 2 * _ring(t, INTRA, 1e5 * s)
+    norm_f = 1e-5 + 1e-4 * s
+    assert sg.fwd_time(0) == pytest.approx(emb_f + blk_f + norm_f, rel=1e-12)
+    emb_b = 1e-5 + 2e-4 * s / t
+    blk_b = 2e-4 + 4e-3 * s / t + 2 * _ring(t, INTRA, 1e5 * s)
+    norm_b = 1e-5 + 2e-4 * s
+    assert sg.bwd_time(0) == pytest.approx(emb_b + blk_b + norm_b, rel=1e-12)
+    # zero bubble's W: half of each weighted op's compute (over tp where split), no collective
+    i, w = sg.split_backward_times(0)
+    assert w == pytest.approx(0.5 * (1e-5 + 2e-4 * s / t) + 0.5 * (2e-4 + 4e-3 * s / t) + 0.5 * (1e-5 + 2e-4 * s),
+                              rel=1e-12)
+    assert i + w == pytest.approx(sg.bwd_time(0), rel=1e-12)
+
+
+# ---------------------------------------------------- memory by hand count
+def test_tp_stage_memory_equals_hand_count():
+    g, cl = ops3(), cluster(4)
+    sg = one_stage(g, 4, 8, 16, cl, tp=4)
+    s, k = 8, 2  # samples per replica, micro-batches in flight
+    params = 2e8 / 4 + 4e8 / 4 + 4e4  # embedding and block split over 4 devices, the norm whole
+    state = params / 4 * 16  # weights, gradients and Adam's two moments, fp32
+    act = 0.0 + 1e6 / 4 + 1e5  # split block's activations over tp (sequence parallel), the norm's whole
+    buffers = 0.0  # one stage: nothing received
+    assert sg.device_memory(0, cl, k) == pytest.approx(state + buffers + act * s * k, rel=1e-12)
+    tl = simulate(sg, make_schedule("gpipe", sg, cl), cl)  # gpipe: both micro-batches in flight
+    assert max(tl.peak_memory_bytes) == pytest.approx(state + act * s * 2, rel=1e-12)
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_fsdp_stage_memory_equals_hand_count(reshard):
+    g, cl = ops3(), cluster(8)
+    sg = one_stage(g, 8, 8, 16, cl, shard="fsdp", reshard_after_forward=reshard)
+    params = 2e8 + 4e8 + 4e4
+    whole = params / 4 * 16
+    if reshard:  # ZeRO-3: everything over 8 replicas, plus the largest layer gathered with its gradient
+        state = whole / 8 + 2 * 4e8
+    else:  # weights and gradients gathered for the step, the optimizer's moments sharded
+        state = 2 * params + (whole - 2 * params) / 8
+    act = 1e6 + 1e5
+    assert sg.device_memory(0, cl, 1) == pytest.approx(state + act * 1, rel=1e-12)
+    tl = simulate(sg, make_schedule("gpipe", sg, cl), cl)
+    assert max(tl.peak_memory_bytes) == pytest.approx(state + act * 1 * 2, rel=1e-12)
+
+
+# ------------------------------------------- the oracle learns collectives
+def two_stage_chain(devices0, devices1, mb, batch, params0=4e8, edge=1e5, layout0=None, cl=None,
+                    mode="split", slower1=1.0) -> StageGraph:
+    k = slower1
+    g = OpGraph.build("two", [Op("a", "transformer", Affine(1e-4, 2e-3), Affine(2e-4, 4e-3), params0, 1e6, edge),
+                              Op("b", "transformer", Affine(1e-4 * k, 2e-3 * k), Affine(2e-4 * k, 4e-3 * k), 4e6, 1e6,
+                                 edge)],
+                      [("a", "b", edge)])
+    return StageGraph.build(g, [Stage(0, (0,), tuple(devices0), mb, replica_mode=mode, **(layout0 or {})),
+                                Stage(1, (1,), tuple(devices1), mb, replica_mode=mode)], batch,
+                            len(devices0) + len(devices1), cluster=cl)
+
+
+def test_split_backward_all_reduce_waits_for_the_last_w_by_oracle():
+    """Zero bubble: a replicated stage reduces its weight gradients, so its all-reduce starts after its last W
+    (starting it after its last I would end the iteration early)."""
+    cl = cluster(3, per_node=4)
+    sg = two_stage_chain((0, 1), (2,), 2, 8, params0=4e9, cl=cl)
+    sched = make_schedule("zb-h1", sg, cl)
+    tl = simulate(sg, sched, cl)
+    expected = oracle_iteration(sg, sched, cl)
+    assert tl.iteration_time_s == pytest.approx(expected, rel=1e-12)
+    # the all-reduce is what ends the iteration here, and it takes its ring's definition
+    assert oracle_ring_allreduce(2, INTRA, 4e9) > 0.01
+    (ar,) = [a for a in tl.allreduces if a.stage_id == 0]
+    assert ar.end - ar.start == pytest.approx(oracle_ring_allreduce(2, INTRA, 4e9), rel=1e-12)
+
+
+def test_round_robin_messages_carry_whole_micro_batches_by_oracle():
+    """PipeDream's round-robin replicas send a whole micro-batch over one link: a round-robin to round-robin
+    message is ``edge bytes x micro-batch`` on one lane, however many replicas either side has."""
+    cl = cluster(4, per_node=4)
+    sg = two_stage_chain((0, 1), (2, 3), 2, 8, params0=4e6, edge=4e7, cl=cl, mode="round-robin")
+    sched = make_schedule("1f1b", sg, cl)
+    tl = simulate(sg, sched, cl)
+    assert tl.iteration_time_s == pytest.approx(oracle_iteration(sg, sched, cl), rel=1e-12)
+
+
+def _hand_durations(sg: StageGraph, cl: Cluster, t: int):
+    """F and B of the two-stage chain's stages, from the formulas: stage 0 a tp ``t`` block (compute / t, two
+    all-reduces of its output each way), stage 1 whole."""
+    def durations(action):
+        st = sg.stages[action.stage_id]
+        s = st.micro_batch_size / st.num_replicas
+        tp = st.tp
+        coll = 2 * _ring(tp, INTRA, 1e5 * s) if tp > 1 else 0.0
+        f = 1e-4 + 2e-3 * s / tp + coll
+        b = 2e-4 + 4e-3 * s / tp + coll
+        if st.shard == "fsdp" and st.reshard_after_forward:
+            share = sum(sg.graph.ops[i].param_bytes for i in st.op_ids) / tp
+            ring = st.devices[::tp]
+            link = INTER if len({cl.node_of(d) for d in ring}) > 1 else INTRA
+            gather = oracle_ring_gather(len(ring), link, share)
+            f, b = f + gather, b + 2 * gather
+        return f if action.kind == "F" else b
+    return durations
+
+
+@pytest.mark.parametrize("layout", [dict(tp=2), dict(tp=2, shard="fsdp", reshard_after_forward=False),
+                                    dict(tp=2, shard="fsdp", reshard_after_forward=True),
+                                    dict(shard="fsdp", reshard_after_forward=False)])
+def test_tp_and_fsdp_spans_by_oracle(layout):
+    """A tp/fsdp stage's F and B (tp collectives, FSDP gathers per micro-batch) and its step-end collective
+    (one tp rank's share all-reduced over the replicas, or gathered and reduce-scattered once) by hand."""
+    cl = cluster(5, per_node=2)  # stage 0's replicas span nodes: its collective runs on the slow link
+    sg = two_stage_chain((0, 1, 2, 3), (4,), 4, 16, params0=4e8, layout0=layout, cl=cl)
+    sched = make_schedule("1f1b", sg, cl)
+    tl = simulate(sg, sched, cl)
+    t = layout.get("tp", 1)
+    share = 4e8 / t
+    replicas = 4 // t
+    if layout.get("shard") == "fsdp":
+        sync0 = 0.0 if layout["reshard_after_forward"] else 2 * oracle_ring_gather(replicas, INTER, share)
+    else:
+        sync0 = oracle_ring_allreduce(replicas, INTER, share)
+    expected = oracle_iteration(sg, sched, cl, durations=_hand_durations(sg, cl, t), syncs=[sync0, 0.0])
+    assert tl.iteration_time_s == pytest.approx(expected, rel=1e-12)
+
+
+def test_cpsat_makespan_includes_the_all_reduce():
+    """CP-SAT's claimed makespan counts a replicated stage's all-reduce (it ends this iteration): stage 0 waits
+    for a 10x slower stage 1, so no redundant bound of the model (work + all-reduce) reaches its true end."""
+    from graphpipe.search.cpsat import solve
+
+    cl = cluster(3, per_node=4)
+    sg = two_stage_chain((0, 1), (2,), 2, 8, params0=4e9, cl=cl, slower1=10.0)
+    res = solve(sg, cl, per_stage_micro_batch=False, time_limit_s=5.0)
+    tl = simulate(res.stage_graph, res.schedule, cl)
+    assert tl.iteration_time_s == pytest.approx(res.makespan_s, rel=1e-12)
+    assert res.makespan_s == pytest.approx(oracle_iteration(res.stage_graph, res.schedule, cl), rel=1e-12)
+    if not res.used_heuristic:
+        assert res.solver_makespan_s >= res.makespan_s - res.rounding_slack_s - 1e-12
+
+
+# ------------------------------------------- brute force over (tp, shard)
+def _hand_iteration(n: int, t: int, shard: str, mb: int, batch: int, cl: Cluster) -> float | None:
+    """One block on one stage of ``n`` devices (tp ``t``, ``n/t`` replicas), ``batch/mb`` micro-batches in a row:
+    ``M (F + B)`` plus the step-end collective, or None when it does not fit or divide."""
+    r = n // t
+    if n % t or mb % r or batch % mb or cl.devices_per_node % t:
+        return None
+    if shard == "fsdp" and r < 2:
+        return None
+    s = mb / r
+    coll = 2 * _ring(t, INTRA, 1e5 * s) if t > 1 else 0.0
+    f = 1e-4 + 2e-3 * s / t + coll
+    b = 2e-4 + 4e-3 * s / t + coll
+    link = INTER if n > cl.devices_per_node else INTRA
+    share = 4e8 / t
+    sync = 2 * oracle_ring_gather(r, link, share) if shard == "fsdp" else oracle_ring_allreduce(r, link, share)
+    whole = share / 4 * 16
+    state = 2 * share + (whole - 2 * share) / r if shard == "fsdp" else whole
+    m = batch // mb
+    if state + 1e6 / t * s * m + 0 > cl.memory_bytes:  # gpipe keeps every micro-batch's activations
+        return None
+    return m * (f + b) + sync
+
+
+def test_brute_force_over_layouts_equals_the_layout_search():
+    """One block on 8 devices: the best (tp, shard, micro-batch) by hand equals what the planner finds with
+    --tp auto --shard auto (its layouts include every one brute force tries)."""
+    g = OpGraph.build("one", [Op("blk", "transformer", **BLOCK)], [])
+    cl = cluster(8, per_node=8, memory=1.4e9)  # whole copies do not fit (1.6 GB of state): only sharding does
+    batch = 32
+    best = max(batch / it for n in range(1, 9) for t in (1, 2, 4, 8) for shard in ("none", "fsdp")
+               for mb in (1, 2, 4, 8, 16, 32) if (it := _hand_iteration(n, t, shard, mb, batch, cl)) is not None)
+    plan = make_plan("one", g, cl, batch, "gpipe", SearchOptions(tp="auto", shard="auto", recompute="none"),
+                     monotone=False)
+    assert plan.predicted.throughput == pytest.approx(best, rel=1e-9)
+
+
+# -------------------------------------------- PP-only plans as they were
+FIXTURES = os.path.join(os.path.dirname(__file__), "data", "pp_only_plans")
+
+
+@pytest.mark.parametrize("name", sorted(f[:-5] for f in os.listdir(FIXTURES) if f.endswith(".json"))
+                         if os.path.isdir(FIXTURES) else [])
+def test_tp1_none_zoo_plans_are_byte_identical_to_before_layouts(name):
+    """``--tp 1 --shard none`` plans of the zoo's small models, as the planner wrote them before layouts
+    existed (tests/data/pp_only_plans, timing fields aside)."""
+    from graphpipe.cluster import preset
+    from graphpipe.models import load_model
+    from graphpipe.plan import plan_to_dict
+    from graphpipe.search.planner import TIMING_KEYS
+
+    with open(os.path.join(FIXTURES, name + ".json")) as fh:
+        want = json.load(fh)
+    model, strategy = name.rsplit("-", 1)
+    model = model.replace("-small", ":small")
+    graph = load_model(model, preset("v100", 4).device).graph
+    plan = make_plan(want["model"], graph, preset("v100", 4), 32, strategy, SearchOptions(tp=1, shard="none"))
+    got = json.loads(json.dumps(plan_to_dict(plan)))
+    for doc in (got, want):
+        for key in TIMING_KEYS:
+            doc["search"].pop(key, None)
+    assert got == want
+
+
+# ------------------------------------------- plans without a schedule
+def test_plan_without_schedule_gets_the_strategys_default_and_says_so(tmp_path):
+    """A hand-written plan file without ``schedule``/``predicted``: the strategy's own schedule (the one its
+    Strategy record names) and the simulator's figures for it, with one line saying so."""
+    from graphpipe.errors import FormatError
+    from graphpipe.plan import plan_to_dict, read_plan
+    from graphpipe.sched.complete import DEFAULT_SCHEDULES, read_plan_completed
+    from graphpipe.sched.simulator import simulate_figures
+    from graphpipe.search import get_strategy
+
+    assert all(get_strategy(name).default_schedule == sched for name, sched in DEFAULT_SCHEDULES.items())
+    cl = cluster(3, per_node=4)
+    sg = two_stage_chain((0, 1), (2,), 2, 8, cl=cl)
+    from graphpipe.plan import Plan
+    plan = Plan(model="two", stage_graph=sg, cluster=cl, strategy="gpipe", schedule=make_schedule("1f1b", sg, cl))
+    doc = plan_to_dict(plan)
+    del doc["schedule"], doc["predicted"]
+    path = tmp_path / "hand.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(FormatError, match="missing key 'schedule'"):
+        read_plan(str(path))
+    lines = []
+    back = read_plan_completed(str(path), say=lines.append)
+    assert back.schedule.name == "gpipe" and len(lines) == 1 and "gpipe" in lines[0]
+    want = simulate_figures(back.stage_graph, make_schedule("gpipe", back.stage_graph, cl), cl)
+    assert back.predicted.throughput == pytest.approx(want["throughput"], rel=1e-12)
