@@ -48,6 +48,7 @@ def train(plan_path: str, steps: int, out: str, save: str | None, load: str | No
         opt.zero_grad(set_to_none=False)  # the gradients stay allocated: their share is measured below
     if save:
         pipe.save(save, opt)
+    evaluation = pipe.forward(made.example_inputs)
     params = list(pipe.named_parameters())
     shares = {"params": sum(_local(p).numel() for _, p in params),
               "grads": sum(_local(p.grad).numel() for _, p in params if p.grad is not None),
@@ -58,7 +59,7 @@ def train(plan_path: str, steps: int, out: str, save: str | None, load: str | No
     dist.gather_object((weights, shares), gathered, dst=0)
     if dist.get_rank() == 0:
         merged = {name: w for part, _ in gathered for name, w in part.items()}
-        torch.save({"losses": losses, "weights": merged, "shares": [s for _, s in gathered]}, out)
+        torch.save({"losses": losses, "eval": evaluation, "weights": merged, "shares": [s for _, s in gathered]}, out)
     pipe.close()
 
 

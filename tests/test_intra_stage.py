@@ -38,7 +38,9 @@ def oracle(factory: str, steps: int, start: dict | None = None):
         opt.step()
         opt.zero_grad()
         losses.append(float(loss.detach()))
-    return losses, {n: p.detach() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        evaluation = model.eval()(x)
+    return losses, {n: p.detach() for n, p in model.named_parameters()}, evaluation
 
 
 def write(tmp_path, name: str, factory: str, stages, **kw) -> str:
@@ -51,8 +53,9 @@ def write(tmp_path, name: str, factory: str, stages, **kw) -> str:
 
 def check(out: str, factory: str, steps: int) -> dict:
     got = torch.load(out, weights_only=False)
-    losses, weights = oracle(factory, steps)
+    losses, weights, evaluation = oracle(factory, steps)
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(losses))
+    torch.testing.assert_close(got["eval"], evaluation)  # Pipeline.forward runs each stage on its whole group
     assert set(got["weights"]) == set(weights)
     for name, w in weights.items():
         torch.testing.assert_close(got["weights"][name], w, msg=name)
@@ -99,7 +102,8 @@ def test_llama_tp_and_a_checkpoint_across_layouts(tmp_path):
     assert got["shares"][0]["params"] == got["shares"][1]["params"] == whole + split // 2
     check(str(tmp_path / "fsdp.pt"), "mlp_chain", 2)
     resumed = torch.load(str(tmp_path / "tp.pt"), weights_only=False)
-    losses, weights = oracle("mlp_chain", 3)
+    losses, weights, evaluation = oracle("mlp_chain", 3)
+    torch.testing.assert_close(resumed["eval"], evaluation)
     torch.testing.assert_close(resumed["losses"][0], losses[2])
     for name, w in weights.items():
         torch.testing.assert_close(resumed["weights"][name], w, msg=name)
