@@ -125,3 +125,23 @@ def test_a_tp_degree_the_heads_cannot_take_is_refused_naming_the_op():
     prog = split_model(exported.gm, op_nodes, plan.stage_graph).programs[0]
     with pytest.raises(PlanError, match=r"op model\.model\.layers\.0\.self_attn\.[kv]_proj .*num_key_value_heads is 2"):
         tp_placements(prog.module, dict(prog.param_names), 4, 0, model)
+
+
+def test_graphpipe_run_check_passes_mixed_layouts():
+    """``graphpipe run --check``'s path (run_plans, models built on meta and materialized per rank): a branchy
+    model with a TP branch and an FSDP branch, a chain of whole-copy replicas then TP 2 under zero bubble's
+    split backward, and an FSDP stage under zero bubble refused in one line before any rank starts."""
+    from graphpipe.errors import InputError
+    from graphpipe.runtime import RunOptions, run_plans
+
+    branchy = models.hand_plan(f"{SPEC}:branchy", [(("stem", "right"), (0, 1), 2, "none"),
+                                                    (("left", "head"), (2, 3), 1, "fsdp")])
+    chain = models.hand_plan(f"{SPEC}:mlp_chain", [(("stem", "block0"), (0, 1), 1, "none"), (("",), (2, 3), 2, "none")],
+                             schedule="zb-h1")
+    options = RunOptions(steps=2, warmup_steps=1, check=True, timeout_s=120)
+    for result in run_plans([(branchy, options), (chain, options)]):
+        assert result.check.passed, result.check
+    fsdp_zb = models.hand_plan(f"{SPEC}:mlp_chain", [(("stem", "block0"), (0,), 1, "none"), (("",), (1, 2), 1, "fsdp")],
+                               schedule="zb-h1")
+    with pytest.raises(InputError, match=r"^stage 1 is FSDP-sharded and the schedule 'zb-h1' splits its backward"):
+        run_plans([(fsdp_zb, options)])
