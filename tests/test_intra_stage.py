@@ -63,7 +63,8 @@ def check(out: str, factory: str, steps: int) -> dict:
 
 
 def test_fsdp_tp_and_mixed_layouts_train_as_one_process(tmp_path):
-    """One job of 4 ranks, four hand-written plans: FSDP, TP, replicas + TP on a chain; TP and FSDP branches."""
+    """One job of 4 ranks, five hand-written plans: FSDP, TP, replicas + TP on a chain; TP and FSDP branches; TP
+    for a meta-device model loaded from a plain seed checkpoint."""
     plans = [
         write(tmp_path, "fsdp", "mlp_chain", [(("stem", "block0"), (0,), 1, "none"), (("",), (1, 2), 1, "fsdp")]),
         write(tmp_path, "tp", "mlp_chain", [(("stem",), (0,), 1, "none"), (("",), (1, 2), 2, "none")]),
@@ -71,7 +72,17 @@ def test_fsdp_tp_and_mixed_layouts_train_as_one_process(tmp_path):
         write(tmp_path, "branchy", "branchy", [(("stem", "right"), (0, 1), 2, "none"),
                                                 (("left", "head"), (2, 3), 1, "fsdp")]),
     ]
+    # the same TP layout for a model built on the meta device, its weights from a plain seed checkpoint
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+
+    seed = str(tmp_path / "seed")
+    dcp.save(models.mlp_chain()[0].state_dict(), checkpoint_id=seed, no_dist=True)
+    shutil.copy(plans[1], tmp_path / "tp_meta.json")
+    plans.append(f"{tmp_path / 'tp_meta.json'},meta=1,load={seed}")
     torchrun(str(3), str(tmp_path), *plans, ranks=4, script=SCRIPT)
+    check(str(tmp_path / "tp_meta.pt"), "mlp_chain", 3)
     fsdp = check(str(tmp_path / "fsdp.pt"), "mlp_chain", 3)
     check(str(tmp_path / "tp.pt"), "mlp_chain", 3)
     check(str(tmp_path / "chain.pt"), "mlp_chain", 3)
