@@ -500,7 +500,7 @@ class Pipeline:
             for producer, names in prog.recv_values:
                 src = sg.stages[producer].devices[0]
                 for n in names:
-                    if src != self.rank and n not in values:
+                    if src != self.rank:
                         meta = self._setup.executor.meta[n]
                         buffer = torch.empty(meta.shape(rows), dtype=meta.dtype, device=self.device)
                         dist.recv(buffer, src)
