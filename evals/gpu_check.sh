@@ -76,9 +76,28 @@ else
   STATUS[overlap-sends]=skipped
 fi
 
+# FSDP and TP stages (fully_shard / DTensor over NCCL): the stage-parallel eval's plans, checked against one
+# process; 4 ranks, one per GPU (NCCL cannot pair two ranks on one GPU)
+if [ "${GPUS:-0}" -ge 4 ]; then
+  $PY - "$OUT" <<'PYEOF' > "$OUT/4-sharded.txt" 2>&1
+import sys
+from graphpipe.evals.stage_parallel_run import _plan
+from graphpipe.plan import write_plan
+for layout in ("pp-fsdp", "pp-tp"):
+    write_plan(f"{sys.argv[1]}/{layout}.json", _plan(layout))
+PYEOF
+  timeout 200 $PY -m graphpipe run "$OUT/pp-fsdp.json" --check --steps 3 >> "$OUT/4-sharded.txt" 2>&1 \
+    && timeout 200 $PY -m graphpipe run "$OUT/pp-tp.json" --check --steps 3 >> "$OUT/4-sharded.txt" 2>&1
+  STATUS[sharded-stages]=$?
+else
+  echo "skipped: FSDP and TP stages need 4 GPUs here (2 stages x 2 ranks); this machine has ${GPUS:-0}" \
+      > "$OUT/4-sharded.txt"
+  STATUS[sharded-stages]=skipped
+fi
+
 set +x
 echo "==== summary ===="
-for part in compile-check bench-compile-fp32 bench-compile-bf16 overlap-sends; do
+for part in compile-check bench-compile-fp32 bench-compile-bf16 overlap-sends sharded-stages; do
   echo "$part: ${STATUS[$part]} (0 = ok)"
 done
-for f in "$OUT"/1-*.txt "$OUT"/2-*.txt "$OUT"/3-*.txt; do echo "--- $f"; tail -4 "$f"; done
+for f in "$OUT"/1-*.txt "$OUT"/2-*.txt "$OUT"/3-*.txt "$OUT"/4-*.txt; do echo "--- $f"; tail -4 "$f"; done

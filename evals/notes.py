@@ -25,6 +25,16 @@ NOTES: dict[str, str] = {
         "their residual after them, which made a cycle of layers; such a block is now cut into one op per level "
         "(`blocks.3`, `blocks.3[1]`)."
     ),
+    "stage-parallel-run": (
+        "Four ranks timeshare this host's two cores, and every collective of FSDP (an all-gather per stage per "
+        "micro-batch's forward and backward, one reduce-scatter per step) and of TP (an all-reduce after each "
+        "row-wise layer, forward and backward) goes through gloo on the same cores: on CPU ranks these layouts buy "
+        "memory, not speed. Each sharded or TP rank holds half of its stage's parameters, gradients and momentum "
+        "(tests/test_intra_stage.py measures the shares); the pipeline-only layout holds the whole stage on both "
+        "replicas. TP runs nearer to the pipeline-only layout than FSDP here because its all-reduces move "
+        "activations (micro-batch 8 x width 512), while FSDP gathers each stage's 2.1 M weights twice per "
+        "micro-batch."
+    ),
     "rank-rss": (
         "Every rank builds the model on the meta device and materializes only its own stages, so a rank's "
         "RSS above a tiny model's rank follows what it hosts, not the whole model: before, every rank "

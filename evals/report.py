@@ -53,6 +53,9 @@ PAPER = {
                          "cold command under 40 s: `python -m graphpipe.evals.bench_llm_configs`)",
     "memory-runtime": "(no paper figure; our target: measured activation bytes within 10% of the prediction on "
                       "every device, and lower with re-materialization)",
+    "stage-parallel-run": "(no paper figure; torchtitan composes pipeline stages with FSDP and TP inside them: the same "
+                      "model and ranks as a pipeline only, with FSDP stages and with TP stages, measured side by side "
+                      "in one run: `python -m graphpipe.evals.stage_parallel_run --out evals`)",
     "rank-rss": "(no paper figure; our target: each rank's peak host RSS is its stages' state plus a fixed "
                 "per-process base, for a model too big for one rank: `python -m graphpipe.evals.rank_rss --out evals`)",
     "ill-conditioned": "(no paper figure; our target: `--check` on EfficientNet-B0 and Inception-v3 at small "
@@ -153,6 +156,9 @@ TABLE_COLUMNS: dict[str, list[tuple[str, str]]] = {
     "bench_scale": [("model", "model"), ("strategy", "strategy"), ("devices", "devices"), ("batch", "batch_size"),
                     ("median search (s)", "median_search_s"), ("min-max (s)", "search_range_s"), ("runs", "runs"),
                     ("peak RSS (GB)", "peak_rss_gb"), ("outcome", "outcome"), ("samples/s", "throughput")],
+    "stage-parallel-run": [("layout", "layout"), ("tp", "tp"), ("shard", "shard"), ("iteration (s)", "iteration_s"),
+                       ("samples/s", "samples_per_s"), ("vs pipeline only", "vs_pp"),
+                       ("params per rank", "params_per_rank"), ("reps (s)", "reps_s")],
     "rank-rss": [("rank", "rank"), ("stages", "stages"), ("peak RSS (MB)", "rss_mb"), ("expected (MB)", "expected_mb"),
                  ("stages' weights+grads+activations (MB)", "stage_state_mb"),
                  ("RSS - tiny model's rank (MB)", "rss_minus_tiny_mb"), ("error vs expected", "error_vs_expected")],
@@ -280,6 +286,14 @@ def _headline(name: str, res: dict[str, Any]) -> str:
                          for w in ("command", "repeated"))
         return (f"{res['config']['spec']} on {res['config']['ranks']} CPU ranks, 2 steps, spawned / forked / forked "
                 f"with the launcher's capture shipped (ratios to shipped): {ways}")
+    if name == "stage-parallel-run":
+        by = {r["layout"]: r for r in res["rows"]}
+        c = res["config"]
+        return (f"{c['blocks']} MLP blocks of width {c['width']}, 2 stages x 2 CPU ranks, batch {c['batch']}: "
+                f"pipeline only {fmt(by['pp']['samples_per_s'])} samples/s, with FSDP stages "
+                f"{fmt(by['pp-fsdp']['samples_per_s'])} ({fmt(by['pp-fsdp']['vs_pp'])}x), with TP 2 stages "
+                f"{fmt(by['pp-tp']['samples_per_s'])} ({fmt(by['pp-tp']['vs_pp'])}x), each sharded rank holding "
+                f"half its stage's parameters (median of {c['reps']} interleaved reps)")
     if name == "rank-rss":
         rows = res["rows"]
         return (f"{res['config']['spec']} ({fmt(s['whole_model_weight_bytes'] / 1e6)} MB of weights, too big for one "

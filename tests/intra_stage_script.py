@@ -6,9 +6,11 @@ losses, the final weights (whole, by name) and each rank's share of its stages' 
 
 Each plan's results go to ``OUT_DIR/<plan file name>.pt``. Options after a plan, comma-separated: ``steps=N``
 (instead of STEPS), ``save=DIR`` (a checkpoint with the optimizer's state after the steps), ``load=DIR`` (one,
-written under any layout, loaded before them).
+written under any layout or a plain model's seed checkpoint, loaded before them), ``meta=1`` (the model handed to
+the Pipeline is built on the meta device: every weight comes from ``load``).
 """
 
+import copy
 import os
 import sys
 
@@ -33,14 +35,16 @@ def _local(t):
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def train(plan_path: str, steps: int, out: str, save: str | None, load: str | None) -> None:
+def train(plan_path: str, steps: int, out: str, save: str | None, load: str | None, meta: bool = False) -> None:
     made = load_factory(read_plan(plan_path).model)
-    pipe = graphpipe.Pipeline(plan_path, made.module, made.loss_fn, example_inputs=made.example_inputs,
+    # meta: the user's model built on the meta device, its weights only from the checkpoint ``load`` names
+    module = copy.deepcopy(made.module).to("meta") if meta else made.module
+    pipe = graphpipe.Pipeline(plan_path, module, made.loss_fn, example_inputs=made.example_inputs,
                               example_target=made.example_target, timeout_s=120)
-    params = list(pipe.parameters()) or [torch.zeros(1, requires_grad=True)]  # a rank the plan leaves idle
-    opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    idle = not list(pipe.parameters())  # a rank the plan leaves idle gets a stand-in optimizer
+    opt = torch.optim.SGD(list(pipe.parameters()) or [torch.zeros(1, requires_grad=True)], lr=0.1, momentum=0.9)
     if load:
-        pipe.load(load, opt)
+        pipe.load(load, None if idle else opt)
     losses = []
     for _ in range(steps):
         losses.append(pipe.step(made.example_inputs, made.example_target).item())
@@ -48,6 +52,7 @@ def train(plan_path: str, steps: int, out: str, save: str | None, load: str | No
         opt.zero_grad(set_to_none=False)  # the gradients stay allocated: their share is measured below
     if save:
         pipe.save(save, opt)
+    evaluation = pipe.forward(made.example_inputs)
     params = list(pipe.named_parameters())
     shares = {"params": sum(_local(p).numel() for _, p in params),
               "grads": sum(_local(p.grad).numel() for _, p in params if p.grad is not None),
@@ -58,7 +63,7 @@ def train(plan_path: str, steps: int, out: str, save: str | None, load: str | No
     dist.gather_object((weights, shares), gathered, dst=0)
     if dist.get_rank() == 0:
         merged = {name: w for part, _ in gathered for name, w in part.items()}
-        torch.save({"losses": losses, "weights": merged, "shares": [s for _, s in gathered]}, out)
+        torch.save({"losses": losses, "eval": evaluation, "weights": merged, "shares": [s for _, s in gathered]}, out)
     pipe.close()
 
 
@@ -74,7 +79,7 @@ def main() -> None:
         options = dict(kv.split("=", 1) for kv in rest)
         name = os.path.splitext(os.path.basename(plan))[0]
         train(plan, int(options.get("steps", steps)), os.path.join(out_dir, name + ".pt"), options.get("save"),
-              options.get("load"))
+              options.get("load"), meta=options.get("meta") == "1")
     dist.barrier()
     dist.destroy_process_group()
 

@@ -38,7 +38,9 @@ def oracle(factory: str, steps: int, start: dict | None = None):
         opt.step()
         opt.zero_grad()
         losses.append(float(loss.detach()))
-    return losses, {n: p.detach() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        evaluation = model.eval()(x)
+    return losses, {n: p.detach() for n, p in model.named_parameters()}, evaluation
 
 
 def write(tmp_path, name: str, factory: str, stages, **kw) -> str:
@@ -51,8 +53,9 @@ def write(tmp_path, name: str, factory: str, stages, **kw) -> str:
 
 def check(out: str, factory: str, steps: int) -> dict:
     got = torch.load(out, weights_only=False)
-    losses, weights = oracle(factory, steps)
+    losses, weights, evaluation = oracle(factory, steps)
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(losses))
+    torch.testing.assert_close(got["eval"], evaluation)  # Pipeline.forward runs each stage on its whole group
     assert set(got["weights"]) == set(weights)
     for name, w in weights.items():
         torch.testing.assert_close(got["weights"][name], w, msg=name)
@@ -60,7 +63,8 @@ def check(out: str, factory: str, steps: int) -> dict:
 
 
 def test_fsdp_tp_and_mixed_layouts_train_as_one_process(tmp_path):
-    """One job of 4 ranks, four hand-written plans: FSDP, TP, replicas + TP on a chain; TP and FSDP branches."""
+    """One job of 4 ranks, five hand-written plans: FSDP, TP, replicas + TP on a chain; TP and FSDP branches; TP
+    for a meta-device model loaded from a plain seed checkpoint."""
     plans = [
         write(tmp_path, "fsdp", "mlp_chain", [(("stem", "block0"), (0,), 1, "none"), (("",), (1, 2), 1, "fsdp")]),
         write(tmp_path, "tp", "mlp_chain", [(("stem",), (0,), 1, "none"), (("",), (1, 2), 2, "none")]),
@@ -68,7 +72,17 @@ def test_fsdp_tp_and_mixed_layouts_train_as_one_process(tmp_path):
         write(tmp_path, "branchy", "branchy", [(("stem", "right"), (0, 1), 2, "none"),
                                                 (("left", "head"), (2, 3), 1, "fsdp")]),
     ]
+    # the same TP layout for a model built on the meta device, its weights from a plain seed checkpoint
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+
+    seed = str(tmp_path / "seed")
+    dcp.save(models.mlp_chain()[0].state_dict(), checkpoint_id=seed, no_dist=True)
+    shutil.copy(plans[1], tmp_path / "tp_meta.json")
+    plans.append(f"{tmp_path / 'tp_meta.json'},meta=1,load={seed}")
     torchrun(str(3), str(tmp_path), *plans, ranks=4, script=SCRIPT)
+    check(str(tmp_path / "tp_meta.pt"), "mlp_chain", 3)
     fsdp = check(str(tmp_path / "fsdp.pt"), "mlp_chain", 3)
     check(str(tmp_path / "tp.pt"), "mlp_chain", 3)
     check(str(tmp_path / "chain.pt"), "mlp_chain", 3)
@@ -99,7 +113,8 @@ def test_llama_tp_and_a_checkpoint_across_layouts(tmp_path):
     assert got["shares"][0]["params"] == got["shares"][1]["params"] == whole + split // 2
     check(str(tmp_path / "fsdp.pt"), "mlp_chain", 2)
     resumed = torch.load(str(tmp_path / "tp.pt"), weights_only=False)
-    losses, weights = oracle("mlp_chain", 3)
+    losses, weights, evaluation = oracle("mlp_chain", 3)
+    torch.testing.assert_close(resumed["eval"], evaluation)
     torch.testing.assert_close(resumed["losses"][0], losses[2])
     for name, w in weights.items():
         torch.testing.assert_close(resumed["weights"][name], w, msg=name)
@@ -121,3 +136,23 @@ def test_a_tp_degree_the_heads_cannot_take_is_refused_naming_the_op():
     prog = split_model(exported.gm, op_nodes, plan.stage_graph).programs[0]
     with pytest.raises(PlanError, match=r"op model\.model\.layers\.0\.self_attn\.[kv]_proj .*num_key_value_heads is 2"):
         tp_placements(prog.module, dict(prog.param_names), 4, 0, model)
+
+
+def test_graphpipe_run_check_passes_mixed_layouts():
+    """``graphpipe run --check``'s path (run_plans, models built on meta and materialized per rank): a branchy
+    model with a TP branch and an FSDP branch, a chain of whole-copy replicas then TP 2 under zero bubble's
+    split backward, and an FSDP stage under zero bubble refused in one line before any rank starts."""
+    from graphpipe.errors import InputError
+    from graphpipe.runtime import RunOptions, run_plans
+
+    branchy = models.hand_plan(f"{SPEC}:branchy", [(("stem", "right"), (0, 1), 2, "none"),
+                                                    (("left", "head"), (2, 3), 1, "fsdp")])
+    chain = models.hand_plan(f"{SPEC}:mlp_chain", [(("stem", "block0"), (0, 1), 1, "none"), (("",), (2, 3), 2, "none")],
+                             schedule="zb-h1")
+    options = RunOptions(steps=2, warmup_steps=1, check=True, timeout_s=120)
+    for result in run_plans([(branchy, options), (chain, options)]):
+        assert result.check.passed, result.check
+    fsdp_zb = models.hand_plan(f"{SPEC}:mlp_chain", [(("stem", "block0"), (0,), 1, "none"), (("",), (1, 2), 1, "fsdp")],
+                               schedule="zb-h1")
+    with pytest.raises(InputError, match=r"^stage 1 is FSDP-sharded and the schedule 'zb-h1' splits its backward"):
+        run_plans([(fsdp_zb, options)])

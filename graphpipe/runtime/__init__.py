@@ -93,6 +93,9 @@ def preflight(plan: Plan, options: RunOptions) -> None:
 
     validate_plan(plan)
     refusal = layout_refusal(plan, compile=options.compile)
+    if refusal is None and options.baseline == "torch" and any(s.parallel for s in plan.stage_graph.stages):
+        refusal = ("--baseline torch runs whole-copy stages on torch.distributed.pipelining; this plan has FSDP or "
+                   "TP stages: run it without --baseline (graphpipe's executor runs them)")
     if refusal is not None:
         raise InputError(refusal)
     if options.checkpoint_dir:

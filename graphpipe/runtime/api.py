@@ -594,9 +594,11 @@ class Pipeline:
         flat = self._io.flat_inputs(args, kwargs, self._zero_target(rows))
         values: dict[str, torch.Tensor] = {}
         out = None
+        from graphpipe.runtime.intra_stage import eval_ranks
+
         for stage_id in range(sg.num_stages):
             prog = self._setup.programs.get(stage_id)
-            if prog is None or sg.stages[stage_id].devices[0] != self.rank:
+            if prog is None or self.rank not in eval_ranks(sg.stages[stage_id]):
                 continue
             for name, index in prog.model_inputs:
                 values[name] = flat[index].to(self.device)
@@ -609,19 +611,25 @@ class Pipeline:
                         dist.recv(buffer, src)
                         values[n] = meta.from_wire(buffer)  # batch-major on the wire
             prog.module.eval()
+            # an FSDP / TP stage runs through its wrapper (gathered weights, DTensor inputs) on its whole group
+            call = self._setup.executor.hosted[stage_id].forward if sg.stages[stage_id].parallel else prog.module
             try:
                 with autocast(self.precision, self.device):
-                    sent, model_out = prog.module(*[values[n] for n in prog.input_names])
+                    sent, model_out = call(*[values[n] for n in prog.input_names])
             finally:
                 prog.module.train()
+                if hasattr(call, "reshard"):  # FSDP: back to the shards the optimizer holds
+                    call.reshard()
             by_name = dict(zip(prog.output_names, sent))
+            if sg.stages[stage_id].devices[0] != self.rank:
+                continue  # the stage's first rank sends its outputs, to every rank that runs the consumer
             for consumer, names in prog.send_values:
-                dst = sg.stages[consumer].devices[0]
-                for n in names:
-                    if dst == self.rank:
-                        values[n] = by_name[n]
-                    else:
-                        dist.send(self._setup.executor.meta[n].to_wire(by_name[n]).contiguous(), dst)
+                for dst in eval_ranks(sg.stages[consumer]):
+                    for n in names:
+                        if dst == self.rank:
+                            values[n] = by_name[n]
+                        else:
+                            dist.send(self._setup.executor.meta[n].to_wire(by_name[n]).contiguous(), dst)
             if prog.is_sink:
                 out = tuple(t.cpu() if isinstance(t, torch.Tensor) else t for t in model_out)
         holder = [out]

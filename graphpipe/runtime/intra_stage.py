@@ -55,7 +55,7 @@ from graphpipe.runtime.dtensors import like, local_pair
 from graphpipe.stages import Stage, StageGraph
 
 __all__ = ["StageMeshes", "build_stage_meshes", "layout_refusal", "tp_placements", "parallelize_stage",
-           "IntraStage", "full_value", "local_pair", "attach", "like", "counts_here", "replica_lead", "replica_ranks"]
+           "IntraStage", "full_value", "local_pair", "attach", "like", "counts_here", "eval_ranks", "replica_lead", "replica_ranks"]
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +68,12 @@ def replica_ranks(stage: Stage, replica: int) -> tuple[int, ...]:
 def replica_lead(stage: Stage, replica: int) -> int:
     """The rank that sends replica ``replica``'s messages (its TP group's first)."""
     return stage.tp_groups[replica][0]
+
+
+def eval_ranks(stage: Stage) -> tuple[int, ...]:
+    """The ranks that run ``stage`` in an evaluation forward (once, whole batch): its first rank, its first
+    TP group for a TP stage, every rank of an FSDP stage (each holds a shard the gather needs)."""
+    return stage.devices if stage.shard == "fsdp" else stage.tp_groups[0]
 
 
 def layout_refusal(sg: StageGraph) -> str | None:

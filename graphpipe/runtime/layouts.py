@@ -28,4 +28,10 @@ def layout_refusal(plan: Plan, *, compile: bool = False) -> str | None:
     if compile:
         return (f"stage {first.id} is planned with tp {first.tp}, shard {first.shard}: compiled stages run whole "
                 "copies only; drop --compile (compile=True) or re-plan with --tp 1 --shard none")
+    split = {a.stage_id for actions in plan.schedule.device_actions for a in actions if a.kind in ("I", "W")}
+    fsdp_split = [s for s in parallel if s.shard == "fsdp" and s.id in split]
+    if fsdp_split:
+        return (f"stage {fsdp_split[0].id} is FSDP-sharded and the schedule {plan.schedule.name!r} splits its "
+                "backward (zero bubble's I and W): FSDP stages run B schedules (1f1b, gpipe, interleaved, "
+                "graph-1f1b); re-plan with one of those or give the stage shard none")
     return stage_refusal(plan.stage_graph)
