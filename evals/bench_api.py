@@ -44,7 +44,7 @@ def one_rank_plan(model: str, batch_size: int, micro_batch_size: int):
     import torch
     import torch.distributed as dist
 
-    from graphpipe import zoo
+    from graphpipe.frontend import zoo
     from graphpipe.cluster import preset
     from graphpipe.runtime.launch import free_port
     from graphpipe.search.common import SearchOptions
@@ -90,7 +90,7 @@ def run(model: str = "transformer:small", batch_size: int = 32, micro_batch_size
     import torch
     import torch.distributed as dist
 
-    from graphpipe import zoo
+    from graphpipe.frontend import zoo
     from graphpipe.runtime.api import Pipeline
 
     plan = one_rank_plan(model, batch_size, micro_batch_size)
@@ -164,7 +164,7 @@ def _torch_one_stage(built, device, num_mbs: int, precision: str, batch_size: in
     import torch
     from torch.distributed import pipelining as pp
 
-    from graphpipe import zoo
+    from graphpipe.frontend import zoo
     from graphpipe.runtime.runnable import autocast
 
     module = zoo.build(built.name, seed=0).module.to(device)
@@ -189,7 +189,7 @@ def vs_torch(ranks: int = 2, rounds: int = 5, steps: int = 8, batch_size: int = 
     and read back, so our executor and torch's ``_PipelineScheduleRuntime`` run the same file."""
     import tempfile
 
-    from graphpipe import zoo
+    from graphpipe.frontend import zoo
     from graphpipe.cluster import preset
     from graphpipe.runtime import RunOptions, run_plans
     from graphpipe.sched import make_schedule

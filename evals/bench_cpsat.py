@@ -44,7 +44,7 @@ from dataclasses import replace
 from typing import Any
 
 from .common import environment, write_result
-from graphpipe import zoo
+from graphpipe.frontend import zoo
 from graphpipe.cluster import Cluster, preset
 from graphpipe.search.common import SearchOptions
 from graphpipe.search.cpsat import solve

@@ -8,7 +8,7 @@ evals/llm_configs.py:NAME --devices N --batch-size B --cluster C --json``
 in a fresh process (no graph cache, so every run captures the model) and
 records its wall and CPU seconds (user + system), its peak resident memory,
 the plan's own search time (``search.time_s``), and whether the capture cut
-the repeated blocks (:mod:`graphpipe.capture_repeats`; its log says so, or
+the repeated blocks (:mod:`graphpipe.frontend.capture_repeats`; its log says so, or
 why not). Medians over ``--repeat`` runs, the runs of one configuration
 alternating between device counts so both see the same load. A command
 that fails is recorded with its last error line and the next one runs.
@@ -35,9 +35,9 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(graphpipe.__file__)))
 Not this file's parent: installed, this module is ``graphpipe/evals`` and its parent the package itself, whose
 modules (``profile``, ``models``) would shadow the standard library's and other packages'."""
 
-# the plan command, with graphpipe.capture_repeats' log on stderr (whether it cut the stacks, or why not)
+# the plan command, with graphpipe.frontend.capture_repeats' log on stderr (whether it cut the stacks, or why not)
 _PLAN = ("import logging, sys; logging.basicConfig(level=logging.WARNING, format='%(name)s: %(message)s'); "
-         "logging.getLogger('graphpipe.capture_repeats').setLevel(logging.INFO); "
+         "logging.getLogger('graphpipe.frontend.capture_repeats').setLevel(logging.INFO); "
          "sys.argv = ['graphpipe'] + sys.argv[1:]; from graphpipe.cli import console_main; console_main()")
 
 
@@ -69,9 +69,9 @@ def run_plan(name: str, devices: int, batch_size: int, cluster: str) -> dict:
 
 
 def _shortcut(stderr: str) -> str:
-    """What graphpipe.capture_repeats logged: ``yes: <stacks>`` or ``no: <why>``."""
+    """What graphpipe.frontend.capture_repeats logged: ``yes: <stacks>`` or ``no: <why>``."""
     for line in stderr.splitlines():
-        if line.startswith("graphpipe.capture_repeats: "):
+        if line.startswith("graphpipe.frontend.capture_repeats: "):
             text = line.split(": ", 1)[1]
             return f"yes: {text[len('unrolled '):]}" if text.startswith("unrolled ") else f"no: {text}"
     return "no: not logged"

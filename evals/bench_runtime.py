@@ -15,8 +15,8 @@ What it measures (all on ``--ranks`` gloo processes, one torch thread each, pinn
     throughput ratio (target >= 1.15).
 (b) Simulator error ``|predicted - measured| / measured`` of every plan run,
     with the cost model calibrated first: op times from
-    :func:`graphpipe.profile.profile_model` (CPU, one thread, fitted
-    ``alpha + beta*b``) applied with :func:`graphpipe.profile.apply_profile`,
+    :func:`graphpipe.frontend.profile.profile_model` (CPU, one thread, fitted
+    ``alpha + beta*b``) applied with :func:`graphpipe.frontend.profile.apply_profile`,
     and a custom cluster whose link latency and bandwidth come from gloo
     between local processes (:func:`measure_link`) (target < 20%). A profile taken by
     one process on an idle core overstates the speed of a rank that shares
@@ -186,7 +186,7 @@ def _burn(rank: int, seconds_out, ready, start, n: int, spec: str | None, batch_
             nonlocal a
             a = torch.tanh(a @ a * 0.01)
     else:
-        from graphpipe import zoo
+        from graphpipe.frontend import zoo
         from graphpipe.runtime.executor import zero_grads
 
         built = zoo.build(spec, device="cpu", seed=rank)
@@ -315,8 +315,8 @@ def calibrated_graph(spec: str, batch_sizes, repeats: int, cpus_per_rank: int = 
     """``spec``'s graph costed by ``graphpipe profile`` on one thread (pinned as rank 0 when ranks are)."""
     import torch
 
-    from graphpipe import zoo
-    from graphpipe.profile import apply_profile, profile_model
+    from graphpipe.frontend import zoo
+    from graphpipe.frontend.profile import apply_profile, profile_model
     from graphpipe.runtime.worker import pin_rank
 
     torch.set_num_threads(1)  # the ranks run with one thread each
@@ -336,7 +336,7 @@ def auto_cpus_per_rank(ranks: int) -> int:
 
 def plan_for(spec: str, graph, cluster, batch: int, strategy: str, schedule: str | None = None, mbs: int | None = None,
              host=None, recompute: str | None = None):
-    from graphpipe import zoo
+    from graphpipe.frontend import zoo
     from graphpipe.search.common import SearchOptions
     from graphpipe.search.planner import make_plan
 

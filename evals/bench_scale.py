@@ -140,7 +140,7 @@ def cli_time(model: str, counts: tuple[int, ...], strategies: tuple[str, ...] = 
     """Wall time of the whole ``graphpipe plan`` command, one row per device count and strategy:
     ``median_cold_wall_s`` over ``repeat`` runs without the captured-graph cache (``GRAPHPIPE_CACHE_DIR=off``:
     each run captures the model with torch.export, as a model's first plan on a machine does),
-    ``median_wall_s`` over ``repeat`` runs with the model's graph cached (:mod:`graphpipe.graph_cache`,
+    ``median_wall_s`` over ``repeat`` runs with the model's graph cached (:mod:`graphpipe.frontend.graph_cache`,
     filled once per model: its key does not hold the device count)."""
     import tempfile
 

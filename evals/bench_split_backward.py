@@ -4,7 +4,7 @@
 
 A middle stage (two transformer layers of ``bench_api``'s 4-rank model, input
 that needs its gradient) runs forward, I and W with
-:func:`graphpipe.split_backward.backward_input` / ``backward_weight`` and with
+:func:`graphpipe.frontend.split_backward.backward_input` / ``backward_weight`` and with
 torch's ``stage_backward_input`` / ``stage_backward_weight``, and forward plus
 one ordinary backward for reference; the three alternate, and the figure is
 each one's median. It isolates the split's own cost from the pipeline's
@@ -28,8 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
-    from graphpipe import zoo
-    from graphpipe.split_backward import backward_input, backward_weight
+    from graphpipe.frontend import zoo
+    from graphpipe.frontend.split_backward import backward_input, backward_weight
 
     torch.manual_seed(0)
     model = zoo.build("transformer:small,layers=8,hidden=128,seq=32,heads=4,ffn=512,vocab=256", seed=0).module

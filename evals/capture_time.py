@@ -43,7 +43,7 @@ def _factory(case: str):
 
 
 def run(cases=CASES, repeats: int = 3) -> list[dict]:
-    from graphpipe.capture import capture
+    from graphpipe.frontend.capture import capture
 
     rows = []
     for case in cases:

@@ -1,5 +1,5 @@
 """Held-out check of the unrolled capture: every architecture below, its repeated blocks captured once, against
-the whole capture of the same model (graphpipe.capture_repeats).
+the whole capture of the same model (graphpipe.frontend.capture_repeats).
 
     python -m graphpipe.evals.check_unrolled [--only NAME,...] [--out evals]
 
@@ -48,8 +48,8 @@ layers (Gemma-3's period of 6 and Llama-4's of 4 are what the suite's own period
 
 def check(name: str) -> dict:
     """Capture ``name`` unrolled and whole; raises AssertionError naming what differs."""
-    from graphpipe.capture import capture
-    from graphpipe.capture_repeats import repeated_stacks, unrolled_capture
+    from graphpipe.frontend.capture import capture
+    from graphpipe.frontend.capture_repeats import repeated_stacks, unrolled_capture
     from graphpipe.evals.llm_configs import build
 
     layers, expected = CASES[name]

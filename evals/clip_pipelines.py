@@ -63,7 +63,7 @@ def measure_cpu(ranks: int = 4, batch_size: int = 16, steps: int = 6, reps: int 
     """(a): per strategy (and torch's chain), measured median step and the simulator's prediction."""
     from graphpipe.cluster import cluster_from_dict
     from graphpipe.models import load_model
-    from graphpipe.profile import apply_profile, profile_model
+    from graphpipe.frontend.profile import apply_profile, profile_model
     from graphpipe.errors import GraphpipeError
     from graphpipe.runtime import RunOptions, preflight, run_plans
     from graphpipe.sched import SharedHost, predicted_figures, simulate

@@ -39,8 +39,7 @@ SAMPLES_PER_DEVICE = 16
 
 @functools.lru_cache(maxsize=64)
 def _graph(spec: str, cluster_name: str = "v100"):
-    from graphpipe import zoo
-
+    from graphpipe.frontend import zoo
     return zoo.load_graph(spec, device=preset(cluster_name, 1).device)
 
 

@@ -3,7 +3,7 @@
 One point = (model, strategy, schedule) planned and run on ``devices`` CPU
 ranks (gloo, one torch thread per rank). The cost model is calibrated the way
 a user would (``graphpipe profile``): op times from
-:func:`graphpipe.profile.profile_model` fitted to ``alpha + beta*b``, a cluster
+:func:`graphpipe.frontend.profile.profile_model` fitted to ``alpha + beta*b``, a cluster
 whose link latency/bandwidth come from gloo between local processes, and the
 measured slowdown of the model's training step when several ranks compute at
 once (cores, memory bandwidth and cache shared) (see

@@ -48,7 +48,7 @@ def eager_spread(spec: str, micro_batch: int) -> float:
     """Largest |fp32 - fp64| over every gradient of plain eager training, micro-batch by micro-batch, one step."""
     import torch
 
-    from graphpipe.capture import load_factory
+    from graphpipe.frontend.capture import load_factory
 
     f = load_factory(spec)
     model, x, loss_fn, target = f.module, f.args[0], f.loss_fn, f.example_target

@@ -273,7 +273,7 @@ NOTES: dict[str, str] = {
         "remains is Python and torch starting (about 1.5 s) and a model's first plan on a machine capturing it "
         "with torch.export: importing torch._dynamo (1.2-1.5 s) and tracing paper-size MMT's 1,102 nodes with "
         "a symbolic batch (about 3 s), then costing them (about 0.5 s). The captured graph is cached on disk "
-        "(graphpipe.graph_cache), so later plans of the model skip it. Cold wall times move by up to 2 s "
+        "(graphpipe.frontend.graph_cache), so later plans of the model skip it. Cold wall times move by up to 2 s "
         "between runs of the same command on this shared host (7.7-11.3 s for mmt's in one quarter of an hour "
         "in an earlier run), so read the medians as this run's. Piper refuses mmt past 32 devices (4.1 million "
         "downset pairs x 15 sizes) in "

@@ -32,7 +32,7 @@ def _rank(rank: int, port: int, out: str, steps: int, batch: int, mbs: int, plan
     import torch
     import torch.distributed as dist
 
-    from graphpipe import zoo
+    from graphpipe.frontend import zoo
     from graphpipe.runtime.api import Pipeline
 
     pipe = Pipeline(plan_path, seed=0)
@@ -93,7 +93,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     import torch.multiprocessing as mp
 
-    from graphpipe import zoo
+    from graphpipe.frontend import zoo
     from graphpipe.cluster import preset
     from graphpipe.plan import write_plan
     from graphpipe.runtime.launch import free_port

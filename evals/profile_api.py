@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from graphpipe import zoo
+    from graphpipe.frontend import zoo
     from graphpipe.runtime.api import Pipeline
 
     from .bench_api import api_step_of, loop_step_of, one_rank_plan

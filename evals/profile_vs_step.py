@@ -2,7 +2,7 @@
 
 One process, one device: the model's own forward and forward + backward
 (medians over ``--steps`` after 5 warm-ups), beside the sums over ops of
-:func:`graphpipe.profile.time_ops` at the same micro-batch size (B timed as
+:func:`graphpipe.frontend.profile.time_ops` at the same micro-batch size (B timed as
 one call, W's share from the I/W split). A ratio near 1 says the per-op
 costs a plan is built from are the costs of the model; pipeline stages add
 their own (communication, the executor's per-action work), which
@@ -33,9 +33,9 @@ __all__ = ["compare"]
 def compare(spec: str, device: str = "cpu", precision: str = "fp32", batch_size: int = 4, steps: int = 20,
             repeats: int = 10) -> dict[str, Any]:
     """Whole-model forward / step seconds and the profile's per-op sums, at one micro-batch size."""
-    from graphpipe import capture as cap
-    from graphpipe import zoo
-    from graphpipe.profile import time_ops
+    from graphpipe.frontend import capture as cap
+    from graphpipe.frontend import zoo
+    from graphpipe.frontend.profile import time_ops
 
     dev = torch.device(device)
     built = zoo.build(spec, dev)

@@ -36,7 +36,7 @@ TINY = "transformer:small"
 
 
 def _plan(spec: str, ranks: int, batch: int, memory_gb: float | None):
-    from graphpipe import zoo
+    from graphpipe.frontend import zoo
     from graphpipe.cluster import preset
     from graphpipe.search.common import SearchOptions
     from graphpipe.search.planner import make_plan

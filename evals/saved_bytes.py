@@ -1,6 +1,6 @@
 """What one forward saves for backward, per aten op, on each device and precision (the memory model's inputs).
 
-``graphpipe.capture`` charges every op the bytes its forward saves for
+``graphpipe.frontend.capture`` charges every op the bytes its forward saves for
 backward (``act_bytes``), measured once on the meta device with the CPU
 kernels' saves at fp32. This module measures the same quantity on a real
 device and precision. Each saved storage is labelled with the aten op
@@ -55,7 +55,7 @@ class _LastOp(TorchDispatchMode):
 
 def saved_by_op(spec: str, device: str, precision: str, batch_size: int = 4, seed: int = 0) -> dict[str, int]:
     """``{"aten_op:dtype": bytes}`` saved for backward by one forward and loss of ``spec`` on ``batch_size`` samples."""
-    from graphpipe import zoo
+    from graphpipe.frontend import zoo
     from graphpipe.runtime.measure import SavedBytesMeter
 
     built = zoo.build(spec, device, seed)

@@ -32,7 +32,9 @@ def measure(spec: str, batch_size: int, mode: str) -> dict:
     import torch
     import torch.utils.checkpoint as cp
 
-    from graphpipe import costs, zoo
+    from graphpipe import costs
+
+    from graphpipe.frontend import zoo
     from graphpipe.runtime.runnable import load_runnable
     from graphpipe.runtime.stage_modules import split_model
     from graphpipe.stages import Stage, StageGraph

@@ -41,7 +41,7 @@ def async_throughput_config(quick: bool) -> dict[str, Any]:
 
 
 def _pipedream_plan(model: str, devices: int, batch_size: int):
-    from graphpipe import zoo
+    from graphpipe.frontend import zoo
     from graphpipe.search.planner import make_plan
 
     return make_plan(model, zoo.load_graph(model), preset("v100", devices), batch_size, "pipedream", schedule="1f1b")
@@ -101,7 +101,7 @@ def staleness_config(quick: bool) -> dict[str, Any]:
 
 def _pipeline(config: dict[str, Any]):
     """The model's op order cut into ``devices`` contiguous stages of near-equal time, one per rank."""
-    from graphpipe import zoo
+    from graphpipe.frontend import zoo
     from graphpipe.plan import Plan
     from graphpipe.sched import make_schedule, predicted_figures, simulate
     from graphpipe.sched.generators import round_robin_chain

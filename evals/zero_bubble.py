@@ -108,7 +108,7 @@ def _rows_for(model: str, n: int, batch: int, strategy: str, schedules: list[str
 def gantt_plans(gantt: dict[str, Any], cluster_name: str) -> dict[str, Any]:
     """Schedule name -> plan of the Gantt figure's case: the chain schedules on an even chain of one stage per
     device, ZB-V and DualPipeV on the V of twice as many stages (each device holds the same ops' work)."""
-    from graphpipe import zoo
+    from graphpipe.frontend import zoo
     from graphpipe.cluster import preset
     from graphpipe.plan import Plan
     from graphpipe.sched import make_schedule, round_robin_chain, v_shape_chain

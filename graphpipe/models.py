@@ -8,7 +8,7 @@ A MODEL is one of
   (or the folder holding it), which carry their own costs;
 * ``path/to/file.py:factory`` where ``factory()`` returns
   ``(module, example_inputs, loss_fn[, example_target])``, captured with
-  ``torch.export`` (:mod:`graphpipe.capture`).
+  ``torch.export`` (:mod:`graphpipe.frontend.capture`).
 
 The CLI, the runtime and the evals all resolve models through
 :func:`load_model`, so a spec means the same thing everywhere.
@@ -73,11 +73,11 @@ def load_model(spec: str, device: DeviceSpec | None = None, pipedream_batch_size
     files carry their own costs. ``pipedream_batch_size`` is the batch a
     PipeDream profile was measured at (its times are per batch). Captured
     modules measure activation bytes at ``precision`` and are cut into ops
-    at ``granularity`` (:meth:`graphpipe.capture.Granularity.parse`).
+    at ``granularity`` (:meth:`graphpipe.frontend.capture.Granularity.parse`).
     """
     if ".py:" in spec:
-        from graphpipe.capture import Granularity
-        from graphpipe.capture_repeats import graph_from_factory
+        from graphpipe.frontend.capture import Granularity
+        from graphpipe.frontend.capture_repeats import graph_from_factory
 
         path, factory = spec.rsplit(":", 1)
         from graphpipe.progress import slow_notice
@@ -101,7 +101,6 @@ def load_model(spec: str, device: DeviceSpec | None = None, pipedream_batch_size
     if precision != "fp32" or granularity:
         if spec.endswith((".json", ".txt")):
             raise InputError("--precision and --granularity apply to captured modules, not to graph files")
-    from graphpipe import zoo
-
+    from graphpipe.frontend import zoo
     return ModelSource(zoo.load_graph(spec, device=device, precision=precision, granularity=granularity),
                        zoo.canonical_spec(spec), "zoo")

@@ -1,9 +1,9 @@
 """The zoo models' size configurations: plain frozen dataclasses, free of torch.
 
-They live apart from :mod:`graphpipe.zoo_models` (the ``nn.Module``
+They live apart from :mod:`graphpipe.frontend.zoo_models` (the ``nn.Module``
 definitions) so that parsing a zoo spec, its canonical spelling and the
 graph cache's key need no torch: planning a zoo model whose graph is cached
-never imports it. :mod:`graphpipe.zoo` owns the presets and the parsing.
+never imports it. :mod:`graphpipe.frontend.zoo` owns the presets and the parsing.
 
 Example
 -------

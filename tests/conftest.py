@@ -21,7 +21,7 @@ PROFILE_NAMES = ("alexnet", "gnmt", "inception_v3", "nasnetamobile", "resnet18",
 
 
 def pytest_configure(config) -> None:
-    """The captured-graph cache (graphpipe.graph_cache) in a folder of this session's own, shared with the
+    """The captured-graph cache (graphpipe.frontend.graph_cache) in a folder of this session's own, shared with the
     subprocesses it starts and, under pytest-xdist, with the workers (started after this ran in the controller,
     they inherit its folder; writes are atomic): tests never read or fill the user's ~/.cache, and repeat
     captures are still saved once for all."""

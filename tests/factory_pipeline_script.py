@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import graphpipe
-from graphpipe.capture import load_factory
+from graphpipe.frontend.capture import load_factory
 from graphpipe.plan import read_plan
 
 

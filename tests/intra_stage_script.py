@@ -19,7 +19,7 @@ import torch.distributed.nn  # noqa: F401  (before the group is up: see graphpip
 import torch.distributed as dist
 
 import graphpipe
-from graphpipe.capture import load_factory
+from graphpipe.frontend.capture import load_factory
 from graphpipe.plan import read_plan
 
 

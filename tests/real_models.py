@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from graphpipe.zoo_models import Layer
+from graphpipe.frontend.layer import Layer
 
 BATCH = 8
 

@@ -15,7 +15,7 @@ import types
 import pytest
 import torch
 
-from graphpipe import zoo
+from graphpipe.frontend import zoo
 from graphpipe.runtime.options import CHECK_ATOL, CHECK_RTOL
 
 from test_runtime_units import _plan, one_rank_group  # noqa: F401  (the fixture)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphpipe import zoo
+from graphpipe.frontend import zoo
 from graphpipe.cluster import preset
 from graphpipe.plan import Plan
 from graphpipe.runtime import RunOptions, run_plans

@@ -192,7 +192,7 @@ def test_cli_simulates_async_and_refuses_bad_flags(tmp_path, capsys):
 def test_async_steady_state_is_never_below_the_flush_on_pipedream_plans(model):
     """Acceptance: PipeDream's plans at 4/8/16 devices (round-robin replicas among them); the stream drops the
     flush bubble and pays each update's all-reduce, and still beats the flushing 1F1B (PipeDream-Flush)."""
-    from graphpipe import zoo
+    from graphpipe.frontend import zoo
     from graphpipe.search.planner import make_plan
 
     graph = zoo.load_graph(model)
@@ -205,7 +205,7 @@ def test_async_steady_state_is_never_below_the_flush_on_pipedream_plans(model):
 
 
 def test_run_refuses_2bw_whose_m_does_not_divide_the_streamed_micro_batches(tmp_path, capsys):
-    from graphpipe import zoo
+    from graphpipe.frontend import zoo
     from graphpipe.plan import write_plan
 
     graph = zoo.load_graph("transformer:small")

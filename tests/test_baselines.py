@@ -291,7 +291,7 @@ def candle_uno_like(num_branches: int = 7, layers: int = 4) -> OpGraph:
 
 
 def _zoo_graph(name):
-    zoo = pytest.importorskip("graphpipe.zoo", reason="graphpipe.zoo not present")
+    zoo = pytest.importorskip("graphpipe.frontend.zoo", reason="graphpipe.frontend.zoo not present")
     return zoo.load_graph(name)
 
 

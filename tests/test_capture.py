@@ -17,9 +17,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from graphpipe import zoo
-from graphpipe.capture import capture, load_factory, split_by_ops
-from graphpipe.capture_repeats import graph_from_factory
+from graphpipe.frontend import zoo
+from graphpipe.frontend.capture import capture, load_factory, split_by_ops
+from graphpipe.frontend.capture_repeats import graph_from_factory
 from graphpipe.errors import InputError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -279,7 +279,7 @@ def test_embedding_bag_act_bytes_are_what_a_cpu_step_saves():
     saves other, smaller tensors. Capture charges what the CPU step saves (the runtime's meter on the same
     forward), the input indices (resident data) excluded."""
     from graphpipe.runtime.measure import SavedBytesMeter
-    from graphpipe.zoo_models import EmbeddingBagTable
+    from graphpipe.frontend.zoo_models import EmbeddingBagTable
 
     batch, bag = 4, 5
     table = EmbeddingBagTable(50, 8)
@@ -399,7 +399,7 @@ def test_a_custom_backward_the_probe_cannot_run_is_captured_with_a_warning(caplo
     torch.manual_seed(0)
     model, x = _AfterLinear(), torch.randn(4, 4)
     loss_fn = lambda out: out.square().sum()  # noqa: E731
-    with caplog.at_level("WARNING", logger="graphpipe.capture"):
+    with caplog.at_level("WARNING", logger="graphpipe.frontend.capture"):
         cap = capture(model, (x,), loss_fn=loss_fn)
     assert "could not compare the custom autograd.Function _InPlaceDouble's backward" in caplog.text
     expected = torch.autograd.grad(loss_fn(model(x)), list(model.parameters()))

@@ -1,13 +1,13 @@
-"""Capturing a stack of identical blocks once (graphpipe.capture_repeats): the oracle is the whole capture."""
+"""Capturing a stack of identical blocks once (graphpipe.frontend.capture_repeats): the oracle is the whole capture."""
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from graphpipe import zoo
-from graphpipe.capture import capture
-from graphpipe.capture_repeats import KEPT, Stack, capture_graph, repeated_stacks, same_blocks, unrolled_capture
+from graphpipe.frontend import zoo
+from graphpipe.frontend.capture import capture
+from graphpipe.frontend.capture_repeats import KEPT, Stack, capture_graph, repeated_stacks, same_blocks, unrolled_capture
 from graphpipe.evals.check_unrolled import IN_SUITE, check
 
 

@@ -305,7 +305,7 @@ def test_trace_and_gantt_show_the_recomputed_forward_inside_b(tmp_path):
 
 def test_recompute_plan_refused_by_the_torch_baseline_one_line_exit_2(tmp_path):
     """torch.distributed.pipelining stages do not re-materialize: refused before launch."""
-    from graphpipe import zoo
+    from graphpipe.frontend import zoo
     from graphpipe.plan import write_plan
     from graphpipe.search.planner import make_plan
 

@@ -26,8 +26,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _eager_and_captured(factory: str):
-    from graphpipe.capture import load_factory, trace_ops
-    from graphpipe.exporting import normalize_inputs
+    from graphpipe.frontend.capture import load_factory, trace_ops
+    from graphpipe.frontend.exporting import normalize_inputs
 
     made = load_factory(f"{EDGES}:{factory}")
     exported, op_nodes, _ = trace_ops(made.module, made.example_inputs, made.loss_fn)
@@ -59,7 +59,7 @@ def test_non_tensor_inputs_are_part_of_the_captured_program():
 def test_pipeline_steps_a_model_with_non_tensor_inputs_and_refuses_another_value(one_rank_group):
     """``Pipeline.step`` on the bool/int/str/None inputs (two stages on one rank): the loss and every gradient of
     the eager module's micro-batched loop; a step with ``output_hidden_states=False`` is one-line InputError."""
-    from graphpipe.capture import load_factory
+    from graphpipe.frontend.capture import load_factory
     from graphpipe.runtime.api import Pipeline
 
     made = load_factory(f"{EDGES}:flagged")
@@ -118,7 +118,7 @@ def test_dtype_dependent_constants_run_at_fp32_and_under_bf16_autocast():
     """DETR's ``clamp(h, ±(finfo(h.dtype).max - 1000))`` and a ``masked_fill(mask, finfo(dtype).min)``: captured at
     fp32, the graph holds bf16-safe extremes, so it runs under bf16 autocast (a bf16 tensor cannot take fp32's
     extremes) and equals the eager module at both precisions; ``inspect`` says how the program was captured."""
-    from graphpipe.export_inputs import bf16_safe_constants
+    from graphpipe.frontend.export_inputs import bf16_safe_constants
 
     made, exported, _, (args, _) = _eager_and_captured("dtype_dependent")
     gm = exported.gm
@@ -177,7 +177,7 @@ def test_a_gnn_with_its_batch_folded_into_the_nodes_is_one_op_named_after_its_mo
     """Every value between the convolutions and the head is ``(batch * nodes, dim)``: one op, named after the
     modules it spans (``convs+lin``, kind ``folded``), not after its first member with kind ``glue``; MobileViT's
     shape (blocks of ``mix`` on unfolded patches) is named after the module the blocks share."""
-    from graphpipe.capture import captured_from_factory
+    from graphpipe.frontend.capture import captured_from_factory
 
     cap = captured_from_factory(f"{EDGES}:folded_gnn")
     assert [(op.name, op.kind) for op in cap.graph.ops] == [("convs+lin", "folded")]
@@ -222,7 +222,7 @@ def test_a_pipeline_checkpoint_loads_into_the_plain_module(one_rank_group, tmp_p
     ``post_layernorm`` and the never-read buffer included, and the tied head of a GPT-style toy under the
     embedding's name: ``load_into_module`` fills a fresh plain module with strict ``load_state_dict``, and it
     computes what the pipeline computes."""
-    from graphpipe.capture import load_factory
+    from graphpipe.frontend.capture import load_factory
     from graphpipe.runtime.api import Pipeline
     from graphpipe.runtime.checkpoint import checkpoint_layout, load_into_module
     from test_real_models import TIED, TIED_STAGES

@@ -96,7 +96,7 @@ def test_quick_throughput_orders_strategies_like_the_simulator(quick_run):
     from graphpipe.cluster import preset
     from graphpipe.sched import simulate
     from graphpipe.search.planner import make_plan
-    from graphpipe.zoo import load_graph
+    from graphpipe.frontend.zoo import load_graph
 
     with open(os.path.join(quick_run, "results", "throughput.json")) as fh:
         res = json.load(fh)
@@ -168,7 +168,7 @@ def test_bootstrap_interval_brackets_the_median_and_is_reproducible():
 
 def test_runtime_prediction_on_a_shared_host():
     """No slowdown: the plain simulator. One core for four ranks: every action's time, back to back."""
-    from graphpipe import zoo
+    from graphpipe.frontend import zoo
     from graphpipe.cluster import preset
     from graphpipe.sched import simulate
 
@@ -214,7 +214,7 @@ def test_saved_bytes_on_cpu_at_fp32_are_what_capture_charges():
     saves the graph's summed act_bytes per sample (capture measures them on meta with the CPU kernels' saves).
     At capture's example batch (4): a tensor whose size does not depend on the batch (transformer's position
     ids) is charged per sample as its bytes over that batch."""
-    from graphpipe import zoo
+    from graphpipe.frontend import zoo
     from graphpipe.evals.saved_bytes import compare, saved_by_op
 
     for spec in ("mmt:small", "transformer:small", "candle-uno:small"):
@@ -232,7 +232,7 @@ def test_saved_bytes_on_cpu_at_fp32_are_what_capture_charges():
 def test_runtime_bench_compares_torch_on_a_plan_it_runs():
     """(c) of the runtime bench hands one plan to our executor and to torch.distributed.pipelining, which
     refuses re-materializing stages; GPipe's own default (recompute all) once broke the bench there."""
-    from graphpipe import zoo
+    from graphpipe.frontend import zoo
     from graphpipe.cluster import preset
     from graphpipe.runtime import RunOptions, preflight
 

@@ -1,4 +1,4 @@
-"""Values no stage boundary may cut (``graphpipe/folded.py``): the ops they join are merged at capture.
+"""Values no stage boundary may cut (``graphpipe/frontend/folded.py``): the ops they join are merged at capture.
 
 Oracles: the runtime's own test of a boundary value (``boundary_meta`` runs
 the graph at two batch sizes and refuses a value whose dim 0 does not follow
@@ -28,9 +28,9 @@ def _crossing(runnable) -> list:
 
 
 def test_capture_lets_cross_exactly_the_values_the_runtime_can_split(monkeypatch):
-    import graphpipe.capture as capture
+    import graphpipe.frontend.capture as capture
     from graphpipe.errors import PlanError
-    from graphpipe.folded import splittable
+    from graphpipe.frontend.folded import splittable
     from graphpipe.runtime.runnable import build_runnable
     from graphpipe.runtime.stage_modules import boundary_meta
 
@@ -108,7 +108,7 @@ class _Cycle(nn.Module):
 def test_merging_two_ops_also_merges_the_op_on_a_path_between_them():
     """blocks.0 hands blocks.2 a folded value and blocks.1 a batch-major one that blocks.2 reads too: merging
     blocks.0 and blocks.2 alone would leave blocks.1 both after and before the merged op."""
-    from graphpipe.capture import capture
+    from graphpipe.frontend.capture import capture
 
     cap = capture(_Cycle(), (torch.randn(3, 8),), name="cycle", loss_fn=lambda out: out.pow(2).mean())
     assert [op.name for op in cap.graph.ops] == ["blocks"]  # named after the module its members share
@@ -137,7 +137,7 @@ def test_a_pipeline_over_ranks_trains_and_evaluates_a_sequence_first_model_as_on
 
     from test_api import torchrun
 
-    from graphpipe.capture import load_factory
+    from graphpipe.frontend.capture import load_factory
     from graphpipe.plan import write_plan
 
     plan_path = str(tmp_path / "plan.json")

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from graphpipe import graph_cache, zoo
+from graphpipe.frontend import graph_cache, zoo
 from graphpipe.cluster import preset
 from graphpipe.search.common import SearchOptions
 from graphpipe.search.planner import make_plan

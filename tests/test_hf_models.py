@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("transformers")
 
 from graphpipe.cluster import preset  # noqa: E402
-from graphpipe.capture import captured_from_factory  # noqa: E402
+from graphpipe.frontend.capture import captured_from_factory  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SPEC = os.path.join(HERE, "hf_models.py")
@@ -42,7 +42,7 @@ def test_inspect_real_models_parameter_bytes_and_numerics(name):
     assert cap.graph.param_bytes == sum(p.numel() * p.element_size() for p in module.parameters())
     assert cap.graph.num_ops >= 4 and sum(op.fwd.beta for op in cap.graph.ops) > 0
     # the captured graph computes the module's loss (run at another batch size than the example's)
-    made = __import__("graphpipe.capture", fromlist=["load_factory"]).load_factory(spec)
+    made = __import__("graphpipe.frontend.capture", fromlist=["load_factory"]).load_factory(spec)
     args, kwargs = made.args, made.kwargs
     double = lambda t: torch.cat([t, t]) if isinstance(t, torch.Tensor) else t  # noqa: E731
     args, kwargs = tuple(double(a) for a in args), {k: double(v) for k, v in kwargs.items()}
@@ -149,7 +149,7 @@ def test_meta_device_llama_capture_allocates_nothing():
     """A factory may build on the meta device: capture then costs the model without weights."""
     import hf_models
 
-    from graphpipe.capture import capture
+    from graphpipe.frontend.capture import capture
 
     cfg = hf_models.llama_config(layers=4, hidden=1024, heads=8, kv_heads=4, ffn=2816, tie=True)
     model, inputs, loss_fn, target = hf_models.llama_meta(cfg)
@@ -189,7 +189,7 @@ def test_export_refusal_is_one_line_with_the_source_location(tmp_path, capfd):
 
 
 def test_inputs_without_batch_dimension_are_named():
-    from graphpipe.capture import capture
+    from graphpipe.frontend.capture import capture
     from graphpipe.errors import InputError
 
     m = torch.nn.Linear(4, 4)

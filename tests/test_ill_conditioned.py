@@ -40,7 +40,7 @@ def _convex(nodes: set, graph_nodes) -> bool:
 
 
 def test_a_block_running_its_own_ops_around_its_children_is_cut_into_ops_the_stages_can_order():
-    from graphpipe.capture import captured_from_factory
+    from graphpipe.frontend.capture import captured_from_factory
 
     cap = captured_from_factory(os.path.join(os.path.dirname(MODELS), "model_classes.py") + ":reentrant")
     names = [op.name for op in cap.graph.ops]
@@ -65,7 +65,7 @@ def _random_graph(rng: random.Random, size: int, ops: int):
 
 
 def test_pieces_of_a_cut_op_are_never_left_and_reentered_on_random_graphs():
-    from graphpipe.reentrant import cyclic_ops, split_reentrant_ops
+    from graphpipe.frontend.reentrant import cyclic_ops, split_reentrant_ops
 
     rng = random.Random(0)
     split_some = 0
@@ -99,7 +99,7 @@ def test_pieces_of_a_cut_op_are_never_left_and_reentered_on_random_graphs():
 # ------------------------------------------------------------------ the shard-by-shard reference
 @pytest.mark.parametrize("spec", [ILL, REENTRANT])
 def test_the_reference_of_a_plan_with_one_shard_size_is_plain_gradient_accumulation(spec):
-    from graphpipe.capture import load_factory
+    from graphpipe.frontend.capture import load_factory
     from graphpipe.runtime.reference import reference_run, uniform_rows
     from graphpipe.runtime.runnable import data_seed, load_runnable
 
@@ -189,12 +189,12 @@ def test_the_whole_batch_reference_runs_each_row_kernel_on_its_stages_rows():
 
 
 def test_a_stack_of_reentrant_blocks_captured_once_equals_the_whole_capture():
-    """Planning captures a stack of identical blocks once and unrolls it (graphpipe.capture_repeats): the pieces
+    """Planning captures a stack of identical blocks once and unrolls it (graphpipe.frontend.capture_repeats): the pieces
     ``blocks.k`` and ``blocks.k[1]`` of every block come out as the whole capture makes them."""
     from model_classes import SEBlock
 
-    from graphpipe.capture import capture
-    from graphpipe.capture_repeats import unrolled_capture
+    from graphpipe.frontend.capture import capture
+    from graphpipe.frontend.capture_repeats import unrolled_capture
 
     class Deep(torch.nn.Module):
         def __init__(self):

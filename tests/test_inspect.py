@@ -92,15 +92,15 @@ def test_bad_inputs_exit_2_with_one_line(tmp_path, capsys):
     assert_one_line_error(capsys, ["inspect", str(bad_txt.parent)], f"{bad_txt}:1:")
 
 
-ZOO_READY = importlib.util.find_spec("graphpipe.zoo") is not None and importlib.util.find_spec("torch") is not None
+ZOO_READY = importlib.util.find_spec("graphpipe.frontend.zoo") is not None and importlib.util.find_spec("torch") is not None
 
 
-@pytest.mark.skipif(not ZOO_READY, reason="graphpipe.zoo (or torch) not available")
+@pytest.mark.skipif(not ZOO_READY, reason="graphpipe.frontend.zoo (or torch) not available")
 def test_unknown_zoo_model_lists_known_ones(capsys):
     assert_one_line_error(capsys, ["inspect", "no-such-model"], "mmt")
 
 
-@pytest.mark.skipif(not ZOO_READY, reason="graphpipe.zoo (or torch) not available")
+@pytest.mark.skipif(not ZOO_READY, reason="graphpipe.frontend.zoo (or torch) not available")
 @pytest.mark.parametrize("spec,branches", [("mmt", 4), ("candle-uno", 7)])
 def test_zoo_models_branch_counts(capsys, spec, branches):
     """Paper configs (Appendix A.2): MMT has 4 modality branches, CANDLE-Uno 7 feature branches."""

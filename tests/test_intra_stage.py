@@ -128,7 +128,7 @@ def test_a_tp_degree_the_heads_cannot_take_is_refused_naming_the_op():
     plan = models.hand_plan(f"{SPEC}:llama", [(("model.model.embed", "model.model.layers.0"), (0, 1, 2, 3), 4, "none"),
                                                (("",), (4,), 1, "none")])
     model = models.llama()[0]
-    from graphpipe.capture import Granularity, trace_ops
+    from graphpipe.frontend.capture import Granularity, trace_ops
     from graphpipe.runtime.runnable import plan_granularity
 
     exported, op_nodes, _ = trace_ops(model, models.llama()[1], models._next_token, models.llama()[3],

@@ -51,7 +51,7 @@ def _plan(devices: tuple[int, ...], num_devices: int, per_node: int | None = Non
     """transformer:small in one stage replicated over ``devices`` of ``num_devices``."""
     from dataclasses import replace
 
-    from graphpipe import zoo
+    from graphpipe.frontend import zoo
     from graphpipe.cluster import preset
     from graphpipe.plan import Plan
     from graphpipe.sched.generators import gpipe

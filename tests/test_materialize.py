@@ -132,7 +132,7 @@ def test_device_literals_captured_on_meta_are_retargeted():
 
 
 def _plan(spec: str = "mmt:small", devices: int = 3):
-    from graphpipe import zoo
+    from graphpipe.frontend import zoo
     from graphpipe.cluster import preset
     from graphpipe.search.common import SearchOptions
     from graphpipe.search.planner import make_plan

@@ -169,7 +169,7 @@ def test_bf16_capture_of_meta_models_equals_the_fp32_graph():
     sys.path.insert(0, HERE)
     import hf_models
 
-    from graphpipe.capture import capture
+    from graphpipe.frontend.capture import capture
 
     for made in (hf_models.llama(layers=2, hidden=32, meta=True), hf_models.gpt2_meta()):
         model, inputs, loss_fn, target = made
@@ -188,7 +188,7 @@ def test_grouped_matmul_experts_cost_what_batched_experts_cost():
     sys.path.insert(0, HERE)
     import hf_models
 
-    from graphpipe.capture import capture
+    from graphpipe.frontend.capture import capture
 
     costs = {}
     for impl in (None, "batched_mm"):
@@ -201,7 +201,7 @@ def test_grouped_matmul_experts_cost_what_batched_experts_cost():
 def test_grouped_mm_formula_equals_the_matmuls_it_stands_for():
     from torch.utils.flop_counter import FlopCounterMode
 
-    from graphpipe.flops import flop_counter
+    from graphpipe.frontend.flops import flop_counter
 
     a, b = torch.randn(12, 16), torch.randn(4, 16, 8)
     offs = torch.tensor([3, 3, 9, 12], dtype=torch.int32)  # an expert with no rows
@@ -217,22 +217,22 @@ def test_grouped_mm_formula_equals_the_matmuls_it_stands_for():
 
 
 def test_ops_without_a_flop_formula_are_named_once(caplog):
-    from graphpipe.capture import capture
+    from graphpipe.frontend.capture import capture
 
     sys_path = __import__("sys").path
     sys_path.insert(0, HERE)
     import model_classes
 
     model, inputs, loss_fn = model_classes.custom_op()
-    with caplog.at_level(logging.WARNING, logger="graphpipe.flops"):
+    with caplog.at_level(logging.WARNING, logger="graphpipe.frontend.flops"):
         capture(model, inputs, name="custom", loss_fn=loss_fn)
         capture(model, inputs, name="custom", loss_fn=loss_fn)  # the same model again: no second warning
-    warnings = [r.getMessage() for r in caplog.records if r.name == "graphpipe.flops"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "graphpipe.frontend.flops"]
     assert len(warnings) == 1 and "graphpipe_tests::fused_scale" in warnings[0] and "aten" not in warnings[0]
 
 
 def test_interpolation_is_cheap_and_a_matmul_counted_at_zero_is_not():
-    from graphpipe.flops import UnknownCosts
+    from graphpipe.frontend.flops import UnknownCosts
 
     unknown = UnknownCosts()
     unknown.note(torch.ops.aten.upsample_bilinear2d.vec, 0)  # MobileViT's and segmentation heads' resizing
@@ -412,7 +412,7 @@ def test_float64_graph_widens_the_dtypes_the_export_spelled_out():
 def test_a_factory_model_is_profiled_under_the_plans_op_names():
     """graphpipe profile on file.py:factory models (keyword inputs, a loss target): the profile applies to the
     graph the planner captures."""
-    from graphpipe.profile import apply_profile, profile_model
+    from graphpipe.frontend.profile import apply_profile, profile_model
 
     for spec in (CHAIN_TARGET, CHAIN_KEYWORDS):
         profile = profile_model(spec, batch_sizes=(1, 2), repeats=1, warmup=0)

@@ -15,7 +15,7 @@ import networkx as nx
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SUBPACKAGES = ("graphpipe.search", "graphpipe.sched", "graphpipe.runtime", "graphpipe.cli", "graphpipe.evals")
+SUBPACKAGES = ("graphpipe.frontend", "graphpipe.search", "graphpipe.sched", "graphpipe.runtime", "graphpipe.cli", "graphpipe.evals")
 
 
 def _modules() -> dict[str, str]:
@@ -92,12 +92,43 @@ def test_the_layers_point_down():
     core = [m for m in graph if not any(_in(m, p) for p in SUBPACKAGES)]
     for a, b in graph.edges:
         if a in core and a not in ("graphpipe", "graphpipe.__main__"):
+            if a in FRONTEND_DOORS and _in(b, "graphpipe.frontend"):
+                continue
             assert not any(_in(b, p) for p in SUBPACKAGES), f"core module {a} imports {b}"
         if _in(a, "graphpipe.sched"):
             assert not _in(b, "graphpipe.search"), f"{a} imports {b}"
         if _in(b, "graphpipe.runtime") and not _in(a, "graphpipe.runtime"):
             assert _in(a, "graphpipe.cli") or _in(a, "graphpipe.evals") or (a, b) == ("graphpipe", "graphpipe.runtime.api"), \
                 f"{a} imports {b}"
+
+
+FRONTEND_DOORS = ("graphpipe.models", "graphpipe.planning")
+"""Core modules that may reach the torch front end, lazily: the MODEL-spec resolver and the planning API (a spec
+given to either may be a module to capture)."""
+
+
+def _imports_torch(path: str) -> list[int]:
+    """Lines of ``path`` that import torch (at module level or inside a function)."""
+    tree = ast.parse(open(path, encoding="utf-8").read(), path)
+    return [n.lineno for n in ast.walk(tree)
+            if isinstance(n, ast.Import) and any(a.name.split(".")[0] == "torch" for a in n.names)
+            or isinstance(n, ast.ImportFrom) and not n.level and (n.module or "").split(".")[0] == "torch"]
+
+
+def test_the_core_is_torch_free():
+    """Every top-level ``graphpipe/*.py`` module plans without torch: torch lives in the front end (capture,
+    export, zoo, profile) and the runtime, never in the core beside them."""
+    core = {m: p for m, p in _modules().items() if m.count(".") == 1 and m.startswith("graphpipe.")
+            and not p.endswith("__init__.py")}
+    assert "graphpipe.graph" in core and "graphpipe.plan" in core
+    bad = {m: _imports_torch(p) for m, p in core.items() if _imports_torch(p)}
+    assert not bad, f"core modules importing torch (module: lines): {bad}"
+
+
+def test_the_torch_check_sees_a_planted_import(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text("def f():\n    import torch.nn as nn\n    from torch import fx\n")
+    assert _imports_torch(str(path)) == [2, 3]
 
 
 def test_the_check_sees_a_planted_cycle(tmp_path, monkeypatch):

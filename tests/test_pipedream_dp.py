@@ -319,7 +319,7 @@ def test_split_pair_rows_equal_the_optimizers_dense_loops(spec, memory):
     """Every row of a lower level (the top one reads row 0 only), swept over the split pairs ``(j, k)``
     with ``k`` an ancestor of ``j``, gives the tables of the optimizer's loops over every ``(i, j, k, m, m')``:
     the same times and the same choices (first of equal times), memory binding or not."""
-    from graphpipe import zoo
+    from graphpipe.frontend import zoo
     from graphpipe.search.pipedream_dp import _level, _ranges, state_sums
 
     g = zoo.load_graph(spec, preset("v100", 4).device)

@@ -104,7 +104,7 @@ def test_a_factory_tuple_plans_like_its_spec(tmp_path):
                     "    return net, (torch.randn(8, 32),), lambda out: out.sum()\n")
     spec = f"{path}:make"
     by_spec = graphpipe.plan(spec, devices=2, batch_size=8, schedule="1f1b")
-    from graphpipe.capture import load_factory
+    from graphpipe.frontend.capture import load_factory
 
     made = load_factory(spec)
     torch.manual_seed(0)

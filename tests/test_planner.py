@@ -112,7 +112,7 @@ ZOO_MODELS = ("mmt", "dlrm", "candle-uno", "transformer", "twobranch")
 @pytest.mark.slow
 @pytest.mark.parametrize("spec", ZOO_MODELS)
 def test_gpp_never_worse_than_spp_on_zoo(spec):
-    zoo = pytest.importorskip("graphpipe.zoo")
+    zoo = pytest.importorskip("graphpipe.frontend.zoo")
     options = SearchOptions(max_downsets=20_000)  # Piper where it is tractable, its refusal elsewhere
     for n in (2, 8, 32):  # a sample of 2..32, kept small for the suite's time budget
         cluster = preset("v100", n)
@@ -150,7 +150,7 @@ def test_gpp_never_worse_than_spp_on_profiles(name, device_counts):
 @pytest.mark.slow
 @pytest.mark.parametrize("spec", ["mmt", "dlrm"])
 def test_gpp_never_worse_than_spp_under_tight_memory(spec):
-    zoo = pytest.importorskip("graphpipe.zoo")
+    zoo = pytest.importorskip("graphpipe.frontend.zoo")
     options = SearchOptions(max_downsets=20_000)
     cluster = preset("v100", 8).with_memory(4e9)  # a quarter of a V100: memory now shapes every plan
     graph = zoo.load_graph(spec, cluster.device)

@@ -11,7 +11,7 @@ import pytest
 
 from graphpipe.cluster import PRESETS, cluster_from_dict, cluster_to_dict, preset
 from graphpipe.errors import FormatError, InputError
-from graphpipe.profile import Profile, profile_from_dict, profile_to_dict
+from graphpipe.frontend.profile import Profile, profile_from_dict, profile_to_dict
 
 
 def _cli(*args):
@@ -85,8 +85,8 @@ def test_bf16_capture_equals_a_bf16_step_measured_by_the_runtime_meter(spec):
     tensors) give the same bytes; bf16 keeps less than fp32 on the attention models."""
     import torch
 
-    from graphpipe import zoo
-    from graphpipe.capture import capture
+    from graphpipe.frontend import zoo
+    from graphpipe.frontend.capture import capture
     from graphpipe.runtime.measure import SavedBytesMeter
 
     built, meta = zoo.build(spec), zoo.build(spec, device="meta")
@@ -160,8 +160,8 @@ def test_bf16_capture_on_cuda_bounds_a_cuda_autocast_step():
         pytest.skip("needs CUDA")
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from graphpipe import zoo
-    from graphpipe.capture import capture
+    from graphpipe.frontend import zoo
+    from graphpipe.frontend.capture import capture
     from graphpipe.runtime.measure import SavedBytesMeter
 
     for spec in ("mmt:small", "transformer:small"):

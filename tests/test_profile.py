@@ -15,14 +15,14 @@ import pytest
 import torch
 import torch.nn as nn
 
-from graphpipe.capture import capture
+from graphpipe.frontend.capture import capture
 from graphpipe.cli import main
 from graphpipe.errors import FormatError, InputError
 from graphpipe.graph import Affine
-from graphpipe.profile import (PROFILE_FORMAT, Profile, apply_profile, fit_affine, profile_captured,
+from graphpipe.frontend.profile import (PROFILE_FORMAT, Profile, apply_profile, fit_affine, profile_captured,
                                profile_from_dict, profile_to_dict, read_profile, resize_batch, time_ops,
                                write_profile)
-from graphpipe.zoo_models import Layer
+from graphpipe.frontend.layer import Layer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -136,7 +136,7 @@ def test_backward_is_timed_as_one_call_and_w_is_its_measured_share(monkeypatch):
     """B is the one-call backward a GPipe / 1F1B stage runs; the I/W split only apportions it. A GPU adds
     autograd overhead to every split call (an H100 summed per-op I + W to 2.7x the model's backward): here
     each W call costs 1 ms more on the fake clock, which B must not see, and W's share must."""
-    import graphpipe.split_backward as split_backward
+    import graphpipe.frontend.split_backward as split_backward
 
     clock = FakeClock()
     model = TwoCosted(clock)
@@ -250,8 +250,7 @@ def test_read_profile_refuses_other_formats(tmp_path):
 
 
 def test_profile_cli_writes_a_valid_profile(tmp_path, capsys):
-    from graphpipe import zoo
-
+    from graphpipe.frontend import zoo
     out = str(tmp_path / "prof.json")
     spec = "transformer:small,layers=2"
     assert main(["profile", spec, "--device", "cpu", "--out", out, "--batch-sizes", "1,2,4",

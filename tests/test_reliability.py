@@ -315,7 +315,7 @@ def test_run_options_refuse_a_negative_warmup():
 
 
 def test_profile_of_another_configuration_warns(tmp_path):
-    from graphpipe.zoo import load_graph
+    from graphpipe.frontend.zoo import load_graph
 
     names = [op.name for op in load_graph("mmt:small").ops]
     profile = {"format": "graphpipe.profile/1", "model": "mmt:small", "device": "cpu", "batch_sizes": [1, 2],
@@ -331,8 +331,8 @@ def test_profile_of_another_configuration_warns(tmp_path):
 
 def test_ops_without_a_profile_entry_warn(caplog):
     from graphpipe.graph import Affine
-    from graphpipe.profile import Profile, apply_profile
-    from graphpipe.zoo import load_graph
+    from graphpipe.frontend.profile import Profile, apply_profile
+    from graphpipe.frontend.zoo import load_graph
 
     graph = load_graph("mmt:small")
     first = graph.ops[0].name
@@ -343,7 +343,7 @@ def test_ops_without_a_profile_entry_warn(caplog):
 
 
 def test_poor_fit_warns(caplog):
-    from graphpipe.profile import OpTimings, _warn_poor_fits, fit_affine
+    from graphpipe.frontend.profile import OpTimings, _warn_poor_fits, fit_affine
 
     sizes = (1, 2, 4, 8)
     timings = {"a": OpTimings((1.0, 0.1, 1.0, 0.1), (1.0, 2.0, 4.0, 8.0))}  # forward: no affine law; backward: exact
@@ -403,7 +403,7 @@ def test_cpsat_gives_the_same_order_for_the_same_inputs_and_seed():
     from graphpipe.plan import plan_to_dict
     from graphpipe.search.common import SearchOptions
     from graphpipe.search.planner import make_plan
-    from graphpipe.zoo import load_graph
+    from graphpipe.frontend.zoo import load_graph
 
     cluster = preset("v100", 4)
     graph = load_graph("mmt:small", device=cluster.device)

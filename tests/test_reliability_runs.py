@@ -215,7 +215,7 @@ def make():
 def test_every_launch_gives_its_ranks_the_launchers_environment_and_directory_of_the_moment(tmp_path, monkeypatch):
     """Ranks are forked by a forkserver started at the first launch of the process: each later launch's ranks
     still see the launcher's environment and working directory as they are at that launch, not the server's."""
-    from graphpipe.capture import captured_from_factory
+    from graphpipe.frontend.capture import captured_from_factory
     from graphpipe.cluster import preset
     from graphpipe.runtime import RunOptions, RuntimeFailure, run_plans
     from graphpipe.search.planner import make_plan

@@ -105,7 +105,7 @@ def tiny_llama_graph():
     """An 8-layer Llama (meta device: no weights), captured once for the module."""
     import hf_models
 
-    from graphpipe.capture import capture
+    from graphpipe.frontend.capture import capture
 
     cfg = hf_models.llama_config(layers=8, hidden=1024, heads=8, kv_heads=4, ffn=2816, vocab=32000)
     model, inputs, loss_fn, target = hf_models.llama_meta(cfg)

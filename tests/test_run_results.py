@@ -176,7 +176,7 @@ def key_paths(doc: dict, prefix: str = "") -> list[str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["sync", "torch", "async"])
 def test_run_json_keeps_its_keys(kind, tmp_path, capsys):
-    from graphpipe import zoo
+    from graphpipe.frontend import zoo
     from graphpipe.cli import main
     from graphpipe.cluster import preset
     from graphpipe.plan import write_plan

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from graphpipe import zoo
+from graphpipe.frontend import zoo
 from graphpipe.cluster import preset
 from graphpipe.plan import Plan, write_plan
 from graphpipe.runtime import RunOptions, RuntimeFailure, run_plans

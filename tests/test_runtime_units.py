@@ -15,7 +15,7 @@ import random
 import pytest
 import torch
 
-from graphpipe import zoo
+from graphpipe.frontend import zoo
 from graphpipe.cluster import preset
 from graphpipe.errors import PlanError
 from graphpipe.plan import Plan, plan_to_dict, write_plan
@@ -392,7 +392,7 @@ def test_bound_forward_equals_the_stage_module_and_reads_live_parameters():
     """BoundForward (parameters passed in, no attribute chains) gives the module's outputs and gradients bit for
     bit, in train and eval mode (a BatchNorm kept as a shared sub-module), on a captured graph and on the stage
     programs cut from it, and sees a parameter replaced after it was built (as a checkpoint load may)."""
-    from graphpipe.exporting import export_model
+    from graphpipe.frontend.exporting import export_model
     from graphpipe.runtime.stage_modules import BoundForward
 
     class Net(torch.nn.Module):

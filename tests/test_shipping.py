@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from graphpipe import capture as cap
+from graphpipe.frontend import capture as cap
 from graphpipe.runtime import runnable as runnable_mod
 from graphpipe.runtime.runnable import adopt_shipments, build_runnable, load_runnable, rank_key
 from graphpipe.runtime.shipping import ShipMismatch, pack, unpack
@@ -74,7 +74,7 @@ def test_a_capture_that_does_not_fit_the_model_built_here_is_captured_again(capl
 
 
 def test_the_launcher_ships_what_its_preflight_captured_and_a_rank_loads_it_without_exporting(monkeypatch):
-    from graphpipe import zoo
+    from graphpipe.frontend import zoo
     from graphpipe.cluster import preset
     from graphpipe.plan import plan_to_dict
     from graphpipe.runtime import preflight

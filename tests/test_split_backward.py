@@ -6,7 +6,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from graphpipe.split_backward import backward_input, backward_weight  # noqa: E402
+from graphpipe.frontend.split_backward import backward_input, backward_weight  # noqa: E402
 
 
 class _Block(torch.nn.Module):

@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-from graphpipe import zoo
+from graphpipe.frontend import zoo
 from graphpipe.cluster import preset
 from graphpipe.plan import Plan, write_plan
 from graphpipe.sched import make_schedule

@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from graphpipe import zoo
+from graphpipe.frontend import zoo
 from graphpipe.cli import main
 from graphpipe.cluster import preset
 from graphpipe.errors import InputError

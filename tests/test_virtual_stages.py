@@ -15,7 +15,7 @@ import random
 
 import pytest
 
-from graphpipe import zoo
+from graphpipe.frontend import zoo
 from graphpipe.cli import main
 from graphpipe.cluster import preset
 from graphpipe.errors import InputError

@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from graphpipe.capture import captured_from_factory  # noqa: E402
+from graphpipe.frontend.capture import captured_from_factory  # noqa: E402
 from graphpipe.cluster import preset  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -72,7 +72,7 @@ def test_a_loss_over_both_towers_is_computed_in_one_stage():
     """AltCLIP's loss reads the image and the text embeddings, the last ops of two branches: one node gathers
     them, so the plan that puts the towers on two stages still computes the loss in one (the runtime refused
     the plan, the output coming from two stages)."""
-    from graphpipe.exporting import join_outputs
+    from graphpipe.frontend.exporting import join_outputs
     from graphpipe.runtime.stage_modules import split_model
 
     cap, plan = _gpp_with_the_tower_beside_the_text("altclip")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from graphpipe import zoo
+from graphpipe.frontend import zoo
 from graphpipe.cluster import preset
 from graphpipe.plan import Plan
 from graphpipe.sched import make_schedule, v_shape_chain

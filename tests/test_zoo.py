@@ -10,7 +10,7 @@ import pytest
 from conftest import ZOO_SMALL
 import torch
 
-from graphpipe import zoo
+from graphpipe.frontend import zoo
 from graphpipe.cluster import preset
 from graphpipe.errors import InputError
 
@@ -150,7 +150,7 @@ def test_zoo_graphs_are_series_parallel(spec):
 
 
 def test_one_placeholder_per_input_branch():
-    from graphpipe.capture import capture
+    from graphpipe.frontend.capture import capture
 
     built = zoo.build("mmt", device="meta")
     cap = capture(built.module, built.example_inputs, name="mmt")

@@ -20,8 +20,7 @@ __all__ = ["register", "zoo_summary"]
 
 def zoo_summary() -> list[dict]:
     """One row per zoo model: name, description, ops, edges, branches, parameters, spec examples."""
-    from graphpipe import zoo
-
+    from graphpipe.frontend import zoo
     rows = []
     for name, description in zoo.MODELS.items():
         graph = zoo.load_graph(name)

@@ -11,7 +11,7 @@ Usage::
 
 MODEL is a zoo spec or ``file.py:factory`` (a module is needed to run ops;
 graph files carry their own costs). The result (``graphpipe.profile/1``) is
-written atomically; see :mod:`graphpipe.profile` for how ops are timed.
+written atomically; see :mod:`graphpipe.frontend.profile` for how ops are timed.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def _batch_sizes(text: str) -> tuple[int, ...]:
 
 
 def _handler(args: argparse.Namespace) -> int:
-    from graphpipe.profile import profile_model, profile_to_dict, write_profile
+    from graphpipe.frontend.profile import profile_model, profile_to_dict, write_profile
 
     from graphpipe.cli.common import JSON_SUFFIXES, check_outputs
 

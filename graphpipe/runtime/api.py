@@ -15,7 +15,7 @@
 Every rank builds the same model (``Pipeline`` broadcasts rank 0's weights
 so they agree), captures it on the example inputs of the plan's model spec
 (or ``example_inputs=``) exactly as the planner did
-(:func:`graphpipe.capture.trace_ops`, at the plan's granularity), cuts it by
+(:func:`graphpipe.frontend.capture.trace_ops`, at the plan's granularity), cuts it by
 stage and keeps its own stages' programs. Training semantics are those
 ``graphpipe run --check`` verifies (docs/semantics.md): dropout masks per
 (seed, step, op, rows), BatchNorm per micro-batch or synchronised, tied
@@ -43,7 +43,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from graphpipe.errors import GraphpipeError, InputError, PlanError, UserCodeError
-from graphpipe.exporting import normalize_inputs
+from graphpipe.frontend.exporting import normalize_inputs
 from graphpipe.plan import Plan
 from graphpipe.runtime.resume import StepCheckpoints
 from graphpipe.runtime.step_checkpoints import replace_dir
@@ -106,7 +106,7 @@ def _init_distributed(timeout_s: float) -> tuple[int, int, str, bool]:
 def _check_same_model(plan: Plan, gm, op_nodes) -> None:
     """Refuse a model whose ops are not the plan's: other op names, or an op whose parameters differ in size
     (a layer of another width captures under the same name)."""
-    from graphpipe.capture import op_param_bytes
+    from graphpipe.frontend.capture import op_param_bytes
     from graphpipe.runtime.stage_modules import check_op_names
 
     check_op_names([op.name for op in plan.graph.ops], tuple(op_nodes), plan.model)
@@ -263,7 +263,7 @@ class Pipeline:
         the meta device): only the example inputs are wanted then."""
         import contextlib
 
-        from graphpipe.capture import load_factory
+        from graphpipe.frontend.capture import load_factory
         from graphpipe.runtime.materialize import params_on_meta
 
         building = {"weights": contextlib.nullcontext, "params_on_meta": params_on_meta,
@@ -278,8 +278,7 @@ class Pipeline:
                 torch.manual_seed(self.seed)
                 made = load_factory(spec)
             return made.module, made.example_inputs, made.loss_fn, made.example_target
-        from graphpipe import zoo
-
+        from graphpipe.frontend import zoo
         with building if build != "meta" else contextlib.nullcontext():  # the zoo builds on meta itself
             built = zoo.build(spec, device="meta" if build == "meta" else "cpu", seed=self.seed)
         return built.module, built.example_inputs, built.loss_fn, None
@@ -313,7 +312,7 @@ class Pipeline:
 
     def _build(self, example: Any, target: Any, keep: dict | None = None) -> None:
         """Capture the model on ``example`` (a whole mini-batch), cut it and build this rank's executor."""
-        from graphpipe.capture import Granularity, trace_ops
+        from graphpipe.frontend.capture import Granularity, trace_ops
         from graphpipe.runtime.runnable import plan_granularity
 
         if self._meta:  # captured and cut on the meta device: each rank materializes its own stages only

@@ -51,7 +51,7 @@ def torch_refusal(plan: Plan, split: ModelSplit | None = None, io=None) -> str |
     rank ``i``, round-robin for interleaved); any other flushing schedule
     (zero bubble, CP-SAT's, one read from a CSV) runs in torch's
     ``_PipelineScheduleRuntime`` from its CSV (:func:`csv_runtime_class`).
-    With the capture's ``io`` (:class:`~graphpipe.exporting.IOSpec`), a
+    With the capture's ``io`` (:class:`~graphpipe.frontend.exporting.IOSpec`), a
     loss target read by the last stage is torch's ``target`` (one tensor).
     """
     from graphpipe.sched.async_pipe import plan_spec

@@ -55,7 +55,6 @@ from typing import TYPE_CHECKING, Any, Protocol, Sequence
 if TYPE_CHECKING:
     import torch
 
-    from graphpipe.runtime.executor import TimedAction
     from graphpipe.runtime.options import RunOptions
 
 __all__ = ["StepReport", "CheckTally", "JobMemory", "JobRun", "JobComm", "StepClock", "Engine", "drive_job",
@@ -72,7 +71,7 @@ class StepReport:
     """This rank's share of the mini-batch loss (its sink micro-batches; 0 on a rank without the sink)."""
     t0: float = 0.0
     """This rank's ``time.perf_counter()`` at the shared start (the records are relative to it)."""
-    records: tuple["TimedAction", ...] = ()
+    records: tuple["TimedAction", ...] = ()  # executor.TimedAction, named only (no import cycle)
     """The step's per-action records, times relative to ``t0`` (they become JSON in
     :func:`~graphpipe.runtime.results.finish_job` only)."""
     peak_saved_bytes: int = 0

@@ -29,7 +29,7 @@ single-device training on the whole mini-batch.
 into one tensor per output, ``torch.autograd.backward`` from the outputs
 (and the loss on the sink), and send the gradient of every received input
 piece back to its producer. Parameter gradients accumulate over
-micro-batches. Zero bubble's I (:mod:`graphpipe.split_backward`) is a
+micro-batches. Zero bubble's I (:mod:`graphpipe.frontend.split_backward`) is a
 ``Backward`` with ``input_only``: it computes only the gradients of the
 stage inputs (graph retained) and sends them; its :class:`WeightGrad` (W)
 computes the weight gradients later and sends nothing.
@@ -60,7 +60,7 @@ from graphpipe.actions import Action
 from graphpipe.runtime.batchnorm import sharded_batchnorms
 from graphpipe.runtime.rng import ShardContext
 from graphpipe.runtime.stage_modules import BoundForward, StageProgram, ValueMeta
-from graphpipe.split_backward import PendingWeightGrad, backward_input, backward_weight
+from graphpipe.frontend.split_backward import PendingWeightGrad, backward_input, backward_weight
 from graphpipe.stages import Stage
 
 __all__ = ["HostedStage", "StageServices", "Forward", "Backward", "WeightGrad", "StageAction", "GradientSync",

@@ -40,7 +40,7 @@ import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
-from graphpipe.exporting import DATA_VALUE
+from graphpipe.frontend.exporting import DATA_VALUE
 
 __all__ = ["params_on_meta", "kept_values", "buffers_to_meta", "fake_cpu", "on_meta", "tensor_seed", "materialize_stages", "retarget_devices", "meta_copy",
            "model_tensors", "Materialized"]
@@ -370,7 +370,7 @@ def fake_cpu(gm: torch.fx.GraphModule) -> Iterator[Any]:
     to the CPU for good (stage modules cut before keep theirs)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from graphpipe.capture import _restore_state, _swap_state
+    from graphpipe.frontend.capture import _restore_state, _swap_state
 
     retarget_devices(gm, torch.device("cpu"))
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:

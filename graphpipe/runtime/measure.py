@@ -29,7 +29,7 @@ __all__ = ["measured_timeline", "summarize", "format_summary", "loss_line", "mem
 
 
 def is_weight_copy(tensor: Any) -> bool:
-    from graphpipe.capture import is_weight_copy as rule
+    from graphpipe.frontend.capture import is_weight_copy as rule
 
     return rule(tensor)
 
@@ -42,7 +42,7 @@ class SavedBytesMeter:
     finalizer runs when the saved variable is freed, after the node's
     backward or with its graph -- so on CPU the peak is exact. Parameters and
     buffers (model state) and the iteration's input data (resident anyway) are not
-    counted: ``graphpipe.capture`` charges neither to an op's ``act_bytes``.
+    counted: ``graphpipe.frontend.capture`` charges neither to an op's ``act_bytes``.
 
     A re-materializing stage runs under ``torch.utils.checkpoint``, whose
     own hooks take its saves: :meth:`hold` counts the inputs the checkpoint
@@ -84,7 +84,7 @@ class SavedBytesMeter:
 
     def hold(self, tensor: Any) -> Any:
         """Count ``tensor`` as saved until the returned handle is dropped (a parameter, or autocast's copy of
-        one, :func:`graphpipe.capture.is_weight_copy`: not counted)."""
+        one, :func:`graphpipe.frontend.capture.is_weight_copy`: not counted)."""
         if is_weight_copy(tensor):
             return tensor
         storage = tensor.untyped_storage()

@@ -204,7 +204,7 @@ def reference_step(spec: str, seed: int, batch_size: int, step_seed: int, device
     The torch.distributed.pipelining baseline's reference; ours is
     :func:`reference_run`. The eager module runs on the data the graph runs
     on, its keyword inputs by name and the target to the loss
-    (:meth:`~graphpipe.exporting.IOSpec.unflatten_inputs`). ``meta_params``:
+    (:meth:`~graphpipe.frontend.exporting.IOSpec.unflatten_inputs`). ``meta_params``:
     the weights every rank materializes (:func:`reference_run`'s).
     """
     ref = load_runnable(spec, seed, device, granularity=granularity, meta_params=meta_params)

@@ -66,7 +66,7 @@ class Runnable:
     make_inputs: Callable[[int, int], tuple[torch.Tensor, ...]]
     """``make_inputs(batch_size, seed)``: ``gm``'s positional arguments (inputs, then the target's leaves)."""
     io: Any = None
-    """The :class:`~graphpipe.exporting.IOSpec` of ``gm`` (None without capture)."""
+    """The :class:`~graphpipe.frontend.exporting.IOSpec` of ``gm`` (None without capture)."""
     meta_params: bool = False
     """The module's parameters and buffers are on the meta device (:func:`~graphpipe.runtime.materialize.params_on_meta`):
     each rank materializes its own stages; ``make_inputs`` still makes real data."""
@@ -178,7 +178,7 @@ def build_runnable(spec: str, seed: int = 0, device: str = "cpu", capture: bool 
     built here instead of exporting it again (captured anyway where it does
     not fit).
     """
-    from graphpipe import capture as cap
+    from graphpipe.frontend import capture as cap
     from graphpipe.runtime.materialize import buffers_to_meta, kept_values, meta_copy, on_meta, params_on_meta
 
     target, make_inputs = None, None
@@ -197,8 +197,7 @@ def build_runnable(spec: str, seed: int = 0, device: str = "cpu", capture: bool 
         raise PlanError(f"plan model {spec!r} is a graph file, which has no module to run; the runtime needs a zoo "
                         "spec (mmt:small) or path/to/file.py:factory — plan that instead")
     else:
-        from graphpipe import zoo
-
+        from graphpipe.frontend import zoo
         with building as kept:
             built = zoo.build(spec, device=device, seed=seed)
         module, example, loss_fn, make_inputs = built.module, built.example_inputs, built.loss_fn, built.make_inputs
@@ -251,7 +250,7 @@ def _assemble(spec: str, module: torch.nn.Module, gm: torch.fx.GraphModule, op_n
               target: Any, loss_fn: Callable, make_inputs: Callable | None, device: str, meta_params: bool,
               initial: dict, shipment: bytes | None) -> Runnable:
     """The :class:`Runnable` of a capture (made here or shipped): its synthetic data, its graph instrumented."""
-    from graphpipe import capture as cap
+    from graphpipe.frontend import capture as cap
     from graphpipe.runtime.materialize import meta_copy
     from graphpipe.runtime.stage_modules import instrument
 

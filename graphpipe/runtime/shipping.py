@@ -159,7 +159,7 @@ def _reorder(gm: fx.GraphModule, order: dict[str, tuple]) -> None:
 
 
 def pack(module: nn.Module, gm: fx.GraphModule, op_nodes: dict, io_spec: Any) -> bytes:
-    """``gm`` (captured from ``module``), its ops' node names and its :class:`~graphpipe.exporting.IOSpec` as bytes.
+    """``gm`` (captured from ``module``), its ops' node names and its :class:`~graphpipe.frontend.exporting.IOSpec` as bytes.
 
     Raises whatever pickling raises for an object that cannot travel (the
     caller then ships nothing).

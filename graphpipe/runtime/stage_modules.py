@@ -1,6 +1,6 @@
 """Cut a captured fx graph into one module per pipeline stage (docs/design.md, "The runtime").
 
-The capture (:mod:`graphpipe.capture`) maps every op of the
+The capture (:mod:`graphpipe.frontend.capture`) maps every op of the
 :class:`~graphpipe.graph.OpGraph` to the fx nodes that compute it
 (``op_nodes``); the plan's :class:`~graphpipe.stages.StageGraph` maps every
 op to a stage. Together they give every fx node a stage, and this module

@@ -112,7 +112,7 @@ class PlanInputs:
     cluster: Cluster
     options: SearchOptions
     profile: Any = None
-    """The :class:`~graphpipe.profile.Profile` applied, or None."""
+    """The :class:`~graphpipe.frontend.profile.Profile` applied, or None."""
     precision: str | None = None
     """The capture's precision when one was asked for (the plan records it)."""
     granularity: str | None = None
@@ -143,13 +143,13 @@ def plan_inputs(model: Any, *, devices: int, cluster: str | Cluster = "v100", me
         cluster = replace(cluster, bytes_per_param=cluster.bytes_per_param + 2.0)
     search = search_options(**options)
     if isinstance(profile, (str, os.PathLike)):
-        from graphpipe.profile import read_profile
+        from graphpipe.frontend.profile import read_profile
 
         profile = read_profile(os.fspath(profile))  # a bad profile fails before the model is built
     source = _source(model, cluster, precision or "fp32", granularity)
     graph = source.graph
     if profile is not None:
-        from graphpipe.profile import apply_profile
+        from graphpipe.frontend.profile import apply_profile
 
         graph = apply_profile(graph, profile, model=source.model_id if source.kind in ("zoo", "factory") else None)
     return PlanInputs(source=source, graph=graph, cluster=cluster, options=search, profile=profile,
@@ -171,7 +171,7 @@ def plan(model: Any, *, devices: int, batch_size: int, strategy: str = "gpp", sc
     1f1b-async and 2bw stream the 1F1B partition with ``vertical_sync`` / ``update_every`` / ``stash``), or
     ``"cpsat"`` (``time_limit_s``, ``progress``). ``cluster``: a preset (v100, a100, h100), a cluster JSON
     path or a :class:`~graphpipe.cluster.Cluster`; ``memory_gb`` overrides its device memory.
-    ``profile``: measured per-op costs (a path or a :class:`~graphpipe.profile.Profile`). ``notes(text)``
+    ``profile``: measured per-op costs (a path or a :class:`~graphpipe.frontend.profile.Profile`). ``notes(text)``
     receives what a person should know (also kept in :attr:`Plan.notes`). Further keywords are
     :class:`~graphpipe.search.common.SearchOptions` fields.
 
@@ -242,8 +242,8 @@ def _source(model: Any, cluster: Cluster, precision: str, granularity: str | Non
         log.info("building %s for %d x %s", model, cluster.num_devices, cluster.device.name)
         return load_model(os.fspath(model), cluster.device, precision=precision, granularity=granularity)
     if isinstance(model, tuple):
-        from graphpipe.capture import Granularity, factory_result
-        from graphpipe.capture_repeats import capture_graph
+        from graphpipe.frontend.capture import Granularity, factory_result
+        from graphpipe.frontend.capture_repeats import capture_graph
 
         made = factory_result(model, "model")
         name = type(made.module).__name__

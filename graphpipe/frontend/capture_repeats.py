@@ -55,11 +55,11 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import torch.nn as nn
 
-from graphpipe.capture_refusals import MetaValueError
+from graphpipe.frontend.capture_refusals import MetaValueError
 from graphpipe.graph import OpGraph
 
 if TYPE_CHECKING:
-    from graphpipe.capture import Granularity
+    from graphpipe.frontend.capture import Granularity
     from graphpipe.cluster import DeviceSpec
 
 __all__ = ["KEPT", "Stack", "block_signature", "same_blocks", "repeated_stacks", "unroll", "unrolled_capture",
@@ -368,11 +368,11 @@ def _contiguous(op_ids: Sequence[int]) -> bool:
 def unrolled_capture(module: nn.Module, example_inputs: Any, **kwargs: Any) -> OpGraph | None:
     """The op graph of ``module`` captured with each stack of identical blocks cut and unrolled; None if it cannot be.
 
-    Takes :func:`~graphpipe.capture.capture`'s arguments. None when no stack
+    Takes :func:`~graphpipe.frontend.capture.capture`'s arguments. None when no stack
     qualifies (:func:`repeated_stacks`), the forward fails on the cut stacks,
     or a cut stack's graph is not periodic (:func:`unroll`).
     """
-    from graphpipe.capture import capture
+    from graphpipe.frontend.capture import capture
 
     stacks = repeated_stacks(module)
     if not stacks:
@@ -398,12 +398,12 @@ def unrolled_capture(module: nn.Module, example_inputs: Any, **kwargs: Any) -> O
 
 
 def capture_graph(module: nn.Module, example_inputs: Any, **kwargs: Any) -> OpGraph:
-    """:func:`graphpipe.capture.capture`'s op graph, capturing each stack of identical blocks once.
+    """:func:`graphpipe.frontend.capture.capture`'s op graph, capturing each stack of identical blocks once.
 
-    Takes :func:`~graphpipe.capture.capture`'s arguments:
+    Takes :func:`~graphpipe.frontend.capture.capture`'s arguments:
     :func:`unrolled_capture` where it applies, else the whole capture.
     """
-    from graphpipe.capture import capture
+    from graphpipe.frontend.capture import capture
 
     graph = unrolled_capture(module, example_inputs, **kwargs)
     return graph if graph is not None else capture(module, example_inputs, **kwargs).graph
@@ -411,13 +411,13 @@ def capture_graph(module: nn.Module, example_inputs: Any, **kwargs: Any) -> OpGr
 
 def graph_from_factory(spec: str, device: DeviceSpec | None = None, granularity: Granularity | None = None,
                        precision: str = "fp32") -> OpGraph:
-    """The op graph of a ``file.py:factory`` spec's module (see :func:`graphpipe.capture.load_factory`).
+    """The op graph of a ``file.py:factory`` spec's module (see :func:`graphpipe.frontend.capture.load_factory`).
 
-    What :func:`graphpipe.capture.captured_from_factory` gives, with each stack of identical
+    What :func:`graphpipe.frontend.capture.captured_from_factory` gives, with each stack of identical
     blocks captured once (:func:`capture_graph`):
     planning needs the graph only, not the runnable module.
     """
-    from graphpipe.capture import load_factory
+    from graphpipe.frontend.capture import load_factory
 
     made = load_factory(spec)
     name = os.path.splitext(os.path.basename(spec.rpartition(":")[0]))[0]

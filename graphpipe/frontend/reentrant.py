@@ -1,7 +1,7 @@
 """Layers a module's forward leaves and re-enters: cut into pieces so the op graph stays acyclic.
 
 Capture contracts the nodes that ran inside one module call into one op
-(:func:`graphpipe.capture.group_nodes`). When a module computes something of
+(:func:`graphpipe.frontend.capture.group_nodes`). When a module computes something of
 its own, hands it to a child that is an op of its own, and then goes on with
 the child's result (an EfficientNet block written with ``nn.Sequential``
 children: the block's squeeze-and-excite runs between its depthwise and

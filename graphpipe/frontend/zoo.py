@@ -77,7 +77,7 @@ MODELS: dict[str, str] = {
 
 @dataclass(frozen=True, slots=True)
 class _Family:
-    """How to build one zoo name: config class, presets, module class (its name in :mod:`graphpipe.zoo_models`,
+    """How to build one zoo name: config class, presets, module class (its name in :mod:`graphpipe.frontend.zoo_models`,
     imported with torch only when a model is built), inputs."""
 
     config: type
@@ -275,8 +275,7 @@ def build(spec: str, device: str | torch.device = "cpu", seed: int = 0) -> Built
     """
     import torch
 
-    from graphpipe import zoo_models
-
+    from graphpipe.frontend import zoo_models
     parsed = parse_spec(spec)
     family = _FAMILIES[parsed.name]
     make_module = getattr(zoo_models, family.module)
@@ -308,10 +307,10 @@ def build(spec: str, device: str | torch.device = "cpu", seed: int = 0) -> Built
 
 @functools.lru_cache(maxsize=32)
 def _load_graph_cached(canonical: str, device: DeviceSpec, precision: str = "fp32", granularity: str | None = None) -> OpGraph:
-    from graphpipe.graph_cache import cached_graph
+    from graphpipe.frontend.graph_cache import cached_graph
 
     def captured() -> OpGraph:  # torch is imported here, on a cache miss only
-        from graphpipe.capture import Granularity, capture
+        from graphpipe.frontend.capture import Granularity, capture
 
         from graphpipe.progress import slow_notice
 
@@ -329,9 +328,9 @@ def load_graph(spec: str, device: DeviceSpec | None = None, precision: str = "fp
 
     Built on the meta device (no weights); ``device`` defaults to the v100
     preset's; activation bytes are measured at ``precision``; ``granularity``
-    is :meth:`graphpipe.capture.Granularity.parse`'s text. Cached per
+    is :meth:`graphpipe.frontend.capture.Granularity.parse`'s text. Cached per
     (canonical spec, device, precision, granularity): the graph is immutable;
-    in this process and on disk (:mod:`graphpipe.graph_cache`).
+    in this process and on disk (:mod:`graphpipe.frontend.graph_cache`).
     """
     device = device if device is not None else preset("v100").device
     # the capture reads the device's costs, never its memory: each --memory-gb must not capture the model anew

@@ -1,7 +1,7 @@
 """Measured op costs: time every op, fit ``t(b) = alpha + beta * b``, apply to a graph.
 
 docs/design.md, "The cost model": an op's time is affine in the micro-batch size (fixed kernel
-overhead plus per-sample work). Analytical costs (:mod:`graphpipe.capture`)
+overhead plus per-sample work). Analytical costs (:mod:`graphpipe.frontend.capture`)
 estimate alpha and beta from FLOPs; a profile measures them.
 
 How an op is timed: the captured GraphModule is split with
@@ -26,7 +26,7 @@ physically meaningless and would make planners prefer odd micro-batch sizes.
 Each repeat runs two such passes. The first times an op's backward as one
 call (``torch.autograd.backward``), as a stage runs it under GPipe, 1F1B and
 graph-1F1B: that is ``bwd_s``. The second times it split, as a zero-bubble
-stage runs it (:mod:`graphpipe.split_backward`, torch's
+stage runs it (:mod:`graphpipe.frontend.split_backward`, torch's
 ``stage_backward_input`` / ``stage_backward_weight``): first I, the input
 gradients (``torch.autograd.grad`` of the outputs into the op's inputs,
 graph retained, capturing the gradient that reaches each
@@ -183,7 +183,7 @@ def time_ops(captured, make_inputs: Callable[[int], Sequence[Any]], batch_sizes:
     ``progress(text)`` is called after each of the ``len(batch_sizes) * (warmup
     + repeats)`` training passes.
     """
-    from graphpipe.capture import split_by_ops
+    from graphpipe.frontend.capture import split_by_ops
 
     if repeats < 1 or warmup < 0:
         raise InputError(f"repeats must be >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
@@ -275,7 +275,7 @@ def _training_pass(prepared, split_pass: bool, timed: bool, timer, times: _Times
     import torch
     from torch.utils._pytree import tree_leaves
 
-    from graphpipe.split_backward import backward_input, backward_weight
+    from graphpipe.frontend.split_backward import backward_input, backward_weight
 
     outs: dict[str, list[Any]] = {}
     for name, sub, args, _, _ in prepared:
@@ -377,8 +377,7 @@ def profile_model(spec: str, device: str = "cpu", batch_sizes: Sequence[int] = (
     if precision not in PROFILE_PRECISIONS:
         raise InputError(f"--precision must be one of {', '.join(PROFILE_PRECISIONS)}, got {precision!r}")
 
-    from graphpipe import capture as cap
-
+    from graphpipe.frontend import capture as cap
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError, ValueError):
@@ -409,8 +408,7 @@ def profile_model(spec: str, device: str = "cpu", batch_sizes: Sequence[int] = (
         def make_inputs(b: int):
             return resize_batch(flat, b)
     else:
-        from graphpipe import zoo
-
+        from graphpipe.frontend import zoo
         built = zoo.build(spec, device=dev, seed=seed)
         module, example, model_id = built.module, built.example_inputs, built.name
 
@@ -539,7 +537,7 @@ def _same_model(a: str, b: str) -> bool:
             path, _, func = spec.rpartition(":")
             return os.path.realpath(path) + ":" + func
         try:
-            from graphpipe.zoo import canonical_spec
+            from graphpipe.frontend.zoo import canonical_spec
 
             return canonical_spec(spec)
         except (InputError, ImportError):

@@ -1,6 +1,6 @@
 """Capture an ``nn.Module`` as a layer-granularity :class:`OpGraph` (docs/design.md, "Capture").
 
-1. **Export.** :func:`graphpipe.exporting.export_model` runs the module through
+1. **Export.** :func:`graphpipe.frontend.exporting.export_model` runs the module through
    ``torch.export`` (non-strict, batch dimension dynamic): any model whose
    Python code export can follow, Hugging Face transformers and timm
    included, keyword inputs and ``ModelOutput`` outputs included. The result
@@ -8,7 +8,7 @@
    module calls they ran inside (``nn_module_stack``).
 2. **Layers from the module hierarchy.** Every node's *unit* is a module of
    its stack (:func:`unit_of`): by default the outermost zoo
-   :class:`~graphpipe.zoo_models.Layer`, else the deepest child of a
+   :class:`~graphpipe.frontend.zoo_models.Layer`, else the deepest child of a
    ``ModuleList``/``Sequential``/``ModuleDict`` holding parameters (the
    repeated blocks: ``encoder.layers.3``), else the outermost heavy torch
    layer (:data:`LAYER_TYPES`: Linear, Conv, Embedding, ...). A user picks
@@ -29,7 +29,7 @@
 
    Nodes computed from the inputs and buffers alone (masks, position ids,
    batch sizes) are copied into every op reading them
-   (:func:`graphpipe.exporting.replicate_input_glue`); parameters
+   (:func:`graphpipe.frontend.exporting.replicate_input_glue`); parameters
    (``get_attr``) are read where used. Each op is therefore a connected piece
    of the graph whose inputs enter at or upstream of its unit and whose
    outputs leave at or downstream of it, so the op graph stays acyclic, and
@@ -39,9 +39,9 @@
    written with ``nn.Sequential`` children and its own squeeze-and-excite
    and residual between and after them) would close a cycle; such an op is
    cut into one op per level, ``name`` and ``name[1]``
-   (:mod:`graphpipe.reentrant`). Two ops joined by a value no stage
+   (:mod:`graphpipe.frontend.reentrant`). Two ops joined by a value no stage
    boundary can split into micro-batches (``(batch * patches, ...)``) are
-   merged, with any op between them (:mod:`graphpipe.folded`).
+   merged, with any op between them (:mod:`graphpipe.frontend.folded`).
 4. **Cost.** The graph is run once (meta tensors cost nothing) under
    ``torch.utils.flop_counter.FlopCounterMode`` and a byte meter. Per op and
    per sample (sizes divided by the example batch size): ``fwd = overhead +
@@ -90,16 +90,16 @@ from torch.fx.passes.split_module import split_module
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
-from graphpipe.capture_refusals import meta_value_error
+from graphpipe.frontend.capture_refusals import meta_value_error
 from graphpipe.cluster import DeviceSpec, preset
 from graphpipe.errors import GraphCycleError, GraphpipeError, InputError, UserCodeError, user_code_error
-from graphpipe.exporting import (Exported, IOSpec, deliver_target, export_model, module_path, module_stack,
+from graphpipe.frontend.exporting import (Exported, IOSpec, deliver_target, export_model, module_path, module_stack,
                                  normalize_inputs, replicable_nodes, replicate_input_glue)
-from graphpipe.flops import UnknownCosts, flop_counter
-from graphpipe.folded import merge_folded_ops
+from graphpipe.frontend.flops import UnknownCosts, flop_counter
+from graphpipe.frontend.folded import merge_folded_ops
 from graphpipe.graph import Affine, Op, OpGraph, SharedParams
-from graphpipe.reentrant import split_reentrant_ops
-from graphpipe.zoo_models import Layer
+from graphpipe.frontend.reentrant import split_reentrant_ops
+from graphpipe.frontend.layer import Layer
 
 __all__ = [
     "op_param_bytes",
@@ -477,7 +477,7 @@ class _Measure(fx.Interpreter):
     * attention: meta takes the math path, which saves the seq x seq
       probabilities; CPU and GPU runs take a fused kernel saving q, k, v, the
       output and the log-sum-exp. The fused CPU kernel's meta form runs
-      instead (:mod:`graphpipe.flops` counts its FLOPs);
+      instead (:mod:`graphpipe.frontend.flops` counts its FLOPs);
     * ``embedding_bag``: the meta kernel saves an int64 ``offset2bag`` per
       index where CPU saves one per bag. The meta op runs with its saves
       uncounted, and the CPU kernel on a one-row table with indices of the
@@ -545,7 +545,7 @@ class _Measure(fx.Interpreter):
         opts = {**dict(zip(names, rest)), **kwargs}
         if opts.get("dropout_p", 0.0) or opts.get("enable_gqa", False) or q.shape[-1] != v.shape[-1]:
             return _SDPA(*args, **kwargs)
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(  # counted (graphpipe.flops)
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(  # counted (graphpipe.frontend.flops)
             q, k, v, 0.0, bool(opts.get("is_causal", False)), attn_mask=opts.get("attn_mask"),
             scale=opts.get("scale"))[0]
 
@@ -609,7 +609,7 @@ def _measure(gm: fx.GraphModule, flat_inputs: Sequence[Any], loss_fn=None, preci
     At ``bf16`` the graph runs under CPU autocast; a module on the meta
     device runs on fake CPU tensors (nothing is allocated), since autocast
     does not act on meta tensors. Ops that look like compute but have no
-    FLOP formula are named in one warning (:class:`graphpipe.flops.UnknownCosts`).
+    FLOP formula are named in one warning (:class:`graphpipe.frontend.flops.UnknownCosts`).
     """
     unknown = UnknownCosts()
     if precision == "bf16":
@@ -693,8 +693,7 @@ def _loss_call_error(exc: BaseException, loss_fn, example_target: Any, user_file
     did not come through it: the traceback passes through :meth:`IOSpec.wrap_loss`'s call of ``loss_fn``."""
     import inspect
 
-    from graphpipe import exporting
-
+    from graphpipe.frontend import exporting
     tb, through = exc.__traceback__, False
     while tb is not None:
         code = tb.tb_frame.f_code
@@ -894,7 +893,7 @@ def _node_params(gm: fx.GraphModule, node: fx.Node) -> list[nn.Parameter]:
 
 def _kind(modules: _Modules, path: str, name: str = "") -> str:
     """A zoo Layer's ``kind``, else the unit module's class name in lower case; ``folded`` for ops merged across
-    top-level modules (``convs+lin``, :func:`graphpipe.folded.merge_folded_ops`); ``glue`` for glue ops."""
+    top-level modules (``convs+lin``, :func:`graphpipe.frontend.folded.merge_folded_ops`); ``glue`` for glue ops."""
     if not path:
         return "folded" if "+" in name else "glue"
     module = modules.get(path)

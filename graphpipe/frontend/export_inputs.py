@@ -1,5 +1,5 @@
 """What the capture does to a module's inputs and constants so one traced program serves every run
-(:mod:`graphpipe.exporting`, steps 6-8 of its docstring; issue 65).
+(:mod:`graphpipe.frontend.exporting`, steps 6-8 of its docstring; issue 65).
 
 * :func:`fold_constant_inputs`: non-tensor inputs (``output_hidden_states=True``, an int, a string, ``None``)
   become part of the program instead of graph inputs;
@@ -47,7 +47,7 @@ def same_constant(given: Any, captured: Any) -> bool:
 
 
 def fold_constant_inputs(gm: fx.GraphModule, args: tuple, kwargs: dict) -> tuple[tuple[int, str, Any], ...]:
-    """Take the non-tensor input leaves out of the graph's inputs (:mod:`graphpipe.exporting`, step 6).
+    """Take the non-tensor input leaves out of the graph's inputs (:mod:`graphpipe.frontend.exporting`, step 6).
 
     Non-strict export specializes the program to the example's ``bool``/``int``/``str``/``None`` inputs (a
     branch on ``output_hidden_states`` is taken once), yet keeps a placeholder for each; a stage would then be
@@ -77,7 +77,7 @@ _FP32_EXTREMES = {torch.finfo(torch.float32).max: torch.finfo(torch.bfloat16).ma
 
 def bf16_safe_constants(gm: fx.GraphModule) -> tuple[str, ...]:
     """Replace, in every node's scalar arguments, ``torch.finfo(torch.float32).max`` / ``.min`` by bf16's; returns
-    the names of the nodes changed (:mod:`graphpipe.exporting`, step 8).
+    the names of the nodes changed (:mod:`graphpipe.frontend.exporting`, step 8).
 
     Capture runs the module at fp32, so code written against the tensor's dtype
     (``torch.clamp(h, min=torch.finfo(h.dtype).min, max=torch.finfo(h.dtype).max)`` in DETR and T5, or
@@ -118,7 +118,7 @@ def _leaf_name(path: tuple) -> str:
 @contextlib.contextmanager
 def keywords_bound(module: nn.Module, kwargs: Mapping[str, Any]):
     """While exporting: ``module.forward`` with every keyword input that would land in its ``**kwargs`` bound as
-    a keyword parameter of its own (:mod:`graphpipe.exporting`, step 7).
+    a keyword parameter of its own (:mod:`graphpipe.frontend.exporting`, step 7).
 
     ``torch.export`` cannot take ``dynamic_shapes`` for a var-keyword argument (it fails with "Must provide a
     tree_name when there might be a mismatch"), and transformers 5 passes ``output_hidden_states``,

@@ -1,14 +1,14 @@
 """Layer classes and model definitions of the model zoo (docs/design.md, "The op graph").
 
 Every model is a plain ``nn.Module`` built from :class:`Layer` subclasses.
-A :class:`Layer` is what :mod:`graphpipe.capture` keeps as one fx leaf and
+A :class:`Layer` is what :mod:`graphpipe.frontend.capture` keeps as one fx leaf and
 therefore one op of the :class:`~graphpipe.graph.OpGraph` (a transformer
 block, an MLP layer, an embedding table, a concat, a head). Module attribute
 names are chosen so that the qualified name of each layer is the op name,
 e.g. ``branch0.layer3``, ``emb2``, ``concat``, ``head``.
 
 Sizes live in frozen config dataclasses (:mod:`graphpipe.zoo_configs`, free of
-torch); :mod:`graphpipe.zoo` owns the ``small`` / ``paper`` presets and the
+torch); :mod:`graphpipe.frontend.zoo` owns the ``small`` / ``paper`` presets and the
 option parsing.
 
 Why these shapes (GraphPipe, Jeon et al., ASPLOS'25, Appendix A.2):
@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from graphpipe.frontend.layer import Layer
 from graphpipe.zoo_configs import DLRMConfig, GPTConfig, MMTConfig, TwoBranchConfig, UnoConfig
 
 __all__ = [
@@ -56,13 +57,6 @@ __all__ = [
 
 
 # ---------------------------------------------------------------- layers
-class Layer(nn.Module):
-    """Base of every zoo layer: capture keeps it as one fx leaf = one op.
-
-    ``kind`` becomes :attr:`graphpipe.graph.Op.kind`.
-    """
-
-    kind = "layer"
 
 
 class TransformerLayer(Layer):

@@ -1,6 +1,6 @@
 """Turn a user's ``nn.Module`` into one flat, runnable fx graph with ``torch.export``.
 
-This is the front half of capture (:mod:`graphpipe.capture` groups the graph
+This is the front half of capture (:mod:`graphpipe.frontend.capture` groups the graph
 into layers and costs it). Real model code (Hugging Face transformers, timm)
 branches on shapes and takes keyword inputs, which ``torch.fx`` symbolic
 tracing cannot follow; ``torch.export.export(..., strict=False)`` runs the
@@ -40,10 +40,10 @@ What :func:`export_model` does to the exported program, and why:
 7. **Keyword inputs through ``**kwargs``** (transformers 5's
    ``output_hidden_states``, ``num_items_in_batch``) are bound as named
    parameters of ``forward`` while exporting, since export cannot give a
-   var-keyword argument a dynamic batch (:mod:`graphpipe.export_inputs`).
+   var-keyword argument a dynamic batch (:mod:`graphpipe.frontend.export_inputs`).
 8. **dtype-dependent constants.** Export runs at fp32; ``torch.finfo(float32)``
    extremes a module's code took from its tensors' dtype are replaced by
-   bf16's (:func:`graphpipe.export_inputs.bf16_safe_constants`), so the program runs at fp32 and under
+   bf16's (:func:`graphpipe.frontend.export_inputs.bf16_safe_constants`), so the program runs at fp32 and under
    bf16 autocast alike, as the eager module does.
 
 Example
@@ -74,9 +74,9 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from graphpipe.capture_refusals import BatchFixedAt, BatchFixedError, CustomBackwards, refuse_vmap
+from graphpipe.frontend.capture_refusals import BatchFixedAt, BatchFixedError, CustomBackwards, refuse_vmap
 from graphpipe.errors import InputError, UserCodeError
-from graphpipe.export_inputs import bf16_safe_constants, fold_constant_inputs, keywords_bound, same_constant
+from graphpipe.frontend.export_inputs import bf16_safe_constants, fold_constant_inputs, keywords_bound, same_constant
 
 __all__ = ["IOSpec", "Exported", "export_model", "module_path", "module_stack", "replicable_nodes",
            "replicate_input_glue", "normalize_inputs", "deliver_target", "join_outputs"]
@@ -561,7 +561,7 @@ def export_model(module: nn.Module, example_inputs: Any, loss_fn: Callable[..., 
 
 def _export_bound(module: nn.Module, args: tuple, kwargs: dict, loss_fn: Callable[..., Any] | None,
                   example_target: Any) -> Exported:
-    """:func:`export_model` once ``**kwargs`` inputs are bound (:func:`~graphpipe.export_inputs.keywords_bound`)."""
+    """:func:`export_model` once ``**kwargs`` inputs are bound (:func:`~graphpipe.frontend.export_inputs.keywords_bound`)."""
     import time
 
     dynamic = _dynamic_shapes(module, args, kwargs)

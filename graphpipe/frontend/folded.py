@@ -12,7 +12,7 @@ mixture-of-experts block that gives each expert its own module hands it a
 data-dependent number of rows. A tuple (a ``split`` or ``topk`` result) is
 no tensor to send either.
 
-Capture contracts nodes into ops by module (:func:`graphpipe.capture.group_nodes`);
+Capture contracts nodes into ops by module (:func:`graphpipe.frontend.capture.group_nodes`);
 when such a value flows from one op into another, :func:`merge_folded_ops`
 merges the two, and any op on a path between them (merging two ops of a
 DAG joined by an edge and another path would close a cycle), so the
@@ -28,7 +28,7 @@ from typing import Any, MutableMapping, Sequence
 import torch
 import torch.fx as fx
 
-from graphpipe.reentrant import contracted_graph
+from graphpipe.frontend.reentrant import contracted_graph
 
 __all__ = ["splittable", "merge_folded_ops"]
 
@@ -137,7 +137,7 @@ def _merged_name(common: str, paths: list[list[str]], first: str, taken: set[str
     The module its members share (``mix`` for MobileViT's ``mix.0``, ``mix.1`` and the unfold/fold glue around
     them); when they share none (a GNN whose batch is folded into the node dimension merges its ``convs.*`` and
     its head), the top-level modules it spans joined by ``+`` (``convs+lin``: a character no module path or fx
-    node name has, so :func:`graphpipe.capture.capture` gives such an op the kind ``folded``); the first
+    node name has, so :func:`graphpipe.frontend.capture.capture` gives such an op the kind ``folded``); the first
     member's name when it has no module at all, or when the name is taken.
     """
     if common:

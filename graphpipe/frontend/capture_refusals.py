@@ -159,7 +159,7 @@ class CustomBackwards:
                     if same is False:
                         watch.found.append((cls, where))
                     else:  # unconfirmed, not known wrong: captured, and the user told what export keeps
-                        logging.getLogger("graphpipe.capture").warning(
+                        logging.getLogger("graphpipe.frontend.capture").warning(
                             "%scould not compare the custom autograd.Function %s's backward with its forward's "
                             "derivative on random inputs (%s: %s); export keeps only its forward's ops, so the "
                             "pipeline's gradient through it is autograd's through them", where, cls.__qualname__,

@@ -2,7 +2,7 @@
 
 The runtime's executor runs a stage's I and W actions with these; ``graphpipe
 profile`` splits each op's backward with the same two calls to measure W's share of it
-(:func:`graphpipe.profile.time_ops`).
+(:func:`graphpipe.frontend.profile.time_ops`).
 
 Autograd computes a layer's input and weight gradients in one node call
 (``AddmmBackward`` returns both), but only the outputs somebody asked for:
