@@ -40,6 +40,7 @@ from graphpipe.models import ModelSource, load_model
 from graphpipe.plan import Plan as PlanRecord
 from graphpipe.plan import read_plan, write_plan
 from graphpipe.search.common import SearchOptions
+from graphpipe.search.layouts import parse_shard, parse_tp
 
 __all__ = ["plan", "load_plan", "Plan", "Prediction", "PlanInputs", "plan_inputs", "plan_with", "recorded", "search_options"]
 
@@ -163,7 +164,7 @@ def plan(model: Any, *, devices: int, batch_size: int, strategy: str = "gpp", sc
          update_every: int | None = None, stash: bool = True, time_limit_s: float = 10.0, profile: Any = None,
          precision: str | None = None, granularity: str | None = None, max_memory_gb: float | None = None,
          progress: Callable[[float, float], None] | None = None, notes: Callable[[str], None] | None = None,
-         **options: Any) -> Plan:
+         tp: int | str = "auto", shard: str = "auto", **options: Any) -> Plan:
     """Search, schedule and simulate a plan of ``model`` on ``devices`` devices: ``graphpipe plan``.
 
     ``strategy``: gpp (GraphPipe), pipedream, piper or gpipe. ``schedule``: None (the strategy's own) or a
@@ -171,6 +172,8 @@ def plan(model: Any, *, devices: int, batch_size: int, strategy: str = "gpp", sc
     1f1b-async and 2bw stream the 1F1B partition with ``vertical_sync`` / ``update_every`` / ``stash``), or
     ``"cpsat"`` (``time_limit_s``, ``progress``). ``cluster``: a preset (v100, a100, h100), a cluster JSON
     path or a :class:`~graphpipe.cluster.Cluster`; ``memory_gb`` overrides its device memory.
+    ``tp`` (auto, 1, 2, 4, 8) and ``shard`` (auto, none, fsdp): each stage's parallelism inside itself, searched
+    with the stages when ``auto`` (``--tp``, ``--shard``; 1 and none plan whole-copy stages only).
     ``profile``: measured per-op costs (a path or a :class:`~graphpipe.frontend.profile.Profile`). ``notes(text)``
     receives what a person should know (also kept in :attr:`Plan.notes`). Further keywords are
     :class:`~graphpipe.search.common.SearchOptions` fields.
@@ -181,7 +184,8 @@ def plan(model: Any, *, devices: int, batch_size: int, strategy: str = "gpp", sc
     inputs = plan_inputs(model, devices=devices, cluster=cluster, memory_gb=memory_gb, precision=precision,
                          granularity=granularity, profile=profile, micro_batch_size=micro_batch_size,
                          recompute=recompute, per_stage_micro_batch=per_stage_micro_batch,
-                         power_of_two=power_of_two, host_cores=host_cores, max_memory_gb=max_memory_gb, **options)
+                         power_of_two=power_of_two, host_cores=host_cores, max_memory_gb=max_memory_gb,
+                         tp=parse_tp(tp), shard=parse_shard(shard), **options)
     return plan_with(inputs, batch_size=batch_size, strategy=strategy, schedule=schedule, time_limit_s=time_limit_s,
                      progress=progress, virtual_stages=virtual_stages, vertical_sync=vertical_sync,
                      update_every=update_every, stash=stash, notes=notes)
