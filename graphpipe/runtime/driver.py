@@ -52,6 +52,8 @@ import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
+from graphpipe.runtime.results import CheckTally, StepReport
+
 if TYPE_CHECKING:
     import torch
 
@@ -59,53 +61,6 @@ if TYPE_CHECKING:
 
 __all__ = ["StepReport", "CheckTally", "JobMemory", "JobRun", "JobComm", "StepClock", "Engine", "drive_job",
            "peak_rss_bytes"]
-
-
-@dataclass(frozen=True, slots=True)
-class StepReport:
-    """What one rank measured in one step (an engine's :meth:`Engine.step`)."""
-
-    iteration_time_s: float
-    """This rank's time from the shared start until its last action and all-reduce finished."""
-    loss: float
-    """This rank's share of the mini-batch loss (its sink micro-batches; 0 on a rank without the sink)."""
-    t0: float = 0.0
-    """This rank's ``time.perf_counter()`` at the shared start (the records are relative to it)."""
-    records: tuple["TimedAction", ...] = ()  # executor.TimedAction, named only (no import cycle)
-    """The step's per-action records, times relative to ``t0`` (they become JSON in
-    :func:`~graphpipe.runtime.results.finish_job` only)."""
-    peak_saved_bytes: int = 0
-    """Peak bytes autograd saved for backward during the step (the saved-tensor meter; 0 when not metered)."""
-    cuda_peak_bytes: int | None = None
-    """``torch.cuda.max_memory_allocated`` over the step on a CUDA rank; None on a CPU."""
-
-
-@dataclass(frozen=True, slots=True)
-class CheckTally:
-    """One rank's running ``--check`` comparison: summed over steps and ranks with ``+``."""
-
-    max_abs_diff: float = 0.0
-    """Largest ``|a - b|`` of any element compared."""
-    num_mismatches: int = 0
-    """Elements outside ``atol + rtol |b|`` (widened by the reference's fp64 spread)."""
-    num_params: int = 0
-    """Parameters this rank counted (each parameter is counted by one rank, once)."""
-    num_buffers: int = 0
-    """Buffers this rank counted."""
-
-    def __add__(self, other: "CheckTally") -> "CheckTally":
-        return CheckTally(max(self.max_abs_diff, other.max_abs_diff), self.num_mismatches + other.num_mismatches,
-                          self.num_params + other.num_params, self.num_buffers + other.num_buffers)
-
-    @classmethod
-    def of_params(cls, compared: tuple[float, int, int]) -> "CheckTally":
-        """From :func:`~graphpipe.runtime.reference.compare_gradients`'s ``(max, mismatches, counted)``."""
-        return cls(float(compared[0]), int(compared[1]), int(compared[2]))
-
-    @classmethod
-    def of_buffers(cls, compared: tuple[float, int, int]) -> "CheckTally":
-        """From :func:`~graphpipe.runtime.reference.compare_buffers`'s ``(max, mismatches, counted)``."""
-        return cls(float(compared[0]), int(compared[1]), 0, int(compared[2]))
 
 
 @dataclass(frozen=True, slots=True)
