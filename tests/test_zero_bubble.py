@@ -362,6 +362,8 @@ def test_plan_schedule_cuts_the_model_into_a_v(tmp_path, capsys, name):
     assert {st.micro_batch_size for st in sg.stages} == {2}
     assert plan.predicted["iteration_time_s"] == simulate(sg, plan.schedule, plan.cluster).iteration_time_s
     capsys.readouterr()
-    assert main(["plan", "mmt:small", "--devices", "2", "--batch-size", "8", "--schedule", name]) == 2
+    # whole-copy stages: one device per stage of the V (a tp 2 layout makes the pair one unit, a V of one device)
+    assert main(["plan", "mmt:small", "--devices", "2", "--batch-size", "8", "--schedule", name,
+                 "--tp", "1", "--shard", "none"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "no V layout" in err, err

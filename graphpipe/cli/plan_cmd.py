@@ -196,8 +196,8 @@ def _report(args, plan, cluster) -> None:
     """Note unused devices, write ``--out``, print the plan (a table, or ``--json``)."""
     from graphpipe.cli.common import print_json
 
-    log.info("%s plan found in %.2f s: %d stages", plan.strategy, plan.search.time_s or 0.0,
-             plan.stage_graph.num_stages)
+    log.info("%s plan found in %.2f s: %d stage%s", plan.strategy, plan.search.time_s or 0.0,
+             plan.stage_graph.num_stages, "" if plan.stage_graph.num_stages == 1 else "s")
     unused = cluster.num_devices - len(plan.stage_graph.devices_used())
     if unused:
         sys.stderr.write(f"graphpipe: note: the plan uses {cluster.num_devices - unused} of {cluster.num_devices} "
