@@ -259,11 +259,13 @@ def format_plan(plan) -> str:
     lines = [f"{plan.model}: {plan.strategy} plan, {stages} (depth {sg.depth()}) on "
              f"{len(sg.devices_used())}/{plan.cluster.num_devices} {plan.cluster.device.name}, batch {sg.batch_size}, "
              f"schedule {plan.schedule.name}"]
-    rows = [("stage", "ops", "devices", "mb", "in-flight")]
+    # a layout column only when a stage is parallel inside itself: whole-copy plans print as they always have
+    layouts = any(st.parallel for st in sg.stages)
+    rows = [("stage", "ops", "devices", "mb", "in-flight") + (("layout",) if layouts else ())]
     for st in sg.stages:
         rows.append((str(st.id), _abbrev([sg.graph.ops[i].name for i in st.op_ids]), _devices(st.devices),
-                     str(st.micro_batch_size), str(in_flight[st.id])))
-    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+                     str(st.micro_batch_size), str(in_flight[st.id])) + ((_layout(st),) if layouts else ()))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
     peaks = p.peak_memory_bytes or []
@@ -289,6 +291,12 @@ def format_plan(plan) -> str:
         if value is not None:
             lines.append(f"{key:<15} {value}")
     return "\n".join(lines) + "\n"
+
+
+def _layout(stage) -> str:
+    """A stage's parallelism inside itself, for the table: ``4 x tp2``, ``8 x fsdp`` (replicas x layout)."""
+    parts = ([f"tp{stage.tp}"] if stage.tp > 1 else []) + (["fsdp"] if stage.shard == "fsdp" else [])
+    return f"{stage.num_replicas} x {' '.join(parts) or 'copy'}"
 
 
 def _fmt(value: Any, spec: str) -> str:
