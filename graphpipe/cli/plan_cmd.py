@@ -304,7 +304,7 @@ def _fmt(value: Any, spec: str) -> str:
 
 
 _HEADER = ("strategy", "throughput/s", "vs gpp", "iteration ms", "stages", "depth", "peak GB", "search s", "note")
-_WIDTHS = (9, 12, 6, 12, 6, 5, 7, 8, 0)  # fixed, so rows can be printed as they arrive
+_WIDTHS = (17, 12, 6, 12, 6, 5, 7, 8, 0)  # fixed, so rows can be printed as they arrive ("pipedream pp-only")
 
 
 def _line(cells) -> str:
