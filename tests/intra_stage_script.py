@@ -39,7 +39,7 @@ def train(plan_path: str, steps: int, out: str, save: str | None, load: str | No
     made = load_factory(read_plan(plan_path).model)
     # meta: the user's model built on the meta device, its weights only from the checkpoint ``load`` names
     module = copy.deepcopy(made.module).to("meta") if meta else made.module
-    pipe = graphpipe.Pipeline(plan_path, module, made.loss_fn, example_inputs=made.example_inputs,
+    pipe = graphpipe.Pipeline(plan_path, module, made.loss_fn, idle_ranks=True, example_inputs=made.example_inputs,
                               example_target=made.example_target, timeout_s=120)
     idle = not list(pipe.parameters())  # a rank the plan leaves idle gets a stand-in optimizer
     opt = torch.optim.SGD(list(pipe.parameters()) or [torch.zeros(1, requires_grad=True)], lr=0.1, momentum=0.9)

@@ -132,8 +132,9 @@ def test_a_plan_on_3_of_4_devices_trains_on_3_ranks_and_stops_on_4(tmp_path):
     assert bad.returncode != 0
     want = (f"{tmp_path / 'tt.json'} runs on 3 ranks (its stages are on devices 0-2), torchrun started 4: "
             "start it with `torchrun --nproc-per-node 3`")
-    for rank in range(4):
-        assert f"graphpipe: error: rank {rank}: {want}" in bad.stderr, bad.stderr[-3000:]
+    # every rank refuses before any collective; torchrun may stop the others once the first has exited, so at
+    # least one rank's line is there, and no rank reached a collective (below)
+    assert any(f"graphpipe: error: rank {rank}: {want}" in bad.stderr for rank in range(4)), bad.stderr[-3000:]
     assert "exitcode  : 2" in bad.stderr
     assert "Connection closed" not in bad.stderr and "graphpipe/runtime" not in bad.stderr
     assert "optimizer got an empty parameter list" not in bad.stderr

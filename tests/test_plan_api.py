@@ -86,8 +86,11 @@ def test_the_api_plans_and_predicts_what_the_cli_does(capsys, tmp_path, models, 
     prediction = plan.simulate(host_cores=keywords.get("host_cores"))
     figures = {k: v for k, v in simulated.items() if k not in ("model", "strategy", "num_stages", "search")}
     assert json.dumps(dict(prediction.figures)) == json.dumps(figures)
-    assert prediction.iteration_time_s == simulated["iteration_time_s"] == plan.predicted.iteration_time_s
-    assert prediction.throughput == simulated["throughput"] == plan.predicted.throughput
+    assert prediction.iteration_time_s == simulated["iteration_time_s"]
+    assert prediction.throughput == simulated["throughput"]
+    # the plan's own figure: the same sum, possibly in another order (an asynchronous plan's steady state)
+    assert plan.predicted.iteration_time_s == pytest.approx(prediction.iteration_time_s, rel=1e-12)
+    assert plan.predicted.throughput == pytest.approx(prediction.throughput, rel=1e-12)
     assert list(prediction.peak_memory_bytes) == simulated["peak_memory_bytes"]
     loaded = graphpipe.load_plan(api_path)
     assert isinstance(loaded, graphpipe.Plan) and loaded.stage_graph == plan.stage_graph

@@ -109,13 +109,14 @@ def test_interleaving_error_suggests_flags_not_python(capsys, tmp_path, plan_doc
 def test_memory_error_is_one_line_and_exit_2(capsys, monkeypatch, tmp_path, verb, plan_doc):
     """Whatever runs out of memory inside a verb, the command prints one line naming the verb and exits 2."""
     import graphpipe.cli.models_cmd as models_cmd
-    import graphpipe.cli.plan_cmd as plan_cmd
     import graphpipe.cli.simulate_cmd as simulate_cmd
 
     def exhausted(*args, **kwargs):
         raise MemoryError()
 
-    target = {"plan": (plan_cmd, "_plan_one"), "simulate": (simulate_cmd, "_run"), "models": (models_cmd, "zoo_summary")}[verb]
+    import graphpipe.search.api as planning_api
+
+    target = {"plan": (planning_api, "plan_with"), "simulate": (simulate_cmd, "_run"), "models": (models_cmd, "zoo_summary")}[verb]
     monkeypatch.setattr(*target, exhausted)
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(plan_doc))

@@ -24,7 +24,7 @@ H100_PROFILE = os.path.join(ROOT, "evals", "results", "device", "mmt_h100_fp32.p
 def plan(capsys, *argv: str) -> tuple[int, str]:
     """``graphpipe plan ARGV``: (exit code, the one stderr line of a refusal or "")."""
     try:
-        code = main(["plan", *argv])
+        code = main(["plan", *argv, "--tp", "1", "--shard", "none"])  # the partitioners' own refusals
     except SystemExit as exc:
         code = exc.code
     _, err = capsys.readouterr()

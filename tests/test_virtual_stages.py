@@ -216,7 +216,7 @@ def test_a_v_layout_takes_a_smaller_micro_batch_when_the_strategys_is_too_large(
     assert "at micro-batch size 1 (gpp's 10 is too large for it)" in capsys.readouterr().err
     doc = json.load(open(out))
     assert {st["micro_batch_size"] for st in doc["stages"]} == {1} and len(doc["stages"]) == 8
-    assert main(args + ["--micro-batch-size", "5"]) == 2
+    assert main(args + ["--micro-batch-size", "5", "--tp", "1", "--shard", "none"]) == 2
     assert "dualpipev needs at least as many micro-batches as stages (8)" in _error_line(capsys.readouterr().err)
 
 
