@@ -40,7 +40,7 @@ NOTES: dict[str, str] = {
         "RSS above a tiny model's rank follows what it hosts, not the whole model: before, every rank "
         "held the whole model (and a pristine copy of it), over 1.3 GB of weights per rank here. The "
         "estimate the launcher checks before starting is weights, gradients, the plan's activations, "
-        "400 MiB per process and, since issue 65, a second copy of the rank's largest op's gradients "
+        "400 MiB per process and, since the transient-gradient term, a second copy of the rank's largest op's gradients "
         "(autograd makes a gradient before adding it into .grad: the token embedding's dense one on rank "
         "0, the 32,000-word head's on rank 3). Without that term the previous run measured ranks 0 and 3 "
         "21% and 31% above the estimate (1,113 and 902 MB against 917 and 691 MB); with it the same "
@@ -418,7 +418,7 @@ NOTES: dict[str, str] = {
         "128-token samples, so at 4 samples per device the step-end gradient collectives (which start after "
         "each stage's last backward, docs/limits.md) and the pipeline's fill and drain weigh on every plan; "
         "per-stage layouts equal the uniform one wherever no stage gained from another tp on its own devices. "
-        "Rows missing for a model or device count were not run in this round (the search at 16,384 devices "
+        "Rows missing for a model or device count were not run (the search at 16,384 devices "
         "ran for the 405B shape with one layout, see the config)."),
     "bench_llm": (
         "Measured on a 2-core host shared with other engineers' test runs (load average in the config line), so "

@@ -1,4 +1,4 @@
-"""Tiny models with the edges real models hit (issue 65): non-tensor inputs, an in-place op on a value a stage
+"""Tiny models with the edges real models hit: non-tensor inputs, an in-place op on a value a stage
 receives, a parameter the forward never uses.
 
 Each factory returns ``(module, example_inputs, loss_fn)`` (the ``file.py:factory`` contract).

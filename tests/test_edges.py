@@ -1,4 +1,4 @@
-"""The edges real models hit (issue 65), each against an oracle.
+"""The edges real models hit, each against an oracle.
 
 Oracles: the eager module (outputs and gradients, ``torch.testing.assert_close``); ``--check``'s single-process
 reference for multi-rank runs (loss, every gradient and buffer after each step), all plans in one launched

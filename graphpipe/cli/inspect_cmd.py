@@ -119,7 +119,7 @@ def _table(summary: dict[str, Any]) -> str:
 CAPTURE_PRECISION_NOTE = ("captured at fp32 (torch.export runs the module's code once, at fp32); the same program "
                           "runs at bf16 under autocast, with torch.finfo(float32) extremes the code took from a "
                           "tensor's dtype replaced by bf16's (graphpipe.frontend.exporting.bf16_safe_constants)")
-"""What ``inspect`` says about the precision a captured module's program was traced at (issue 65)."""
+"""What ``inspect`` says about the precision a captured module's program was traced at."""
 
 
 def run(args) -> int:

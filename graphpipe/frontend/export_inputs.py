@@ -1,5 +1,5 @@
 """What the capture does to a module's inputs and constants so one traced program serves every run
-(:mod:`graphpipe.frontend.exporting`, steps 6-8 of its docstring; issue 65).
+(:mod:`graphpipe.frontend.exporting`, steps 6-8 of its docstring).
 
 * :func:`fold_constant_inputs`: non-tensor inputs (``output_hidden_states=True``, an int, a string, ``None``)
   become part of the program instead of graph inputs;

@@ -132,7 +132,7 @@ def merge_folded_ops(nodes: Sequence[fx.Node], owner: MutableMapping[fx.Node, st
 
 
 def _merged_name(common: str, paths: list[list[str]], first: str, taken: set[str]) -> str:
-    """A merged op's name: what it is (issue 65), not its first member's.
+    """A merged op's name: what it is, not its first member's.
 
     The module its members share (``mix`` for MobileViT's ``mix.0``, ``mix.1`` and the unfold/fold glue around
     them); when they share none (a GNN whose batch is folded into the node dimension merges its ``convs.*`` and

@@ -675,7 +675,7 @@ class Pipeline:
             for name, b in prog.module.named_buffers():
                 if self._setup.buffer_stage.get(name) == s:
                     state[f"buffer/{name}"] = b
-        state.update(getattr(self, "_unused_state", {}))  # rank 0: the whole model's unused tensors (issue 65)
+        state.update(getattr(self, "_unused_state", {}))  # rank 0: the whole model's unused tensors
         return state
 
     def close(self) -> None:

@@ -59,7 +59,7 @@ class RankMemory:
     base_bytes: float
     """The process itself: interpreter, torch, communication buffers."""
     transient_bytes: float = 0.0
-    """A gradient being made while ``.grad`` already holds one: its largest op's parameter bytes (issue 65)."""
+    """A gradient being made while ``.grad`` already holds one: its largest op's parameter bytes."""
 
     @property
     def total_bytes(self) -> float:
