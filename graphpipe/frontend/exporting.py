@@ -65,7 +65,7 @@ import itertools
 import logging
 import operator
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -399,6 +399,9 @@ class Exported:
     gm: fx.GraphModule
     io: IOSpec
     seconds: float = 0.0
+    ranges: dict = field(default_factory=dict)
+    """Symbol of a dim that varies (the batch, a sequence length) -> ``(least, most)`` sizes export proved the
+    program runs at (``most`` None: unbounded); :mod:`graphpipe.runtime.shapes` checks every step against them."""
 
 
 # ------------------------------------------------------------------ helpers
@@ -440,7 +443,13 @@ def _dynamic_shapes(module: nn.Module, args: tuple, kwargs: dict, batch: Any = N
         raise InputError(f"example inputs do not match {type(module).__name__}.forward: {exc}") from None
 
     def spec(value: Any) -> Any:
-        return {0: batch} if isinstance(value, torch.Tensor) and value.dim() >= 1 else None
+        if not isinstance(value, torch.Tensor) or value.dim() < 1:
+            return None
+        if value.dtype.is_floating_point or value.dtype.is_complex:
+            return {0: batch}
+        # token ids, masks, labels: every other dim (a sequence length) is whatever the model allows; a dim the
+        # model pins is specialized, one it does not stays a symbol
+        return {0: batch, **{d: torch.export.Dim.AUTO for d in range(1, value.dim())}}
 
     return {name: pytree.tree_map(spec, value) for name, value in bound.arguments.items()}
 
@@ -627,7 +636,23 @@ def _export_bound(module: nn.Module, args: tuple, kwargs: dict, loss_fn: Callabl
     # a plain GraphModule over the same tensors (export's module refuses train()/eval())
     gm = fx.GraphModule(gm, gm.graph, class_name=type(module).__name__)
     io = IOSpec(in_spec, input_names, out_spec, tuple(kept), target_spec, num_target, constants)
-    return Exported(gm, io, seconds)
+    return Exported(gm, io, seconds, _ranges(ep))
+
+
+def _ranges(ep) -> dict[str, tuple[int, int | None]]:
+    """``symbol -> (least, most)`` of every symbolic input dim of ``ep`` (``most`` None: no bound)."""
+
+    def whole(v) -> int | None:
+        import sympy
+
+        return int(v) if isinstance(v, (int, sympy.Integer)) else None
+
+    out = {}
+    for sym, r in ep.range_constraints.items():
+        lo, hi = whole(r.lower), whole(r.upper)
+        lo = lo or 0
+        out[str(sym)] = (lo, hi if hi is not None and hi < 2 ** 62 else None)
+    return out
 
 
 def _joined(values: list[Any], gm: fx.GraphModule, output: fx.Node) -> list[Any]:

@@ -54,7 +54,8 @@ def splittable(value: Any, batch: str | None) -> bool:
         return True
     symbols = [_symbols(d) for d in value.shape]
     batched = [k for k, d in enumerate(value.shape) if symbols[k] and str(d) == batch]
-    return not any(symbols) or (len(batched) == 1 and sum(map(bool, symbols)) == 1)
+    # other dims may vary too (a sequence length), but never with the batch: a (batch * seq, dim) value is folded
+    return not any(batch in s for s in symbols) or (len(batched) == 1 and sum(batch in s for s in symbols) == 1)
 
 
 def merge_folded_ops(nodes: Sequence[fx.Node], owner: MutableMapping[fx.Node, str],

@@ -345,10 +345,11 @@ class Pipeline:
         from graphpipe.runtime.stage_modules import instrument
 
         self._assemble(model, instrument(exported.gm, rows(2)), op_nodes, exported.io,
-                       exported.io.wrap_loss(self._loss_fn), rows, fault=None, measure=self._measure, keep=keep)
+                       exported.io.wrap_loss(self._loss_fn), rows, fault=None, measure=self._measure, keep=keep,
+                       ranges=exported.ranges)
 
     def _assemble(self, model, gm, op_nodes, io, loss_fn, make_rows, *, fault, measure: bool,
-                  initial=None, keep=None) -> None:
+                  initial=None, keep=None, ranges=None) -> None:
         """Cut the captured graph by the plan's stages, materialize this rank's stages when the model is on the
         meta device, and build this rank's executor (:func:`setup_rank`).
 
@@ -370,6 +371,14 @@ class Pipeline:
         if keep:
             _put_back(split, keep)
         meta = boundary_meta(gm, split.boundary_values, make_rows, self.precision)
+        from graphpipe.runtime.shapes import ShapeRules
+
+        self._shapes = ShapeRules(gm, ranges or {})
+        """What each input dim may be per step (:mod:`graphpipe.runtime.shapes`)."""
+        self._shapes_planned = self._shapes.bind(make_rows(sg.batch_size, 0)).bindings
+        """The symbols' sizes the plan was made at (the example's)."""
+        self._step_shape = None
+        self._has_batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in gm.modules())
         mine = {s: split.programs[s] for s in (sg.stages_on_device(self.rank) if self.rank < sg.num_devices else ())}
         self._uninitialised = sorted(materialize_stages(model, mine, self.device, self.seed, initial).uninitialised)
         """Model names of hosted tensors built on meta that no initialiser filled: a checkpoint must (:meth:`load`)."""
@@ -501,6 +510,11 @@ class Pipeline:
 
         self._ready_to_run()
         executor = self._setup.executor
+        shape, self._step_shape = self._step_shape, None
+        if shape is not None:  # the API's step: its own sizes; graphpipe run's steps are the plan's
+            executor.prepare_step(shape.rows, shape.bindings)
+        else:
+            executor.prepare_step(self.plan.stage_graph.batch_size, self._shapes_planned)
         executor.ensure_grads()
         t0 = start() if start is not None else time.perf_counter()
         with autocast(self.precision, self.device):
@@ -534,11 +548,58 @@ class Pipeline:
             flat = self._flat_checked(inputs, target)
             if key is not None:
                 self._plain_structures.add(key)
-        got, want = _batch(flat), self.plan.stage_graph.batch_size
-        if got != want:
-            raise InputError(f"mini-batch of {got} rows, but the plan is for batch size {want}: give the whole "
-                             f"mini-batch on every rank (re-plan with --batch-size {got} to train at {got})")
+        self._step_shape = self._shape_of(flat)
         return flat
+
+    def _shape_of(self, flat: tuple):
+        """The step's sizes (:class:`~graphpipe.runtime.shapes.StepShape`), refused in one line, on every rank
+        alike and before anything runs, where the program or the plan cannot take them: a dim the model pins,
+        more rows than the plan's batch, a partial batch too small to give every micro-batch a row."""
+        from graphpipe.runtime.routing import least_rows
+
+        shape = self._shapes.bind(flat)
+        sg = self.plan.stage_graph
+        if shape.rows > sg.batch_size:
+            raise InputError(f"mini-batch of {shape.rows} rows, but the plan is for batch size {sg.batch_size}: its "
+                             f"memory was checked at {sg.batch_size} rows (re-plan with --batch-size {shape.rows} "
+                             f"to train at {shape.rows})")
+        if shape.rows < sg.batch_size:
+            least = least_rows(sg)
+            if shape.rows < least:
+                raise InputError(f"a partial mini-batch of {shape.rows} rows, but the plan cuts its batch into "
+                                 f"{least} micro-batch shards, each of which needs a row: drop it "
+                                 f"(DataLoader(drop_last=True)) or give at least {least} rows")
+            if self._has_batchnorm:
+                raise InputError(f"a partial mini-batch of {shape.rows} rows through a model with BatchNorm: its "
+                                 f"statistics are per micro-batch of the plan's size; drop it "
+                                 f"(DataLoader(drop_last=True))")
+        self._memory_guard(shape)
+        return shape
+
+    def _memory_guard(self, shape) -> None:
+        """Refuse a step whose sizes would not fit the plan's devices: the plan's predicted peak per device with
+        its activations scaled by the step's tokens (rows times every varying dim) over the planned ones, against
+        the device memory the plan was made for. Every rank checks the same numbers."""
+        pred = self.plan.predicted
+        peaks, acts = getattr(pred, "peak_memory_bytes", None), getattr(pred, "peak_activation_bytes", None)
+        cluster = getattr(self.plan, "cluster", None)
+        if not peaks or not acts or cluster is None or shape.bindings == self._shapes_planned:
+            return
+        ratio = shape.rows / self.plan.stage_graph.batch_size
+        for sym, size in shape.bindings.items():
+            if sym != self._shapes.batch and self._shapes_planned.get(sym):
+                ratio *= size / self._shapes_planned[sym]
+        if ratio <= 1.0:
+            return
+        limit = cluster.memory_bytes
+        for d, (peak, act) in enumerate(zip(peaks, acts)):
+            need = peak - act + act * ratio
+            if need > limit:
+                sizes = ", ".join(f"{size}" for sym, size in shape.bindings.items() if sym != self._shapes.batch)
+                raise InputError(f"a step of {shape.rows} rows at length {sizes} would need about "
+                                 f"{need / 1e9:.1f} GB on device {d} ({ratio:.2f}x the planned activations; the "
+                                 f"plan's devices have {limit / 1e9:.1f} GB): give shorter batches or re-plan with "
+                                 "--max-shape at this size")
 
     def _flat_checked(self, inputs: Any, target: Any) -> tuple:
         args, kwargs = normalize_inputs(inputs)
@@ -591,6 +652,9 @@ class Pipeline:
         args, kwargs = normalize_inputs(inputs)
         rows = _batch([t for t in list(args) + list(kwargs.values()) if isinstance(t, torch.Tensor)])
         flat = self._io.flat_inputs(args, kwargs, self._zero_target(rows))
+        # the values crossing cuts at this batch's sizes (any rows, any length the model takes)
+        bindings = self._shapes.bind(flat, len(flat) - self._io.num_target_leaves).bindings
+        at_shape = {n: m.at(bindings) for n, m in self._setup.executor.planned_meta.items()}
         values: dict[str, torch.Tensor] = {}
         out = None
         from graphpipe.runtime.intra_stage import eval_ranks
@@ -605,7 +669,7 @@ class Pipeline:
                 src = sg.stages[producer].devices[0]
                 for n in names:
                     if src != self.rank:
-                        meta = self._setup.executor.meta[n]
+                        meta = at_shape[n]
                         buffer = torch.empty(meta.shape(rows), dtype=meta.dtype, device=self.device)
                         dist.recv(buffer, src)
                         values[n] = meta.from_wire(buffer)  # batch-major on the wire
@@ -628,7 +692,7 @@ class Pipeline:
                         if dst == self.rank:
                             values[n] = by_name[n]
                         else:
-                            dist.send(self._setup.executor.meta[n].to_wire(by_name[n]).contiguous(), dst)
+                            dist.send(at_shape[n].to_wire(by_name[n]).contiguous(), dst)
             if prog.is_sink:
                 out = tuple(t.cpu() if isinstance(t, torch.Tensor) else t for t in model_out)
         holder = [out]

@@ -242,9 +242,12 @@ class RankExecutor:
         # Asynchronous schedules: the stream's loss terms are scaled by the mini-batch, not by the stream's rows.
         self.loss_batch_size = ctx.loss_batch_size or sg.batch_size
         self._last_terms = LossTerms([], self.device)
-        plans = {a: self._plan(a) for a in dict.fromkeys(self.actions)}
-        self.ops: tuple[StageAction, ...] = tuple(plans[a] for a in self.actions)
+        self.ops: tuple[StageAction, ...] = self._typed_actions()
         """The rank's actions, typed, in order: what :meth:`run_iteration` dispatches."""
+        self.planned_meta = dict(self.meta)
+        """Boundary values' metadata at the capture's sizes; :meth:`prepare_step` evaluates it at a step's."""
+        self._by_rows: dict[int, tuple[Routing, tuple[StageAction, ...]]] = {sg.batch_size: (routing, self.ops)}
+        self._shape_key: tuple | None = None
         self.intra_stage = None
         """The FSDP and tensor-parallel stages hosted here (:class:`~graphpipe.runtime.intra_stage.IntraStage`,
         set by :func:`~graphpipe.runtime.setup.setup_rank`)."""
@@ -253,6 +256,30 @@ class RankExecutor:
     def sink_losses(self) -> dict[int, float]:
         """Micro-batch -> this rank's loss term in the last iteration (sink stages); waits for the device."""
         return self._last_terms.by_micro_batch()
+
+    def _typed_actions(self) -> tuple[StageAction, ...]:
+        plans = {a: self._plan(a) for a in dict.fromkeys(self.actions)}
+        return tuple(plans[a] for a in self.actions)
+
+    def prepare_step(self, rows: int, bindings: Mapping[str, int] | None = None) -> None:
+        """Size the next iteration for a mini-batch of ``rows`` rows and the symbols' sizes ``bindings``
+        (:class:`~graphpipe.runtime.shapes.StepShape`): every value crossing a cut takes its shape at those
+        sizes, and a partial batch (fewer rows than planned) keeps every micro-batch with proportionally fewer
+        rows (:meth:`~graphpipe.runtime.routing.Routing.row`). Every rank derives the same from the same
+        inputs, so no message says how big the next one is. The plan's sizes cost nothing after the first
+        call; another size is worked out once and kept."""
+        key = (rows, tuple(sorted((bindings or {}).items())))
+        if key == self._shape_key:
+            return
+        if rows not in self._by_rows:
+            routing = self.routing.at_rows(rows)
+            self.routing, self._edge_values = routing, routing.edge_values
+            self._by_rows[rows] = (routing, self._typed_actions())
+        self.routing, self.ops = self._by_rows[rows]
+        self.mailbox.routing = self.routing
+        self.meta.clear()  # in place: the hosted stages' services hold this dictionary
+        self.meta.update({v: m.at(bindings or {}) for v, m in self.planned_meta.items()})
+        self._shape_key = key
 
     # ------------------------------------------------------------ helpers
     def _buffer_spec(self, key) -> tuple[tuple[int, ...], torch.dtype]:
@@ -284,8 +311,9 @@ class RankExecutor:
                 sends += [(dst, Routing.key("F", piece, v), v, piece.producer_rows if self.meta[v].batched else None,
                            False) for v in self._edge_values[(piece.producer, piece.consumer)]
                           for dst in replica_ranks(sg.stages[piece.consumer], piece.consumer_replica)]
-            return Forward(a, hosted, rows, a.mb_id * stage.micro_batch_size,
-                           (rows.stop - rows.start) / self.loss_batch_size, tuple(receives), tuple(sends))
+            mini_batch = self.loss_batch_size * routing.batch_rows / sg.batch_size  # fewer in a partial batch
+            return Forward(a, hosted, rows, routing.row(a.mb_id * stage.micro_batch_size),
+                           (rows.stop - rows.start) / mini_batch, tuple(receives), tuple(sends))
         for piece in routing.outgoing(a.stage_id, a.mb_id, q):
             src = replica_lead(sg.stages[piece.consumer], piece.consumer_replica)
             receives += [(piece, v, src, Routing.key("B", piece, v))
@@ -350,11 +378,12 @@ class RankExecutor:
 
     def _shard_rows(self, stage_id: int, mb_id: int, replica: int) -> slice:
         stage = self.sg.stages[stage_id]
+        row = self.routing.row  # the plan's rows, or a partial batch's proportionally fewer
         if stage.round_robin:  # 1F1B-RR: this replica holds the whole micro-batch
-            return slice(mb_id * stage.micro_batch_size, (mb_id + 1) * stage.micro_batch_size)
+            return slice(row(mb_id * stage.micro_batch_size), row((mb_id + 1) * stage.micro_batch_size))
         per = stage.micro_batch_size // stage.num_replicas
         lo = mb_id * stage.micro_batch_size + replica * per
-        return slice(lo, lo + per)
+        return slice(row(lo), row(lo + per))
 
     # ------------------------------------------------------------ actions
     def _run(self, op: StageAction, inputs: Sequence[torch.Tensor] | None, t0: float) -> tuple[float, float, float]:

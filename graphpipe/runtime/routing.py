@@ -46,7 +46,7 @@ from graphpipe.actions import Schedule
 from graphpipe.errors import PlanError
 from graphpipe.stages import StageGraph
 
-__all__ = ["Piece", "MessageKey", "edge_pieces", "shard_size", "Routing"]
+__all__ = ["Piece", "MessageKey", "edge_pieces", "shard_size", "least_rows", "Routing"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +90,12 @@ def shard_size(stage) -> int:
     return stage.micro_batch_size if stage.round_robin else stage.micro_batch_size // stage.num_replicas
 
 
+def least_rows(sg: StageGraph) -> int:
+    """The fewest rows a mini-batch may have so that every shard of every stage keeps at least one row when the
+    plan's micro-batches shrink proportionally (:meth:`Routing.row`): the finest stage's number of shards."""
+    return max(sg.batch_size // shard_size(stage) for stage in sg.stages)
+
+
 def edge_pieces(sg: StageGraph, producer: int, consumer: int) -> list[Piece]:
     """All pieces of stage edge ``producer -> consumer``, by consumer shard then sample.
 
@@ -122,14 +128,21 @@ class Routing:
     """
 
     def __init__(self, sg: StageGraph, schedule: Schedule, edge_values: Mapping[tuple[int, int], Sequence[str]],
-                 grad_values: Iterable[str]):
+                 grad_values: Iterable[str], batch_rows: int | None = None):
         self.sg = sg
+        self.schedule = schedule
         self.edge_values = {e: tuple(v) for e, v in edge_values.items()}
         self.grad_values = frozenset(grad_values)
+        self.batch_rows = sg.batch_size if batch_rows is None else batch_rows
+        """The mini-batch's rows: the plan's batch, or fewer (a last partial batch, :meth:`at_rows`)."""
         self.by_producer: dict[tuple[int, int, int, int], list[Piece]] = {}
         self.by_consumer: dict[tuple[int, int, int, int], list[Piece]] = {}
         for p, c in sg.edges:
             for piece in edge_pieces(sg, p, c):
+                if self.batch_rows != sg.batch_size:
+                    piece = self._shrunk(piece)
+                    if piece is None:
+                        continue
                 self.by_producer.setdefault((p, c, piece.producer_mb, piece.producer_replica), []).append(piece)
                 self.by_consumer.setdefault((p, c, piece.consumer_mb, piece.consumer_replica), []).append(piece)
         self.links: dict[tuple[int, int], list[MessageKey]] = {}
@@ -146,6 +159,30 @@ class Routing:
             if len(self.position[link]) != len(keys):
                 raise PlanError(f"schedule sends the same message twice on link {link[0]}->{link[1]}; "
                                 "every (stage, micro-batch) must have exactly one F and one B per replica")
+
+    def row(self, sample: int) -> int:
+        """Where the plan's sample boundary ``sample`` falls in a mini-batch of :attr:`batch_rows` rows.
+
+        A partial batch keeps every micro-batch (and replica shard) of every stage, each with proportionally
+        fewer rows: boundary ``x`` of the plan's ``B`` rows moves to ``floor(x * rows / B)``. One monotone map
+        for every stage keeps producer and consumer shards consistent, so a piece is still the overlap of
+        the two; shards come out uneven by at most one row, as ``torch.tensor_split`` makes them.
+        """
+        return sample * self.batch_rows // self.sg.batch_size
+
+    def at_rows(self, rows: int) -> "Routing":
+        """This routing for a mini-batch of ``rows`` rows (:meth:`row`); pieces left with no row carry no
+        message. ``rows`` must give every shard of every stage a row (:func:`least_rows`)."""
+        if rows == self.batch_rows:
+            return self
+        return Routing(self.sg, self.schedule, self.edge_values, self.grad_values, rows)
+
+    def _shrunk(self, piece: Piece) -> Piece | None:
+        lo, hi = self.row(piece.lo), self.row(piece.hi)
+        if lo == hi:
+            return None
+        return Piece(piece.producer, piece.consumer, piece.producer_mb, piece.producer_replica, piece.consumer_mb,
+                     piece.consumer_replica, lo, hi, self.row(piece.producer_start), self.row(piece.consumer_start))
 
     def replica(self, stage_id: int, rank: int) -> int:
         stage = self.sg.stages[stage_id]

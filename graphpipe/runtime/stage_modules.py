@@ -167,6 +167,20 @@ class ValueMeta:
     """Where the batch is in the value as the stages compute it: 1 for ``(seq, batch, dim)``, as
     ``nn.Transformer`` takes its inputs by default. Messages always carry it batch-major (the batch moved to
     dim 0, :meth:`to_wire`), so rows are sliced and stitched the same way for every value."""
+    dims: tuple | None = None
+    """:attr:`sample_shape` as the program's expressions (a sequence length's symbol) where a dim other than
+    the batch varies between steps; None where the sample shape is fixed. :meth:`at` evaluates it."""
+
+    def at(self, bindings: Mapping[str, int]) -> "ValueMeta":
+        """This value at a step's sizes (:class:`~graphpipe.runtime.shapes.StepShape`): its sample shape
+        evaluated; itself when no dim varies."""
+        if self.dims is None:
+            return self
+        from dataclasses import replace
+
+        from graphpipe.runtime.shapes import evaluate
+
+        return replace(self, sample_shape=evaluate(self.dims, bindings))
 
     @property
     def needs_grad(self) -> bool:
@@ -614,6 +628,7 @@ def boundary_meta(gm: torch.fx.GraphModule, values: Sequence[str],
                 runs.append((n, rec.values))
     finally:
         gm.train(training)
+    nodes = {n.name: n for n in gm.graph.nodes}
     from_inputs: set[str] = set()  # values that depend on a graph input (meta tensors cannot be compared)
     for node in gm.graph.nodes:
         if node.op == "placeholder" or any(str(a) in from_inputs for a in node.all_input_nodes):
@@ -633,7 +648,8 @@ def boundary_meta(gm: torch.fx.GraphModule, values: Sequence[str],
 
             shapes_only = v0.device.type == "meta" or isinstance(v0, FakeTensor)  # fake_cpu's run holds no values
             constant = name not in from_inputs and (shapes_only or bool(torch.equal(v0, v1)))
-            meta[name] = ValueMeta(tuple(v0.shape), v0.dtype, batched=False, constant=constant)
+            meta[name] = ValueMeta(tuple(v0.shape), v0.dtype, batched=False, constant=constant,
+                                   dims=_varying_dims(nodes.get(name), None))
             continue
         moved = [k for k in range(v0.dim()) if v0.shape[k] != v1.shape[k]] if v0.dim() == v1.dim() else []
         k = moved[0] if len(moved) == 1 else None
@@ -641,8 +657,24 @@ def boundary_meta(gm: torch.fx.GraphModule, values: Sequence[str],
             raise PlanError(f"fx value {name!r} crosses a stage boundary but no dim of it is the batch (shape "
                             f"{tuple(v0.shape)} at batch size {n0}, {tuple(v1.shape)} at {n1}); keep its producer "
                             "and users in one stage")
-        meta[name] = ValueMeta(tuple(v0.shape[:k] + v0.shape[k + 1:]), v0.dtype, batch_dim=k)
+        meta[name] = ValueMeta(tuple(v0.shape[:k] + v0.shape[k + 1:]), v0.dtype, batch_dim=k,
+                               dims=_varying_dims(nodes.get(name), k))
     return meta
+
+
+def _varying_dims(node: torch.fx.Node | None, batch_dim: int | None) -> tuple | None:
+    """A boundary value's sample dims as the program's expressions (the batch dim dropped), when one of them
+    varies between steps (a sequence length); None when all are fixed or the capture recorded no shape."""
+    from graphpipe.runtime.shapes import symbolic_dims
+
+    dims = symbolic_dims(node.meta.get("val")) if node is not None else None
+    if dims is None:
+        return None
+    if batch_dim is not None:
+        if batch_dim >= len(dims):
+            return None
+        dims = dims[:batch_dim] + dims[batch_dim + 1:]
+    return dims if any(not isinstance(d, int) for d in dims) else None
 
 
 def check_unbatched_edges(routing, meta: Mapping[str, ValueMeta]) -> None:

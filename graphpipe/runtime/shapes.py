@@ -1,0 +1,222 @@
+"""The shape of every step: which input dims may vary, and the shape of every value crossing a cut at each step.
+
+Capture keeps the batch (dim 0 of every input) symbolic, and every other dim
+of an integer input (token ids, masks, labels: a sequence length) as
+``torch.export``'s ``Dim.AUTO`` leaves it: a symbol where the model accepts
+any size, a number where it pins one (a reshape to a constant). Float inputs
+keep their other dims fixed unless the factory declares them
+(``dynamic_shapes``). The captured program's ``meta["val"]`` gives each node's
+shape as an expression of those symbols.
+
+Every rank is handed the step's whole mini-batch, so each rank binds the
+symbols from the inputs' sizes and evaluates the shape of every boundary
+value itself (:meth:`ShapeRules.meta_at`): receive buffers are sized without
+a message saying how big they are. Before anything runs, :meth:`ShapeRules.bind`
+refuses, in one line naming the input and dim, a step whose size the
+program cannot take: a dim the model pins, a size outside the range export
+proved, or a length past a position table (an embedding indexed by
+``arange(length)``, which export cannot see as a bound). Every rank checks the
+same inputs, so all of them refuse together and none waits on a peer.
+
+Example
+-------
+>>> import torch
+>>> from graphpipe.frontend.exporting import export_model
+>>> m = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 2))
+>>> ex = export_model(m, (torch.randint(0, 10, (3, 5)),))
+>>> rules = ShapeRules(ex.gm, ex.ranges)
+>>> rules.bind((torch.zeros(2, 7, dtype=torch.long),)).rows
+2
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.fx as fx
+
+from graphpipe.errors import InputError
+
+__all__ = ["StepShape", "ShapeRules", "symbolic_dims", "evaluate"]
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """One step's sizes: its rows (the mini-batch) and the value of every symbol of the program."""
+
+    rows: int
+    symbols: tuple[tuple[str, int], ...]
+
+    @property
+    def bindings(self) -> dict[str, int]:
+        return dict(self.symbols)
+
+
+def symbolic_dims(value: Any) -> tuple | None:
+    """A tensor's shape as ``int`` or sympy expression per dim; None for a value that is not a tensor."""
+    if not isinstance(value, torch.Tensor):
+        return None
+    return tuple(d.node.expr if isinstance(d, torch.SymInt) and not d.node.expr.is_number else int(d)
+                 for d in value.shape)
+
+
+def evaluate(dims: Sequence[Any], bindings: Mapping[str, int]) -> tuple[int, ...]:
+    """Each dim's size with the symbols bound; a symbol not bound (data-dependent) raises ``KeyError``."""
+    out = []
+    for d in dims:
+        if isinstance(d, int):
+            out.append(d)
+            continue
+        free = {str(s): s for s in d.free_symbols}
+        missing = [name for name in free if name not in bindings]
+        if missing:
+            raise KeyError(missing[0])
+        out.append(int(d.xreplace({s: bindings[name] for name, s in free.items()})))
+    return tuple(out)
+
+
+class ShapeRules:
+    """What the captured program ``gm`` accepts per input dim, and the boundary shapes at a step's sizes.
+
+    ``ranges``: :attr:`~graphpipe.frontend.exporting.Exported.ranges`.
+    ``names``: a readable name per graph input (``input_ids``), in placeholder order.
+    """
+
+    def __init__(self, gm: fx.GraphModule, ranges: Mapping[str, tuple[int, int | None]],
+                 names: Sequence[str] | None = None):
+        from graphpipe.runtime.stage_modules import CTX_NAME
+
+        # the graph's inputs: the model's, then the target's (the random-op context the runtime adds is not one)
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder" and n.name != CTX_NAME]
+        self.names = tuple(names) if names is not None else tuple(n.name for n in placeholders)
+        self.inputs = tuple(symbolic_dims(n.meta.get("val")) for n in placeholders)
+        """Per graph input: its dims (a number where the program pins it, an expression where it varies)."""
+        self.ranges = dict(ranges)
+        self.batch = next((str(dims[0]) for dims in self.inputs if dims and not isinstance(dims[0], int)), None)
+        """The batch's symbol."""
+        self.tables = _position_tables(gm)
+        """``(length expression, rows of the table, module)`` of every embedding indexed by positions."""
+        self.varying = any(not isinstance(d, int) for dims in self.inputs if dims for d in dims[1:])
+        """Whether a dim other than the batch may vary between steps."""
+
+    def bind(self, flat: Sequence[Any], model_inputs: int | None = None) -> StepShape:
+        """The step's :class:`StepShape` from its flat inputs, or one :class:`InputError` naming the dim the
+        program cannot take at that size. ``model_inputs``: check only the first so many (an evaluation's:
+        its target is a stand-in)."""
+        if len(flat) != len(self.inputs):
+            raise InputError(f"the program takes {len(self.inputs)} inputs, the step gives {len(flat)}")
+        bindings: dict[str, int] = {}
+        pending = []
+        count = len(flat) if model_inputs is None else model_inputs
+        for name, dims, x in list(zip(self.names, self.inputs, flat))[:count]:
+            if dims is None or not isinstance(x, torch.Tensor):
+                continue
+            if x.dim() != len(dims):
+                raise InputError(f"input {name!r} has {x.dim()} dims, the captured model takes {len(dims)}")
+            for k, (d, size) in enumerate(zip(dims, x.shape)):
+                size = int(size)
+                if isinstance(d, int):
+                    if d != size:
+                        raise InputError(
+                            f"input {name!r} dim {k} is {size}, but the captured model fixes it at {d} ("
+                            + ("its code pins that size, e.g. a reshape to a constant" if not x.is_floating_point()
+                               else "a float input's dims other than the batch are fixed unless the factory "
+                               "declares them in dynamic_shapes") + f"); give batches with dim {k} = {d}")
+                    continue
+                if len(d.free_symbols) == 1 and d.is_Symbol:
+                    key = str(d)
+                    if key in bindings and bindings[key] != size:
+                        other = next(n for n, ds, t in zip(self.names, self.inputs, flat)
+                                     if ds and isinstance(t, torch.Tensor)
+                                     and any(str(e) == key for e in ds))
+                        raise InputError(f"input {name!r} dim {k} is {size}, but the model needs it equal to a dim "
+                                         f"of {other!r}, which is {bindings[key]} in this step")
+                    bindings[key] = size
+                    lo, hi = self.ranges.get(key, (0, None))
+                    what = "rows" if k == 0 else f"dim {k}"
+                    if key != self.batch and (size < lo or (hi is not None and size > hi)):
+                        raise InputError(f"input {name!r} {what} is {size}, but the model runs only at sizes "
+                                         f"{lo}..{hi if hi is not None else 'any'} there (torch.export's range)")
+                else:
+                    pending.append((name, k, d, size))
+        for name, k, d, size in pending:  # a dim that is an expression of others (rare): it must agree
+            try:
+                want = evaluate((d,), bindings)[0]
+            except KeyError:
+                continue
+            if want != size:
+                raise InputError(f"input {name!r} dim {k} is {size}, but the model needs {want} there ({d})")
+        for length, table_rows, module in self.tables:
+            try:
+                need = evaluate((length,), bindings)[0]
+            except KeyError:
+                continue
+            if need > table_rows:
+                raise InputError(f"a length of {need} exceeds {module}'s position table of {table_rows} rows: the "
+                                 f"model takes at most {table_rows} positions")
+        rows = bindings.get(self.batch) if self.batch else None
+        if rows is None:
+            rows = next(int(x.shape[0]) for x in flat if isinstance(x, torch.Tensor) and x.dim())
+        return StepShape(rows, tuple(sorted(bindings.items())))
+
+
+def _position_tables(gm: fx.GraphModule) -> list[tuple[Any, int, str]]:
+    """Embeddings indexed by positions computed from sizes alone (``wpe(arange(seq))``): each bounds a length.
+
+    Export cannot see such a bound (an index is data), so a longer step would fail inside a stage; naming it
+    up front lets every rank refuse the step before any sends.
+    """
+    out = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not torch.ops.aten.embedding.default:
+            continue
+        weight, index = node.args[0], node.args[1]
+        w = weight.meta.get("val") if isinstance(weight, fx.Node) else None
+        if not isinstance(w, torch.Tensor) or not isinstance(index, fx.Node):
+            continue
+        end = _arange_end(index, depth=0)
+        if end is None:
+            continue
+        stack = node.meta.get("nn_module_stack") or {}
+        module = next(reversed(stack.values()))[0] if stack else node.name
+        out.append((end, int(w.shape[0]), module))
+    return out
+
+
+def _arange_end(node: fx.Node, depth: int) -> Any:
+    """The symbolic end of the ``arange`` an index is computed from without reading any input's values; None
+    when the index reads data (a placeholder's values) or no such ``arange`` is found."""
+    if depth > 8:
+        return None
+    if node.op == "placeholder":
+        return None
+    aranges = (torch.ops.aten.arange.default, torch.ops.aten.arange.start, torch.ops.aten.arange.start_step)
+    if node.op == "call_function" and node.target in aranges:
+        end = node.args[0] if node.target is torch.ops.aten.arange.default else node.args[1]
+        if isinstance(end, fx.Node):
+            v = end.meta.get("val")
+            return v.node.expr if isinstance(v, torch.SymInt) else None
+        return None
+    if node.op != "call_function":
+        return None
+    found = None
+    for a in node.all_input_nodes:
+        if a.op == "call_function" and a.target in (torch.ops.aten.sym_size.int,):
+            continue
+        end = _arange_end(a, depth + 1)
+        if end is None and not _sizes_only(a, depth + 1):
+            return None
+        found = end if end is not None else found
+    return found
+
+
+def _sizes_only(node: fx.Node, depth: int) -> bool:
+    """Whether a node is computed from sizes and constants alone (reads no input's values)."""
+    if depth > 8 or node.op == "placeholder":
+        return False
+    if node.op == "get_attr":
+        return False
+    return all(_sizes_only(a, depth + 1) for a in node.all_input_nodes
+               if not (a.op == "call_function" and a.target is torch.ops.aten.sym_size.int))

@@ -1,0 +1,120 @@
+"""Models whose batches vary in shape from step to step, for tests/test_shapes.py (no dropout or BatchNorm, so
+pipelined training equals one process to fp32 rounding).
+
+* ``chain``: token ids through an embedding, a learned position table of :data:`MAX_LEN` rows, two blocks and a
+  per-token head; the loss is a mean over every token, so its value depends on the length.
+* ``branchy``: two token inputs of unrelated lengths (a text and a list of tags), a branch each, pooled and joined.
+* ``hf_bert``: a two-layer BERT from a config, with an attention mask, classifying each sequence.
+* ``pinned``: reshapes its tokens into a constant number of positions: the length is fixed by its code.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+VOCAB = 40
+MAX_LEN = 32
+WIDTH = 16
+BATCH = 8
+
+
+class Chain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.pos = nn.Embedding(MAX_LEN, WIDTH)
+        self.block1 = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh())
+        self.block2 = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh())
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, ids):
+        positions = torch.arange(ids.shape[1], device=ids.device)
+        h = self.embed(ids) + self.pos(positions)
+        return self.head(self.block2(self.block1(h)))
+
+
+def token_loss(logits, labels):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def tokens(step: int, rows: int, length: int, salt: int = 0):
+    gen = torch.Generator().manual_seed(1000 * salt + 17 * step + length)
+    return torch.randint(0, VOCAB, (rows, length), generator=gen)
+
+
+def chain():
+    torch.manual_seed(0)
+    ids = tokens(0, BATCH, 12)
+    return Chain(), ids, token_loss, tokens(0, BATCH, 12, salt=1)
+
+
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.text = nn.Embedding(VOCAB, WIDTH)
+        self.text_block = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh())
+        self.tags = nn.Embedding(VOCAB, WIDTH)
+        self.tags_block = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU())
+        self.head = nn.Linear(2 * WIDTH, 3)
+
+    def forward(self, text, tags):
+        a = self.text_block(self.text(text))  # (rows, text length, width)
+        b = self.tags_block(self.tags(tags))  # (rows, tags length, width)
+        return self.head(torch.cat([a.mean(dim=1), b.mean(dim=1)], dim=-1))
+
+
+def classes(step: int, rows: int):
+    gen = torch.Generator().manual_seed(500 + step)
+    return torch.randint(0, 3, (rows,), generator=gen)
+
+
+def class_loss(logits, labels):
+    return F.cross_entropy(logits, labels)
+
+
+def branchy():
+    torch.manual_seed(0)
+    return Branchy(), (tokens(0, BATCH, 10), tokens(0, BATCH, 5, salt=2)), class_loss, classes(0, BATCH)
+
+
+def _bert():
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config = BertConfig(vocab_size=VOCAB, hidden_size=WIDTH, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=2 * WIDTH, max_position_embeddings=MAX_LEN, num_labels=3,
+                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, attn_implementation="eager")
+    return BertForSequenceClassification(config)
+
+
+def mask(step: int, rows: int, length: int):
+    """Padding at the end of each row: row ``i`` keeps a length of its own, at least 1."""
+    gen = torch.Generator().manual_seed(300 + step + length)
+    keep = torch.randint(1, length + 1, (rows,), generator=gen)
+    return (torch.arange(length)[None, :] < keep[:, None]).long()
+
+
+def hf_loss(out, labels):
+    return F.cross_entropy(out.logits, labels)
+
+
+def hf_bert():
+    torch.manual_seed(0)
+    return _bert(), {"input_ids": tokens(0, BATCH, 12), "attention_mask": mask(0, BATCH, 12)}, hf_loss, \
+        classes(0, BATCH)
+
+
+class Pinned(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.head = nn.Linear(12 * WIDTH, 3)
+
+    def forward(self, ids):
+        return self.head(self.embed(ids).reshape(ids.shape[0], 12 * WIDTH))
+
+
+def pinned():
+    torch.manual_seed(0)
+    return Pinned(), tokens(0, BATCH, 12), class_loss, classes(0, BATCH)
