@@ -624,6 +624,7 @@ def _export_bound(module: nn.Module, args: tuple, kwargs: dict, loss_fn: Callabl
         with gm.graph.inserting_before(output):
             for i in range(num_target):
                 ph = _placeholder_after(gm, f"target_{i}" if num_target > 1 else "target")
+                _target_shape(ph, t_leaves[i], placeholders)
                 node = gm.graph.call_function(deliver_target, (ph,))
                 if anchor is not None:  # the target joins the op producing the output
                     node.meta["nn_module_stack"] = dict(anchor.meta.get("nn_module_stack") or {})
@@ -636,7 +637,13 @@ def _export_bound(module: nn.Module, args: tuple, kwargs: dict, loss_fn: Callabl
     # a plain GraphModule over the same tensors (export's module refuses train()/eval())
     gm = fx.GraphModule(gm, gm.graph, class_name=type(module).__name__)
     io = IOSpec(in_spec, input_names, out_spec, tuple(kept), target_spec, num_target, constants)
-    return Exported(gm, io, seconds, _ranges(ep))
+    ranges = _ranges(ep)
+    gm.meta[RANGES_KEY] = ranges  # travels with the graph (a shipped capture too): the runtime checks steps by it
+    return Exported(gm, io, seconds, ranges)
+
+
+RANGES_KEY = "graphpipe_ranges"
+"""``gm.meta`` key of :attr:`Exported.ranges`."""
 
 
 def _ranges(ep) -> dict[str, tuple[int, int | None]]:
@@ -653,6 +660,35 @@ def _ranges(ep) -> dict[str, tuple[int, int | None]]:
         lo = lo or 0
         out[str(sym)] = (lo, hi if hi is not None and hi < 2 ** 62 else None)
     return out
+
+
+def _target_shape(node: fx.Node, example: Any, inputs: Sequence[fx.Node]) -> None:
+    """The target's dims as the inputs' symbols, recorded on its placeholder (export never saw the target).
+
+    Dim 0 is the batch; another dim whose example size is that of exactly one varying input dim (labels of a
+    sequence's length) is taken to be that dim; every other dim is fixed. The runtime cuts a synthetic target
+    to each step's sizes by it (``graphpipe run --vary-shapes``)."""
+    from graphpipe.runtime.shapes import SHAPE_KEY
+
+    if not isinstance(example, torch.Tensor) or example.dim() == 0:
+        return
+    sizes: dict[int, set] = {}
+    batch = None
+    for ph in inputs:
+        val = ph.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            continue
+        for k, d in enumerate(val.shape):
+            if isinstance(d, torch.SymInt) and not d.node.expr.is_number and d.node.hint is not None:
+                if k == 0 and batch is None:
+                    batch = d.node.expr
+                elif k > 0:
+                    sizes.setdefault(int(d.node.hint), set()).add(d.node.expr)
+    if batch is None:
+        return
+    dims = [batch] + [next(iter(sizes[n])) if len(sizes.get(n, ())) == 1 else n
+                      for n in (int(x) for x in example.shape[1:])]
+    node.meta[SHAPE_KEY] = ("tensor", tuple(dims))
 
 
 def _joined(values: list[Any], gm: fx.GraphModule, output: fx.Node) -> list[Any]:

@@ -446,9 +446,17 @@ class Pipeline:
         """Forward and backward of one mini-batch through the plan's schedule; returns its loss on every rank.
 
         ``inputs``: a tensor, a tuple of inputs or a dict of keyword inputs
-        (the whole mini-batch, the plan's batch size); ``target`` when the
+        (the whole mini-batch, the same on every rank); ``target`` when the
         loss takes one. Gradients accumulate into ``.grad`` (all-reduced over
         replicas, summed over tied copies); zero them between steps.
+
+        Shapes may change from step to step where the model allows: a
+        sequence length (any dim but the batch of an integer input; a
+        float input's where its factory declares them), and the rows of a
+        last partial batch (fewer than the plan's batch: every micro-batch
+        keeps its place with proportionally fewer rows, docs/semantics.md).
+        A size the model or the plan cannot take is refused in one line
+        before anything runs, on every rank alike.
 
         The loss comes back as a detached 0-dim float64 tensor on this rank's
         device, as a plain loop's ``loss`` does: ``loss.item()`` (or
@@ -461,13 +469,31 @@ class Pipeline:
             dist.all_reduce(loss)  # on the device: an NCCL group reduces CUDA tensors only
         return loss
 
-    def timed_step(self, flat: tuple | None, *, start: Callable[[], float]):
+    def timed_step(self, flat: tuple | None, *, start: Callable[[], float], sizes: dict[str, int] | None = None):
         """One timed step on the graph's flat inputs (``None`` on ranks whose stages read none): ``start()``
         (the job driver's barrier, :class:`~graphpipe.runtime.driver.StepClock`) returns the shared start the
-        step's per-action times count from, and the step ends when the device has finished it. Returns this
-        rank's :class:`~graphpipe.runtime.executor.StepResult`. ``graphpipe run``'s step."""
+        step's per-action times count from, and the step ends when the device has finished it. ``sizes``: the
+        step's symbol sizes when they are not the plan's (``--vary-shapes``; every rank knows them, inputs or
+        not). Returns this rank's :class:`~graphpipe.runtime.executor.StepResult`. ``graphpipe run``'s step."""
+        if sizes is not None:
+            self._step_shape = self.shape_at(sizes)
         self._train(flat, start=start, wait=True)
         return self.last_step
+
+    @property
+    def shape_rules(self):
+        """What each input dim may be per step (:class:`~graphpipe.runtime.shapes.ShapeRules`)."""
+        return self._shapes
+
+    @property
+    def planned_sizes(self) -> dict[str, int]:
+        """The symbols' sizes the plan was made at (the batch's and every varying length's)."""
+        return dict(self._shapes_planned)
+
+    def shape_at(self, sizes: dict[str, int]):
+        """The :class:`~graphpipe.runtime.shapes.StepShape` of symbol sizes ``sizes``, refused as a step's would
+        be (:meth:`step`)."""
+        return self._checked(self._shapes.at(sizes))
 
     @property
     def rank_setup(self):
@@ -555,9 +581,11 @@ class Pipeline:
         """The step's sizes (:class:`~graphpipe.runtime.shapes.StepShape`), refused in one line, on every rank
         alike and before anything runs, where the program or the plan cannot take them: a dim the model pins,
         more rows than the plan's batch, a partial batch too small to give every micro-batch a row."""
+        return self._checked(self._shapes.bind(flat))
+
+    def _checked(self, shape):
         from graphpipe.runtime.routing import least_rows
 
-        shape = self._shapes.bind(flat)
         sg = self.plan.stage_graph
         if shape.rows > sg.batch_size:
             raise InputError(f"mini-batch of {shape.rows} rows, but the plan is for batch size {sg.batch_size}: its "

@@ -159,6 +159,11 @@ class RunOptions:
         "--max-restarts", metavar="R",
         help="when a rank fails (killed, out of memory, an error), start every rank again up to R times, resuming "
              "from --checkpoint-dir's newest checkpoint (as torchrun --max-restarts does)"))
+    vary_shapes: str | None = field(default=None, metadata=flag(
+        "--vary-shapes", metavar="LO:HI[,ROWS_LO:ROWS_HI]",
+        help="each step draws every varying length of the model (a token input's sequence) in LO..HI and its rows in "
+             "ROWS_LO..ROWS_HI (default: the plan's batch; fewer rows make a partial batch), from the seed and the "
+             "step; --check compares every step with one process on the same batch"))
     rtol: float = CHECK_RTOL
     """--check's relative tolerance (bf16 runs get a wider one, :data:`graphpipe.runtime.flags.BF16_CHECK_TOLERANCE`)."""
     atol: float = CHECK_ATOL
@@ -204,6 +209,12 @@ class RunOptions:
         if self.max_restarts and self.checkpoint_dir is None:
             raise InputError("--max-restarts needs --checkpoint-dir: a restarted run resumes from its newest "
                              "checkpoint (without one it would start over)")
+        if self.vary_shapes is not None:
+            from graphpipe.runtime.shapes import ShapeDraw
+
+            ShapeDraw.parse(self.vary_shapes)
+            if self.baseline is not None:
+                raise InputError("--vary-shapes runs graphpipe's own runtime: drop --baseline torch")
         if self.batchnorm is not None:
             from graphpipe.runtime.batchnorm import check_batchnorm_mode
 

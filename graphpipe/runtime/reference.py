@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
+from typing import Callable, Sequence
 
 import torch
 
@@ -98,7 +99,8 @@ def reference_layout(plan: Plan, node_stages: dict[str, int], batchnorm: str) ->
 
 def reference_run(spec: str, seed: int, batch_size: int, layout: dict[str, dict[str, int]], steps: int, lr: float,
                   device: str = "cpu", granularity: str | None = None, precision: str = "fp32",
-                  meta_params: bool = False, with_spread: bool = False, float64: bool = False) -> Reference:
+                  meta_params: bool = False, with_spread: bool = False, float64: bool = False,
+                  shapes: Callable[[int], Sequence] | None = None) -> Reference:
     """``steps`` SGD steps of a fresh copy of the model on one process with the pipeline's semantics.
 
     ``layout`` (:func:`reference_layout`) says at which rows every dropout
@@ -108,8 +110,13 @@ def reference_run(spec: str, seed: int, batch_size: int, layout: dict[str, dict[
     (:func:`~graphpipe.runtime.materialize.materialize_stages`, all stages here).
     ``float64``: the whole run in float64; ``with_spread`` (fp32): that run
     too, and the reference's own fp32-vs-fp64 spread per step
-    (:mod:`graphpipe.runtime.numerics`).
+    (:mod:`graphpipe.runtime.numerics`). ``shapes(k)``: step ``k``'s input shapes when
+    they are not the plan's (``--vary-shapes``): the inputs are cut to them
+    (:func:`~graphpipe.runtime.shapes.resized`) as on the ranks, and a step of
+    fewer rows cuts its dropout where the pipeline's proportionally smaller
+    shards do.
     """
+    from graphpipe.runtime.shapes import resized
     from graphpipe.runtime.batchnorm import sharded_batchnorms
     from graphpipe.runtime.rng import ReferenceContext, ShardContext, _rows
 
@@ -126,11 +133,14 @@ def reference_run(spec: str, seed: int, batch_size: int, layout: dict[str, dict[
     for step in range(steps):
         optimizer.zero_grad(set_to_none=True)
         inputs = ref.make_inputs(batch_size, data_seed(seed, step))
+        if shapes is not None:
+            inputs = resized(inputs, shapes(step))
+        step_rows = next((int(x.shape[0]) for x in inputs if isinstance(x, torch.Tensor) and x.dim()), batch_size)
         if float64:
             inputs = tuple(x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs)
         with autocast(precision, device):  # one region per step, as the run: the weight copies are cast anew
-            if rows is None:
-                ctx = ReferenceContext(seed, step, batch_size, layout)
+            if rows is None or step_rows != batch_size:  # a partial batch: shards of proportionally fewer rows
+                ctx = ReferenceContext(seed, step, step_rows, layout, planned=batch_size)
                 loss = ref.loss_fn(gm(*inputs, ctx))
                 loss.backward()
                 unbatched.update(ctx.unbatched)
@@ -154,7 +164,7 @@ def reference_run(spec: str, seed: int, batch_size: int, layout: dict[str, dict[
         return ref32
     try:
         ref64 = reference_run(spec, seed, batch_size, layout, steps, lr, device, granularity, float64=True,
-                              meta_params=meta_params)
+                              meta_params=meta_params, shapes=shapes)
     except Exception as exc:  # noqa: BLE001 - a model that cannot run in float64 is checked at the fixed tolerance
         log.warning("%s: the float64 reference failed (%s: %s); --check uses the fixed fp32 tolerance",
                     spec, type(exc).__name__, exc)

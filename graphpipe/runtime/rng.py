@@ -148,13 +148,21 @@ class ReferenceContext:
     batch_size: int
     chunks: Mapping[str, Mapping[str, int]]
     unbatched: list = field(default_factory=list, compare=False)
+    planned: int | None = None
+    """The plan's batch when this step has fewer rows (a partial batch): the plan's shard boundaries move to
+    ``floor(x * batch_size / planned)``, as the pipeline's (:meth:`~graphpipe.runtime.routing.Routing.row`)."""
 
     def pieces(self, op: str, kind: str, x: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
-        size = self.chunks.get(op, {}).get(kind, self.batch_size)
+        whole = self.planned or self.batch_size
+        size = self.chunks.get(op, {}).get(kind, whole)
         if x.dim() == 0 or x.shape[0] != self.batch_size:
             self.unbatched.append(op)
             return [(0, x)]
-        return [(lo, x[lo:lo + size]) for lo in range(0, self.batch_size, size)]
+
+        def row(sample: int) -> int:
+            return sample * self.batch_size // whole
+
+        return [(row(lo), x[row(lo):row(lo + size)]) for lo in range(0, whole, size)]
 
     @staticmethod
     def join(outs: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -39,7 +39,7 @@ import torch.fx as fx
 
 from graphpipe.errors import InputError
 
-__all__ = ["StepShape", "ShapeRules", "symbolic_dims", "evaluate"]
+__all__ = ["StepShape", "ShapeRules", "symbolic_dims", "evaluate", "resized"]
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,55 @@ class StepShape:
     @property
     def bindings(self) -> dict[str, int]:
         return dict(self.symbols)
+
+
+SHAPE_KEY = "graphpipe_shape"
+"""``node.meta`` key of a shipped capture's shapes (:func:`shape_record`), where export's ``val`` does not travel."""
+
+
+def node_shape(node: fx.Node) -> tuple[str, Any] | None:
+    """``("tensor", dims)`` or ``("size", expression)`` of a node's value (export's ``meta["val"]``, or what a
+    shipped capture brought, :func:`shape_record`); None for anything else."""
+    if SHAPE_KEY in node.meta:
+        return node.meta[SHAPE_KEY]
+    v = node.meta.get("val")
+    if isinstance(v, torch.Tensor):
+        return ("tensor", symbolic_dims(v))
+    if isinstance(v, torch.SymInt):
+        return ("size", int(v) if v.node.expr.is_number else v.node.expr)
+    return None
+
+
+def shape_records(gm: fx.GraphModule) -> dict[str, tuple]:
+    """Node name -> its :func:`node_shape` in plain text (expressions as strings), to ship with a capture."""
+    out = {}
+    for node in gm.graph.nodes:
+        rec = node_shape(node)
+        if rec is None:
+            continue
+        kind, value = rec
+        out[node.name] = (kind, tuple(d if isinstance(d, int) else str(d) for d in value) if kind == "tensor"
+                          else value if isinstance(value, int) else str(value))
+    return out
+
+
+def apply_shape_records(gm: fx.GraphModule, records: Mapping[str, tuple]) -> None:
+    """Put :func:`shape_records` back on a rebuilt capture's nodes."""
+    import sympy
+
+    def expr(d: Any) -> Any:
+        return d if isinstance(d, int) else sympy.sympify(d)
+
+    for node in gm.graph.nodes:
+        rec = records.get(node.name)
+        if rec is not None:
+            kind, value = rec
+            node.meta[SHAPE_KEY] = (kind, tuple(expr(d) for d in value) if kind == "tensor" else expr(value))
+
+
+def _tensor_dims(node: fx.Node) -> tuple | None:
+    rec = node_shape(node)
+    return rec[1] if rec is not None and rec[0] == "tensor" else None
 
 
 def symbolic_dims(value: Any) -> tuple | None:
@@ -84,14 +133,17 @@ class ShapeRules:
     ``names``: a readable name per graph input (``input_ids``), in placeholder order.
     """
 
-    def __init__(self, gm: fx.GraphModule, ranges: Mapping[str, tuple[int, int | None]],
+    def __init__(self, gm: fx.GraphModule, ranges: Mapping[str, tuple[int, int | None]] | None = None,
                  names: Sequence[str] | None = None):
+        from graphpipe.frontend.exporting import RANGES_KEY
+
+        ranges = gm.meta.get(RANGES_KEY, {}) if ranges is None else ranges
         from graphpipe.runtime.stage_modules import CTX_NAME
 
         # the graph's inputs: the model's, then the target's (the random-op context the runtime adds is not one)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder" and n.name != CTX_NAME]
         self.names = tuple(names) if names is not None else tuple(n.name for n in placeholders)
-        self.inputs = tuple(symbolic_dims(n.meta.get("val")) for n in placeholders)
+        self.inputs = tuple(_tensor_dims(n) for n in placeholders)
         """Per graph input: its dims (a number where the program pins it, an expression where it varies)."""
         self.ranges = dict(ranges)
         self.batch = next((str(dims[0]) for dims in self.inputs if dims and not isinstance(dims[0], int)), None)
@@ -134,11 +186,6 @@ class ShapeRules:
                         raise InputError(f"input {name!r} dim {k} is {size}, but the model needs it equal to a dim "
                                          f"of {other!r}, which is {bindings[key]} in this step")
                     bindings[key] = size
-                    lo, hi = self.ranges.get(key, (0, None))
-                    what = "rows" if k == 0 else f"dim {k}"
-                    if key != self.batch and (size < lo or (hi is not None and size > hi)):
-                        raise InputError(f"input {name!r} {what} is {size}, but the model runs only at sizes "
-                                         f"{lo}..{hi if hi is not None else 'any'} there (torch.export's range)")
                 else:
                     pending.append((name, k, d, size))
         for name, k, d, size in pending:  # a dim that is an expression of others (rare): it must agree
@@ -148,6 +195,18 @@ class ShapeRules:
                 continue
             if want != size:
                 raise InputError(f"input {name!r} dim {k} is {size}, but the model needs {want} there ({d})")
+        return self.at(bindings, flat)
+
+    def at(self, bindings: Mapping[str, int], flat: Sequence[Any] | None = None) -> StepShape:
+        """The :class:`StepShape` of symbol sizes ``bindings`` (a rank that reads no input knows them from the
+        step's draw, ``graphpipe run --vary-shapes``); refuses a length past a position table or outside
+        export's range."""
+        bindings = dict(bindings)
+        for key, size in bindings.items():
+            lo, hi = self.ranges.get(key, (0, None))
+            if key != self.batch and (size < lo or (hi is not None and size > hi)):
+                raise InputError(f"a length of {size} is outside the sizes {lo}..{hi if hi is not None else 'any'} "
+                                 "the model runs at there (torch.export's range)")
         for length, table_rows, module in self.tables:
             try:
                 need = evaluate((length,), bindings)[0]
@@ -157,9 +216,23 @@ class ShapeRules:
                 raise InputError(f"a length of {need} exceeds {module}'s position table of {table_rows} rows: the "
                                  f"model takes at most {table_rows} positions")
         rows = bindings.get(self.batch) if self.batch else None
-        if rows is None:
+        if rows is None and flat is not None:
             rows = next(int(x.shape[0]) for x in flat if isinstance(x, torch.Tensor) and x.dim())
-        return StepShape(rows, tuple(sorted(bindings.items())))
+        return StepShape(int(rows or 0), tuple(sorted(bindings.items())))
+
+    @property
+    def symbols(self) -> tuple[str, ...]:
+        """The symbols of the input dims that may vary, other than the batch, in first-seen order."""
+        seen: dict[str, None] = {}
+        for dims in self.inputs:
+            for d in (dims or ())[1:]:
+                if not isinstance(d, int) and d.is_Symbol and str(d) != self.batch:
+                    seen.setdefault(str(d))
+        return tuple(seen)
+
+    def input_shapes(self, bindings: Mapping[str, int]) -> list[tuple[int, ...] | None]:
+        """Every graph input's shape at ``bindings`` (None: not a tensor)."""
+        return [evaluate(dims, bindings) if dims is not None else None for dims in self.inputs]
 
 
 def _position_tables(gm: fx.GraphModule) -> list[tuple[Any, int, str]]:
@@ -173,15 +246,15 @@ def _position_tables(gm: fx.GraphModule) -> list[tuple[Any, int, str]]:
         if node.op != "call_function" or node.target is not torch.ops.aten.embedding.default:
             continue
         weight, index = node.args[0], node.args[1]
-        w = weight.meta.get("val") if isinstance(weight, fx.Node) else None
-        if not isinstance(w, torch.Tensor) or not isinstance(index, fx.Node):
+        w = _tensor_dims(weight) if isinstance(weight, fx.Node) else None
+        if not w or not isinstance(w[0], int) or not isinstance(index, fx.Node):
             continue
         end = _arange_end(index, depth=0)
         if end is None:
             continue
         stack = node.meta.get("nn_module_stack") or {}
         module = next(reversed(stack.values()))[0] if stack else node.name
-        out.append((end, int(w.shape[0]), module))
+        out.append((end, w[0], module))
     return out
 
 
@@ -195,10 +268,8 @@ def _arange_end(node: fx.Node, depth: int) -> Any:
     aranges = (torch.ops.aten.arange.default, torch.ops.aten.arange.start, torch.ops.aten.arange.start_step)
     if node.op == "call_function" and node.target in aranges:
         end = node.args[0] if node.target is torch.ops.aten.arange.default else node.args[1]
-        if isinstance(end, fx.Node):
-            v = end.meta.get("val")
-            return v.node.expr if isinstance(v, torch.SymInt) else None
-        return None
+        rec = node_shape(end) if isinstance(end, fx.Node) else None
+        return rec[1] if rec is not None and rec[0] == "size" and not isinstance(rec[1], int) else None
     if node.op != "call_function":
         return None
     found = None
@@ -220,3 +291,57 @@ def _sizes_only(node: fx.Node, depth: int) -> bool:
         return False
     return all(_sizes_only(a, depth + 1) for a in node.all_input_nodes
                if not (a.op == "call_function" and a.target is torch.ops.aten.sym_size.int))
+
+
+def resized(flat: Sequence[Any], shapes: Sequence[tuple[int, ...] | None]) -> tuple:
+    """``flat`` with each tensor cut (or tiled, then cut) to its shape in ``shapes``: a synthetic batch at another
+    length and fewer rows (``graphpipe run --vary-shapes``), the same on every rank and in ``--check``'s
+    reference."""
+    out = []
+    for x, shape in zip(flat, shapes):
+        if isinstance(x, torch.Tensor) and shape is not None and tuple(x.shape) != tuple(shape):
+            for k, size in enumerate(shape):
+                if x.shape[k] < size:
+                    x = x.repeat(*[-(-size // x.shape[k]) if j == k else 1 for j in range(x.dim())])
+                x = x.narrow(k, 0, size)
+            x = x.contiguous()
+        out.append(x)
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class ShapeDraw:
+    """``graphpipe run --vary-shapes LO:HI[,ROWS_LO:ROWS_HI]``: each step draws every varying length in
+    ``[LO, HI]`` and its rows in ``[ROWS_LO, ROWS_HI]`` (default: the plan's batch), from the seed and the step
+    alone, so every rank and the ``--check`` reference draw the same."""
+
+    lengths: tuple[int, int]
+    rows: tuple[int, int] | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> "ShapeDraw":
+        """``"8:24"`` or ``"8:24,5:8"``; one :class:`InputError` for anything else."""
+        def pair(part: str, what: str) -> tuple[int, int]:
+            try:
+                lo, hi = (int(v) for v in part.split(":"))
+            except ValueError:
+                raise InputError(f"--vary-shapes: {what} must be LO:HI (two integers), got {part!r}") from None
+            if not 1 <= lo <= hi:
+                raise InputError(f"--vary-shapes: {what} {part!r} needs 1 <= LO <= HI")
+            return lo, hi
+
+        parts = str(text).split(",")
+        if len(parts) > 2:
+            raise InputError(f"--vary-shapes takes LEN_LO:LEN_HI[,ROWS_LO:ROWS_HI], got {text!r}")
+        return cls(pair(parts[0], "the length range"), pair(parts[1], "the rows range") if len(parts) > 1 else None)
+
+    def sizes(self, seed: int, step: int, batch_symbol: str | None, symbols: Sequence[str],
+              batch_size: int) -> dict[str, int]:
+        """Step ``step``'s sizes: each symbol of ``symbols`` a length of its own, the batch its rows."""
+        import random
+
+        rng = random.Random(seed * 1_000_003 + step)
+        out = {sym: rng.randint(*self.lengths) for sym in symbols}
+        if batch_symbol is not None:
+            out[batch_symbol] = rng.randint(*self.rows) if self.rows is not None else batch_size
+        return out

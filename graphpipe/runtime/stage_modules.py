@@ -665,9 +665,10 @@ def boundary_meta(gm: torch.fx.GraphModule, values: Sequence[str],
 def _varying_dims(node: torch.fx.Node | None, batch_dim: int | None) -> tuple | None:
     """A boundary value's sample dims as the program's expressions (the batch dim dropped), when one of them
     varies between steps (a sequence length); None when all are fixed or the capture recorded no shape."""
-    from graphpipe.runtime.shapes import symbolic_dims
+    from graphpipe.runtime.shapes import node_shape
 
-    dims = symbolic_dims(node.meta.get("val")) if node is not None else None
+    rec = node_shape(node) if node is not None else None
+    dims = rec[1] if rec is not None and rec[0] == "tensor" else None
     if dims is None:
         return None
     if batch_dim is not None:

@@ -164,10 +164,17 @@ class PipelineEngine:
             from graphpipe.runtime.rng import explicit_attention
 
             with explicit_attention(options.compile):
+                shapes = None
+                if options.vary_shapes is not None:  # the reference trains on the same drawn batches
+                    rules = self.pipe.shape_rules
+
+                    def shapes(step: int):
+                        return rules.input_shapes(self.sizes_at(step))
                 self.reference = reference_run(plan.model, options.seed, plan.stage_graph.batch_size,
                                                self.pipe.check_layout, options.steps, options.lr,
                                                granularity=plan_granularity(plan), precision=options.precision,
-                                               meta_params=True, with_spread=options.check_tolerance == "fp64")
+                                               meta_params=True, with_spread=options.check_tolerance == "fp64",
+                                               shapes=shapes)
 
     def num_steps(self) -> int:
         return self.options.steps
@@ -185,9 +192,27 @@ class PipelineEngine:
         sg = self.plan.stage_graph
         inputs = (self.make_inputs(sg.batch_size, data_seed(self.options.seed, step))
                   if self.pipe.reads_inputs else None)
-        got = self.pipe.timed_step(inputs, start=clock.start)
+        sizes = self.sizes_at(step)
+        if sizes is not None and inputs is not None:  # the plan's batch cut (or tiled) to the step's draw
+            from graphpipe.runtime.shapes import resized
+
+            inputs = resized(inputs, self.pipe.shape_rules.input_shapes(sizes))
+        got = self.pipe.timed_step(inputs, start=clock.start, sizes=sizes)
         return StepReport(got.iteration_time_s, got.loss, got.t0, tuple(got.records),
                           got.peak_saved_bytes, got.cuda_peak_bytes)
+
+    def sizes_at(self, step: int) -> dict[str, int] | None:
+        """Step ``step``'s symbol sizes under ``--vary-shapes`` (None: the plan's), the same on every rank."""
+        if self.options.vary_shapes is None:
+            return None
+        from graphpipe.runtime.shapes import ShapeDraw
+
+        rules = self.pipe.shape_rules
+        if not rules.symbols and ShapeDraw.parse(self.options.vary_shapes).rows is None:
+            raise PlanError(f"--vary-shapes: {self.plan.model} has no input dim that may vary (only integer inputs' "
+                            "dims other than the batch vary, or a float input's its factory declares)")
+        return ShapeDraw.parse(self.options.vary_shapes).sizes(self.options.seed, step, rules.batch, rules.symbols,
+                                                              self.plan.stage_graph.batch_size)
 
     def check(self, step: int, first: bool) -> CheckTally | None:
         """Every gradient and buffer of this rank against the reference's step ``step``; replicas all compare,
