@@ -35,6 +35,13 @@ NOTES: dict[str, str] = {
         "activations (micro-batch 8 x width 512), while FSDP gathers each stage's 2.1 M weights twice per "
         "micro-batch."
     ),
+    "varying-shapes": (
+        "The per-token blocks cost the same per token at any length, so the gain is the padding avoided: the "
+        "drawn lengths average about half the longest. A model with attention would gain more (its cost per "
+        "token grows with the length). The shape work is host time each rank spends before its first action, "
+        "the same on every rank, with no message: the step's sizes come from its inputs, which every rank is "
+        "given."
+    ),
     "rank-rss": (
         "Every rank builds the model on the meta device and materializes only its own stages, so a rank's "
         "RSS above a tiny model's rank follows what it hosts, not the whole model: before, every rank "

@@ -56,6 +56,9 @@ PAPER = {
     "stage-parallel-run": "(no paper figure; torchtitan composes pipeline stages with FSDP and TP inside them: the same "
                       "model and ranks as a pipeline only, with FSDP stages and with TP stages, measured side by side "
                       "in one run: `python -m graphpipe.evals.stage_parallel_run --out evals`)",
+    "varying-shapes": "(no paper figure; torch.distributed.pipelining runs one shape only (pytorch#159942), so a "
+                      "padded batch is what it trains on: the same model and lengths, each step at its own length "
+                      "and padded to the longest, in one run: `python -m graphpipe.evals.varying_shapes --out evals`)",
     "rank-rss": "(no paper figure; our target: each rank's peak host RSS is its stages' state plus a fixed "
                 "per-process base, for a model too big for one rank: `python -m graphpipe.evals.rank_rss --out evals`)",
     "ill-conditioned": "(no paper figure; our target: `--check` on EfficientNet-B0 and Inception-v3 at small "
@@ -159,6 +162,9 @@ TABLE_COLUMNS: dict[str, list[tuple[str, str]]] = {
     "stage-parallel-run": [("layout", "layout"), ("tp", "tp"), ("shard", "shard"), ("iteration (s)", "iteration_s"),
                        ("samples/s", "samples_per_s"), ("vs pipeline only", "vs_pp"),
                        ("params per rank", "params_per_rank"), ("reps (s)", "reps_s")],
+    "varying-shapes": [("steps", "mode"), ("time per real token (us)", "us_per_token"),
+                       ("padded / this", "padded_over_this"), ("real tokens", "tokens"),
+                       ("reps (us per token)", "reps_us_per_token")],
     "rank-rss": [("rank", "rank"), ("stages", "stages"), ("peak RSS (MB)", "rss_mb"), ("expected (MB)", "expected_mb"),
                  ("stages' weights+grads+activations (MB)", "stage_state_mb"),
                  ("RSS - tiny model's rank (MB)", "rss_minus_tiny_mb"), ("error vs expected", "error_vs_expected")],
@@ -294,6 +300,17 @@ def _headline(name: str, res: dict[str, Any]) -> str:
                 f"{fmt(by['pp-fsdp']['samples_per_s'])} ({fmt(by['pp-fsdp']['vs_pp'])}x), with TP 2 stages "
                 f"{fmt(by['pp-tp']['samples_per_s'])} ({fmt(by['pp-tp']['vs_pp'])}x), each sharded rank holding "
                 f"half its stage's parameters (median of {c['reps']} interleaved reps)")
+    if name == "varying-shapes":
+        by = {r["mode"]: r for r in res["rows"]}
+        c = res["config"]
+        return (f"{c['blocks']} MLP blocks of width {c['width']} per token, 2 stages on 2 CPU ranks, batch {c['batch']}, "
+                f"lengths drawn in {c['lengths'][0]}..{c['lengths'][1]}: each step at its own length "
+                f"{fmt(by['varying']['us_per_token'])} us per real token, padded to {c['lengths'][1]} "
+                f"{fmt(by['padded']['us_per_token'])} us ({fmt(by['varying']['padded_over_this'])}x faster unpadded; "
+                f"median of {c['reps']} interleaved reps). Shape work per step on a rank: "
+                f"{fmt(s['bind_us'])} us to bind and check the step's sizes, {fmt(s['size_values_us'])} us to size "
+                f"the values crossing the cut at a new length, {fmt(s['partial_routing_us'])} us to route a new "
+                f"partial batch (both cached after)")
     if name == "rank-rss":
         rows = res["rows"]
         return (f"{res['config']['spec']} ({fmt(s['whole_model_weight_bytes'] / 1e6)} MB of weights, too big for one "

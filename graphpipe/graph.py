@@ -164,6 +164,9 @@ class OpGraph:
     edges: tuple[Edge, ...]
     shared: tuple[SharedParams, ...] = ()
     """Tied parameters (capture finds them); graphs rebuilt by contraction (:mod:`graphpipe.sp`) drop them."""
+    lengths: tuple[int, ...] = ()
+    """The example's size of every input dim that may vary per step (a sequence length), when the graph was
+    captured from a module: its costs are per sample at these lengths (``graphpipe plan --max-shape``)."""
     _succs: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
     _preds: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
     _index: Mapping[str, int] = field(init=False, repr=False, compare=False)
@@ -203,7 +206,7 @@ class OpGraph:
     # ----------------------------------------------------------------- build
     @classmethod
     def build(cls, name: str, ops: Sequence[Op], edges: Iterable[tuple[str, str, float] | tuple[str, str, float, float]],
-              shared: Sequence[SharedParams] = ()) -> "OpGraph":
+              shared: Sequence[SharedParams] = (), lengths: Sequence[int] = ()) -> "OpGraph":
         """Build from ops in any order and ``(src_name, dst_name, bytes[, saved])`` edges (:class:`Edge`).
 
         Ops are renumbered in a deterministic topological order (Kahn's
@@ -249,7 +252,7 @@ class OpGraph:
         new_id = {old: new for new, old in enumerate(order)}
         new_ops = tuple(ops[old] for old in order)
         new_edges = tuple(sorted((Edge(new_id[s], new_id[d], b, v) for s, d, b, v in raw), key=lambda e: (e.src, e.dst)))
-        return cls(name, new_ops, new_edges, tuple(shared))
+        return cls(name, new_ops, new_edges, tuple(shared), tuple(int(n) for n in lengths))
 
     # ---------------------------------------------------------------- access
     @property
@@ -357,6 +360,7 @@ def graph_to_dict(graph: OpGraph) -> dict[str, Any]:
             for e in graph.edges
         ],
         **({"shared_params": [{"ops": list(g.ops), "bytes": g.bytes} for g in graph.shared]} if graph.shared else {}),
+        **({"lengths": list(graph.lengths)} if graph.lengths else {}),
     }
 
 
@@ -408,7 +412,9 @@ def graph_from_dict(doc: Any, where: str = "graph") -> OpGraph:
         f.mapping(g, at)
         shared.append(SharedParams(tuple(f.string(n, f"{at}.ops[{k}]") for k, n in enumerate(f.array(g.get("ops", []), f"{at}.ops"))),
                                    float(f.number(g.get("bytes", 0), f"{at}.bytes", 0))))
-    return OpGraph.build(name, ops, edges, shared)
+    lengths = tuple(int(f.number(v, f"{where}.lengths[{k}]", 1))
+                    for k, v in enumerate(f.array(doc.get("lengths", []), f"{where}.lengths")))
+    return OpGraph.build(name, ops, edges, shared, lengths)
 
 
 def affine_field(value: Any, where: str) -> Affine:

@@ -82,6 +82,10 @@ def register(sub) -> None:
     p.add_argument("--max-memory-gb", type=float, default=None, metavar="G",
                    help="stop a search whose process holds more than G GB of memory (one line, exit 2) instead of "
                         "letting it grow until the system kills it (default: half the machine's memory)")
+    p.add_argument("--max-shape", type=int, default=None, metavar="LEN",
+                   help="the longest sequence length training will give (the model's example has its own): the "
+                        "memory the search fits is checked with activations at LEN, its times stay at the "
+                        "example's; Pipeline and run refuse a step longer than the plan allows")
     p.add_argument("--compare", action="store_true",
                    help="run all four strategies and print one table (a row as each finishes)")
     p.add_argument("--baseline-time-limit", type=float, default=30.0, metavar="S",
@@ -101,7 +105,7 @@ def run(args) -> int:
                          micro_batch_size=args.micro_batch_size, recompute=args.recompute,
                          per_stage_micro_batch=args.per_stage_micro_batch, power_of_two=args.power_of_two,
                          host_cores=args.host_cores, max_memory_gb=args.max_memory_gb,
-                         tp=parse_tp(args.tp), shard=parse_shard(args.shard))
+                         tp=parse_tp(args.tp), shard=parse_shard(args.shard), max_shape=args.max_shape)
     if args.compare:
         return _run_compare(args, inputs)
     progress = None

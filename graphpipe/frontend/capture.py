@@ -815,11 +815,23 @@ def capture(module: nn.Module, example_inputs: Any, name: str | None = None,
         saved = _edge_saved_bytes(incoming, members, op_of_node, costs, batch)
         graph = OpGraph.build(name or type(module).__name__, ops,
                               [(s, d, b, saved.get((s, d), 0.0)) for (s, d), b in edge_bytes.items()],
-                              _shared_params(param_ops, param_size))
+                              _shared_params(param_ops, param_size), _lengths(gm, flat))
     except GraphCycleError as exc:
         raise InputError(f"contracting graph nodes into layers made a cycle ({exc}); choose another --granularity "
                          "so the layers on that cycle become ops of their own") from None
     return Captured(graph, gm, dict(op_nodes), io, paths, exported.seconds)
+
+
+def _lengths(gm: fx.GraphModule, flat: Sequence[Any]) -> tuple[int, ...]:
+    """The example's size of every input dim that may vary per step, other than the batch (sorted, distinct)."""
+    from graphpipe.runtime.shapes import ShapeRules
+
+    try:
+        bindings = ShapeRules(gm).bind(flat).bindings
+    except Exception:  # noqa: BLE001 - a capture whose inputs this cannot read costs as before, with no lengths
+        return ()
+    rules = ShapeRules(gm)
+    return tuple(sorted({size for sym, size in bindings.items() if sym != rules.batch}))
 
 
 def _batch_size(flat_inputs: Sequence[Any]) -> int:

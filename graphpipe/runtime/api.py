@@ -607,16 +607,19 @@ class Pipeline:
     def _memory_guard(self, shape) -> None:
         """Refuse a step whose sizes would not fit the plan's devices: the plan's predicted peak per device with
         its activations scaled by the step's tokens (rows times every varying dim) over the planned ones, against
-        the device memory the plan was made for. Every rank checks the same numbers."""
+        the device memory the plan was made for (activations grow with the longest length's growth: exact for
+        per-token layers, a lower bound under attention). Every rank checks the same numbers."""
         pred = self.plan.predicted
         peaks, acts = getattr(pred, "peak_memory_bytes", None), getattr(pred, "peak_activation_bytes", None)
         cluster = getattr(self.plan, "cluster", None)
         if not peaks or not acts or cluster is None or shape.bindings == self._shapes_planned:
             return
-        ratio = shape.rows / self.plan.stage_graph.batch_size
-        for sym, size in shape.bindings.items():
-            if sym != self._shapes.batch and self._shapes_planned.get(sym):
-                ratio *= size / self._shapes_planned[sym]
+        search = self.plan.search or {}
+        # the plan's memory is at --max-shape's length when it was planned with one, else at the example's
+        stretch = max(1.0, search["max_shape"] / search["example_length"]) if search.get("max_shape") else 1.0
+        grow = max((size / (self._shapes_planned[sym] * stretch) for sym, size in shape.bindings.items()
+                    if sym != self._shapes.batch and self._shapes_planned.get(sym)), default=1.0)
+        ratio = shape.rows / self.plan.stage_graph.batch_size * grow
         if ratio <= 1.0:
             return
         limit = cluster.memory_bytes

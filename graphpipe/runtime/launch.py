@@ -92,7 +92,7 @@ class RuntimeFailure(GraphpipeError):
     ``out_of_memory``: a rank ran out of memory (``MemoryError``, or a SIGKILL
     while the kernel's out-of-memory killer ran): the command exits 2, as for
     any input too large for the host. ``refused``: a rank refused its part
-    (a stage ``--compile`` cannot compile): it exits 2 too, an input to change.
+    (a stage ``--compile`` cannot compile, a step shape the model cannot take): it exits 2 too, an input to change.
     """
 
     def __init__(self, message: str, out_of_memory: bool = False, refused: bool = False):
@@ -544,8 +544,9 @@ class _Watch:
         causes = [e for e in reports if not (_LOST.search(e[2]) or _TIMEOUT.search(e[2]))]
         if causes:
             stamp, rank, message = causes[0]
+            # a compile the inductor refuses, or input a rank refused (a step's shape): the run's input, exit 2
             return self._fail(f"rank {rank} failed: {message}", "MemoryError" in message,
-                              message.startswith("CompileError:"))
+                              message.startswith(("CompileError:", "InputError:")))
         if any(_TIMEOUT.search(m) for _, _, m in reports):
             silent = self._silent()
             if any(self._waiting(r) for r in silent) and waited < self.timeout_s + 2 * _GRACE_S:

@@ -252,8 +252,8 @@ def _position_tables(gm: fx.GraphModule) -> list[tuple[Any, int, str]]:
         end = _arange_end(index, depth=0)
         if end is None:
             continue
-        stack = node.meta.get("nn_module_stack") or {}
-        module = next(reversed(stack.values()))[0] if stack else node.name
+        # the table's module, from the weight it reads (a shipped capture keeps no module stacks)
+        module = weight.target.rsplit(".", 1)[0] if weight.op == "get_attr" else node.name
         out.append((end, w[0], module))
     return out
 

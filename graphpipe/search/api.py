@@ -118,6 +118,8 @@ class PlanInputs:
     """The capture's precision when one was asked for (the plan records it)."""
     granularity: str | None = None
     """The capture's granularity when one was asked for (the plan records it)."""
+    max_shape: int | None = None
+    """``--max-shape``: the longest length the plan's memory was checked at (the plan records it)."""
 
 
 def search_options(*, micro_batch_size: int | None = None, recompute: str | None = None,
@@ -135,7 +137,7 @@ def search_options(*, micro_batch_size: int | None = None, recompute: str | None
 
 def plan_inputs(model: Any, *, devices: int, cluster: str | Cluster = "v100", memory_gb: float | None = None,
                 precision: str | None = None, granularity: str | None = None, profile: Any = None,
-                **options: Any) -> PlanInputs:
+                max_shape: int | None = None, **options: Any) -> PlanInputs:
     """Resolve ``model``, the cluster and the options as :func:`plan` does (``graphpipe plan --compare`` too)."""
     if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
         raise InputError(f"--devices must be >= 1, got {devices}")
@@ -153,8 +155,30 @@ def plan_inputs(model: Any, *, devices: int, cluster: str | Cluster = "v100", me
         from graphpipe.frontend.profile import apply_profile
 
         graph = apply_profile(graph, profile, model=source.model_id if source.kind in ("zoo", "factory") else None)
+    if max_shape is not None:
+        graph = at_max_shape(graph, max_shape)
     return PlanInputs(source=source, graph=graph, cluster=cluster, options=search, profile=profile,
-                      precision=precision, granularity=granularity)
+                      precision=precision, granularity=granularity, max_shape=max_shape)
+
+
+def at_max_shape(graph: OpGraph, length: int) -> OpGraph:
+    """``graph`` with the activations it saves scaled from the example's longest length to ``length``
+    (``--max-shape``): the memory a plan fits is then the memory of the longest step training will give, while
+    the times stay those of the example's shape. A shorter ``length`` leaves the graph as it is (the example
+    already is the largest step). Saved bytes grow at least linearly with the length (attention scores
+    quadratically: a long-context model should be planned at its real length, not scaled to it).
+    """
+    if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+        raise InputError(f"--max-shape must be a positive length, got {length!r}")
+    if not graph.lengths:
+        raise InputError(f"--max-shape {length}: {graph.name} has no input dim that varies per step (token ids, "
+                         "masks and labels' lengths do; a graph file or a float-only model has none)")
+    ratio = length / max(graph.lengths)
+    if ratio <= 1.0:
+        return graph
+    ops = [replace(op, act_bytes=op.act_bytes * ratio) for op in graph.ops]
+    edges = [(graph.ops[e.src].name, graph.ops[e.dst].name, e.bytes, e.saved * ratio) for e in graph.edges]
+    return OpGraph.build(graph.name, ops, edges, graph.shared, graph.lengths)
 
 
 def plan(model: Any, *, devices: int, batch_size: int, strategy: str = "gpp", schedule: str | None = None,
@@ -164,7 +188,7 @@ def plan(model: Any, *, devices: int, batch_size: int, strategy: str = "gpp", sc
          update_every: int | None = None, stash: bool = True, time_limit_s: float = 10.0, profile: Any = None,
          precision: str | None = None, granularity: str | None = None, max_memory_gb: float | None = None,
          progress: Callable[[float, float], None] | None = None, notes: Callable[[str], None] | None = None,
-         tp: int | str = "auto", shard: str = "auto", **options: Any) -> Plan:
+         tp: int | str = "auto", shard: str = "auto", max_shape: int | None = None, **options: Any) -> Plan:
     """Search, schedule and simulate a plan of ``model`` on ``devices`` devices: ``graphpipe plan``.
 
     ``strategy``: gpp (GraphPipe), pipedream, piper or gpipe. ``schedule``: None (the strategy's own) or a
@@ -174,6 +198,7 @@ def plan(model: Any, *, devices: int, batch_size: int, strategy: str = "gpp", sc
     path or a :class:`~graphpipe.cluster.Cluster`; ``memory_gb`` overrides its device memory.
     ``tp`` (auto, 1, 2, 4, 8) and ``shard`` (auto, none, fsdp): each stage's parallelism inside itself, searched
     with the stages when ``auto`` (``--tp``, ``--shard``; 1 and none plan whole-copy stages only).
+    ``max_shape``: the longest sequence length training will give; memory is fitted at it (:func:`at_max_shape`).
     ``profile``: measured per-op costs (a path or a :class:`~graphpipe.frontend.profile.Profile`). ``notes(text)``
     receives what a person should know (also kept in :attr:`Plan.notes`). Further keywords are
     :class:`~graphpipe.search.common.SearchOptions` fields.
@@ -185,7 +210,7 @@ def plan(model: Any, *, devices: int, batch_size: int, strategy: str = "gpp", sc
                          granularity=granularity, profile=profile, micro_batch_size=micro_batch_size,
                          recompute=recompute, per_stage_micro_batch=per_stage_micro_batch,
                          power_of_two=power_of_two, host_cores=host_cores, max_memory_gb=max_memory_gb,
-                         tp=parse_tp(tp), shard=parse_shard(shard), **options)
+                         tp=parse_tp(tp), shard=parse_shard(shard), max_shape=max_shape, **options)
     return plan_with(inputs, batch_size=batch_size, strategy=strategy, schedule=schedule, time_limit_s=time_limit_s,
                      progress=progress, virtual_stages=virtual_stages, vertical_sync=vertical_sync,
                      update_every=update_every, stash=stash, notes=notes)
@@ -226,6 +251,8 @@ def recorded(record: PlanRecord, inputs: PlanInputs, capture: bool = True) -> Pl
         changes.update(precision=inputs.precision, precision_from="capture")
     if capture and inputs.granularity:
         changes["granularity"] = inputs.granularity
+    if inputs.max_shape is not None:  # the memory guard of Pipeline and run reads both
+        changes.update(max_shape=inputs.max_shape, example_length=max(inputs.source.graph.lengths))
     return replace(record, search={**record.search, **changes}) if changes else record
 
 
