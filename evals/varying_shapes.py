@@ -85,7 +85,7 @@ def _plan():
 
 def _lengths(seed: int, steps: int, warmup: int) -> list[int]:
     """The timed steps' drawn lengths (the batch symbol and the one length, as the run draws them)."""
-    from graphpipe.runtime.shapes import ShapeDraw
+    from graphpipe.frontend.shapes import ShapeDraw
 
     draw = ShapeDraw.parse(f"{LO}:{HI}")
     return [draw.sizes(seed, k, "b", ("len",), BATCH)["len"] for k in range(warmup, steps)]
@@ -116,7 +116,7 @@ def shape_cost(repeats: int = 200) -> dict[str, float]:
     from graphpipe.runtime.routing import Routing
     from graphpipe.runtime.runnable import load_runnable
     from graphpipe.runtime.setup import _edge_values
-    from graphpipe.runtime.shapes import ShapeRules
+    from graphpipe.frontend.shapes import ShapeRules
     from graphpipe.runtime.stage_modules import boundary_meta, split_model
 
     plan = _plan()

@@ -5,6 +5,7 @@ pipelined training equals one process to fp32 rounding).
   per-token head; the loss is a mean over every token, so its value depends on the length.
 * ``branchy``: two token inputs of unrelated lengths (a text and a list of tags), a branch each, pooled and joined.
 * ``hf_bert``: a two-layer BERT from a config, with an attention mask, classifying each sequence.
+* ``patches``: float patch features whose count varies per step, declared by the factory's ``dynamic_shapes``.
 * ``pinned``: reshapes its tokens into a constant number of positions: the length is fixed by its code.
 """
 
@@ -118,3 +119,28 @@ class Pinned(nn.Module):
 def pinned():
     torch.manual_seed(0)
     return Pinned(), tokens(0, BATCH, 12), class_loss, classes(0, BATCH)
+
+
+class Patches(nn.Module):
+    """Image patches as float features, ``(rows, patches, features)``: the number of patches varies per image
+    size, declared by the factory (a float input's dims are fixed unless declared)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(6, WIDTH)
+        self.block = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU())
+        self.head = nn.Linear(WIDTH, 3)
+
+    def forward(self, patches):
+        return self.head(self.block(self.embed(patches)).mean(dim=1))
+
+
+def patch_batch(step: int, rows: int, count: int):
+    gen = torch.Generator().manual_seed(700 + step + count)
+    return torch.randn(rows, count, 6, generator=gen)
+
+
+def patches():
+    torch.manual_seed(0)
+    return (Patches(), patch_batch(0, BATCH, 9), class_loss, classes(0, BATCH),
+            {"patches": {1: torch.export.Dim.AUTO}})

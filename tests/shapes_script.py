@@ -32,6 +32,7 @@ def plans():
         "hf_bert": ((["bert.embeddings.word_embeddings", "bert.embeddings.token_type_embeddings",
                       "bert.embeddings.position_embeddings", "bert.encoder.layer.0"], ["bert.encoder.layer.1"],
                      ["bert.pooler.dense", "classifier"]), [(0,), (1,), (2,)], [2, 2, 2]),
+        "patches": ((["embed"], ["block.0", "head"]), [(0, 1), (2,)], [4, 2]),
         "pinned": ((["embed"], ["head"]), [(0,), (1,)], [2, 2]),
     }
 
@@ -61,6 +62,8 @@ def steps(name):
     if name == "branchy":
         return [((sm.tokens(i, r, n), sm.tokens(i, r, m, salt=2)), sm.classes(i, r)) for i, (r, n, m) in
                 enumerate([(8, 10, 5), (8, 6, 9), (8, 14, 3), (5, 8, 4)])]
+    if name == "patches":
+        return [(sm.patch_batch(i, r, n), sm.classes(i, r)) for i, (r, n) in enumerate([(8, 9), (8, 4), (8, 16), (6, 5)])]
     return [({"input_ids": sm.tokens(i, r, n), "attention_mask": sm.mask(i, r, n)}, sm.classes(i, r))
             for i, (r, n) in enumerate([(8, 12), (8, 7), (8, 20), (5, 9)])]
 
@@ -70,6 +73,8 @@ def evaluation_inputs(name):
         return sm.tokens(99, 3, 15)
     if name == "branchy":
         return (sm.tokens(99, 3, 11), sm.tokens(99, 3, 2, salt=2))
+    if name == "patches":
+        return sm.patch_batch(99, 3, 25)
     return {"input_ids": sm.tokens(99, 3, 15), "attention_mask": sm.mask(99, 3, 15)}
 
 
@@ -78,7 +83,8 @@ def main() -> None:
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))  # one group for every case's Pipeline
     out = {}
-    loss_of = {"chain": sm.token_loss, "branchy": sm.class_loss, "hf_bert": sm.hf_loss, "pinned": sm.class_loss}
+    loss_of = {"chain": sm.token_loss, "branchy": sm.class_loss, "hf_bert": sm.hf_loss, "pinned": sm.class_loss,
+               "patches": sm.class_loss}
     for name, (groups, devices, mbs) in plans().items():
         plan = hand_built(name, groups, devices, mbs)
         model = getattr(sm, name)()[0]

@@ -163,7 +163,8 @@ def test_a_meta_model_from_a_seed_checkpoint_trains_like_one_process(tmp_path, f
 
 
 def test_bad_inputs_are_clear_errors(tmp_path):
-    """In one process (a world of one rank): wrong batch, missing target, a checkpoint of another model."""
+    """In one process (a world of one rank): a batch larger than the plan's or too small to give each micro-batch a
+    row, missing target, a checkpoint of another model."""
     import torch.distributed as dist
 
     from graphpipe.errors import InputError
@@ -185,8 +186,11 @@ def test_bad_inputs_are_clear_errors(tmp_path):
         torch.manual_seed(0)
         pipe = Pipeline(plan, api_models.TwoBranch(), api_models.loss_fn, timeout_s=30)
         x, y = api_models.data(0)
-        with pytest.raises(InputError, match="mini-batch of 6 rows, but the plan is for batch size 12"):
-            pipe.step(x[:6], y[:6])
+        with pytest.raises(InputError, match="mini-batch of 24 rows, but the plan is for batch size 12"):
+            pipe.step(torch.cat([x, x]), torch.cat([y, y]))
+        with pytest.raises(InputError, match=r"partial mini-batch of 2 rows, but the plan cuts its batch into 3 "
+                                             r"micro-batch shards.*drop_last=True"):
+            pipe.step(x[:2], y[:2])
         with pytest.raises(InputError, match="the loss takes a target"):
             pipe.step(x)
         assert pipe.step(x, y) > 0

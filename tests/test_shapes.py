@@ -29,7 +29,8 @@ def _port() -> int:
 
 def _reference(name: str):
     """Losses, final weights and evaluation of one process over the script's steps."""
-    model, _, loss_fn, _ = getattr(sm, name)()
+    made = getattr(sm, name)()
+    model, loss_fn = made[0], made[2]
     opt = torch.optim.SGD(model.parameters(), lr=shapes_script.LR)
     losses = []
     for inputs, target in shapes_script.steps(name):
@@ -59,7 +60,7 @@ def trained(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["chain", "branchy", "hf_bert"])
+@pytest.mark.parametrize("name", ["chain", "branchy", "hf_bert", "patches"])
 def test_varying_lengths_and_a_partial_batch_train_like_one_process(trained, name):
     """Lengths change every step (two unrelated ones in the branchy model) and the last batch has 5 of 8 rows:
     each loss, the final weights and an evaluation at 3 rows of a new length equal one process's."""
@@ -137,7 +138,7 @@ def test_a_partial_batch_routes_every_row_once_from_its_producer_shard_to_its_co
 def test_the_shape_rules_bind_lengths_and_refuse_what_the_model_cannot_take():
     from graphpipe.errors import InputError
     from graphpipe.frontend.exporting import export_model
-    from graphpipe.runtime.shapes import ShapeRules
+    from graphpipe.frontend.shapes import ShapeRules
 
     model, ids, loss, target = sm.chain()
     ex = export_model(model, (ids,), loss, target)
@@ -156,7 +157,7 @@ def test_the_shape_rules_bind_lengths_and_refuse_what_the_model_cannot_take():
 
 def test_a_shipped_capture_keeps_the_shapes_the_steps_are_sized_by():
     from graphpipe.frontend.exporting import export_model
-    from graphpipe.runtime.shapes import ShapeRules
+    from graphpipe.frontend.shapes import ShapeRules
     from graphpipe.runtime.shipping import pack, unpack
 
     model, ids, loss, target = sm.chain()
@@ -169,7 +170,7 @@ def test_a_shipped_capture_keeps_the_shapes_the_steps_are_sized_by():
 
 def test_vary_shapes_draws_the_same_sizes_on_every_rank_and_refuses_bad_ranges():
     from graphpipe.errors import InputError
-    from graphpipe.runtime.shapes import ShapeDraw, resized
+    from graphpipe.frontend.shapes import ShapeDraw, resized
 
     draw = ShapeDraw.parse("6:20,5:8")
     a = [draw.sizes(3, k, "b", ("s1", "s2"), 8) for k in range(20)]
@@ -221,7 +222,7 @@ def test_max_shape_fits_memory_at_the_longest_length_and_the_guard_refuses_a_ste
     from graphpipe.frontend.exporting import export_model
     from graphpipe.models import load_model
     from graphpipe.runtime.api import Pipeline
-    from graphpipe.runtime.shapes import ShapeRules
+    from graphpipe.frontend.shapes import ShapeRules
     from graphpipe.search.api import at_max_shape
 
     spec = os.path.join(HERE, "shapes_models.py") + ":chain"

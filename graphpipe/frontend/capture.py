@@ -349,10 +349,12 @@ def _batch_symbol(gm: fx.GraphModule) -> str | None:
 
 def _batch_major(node: fx.Node, batch: str | None) -> bool:
     """False for a tensor whose dim 0 is not the batch (it may not leave an op: stages exchange batch-major values)."""
+    from graphpipe.frontend.folded import is_batch_dim
+
     val = node.meta.get("val")
     if batch is None or not isinstance(val, torch.Tensor):
         return True
-    return val.dim() >= 1 and str(val.shape[0]) == batch
+    return val.dim() >= 1 and is_batch_dim(val.shape[0], batch)
 
 
 def _layer_types(extra: Sequence[type[nn.Module]]) -> tuple[type[nn.Module], ...]:
@@ -824,7 +826,7 @@ def capture(module: nn.Module, example_inputs: Any, name: str | None = None,
 
 def _lengths(gm: fx.GraphModule, flat: Sequence[Any]) -> tuple[int, ...]:
     """The example's size of every input dim that may vary per step, other than the batch (sorted, distinct)."""
-    from graphpipe.runtime.shapes import ShapeRules
+    from graphpipe.frontend.shapes import ShapeRules
 
     try:
         bindings = ShapeRules(gm).bind(flat).bindings
@@ -944,7 +946,11 @@ class Factory:
     ``(module, example_inputs, loss_fn)``, or with a fourth element
     ``example_target``: then the loss is ``loss_fn(output, target)`` and the
     target (a tensor or a tuple/dict of tensors, dim 0 the batch) is sent to
-    the stage computing the loss. ``example_inputs`` is a tensor, a tuple of
+    the stage computing the loss. A fifth element, ``dynamic_shapes`` in
+    ``torch.export``'s form (``{"pixel_values": {2: Dim.AUTO, 3: Dim.AUTO}}``,
+    keyed by ``forward``'s argument names), declares more dims that vary per
+    step than the default (every dim but the batch of an integer input);
+    the target may then be None. ``example_inputs`` is a tensor, a tuple of
     positional inputs, or a dict of keyword inputs (``input_ids``,
     ``attention_mask``, ``pixel_values``).
     """
@@ -995,11 +1001,16 @@ def load_factory(spec: str) -> Factory:
 
 def factory_result(result: Any, spec: str) -> Factory:
     """``result``, what a factory returned, checked and read as a :class:`Factory`; ``spec`` names it in errors."""
-    if not (isinstance(result, tuple) and len(result) in (3, 4)):
-        raise InputError(f"{spec}: factory must return (module, example_inputs, loss_fn[, example_target]), got "
+    if not (isinstance(result, tuple) and len(result) in (3, 4, 5)):
+        raise InputError(f"{spec}: factory must return (module, example_inputs, loss_fn[, example_target"
+                         f"[, dynamic_shapes]]), got "
                          f"{type(result).__name__}{' of length ' + str(len(result)) if isinstance(result, tuple) else ''}")
     net, inputs, loss_fn = result[:3]
-    target = result[3] if len(result) == 4 else None
+    target = result[3] if len(result) >= 4 else None
+    if len(result) == 5:
+        from graphpipe.frontend.exporting import declare_dynamic
+
+        declare_dynamic(net, result[4], spec)
     if not isinstance(net, nn.Module):
         raise InputError(f"{spec}: first item returned must be an nn.Module, got {type(net).__name__}")
     if isinstance(inputs, list):
@@ -1010,7 +1021,7 @@ def factory_result(result: Any, spec: str) -> Factory:
                          "keyword inputs")
     if not callable(loss_fn):
         raise InputError(f"{spec}: loss_fn must be callable, got {type(loss_fn).__name__}")
-    if len(result) == 4 and not any(isinstance(x, torch.Tensor) for x in tree_leaves(target)):
+    if len(result) >= 4 and target is not None and not any(isinstance(x, torch.Tensor) for x in tree_leaves(target)):
         raise InputError(f"{spec}: the fourth item (example_target) must be a tensor or a tuple/dict of tensors")
     return Factory(net, inputs if not isinstance(inputs, torch.Tensor) else (inputs,), loss_fn, target)
 

@@ -401,7 +401,7 @@ class Exported:
     seconds: float = 0.0
     ranges: dict = field(default_factory=dict)
     """Symbol of a dim that varies (the batch, a sequence length) -> ``(least, most)`` sizes export proved the
-    program runs at (``most`` None: unbounded); :mod:`graphpipe.runtime.shapes` checks every step against them."""
+    program runs at (``most`` None: unbounded); :mod:`graphpipe.frontend.shapes` checks every step against them."""
 
 
 # ------------------------------------------------------------------ helpers
@@ -434,8 +434,27 @@ def _set_submodule(root: nn.Module, path: str, module: nn.Module) -> None:
     parent.add_module(parts[-1], module) if parts[-1] not in parent._modules else setattr(parent, parts[-1], module)
 
 
+DYNAMIC_ATTR = "_graphpipe_dynamic_shapes"
+"""A module's attribute holding the ``dynamic_shapes`` its factory declared (:func:`declare_dynamic`)."""
+
+
+def declare_dynamic(module: nn.Module, dynamic: Any, spec: str) -> None:
+    """Keep a factory's ``dynamic_shapes`` (``{argument: {dim: Dim}}``) on its module for the capture."""
+    if not isinstance(dynamic, dict) or not all(isinstance(k, str) for k in dynamic):
+        raise InputError(f"{spec}: dynamic_shapes must be a dict keyed by forward's argument names "
+                         f"({{'pixel_values': {{2: Dim.AUTO}}}}), got {type(dynamic).__name__}")
+    names = set(inspect.signature(module.forward).parameters)
+    unknown = sorted(set(dynamic) - names)
+    if unknown:
+        raise InputError(f"{spec}: dynamic_shapes names {', '.join(map(repr, unknown))}, which "
+                         f"{type(module).__name__}.forward does not take")
+    object.__setattr__(module, DYNAMIC_ATTR, dict(dynamic))
+
+
 def _dynamic_shapes(module: nn.Module, args: tuple, kwargs: dict, batch: Any = None) -> dict[str, Any]:
-    """Dim 0 of every tensor input is the batch (one symbol for all; or ``batch``, :data:`torch.export.Dim.AUTO`)."""
+    """Dim 0 of every tensor input is the batch (one symbol for all; or ``batch``, :data:`torch.export.Dim.AUTO`);
+    every other dim of an integer input is ``Dim.AUTO``; a factory's declared dims (:func:`declare_dynamic`) are
+    added to their argument's."""
     batch = torch.export.Dim("batch") if batch is None else batch
     try:
         bound = inspect.signature(module.forward).bind(*args, **kwargs)
@@ -451,7 +470,11 @@ def _dynamic_shapes(module: nn.Module, args: tuple, kwargs: dict, batch: Any = N
         # model pins is specialized, one it does not stays a symbol
         return {0: batch, **{d: torch.export.Dim.AUTO for d in range(1, value.dim())}}
 
-    return {name: pytree.tree_map(spec, value) for name, value in bound.arguments.items()}
+    out = {name: pytree.tree_map(spec, value) for name, value in bound.arguments.items()}
+    for name, dims in (getattr(module, DYNAMIC_ATTR, None) or {}).items():
+        if name in out and isinstance(out[name], dict) and isinstance(dims, dict):
+            out[name] = {**out[name], **{int(k): v for k, v in dims.items() if int(k) != 0}}
+    return out
 
 
 def _check_batch_inputs(args: tuple, kwargs: dict) -> int:
@@ -637,13 +660,11 @@ def _export_bound(module: nn.Module, args: tuple, kwargs: dict, loss_fn: Callabl
     # a plain GraphModule over the same tensors (export's module refuses train()/eval())
     gm = fx.GraphModule(gm, gm.graph, class_name=type(module).__name__)
     io = IOSpec(in_spec, input_names, out_spec, tuple(kept), target_spec, num_target, constants)
+    from graphpipe.frontend.shapes import RANGES_KEY
+
     ranges = _ranges(ep)
     gm.meta[RANGES_KEY] = ranges  # travels with the graph (a shipped capture too): the runtime checks steps by it
     return Exported(gm, io, seconds, ranges)
-
-
-RANGES_KEY = "graphpipe_ranges"
-"""``gm.meta`` key of :attr:`Exported.ranges`."""
 
 
 def _ranges(ep) -> dict[str, tuple[int, int | None]]:
@@ -668,7 +689,7 @@ def _target_shape(node: fx.Node, example: Any, inputs: Sequence[fx.Node]) -> Non
     Dim 0 is the batch; another dim whose example size is that of exactly one varying input dim (labels of a
     sequence's length) is taken to be that dim; every other dim is fixed. The runtime cuts a synthetic target
     to each step's sizes by it (``graphpipe run --vary-shapes``)."""
-    from graphpipe.runtime.shapes import SHAPE_KEY
+    from graphpipe.frontend.shapes import SHAPE_KEY
 
     if not isinstance(example, torch.Tensor) or example.dim() == 0:
         return

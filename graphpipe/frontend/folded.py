@@ -30,13 +30,38 @@ import torch.fx as fx
 
 from graphpipe.frontend.reentrant import contracted_graph
 
-__all__ = ["splittable", "merge_folded_ops"]
+__all__ = ["splittable", "merge_folded_ops", "is_batch_dim"]
 
 
 def _symbols(dim: Any) -> set[str]:
     if isinstance(dim, torch.SymInt):
         return {str(s) for s in dim.node.expr.free_symbols}
     return set()
+
+
+def is_batch_dim(dim: Any, batch: str) -> bool:
+    """Whether ``dim`` is the batch: its symbol, or an expression of it (and other symbols) that always equals it.
+
+    Export does not simplify every such expression: ``EmbeddingBag`` over ``(batch, bag)`` indices of a
+    varying ``bag`` returns ``((batch*bag + bag - 1)//bag)`` rows, which is the batch for every size. The
+    expression is evaluated at a few sizes of its symbols; equal to the batch at each, it is the batch.
+    """
+    if str(dim) == batch:
+        return True
+    if not isinstance(dim, torch.SymInt):
+        return False
+    expr = dim.node.expr
+    symbols = {str(s): s for s in expr.free_symbols}
+    if batch not in symbols:
+        return False
+    for trial in ((2, 3), (5, 7), (8, 2), (13, 11)):
+        values = {s: trial[0] if name == batch else trial[1] + i for i, (name, s) in enumerate(symbols.items())}
+        try:
+            if int(expr.xreplace(values)) != trial[0]:
+                return False
+        except (TypeError, ValueError):
+            return False
+    return True
 
 
 def splittable(value: Any, batch: str | None) -> bool:
@@ -53,7 +78,7 @@ def splittable(value: Any, batch: str | None) -> bool:
     if batch is None or not isinstance(value, torch.Tensor):
         return True
     symbols = [_symbols(d) for d in value.shape]
-    batched = [k for k, d in enumerate(value.shape) if symbols[k] and str(d) == batch]
+    batched = [k for k, d in enumerate(value.shape) if symbols[k] and is_batch_dim(d, batch)]
     # other dims may vary too (a sequence length), but never with the batch: a (batch * seq, dim) value is folded
     return not any(batch in s for s in symbols) or (len(batched) == 1 and sum(batch in s for s in symbols) == 1)
 

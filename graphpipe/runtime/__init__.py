@@ -118,6 +118,9 @@ def preflight(plan: Plan, options: RunOptions) -> None:
         what = "--baseline torch" if options.baseline == "torch" else f"{spec.name} (no flush: no step boundary)"
         raise InputError(f"--checkpoint-dir checkpoints graphpipe's executor at step boundaries; {what} has none to "
                          "save at: drop --checkpoint-dir, or run a flushing schedule on graphpipe's executor")
+    if spec is not None and options.vary_shapes is not None:
+        raise InputError(f"--vary-shapes runs graphpipe's synchronous schedules; {spec.name} streams mini-batches "
+                         "of the plan's shape: plan another --schedule or drop --vary-shapes")
     if spec is not None:
         from graphpipe.sched.async_pipe import version_table
 
@@ -134,6 +137,8 @@ def preflight(plan: Plan, options: RunOptions) -> None:
     runnable = load_runnable(plan.model, options.seed, "cpu", granularity=plan_granularity(plan), meta_params=True)
     check_op_names([op.name for op in plan.graph.ops], runnable.op_names, plan.model)
     split = split_model(runnable.gm, runnable.op_nodes, plan.stage_graph)
+    if options.vary_shapes is not None:
+        _check_draws(plan, options, runnable.gm)
     if options.precision == "bf16":
         import torch
 
@@ -158,6 +163,33 @@ def preflight(plan: Plan, options: RunOptions) -> None:
         if n < plan.cluster.num_devices:
             raise InputError(f"--backend nccl needs one GPU per rank: the plan has {plan.cluster.num_devices} devices, "
                              f"this machine {n} GPU(s); use --backend gloo")
+
+
+def _check_draws(plan: Plan, options: RunOptions, gm) -> None:
+    """Every step's ``--vary-shapes`` draw against what the model and the plan take, before any rank starts:
+    the refusal a rank would raise at that step, here, once."""
+    import torch.nn as nn
+
+    from graphpipe.runtime.routing import least_rows
+    from graphpipe.frontend.shapes import ShapeDraw, ShapeRules
+
+    draw = ShapeDraw.parse(options.vary_shapes)
+    rules = ShapeRules(gm)
+    sg = plan.stage_graph
+    if not rules.symbols and draw.rows is None:
+        raise InputError(f"--vary-shapes: {plan.model} has no input dim that may vary (an integer input's dims "
+                         "other than the batch do, or a float input's its factory declares)")
+    if draw.rows is not None:
+        if draw.rows[1] > sg.batch_size:
+            raise InputError(f"--vary-shapes: rows up to {draw.rows[1]}, but the plan's batch is {sg.batch_size}")
+        if draw.rows[0] < least_rows(sg):
+            raise InputError(f"--vary-shapes: rows from {draw.rows[0]}, but the plan cuts its batch into "
+                             f"{least_rows(sg)} micro-batch shards, each of which needs a row")
+        if draw.rows[0] < sg.batch_size and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in gm.modules()):
+            raise InputError("--vary-shapes: a partial batch through a model with BatchNorm (its statistics are per "
+                             "micro-batch of the plan's size): keep ROWS_LO at the plan's batch")
+    for step in range(options.steps):
+        rules.at(draw.sizes(options.seed, step, rules.batch, rules.symbols, sg.batch_size))
 
 
 def run_plans(plans: list[tuple[Plan, RunOptions]], world_size: int | None = None) -> list[RunResult]:

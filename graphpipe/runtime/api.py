@@ -237,6 +237,12 @@ class Pipeline:
             model is not None and example_inputs is not None) else self._from_spec(build)
         self._model = model if model is not None else spec_model
         self._given_model = model is not None and example_inputs is None  # captured on the plan's inputs
+        if model is not None and spec_model is not None:  # the dims the plan's factory declares vary for it too
+            from graphpipe.frontend.exporting import DYNAMIC_ATTR
+
+            declared = getattr(spec_model, DYNAMIC_ATTR, None)
+            if declared is not None and getattr(model, DYNAMIC_ATTR, None) is None:
+                object.__setattr__(model, DYNAMIC_ATTR, declared)
         self._loss_fn = loss_fn if loss_fn is not None else spec_loss
         if example_inputs is None:
             example_inputs = spec_inputs
@@ -371,10 +377,10 @@ class Pipeline:
         if keep:
             _put_back(split, keep)
         meta = boundary_meta(gm, split.boundary_values, make_rows, self.precision)
-        from graphpipe.runtime.shapes import ShapeRules
+        from graphpipe.frontend.shapes import ShapeRules
 
         self._shapes = ShapeRules(gm, ranges or {})
-        """What each input dim may be per step (:mod:`graphpipe.runtime.shapes`)."""
+        """What each input dim may be per step (:mod:`graphpipe.frontend.shapes`)."""
         self._shapes_planned = self._shapes.bind(make_rows(sg.batch_size, 0)).bindings
         """The symbols' sizes the plan was made at (the example's)."""
         self._step_shape = None
@@ -482,7 +488,7 @@ class Pipeline:
 
     @property
     def shape_rules(self):
-        """What each input dim may be per step (:class:`~graphpipe.runtime.shapes.ShapeRules`)."""
+        """What each input dim may be per step (:class:`~graphpipe.frontend.shapes.ShapeRules`)."""
         return self._shapes
 
     @property
@@ -491,7 +497,7 @@ class Pipeline:
         return dict(self._shapes_planned)
 
     def shape_at(self, sizes: dict[str, int]):
-        """The :class:`~graphpipe.runtime.shapes.StepShape` of symbol sizes ``sizes``, refused as a step's would
+        """The :class:`~graphpipe.frontend.shapes.StepShape` of symbol sizes ``sizes``, refused as a step's would
         be (:meth:`step`)."""
         return self._checked(self._shapes.at(sizes))
 
@@ -578,7 +584,7 @@ class Pipeline:
         return flat
 
     def _shape_of(self, flat: tuple):
-        """The step's sizes (:class:`~graphpipe.runtime.shapes.StepShape`), refused in one line, on every rank
+        """The step's sizes (:class:`~graphpipe.frontend.shapes.StepShape`), refused in one line, on every rank
         alike and before anything runs, where the program or the plan cannot take them: a dim the model pins,
         more rows than the plan's batch, a partial batch too small to give every micro-batch a row."""
         return self._checked(self._shapes.bind(flat))

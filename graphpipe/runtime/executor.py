@@ -263,7 +263,7 @@ class RankExecutor:
 
     def prepare_step(self, rows: int, bindings: Mapping[str, int] | None = None) -> None:
         """Size the next iteration for a mini-batch of ``rows`` rows and the symbols' sizes ``bindings``
-        (:class:`~graphpipe.runtime.shapes.StepShape`): every value crossing a cut takes its shape at those
+        (:class:`~graphpipe.frontend.shapes.StepShape`): every value crossing a cut takes its shape at those
         sizes, and a partial batch (fewer rows than planned) keeps every micro-batch with proportionally fewer
         rows (:meth:`~graphpipe.runtime.routing.Routing.row`). Every rank derives the same from the same
         inputs, so no message says how big the next one is. The plan's sizes cost nothing after the first

@@ -210,7 +210,7 @@ class RunOptions:
             raise InputError("--max-restarts needs --checkpoint-dir: a restarted run resumes from its newest "
                              "checkpoint (without one it would start over)")
         if self.vary_shapes is not None:
-            from graphpipe.runtime.shapes import ShapeDraw
+            from graphpipe.frontend.shapes import ShapeDraw
 
             ShapeDraw.parse(self.vary_shapes)
             if self.baseline is not None:

@@ -112,11 +112,11 @@ def reference_run(spec: str, seed: int, batch_size: int, layout: dict[str, dict[
     too, and the reference's own fp32-vs-fp64 spread per step
     (:mod:`graphpipe.runtime.numerics`). ``shapes(k)``: step ``k``'s input shapes when
     they are not the plan's (``--vary-shapes``): the inputs are cut to them
-    (:func:`~graphpipe.runtime.shapes.resized`) as on the ranks, and a step of
+    (:func:`~graphpipe.frontend.shapes.resized`) as on the ranks, and a step of
     fewer rows cuts its dropout where the pipeline's proportionally smaller
     shards do.
     """
-    from graphpipe.runtime.shapes import resized
+    from graphpipe.frontend.shapes import resized
     from graphpipe.runtime.batchnorm import sharded_batchnorms
     from graphpipe.runtime.rng import ReferenceContext, ShardContext, _rows
 

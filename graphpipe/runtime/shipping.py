@@ -18,7 +18,7 @@ tensors, as a capture on the rank would), and by value otherwise (constants
 export lifted, with their kept values; the bodies of higher-order ops, packed
 the same way). torch's operators travel by name. Of the node metadata only
 each value's symbolic shape travels (as text): the runtime sizes every step's
-messages from it (:mod:`graphpipe.runtime.shapes`).
+messages from it (:mod:`graphpipe.frontend.shapes`).
 
 The rank checks what it rebuilt against the sender's description (every
 attribute's name, shape and dtype, every reference resolving to an object of
@@ -130,7 +130,7 @@ def _pack_graph(gm: fx.GraphModule, owned: dict[int, tuple[str, str]]) -> dict:
             attrs[n.target] = ("graph", _pack_graph(obj, owned))
         else:
             attrs[n.target] = ("value", obj)
-    from graphpipe.runtime.shapes import shape_records
+    from graphpipe.frontend.shapes import shape_records
 
     return {"nodes": nodes, "attrs": attrs, "class_name": type(gm).__name__, "described": _describe(gm),
             "order": _order(gm, owned), "shapes": shape_records(gm), "meta": dict(gm.meta)}
@@ -206,7 +206,7 @@ def _unpack_graph(packed: dict, module: nn.Module) -> fx.GraphModule:
             raise ShipMismatch(f"node {name!r} came out named {node.name!r}")
         env[name] = node
     gm = fx.GraphModule(root, graph, class_name=packed["class_name"])
-    from graphpipe.runtime.shapes import apply_shape_records
+    from graphpipe.frontend.shapes import apply_shape_records
 
     apply_shape_records(gm, packed.get("shapes", {}))  # the values' symbolic shapes: each step's sizes need them
     gm.meta.update(packed.get("meta", {}))

@@ -172,13 +172,13 @@ class ValueMeta:
     the batch varies between steps; None where the sample shape is fixed. :meth:`at` evaluates it."""
 
     def at(self, bindings: Mapping[str, int]) -> "ValueMeta":
-        """This value at a step's sizes (:class:`~graphpipe.runtime.shapes.StepShape`): its sample shape
+        """This value at a step's sizes (:class:`~graphpipe.frontend.shapes.StepShape`): its sample shape
         evaluated; itself when no dim varies."""
         if self.dims is None:
             return self
         from dataclasses import replace
 
-        from graphpipe.runtime.shapes import evaluate
+        from graphpipe.frontend.shapes import evaluate
 
         return replace(self, sample_shape=evaluate(self.dims, bindings))
 
@@ -630,7 +630,10 @@ def boundary_meta(gm: torch.fx.GraphModule, values: Sequence[str],
         gm.train(training)
     nodes = {n.name: n for n in gm.graph.nodes}
     from_inputs: set[str] = set()  # values that depend on a graph input (meta tensors cannot be compared)
+    sizes_only = (torch.ops.aten.sym_size.int, torch.ops.aten.sym_numel.default)
     for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in sizes_only:
+            continue  # an input's size (a sequence length) is the same for every micro-batch of a step: not its rows
         if node.op == "placeholder" or any(str(a) in from_inputs for a in node.all_input_nodes):
             from_inputs.add(node.name)
     meta = {}
@@ -665,7 +668,7 @@ def boundary_meta(gm: torch.fx.GraphModule, values: Sequence[str],
 def _varying_dims(node: torch.fx.Node | None, batch_dim: int | None) -> tuple | None:
     """A boundary value's sample dims as the program's expressions (the batch dim dropped), when one of them
     varies between steps (a sequence length); None when all are fixed or the capture recorded no shape."""
-    from graphpipe.runtime.shapes import node_shape
+    from graphpipe.frontend.shapes import node_shape
 
     rec = node_shape(node) if node is not None else None
     dims = rec[1] if rec is not None and rec[0] == "tensor" else None

@@ -194,7 +194,7 @@ class PipelineEngine:
                   if self.pipe.reads_inputs else None)
         sizes = self.sizes_at(step)
         if sizes is not None and inputs is not None:  # the plan's batch cut (or tiled) to the step's draw
-            from graphpipe.runtime.shapes import resized
+            from graphpipe.frontend.shapes import resized
 
             inputs = resized(inputs, self.pipe.shape_rules.input_shapes(sizes))
         got = self.pipe.timed_step(inputs, start=clock.start, sizes=sizes)
@@ -205,12 +205,9 @@ class PipelineEngine:
         """Step ``step``'s symbol sizes under ``--vary-shapes`` (None: the plan's), the same on every rank."""
         if self.options.vary_shapes is None:
             return None
-        from graphpipe.runtime.shapes import ShapeDraw
+        from graphpipe.frontend.shapes import ShapeDraw
 
-        rules = self.pipe.shape_rules
-        if not rules.symbols and ShapeDraw.parse(self.options.vary_shapes).rows is None:
-            raise PlanError(f"--vary-shapes: {self.plan.model} has no input dim that may vary (only integer inputs' "
-                            "dims other than the batch vary, or a float input's its factory declares)")
+        rules = self.pipe.shape_rules  # the draws were checked before launch (runtime.preflight)
         return ShapeDraw.parse(self.options.vary_shapes).sizes(self.options.seed, step, rules.batch, rules.symbols,
                                                               self.plan.stage_graph.batch_size)
 

@@ -8,9 +8,9 @@ keep their other dims fixed unless the factory declares them
 (``dynamic_shapes``). The captured program's ``meta["val"]`` gives each node's
 shape as an expression of those symbols.
 
-Every rank is handed the step's whole mini-batch, so each rank binds the
+The runtime hands every rank the step's whole mini-batch, so each rank binds the
 symbols from the inputs' sizes and evaluates the shape of every boundary
-value itself (:meth:`ShapeRules.meta_at`): receive buffers are sized without
+value itself (:meth:`~graphpipe.runtime.stage_modules.ValueMeta.at`): receive buffers are sized without
 a message saying how big they are. Before anything runs, :meth:`ShapeRules.bind`
 refuses, in one line naming the input and dim, a step whose size the
 program cannot take: a dim the model pins, a size outside the range export
@@ -53,6 +53,10 @@ class StepShape:
     def bindings(self) -> dict[str, int]:
         return dict(self.symbols)
 
+
+RANGES_KEY = "graphpipe_ranges"
+"""``gm.meta`` key of the sizes export proved each symbol may take
+(:attr:`~graphpipe.frontend.exporting.Exported.ranges`)."""
 
 SHAPE_KEY = "graphpipe_shape"
 """``node.meta`` key of a shipped capture's shapes (:func:`shape_record`), where export's ``val`` does not travel."""
@@ -135,13 +139,10 @@ class ShapeRules:
 
     def __init__(self, gm: fx.GraphModule, ranges: Mapping[str, tuple[int, int | None]] | None = None,
                  names: Sequence[str] | None = None):
-        from graphpipe.frontend.exporting import RANGES_KEY
-
         ranges = gm.meta.get(RANGES_KEY, {}) if ranges is None else ranges
-        from graphpipe.runtime.stage_modules import CTX_NAME
-
-        # the graph's inputs: the model's, then the target's (the random-op context the runtime adds is not one)
-        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder" and n.name != CTX_NAME]
+        # the graph's inputs: the model's, then the target's; one with a default value (the random-op context
+        # the runtime adds, :func:`~graphpipe.runtime.stage_modules.instrument`) is not the step's
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder" and not n.args]
         self.names = tuple(names) if names is not None else tuple(n.name for n in placeholders)
         self.inputs = tuple(_tensor_dims(n) for n in placeholders)
         """Per graph input: its dims (a number where the program pins it, an expression where it varies)."""
