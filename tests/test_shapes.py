@@ -252,3 +252,21 @@ def test_max_shape_fits_memory_at_the_longest_length_and_the_guard_refuses_a_ste
     with pytest.raises(InputError, match=r"would need about .* GB on device \d .*re-plan with --max-shape"):
         Pipeline._memory_guard(fake, rules.at({**planned, rules.symbols[0]: 28}))
     Pipeline._memory_guard(fake, rules.at({**planned, rules.batch: 4, rules.symbols[0]: 28}))  # half the rows
+
+
+def test_a_value_whose_size_depends_on_the_data_is_named_not_sized():
+    """A boundary value with a symbol no input carries (export's unbacked ``u0``) cannot be sized from the
+    step's inputs: it is named (preflight and Pipeline refuse it), while one of the inputs' symbols is not."""
+    import torch.fx as fx
+
+    from graphpipe.frontend.shapes import apply_shape_records, underived
+
+    g = fx.Graph()
+    x = g.placeholder("x")
+    a = g.call_function(torch.relu, (x,))
+    b = g.call_function(torch.tanh, (a,))
+    g.output((a, b))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    apply_shape_records(gm, {"x": ("tensor", ("s0", "s1")), "relu": ("tensor", ("s0", "2*s1")),
+                             "tanh": ("tensor", ("s0", "u0"))})
+    assert [name for name, _ in underived(gm, ["relu", "tanh"])] == ["tanh"]

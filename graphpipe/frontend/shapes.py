@@ -39,7 +39,7 @@ import torch.fx as fx
 
 from graphpipe.errors import InputError
 
-__all__ = ["StepShape", "ShapeRules", "symbolic_dims", "evaluate", "resized"]
+__all__ = ["StepShape", "ShapeRules", "ShapeDraw", "symbolic_dims", "evaluate", "resized", "underived"]
 
 
 @dataclass(frozen=True)
@@ -234,6 +234,23 @@ class ShapeRules:
     def input_shapes(self, bindings: Mapping[str, int]) -> list[tuple[int, ...] | None]:
         """Every graph input's shape at ``bindings`` (None: not a tensor)."""
         return [evaluate(dims, bindings) if dims is not None else None for dims in self.inputs]
+
+
+def underived(gm: fx.GraphModule, values: Sequence[str]) -> list[tuple[str, tuple]]:
+    """``(value, dims)`` of every value of ``values`` (crossing a cut) whose shape the step's input sizes do not
+    give: a symbol no input carries (a data-dependent size, export's unbacked ``u0``). Such a value would need
+    its size sent ahead of it, which the runtime does not do: it is refused (keep it inside one stage)."""
+    rules = ShapeRules(gm)
+    known = {str(s) for dims in rules.inputs if dims for d in dims if not isinstance(d, int)
+             for s in d.free_symbols}
+    by_name = {n.name: n for n in gm.graph.nodes}
+    out = []
+    for name in values:
+        node = by_name.get(name)
+        dims = _tensor_dims(node) if node is not None else None
+        if dims and any(str(s) not in known for d in dims if not isinstance(d, int) for s in d.free_symbols):
+            out.append((name, dims))
+    return out
 
 
 def _position_tables(gm: fx.GraphModule) -> list[tuple[Any, int, str]]:

@@ -137,6 +137,14 @@ def preflight(plan: Plan, options: RunOptions) -> None:
     runnable = load_runnable(plan.model, options.seed, "cpu", granularity=plan_granularity(plan), meta_params=True)
     check_op_names([op.name for op in plan.graph.ops], runnable.op_names, plan.model)
     split = split_model(runnable.gm, runnable.op_nodes, plan.stage_graph)
+    from graphpipe.frontend.shapes import underived
+
+    loose = underived(runnable.gm, split.boundary_values)
+    if loose:
+        name, dims = loose[0]
+        raise InputError(f"value {name!r} crosses a stage boundary with a size that depends on the data "
+                         f"({tuple(map(str, dims))}): the runtime sizes messages from the inputs' shapes; keep its "
+                         "producer and users in one stage")
     if options.vary_shapes is not None:
         _check_draws(plan, options, runnable.gm)
     if options.precision == "bf16":

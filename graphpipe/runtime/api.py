@@ -377,9 +377,15 @@ class Pipeline:
         if keep:
             _put_back(split, keep)
         meta = boundary_meta(gm, split.boundary_values, make_rows, self.precision)
-        from graphpipe.frontend.shapes import ShapeRules
+        from graphpipe.frontend.shapes import ShapeRules, underived
 
-        self._shapes = ShapeRules(gm, ranges or {})
+        loose = underived(gm, split.boundary_values)
+        if loose:
+            name, dims = loose[0]
+            raise PlanError(f"value {name!r} crosses a stage boundary with a size that depends on the data "
+                            f"({tuple(map(str, dims))}): the runtime sizes messages from the inputs' shapes; keep "
+                            "its producer and users in one stage")
+        self._shapes = ShapeRules(gm, ranges)
         """What each input dim may be per step (:mod:`graphpipe.frontend.shapes`)."""
         self._shapes_planned = self._shapes.bind(make_rows(sg.batch_size, 0)).bindings
         """The symbols' sizes the plan was made at (the example's)."""
