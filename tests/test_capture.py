@@ -186,7 +186,7 @@ def test_load_factory_and_graph_from_factory(tmp_path):
     cases = [
         (f"{tmp_path}/missing.py:make", "not found"),
         (f"{path}:nope", "no function 'nope'"),
-        (f"{path}:not_a_triple", "(module, example_inputs, loss_fn[, example_target])"),
+        (f"{path}:not_a_triple", "(module, example_inputs, loss_fn[, example_target[, dynamic_shapes]])"),
         (f"{path}:not_a_module", "nn.Module"),
         (f"{path}:bad_inputs", "tuple of tensors"),
         (f"{path}", "file.py:function_name"),

@@ -138,9 +138,6 @@ def test_a_tp_degree_the_heads_cannot_take_is_refused_naming_the_op():
         tp_placements(prog.module, dict(prog.param_names), 4, 0, model)
 
 
-@pytest.mark.xfail(strict=True, reason="known bug after merging the job driver: graphpipe run's FSDP stage reads a "
-                   "freed parameter storage in its first forward (RuntimeError: invalid python storage); Pipeline's "
-                   "path (test_fsdp_tp_and_mixed_layouts_train_as_one_process) is exact; docs/limits.md")
 def test_graphpipe_run_check_passes_mixed_layouts():
     """``graphpipe run --check``'s path (run_plans, models built on meta and materialized per rank): a branchy
     model with a TP branch and an FSDP branch, a chain of whole-copy replicas then TP 2 under zero bubble's

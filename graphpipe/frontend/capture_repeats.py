@@ -325,7 +325,7 @@ def unroll(graph: OpGraph, paths: dict[str, str], stack: Stack,
             new_paths[renamed[op.name]] = ""
     new_paths.update({op.name: paths.get(op.name, "") for op in ops if op.name not in new_paths})
     edges = [(renamed.get(src, src), renamed.get(dst, dst), b, sv) for src, dst, b, sv in edges]
-    return OpGraph.build(graph.name, ops, edges, graph.shared), new_paths
+    return OpGraph.build(graph.name, ops, edges, graph.shared, graph.lengths), new_paths
 
 
 def _glue_names(glue: Sequence[str], units: Sequence[Sequence[str]], op_nodes: dict[str, Sequence[str]] | None,

@@ -509,5 +509,5 @@ def attach(executor, sg: StageGraph, split, rank: int, device: torch.device, tim
         # a rank with a parallel stage reports no activation peak
         from graphpipe.runtime.measure import NoMeter
 
-        executor.saved_meter = NoMeter()
+        executor.saved_meter = executor.services.saved_meter = NoMeter()  # the stages read the services' one
     executor.intra_stage = IntraStage(parallel, timeout_s)
