@@ -148,8 +148,19 @@ def test_the_shape_rules_bind_lengths_and_refuse_what_the_model_cannot_take():
     assert rules.symbols and len(rules.symbols) == 1
     with pytest.raises(InputError, match="exceeds pos's position table of 32 rows"):
         rules.bind((sm.tokens(0, 5, 33), sm.tokens(0, 5, 33)))
-    with pytest.raises(InputError, match="equal to a dim"):
-        rules.bind((sm.tokens(0, 5, 20), sm.tokens(0, 5, 21)))
+    rules.bind((sm.tokens(0, 5, 20), sm.tokens(0, 5, 21)))  # a target is the loss's to check, never refused here
+
+    class Two(torch.nn.Module):  # ids and a mask the model adds: one length, which export ties
+        def __init__(self):
+            super().__init__()
+            self.e = torch.nn.Embedding(sm.VOCAB, 4)
+
+        def forward(self, ids, mask):
+            return self.e(ids) + self.e(mask)
+
+    two = ShapeRules(export_model(Two(), (sm.tokens(0, 4, 6), sm.tokens(1, 4, 6))).gm)
+    with pytest.raises(InputError, match="input 'mask' dim 1 is 7, but the model needs it equal to a dim of 'ids'"):
+        two.bind((sm.tokens(0, 4, 6), sm.tokens(1, 4, 7)))
     pinned = export_model(*sm.pinned()[:2])
     with pytest.raises(InputError, match="dim 1 is 9, but the captured model fixes it at 12"):
         ShapeRules(pinned.gm).bind((sm.tokens(0, 4, 9),))

@@ -145,6 +145,10 @@ class ShapeRules:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder" and not n.args]
         self.names = tuple(names) if names is not None else tuple(n.name for n in placeholders)
         self.inputs = tuple(_tensor_dims(n) for n in placeholders)
+        self.targets = frozenset(i for i, n in enumerate(placeholders) if n.name.startswith("target"))
+        """Graph inputs that are the loss's target: their dims follow the inputs' by a guess from the example
+        (:func:`~graphpipe.frontend.exporting._target_shape`), good for cutting synthetic data, so a step's
+        target is never refused by them (the loss checks it)."""
         """Per graph input: its dims (a number where the program pins it, an expression where it varies)."""
         self.ranges = dict(ranges)
         self.batch = next((str(dims[0]) for dims in self.inputs if dims and not isinstance(dims[0], int)), None)
@@ -163,8 +167,8 @@ class ShapeRules:
         bindings: dict[str, int] = {}
         pending = []
         count = len(flat) if model_inputs is None else model_inputs
-        for name, dims, x in list(zip(self.names, self.inputs, flat))[:count]:
-            if dims is None or not isinstance(x, torch.Tensor):
+        for i, (name, dims, x) in enumerate(list(zip(self.names, self.inputs, flat))[:count]):
+            if dims is None or not isinstance(x, torch.Tensor) or i in self.targets:
                 continue
             if x.dim() != len(dims):
                 raise InputError(f"input {name!r} has {x.dim()} dims, the captured model takes {len(dims)}")
