@@ -6,7 +6,6 @@ process checks: the shape rules' refusals and the partial batch's routing agains
 """
 
 import os
-import socket
 import subprocess
 import sys
 
@@ -17,14 +16,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import shapes_models as sm  # noqa: E402
 import shapes_script  # noqa: E402
+from test_api import _port  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _reference(name: str):

@@ -828,11 +828,11 @@ def _lengths(gm: fx.GraphModule, flat: Sequence[Any]) -> tuple[int, ...]:
     """The example's size of every input dim that may vary per step, other than the batch (sorted, distinct)."""
     from graphpipe.frontend.shapes import ShapeRules
 
+    rules = ShapeRules(gm)
     try:
-        bindings = ShapeRules(gm).bind(flat).bindings
+        bindings = rules.bind(flat).bindings
     except Exception:  # noqa: BLE001 - a capture whose inputs this cannot read costs as before, with no lengths
         return ()
-    rules = ShapeRules(gm)
     return tuple(sorted({size for sym, size in bindings.items() if sym != rules.batch}))
 
 

@@ -39,7 +39,8 @@ import torch.fx as fx
 
 from graphpipe.errors import InputError
 
-__all__ = ["StepShape", "ShapeRules", "ShapeDraw", "symbolic_dims", "evaluate", "resized", "underived"]
+__all__ = ["StepShape", "ShapeRules", "ShapeDraw", "symbolic_dims", "evaluate", "resized", "underived",
+           "underived_refusal"]
 
 
 @dataclass(frozen=True)
@@ -255,6 +256,17 @@ def underived(gm: fx.GraphModule, values: Sequence[str]) -> list[tuple[str, tupl
         if dims and any(str(s) not in known for d in dims if not isinstance(d, int) for s in d.free_symbols):
             out.append((name, dims))
     return out
+
+
+def underived_refusal(gm: fx.GraphModule, values: Sequence[str]) -> str | None:
+    """The one-line refusal of the first of ``values`` :func:`underived` names; None when there is none."""
+    loose = underived(gm, values)
+    if not loose:
+        return None
+    name, dims = loose[0]
+    return (f"value {name!r} crosses a stage boundary with a size that depends on the data "
+            f"({tuple(map(str, dims))}): the runtime sizes messages from the inputs' shapes; keep its producer and "
+            "users in one stage")
 
 
 def _position_tables(gm: fx.GraphModule) -> list[tuple[Any, int, str]]:

@@ -137,14 +137,11 @@ def preflight(plan: Plan, options: RunOptions) -> None:
     runnable = load_runnable(plan.model, options.seed, "cpu", granularity=plan_granularity(plan), meta_params=True)
     check_op_names([op.name for op in plan.graph.ops], runnable.op_names, plan.model)
     split = split_model(runnable.gm, runnable.op_nodes, plan.stage_graph)
-    from graphpipe.frontend.shapes import underived
+    from graphpipe.frontend.shapes import underived_refusal
 
-    loose = underived(runnable.gm, split.boundary_values)
-    if loose:
-        name, dims = loose[0]
-        raise InputError(f"value {name!r} crosses a stage boundary with a size that depends on the data "
-                         f"({tuple(map(str, dims))}): the runtime sizes messages from the inputs' shapes; keep its "
-                         "producer and users in one stage")
+    refusal = underived_refusal(runnable.gm, split.boundary_values)
+    if refusal is not None:
+        raise InputError(refusal)
     if options.vary_shapes is not None:
         _check_draws(plan, options, runnable.gm)
     if options.precision == "bf16":
@@ -178,8 +175,8 @@ def _check_draws(plan: Plan, options: RunOptions, gm) -> None:
     the refusal a rank would raise at that step, here, once."""
     import torch.nn as nn
 
-    from graphpipe.runtime.routing import least_rows
     from graphpipe.frontend.shapes import ShapeDraw, ShapeRules
+    from graphpipe.runtime.routing import rows_refusal
 
     draw = ShapeDraw.parse(options.vary_shapes)
     rules = ShapeRules(gm)
@@ -188,14 +185,11 @@ def _check_draws(plan: Plan, options: RunOptions, gm) -> None:
         raise InputError(f"--vary-shapes: {plan.model} has no input dim that may vary (an integer input's dims "
                          "other than the batch do, or a float input's its factory declares)")
     if draw.rows is not None:
-        if draw.rows[1] > sg.batch_size:
-            raise InputError(f"--vary-shapes: rows up to {draw.rows[1]}, but the plan's batch is {sg.batch_size}")
-        if draw.rows[0] < least_rows(sg):
-            raise InputError(f"--vary-shapes: rows from {draw.rows[0]}, but the plan cuts its batch into "
-                             f"{least_rows(sg)} micro-batch shards, each of which needs a row")
-        if draw.rows[0] < sg.batch_size and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in gm.modules()):
-            raise InputError("--vary-shapes: a partial batch through a model with BatchNorm (its statistics are per "
-                             "micro-batch of the plan's size): keep ROWS_LO at the plan's batch")
+        batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in gm.modules())
+        for rows in draw.rows:  # the extremes: every rows in between is refused for a reason one of them has
+            refusal = rows_refusal(sg, rows, batchnorm)
+            if refusal is not None:
+                raise InputError(f"--vary-shapes: {refusal}")
     for step in range(options.steps):
         rules.at(draw.sizes(options.seed, step, rules.batch, rules.symbols, sg.batch_size))
 

@@ -377,14 +377,11 @@ class Pipeline:
         if keep:
             _put_back(split, keep)
         meta = boundary_meta(gm, split.boundary_values, make_rows, self.precision)
-        from graphpipe.frontend.shapes import ShapeRules, underived
+        from graphpipe.frontend.shapes import ShapeRules, underived_refusal
 
-        loose = underived(gm, split.boundary_values)
-        if loose:
-            name, dims = loose[0]
-            raise PlanError(f"value {name!r} crosses a stage boundary with a size that depends on the data "
-                            f"({tuple(map(str, dims))}): the runtime sizes messages from the inputs' shapes; keep "
-                            "its producer and users in one stage")
+        refusal = underived_refusal(gm, split.boundary_values)
+        if refusal is not None:
+            raise PlanError(refusal)
         self._shapes = ShapeRules(gm, ranges)
         """What each input dim may be per step (:mod:`graphpipe.frontend.shapes`)."""
         self._shapes_planned = self._shapes.bind(make_rows(sg.batch_size, 0)).bindings
@@ -596,23 +593,11 @@ class Pipeline:
         return self._checked(self._shapes.bind(flat))
 
     def _checked(self, shape):
-        from graphpipe.runtime.routing import least_rows
+        from graphpipe.runtime.routing import rows_refusal
 
-        sg = self.plan.stage_graph
-        if shape.rows > sg.batch_size:
-            raise InputError(f"mini-batch of {shape.rows} rows, but the plan is for batch size {sg.batch_size}: its "
-                             f"memory was checked at {sg.batch_size} rows (re-plan with --batch-size {shape.rows} "
-                             f"to train at {shape.rows})")
-        if shape.rows < sg.batch_size:
-            least = least_rows(sg)
-            if shape.rows < least:
-                raise InputError(f"a partial mini-batch of {shape.rows} rows, but the plan cuts its batch into "
-                                 f"{least} micro-batch shards, each of which needs a row: drop it "
-                                 f"(DataLoader(drop_last=True)) or give at least {least} rows")
-            if self._has_batchnorm:
-                raise InputError(f"a partial mini-batch of {shape.rows} rows through a model with BatchNorm: its "
-                                 f"statistics are per micro-batch of the plan's size; drop it "
-                                 f"(DataLoader(drop_last=True))")
+        refusal = rows_refusal(self.plan.stage_graph, shape.rows, self._has_batchnorm)
+        if refusal is not None:
+            raise InputError(refusal)
         self._memory_guard(shape)
         return shape
 

@@ -46,7 +46,7 @@ from graphpipe.actions import Schedule
 from graphpipe.errors import PlanError
 from graphpipe.stages import StageGraph
 
-__all__ = ["Piece", "MessageKey", "edge_pieces", "shard_size", "least_rows", "Routing"]
+__all__ = ["Piece", "MessageKey", "edge_pieces", "shard_size", "least_rows", "rows_refusal", "Routing"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +94,26 @@ def least_rows(sg: StageGraph) -> int:
     """The fewest rows a mini-batch may have so that every shard of every stage keeps at least one row when the
     plan's micro-batches shrink proportionally (:meth:`Routing.row`): the finest stage's number of shards."""
     return max(sg.batch_size // shard_size(stage) for stage in sg.stages)
+
+
+def rows_refusal(sg: StageGraph, rows: int, batchnorm: bool) -> str | None:
+    """Why a mini-batch of ``rows`` rows cannot train on stage graph ``sg`` (None: it can): more rows than the
+    plan's batch, a partial batch with fewer rows than the finest stage's shards (each needs one), or a
+    partial batch through BatchNorm (``batchnorm``: the model has one), whose statistics are per micro-batch of
+    the plan's size."""
+    if rows > sg.batch_size:
+        return (f"mini-batch of {rows} rows, but the plan is for batch size {sg.batch_size}: its memory was "
+                f"checked at {sg.batch_size} rows (re-plan with --batch-size {rows} to train at {rows})")
+    if rows == sg.batch_size:
+        return None
+    least = least_rows(sg)
+    if rows < least:
+        return (f"a partial mini-batch of {rows} rows, but the plan cuts its batch into {least} micro-batch shards, "
+                f"each of which needs a row: drop it (DataLoader(drop_last=True)) or give at least {least} rows")
+    if batchnorm:
+        return (f"a partial mini-batch of {rows} rows through a model with BatchNorm: its statistics are per "
+                "micro-batch of the plan's size; drop it (DataLoader(drop_last=True))")
+    return None
 
 
 def edge_pieces(sg: StageGraph, producer: int, consumer: int) -> list[Piece]:
