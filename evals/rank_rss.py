@@ -18,6 +18,13 @@ size (``ru_maxrss``); beside it:
 * ``whole_model``: the bytes of the whole model's weights, what every rank
   held before ranks materialized their own stages.
 
+Then the same model as two FSDP stages of two ranks each (the plan's first
+and last halves merged, ``shard: fsdp``, run by torch's ``fully_shard``):
+each rank should hold about half of its stage's weights and gradients, so
+its RSS above the tiny rank should be about half of what that stage would
+cost whole (``whole_stage``), and the launcher's estimate (which charges a
+sharded stage's share) should hold.
+
 Usage::
 
     python -m graphpipe.evals.rank_rss --out evals      # writes evals/results/rank-rss.json
@@ -48,6 +55,41 @@ def _plan(spec: str, ranks: int, batch: int, memory_gb: float | None):
                      SearchOptions(micro_batch_size=1))
 
 
+def _sharded(plan):
+    """``plan``'s model in two stages of ``ranks / 2`` FSDP ranks each: its first and last halves of stages merged,
+    with the default schedule and the simulator's prediction (what a hand-edited plan file gets)."""
+    from graphpipe.plan import Plan
+    from graphpipe.sched.complete import completion
+    from graphpipe.stages import Stage, StageGraph
+
+    sg = plan.stage_graph
+    n, half = sg.num_devices, sg.num_stages // 2
+    groups = [sg.stages[:half], sg.stages[half:]]
+    stages = [Stage(i, tuple(sorted(op for st in group for op in st.op_ids)),
+                    tuple(range(i * n // 2, (i + 1) * n // 2)), n // 2, shard="fsdp")
+              for i, group in enumerate(groups)]
+    merged = StageGraph.build(sg.graph, stages, sg.batch_size, n)
+    schedule, predicted = completion(merged, plan.cluster, "custom")
+    return Plan(model=plan.model, stage_graph=merged, cluster=plan.cluster, strategy="custom", schedule=schedule,
+                predicted=predicted)
+
+
+def _rows(plan, measured, tiny, base, layout):
+    from graphpipe.runtime.memory import rank_memory
+
+    sg = plan.stage_graph
+    rows = []
+    for r, mem in enumerate(rank_memory(plan)):
+        stages = list(sg.stages_on_device(r))
+        whole = sum(2.0 * sg.param_bytes(s) for s in stages)  # weights and gradients, unsharded
+        rows.append({"layout": layout, "rank": r, "stages": stages, "rss_bytes": measured[r],
+                     "expected_bytes": mem.total_bytes, "stage_state_bytes": mem.state_bytes + mem.activation_bytes,
+                     "whole_stage_state_bytes": whole, "tiny_rank_bytes": tiny[r],
+                     "rss_minus_tiny_bytes": measured[r] - base,
+                     "error_vs_expected": (measured[r] - mem.total_bytes) / mem.total_bytes})
+    return rows
+
+
 def run(spec: str = SPEC, ranks: int = 4, batch: int = 4, steps: int = 2, memory_gb: float = 1.5) -> dict[str, Any]:
     """Plan and run ``spec`` and a tiny model on ``ranks`` CPU ranks; one row per rank of ``spec``'s run."""
     from graphpipe.errors import InfeasibleError
@@ -63,23 +105,23 @@ def run(spec: str = SPEC, ranks: int = 4, batch: int = 4, steps: int = 2, memory
     options = RunOptions(steps=steps, warmup_steps=1, timeout_s=1200, num_threads=1)
     tiny = run_plan(_plan(TINY, ranks, batch, None), options).measured.peak_rss_bytes
     measured = run_plan(plan, options).measured.peak_rss_bytes
+    sharded = _sharded(plan)
+    measured_fsdp = run_plan(sharded, options).measured.peak_rss_bytes
     base = statistics.median(tiny)
     sg = plan.stage_graph
-    rows = []
-    for r, mem in enumerate(rank_memory(plan)):
-        rows.append({"rank": r, "stages": list(sg.stages_on_device(r)), "rss_bytes": measured[r],
-                     "expected_bytes": mem.total_bytes, "stage_state_bytes": mem.state_bytes + mem.activation_bytes,
-                     "tiny_rank_bytes": tiny[r], "rss_minus_tiny_bytes": measured[r] - base,
-                     "error_vs_expected": (measured[r] - mem.total_bytes) / mem.total_bytes})
+    rows = _rows(plan, measured, tiny, base, "pipeline") + _rows(sharded, measured_fsdp, tiny, base, "2 x FSDP-2")
     for row in rows:  # the report's columns, in MB
         row.update({f"{k[:-6]}_mb": row[k] / 1e6 for k in ("rss_bytes", "expected_bytes", "stage_state_bytes",
-                                                           "rss_minus_tiny_bytes")})
+                                                           "whole_stage_state_bytes", "rss_minus_tiny_bytes")})
     return {"config": {"spec": spec, "ranks": ranks, "batch_size": batch, "steps": steps, "memory_gb": memory_gb,
-                       "tiny": TINY},
+                       "tiny": TINY, "sharded": [list(st.devices) for st in sharded.stage_graph.stages]},
             "rows": rows,
             "summary": {"whole_model_weight_bytes": sg.graph.param_bytes, "tiny_rank_median_bytes": base,
                         "max_rss_bytes": max(measured), "max_error_vs_expected": max(abs(r["error_vs_expected"])
-                                                                                      for r in rows)}}
+                                                                                      for r in rows),
+                        # per FSDP rank: its RSS above the tiny rank over its stage's whole weights and gradients
+                        "fsdp_share": [round((r["rss_minus_tiny_bytes"]) / r["whole_stage_state_bytes"], 3)
+                                       for r in rows if r["layout"] != "pipeline"]}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,9 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{result['config']['spec']} on {args.ranks} CPU ranks; whole model's weights "
           f"{result['summary']['whole_model_weight_bytes'] / mb:.0f} MB; a tiny model's rank "
           f"{result['summary']['tiny_rank_median_bytes'] / mb:.0f} MB")
-    print("rank  stages          peak RSS MB  expected MB  stages' state+acts MB  RSS - tiny rank MB")
+    print("layout      rank  stages          peak RSS MB  expected MB  stages' state+acts MB  RSS - tiny rank MB")
     for row in result["rows"]:
-        print(f"{row['rank']:>4}  {str(row['stages']):<14}  {row['rss_bytes'] / mb:>11.0f}  "
+        print(f"{row['layout']:<10}  {row['rank']:>4}  {str(row['stages']):<14}  {row['rss_bytes'] / mb:>11.0f}  "
               f"{row['expected_bytes'] / mb:>11.0f}  {row['stage_state_bytes'] / mb:>21.0f}  "
               f"{row['rss_minus_tiny_bytes'] / mb:>18.0f}")
     if args.out:

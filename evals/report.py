@@ -165,8 +165,9 @@ TABLE_COLUMNS: dict[str, list[tuple[str, str]]] = {
     "varying-shapes": [("steps", "mode"), ("time per real token (us)", "us_per_token"),
                        ("padded / this", "padded_over_this"), ("real tokens", "tokens"),
                        ("reps (us per token)", "reps_us_per_token")],
-    "rank-rss": [("rank", "rank"), ("stages", "stages"), ("peak RSS (MB)", "rss_mb"), ("expected (MB)", "expected_mb"),
+    "rank-rss": [("layout", "layout"), ("rank", "rank"), ("stages", "stages"), ("peak RSS (MB)", "rss_mb"), ("expected (MB)", "expected_mb"),
                  ("stages' weights+grads+activations (MB)", "stage_state_mb"),
+                 ("stages' weights+grads unsharded (MB)", "whole_stage_state_mb"),
                  ("RSS - tiny model's rank (MB)", "rss_minus_tiny_mb"), ("error vs expected", "error_vs_expected")],
     "ill-conditioned": [("model", "model"), ("check", "variant"), ("verdict", "verdict"), ("expected", "expected"),
                         ("max abs diff", "max_abs_diff"), ("mismatched elements", "mismatches"),
@@ -312,12 +313,17 @@ def _headline(name: str, res: dict[str, Any]) -> str:
                 f"the values crossing the cut at a new length, {fmt(s['partial_routing_us'])} us to route a new "
                 f"partial batch (both cached after)")
     if name == "rank-rss":
-        rows = res["rows"]
-        return (f"{res['config']['spec']} ({fmt(s['whole_model_weight_bytes'] / 1e6)} MB of weights, too big for one "
+        rows = [r for r in res["rows"] if r.get("layout", "pipeline") == "pipeline"]
+        text = (f"{res['config']['spec']} ({fmt(s['whole_model_weight_bytes'] / 1e6)} MB of weights, too big for one "
                 f"device of {res['config']['memory_gb']} GB) on {len(rows)} CPU ranks: peak RSS "
                 f"{fmt(min(r['rss_mb'] for r in rows))}-{fmt(max(r['rss_mb'] for r in rows))} MB per rank, a tiny "
                 f"model's rank {fmt(s['tiny_rank_median_bytes'] / 1e6)} MB; measured within "
                 f"{fmt(100 * s['max_error_vs_expected'])}% of the launcher's estimate")
+        if s.get("fsdp_share"):
+            text += (f". As two FSDP stages of two ranks, each rank's RSS above the tiny rank is "
+                     f"{fmt(min(s['fsdp_share']))}-{fmt(max(s['fsdp_share']))} of its stage's unsharded weights and "
+                     "gradients (0.5 if it held exactly its half)")
+        return text
     if name == "ill-conditioned":
         return (f"{s['as_expected']}/{s['runs']} `graphpipe run --check` runs gave the expected verdict on "
                 f"{res['config']['ranks']} CPU ranks (batch {res['config']['batch_size']}, micro-batch "

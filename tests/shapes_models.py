@@ -7,6 +7,9 @@ pipelined training equals one process to fp32 rounding).
 * ``hf_bert``: a two-layer BERT from a config, with an attention mask, classifying each sequence.
 * ``patches``: float patch features whose count varies per step, declared by the factory's ``dynamic_shapes``.
 * ``pinned``: reshapes its tokens into a constant number of positions: the length is fixed by its code.
+* ``trimmed``: drops the positions that are padding in every row of its batch (a count that depends on the
+  data: export's unbacked ``u0``) before the value crosses the cut, then sums per row; the sum does not depend on
+  how many all-padding positions a micro-batch dropped, so pipelined training still equals one process.
 """
 
 from __future__ import annotations
@@ -144,3 +147,37 @@ def patches():
     torch.manual_seed(0)
     return (Patches(), patch_batch(0, BATCH, 9), class_loss, classes(0, BATCH),
             {"patches": {1: torch.export.Dim.AUTO}})
+
+
+class SumHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(WIDTH, 3, bias=False)  # no bias: a padding position adds nothing to the sum
+
+    def forward(self, h):
+        return self.proj(h).sum(dim=1)
+
+
+class Trimmed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.block = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh())
+        self.mix = nn.Linear(WIDTH, WIDTH, bias=False)  # zero at a padding position, as the sum needs
+        self.head = SumHead()
+
+    def forward(self, ids):
+        present = ids != 0
+        h = self.block(self.embed(ids)) * present.unsqueeze(-1)
+        kept = present.any(dim=0).nonzero().squeeze(1)  # positions some row of this batch uses
+        return self.head(self.mix(h.index_select(1, kept)))
+
+
+def padded_tokens(step: int, rows: int, length: int):
+    """Token ids (never 0) with each row padded by zeros past a length of its own, at least 1."""
+    return tokens(step, rows, length).clamp(min=1) * mask(step, rows, length)
+
+
+def trimmed():
+    torch.manual_seed(0)
+    return Trimmed(), padded_tokens(0, BATCH, 12), class_loss, classes(0, BATCH)

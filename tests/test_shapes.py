@@ -54,10 +54,11 @@ def trained(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["chain", "branchy", "hf_bert", "patches"])
+@pytest.mark.parametrize("name", ["chain", "branchy", "hf_bert", "patches", "trimmed"])
 def test_varying_lengths_and_a_partial_batch_train_like_one_process(trained, name):
     """Lengths change every step (two unrelated ones in the branchy model) and the last batch has 5 of 8 rows:
-    each loss, the final weights and an evaluation at 3 rows of a new length equal one process's."""
+    each loss, the final weights and an evaluation at 3 rows of a new length equal one process's. ``trimmed``
+    sends a value whose length each micro-batch's data decides (its size travels ahead of it)."""
     losses, weights, evaluation = _reference(name)
     got = trained[name]
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(losses), rtol=1e-5, atol=1e-6)
@@ -259,12 +260,12 @@ def test_max_shape_fits_memory_at_the_longest_length_and_the_guard_refuses_a_ste
     Pipeline._memory_guard(fake, rules.at({**planned, rules.batch: 4, rules.symbols[0]: 28}))  # half the rows
 
 
-def test_a_value_whose_size_depends_on_the_data_is_named_not_sized():
+def test_a_value_whose_size_depends_on_the_data_is_named_with_its_data_dims():
     """A boundary value with a symbol no input carries (export's unbacked ``u0``) cannot be sized from the
-    step's inputs: it is named (preflight and Pipeline refuse it), while one of the inputs' symbols is not."""
+    step's inputs: its dims sized by the data are named (its messages carry a header), an input's symbol is not."""
     import torch.fx as fx
 
-    from graphpipe.frontend.shapes import apply_shape_records, underived
+    from graphpipe.frontend.shapes import apply_shape_records, data_dims
 
     g = fx.Graph()
     x = g.placeholder("x")
@@ -273,5 +274,40 @@ def test_a_value_whose_size_depends_on_the_data_is_named_not_sized():
     g.output((a, b))
     gm = fx.GraphModule(torch.nn.Module(), g)
     apply_shape_records(gm, {"x": ("tensor", ("s0", "s1")), "relu": ("tensor", ("s0", "2*s1")),
-                             "tanh": ("tensor", ("s0", "u0"))})
-    assert [name for name, _ in underived(gm, ["relu", "tanh"])] == ["tanh"]
+                             "tanh": ("tensor", ("s0", "u0", "s1+u1"))})
+    assert data_dims(gm, ["relu", "tanh"]) == {"tanh": (1, 2)}
+
+
+@pytest.mark.parametrize("mbs, replicas, joins", [((4, 4), 1, False), ((4, 2), 1, False), ((4, 4), 2, False),
+                                                   ((2, 4), 1, True), ((4, 8), 1, True), ((8, 4), 2, False), ((2, 2), 2, False)])
+def test_a_value_sized_by_the_data_is_refused_where_a_consumer_shard_joins_producer_shards(mbs, replicas, joins):
+    """Oracle: the routing's pieces. Rows of two producer shards cannot stack when each shard kept its own
+    number of positions, so such an edge is refused exactly when some consumer shard takes more than one piece."""
+    from graphpipe.errors import PlanError
+    from graphpipe.runtime.routing import Routing
+    from graphpipe.runtime.runnable import load_runnable
+    from graphpipe.runtime.setup import _edge_values
+    from graphpipe.runtime.stage_modules import boundary_meta, check_data_sized_edges, split_model
+
+    groups = shapes_script.plans()["trimmed"][0]
+    devices = [(0,), tuple(range(1, 1 + replicas))]
+    plan = shapes_script.hand_built("trimmed", groups, devices, list(mbs))
+    runnable = load_runnable(plan.model)
+    split = split_model(runnable.gm, runnable.op_nodes, plan.stage_graph)
+    meta = boundary_meta(runnable.gm, split.boundary_values, runnable.make_inputs)
+    assert [v for v, m in meta.items() if m.sized_by_data] == list(split.boundary_values)
+    routing = Routing(plan.stage_graph, plan.schedule, _edge_values(split), list(meta))
+    several = any(len(pieces) > 1 for pieces in routing.by_consumer.values())
+    assert several == joins
+    if joins:
+        with pytest.raises(PlanError, match="size that depends on the data"):
+            check_data_sized_edges(routing, list(meta))
+    else:
+        check_data_sized_edges(routing, list(meta))
+    if (mbs, replicas) == ((2, 4), 1):  # graphpipe run says it before any rank starts (exit 2, one line)
+        from graphpipe.errors import InputError
+        from graphpipe.runtime import preflight
+        from graphpipe.runtime.options import RunOptions
+
+        with pytest.raises(InputError, match="joins rows of several shards of stage 0"):
+            preflight(plan, RunOptions(steps=1))

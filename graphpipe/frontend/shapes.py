@@ -39,8 +39,7 @@ import torch.fx as fx
 
 from graphpipe.errors import InputError
 
-__all__ = ["StepShape", "ShapeRules", "ShapeDraw", "symbolic_dims", "evaluate", "resized", "underived",
-           "underived_refusal"]
+__all__ = ["StepShape", "ShapeRules", "ShapeDraw", "symbolic_dims", "evaluate", "resized", "data_dims"]
 
 
 @dataclass(frozen=True)
@@ -116,8 +115,9 @@ def symbolic_dims(value: Any) -> tuple | None:
                  for d in value.shape)
 
 
-def evaluate(dims: Sequence[Any], bindings: Mapping[str, int]) -> tuple[int, ...]:
-    """Each dim's size with the symbols bound; a symbol not bound (data-dependent) raises ``KeyError``."""
+def evaluate(dims: Sequence[Any], bindings: Mapping[str, int], unknown: int | None = None) -> tuple[int, ...]:
+    """Each dim's size with the symbols bound; a dim with a symbol not bound (data-dependent) is ``unknown``, or
+    raises ``KeyError`` when that is None."""
     out = []
     for d in dims:
         if isinstance(d, int):
@@ -126,6 +126,9 @@ def evaluate(dims: Sequence[Any], bindings: Mapping[str, int]) -> tuple[int, ...
         free = {str(s): s for s in d.free_symbols}
         missing = [name for name in free if name not in bindings]
         if missing:
+            if unknown is not None:
+                out.append(unknown)
+                continue
             raise KeyError(missing[0])
         out.append(int(d.xreplace({s: bindings[name] for name, s in free.items()})))
     return tuple(out)
@@ -241,32 +244,23 @@ class ShapeRules:
         return [evaluate(dims, bindings) if dims is not None else None for dims in self.inputs]
 
 
-def underived(gm: fx.GraphModule, values: Sequence[str]) -> list[tuple[str, tuple]]:
-    """``(value, dims)`` of every value of ``values`` (crossing a cut) whose shape the step's input sizes do not
-    give: a symbol no input carries (a data-dependent size, export's unbacked ``u0``). Such a value would need
-    its size sent ahead of it, which the runtime does not do: it is refused (keep it inside one stage)."""
+def data_dims(gm: fx.GraphModule, values: Sequence[str]) -> dict[str, tuple[int, ...]]:
+    """Of ``values`` (crossing a cut), each one the step's input sizes do not size, with the indices of its dims
+    that carry a symbol no input carries (a data-dependent size, export's unbacked ``u0``). Such a value's
+    messages carry their shape ahead of them (:func:`~graphpipe.runtime.comm.send_header`)."""
     rules = ShapeRules(gm)
     known = {str(s) for dims in rules.inputs if dims for d in dims if not isinstance(d, int)
              for s in d.free_symbols}
     by_name = {n.name: n for n in gm.graph.nodes}
-    out = []
+    out = {}
     for name in values:
         node = by_name.get(name)
         dims = _tensor_dims(node) if node is not None else None
-        if dims and any(str(s) not in known for d in dims if not isinstance(d, int) for s in d.free_symbols):
-            out.append((name, dims))
+        loose = tuple(i for i, d in enumerate(dims or ()) if not isinstance(d, int)
+                      and any(str(s) not in known for s in d.free_symbols))
+        if loose:
+            out[name] = loose
     return out
-
-
-def underived_refusal(gm: fx.GraphModule, values: Sequence[str]) -> str | None:
-    """The one-line refusal of the first of ``values`` :func:`underived` names; None when there is none."""
-    loose = underived(gm, values)
-    if not loose:
-        return None
-    name, dims = loose[0]
-    return (f"value {name!r} crosses a stage boundary with a size that depends on the data "
-            f"({tuple(map(str, dims))}): the runtime sizes messages from the inputs' shapes; keep its producer and "
-            "users in one stage")
 
 
 def _position_tables(gm: fx.GraphModule) -> list[tuple[Any, int, str]]:

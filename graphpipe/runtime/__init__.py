@@ -66,7 +66,7 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
-from graphpipe.errors import InputError
+from graphpipe.errors import InputError, PlanError
 from graphpipe.plan import Plan, plan_to_dict
 from graphpipe.runtime.options import FaultInjection, RunOptions, fault_from_env
 from graphpipe.runtime.launch import RuntimeFailure, launch
@@ -137,11 +137,17 @@ def preflight(plan: Plan, options: RunOptions) -> None:
     runnable = load_runnable(plan.model, options.seed, "cpu", granularity=plan_granularity(plan), meta_params=True)
     check_op_names([op.name for op in plan.graph.ops], runnable.op_names, plan.model)
     split = split_model(runnable.gm, runnable.op_nodes, plan.stage_graph)
-    from graphpipe.frontend.shapes import underived_refusal
+    from graphpipe.frontend.shapes import data_dims
 
-    refusal = underived_refusal(runnable.gm, split.boundary_values)
-    if refusal is not None:
-        raise InputError(refusal)
+    if sized := data_dims(runnable.gm, split.boundary_values):  # their shards must not be joined: say so here
+        from graphpipe.runtime.routing import Routing
+        from graphpipe.runtime.setup import _edge_values
+        from graphpipe.runtime.stage_modules import check_data_sized_edges
+
+        try:
+            check_data_sized_edges(Routing(plan.stage_graph, plan.schedule, _edge_values(split), ()), sized)
+        except PlanError as exc:
+            raise InputError(str(exc)) from None
     if options.vary_shapes is not None:
         _check_draws(plan, options, runnable.gm)
     if options.precision == "bf16":

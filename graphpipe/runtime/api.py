@@ -377,11 +377,8 @@ class Pipeline:
         if keep:
             _put_back(split, keep)
         meta = boundary_meta(gm, split.boundary_values, make_rows, self.precision)
-        from graphpipe.frontend.shapes import ShapeRules, underived_refusal
+        from graphpipe.frontend.shapes import ShapeRules
 
-        refusal = underived_refusal(gm, split.boundary_values)
-        if refusal is not None:
-            raise PlanError(refusal)
         self._shapes = ShapeRules(gm, ranges)
         """What each input dim may be per step (:mod:`graphpipe.frontend.shapes`)."""
         self._shapes_planned = self._shapes.bind(make_rows(sg.batch_size, 0)).bindings
@@ -685,6 +682,7 @@ class Pipeline:
         at_shape = {n: m.at(bindings) for n, m in self._setup.executor.planned_meta.items()}
         values: dict[str, torch.Tensor] = {}
         out = None
+        from graphpipe.runtime.comm import recv_header, send_header
         from graphpipe.runtime.intra_stage import eval_ranks
 
         for stage_id in range(sg.num_stages):
@@ -698,7 +696,9 @@ class Pipeline:
                 for n in names:
                     if src != self.rank:
                         meta = at_shape[n]
-                        buffer = torch.empty(meta.shape(rows), dtype=meta.dtype, device=self.device)
+                        shape = recv_header(len(meta.shape(rows)), src, self.device) if meta.sized_by_data \
+                            else meta.shape(rows)
+                        buffer = torch.empty(shape, dtype=meta.dtype, device=self.device)
                         dist.recv(buffer, src)
                         values[n] = meta.from_wire(buffer)  # batch-major on the wire
             prog.module.eval()
@@ -720,7 +720,10 @@ class Pipeline:
                         if dst == self.rank:
                             values[n] = by_name[n]
                         else:
-                            dist.send(at_shape[n].to_wire(by_name[n]).contiguous(), dst)
+                            wire = at_shape[n].to_wire(by_name[n]).contiguous()
+                            if at_shape[n].sized_by_data:
+                                send_header(wire, dst)[0].wait()
+                            dist.send(wire, dst)
             if prog.is_sink:
                 out = tuple(t.cpu() if isinstance(t, torch.Tensor) else t for t in model_out)
         holder = [out]

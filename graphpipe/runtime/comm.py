@@ -11,9 +11,16 @@ sits in its link's sequence.
   (:meth:`Mailbox.wait_work`): receives and all-reduces are ordered on the
   device's stream.
 * ``recv`` posts ``dist.irecv`` for every not-yet-posted message of the link
-  up to the one it needs (receive buffers are sized from the per-sample
-  shapes computed at setup, so no metadata travels), then waits on it.
-  Messages posted early just land in their buffers and are picked up later.
+  up to the one it needs (receive buffers are sized from the step's input
+  shapes and the captured symbolic shapes, so no metadata travels), then
+  waits on it. Messages posted early just land in their buffers and are
+  picked up later.
+* A value whose size depends on the data (export's unbacked ``u0``: the
+  positions a ``nonzero`` kept) cannot be sized that way: its shape travels
+  ahead of it, a header of one int64 per dim (:func:`send_header`). Both ends
+  know from the capture which values those are, so every other message
+  carries none; the receiver waits for the header before it posts the
+  payload's receive (its size), which keeps NCCL's per-pair issue order.
 * ``prefetch`` (CUDA ranks): the executor posts the receives of its *next*
   action before it computes the current one, so the transfer runs on NCCL's
   stream while this rank's kernels run, and ``recv`` then only makes the
@@ -42,7 +49,26 @@ import torch.distributed as dist
 
 from graphpipe.runtime.routing import MessageKey, Routing
 
-__all__ = ["Mailbox", "make_link_groups"]
+__all__ = ["Mailbox", "make_link_groups", "send_header", "recv_header", "HEADER_TAG"]
+
+HEADER_TAG = 1 << 22
+"""Added to a message's tag for its header: positions in a link's sequence stay far below it."""
+
+
+def send_header(tensor: torch.Tensor, dst: int, group=None, tag: int = 0):
+    """Post the send of ``tensor``'s shape (one int64 per dim) ahead of it; returns the work and the header
+    (keep it alive until the work completes)."""
+    header = torch.tensor(tensor.shape, dtype=torch.int64, device=tensor.device)
+    return dist.isend(header, dst=dst, group=group, tag=HEADER_TAG + tag), header
+
+
+def recv_header(ndim: int, src: int, device: torch.device, group=None, tag: int = 0,
+                wait: Callable[[object], None] | None = None) -> tuple[int, ...]:
+    """Receive the shape :func:`send_header` sent (``ndim`` dims), waiting for it: the payload's buffer needs it."""
+    header = torch.empty(ndim, dtype=torch.int64, device=device)
+    work = dist.irecv(header, src=src, group=group, tag=HEADER_TAG + tag)
+    (wait or (lambda w: w.wait()))(work)
+    return tuple(int(d) for d in header.tolist())
 
 
 def make_link_groups(routing: Routing, world_size: int, backend: str) -> dict[tuple[int, int], object]:
@@ -63,8 +89,10 @@ class Mailbox:
 
     def __init__(self, rank: int, routing: Routing, buffer_spec: Callable[[MessageKey], tuple[tuple[int, ...], torch.dtype]],
                  device: torch.device, timeout_s: float, groups: Mapping[tuple[int, int], object] | None = None,
-                 post_early: bool | None = None):
+                 post_early: bool | None = None, sized_ahead: Callable[[MessageKey], bool] | None = None):
         self.rank = rank
+        self.sized_ahead = sized_ahead or (lambda key: False)
+        """Whether message ``key``'s shape travels ahead of it (a value sized by the data; module docstring)."""
         self.post_early = device.type == "cuda" if post_early is None else post_early
         """Whether :meth:`prefetch` posts receives ahead of use (CUDA by default; see the module docstring)."""
         self.routing = routing
@@ -89,6 +117,8 @@ class Mailbox:
         link = (self.rank, dst)
         tag = self.routing.position[link][key]
         tensor = tensor.contiguous()
+        if self.sized_ahead(key):
+            self._sends.append(send_header(tensor, dst, self.groups.get(link), tag))
         work = dist.isend(tensor, dst=dst, group=self.groups.get(link), tag=tag)
         self._sends.append((work, tensor))
         if len(self._sends) >= 64:  # release finished sends' tensors (their activations) early
@@ -125,6 +155,9 @@ class Mailbox:
         while posted <= target:
             k = keys[posted]
             shape, dtype = self.buffer_spec(k)
+            if self.sized_ahead(k):
+                shape = recv_header(len(shape), src, self.device, self.groups.get(link), posted,
+                                    lambda w: self.wait_work(w, f"size of message {_describe(k)} from rank {src}"))
             buf = torch.empty(shape, dtype=dtype, device=self.device)
             work = dist.irecv(buf, src=src, group=self.groups.get(link), tag=posted)
             self._pending[k] = (work, buf)

@@ -203,7 +203,8 @@ class RankExecutor:
         # Receives are posted an action ahead on CUDA only when actions are not timed: a measuring run synchronises
         # the whole device after each action, which would wait for a posted receive whose sender waits for us.
         self.mailbox = Mailbox(self.rank, routing, self._buffer_spec, self.device, ctx.timeout_s, ctx.link_groups,
-                               post_early=self.device.type == "cuda" and not ctx.measure)
+                               post_early=self.device.type == "cuda" and not ctx.measure,
+                               sized_ahead=lambda key: self.meta[key[7]].sized_by_data)
         self.dp_groups = dict(ctx.dp_groups)
         self.allreduce_order = {k: tuple(v) for k, v in ctx.allreduce_order.items()}
         last_b: dict[int, int] = {}

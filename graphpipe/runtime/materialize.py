@@ -42,8 +42,17 @@ from torch.overrides import TorchFunctionMode
 
 from graphpipe.frontend.exporting import DATA_VALUE
 
-__all__ = ["params_on_meta", "kept_values", "buffers_to_meta", "fake_cpu", "on_meta", "tensor_seed", "materialize_stages", "retarget_devices", "meta_copy",
+__all__ = ["meta_nonzero", "params_on_meta", "kept_values", "buffers_to_meta", "fake_cpu", "on_meta", "tensor_seed", "materialize_stages", "retarget_devices", "meta_copy",
            "model_tensors", "Materialized"]
+
+
+def meta_nonzero():
+    """Let ``nonzero`` (and what is built on it: boolean masks, ``masked_select``) run on meta tensors, as if
+    every element were non-zero: a graph run for shapes on meta parameters needs only the rank of such a value,
+    whose real size the data decides per step (its messages carry it, :func:`~graphpipe.runtime.comm.send_header`)."""
+    import torch.fx.experimental._config as fx_config
+
+    return fx_config.patch(meta_nonzero_assume_all_nonzero=True)
 
 
 @contextlib.contextmanager

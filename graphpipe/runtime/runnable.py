@@ -242,8 +242,11 @@ def build_runnable(spec: str, seed: int = 0, device: str = "cpu", capture: bool 
             shipment = pack(module, exported.gm, op_nodes, exported.io)
         except Exception as exc:  # noqa: BLE001 - an object that cannot travel: the ranks capture themselves
             log.info("%s: the capture cannot be shipped to ranks (%s: %s)", spec, type(exc).__name__, exc)
-    return _assemble(spec, module, exported.gm, op_nodes, exported.io, example, target, loss_fn, make_inputs, device,
-                     meta_params, initial, shipment)
+    from graphpipe.runtime.materialize import meta_nonzero
+
+    with meta_nonzero():  # parameters on meta: the shape runs below meet a mask's nonzero there
+        return _assemble(spec, module, exported.gm, op_nodes, exported.io, example, target, loss_fn, make_inputs,
+                         device, meta_params, initial, shipment)
 
 
 def _assemble(spec: str, module: torch.nn.Module, gm: torch.fx.GraphModule, op_nodes: dict, io: Any, example: Any,

@@ -90,7 +90,7 @@ from graphpipe.stages import StageGraph
 from graphpipe.runtime.numerics import ROW_KERNELS
 
 __all__ = ["StageProgram", "BoundForward", "Segment", "ModelSplit", "ValueMeta", "TiedParameter", "split_model", "boundary_meta", "check_op_names",
-           "check_unbatched_edges",
+           "check_unbatched_edges", "check_data_sized_edges",
            "instrument", "CTX_NAME", "clone_mutated_inputs"]
 
 CTX_NAME = "rng_ctx"
@@ -170,17 +170,20 @@ class ValueMeta:
     dims: tuple | None = None
     """:attr:`sample_shape` as the program's expressions (a sequence length's symbol) where a dim other than
     the batch varies between steps; None where the sample shape is fixed. :meth:`at` evaluates it."""
+    sized_by_data: bool = False
+    """A dim depends on the values, not on the inputs' sizes (export's unbacked ``u0``: what a ``nonzero``
+    kept): each message's shape travels ahead of it (:func:`~graphpipe.runtime.comm.send_header`)."""
 
     def at(self, bindings: Mapping[str, int]) -> "ValueMeta":
         """This value at a step's sizes (:class:`~graphpipe.frontend.shapes.StepShape`): its sample shape
-        evaluated; itself when no dim varies."""
+        evaluated (-1 for a dim the data sizes); itself when no dim varies."""
         if self.dims is None:
             return self
         from dataclasses import replace
 
         from graphpipe.frontend.shapes import evaluate
 
-        return replace(self, sample_shape=evaluate(self.dims, bindings))
+        return replace(self, sample_shape=evaluate(self.dims, bindings, unknown=-1 if self.sized_by_data else None))
 
     @property
     def needs_grad(self) -> bool:
@@ -612,7 +615,7 @@ def boundary_meta(gm: torch.fx.GraphModule, values: Sequence[str],
     """
     import contextlib
 
-    from graphpipe.runtime.materialize import fake_cpu
+    from graphpipe.runtime.materialize import fake_cpu, meta_nonzero
 
     keep = set(values)
     runs = []
@@ -621,7 +624,8 @@ def boundary_meta(gm: torch.fx.GraphModule, values: Sequence[str],
     gm.eval()  # shapes only: BatchNorm must not move its running statistics, dropout must not draw
     try:
         with (fake_cpu(gm) if on_meta and precision == "bf16" else contextlib.nullcontext(lambda x: x)) as convert, \
-                torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+                torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"), \
+                meta_nonzero():
             for n in (2, 3):
                 rec = _Recorder(gm, keep)
                 rec.run(*[convert(x) for x in make_inputs(n, 0)])
@@ -636,6 +640,9 @@ def boundary_meta(gm: torch.fx.GraphModule, values: Sequence[str],
             continue  # an input's size (a sequence length) is the same for every micro-batch of a step: not its rows
         if node.op == "placeholder" or any(str(a) in from_inputs for a in node.all_input_nodes):
             from_inputs.add(node.name)
+    from graphpipe.frontend.shapes import data_dims
+
+    by_data = data_dims(gm, values)  # dims sized by the values (a nonzero's count): they may differ anywhere
     meta = {}
     for name in values:
         got = [(n, vals.get(name)) for n, vals in runs]
@@ -644,6 +651,11 @@ def boundary_meta(gm: torch.fx.GraphModule, values: Sequence[str],
                 raise PlanError(f"fx value {name!r} crosses a stage boundary but is a {type(value).__name__}, not a "
                                 "tensor; keep the op that produces it in the same stage as its users")
         (n0, v0), (n1, v1) = got
+        loose = by_data.get(name, ())
+        if loose and v0.dim() == v1.dim():
+            # compare the dims the sizes give; the data's are taken from the first run (only their count matters)
+            v1 = v1.new_empty([v0.shape[k] if k in loose else v1.shape[k] for k in range(v1.dim())])
+        sized = {"sized_by_data": True} if loose else {}
         if v0.shape == v1.shape:  # the same shape at two batch sizes: unbatched, carried whole
             # constant: computed from no input (parameters, buffers, literals); on real tensors it must also be
             # equal at both sizes (a value the graph builds from the inputs' shapes alone is not, say)
@@ -652,7 +664,7 @@ def boundary_meta(gm: torch.fx.GraphModule, values: Sequence[str],
             shapes_only = v0.device.type == "meta" or isinstance(v0, FakeTensor)  # fake_cpu's run holds no values
             constant = name not in from_inputs and (shapes_only or bool(torch.equal(v0, v1)))
             meta[name] = ValueMeta(tuple(v0.shape), v0.dtype, batched=False, constant=constant,
-                                   dims=_varying_dims(nodes.get(name), None))
+                                   dims=_varying_dims(nodes.get(name), None), **sized)
             continue
         moved = [k for k in range(v0.dim()) if v0.shape[k] != v1.shape[k]] if v0.dim() == v1.dim() else []
         k = moved[0] if len(moved) == 1 else None
@@ -661,7 +673,7 @@ def boundary_meta(gm: torch.fx.GraphModule, values: Sequence[str],
                             f"{tuple(v0.shape)} at batch size {n0}, {tuple(v1.shape)} at {n1}); keep its producer "
                             "and users in one stage")
         meta[name] = ValueMeta(tuple(v0.shape[:k] + v0.shape[k + 1:]), v0.dtype, batch_dim=k,
-                               dims=_varying_dims(nodes.get(name), k))
+                               dims=_varying_dims(nodes.get(name), k), **sized)
     return meta
 
 
@@ -682,14 +694,17 @@ def _varying_dims(node: torch.fx.Node | None, batch_dim: int | None) -> tuple | 
 
 
 def check_unbatched_edges(routing, meta: Mapping[str, ValueMeta]) -> None:
-    """Refuse a row-dependent unbatched value on a stage edge whose shards do not match one to one.
+    """Refuse a row-dependent unbatched value on a stage edge whose shards do not match one to one, and a value
+    sized by the data on an edge where a consumer shard joins rows of several producer shards.
 
     A constant unbatched value (a position table) is the same in every
     micro-batch, so a consumer shard may take it from any producer shard. One
     that depends on the rows (a mean over the micro-batch) is the value of one
     producer shard: it crosses only where every consumer shard is exactly
-    one producer shard.
+    one producer shard. A value sized by the data (the positions a shard kept) may have another size in each
+    producer shard, so rows of two shards cannot be joined.
     """
+    check_data_sized_edges(routing, [v for v, m in meta.items() if m.sized_by_data])
     for (p, c), values in routing.edge_values.items():
         loose = [v for v in values if not meta[v].batched and not meta[v].constant]
         if not loose:
@@ -703,6 +718,26 @@ def check_unbatched_edges(routing, meta: Mapping[str, ValueMeta]) -> None:
                             f"{p}->{c} without a batch dimension and depends on the rows, but the producer's shards "
                             f"hold {rows_p} rows and the consumer's {rows_c}: give both stages one micro-batch size "
                             "and replica layout, or keep its producer and users in one stage")
+
+
+def check_data_sized_edges(routing, names) -> None:
+    """Refuse a value of ``names`` (sized by the data, :func:`~graphpipe.frontend.shapes.data_dims`) on a stage
+    edge where a consumer shard joins the rows of more than one producer shard: each shard's size of it is its
+    own (the positions its rows kept), so the rows do not stack."""
+    names = set(names)
+    if not names:
+        return
+    for (p, c), values in routing.edge_values.items():
+        sized = [v for v in values if v in names]
+        if not sized:
+            continue
+        if any(len(pieces) != 1 for (pp, cc, _, _), pieces in routing.by_consumer.items() if (pp, cc) == (p, c)):
+            sp, sc = routing.sg.stages[p], routing.sg.stages[c]
+            raise PlanError(f"fx value {sized[0]!r} crosses stage edge {p}->{c} with a size that depends on the "
+                            f"data (each producer shard's own), but a shard of stage {c} (micro-batch "
+                            f"{sc.micro_batch_size} on {sc.num_replicas} device(s)) joins rows of several shards of "
+                            f"stage {p} (micro-batch {sp.micro_batch_size} on {sp.num_replicas}): give the consumer "
+                            "shards no more rows than the producer's, or keep its producer and users in one stage")
 
 
 class BoundForward:

@@ -268,6 +268,11 @@ def run_rank(rank: int, world_size: int, jobs: Sequence[tuple[dict, RunOptions]]
              on_job_done: Callable[[int, RunResult | None], None] | None = None) -> list[RunResult | None]:
     """Join the process group and run every job in order; returns rank 0's results (``None`` elsewhere)."""
     options0 = jobs[0][1]
+    import torch.fx.experimental._config as fx_config
+
+    # a rank runs its graphs for shapes on meta parameters in several places (set-up, meters, the reference):
+    # a mask's nonzero must answer there (graphpipe.runtime.materialize.meta_nonzero), for the whole process
+    fx_config.meta_nonzero_assume_all_nonzero = True
     pin_rank(int(os.environ.get("LOCAL_RANK", rank)), options0.cpus_per_rank)
     torch.set_num_threads(options0.num_threads)
     backend = _pick_backend(options0.backend, world_size)
