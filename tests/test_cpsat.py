@@ -220,7 +220,9 @@ def _heuristic_cases():
 def test_never_worse_than_graph_1f1b(name, sg, num_devices):
     cluster = preset("v100", num_devices)
     heuristic = simulate(sg, graph_1f1b(sg, cluster), cluster).iteration_time_s
-    res = solve(sg, cluster, time_limit_s=3.0, num_workers=2, seed=0)
+    # the limit only bounds a loaded machine: batch 32 proves optimal in about 2.5 s on an idle 2-core one, and a
+    # 3 s limit left it UNKNOWN under a parallel suite
+    res = solve(sg, cluster, time_limit_s=20.0, num_workers=2, seed=0)
     assert res.heuristic_makespan_s == pytest.approx(heuristic, rel=1e-12)
     assert res.status in ("OPTIMAL", "FEASIBLE")
     assert res.makespan_s <= heuristic * (1 + 1e-12)

@@ -77,6 +77,7 @@ from __future__ import annotations
 
 import fnmatch
 import importlib.util
+import inspect
 import logging
 import os
 import sys
@@ -363,16 +364,18 @@ def _layer_types(extra: Sequence[type[nn.Module]]) -> tuple[type[nn.Module], ...
 
 def trace_ops(module: nn.Module, example_inputs: Any, loss_fn: Callable[..., Any] | None = None,
               example_target: Any = None, granularity: Granularity | None = None,
-              layer_types: Sequence[type[nn.Module]] = ()) -> tuple[Exported, dict[str, tuple[str, ...]], dict[str, str]]:
+              layer_types: Sequence[type[nn.Module]] = (), lengths: bool = True,
+              ) -> tuple[Exported, dict[str, tuple[str, ...]], dict[str, str]]:
     """Export ``module`` and group its graph into ops, without measuring costs.
 
     Returns the export (its ``gm`` rewritten so every op owns its copies of
     input glue), ``op_nodes`` (op -> node names in graph order, ops in the
     order of their first node) and each op's module path. The runtime calls
     this on every rank: the same module and inputs give the same names.
+    ``lengths``: :func:`~graphpipe.frontend.exporting.export_model`'s (False: only the batch symbolic).
     """
     granularity = granularity or Granularity()
-    exported = export_model(module, example_inputs, loss_fn, example_target)
+    exported = export_model(module, example_inputs, loss_fn, example_target, lengths)
     gm = exported.gm
     if granularity.patterns:
         _check_patterns(granularity, gm, module)
@@ -749,7 +752,9 @@ def capture(module: nn.Module, example_inputs: Any, name: str | None = None,
         raise InputError(f"--precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     device = device if device is not None else preset("v100").device
     try:
-        exported, op_nodes, paths = trace_ops(module, example_inputs, loss_fn, example_target, granularity, layer_types)
+        # costs are read at the example's shape: only the batch need stay symbolic (half the export time or less)
+        exported, op_nodes, paths = trace_ops(module, example_inputs, loss_fn, example_target, granularity, layer_types,
+                                              lengths=False)
     except GraphpipeError:
         raise
     except Exception as exc:
@@ -817,23 +822,30 @@ def capture(module: nn.Module, example_inputs: Any, name: str | None = None,
         saved = _edge_saved_bytes(incoming, members, op_of_node, costs, batch)
         graph = OpGraph.build(name or type(module).__name__, ops,
                               [(s, d, b, saved.get((s, d), 0.0)) for (s, d), b in edge_bytes.items()],
-                              _shared_params(param_ops, param_size), _lengths(gm, flat))
+                              _shared_params(param_ops, param_size), _lengths(module, args, kwargs))
     except GraphCycleError as exc:
         raise InputError(f"contracting graph nodes into layers made a cycle ({exc}); choose another --granularity "
                          "so the layers on that cycle become ops of their own") from None
     return Captured(graph, gm, dict(op_nodes), io, paths, exported.seconds)
 
 
-def _lengths(gm: fx.GraphModule, flat: Sequence[Any]) -> tuple[int, ...]:
-    """The example's size of every input dim that may vary per step, other than the batch (sorted, distinct)."""
-    from graphpipe.frontend.shapes import ShapeRules
+def _lengths(module: nn.Module, args: tuple, kwargs: dict) -> tuple[int, ...]:
+    """The example's size of every input dim that may vary per step, other than the batch (sorted, distinct): the
+    dims a run's export keeps symbolic (:func:`~graphpipe.frontend.exporting._dynamic_shapes`): every other dim of
+    an integer input, and the dims a factory declared, read from the example (the planning capture keeps only the
+    batch symbolic)."""
+    from graphpipe.frontend.exporting import DYNAMIC_ATTR
 
-    rules = ShapeRules(gm)
-    try:
-        bindings = rules.bind(flat).bindings
-    except Exception:  # noqa: BLE001 - a capture whose inputs this cannot read costs as before, with no lengths
-        return ()
-    return tuple(sorted({size for sym, size in bindings.items() if sym != rules.batch}))
+    sizes = {int(n) for x in tree_leaves([list(args), kwargs]) if isinstance(x, torch.Tensor)
+             and not (x.dtype.is_floating_point or x.dtype.is_complex) for n in x.shape[1:]}
+    for name, dims in (getattr(module, DYNAMIC_ATTR, None) or {}).items():
+        value = kwargs.get(name)
+        if value is None:
+            names = [p for p in inspect.signature(module.forward).parameters]
+            value = args[names.index(name)] if name in names and names.index(name) < len(args) else None
+        if isinstance(value, torch.Tensor) and isinstance(dims, dict):
+            sizes.update(int(value.shape[int(d)]) for d in dims if 0 < int(d) < value.dim())
+    return tuple(sorted(sizes))
 
 
 def _batch_size(flat_inputs: Sequence[Any]) -> int:
