@@ -68,7 +68,7 @@ def _sharded(plan):
     stages = [Stage(i, tuple(sorted(op for st in group for op in st.op_ids)),
                     tuple(range(i * n // 2, (i + 1) * n // 2)), n // 2, shard="fsdp")
               for i, group in enumerate(groups)]
-    merged = StageGraph.build(sg.graph, stages, sg.batch_size, n)
+    merged = StageGraph.build(sg.graph, stages, sg.batch_size, n, cluster=plan.cluster)
     schedule, predicted = completion(merged, plan.cluster, "custom")
     return Plan(model=plan.model, stage_graph=merged, cluster=plan.cluster, strategy="custom", schedule=schedule,
                 predicted=predicted)
