@@ -68,7 +68,11 @@ NOTES: dict[str, str] = {
         "save optimizer state and steady-state memory, not the step's peak, today; the launcher's estimate "
         "now charges that (whole stage plus shards: within 14-24% of the measured peaks, from 45% under). "
         "What would: per-layer units with resharding per micro-batch (torchtitan's layout), and "
-        "materializing each rank's shard directly."
+        "materializing each rank's shard directly. The diffusers UNet (issue 65: a UNet rank once peaked at "
+        "731 MB against an estimate of 489 MB) planned by gpp on three CPU ranks now peaks 8-11% above the "
+        "estimate per rank; a plan that puts the whole UNet on one rank (SearchOptions' defaults on the cpu "
+        "preset did, in a trial run) measured 1,123 MB against 956 MB, 17% over: the estimate's transient "
+        "term holds one op's gradients, and a whole UNet frees several large convolution gradients late."
     ),
     "throughput": (
         "Same direction as the paper, larger on DLRM. Our baselines are sequential pipelines that relay "

@@ -25,6 +25,10 @@ its RSS above the tiny rank should be about half of what that stage would
 cost whole (``whole_stage``), and the launcher's estimate (which charges a
 sharded stage's share) should hold.
 
+Last, a small diffusers UNet (``evals/unet_model.py``: convolutions, group
+norms, cross-attention) planned by gpp on three CPU ranks, each rank's peak
+against the same estimate (issue: a UNet's rank once peaked 50% above it).
+
 Usage::
 
     python -m graphpipe.evals.rank_rss --out evals      # writes evals/results/rank-rss.json
@@ -40,6 +44,17 @@ __all__ = ["run", "main"]
 
 SPEC = "transformer:paper,layers=8,seq=64"
 TINY = "transformer:small"
+
+
+def _unet_plan(ranks: int, batch: int):
+    """The UNet planned as ``graphpipe plan evals/unet_model.py:unet --devices RANKS --batch-size BATCH --cluster
+    cpu`` plans it."""
+    import os
+
+    import graphpipe
+
+    spec = os.path.join(os.path.dirname(os.path.abspath(__file__)), "unet_model.py") + ":unet"
+    return graphpipe.plan(spec, devices=ranks, batch_size=batch, cluster="cpu")
 
 
 def _plan(spec: str, ranks: int, batch: int, memory_gb: float | None):
@@ -110,6 +125,13 @@ def run(spec: str = SPEC, ranks: int = 4, batch: int = 4, steps: int = 2, memory
     base = statistics.median(tiny)
     sg = plan.stage_graph
     rows = _rows(plan, measured, tiny, base, "pipeline") + _rows(sharded, measured_fsdp, tiny, base, "2 x FSDP-2")
+    try:
+        import diffusers  # noqa: F401
+    except ImportError:
+        unet = None
+    else:
+        unet = _unet_plan(3, 8)
+        rows += _rows(unet, run_plan(unet, options).measured.peak_rss_bytes, tiny, base, "diffusers UNet (gpp)")
     for row in rows:  # the report's columns, in MB
         row.update({f"{k[:-6]}_mb": row[k] / 1e6 for k in ("rss_bytes", "expected_bytes", "stage_state_bytes",
                                                            "whole_stage_state_bytes", "rss_minus_tiny_bytes")})
@@ -120,8 +142,10 @@ def run(spec: str = SPEC, ranks: int = 4, batch: int = 4, steps: int = 2, memory
                         "max_rss_bytes": max(measured), "max_error_vs_expected": max(abs(r["error_vs_expected"])
                                                                                       for r in rows),
                         # per FSDP rank: its RSS above the tiny rank over its stage's whole weights and gradients
+                        "unet_max_error_vs_expected": max((abs(r["error_vs_expected"]) for r in rows
+                                                           if r["layout"].startswith("diffusers")), default=None),
                         "fsdp_share": [round((r["rss_minus_tiny_bytes"]) / r["whole_stage_state_bytes"], 3)
-                                       for r in rows if r["layout"] != "pipeline"]}}
+                                       for r in rows if r["layout"] == "2 x FSDP-2"]}}
 
 
 def main(argv: list[str] | None = None) -> int:

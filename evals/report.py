@@ -318,11 +318,14 @@ def _headline(name: str, res: dict[str, Any]) -> str:
                 f"device of {res['config']['memory_gb']} GB) on {len(rows)} CPU ranks: peak RSS "
                 f"{fmt(min(r['rss_mb'] for r in rows))}-{fmt(max(r['rss_mb'] for r in rows))} MB per rank, a tiny "
                 f"model's rank {fmt(s['tiny_rank_median_bytes'] / 1e6)} MB; measured within "
-                f"{fmt(100 * s['max_error_vs_expected'])}% of the launcher's estimate")
+                f"{fmt(100 * max(abs(r['error_vs_expected']) for r in rows))}% of the launcher's estimate")
         if s.get("fsdp_share"):
             text += (f". As two FSDP stages of two ranks, each rank's RSS above the tiny rank is "
                      f"{fmt(min(s['fsdp_share']))}-{fmt(max(s['fsdp_share']))} of its stage's unsharded weights and "
                      "gradients (0.5 if it held exactly its half)")
+        if s.get("unet_max_error_vs_expected") is not None:
+            text += (f"; a diffusers UNet on 3 ranks within {fmt(100 * s['unet_max_error_vs_expected'])}% of the "
+                     "estimate")
         return text
     if name == "ill-conditioned":
         return (f"{s['as_expected']}/{s['runs']} `graphpipe run --check` runs gave the expected verdict on "
