@@ -27,7 +27,7 @@ sharded stage's share) should hold.
 
 Last, a small diffusers UNet (``evals/unet_model.py``: convolutions, group
 norms, cross-attention) planned by gpp on three CPU ranks, each rank's peak
-against the same estimate (issue: a UNet's rank once peaked 50% above it).
+against the same estimate (a UNet rank once peaked 50% above it).
 
 Usage::
 
