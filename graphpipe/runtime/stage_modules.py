@@ -652,27 +652,27 @@ def boundary_meta(gm: torch.fx.GraphModule, values: Sequence[str],
                                 "tensor; keep the op that produces it in the same stage as its users")
         (n0, v0), (n1, v1) = got
         loose = by_data.get(name, ())
-        if loose and v0.dim() == v1.dim():
-            # compare the dims the sizes give; the data's are taken from the first run (only their count matters)
-            v1 = v1.new_empty([v0.shape[k] if k in loose else v1.shape[k] for k in range(v1.dim())])
+        s0, s1 = tuple(v0.shape), tuple(v1.shape)
+        if loose and len(s0) == len(s1):  # compare the dims the sizes give; a dim the data sizes may differ anyway
+            s1 = tuple(s0[k] if k in loose else s1[k] for k in range(len(s1)))
         sized = {"sized_by_data": True} if loose else {}
-        if v0.shape == v1.shape:  # the same shape at two batch sizes: unbatched, carried whole
+        if s0 == s1:  # the same shape at two batch sizes: unbatched, carried whole
             # constant: computed from no input (parameters, buffers, literals); on real tensors it must also be
             # equal at both sizes (a value the graph builds from the inputs' shapes alone is not, say)
             from torch._subclasses.fake_tensor import FakeTensor
 
             shapes_only = v0.device.type == "meta" or isinstance(v0, FakeTensor)  # fake_cpu's run holds no values
-            constant = name not in from_inputs and (shapes_only or bool(torch.equal(v0, v1)))
-            meta[name] = ValueMeta(tuple(v0.shape), v0.dtype, batched=False, constant=constant,
+            constant = name not in from_inputs and (shapes_only or (v0.shape == v1.shape and bool(torch.equal(v0, v1))))
+            meta[name] = ValueMeta(s0, v0.dtype, batched=False, constant=constant,
                                    dims=_varying_dims(nodes.get(name), None), **sized)
             continue
-        moved = [k for k in range(v0.dim()) if v0.shape[k] != v1.shape[k]] if v0.dim() == v1.dim() else []
+        moved = [k for k in range(len(s0)) if s0[k] != s1[k]] if len(s0) == len(s1) else []
         k = moved[0] if len(moved) == 1 else None
-        if k is None or v0.shape[k] != n0 or v1.shape[k] != n1:
+        if k is None or s0[k] != n0 or s1[k] != n1:
             raise PlanError(f"fx value {name!r} crosses a stage boundary but no dim of it is the batch (shape "
-                            f"{tuple(v0.shape)} at batch size {n0}, {tuple(v1.shape)} at {n1}); keep its producer "
+                            f"{s0} at batch size {n0}, {tuple(v1.shape)} at {n1}); keep its producer "
                             "and users in one stage")
-        meta[name] = ValueMeta(tuple(v0.shape[:k] + v0.shape[k + 1:]), v0.dtype, batch_dim=k,
+        meta[name] = ValueMeta(s0[:k] + s0[k + 1:], v0.dtype, batch_dim=k,
                                dims=_varying_dims(nodes.get(name), k), **sized)
     return meta
 
