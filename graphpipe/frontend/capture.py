@@ -831,20 +831,21 @@ def capture(module: nn.Module, example_inputs: Any, name: str | None = None,
 
 def _lengths(module: nn.Module, args: tuple, kwargs: dict) -> tuple[int, ...]:
     """The example's size of every input dim that may vary per step, other than the batch (sorted, distinct): the
-    dims a run's export keeps symbolic (:func:`~graphpipe.frontend.exporting._dynamic_shapes`): every other dim of
-    an integer input, and the dims a factory declared, read from the example (the planning capture keeps only the
-    batch symbolic)."""
-    from graphpipe.frontend.exporting import DYNAMIC_ATTR
+    dims a run's export keeps symbolic (:func:`~graphpipe.frontend.exporting._dynamic_shapes`), read from the
+    example (the planning capture keeps only the batch symbolic)."""
+    from graphpipe.frontend.exporting import _dynamic_shapes
 
-    sizes = {int(n) for x in tree_leaves([list(args), kwargs]) if isinstance(x, torch.Tensor)
-             and not (x.dtype.is_floating_point or x.dtype.is_complex) for n in x.shape[1:]}
-    for name, dims in (getattr(module, DYNAMIC_ATTR, None) or {}).items():
-        value = kwargs.get(name)
-        if value is None:
-            names = [p for p in inspect.signature(module.forward).parameters]
-            value = args[names.index(name)] if name in names and names.index(name) < len(args) else None
-        if isinstance(value, torch.Tensor) and isinstance(dims, dict):
-            sizes.update(int(value.shape[int(d)]) for d in dims if 0 < int(d) < value.dim())
+    try:
+        dynamic = _dynamic_shapes(module, args, kwargs)
+        bound = inspect.signature(module.forward).bind(*args, **kwargs).arguments
+    except Exception:  # noqa: BLE001 - inputs this cannot read cost as before, with no lengths
+        return ()
+    sizes = set()
+    for name, value in bound.items():  # each input leaf beside its dims' spec (None where nothing varies)
+        specs = tree_leaves(dynamic.get(name), is_leaf=lambda d: d is None or isinstance(d, dict))
+        for x, dims in zip(tree_leaves(value, is_leaf=lambda v: v is None), specs):
+            if isinstance(x, torch.Tensor) and isinstance(dims, dict):
+                sizes.update(int(x.shape[int(d)]) for d in dims if 0 < int(d) < x.dim())
     return tuple(sorted(sizes))
 
 
