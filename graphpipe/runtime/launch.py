@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import multiprocessing.util as mp_util
 import os
 import queue as queue_mod
 import re
@@ -318,12 +319,19 @@ def _leave(results: mp.Queue, code: int) -> None:
     rank, which on a small host is a good share of a short run. A failing
     rank must not finalise either: a gloo thread could abort it in a
     destructor and turn its report into a signal.
+
+    multiprocessing's own exit finalizers do run, though: a rank started by
+    spawn or the forkserver creates *named* semaphores (tqdm's lock, built
+    whenever fx's interpreter runs, is one), registered with the launcher's
+    resource tracker, and skipping their unlink makes the launcher's exit
+    report them as leaked.
     """
     try:
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         results.close()
         results.join_thread()
+        mp_util._run_finalizers(0)  # unlinks this rank's named semaphores (exit priority 0 and above only)
     finally:
         os._exit(code)
 
