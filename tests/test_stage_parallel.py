@@ -187,17 +187,27 @@ def test_tp_and_fsdp_spans_by_oracle(layout):
 
 
 def test_cpsat_makespan_includes_the_all_reduce():
-    """CP-SAT's claimed makespan counts a replicated stage's all-reduce (it ends this iteration): stage 0 waits
-    for a 10x slower stage 1, so no redundant bound of the model (work + all-reduce) reaches its true end."""
+    """CP-SAT's claimed makespan counts a replicated stage's all-reduce (it ends this iteration) and is the true end
+    of its schedule, by the oracle. Two chains: stage 0 replicated, waiting for a 10x slower stage 1; and stage 1
+    replicated with a 0.2 s all-reduce, fed with gaps by a 10x slower stage 0, so that no redundant bound of the
+    model (a stage's work, head and all-reduce back to back) reaches its true end: a model whose makespan left
+    out the all-reduce would claim 0.492 s for a schedule that takes 0.534 s."""
     from graphpipe.search.cpsat import solve
 
     cl = cluster(3, per_node=4)
-    sg = two_stage_chain((0, 1), (2,), 2, 8, params0=4e9, cl=cl, slower1=10.0)
-    res = solve(sg, cl, per_stage_micro_batch=False, time_limit_s=5.0)
-    tl = simulate(res.stage_graph, res.schedule, cl)
-    assert tl.iteration_time_s == pytest.approx(res.makespan_s, rel=1e-12)
-    assert res.makespan_s == pytest.approx(oracle_iteration(res.stage_graph, res.schedule, cl), rel=1e-12)
-    if not res.used_heuristic:
+    upstream = two_stage_chain((0, 1), (2,), 2, 8, params0=4e9, cl=cl, slower1=10.0)
+    g = OpGraph.build("two", [Op("a", "transformer", Affine(1e-3, 2e-2), Affine(2e-3, 4e-2), 4e6, 1e6, 1e5),
+                              Op("b", "transformer", Affine(1e-4, 2e-3), Affine(2e-4, 4e-3), 2e10, 1e6, 1e5)],
+                      [("a", "b", 1e5)])
+    downstream = StageGraph.build(g, [Stage(0, (0,), (0,), 2), Stage(1, (1,), (1, 2), 2)], 8, 3, cluster=cl)
+    assert downstream.sync_time(1, cl) == pytest.approx(oracle_ring_allreduce(2, INTRA, 2e10), rel=1e-12)
+    assert oracle_ring_allreduce(2, INTRA, 2e10) > 0.19
+    for sg in (upstream, downstream):
+        res = solve(sg, cl, per_stage_micro_batch=False, time_limit_s=20.0)
+        tl = simulate(res.stage_graph, res.schedule, cl)
+        assert tl.iteration_time_s == pytest.approx(res.makespan_s, rel=1e-12)
+        assert res.makespan_s == pytest.approx(oracle_iteration(res.stage_graph, res.schedule, cl), rel=1e-12)
+        assert not res.used_heuristic
         assert res.solver_makespan_s >= res.makespan_s - res.rounding_slack_s - 1e-12
 
 
