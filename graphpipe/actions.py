@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Iterable, Literal, Mapping, NamedTuple, Sequence
+from typing import Any, Iterable, Literal, Mapping, NamedTuple, Sequence
 
 from graphpipe.errors import FormatError
 
-__all__ = ["Action", "ActionKind", "Schedule", "KINDS"]
+__all__ = ["Action", "ActionKind", "Schedule", "KINDS", "COMPACT_FROM_DEVICES"]
+
+COMPACT_FROM_DEVICES = 64
+"""From this many devices on, :meth:`Schedule.to_dict` writes a replica's list as ``{"same_as": device}``."""
 
 ActionKind = Literal["F", "B", "I", "W"]
 """F forward, B whole backward, I input-gradient half, W weight-gradient half (zero bubble)."""
@@ -66,9 +69,28 @@ class Schedule:
         return len(self.device_actions)
 
     def to_dict(self) -> dict:
-        """``{"name": ..., "actions": {"0": ["0F0", ...], ...}}`` (the plan's ``schedule`` key)."""
-        return {"name": self.name,
-                "actions": {str(d): [str(a) for a in acts] for d, acts in enumerate(self.device_actions)}}
+        """``{"name": ..., "actions": {"0": ["0F0", ...], ...}}`` (the plan's ``schedule`` key).
+
+        From :data:`COMPACT_FROM_DEVICES` devices on, a device whose list
+        equals an earlier device's (a stage's replicas) is written
+        ``{"same_as": that device}``: at 16,384 devices the lists written out
+        in full are half a gigabyte of JSON, and reading them back parses
+        every replica's list again. Smaller schedules stay one list per
+        device, as a hand edit of one device expects.
+        """
+        if len(self.device_actions) < COMPACT_FROM_DEVICES:
+            return {"name": self.name,
+                    "actions": {str(d): [str(a) for a in acts] for d, acts in enumerate(self.device_actions)}}
+        first: dict[tuple, int] = {}
+        by_identity: dict[int, int] = {}  # generators share one tuple among replicas: no need to hash it again
+        out: dict[str, Any] = {}
+        for d, acts in enumerate(self.device_actions):
+            e = by_identity.get(id(acts))
+            if e is None and acts:
+                e = first.setdefault(tuple(acts), d)
+                by_identity[id(acts)] = e
+            out[str(d)] = {"same_as": e} if e is not None and e != d else [str(a) for a in acts]
+        return {"name": self.name, "actions": out}
 
     @classmethod
     def from_dict(cls, doc: Mapping, num_devices: int, where: str = "schedule") -> "Schedule":
@@ -77,7 +99,8 @@ class Schedule:
         actions = doc["actions"]
         if not isinstance(actions, Mapping):
             raise FormatError(f"{where}.actions: expected an object mapping device id to a list of actions")
-        per_device: list[list[Action]] = [[] for _ in range(num_devices)]
+        per_device: list[tuple[Action, ...]] = [() for _ in range(num_devices)]
+        same_as: dict[int, int] = {}
         for key, acts in actions.items():
             try:
                 d = int(key)
@@ -85,10 +108,19 @@ class Schedule:
                 raise FormatError(f"{where}.actions: device key {key!r} is not an integer") from None
             if not 0 <= d < num_devices:
                 raise FormatError(f"{where}.actions: device {d} outside the cluster's 0..{num_devices - 1}")
+            if isinstance(acts, Mapping) and set(acts) == {"same_as"}:
+                same_as[d] = acts["same_as"]
+                continue
             if not isinstance(acts, list):
-                raise FormatError(f"{where}.actions[{key}]: expected a list of action strings")
-            per_device[d] = [Action.parse(a) for a in acts]
-        return cls(str(doc.get("name", "custom")), tuple(tuple(a) for a in per_device))
+                raise FormatError(f"{where}.actions[{key}]: expected a list of action strings or "
+                                  f"{{\"same_as\": <device>}}")
+            per_device[d] = tuple(Action.parse(a) for a in acts)
+        for d, e in same_as.items():  # the replica shares the very tuple: lockstep classes find it by identity
+            if type(e) is not int or not 0 <= e < num_devices or e in same_as or str(e) not in actions:
+                raise FormatError(f"{where}.actions[{d}]: same_as {e!r} must name a device whose actions are "
+                                  f"listed in full")
+            per_device[d] = per_device[e]
+        return cls(str(doc.get("name", "custom")), tuple(per_device))
 
     @classmethod
     def from_lists(cls, name: str, lists: Sequence[Iterable[Action]]) -> "Schedule":

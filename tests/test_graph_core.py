@@ -343,3 +343,28 @@ def test_plan_round_trip_and_refusals(tmp_path):
         plan_from_dict({**doc, "schedule": {"name": "x", "actions": {"0": ["0X1"]}}})
     with pytest.raises(PlanError, match="stage graph is for 4 devices, cluster has 8"):
         Plan(model="m", stage_graph=plan.stage_graph, cluster=preset("v100", 8), strategy="x", schedule=plan.schedule)
+
+
+def test_a_large_schedule_writes_each_replicas_list_once_and_reads_back_equal():
+    """From COMPACT_FROM_DEVICES devices on, a device whose actions equal an earlier device's is written as
+    ``{"same_as": d}`` and read back as that very tuple; smaller schedules list every device in full (hand edits)."""
+    from graphpipe.actions import COMPACT_FROM_DEVICES
+
+    n = COMPACT_FROM_DEVICES
+    a = tuple(Action.parse(x) for x in ("0F0", "0F1", "0B0", "0B1"))
+    b = tuple(Action.parse(x) for x in ("1F0", "1B0", "1F1", "1B1"))
+    lists = [a] * (n // 2) + [tuple(b) for _ in range(n // 2 - 1)] + [()]  # equal but distinct tuples too
+    sched = Schedule("gpipe", tuple(lists))
+    doc = json.loads(json.dumps(sched.to_dict()))
+    full = [k for k, v in doc["actions"].items() if isinstance(v, list) and v]
+    assert full == ["0", str(n // 2)]
+    assert doc["actions"]["1"] == {"same_as": 0} and doc["actions"][str(n - 2)] == {"same_as": n // 2}
+    assert doc["actions"][str(n - 1)] == []
+    back = Schedule.from_dict(doc, n)
+    assert back == sched and back.device_actions[1] is back.device_actions[0]
+    small = Schedule("gpipe", tuple(lists[n // 2 - 2:]))
+    assert all(isinstance(v, list) for v in small.to_dict()["actions"].values())
+    for bad in (n, 1, "0", -1):  # outside, itself a reference, not an int, negative
+        wrong = {**doc["actions"], "2": {"same_as": bad}}
+        with pytest.raises(FormatError, match="same_as .* must name a device whose actions are listed in full"):
+            Schedule.from_dict({"name": "x", "actions": wrong}, n)

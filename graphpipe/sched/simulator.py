@@ -275,10 +275,18 @@ def simulate_figures(sg: StageGraph, schedule: Schedule, cluster: Cluster,
     the same numbers (tests compare them on every schedule).
     """
     _, starts, ends, result = _action_times(sg, schedule, cluster, host)
-    by_device = [sorted(zip(acts, starts[d], ends[d]), key=_by_start) if acts else []
-                 for d, acts in enumerate(schedule.device_actions)]
+    # devices of one lockstep class share their action list and their times (the same objects): each distinct
+    # triple is sorted once and its figures computed once, however many thousand replicas share it
+    sorted_once: dict[tuple[int, int, int], list] = {}
+    by_device = []
+    for d, acts in enumerate(schedule.device_actions):
+        key = (id(acts), id(starts[d]), id(ends[d]))
+        if key not in sorted_once:
+            sorted_once[key] = sorted(zip(acts, starts[d], ends[d]), key=_by_start) if acts else []
+        by_device.append(sorted_once[key])
     spans = _allreduce_spans(sg, cluster, result)
-    iteration_time_s = max([e for acts in ends for e in acts] + [span[3] for span in spans] + [0.0])
+    distinct_ends = {id(e): e for e in ends}.values()
+    iteration_time_s = max([e for acts in distinct_ends for e in acts] + [span[3] for span in spans] + [0.0])
     busy, bubble, state, buffers, act_peak, in_flight = _device_figures(sg, cluster, by_device, iteration_time_s)
     peak = [state[d] + buffers[d] + act_peak[d] for d in range(sg.num_devices)]
     return _figures(schedule.name, "simulated", iteration_time_s, _throughput(sg, iteration_time_s), bubble, peak,
@@ -365,9 +373,14 @@ def _device_figures(sg: StageGraph, cluster: Cluster, by_device: Sequence[Sequen
     """(busy seconds, bubble fraction, state, buffers, activation peak) per device and in-flight per stage, from
     each device's (action, start, end) in (start, end) order: the per-device figures of a timeline."""
     busy = [0.0] * sg.num_devices
+    summed: dict[int, float] = {}  # by list identity: lockstep replicas share one (simulate_figures)
     for d, entries in enumerate(by_device):
+        if id(entries) in summed:
+            busy[d] = summed[id(entries)]
+            continue
         for _, start, end in entries:
             busy[d] += end - start
+        summed[id(entries)] = busy[d]
     used = set(sg.devices_used())
     bubble = tuple((1.0 - busy[d] / iteration_time_s if iteration_time_s > 0 else 0.0) if d in used else 1.0
                    for d in range(sg.num_devices))
@@ -386,9 +399,10 @@ def _memory_terms(sg: StageGraph, cluster: Cluster) -> tuple[list[float], list[f
         kept, rebuilt = sg.activation_terms(st.id)  # re-materialization in segments included
         stash.append(kept * samples)
         working.append(rebuilt * samples)
+        held, buffered = sg.state_bytes(st.id, cluster), costs.buffer_bytes(sums.inputs, sums.outputs, samples)
         for d in st.devices:
-            state[d] += sg.state_bytes(st.id, cluster)
-            buffers[d] += costs.buffer_bytes(sums.inputs, sums.outputs, samples)
+            state[d] += held
+            buffers[d] += buffered
     return state, buffers, stash, working
 
 
@@ -408,9 +422,14 @@ def peak_memory_in_order(sg: StageGraph, schedule: Schedule, cluster: Cluster,
     """
     state, buffers, stash, working = _memory_terms(sg, cluster)
     peaks = []
+    tops: dict[int, float] = {}  # by list identity: replicas sharing one list share its activation peak
     for d in range(sg.num_devices) if devices is None else devices:
+        acts = schedule.device_actions[d]
+        if id(acts) in tops:
+            peaks.append(state[d] + buffers[d] + tops[id(acts)])
+            continue
         live = top = 0.0
-        for action in schedule.device_actions[d]:
+        for action in acts:
             s = action.stage_id
             if action.kind == "F":
                 live += stash[s]
@@ -420,6 +439,7 @@ def peak_memory_in_order(sg: StageGraph, schedule: Schedule, cluster: Cluster,
                 live += working[s] if action.kind == "I" else -stash[s]
             else:  # W: what its I left
                 live -= stash[s] + working[s]
+        tops[id(acts)] = top
         peaks.append(state[d] + buffers[d] + top)
     return peaks
 
@@ -437,7 +457,11 @@ def _memory(sg: StageGraph, cluster: Cluster, devices: Iterable[int],
     state, buffers, stash, working = _memory_terms(sg, cluster)
     act_peak = [0.0] * sg.num_devices
     in_flight = [0] * sg.num_stages
+    peaks: dict[int, float] = {}  # by list identity: a shared list's peak (and its in-flight counts) once
     for d in devices:
+        if id(by_device[d]) in peaks:
+            act_peak[d] = peaks[id(by_device[d])]
+            continue
         events = []
         for action, start, end in by_device[d]:
             s = action.stage_id
@@ -457,6 +481,7 @@ def _memory(sg: StageGraph, cluster: Cluster, devices: Iterable[int],
                 count[s] = count.get(s, 0) + (1 if kind else -1)
                 in_flight[s] = max(in_flight[s], count[s])
             act_peak[d] = max(act_peak[d], live)
+        peaks[id(by_device[d])] = act_peak[d]
     return state, buffers, act_peak, in_flight
 
 

@@ -99,7 +99,14 @@ def check_structure(sg: StageGraph, schedule: Schedule) -> None:
     kinds = frozenset("FBIW")
     # Where each (stage, kind, mb) sits on each device: position index (an Action is that tuple).
     positions: list[dict[tuple[int, str, int], int]] = [dict() for _ in range(num_devices)]
+    # A list already checked for another device (generators share one tuple among a stage's replicas, thousands
+    # of them at scale) holds for this one too when every stage it names runs here and none is round-robin.
+    checked: dict[int, tuple[dict, set[int]]] = {}
     for d, acts in enumerate(schedule.device_actions):
+        prior = checked.get(id(acts))
+        if prior is not None and all(d in stage_devices[s] and owners[s] is None for s in prior[1]):
+            positions[d] = prior[0]
+            continue
         seen = positions[d]
         for k, a in enumerate(acts):
             s, kind, mb = a
@@ -108,10 +115,16 @@ def check_structure(sg: StageGraph, schedule: Schedule) -> None:
                     or a in seen):
                 _explain_action(sg, schedule, num_mbs, stage_devices, d, k, a, seen)
             seen[a] = k
+        checked[id(acts)] = (seen, {a[0] for a in acts})
     for st in sg.stages:
         sid = st.id
+        done: set[int] = set()  # positions (shared by replicas with one list) this stage's loop has checked
         for r, d in enumerate(st.devices):
             pos = positions[d]
+            if not st.round_robin:  # the check below then depends on the positions alone
+                if id(pos) in done:
+                    continue
+                done.add(id(pos))
             for j in range(r, num_mbs[sid], len(st.devices)) if st.round_robin else range(num_mbs[sid]):
                 f_at, b_at = pos.get((sid, "F", j)), pos.get((sid, "B", j))
                 if (f_at is not None and b_at is not None and f_at < b_at and (sid, "I", j) not in pos
@@ -133,9 +146,12 @@ def check_structure(sg: StageGraph, schedule: Schedule) -> None:
         if st.round_robin:  # each replica has its own micro-batches: no common order; links checked per pair below
             orders.append(None)
             continue
-        per_device = [[a for a in schedule.device_actions[d] if a.stage_id == st.id] for d in st.devices]
+        mine: dict[int, list[Action]] = {}  # by list identity: replicas sharing one list filter it once
+        per_device = [mine.get(id(schedule.device_actions[d])) or mine.setdefault(
+            id(schedule.device_actions[d]), [a for a in schedule.device_actions[d] if a.stage_id == st.id])
+            for d in st.devices]
         for d, order in zip(st.devices[1:], per_device[1:]):
-            if order != per_device[0]:
+            if order is not per_device[0] and order != per_device[0]:
                 k = next(i for i, (x, y) in enumerate(zip(per_device[0], order)) if x != y)
                 d0 = st.devices[0]
                 _fail(schedule, f"replicas of stage {st.id} disagree: device {d0} runs {per_device[0][k]} where "
