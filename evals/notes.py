@@ -440,11 +440,16 @@ NOTES: dict[str, str] = {
         "`--tp auto --shard auto` (per-stage), the same with one layout for every stage (uniform, torchtitan's "
         "choice) and `--tp 1 --shard none` (PP-only, the plans before layouts). Efficiency is throughput over the "
         "plan's own per-sample op costs spread over every device, not MFU. The LLM shapes are captured with "
-        "128-token samples, so at 4 samples per device the step-end gradient collectives (which start after "
-        "each stage's last backward, docs/limits.md) and the pipeline's fill and drain weigh on every plan; "
-        "per-stage layouts equal the uniform one wherever no stage gained from another tp on its own devices. "
-        "Rows missing for a model or device count were not run (the search at 16,384 devices "
-        "ran for the 405B shape with one layout, see the config)."),
+        "128-token samples, so at 4 samples per device (2 for the 405B shape at 16,384 devices, batch 32,768) the "
+        "step-end gradient collectives (which start after each stage's last backward, docs/limits.md) and the "
+        "pipeline's fill and drain weigh on every plan. Per-stage layouts equal the uniform one wherever no stage "
+        "gained from another tp on its own devices; they differ and win on the paper's MMT at 4,096 devices (tp 2 "
+        "on some stages, tp 1 on others) and on Llama-3-70B at 512. The MMT passes 0.80 only with more samples per "
+        "device: `mmt@b65536` is the same search at 16 per device. Llama-3-70B at 512 stays near 0.54 with 472 of "
+        "512 devices: its 80 equal layers cut into 28 stages of 3 on 16 devices each, and no other device count "
+        "for a stage divides its micro-batch into whole replicas, so 40 devices idle. The 405B searches at 4,096 "
+        "and 16,384 devices take 90-135 CPU seconds each on this host (the rows' search CPU); the multimodal and "
+        "70B shapes were not run at 16,384 devices."),
     "bench_llm": (
         "Measured on a 2-core host shared with other engineers' test runs (load average in the config line), so "
         "wall times swing 2-3x between runs of the same command and say little; the CPU seconds of each command "

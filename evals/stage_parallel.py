@@ -17,7 +17,9 @@ Models: Llama-3-70B and Llama-3.1-405B shapes as captured from their Hugging Fac
 ``graphpipe inspect``'s capture; capturing takes minutes, so it is done once), and a multimodal shape built here
 analytically (:func:`multimodal_graph`): a ViT-L-sized vision tower (24 layers, hidden 1024, 256 patches) beside
 the text embedding of a 7B-sized decoder (32 layers, hidden 4096, 256 image + 512 text tokens), one image-text
-pair per sample. Batches: 2048 samples per 512 devices (4 per device), at least 256.
+pair per sample; and ``mmt``, the paper's multi-modal transformer as graphpipe's zoo builds it (paper config).
+Batches: 2048 samples per 512 devices (4 per device), at least 256 and at most 32,768 (the
+batch a 405B run at 16,384 devices is planned with: 2 per device).
 """
 
 from __future__ import annotations
@@ -36,6 +38,12 @@ from .common import write_result
 __all__ = ["main", "multimodal_graph", "run_one", "VARIANTS"]
 
 VARIANTS = ("per-stage", "uniform", "pp-only")
+BATCH_RULE = "min(max(256, 4 x devices), 32768)"
+
+
+def batch_for(devices: int) -> int:
+    """The batch a device count is planned with (:data:`BATCH_RULE`)."""
+    return min(max(256, 4 * devices), 32768)
 
 
 def _layer(name: str, hidden: int, seq: int, flops_per_s: float, ffn: int | None = None) -> Op:
@@ -140,15 +148,18 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m graphpipe.evals.stage_parallel", description=__doc__.splitlines()[0])
     p.add_argument("--graphs", required=True, help="folder holding llama70b.json and llama405b.json")
     p.add_argument("--devices", default="64,512,4096,16384")
-    p.add_argument("--models", default="llama70b,llama405b,multimodal")
+    p.add_argument("--models", default="llama70b,llama405b,multimodal",
+                   help="any of llama70b, llama405b (graph files in --graphs), multimodal, mmt (the zoo's, paper config)")
     p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--batch", type=int, default=None,
+                   help=f"one batch for every device count, rows labelled MODEL@bBATCH (default {BATCH_RULE})")
     p.add_argument("--out", default="evals")
     p.add_argument("--rows", default=None, help="merge these JSON-lines files of rows instead of planning")
     args = p.parse_args(argv)
     if args.rows:  # rows printed by earlier runs (one per line), merged into one result file and plotted
         rows = [json.loads(line) for path in args.rows.split(",") for line in open(path, encoding="utf-8")
                 if line.startswith("{")]
-        config = {"cluster": "h100", "batch": "max(256, 4 x devices)", "strategy": "gpp", "variants": list(VARIANTS),
+        config = {"cluster": "h100", "batch": BATCH_RULE, "strategy": "gpp", "variants": list(VARIANTS),
                   "merged_from": args.rows, "load_average": list(os.getloadavg())}
         write_result(args.out, "stage_parallel", config, rows)
         plot(args.out)
@@ -158,6 +169,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.models.split(","):
         if name == "multimodal":
             graphs[name] = multimodal_graph(flops.peak_flops * flops.mfu)
+        elif name == "mmt":  # the paper's multi-modal transformer, as graphpipe's zoo builds it (paper config)
+            from graphpipe.frontend import zoo
+
+            graphs[name] = zoo.load_graph("mmt")
         else:
             with open(os.path.join(args.graphs, f"{name}.json"), encoding="utf-8") as fh:
                 graphs[name] = graph_from_dict(json.load(fh))
@@ -165,10 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     for name, graph in graphs.items():
         for n in (int(x) for x in args.devices.split(",")):
             for variant in args.variants.split(","):
-                row = run_one(name, graph, n, max(256, 4 * n), variant)
+                row = run_one(name if not args.batch else f"{name}@b{args.batch}", graph, n, args.batch or batch_for(n), variant)
                 print(json.dumps(row), flush=True)
                 rows.append(row)
-    config = {"cluster": "h100", "devices": args.devices, "batch": "max(256, 4 x devices)", "strategy": "gpp",
+    config = {"cluster": "h100", "devices": args.devices, "batch": args.batch or BATCH_RULE, "strategy": "gpp",
               "variants": list(VARIANTS), "load_average": list(os.getloadavg())}
     write_result(args.out, "stage_parallel", config, rows)
     plot(args.out)
