@@ -103,6 +103,27 @@ def unused():
     return Unused(), (torch.randn(BATCH, 4),), lambda out: out.pow(2).mean()
 
 
+class UnusedOnMeta(nn.Module):
+    """Parameters only, two of them never called (a LayerNorm and a Linear): built on the meta device as a model
+    bigger than one rank is, each rank materializes its stages and rank 0 what no stage holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(4, 8)
+        self.post_layernorm = nn.LayerNorm(8)  # never called
+        self.extra = nn.Linear(8, 8)  # never called
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.stem(x)))
+
+
+def unused_on_meta():
+    """The model the plan is made from (a test then gives the Pipeline one built under ``torch.device("meta")``)."""
+    torch.manual_seed(0)
+    return UnusedOnMeta(), (torch.randn(BATCH, 4),), lambda out: out.pow(2).mean()
+
+
 def gpt2_labels():
     """Tiny GPT-2 as a Hugging Face user calls it: ``labels=`` (the loss computed inside forward) and
     ``output_hidden_states=True``, which transformers 5 passes through ``**kwargs``."""

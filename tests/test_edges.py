@@ -253,6 +253,31 @@ def test_a_pipeline_checkpoint_loads_into_the_plain_module(one_rank_group, tmp_p
     saved = checkpoint_layout(tmp_path / "unused").shapes
     assert {"model/post_layernorm.weight", "model/post_layernorm.bias", "buffer/unused_stat"} <= set(saved)
     assert "buffer/cache" not in saved  # not persistent, and no stage holds it
+    # built on meta: the unused LayerNorm and Linear are made from the seed as hosted tensors are (their own
+    # reset_parameters), so the checkpoint still loads strictly into the plain module
+    spec = f"{EDGES}:unused_on_meta"
+    saved = {}
+    for seed in (3, 3, 4):
+        made = load_factory(spec)
+        with torch.device("meta"):
+            module = edge_models.UnusedOnMeta()
+        pipe = Pipeline(_one_rank_plan(spec, (["stem"], ["head"])), module, made.loss_fn,
+                        example_inputs=made.example_inputs, seed=seed)
+        pipe.save(tmp_path / f"meta{len(saved)}")
+        plain = edge_models.UnusedOnMeta()
+        with torch.no_grad():
+            for t in plain.state_dict(keep_vars=True).values():
+                t.fill_(7.0)
+        load_into_module(plain, tmp_path / f"meta{len(saved)}")  # strict: every key is in the checkpoint
+        for name, value in pipe.named_parameters():
+            torch.testing.assert_close(plain.state_dict()[name], value)
+        pipe.close()
+        saved[len(saved)] = plain.state_dict()
+    assert torch.equal(saved[0]["post_layernorm.weight"], torch.ones(8))
+    assert torch.equal(saved[0]["post_layernorm.bias"], torch.zeros(8))
+    assert torch.equal(saved[0]["extra.weight"], saved[1]["extra.weight"])  # the seed and the name decide
+    assert not torch.equal(saved[0]["extra.weight"], saved[2]["extra.weight"])
+    assert saved[0]["extra.weight"].abs().max() <= 8 ** -0.5  # Linear's own init: U(-1/sqrt(in), 1/sqrt(in))
 
 
 # ------------------------------------------------------------ 6. plan and simulate agree

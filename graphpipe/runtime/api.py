@@ -364,7 +364,7 @@ class Pipeline:
         optimizer built on :meth:`parameters` goes on stepping the ones that train.
         """
         from graphpipe.runtime.checkpoint import unused_state
-        from graphpipe.runtime.materialize import materialize_stages
+        from graphpipe.runtime.materialize import materialize_stages, materialize_unused
         from graphpipe.runtime.stage_modules import boundary_meta, check_op_names, split_model
         from graphpipe.runtime.setup import setup_rank
 
@@ -393,7 +393,11 @@ class Pipeline:
         if any(stage.parallel for stage in sg.stages):
             self._receive_rank0_weights()  # FSDP and TP stages shard their weights in the set-up: whole ones first
         # the tensors no stage holds (unused by forward), which rank 0 saves so a checkpoint is whole
-        self._unused_state = unused_state(model, split.programs) if self.rank == 0 else {}
+        self._unused_state = {}
+        if self.rank == 0:  # a model built on meta: its unused tensors are made from the seed, as a stage's are
+            blank = materialize_unused(model, split.programs, self.seed)
+            self._unused_state = {k: v for k, v in unused_state(model, split.programs).items()
+                                  if k.split("/", 1)[1] not in blank}
         self._setup = setup_rank(self.rank, self.world_size, self.plan, split, meta, loss_fn, self.device,
                                  self.backend, timeout_s=self.timeout_s, seed=self.seed, batchnorm=self._batchnorm,
                                  fault=fault, measure=measure, compile=self._compile, model=model)

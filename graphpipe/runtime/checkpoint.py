@@ -157,8 +157,10 @@ def _copy_whole(t: torch.Tensor, whole: torch.Tensor) -> None:
 def unused_state(model: nn.Module | None, programs: Iterable) -> dict[str, torch.Tensor]:
     """``model/NAME`` and ``buffer/NAME`` of the model's parameters and persistent buffers no stage program holds
     (the forward never reads them), from ``model``'s own tensors: what :meth:`graphpipe.Pipeline.state_dict`
-    adds on rank 0 so a checkpoint has the whole model. Tensors on the meta device (a model built without
-    weights) have no values and are left out; ``model=None`` gives nothing.
+    adds on rank 0 so a checkpoint has the whole model. Tensors still on the meta device have no values and are
+    left out: a model built without weights has them made from the seed first
+    (:func:`~graphpipe.runtime.materialize.materialize_unused`), and only those no initialiser can make (a
+    buffer computed in ``__init__``) stay out; ``model=None`` gives nothing.
     """
     if model is None:
         return {}

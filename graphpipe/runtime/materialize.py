@@ -42,7 +42,7 @@ from torch.overrides import TorchFunctionMode
 
 from graphpipe.frontend.exporting import DATA_VALUE
 
-__all__ = ["meta_nonzero", "params_on_meta", "kept_values", "buffers_to_meta", "fake_cpu", "on_meta", "tensor_seed", "materialize_stages", "retarget_devices", "meta_copy",
+__all__ = ["meta_nonzero", "params_on_meta", "kept_values", "buffers_to_meta", "fake_cpu", "on_meta", "tensor_seed", "materialize_stages", "materialize_unused", "retarget_devices", "meta_copy",
            "model_tensors", "Materialized"]
 
 
@@ -297,6 +297,35 @@ def materialize_stages(model: nn.Module | None, programs: Mapping[int, Any], dev
             table[key] = done.replaced[id(t)]
     done.replaced, done.meta = {}, []  # ids of meta tensors mean nothing once those are freed
     return done
+
+
+def materialize_unused(model: nn.Module | None, programs: Iterable[Any], seed: int) -> set[str]:
+    """Give the model's meta parameters and persistent buffers that no stage program holds (the forward never
+    reads them: a VLM's unused ``post_layernorm``) real CPU storage, initialised as a hosted tensor would be
+    (seeded by ``seed`` and the tensor's name, :func:`materialize_stages`), so that a checkpoint of a model built
+    without weights is still whole. Returns the names no initialiser filled (they have no values to save).
+    """
+    if model is None:
+        return set()
+    held: set[int] = set()
+    for prog in programs:
+        for module in _stage_graphs(prog):
+            held.update(id(t) for _, _, t in _holders([module]))
+    persistent = set(model.state_dict(keep_vars=True))
+    loose = [(name, t) for name, t in (*model.named_parameters(), *model.named_buffers())
+             if t.device.type == "meta" and id(t) not in held and name in persistent]
+    if not loose:
+        return set()
+    holder = nn.Module()  # a stand-in stage holding only these tensors, under any keys (the model names them)
+    for i, (_, t) in enumerate(loose):
+        if isinstance(t, nn.Parameter):
+            holder.register_parameter(f"p{i}", t)
+        else:
+            holder.register_buffer(f"b{i}", t)
+    from types import SimpleNamespace
+
+    stand_in = SimpleNamespace(module=holder, param_names={}, segments=(), assemble=None)
+    return materialize_stages(model, {-1: stand_in}, torch.device("cpu"), seed).uninitialised
 
 
 def _initialise(model: nn.Module | None, owners, real: Mapping[str, torch.Tensor], done: Materialized,
