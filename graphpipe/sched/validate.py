@@ -147,9 +147,12 @@ def check_structure(sg: StageGraph, schedule: Schedule) -> None:
             orders.append(None)
             continue
         mine: dict[int, list[Action]] = {}  # by list identity: replicas sharing one list filter it once
-        per_device = [mine.get(id(schedule.device_actions[d])) or mine.setdefault(
-            id(schedule.device_actions[d]), [a for a in schedule.device_actions[d] if a.stage_id == st.id])
-            for d in st.devices]
+        per_device = []
+        for d in st.devices:
+            acts = schedule.device_actions[d]
+            if id(acts) not in mine:
+                mine[id(acts)] = [a for a in acts if a.stage_id == st.id]
+            per_device.append(mine[id(acts)])
         for d, order in zip(st.devices[1:], per_device[1:]):
             if order is not per_device[0] and order != per_device[0]:
                 k = next(i for i, (x, y) in enumerate(zip(per_device[0], order)) if x != y)
