@@ -13,8 +13,8 @@ Efficiency = predicted throughput / (devices / sum over ops of per-sample forwar
 (:func:`graphpipe.search.layouts.efficiency`), the share of perfect scaling the plan's own costs allow.
 
 Models: Llama-3-70B and Llama-3.1-405B shapes as captured from their Hugging Face classes on the meta device
-(``--graphs DIR`` holds their graph JSON files, ``llama70b.json`` and ``llama405b.json``, written by
-``graphpipe inspect``'s capture; capturing takes minutes, so it is done once), and a multimodal shape built here
+(``--graphs DIR`` holds their graph JSON files, ``llama70b.json`` and ``llama405b.json``, captured into it
+from :data:`LLM_SPECS` when missing: capturing takes minutes, so it is done once), and a multimodal shape built here
 analytically (:func:`multimodal_graph`): a ViT-L-sized vision tower (24 layers, hidden 1024, 256 patches) beside
 the text embedding of a 7B-sized decoder (32 layers, hidden 4096, 256 image + 512 text tokens), one image-text
 pair per sample; and ``mmt``, the paper's multi-modal transformer as graphpipe's zoo builds it (paper config).
@@ -84,6 +84,31 @@ def multimodal_graph(flops_per_s: float) -> OpGraph:
     return OpGraph.build("multimodal-vitl-7b", ops, edges)
 
 
+LLM_SPECS = {"llama70b": "evals/bench_llm.py:factory", "llama405b": "evals/llm_configs.py:llama31_405b"}
+"""The factories the LLM shapes are captured from (Hugging Face classes on the meta device)."""
+
+
+def llm_graph(name: str, folder: str) -> OpGraph:
+    """``folder/NAME.json``; when missing, captured from :data:`LLM_SPECS` (a few minutes) and written there."""
+    import json
+
+    from graphpipe.files import write_json_atomic
+    from graphpipe.graph import graph_from_dict, graph_to_dict
+
+    path = os.path.join(folder, f"{name}.json")
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as fh:
+            return graph_from_dict(json.load(fh))
+    from graphpipe.models import load_model
+
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = os.path.join(here, LLM_SPECS[name])
+    graph = load_model(spec, preset("h100", 8).device).graph
+    os.makedirs(folder, exist_ok=True)
+    write_json_atomic(path, graph_to_dict(graph))
+    return graph
+
+
 def run_one(name: str, graph: OpGraph, devices: int, batch_size: int, variant: str) -> dict[str, Any]:
     """One plan: its efficiency, devices used, layouts and search time (CPU seconds of this process)."""
     from dataclasses import replace
@@ -146,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     import json
 
     p = argparse.ArgumentParser(prog="python -m graphpipe.evals.stage_parallel", description=__doc__.splitlines()[0])
-    p.add_argument("--graphs", required=True, help="folder holding llama70b.json and llama405b.json")
+    p.add_argument("--graphs", required=True,
+                   help="folder of llama70b.json and llama405b.json (captured into it when missing, minutes each)")
     p.add_argument("--devices", default="64,512,4096,16384")
     p.add_argument("--models", default="llama70b,llama405b,multimodal",
                    help="any of llama70b, llama405b (graph files in --graphs), multimodal, mmt (the zoo's, paper config)")
@@ -174,8 +200,7 @@ def main(argv: list[str] | None = None) -> int:
 
             graphs[name] = zoo.load_graph("mmt")
         else:
-            with open(os.path.join(args.graphs, f"{name}.json"), encoding="utf-8") as fh:
-                graphs[name] = graph_from_dict(json.load(fh))
+            graphs[name] = llm_graph(name, args.graphs)
     rows = []
     for name, graph in graphs.items():
         for n in (int(x) for x in args.devices.split(",")):
