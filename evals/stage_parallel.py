@@ -162,7 +162,8 @@ def plot(out: str) -> str | None:
         ax.set_xlabel("devices (H100)")
         ax.set_ylabel("simulated efficiency")
         ax.grid(alpha=0.3)
-    axes[0][0].legend()
+    if axes[0][0].get_legend_handles_labels()[0]:  # a run whose first model was refused has nothing to label
+        axes[0][0].legend()
     return _save(fig, out, "stage_parallel")
 
 
