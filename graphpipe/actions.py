@@ -78,18 +78,17 @@ class Schedule:
         every replica's list again. Smaller schedules stay one list per
         device, as a hand edit of one device expects.
         """
-        if len(self.device_actions) < COMPACT_FROM_DEVICES:
-            return {"name": self.name,
-                    "actions": {str(d): [str(a) for a in acts] for d, acts in enumerate(self.device_actions)}}
-        first: dict[tuple, int] = {}
+        compact = len(self.device_actions) >= COMPACT_FROM_DEVICES
+        first: dict[tuple, int] = {}  # each distinct list -> the first device that lists it
         by_identity: dict[int, int] = {}  # generators share one tuple among replicas: no need to hash it again
         out: dict[str, Any] = {}
         for d, acts in enumerate(self.device_actions):
-            e = by_identity.get(id(acts))
-            if e is None and acts:
-                e = first.setdefault(tuple(acts), d)
-                by_identity[id(acts)] = e
-            out[str(d)] = {"same_as": e} if e is not None and e != d else [str(a) for a in acts]
+            e = d
+            if compact and acts:
+                if id(acts) not in by_identity:
+                    by_identity[id(acts)] = first.setdefault(tuple(acts), d)
+                e = by_identity[id(acts)]
+            out[str(d)] = [str(a) for a in acts] if e == d else {"same_as": e}
         return {"name": self.name, "actions": out}
 
     @classmethod

@@ -195,12 +195,9 @@ class StageGraph:
         # devices in range and disjoint, is checked with set operations, the per-device loop only names the fault)
         every = [d for stage in self.stages for d in stage.devices]
         disjoint = len(set(every)) == len(every)
-        if (not every or 0 <= min(every) and max(every) < self.num_devices) and (disjoint or self.allow_shared_devices):
-            stages_to_check: Sequence[Stage] = () if disjoint else self.stages
-        else:
-            stages_to_check = self.stages
+        in_range = not every or (min(every) >= 0 and max(every) < self.num_devices)
         owner: dict[int, tuple[int, ...]] = {}
-        for stage in stages_to_check:
+        for stage in () if disjoint and in_range else self.stages:
             for d in stage.devices:
                 if not 0 <= d < self.num_devices:
                     raise PlanError(f"stage {stage.id} uses device {d}, cluster has devices 0..{self.num_devices - 1}")
@@ -254,17 +251,14 @@ class StageGraph:
         object.__setattr__(self, "_succs", tuple(tuple(s) for s in succs))
         object.__setattr__(self, "_preds", tuple(tuple(p) for p in preds))
         object.__setattr__(self, "_edge_bytes", edge_bytes)
-        if disjoint:  # one stage per device
-            only: dict[int, tuple[int, ...]] = {}
-            for stage in self.stages:
-                only.update(dict.fromkeys(stage.devices, (stage.id,)))
-            object.__setattr__(self, "_on_device", only)
-            return
-        on_device: dict[int, list[int]] = {}
+        on_device: dict[int, tuple[int, ...]] = {}
         for stage in self.stages:  # in stage order, so each device's tuple is sorted
-            for d in stage.devices:
-                on_device.setdefault(d, []).append(stage.id)
-        object.__setattr__(self, "_on_device", {d: tuple(ids) for d, ids in on_device.items()})
+            if disjoint:  # one stage per device
+                on_device.update(dict.fromkeys(stage.devices, (stage.id,)))
+            else:
+                for d in stage.devices:
+                    on_device[d] = on_device.get(d, ()) + (stage.id,)
+        object.__setattr__(self, "_on_device", on_device)
 
     # ------------------------------------------------------------------ build
     @classmethod
