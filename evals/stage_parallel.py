@@ -90,16 +90,13 @@ LLM_SPECS = {"llama70b": "evals/bench_llm.py:factory", "llama405b": "evals/llm_c
 
 def llm_graph(name: str, folder: str) -> OpGraph:
     """``folder/NAME.json``; when missing, captured from :data:`LLM_SPECS` (a few minutes) and written there."""
-    import json
-
     from graphpipe.files import write_json_atomic
-    from graphpipe.graph import graph_from_dict, graph_to_dict
+    from graphpipe.graph import graph_to_dict, read_graph_json
+    from graphpipe.models import load_model
 
     path = os.path.join(folder, f"{name}.json")
     if os.path.exists(path):
-        with open(path, encoding="utf-8") as fh:
-            return graph_from_dict(json.load(fh))
-    from graphpipe.models import load_model
+        return read_graph_json(path)
 
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     spec = os.path.join(here, LLM_SPECS[name])
@@ -168,7 +165,6 @@ def plot(out: str) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from graphpipe.graph import graph_from_dict
     import json
 
     p = argparse.ArgumentParser(prog="python -m graphpipe.evals.stage_parallel", description=__doc__.splitlines()[0])
