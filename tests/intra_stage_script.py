@@ -35,6 +35,26 @@ def _local(t):
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _watch_gathers(pipe) -> list[int]:
+    """The parameter elements an FSDP stage of this rank holds gathered, each time one of its FSDP modules starts
+    a forward in a step (after FSDP's own hook gathered that module's): appended to the list returned."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
+
+    seen: list[int] = []
+    intra = pipe._setup.executor.intra_stage
+    roots = [p.fsdp for p in intra.parallel.values() if p.fsdp is not None] if intra else []
+    groups = [m for r in roots for m in r.modules() if isinstance(m, FSDPModule)]
+
+    def count(*_):
+        seen.append(sum(fp.sharded_param.shape.numel() for m in groups
+                        for g in [fully_shard.state(m)._fsdp_param_group] if g is not None
+                        for fp in g.fsdp_params if fp.sharded_state == ShardedState.UNSHARDED))
+    for m in groups:
+        m.register_forward_pre_hook(count)
+    return seen
+
+
 def train(plan_path: str, steps: int, out: str, save: str | None, load: str | None, meta: bool = False) -> None:
     made = load_factory(read_plan(plan_path).model)
     # meta: the user's model built on the meta device, its weights only from the checkpoint ``load`` names
@@ -45,6 +65,7 @@ def train(plan_path: str, steps: int, out: str, save: str | None, load: str | No
     opt = torch.optim.SGD(list(pipe.parameters()) or [torch.zeros(1, requires_grad=True)], lr=0.1, momentum=0.9)
     if load:
         pipe.load(load, None if idle else opt)
+    gathered = _watch_gathers(pipe)
     losses = []
     for _ in range(steps):
         losses.append(pipe.step(made.example_inputs, made.example_target).item())
@@ -57,7 +78,8 @@ def train(plan_path: str, steps: int, out: str, save: str | None, load: str | No
     shares = {"params": sum(_local(p).numel() for _, p in params),
               "grads": sum(_local(p.grad).numel() for _, p in params if p.grad is not None),
               "optim": sum(_local(v).numel() for _, p in params for v in opt.state[p].values()
-                           if isinstance(v, torch.Tensor) and v.dim())}
+                           if isinstance(v, torch.Tensor) and v.dim()),
+              "gathered": max(gathered, default=0)}
     weights = {name: _whole(p.detach()).clone() for name, p in params}
     gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object((weights, shares), gathered, dst=0)

@@ -72,8 +72,18 @@ def test_fsdp_tp_and_mixed_layouts_train_as_one_process(tmp_path):
         write(tmp_path, "branchy", "branchy", [(("stem", "right"), (0, 1), 2, "none"),
                                                 (("left", "head"), (2, 3), 1, "fsdp")]),
     ]
-    # the same TP layout for a model built on the meta device, its weights from a plain seed checkpoint
+    # the same FSDP stage gathered once per step (reshard_after_forward false): one unit, gradients reduced at
+    # the step's end
+    import json
     import shutil
+
+    with open(plans[0]) as f:
+        doc = json.load(f)
+    doc["stages"][1]["reshard_after_forward"] = False
+    with open(tmp_path / "fsdp_step.json", "w") as f:
+        json.dump(doc, f)
+    plans.append(str(tmp_path / "fsdp_step.json"))
+    # the same TP layout for a model built on the meta device, its weights from a plain seed checkpoint
 
     import torch.distributed.checkpoint as dcp
 
@@ -84,14 +94,23 @@ def test_fsdp_tp_and_mixed_layouts_train_as_one_process(tmp_path):
     torchrun(str(3), str(tmp_path), *plans, ranks=4, script=SCRIPT)
     check(str(tmp_path / "tp_meta.pt"), "mlp_chain", 3)
     fsdp = check(str(tmp_path / "fsdp.pt"), "mlp_chain", 3)
+    step = check(str(tmp_path / "fsdp_step.pt"), "mlp_chain", 3)
     check(str(tmp_path / "tp.pt"), "mlp_chain", 3)
     check(str(tmp_path / "chain.pt"), "mlp_chain", 3)
     branchy = check(str(tmp_path / "branchy.pt"), "branchy", 3)
     # each rank of a sharded stage holds about half of that stage's parameters, gradients and optimizer state
     model = models.MLPChain()
     stage = sum(p.numel() for n, p in model.named_parameters() if not n.startswith(("stem", "block0")))
-    for share in fsdp["shares"][1:3]:
+    for share in fsdp["shares"][1:3] + step["shares"][1:3]:
         assert abs(share["params"] - stage / 2) <= 16 and share["grads"] == share["params"] == share["optim"]
+    # resharding after forward, a rank gathers one op's weights at a time (FSDP units per op: the largest op's,
+    # block1.0's 16x32 linear); gathering once per step, the whole stage's
+    named = dict(model.named_parameters())
+    ops = [o for o in doc["stages"][1]["ops"]]
+    largest = max(sum(p.numel() for n, p in named.items() if n.startswith(op + ".")) for op in ops)
+    assert largest == 16 * 32 + 32
+    assert [s["gathered"] for s in fsdp["shares"][1:3]] == [largest, largest]
+    assert [s["gathered"] for s in step["shares"][1:3]] == [stage, stage]
     assert branchy["shares"][0]["params"] < sum(p.numel() for p in models.Branchy().parameters()) / 2
 
 
@@ -103,9 +122,22 @@ def test_llama_tp_and_a_checkpoint_across_layouts(tmp_path):
                                                (("",), (2,), 1, "none")])
     fsdp = write(tmp_path, "fsdp", "mlp_chain", [(("stem", "block0"), (0,), 1, "none"), (("",), (1, 2), 1, "fsdp")])
     tp = write(tmp_path, "tp", "mlp_chain", [(("stem",), (0,), 1, "none"), (("",), (1, 2), 2, "none")])
+    llama_fsdp = write(tmp_path, "llama_fsdp", "llama", [(("model.model.embed", "model.model.layers.0"), (0, 1), 1,
+                                                          "fsdp"), (("",), (2,), 1, "none")])
     ck = str(tmp_path / "ck")
-    torchrun("2", str(tmp_path), llama, f"{fsdp},save={ck}", f"{tp},steps=1,load={ck}", ranks=3, script=SCRIPT)
+    torchrun("2", str(tmp_path), llama, llama_fsdp, f"{fsdp},save={ck}", f"{tp},steps=1,load={ck}", ranks=3,
+             script=SCRIPT)
     got = check(str(tmp_path / "llama.pt"), "llama", 2)
+    # the same Llama's first stage FSDP over two ranks, one FSDP unit per op: a rank gathers one op's weights at
+    # a time (at most the largest op's, the decoder layer here), never the whole stage's
+    sharded = check(str(tmp_path / "llama_fsdp.pt"), "llama", 2)
+    stage_ops = models.hand_plan(f"{SPEC}:llama", [(("model.model.embed", "model.model.layers.0"), (0, 1), 1, "fsdp"),
+                                                   (("",), (2,), 1, "none")]).stage_graph
+    ops = [stage_ops.graph.ops[i].name for i in stage_ops.stages[0].op_ids]
+    per_op = [sum(p.numel() for n, p in models.llama()[0].named_parameters() if n.startswith(op + "."))
+              for op in ops]
+    assert [s["gathered"] for s in sharded["shares"][:2]] == [max(per_op)] * 2
+    assert max(per_op) < sum(per_op)  # the decoder layer (9,280) of the stage's 11,328
     named = dict(models.llama()[0].named_parameters())
     split = sum(p.numel() for n, p in named.items() if ".layers.0." in n and n.endswith("proj.weight"))
     whole = sum(p.numel() for n, p in named.items() if ".layers.0." in n or "embed" in n) - split

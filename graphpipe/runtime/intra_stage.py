@@ -11,16 +11,19 @@ well-kept pieces instead of hand-written collectives:
   per data-parallel column; a rank of the stage wraps its two in 1-D
   :class:`~torch.distributed.device_mesh.DeviceMesh` objects
   (:meth:`DeviceMesh.from_group`), so no mesh creates groups of its own.
-* **FSDP** (``shard: fsdp``, tp 1). The stage module is wrapped by
-  :func:`torch.distributed.fsdp.fully_shard` over the replica mesh, with the
-  plan's ``reshard_after_forward``. As :mod:`torch.distributed.pipelining`'s
-  stage does, every backward of a step runs without gradient
-  synchronisation (gradients accumulate unsharded, parameters stay gathered
-  until the step's last backward) and the stage's reduce-scatter is started by
-  hand after its last B or W: so every synchronous schedule, split backward
-  included, accumulates micro-batches exactly. Gradients are summed (divide
-  factor 1), like graphpipe's own replica all-reduce, because each replica's
-  loss term is already scaled by its share of the mini-batch.
+* **FSDP** (``shard: fsdp``, tp 1), as the plan's ``reshard_after_forward``
+  says. Resharding after forward (ZeRO-3): the stage's graph is cut into one
+  piece per op, each an FSDP unit (:func:`_fsdp_units`, :class:`_Unit`) over
+  the replica mesh, so FSDP's own hooks gather one op's weights at a time and
+  reduce-scatter every micro-batch's gradients into the shards. Gathering once
+  per step: the stage is one unit and, as :mod:`torch.distributed.pipelining`'s
+  stage does, every backward of a step runs without gradient synchronisation
+  (gradients accumulate unsharded, parameters stay gathered until the step's
+  last backward) and the stage's reduce-scatter is started by hand after its
+  last B. Gradients are summed (divide factor 1), like graphpipe's own replica
+  all-reduce, because each replica's loss term is already scaled by its share
+  of the mini-batch. Schedules splitting the backward are refused for FSDP
+  stages (:mod:`graphpipe.runtime.layouts`).
 * **Tensor parallelism** (tp > 1, shard none). The stage's parameters become
   :class:`~torch.distributed.tensor.DTensor` on the TP mesh (``Shard(0)`` for
   column-wise linear weights and biases, ``Shard(1)`` for row-wise weights,
@@ -42,6 +45,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 import re
+import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -338,11 +342,131 @@ class _Parallel:
     meshes: StageMeshes
     hosted: Any
     fsdp: nn.Module | None = None
+    per_op: bool = False
+    """FSDP with one unit per op (ZeRO-3, reshard after forward): gathered, resharded and reduce-scattered per
+    micro-batch by FSDP's own hooks; nothing for :class:`IntraStage`'s step hooks to do."""
 
 
-def parallelize_stage(hosted, meshes: StageMeshes, model: nn.Module | None = None) -> _Parallel:
+class _Unit(nn.Module):
+    """One FSDP unit of an FSDP stage cut per op: the stage sub-modules owning the unit's parameters as its
+    children (the same module objects the stage module holds, so FSDP swaps the parameters everyone reads),
+    a bound piece of the stage's graph (:class:`~graphpipe.runtime.stage_modules.BoundForward` over the
+    stage module) as its forward."""
+
+    def __init__(self, owners: list[nn.Module], run):
+        super().__init__()
+        self.owners = nn.ModuleList(owners)
+        object.__setattr__(self, "_run", run)
+
+    def forward(self, *xs):
+        return self._run(*xs)
+
+
+class _UnitChain(nn.Module):
+    """An FSDP stage's forward as its per-op pieces called in order (the root FSDP module; every piece that
+    reads parameters is a :class:`_Unit`, whose hooks gather them just before it runs)."""
+
+    def __init__(self, segments, calls, assemble, gathers, input_names):
+        super().__init__()
+        self.units = nn.ModuleList([c for c in calls if isinstance(c, nn.Module)])
+        object.__setattr__(self, "_plan", (tuple(zip(segments, calls)), assemble, tuple(gathers), tuple(input_names)))
+
+    def forward(self, *xs):
+        steps, assemble, gathers, input_names = self._plan
+        env = dict(zip(input_names, xs))
+        ctx = xs[len(input_names)] if len(xs) > len(input_names) else None  # an evaluation passes none
+        for seg, call in steps:
+            env.update(zip(seg.output_names, call(*(env[n] for n in seg.input_names), ctx)))
+        return assemble(*(env[n] for n in gathers))
+
+
+def _fsdp_units(module: torch.fx.GraphModule, op_of) -> list | None:
+    """An FSDP stage module cut into per-op units: ``[(segment, bound forward, owner modules)]`` plus the
+    assembly, or None where it cannot be (one op, a graph reading ``self.training``).
+
+    One segment per op (:func:`~graphpipe.runtime.stage_modules.segment_stage`), consecutive segments merged
+    where they read parameters of one module (its parameters shard as one unit): so a rank gathers one op's
+    weights at a time, the memory the planner charges (:func:`graphpipe.costs.layout_state_bytes`)."""
+    from graphpipe.runtime.stage_modules import BoundForward, clone_mutated_inputs, segment_stage
+
+    def owner_paths(seg) -> set[str]:
+        out = set()
+        for n in seg.module.graph.nodes:
+            if n.op == "get_attr":
+                path, _, name = n.target.rpartition(".")
+                if name in (module.get_submodule(path) if path else module)._parameters:
+                    out.add(path)
+        return out
+
+    ops = sorted({op_of[n.name] for n in module.graph.nodes
+                  if n.op not in ("placeholder", "get_attr", "output") and n.name in op_of})
+    if len(ops) < 2:
+        return None
+    pieces = segment_stage(module, op_of, ops[1:])["segments"]
+    last: dict[str, int] = {}  # owner path -> last segment reading its parameters
+    for j, seg in enumerate(pieces):
+        for path in owner_paths(seg):
+            last[path] = j
+    cuts, reach = [], -1
+    for j, seg in enumerate(pieces):
+        if j > 0 and j > reach:
+            cuts.append(ops[j])
+        reach = max([reach, j, *(last[p] for p in owner_paths(seg))])
+    cut = segment_stage(module, op_of, cuts)
+    units = []
+    for seg in cut["segments"]:
+        # a piece mutating a value an earlier unit returned would drop that unit's backward hook (FSDP gathers
+        # its weights when that value's gradient arrives): it mutates a clone, whose gradient is the identity
+        if clone_mutated_inputs(seg.module.graph):
+            seg.module.recompile()
+        bound = BoundForward(seg.module, owners=module)
+        if bound.bound is None:
+            return None
+        paths = sorted(owner_paths(seg))
+        owners = [module.get_submodule(p) if p else module for p in paths]
+        units.append((seg, bound, owners))
+    return [units, cut["assemble"], cut["gathers"]]
+
+
+def _shard_per_op(hosted, meshes: StageMeshes, op_of) -> nn.Module | None:
+    """FSDP stage ``hosted`` wrapped as :class:`_UnitChain` of :func:`_fsdp_units`, each unit and the chain
+    ``fully_shard``-ed over the replica mesh (reshard after forward); None where it cannot be cut."""
+    from torch.distributed.fsdp import fully_shard
+
+    module = hosted.module
+    cut = _fsdp_units(module, op_of)
+    if cut is None:
+        return None
+    units, assemble, gathers = cut
+    calls, mine = [], []
+    for seg, bound, owners in units:
+        if not owners:
+            calls.append(bound)
+            continue
+        unit = _Unit(owners, bound)
+        own = {id(p) for o in owners for p in o._parameters.values() if p is not None}
+        others = {p for p in unit.parameters() if id(p) not in own}  # sub-modules' parameters: other units'
+        fully_shard(unit, mesh=meshes.dp, reshard_after_forward=True, ignored_params=others or None)
+        calls.append(unit)
+        mine.append(unit)
+    # FSDP warns of every unit returning a view (an in-place op on it would skip the hook); no piece mutates
+    # another's output in place (cloned above), so the warning says nothing here
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDP_Unit", category=UserWarning)
+    chain = _UnitChain([u[0] for u in units], calls, assemble, gathers, hosted.program.input_names)
+    fully_shard(chain, mesh=meshes.dp, reshard_after_forward=True)
+    for unit in (*mine, chain):
+        unit.set_gradient_divide_factor(1.0)  # replicas' loss terms are scaled already: sum, as all-reduce
+        unit.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM), factor 1: exact
+    chain.set_requires_gradient_sync(True)  # every backward reduce-scatters its gradients into the shards
+    chain.set_reshard_after_backward(True)
+    chain.set_is_last_backward(True)
+    return chain
+
+
+def parallelize_stage(hosted, meshes: StageMeshes, model: nn.Module | None = None, op_of=None) -> _Parallel:
     """Make hosted stage ``hosted`` (a :class:`~graphpipe.runtime.hosted.HostedStage` whose weights are
-    materialized) FSDP-sharded or tensor-parallel as its plan says; its forward is wrapped accordingly."""
+    materialized) FSDP-sharded or tensor-parallel as its plan says; its forward is wrapped accordingly.
+    ``op_of`` (fx node name -> op id): an FSDP stage resharding after forward is cut into per-op units."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     stage, module = hosted.stage, hosted.module
@@ -352,6 +476,11 @@ def parallelize_stage(hosted, meshes: StageMeshes, model: nn.Module | None = Non
 
         if meshes.dp is None:  # one replica: nothing to shard over
             return _Parallel(stage, meshes, hosted)
+        if stage.reshard_after_forward and not stage.recompute and op_of:
+            chain = _shard_per_op(hosted, meshes, op_of)
+            if chain is not None:
+                hosted.forward = chain
+                return _Parallel(stage, meshes, hosted, fsdp=chain, per_op=True)
         wrapper = _ShardedCall(module, hosted.forward)
         fully_shard(wrapper, mesh=meshes.dp, reshard_after_forward=stage.reshard_after_forward)
         wrapper.set_gradient_divide_factor(1.0)  # replicas' loss terms are scaled already: sum, as all-reduce
@@ -440,7 +569,7 @@ class IntraStage:
         """FSDP stages: no gradient synchronisation and no resharding in any backward of the step (torch's
         pipelining does the same); the reduce-scatter is :meth:`after_last_backward`'s."""
         for p in self.parallel.values():
-            if p.fsdp is not None:
+            if p.fsdp is not None and not p.per_op:
                 p.fsdp.set_is_last_backward(False)
                 p.fsdp.set_reshard_after_backward(False)
                 p.fsdp.set_requires_gradient_sync(False)
@@ -448,7 +577,7 @@ class IntraStage:
     def after_last_backward(self, stage_id: int) -> None:
         """Stage ``stage_id`` ran its step's last B or W: reduce its gradients over its replicas."""
         p = self.parallel.get(stage_id)
-        if p is None:
+        if p is None or p.per_op:  # per-op FSDP units reduce-scattered in every backward already
             return
         if p.fsdp is not None:
             from torch.distributed.fsdp import fully_shard
@@ -502,7 +631,7 @@ def attach(executor, sg: StageGraph, split, rank: int, device: torch.device, tim
     parallel = {}
     for s, hosted in executor.hosted.items():
         if s in meshes:
-            parallel[s] = parallelize_stage(hosted, meshes[s], model)
+            parallel[s] = parallelize_stage(hosted, meshes[s], model, split.op_of)
     executor._autograd_grads = tuple(h for h in executor.hosted.values() if not h.persistent_grads)
     if parallel and executor.measure:
         # the saved-activation meter reads each saved tensor's storage, which a DTensor (a wrapper) has none of:

@@ -83,10 +83,10 @@ def rank_memory(plan: Plan, state_per_weight: float = 2.0) -> list[RankMemory]:
     for stage in sg.stages:
         stage_bytes = sg.param_bytes(stage.id)
         if stage.shard == "fsdp" and stage.num_replicas > 1:
-            # the runtime keeps an FSDP stage's parameters gathered and its gradients unsharded through a step's
-            # micro-batches (IntraStage.before_iteration, torch's pipelining does the same), one reduce-scatter
-            # at its end: the peak holds the whole stage and its shards (evals/rank_rss measured 2.2-2.6x the
-            # sharded estimate this replaces)
+            # a rank materializes its FSDP stage whole before sharding it, and a step adds the gathered op, its
+            # unsharded gradient and FSDP's reduce-scatter buffer to the shards (per-op units) or keeps the whole
+            # stage gathered (once per step): the peak holds about the whole stage and its shards
+            # (evals/rank_rss: 2.2-2.6x the sharded estimate this replaced; docs/limits.md)
             stage_bytes = stage_bytes * (1.0 + 1.0 / stage.num_replicas)
         elif stage.parallel:  # one tp rank's share: the model's figure per weight byte
             stage_bytes = sg.model_state_bytes(stage.id, 4.0 * state_per_weight) / state_per_weight

@@ -227,6 +227,8 @@ class ModelSplit:
     node_stages: Mapping[str, int] = field(default_factory=dict)
     """Stage of every fx node that takes the context (dropout, BatchNorm) or is a row kernel
     (:data:`~graphpipe.runtime.numerics.ROW_KERNELS`): the reference cuts its input the same way."""
+    op_of: Mapping[str, int] = field(default_factory=dict)
+    """fx node name -> the plan's op id it belongs to (an FSDP stage's per-op units, :func:`segment_stage`)."""
 
 
 def check_op_names(plan_ops: Sequence[str], captured_ops: Sequence[str], model: str) -> None:
@@ -368,7 +370,7 @@ def split_model(gm: torch.fx.GraphModule, op_nodes: Mapping[str, Sequence[str]],
     boundary = tuple(n.name for n in sorted({n for v in sends.values() for n in v}, key=order.__getitem__))
     node_stages = {n.name: node_stage[n] for n in nodes if n in node_stage and (
         (ctx_node is not None and ctx_node in n.all_input_nodes) or (n.op == "call_function" and n.target in ROW_KERNELS))}
-    return ModelSplit(tuple(programs), sink, boundary, tied, node_stages)
+    return ModelSplit(tuple(programs), sink, boundary, tied, node_stages, op_of)
 
 
 def _mutated_base(node: torch.fx.Node) -> torch.fx.Node | None:
@@ -759,22 +761,31 @@ class BoundForward:
     statistics are the stage module's. A graph whose code reads
     ``self.training`` or whose ``get_attr`` names something other than a tensor
     is not bound: :meth:`__call__` then calls the module itself.
+
+    ``owners``: look the tensors up in this module instead of ``gm`` (a piece of a stage module, whose own
+    attributes are copies of the references the stage module held when it was cut: an FSDP unit's parameters
+    are swapped on the stage module's sub-modules, gathered and resharded, so they must be read there). Then
+    every ``get_attr`` is bound, a plain attribute (a constant, a sub-graph) as the value it has now, and
+    :attr:`bound` is None only for a graph that reads ``self.training``.
     """
 
-    def __init__(self, gm: torch.fx.GraphModule):
+    def __init__(self, gm: torch.fx.GraphModule, owners: torch.nn.Module | None = None):
         self.module = gm
         self.slots: list[tuple[dict, str]] = []
         self.bound: torch.fx.GraphModule | None = None
+        root = gm if owners is None else owners
         reads = [n for n in gm.graph.nodes if n.op == "get_attr"]
         slots = []
         for node in reads:
             path, _, name = node.target.rpartition(".")
             try:
-                owner = gm.get_submodule(path) if path else gm
+                owner = root.get_submodule(path) if path else root
             except AttributeError:
                 return
             table = owner._parameters if name in owner._parameters else owner._buffers if name in owner._buffers \
                 else None
+            if table is None and owners is not None and hasattr(owner, name):
+                table = {name: getattr(owner, name)}
             if table is None:  # a plain tensor attribute (a constant) or a sub-graph: keep the module call
                 return
             slots.append((table, name))
