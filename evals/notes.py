@@ -26,14 +26,16 @@ NOTES: dict[str, str] = {
         "(`blocks.3`, `blocks.3[1]`)."
     ),
     "stage-parallel-run": (
-        "Four ranks timeshare this host's two cores, and every collective of FSDP (an all-gather per stage per "
-        "micro-batch's forward and backward, one reduce-scatter per step) and of TP (an all-reduce after each "
-        "row-wise layer, forward and backward) goes through gloo on the same cores: on CPU ranks these layouts buy "
-        "memory, not speed. Each sharded or TP rank holds half of its stage's parameters, gradients and momentum "
-        "(tests/test_intra_stage.py measures the shares); the pipeline-only layout holds the whole stage on both "
-        "replicas. TP runs nearer to the pipeline-only layout than FSDP here because its all-reduces move "
-        "activations (micro-batch 8 x width 512), while FSDP gathers each stage's 2.1 M weights twice per "
-        "micro-batch."
+        "Four ranks timeshare this host's two cores, and every collective of FSDP and of TP (an all-reduce after "
+        "each row-wise layer, forward and backward) goes through gloo on the same cores: on CPU ranks these layouts "
+        "buy memory, not speed. Each sharded or TP rank holds half of its stage's parameters, gradients and "
+        "momentum (tests/test_intra_stage.py measures the shares); the pipeline-only layout holds the whole stage "
+        "on both replicas. FSDP gathered once per step (pp-fsdp-step, the planner's FSDP choice: one all-gather "
+        "and one reduce-scatter per stage per step) runs near TP; resharding after forward (pp-fsdp, one FSDP "
+        "unit per op) gathers each op's weights before its forward and again before its backward and "
+        "reduce-scatters its gradients after every micro-batch, a collective per op per micro-batch three times "
+        "over: on gloo that costs it 3.5x the step of the per-step layout, the price of holding one op gathered "
+        "at a time instead of the stage (the memory the planner charges either choice, costs.layout_state_bytes)."
     ),
     "varying-shapes": (
         "The per-token blocks cost the same per token at any length, so the gain is the padding avoided: the "

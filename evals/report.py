@@ -298,7 +298,10 @@ def _headline(name: str, res: dict[str, Any]) -> str:
         c = res["config"]
         return (f"{c['blocks']} MLP blocks of width {c['width']}, 2 stages x 2 CPU ranks, batch {c['batch']}: "
                 f"pipeline only {fmt(by['pp']['samples_per_s'])} samples/s, with FSDP stages "
-                f"{fmt(by['pp-fsdp']['samples_per_s'])} ({fmt(by['pp-fsdp']['vs_pp'])}x), with TP 2 stages "
+                f"{fmt(by['pp-fsdp']['samples_per_s'])} ({fmt(by['pp-fsdp']['vs_pp'])}x) resharded per op"
+                + (f", {fmt(by['pp-fsdp-step']['samples_per_s'])} ({fmt(by['pp-fsdp-step']['vs_pp'])}x) gathered "
+                   "once per step" if "pp-fsdp-step" in by else "") +
+                f", with TP 2 stages "
                 f"{fmt(by['pp-tp']['samples_per_s'])} ({fmt(by['pp-tp']['vs_pp'])}x), each sharded rank holding "
                 f"half its stage's parameters (median of {c['reps']} interleaved reps)")
     if name == "varying-shapes":

@@ -2,7 +2,8 @@
 
 A chain of wide MLP blocks (Megatron column/row pairs) is cut into two stages of two ranks each, with three
 layouts of the same four ranks: ``pp`` (each stage two whole-copy replicas, gradients all-reduced), ``pp-fsdp``
-(each stage FSDP-sharded over its two ranks: ``fully_shard``) and ``pp-tp`` (each stage one TP 2 group: DTensor
+(each stage FSDP-sharded over its two ranks: ``fully_shard``, one unit per op resharded after forward, or
+``pp-fsdp-step``: one unit gathered once per step) and ``pp-tp`` (each stage one TP 2 group: DTensor
 parameters). All plans run in one set of processes (``run_plans``), interleaved ``--reps`` times; each row
 is the median of the reps' median step times. Each rank's share of its stage's parameters is reported beside.
 
@@ -25,7 +26,9 @@ __all__ = ["wide_mlp", "run", "main"]
 
 WIDTH, BLOCKS, BATCH = 512, 4, 32
 SPEC = f"{os.path.abspath(__file__)}:wide_mlp"
-LAYOUTS = {"pp": (1, "none"), "pp-fsdp": (1, "fsdp"), "pp-tp": (2, "none")}
+LAYOUTS = {"pp": (1, "none"), "pp-fsdp": (1, "fsdp"), "pp-fsdp-step": (1, "fsdp"), "pp-tp": (2, "none")}
+"""Layout -> (tp, shard); ``pp-fsdp`` reshards after forward (one FSDP unit per op, gathered and reduce-scattered
+per micro-batch), ``pp-fsdp-step`` gathers once per step (the planner's FSDP choice)."""
 
 
 class _Block(nn.Module):
@@ -61,7 +64,7 @@ def _plan(layout: str):
     half = len(graph.ops) // 2
     tp, shard = LAYOUTS[layout]
     stages = [Stage(i, tuple(range(i * half, (i + 1) * half if i == 0 else len(graph.ops))), (2 * i, 2 * i + 1), 8,
-                    tp=tp, shard=shard) for i in range(2)]
+                    tp=tp, shard=shard, reshard_after_forward=layout != "pp-fsdp-step") for i in range(2)]
     sg = StageGraph.build(graph, stages, BATCH, 4)
     return replace(base, stage_graph=sg, schedule=make_schedule("1f1b", sg), predicted={}, strategy="custom")
 
