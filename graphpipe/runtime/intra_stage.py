@@ -43,10 +43,11 @@ model's attention heads (naming the projection).
 from __future__ import annotations
 
 import fnmatch
+import gc
 import logging
 import re
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
 
@@ -424,7 +425,10 @@ def _fsdp_units(module: torch.fx.GraphModule, op_of) -> list | None:
             return None
         paths = sorted(owner_paths(seg))
         owners = [module.get_submodule(p) if p else module for p in paths]
-        units.append((seg, bound, owners))
+        # the piece's own module holds references to the stage's whole tensors as they were when it was cut:
+        # kept, they would keep every unsharded parameter alive beside its shards; only the bound copy stays
+        bound.module = bound.bound
+        units.append((replace(seg, module=bound.bound), bound, owners))
     return [units, cut["assemble"], cut["gathers"]]
 
 
@@ -460,6 +464,7 @@ def _shard_per_op(hosted, meshes: StageMeshes, op_of) -> nn.Module | None:
     chain.set_requires_gradient_sync(True)  # every backward reduce-scatters its gradients into the shards
     chain.set_reshard_after_backward(True)
     chain.set_is_last_backward(True)
+    gc.collect()  # the cut pieces (fx modules: reference cycles) held the whole tensors FSDP has just replaced
     return chain
 
 
