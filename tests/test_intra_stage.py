@@ -173,16 +173,30 @@ def test_a_tp_degree_the_heads_cannot_take_is_refused_naming_the_op():
 def test_graphpipe_run_check_passes_mixed_layouts():
     """``graphpipe run --check``'s path (run_plans, models built on meta and materialized per rank): a branchy
     model with a TP branch and an FSDP branch, a chain of whole-copy replicas then TP 2 under zero bubble's
-    split backward, and an FSDP stage under zero bubble refused in one line before any rank starts."""
+    split backward, an FSDP stage and a TP stage re-materializing whole, and an FSDP stage under zero bubble
+    refused in one line before any rank starts."""
+    from dataclasses import replace
+
     from graphpipe.errors import InputError
     from graphpipe.runtime import RunOptions, run_plans
+    from graphpipe.sched.generators import make_schedule
+    from graphpipe.stages import StageGraph
 
     branchy = models.hand_plan(f"{SPEC}:branchy", [(("stem", "right"), (0, 1), 2, "none"),
                                                     (("left", "head"), (2, 3), 1, "fsdp")])
     chain = models.hand_plan(f"{SPEC}:mlp_chain", [(("stem", "block0"), (0, 1), 1, "none"), (("",), (2, 3), 2, "none")],
                              schedule="zb-h1")
+    # whole-stage re-materialization of an FSDP stage and of a TP stage (checkpoint segments are refused:
+    # tests/test_stage_layout.py)
+    recomputed = []
+    for tp, shard in ((1, "fsdp"), (2, "none")):
+        plan = models.hand_plan(f"{SPEC}:mlp_chain", [(("stem", "block0"), (0,), 1, "none"), (("",), (1, 2), tp, shard)])
+        sg = plan.stage_graph
+        sg = StageGraph.build(sg.graph, [sg.stages[0], replace(sg.stages[1], recompute=True)], sg.batch_size,
+                              sg.num_devices)
+        recomputed.append(replace(plan, stage_graph=sg, schedule=make_schedule("1f1b", sg)))
     options = RunOptions(steps=2, warmup_steps=1, check=True, timeout_s=120)
-    for result in run_plans([(branchy, options), (chain, options)]):
+    for result in run_plans([(branchy, options), (chain, options)] + [(p, options) for p in recomputed]):
         assert result.check.passed, result.check
     fsdp_zb = models.hand_plan(f"{SPEC}:mlp_chain", [(("stem", "block0"), (0,), 1, "none"), (("",), (1, 2), 1, "fsdp")],
                                schedule="zb-h1")

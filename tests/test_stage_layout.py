@@ -89,3 +89,25 @@ def test_runtime_runs_fsdp_and_tp_stages_and_refuses_the_rest_in_one_line():
     assert refusal is not None and "stage 1" in refusal and "\n" not in refusal and "tp 1 or shard none" in refusal
     refusal = layout_refusal(_plan({1: {"tp": 2}}), compile=True)
     assert refusal is not None and "stage 1" in refusal and "--compile" in refusal
+
+
+@pytest.mark.parametrize("layout", [{"tp": 2}, {"shard": "fsdp"}])
+def test_a_parallel_stage_re_materializing_in_segments_is_refused(layout):
+    """Checkpoint segments run outside the stage's FSDP/DTensor wrapper (a TP stage's segments trained other
+    weights than the plan's, --check failed; an FSDP one crashed at a rank): refused by name; whole-stage
+    re-materialization runs."""
+    from graphpipe.runtime import layout_refusal
+
+    g = OpGraph.build("c", [Op(f"l{i}", "x", Affine(0, 1.0), Affine(0, 2.0), 400.0, 10.0, 1.0) for i in range(3)],
+                      [("l0", "l1", 0.0), ("l1", "l2", 0.0)])
+
+    def plan(**kw):
+        stages = [Stage(0, (0,), (0, 1), 8), Stage(1, (1, 2), (2, 3), 8, recompute=True, **layout, **kw)]
+        sg = StageGraph.build(g, stages, 32, 4)
+        return Plan(model="c", stage_graph=sg, cluster=preset("h100", 4), strategy="custom",
+                    schedule=make_schedule("1f1b", sg))
+
+    assert layout_refusal(plan()) is None
+    refusal = layout_refusal(plan(checkpoints=(2,)))
+    assert refusal is not None and refusal.startswith("stage 1 is ") and "checkpoints at ops [2]" in refusal
+    assert "\n" not in refusal

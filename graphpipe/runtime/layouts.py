@@ -34,4 +34,12 @@ def layout_refusal(plan: Plan, *, compile: bool = False) -> str | None:
         return (f"stage {fsdp_split[0].id} is FSDP-sharded and the schedule {plan.schedule.name!r} splits its "
                 "backward (zero bubble's I and W): FSDP stages run B schedules (1f1b, gpipe, interleaved, "
                 "graph-1f1b); re-plan with one of those or give the stage shard none")
+    segmented = [s for s in parallel if s.checkpoints]
+    if segmented:
+        s = segmented[0]
+        kind = "FSDP-sharded" if s.shard == "fsdp" else "tensor-parallel"
+        return (f"stage {s.id} is {kind} and re-materializes in segments (checkpoints at ops "
+                f"{list(s.checkpoints)}): a segment would read the stage's parameters around FSDP's gathers and "
+                "DTensor's inputs; drop its checkpoints (the whole stage re-materializes) or give it tp 1 and "
+                "shard none")
     return stage_refusal(plan.stage_graph)
