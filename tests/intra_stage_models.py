@@ -132,3 +132,38 @@ def _loaded(spec: str):
     from graphpipe.models import load_model
 
     return load_model(spec)
+
+
+class _Writer(nn.Module):
+    """Writes its own projection into the first columns of the tensor it is given, in place, and returns it."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(WIDTH, 4)
+
+    def forward(self, y, h):
+        y[:, :4] = self.proj(h)
+        return y
+
+
+class WritesAcrossOps(nn.Module):
+    """A value one op makes (``a``'s output) is written into by another op (``writer``, a slice assignment)
+    and read after the write by a third (``head``): the write must reach that reader, as eagerly."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(6, WIDTH)
+        self.a = nn.Linear(WIDTH, WIDTH)
+        self.writer = _Writer()
+        self.head = nn.Linear(WIDTH, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.stem(x))
+        y = self.a(h)
+        self.writer(y, h)
+        return self.head(torch.tanh(y))
+
+
+def writes_across_ops():
+    torch.manual_seed(0)
+    return WritesAcrossOps(), _data()[0], _ce, _data()[1]

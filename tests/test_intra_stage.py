@@ -202,3 +202,69 @@ def test_graphpipe_run_check_passes_mixed_layouts():
                                schedule="zb-h1")
     with pytest.raises(InputError, match=r"^stage 1 is FSDP-sharded and the schedule 'zb-h1' splits its backward"):
         run_plans([(fsdp_zb, options)])
+
+
+def _stage_graph(write: bool = False, view_of_weight: bool = False):
+    """A hand-built stage module of three ops: op 0 ``y = a(x)``; op 1 ``z = b(x)``; op 2 ``c(tanh(y) + pad(z))``.
+    ``write``: op 1 writes ``z`` into ``y``'s first columns in place instead (a slice ``copy_``), read by op 2.
+    ``view_of_weight``: op 0 also hands op 2 ``a.weight.t()``, a view of its parameter."""
+    import torch.fx as fx
+    import torch.nn as nn
+
+    from graphpipe.runtime.stage_modules import CTX_NAME
+
+    torch.manual_seed(0)
+    root = nn.Module()
+    root.a, root.b, root.c = nn.Linear(4, 4), nn.Linear(4, 2), nn.Linear(4, 3)
+    aten, g = torch.ops.aten, fx.Graph()
+    x = g.placeholder("x")
+    g.placeholder(CTX_NAME, default_value=None)
+    attr = {n: g.get_attr(n) for n in ("a.weight", "a.bias", "b.weight", "b.bias", "c.weight", "c.bias")}
+    y = g.call_function(aten.linear.default, (x, attr["a.weight"], attr["a.bias"]))
+    op_of = {y.name: 0}
+    if view_of_weight:
+        op_of[g.call_function(aten.t.default, (attr["a.weight"],)).name] = 0
+    z = g.call_function(aten.linear.default, (x, attr["b.weight"], attr["b.bias"]))
+    op_of[z.name] = 1
+    if write:
+        cols = g.call_function(aten.slice.Tensor, (y, 1, 0, 2))
+        op_of[cols.name] = op_of[g.call_function(aten.copy_.default, (cols, z)).name] = 1
+        h = g.call_function(aten.tanh.default, (y,))
+    else:
+        h = g.call_function(aten.add.Tensor, (g.call_function(aten.tanh.default, (y,)),
+                                              g.call_function(aten.constant_pad_nd.default, (z, [0, 2]))))
+    if view_of_weight:
+        wt = next(n for n in g.nodes if n.target is aten.t.default)
+        h = g.call_function(aten.mm.default, (h, wt))
+    out = g.call_function(aten.linear.default, (h, attr["c.weight"], attr["c.bias"]))
+    g.output(((h,), out))
+    for n in g.nodes:
+        if n.op == "call_function":
+            op_of.setdefault(n.name, 2)
+    return fx.GraphModule(root, g), op_of
+
+
+def test_per_op_pieces_compute_the_stage_and_refuse_what_fsdp_cannot_cut():
+    """The per-op cut of an FSDP stage (the pieces alone, no FSDP), run in order, computes what the stage module
+    computes, values and gradients. A stage where one op writes in place into another op's output, or where a
+    piece would hand on a view of a parameter (FSDP frees the gathered storage after the piece), is not cut:
+    it stays one FSDP unit."""
+    from graphpipe.runtime.intra_stage import _UnitChain, _fsdp_units
+
+    gm, op_of = _stage_graph()
+    units, assemble, gathers = _fsdp_units(gm, op_of)
+    assert [sorted(p for o in owners for p, _ in o.named_parameters()) for _, _, owners in units] == \
+        [["bias", "weight"]] * 3  # one unit per op, each owning its linear
+    chain = _UnitChain([u[0] for u in units], [u[1] for u in units], assemble, gathers, ("x",))
+    x, params = torch.randn(5, 4), list(gm.parameters())
+
+    def run(fn):
+        (h,), out = fn(x, None)
+        return h.detach(), out.detach(), torch.autograd.grad(out.square().sum() + h.sum(), params)
+
+    want, got = run(gm), run(chain)
+    torch.testing.assert_close(got[:2], want[:2])
+    for g_got, g_want in zip(got[2], want[2]):
+        torch.testing.assert_close(g_got, g_want)
+    assert _fsdp_units(*_stage_graph(write=True)) is None
+    assert _fsdp_units(*_stage_graph(view_of_weight=True)) is None

@@ -370,14 +370,24 @@ class _UnitChain(nn.Module):
     def __init__(self, segments, calls, assemble, gathers, input_names):
         super().__init__()
         self.units = nn.ModuleList([c for c in calls if isinstance(c, nn.Module)])
-        object.__setattr__(self, "_plan", (tuple(zip(segments, calls)), assemble, tuple(gathers), tuple(input_names)))
+        # the values no later piece (nor the assembly) reads, dropped after each piece as fx's code would
+        kept = set(gathers)
+        drop = []
+        for seg in reversed(segments):
+            drop.append(tuple(n for n in seg.input_names if n not in kept))
+            kept.update(seg.input_names)
+        steps = tuple(zip(segments, calls, reversed(drop)))
+        object.__setattr__(self, "_plan", (steps, assemble, tuple(gathers), tuple(input_names)))
 
     def forward(self, *xs):
         steps, assemble, gathers, input_names = self._plan
         env = dict(zip(input_names, xs))
         ctx = xs[len(input_names)] if len(xs) > len(input_names) else None  # an evaluation passes none
-        for seg, call in steps:
-            env.update(zip(seg.output_names, call(*(env[n] for n in seg.input_names), ctx)))
+        for seg, call, done in steps:
+            got = call(*(env[n] for n in seg.input_names), ctx)
+            for n in done:
+                env.pop(n, None)
+            env.update(zip(seg.output_names, got))
         return assemble(*(env[n] for n in gathers))
 
 
@@ -388,7 +398,7 @@ def _fsdp_units(module: torch.fx.GraphModule, op_of) -> list | None:
     One segment per op (:func:`~graphpipe.runtime.stage_modules.segment_stage`), consecutive segments merged
     where they read parameters of one module (its parameters shard as one unit): so a rank gathers one op's
     weights at a time, the memory the planner charges (:func:`graphpipe.costs.layout_state_bytes`)."""
-    from graphpipe.runtime.stage_modules import BoundForward, clone_mutated_inputs, segment_stage
+    from graphpipe.runtime.stage_modules import BoundForward, clone_mutated_inputs, segment_stage, view_root
 
     def owner_paths(seg) -> set[str]:
         out = set()
@@ -416,10 +426,17 @@ def _fsdp_units(module: torch.fx.GraphModule, op_of) -> list | None:
     cut = segment_stage(module, op_of, cuts)
     units = []
     for seg in cut["segments"]:
-        # a piece mutating a value an earlier unit returned would drop that unit's backward hook (FSDP gathers
-        # its weights when that value's gradient arrives): it mutates a clone, whose gradient is the identity
+        # a piece writing in place into a value an earlier piece made (or a view of one) would write through the
+        # earlier unit's output, dropping its backward hook, and a clone would not reach the value's other
+        # readers: such a stage stays one unit
         if clone_mutated_inputs(seg.module.graph):
-            seg.module.recompile()
+            return None
+        out = next(n for n in seg.module.graph.nodes if n.op == "output")
+        for a in out.args[0]:  # a piece handing on its weights or a view of them: one unit for the stage
+            root = view_root(a) if isinstance(a, torch.fx.Node) else None
+            path, _, name = root.target.rpartition(".") if root is not None and root.op == "get_attr" else ("", "", "")
+            if name and name in (module.get_submodule(path) if path else module)._parameters:
+                return None
         bound = BoundForward(seg.module, owners=module)
         if bound.bound is None:
             return None
@@ -442,6 +459,9 @@ def _shard_per_op(hosted, meshes: StageMeshes, op_of) -> nn.Module | None:
     if cut is None:
         return None
     units, assemble, gathers = cut
+    covered = {id(p) for _, _, owners in units for o in owners for p in o._parameters.values() if p is not None}
+    if any(id(p) not in covered for p in module.parameters()):
+        return None  # a parameter no piece reads through get_attr (a module call's own): one unit for the stage
     calls, mine = [], []
     for seg, bound, owners in units:
         if not owners:
@@ -453,11 +473,16 @@ def _shard_per_op(hosted, meshes: StageMeshes, op_of) -> nn.Module | None:
         fully_shard(unit, mesh=meshes.dp, reshard_after_forward=True, ignored_params=others or None)
         calls.append(unit)
         mine.append(unit)
-    # FSDP warns of every unit returning a view (an in-place op on it would skip the hook); no piece mutates
-    # another's output in place (cloned above), so the warning says nothing here
+    # FSDP warns of every unit returning a view (an in-place op on it would skip the hook); no piece writes into
+    # another's output nor returns a view of its weights (both kept one unit above), so the warning says nothing
+    # here; the filter matches graphpipe's own unit classes only
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDP_Unit", category=UserWarning)
     chain = _UnitChain([u[0] for u in units], calls, assemble, gathers, hosted.program.input_names)
     fully_shard(chain, mesh=meshes.dp, reshard_after_forward=True)
+    for before, unit in zip([None, *mine], mine):
+        # backward runs the units in reverse: each prefetches the one before it (FSDP's implicit order is the
+        # last forward's, another micro-batch's under a pipeline schedule)
+        unit.set_modules_to_backward_prefetch([before] if before is not None else [])
     for unit in (*mine, chain):
         unit.set_gradient_divide_factor(1.0)  # replicas' loss terms are scaled already: sum, as all-reduce
         unit.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM), factor 1: exact

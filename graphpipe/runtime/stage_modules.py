@@ -373,16 +373,22 @@ def split_model(gm: torch.fx.GraphModule, op_nodes: Mapping[str, Sequence[str]],
     return ModelSplit(tuple(programs), sink, boundary, tied, node_stages, op_of)
 
 
-def _mutated_base(node: torch.fx.Node) -> torch.fx.Node | None:
-    """The placeholder ``node`` is (or is a view of, through any chain of aten view ops), else None."""
+def view_root(node: torch.fx.Node) -> torch.fx.Node:
+    """The node ``node`` is a view of, through any chain of aten view ops (``node`` itself if it is none)."""
     while node.op == "call_function":
         schema = getattr(node.target, "_schema", None)
         returns = schema.returns if schema is not None else ()
         alias = returns[0].alias_info if len(returns) == 1 else None
         if alias is None or alias.is_write or not node.args or not isinstance(node.args[0], torch.fx.Node):
-            return None
+            return node
         node = node.args[0]  # a view (``slice``, ``view``, ``select``, ...) of its first argument
-    return node if node.op == "placeholder" else None
+    return node
+
+
+def _mutated_base(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The placeholder ``node`` is (or is a view of, through any chain of aten view ops), else None."""
+    root = view_root(node)
+    return root if root.op == "placeholder" else None
 
 
 def clone_mutated_inputs(graph: torch.fx.Graph) -> tuple[str, ...]:
