@@ -34,7 +34,7 @@ NOTES: dict[str, str] = {
         "and one reduce-scatter per stage per step) runs near TP; resharding after forward (pp-fsdp, one FSDP "
         "unit per op) gathers each op's weights before its forward and again before its backward and "
         "reduce-scatters its gradients after every micro-batch, a collective per op per micro-batch three times "
-        "over: on gloo that costs it 3.5x the step of the per-step layout, the price of holding one op gathered "
+        "over: on gloo that costs it 2.8-3.5x the step of the per-step layout (two runs), the price of holding one op gathered "
         "at a time instead of the stage (the memory the planner charges either choice, costs.layout_state_bytes)."
     ),
     "varying-shapes": (
@@ -61,7 +61,7 @@ NOTES: dict[str, str] = {
         "ranks, batch 8, `--steps 1`) each rank peaked at 1.46-1.63 GB against 1.35-1.43 GB expected "
         "before the gradient term. "
         "The FSDP rows are still above a half: the same model as two stages of two FSDP ranks each peaks at "
-        "1.68-1.75 GB on a first-stage rank, 1.67-1.91x its stage's unsharded weights and gradients above the "
+        "1.73-1.78 GB on a first-stage rank, 1.65-1.96x its stage's unsharded weights and gradients above the "
         "tiny rank, where holding its half would be 0.5x. The stage now runs as one FSDP unit per op "
         "(resharding after forward, the plan's default): a rank gathers one op's weights at a time and "
         "reduce-scatters every micro-batch's gradients into its shards (the tests count the gathered elements: "
@@ -71,7 +71,7 @@ NOTES: dict[str, str] = {
         "before sharding it (the setup's high-water mark, about 1.0 GB here), and during a step the gathered op, "
         "its unsharded gradient, autograd's fresh copy of it and FSDP's flat reduce-scatter buffer come on top "
         "of the shards (the largest op here is the 131 MB token embedding or head). The launcher's estimate "
-        "(the whole stage plus its shards) now holds: the measured peaks are 0.3% above it to 14% below. Materializing "
+        "(the whole stage plus its shards) now holds: the measured peaks are 2% above it to 15% below. Materializing "
         "each rank's shard directly is what would take the setup's whole stage away. setup's whole stage away. The diffusers UNet (a UNet rank once peaked at "
         "731 MB against an estimate of 489 MB) planned by gpp on three CPU ranks now peaks 8-11% above the "
         "estimate per rank; a plan that puts the whole UNet on one rank (SearchOptions' defaults on the cpu "
