@@ -400,29 +400,26 @@ def _fsdp_units(module: torch.fx.GraphModule, op_of) -> list | None:
     weights at a time, the memory the planner charges (:func:`graphpipe.costs.layout_state_bytes`)."""
     from graphpipe.runtime.stage_modules import BoundForward, clone_mutated_inputs, segment_stage, view_root
 
+    def param_owner(target: str) -> str | None:
+        """The path of the module owning parameter ``target`` (None: ``target`` is no parameter)."""
+        path, _, name = target.rpartition(".")
+        return path if name in module.get_submodule(path)._parameters else None
+
     def owner_paths(seg) -> set[str]:
-        out = set()
-        for n in seg.module.graph.nodes:
-            if n.op == "get_attr":
-                path, _, name = n.target.rpartition(".")
-                if name in (module.get_submodule(path) if path else module)._parameters:
-                    out.add(path)
-        return out
+        return {path for n in seg.module.graph.nodes if n.op == "get_attr"
+                for path in [param_owner(n.target)] if path is not None}
 
     ops = sorted({op_of[n.name] for n in module.graph.nodes
                   if n.op not in ("placeholder", "get_attr", "output") and n.name in op_of})
     if len(ops) < 2:
         return None
-    pieces = segment_stage(module, op_of, ops[1:])["segments"]
-    last: dict[str, int] = {}  # owner path -> last segment reading its parameters
-    for j, seg in enumerate(pieces):
-        for path in owner_paths(seg):
-            last[path] = j
+    owned = [owner_paths(seg) for seg in segment_stage(module, op_of, ops[1:])["segments"]]
+    last = {path: j for j, paths in enumerate(owned) for path in paths}  # owner -> last piece reading it
     cuts, reach = [], -1
-    for j, seg in enumerate(pieces):
+    for j, paths in enumerate(owned):
         if j > 0 and j > reach:
             cuts.append(ops[j])
-        reach = max([reach, j, *(last[p] for p in owner_paths(seg))])
+        reach = max([reach, j, *(last[p] for p in paths)])
     cut = segment_stage(module, op_of, cuts)
     units = []
     for seg in cut["segments"]:
@@ -432,16 +429,13 @@ def _fsdp_units(module: torch.fx.GraphModule, op_of) -> list | None:
         if clone_mutated_inputs(seg.module.graph):
             return None
         out = next(n for n in seg.module.graph.nodes if n.op == "output")
-        for a in out.args[0]:  # a piece handing on its weights or a view of them: one unit for the stage
-            root = view_root(a) if isinstance(a, torch.fx.Node) else None
-            path, _, name = root.target.rpartition(".") if root is not None and root.op == "get_attr" else ("", "", "")
-            if name and name in (module.get_submodule(path) if path else module)._parameters:
-                return None
+        roots = [view_root(a) for a in out.args[0] if isinstance(a, torch.fx.Node)]
+        if any(r.op == "get_attr" and param_owner(r.target) is not None for r in roots):
+            return None  # a piece handing on its weights or a view of them: one unit for the stage
         bound = BoundForward(seg.module, owners=module)
         if bound.bound is None:
             return None
-        paths = sorted(owner_paths(seg))
-        owners = [module.get_submodule(p) if p else module for p in paths]
+        owners = [module.get_submodule(p) for p in sorted(owner_paths(seg))]
         # the piece's own module holds references to the stage's whole tensors as they were when it was cut:
         # kept, they would keep every unsharded parameter alive beside its shards; only the bound copy stays
         bound.module = bound.bound
@@ -459,7 +453,11 @@ def _shard_per_op(hosted, meshes: StageMeshes, op_of) -> nn.Module | None:
     if cut is None:
         return None
     units, assemble, gathers = cut
-    covered = {id(p) for _, _, owners in units for o in owners for p in o._parameters.values() if p is not None}
+
+    def direct(owners) -> set[int]:  # the parameters the owner modules hold themselves, not their sub-modules'
+        return {id(p) for o in owners for p in o._parameters.values() if p is not None}
+
+    covered = direct(o for _, _, owners in units for o in owners)
     if any(id(p) not in covered for p in module.parameters()):
         return None  # a parameter no piece reads through get_attr (a module call's own): one unit for the stage
     calls, mine = [], []
@@ -468,7 +466,7 @@ def _shard_per_op(hosted, meshes: StageMeshes, op_of) -> nn.Module | None:
             calls.append(bound)
             continue
         unit = _Unit(owners, bound)
-        own = {id(p) for o in owners for p in o._parameters.values() if p is not None}
+        own = direct(owners)
         others = {p for p in unit.parameters() if id(p) not in own}  # sub-modules' parameters: other units'
         fully_shard(unit, mesh=meshes.dp, reshard_after_forward=True, ignored_params=others or None)
         calls.append(unit)
