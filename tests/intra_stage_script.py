@@ -1,6 +1,6 @@
 """Run under torchrun by tests/test_intra_stage.py: train ``file.py:factory`` models through graphpipe.Pipeline on
 plans with FSDP / tensor-parallel stages, one plan after another in the same ranks; rank 0 writes, per plan, the
-losses, the final weights (whole, by name) and each rank's share of its stages' state.
+losses, the gradients' global norms, the final weights (whole, by name) and each rank's share of its stages' state.
 
     torchrun --nproc-per-node N tests/intra_stage_script.py STEPS OUT_DIR PLAN.json[,KEY=VALUE...] ...
 
@@ -66,9 +66,10 @@ def train(plan_path: str, steps: int, out: str, save: str | None, load: str | No
     if load:
         pipe.load(load, None if idle else opt)
     gathered = _watch_gathers(pipe)
-    losses = []
+    losses, norms = [], []
     for _ in range(steps):
         losses.append(pipe.step(made.example_inputs, made.example_target).item())
+        norms.append(float(pipe.clip_grad_norm_(1e9)))  # the global norm: every parameter counted once
         opt.step()
         opt.zero_grad(set_to_none=False)  # the gradients stay allocated: their share is measured below
     if save:
@@ -85,7 +86,7 @@ def train(plan_path: str, steps: int, out: str, save: str | None, load: str | No
     dist.gather_object((weights, shares), gathered, dst=0)
     if dist.get_rank() == 0:
         merged = {name: w for part, _ in gathered for name, w in part.items()}
-        torch.save({"losses": losses, "eval": evaluation, "weights": merged, "shares": [s for _, s in gathered]}, out)
+        torch.save({"losses": losses, "norms": norms, "eval": evaluation, "weights": merged, "shares": [s for _, s in gathered]}, out)
     pipe.close()
 
 

@@ -31,16 +31,17 @@ def oracle(factory: str, steps: int, start: dict | None = None):
     if start is not None:
         model.load_state_dict(start)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    losses = []
+    losses, norms = [], []
     for _ in range(steps):
         loss = loss_fn(model(x), y)
         loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)))
         opt.step()
         opt.zero_grad()
         losses.append(float(loss.detach()))
     with torch.no_grad():
         evaluation = model.eval()(x)
-    return losses, {n: p.detach() for n, p in model.named_parameters()}, evaluation
+    return losses, {n: p.detach() for n, p in model.named_parameters()}, evaluation, norms
 
 
 def write(tmp_path, name: str, factory: str, stages, **kw) -> str:
@@ -53,8 +54,9 @@ def write(tmp_path, name: str, factory: str, stages, **kw) -> str:
 
 def check(out: str, factory: str, steps: int) -> dict:
     got = torch.load(out, weights_only=False)
-    losses, weights, evaluation = oracle(factory, steps)
+    losses, weights, evaluation, norms = oracle(factory, steps)
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(losses))
+    torch.testing.assert_close(torch.tensor(got["norms"]), torch.tensor(norms))  # each parameter counted once
     torch.testing.assert_close(got["eval"], evaluation)  # Pipeline.forward runs each stage on its whole group
     assert set(got["weights"]) == set(weights)
     for name, w in weights.items():
@@ -63,9 +65,15 @@ def check(out: str, factory: str, steps: int) -> dict:
 
 
 def test_fsdp_tp_and_mixed_layouts_train_as_one_process(tmp_path):
-    """One job of 4 ranks, five hand-written plans: FSDP, TP, replicas + TP on a chain; TP and FSDP branches; TP
-    for a meta-device model loaded from a plain seed checkpoint."""
+    """One job of 4 ranks, hand-written plans: TP and FSDP together (2-D) on an MLP and a Llama; FSDP, TP,
+    replicas + TP on a chain; TP and FSDP branches; TP for a meta-device model loaded from a plain seed
+    checkpoint."""
     plans = [
+        # 2-D: the whole MLP tp 2 inside each of 2 FSDP replicas, and the same tp 2 alone on two ranks; a Llama's
+        # two decoder layers 2-D (its base_model_tp_plan, a row-wise layer's output all-reduced before the next)
+        write(tmp_path, "tp_fsdp", "mlp_chain", [(("",), (0, 1, 2, 3), 2, "fsdp")]),
+        write(tmp_path, "tp_whole", "mlp_chain", [(("",), (0, 1), 2, "none")], devices=4),
+        write(tmp_path, "llama_2d", "llama", [(("",), (0, 1, 2, 3), 2, "fsdp")]),
         write(tmp_path, "fsdp", "mlp_chain", [(("stem", "block0"), (0,), 1, "none"), (("",), (1, 2), 1, "fsdp")]),
         write(tmp_path, "tp", "mlp_chain", [(("stem",), (0,), 1, "none"), (("",), (1, 2), 2, "none")]),
         write(tmp_path, "chain", "mlp_chain", [(("stem", "block0"), (0, 1), 1, "none"), (("",), (2, 3), 2, "none")]),
@@ -77,7 +85,7 @@ def test_fsdp_tp_and_mixed_layouts_train_as_one_process(tmp_path):
     import json
     import shutil
 
-    with open(plans[0]) as f:
+    with open(plans[3]) as f:
         doc = json.load(f)
     doc["stages"][1]["reshard_after_forward"] = False
     with open(tmp_path / "fsdp_step.json", "w") as f:
@@ -89,7 +97,7 @@ def test_fsdp_tp_and_mixed_layouts_train_as_one_process(tmp_path):
 
     seed = str(tmp_path / "seed")
     dcp.save(models.mlp_chain()[0].state_dict(), checkpoint_id=seed, no_dist=True)
-    shutil.copy(plans[1], tmp_path / "tp_meta.json")
+    shutil.copy(plans[4], tmp_path / "tp_meta.json")
     plans.append(f"{tmp_path / 'tp_meta.json'},meta=1,load={seed}")
     torchrun(str(3), str(tmp_path), *plans, ranks=4, script=SCRIPT)
     check(str(tmp_path / "tp_meta.pt"), "mlp_chain", 3)
@@ -98,6 +106,13 @@ def test_fsdp_tp_and_mixed_layouts_train_as_one_process(tmp_path):
     check(str(tmp_path / "tp.pt"), "mlp_chain", 3)
     check(str(tmp_path / "chain.pt"), "mlp_chain", 3)
     branchy = check(str(tmp_path / "branchy.pt"), "branchy", 3)
+    check(str(tmp_path / "llama_2d.pt"), "llama", 3)
+    # 2-D: each rank holds half of its TP rank's share (FSDP over the 2 replicas, up to FSDP's padding)
+    two_d, tp_only = check(str(tmp_path / "tp_fsdp.pt"), "mlp_chain", 3), check(str(tmp_path / "tp_whole.pt"),
+                                                                              "mlp_chain", 3)
+    for share in two_d["shares"]:
+        assert abs(share["params"] - tp_only["shares"][0]["params"] / 2) <= 16
+        assert share["grads"] == share["params"] == share["optim"]
     # each rank of a sharded stage holds about half of that stage's parameters, gradients and optimizer state
     model = models.MLPChain()
     stage = sum(p.numel() for n, p in model.named_parameters() if not n.startswith(("stem", "block0")))
@@ -115,10 +130,10 @@ def test_fsdp_tp_and_mixed_layouts_train_as_one_process(tmp_path):
 
 
 def test_llama_tp_and_a_checkpoint_across_layouts(tmp_path):
-    """One job of 3 ranks: a tiny HF Llama whose first stage is TP 2 (its base_model_tp_plan, 4 heads and 2 KV
-    heads split by KV group); an FSDP plan's checkpoint (weights and momentum) loaded by a TP plan, which goes on
+    """One job of 3 ranks: a tiny HF Llama whose first stage, the embedding and both decoder layers, is TP 2 (its
+    base_model_tp_plan, 4 heads and 2 KV heads split by KV group); an FSDP plan's checkpoint (weights and momentum) loaded by a TP plan, which goes on
     training as one process would have."""
-    llama = write(tmp_path, "llama", "llama", [(("model.model.embed", "model.model.layers.0"), (0, 1), 2, "none"),
+    llama = write(tmp_path, "llama", "llama", [(("model.model.embed", "model.model.layers."), (0, 1), 2, "none"),
                                                (("",), (2,), 1, "none")])
     fsdp = write(tmp_path, "fsdp", "mlp_chain", [(("stem", "block0"), (0,), 1, "none"), (("",), (1, 2), 1, "fsdp")])
     tp = write(tmp_path, "tp", "mlp_chain", [(("stem",), (0,), 1, "none"), (("",), (1, 2), 2, "none")])
@@ -139,13 +154,13 @@ def test_llama_tp_and_a_checkpoint_across_layouts(tmp_path):
     assert [s["gathered"] for s in sharded["shares"][:2]] == [max(per_op)] * 2
     assert max(per_op) < sum(per_op)  # the decoder layer (9,280) of the stage's 11,328
     named = dict(models.llama()[0].named_parameters())
-    split = sum(p.numel() for n, p in named.items() if ".layers.0." in n and n.endswith("proj.weight"))
-    whole = sum(p.numel() for n, p in named.items() if ".layers.0." in n or "embed" in n) - split
+    split = sum(p.numel() for n, p in named.items() if ".layers." in n and n.endswith("proj.weight"))
+    whole = sum(p.numel() for n, p in named.items() if "lm_head" not in n) - split  # the final norm: layers.1's
     # each TP rank: half of every projection, the embedding and the norms whole
     assert got["shares"][0]["params"] == got["shares"][1]["params"] == whole + split // 2
     check(str(tmp_path / "fsdp.pt"), "mlp_chain", 2)
     resumed = torch.load(str(tmp_path / "tp.pt"), weights_only=False)
-    losses, weights, evaluation = oracle("mlp_chain", 3)
+    losses, weights, evaluation, _ = oracle("mlp_chain", 3)
     torch.testing.assert_close(resumed["eval"], evaluation)
     torch.testing.assert_close(resumed["losses"][0], losses[2])
     for name, w in weights.items():

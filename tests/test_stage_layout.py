@@ -79,14 +79,13 @@ def test_round_robin_keeps_whole_copies():
         Stage(0, (0,), (0, 1), 2, replica_mode="round-robin", tp=2)
 
 
-def test_runtime_runs_fsdp_and_tp_stages_and_refuses_the_rest_in_one_line():
+def test_runtime_runs_fsdp_tp_and_2d_stages_and_refuses_the_rest_in_one_line():
     from graphpipe.runtime import layout_refusal
 
     assert layout_refusal(_plan()) is None
     assert layout_refusal(_plan({1: {"shard": "fsdp"}})) is None
     assert layout_refusal(_plan({0: {"tp": 2}, 1: {"shard": "fsdp", "reshard_after_forward": False}})) is None
-    refusal = layout_refusal(_plan({1: {"shard": "fsdp", "tp": 2}}))
-    assert refusal is not None and "stage 1" in refusal and "\n" not in refusal and "tp 1 or shard none" in refusal
+    assert layout_refusal(_plan({1: {"shard": "fsdp", "tp": 2}})) is None  # 2-D inside a stage runs
     refusal = layout_refusal(_plan({1: {"tp": 2}}), compile=True)
     assert refusal is not None and "stage 1" in refusal and "--compile" in refusal
 
@@ -111,3 +110,28 @@ def test_a_parallel_stage_re_materializing_in_segments_is_refused(layout):
     refusal = layout_refusal(plan(checkpoints=(2,)))
     assert refusal is not None and refusal.startswith("stage 1 is ") and "checkpoints at ops [2]" in refusal
     assert "\n" not in refusal
+
+
+def test_the_planner_gives_a_parallel_stage_whole_re_materialization_not_the_segments_run_refuses():
+    """A stage planned with checkpoint segments keeps them as whole copies; under any parallel layout (the
+    per-stage search's options, a uniform layout's expansion) it re-materializes whole, which the runtime runs."""
+    from graphpipe.runtime import layout_refusal
+    from graphpipe.search import layouts
+
+    g = OpGraph.build("c", [Op(f"l{i}", "x", Affine(0, 1.0), Affine(0, 2.0), 400.0, 10.0, 1.0) for i in range(3)],
+                      [("l0", "l1", 0.0), ("l1", "l2", 0.0)])
+    cluster = preset("h100", 4)
+    stage = Stage(0, (0, 1, 2), (0, 1, 2, 3), 8, recompute=True, checkpoints=(2,))
+    options = layouts.stage_layouts(stage, cluster, [1, 2], ["none", "fsdp"])
+    assert {(o.tp, o.shard) for o in options} == {(1, "none"), (1, "fsdp"), (2, "none"), (2, "fsdp")}
+    for o in options:
+        assert o.recompute and o.checkpoints == (() if o.parallel else (2,))
+    reduced = StageGraph.build(g, [Stage(0, (0, 1, 2), (0, 1), 8, recompute=True, checkpoints=(2,))], 32, 2)
+    for layout in (layouts.Layout(2, "none"), layouts.Layout(1, "fsdp"), layouts.Layout(2, "fsdp")):
+        sg = layouts.expand(reduced, g, cluster, layout, 32) if layout.tp == 2 else \
+            layouts.expand(StageGraph.build(g, [Stage(0, (0, 1, 2), (0, 1, 2, 3), 8, recompute=True,
+                                                     checkpoints=(2,))], 32, 4), g, cluster, layout, 32)
+        (st,) = sg.stages
+        assert st.parallel and st.recompute and st.checkpoints == ()
+        plan = Plan(model="c", stage_graph=sg, cluster=cluster, strategy="gpp", schedule=make_schedule("1f1b", sg))
+        assert layout_refusal(plan) is None

@@ -11,7 +11,7 @@ well-kept pieces instead of hand-written collectives:
   per data-parallel column; a rank of the stage wraps its two in 1-D
   :class:`~torch.distributed.device_mesh.DeviceMesh` objects
   (:meth:`DeviceMesh.from_group`), so no mesh creates groups of its own.
-* **FSDP** (``shard: fsdp``, tp 1), as the plan's ``reshard_after_forward``
+* **FSDP** (``shard: fsdp``), as the plan's ``reshard_after_forward``
   says. Resharding after forward (ZeRO-3): the stage's graph is cut into one
   piece per op, each an FSDP unit (:func:`_fsdp_units`, :class:`_Unit`) over
   the replica mesh, so FSDP's own hooks gather one op's weights at a time and
@@ -35,9 +35,15 @@ well-kept pieces instead of hand-written collectives:
   that cannot split runs replicated. Replicas' gradients are all-reduced over
   the mesh's replica dimension (local shards, one collective per parameter).
 
-Refused in one line, before a step: FSDP and TP in one stage (2-D), tied
-parameters on a parallel stage, and a TP degree that does not divide a
-model's attention heads (naming the projection).
+* **Both** (tp > 1, shard fsdp: 2-D inside the stage, torchtitan's dp x tp
+  layout per stage). The TP parameters above, then the stage as one FSDP unit
+  over the replica columns of one 2-D mesh (FSDP shards a DTensor parameter
+  only over a mesh sharing its TP mesh's parent); its gradients are fixed to
+  their parameters' TP layout before FSDP's reduce-scatter after the last B.
+
+Refused in one line, before a step: tied parameters on a parallel stage, and
+a TP degree that does not divide a model's attention heads (naming the
+projection); the rest in :mod:`graphpipe.runtime.layouts`.
 """
 
 from __future__ import annotations
@@ -59,7 +65,7 @@ from graphpipe.errors import PlanError
 from graphpipe.runtime.dtensors import like, local_pair
 from graphpipe.stages import Stage, StageGraph
 
-__all__ = ["StageMeshes", "build_stage_meshes", "layout_refusal", "tp_placements", "parallelize_stage",
+__all__ = ["StageMeshes", "build_stage_meshes", "tp_placements", "parallelize_stage",
            "IntraStage", "full_value", "local_pair", "attach", "like", "counts_here", "eval_ranks", "replica_lead", "replica_ranks"]
 
 log = logging.getLogger(__name__)
@@ -79,15 +85,6 @@ def eval_ranks(stage: Stage) -> tuple[int, ...]:
     """The ranks that run ``stage`` in an evaluation forward (once, whole batch): its first rank, its first
     TP group for a TP stage, every rank of an FSDP stage (each holds a shard the gather needs)."""
     return stage.devices if stage.shard == "fsdp" else stage.tp_groups[0]
-
-
-def layout_refusal(sg: StageGraph) -> str | None:
-    """What of the stages' layouts the runtime cannot execute, in one line (None: it runs them all)."""
-    for stage in sg.stages:
-        if stage.tp > 1 and stage.shard == "fsdp":
-            return (f"stage {stage.id} is planned with tp {stage.tp} and shard fsdp together (2-D inside one "
-                    "stage): the runtime runs FSDP or TP per stage, not both; give the stage tp 1 or shard none")
-    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,12 +125,20 @@ def build_stage_meshes(sg: StageGraph, rank: int, device_type: str, timeout_s: f
                 g = dist.new_group(column, timeout=timeout)
                 if rank in column:
                     dp_group = g
-        if rank in stage.devices:
-            out[stage.id] = StageMeshes(
-                stage.id,
-                DeviceMesh.from_group(tp_group, device_type) if tp_group is not None else None,
-                DeviceMesh.from_group(dp_group, device_type) if dp_group is not None else None,
-                dp_group)
+        if rank not in stage.devices:
+            continue
+        if tp_group is not None and dp_group is not None and stage.shard == "fsdp":
+            # 2-D (TP rows, FSDP over the replica columns): one mesh of both, as FSDP requires of a DTensor
+            # parameter's TP mesh and its own (torchtitan's dp x tp mesh, per stage here)
+            grid = DeviceMesh.from_group([dp_group, tp_group], device_type, mesh=torch.tensor([list(r) for r in rows]),
+                                         mesh_dim_names=("dp", "tp"))
+            out[stage.id] = StageMeshes(stage.id, grid["tp"], grid["dp"], dp_group)
+            continue
+        out[stage.id] = StageMeshes(
+            stage.id,
+            DeviceMesh.from_group(tp_group, device_type) if tp_group is not None else None,
+            DeviceMesh.from_group(dp_group, device_type) if dp_group is not None else None,
+            dp_group)
     return out
 
 
@@ -272,6 +277,35 @@ def tp_placements(gm: torch.fx.GraphModule, param_names: dict[str, str], tp: int
     return styles
 
 
+def replicated(x):
+    """``x`` all-reduced where it is a Partial DTensor (a row-wise layer's output: Megatron's all-reduce),
+    anything else as is."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if isinstance(x, DTensor) and any(p.is_partial() for p in x.placements):
+        return x.redistribute(placements=[Replicate()] * len(x.placements))
+    return x
+
+
+def _reduce_after_rows(gm: torch.fx.GraphModule, styles: dict[str, str]) -> int:
+    """Put :func:`replicated` after every row-wise linear of ``gm`` (in place); returns how many.
+
+    Without it DTensor's sharding propagation, choosing op by op, lets a row-wise layer's Partial output flow
+    on (a residual add stays Partial, the next column-wise layer then gathers its weights instead of splitting
+    its output), and a later reshape of a head-split attention output fails ("view size is not compatible")
+    where its local layout differs from the global one. Megatron all-reduces right there; so does this, and
+    the layers that follow see Replicate inputs, as the cost model prices them."""
+    rows = [n for n in gm.graph.nodes if styles.get(_weight_of(n) or "") == "row"]
+    for node in rows:
+        with gm.graph.inserting_after(node):
+            reduced = gm.graph.call_function(replicated, (node,))
+        reduced.meta = dict(node.meta)
+        node.replace_all_uses_with(reduced, delete_user_cb=lambda user, r=reduced: user is not r)
+    if rows:
+        gm.recompile()
+    return len(rows)
+
+
 def _splits(p: torch.Tensor, dim: int, tp: int) -> bool:
     return p.dim() > dim and p.shape[dim] % tp == 0 and p.shape[dim] >= tp
 
@@ -308,13 +342,24 @@ def counts_here(stage: Stage, rank: int, params) -> list:
     checkpoint): FSDP, every rank's shard; TP, the first replica's shards, a replicated one on its first rank."""
     from torch.distributed.tensor import DTensor, Replicate
 
-    if stage.shard == "fsdp":
+    if stage.shard == "fsdp" and stage.tp == 1:
         return list(params)
+    if stage.shard == "fsdp" and stage.num_replicas > 1:
+        # 2-D: every rank's FSDP shard counts, a TP-replicated parameter's on the first rank of each TP group only
+        lead = any(rank == row[0] for row in stage.tp_groups)
+        return [p for p in params if lead or not _tp_replicated(p)]
     if rank not in stage.tp_groups[0]:
         return []
     lead = rank == stage.tp_groups[0][0]
     return [p for p in params
             if lead or (isinstance(p, DTensor) and not all(isinstance(pl, Replicate) for pl in p.placements))]
+
+
+def _tp_replicated(p) -> bool:
+    """Whether DTensor ``p`` is whole on its TP mesh dimension (the last of its mesh); plain tensors are."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    return not isinstance(p, DTensor) or isinstance(p.placements[-1], Replicate)
 
 
 def full_value(t):
@@ -493,29 +538,41 @@ def _shard_per_op(hosted, meshes: StageMeshes, op_of) -> nn.Module | None:
 
 def parallelize_stage(hosted, meshes: StageMeshes, model: nn.Module | None = None, op_of=None) -> _Parallel:
     """Make hosted stage ``hosted`` (a :class:`~graphpipe.runtime.hosted.HostedStage` whose weights are
-    materialized) FSDP-sharded or tensor-parallel as its plan says; its forward is wrapped accordingly.
-    ``op_of`` (fx node name -> op id): an FSDP stage resharding after forward is cut into per-op units."""
+    materialized) FSDP-sharded, tensor-parallel or both (2-D: TP inside each replica, FSDP over the replicas'
+    matching ranks) as its plan says; its forward is wrapped accordingly.
+    ``op_of`` (fx node name -> op id): a TP-free FSDP stage resharding after forward is cut into per-op units."""
+    stage = hosted.stage
+    hosted.leave_grads_to_autograd()
+    if stage.tp > 1:
+        _tensor_parallel(hosted, meshes, model)
+    if stage.shard != "fsdp" or meshes.dp is None:  # TP only, or one replica: nothing to shard over
+        return _Parallel(stage, meshes, hosted)
+    from torch.distributed.fsdp import fully_shard
+
+    if stage.tp == 1 and stage.reshard_after_forward and not stage.recompute and op_of:
+        chain = _shard_per_op(hosted, meshes, op_of)
+        if chain is not None:
+            hosted.forward = chain
+            return _Parallel(stage, meshes, hosted, fsdp=chain, per_op=True)
+    wrapper = _ShardedCall(hosted.module, hosted.forward)
+    fully_shard(wrapper, mesh=meshes.dp, reshard_after_forward=stage.reshard_after_forward)
+    wrapper.set_gradient_divide_factor(1.0)  # replicas' loss terms are scaled already: sum, as all-reduce
+    wrapper.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM), factor 1: exact
+    hosted.forward = wrapper
+    return _Parallel(stage, meshes, hosted, fsdp=wrapper)
+
+
+def _tensor_parallel(hosted, meshes: StageMeshes, model: nn.Module | None) -> None:
+    """Stage ``hosted``'s parameters as DTensors on its TP mesh (:func:`tp_placements`), its forward wrapped in
+    :class:`_TPForward`."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     stage, module = hosted.stage, hosted.module
-    hosted.leave_grads_to_autograd()
-    if stage.shard == "fsdp":
-        from torch.distributed.fsdp import fully_shard
-
-        if meshes.dp is None:  # one replica: nothing to shard over
-            return _Parallel(stage, meshes, hosted)
-        if stage.reshard_after_forward and not stage.recompute and op_of:
-            chain = _shard_per_op(hosted, meshes, op_of)
-            if chain is not None:
-                hosted.forward = chain
-                return _Parallel(stage, meshes, hosted, fsdp=chain, per_op=True)
-        wrapper = _ShardedCall(module, hosted.forward)
-        fully_shard(wrapper, mesh=meshes.dp, reshard_after_forward=stage.reshard_after_forward)
-        wrapper.set_gradient_divide_factor(1.0)  # replicas' loss terms are scaled already: sum, as all-reduce
-        wrapper.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM), factor 1: exact
-        hosted.forward = wrapper
-        return _Parallel(stage, meshes, hosted, fsdp=wrapper)
     styles = tp_placements(module, dict(hosted.program.param_names), stage.tp, stage.id, model)
+    if _reduce_after_rows(module, styles):
+        from graphpipe.runtime.stage_modules import BoundForward
+
+        hosted.forward = BoundForward(module)  # the bound copy of the graph, now with the all-reduces
     placement = {"col": Shard(0), "row": Shard(1), "rep": Replicate()}
     with torch.no_grad():
         for name, p in list(module.named_parameters()):
@@ -531,7 +588,6 @@ def parallelize_stage(hosted, meshes: StageMeshes, model: nn.Module | None = Non
     # the backward of a TP stage mixes DTensor gradients with plain tensors the forward saved (constants,
     # index tables): those are replicated, so the whole rank treats plain tensors as Replicate
     torch._C._set_dtensor_allow_implicit_replication(True)
-    return _Parallel(stage, meshes, hosted)
 
 
 _ATTENTION_RULES = []
@@ -616,6 +672,9 @@ class IntraStage:
             state = fully_shard.state(p.fsdp)
             for s in state._state_ctx.all_states:
                 for group in s._fsdp_param_groups:
+                    if p.stage.tp > 1:  # 2-D: a gradient DTensor's rules left Partial or replicated: its layout
+                        for fp in group.fsdp_params:
+                            _fix_grad_layout(fp.unsharded_param)
                     group.post_backward()
             state._root_post_backward_final_callback()
             return
@@ -623,9 +682,7 @@ class IntraStage:
 
         params = p.hosted.trainable()
         for param in params:  # a gradient left Partial or replicated by DTensor's rules: the parameter's layout
-            g = param.grad
-            if isinstance(g, DTensor) and tuple(g.placements) != tuple(param.placements):
-                param.grad = g.redistribute(placements=param.placements)
+            _fix_grad_layout(param)
         if p.meshes.dp_group is None:
             return
         works = []
@@ -638,13 +695,19 @@ class IntraStage:
             w.wait(self.timeout)
 
 
+def _fix_grad_layout(param) -> None:
+    """``param.grad`` (a DTensor that DTensor's rules left Partial or replicated) in ``param``'s own layout."""
+    from torch.distributed.tensor import DTensor
+
+    g = param.grad
+    if isinstance(g, DTensor) and tuple(g.placements) != tuple(param.placements):
+        param.grad = g.redistribute(placements=param.placements)
+
+
 def attach(executor, sg: StageGraph, split, rank: int, device: torch.device, timeout_s: float,
            model: nn.Module | None = None) -> None:
     """Build every parallel stage's meshes (collective) and make ``executor``'s hosted parallel stages FSDP or
     tensor-parallel; sets ``executor.intra_stage``. The one hook :func:`graphpipe.runtime.setup.setup_rank` calls."""
-    refusal = layout_refusal(sg)
-    if refusal is not None:
-        raise PlanError(refusal)
     for tie in split.tied:
         parallel = [s for s in tie.stages if sg.stages[s].parallel]
         if parallel:

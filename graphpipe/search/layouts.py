@@ -175,9 +175,12 @@ def expand(sg: StageGraph, graph: OpGraph, cluster: Cluster, layout: Layout, bat
     for st in sg.stages:
         devices = tuple(d for u in st.devices for d in range(u * size, (u + 1) * size))
         op_ids = tuple(graph.op_id(sg.graph.ops[i].name) for i in st.op_ids)
-        checkpoints = tuple(graph.op_id(sg.graph.ops[i].name) for i in st.checkpoints)
         replicas = len(devices) // layout.tp
         shard = layout.shard if replicas > 1 else "none"
+        # a parallel stage re-materializes whole (the runtime runs no checkpoint segments inside FSDP's or
+        # DTensor's wrapper); the plan's memory check then prices that
+        checkpoints = () if layout.tp > 1 or shard != "none" else \
+            tuple(graph.op_id(sg.graph.ops[i].name) for i in st.checkpoints)
         stages.append(Stage(st.id, op_ids, devices, st.micro_batch_size * layout.group, st.recompute,
                             replica_mode="split", checkpoints=checkpoints, tp=layout.tp, shard=shard,
                             reshard_after_forward=False if shard == "fsdp" else True))
@@ -204,7 +207,8 @@ def efficiency(throughput: float, num_devices: int, graph: OpGraph) -> float:
 def stage_layouts(stage: Stage, cluster: Cluster, tps: Sequence[int], shards: Sequence[str]) -> list[Stage]:
     """``stage`` under every layout of ``tps`` x ``shards`` its devices allow: tp dividing its device count with
     every tp group inside one node, the micro-batch divisible by the replicas, FSDP only over 2 or more replicas
-    (gathered for the step: ``reshard_after_forward`` false)."""
+    (gathered for the step: ``reshard_after_forward`` false); a parallel layout re-materializes the whole stage
+    where the stage had checkpoint segments."""
     out = []
     for tp in tps:
         n = len(stage.devices)
@@ -215,7 +219,9 @@ def stage_layouts(stage: Stage, cluster: Cluster, tps: Sequence[int], shards: Se
         for shard in shards:
             if shard == "fsdp" and n // tp < 2:
                 continue
-            out.append(replace(stage, tp=tp, shard=shard, reshard_after_forward=shard != "fsdp"))
+            parallel = tp > 1 or shard != "none"  # re-materializes whole, as expand's stages
+            out.append(replace(stage, tp=tp, shard=shard, reshard_after_forward=shard != "fsdp",
+                               checkpoints=() if parallel else stage.checkpoints))
     return out
 
 
