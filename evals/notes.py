@@ -34,7 +34,7 @@ NOTES: dict[str, str] = {
         "and one reduce-scatter per stage per step) runs near TP; resharding after forward (pp-fsdp, one FSDP "
         "unit per op) gathers each op's weights before its forward and again before its backward and "
         "reduce-scatters its gradients after every micro-batch, a collective per op per micro-batch three times "
-        "over: on gloo that costs it 2.8-3.5x the step of the per-step layout (two runs), the price of holding one op gathered "
+        "over: on gloo that costs it 2.7-3.5x the step of the per-step layout (three runs), the price of holding one op gathered "
         "at a time instead of the stage (the memory the planner charges either choice, costs.layout_state_bytes)."
     ),
     "varying-shapes": (

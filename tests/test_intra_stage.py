@@ -188,8 +188,9 @@ def test_a_tp_degree_the_heads_cannot_take_is_refused_naming_the_op():
 def test_graphpipe_run_check_passes_mixed_layouts():
     """``graphpipe run --check``'s path (run_plans, models built on meta and materialized per rank): a branchy
     model with a TP branch and an FSDP branch, a chain of whole-copy replicas then TP 2 under zero bubble's
-    split backward, an FSDP stage and a TP stage re-materializing whole, and an FSDP stage under zero bubble
-    refused in one line before any rank starts."""
+    split backward, an FSDP stage and a TP stage re-materializing whole, zero bubble with FSDP gathered for the
+    step (alone and 2-D), and an FSDP stage resharding after forward under zero bubble refused in one line
+    before any rank starts."""
     from dataclasses import replace
 
     from graphpipe.errors import InputError
@@ -210,12 +211,22 @@ def test_graphpipe_run_check_passes_mixed_layouts():
         sg = StageGraph.build(sg.graph, [sg.stages[0], replace(sg.stages[1], recompute=True)], sg.batch_size,
                               sg.num_devices)
         recomputed.append(replace(plan, stage_graph=sg, schedule=make_schedule("1f1b", sg)))
+    # zero bubble's split backward with FSDP gathered for the step (the planner's FSDP), alone and 2-D with TP
+    split = []
+    for stages in ([(("stem", "block0"), (0,), 1, "none"), (("",), (1, 2), 1, "fsdp")],
+                   [(("",), (0, 1, 2, 3), 2, "fsdp")]):
+        plan = models.hand_plan(f"{SPEC}:mlp_chain", stages, schedule="zb-h1")
+        sg = plan.stage_graph
+        sg = StageGraph.build(sg.graph, [replace(s, reshard_after_forward=s.shard == "none") for s in sg.stages],
+                              sg.batch_size, sg.num_devices)
+        split.append(replace(plan, stage_graph=sg, schedule=make_schedule("zb-h1", sg)))
     options = RunOptions(steps=2, warmup_steps=1, check=True, timeout_s=120)
-    for result in run_plans([(branchy, options), (chain, options)] + [(p, options) for p in recomputed]):
+    for result in run_plans([(p, options) for p in [branchy, chain, *recomputed, *split]]):
         assert result.check.passed, result.check
     fsdp_zb = models.hand_plan(f"{SPEC}:mlp_chain", [(("stem", "block0"), (0,), 1, "none"), (("",), (1, 2), 1, "fsdp")],
                                schedule="zb-h1")
-    with pytest.raises(InputError, match=r"^stage 1 is FSDP-sharded and the schedule 'zb-h1' splits its backward"):
+    with pytest.raises(InputError, match=r"^stage 1 is FSDP-sharded, resharding after forward, and the schedule "
+                                         r"'zb-h1' splits its backward"):
         run_plans([(fsdp_zb, options)])
 
 

@@ -22,17 +22,18 @@ well-kept pieces instead of hand-written collectives:
   last backward) and the stage's reduce-scatter is started by hand after its
   last B. Gradients are summed (divide factor 1), like graphpipe's own replica
   all-reduce, because each replica's loss term is already scaled by its share
-  of the mini-batch. Schedules splitting the backward are refused for FSDP
-  stages (:mod:`graphpipe.runtime.layouts`).
+  of the mini-batch. Schedules splitting the backward run the per-step
+  layout; resharding after forward under them is refused
+  (:mod:`graphpipe.runtime.layouts`).
 * **Tensor parallelism** (tp > 1, shard none). The stage's parameters become
   :class:`~torch.distributed.tensor.DTensor` on the TP mesh (``Shard(0)`` for
   column-wise linear weights and biases, ``Shard(1)`` for row-wise weights,
   ``Replicate`` otherwise, :func:`tp_placements`); the stage's inputs enter as
   ``Replicate`` DTensors and its outputs leave as plain tensors
   (``full_tensor``). DTensor's sharding propagation runs every captured op
-  on global shapes and inserts the collectives (the all-reduce after a
-  row-wise layer), so a captured graph's literal shapes stay right and an op
-  that cannot split runs replicated. Replicas' gradients are all-reduced over
+  on global shapes, so a captured graph's literal shapes stay right and an op
+  that cannot split runs replicated; a row-wise layer's Partial output is
+  all-reduced right after it (:func:`replicated`, Megatron's place for it). Replicas' gradients are all-reduced over
   the mesh's replica dimension (local shards, one collective per parameter).
 
 * **Both** (tp > 1, shard fsdp: 2-D inside the stage, torchtitan's dp x tp

@@ -28,11 +28,13 @@ def layout_refusal(plan: Plan, *, compile: bool = False) -> str | None:
         return (f"stage {first.id} is planned with tp {first.tp}, shard {first.shard}: compiled stages run whole "
                 "copies only; drop --compile (compile=True) or re-plan with --tp 1 --shard none")
     split = {a.stage_id for actions in plan.schedule.device_actions for a in actions if a.kind in ("I", "W")}
-    fsdp_split = [s for s in parallel if s.shard == "fsdp" and s.id in split]
+    fsdp_split = [s for s in parallel if s.shard == "fsdp" and s.reshard_after_forward and s.id in split]
     if fsdp_split:
-        return (f"stage {fsdp_split[0].id} is FSDP-sharded and the schedule {plan.schedule.name!r} splits its "
-                "backward (zero bubble's I and W): FSDP stages run B schedules (1f1b, gpipe, interleaved, "
-                "graph-1f1b); re-plan with one of those or give the stage shard none")
+        return (f"stage {fsdp_split[0].id} is FSDP-sharded, resharding after forward, and the schedule "
+                f"{plan.schedule.name!r} splits its backward (zero bubble's I and W): its per-op FSDP units reshard "
+                "and reduce-scatter in I, before W computes the weight gradients; re-plan with a B schedule "
+                "(1f1b, gpipe, interleaved, graph-1f1b), set the stage's reshard_after_forward to false (gathered "
+                "for the step, as the planner plans FSDP), or give it shard none")
     segmented = [s for s in parallel if s.checkpoints]
     if segmented:
         s = segmented[0]
