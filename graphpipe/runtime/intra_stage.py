@@ -556,6 +556,12 @@ def parallelize_stage(hosted, meshes: StageMeshes, model: nn.Module | None = Non
             hosted.forward = chain
             return _Parallel(stage, meshes, hosted, fsdp=chain, per_op=True)
     wrapper = _ShardedCall(hosted.module, hosted.forward)
+    if not stage.reshard_after_forward:
+        # FSDP warns once per rank that the stage returns a view (an in-place op on it would skip the pre-backward
+        # all-gather); gathered for the step, that all-gather has nothing to do, and the runtime clones a value a
+        # stage mutates in place (stage_modules.clone_mutated_inputs): nothing to say to the user
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDP_ShardedCall\) returned a view",
+                                category=UserWarning)
     fully_shard(wrapper, mesh=meshes.dp, reshard_after_forward=stage.reshard_after_forward)
     wrapper.set_gradient_divide_factor(1.0)  # replicas' loss terms are scaled already: sum, as all-reduce
     wrapper.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM), factor 1: exact
