@@ -95,6 +95,18 @@ def llama():
     return _Logits(model), ids, _next_token, ids
 
 
+def gpt2():
+    """A tiny Hugging Face GPT-2 (its layers are ``Conv1D``: ``addmm`` on ``(in, out)`` weights; the fused q/k/v
+    projection), dropout off, embeddings tied to the head; loss = next-token cross-entropy on fixed ids."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+    ids = torch.randint(0, 64, (BATCH, 12), generator=torch.Generator().manual_seed(7))
+    return _Logits(GPT2LMHeadModel(cfg)), ids, _next_token, ids
+
+
 def _next_token(logits, ids):
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 

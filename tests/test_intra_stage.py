@@ -131,7 +131,8 @@ def test_fsdp_tp_and_mixed_layouts_train_as_one_process(tmp_path):
 
 def test_llama_tp_and_a_checkpoint_across_layouts(tmp_path):
     """One job of 3 ranks: a tiny HF Llama whose first stage, the embedding and both decoder layers, is TP 2 (its
-    base_model_tp_plan, 4 heads and 2 KV heads split by KV group); an FSDP plan's checkpoint (weights and momentum) loaded by a TP plan, which goes on
+    base_model_tp_plan, 4 heads and 2 KV heads split by KV group); a whole GPT-2 TP 2 (its Conv1D pairs from the
+    graph); an FSDP plan's checkpoint (weights and momentum) loaded by a TP plan, which goes on
     training as one process would have."""
     llama = write(tmp_path, "llama", "llama", [(("model.model.embed", "model.model.layers."), (0, 1), 2, "none"),
                                                (("",), (2,), 1, "none")])
@@ -139,9 +140,16 @@ def test_llama_tp_and_a_checkpoint_across_layouts(tmp_path):
     tp = write(tmp_path, "tp", "mlp_chain", [(("stem",), (0,), 1, "none"), (("",), (1, 2), 2, "none")])
     llama_fsdp = write(tmp_path, "llama_fsdp", "llama", [(("model.model.embed", "model.model.layers.0"), (0, 1), 1,
                                                           "fsdp"), (("",), (2,), 1, "none")])
+    gpt2 = write(tmp_path, "gpt2", "gpt2", [(("",), (0, 1), 2, "none")], devices=3)
     ck = str(tmp_path / "ck")
-    torchrun("2", str(tmp_path), llama, llama_fsdp, f"{fsdp},save={ck}", f"{tp},steps=1,load={ck}", ranks=3,
+    torchrun("2", str(tmp_path), llama, llama_fsdp, gpt2, f"{fsdp},save={ck}", f"{tp},steps=1,load={ck}", ranks=3,
              script=SCRIPT)
+    # GPT-2's Conv1D layers (transposed weights) pair as column-then-row from the graph: each TP rank holds half
+    # of every projection's weight and of the column-wise biases, the rest whole
+    two = check(str(tmp_path / "gpt2.pt"), "gpt2", 2)
+    named = dict(models.gpt2()[0].named_parameters())
+    split = sum(p.numel() for n, p in named.items() if any(k in n for k in ("c_attn.", "c_proj.weight", "c_fc.")))
+    assert [s["params"] for s in two["shares"][:2]] == [sum(p.numel() for p in named.values()) - split // 2] * 2
     got = check(str(tmp_path / "llama.pt"), "llama", 2)
     # the same Llama's first stage FSDP over two ranks, one FSDP unit per op: a rank gathers one op's weights at
     # a time (at most the largest op's, the decoder layer here), never the whole stage's

@@ -28,7 +28,8 @@ well-kept pieces instead of hand-written collectives:
 * **Tensor parallelism** (tp > 1, shard none). The stage's parameters become
   :class:`~torch.distributed.tensor.DTensor` on the TP mesh (``Shard(0)`` for
   column-wise linear weights and biases, ``Shard(1)`` for row-wise weights,
-  ``Replicate`` otherwise, :func:`tp_placements`); the stage's inputs enter as
+  the other dimension of a transposed layer's ``(in, out)`` weight (GPT-2's
+  ``Conv1D``), ``Replicate`` otherwise, :func:`tp_placements`); the stage's inputs enter as
   ``Replicate`` DTensors and its outputs leave as plain tensors
   (``full_tensor``). DTensor's sharding propagation runs every captured op
   on global shapes, so a captured graph's literal shapes stay right and an op
@@ -144,24 +145,46 @@ def build_stage_meshes(sg: StageGraph, rank: int, device_type: str, timeout_s: f
 
 
 # ---------------------------------------------------------------- tensor-parallel placements
-_LINEAR = {"aten.linear.default", "aten.addmm.default", "aten.mm.default", "aten.matmul.default"}
-
-
 def _target(node) -> str:
     return str(node.target) if node.op == "call_function" else ""
 
 
+_LAYERS = {"aten.linear.default": (1, 0, 2), "aten.addmm.default": (2, 1, 0)}
+"""Linear layers in a captured graph: target -> (weight, input, bias) argument positions. ``aten.linear(x, w, b)``
+is ``nn.Linear`` (weight ``(out, in)``); ``aten.addmm(b, x, w)`` with ``w`` read straight from a parameter is a
+transposed layer (weight ``(in, out)``: Hugging Face's ``Conv1D`` in GPT-2), whose styles end in ``T``."""
+
+
 def _weight_of(node) -> str | None:
-    """The ``get_attr`` target of a linear node's weight (``aten.linear(x, w, b)``), or None."""
-    if _target(node) != "aten.linear.default" or len(node.args) < 2:
+    """The ``get_attr`` target of a linear layer's weight (:data:`_LAYERS`), or None."""
+    at = _LAYERS.get(_target(node))
+    if at is None or len(node.args) <= at[0]:
         return None
-    w = node.args[1]
+    w = node.args[at[0]]
     return w.target if getattr(w, "op", None) == "get_attr" else None
 
 
+def _input_of(node):
+    return node.args[_LAYERS[_target(node)][1]]
+
+
+def _transposed(node) -> bool:
+    return _target(node) == "aten.addmm.default"
+
+
+def _out_dim(node) -> int:
+    """The weight dimension of a layer's output features (what a column-wise split cuts)."""
+    return 1 if _transposed(node) else 0
+
+
 def _bias_of(node) -> str | None:
-    b = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+    at = _LAYERS[_target(node)][2]
+    b = node.args[at] if len(node.args) > at else node.kwargs.get("bias")
     return b.target if getattr(b, "op", None) == "get_attr" else None
+
+
+_SPLIT_DIM = {"col": 0, "row": 1, "colT": 1, "rowT": 0}
+"""Style -> the weight dimension it splits (a 1-D bias: its only one)."""
 
 
 def _hf_model(model: nn.Module | None) -> tuple[str, nn.Module] | None:
@@ -201,7 +224,8 @@ def _heads(model: nn.Module | None) -> dict[str, int]:
 
 def tp_placements(gm: torch.fx.GraphModule, param_names: dict[str, str], tp: int, stage_id: int,
                   model: nn.Module | None = None) -> dict[str, str]:
-    """Stage parameter name -> ``"col"`` (Shard(0)), ``"row"`` (Shard(1) weight) or ``"rep"`` (Replicate).
+    """Stage parameter name -> ``"col"`` (Shard(0)), ``"row"`` (Shard(1) weight), ``"colT"``/``"rowT"`` (the same
+    splits of a transposed layer's ``(in, out)`` weight: Shard(1)/Shard(0)) or ``"rep"`` (Replicate).
 
     With a Hugging Face model whose config carries ``base_model_tp_plan``,
     its ``colwise``/``rowwise`` layers are the split ones. Otherwise the
@@ -239,7 +263,7 @@ def tp_placements(gm: torch.fx.GraphModule, param_names: dict[str, str], tp: int
                     continue
                 seen.add(n)
                 if _weight_of(n) is not None:
-                    if n.args[0] in seen or n.args[0] is node or any(a in seen for a in n.args[:1]):
+                    if _input_of(n) in seen or _input_of(n) is node:
                         reached.append(n)
                     continue
                 if n.op == "output":
@@ -254,7 +278,8 @@ def tp_placements(gm: torch.fx.GraphModule, param_names: dict[str, str], tp: int
                 if row in assigned:
                     continue
                 cols = [c for c in linears if row in row_of[c] and c not in assigned]
-                if all(_splits(params[_weight_of(c)], 0, tp) for c in cols) and _splits(params[_weight_of(row)], 1, tp):
+                if all(_splits(params[_weight_of(c)], _out_dim(c), tp) for c in cols) and \
+                        _splits(params[_weight_of(row)], 1 - _out_dim(row), tp):
                     for c in cols:
                         _assign(styles, c, "col")
                         assigned.add(c)
@@ -264,10 +289,10 @@ def tp_placements(gm: torch.fx.GraphModule, param_names: dict[str, str], tp: int
     for n, style in styles.items():  # the split must be one the weights (and the model's heads) can take
         if style == "rep" or n not in params:
             continue
-        dim = 0 if style == "col" else 1
+        dim = _SPLIT_DIM[style]
         if params[n].dim() >= 1 and not _splits(params[n], dim if params[n].dim() > 1 else 0, tp):
             raise PlanError(f"stage {stage_id} with tp {tp}: op {names[n].rpartition('.')[0]} cannot split "
-                            f"{tuple(params[n].shape)} by {tp} ({'column' if style == 'col' else 'row'}-wise); "
+                            f"{tuple(params[n].shape)} by {tp} ({'column' if style.startswith('col') else 'row'}-wise); "
                             f"choose a tp that divides it")
         for key, count in heads.items():  # query heads split with q/o, key/value heads (GQA groups) with k/v
             which = r"(k|v|key|value)" if key == "num_key_value_heads" else r"(q|o|qkv|query)"
@@ -296,7 +321,7 @@ def _reduce_after_rows(gm: torch.fx.GraphModule, styles: dict[str, str]) -> int:
     its output), and a later reshape of a head-split attention output fails ("view size is not compatible")
     where its local layout differs from the global one. Megatron all-reduces right there; so does this, and
     the layers that follow see Replicate inputs, as the cost model prices them."""
-    rows = [n for n in gm.graph.nodes if styles.get(_weight_of(n) or "") == "row"]
+    rows = [n for n in gm.graph.nodes if styles.get(_weight_of(n) or "") in ("row", "rowT")]
     for node in rows:
         with gm.graph.inserting_after(node):
             reduced = gm.graph.call_function(replicated, (node,))
@@ -312,7 +337,7 @@ def _splits(p: torch.Tensor, dim: int, tp: int) -> bool:
 
 
 def _assign(styles: dict[str, str], node, style: str) -> None:
-    styles[_weight_of(node)] = style
+    styles[_weight_of(node)] = style + ("T" if _transposed(node) else "")
     bias = _bias_of(node)
     if bias is not None:
         styles[bias] = "col" if style == "col" else "rep"
@@ -580,13 +605,13 @@ def _tensor_parallel(hosted, meshes: StageMeshes, model: nn.Module | None) -> No
         from graphpipe.runtime.stage_modules import BoundForward
 
         hosted.forward = BoundForward(module)  # the bound copy of the graph, now with the all-reduces
-    placement = {"col": Shard(0), "row": Shard(1), "rep": Replicate()}
     with torch.no_grad():
         for name, p in list(module.named_parameters()):
             owner_path, _, attr = name.rpartition(".")
             owner = module.get_submodule(owner_path) if owner_path else module
             style = styles.get(name, "rep")
-            pl = placement[style] if (style != "row" or p.dim() > 1) else Replicate()
+            pl = Replicate() if style == "rep" or (style.startswith("row") and p.dim() < 2) else \
+                Shard(_SPLIT_DIM[style] if p.dim() > 1 else 0)
             d = DTensor.from_local(_local_chunk(p.detach(), pl, meshes.tp), meshes.tp, [pl], run_check=False,
                                    shape=p.shape, stride=p.stride())
             owner._parameters[attr] = nn.Parameter(d, requires_grad=p.requires_grad)
