@@ -126,12 +126,12 @@ def test_the_planner_gives_a_parallel_stage_whole_re_materialization_not_the_seg
     assert {(o.tp, o.shard) for o in options} == {(1, "none"), (1, "fsdp"), (2, "none"), (2, "fsdp")}
     for o in options:
         assert o.recompute and o.checkpoints == (() if o.parallel else (2,))
-    reduced = StageGraph.build(g, [Stage(0, (0, 1, 2), (0, 1), 8, recompute=True, checkpoints=(2,))], 32, 2)
     for layout in (layouts.Layout(2, "none"), layouts.Layout(1, "fsdp"), layouts.Layout(2, "fsdp")):
-        sg = layouts.expand(reduced, g, cluster, layout, 32) if layout.tp == 2 else \
-            layouts.expand(StageGraph.build(g, [Stage(0, (0, 1, 2), (0, 1, 2, 3), 8, recompute=True,
-                                                     checkpoints=(2,))], 32, 4), g, cluster, layout, 32)
-        (st,) = sg.stages
-        assert st.parallel and st.recompute and st.checkpoints == ()
+        units = 4 // layout.tp  # the reduced problem: one unit per tp group
+        reduced = StageGraph.build(g, [Stage(0, (0, 1, 2), tuple(range(units)), 8, recompute=True,
+                                             checkpoints=(2,))], 32, units)
+        (st,) = layouts.expand(reduced, g, cluster, layout, 32).stages
+        assert st.parallel and st.recompute and st.checkpoints == () and len(st.devices) == 4
+        sg = StageGraph.build(g, [st], 32, 4)
         plan = Plan(model="c", stage_graph=sg, cluster=cluster, strategy="gpp", schedule=make_schedule("1f1b", sg))
         assert layout_refusal(plan) is None

@@ -9,8 +9,9 @@ well-kept pieces instead of hand-written collectives:
   parallel stage (``new_group`` is collective over the world): one per
   tensor-parallel group (a row of the stage's ``replicas x tp`` grid) and one
   per data-parallel column; a rank of the stage wraps its two in 1-D
-  :class:`~torch.distributed.device_mesh.DeviceMesh` objects
-  (:meth:`DeviceMesh.from_group`), so no mesh creates groups of its own.
+  :class:`~torch.distributed.device_mesh.DeviceMesh` objects, or in one 2-D
+  mesh when the stage is both TP and FSDP (:meth:`DeviceMesh.from_group`),
+  so no mesh creates groups of its own.
 * **FSDP** (``shard: fsdp``), as the plan's ``reshard_after_forward``
   says. Resharding after forward (ZeRO-3): the stage's graph is cut into one
   piece per op, each an FSDP unit (:func:`_fsdp_units`, :class:`_Unit`) over
@@ -366,8 +367,6 @@ class _TPForward:
 def counts_here(stage: Stage, rank: int, params) -> list:
     """The parameters of parallel stage ``stage`` this rank counts once in global sums (a gradient norm, a
     checkpoint): FSDP, every rank's shard; TP, the first replica's shards, a replicated one on its first rank."""
-    from torch.distributed.tensor import DTensor, Replicate
-
     if stage.shard == "fsdp" and stage.tp == 1:
         return list(params)
     if stage.shard == "fsdp" and stage.num_replicas > 1:
@@ -377,8 +376,7 @@ def counts_here(stage: Stage, rank: int, params) -> list:
     if rank not in stage.tp_groups[0]:
         return []
     lead = rank == stage.tp_groups[0][0]
-    return [p for p in params
-            if lead or (isinstance(p, DTensor) and not all(isinstance(pl, Replicate) for pl in p.placements))]
+    return [p for p in params if lead or not _tp_replicated(p)]
 
 
 def _tp_replicated(p) -> bool:

@@ -175,15 +175,13 @@ def expand(sg: StageGraph, graph: OpGraph, cluster: Cluster, layout: Layout, bat
     for st in sg.stages:
         devices = tuple(d for u in st.devices for d in range(u * size, (u + 1) * size))
         op_ids = tuple(graph.op_id(sg.graph.ops[i].name) for i in st.op_ids)
+        checkpoints = tuple(graph.op_id(sg.graph.ops[i].name) for i in st.checkpoints)
         replicas = len(devices) // layout.tp
         shard = layout.shard if replicas > 1 else "none"
-        # a parallel stage re-materializes whole (the runtime runs no checkpoint segments inside FSDP's or
-        # DTensor's wrapper); the plan's memory check then prices that
-        checkpoints = () if layout.tp > 1 or shard != "none" else \
-            tuple(graph.op_id(sg.graph.ops[i].name) for i in st.checkpoints)
-        stages.append(Stage(st.id, op_ids, devices, st.micro_batch_size * layout.group, st.recompute,
-                            replica_mode="split", checkpoints=checkpoints, tp=layout.tp, shard=shard,
-                            reshard_after_forward=False if shard == "fsdp" else True))
+        stages.append(_whole_recompute(Stage(st.id, op_ids, devices, st.micro_batch_size * layout.group,
+                                             st.recompute, replica_mode="split", checkpoints=checkpoints,
+                                             tp=layout.tp, shard=shard,
+                                             reshard_after_forward=False if shard == "fsdp" else True)))
     return StageGraph(graph, tuple(stages), batch_size, cluster.num_devices, allow_shared_devices=sg.allow_shared_devices,
                       sequential=sg.sequential, cluster=cluster)
 
@@ -219,10 +217,14 @@ def stage_layouts(stage: Stage, cluster: Cluster, tps: Sequence[int], shards: Se
         for shard in shards:
             if shard == "fsdp" and n // tp < 2:
                 continue
-            parallel = tp > 1 or shard != "none"  # re-materializes whole, as expand's stages
-            out.append(replace(stage, tp=tp, shard=shard, reshard_after_forward=shard != "fsdp",
-                               checkpoints=() if parallel else stage.checkpoints))
+            out.append(_whole_recompute(replace(stage, tp=tp, shard=shard, reshard_after_forward=shard != "fsdp")))
     return out
+
+
+def _whole_recompute(stage: Stage) -> Stage:
+    """``stage`` without checkpoint segments where it is parallel inside itself: it re-materializes whole (the
+    runtime runs no segments inside FSDP's or DTensor's wrapper), which the plan's memory check then prices."""
+    return replace(stage, checkpoints=()) if stage.parallel and stage.checkpoints else stage
 
 
 def per_stage_layouts(sg: StageGraph, cluster: Cluster, in_flight: Sequence[int], tps: Sequence[int],
