@@ -138,9 +138,38 @@ class Cluster:
         return link.latency_s + nbytes / (link.bandwidth_Bps * lanes)
 
     def allreduce_link(self, devices: Iterable[int]) -> Link:
-        """The link a ring over ``devices`` is as slow as: inter-node when they span nodes."""
-        cross = len({self.node_of(d) for d in devices}) > 1
-        return self.inter_node if cross else self.intra_node
+        """The link an all-reduce over ``devices`` runs at: the intra-node link when they share one node; across
+        nodes, the inter-node latency and ``k`` times the inter-node bandwidth (at most the intra-node one), ``k``
+        the fewest of the devices that any one node holds (:meth:`spanning_link`)."""
+        per_node: dict[int, int] = {}
+        for d in devices:
+            node = self.node_of(d)
+            per_node[node] = per_node.get(node, 0) + 1
+        return self.spanning_link(min(per_node.values()) if len(per_node) > 1 else 0)
+
+    def first_devices_link(self, r: int) -> Link:
+        """:meth:`allreduce_link` of devices ``0 .. r-1`` in O(1) (the searches' tables, one row per ``r``).
+
+        >>> c = preset("h100", 32)
+        >>> [c.first_devices_link(r) == c.allreduce_link(range(r)) for r in (1, 8, 9, 16, 20)]
+        [True, True, True, True, True]
+        """
+        per = self.devices_per_node
+        return self.spanning_link(0 if r <= per else (r % per or per))
+
+    def spanning_link(self, fewest: int) -> Link:
+        """The link of an all-reduce whose devices span nodes, ``fewest`` of them on the node holding fewest
+        (0: they share one node, the intra-node link). The devices of one node each drive their own inter-node
+        lane (the cost model's inter-node bandwidth is per device, as :meth:`transfer_time` has it), so ``k``
+        devices per node move the cross-node part ``k`` times as fast: a hierarchical all-reduce (reduce-scatter
+        inside the node, ``k`` all-reduces of ``1/k`` of the bytes across nodes in parallel, all-gather inside
+        the node) or NCCL's ring over ``k`` channels, one per NIC. The intra-node link caps it."""
+        if fewest <= 0:
+            return self.intra_node
+        if fewest == 1:
+            return self.inter_node
+        return Link(latency_s=self.inter_node.latency_s,
+                    bandwidth_Bps=min(self.intra_node.bandwidth_Bps, fewest * self.inter_node.bandwidth_Bps))
 
     def allreduce_time(self, devices: Sequence[int], nbytes: float) -> float:
         """Ring all-reduce of ``nbytes`` over ``devices`` (:func:`graphpipe.costs.ring_allreduce_s`)."""

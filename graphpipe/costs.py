@@ -501,10 +501,8 @@ class CostArrays:
     def of(cls, graph: "OpGraph", cluster: "Cluster") -> "CostArrays":
         n = cluster.num_devices
         lat, bandwidth = np.zeros(n + 1), np.ones(n + 1)
-        first, crossed = cluster.node_of(0), False
-        for r in range(1, n + 1):  # cluster.allreduce_link(range(r)), one device at a time: O(n), not O(n^2)
-            crossed = crossed or cluster.node_of(r - 1) != first
-            link = cluster.inter_node if crossed else cluster.intra_node
+        for r in range(1, n + 1):
+            link = cluster.first_devices_link(r)
             lat[r], bandwidth[r] = link.latency_s, link.bandwidth_Bps
         ops = graph.ops
         return cls(np.array([o.fwd.alpha for o in ops], dtype=float), np.array([o.fwd.beta for o in ops], dtype=float),

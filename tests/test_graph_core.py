@@ -194,8 +194,17 @@ def test_custom_cluster_file_and_cost_formulas(tmp_path):
     # across nodes, two lanes in parallel
     assert c.transfer_time((0, 1), (2, 3), nbytes) == pytest.approx(1e-5 + nbytes / (1e9 * 2))
     assert c.transfer_time((0,), (0,), nbytes) == 0.0
-    # ring all-reduce over 4 devices on two nodes: 2(r-1) latencies + 2(r-1)/r * bytes / bw
-    assert c.allreduce_time((0, 1, 2, 3), nbytes) == pytest.approx(6 * 1e-5 + 1.5 * nbytes / 1e9)
+    # ring all-reduce over 4 devices on two nodes: 2(r-1) latencies + 2(r-1)/r * bytes / bw, the bandwidth
+    # two lanes' (two devices per node each drive their own inter-node lane)
+    assert c.allreduce_time((0, 1, 2, 3), nbytes) == pytest.approx(6 * 1e-5 + 1.5 * nbytes / 2e9)
+    # one device per node: one lane; two on one node and one on another: still one (the fewest)
+    assert c.allreduce_time((0, 2), nbytes) == pytest.approx(2 * 1e-5 + nbytes / 1e9)
+    assert c.allreduce_time((0, 1, 2), nbytes) == pytest.approx(4 * 1e-5 + 4 / 3 * nbytes / 1e9)
+    # within one node: the intra-node link; many lanes never beat it
+    assert c.allreduce_time((2, 3), nbytes) == pytest.approx(2 * 1e-6 + nbytes / 10e9)
+    wide = load_cluster(str(path), 64)
+    assert wide.allreduce_link(range(0, 64)).bandwidth_Bps == pytest.approx(2e9)
+    assert replace(wide, devices_per_node=32).allreduce_link(range(64)).bandwidth_Bps == pytest.approx(10e9)
     assert c.allreduce_time((4,), nbytes) == 0.0
     assert c.state_bytes(400.0) == pytest.approx(100 * 12)
     assert load_cluster(str(path), 6, memory_gb=8).memory_bytes == pytest.approx(8e9)

@@ -150,6 +150,20 @@ def oracle_ring_gather(r: int, link: Link, nbytes: float) -> float:
                                                  for _ in range(r - 1))
 
 
+def oracle_collective_link(cluster: Cluster, devices) -> Link:
+    """The link a collective over ``devices`` runs at, by definition: one node's devices use the intra-node link;
+    devices spanning nodes cross them at the inter-node latency, each of a node's ``k`` devices on its own lane,
+    so ``k`` times the inter-node bandwidth (``k`` the fewest any node holds), never more than the intra-node one."""
+    count: dict[int, int] = {}
+    for d in devices:
+        count[cluster.node_of(d)] = count.get(cluster.node_of(d), 0) + 1
+    if len(count) == 1:
+        return cluster.intra_node
+    lanes = min(count.values())
+    return Link(latency_s=cluster.inter_node.latency_s,
+                bandwidth_Bps=min(cluster.intra_node.bandwidth_Bps, lanes * cluster.inter_node.bandwidth_Bps))
+
+
 def oracle_sync(sg: StageGraph, cluster: Cluster, stage_id: int, param_bytes: float | None = None) -> float:
     """A stage's once-per-step collective, by definition: whole copies all-reduce their gradients over every
     device of the stage; a tp/fsdp stage's replicas (one tp rank's devices) all-reduce one rank's share
@@ -157,7 +171,7 @@ def oracle_sync(sg: StageGraph, cluster: Cluster, stage_id: int, param_bytes: fl
     FSDP resharding after every forward does nothing at the step's end."""
     st = sg.stages[stage_id]
     ring = st.devices[::st.tp]
-    link = cluster.inter_node if len({cluster.node_of(d) for d in ring}) > 1 else cluster.intra_node
+    link = oracle_collective_link(cluster, ring)
     nbytes = sum(sg.graph.ops[i].param_bytes for i in st.op_ids) if param_bytes is None else param_bytes
     if st.shard == "fsdp":
         return 0.0 if st.reshard_after_forward else 2 * oracle_ring_gather(len(ring), link, nbytes)

@@ -22,7 +22,7 @@ from graphpipe.search.common import SearchOptions
 from graphpipe.search.planner import make_plan
 from graphpipe.stages import Stage, StageGraph
 
-from test_sched_common import oracle_iteration, oracle_ring_allreduce, oracle_ring_gather
+from test_sched_common import oracle_collective_link, oracle_iteration, oracle_ring_allreduce, oracle_ring_gather
 
 INTRA = Link(latency_s=1e-6, bandwidth_Bps=1e11)
 INTER = Link(latency_s=3e-6, bandwidth_Bps=1e10)
@@ -158,7 +158,7 @@ def _hand_durations(sg: StageGraph, cl: Cluster, t: int):
         if st.shard == "fsdp" and st.reshard_after_forward:
             share = sum(sg.graph.ops[i].param_bytes for i in st.op_ids) / tp
             ring = st.devices[::tp]
-            link = INTER if len({cl.node_of(d) for d in ring}) > 1 else INTRA
+            link = oracle_collective_link(cl, ring)
             gather = oracle_ring_gather(len(ring), link, share)
             f, b = f + gather, b + 2 * gather
         return f if action.kind == "F" else b
@@ -171,17 +171,20 @@ def _hand_durations(sg: StageGraph, cl: Cluster, t: int):
 def test_tp_and_fsdp_spans_by_oracle(layout):
     """A tp/fsdp stage's F and B (tp collectives, FSDP gathers per micro-batch) and its step-end collective
     (one tp rank's share all-reduced over the replicas, or gathered and reduce-scattered once) by hand."""
-    cl = cluster(5, per_node=2)  # stage 0's replicas span nodes: its collective runs on the slow link
+    cl = cluster(5, per_node=2)  # stage 0's replicas span nodes: its collective crosses them
     sg = two_stage_chain((0, 1, 2, 3), (4,), 4, 16, params0=4e8, layout0=layout, cl=cl)
     sched = make_schedule("1f1b", sg, cl)
     tl = simulate(sg, sched, cl)
     t = layout.get("tp", 1)
     share = 4e8 / t
     replicas = 4 // t
+    # by hand: tp 2's replicas (devices 0 and 2) have one device per node, one inter-node lane; whole copies'
+    # four devices have two per node, so two lanes cross at twice the inter-node bandwidth
+    link = INTER if t == 2 else Link(latency_s=INTER.latency_s, bandwidth_Bps=2 * INTER.bandwidth_Bps)
     if layout.get("shard") == "fsdp":
-        sync0 = 0.0 if layout["reshard_after_forward"] else 2 * oracle_ring_gather(replicas, INTER, share)
+        sync0 = 0.0 if layout["reshard_after_forward"] else 2 * oracle_ring_gather(replicas, link, share)
     else:
-        sync0 = oracle_ring_allreduce(replicas, INTER, share)
+        sync0 = oracle_ring_allreduce(replicas, link, share)
     expected = oracle_iteration(sg, sched, cl, durations=_hand_durations(sg, cl, t), syncs=[sync0, 0.0])
     assert tl.iteration_time_s == pytest.approx(expected, rel=1e-12)
 
@@ -224,7 +227,7 @@ def _hand_iteration(n: int, t: int, shard: str, mb: int, batch: int, cl: Cluster
     coll = 2 * _ring(t, INTRA, 1e5 * s) if t > 1 else 0.0
     f = 1e-4 + 2e-3 * s / t + coll
     b = 2e-4 + 4e-3 * s / t + coll
-    link = INTER if n > cl.devices_per_node else INTRA
+    link = oracle_collective_link(cl, range(0, n, t))
     share = 4e8 / t
     sync = 2 * oracle_ring_gather(r, link, share) if shard == "fsdp" else oracle_ring_allreduce(r, link, share)
     whole = share / 4 * 16

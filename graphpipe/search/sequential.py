@@ -131,9 +131,7 @@ class ReplicaCosts:
         n = cluster.num_devices
         lat, bandwidth = np.zeros(n + 1), np.ones(n + 1)
         for r in range(1, n + 1):
-            # Devices 0..r-1 span nodes iff the first and the last do (node ids grow with device ids):
-            # two devices instead of r keep this linear in N (all r devices would make it quadratic).
-            link = cluster.allreduce_link((0, r - 1))
+            link = cluster.first_devices_link(r)
             lat[r], bandwidth[r] = link.latency_s, link.bandwidth_Bps
         return cls(n, lat, bandwidth, float(cluster.bytes_per_param), cluster.memory_bytes)
 
