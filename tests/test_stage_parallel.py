@@ -280,6 +280,40 @@ def test_tp1_none_zoo_plans_are_byte_identical_to_before_layouts(name):
     assert got == want
 
 
+# ------------------------------------------- the layout search's schedule
+def test_layout_search_keeps_zero_bubble_where_it_simulates_faster_by_oracle():
+    """gpp's layout search also tries ZB-H1 on each layout's chain of stages: kept, the plan's throughput is the
+    oracle's for that schedule on that stage graph, and beats the oracle's for the schedule it replaced; the
+    plain search (``--tp 1 --shard none``) keeps its own schedule."""
+    ops = [Op(f"b{i}", "transformer", **BLOCK) for i in range(8)]
+    g = OpGraph.build("chain", ops, [(f"b{i}", f"b{i + 1}", 1e5) for i in range(7)])
+    cl, batch = cluster(8, per_node=4), 16
+    plan = make_plan("c", g, cl, batch, "gpp", SearchOptions(tp="auto", shard="auto"))
+    sg = plan.stage_graph
+    assert plan.schedule.name == "zb-h1" and sg.is_chain(), plan.search.get("zero_bubble")
+    replaced = plan.search["zero_bubble"].removeprefix("kept over ")
+    assert replaced in ("graph-1f1b", "gpipe")
+    assert all(st.shard == "none" for st in sg.stages)
+
+    def durations(action):  # per block, by hand: tp splits the per-sample work, its all-reduces fall on F and I
+        st = sg.stages[action.stage_id]
+        s, t = st.samples_per_replica, st.tp
+        coll = 2 * _ring(t, INTRA, 1e5 * s) if t > 1 else 0.0
+        f, b, w = 1e-4 + 2e-3 * s / t + coll, 2e-4 + 4e-3 * s / t + coll, 1e-4 + 2e-3 * s / t
+        per_block = {"F": f, "B": b, "W": w, "I": b - w}[action.kind]
+        return len(st.op_ids) * per_block
+
+    syncs = [oracle_ring_allreduce(st.num_replicas, oracle_collective_link(cl, st.devices[::st.tp]),
+                                   4e8 * len(st.op_ids) / st.tp) if st.num_replicas > 1 else 0.0
+             for st in sg.stages]
+    expected = oracle_iteration(sg, plan.schedule, cl, durations=durations, syncs=syncs)
+    assert plan.predicted.throughput == pytest.approx(batch / expected, rel=1e-9)
+    before = oracle_iteration(sg, make_schedule(replaced, sg, cl), cl, durations=durations, syncs=syncs)
+    assert plan.predicted.throughput > batch / before * (1 + 1e-6)
+    plain = make_plan("c", g, cl, batch, "gpp", SearchOptions())
+    assert plain.schedule.name in ("graph-1f1b", "gpipe") and "zero_bubble" not in plain.search
+
+
 # ------------------------------------------- plans without a schedule
 def test_plan_without_schedule_gets_the_strategys_default_and_says_so(tmp_path):
     """A hand-written plan file without ``schedule``/``predicted``: the strategy's own schedule (the one its

@@ -272,7 +272,9 @@ def plan_request(request: PlanRequest) -> Plan:
             tried.append({**layout.as_dict(), "error": str(exc)})
             by_tp.setdefault(layout.tp, 0.0)
             continue
-        tried.append({**layout.as_dict(), "throughput": plan.predicted.throughput,
+        if request.record.ranks_candidates and request.schedule is None:
+            plan = _zero_bubble(request, plan)
+        tried.append({**layout.as_dict(), "schedule": plan.schedule.name, "throughput": plan.predicted.throughput,
                       "devices_used": len(plan.stage_graph.devices_used()),
                       "peak_memory_bytes": plan.predicted.max_peak_memory_bytes})
         by_tp[layout.tp] = max(by_tp.get(layout.tp, 0.0), plan.predicted.throughput)
@@ -285,6 +287,33 @@ def plan_request(request: PlanRequest) -> Plan:
     if request.record.ranks_candidates and options.per_stage_layouts:  # gpp: each stage (branch) its own layout
         plan = _per_stage_layouts(request, plan, tp, shard, search)
     return replace(plan, search={**plan.search, **search, "time_s": time.perf_counter() - started})
+
+
+ZERO_BUBBLE = "zb-h1"
+"""The zero-bubble schedule a layout search also tries on each layout's plan (:func:`_zero_bubble`)."""
+
+
+def _zero_bubble(request: PlanRequest, plan: Plan) -> Plan:
+    """``plan`` under ZB-H1 (Qi et al. 2024: the backward split into I and W, W filling the pipeline's drain, at
+    1F1B's activation memory) when its stages form a chain without re-materialization and that simulates faster
+    and fits memory; else ``plan``. A layout search (gpp with ``--tp``/``--shard`` other than 1/none) chooses the
+    schedule with the layout: where a stage's replicas end the step with a large gradient collective, or depth
+    makes a long fill and drain, the W actions fill what graph-1F1B and fill-drain leave idle. Only ZB-H1: its
+    simulation is as cheap as 1F1B's at thousands of devices; graph-zb (branches) costs minutes there, and the
+    runtime does not split the backward of a re-materialized stage (:mod:`graphpipe.runtime.compiled` refuses
+    split backward too, a run option). ``search.zero_bubble`` says what was tried."""
+    sg = plan.stage_graph
+    if sg.num_stages < 2 or not sg.is_chain() or any(s.recompute for s in sg.stages):
+        return plan
+    try:
+        trial = _scheduled(request, sg, ZERO_BUBBLE, plan.merged, dict(plan.search))
+        _check_memory(request, trial)
+    except GraphpipeError as exc:
+        return replace(plan, search={**plan.search, "zero_bubble": f"not kept: {exc}"})
+    if trial.predicted.throughput <= plan.predicted.throughput * (1 + 1e-9):
+        return replace(plan, search={**plan.search, "zero_bubble": f"not kept: {trial.predicted.throughput:.6g} "
+                                                                   f"samples/s under {ZERO_BUBBLE}"})
+    return replace(trial, search={**trial.search, "zero_bubble": f"kept over {plan.schedule.name}"})
 
 
 def _per_stage_layouts(request: PlanRequest, plan: Plan, tp, shard, search: dict[str, Any]) -> Plan:
