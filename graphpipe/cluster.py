@@ -36,6 +36,7 @@ Example
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Iterable, Literal, Sequence
 
@@ -141,10 +142,7 @@ class Cluster:
         """The link an all-reduce over ``devices`` runs at: the intra-node link when they share one node; across
         nodes, the inter-node latency and ``k`` times the inter-node bandwidth (at most the intra-node one), ``k``
         the fewest of the devices that any one node holds (:meth:`spanning_link`)."""
-        per_node: dict[int, int] = {}
-        for d in devices:
-            node = self.node_of(d)
-            per_node[node] = per_node.get(node, 0) + 1
+        per_node = Counter(self.node_of(d) for d in devices)
         return self.spanning_link(min(per_node.values()) if len(per_node) > 1 else 0)
 
     def first_devices_link(self, r: int) -> Link:

@@ -356,6 +356,18 @@ def stage_memory(graph: "OpGraph", op_ids: Iterable[int], num_replicas: int, mic
                               bool(recompute), cluster.bytes_per_param))
 
 
+def replica_link_tables(cluster: "Cluster") -> tuple[np.ndarray, np.ndarray]:
+    """``(latency, bandwidth)`` arrays indexed by ``r``: the link of an all-reduce over devices ``0 .. r-1``
+    (:meth:`graphpipe.cluster.Cluster.first_devices_link`), the canonical device set the searches cost ``r``
+    replicas on. Index 0 is unused (latency 0, bandwidth 1)."""
+    n = cluster.num_devices
+    lat, bandwidth = np.zeros(n + 1), np.ones(n + 1)
+    for r in range(1, n + 1):
+        link = cluster.first_devices_link(r)
+        lat[r], bandwidth[r] = link.latency_s, link.bandwidth_Bps
+    return lat, bandwidth
+
+
 # ------------------------------------------------ re-materialization in segments
 def _segment_tables(graph: "OpGraph", order: Sequence[int]):
     """Per-sample arrays over the stage's ops in ``order``: what :func:`segment_bytes` and
@@ -500,10 +512,7 @@ class CostArrays:
     @classmethod
     def of(cls, graph: "OpGraph", cluster: "Cluster") -> "CostArrays":
         n = cluster.num_devices
-        lat, bandwidth = np.zeros(n + 1), np.ones(n + 1)
-        for r in range(1, n + 1):
-            link = cluster.first_devices_link(r)
-            lat[r], bandwidth[r] = link.latency_s, link.bandwidth_Bps
+        lat, bandwidth = replica_link_tables(cluster)
         ops = graph.ops
         return cls(np.array([o.fwd.alpha for o in ops], dtype=float), np.array([o.fwd.beta for o in ops], dtype=float),
                    np.array([o.bwd.alpha for o in ops], dtype=float), np.array([o.bwd.beta for o in ops], dtype=float),

@@ -305,15 +305,23 @@ def _zero_bubble(request: PlanRequest, plan: Plan) -> Plan:
     sg = plan.stage_graph
     if sg.num_stages < 2 or not sg.is_chain() or any(s.recompute for s in sg.stages):
         return plan
+    trial, why_not = _if_faster(request, plan, sg, ZERO_BUBBLE)
+    if trial is None:
+        return replace(plan, search={**plan.search, "zero_bubble": f"not kept: {why_not}"})
+    return replace(trial, search={**trial.search, "zero_bubble": f"kept over {plan.schedule.name}"})
+
+
+def _if_faster(request: PlanRequest, plan: Plan, sg: StageGraph, schedule_name: str) -> tuple[Plan | None, str]:
+    """``sg`` under ``schedule_name``, simulated and checked against memory: ``(trial, "")`` when it is faster
+    than ``plan``, else ``(None, why not)`` (the error, or its throughput)."""
     try:
-        trial = _scheduled(request, sg, ZERO_BUBBLE, plan.merged, dict(plan.search))
+        trial = _scheduled(request, sg, schedule_name, plan.merged, dict(plan.search))
         _check_memory(request, trial)
     except GraphpipeError as exc:
-        return replace(plan, search={**plan.search, "zero_bubble": f"not kept: {exc}"})
+        return None, str(exc)
     if trial.predicted.throughput <= plan.predicted.throughput * (1 + 1e-9):
-        return replace(plan, search={**plan.search, "zero_bubble": f"not kept: {trial.predicted.throughput:.6g} "
-                                                                   f"samples/s under {ZERO_BUBBLE}"})
-    return replace(trial, search={**trial.search, "zero_bubble": f"kept over {plan.schedule.name}"})
+        return None, f"{trial.predicted.throughput:.6g} samples/s under {schedule_name}"
+    return trial, ""
 
 
 def _per_stage_layouts(request: PlanRequest, plan: Plan, tp, shard, search: dict[str, Any]) -> Plan:
@@ -328,17 +336,9 @@ def _per_stage_layouts(request: PlanRequest, plan: Plan, tp, shard, search: dict
     sg = layouts.per_stage_layouts(plan.stage_graph, cluster, in_flight, tps, shards)
     if sg.stages == plan.stage_graph.stages:
         return plan
-    try:
-        trial = _scheduled(request, sg, plan.schedule.name, plan.merged, dict(plan.search))
-        _check_memory(request, trial)
-    except GraphpipeError as exc:
-        search["per_stage_layouts"] = f"not kept: {exc}"
-        return plan
-    if trial.predicted.throughput <= plan.predicted.throughput * (1 + 1e-9):
-        search["per_stage_layouts"] = f"not kept: {trial.predicted.throughput:.6g} samples/s"
-        return plan
-    search["per_stage_layouts"] = "kept"
-    return trial
+    trial, why_not = _if_faster(request, plan, sg, plan.schedule.name)
+    search["per_stage_layouts"] = "kept" if trial is not None else f"not kept: {why_not}"
+    return plan if trial is None else trial
 
 
 def _roomy(tried: list[dict[str, Any]], tp: int, cluster: Cluster) -> bool:

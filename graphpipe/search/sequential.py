@@ -128,12 +128,8 @@ class ReplicaCosts:
 
     @classmethod
     def of(cls, cluster: Cluster) -> "ReplicaCosts":
-        n = cluster.num_devices
-        lat, bandwidth = np.zeros(n + 1), np.ones(n + 1)
-        for r in range(1, n + 1):
-            link = cluster.first_devices_link(r)
-            lat[r], bandwidth[r] = link.latency_s, link.bandwidth_Bps
-        return cls(n, lat, bandwidth, float(cluster.bytes_per_param), cluster.memory_bytes)
+        lat, bandwidth = costs.replica_link_tables(cluster)
+        return cls(cluster.num_devices, lat, bandwidth, float(cluster.bytes_per_param), cluster.memory_bytes)
 
     @property
     def state_per_byte(self) -> float:
