@@ -193,6 +193,30 @@ def dtype_dependent():
             lambda out: out.float().pow(2).mean())
 
 
+class DtypeBranch(nn.Module):
+    """T5's feed-forward guard, written for bf16: the hidden states are clamped only when they are bf16 (an fp32
+    trace takes the other branch, so its program under autocast is not what the eager module runs at bf16)."""
+
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.stem = nn.Linear(4, dim)
+        self.layers = nn.ModuleList(nn.Linear(dim, dim) for _ in range(2))
+        self.head = nn.Linear(dim, 2)
+
+    def forward(self, x):
+        h = self.stem(x)
+        for layer in self.layers:
+            h = layer(h).relu()
+            if h.dtype == torch.bfloat16:
+                h = torch.clamp(h, max=0.25)
+        return self.head(h)
+
+
+def dtype_branch():
+    torch.manual_seed(0)
+    return DtypeBranch(), (torch.randn(BATCH, 4),), lambda out: out.float().pow(2).mean()
+
+
 class GraphConv(nn.Module):
     """A GCN layer on the nodes of every graph of the batch at once (torch_geometric's layout: ``(nodes, dim)``)."""
 

@@ -67,22 +67,29 @@ def test_pipeline_steps_a_model_with_non_tensor_inputs_and_refuses_another_value
     eager = edge_models.flagged()[0]
     eager.load_state_dict(made.module.state_dict())
     pipe = Pipeline(plan, made.module, made.loss_fn)
-    loss = pipe.step(made.example_inputs)
     inputs = made.example_inputs
-    ref = 0.0
-    for lo in range(0, edge_models.BATCH, 4):  # the plan's micro-batches of 4, each loss scaled by its share
-        part = {**inputs, "x": inputs["x"][lo:lo + 4]}
-        term = made.loss_fn(eager(**part)) * 0.5
-        term.backward()
-        ref += float(term)
-    torch.testing.assert_close(float(loss), ref)
-    grads = dict(eager.named_parameters())
-    for name, p in pipe.named_parameters():
-        torch.testing.assert_close(p.grad, grads[name].grad, msg=lambda m, n=name: f"{n}: {m}")
+    _assert_steps_like_eager(pipe, pipe.step(inputs), eager, made.loss_fn,
+                             lambda lo: eager(**{**inputs, "x": inputs["x"][lo:lo + 4]}))
     with pytest.raises(InputError, match="input 'output_hidden_states' is False") as info:
         pipe.step({**inputs, "output_hidden_states": False})
     assert "\n" not in str(info.value)
     pipe.close()
+
+
+def _assert_steps_like_eager(pipe, loss, eager, loss_fn, forward_rows, precision: str = "fp32") -> None:
+    """The Pipeline's step ``loss`` and every gradient equal the eager module's loop over the plan's micro-batches
+    of 4 (``forward_rows(lo)``: the eager output of rows ``lo:lo+4``), each loss scaled by its share, at
+    ``precision`` (bf16: under CPU autocast)."""
+    ref = 0.0
+    for lo in range(0, edge_models.BATCH, 4):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            term = loss_fn(forward_rows(lo)) * 0.5
+        term.backward()
+        ref += float(term.detach())
+    torch.testing.assert_close(float(loss), ref)
+    grads = dict(eager.named_parameters())
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def _one_rank_plan(spec: str, groups):
@@ -132,12 +139,64 @@ def test_dtype_dependent_constants_run_at_fp32_and_under_bf16_autocast():
     torch.testing.assert_close(got, want)
 
 
+def test_a_bf16_program_is_traced_at_bf16_and_runs_what_the_eager_module_runs():
+    """A branch on ``h.dtype`` (a clamp taken only at bf16): the bf16 trace records it, the fp32 trace does not;
+    under autocast the bf16 program equals the eager module exactly and the fp32 one does not (so the oracle can
+    fail). Traced on the meta device (a run's capture), the program is the same, holds the module's own meta
+    parameters and no fake tensor."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    from graphpipe.frontend.exporting import export_model
+    from graphpipe.runtime.materialize import meta_copy
+
+    made = edge_models.dtype_branch()
+    module, (x,) = made[0], made[1]
+    fp32, bf16 = export_model(module, (x,)), export_model(module, (x,), precision="bf16")
+
+    def clamps(ex):
+        return [n.name for n in ex.gm.graph.nodes if n.target is torch.ops.aten.clamp.default]
+
+    assert (clamps(fp32), clamps(bf16)) == ([], ["clamp", "clamp_1"])
+    rows = x[:3]  # another batch size than traced
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want, got, fp32_got = module(rows), bf16.gm(rows)[0], fp32.gm(rows)[0]
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert not torch.equal(fp32_got, want)
+    torch.testing.assert_close(fp32.gm(rows)[0], module(rows), rtol=0, atol=0)  # fp32 stays fp32's program
+    on_meta = module.to("meta")
+    meta = export_model(on_meta, (meta_copy(x),), precision="bf16")
+    assert clamps(meta) == clamps(bf16)
+    assert [(n.op, str(n.target)) for n in meta.gm.graph.nodes] == [(n.op, str(n.target)) for n in bf16.gm.graph.nodes]
+    own = {id(p) for p in on_meta.parameters()}
+    assert all(id(p) in own for p in meta.gm.parameters())
+    assert not any(is_fake(t) for t in [*meta.gm.parameters(), *meta.gm.buffers()])
+
+
+def test_pipeline_at_bf16_steps_the_branch_the_eager_module_takes_at_bf16(one_rank_group):
+    """``Pipeline(precision="bf16")`` of the dtype-branching model (two stages on one rank): loss and every
+    gradient equal the eager module's micro-batched loop under autocast, the bf16-only clamp included."""
+    from graphpipe.frontend.capture import load_factory
+    from graphpipe.runtime.api import Pipeline
+
+    made = load_factory(f"{EDGES}:dtype_branch")
+    plan = _one_rank_plan(f"{EDGES}:dtype_branch", (["stem", "layers.0"], ["layers.1", "head"]))
+    eager = edge_models.dtype_branch()[0]
+    eager.load_state_dict(made.module.state_dict())
+    pipe = Pipeline(plan, made.module, made.loss_fn, precision="bf16")
+    (x,) = made.example_inputs
+    _assert_steps_like_eager(pipe, pipe.step((x,)), eager, made.loss_fn, lambda lo: eager(x[lo:lo + 4]), "bf16")
+    pipe.close()
+
+
 def test_inspect_says_at_which_precision_the_program_was_captured(capsys):
     from graphpipe.cli import main
 
     assert main(["inspect", f"{EDGES}:dtype_dependent"]) == 0
     out = capsys.readouterr().out
-    assert "captured at fp32" in out and "bf16" in out
+    assert "traced at fp32" in out and "a bf16 run traces its own program" in out
+    assert main(["inspect", f"{EDGES}:dtype_branch", "--precision", "bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "traced at bf16 under torch.autocast" in out
 
 
 # ------------------------------------------------------------ 4. in place on a received value
@@ -196,6 +255,8 @@ def _edge_plans() -> dict:
         "gpt2_labels": hand_built(f"{EDGES}:gpt2_labels", (["transformer.wte", "transformer.wpe", "transformer.h.0"],
                                                            ["transformer.h.1", "lm_head", "join_outputs"]),
                                   [(0,), (1,)], [4, 4], 2, "1f1b"),
+        "dtype_branch": hand_built(f"{EDGES}:dtype_branch", (["stem", "layers.0"], ["layers.1", "head"]),
+                                   [(0,), (1,)], [4, 4], 2, "1f1b"),
         "in_place": hand_built(f"{EDGES}:in_place", (["stem"], ["blocks.0", "blocks.1", "head"]), [(0,), (1,)],
                                [2, 2], 2, "1f1b"),
     }
@@ -205,12 +266,15 @@ def _edge_plans() -> dict:
 def test_edge_models_train_on_two_ranks_like_one_process():
     """``graphpipe run --check`` of each edge model over 2 ranks: constant inputs no longer reach a rank, a tiny
     GPT-2 called with ``labels=`` and ``output_hidden_states=True`` (through ``**kwargs``) trains, an in-place op
-    on a received value trains; loss and every gradient equal one process for 2 steps."""
+    on a received value trains, a model branching on its dtype trains at bf16; loss and every gradient equal one
+    process for 2 steps."""
     from graphpipe.runtime import RunOptions, run_plans
 
     plans = _edge_plans()
     names = sorted(plans)
-    results = run_plans([(plans[n], RunOptions(steps=2, warmup_steps=1, check=True, timeout_s=120)) for n in names], 2)
+    precision = {"dtype_branch": "bf16"}  # traced at bf16 on every rank (meta weights on fake CPU tensors)
+    results = run_plans([(plans[n], RunOptions(steps=2, warmup_steps=1, check=True, timeout_s=120,
+                                               precision=precision.get(n, "fp32"))) for n in names], 2)
     failures = {name: r.check for name, r in zip(names, results)
                 if not (r.check.passed and r.check.num_params_checked == r.check.num_params > 0)}
     assert not failures, failures

@@ -87,7 +87,7 @@ def test_the_launcher_ships_what_its_preflight_captured_and_a_rank_loads_it_with
     options = RunOptions(steps=1, seed=3)
     preflight(plan, options)
     shipped = _shipments([(plan_to_dict(plan), options)])
-    key = rank_key(spec, 3, None)
+    key = rank_key(spec, 3, None, options.precision)
     assert list(shipped) == [key]
     # as a rank: the shipment adopted, then the worker's load (runtime/worker.py) builds from it
     monkeypatch.setattr(runnable_mod, "_PRISTINE", {})

@@ -116,9 +116,14 @@ def _table(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-CAPTURE_PRECISION_NOTE = ("captured at fp32 (torch.export runs the module's code once, at fp32); the same program "
-                          "runs at bf16 under autocast, with torch.finfo(float32) extremes the code took from a "
-                          "tensor's dtype replaced by bf16's (graphpipe.frontend.exporting.bf16_safe_constants)")
+CAPTURE_PRECISION_NOTE = {
+    "fp32": ("traced at fp32 (torch.export runs the module's code once); a bf16 run traces its own program under "
+             "bf16 torch.autocast, so code reading a tensor's dtype (torch.finfo(h.dtype), a branch on h.dtype) "
+             "takes its bf16 path there (graphpipe.frontend.export_inputs.traced_at)"),
+    "bf16": ("traced at bf16 under torch.autocast, as the run replays it: code reading a tensor's dtype "
+             "(torch.finfo(h.dtype), a branch on h.dtype) is recorded as it runs at bf16; activation bytes measured "
+             "at bf16"),
+}
 """What ``inspect`` says about the precision a captured module's program was traced at."""
 
 
@@ -131,8 +136,7 @@ def run(args) -> int:
     summary = inspect_summary(source.graph)
     summary = {"model_id": source.model_id, "source": source.kind, **summary}
     if source.kind in ("factory", "zoo"):  # a module captured here: the precision its program was traced at
-        summary["notes"] = [CAPTURE_PRECISION_NOTE + (f"; activation bytes measured at {args.precision}"
-                                                      if args.precision == "bf16" else "")]
+        summary["notes"] = [CAPTURE_PRECISION_NOTE[args.precision or "fp32"]]
     if source.kind == "pipedream":
         from graphpipe.importers.pipedream_txt import read_zeroed_inputs
 

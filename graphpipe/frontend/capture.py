@@ -364,7 +364,7 @@ def _layer_types(extra: Sequence[type[nn.Module]]) -> tuple[type[nn.Module], ...
 
 def trace_ops(module: nn.Module, example_inputs: Any, loss_fn: Callable[..., Any] | None = None,
               example_target: Any = None, granularity: Granularity | None = None,
-              layer_types: Sequence[type[nn.Module]] = (), lengths: bool = True,
+              layer_types: Sequence[type[nn.Module]] = (), lengths: bool = True, precision: str = "fp32",
               ) -> tuple[Exported, dict[str, tuple[str, ...]], dict[str, str]]:
     """Export ``module`` and group its graph into ops, without measuring costs.
 
@@ -372,10 +372,11 @@ def trace_ops(module: nn.Module, example_inputs: Any, loss_fn: Callable[..., Any
     input glue), ``op_nodes`` (op -> node names in graph order, ops in the
     order of their first node) and each op's module path. The runtime calls
     this on every rank: the same module and inputs give the same names.
-    ``lengths``: :func:`~graphpipe.frontend.exporting.export_model`'s (False: only the batch symbolic).
+    ``lengths``: :func:`~graphpipe.frontend.exporting.export_model`'s (False: only the batch symbolic);
+    ``precision``: the run's, which the module's code is traced at (its step 8).
     """
     granularity = granularity or Granularity()
-    exported = export_model(module, example_inputs, loss_fn, example_target, lengths)
+    exported = export_model(module, example_inputs, loss_fn, example_target, lengths, precision)
     gm = exported.gm
     if granularity.patterns:
         _check_patterns(granularity, gm, module)
@@ -754,7 +755,7 @@ def capture(module: nn.Module, example_inputs: Any, name: str | None = None,
     try:
         # costs are read at the example's shape: only the batch need stay symbolic (half the export time or less)
         exported, op_nodes, paths = trace_ops(module, example_inputs, loss_fn, example_target, granularity, layer_types,
-                                              lengths=False)
+                                              lengths=False, precision=precision)
     except GraphpipeError:
         raise
     except Exception as exc:

@@ -5,8 +5,12 @@
   become part of the program instead of graph inputs;
 * :func:`keywords_bound`: keyword inputs that reach ``forward`` only through ``**kwargs`` (transformers 5)
   are bound as named parameters while exporting;
-* :func:`bf16_safe_constants`: ``torch.finfo(float32)`` extremes a module took from a tensor's dtype are
-  replaced by bf16's, so the fp32-traced program runs under bf16 autocast too.
+* :func:`traced_at`: the module's code runs at the run's precision while it is traced (under bf16
+  ``torch.autocast`` for a bf16 run, on fake CPU tensors for a meta-device model), so code that reads a
+  tensor's dtype (``torch.finfo(h.dtype)``, ``if h.dtype == ...``) is recorded as it runs at that precision;
+* :func:`bf16_safe_constants`: in a program traced at fp32, ``torch.finfo(float32)`` extremes a module took
+  from a tensor's dtype are replaced by bf16's, so that program is safe under bf16 autocast too;
+* :func:`retarget_devices`: device literals recorded while tracing, moved to the device a program runs on.
 
 Example
 -------
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
 import logging
 from typing import Any, Mapping
 
@@ -34,7 +39,8 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-__all__ = ["same_constant", "fold_constant_inputs", "keywords_bound", "bf16_safe_constants"]
+__all__ = ["same_constant", "fold_constant_inputs", "keywords_bound", "traced_at", "bf16_safe_constants",
+           "retarget_devices"]
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +113,91 @@ def bf16_safe_constants(gm: fx.GraphModule) -> tuple[str, ...]:
     return tuple(changed)
 
 
+class Tracing:
+    """What :func:`traced_at` yields: the inputs to export with, and :meth:`settle` for the exported graph."""
+
+    def __init__(self, module: nn.Module, args: tuple, kwargs: dict):
+        self.module, self.args, self.kwargs = module, args, kwargs
+        self.faked = False
+
+    def settle(self, gm: fx.GraphModule, data_attr: str) -> None:
+        """After a trace on fake CPU tensors (a meta-device model at bf16): ``gm`` holds the module's own meta
+        parameters and buffers again (by name; tied ones stay one tensor), a constant the trace made becomes a
+        meta tensor of its shape (keeping the values recorded as ``data_attr``), and device literals say
+        ``meta``, so the program is the one a meta-device capture makes and the run materializes as usual."""
+        if not self.faked:
+            return
+        from torch._subclasses.fake_tensor import is_fake
+
+        own = dict(itertools.chain(self.module.named_parameters(remove_duplicate=False),
+                                   self.module.named_buffers(remove_duplicate=False)))
+        made: dict[int, torch.Tensor] = {}
+        for prefix, sub in gm.named_modules(remove_duplicate=False):
+            for kind in ("_parameters", "_buffers"):
+                table = getattr(sub, kind)
+                for name, t in list(table.items()):
+                    if t is None or not is_fake(t):
+                        continue
+                    fqn = f"{prefix}.{name}" if prefix else name
+                    if fqn in own:
+                        table[name] = own[fqn]
+                        continue
+                    if id(t) not in made:
+                        made[id(t)] = torch.empty(t.shape, dtype=t.dtype, device="meta")
+                        if getattr(t, data_attr, None) is not None:
+                            setattr(made[id(t)], data_attr, getattr(t, data_attr))
+                    table[name] = made[id(t)]
+        retarget_devices(gm, torch.device("meta"))
+
+
+@contextlib.contextmanager
+def traced_at(module: nn.Module, args: tuple, kwargs: dict, precision: str):
+    """Run the module's code at ``precision`` while export traces it (:mod:`graphpipe.frontend.exporting`, step 8).
+
+    A bf16 run executes the program under ``torch.autocast``; code that reads a tensor's dtype
+    (``torch.finfo(h.dtype).max`` in a clamp, a mask's ``finfo(dtype).min``, ``if h.dtype == torch.float16``)
+    must see the dtypes autocast gives it, or the recorded program does what the eager module never does at
+    bf16. Tracing under the same autocast records exactly that: autocast acts below the traced level, so the
+    program holds no casts of its own and is replayed under autocast as the eager module runs. A model on the
+    meta device (a run's capture: nothing is allocated) has no autocast, so it is traced on fake CPU tensors of
+    the same shapes instead, and :meth:`Tracing.settle` puts its meta tensors back. Yields a :class:`Tracing`.
+    """
+    tracing = Tracing(module, args, kwargs)
+    if precision == "fp32":
+        yield tracing
+        return
+    if precision != "bf16":
+        raise ValueError(f"precision must be fp32 or bf16, got {precision!r}")
+    state = list(itertools.chain(module.parameters(), module.buffers()))
+    inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    if not any(t.device.type == "meta" for t in state + inputs):
+        device = next((t.device.type for t in state + inputs), "cpu")
+        with torch.autocast(device, dtype=torch.bfloat16):
+            yield tracing
+        return
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from graphpipe.frontend.capture import _restore_state, _swap_state
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def fake(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        with mode:
+            return (mode.from_tensor(torch.empty(t.shape, dtype=t.dtype, device="meta")).to("cpu")
+                    if t.device.type == "meta" else mode.from_tensor(t))
+
+    swapped = _swap_state(module, fake)
+    try:
+        tracing.args, tracing.kwargs = pytree.tree_map(fake, (args, kwargs))
+        tracing.faked = True
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            yield tracing
+    finally:
+        _restore_state(module, swapped)
+
+
 def _leaf_name(path: tuple) -> str:
     """``flag`` for keyword input ``flag``, ``input 0`` for the first positional one, ``cfg['k']`` inside one."""
     where, first, *rest = path
@@ -157,3 +248,43 @@ def keywords_bound(module: nn.Module, kwargs: Mapping[str, Any]):
             module.forward = original
         else:
             del module.forward
+
+
+def retarget_devices(gm: torch.fx.GraphModule, device: torch.device) -> bool:
+    """Rewrite device literals of ``gm``'s nodes captured on another device (``meta``, or ``cpu`` for a CUDA
+    run) to ``device``, in place; returns whether anything changed.
+
+    ``torch.arange(n, device=x.device)`` traced on meta inputs is recorded
+    as ``arange(n, device=meta)``; run as is it would make meta tensors.
+    """
+    device = torch.device(device)
+    stale = {"meta"} | ({"cpu"} if device.type != "cpu" else set())
+
+    def fix(value):
+        if isinstance(value, torch.device) and value.type in stale:
+            return device
+        if isinstance(value, str) and value in stale:
+            return str(device)
+        if isinstance(value, (tuple, list)):
+            return type(value)(fix(v) for v in value)
+        if isinstance(value, dict):
+            return {k: fix(v) for k, v in value.items()}
+        return value
+
+    changed = False
+    for sub in gm.modules():  # a higher-order op's body (no_grad, autocast regions) is a graph of its own
+        if not isinstance(sub, torch.fx.GraphModule):
+            continue
+        changed_here = False
+        for node in sub.graph.nodes:
+            if node.op not in ("call_function", "call_method"):
+                continue
+            kwargs = {k: fix(v) if k == "device" else v for k, v in node.kwargs.items()}
+            args = tuple(fix(a) if isinstance(a, torch.device) else a for a in node.args)
+            if kwargs != dict(node.kwargs) or args != tuple(node.args):
+                node.kwargs, node.args = kwargs, args
+                changed_here = True
+        if changed_here:
+            sub.recompile()
+            changed = True
+    return changed

@@ -41,10 +41,15 @@ What :func:`export_model` does to the exported program, and why:
    ``output_hidden_states``, ``num_items_in_batch``) are bound as named
    parameters of ``forward`` while exporting, since export cannot give a
    var-keyword argument a dynamic batch (:mod:`graphpipe.frontend.export_inputs`).
-8. **dtype-dependent constants.** Export runs at fp32; ``torch.finfo(float32)``
-   extremes a module's code took from its tensors' dtype are replaced by
-   bf16's (:func:`graphpipe.frontend.export_inputs.bf16_safe_constants`), so the program runs at fp32 and under
-   bf16 autocast alike, as the eager module does.
+8. **Traced at the run's precision.** A bf16 run's program is traced under
+   bf16 ``torch.autocast`` (a meta-device model on fake CPU tensors), so code
+   that reads a tensor's dtype (``torch.finfo(h.dtype).max``, a branch on
+   ``h.dtype``) is recorded as the eager module runs it at bf16
+   (:func:`graphpipe.frontend.export_inputs.traced_at`); each precision has
+   its own capture. A program traced at fp32 has ``torch.finfo(float32)``
+   extremes replaced by bf16's
+   (:func:`graphpipe.frontend.export_inputs.bf16_safe_constants`), so it stays
+   safe where it is replayed under autocast.
 
 Example
 -------
@@ -76,7 +81,8 @@ from torch.utils import _pytree as pytree
 
 from graphpipe.frontend.capture_refusals import BatchFixedAt, BatchFixedError, CustomBackwards, refuse_vmap
 from graphpipe.errors import InputError, UserCodeError
-from graphpipe.frontend.export_inputs import bf16_safe_constants, fold_constant_inputs, keywords_bound, same_constant
+from graphpipe.frontend.export_inputs import (bf16_safe_constants, fold_constant_inputs, keywords_bound, same_constant,
+                                             traced_at)
 
 __all__ = ["IOSpec", "Exported", "export_model", "module_path", "module_stack", "replicable_nodes",
            "replicate_input_glue", "normalize_inputs", "deliver_target", "join_outputs"]
@@ -191,6 +197,14 @@ def _outside_tracing():
         yield
 
 
+def _valueless(t: torch.Tensor) -> bool:
+    """A tensor with no values: on the meta device, or a fake one (a meta-device model traced at bf16 runs on
+    fake CPU tensors: :func:`~graphpipe.frontend.export_inputs.traced_at`)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return t.device.type == "meta" or is_fake(t)
+
+
 class _KeepDataValues(TorchFunctionMode):
     """Export of a meta-device model: a tensor made from Python data keeps its values beside it.
 
@@ -206,10 +220,10 @@ class _KeepDataValues(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if (func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and len(args) >= 2
-                and isinstance(args[0], torch.Tensor) and args[0].device.type == "meta"):
+                and isinstance(args[0], torch.Tensor) and _valueless(args[0])):
             args = (args[0], self._index(args[1], args[0].device), *args[2:])
         out = func(*args, **kwargs)
-        if func in self._MAKERS and isinstance(out, torch.Tensor) and out.device.type == "meta":
+        if func in self._MAKERS and isinstance(out, torch.Tensor) and _valueless(out):
             data = args[1] if func is torch.Tensor.new_tensor else args[0] if args else kwargs.get("data")
             if _data_leaf(data):
                 with _outside_tracing():
@@ -580,7 +594,7 @@ def _symbolic(size: Any, ep) -> bool:
 
 
 def export_model(module: nn.Module, example_inputs: Any, loss_fn: Callable[..., Any] | None = None,
-                 example_target: Any = None, lengths: bool = True) -> Exported:
+                 example_target: Any = None, lengths: bool = True, precision: str = "fp32") -> Exported:
     """Export ``module`` on its example inputs into a flat runnable graph (module docstring).
 
     ``loss_fn`` (with ``example_target`` when it takes one) lets outputs the
@@ -588,15 +602,16 @@ def export_model(module: nn.Module, example_inputs: Any, loss_fn: Callable[..., 
     ``lengths``: keep an integer input's other dims (a sequence length) symbolic, as a run whose batches change
     shape needs; planning reads costs at the example's shape only, and exporting with the batch alone symbolic
     takes a half to a third of the time on Hugging Face models (the symbolic lengths' guards through attention).
+    ``precision``: the run's (``fp32`` or ``bf16``); the module's code is traced at it (step 8).
     """
     args, kwargs = normalize_inputs(example_inputs)
     _check_batch_inputs(args, kwargs)
     with keywords_bound(module, kwargs):
-        return _export_bound(module, args, kwargs, loss_fn, example_target, lengths)
+        return _export_bound(module, args, kwargs, loss_fn, example_target, lengths, precision)
 
 
 def _export_bound(module: nn.Module, args: tuple, kwargs: dict, loss_fn: Callable[..., Any] | None,
-                  example_target: Any, lengths: bool = True) -> Exported:
+                  example_target: Any, lengths: bool = True, precision: str = "fp32") -> Exported:
     """:func:`export_model` once ``**kwargs`` inputs are bound (:func:`~graphpipe.frontend.export_inputs.keywords_bound`)."""
     import time
 
@@ -614,8 +629,8 @@ def _export_bound(module: nn.Module, args: tuple, kwargs: dict, loss_fn: Callabl
             config.use_cache = False
         with (_opaque_batchnorms(module) as batchnorms, _quiet_torch_logs(), _no_stack_traces(),
               _no_partial_graph_dump(), _KeepDataValues() if meta else contextlib.nullcontext(),
-              custom.watching()):
-            ep = _export_dynamic_batch(module, args, kwargs, dynamic, lengths)
+              custom.watching(), traced_at(module, args, kwargs, precision) as tracing):
+            ep = _export_dynamic_batch(module, tracing.args, tracing.kwargs, dynamic, lengths)
     except Exception as exc:  # export raises many types; the first line and the user's location say why
         raise UserCodeError(f"{_export_location(exc)}torch.export cannot capture {type(module).__name__}: "
                             f"{_export_reason(exc)}") from exc
@@ -627,6 +642,7 @@ def _export_bound(module: nn.Module, args: tuple, kwargs: dict, loss_fn: Callabl
         raise refusal
     seconds = time.perf_counter() - t0
     gm = ep.module()
+    tracing.settle(gm, DATA_VALUE)
     refuse_vmap(gm, module, lambda node: module_path(module_stack(node)[-1][1]) if module_stack(node) else None)
     in_spec = ep.call_spec.in_spec
     out_spec = ep.call_spec.out_spec
@@ -636,7 +652,8 @@ def _export_bound(module: nn.Module, args: tuple, kwargs: dict, loss_fn: Callabl
     _histc_on_floats(gm)
     _use_module_names(gm, module)
     constants = fold_constant_inputs(gm, args, kwargs)
-    bf16_safe_constants(gm)
+    if precision == "fp32":  # a bf16 trace recorded bf16's extremes itself, and fp32's only where the code asked
+        bf16_safe_constants(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     input_names = tuple(n.name for n in placeholders)
     output = next(n for n in gm.graph.nodes if n.op == "output")
@@ -873,12 +890,15 @@ def _outputs_read_by_loss(gm: fx.GraphModule, in_spec, out_spec, out_leaves: lis
                   and isinstance(v.meta.get("val"), torch.Tensor) and v.meta["val"].dtype.is_floating_point]
     if loss_fn is None or len(out_leaves) <= 1 or not tensor_pos:
         return everything
+    # the example's device (a meta-device model traced at bf16 ran on fake CPU tensors: its values say cpu)
+    on_meta = any(isinstance(t, torch.Tensor) and t.device.type == "meta"
+                  for t in pytree.tree_leaves((args, kwargs, example_target)))
     stand_ins: list[Any] = []
     for v in out_leaves:
         val = v.meta.get("val") if isinstance(v, fx.Node) else v
         if isinstance(val, torch.Tensor):
             shape = [int(s) if not isinstance(s, torch.SymInt) else int(s.node.hint or 2) for s in val.shape]
-            t = torch.zeros(shape, dtype=val.dtype, device="meta" if val.device.type == "meta" else "cpu")
+            t = torch.zeros(shape, dtype=val.dtype, device="meta" if on_meta or val.device.type == "meta" else "cpu")
             if t.dtype.is_floating_point:
                 t.requires_grad_(True)
             stand_ins.append(t)

@@ -134,7 +134,8 @@ def preflight(plan: Plan, options: RunOptions) -> None:
         version_table(plan.stage_graph, spec, options.steps)  # 2bw's m must divide steps x micro-batches
     # Captured as each rank loads it (parameters on meta: nothing is allocated here either), so the launcher
     # ships this capture to the ranks instead of each exporting the model again (runtime/shipping.py).
-    runnable = load_runnable(plan.model, options.seed, "cpu", granularity=plan_granularity(plan), meta_params=True)
+    runnable = load_runnable(plan.model, options.seed, "cpu", granularity=plan_granularity(plan), meta_params=True,
+                             precision=options.precision)
     check_op_names([op.name for op in plan.graph.ops], runnable.op_names, plan.model)
     split = split_model(runnable.gm, runnable.op_nodes, plan.stage_graph)
     from graphpipe.frontend.shapes import data_dims

@@ -329,7 +329,7 @@ class Pipeline:
             model = self._model.cpu() if self.backend != "nccl" else self._model
         try:
             exported, op_nodes, _ = trace_ops(model, example, self._loss_fn, target,
-                                              Granularity.parse(plan_granularity(self.plan)))
+                                              Granularity.parse(plan_granularity(self.plan)), precision=self.precision)
         except Exception as exc:
             ours = isinstance(exc, GraphpipeError) and not isinstance(exc, UserCodeError)
             if not self._given_model or keep is not None or ours:

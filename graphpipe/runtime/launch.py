@@ -369,7 +369,7 @@ def _shipments(jobs: Sequence[tuple[dict, RunOptions]]) -> dict:
     if chosen == "off":
         return {}
 
-    return shipments([(doc["model"], options.seed, (doc.get("search") or {}).get("granularity"))
+    return shipments([(doc["model"], options.seed, (doc.get("search") or {}).get("granularity"), options.precision)
                       for doc, options in jobs])
 
 

@@ -40,6 +40,7 @@ import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
+from graphpipe.frontend.export_inputs import retarget_devices  # noqa: F401 - part of this module's interface
 from graphpipe.frontend.exporting import DATA_VALUE
 
 __all__ = ["meta_nonzero", "params_on_meta", "kept_values", "buffers_to_meta", "fake_cpu", "on_meta", "tensor_seed", "materialize_stages", "materialize_unused", "retarget_devices", "meta_copy",
@@ -423,43 +424,3 @@ def fake_cpu(gm: torch.fx.GraphModule) -> Iterator[Any]:
             yield fake
         finally:
             _restore_state(gm, swapped)
-
-
-def retarget_devices(gm: torch.fx.GraphModule, device: torch.device) -> bool:
-    """Rewrite device literals of ``gm``'s nodes captured on another device (``meta``, or ``cpu`` for a CUDA
-    run) to ``device``, in place; returns whether anything changed.
-
-    ``torch.arange(n, device=x.device)`` traced on meta inputs is recorded
-    as ``arange(n, device=meta)``; run as is it would make meta tensors.
-    """
-    device = torch.device(device)
-    stale = {"meta"} | ({"cpu"} if device.type != "cpu" else set())
-
-    def fix(value):
-        if isinstance(value, torch.device) and value.type in stale:
-            return device
-        if isinstance(value, str) and value in stale:
-            return str(device)
-        if isinstance(value, (tuple, list)):
-            return type(value)(fix(v) for v in value)
-        if isinstance(value, dict):
-            return {k: fix(v) for k, v in value.items()}
-        return value
-
-    changed = False
-    for sub in gm.modules():  # a higher-order op's body (no_grad, autocast regions) is a graph of its own
-        if not isinstance(sub, torch.fx.GraphModule):
-            continue
-        changed_here = False
-        for node in sub.graph.nodes:
-            if node.op not in ("call_function", "call_method"):
-                continue
-            kwargs = {k: fix(v) if k == "device" else v for k, v in node.kwargs.items()}
-            args = tuple(fix(a) if isinstance(a, torch.device) else a for a in node.args)
-            if kwargs != dict(node.kwargs) or args != tuple(node.args):
-                node.kwargs, node.args = kwargs, args
-                changed_here = True
-        if changed_here:
-            sub.recompile()
-            changed = True
-    return changed

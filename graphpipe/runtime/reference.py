@@ -120,7 +120,7 @@ def reference_run(spec: str, seed: int, batch_size: int, layout: dict[str, dict[
     from graphpipe.runtime.batchnorm import sharded_batchnorms
     from graphpipe.runtime.rng import ReferenceContext, ShardContext, _rows
 
-    ref = load_runnable(spec, seed, device, granularity=granularity, meta_params=meta_params)
+    ref = load_runnable(spec, seed, device, granularity=granularity, meta_params=meta_params, precision=precision)
     _materialize_whole(ref, ref.gm, device, seed)
     gm = float64_graph(ref.gm) if float64 else ref.gm
     rows = uniform_rows(layout, batch_size)

@@ -96,23 +96,24 @@ _SHIPPED: dict[tuple, bytes] = {}
 """Captures the launcher shipped to this rank (:func:`adopt_shipments`), by :func:`load_runnable`'s key."""
 
 
-def _key(spec: str, seed: int, device: str, granularity: str | None, meta_params: bool) -> tuple:
-    """:func:`load_runnable`'s cache key (an edited factory file is another key)."""
-    return (spec, seed, device, granularity, _factory_stamp(spec), meta_params)
+def _key(spec: str, seed: int, device: str, granularity: str | None, meta_params: bool,
+         precision: str = "fp32") -> tuple:
+    """:func:`load_runnable`'s cache key (an edited factory file is another key; each precision its own trace)."""
+    return (spec, seed, device, granularity, _factory_stamp(spec), meta_params, precision)
 
 
-def rank_key(spec: str, seed: int, granularity: str | None) -> tuple:
+def rank_key(spec: str, seed: int, granularity: str | None, precision: str = "fp32") -> tuple:
     """:func:`load_runnable`'s key for what a rank loads: on the CPU, parameters on meta (runtime/worker.py)."""
-    return _key(spec, seed, "cpu", granularity, True)
+    return _key(spec, seed, "cpu", granularity, True, precision)
 
 
-def shipments(wanted: Sequence[tuple[str, int, str | None]]) -> dict[tuple, bytes]:
-    """The captures this process holds of the rank loads ``wanted`` (spec, seed, granularity), packed for the
+def shipments(wanted: Sequence[tuple[str, int, str | None, str]]) -> dict[tuple, bytes]:
+    """The captures this process holds of the rank loads ``wanted`` (spec, seed, granularity, precision), packed for the
     ranks it is about to start: they rebuild them instead of capturing (:mod:`graphpipe.runtime.shipping`).
     Only what is already captured travels; the rest the ranks capture themselves."""
     out = {}
-    for spec, seed, granularity in wanted:
-        key = rank_key(spec, seed, granularity)
+    for spec, seed, granularity, precision in wanted:
+        key = rank_key(spec, seed, granularity, precision)
         pristine = _PRISTINE.get(key)
         if pristine is not None and pristine.shipment is not None:
             out[key] = pristine.shipment
@@ -125,17 +126,18 @@ def adopt_shipments(shipped: dict[tuple, bytes]) -> None:
 
 
 def load_runnable(spec: str, seed: int = 0, device: str = "cpu", capture: bool = True,
-                  granularity: str | None = None, meta_params: bool = False) -> Runnable:
+                  granularity: str | None = None, meta_params: bool = False, precision: str = "fp32") -> Runnable:
     """:func:`build_runnable`, exported once per process: a rank running many jobs of one model (tests, evals,
     ``--check``'s reference) gets a deep copy of the first capture (weights as built from ``seed``), not a
     second export."""
     if not capture:
         return build_runnable(spec, seed, device, capture, granularity, meta_params)
-    key = _key(spec, seed, device, granularity, meta_params)
+    key = _key(spec, seed, device, granularity, meta_params, precision)
     if key not in _PRISTINE:
         if len(_PRISTINE) >= _PRISTINE_MAX:
             _PRISTINE.pop(next(iter(_PRISTINE)))
-        _PRISTINE[key] = build_runnable(spec, seed, device, capture, granularity, meta_params, _SHIPPED.pop(key, None))
+        _PRISTINE[key] = build_runnable(spec, seed, device, capture, granularity, meta_params, _SHIPPED.pop(key, None),
+                                        precision)
     pristine = _PRISTINE[key]
     import copy
 
@@ -158,7 +160,7 @@ def _factory_stamp(spec: str) -> tuple:
 
 def build_runnable(spec: str, seed: int = 0, device: str = "cpu", capture: bool = True,
                    granularity: str | None = None, meta_params: bool = False,
-                   shipped: bytes | None = None) -> Runnable:
+                   shipped: bytes | None = None, precision: str = "fp32") -> Runnable:
     """Build (and capture) the model named by a plan's ``model``: a zoo spec or ``file.py:factory``.
 
     The runnable graph takes the model's inputs flattened (keyword inputs in
@@ -176,7 +178,8 @@ def build_runnable(spec: str, seed: int = 0, device: str = "cpu", capture: bool 
     rank materializes its stages. ``shipped``: the launcher's capture of this
     model (:mod:`~graphpipe.runtime.shipping`), rebuilt around the module
     built here instead of exporting it again (captured anyway where it does
-    not fit).
+    not fit). ``precision``: the run's, which the module's code is traced at
+    (:func:`~graphpipe.frontend.export_inputs.traced_at`).
     """
     from graphpipe.frontend import capture as cap
     from graphpipe.runtime.materialize import buffers_to_meta, kept_values, meta_copy, on_meta, params_on_meta
@@ -222,7 +225,7 @@ def build_runnable(spec: str, seed: int = 0, device: str = "cpu", capture: bool 
                              meta_params, initial, shipped)
     try:
         exported, op_nodes, _ = cap.trace_ops(module, shapes(example), loss_fn, shapes(target),
-                                              cap.Granularity.parse(granularity))
+                                              cap.Granularity.parse(granularity), precision=precision)
     except UserCodeError as exc:
         if not meta_params:
             raise
@@ -231,7 +234,7 @@ def build_runnable(spec: str, seed: int = 0, device: str = "cpu", capture: bool 
         log.warning("%s: cannot be captured on the meta device (%s); every rank builds "
                                             "the whole model", spec, exc)
         try:
-            return build_runnable(spec, seed, device, capture, granularity, meta_params=False)
+            return build_runnable(spec, seed, device, capture, granularity, meta_params=False, precision=precision)
         except PlanError:  # the factory builds on meta itself: the capture's own error is the one to show
             raise exc from None
     shipment = None

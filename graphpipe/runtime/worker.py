@@ -149,7 +149,8 @@ class PipelineEngine:
         plan, options = self.plan, self.options
         # Every rank builds the model with its parameters on the meta device, so all agree on the boundary values
         # and shapes; each materializes only its own stages' weights (runtime/materialize.py).
-        runnable = load_runnable(plan.model, options.seed, "cpu", granularity=plan_granularity(plan), meta_params=True)
+        runnable = load_runnable(plan.model, options.seed, "cpu", granularity=plan_granularity(plan), meta_params=True,
+                                 precision=options.precision)
         self.unseeded = _warn_unseeded(runnable, plan.model) if self.rank == 0 else {}
         self.make_inputs = runnable.make_inputs
         # graphpipe run is a user of the training API, through its public constructor: the job's capture, timing
