@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 BATCH = 8
 
@@ -195,12 +196,15 @@ def dtype_dependent():
 
 class DtypeBranch(nn.Module):
     """T5's feed-forward guard, written for bf16: the hidden states are clamped only when they are bf16 (an fp32
-    trace takes the other branch, so its program under autocast is not what the eager module runs at bf16)."""
+    trace takes the other branch, so its program under autocast is not what the eager module runs at bf16); and
+    T5's attention bias, made in the hidden states' dtype: a bf16 trace holds a bf16 mask beside queries that
+    only autocast makes bf16, so that program cannot run outside autocast."""
 
     def __init__(self, dim: int = 8) -> None:
         super().__init__()
         self.stem = nn.Linear(4, dim)
         self.layers = nn.ModuleList(nn.Linear(dim, dim) for _ in range(2))
+        self.query = nn.Linear(dim, dim)
         self.head = nn.Linear(dim, 2)
 
     def forward(self, x):
@@ -209,6 +213,9 @@ class DtypeBranch(nn.Module):
             h = layer(h).relu()
             if h.dtype == torch.bfloat16:
                 h = torch.clamp(h, max=0.25)
+        q = self.query(h).view(h.shape[0], 1, 2, -1)  # (batch, heads 1, 2 tokens, dim / 2)
+        bias = torch.zeros(h.shape[0], 1, 2, 2, dtype=q.dtype, device=q.device)
+        h = h + F.scaled_dot_product_attention(q, q, q, attn_mask=bias).flatten(1)
         return self.head(h)
 
 

@@ -142,12 +142,13 @@ def test_dtype_dependent_constants_run_at_fp32_and_under_bf16_autocast():
 def test_a_bf16_program_is_traced_at_bf16_and_runs_what_the_eager_module_runs():
     """A branch on ``h.dtype`` (a clamp taken only at bf16): the bf16 trace records it, the fp32 trace does not;
     under autocast the bf16 program equals the eager module exactly and the fp32 one does not (so the oracle can
-    fail). Traced on the meta device (a run's capture), the program is the same, holds the module's own meta
+    fail); outside autocast the bf16 program cannot run (a bf16 mask beside fp32 queries), so the runtime runs it
+    as traced. Traced on the meta device (a run's capture), the program is the same, holds the module's own meta
     parameters and no fake tensor."""
     from torch._subclasses.fake_tensor import is_fake
 
     from graphpipe.frontend.exporting import export_model
-    from graphpipe.runtime.materialize import meta_copy
+    from graphpipe.runtime.materialize import as_traced, meta_copy
 
     made = edge_models.dtype_branch()
     module, (x,) = made[0], made[1]
@@ -163,6 +164,10 @@ def test_a_bf16_program_is_traced_at_bf16_and_runs_what_the_eager_module_runs():
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert not torch.equal(fp32_got, want)
     torch.testing.assert_close(fp32.gm(rows)[0], module(rows), rtol=0, atol=0)  # fp32 stays fp32's program
+    with pytest.raises(RuntimeError, match="attn_mask dtype"):  # its bf16 mask beside fp32 queries
+        bf16.gm(rows)
+    with as_traced(bf16.gm, (rows,)) as convert:  # how the runtime runs a capture outside a step (rng's spy)
+        torch.testing.assert_close(bf16.gm(convert(rows))[0], want, rtol=0, atol=0)
     on_meta = module.to("meta")
     meta = export_model(on_meta, (meta_copy(x),), precision="bf16")
     assert clamps(meta) == clamps(bf16)
@@ -170,6 +175,8 @@ def test_a_bf16_program_is_traced_at_bf16_and_runs_what_the_eager_module_runs():
     own = {id(p) for p in on_meta.parameters()}
     assert all(id(p) in own for p in meta.gm.parameters())
     assert not any(is_fake(t) for t in [*meta.gm.parameters(), *meta.gm.buffers()])
+    with as_traced(meta.gm, (meta_copy(rows),)) as convert:  # on meta: fake CPU tensors under autocast
+        assert meta.gm(convert(meta_copy(rows)))[0].dtype == torch.bfloat16
 
 
 def test_pipeline_at_bf16_steps_the_branch_the_eager_module_takes_at_bf16(one_rank_group):
@@ -179,7 +186,7 @@ def test_pipeline_at_bf16_steps_the_branch_the_eager_module_takes_at_bf16(one_ra
     from graphpipe.runtime.api import Pipeline
 
     made = load_factory(f"{EDGES}:dtype_branch")
-    plan = _one_rank_plan(f"{EDGES}:dtype_branch", (["stem", "layers.0"], ["layers.1", "head"]))
+    plan = _one_rank_plan(f"{EDGES}:dtype_branch", (["stem", "layers.0"], ["layers.1", "query", "head"]))
     eager = edge_models.dtype_branch()[0]
     eager.load_state_dict(made.module.state_dict())
     pipe = Pipeline(plan, made.module, made.loss_fn, precision="bf16")
@@ -255,7 +262,7 @@ def _edge_plans() -> dict:
         "gpt2_labels": hand_built(f"{EDGES}:gpt2_labels", (["transformer.wte", "transformer.wpe", "transformer.h.0"],
                                                            ["transformer.h.1", "lm_head", "join_outputs"]),
                                   [(0,), (1,)], [4, 4], 2, "1f1b"),
-        "dtype_branch": hand_built(f"{EDGES}:dtype_branch", (["stem", "layers.0"], ["layers.1", "head"]),
+        "dtype_branch": hand_built(f"{EDGES}:dtype_branch", (["stem", "layers.0"], ["layers.1", "query", "head"]),
                                    [(0,), (1,)], [4, 4], 2, "1f1b"),
         "in_place": hand_built(f"{EDGES}:in_place", (["stem"], ["blocks.0", "blocks.1", "head"]), [(0,), (1,)],
                                [2, 2], 2, "1f1b"),

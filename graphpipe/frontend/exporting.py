@@ -178,6 +178,9 @@ def _quiet_torch_logs():
             logging.getLogger(n).setLevel(level)
 
 
+PRECISION_KEY = "graphpipe_precision"
+"""``gm.meta`` key: the precision the captured program was traced at (:func:`~graphpipe.frontend.export_inputs.traced_at`)."""
+
 DATA_VALUE = "_graphpipe_value"
 """Attribute of a meta tensor made from Python data during export: its values, on the CPU (:class:`_KeepDataValues`)."""
 
@@ -685,6 +688,7 @@ def _export_bound(module: nn.Module, args: tuple, kwargs: dict, loss_fn: Callabl
 
     ranges = _ranges(ep)
     gm.meta[RANGES_KEY] = ranges  # travels with the graph (a shipped capture too): the runtime checks steps by it
+    gm.meta[PRECISION_KEY] = precision  # a bf16 trace runs under autocast only (materialize.as_traced)
     return Exported(gm, io, seconds, ranges)
 
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import torch
 import torch.nn as nn
@@ -43,7 +43,7 @@ from torch.overrides import TorchFunctionMode
 from graphpipe.frontend.export_inputs import retarget_devices  # noqa: F401 - part of this module's interface
 from graphpipe.frontend.exporting import DATA_VALUE
 
-__all__ = ["meta_nonzero", "params_on_meta", "kept_values", "buffers_to_meta", "fake_cpu", "on_meta", "tensor_seed", "materialize_stages", "materialize_unused", "retarget_devices", "meta_copy",
+__all__ = ["meta_nonzero", "params_on_meta", "kept_values", "buffers_to_meta", "fake_cpu", "as_traced", "on_meta", "tensor_seed", "materialize_stages", "materialize_unused", "retarget_devices", "meta_copy",
            "model_tensors", "Materialized"]
 
 
@@ -400,6 +400,27 @@ def _initialiser_of(module: nn.Module, path: str, modules: Mapping[str, nn.Modul
         if not here:
             return module, path
         here = here.rpartition(".")[0]
+
+
+@contextlib.contextmanager
+def as_traced(gm: torch.fx.GraphModule, inputs: Sequence[Any]) -> Iterator[Any]:
+    """Run the captured ``gm`` at the precision it was traced at inside this block; yields the converter for its
+    inputs. A bf16 trace (``gm.meta[PRECISION_KEY]``) holds bf16 constants and branches that only fit the dtypes
+    autocast gives (an attention mask made bf16 beside fp32 queries fails outside it), so it runs under bf16
+    autocast, on fake CPU tensors when its tensors are on the meta device (:func:`fake_cpu`); an fp32 trace runs
+    as it is."""
+    from graphpipe.frontend.exporting import PRECISION_KEY
+
+    if gm.meta.get(PRECISION_KEY, "fp32") != "bf16":
+        yield lambda x: x
+        return
+    tensors = [t for t in (*gm.parameters(), *gm.buffers(), *inputs) if isinstance(t, torch.Tensor)]
+    if any(t.device.type == "meta" for t in tensors):
+        with fake_cpu(gm) as convert, torch.autocast("cpu", dtype=torch.bfloat16):
+            yield convert
+        return
+    with torch.autocast(next((t.device.type for t in tensors), "cpu"), dtype=torch.bfloat16):
+        yield lambda x: x
 
 
 @contextlib.contextmanager

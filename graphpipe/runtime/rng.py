@@ -581,6 +581,8 @@ def _spy(gm: torch.fx.GraphModule, inputs: Sequence[Any], ctx) -> dict[str, tupl
                 found[n.name] = (f"{what} -> aten.{name}" + (" with a generator of its own" if own else ""), own)
             return out
 
-    with torch.no_grad():
-        Spy(gm).run(*inputs, ctx)
+    from graphpipe.runtime.materialize import as_traced
+
+    with torch.no_grad(), as_traced(gm, inputs) as convert:  # a bf16 trace runs under autocast only
+        Spy(gm).run(*[convert(x) for x in inputs], ctx)
     return found
