@@ -72,6 +72,54 @@ def test_values_depend_on_the_seed_and_the_name_only_and_other_stages_stay_on_me
     assert torch.equal(bn.running_var, torch.ones(6)) and torch.equal(bn.weight, torch.ones(6))
 
 
+class Tokens(nn.Module):
+    """DINOv2's embeddings: raw parameters that the root's ``_init_weights`` fills together, one of them
+    (``mask``) never read by a forward without a mask, so no stage holds it."""
+
+    def __init__(self):
+        super().__init__()
+        self.cls = nn.Parameter(torch.empty(1, 4))
+        self.pos = nn.Parameter(torch.empty(3, 4))
+        self.mask = nn.Parameter(torch.empty(1, 4))
+
+
+class WithTokens(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tokens = Tokens()
+        self.fc = nn.Linear(4, 4)
+
+    def _init_weights(self, module):
+        if isinstance(module, Tokens):
+            nn.init.trunc_normal_(module.cls, std=0.02)
+            nn.init.trunc_normal_(module.pos, std=0.02)
+            module.mask.zero_()
+
+
+def test_materializing_an_unused_tensor_later_leaves_its_initialised_siblings_as_they_were():
+    """The stage holding ``cls`` and ``pos`` is materialized, then the unused ``mask`` (for a whole checkpoint,
+    :func:`materialize_unused`): its initialiser fills all three again, yet ``cls`` and ``pos`` keep the values
+    the whole model materialized in one go gives them (seeded by their names), and ``mask`` is zero."""
+    from graphpipe.runtime.materialize import materialize_unused
+
+    with torch.device("meta"):
+        staged, whole = WithTokens(), WithTokens()
+    tokens = staged.tokens
+    holder = nn.Module()
+    holder.register_parameter("cls", tokens.cls)
+    holder.register_parameter("pos", tokens.pos)
+    programs = {0: SimpleNamespace(module=holder, param_names={}, segments=(), assemble=None)}
+    materialize_stages(staged, programs, torch.device("cpu"), seed=5)
+    first = {n: t.detach().clone() for n, t in real(staged).items()}
+    assert set(first) == {"tokens.cls", "tokens.pos"}
+    assert materialize_unused(staged, programs.values(), seed=5) == set()  # mask and fc: each has an initialiser
+    materialize_stages(whole, {0: stage(whole.tokens, whole.fc)}, torch.device("cpu"), seed=5)
+    for name in ("tokens.cls", "tokens.pos"):
+        torch.testing.assert_close(real(staged)[name], first[name], rtol=0, atol=0)
+        torch.testing.assert_close(real(staged)[name], real(whole)[name], rtol=0, atol=0)
+    assert torch.equal(real(staged)["tokens.mask"], torch.zeros(1, 4))
+
+
 def test_tied_copies_on_another_stage_start_equal_and_stay_distinct():
     model = meta_net()
     copy = nn.Linear(6, 10, bias=False, device="meta")

@@ -94,6 +94,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from graphpipe.frontend.capture_refusals import meta_value_error
 from graphpipe.cluster import DeviceSpec, preset
 from graphpipe.errors import GraphCycleError, GraphpipeError, InputError, UserCodeError, user_code_error
+from graphpipe.frontend.export_inputs import restore_state, swap_state
 from graphpipe.frontend.exporting import (Exported, IOSpec, deliver_target, export_model, module_path, module_stack,
                                  normalize_inputs, replicable_nodes, replicate_input_glue)
 from graphpipe.frontend.flops import UnknownCosts, flop_counter
@@ -663,35 +664,12 @@ def _measure_bf16(gm: fx.GraphModule, flat_inputs: Sequence[Any], loss_fn=None,
             out = mode.from_tensor(torch.empty(t.shape, dtype=t.dtype, device="meta")).to("cpu") \
                 if t.device.type == "meta" else mode.from_tensor(t)
             return out
-        swapped = _swap_state(gm, fake)
+        swapped = swap_state(gm, fake)
         try:
             inputs = [fake(x) for x in flat_inputs]
             return _measure_run(gm, inputs, loss_fn, autocast=True, fake=fake, unknown=unknown)
         finally:
-            _restore_state(gm, swapped)
-
-
-def _swap_state(gm: nn.Module, convert) -> list[tuple[nn.Module, str, str, Any]]:
-    """Replace every parameter and buffer of ``gm`` by ``convert(tensor)`` (parameters stay parameters)."""
-    done: dict[int, Any] = {}
-    swapped = []
-    for module in gm.modules():
-        for kind in ("_parameters", "_buffers"):
-            table = getattr(module, kind)
-            for name, t in list(table.items()):
-                if t is None:
-                    continue
-                if id(t) not in done:
-                    new = convert(t.detach())
-                    done[id(t)] = nn.Parameter(new, requires_grad=t.requires_grad) if kind == "_parameters" else new
-                swapped.append((module, kind, name, t))
-                table[name] = done[id(t)]
-    return swapped
-
-
-def _restore_state(gm: nn.Module, swapped) -> None:
-    for module, kind, name, t in swapped:
-        getattr(module, kind)[name] = t
+            restore_state(gm, swapped)
 
 
 def _loss_call_error(exc: BaseException, loss_fn, example_target: Any, user_file: str | None):

@@ -40,7 +40,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 __all__ = ["same_constant", "fold_constant_inputs", "keywords_bound", "traced_at", "bf16_safe_constants",
-           "retarget_devices"]
+           "retarget_devices", "swap_state", "restore_state"]
 
 log = logging.getLogger(__name__)
 
@@ -177,8 +177,6 @@ def traced_at(module: nn.Module, args: tuple, kwargs: dict, precision: str):
         return
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from graphpipe.frontend.capture import _restore_state, _swap_state
-
     mode = FakeTensorMode(allow_non_fake_inputs=True)
 
     def fake(t: Any) -> Any:
@@ -188,14 +186,37 @@ def traced_at(module: nn.Module, args: tuple, kwargs: dict, precision: str):
             return (mode.from_tensor(torch.empty(t.shape, dtype=t.dtype, device="meta")).to("cpu")
                     if t.device.type == "meta" else mode.from_tensor(t))
 
-    swapped = _swap_state(module, fake)
+    swapped = swap_state(module, fake)
     try:
         tracing.args, tracing.kwargs = pytree.tree_map(fake, (args, kwargs))
         tracing.faked = True
         with torch.autocast("cpu", dtype=torch.bfloat16):
             yield tracing
     finally:
-        _restore_state(module, swapped)
+        restore_state(module, swapped)
+
+
+def swap_state(gm: nn.Module, convert) -> list[tuple[nn.Module, str, str, Any]]:
+    """Replace every parameter and buffer of ``gm`` by ``convert(tensor)`` (parameters stay parameters)."""
+    done: dict[int, Any] = {}
+    swapped = []
+    for module in gm.modules():
+        for kind in ("_parameters", "_buffers"):
+            table = getattr(module, kind)
+            for name, t in list(table.items()):
+                if t is None:
+                    continue
+                if id(t) not in done:
+                    new = convert(t.detach())
+                    done[id(t)] = nn.Parameter(new, requires_grad=t.requires_grad) if kind == "_parameters" else new
+                swapped.append((module, kind, name, t))
+                table[name] = done[id(t)]
+    return swapped
+
+
+def restore_state(gm: nn.Module, swapped) -> None:
+    for module, kind, name, t in swapped:
+        getattr(module, kind)[name] = t
 
 
 def _leaf_name(path: tuple) -> str:

@@ -346,6 +346,7 @@ def _initialise(model: nn.Module | None, owners, real: Mapping[str, torch.Tensor
     ptrs = {t.untyped_storage().data_ptr(): name for name, t in real.items() if t.numel()}
     with torch.no_grad(), _SeedPerTensor(ptrs, seed):
         for module, path, tensors in owned.values():
+            kept = _others_kept(module, ptrs)
             torch.manual_seed(tensor_seed(seed, path))
             reset = getattr(module, "reset_parameters", getattr(module, "_reset_parameters", None))
             if callable(reset):
@@ -355,6 +356,22 @@ def _initialise(model: nn.Module | None, owners, real: Mapping[str, torch.Tensor
                 hf_init(module)
             elif not callable(reset):
                 done.uninitialised.update(tensors)
+            for t, value in kept:
+                t.copy_(value)
+
+
+def _others_kept(module: nn.Module, filling: Mapping[int, str]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``module``'s own tensors that already hold values and are not being filled now, with copies of them.
+
+    An initialiser fills all of its module's tensors (Hugging Face's ``_init_weights`` of DINOv2's embeddings
+    draws ``cls_token`` and ``position_embeddings`` and zeroes ``mask_token``). Materializing one of them later
+    (the unused ``mask_token``, for a whole checkpoint) ran it again and redrew the others, unseeded by their
+    names: they no longer equaled the reference's, and ``--check`` failed on a correct run. They are put back."""
+    kept = []
+    for t in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
+        if t is not None and t.device.type != "meta" and t.numel() and t.untyped_storage().data_ptr() not in filling:
+            kept.append((t, t.detach().clone()))
+    return kept
 
 
 @contextlib.contextmanager
@@ -430,7 +447,7 @@ def fake_cpu(gm: torch.fx.GraphModule) -> Iterator[Any]:
     to the CPU for good (stage modules cut before keep theirs)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from graphpipe.frontend.capture import _restore_state, _swap_state
+    from graphpipe.frontend.export_inputs import restore_state, swap_state
 
     retarget_devices(gm, torch.device("cpu"))
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
@@ -440,8 +457,8 @@ def fake_cpu(gm: torch.fx.GraphModule) -> Iterator[Any]:
             real = torch.empty(t.shape, dtype=t.dtype, device="meta") if t.device.type == "meta" else t
             return mode.from_tensor(real).to("cpu") if t.device.type == "meta" else mode.from_tensor(t)
 
-        swapped = _swap_state(gm, fake)
+        swapped = swap_state(gm, fake)
         try:
             yield fake
         finally:
-            _restore_state(gm, swapped)
+            restore_state(gm, swapped)
