@@ -77,6 +77,7 @@ from __future__ import annotations
 
 import fnmatch
 import importlib.util
+import functools
 import inspect
 import logging
 import os
@@ -94,7 +95,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from graphpipe.frontend.capture_refusals import meta_value_error
 from graphpipe.cluster import DeviceSpec, preset
 from graphpipe.errors import GraphCycleError, GraphpipeError, InputError, UserCodeError, user_code_error
-from graphpipe.frontend.export_inputs import restore_state, swap_state
+from graphpipe.frontend.export_inputs import fake_cpu_copy, restore_state, swap_state
 from graphpipe.frontend.exporting import (Exported, IOSpec, deliver_target, export_model, module_path, module_stack,
                                  normalize_inputs, replicable_nodes, replicate_input_glue)
 from graphpipe.frontend.flops import UnknownCosts, flop_counter
@@ -658,12 +659,7 @@ def _measure_bf16(gm: fx.GraphModule, flat_inputs: Sequence[Any], loss_fn=None,
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        def fake(t):
-            if not isinstance(t, torch.Tensor):
-                return t
-            out = mode.from_tensor(torch.empty(t.shape, dtype=t.dtype, device="meta")).to("cpu") \
-                if t.device.type == "meta" else mode.from_tensor(t)
-            return out
+        fake = functools.partial(fake_cpu_copy, mode)
         swapped = swap_state(gm, fake)
         try:
             inputs = [fake(x) for x in flat_inputs]

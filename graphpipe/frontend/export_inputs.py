@@ -29,6 +29,7 @@ False
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import itertools
 import logging
@@ -40,7 +41,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 __all__ = ["same_constant", "fold_constant_inputs", "keywords_bound", "traced_at", "bf16_safe_constants",
-           "retarget_devices", "swap_state", "restore_state"]
+           "retarget_devices", "fake_cpu_copy", "swap_state", "restore_state"]
 
 log = logging.getLogger(__name__)
 
@@ -178,22 +179,28 @@ def traced_at(module: nn.Module, args: tuple, kwargs: dict, precision: str):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-
-    def fake(t: Any) -> Any:
-        if not isinstance(t, torch.Tensor):
-            return t
-        with mode:
-            return (mode.from_tensor(torch.empty(t.shape, dtype=t.dtype, device="meta")).to("cpu")
-                    if t.device.type == "meta" else mode.from_tensor(t))
-
-    swapped = swap_state(module, fake)
+    fake = functools.partial(fake_cpu_copy, mode)
+    with mode:
+        swapped = swap_state(module, fake)
     try:
-        tracing.args, tracing.kwargs = pytree.tree_map(fake, (args, kwargs))
+        with mode:
+            tracing.args, tracing.kwargs = pytree.tree_map(fake, (args, kwargs))
         tracing.faked = True
         with torch.autocast("cpu", dtype=torch.bfloat16):
             yield tracing
     finally:
         restore_state(module, swapped)
+
+
+def fake_cpu_copy(mode, t: Any) -> Any:
+    """``t`` as a fake CPU tensor of the active fake ``mode``: a meta tensor becomes one of its shape and dtype
+    (holding nothing), any other tensor its own fake; other values pass through. For what only CPU kernels
+    decide (autocast's dtypes) on a model that lives on the meta device."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    if t.device.type == "meta":
+        return mode.from_tensor(torch.empty(t.shape, dtype=t.dtype, device="meta")).to("cpu")
+    return mode.from_tensor(t)
 
 
 def swap_state(gm: nn.Module, convert) -> list[tuple[nn.Module, str, str, Any]]:

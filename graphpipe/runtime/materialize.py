@@ -33,6 +33,7 @@ The captured graph may carry the meta device as a literal
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
@@ -447,16 +448,11 @@ def fake_cpu(gm: torch.fx.GraphModule) -> Iterator[Any]:
     to the CPU for good (stage modules cut before keep theirs)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from graphpipe.frontend.export_inputs import restore_state, swap_state
+    from graphpipe.frontend.export_inputs import fake_cpu_copy, restore_state, swap_state
 
     retarget_devices(gm, torch.device("cpu"))
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        def fake(t):
-            if not isinstance(t, torch.Tensor):
-                return t
-            real = torch.empty(t.shape, dtype=t.dtype, device="meta") if t.device.type == "meta" else t
-            return mode.from_tensor(real).to("cpu") if t.device.type == "meta" else mode.from_tensor(t)
-
+        fake = functools.partial(fake_cpu_copy, mode)
         swapped = swap_state(gm, fake)
         try:
             yield fake
