@@ -17,8 +17,9 @@ Models: Llama-3-70B and Llama-3.1-405B shapes as captured from their Hugging Fac
 from :data:`LLM_SPECS` when missing: capturing takes minutes, so it is done once), and a multimodal shape built here
 analytically (:func:`multimodal_graph`): a ViT-L-sized vision tower (24 layers, hidden 1024, 256 patches) beside
 the text embedding of a 7B-sized decoder (32 layers, hidden 4096, 256 image + 512 text tokens), one image-text
-pair per sample; and ``mmt``, the paper's multi-modal transformer as graphpipe's zoo builds it (paper config).
-Batches: 2048 samples per 512 devices (4 per device), at least 256 and at most 32,768 (the
+pair per sample; ``mmt``, the paper's multi-modal transformer as graphpipe's zoo builds it (paper config),
+costed for the H100 like the others; and any :mod:`evals.llm_configs` architecture by name (shapes nobody tuned
+for). Each row also splits its efficiency into three factors (:func:`efficiency_factors`). Batches: 2048 samples per 512 devices (4 per device), at least 256 and at most 32,768 (the
 batch a 405B run at 16,384 devices is planned with: 2 per device).
 """
 
@@ -35,7 +36,7 @@ from graphpipe.graph import Affine, Op, OpGraph
 
 from .common import write_result
 
-__all__ = ["main", "multimodal_graph", "run_one", "VARIANTS"]
+__all__ = ["main", "multimodal_graph", "run_one", "efficiency_factors", "VARIANTS"]
 
 VARIANTS = ("per-stage", "uniform", "pp-only")
 BATCH_RULE = "min(max(256, 4 x devices), 32768)"
@@ -89,7 +90,8 @@ LLM_SPECS = {"llama70b": "evals/bench_llm.py:factory", "llama405b": "evals/llm_c
 
 
 def llm_graph(name: str, folder: str) -> OpGraph:
-    """``folder/NAME.json``; when missing, captured from :data:`LLM_SPECS` (a few minutes) and written there."""
+    """``folder/NAME.json``; when missing, captured from :data:`LLM_SPECS` or, for any other name, the
+    :mod:`evals.llm_configs` architecture of that name (a few minutes) and written there."""
     from graphpipe.files import write_json_atomic
     from graphpipe.graph import graph_to_dict, read_graph_json
     from graphpipe.models import load_model
@@ -99,7 +101,7 @@ def llm_graph(name: str, folder: str) -> OpGraph:
         return read_graph_json(path)
 
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = os.path.join(here, LLM_SPECS[name])
+    spec = os.path.join(here, LLM_SPECS.get(name, f"evals/llm_configs.py:{name}"))
     graph = load_model(spec, preset("h100", 8).device).graph
     os.makedirs(folder, exist_ok=True)
     write_json_atomic(path, graph_to_dict(graph))
@@ -129,12 +131,43 @@ def run_one(name: str, graph: OpGraph, devices: int, batch_size: int, variant: s
     sg = plan.stage_graph
     layouts = sorted({(s.tp, s.shard) for s in sg.stages})
     row.update(outcome="ok", search_cpu_s=time.process_time() - cpu, throughput=plan.predicted.throughput,
-               efficiency=efficiency(plan.predicted.throughput, devices, graph),
+               efficiency=efficiency(plan.predicted.throughput, devices, graph), **efficiency_factors(plan, devices),
                devices_used=len(sg.devices_used()), stages=sg.num_stages,
                layouts=", ".join(f"tp{t}/{s}" for t, s in layouts),
                peak_memory_gb=plan.predicted.max_peak_memory_bytes / 1e9,
                max_rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
     return row
+
+
+def efficiency_factors(plan, devices: int) -> dict[str, float]:
+    """Where a plan's efficiency goes, as three shares whose product is it (``efficiency = used x balance x
+    busy``), from the plan's own simulated figures:
+
+    * ``used_share``: devices the plan uses over ``devices`` (idle devices: no stage's replica count fits them);
+    * ``balance``: the busiest device's compute against the ideal share of the devices used,
+      ``(batch / busiest busy seconds) / (used / work per sample)``: stages of unequal load, per-call
+      overheads, TP's collectives and FSDP's per-micro-batch gathers (all inside a device's busy time);
+    * ``busy_share``: the busiest device's busy seconds over the iteration: fill and drain, waits on
+      transfers, the step-end gradient collectives.
+
+    >>> from types import SimpleNamespace as NS
+    >>> from graphpipe.graph import Affine, Op, OpGraph
+    >>> g = OpGraph.build("a", [Op("a", "x", Affine(0.0, 1.0), Affine(0.0, 2.0))], [])
+    >>> sg = NS(batch_size=8, devices_used=lambda: (0, 1), graph=g)
+    >>> f = efficiency_factors(NS(stage_graph=sg, predicted=NS(busy_s=[12.0, 9.0], iteration_time_s=16.0)), 4)
+    >>> f, round(f["used_share"] * f["balance"] * f["busy_share"], 12) == round(8 / 16 * 3 / 4, 12)
+    ({'used_share': 0.5, 'balance': 1.0, 'busy_share': 0.75}, True)
+    """
+    from graphpipe.search.layouts import work_per_sample
+
+    sg = plan.stage_graph
+    used = len(sg.devices_used())
+    busiest = max(plan.predicted.busy_s or [0.0])
+    if not (used and busiest > 0 and plan.predicted.iteration_time_s > 0):
+        return {}
+    return {"used_share": used / devices,
+            "balance": sg.batch_size / busiest * work_per_sample(sg.graph) / used,
+            "busy_share": busiest / plan.predicted.iteration_time_s}
 
 
 def plot(out: str) -> str | None:
@@ -172,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="folder of llama70b.json and llama405b.json (captured into it when missing, minutes each)")
     p.add_argument("--devices", default="64,512,4096,16384")
     p.add_argument("--models", default="llama70b,llama405b,multimodal",
-                   help="any of llama70b, llama405b (graph files in --graphs), multimodal, mmt (the zoo's, paper config)")
+                   help="any of llama70b, llama405b or an evals/llm_configs.py name (graph files in --graphs), "
+                        "multimodal, mmt (the zoo's, paper config)")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--batch", type=int, default=None,
                    help=f"one batch for every device count, rows labelled MODEL@bBATCH (default {BATCH_RULE})")
@@ -192,10 +226,11 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.models.split(","):
         if name == "multimodal":
             graphs[name] = multimodal_graph(flops.peak_flops * flops.mfu)
-        elif name == "mmt":  # the paper's multi-modal transformer, as graphpipe's zoo builds it (paper config)
-            from graphpipe.frontend import zoo
+        elif name == "mmt":  # the paper's multi-modal transformer as the zoo builds it, costed on the H100 it is
+            # planned on (as `graphpipe plan mmt --cluster h100` costs it), not the zoo's default V100
+            from graphpipe.models import load_model
 
-            graphs[name] = zoo.load_graph("mmt")
+            graphs[name] = load_model("mmt", flops).graph
         else:
             graphs[name] = llm_graph(name, args.graphs)
     rows = []
