@@ -180,12 +180,16 @@ def plot(out: str) -> str | None:
         return None
     ok = [r for r in res["rows"] if r["outcome"] == "ok"]
     models = list(dict.fromkeys(r["model"] for r in ok))
-    fig, axes = plt.subplots(1, max(1, len(models)), figsize=(4.2 * max(1, len(models)), 3.4), squeeze=False)
-    for ax, model in zip(axes[0], models):
-        for variant, marker in zip(VARIANTS, "osv"):
+    cols = min(4, max(1, len(models)))
+    rows = -(-max(1, len(models)) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
+    for ax in axes.flat[len(models):]:
+        ax.set_visible(False)
+    for ax, model in zip(axes.flat, models):
+        for variant, marker, color in zip(VARIANTS, "osv", ("tab:blue", "tab:orange", "tab:green")):
             pts = sorted((r["devices"], r["efficiency"]) for r in ok if r["model"] == model and r["variant"] == variant)
             if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, label=variant)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, color=color, label=variant)
         ax.set_xscale("log", base=2)
         ax.set_ylim(0, 1)
         ax.set_title(model)
@@ -194,6 +198,7 @@ def plot(out: str) -> str | None:
         ax.grid(alpha=0.3)
     if axes[0][0].get_legend_handles_labels()[0]:  # a run whose first model was refused has nothing to label
         axes[0][0].legend()
+    fig.tight_layout()
     return _save(fig, out, "stage_parallel")
 
 
