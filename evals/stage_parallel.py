@@ -19,7 +19,7 @@ analytically (:func:`multimodal_graph`): a ViT-L-sized vision tower (24 layers, 
 the text embedding of a 7B-sized decoder (32 layers, hidden 4096, 256 image + 512 text tokens), one image-text
 pair per sample; ``mmt``, the paper's multi-modal transformer as graphpipe's zoo builds it (paper config),
 costed for the H100 like the others; and any :mod:`evals.llm_configs` architecture by name (shapes nobody tuned
-for). Each row also splits its efficiency into three factors (:func:`efficiency_factors`). Batches: 2048 samples per 512 devices (4 per device), at least 256 and at most 32,768 (the
+for). Each row also splits its efficiency into three factors (:func:`graphpipe.search.layouts.efficiency_factors`). Batches: 2048 samples per 512 devices (4 per device), at least 256 and at most 32,768 (the
 batch a 405B run at 16,384 devices is planned with: 2 per device).
 """
 
@@ -36,7 +36,7 @@ from graphpipe.graph import Affine, Op, OpGraph
 
 from .common import write_result
 
-__all__ = ["main", "multimodal_graph", "run_one", "efficiency_factors", "VARIANTS"]
+__all__ = ["main", "multimodal_graph", "run_one", "VARIANTS"]
 
 VARIANTS = ("per-stage", "uniform", "pp-only")
 BATCH_RULE = "min(max(256, 4 x devices), 32768)"
@@ -114,7 +114,7 @@ def run_one(name: str, graph: OpGraph, devices: int, batch_size: int, variant: s
 
     from graphpipe.errors import GraphpipeError
     from graphpipe.search.common import SearchOptions
-    from graphpipe.search.layouts import efficiency
+    from graphpipe.search.layouts import efficiency, efficiency_factors
     from graphpipe.search.planner import make_plan
 
     cluster = preset("h100", devices)
@@ -131,43 +131,13 @@ def run_one(name: str, graph: OpGraph, devices: int, batch_size: int, variant: s
     sg = plan.stage_graph
     layouts = sorted({(s.tp, s.shard) for s in sg.stages})
     row.update(outcome="ok", search_cpu_s=time.process_time() - cpu, throughput=plan.predicted.throughput,
-               efficiency=efficiency(plan.predicted.throughput, devices, graph), **efficiency_factors(plan, devices),
+               efficiency=efficiency(plan.predicted.throughput, devices, graph),
+               **(efficiency_factors(plan, devices) or {}),
                devices_used=len(sg.devices_used()), stages=sg.num_stages,
                layouts=", ".join(f"tp{t}/{s}" for t, s in layouts),
                peak_memory_gb=plan.predicted.max_peak_memory_bytes / 1e9,
                max_rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
     return row
-
-
-def efficiency_factors(plan, devices: int) -> dict[str, float]:
-    """Where a plan's efficiency goes, as three shares whose product is it (``efficiency = used x balance x
-    busy``), from the plan's own simulated figures:
-
-    * ``used_share``: devices the plan uses over ``devices`` (idle devices: no stage's replica count fits them);
-    * ``balance``: the busiest device's compute against the ideal share of the devices used,
-      ``(batch / busiest busy seconds) / (used / work per sample)``: stages of unequal load, per-call
-      overheads, TP's collectives and FSDP's per-micro-batch gathers (all inside a device's busy time);
-    * ``busy_share``: the busiest device's busy seconds over the iteration: fill and drain, waits on
-      transfers, the step-end gradient collectives.
-
-    >>> from types import SimpleNamespace as NS
-    >>> from graphpipe.graph import Affine, Op, OpGraph
-    >>> g = OpGraph.build("a", [Op("a", "x", Affine(0.0, 1.0), Affine(0.0, 2.0))], [])
-    >>> sg = NS(batch_size=8, devices_used=lambda: (0, 1), graph=g)
-    >>> f = efficiency_factors(NS(stage_graph=sg, predicted=NS(busy_s=[12.0, 9.0], iteration_time_s=16.0)), 4)
-    >>> f, round(f["used_share"] * f["balance"] * f["busy_share"], 12) == round(8 / 16 * 3 / 4, 12)
-    ({'used_share': 0.5, 'balance': 1.0, 'busy_share': 0.75}, True)
-    """
-    from graphpipe.search.layouts import work_per_sample
-
-    sg = plan.stage_graph
-    used = len(sg.devices_used())
-    busiest = max(plan.predicted.busy_s or [0.0])
-    if not (used and busiest > 0 and plan.predicted.iteration_time_s > 0):
-        return {}
-    return {"used_share": used / devices,
-            "balance": sg.batch_size / busiest * work_per_sample(sg.graph) / used,
-            "busy_share": busiest / plan.predicted.iteration_time_s}
 
 
 def plot(out: str) -> str | None:

@@ -352,3 +352,41 @@ def test_plan_without_schedule_gets_the_strategys_default_and_says_so(tmp_path):
     assert back.schedule.name == "gpipe" and len(lines) == 1 and "gpipe" in lines[0]
     want = simulate_figures(back.stage_graph, make_schedule("gpipe", back.stage_graph, cl), cl)
     assert back.predicted.throughput == pytest.approx(want["throughput"], rel=1e-12)
+
+
+# ------------------------------------------------ where the efficiency goes
+def test_efficiency_factors_equal_a_hand_count_and_multiply_to_the_efficiency():
+    """Two equal ops (forward f, backward 2f per sample, no per-call cost, free transfers) as two 1-device stages of
+    a 3-device cluster, 1F1B over 4 micro-batches of 1: by hand the iteration is (M + K - 1)(F + B) = 15f, each
+    used device busy 12f; so 2/3 of the devices are used, the busiest device does exactly its ideal share
+    (balance 1) and is busy 12f / 15f = 0.8 of the iteration, and the product is the efficiency
+    (4 samples / 15f) * 6f work per sample / 3 devices = 8/15. ``graphpipe plan`` prints the same line."""
+    from types import SimpleNamespace as NS
+
+    from graphpipe.cli.plan_cmd import format_plan
+    from graphpipe.plan import Predicted
+    from graphpipe.sched.simulator import predicted_figures
+    from graphpipe.search.layouts import efficiency, efficiency_factors
+
+    f = 1e-3
+    g = OpGraph.build("two", [Op(n, "x", Affine(0.0, f), Affine(0.0, 2 * f), 4.0, 0.0, 0.0) for n in "ab"],
+                      [("a", "b", 0.0)])
+    cl = Cluster(name="t", num_devices=3, devices_per_node=3,
+                 device=DeviceSpec(name="x", memory_bytes=1e12, peak_flops=1e15, op_overhead_s=0.0),
+                 intra_node=Link(latency_s=0.0, bandwidth_Bps=1e12),
+                 inter_node=Link(latency_s=0.0, bandwidth_Bps=1e12))
+    sg = StageGraph.build(g, [Stage(0, (0,), (0,), 1), Stage(1, (1,), (1,), 1)], 4, 3)
+    figures = predicted_figures(simulate(sg, make_schedule("1f1b", sg, cl), cl))
+    assert figures["iteration_time_s"] == pytest.approx(15 * f)
+    predicted = NS(busy_s=figures["busy_s"], iteration_time_s=figures["iteration_time_s"])
+    factors = efficiency_factors(NS(stage_graph=sg, cluster=cl, predicted=predicted))
+    assert factors == pytest.approx({"used_share": 2 / 3, "balance": 1.0, "busy_share": 0.8})
+    throughput = 4 / figures["iteration_time_s"]
+    assert factors["used_share"] * factors["balance"] * factors["busy_share"] == pytest.approx(
+        efficiency(throughput, 3, g)) and efficiency(throughput, 3, g) == pytest.approx(8 / 15)
+    plan = NS(model="two", strategy="gpp", stage_graph=sg, cluster=cl, schedule=NS(name="1f1b"), merged={},
+              predicted=Predicted(**{k: figures[k] for k in ("iteration_time_s", "throughput", "busy_s",
+                                                              "peak_memory_bytes", "in_flight")}),
+              search=NS(recompute="auto", time_s=0.0, lower_bound_s=None, gap=None, get=lambda key: None))
+    assert "efficiency      0.533 of perfect scaling = 0.667 devices used x 1.000 balance x 0.800 busy" in \
+        format_plan(plan)

@@ -257,6 +257,8 @@ def _devices(devs: tuple[int, ...]) -> str:
 
 def format_plan(plan) -> str:
     """The stage table and the predicted figures of a plan, as printed by ``graphpipe plan``."""
+    from graphpipe.search.layouts import efficiency, efficiency_factors
+
     sg, p, s = plan.stage_graph, plan.predicted, plan.search
     in_flight = p.in_flight or [None] * sg.num_stages
     stages = f"{sg.num_stages} stage{'s' if sg.num_stages != 1 else ''}"
@@ -276,6 +278,11 @@ def format_plan(plan) -> str:
     used = [d for d in sg.devices_used()]
     lines.append(f"iteration time  {p.iteration_time_s * 1e3:.3f} ms")
     lines.append(f"throughput      {p.throughput:.2f} samples/s")
+    factors = efficiency_factors(plan)
+    if factors is not None:
+        lines.append(f"efficiency      {efficiency(p.throughput, plan.cluster.num_devices, sg.graph):.3f} of perfect "
+                     f"scaling = {factors['used_share']:.3f} devices used x {factors['balance']:.3f} balance x "
+                     f"{factors['busy_share']:.3f} busy")
     if peaks:
         per_device = _runs([f"{peaks[d] / 1e9:.2f}" for d in used])
         lines.append(f"peak memory     max {max(peaks) / 1e9:.2f} GB of {plan.cluster.memory_bytes / 1e9:g} GB; "

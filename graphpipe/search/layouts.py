@@ -202,6 +202,36 @@ def efficiency(throughput: float, num_devices: int, graph: OpGraph) -> float:
     return throughput * work_per_sample(graph) / num_devices if num_devices else math.nan
 
 
+def efficiency_factors(plan, num_devices: int | None = None) -> dict[str, float] | None:
+    """Where a plan's :func:`efficiency` goes: three shares whose product it is (``used_share * balance *
+    busy_share``), from the plan's own simulated figures; None without per-device busy times or op costs.
+
+    * ``used_share``: devices the plan uses over ``num_devices`` (default its cluster's): idle devices;
+    * ``balance``: the busiest device's compute against the ideal share of the devices used,
+      ``(batch / busiest busy seconds) / (used / work per sample)``: stages of unequal load, per-call
+      overheads, TP's collectives and FSDP's per-micro-batch gathers (all inside a device's busy time);
+    * ``busy_share``: the busiest device's busy seconds over the iteration: fill and drain, waits on
+      transfers, step-end gradient collectives.
+
+    >>> from types import SimpleNamespace as NS
+    >>> from graphpipe.graph import Op
+    >>> g = OpGraph.build("a", [Op("a", "x", Affine(0.0, 1.0), Affine(0.0, 2.0))], [])
+    >>> sg = NS(batch_size=8, devices_used=lambda: (0, 1), graph=g)
+    >>> f = efficiency_factors(NS(stage_graph=sg, predicted=NS(busy_s=[12.0, 9.0], iteration_time_s=16.0)), 4)
+    >>> f, f["used_share"] * f["balance"] * f["busy_share"] == efficiency(8 / 16, 4, g)
+    ({'used_share': 0.5, 'balance': 1.0, 'busy_share': 0.75}, True)
+    """
+    sg = plan.stage_graph
+    num_devices = num_devices or plan.cluster.num_devices
+    used = len(sg.devices_used())
+    busiest = max(plan.predicted.busy_s or [0.0])
+    work = work_per_sample(sg.graph)
+    if not (used and busiest > 0 and work > 0 and (plan.predicted.iteration_time_s or 0.0) > 0):
+        return None
+    return {"used_share": used / num_devices, "balance": sg.batch_size / busiest * work / used,
+            "busy_share": busiest / plan.predicted.iteration_time_s}
+
+
 def stage_layouts(stage: Stage, cluster: Cluster, tps: Sequence[int], shards: Sequence[str]) -> list[Stage]:
     """``stage`` under every layout of ``tps`` x ``shards`` its devices allow: tp dividing its device count with
     every tp group inside one node, the micro-batch divisible by the replicas, FSDP only over 2 or more replicas
@@ -253,4 +283,4 @@ def per_stage_layouts(sg: StageGraph, cluster: Cluster, in_flight: Sequence[int]
     return replace(sg, stages=tuple(stages), cluster=cluster)
 
 
-__all__ += ["work_per_sample", "efficiency", "stage_layouts", "per_stage_layouts"]
+__all__ += ["work_per_sample", "efficiency", "efficiency_factors", "stage_layouts", "per_stage_layouts"]
