@@ -420,3 +420,35 @@ def test_llama4_experts_capture_with_a_dynamic_batch():
     assert captured.graph.num_ops > 0
     placeholder = next(n for n in captured.gm.graph.nodes if n.op == "placeholder")
     assert isinstance(placeholder.meta["val"].shape[0], torch.SymInt)
+
+
+class _CubeAndCopy(torch.autograd.Function):
+    """Two outputs: the cube (differentiated) and a detached copy, which the Function's outputs mark as needing a
+    gradient but its forward run as plain ops does not: the probe compares over the cube only."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x ** 3, x.detach() + 1
+
+    @staticmethod
+    def backward(ctx, grad, _unused):
+        (x,) = ctx.saved_tensors
+        return 3 * x * x * grad
+
+
+class _CubeAndCopyWrong(_CubeAndCopy):
+    @staticmethod
+    def backward(ctx, grad, _unused):
+        return grad
+
+
+@pytest.mark.parametrize("function,same", [(_CubeAndCopy, True), (_CubeAndCopyWrong, False)])
+def test_the_backward_probe_compares_only_the_outputs_both_differentiate(function, same):
+    """The probe runs one autograd graph at a time (the Function's, then its forward's as plain ops); where the plain
+    forward differentiates fewer outputs, both gradients are taken over the common ones: a right derivative passes,
+    a straight-through backward does not."""
+    from graphpipe.frontend.capture_refusals import _same_gradient
+
+    x = torch.randn(3, 5).requires_grad_(True)
+    assert _same_gradient(function, (x,), {}, torch.autograd.Function.apply.__func__) is same
