@@ -19,8 +19,9 @@ analytically (:func:`multimodal_graph`): a ViT-L-sized vision tower (24 layers, 
 the text embedding of a 7B-sized decoder (32 layers, hidden 4096, 256 image + 512 text tokens), one image-text
 pair per sample; ``mmt``, the paper's multi-modal transformer as graphpipe's zoo builds it (paper config),
 costed for the H100 like the others; and any :mod:`evals.llm_configs` architecture by name (shapes nobody tuned
-for). Each row also splits its efficiency into three factors (:func:`graphpipe.search.layouts.efficiency_factors`). Batches: 2048 samples per 512 devices (4 per device), at least 256 and at most 32,768 (the
-batch a 405B run at 16,384 devices is planned with: 2 per device).
+for). Each row also splits its efficiency into three factors
+(:func:`graphpipe.search.layouts.efficiency_factors`). Batches: 2048 samples per 512 devices (4 per device), at
+least 256 and at most 32,768 (the batch a 405B run at 16,384 devices is planned with: 2 per device).
 """
 
 from __future__ import annotations

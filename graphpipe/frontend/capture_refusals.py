@@ -216,7 +216,8 @@ def _same_gradient(cls: type, args: tuple, kwargs: dict, apply: Callable) -> boo
             # one autograd graph alive at a time (the Function's, then its forward's as plain ops): a paper-size
             # layer's activations at these shapes are hundreds of MB each (Bloom-176B's GeLU: 117 MB in float64)
             def run(forward):
-                out = _as_tuple(forward())
+                out = forward()
+                out = tuple(out) if isinstance(out, (tuple, list)) else (out,)
                 return out, [i for i, o in enumerate(out) if isinstance(o, torch.Tensor) and o.requires_grad]
 
             def grads_of(out, idx):
@@ -242,10 +243,6 @@ def _same_gradient(cls: type, args: tuple, kwargs: dict, apply: Callable) -> boo
                    for a, b in zip(g_ours, g_theirs))
     except Exception as exc:  # noqa: BLE001 - a forward that cannot run on random inputs: its gradient is unconfirmed
         return exc
-
-
-def _as_tuple(value) -> tuple:
-    return tuple(value) if isinstance(value, (tuple, list)) else (value,)
 
 
 class MetaValueError(UserCodeError):
