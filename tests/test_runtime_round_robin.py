@@ -1,6 +1,7 @@
 """1F1B-RR on real ranks: a 3-replica round-robin stage (PipeDream's replicated stage, micro-batch i on
-replica i mod 3) plus one stage, 4 CPU ranks, against a single-process run of the same model
-(``graphpipe run --check``: the loss and every gradient, assert_close's fp32 tolerances)."""
+replica i mod 3) plus one stage, 4 CPU ranks, and gpp's round-robin layout (micro-batch 1, 2 replicas then 3,
+ZB-H1's split backward), 5 ranks, each against a single-process run of the same model (``graphpipe run
+--check``: the loss and every gradient, assert_close's fp32 tolerances)."""
 
 from __future__ import annotations
 
@@ -32,9 +33,26 @@ def three_plus_one() -> Plan:
                 schedule=make_schedule("1f1b", sg, cluster))
 
 
-def test_round_robin_stage_matches_single_process(tmp_path):
-    plan = three_plus_one()
-    assert [str(a) for a in plan.schedule.device_actions[1]] == ["0F1", "0F4", "0B1", "0B4"]
+def two_then_three() -> Plan:
+    """gpp's round-robin layout in small: micro-batch 1, replica counts that differ, zero bubble's I and W."""
+    graph = zoo.load_graph("transformer:small")
+    first = tuple(graph.op_id(n) for n in ("embed", "layer0", "layer1"))
+    rest = tuple(graph.op_id(n) for n in ("layer2", "layer3", "head"))
+    stages = [Stage(0, first, (0, 1), 1, replica_mode="round-robin"),
+              Stage(1, rest, (2, 3, 4), 1, replica_mode="round-robin")]
+    sg = StageGraph.build(graph, stages, 12, 5)
+    cluster = preset("v100", 5)
+    return Plan(model="transformer:small", stage_graph=sg, cluster=cluster, strategy="custom",
+                schedule=make_schedule("zb-h1", sg, cluster))
+
+
+@pytest.mark.parametrize("make", [three_plus_one, two_then_three])
+def test_round_robin_stage_matches_single_process(tmp_path, make):
+    plan = make()
+    if make is three_plus_one:
+        assert [str(a) for a in plan.schedule.device_actions[1]] == ["0F1", "0F4", "0B1", "0B4"]
+    else:  # replica 0 of stage 0 runs the even micro-batches, W after each I
+        assert [str(a) for a in plan.schedule.device_actions[0]][:5] == ["0F0", "0F2", "0F4", "0I0", "0W0"]
     path = str(tmp_path / "rr.json")
     write_plan(path, plan)
     out = subprocess.run([sys.executable, "-m", "graphpipe", "run", path, "--check", "--steps", "2", "--json",

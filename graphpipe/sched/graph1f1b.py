@@ -104,8 +104,11 @@ def round_robin_warmups(sg: StageGraph, successors: Sequence[Sequence[int]], war
     path to a sink), capped at ``M``; a round-robin stage of ``r`` replicas admits ``r`` times that, so
     each replica has its own depth (PipeDream admits ceil(workers / input-stage replicas) per input
     replica); then, from the sinks back along ``successors``, each stage admits at least one more than
-    each of its successors, which keeps the schedule deadlock-free as the plain rule does. Capped at the
-    stage's ``M``. Meant for equal micro-batch sizes: callers apply it where :func:`round_robin_rule_applies`.
+    each of its successors, which keeps the schedule deadlock-free as the plain rule does, and a
+    round-robin stage one more per replica: with replica counts that differ along a chain (2 then 3) a
+    replica otherwise waits on its turn at the consumer every round (2 then 3 replicas, 60 micro-batches:
+    234 time units against fill-drain's 190; with the extra turn 190). Capped at the stage's ``M``.
+    Meant for equal micro-batch sizes: callers apply it where :func:`round_robin_rule_applies`.
 
     >>> from graphpipe.graph import Op, OpGraph
     >>> from graphpipe.stages import Stage, StageGraph
@@ -119,7 +122,7 @@ def round_robin_warmups(sg: StageGraph, successors: Sequence[Sequence[int]], war
     for s in _reverse_topological(successors):
         st = sg.stages[s]
         following = max((out[c] for c in successors[s]), default=0)
-        wanted = st.num_replicas * warm[s] if st.round_robin else out[s]
+        wanted = max(st.num_replicas * warm[s], following + st.num_replicas) if st.round_robin else out[s]
         out[s] = min(sg.num_micro_batches(s), max(wanted, out[s], following + 1))
     return out
 

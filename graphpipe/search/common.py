@@ -74,6 +74,13 @@ class SearchOptions:
     shard: str = "none"
     """``"none"`` (whole copies per replica), ``"fsdp"`` (model state sharded over a stage's replicas) or
     ``"auto"`` (both tried)."""
+    round_robin: bool = False
+    """gpp, at micro-batch size 1: a stage may run on any number of devices up to the micro-batch count,
+    its replicas taking whole micro-batches in turn (``replica_mode="round-robin"``, PipeDream's 1F1B-RR),
+    instead of only on a divisor of the micro-batch. Each device then runs one sample per action, as a
+    split stage with one sample per replica does, so the costs are the same; what changes is that a stage's
+    device count is no longer a power of two when the batch is. The layout search turns it on for one of its
+    tries (:mod:`graphpipe.search.layouts`)."""
     per_stage_layouts: bool = True
     """With layouts searched (``tp``/``shard`` not 1/none), let a strategy that ranks candidates (gpp) give each
     stage its own layout after the uniform search; False keeps one layout for every stage (torchtitan's)."""

@@ -204,7 +204,7 @@ def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: Search
     _, sg, cand, throughput, schedule_name = best
     sg, throughput, schedule_name, spread = _spread_idle(sg, cluster, search.links[cand.link], throughput,
                                                          schedule_name, options.power_of_two, options.host,
-                                                         search.recompute)
+                                                         search.recompute, options.round_robin)
     num_simulated += spread
     if options.per_stage_micro_batch and options.micro_batch_size is None:
         sg, throughput, schedule_name = _refine_micro_batches(sg, cluster, throughput, schedule_name,
@@ -283,7 +283,8 @@ class _Search:
         if got is None:
             got = self.tables[(view, b, rc)] = BlockCosts(view_tree, self.cluster, self.batch_size, b,
                                                           power_of_two=self.options.power_of_two, recompute=rc,
-                                                          boundary=self.boundary[view])
+                                                          boundary=self.boundary[view],
+                                                          round_robin=self.options.round_robin)
         return got
 
     def cannot_beat(self, view: str, view_tree: DPTree, b: int) -> bool:
@@ -333,7 +334,7 @@ class _Search:
                             self.best_tps = min(self.best_tps, t)
                         depth = _real_depth(self.sp_graph, stages) if view == "chain" else depth
                         est = _estimate(self.sp_graph, self.cluster, batch_size, b, stages, self.recompute)
-                        best_estimate = min(best_estimate, t * (batch_size + b * (depth - 1)))
+                        best_estimate = min(best_estimate, t * (batch_size + _fill(b, stages) * (depth - 1)))
                         candidates.append(_Candidate(b, tuple(stages), t, depth, est, view, li))
         return candidates
 
@@ -426,7 +427,7 @@ def _frontier(dp: TargetDP, batch_size: int, best_estimate: float, known_lower: 
     t = float(targets[index])
     out = [(t, depth, stages)]
     left = [(t, depth, index == start)]
-    best_estimate = min(best_estimate, t * (batch_size + dp.b * (depth - 1)))
+    best_estimate = min(best_estimate, t * (batch_size + _fill(dp.b, stages) * (depth - 1)))
     scaled = targets * batch_size
     while depth > 1:
         # Only targets with t * B below the best estimate can give a candidate: search no further.
@@ -444,8 +445,15 @@ def _frontier(dp: TargetDP, batch_size: int, best_estimate: float, known_lower: 
         depth = _source_depth(stages)
         out.append((t, depth, stages))
         left.append((t, depth, tight))
-        best_estimate = min(best_estimate, t * (batch_size + dp.b * (depth - 1)))
+        best_estimate = min(best_estimate, t * (batch_size + _fill(dp.b, stages) * (depth - 1)))
     return out, runs, left
+
+
+def _fill(b: int, stages: Sequence[DPStage]) -> int:
+    """Samples' worth of bottleneck time one stage adds to the fill and drain: ``b``, or with round-robin
+    replicas (``b == 1``, :func:`_stage`) the most replicas of a stage, each of which runs a whole micro-batch
+    on its own, ``d`` times the bottleneck's time per sample."""
+    return max((s.num_devices for s in stages), default=1) if b == 1 else b
 
 
 def _estimate(graph: OpGraph, cluster: Cluster, batch_size: int, b: int, stages: Sequence[DPStage],
@@ -457,7 +465,12 @@ def _estimate(graph: OpGraph, cluster: Cluster, batch_size: int, b: int, stages:
     micro-batch's forward + backward on stage ``s`` -- the classic pipeline formula (GPipe §2.3) on a DAG.
     """
     num_mbs = batch_size // b
-    per_mb = [sum(costs.action_times(*_coeffs(graph, s.op_ids), b / s.num_devices, recompute)) for s in stages]
+    # one micro-batch's time on a replica (``path``), and what it adds to the stage's steady state: all of it
+    # where the replicas split it, a d-th where d round-robin replicas (b = 1, d > 1: :func:`_stage`) take turns
+    round_robin = [b == 1 and s.num_devices > 1 for s in stages]
+    per_mb = [sum(costs.action_times(*_coeffs(graph, s.op_ids), b if rr else b / s.num_devices, recompute))
+              for s, rr in zip(stages, round_robin)]
+    steady = [t / s.num_devices if rr else t for t, s, rr in zip(per_mb, stages, round_robin)]
     allreduce = [cluster.allreduce_time(range(s.num_devices), sum(graph.ops[o].param_bytes for o in s.op_ids))
                  for s in stages]
     stage_of = {o: i for i, s in enumerate(stages) for o in s.op_ids}
@@ -468,7 +481,7 @@ def _estimate(graph: OpGraph, cluster: Cluster, batch_size: int, b: int, stages:
                 j = stage_of[w]
                 if j != i:
                     path[i] = max(path[i], per_mb[i] + path[j])
-    return (num_mbs - 1) * max(per_mb) + max(path) + max(allreduce)
+    return (num_mbs - 1) * max(steady) + max(path) + max(allreduce)
 
 
 def _coeffs(graph: OpGraph, op_ids: Sequence[int]) -> tuple[float, float, float, float]:
@@ -568,13 +581,23 @@ def _to_stage_graph(graph: OpGraph, sp_graph: OpGraph, merged: dict, cand: _Cand
     else:
         op_sets = [s.op_ids for s in cand.stages]
     devices = place_stages([(ops, s.num_devices) for ops, s in zip(op_sets, cand.stages)], cluster)
-    stages = [Stage(i, ops, devs, cand.micro_batch_size, recompute) for i, (ops, devs) in enumerate(zip(op_sets, devices))]
+    stages = [_stage(i, ops, devs, cand.micro_batch_size, recompute)
+              for i, (ops, devs) in enumerate(zip(op_sets, devices))]
     return StageGraph.build(graph, stages, batch_size, cluster.num_devices)
+
+
+def _stage(stage_id: int, op_ids, devices, micro_batch_size: int, recompute: bool) -> Stage:
+    """A stage of the DP's answer: several devices at micro-batch size 1 are round-robin replicas (the only way
+    the DP gives them, :attr:`SearchOptions.round_robin <graphpipe.search.common.SearchOptions.round_robin>`),
+    any other count splits its micro-batches."""
+    mode = "round-robin" if micro_batch_size == 1 and len(devices) > 1 else "split"
+    return Stage(stage_id, op_ids, devices, micro_batch_size, recompute, replica_mode=mode)
 
 
 # ----------------------------------------------------------------- scoring
 def _spread_idle(sg: StageGraph, cluster: Cluster, link: Link | None, throughput: float, schedule_name: str,
-                 power_of_two: bool = False, host=None, recompute: bool = False) -> tuple[StageGraph, float, str, int]:
+                 power_of_two: bool = False, host=None, recompute: bool = False,
+                 round_robin: bool = False) -> tuple[StageGraph, float, str, int]:
     """Give the idle devices to one stage, split by the DP: the best simulated such graph, if it beats ``sg``.
 
     For every stage of >= 2 ops, the DP solves the stage's ops alone (in op
@@ -599,19 +622,21 @@ def _spread_idle(sg: StageGraph, cluster: Cluster, link: Link | None, throughput
         key = (cost_signature(graph, ops), st.micro_batch_size, len(pool))
         if key not in solved:
             solved[key] = min_bottleneck(chain_tree(induced_subgraph(graph, ops)), cluster, sg.batch_size,
-                                         st.micro_batch_size, len(pool), power_of_two, link, recompute)
+                                         st.micro_batch_size, len(pool), power_of_two, link, recompute,
+                                         round_robin)
         sol = solved[key]
         if sol is None or len(sol.stages) < 2:
             continue
         stages, nxt = [], 0
         for other in sg.stages:
             if other.id != st.id:
-                stages.append(Stage(len(stages), other.op_ids, other.devices, other.micro_batch_size, other.recompute))
+                stages.append(Stage(len(stages), other.op_ids, other.devices, other.micro_batch_size, other.recompute,
+                                    replica_mode=other.replica_mode))
         for part in sol.stages:
             devices = tuple(pool[nxt:nxt + part.num_devices])
             nxt += part.num_devices
-            stages.append(Stage(len(stages), tuple(ops[i] for i in part.op_ids), devices, st.micro_batch_size,
-                                recompute))
+            stages.append(_stage(len(stages), tuple(ops[i] for i in part.op_ids), devices, st.micro_batch_size,
+                                 recompute))
         trial = StageGraph.build(graph, stages, sg.batch_size, sg.num_devices)
         if _slower_than(trial, cluster, best[0], host):
             continue
@@ -715,11 +740,13 @@ def _refine_micro_batches(sg: StageGraph, cluster: Cluster, throughput: float, s
     for _ in range(max_rounds):
         improved = False
         for st in sg.stages:
+            if st.round_robin:
+                continue  # its replica count need not divide any other size
             usable = [b for b in sizes if b % st.num_replicas == 0]
             at = usable.index(sg.stages[st.id].micro_batch_size)
             for b in usable[max(0, at - 1):at] + usable[at + 1:at + 2]:
-                stages = [Stage(s.id, s.op_ids, s.devices, b if s.id == st.id else s.micro_batch_size, s.recompute)
-                          for s in sg.stages]
+                stages = [Stage(s.id, s.op_ids, s.devices, b if s.id == st.id else s.micro_batch_size, s.recompute,
+                                replica_mode=s.replica_mode) for s in sg.stages]
                 trial = StageGraph(sg.graph, tuple(stages), sg.batch_size, sg.num_devices)
                 scored = _score_best(trial, cluster, host)
                 if scored is not None and scored[0] > best_tp * (1 + 1e-9):

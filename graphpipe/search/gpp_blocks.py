@@ -49,8 +49,38 @@ from graphpipe.search.gpp_tree import DPTree
 __all__ = ["BlockCosts", "device_counts"]
 
 
-def device_counts(micro_batch_size: int, num_devices: int, power_of_two: bool = False) -> tuple[int, ...]:
-    """Replica counts a stage may use: divisors of ``b`` up to ``N`` (powers of two if asked)."""
+ROUND_ROBIN_EXACT_NODES = 32
+"""Round-robin replica counts of up to this many whole nodes are all tried; past it every other, then every
+fourth, ... (a step of at most 1/32 of the count: the DP's device axis stays under a hundred at 1,024 devices)."""
+
+
+def round_robin_counts(limit: int, per_node: int) -> tuple[int, ...]:
+    """Round-robin replica counts up to ``limit`` on nodes of ``per_node`` devices: the powers of two up to a
+    node (a stage inside one node packs with others), then whole nodes (:data:`ROUND_ROBIN_EXACT_NODES`).
+
+    Whole nodes because a stage's gradient all-reduce crosses nodes on as many lanes as the fewest of its
+    devices any node holds (docs/design.md, cost model): 18 devices as 2 + 8 + 8 would all-reduce on two.
+
+    >>> round_robin_counts(40, 8), len(round_robin_counts(1024, 8)), round_robin_counts(6, 8)
+    ((1, 2, 4, 8, 16, 24, 32, 40), 67, (1, 2, 4))
+    """
+    out = [d for d in (1 << k for k in range(per_node.bit_length())) if d <= min(limit, per_node)]
+    nodes, step = 2, 1
+    while nodes * per_node <= limit:
+        out.append(nodes * per_node)
+        if nodes >= ROUND_ROBIN_EXACT_NODES * step:
+            step *= 2
+        nodes += step
+    return tuple(out)
+
+
+def device_counts(micro_batch_size: int, num_devices: int, power_of_two: bool = False,
+                  round_robin_mbs: int = 0, per_node: int = 8) -> tuple[int, ...]:
+    """Replica counts a stage may use: divisors of ``b`` up to ``N`` (powers of two if asked); with
+    ``round_robin_mbs`` (the micro-batch count) and ``b == 1``, :func:`round_robin_counts` up to the fewer of
+    ``N`` and the micro-batches (each round-robin replica needs one) on nodes of ``per_node`` devices."""
+    if round_robin_mbs and micro_batch_size == 1 and not power_of_two:
+        return round_robin_counts(min(num_devices, round_robin_mbs), per_node)
     ds = [d for d in range(1, min(micro_batch_size, num_devices) + 1) if micro_batch_size % d == 0]
     if power_of_two:
         ds = [d for d in ds if d & (d - 1) == 0]
@@ -66,7 +96,8 @@ class BlockCosts:
 
     def __init__(self, tree: DPTree, cluster: Cluster, batch_size: int, micro_batch_size: int,
                  num_devices: int | None = None, power_of_two: bool = False, recompute: bool = False,
-                 boundary: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None):
+                 boundary: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None,
+                 round_robin: bool = False):
         if batch_size % micro_batch_size:
             raise InputError(f"micro-batch size {micro_batch_size} does not divide the batch size {batch_size}")
         self.tree = tree
@@ -74,7 +105,11 @@ class BlockCosts:
         self.micro_batch_size = micro_batch_size
         self.num_devices = cluster.num_devices if num_devices is None else num_devices
         self.num_mbs = batch_size // micro_batch_size
-        self.device_counts = device_counts(micro_batch_size, self.num_devices, power_of_two)
+        self.device_counts = device_counts(micro_batch_size, self.num_devices, power_of_two,
+                                           self.num_mbs if round_robin else 0, cluster.devices_per_node)
+        self.round_robin = round_robin and micro_batch_size == 1 and len(self.device_counts) > 1
+        """Device counts past 1 are round-robin replicas (:attr:`SearchOptions.round_robin
+        <graphpipe.search.common.SearchOptions.round_robin>`): each takes whole micro-batches of one sample."""
         # The DP indexes depth (stages on the longest path to the sink); no
         # stage graph is deeper than its stage count (<= N) or longest op path.
         self.kcap = min(self.num_devices, tree.longest_path)
@@ -82,6 +117,10 @@ class BlockCosts:
         """Every stage re-materializes (the search's ``--recompute all``; ``auto`` compares both in gpp)."""
         self.costs = CostArrays.of(tree.graph, cluster)
         self._replicas = np.array(self.device_counts, dtype=np.int64)
+        # Samples one action of a replica runs, over the device axis: b / d splitting b, b whole round-robin.
+        # The one cost model prices d round-robin replicas of micro-batch 1 as d split replicas of micro-batch d:
+        # one sample per action, d actions at once, (F + B) / d per sample, and one sample in flight each.
+        self._per_mb = self._replicas if self.round_robin else micro_batch_size
         self._stage_tps: dict[int, np.ndarray] = {}
         self._max_in_flight: dict[int, np.ndarray] = {}
         self._boundary = {} if boundary is None else boundary
@@ -107,7 +146,7 @@ class BlockCosts:
         if got is None:
             s = self._block_sums(x)[:, :, :, None]                     # the device-choice axis last
             got = self._stage_tps[x] = self.costs.tps(s[:, :, 0], s[:, :, 1], s[:, :, 2], s[:, :, 3], s[:, :, 4],
-                                                      self._replicas, self.micro_batch_size, self.batch_size,
+                                                      self._replicas, self._per_mb, self.batch_size,
                                                       self.recompute)
         return got
 
@@ -153,12 +192,12 @@ class BlockCosts:
         s = self._leaf_block_sums()[..., None]
         inputs, outputs, saved = (np.stack(part) for part in zip(*self._leaf_boundaries()))
         return self.costs.max_in_flight(s[..., 4, :], s[..., 5, :] + saved[..., None], self._replicas,
-                                        self.micro_batch_size, cap, inputs[..., None], outputs[..., None], recompute)
+                                        self._per_mb, cap, inputs[..., None], outputs[..., None], recompute)
 
     def _leaf_tables(self) -> None:
         s = self._leaf_block_sums()[..., None]
         tps = self.costs.tps(s[..., 0, :], s[..., 1, :], s[..., 2, :], s[..., 3, :], s[..., 4, :], self._replicas,
-                             self.micro_batch_size, self.batch_size, self.recompute)
+                             self._per_mb, self.batch_size, self.recompute)
         held = self._leaf_in_flight(self.kcap, self.recompute)
         for i, x in enumerate(self._leaves):
             self._stage_tps[x], self._max_in_flight[x] = tps[i], held[i]
@@ -194,7 +233,7 @@ class BlockCosts:
         s = self._block_sums(x)[:, :, :, None]
         inputs, outputs, saved = self.boundary_bytes(x)
         return self.costs.max_in_flight(s[:, :, 4], s[:, :, 5] + saved[:, :, None], self._replicas,
-                                        self.micro_batch_size, cap, inputs[:, :, None], outputs[:, :, None], recompute)
+                                        self._per_mb, cap, inputs[:, :, None], outputs[:, :, None], recompute)
 
     def rows(self, x: int, link: Link | None) -> tuple[list, list]:
         """``stage_cost(x, link)`` and ``max_in_flight(x)`` as nested lists: plain Python indexes them faster."""

@@ -19,7 +19,9 @@ Search space (what "optimal" means here)
   stages.
 * **Devices**: each stage gets ``d`` devices (data parallelism inside the
   stage when ``d > 1``) with ``d`` a divisor of ``b`` (each replica takes
-  ``b / d`` samples); with ``power_of_two`` only powers of two. Stage device
+  ``b / d`` samples); with ``power_of_two`` only powers of two; with
+  ``round_robin`` at ``b = 1``, :func:`~graphpipe.search.gpp_blocks.round_robin_counts`
+  (replicas taking whole micro-batches in turn). Stage device
   counts sum to at most ``N``. A stage's cost is computed as if its devices
   were ``0..d-1`` (node-crossing all-reduce iff ``d > devices_per_node``);
   :mod:`graphpipe.search.gpp` places stages so this holds where it can.

@@ -149,9 +149,9 @@ def first_feasible(dp: TargetDP, targets: Sequence[float], depth: int, start: in
 
 def min_bottleneck(graph: OpGraph | DPTree, cluster: Cluster, batch_size: int, micro_batch_size: int,
                    num_devices: int | None = None, power_of_two: bool = False,
-                   link: Link | None = None, recompute: bool = False) -> DPSolution | None:
+                   link: Link | None = None, recompute: bool = False, round_robin: bool = False) -> DPSolution | None:
     """The smallest bottleneck TPS of the search space (module docstring) for one micro-batch size,
-    cuts costed on ``link`` (None: free).
+    cuts costed on ``link`` (None: free); ``round_robin``: :class:`~graphpipe.search.gpp_blocks.BlockCosts`'s.
 
     Search over the sorted candidate TPS values (:func:`first_feasible`):
     feasibility is monotone in ``t_max`` (a larger target only admits more
@@ -159,7 +159,9 @@ def min_bottleneck(graph: OpGraph | DPTree, cluster: Cluster, batch_size: int, m
     exact. Returns None when nothing fits (memory, or no stage at all).
     """
     tree = graph if isinstance(graph, DPTree) else build_tree(graph)
-    dp = make_dp(tree, cluster, batch_size, micro_batch_size, num_devices, power_of_two, link, recompute)
+    blocks = BlockCosts(tree, cluster, batch_size, micro_batch_size, num_devices, power_of_two, recompute,
+                        round_robin=round_robin)
+    dp = make_dp(tree, cluster, batch_size, micro_batch_size, num_devices, power_of_two, link, recompute, blocks)
     targets = dp.candidate_targets()
     start = int(np.searchsorted(targets, dp.lower_bound() * (1 - 1e-12)))
     index, tried = first_feasible(dp, targets, dp.kcap, start)

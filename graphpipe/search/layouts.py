@@ -27,6 +27,9 @@ as a whole-copy plan of a *reduced* problem and then expanded.
 The planner tries :func:`candidates` and keeps the fastest simulated plan;
 the PP-only layout (tp 1, whole copies) is always one of them when allowed, so
 a layout search is never worse than ``--tp 1 --shard none`` by construction.
+gpp also tries :data:`ROUND_ROBIN` after it (whole copies at micro-batch 1, a
+stage on any power of two up to a node or whole nodes, its replicas taking
+micro-batches in turn), which uses the devices power-of-two stages leave idle.
 
 Example
 -------
@@ -48,7 +51,8 @@ from graphpipe.errors import InputError
 from graphpipe.graph import Affine, OpGraph
 from graphpipe.stages import Stage, StageGraph
 
-__all__ = ["Layout", "PP_ONLY", "MAX_UNITS", "TP_CHOICES", "SHARD_CHOICES", "parse_tp", "parse_shard", "candidates",
+__all__ = ["Layout", "PP_ONLY", "ROUND_ROBIN", "ROUND_ROBIN_MAX_BATCH", "MAX_UNITS", "TP_CHOICES", "SHARD_CHOICES",
+           "parse_tp", "parse_shard", "candidates",
            "group_for", "reduced_graph", "reduced_cluster", "expand", "splittable_ops"]
 
 MAX_UNITS = 1024
@@ -70,13 +74,27 @@ class Layout:
     tp: int = 1
     shard: str = "none"
     group: int = 1
+    round_robin: bool = False
+    """Whole copies at micro-batch size 1, a stage's replicas taking whole micro-batches in turn, so that its
+    device count need not divide a micro-batch (:attr:`SearchOptions.round_robin
+    <graphpipe.search.common.SearchOptions.round_robin>`; gpp only, tp 1, shard none, group 1)."""
 
     @property
     def pp_only(self) -> bool:
         return self.tp == 1 and self.shard == "none"
 
     def as_dict(self) -> dict[str, Any]:
-        return {"tp": self.tp, "shard": self.shard, "replica_group": self.group}
+        out: dict[str, Any] = {"tp": self.tp, "shard": self.shard, "replica_group": self.group}
+        if self.round_robin:
+            out["round_robin"] = True
+        return out
+
+
+ROUND_ROBIN = Layout(round_robin=True)
+
+ROUND_ROBIN_MAX_BATCH = 4096
+"""The round-robin layout is tried up to this batch size: it has a micro-batch per sample, and the
+simulator's work grows with the micro-batches (2,048 of them on 30 stages simulate in about a second)."""
 
 
 PP_ONLY = Layout()

@@ -231,7 +231,9 @@ def make_plan(model_id: str, graph: OpGraph, cluster: Cluster, batch_size: int, 
 def plan_request(request: PlanRequest) -> Plan:
     """The plan ``request`` asks for, over the layouts ``request.options`` allows (``tp``, ``shard``;
     :mod:`graphpipe.search.layouts`): each layout planned by :func:`_plan_whole` on its reduced problem, expanded
-    and simulated on the cluster; the fastest wins (ties: the earlier, PP-only first). Only PP-only, on at most
+    and simulated on the cluster; the fastest wins (ties: the earlier, PP-only first; gpp also tries
+    :data:`~graphpipe.search.layouts.ROUND_ROBIN` right after it, up to batches of
+    :data:`~graphpipe.search.layouts.ROUND_ROBIN_MAX_BATCH`). Only PP-only, on at most
     :data:`graphpipe.search.layouts.MAX_UNITS` devices: :func:`_plan_whole` itself, as before layouts existed.
     ``plan.search.layout`` and ``layouts_tried`` say what was tried and won."""
     from graphpipe.search import layouts
@@ -252,6 +254,10 @@ def plan_request(request: PlanRequest) -> Plan:
     if not tries:
         raise InputError(f"no layout with tp {tp} fits {cluster.num_devices} devices of {cluster.devices_per_node} "
                          f"per node at batch size {request.batch_size}: tp must divide a node and the device count")
+    if (request.record.ranks_candidates and layouts.PP_ONLY in tries and options.micro_batch_size in (None, 1)
+            and not options.power_of_two and 1 < request.batch_size <= layouts.ROUND_ROBIN_MAX_BATCH):
+        at = tries.index(layouts.PP_ONLY) + 1  # gpp: whole copies, any replica count (round-robin at size 1)
+        tries = tries[:at] + (layouts.ROUND_ROBIN,) + tries[at:]
     best, error, tried = None, None, []
     by_tp: dict[int, float] = {}  # best throughput per tp degree tried
     for layout in tries:
@@ -353,6 +359,8 @@ def _plan_layout(request: PlanRequest, layout) -> Plan:
     expanded to the cluster, scheduled with the strategy's schedule, simulated and checked against memory."""
     from graphpipe.search import layouts
 
+    if layout.round_robin:
+        return _plan_whole(replace(request, options=replace(request.options, round_robin=True, micro_batch_size=1)))
     if layout.pp_only and layout.group == 1:
         return _plan_whole(request)
     cluster = request.cluster

@@ -1,0 +1,101 @@
+"""Round-robin replicas in gpp's layout search (graphpipe.search.layouts.ROUND_ROBIN): stages on any whole number
+of nodes, their replicas taking whole micro-batches of one sample in turn.
+
+Oracles: iteration times counted by hand from the ops' per-sample times (a replica runs its micro-batches one
+after another; nothing else costs), the split-replica formula the round-robin tables must equal, and fill-drain's
+simulated iteration for graph-1F1B's round-robin warm-ups.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from graphpipe.cluster import Cluster, DeviceSpec, Link
+from graphpipe.graph import Affine, Op, OpGraph
+from graphpipe.sched import make_schedule
+from graphpipe.sched.simulator import simulate
+from graphpipe.search.common import SearchOptions
+from graphpipe.search.gpp_blocks import BlockCosts, round_robin_counts
+from graphpipe.search.gpp_tree import chain_tree
+from graphpipe.search.planner import make_plan
+from graphpipe.stages import Stage, StageGraph
+
+F, B = 1e-3, 2e-3  # seconds per sample of one layer's forward and backward
+
+
+def cluster(n: int, per_node: int = 8) -> Cluster:
+    link = Link(latency_s=0.0, bandwidth_Bps=1e12)
+    return Cluster(name="t", num_devices=n, devices_per_node=per_node,
+                   device=DeviceSpec(name="x", memory_bytes=1e12, peak_flops=1e15, op_overhead_s=0.0),
+                   intra_node=link, inter_node=link)
+
+
+def layers(n: int) -> OpGraph:
+    """``n`` equal layers in a chain, no parameters and no bytes between them: only compute costs."""
+    ops = [Op(f"l{i}", "linear", Affine(0.0, F), Affine(0.0, B), 0.0, 0.0, 0.0) for i in range(n)]
+    return OpGraph.build("chain", ops, [(f"l{i}", f"l{i + 1}", 0.0) for i in range(n - 1)])
+
+
+def test_round_robin_tables_equal_split_replicas_of_one_sample_each():
+    """d round-robin replicas of micro-batch 1 cost what d split replicas of micro-batch d cost: one sample per
+    action, d actions at once: (F + B) / d per sample of the whole block."""
+    g = layers(3)
+    cl = cluster(24)
+    blocks = BlockCosts(chain_tree(g), cl, batch_size=1024, micro_batch_size=1, round_robin=True)
+    assert blocks.device_counts == (1, 2, 4, 8, 16, 24) == round_robin_counts(24, 8)
+    root = blocks.tree.root
+    for c, d in enumerate(blocks.device_counts):
+        for lo, hi in ((0, 1), (0, 3), (1, 3)):
+            assert blocks.stage_tps(root)[lo, hi, c] == pytest.approx((hi - lo) * (F + B) / d, rel=1e-12)
+    plain = BlockCosts(chain_tree(g), cl, batch_size=1024, micro_batch_size=1)
+    assert plain.device_counts == (1,)  # off: micro-batch 1 has one replica
+
+
+def test_round_robin_layout_uses_the_devices_powers_of_two_leave_idle():
+    """Two equal layers on 24 devices (3 nodes), batch 1,024: a replica count must divide a power-of-two
+    micro-batch, so whole copies use 16 devices, 64 samples each (1 stage of 16, or 2 of 8: 128 layer-samples on
+    the busiest device); round-robin replicas use all 24 as one stage: ceil(1024 / 24) = 43 samples of both
+    layers on the busiest, 86 layer-samples."""
+    g = layers(2)
+    cl = cluster(24)
+    auto = make_plan("chain", g, cl, 1024, "gpp", SearchOptions(tp="auto", shard="auto"))
+    pp_only = make_plan("chain", g, cl, 1024, "gpp", SearchOptions(tp=1, shard="none"))
+    assert auto.predicted.iteration_time_s == pytest.approx(math.ceil(1024 / 24) * 2 * (F + B), rel=1e-9)
+    assert len(auto.stage_graph.devices_used()) == 24
+    assert all(st.round_robin and st.micro_batch_size == 1 for st in auto.stage_graph.stages)
+    assert auto.search["layout"] == {"tp": 1, "shard": "none", "replica_group": 1, "round_robin": True}
+    assert pp_only.predicted.iteration_time_s >= 128 * (F + B) * (1 - 1e-9)
+    assert len(pp_only.stage_graph.devices_used()) == 16
+    assert not any(st.round_robin for st in pp_only.stage_graph.stages)
+    # the layout search tried whole copies first and kept round-robin only because it simulated faster
+    tried = auto.search["layouts_tried"]
+    assert tried[0].get("round_robin") is None and tried[1]["round_robin"] is True
+    assert tried[1]["throughput"] > tried[0]["throughput"]
+
+
+def _chain(counts: tuple[int, ...], work: tuple[float, ...], batch: int) -> tuple[StageGraph, Cluster]:
+    ops = [Op(f"o{i}", "x", Affine(0.0, 1.0 * w), Affine(0.0, 2.0 * w)) for i, w in enumerate(work)]
+    g = OpGraph.build("c", ops, [(f"o{i}", f"o{i + 1}", 0.0) for i in range(len(ops) - 1)])
+    stages, nxt = [], 0
+    for i, r in enumerate(counts):
+        stages.append(Stage(i, (i,), tuple(range(nxt, nxt + r)), 1, replica_mode="round-robin" if r > 1 else "split"))
+        nxt += r
+    cl = cluster(nxt, per_node=nxt)
+    return StageGraph.build(g, stages, batch, nxt), cl
+
+
+@pytest.mark.parametrize("counts,work,batch", [((2, 3), (2, 3), 60), ((6, 13), (6, 13), 156), ((13, 6), (13, 6), 156),
+                                               ((2, 3, 3, 3), (2, 3, 3, 3), 60), ((2, 2), (2, 2), 60)])
+def test_graph_1f1b_round_robin_warmups_keep_up_with_fill_drain(counts, work, batch):
+    """Balanced chains of round-robin stages whose replica counts differ: graph-1F1B (and ZB-H1, its split
+    backward) run no longer than fill-drain, which never waits on a replica's turn. With each stage admitting
+    only its replicas times its depth, (2, 3) took 234 time units against fill-drain's 190."""
+    sg, cl = _chain(counts, work, batch)
+    fill_drain = simulate(sg, make_schedule("gpipe", sg, cl), cl).iteration_time_s
+    for name in ("graph-1f1b", "zb-h1"):
+        assert simulate(sg, make_schedule(name, sg, cl), cl).iteration_time_s <= fill_drain * (1 + 1e-9), name
+    # and both are within the fill and drain of the busiest replica's work: M / r micro-batches of 3 units each
+    steady = max(math.ceil(batch / r) * 3.0 * w for r, w in zip(counts, work))
+    assert fill_drain <= steady + 3.0 * sum(work) * 2
