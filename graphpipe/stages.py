@@ -99,9 +99,10 @@ class Stage:
         if not isinstance(self.reshard_after_forward, bool):
             raise PlanError(f"stage {self.id}: reshard_after_forward must be true or false, "
                             f"got {self.reshard_after_forward!r}")
-        if self.round_robin and (self.tp > 1 or self.shard != "none"):
-            raise PlanError(f"stage {self.id}: a round-robin stage (PipeDream's whole micro-batches per replica) "
-                            f"keeps whole copies; set tp 1 and shard none, or replica_mode split")
+        if self.round_robin and self.shard != "none":
+            raise PlanError(f"stage {self.id}: a round-robin stage's replicas run different micro-batches at "
+                            f"different times, so they cannot gather FSDP-sharded weights together; set shard "
+                            f"none, or replica_mode split")
         if self.checkpoints and not self.recompute:
             raise PlanError(f"stage {self.id}: checkpoints need recompute (they cut its re-materialization)")
         stray = sorted(set(self.checkpoints) - set(self.op_ids[1:]))
@@ -133,9 +134,10 @@ class Stage:
     def round_robin(self) -> bool:
         return self.replica_mode == "round-robin"
 
-    def replica_of(self, mb_id: int) -> int:
-        """The device that runs micro-batch ``mb_id`` of a round-robin stage (PipeDream: ``i mod r``)."""
-        return self.devices[mb_id % len(self.devices)]
+    def replica_of(self, mb_id: int) -> tuple[int, ...]:
+        """The devices (one replica: a tp group) that run micro-batch ``mb_id`` of a round-robin stage
+        (PipeDream: replica ``i mod r``)."""
+        return self.tp_groups[mb_id % self.num_replicas]
 
 
 @dataclass(frozen=True, slots=True)

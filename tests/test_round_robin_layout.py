@@ -69,10 +69,12 @@ def test_round_robin_layout_uses_the_devices_powers_of_two_leave_idle():
     assert pp_only.predicted.iteration_time_s >= 128 * (F + B) * (1 - 1e-9)
     assert len(pp_only.stage_graph.devices_used()) == 16
     assert not any(st.round_robin for st in pp_only.stage_graph.stages)
-    # the layout search tried whole copies first and kept round-robin only because it simulated faster
+    # the layout search planned whole copies first, then again with round-robin replicas, and kept the latter
+    # only because it simulated faster
     tried = auto.search["layouts_tried"]
-    assert tried[0].get("round_robin") is None and tried[1]["round_robin"] is True
-    assert tried[1]["throughput"] > tried[0]["throughput"]
+    plain = next(row for row in tried if row == {**row, "tp": 1, "shard": "none"} and "round_robin" not in row)
+    again = next(row for row in tried if row.get("round_robin"))
+    assert tried.index(plain) < tried.index(again) and again["throughput"] > plain["throughput"]
 
 
 def _chain(counts: tuple[int, ...], work: tuple[float, ...], batch: int) -> tuple[StageGraph, Cluster]:
@@ -99,3 +101,19 @@ def test_graph_1f1b_round_robin_warmups_keep_up_with_fill_drain(counts, work, ba
     # and both are within the fill and drain of the busiest replica's work: M / r micro-batches of 3 units each
     steady = max(math.ceil(batch / r) * 3.0 * w for r, w in zip(counts, work))
     assert fill_drain <= steady + 3.0 * sum(work) * 2
+
+
+def test_round_robin_replicas_may_be_tp_groups_but_not_fsdp_shards():
+    """A tp group is one replica and takes its micro-batches whole (its devices run the same actions); FSDP
+    shards would have to gather weights together while their replicas run different micro-batches: refused."""
+    g = layers(2)
+    cl = cluster(6)
+    stages = [Stage(0, (0,), (0, 1, 2, 3), 1, replica_mode="round-robin", tp=2), Stage(1, (1,), (4, 5), 1,
+                                                                                    replica_mode="round-robin")]
+    sg = StageGraph.build(g, stages, 8, 6, cluster=cl)
+    assert sg.stages[0].replica_of(5) == (2, 3) and sg.stages[1].replica_of(5) == (5,)
+    schedule = make_schedule("graph-1f1b", sg, cl)
+    assert schedule.device_actions[0] == schedule.device_actions[1] != schedule.device_actions[2]
+    assert {a.mb_id for a in schedule.device_actions[2]} == {1, 3, 5, 7}
+    with pytest.raises(Exception, match="cannot gather FSDP-sharded weights together"):
+        Stage(0, (0,), (0, 1, 2, 3), 1, replica_mode="round-robin", shard="fsdp")

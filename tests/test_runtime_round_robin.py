@@ -1,6 +1,6 @@
 """1F1B-RR on real ranks: a 3-replica round-robin stage (PipeDream's replicated stage, micro-batch i on
-replica i mod 3) plus one stage, 4 CPU ranks, and gpp's round-robin layout (micro-batch 1, 2 replicas then 3,
-ZB-H1's split backward), 5 ranks, each against a single-process run of the same model (``graphpipe run
+replica i mod 3) plus one stage, 4 CPU ranks; gpp's round-robin layout (micro-batch 1, 2 replicas then 3,
+ZB-H1's split backward), 5 ranks; and round-robin replicas that are tp 2 groups, 5 ranks; each against a single-process run of the same model (``graphpipe run
 --check``: the loss and every gradient, assert_close's fp32 tolerances)."""
 
 from __future__ import annotations
@@ -46,13 +46,28 @@ def two_then_three() -> Plan:
                 schedule=make_schedule("zb-h1", sg, cluster))
 
 
-@pytest.mark.parametrize("make", [three_plus_one, two_then_three])
+def tensor_parallel_turns() -> Plan:
+    """Round-robin replicas that are tensor-parallel groups: 2 replicas of tp 2 take micro-batches in turn."""
+    graph = zoo.load_graph("transformer:small")
+    first = tuple(graph.op_id(n) for n in ("embed", "layer0", "layer1"))
+    rest = tuple(graph.op_id(n) for n in ("layer2", "layer3", "head"))
+    cluster = preset("v100", 5)
+    stages = [Stage(0, first, (0, 1, 2, 3), 1, replica_mode="round-robin", tp=2), Stage(1, rest, (4,), 1)]
+    sg = StageGraph.build(graph, stages, 6, 5, cluster=cluster)
+    return Plan(model="transformer:small", stage_graph=sg, cluster=cluster, strategy="custom",
+                schedule=make_schedule("graph-1f1b", sg, cluster))
+
+
+@pytest.mark.parametrize("make", [three_plus_one, two_then_three, tensor_parallel_turns])
 def test_round_robin_stage_matches_single_process(tmp_path, make):
     plan = make()
     if make is three_plus_one:
         assert [str(a) for a in plan.schedule.device_actions[1]] == ["0F1", "0F4", "0B1", "0B4"]
-    else:  # replica 0 of stage 0 runs the even micro-batches, W after each I
+    elif make is two_then_three:  # replica 0 of stage 0 runs the even micro-batches, W after each I
         assert [str(a) for a in plan.schedule.device_actions[0]][:5] == ["0F0", "0F2", "0F4", "0I0", "0W0"]
+    else:  # both devices of a tp group run their replica's micro-batches, the even ones on devices 0 and 1
+        acts = [[str(a) for a in acts] for acts in plan.schedule.device_actions[:4]]
+        assert acts[0] == acts[1] == ["0F0", "0F2", "0B0", "0F4", "0B2", "0B4"] and acts[2] == acts[3] != acts[0]
     path = str(tmp_path / "rr.json")
     write_plan(path, plan)
     out = subprocess.run([sys.executable, "-m", "graphpipe", "run", path, "--check", "--steps", "2", "--json",

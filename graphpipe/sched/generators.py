@@ -128,8 +128,7 @@ def _own_micro_batches(sg: StageGraph, stage_id: int, device: int) -> range:
     m = sg.num_micro_batches(stage_id)
     if not st.round_robin:
         return range(m)
-    r = len(st.devices)
-    return range(st.devices.index(device), m, r)
+    return range(st.devices.index(device) // st.tp, m, st.num_replicas)
 
 
 def one_f_one_b(sg: StageGraph, order: Sequence[int] | None = None) -> Schedule:

@@ -203,8 +203,10 @@ def assemble(sg: StageGraph, name: str, per_stage: Sequence[Sequence[Action]]) -
         if st.round_robin:
             for d in st.devices:
                 lists[d] = []
+            groups, r = [[lists[d] for d in group] for group in st.tp_groups], st.num_replicas
             for a in per_stage[st.id]:
-                lists[st.replica_of(a.mb_id)].append(a)
+                for own in groups[a.mb_id % r]:  # st.replica_of(a.mb_id)'s lists
+                    own.append(a)
         else:  # one tuple shared by the replicas: Schedule keeps it, and the simulator tells them alike by identity
             shared = tuple(per_stage[st.id])
             for d in st.devices:

@@ -95,7 +95,7 @@ def check_structure(sg: StageGraph, schedule: Schedule) -> None:
     num_mbs = [sg.num_micro_batches(s) for s in range(sg.num_stages)]
     stage_devices = [set(st.devices) for st in sg.stages]
     # The device each micro-batch of a stage runs on: None (every replica) unless the stage is round-robin.
-    owners = [st.devices if st.round_robin else None for st in sg.stages]
+    owners = [st.tp_groups if st.round_robin else None for st in sg.stages]
     kinds = frozenset("FBIW")
     # Where each (stage, kind, mb) sits on each device: position index (an Action is that tuple).
     positions: list[dict[tuple[int, str, int], int]] = [dict() for _ in range(num_devices)]
@@ -111,7 +111,7 @@ def check_structure(sg: StageGraph, schedule: Schedule) -> None:
         for k, a in enumerate(acts):
             s, kind, mb = a
             if (kind not in kinds or not 0 <= s < len(num_mbs) or not 0 <= mb < num_mbs[s]
-                    or d not in stage_devices[s] or (owners[s] is not None and owners[s][mb % len(owners[s])] != d)
+                    or d not in stage_devices[s] or (owners[s] is not None and d not in owners[s][mb % len(owners[s])])
                     or a in seen):
                 _explain_action(sg, schedule, num_mbs, stage_devices, d, k, a, seen)
             seen[a] = k
@@ -125,7 +125,7 @@ def check_structure(sg: StageGraph, schedule: Schedule) -> None:
                 if id(pos) in done:
                     continue
                 done.add(id(pos))
-            for j in range(r, num_mbs[sid], len(st.devices)) if st.round_robin else range(num_mbs[sid]):
+            for j in range(r // st.tp, num_mbs[sid], st.num_replicas) if st.round_robin else range(num_mbs[sid]):
                 f_at, b_at = pos.get((sid, "F", j)), pos.get((sid, "B", j))
                 if (f_at is not None and b_at is not None and f_at < b_at and (sid, "I", j) not in pos
                         and (sid, "W", j) not in pos):
@@ -177,10 +177,12 @@ def _explain_action(sg: StageGraph, schedule: Schedule, num_mbs: Sequence[int], 
         _fail(schedule, f"device {d} step {k}: action {a} names micro-batch {a.mb_id}, stage {a.stage_id} has "
                         f"{num_mbs[a.stage_id]} (batch {sg.batch_size} / micro-batch size "
                         f"{sg.stages[a.stage_id].micro_batch_size})", [(d, k)])
-    if sg.stages[a.stage_id].round_robin and d != sg.stages[a.stage_id].replica_of(a.mb_id):
-        _fail(schedule, f"device {d} step {k}: action {a} belongs to device "
-                        f"{sg.stages[a.stage_id].replica_of(a.mb_id)}: round-robin stage {a.stage_id} runs "
-                        f"micro-batch i on replica i mod {sg.stages[a.stage_id].num_replicas}", [(d, k)])
+    if sg.stages[a.stage_id].round_robin and d not in sg.stages[a.stage_id].replica_of(a.mb_id):
+        owner = sg.stages[a.stage_id].replica_of(a.mb_id)
+        _fail(schedule, f"device {d} step {k}: action {a} belongs to device"
+                        f"{'s ' + str(list(owner)) if len(owner) > 1 else ' ' + str(owner[0])}: round-robin stage "
+                        f"{a.stage_id} runs micro-batch i on replica i mod {sg.stages[a.stage_id].num_replicas}",
+              [(d, k)])
     if d not in stage_devices[a.stage_id]:
         _fail(schedule, f"device {d} step {k}: action {a} belongs to stage {a.stage_id}, which runs on devices "
                         f"{list(sg.stages[a.stage_id].devices)}, not on device {d}", [(d, k)])

@@ -202,9 +202,11 @@ def partition(graph: OpGraph, cluster: Cluster, batch_size: int, options: Search
         search.raise_none_found()
     best, num_simulated = _simulate_best(search, candidates)
     _, sg, cand, throughput, schedule_name = best
-    sg, throughput, schedule_name, spread = _spread_idle(sg, cluster, search.links[cand.link], throughput,
-                                                         schedule_name, options.power_of_two, options.host,
-                                                         search.recompute, options.round_robin)
+    spread = 0
+    if not options.round_robin:  # round-robin counts already reach any whole node; a simulation there costs more
+        sg, throughput, schedule_name, spread = _spread_idle(sg, cluster, search.links[cand.link], throughput,
+                                                             schedule_name, options.power_of_two, options.host,
+                                                             search.recompute)
     num_simulated += spread
     if options.per_stage_micro_batch and options.micro_batch_size is None:
         sg, throughput, schedule_name = _refine_micro_batches(sg, cluster, throughput, schedule_name,
@@ -596,8 +598,7 @@ def _stage(stage_id: int, op_ids, devices, micro_batch_size: int, recompute: boo
 
 # ----------------------------------------------------------------- scoring
 def _spread_idle(sg: StageGraph, cluster: Cluster, link: Link | None, throughput: float, schedule_name: str,
-                 power_of_two: bool = False, host=None, recompute: bool = False,
-                 round_robin: bool = False) -> tuple[StageGraph, float, str, int]:
+                 power_of_two: bool = False, host=None, recompute: bool = False) -> tuple[StageGraph, float, str, int]:
     """Give the idle devices to one stage, split by the DP: the best simulated such graph, if it beats ``sg``.
 
     For every stage of >= 2 ops, the DP solves the stage's ops alone (in op
@@ -622,8 +623,7 @@ def _spread_idle(sg: StageGraph, cluster: Cluster, link: Link | None, throughput
         key = (cost_signature(graph, ops), st.micro_batch_size, len(pool))
         if key not in solved:
             solved[key] = min_bottleneck(chain_tree(induced_subgraph(graph, ops)), cluster, sg.batch_size,
-                                         st.micro_batch_size, len(pool), power_of_two, link, recompute,
-                                         round_robin)
+                                         st.micro_batch_size, len(pool), power_of_two, link, recompute)
         sol = solved[key]
         if sol is None or len(sol.stages) < 2:
             continue

@@ -77,7 +77,8 @@ class Layout:
     round_robin: bool = False
     """Whole copies at micro-batch size 1, a stage's replicas taking whole micro-batches in turn, so that its
     device count need not divide a micro-batch (:attr:`SearchOptions.round_robin
-    <graphpipe.search.common.SearchOptions.round_robin>`; gpp only, tp 1, shard none, group 1)."""
+    <graphpipe.search.common.SearchOptions.round_robin>`; gpp only, shard none, group 1: a tp group is one
+    replica)."""
 
     @property
     def pp_only(self) -> bool:
@@ -186,8 +187,9 @@ def reduced_cluster(cluster: Cluster, layout: Layout) -> Cluster:
 
 def expand(sg: StageGraph, graph: OpGraph, cluster: Cluster, layout: Layout, batch_size: int) -> StageGraph:
     """The reduced plan's stage graph ``sg`` on the full ``cluster`` (module docstring), over ``graph`` (the
-    same ops by name). Round-robin stages become split ones (a tp group splits every micro-batch); a stage left
-    with one replica is not sharded (FSDP over one replica is a whole copy)."""
+    same ops by name). Round-robin stages become split ones (a tp group splits every micro-batch), but under the
+    :data:`ROUND_ROBIN` layouts, whose tp groups take whole micro-batches in turn; a stage left with one replica
+    is not sharded (FSDP over one replica is a whole copy)."""
     size = layout.tp * layout.group
     stages = []
     for st in sg.stages:
@@ -196,8 +198,9 @@ def expand(sg: StageGraph, graph: OpGraph, cluster: Cluster, layout: Layout, bat
         checkpoints = tuple(graph.op_id(sg.graph.ops[i].name) for i in st.checkpoints)
         replicas = len(devices) // layout.tp
         shard = layout.shard if replicas > 1 else "none"
+        mode = "round-robin" if layout.round_robin and st.round_robin else "split"
         stages.append(_whole_recompute(Stage(st.id, op_ids, devices, st.micro_batch_size * layout.group,
-                                             st.recompute, replica_mode="split", checkpoints=checkpoints,
+                                             st.recompute, replica_mode=mode, checkpoints=checkpoints,
                                              tp=layout.tp, shard=shard,
                                              reshard_after_forward=False if shard == "fsdp" else True)))
     return StageGraph(graph, tuple(stages), batch_size, cluster.num_devices, allow_shared_devices=sg.allow_shared_devices,
@@ -252,18 +255,19 @@ def efficiency_factors(plan, num_devices: int | None = None) -> dict[str, float]
 
 def stage_layouts(stage: Stage, cluster: Cluster, tps: Sequence[int], shards: Sequence[str]) -> list[Stage]:
     """``stage`` under every layout of ``tps`` x ``shards`` its devices allow: tp dividing its device count with
-    every tp group inside one node, the micro-batch divisible by the replicas, FSDP only over 2 or more replicas
-    (gathered for the step: ``reshard_after_forward`` false); a parallel layout re-materializes the whole stage
-    where the stage had checkpoint segments."""
+    every tp group inside one node, the micro-batch divisible by the replicas (round-robin replicas take whole
+    ones), FSDP only over 2 or more replicas that split micro-batches (gathered for the step:
+    ``reshard_after_forward`` false); a parallel layout re-materializes the whole stage where the stage had
+    checkpoint segments."""
     out = []
     for tp in tps:
         n = len(stage.devices)
-        if n % tp or stage.micro_batch_size % (n // tp) or stage.round_robin:
+        if n % tp or (not stage.round_robin and stage.micro_batch_size % (n // tp)):
             continue
         if any(len({cluster.node_of(d) for d in stage.devices[i:i + tp]}) > 1 for i in range(0, n, tp)):
             continue
         for shard in shards:
-            if shard == "fsdp" and n // tp < 2:
+            if shard == "fsdp" and (n // tp < 2 or stage.round_robin):
                 continue
             out.append(_whole_recompute(replace(stage, tp=tp, shard=shard, reshard_after_forward=shard != "fsdp")))
     return out
@@ -285,8 +289,10 @@ def per_stage_layouts(sg: StageGraph, cluster: Cluster, in_flight: Sequence[int]
     stages = list(sg.stages)
     for st in sg.stages:
         def busy(trial: StageGraph, stage_id: int = st.id) -> float:
-            return (trial.num_micro_batches(stage_id) * (trial.fwd_time(stage_id) + trial.bwd_time(stage_id))
-                    + trial.sync_time(stage_id, cluster))
+            option = trial.stages[stage_id]  # a round-robin replica runs one in r of the micro-batches
+            turns = option.num_replicas if option.round_robin else 1
+            return (math.ceil(trial.num_micro_batches(stage_id) / turns)
+                    * (trial.fwd_time(stage_id) + trial.bwd_time(stage_id)) + trial.sync_time(stage_id, cluster))
 
         current = replace(sg, stages=tuple(stages), cluster=cluster)
         best, best_time = stages[st.id], busy(current)

@@ -254,12 +254,27 @@ def plan_request(request: PlanRequest) -> Plan:
     if not tries:
         raise InputError(f"no layout with tp {tp} fits {cluster.num_devices} devices of {cluster.devices_per_node} "
                          f"per node at batch size {request.batch_size}: tp must divide a node and the device count")
-    if (request.record.ranks_candidates and layouts.PP_ONLY in tries and options.micro_batch_size in (None, 1)
-            and not options.power_of_two and 1 < request.batch_size <= layouts.ROUND_ROBIN_MAX_BATCH):
-        at = tries.index(layouts.PP_ONLY) + 1  # gpp: whole copies, any replica count (round-robin at size 1)
-        tries = tries[:at] + (layouts.ROUND_ROBIN,) + tries[at:]
     best, error, tried = None, None, []
     by_tp: dict[int, float] = {}  # best throughput per tp degree tried
+
+    def attempt(layout) -> None:
+        nonlocal best, error
+        try:
+            plan = _plan_layout(request, layout)
+        except GraphpipeError as exc:
+            error = error or exc
+            tried.append({**layout.as_dict(), "error": str(exc)})
+            by_tp.setdefault(layout.tp, 0.0)
+            return
+        if request.record.ranks_candidates and request.schedule is None:
+            plan = _zero_bubble(request, plan)
+        tried.append({**layout.as_dict(), "schedule": plan.schedule.name, "throughput": plan.predicted.throughput,
+                      "devices_used": len(plan.stage_graph.devices_used()),
+                      "peak_memory_bytes": plan.predicted.max_peak_memory_bytes})
+        by_tp[layout.tp] = max(by_tp.get(layout.tp, 0.0), plan.predicted.throughput)
+        if best is None or plan.predicted.throughput > best[1].predicted.throughput * (1 + 1e-9):
+            best = (layout, plan)
+
     for layout in tries:
         if tp == "auto" and layout.tp not in by_tp and len(by_tp) >= 2:
             degrees = sorted(by_tp)
@@ -271,21 +286,16 @@ def plan_request(request: PlanRequest) -> Plan:
             # frees memory: skip it where whole copies planned well within memory
             tried.append({**layout.as_dict(), "skipped": "whole copies fit within 90% of device memory"})
             continue
-        try:
-            plan = _plan_layout(request, layout)
-        except GraphpipeError as exc:
-            error = error or exc
-            tried.append({**layout.as_dict(), "error": str(exc)})
-            by_tp.setdefault(layout.tp, 0.0)
-            continue
-        if request.record.ranks_candidates and request.schedule is None:
-            plan = _zero_bubble(request, plan)
-        tried.append({**layout.as_dict(), "schedule": plan.schedule.name, "throughput": plan.predicted.throughput,
-                      "devices_used": len(plan.stage_graph.devices_used()),
-                      "peak_memory_bytes": plan.predicted.max_peak_memory_bytes})
-        by_tp[layout.tp] = max(by_tp.get(layout.tp, 0.0), plan.predicted.throughput)
-        if best is None or plan.predicted.throughput > best[1].predicted.throughput * (1 + 1e-9):
-            best = (layout, plan)
+        attempt(layout)
+    if (request.record.ranks_candidates and options.micro_batch_size in (None, 1) and not options.power_of_two
+            and 1 < request.batch_size <= layouts.ROUND_ROBIN_MAX_BATCH):
+        # gpp: the two fastest whole-copy layouts again with round-robin replicas at micro-batch size 1 (a stage
+        # on any power of two up to a node or whole nodes); a search there simulates a micro-batch per sample,
+        # so not every layout is tried twice
+        planned = sorted((row for row in tried if "throughput" in row and row["shard"] == "none"
+                          and row["replica_group"] == 1), key=lambda row: -row["throughput"])
+        for row in planned[:ROUND_ROBIN_TRIES]:
+            attempt(layouts.Layout(row["tp"], "none", 1, round_robin=True))
     if best is None:
         raise error
     layout, plan = best
@@ -294,6 +304,9 @@ def plan_request(request: PlanRequest) -> Plan:
         plan = _per_stage_layouts(request, plan, tp, shard, search)
     return replace(plan, search={**plan.search, **search, "time_s": time.perf_counter() - started})
 
+
+ROUND_ROBIN_TRIES = 2
+"""How many of the fastest whole-copy layouts gpp's layout search tries again with round-robin replicas."""
 
 ZERO_BUBBLE = "zb-h1"
 """The zero-bubble schedule a layout search also tries on each layout's plan (:func:`_zero_bubble`)."""
@@ -360,7 +373,7 @@ def _plan_layout(request: PlanRequest, layout) -> Plan:
     from graphpipe.search import layouts
 
     if layout.round_robin:
-        return _plan_whole(replace(request, options=replace(request.options, round_robin=True, micro_batch_size=1)))
+        request = replace(request, options=replace(request.options, round_robin=True, micro_batch_size=1))
     if layout.pp_only and layout.group == 1:
         return _plan_whole(request)
     cluster = request.cluster
