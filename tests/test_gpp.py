@@ -157,10 +157,16 @@ def test_pipeline_bound_never_exceeds_the_simulated_iteration(recompute):
             sg = partition(graph, cluster, BATCH, SearchOptions(micro_batch_size=mb)).stage_graph
             cases.append((StageGraph.build(graph, [Stage(s.id, s.op_ids, s.devices, s.micro_batch_size, recompute)
                                                    for s in sg.stages], BATCH, cluster.num_devices), cluster))
+            # the same stages with replicas taking whole micro-batches in turn (the busiest runs ceil(M / r))
+            rr = [Stage(s.id, s.op_ids, s.devices, s.micro_batch_size, recompute, replica_mode="round-robin")
+                  if len(s.devices) > 1 else s for s in cases[-1][0].stages]
+            if any(st.round_robin for st in rr):
+                cases.append((StageGraph.build(graph, rr, BATCH, cluster.num_devices), cluster))
     for seed in range(12):
         sg = random_stage_graph(seed)
         sg = dc_replace(sg, stages=tuple(dc_replace(s, recompute=recompute) for s in sg.stages))
         cases.append((sg, latency_cluster(sg.num_devices, 0.05, 1e6)))
+    assert any(st.round_robin for sg, _ in cases for st in sg.stages)
     tighter = 0
     for sg, cluster in cases:
         bound, busy = pipeline_bound_s(sg, cluster), busy_bound_s(sg, cluster)

@@ -133,6 +133,10 @@ PRUNE_SLACK = 1.1
 """A micro-batch size or depth is skipped only when its lower bound exceeds the best estimate by this factor:
 the estimate ignores transfers, so near-misses are kept for the simulator to judge."""
 
+NUM_SIMULATED_ROUND_ROBIN = 2
+""":data:`NUM_SIMULATED` of a search with round-robin replicas (:attr:`SearchOptions.round_robin
+<graphpipe.search.common.SearchOptions.round_robin>`), whose candidates have a micro-batch per sample."""
+
 
 @dataclass(frozen=True, slots=True)
 class _Candidate:
@@ -147,8 +151,10 @@ class _Candidate:
     """Index into :func:`~graphpipe.search.common.comm_links` of the link its cuts were costed on."""
 
 
-def _to_simulate(candidates: Sequence[_Candidate], num_links: int) -> tuple[list[_Candidate], list[_Candidate]]:
-    """(the best :data:`NUM_SIMULATED` by estimate of every cut costing, the others), both in estimate order.
+def _to_simulate(candidates: Sequence[_Candidate], num_links: int, keep: int = NUM_SIMULATED
+                 ) -> tuple[list[_Candidate], list[_Candidate]]:
+    """(the best ``keep`` (:data:`NUM_SIMULATED`) by estimate of every cut costing, the others), both in estimate
+    order.
 
     The estimate ignores transfers, so costings are ranked apart: pooled,
     the free-cut candidates would crowd out those that avoid heavy cuts.
@@ -163,7 +169,7 @@ def _to_simulate(candidates: Sequence[_Candidate], num_links: int) -> tuple[list
     ordered = sorted(candidates, key=estimate_order)
     chosen: dict = {}
     for li in range(num_links):
-        for c in [c for c in ordered if c.link == li][:NUM_SIMULATED]:
+        for c in [c for c in ordered if c.link == li][:keep]:
             chosen.setdefault(same(c), c)
     first = sorted(chosen.values(), key=estimate_order)
     rest = []
@@ -364,7 +370,9 @@ def _simulate_best(search: _Search, candidates: Sequence[_Candidate]) -> tuple[t
     cluster, host = search.cluster, search.options.host
     best = None
     num_simulated = 0
-    first, rest = _to_simulate(candidates, len(search.links))
+    # round-robin candidates simulate a micro-batch per sample: fewer of them
+    keep = NUM_SIMULATED_ROUND_ROBIN if search.options.round_robin else NUM_SIMULATED
+    first, rest = _to_simulate(candidates, len(search.links), keep)
     for cand in first:
         sg = search.stage_graph(cand)
         if best is not None and _slower_than(sg, cluster, best[3], host):
@@ -652,20 +660,20 @@ def busy_bound_s(sg: StageGraph, cluster: Cluster) -> float:
 
     Each replica of a stage that splits micro-batches runs every micro-batch's F and B, one action at a
     time, and the stage's gradient all-reduce starts after its last B; transfers and waiting only add.
-    Stages whose replicas take whole micro-batches round-robin are left out (a weaker bound, still one).
+    Of a stage whose ``r`` replicas take whole micro-batches in turn, one runs ``ceil(M / r)`` of them.
     """
     return _stage_bound(sg, cluster, [0.0] * sg.num_stages, [0.0] * sg.num_stages)
 
 
 def _stage_bound(sg: StageGraph, cluster: Cluster, up: Sequence[float], down: Sequence[float]) -> float:
-    """Max over stages (round-robin ones aside) of ``up + busy + max(down, all-reduce)``: each replica runs
-    every micro-batch's F and B after ``up`` seconds, then ``down`` more or its gradient all-reduce follows."""
+    """Max over stages of ``up + busy + max(down, all-reduce)``: each replica runs every micro-batch's F and B
+    (a round-robin stage's busiest replica ``ceil(M / r)`` of them) after ``up`` seconds, then ``down`` more or
+    its gradient all-reduce follows."""
     bound = 0.0
     for st in sg.stages:
-        if st.round_robin:
-            continue
         s = st.id
-        busy = sg.num_micro_batches(s) * (sg.fwd_time(s) + sg.bwd_time(s))
+        turns = -(-sg.num_micro_batches(s) // st.num_replicas) if st.round_robin else sg.num_micro_batches(s)
+        busy = turns * (sg.fwd_time(s) + sg.bwd_time(s))
         after = down[s]
         if st.num_replicas > 1:
             after = max(after, sg.sync_time(s, cluster))

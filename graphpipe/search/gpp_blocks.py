@@ -49,7 +49,7 @@ from graphpipe.search.gpp_tree import DPTree
 __all__ = ["BlockCosts", "device_counts"]
 
 
-ROUND_ROBIN_EXACT_NODES = 32
+ROUND_ROBIN_EXACT_NODES = 8
 """Round-robin replica counts of up to this many whole nodes are all tried; past it every other, then every
 fourth, ... (a step of at most 1/32 of the count: the DP's device axis stays under a hundred at 1,024 devices)."""
 

@@ -289,12 +289,14 @@ def plan_request(request: PlanRequest) -> Plan:
         attempt(layout)
     if (request.record.ranks_candidates and options.micro_batch_size in (None, 1) and not options.power_of_two
             and 1 < request.batch_size <= layouts.ROUND_ROBIN_MAX_BATCH):
-        # gpp: the two fastest whole-copy layouts again with round-robin replicas at micro-batch size 1 (a stage
-        # on any power of two up to a node or whole nodes); a search there simulates a micro-batch per sample,
-        # so not every layout is tried twice
+        # gpp, where the fastest plan leaves devices idle (stages on powers of two that do not add up to the
+        # cluster): the two fastest whole-copy layouts again with round-robin replicas at micro-batch size 1
+        # (a stage on any power of two up to a node or whole nodes). A search there simulates a micro-batch
+        # per sample, so it is not run where the devices are used already, nor for every layout.
         planned = sorted((row for row in tried if "throughput" in row and row["shard"] == "none"
                           and row["replica_group"] == 1), key=lambda row: -row["throughput"])
-        for row in planned[:ROUND_ROBIN_TRIES]:
+        idle = best is not None and len(best[1].stage_graph.devices_used()) < ROUND_ROBIN_USED * cluster.num_devices
+        for row in planned[:ROUND_ROBIN_TRIES] if idle else ():
             attempt(layouts.Layout(row["tp"], "none", 1, round_robin=True))
     if best is None:
         raise error
@@ -307,6 +309,10 @@ def plan_request(request: PlanRequest) -> Plan:
 
 ROUND_ROBIN_TRIES = 2
 """How many of the fastest whole-copy layouts gpp's layout search tries again with round-robin replicas."""
+
+ROUND_ROBIN_USED = 0.95
+"""gpp's layout search tries round-robin replicas when its fastest plan uses fewer than this share of the
+devices."""
 
 ZERO_BUBBLE = "zb-h1"
 """The zero-bubble schedule a layout search also tries on each layout's plan (:func:`_zero_bubble`)."""
