@@ -74,9 +74,12 @@ def test_tp_group_across_nodes_is_refused():
         _plan({0: {"tp": 2}, 1: {"tp": 2}}, devices_per_stage=2, devices_per_node=3)
 
 
-def test_round_robin_keeps_whole_copies():
+def test_round_robin_replicas_are_not_fsdp_shards():
+    """Round-robin replicas run different micro-batches at different times: they cannot gather FSDP-sharded
+    weights together (a tp group as one replica can take its micro-batches whole: tests/test_round_robin_layout)."""
     with pytest.raises(PlanError, match="round-robin stage"):
-        Stage(0, (0,), (0, 1), 2, replica_mode="round-robin", tp=2)
+        Stage(0, (0,), (0, 1), 2, replica_mode="round-robin", shard="fsdp")
+    assert Stage(0, (0,), (0, 1), 2, replica_mode="round-robin", tp=2).num_replicas == 1
 
 
 def test_runtime_runs_fsdp_tp_and_2d_stages_and_refuses_the_rest_in_one_line():

@@ -51,7 +51,7 @@ __all__ = ["BlockCosts", "device_counts"]
 
 ROUND_ROBIN_EXACT_NODES = 8
 """Round-robin replica counts of up to this many whole nodes are all tried; past it every other, then every
-fourth, ... (a step of at most 1/32 of the count: the DP's device axis stays under a hundred at 1,024 devices)."""
+fourth, ... (a step of at most 1/8 of the count: the DP's device axis is 27 long at 1,024 devices)."""
 
 
 def round_robin_counts(limit: int, per_node: int) -> tuple[int, ...]:
@@ -62,7 +62,7 @@ def round_robin_counts(limit: int, per_node: int) -> tuple[int, ...]:
     devices any node holds (docs/design.md, cost model): 18 devices as 2 + 8 + 8 would all-reduce on two.
 
     >>> round_robin_counts(40, 8), len(round_robin_counts(1024, 8)), round_robin_counts(6, 8)
-    ((1, 2, 4, 8, 16, 24, 32, 40), 67, (1, 2, 4))
+    ((1, 2, 4, 8, 16, 24, 32, 40), 27, (1, 2, 4))
     """
     out = [d for d in (1 << k for k in range(per_node.bit_length())) if d <= min(limit, per_node)]
     nodes, step = 2, 1

@@ -27,16 +27,18 @@ as a whole-copy plan of a *reduced* problem and then expanded.
 The planner tries :func:`candidates` and keeps the fastest simulated plan;
 the PP-only layout (tp 1, whole copies) is always one of them when allowed, so
 a layout search is never worse than ``--tp 1 --shard none`` by construction.
-gpp also tries :data:`ROUND_ROBIN` after it (whole copies at micro-batch 1, a
-stage on any power of two up to a node or whole nodes, its replicas taking
-micro-batches in turn), which uses the devices power-of-two stages leave idle.
+Where the fastest plan leaves devices idle, gpp tries its two fastest
+whole-copy layouts again with round-robin replicas (:attr:`Layout.round_robin`:
+micro-batch 1, a stage on any power of two up to a node or whole nodes, its
+replicas taking micro-batches in turn), which uses the devices power-of-two
+stages leave idle.
 
 Example
 -------
->>> candidates(8, 512, 8, "auto", "auto", 2048)[:3]
-(Layout(tp=1, shard='none', group=1), Layout(tp=1, shard='fsdp', group=1), Layout(tp=2, shard='none', group=1))
+>>> [(layout.tp, layout.shard, layout.group) for layout in candidates(8, 512, 8, "auto", "auto", 2048)[:3]]
+[(1, 'none', 1), (1, 'fsdp', 1), (2, 'none', 1)]
 >>> candidates(16384, 16384, 8, 8, "none", 32768)
-(Layout(tp=8, shard='none', group=2),)
+(Layout(tp=8, shard='none', group=2, round_robin=False),)
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from graphpipe.errors import InputError
 from graphpipe.graph import Affine, OpGraph
 from graphpipe.stages import Stage, StageGraph
 
-__all__ = ["Layout", "PP_ONLY", "ROUND_ROBIN", "ROUND_ROBIN_MAX_BATCH", "MAX_UNITS", "TP_CHOICES", "SHARD_CHOICES",
+__all__ = ["Layout", "PP_ONLY", "ROUND_ROBIN_MAX_BATCH", "MAX_UNITS", "TP_CHOICES", "SHARD_CHOICES",
            "parse_tp", "parse_shard", "candidates",
            "group_for", "reduced_graph", "reduced_cluster", "expand", "splittable_ops"]
 
@@ -90,8 +92,6 @@ class Layout:
             out["round_robin"] = True
         return out
 
-
-ROUND_ROBIN = Layout(round_robin=True)
 
 ROUND_ROBIN_MAX_BATCH = 4096
 """The round-robin layout is tried up to this batch size: it has a micro-batch per sample, and the
@@ -188,7 +188,7 @@ def reduced_cluster(cluster: Cluster, layout: Layout) -> Cluster:
 def expand(sg: StageGraph, graph: OpGraph, cluster: Cluster, layout: Layout, batch_size: int) -> StageGraph:
     """The reduced plan's stage graph ``sg`` on the full ``cluster`` (module docstring), over ``graph`` (the
     same ops by name). Round-robin stages become split ones (a tp group splits every micro-batch), but under the
-    :data:`ROUND_ROBIN` layouts, whose tp groups take whole micro-batches in turn; a stage left with one replica
+    round-robin layouts (:attr:`Layout.round_robin`), whose tp groups take whole micro-batches in turn; a stage left with one replica
     is not sharded (FSDP over one replica is a whole copy)."""
     size = layout.tp * layout.group
     stages = []

@@ -231,9 +231,9 @@ def make_plan(model_id: str, graph: OpGraph, cluster: Cluster, batch_size: int, 
 def plan_request(request: PlanRequest) -> Plan:
     """The plan ``request`` asks for, over the layouts ``request.options`` allows (``tp``, ``shard``;
     :mod:`graphpipe.search.layouts`): each layout planned by :func:`_plan_whole` on its reduced problem, expanded
-    and simulated on the cluster; the fastest wins (ties: the earlier, PP-only first; gpp also tries
-    :data:`~graphpipe.search.layouts.ROUND_ROBIN` right after it, up to batches of
-    :data:`~graphpipe.search.layouts.ROUND_ROBIN_MAX_BATCH`). Only PP-only, on at most
+    and simulated on the cluster; the fastest wins (ties: the earlier, PP-only first; gpp retries its two
+    fastest whole-copy layouts with round-robin replicas where the fastest plan leaves devices idle, up to
+    batches of :data:`~graphpipe.search.layouts.ROUND_ROBIN_MAX_BATCH`). Only PP-only, on at most
     :data:`graphpipe.search.layouts.MAX_UNITS` devices: :func:`_plan_whole` itself, as before layouts existed.
     ``plan.search.layout`` and ``layouts_tried`` say what was tried and won."""
     from graphpipe.search import layouts
