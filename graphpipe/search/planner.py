@@ -257,10 +257,12 @@ def plan_request(request: PlanRequest) -> Plan:
     best, error, tried = None, None, []
     by_tp: dict[int, float] = {}  # best throughput per tp degree tried
 
-    def attempt(layout) -> None:
+    plans: dict = {}  # layout -> its plan
+
+    def attempt(layout, on=request) -> None:
         nonlocal best, error
         try:
-            plan = _plan_layout(request, layout)
+            plan = plans[layout] = _plan_layout(on, layout)
         except GraphpipeError as exc:
             error = error or exc
             tried.append({**layout.as_dict(), "error": str(exc)})
@@ -297,7 +299,11 @@ def plan_request(request: PlanRequest) -> Plan:
                           and row["replica_group"] == 1), key=lambda row: -row["throughput"])
         idle = best is not None and len(best[1].stage_graph.devices_used()) < ROUND_ROBIN_USED * cluster.num_devices
         for row in planned[:ROUND_ROBIN_TRIES] if idle else ():
-            attempt(layouts.Layout(row["tp"], "none", 1, round_robin=True))
+            whole = plans[layouts.Layout(row["tp"], "none", 1)]
+            on = request  # re-materialization: not where the same layout's plan needed it nowhere (--recompute auto)
+            if options.recompute in (None, "auto") and not any(st.recompute for st in whole.stage_graph.stages):
+                on = replace(request, options=replace(options, recompute="none"))
+            attempt(layouts.Layout(row["tp"], "none", 1, round_robin=True), on)
     if best is None:
         raise error
     layout, plan = best
