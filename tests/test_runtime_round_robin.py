@@ -21,41 +21,35 @@ from graphpipe.stages import Stage, StageGraph
 pytestmark = pytest.mark.slow
 
 
-def three_plus_one() -> Plan:
+def _two_stages(first: dict, rest: dict, batch: int, num_devices: int, schedule: str,
+                sequential: bool = False) -> Plan:
+    """transformer:small as embed..layer1 then layer2..head, each stage's remaining ``Stage`` fields given."""
     graph = zoo.load_graph("transformer:small")
-    first = tuple(graph.op_id(n) for n in ("embed", "layer0", "layer1"))
-    rest = tuple(graph.op_id(n) for n in ("layer2", "layer3", "head"))
-    # micro-batch 2 on 3 replicas: split replicas could not hold it (3 does not divide 2)
-    stages = [Stage(0, first, (0, 1, 2), 2, replica_mode="round-robin"), Stage(1, rest, (3,), 2)]
-    sg = StageGraph.build(graph, stages, 12, 4, sequential=True)
-    cluster = preset("v100", 4)
+    ops = [tuple(graph.op_id(n) for n in names) for names in (("embed", "layer0", "layer1"),
+                                                              ("layer2", "layer3", "head"))]
+    cluster = preset("v100", num_devices)
+    stages = [Stage(i, op_ids, **fields) for i, (op_ids, fields) in enumerate(zip(ops, (first, rest)))]
+    sg = StageGraph.build(graph, stages, batch, num_devices, sequential=sequential, cluster=cluster)
     return Plan(model="transformer:small", stage_graph=sg, cluster=cluster, strategy="custom",
-                schedule=make_schedule("1f1b", sg, cluster))
+                schedule=make_schedule(schedule, sg, cluster))
+
+
+def three_plus_one() -> Plan:
+    # micro-batch 2 on 3 replicas: split replicas could not hold it (3 does not divide 2)
+    return _two_stages(dict(devices=(0, 1, 2), micro_batch_size=2, replica_mode="round-robin"),
+                       dict(devices=(3,), micro_batch_size=2), 12, 4, "1f1b", sequential=True)
 
 
 def two_then_three() -> Plan:
     """gpp's round-robin layout in small: micro-batch 1, replica counts that differ, zero bubble's I and W."""
-    graph = zoo.load_graph("transformer:small")
-    first = tuple(graph.op_id(n) for n in ("embed", "layer0", "layer1"))
-    rest = tuple(graph.op_id(n) for n in ("layer2", "layer3", "head"))
-    stages = [Stage(0, first, (0, 1), 1, replica_mode="round-robin"),
-              Stage(1, rest, (2, 3, 4), 1, replica_mode="round-robin")]
-    sg = StageGraph.build(graph, stages, 12, 5)
-    cluster = preset("v100", 5)
-    return Plan(model="transformer:small", stage_graph=sg, cluster=cluster, strategy="custom",
-                schedule=make_schedule("zb-h1", sg, cluster))
+    return _two_stages(dict(devices=(0, 1), micro_batch_size=1, replica_mode="round-robin"),
+                       dict(devices=(2, 3, 4), micro_batch_size=1, replica_mode="round-robin"), 12, 5, "zb-h1")
 
 
 def tensor_parallel_turns() -> Plan:
     """Round-robin replicas that are tensor-parallel groups: 2 replicas of tp 2 take micro-batches in turn."""
-    graph = zoo.load_graph("transformer:small")
-    first = tuple(graph.op_id(n) for n in ("embed", "layer0", "layer1"))
-    rest = tuple(graph.op_id(n) for n in ("layer2", "layer3", "head"))
-    cluster = preset("v100", 5)
-    stages = [Stage(0, first, (0, 1, 2, 3), 1, replica_mode="round-robin", tp=2), Stage(1, rest, (4,), 1)]
-    sg = StageGraph.build(graph, stages, 6, 5, cluster=cluster)
-    return Plan(model="transformer:small", stage_graph=sg, cluster=cluster, strategy="custom",
-                schedule=make_schedule("graph-1f1b", sg, cluster))
+    return _two_stages(dict(devices=(0, 1, 2, 3), micro_batch_size=1, replica_mode="round-robin", tp=2),
+                       dict(devices=(4,), micro_batch_size=1), 6, 5, "graph-1f1b")
 
 
 @pytest.mark.parametrize("make", [three_plus_one, two_then_three, tensor_parallel_turns])
