@@ -269,7 +269,9 @@ def plan_request(request: PlanRequest) -> Plan:
             by_tp.setdefault(layout.tp, 0.0)
             return
         if request.record.ranks_candidates and request.schedule is None:
-            plan = _zero_bubble(request, plan)
+            # a round-robin retry is kept only if it beats every plan in hand: it need not be simulated otherwise
+            beat = best[1].predicted.throughput if best is not None and layout.round_robin else None
+            plan = _zero_bubble(request, plan, beat)
         tried.append({**layout.as_dict(), "schedule": plan.schedule.name, "throughput": plan.predicted.throughput,
                       "devices_used": len(plan.stage_graph.devices_used()),
                       "peak_memory_bytes": plan.predicted.max_peak_memory_bytes})
@@ -324,7 +326,7 @@ ZERO_BUBBLE = "zb-h1"
 """The zero-bubble schedule a layout search also tries on each layout's plan (:func:`_zero_bubble`)."""
 
 
-def _zero_bubble(request: PlanRequest, plan: Plan) -> Plan:
+def _zero_bubble(request: PlanRequest, plan: Plan, beat: float | None = None) -> Plan:
     """``plan`` under ZB-H1 (Qi et al. 2024: the backward split into I and W, W filling the pipeline's drain, at
     1F1B's activation memory) when its stages form a chain without re-materialization and that simulates faster
     and fits memory; else ``plan``. A layout search (gpp with ``--tp``/``--shard`` other than 1/none) chooses the
@@ -332,20 +334,43 @@ def _zero_bubble(request: PlanRequest, plan: Plan) -> Plan:
     makes a long fill and drain, the W actions fill what graph-1F1B and fill-drain leave idle. Only ZB-H1: its
     simulation is as cheap as 1F1B's at thousands of devices; graph-zb (branches) costs minutes there, and the
     runtime does not split the backward of a re-materialized stage (:mod:`graphpipe.runtime.compiled` refuses
-    split backward too, a run option). ``search.zero_bubble`` says what was tried."""
+    split backward too, a run option). ``search.zero_bubble`` says what was tried. ``beat``: the throughput of
+    the best plan in hand; a stage graph whose busy bound (:func:`graphpipe.search.gpp.busy_bound_s`: every
+    device's F, I and W with no bubble, then its all-reduce) cannot beat it is not simulated."""
+    from graphpipe.search.gpp import busy_bound_s
+
     sg = plan.stage_graph
     if sg.num_stages < 2 or not sg.is_chain() or any(s.recompute for s in sg.stages):
         return plan
-    trial, why_not = _if_faster(request, plan, sg, ZERO_BUBBLE)
+    if beat is not None and sg.batch_size <= beat * busy_bound_s(sg, request.cluster) * (1 + 1e-9):
+        return replace(plan, search={**plan.search, "zero_bubble": f"not tried: even without bubbles it stays "
+                                                                   f"below the best plan's {beat:.6g} samples/s"})
+    trial, why_not = _if_faster(request, plan, sg, ZERO_BUBBLE, beat)
     if trial is None:
         return replace(plan, search={**plan.search, "zero_bubble": f"not kept: {why_not}"})
     return replace(trial, search={**trial.search, "zero_bubble": f"kept over {plan.schedule.name}"})
 
 
-def _if_faster(request: PlanRequest, plan: Plan, sg: StageGraph, schedule_name: str) -> tuple[Plan | None, str]:
+def _if_faster(request: PlanRequest, plan: Plan, sg: StageGraph, schedule_name: str,
+               beat: float | None = None) -> tuple[Plan | None, str]:
     """``sg`` under ``schedule_name``, simulated and checked against memory: ``(trial, "")`` when it is faster
-    than ``plan``, else ``(None, why not)`` (the error, or its throughput)."""
+    than ``plan``, else ``(None, why not)`` (the error, or its throughput). On dedicated devices the schedule is
+    scored first (:func:`graphpipe.sched.simulator.score`: no timeline, the engine stopping as soon as the
+    iteration provably ends later or the peak provably overflows); only a schedule that survives is simulated
+    for the plan's figures (tied parameters and re-materialization segments only add to both). ``beat``: a
+    throughput the trial must also exceed to be simulated in full (the best plan in hand)."""
+    from graphpipe.sched import make_schedule
+    from graphpipe.sched.simulator import score
+
     try:
+        if request.options.host is None:
+            floor = max(plan.predicted.throughput, beat or 0.0)
+            sched = make_schedule(schedule_name, sg, request.cluster, validate=False)
+            quick = score(sg, sched, request.cluster, memory_limit=request.cluster.memory_bytes,
+                          give_up_after=sg.batch_size / floor)
+            if quick is None or quick.throughput <= floor * (1 + 1e-9):
+                return None, (f"{quick.throughput:.6g} samples/s under {schedule_name}" if quick is not None else
+                              f"no faster under {schedule_name} within device memory")
         trial = _scheduled(request, sg, schedule_name, plan.merged, dict(plan.search))
         _check_memory(request, trial)
     except GraphpipeError as exc:
