@@ -292,7 +292,7 @@ def plan_request(request: PlanRequest) -> Plan:
             continue
         attempt(layout)
     if (request.record.ranks_candidates and options.micro_batch_size in (None, 1) and not options.power_of_two
-            and 1 < request.batch_size <= layouts.ROUND_ROBIN_MAX_BATCH):
+            and 1 < request.batch_size <= layouts.ROUND_ROBIN_MAX_BATCH and _layer_chain(request.graph)):
         # gpp, where the fastest plan leaves devices idle (stages on powers of two that do not add up to the
         # cluster): the two fastest whole-copy layouts again with round-robin replicas at micro-batch size 1
         # (a stage on any power of two up to a node or whole nodes). A search there simulates a micro-batch
@@ -395,6 +395,16 @@ def _per_stage_layouts(request: PlanRequest, plan: Plan, tp, shard, search: dict
     trial, why_not = _if_faster(request, plan, sg, plan.schedule.name)
     search["per_stage_layouts"] = "kept" if trial is not None else f"not kept: {why_not}"
     return plan if trial is None else trial
+
+
+def _layer_chain(graph: OpGraph) -> bool:
+    """Whether ``graph``'s series-parallel form has no parallel branches: a chain of layers, where equal layers
+    cut unevenly into power-of-two stages (the round-robin retry's case; on branchy graphs, T5-11B's encoder
+    beside its decoder, the retry's search over both views took 15-25 s more)."""
+    from graphpipe.search.gpp_tree import build_tree
+
+    tree = build_tree(make_series_parallel(graph)[0])
+    return not any(kind == "parallel" for kind in tree.kinds)
 
 
 def _roomy(tried: list[dict[str, Any]], tp: int, cluster: Cluster) -> bool:
