@@ -310,6 +310,8 @@ def plan_request(request: PlanRequest) -> Plan:
         raise error
     layout, plan = best
     search = {**plan.search, "layout": layout.as_dict(), "layouts_tried": tried}
+    if layout.round_robin and options.recompute in (None, "auto"):  # the user's choice, not the retry's shortcut
+        search["recompute"] = options.recompute or request.record.default_recompute
     if request.record.ranks_candidates and options.per_stage_layouts:  # gpp: each stage (branch) its own layout
         plan = _per_stage_layouts(request, plan, tp, shard, search)
     return replace(plan, search={**plan.search, **search, "time_s": time.perf_counter() - started})
