@@ -325,6 +325,12 @@ class StageGraph:
     def num_micro_batches(self, stage_id: int) -> int:
         return self.batch_size // self.stages[stage_id].micro_batch_size
 
+    def busiest_replica_micro_batches(self, stage_id: int) -> int:
+        """Micro-batches the busiest replica of a stage runs: all ``M`` where replicas split them, ``ceil(M / r)``
+        where ``r`` round-robin replicas take them in turn."""
+        m, st = self.num_micro_batches(stage_id), self.stages[stage_id]
+        return -(-m // st.num_replicas) if st.round_robin else m
+
     def devices_used(self) -> tuple[int, ...]:
         return tuple(sorted({d for s in self.stages for d in s.devices}))
 

@@ -672,8 +672,7 @@ def _stage_bound(sg: StageGraph, cluster: Cluster, up: Sequence[float], down: Se
     bound = 0.0
     for st in sg.stages:
         s = st.id
-        turns = -(-sg.num_micro_batches(s) // st.num_replicas) if st.round_robin else sg.num_micro_batches(s)
-        busy = turns * (sg.fwd_time(s) + sg.bwd_time(s))
+        busy = sg.busiest_replica_micro_batches(s) * (sg.fwd_time(s) + sg.bwd_time(s))
         after = down[s]
         if st.num_replicas > 1:
             after = max(after, sg.sync_time(s, cluster))

@@ -188,8 +188,8 @@ def reduced_cluster(cluster: Cluster, layout: Layout) -> Cluster:
 def expand(sg: StageGraph, graph: OpGraph, cluster: Cluster, layout: Layout, batch_size: int) -> StageGraph:
     """The reduced plan's stage graph ``sg`` on the full ``cluster`` (module docstring), over ``graph`` (the
     same ops by name). Round-robin stages become split ones (a tp group splits every micro-batch), but under the
-    round-robin layouts (:attr:`Layout.round_robin`), whose tp groups take whole micro-batches in turn; a stage left with one replica
-    is not sharded (FSDP over one replica is a whole copy)."""
+    round-robin layouts (:attr:`Layout.round_robin`), whose tp groups take whole micro-batches in turn; a stage
+    left with one replica is not sharded (FSDP over one replica is a whole copy)."""
     size = layout.tp * layout.group
     stages = []
     for st in sg.stages:
@@ -289,10 +289,8 @@ def per_stage_layouts(sg: StageGraph, cluster: Cluster, in_flight: Sequence[int]
     stages = list(sg.stages)
     for st in sg.stages:
         def busy(trial: StageGraph, stage_id: int = st.id) -> float:
-            option = trial.stages[stage_id]  # a round-robin replica runs one in r of the micro-batches
-            turns = option.num_replicas if option.round_robin else 1
-            return (math.ceil(trial.num_micro_batches(stage_id) / turns)
-                    * (trial.fwd_time(stage_id) + trial.bwd_time(stage_id)) + trial.sync_time(stage_id, cluster))
+            turns = trial.busiest_replica_micro_batches(stage_id)
+            return turns * (trial.fwd_time(stage_id) + trial.bwd_time(stage_id)) + trial.sync_time(stage_id, cluster)
 
         current = replace(sg, stages=tuple(stages), cluster=cluster)
         best, best_time = stages[st.id], busy(current)
