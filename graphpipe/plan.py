@@ -294,6 +294,7 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
             {"id": s.id, "ops": [plan.graph.ops[i].name for i in s.op_ids], "devices": list(s.devices),
              "micro_batch_size": s.micro_batch_size, "recompute": s.recompute, "replica_mode": s.replica_mode,
              **({"checkpoints": [plan.graph.ops[i].name for i in s.checkpoints]} if s.checkpoints else {}),
+             **({"split": s.split} if s.split > 1 else {}),
              **(_layout_to_dict(s) if layouts else {})}
             for s in sg.stages
         ],
@@ -344,6 +345,7 @@ def plan_from_dict(doc: Any, where: str = "plan", complete: Callable[..., Any] |
                                 tp=files.integer(s.get("tp", 1), f"{at}.tp", 1),
                                 shard=s.get("shard", "none"),
                                 reshard_after_forward=s.get("reshard_after_forward", True),
+                                split=files.integer(s.get("split", 1), f"{at}.split", 1),
                                 checkpoints=tuple(graph.op_id(files.string(name, f"{at}.checkpoints[{k}]"))
                                                   for k, name in enumerate(files.array(s.get("checkpoints", []),
                                                                                        f"{at}.checkpoints")))))

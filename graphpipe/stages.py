@@ -71,6 +71,11 @@ class Stage:
     """FSDP only: free the gathered parameters after each forward (gather again for backward, per
     micro-batch), or keep them gathered from the first forward to the last backward of the step
     (torchtitan's choice under pipelining: one all-gather per step, more memory)."""
+    split: int = 1
+    """Round-robin only: replicas per round-robin group. The stage's replicas form ``num_replicas / split``
+    groups of ``split`` consecutive replicas; micro-batch ``i`` goes to group ``i mod groups``, whose replicas
+    split it evenly (each ``micro_batch_size / split`` samples). 1: PipeDream's 1F1B-RR, each replica a group.
+    Groups let a stage's device count be any multiple of a group while each replica still runs few samples."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "op_ids", tuple(sorted(self.op_ids)))
@@ -103,6 +108,14 @@ class Stage:
             raise PlanError(f"stage {self.id}: a round-robin stage's replicas run different micro-batches at "
                             f"different times, so they cannot gather FSDP-sharded weights together; set shard "
                             f"none, or replica_mode split")
+        if not isinstance(self.split, int) or isinstance(self.split, bool) or self.split < 1:
+            raise PlanError(f"stage {self.id}: split must be a positive integer, got {self.split!r}")
+        if self.split > 1 and not self.round_robin:
+            raise PlanError(f"stage {self.id}: split {self.split} groups round-robin replicas; a split stage "
+                            f"already splits every micro-batch over all its replicas: set split 1")
+        if self.split > 1 and (self.num_replicas % self.split or self.micro_batch_size % self.split):
+            raise PlanError(f"stage {self.id}: split {self.split} must divide its {self.num_replicas} replicas and "
+                            f"its micro-batch size {self.micro_batch_size}")
         if self.checkpoints and not self.recompute:
             raise PlanError(f"stage {self.id}: checkpoints need recompute (they cut its re-materialization)")
         stray = sorted(set(self.checkpoints) - set(self.op_ids[1:]))
@@ -127,17 +140,28 @@ class Stage:
 
     @property
     def samples_per_replica(self) -> float:
-        """Samples one device processes per micro-batch of this stage (all of them under round-robin)."""
-        return self.micro_batch_size if self.round_robin else self.micro_batch_size / self.num_replicas
+        """Samples one device processes per micro-batch of this stage (a group's share under round-robin)."""
+        return self.micro_batch_size / (self.split if self.round_robin else self.num_replicas)
+
+    @property
+    def round_robin_groups(self) -> tuple[tuple[int, ...], ...]:
+        """Round-robin: the groups that take micro-batches in turn, ``split * tp`` consecutive devices each."""
+        size = self.split * self.tp
+        return tuple(self.devices[i:i + size] for i in range(0, len(self.devices), size))
+
+    @property
+    def num_groups(self) -> int:
+        """Round-robin groups taking micro-batches in turn (``num_replicas / split``); 1 for a split stage."""
+        return self.num_replicas // self.split if self.round_robin else 1
 
     @property
     def round_robin(self) -> bool:
         return self.replica_mode == "round-robin"
 
     def replica_of(self, mb_id: int) -> tuple[int, ...]:
-        """The devices (one replica: a tp group) that run micro-batch ``mb_id`` of a round-robin stage
+        """The devices (one group: ``split`` tp groups) that run micro-batch ``mb_id`` of a round-robin stage
         (PipeDream: replica ``i mod r``)."""
-        return self.tp_groups[mb_id % self.num_replicas]
+        return self.round_robin_groups[mb_id % self.num_groups]
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,8 +235,8 @@ class StageGraph:
         for stage in self.stages:
             if self.batch_size % stage.micro_batch_size:
                 raise PlanError(f"stage {stage.id}: micro-batch size {stage.micro_batch_size} does not divide the batch size {self.batch_size}")
-            if stage.round_robin and self.batch_size // stage.micro_batch_size < stage.num_replicas:
-                raise PlanError(f"stage {stage.id}: {stage.num_replicas} round-robin replicas but only "
+            if stage.round_robin and self.batch_size // stage.micro_batch_size < stage.num_groups:
+                raise PlanError(f"stage {stage.id}: {stage.num_groups} round-robin replicas (groups) but only "
                                 f"{self.batch_size // stage.micro_batch_size} micro-batches; each replica needs one")
             if not stage.round_robin and stage.micro_batch_size % stage.num_replicas:
                 raise PlanError(f"stage {stage.id}: micro-batch size {stage.micro_batch_size} is not divisible by its {stage.num_replicas} replicas")
@@ -326,10 +350,10 @@ class StageGraph:
         return self.batch_size // self.stages[stage_id].micro_batch_size
 
     def busiest_replica_micro_batches(self, stage_id: int) -> int:
-        """Micro-batches the busiest replica of a stage runs: all ``M`` where replicas split them, ``ceil(M / r)``
-        where ``r`` round-robin replicas take them in turn."""
+        """Micro-batches the busiest replica of a stage runs: all ``M`` where replicas split them, ``ceil(M / g)``
+        where ``g`` round-robin groups take them in turn."""
         m, st = self.num_micro_batches(stage_id), self.stages[stage_id]
-        return -(-m // st.num_replicas) if st.round_robin else m
+        return -(-m // st.num_groups) if st.round_robin else m
 
     def devices_used(self) -> tuple[int, ...]:
         return tuple(sorted({d for s in self.stages for d in s.devices}))

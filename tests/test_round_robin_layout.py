@@ -117,3 +117,65 @@ def test_round_robin_replicas_may_be_tp_groups_but_not_fsdp_shards():
     assert {a.mb_id for a in schedule.device_actions[2]} == {1, 3, 5, 7}
     with pytest.raises(Exception, match="cannot gather FSDP-sharded weights together"):
         Stage(0, (0,), (0, 1, 2, 3), 1, replica_mode="round-robin", shard="fsdp")
+
+
+def test_round_robin_groups_split_their_micro_batches_and_are_checked():
+    """``split`` replicas per round-robin group: micro-batch i to group i mod g, each of its replicas one
+    ``1/split`` share; inconsistent fields are refused in one line."""
+    st = Stage(0, (0,), tuple(range(6)), 2, replica_mode="round-robin", split=2)
+    assert (st.num_groups, st.samples_per_replica, st.replica_of(4), st.replica_of(5)) == (3, 1.0, (2, 3), (4, 5))
+    assert Stage(0, (0,), tuple(range(8)), 2, replica_mode="round-robin", split=2, tp=2).replica_of(1) == (4, 5, 6, 7)
+    for fields, message in ((dict(devices=(0, 1), micro_batch_size=2, split=2), "split stage already splits"),
+                            (dict(devices=(0, 1, 2), micro_batch_size=2, split=2, replica_mode="round-robin"),
+                             "must divide its 3 replicas"),
+                            (dict(devices=(0, 1), micro_batch_size=3, split=2, replica_mode="round-robin"),
+                             "micro-batch size 3")):
+        with pytest.raises(Exception, match=message):
+            Stage(0, (0,), **fields)
+
+
+def test_round_robin_groups_simulate_as_counted_by_hand():
+    """Stage 0: 2 groups of 2 replicas (micro-batch 2, a sample per replica), stage 1: 2 split replicas, batch 8
+    (4 micro-batches), GPipe, free links, F = 1 and B = 2 units per sample. By hand: group A runs F0 [0, 1], F2
+    [1, 2], group B F1, F3 alike; stage 1 F0..F3 over [1, 5], B0..B3 over [5, 13]; then A: B0 [7, 9], B2 [11, 13],
+    B: B1 [9, 11], B3 [13, 15]. Iteration 15 units."""
+    g = layers(2)
+    cl = cluster(6)
+    stages = [Stage(0, (0,), (0, 1, 2, 3), 2, replica_mode="round-robin", split=2), Stage(1, (1,), (4, 5), 2)]
+    sg = StageGraph.build(g, stages, 8, 6, cluster=cl)
+    schedule = make_schedule("gpipe", sg, cl)
+    assert schedule.device_actions[0] == schedule.device_actions[1] != schedule.device_actions[2]
+    assert simulate(sg, schedule, cl).iteration_time_s == pytest.approx(15 * F, rel=1e-9)
+
+
+def test_a_round_robin_groups_message_goes_over_its_groups_links():
+    """A micro-batch leaves one group whole: a group of 2 replicas sends its 2 samples over 2 links, a
+    one-replica round-robin replica over 1 (latency + bytes / (bandwidth x links))."""
+    from graphpipe.sched.simulator import edge_delay
+
+    link = Link(latency_s=1e-6, bandwidth_Bps=1e9)
+    cl = Cluster(name="t", num_devices=8, devices_per_node=8,
+                 device=DeviceSpec(name="x", memory_bytes=1e12, peak_flops=1e15, op_overhead_s=0.0),
+                 intra_node=link, inter_node=link)
+    g = OpGraph.build("c", [Op("a", "x", Affine(0.0, F), Affine(0.0, B)), Op("b", "x", Affine(0.0, F), Affine(0.0, B))],
+                      [("a", "b", 1000.0)])
+    for split, lanes in ((2, 2), (1, 1)):
+        stages = [Stage(0, (0,), (0, 1, 2, 3), 2, replica_mode="round-robin", split=split), Stage(1, (1,), (4, 5), 2)]
+        sg = StageGraph.build(g, stages, 8, 8, cluster=cl)
+        assert edge_delay(sg, cl, 0, 1) == pytest.approx(1e-6 + 2 * 1000.0 / (1e9 * lanes), rel=1e-12)
+
+
+def test_round_robin_groups_use_the_devices_past_1024_units():
+    """Two equal layers on 1,536 devices, batch 4,096: past 1,024 units the layout search takes replicas 2 at a
+    time. Whole copies split power-of-two micro-batches: 1,024 devices, 4 samples of both layers each (8
+    layer-samples on the busiest); round-robin groups of 2 replicas take micro-batches of 2 in turn, a sample per
+    replica: all 1,536 devices as one stage, ceil(2048 / 768) = 3 micro-batches of both layers, 6 layer-samples."""
+    g = layers(2)
+    cl = cluster(1536)
+    auto = make_plan("chain", g, cl, 4096, "gpp", SearchOptions(tp="auto", shard="auto"))
+    assert auto.predicted.iteration_time_s == pytest.approx(6 * (F + B), rel=1e-9)
+    assert len(auto.stage_graph.devices_used()) == 1536
+    assert all(st.round_robin and st.split == 2 and st.micro_batch_size == 2 for st in auto.stage_graph.stages)
+    assert auto.search["layout"] == {"tp": 1, "shard": "none", "replica_group": 2, "round_robin": True}
+    plain = next(row for row in auto.search["layouts_tried"] if "throughput" in row and "round_robin" not in row)
+    assert plain["devices_used"] == 1024 and plain["throughput"] == pytest.approx(4096 / (8 * (F + B)), rel=1e-9)

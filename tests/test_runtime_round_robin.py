@@ -1,6 +1,7 @@
 """1F1B-RR on real ranks: a 3-replica round-robin stage (PipeDream's replicated stage, micro-batch i on
 replica i mod 3) plus one stage, 4 CPU ranks; gpp's round-robin layout (micro-batch 1, 2 replicas then 3,
-ZB-H1's split backward), 5 ranks; and round-robin replicas that are tp 2 groups, 5 ranks; each against a single-process run of the same model (``graphpipe run
+ZB-H1's split backward), 5 ranks; round-robin replicas that are tp 2 groups, 5 ranks; and round-robin groups
+of 2 replicas that split each micro-batch, 6 ranks; each against a single-process run of the same model (``graphpipe run
 --check``: the loss and every gradient, assert_close's fp32 tolerances)."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import pytest
 
 from graphpipe.frontend import zoo
 from graphpipe.cluster import preset
-from graphpipe.plan import Plan, write_plan
+from graphpipe.plan import Plan, plan_to_dict, write_plan
 from graphpipe.sched import make_schedule
 from graphpipe.stages import Stage, StageGraph
 
@@ -52,13 +53,24 @@ def tensor_parallel_turns() -> Plan:
                        dict(devices=(4,), micro_batch_size=1), 6, 5, "graph-1f1b")
 
 
-@pytest.mark.parametrize("make", [three_plus_one, two_then_three, tensor_parallel_turns])
+def groups_that_split() -> Plan:
+    """Round-robin groups of 2 replicas (``split``): micro-batch i goes to group i mod 2, whose replicas take
+    one sample each, as gpp's round-robin layout past 1,024 units plans them; then a 2-replica split stage."""
+    return _two_stages(dict(devices=(0, 1, 2, 3), micro_batch_size=2, replica_mode="round-robin", split=2),
+                       dict(devices=(4, 5), micro_batch_size=2), 12, 6, "zb-h1")
+
+
+@pytest.mark.parametrize("make", [three_plus_one, two_then_three, tensor_parallel_turns, groups_that_split])
 def test_round_robin_stage_matches_single_process(tmp_path, make):
     plan = make()
     if make is three_plus_one:
         assert [str(a) for a in plan.schedule.device_actions[1]] == ["0F1", "0F4", "0B1", "0B4"]
     elif make is two_then_three:  # replica 0 of stage 0 runs the even micro-batches, W after each I
         assert [str(a) for a in plan.schedule.device_actions[0]][:5] == ["0F0", "0F2", "0F4", "0I0", "0W0"]
+    elif make is groups_that_split:  # devices 0 and 1 (group 0) run the even micro-batches, 2 and 3 the odd
+        acts = [[str(a) for a in acts] for acts in plan.schedule.device_actions[:4]]
+        assert acts[0] == acts[1] and acts[2] == acts[3] and {int(a[2:]) % 2 for a in acts[0]} == {0}
+        assert {int(a[2:]) % 2 for a in acts[2]} == {1} and plan_to_dict(plan)["stages"][0]["split"] == 2
     else:  # both devices of a tp group run their replica's micro-batches, the even ones on devices 0 and 1
         acts = [[str(a) for a in acts] for acts in plan.schedule.device_actions[:4]]
         assert acts[0] == acts[1] == ["0F0", "0F2", "0B0", "0F4", "0B2", "0B4"] and acts[2] == acts[3] != acts[0]

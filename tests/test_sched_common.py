@@ -71,8 +71,9 @@ def oracle_times(sg: StageGraph, schedule, cluster: Cluster, durations=None) -> 
     """``{(device, action_str): (start, end)}`` by relaxation to a fixpoint (None if it never settles).
 
     ``durations(action)``: seconds of an action, derived by the caller (default: the stage graph's own times).
-    A message into or out of a round-robin stage carries a whole micro-batch over one link: its bytes are
-    ``edge_bytes * b`` on a single lane, however many replicas either side has."""
+    A message into or out of a round-robin stage carries a whole micro-batch from one group to one group: its
+    bytes are ``edge_bytes * b`` on as many lanes as the smaller side has replicas holding it (a round-robin
+    group's ``split``, one in PipeDream's one-replica groups; a split stage's devices)."""
     b = [st.micro_batch_size for st in sg.stages]
     # Zero bubble: a stage whose backward is split sends its gradients from I; its W waits for its own I.
     grad_kind = {a.stage_id: "I" for acts in schedule.device_actions for a in acts if a.kind == "I"}
@@ -84,7 +85,11 @@ def oracle_times(sg: StageGraph, schedule, cluster: Cluster, durations=None) -> 
             return 0.0
         cross = any(cluster.node_of(x) != cluster.node_of(y) for x in src.devices for y in dst.devices)
         link = cluster.inter_node if cross else cluster.intra_node
-        lanes = 1 if (src.round_robin or dst.round_robin) else min(len(src.devices), len(dst.devices))
+        if src.round_robin or dst.round_robin:  # one group's share to one group's: as many lanes as the smaller
+            lanes = min(src.split if src.round_robin else len(src.devices),
+                        dst.split if dst.round_robin else len(dst.devices))
+        else:
+            lanes = min(len(src.devices), len(dst.devices))
         return link.latency_s + nbytes / (link.bandwidth_Bps * lanes)
 
     def deps(a):

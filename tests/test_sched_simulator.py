@@ -251,8 +251,9 @@ def test_a_kept_engine_run_serves_only_the_same_cluster_and_actions():
 def test_simulate_times_every_replica_as_the_every_device_oracle():
     """simulate() runs the engine on one device per lockstep class and copies its times to the class's other
     devices: every device's action times still equal the fixpoint oracle's, which relaxes every device on its
-    own (and the engine run on every device). Diamonds with split replicas (2 and 3 devices per stage), round-robin replicas (lists that differ)
-    and mixed micro-batch sizes, under every schedule they admit."""
+    own (and the engine run on every device). Diamonds with split replicas (2 and 3 devices per stage), round-robin replicas (lists that differ),
+    round-robin groups of 2 replicas (lists shared within a group) and mixed micro-batch sizes, under every
+    schedule they admit."""
     from dataclasses import replace as dc_replace
 
     from graphpipe.sched.engine import run_engine
@@ -260,15 +261,20 @@ def test_simulate_times_every_replica_as_the_every_device_oracle():
 
     g = make_op_graph_diamond()
     layouts = {((0, 1), (2,), (3, 4, 5), (6, 7)): ((2, 2, 6, 2), (4, 2, 6, 8), (2, 4, 12, 4)),
-               ((0,), (1, 2), (3, 4), (5, 6, 7)): ((2, 2, 2, 6), (4, 2, 4, 12), (1, 8, 2, 3))}
+               ((0,), (1, 2), (3, 4), (5, 6, 7)): ((2, 2, 2, 6), (4, 2, 4, 12), (1, 8, 2, 3)),
+               ((0,), (1, 2, 3, 4), (5,), (6, 7)): ((2, 2, 2, 2), (2, 4, 2, 4))}
     compared = 0
     for devices, size_sets in layouts.items():
         for sizes in size_sets:
-            for mode in ("split", "round-robin"):
+            for mode in ("split", "round-robin", "groups"):
                 stages = [Stage(i, (i,), devices[i], sizes[i]) for i in range(4)]
                 if mode == "round-robin":  # the replicated middle stages take whole micro-batches in turn
                     stages = [dc_replace(st, replica_mode=mode) if i in (1, 2) and len(st.devices) > 1 else st
                               for i, st in enumerate(stages)]
+                if mode == "groups":  # a 4-device middle stage as 2 round-robin groups of 2 splitting replicas
+                    if len(devices[1]) != 4:
+                        continue
+                    stages[1] = dc_replace(stages[1], replica_mode="round-robin", split=2)
                 try:
                     sg = StageGraph.build(g, stages, 24, 8)
                 except GraphpipeError:
@@ -287,7 +293,7 @@ def test_simulate_times_every_replica_as_the_every_device_oracle():
                     assert got == pytest.approx(_flat({(d, str(a)): (every.starts[d][k], every.ends[d][k])
                                                        for d, acts in enumerate(schedule.device_actions)
                                                        for k, a in enumerate(acts)}), rel=1e-12)
-                    if mode == "split":  # the oracle does not model round-robin's whole-micro-batch messages
+                    if mode != "round-robin":  # the oracle does not model one-replica round-robin's messages
                         assert got == pytest.approx(_flat(oracle_times(sg, schedule, cluster)), rel=1e-12), \
                             (devices, sizes, mode, schedule_name)
     assert compared >= 20  # most of these have replicas standing for one another

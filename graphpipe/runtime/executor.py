@@ -380,8 +380,10 @@ class RankExecutor:
     def _shard_rows(self, stage_id: int, mb_id: int, replica: int) -> slice:
         stage = self.sg.stages[stage_id]
         row = self.routing.row  # the plan's rows, or a partial batch's proportionally fewer
-        if stage.round_robin:  # 1F1B-RR: this replica holds the whole micro-batch
-            return slice(row(mb_id * stage.micro_batch_size), row((mb_id + 1) * stage.micro_batch_size))
+        if stage.round_robin:  # 1F1B-RR: this replica's share of its group's micro-batch (all of it, split 1)
+            per = stage.micro_batch_size // stage.split
+            lo = mb_id * stage.micro_batch_size + (replica % stage.split) * per
+            return slice(row(lo), row(lo + per))
         per = stage.micro_batch_size // stage.num_replicas
         lo = mb_id * stage.micro_batch_size + replica * per
         return slice(row(lo), row(lo + per))

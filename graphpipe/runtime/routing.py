@@ -81,13 +81,19 @@ MessageKey = tuple[str, int, int, int, int, int, int, str]
 
 
 def _shard(stage, v: int) -> tuple[int, int]:
-    """(micro-batch, replica) of a stage's ``v``-th shard in sample order (:func:`shard_size` rows each)."""
-    return (v, v % stage.num_replicas) if stage.round_robin else divmod(v, stage.num_replicas)
+    """(micro-batch, replica) of a stage's ``v``-th shard in sample order (:func:`shard_size` rows each): split
+    replicas hold the shards of every micro-batch in turn; round-robin micro-batch ``i`` is group ``i mod g``'s,
+    whose ``split`` replicas hold its shards in turn."""
+    if not stage.round_robin:
+        return divmod(v, stage.num_replicas)
+    mb, within = divmod(v, stage.split)
+    return mb, (mb % stage.num_groups) * stage.split + within
 
 
 def shard_size(stage) -> int:
-    """Rows one replica holds per micro-batch: all of them round-robin, ``b / r`` split."""
-    return stage.micro_batch_size if stage.round_robin else stage.micro_batch_size // stage.num_replicas
+    """Rows one replica holds per micro-batch: ``b / split`` round-robin (all of them in PipeDream's
+    one-replica groups), ``b / r`` split."""
+    return stage.micro_batch_size // (stage.split if stage.round_robin else stage.num_replicas)
 
 
 def least_rows(sg: StageGraph) -> int:

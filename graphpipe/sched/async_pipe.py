@@ -142,7 +142,12 @@ def async_spec_for(name: str, sg: StageGraph, vertical_sync: bool = False, updat
 
 
 def check_async_stage_graph(sg: StageGraph) -> None:
-    """Refuse what the asynchronous schedules do not cover: mixed micro-batch sizes."""
+    """Refuse what the asynchronous schedules do not cover: mixed micro-batch sizes, round-robin groups of
+    several replicas (PipeDream's round-robin replicas are one device each)."""
+    grouped = [st.id for st in sg.stages if st.round_robin and st.split > 1]
+    if grouped:
+        raise InputError(f"asynchronous schedules take round-robin replicas one at a time; stage {grouped[0]} has "
+                         f"groups of {sg.stages[grouped[0]].split} (split): use a synchronous schedule")
     sizes = sorted({st.micro_batch_size for st in sg.stages})
     if len(sizes) > 1:
         raise InputError(f"asynchronous schedules stream one micro-batch size through every stage; this plan has "

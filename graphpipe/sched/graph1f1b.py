@@ -122,7 +122,7 @@ def round_robin_warmups(sg: StageGraph, successors: Sequence[Sequence[int]], war
     for s in _reverse_topological(successors):
         st = sg.stages[s]
         following = max((out[c] for c in successors[s]), default=0)
-        wanted = max(st.num_replicas * warm[s], following + st.num_replicas) if st.round_robin else out[s]
+        wanted = max(st.num_groups * warm[s], following + st.num_groups) if st.round_robin else out[s]
         out[s] = min(sg.num_micro_batches(s), max(wanted, out[s], following + 1))
     return out
 
@@ -197,16 +197,18 @@ def assemble(sg: StageGraph, name: str, per_stage: Sequence[Sequence[Action]]) -
                 raise ScheduleError(f"{name}: device {d} hosts several stages ({list(sg.stages_on_device(d))}); "
                                     f"this schedule needs one stage per device — use 'interleaved' or 'gpipe' "
                                     f"for virtual stages")
-        # Round-robin replicas (PipeDream's 1F1B-RR) each run their own micro-batches, i mod r,
-        # in the stage's order; split replicas all run every action. One pass deals the actions
-        # out (a pass per replica costs replicas x actions: minutes at 1024 devices).
+        # Round-robin groups (PipeDream's 1F1B-RR) each run their own micro-batches, i mod g, in the
+        # stage's order, one list shared by a group's devices; split replicas all run every action. One
+        # pass deals the actions out (a pass per replica costs replicas x actions: minutes at 1024 devices).
         if st.round_robin:
-            for d in st.devices:
-                lists[d] = []
-            groups, r = [[lists[d] for d in group] for group in st.tp_groups], st.num_replicas
+            groups = st.round_robin_groups
+            dealt: list[list[Action]] = [[] for _ in groups]
             for a in per_stage[st.id]:
-                for own in groups[a.mb_id % r]:  # st.replica_of(a.mb_id)'s lists
-                    own.append(a)
+                dealt[a.mb_id % len(groups)].append(a)  # st.replica_of(a.mb_id)'s list
+            for group, own in zip(groups, dealt):
+                shared = tuple(own)
+                for d in group:
+                    lists[d] = shared
         else:  # one tuple shared by the replicas: Schedule keeps it, and the simulator tells them alike by identity
             shared = tuple(per_stage[st.id])
             for d in st.devices:

@@ -217,9 +217,12 @@ def edge_delay(sg: StageGraph, cluster: Cluster, producer: int, consumer: int) -
     src, dst = sg.stages[producer], sg.stages[consumer]
     nbytes = sg.edge_bytes(producer, consumer) * src.micro_batch_size
     if src.round_robin or dst.round_robin:
-        # 1F1B-RR: a micro-batch goes whole from one replica to one replica, over one link (transfer_time
-        # shards it over min(|src|, |dst|) links, so hand it that many copies' bytes).
-        nbytes *= min(src.num_replicas, dst.num_replicas)
+        # 1F1B-RR: a micro-batch goes whole from one group of replicas to one group, over as many links as the
+        # smaller group has replicas (transfer_time shards it over min(|src|, |dst|) links, so scale the bytes
+        # by that over the group's links).
+        lanes = min(src.split if src.round_robin else src.num_replicas,
+                    dst.split if dst.round_robin else dst.num_replicas)
+        nbytes *= min(src.num_replicas, dst.num_replicas) / lanes
     return cluster.transfer_time(src.devices, dst.devices, nbytes)
 
 

@@ -95,16 +95,27 @@ def check_structure(sg: StageGraph, schedule: Schedule) -> None:
     num_mbs = [sg.num_micro_batches(s) for s in range(sg.num_stages)]
     stage_devices = [set(st.devices) for st in sg.stages]
     # The device each micro-batch of a stage runs on: None (every replica) unless the stage is round-robin.
-    owners = [st.tp_groups if st.round_robin else None for st in sg.stages]
+    owners = [st.round_robin_groups if st.round_robin else None for st in sg.stages]
     kinds = frozenset("FBIW")
     # Where each (stage, kind, mb) sits on each device: position index (an Action is that tuple).
     positions: list[dict[tuple[int, str, int], int]] = [dict() for _ in range(num_devices)]
     # A list already checked for another device (generators share one tuple among a stage's replicas, thousands
-    # of them at scale) holds for this one too when every stage it names runs here and none is round-robin.
-    checked: dict[int, tuple[dict, set[int]]] = {}
+    # of them at scale) holds for this one too when every stage it names runs here, in the same round-robin
+    # group as there where the stage is round-robin.
+    checked: dict[int, tuple[dict, set[int], int]] = {}
+    group_of: dict[int, dict[int, int]] = {}  # round-robin stage -> device -> its group
+
+    def same_group(s: int, d: int, other: int) -> bool:
+        if owners[s] is None:
+            return True
+        if s not in group_of:
+            size = sg.stages[s].tp * sg.stages[s].split
+            group_of[s] = {dev: i // size for i, dev in enumerate(sg.stages[s].devices)}
+        return group_of[s][d] == group_of[s][other]
+
     for d, acts in enumerate(schedule.device_actions):
         prior = checked.get(id(acts))
-        if prior is not None and all(d in stage_devices[s] and owners[s] is None for s in prior[1]):
+        if prior is not None and all(d in stage_devices[s] and same_group(s, d, prior[2]) for s in prior[1]):
             positions[d] = prior[0]
             continue
         seen = positions[d]
@@ -115,17 +126,17 @@ def check_structure(sg: StageGraph, schedule: Schedule) -> None:
                     or a in seen):
                 _explain_action(sg, schedule, num_mbs, stage_devices, d, k, a, seen)
             seen[a] = k
-        checked[id(acts)] = (seen, {a[0] for a in acts})
+        checked[id(acts)] = (seen, {a[0] for a in acts}, d)
     for st in sg.stages:
         sid = st.id
         done: set[int] = set()  # positions (shared by replicas with one list) this stage's loop has checked
         for r, d in enumerate(st.devices):
             pos = positions[d]
-            if not st.round_robin:  # the check below then depends on the positions alone
-                if id(pos) in done:
-                    continue
-                done.add(id(pos))
-            for j in range(r // st.tp, num_mbs[sid], st.num_replicas) if st.round_robin else range(num_mbs[sid]):
+            if id(pos) in done:  # the check below depends on the positions alone (and, round-robin, on the
+                continue  # group, which devices sharing positions share)
+            done.add(id(pos))
+            for j in (range(r // (st.tp * st.split), num_mbs[sid], st.num_groups) if st.round_robin
+                      else range(num_mbs[sid])):
                 f_at, b_at = pos.get((sid, "F", j)), pos.get((sid, "B", j))
                 if (f_at is not None and b_at is not None and f_at < b_at and (sid, "I", j) not in pos
                         and (sid, "W", j) not in pos):
@@ -181,7 +192,7 @@ def _explain_action(sg: StageGraph, schedule: Schedule, num_mbs: Sequence[int], 
         owner = sg.stages[a.stage_id].replica_of(a.mb_id)
         _fail(schedule, f"device {d} step {k}: action {a} belongs to device"
                         f"{'s ' + str(list(owner)) if len(owner) > 1 else ' ' + str(owner[0])}: round-robin stage "
-                        f"{a.stage_id} runs micro-batch i on replica i mod {sg.stages[a.stage_id].num_replicas}",
+                        f"{a.stage_id} runs micro-batch i on replica i mod {sg.stages[a.stage_id].num_groups}",
               [(d, k)])
     if d not in stage_devices[a.stage_id]:
         _fail(schedule, f"device {d} step {k}: action {a} belongs to stage {a.stage_id}, which runs on devices "

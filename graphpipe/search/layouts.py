@@ -77,10 +77,10 @@ class Layout:
     shard: str = "none"
     group: int = 1
     round_robin: bool = False
-    """Whole copies at micro-batch size 1, a stage's replicas taking whole micro-batches in turn, so that its
-    device count need not divide a micro-batch (:attr:`SearchOptions.round_robin
-    <graphpipe.search.common.SearchOptions.round_robin>`; gpp only, shard none, group 1: a tp group is one
-    replica)."""
+    """Whole copies at micro-batch size 1 in the reduced problem, a stage's units taking whole micro-batches in
+    turn, so that its device count need not divide a micro-batch (:attr:`SearchOptions.round_robin
+    <graphpipe.search.common.SearchOptions.round_robin>`; gpp only, shard none): a unit of ``group`` replicas
+    becomes one round-robin group that splits its micro-batches of ``group`` samples (:func:`expand`)."""
 
     @property
     def pp_only(self) -> bool:
@@ -188,7 +188,9 @@ def reduced_cluster(cluster: Cluster, layout: Layout) -> Cluster:
 def expand(sg: StageGraph, graph: OpGraph, cluster: Cluster, layout: Layout, batch_size: int) -> StageGraph:
     """The reduced plan's stage graph ``sg`` on the full ``cluster`` (module docstring), over ``graph`` (the
     same ops by name). Round-robin stages become split ones (a tp group splits every micro-batch), but under the
-    round-robin layouts (:attr:`Layout.round_robin`), whose tp groups take whole micro-batches in turn; a stage
+    round-robin layouts (:attr:`Layout.round_robin`), where a stage of ``r`` units is round-robin over ``r``
+    groups of ``group`` replicas (``split``), each group taking whole micro-batches of ``group`` times the
+    reduced size in turn and splitting them (as the reduced problem's unit runs its micro-batch); a stage
     left with one replica is not sharded (FSDP over one replica is a whole copy)."""
     size = layout.tp * layout.group
     stages = []
@@ -198,9 +200,10 @@ def expand(sg: StageGraph, graph: OpGraph, cluster: Cluster, layout: Layout, bat
         checkpoints = tuple(graph.op_id(sg.graph.ops[i].name) for i in st.checkpoints)
         replicas = len(devices) // layout.tp
         shard = layout.shard if replicas > 1 else "none"
-        mode = "round-robin" if layout.round_robin and st.round_robin else "split"
+        mode = "round-robin" if layout.round_robin and replicas > 1 else "split"
+        split = layout.group if mode == "round-robin" else 1
         stages.append(_whole_recompute(Stage(st.id, op_ids, devices, st.micro_batch_size * layout.group,
-                                             st.recompute, replica_mode=mode, checkpoints=checkpoints,
+                                             st.recompute, replica_mode=mode, checkpoints=checkpoints, split=split,
                                              tp=layout.tp, shard=shard,
                                              reshard_after_forward=False if shard == "fsdp" else True)))
     return StageGraph(graph, tuple(stages), batch_size, cluster.num_devices, allow_shared_devices=sg.allow_shared_devices,
@@ -262,7 +265,7 @@ def stage_layouts(stage: Stage, cluster: Cluster, tps: Sequence[int], shards: Se
     out = []
     for tp in tps:
         n = len(stage.devices)
-        if n % tp or (not stage.round_robin and stage.micro_batch_size % (n // tp)):
+        if n % tp or (not stage.round_robin and stage.micro_batch_size % (n // tp)) or (n // tp) % stage.split:
             continue
         if any(len({cluster.node_of(d) for d in stage.devices[i:i + tp]}) > 1 for i in range(0, n, tp)):
             continue

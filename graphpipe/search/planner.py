@@ -292,20 +292,23 @@ def plan_request(request: PlanRequest) -> Plan:
             continue
         attempt(layout)
     if (request.record.ranks_candidates and options.micro_batch_size in (None, 1) and not options.power_of_two
-            and 1 < request.batch_size <= layouts.ROUND_ROBIN_MAX_BATCH and _layer_chain(request.graph)):
+            and request.batch_size > 1 and _layer_chain(request.graph)):
         # gpp, where the fastest plan leaves devices idle (stages on powers of two that do not add up to the
-        # cluster): the two fastest whole-copy layouts again with round-robin replicas at micro-batch size 1
-        # (a stage on any power of two up to a node or whole nodes). A search there simulates a micro-batch
-        # per sample, so it is not run where the devices are used already, nor for every layout.
+        # cluster): the two fastest whole-copy layouts again with round-robin replicas at micro-batch size 1 of
+        # the reduced problem (a stage on any power of two up to a node or whole nodes or units; a unit of
+        # several replicas is a round-robin group splitting its micro-batches). A search there simulates a
+        # micro-batch per sample (per unit's samples), so it is not run where the devices are used already,
+        # past ROUND_ROBIN_MAX_BATCH micro-batches, nor for every layout.
         planned = sorted((row for row in tried if "throughput" in row and row["shard"] == "none"
-                          and row["replica_group"] == 1), key=lambda row: -row["throughput"])
+                          and 1 < request.batch_size // row["replica_group"] <= layouts.ROUND_ROBIN_MAX_BATCH),
+                         key=lambda row: -row["throughput"])
         idle = best is not None and len(best[1].stage_graph.devices_used()) < ROUND_ROBIN_USED * cluster.num_devices
         for row in planned[:ROUND_ROBIN_TRIES] if idle else ():
-            whole = plans[layouts.Layout(row["tp"], "none", 1)]
+            whole = plans[layouts.Layout(row["tp"], "none", row["replica_group"])]
             on = request  # re-materialization: not where the same layout's plan needed it nowhere (--recompute auto)
             if options.recompute in (None, "auto") and not any(st.recompute for st in whole.stage_graph.stages):
                 on = replace(request, options=replace(options, recompute="none"))
-            attempt(layouts.Layout(row["tp"], "none", 1, round_robin=True), on)
+            attempt(layouts.Layout(row["tp"], "none", row["replica_group"], round_robin=True), on)
     if best is None:
         raise error
     layout, plan = best
