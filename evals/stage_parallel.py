@@ -130,7 +130,8 @@ def run_one(name: str, graph: OpGraph, devices: int, batch_size: int, variant: s
         row.update(outcome="refused", error=str(exc).splitlines()[0], search_cpu_s=time.process_time() - cpu)
         return row
     sg = plan.stage_graph
-    layouts = sorted({(s.tp, s.shard + (" round-robin" if s.round_robin else "")) for s in sg.stages})
+    layouts = sorted({(s.tp, s.shard + (" round-robin" if s.round_robin else "")
+                       + (f" groups of {s.split}" if s.split > 1 else "")) for s in sg.stages})
     row.update(outcome="ok", search_cpu_s=time.process_time() - cpu, throughput=plan.predicted.throughput,
                efficiency=efficiency(plan.predicted.throughput, devices, graph),
                **(efficiency_factors(plan, devices) or {}),

@@ -30,8 +30,9 @@ a layout search is never worse than ``--tp 1 --shard none`` by construction.
 Where the fastest plan leaves devices idle, gpp tries its two fastest
 whole-copy layouts again with round-robin replicas (:attr:`Layout.round_robin`:
 micro-batch 1, a stage on any power of two up to a node or whole nodes, its
-replicas taking micro-batches in turn), which uses the devices power-of-two
-stages leave idle.
+replicas taking micro-batches in turn; past :data:`MAX_UNITS` a unit's
+``group`` replicas are one round-robin group splitting its micro-batches),
+which uses the devices power-of-two stages leave idle.
 
 Example
 -------
@@ -94,8 +95,9 @@ class Layout:
 
 
 ROUND_ROBIN_MAX_BATCH = 4096
-"""The round-robin layout is tried up to this batch size: it has a micro-batch per sample, and the
-simulator's work grows with the micro-batches (2,048 of them on 30 stages simulate in about a second)."""
+"""The round-robin layout is tried up to this many micro-batches, ``B / group``: it has a micro-batch per
+sample of a unit, and the simulator's work grows with the micro-batches (2,048 of them on 30 stages simulate
+in about a second)."""
 
 
 PP_ONLY = Layout()
