@@ -302,8 +302,15 @@ def plan_request(request: PlanRequest) -> Plan:
         planned = sorted((row for row in tried if "throughput" in row and row["shard"] == "none"
                           and 1 < request.batch_size // row["replica_group"] <= layouts.ROUND_ROBIN_MAX_BATCH),
                          key=lambda row: -row["throughput"])
-        idle = best is not None and len(best[1].stage_graph.devices_used()) < ROUND_ROBIN_USED * cluster.num_devices
-        for row in planned[:ROUND_ROBIN_TRIES] if idle else ():
+        enough = ROUND_ROBIN_USED * cluster.num_devices
+        idle = best is not None and len(best[1].stage_graph.devices_used()) < enough
+        retry = planned[:ROUND_ROBIN_TRIES] if idle else []
+        # what `--tp 1 --shard none` retries on its own past MAX_UNITS (its whole-copy layout, where that
+        # leaves devices idle), so that no layout search ends slower than PP-only
+        alone = next((row for row in planned if row["tp"] == 1 and row["replica_group"] > 1), None)
+        if alone is not None and alone not in retry and alone["devices_used"] < enough:
+            retry.append(alone)
+        for row in retry:
             whole = plans[layouts.Layout(row["tp"], "none", row["replica_group"])]
             on = request  # re-materialization: not where the same layout's plan needed it nowhere (--recompute auto)
             if options.recompute in (None, "auto") and not any(st.recompute for st in whole.stage_graph.stages):
