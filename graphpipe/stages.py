@@ -139,14 +139,24 @@ class Stage:
         return self.tp > 1 or self.shard != "none"
 
     @property
+    def shards_per_micro_batch(self) -> int:
+        """Replicas one micro-batch is split over: a round-robin group's ``split``, a split stage's all."""
+        return self.split if self.round_robin else self.num_replicas
+
+    @property
     def samples_per_replica(self) -> float:
         """Samples one device processes per micro-batch of this stage (a group's share under round-robin)."""
-        return self.micro_batch_size / (self.split if self.round_robin else self.num_replicas)
+        return self.micro_batch_size / self.shards_per_micro_batch
+
+    @property
+    def group_size(self) -> int:
+        """Round-robin: devices per group (``split`` tp groups of ``tp``), consecutive in ``devices``."""
+        return self.split * self.tp
 
     @property
     def round_robin_groups(self) -> tuple[tuple[int, ...], ...]:
-        """Round-robin: the groups that take micro-batches in turn, ``split * tp`` consecutive devices each."""
-        size = self.split * self.tp
+        """Round-robin: the groups that take micro-batches in turn, :attr:`group_size` devices each."""
+        size = self.group_size
         return tuple(self.devices[i:i + size] for i in range(0, len(self.devices), size))
 
     @property

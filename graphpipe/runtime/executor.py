@@ -47,7 +47,7 @@ from graphpipe.runtime.hosted import (Backward, Forward, GradientSync, HostedSta
                                       WeightGrad, flat_grad_buffer, zero_grads)
 from graphpipe.runtime.intra_stage import replica_lead, replica_ranks
 from graphpipe.runtime.measure import NoMeter, SavedBytesMeter
-from graphpipe.runtime.routing import Routing
+from graphpipe.runtime.routing import Routing, shard_size
 from graphpipe.runtime.stage_modules import StageProgram, ValueMeta
 from graphpipe.stages import StageGraph
 
@@ -380,12 +380,10 @@ class RankExecutor:
     def _shard_rows(self, stage_id: int, mb_id: int, replica: int) -> slice:
         stage = self.sg.stages[stage_id]
         row = self.routing.row  # the plan's rows, or a partial batch's proportionally fewer
-        if stage.round_robin:  # 1F1B-RR: this replica's share of its group's micro-batch (all of it, split 1)
-            per = stage.micro_batch_size // stage.split
-            lo = mb_id * stage.micro_batch_size + (replica % stage.split) * per
-            return slice(row(lo), row(lo + per))
-        per = stage.micro_batch_size // stage.num_replicas
-        lo = mb_id * stage.micro_batch_size + replica * per
+        # this replica's share of the micro-batch: its place in the stage (split) or in its round-robin group
+        # (1F1B-RR; the whole micro-batch in one-replica groups)
+        per = shard_size(stage)
+        lo = mb_id * stage.micro_batch_size + (replica % stage.shards_per_micro_batch) * per
         return slice(row(lo), row(lo + per))
 
     # ------------------------------------------------------------ actions

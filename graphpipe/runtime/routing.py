@@ -93,7 +93,7 @@ def _shard(stage, v: int) -> tuple[int, int]:
 def shard_size(stage) -> int:
     """Rows one replica holds per micro-batch: ``b / split`` round-robin (all of them in PipeDream's
     one-replica groups), ``b / r`` split."""
-    return stage.micro_batch_size // (stage.split if stage.round_robin else stage.num_replicas)
+    return stage.micro_batch_size // stage.shards_per_micro_batch
 
 
 def least_rows(sg: StageGraph) -> int:

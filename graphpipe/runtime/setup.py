@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from graphpipe.errors import InputError
 from graphpipe.plan import Plan
 from graphpipe.runtime.executor import ExecutorContext, RankExecutor, TiedSync
 from graphpipe.runtime.reference import reference_layout
@@ -95,8 +96,6 @@ def setup_rank(rank: int, world_size: int, plan: Plan, split: ModelSplit, meta, 
 
         for s, prog in programs.items():
             if sg.stages[s].round_robin and sg.stages[s].split > 1 and len(sharded_batchnorms(prog.module)) > 0:
-                from graphpipe.errors import InputError
-
                 raise InputError(f"stage {s} is round-robin over groups of {sg.stages[s].split} replicas that "
                                  "split each micro-batch, and synchronized BatchNorm over a group is not "
                                  "supported: re-plan it with split 1, or run with per-replica BatchNorm")

@@ -362,7 +362,7 @@ class _Tables:
         self.mb_size = [st.micro_batch_size for st in sg.stages]
         num_mbs = [sg.num_micro_batches(s) for s in range(num_stages)]
         if replicas is None:  # round-robin: one replica runs each mb
-            replicas = [st.tp * st.split if st.round_robin else len(st.devices) for st in sg.stages]
+            replicas = [st.group_size if st.round_robin else len(st.devices) for st in sg.stages]
         self.replicas = list(replicas)  # listed devices running each action of a stage
         self.fdel = {(p, c): fwd_delay(p, c) for p, c in sg.edges}
         self.bdel = {(p, c): bwd_delay(p, c) for p, c in sg.edges}

@@ -128,7 +128,7 @@ def _own_micro_batches(sg: StageGraph, stage_id: int, device: int) -> range:
     m = sg.num_micro_batches(stage_id)
     if not st.round_robin:
         return range(m)
-    return range(st.devices.index(device) // (st.tp * st.split), m, st.num_groups)
+    return range(st.devices.index(device) // st.group_size, m, st.num_groups)
 
 
 def one_f_one_b(sg: StageGraph, order: Sequence[int] | None = None) -> Schedule:

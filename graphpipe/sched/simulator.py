@@ -220,9 +220,7 @@ def edge_delay(sg: StageGraph, cluster: Cluster, producer: int, consumer: int) -
         # 1F1B-RR: a micro-batch goes whole from one group of replicas to one group, over as many links as the
         # smaller group has replicas (transfer_time shards it over min(|src|, |dst|) links, so scale the bytes
         # by that over the group's links).
-        lanes = min(src.split if src.round_robin else src.num_replicas,
-                    dst.split if dst.round_robin else dst.num_replicas)
-        nbytes *= min(src.num_replicas, dst.num_replicas) / lanes
+        nbytes *= min(src.num_replicas, dst.num_replicas) / min(src.shards_per_micro_batch, dst.shards_per_micro_batch)
     return cluster.transfer_time(src.devices, dst.devices, nbytes)
 
 

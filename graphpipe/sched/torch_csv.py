@@ -267,7 +267,7 @@ def with_micro_batches(sg: StageGraph, counts: dict[int, int], source: str = "sc
             stages.append(st)
             continue
         size = sg.batch_size // m if m and sg.batch_size % m == 0 else None
-        if size is None or size % (st.split if st.round_robin else st.num_replicas):
+        if size is None or size % st.shards_per_micro_batch:
             raise InputError(f"{source} runs {m} micro-batches of stage {st.id}; the plan's batch of "
                              f"{sg.batch_size} does not split into {m} micro-batches"
                              f"{f' over its {st.num_replicas} replicas' if size else ''}: plan with a batch size "

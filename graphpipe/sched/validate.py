@@ -109,7 +109,7 @@ def check_structure(sg: StageGraph, schedule: Schedule) -> None:
         if owners[s] is None:
             return True
         if s not in group_of:
-            size = sg.stages[s].tp * sg.stages[s].split
+            size = sg.stages[s].group_size
             group_of[s] = {dev: i // size for i, dev in enumerate(sg.stages[s].devices)}
         return group_of[s][d] == group_of[s][other]
 
@@ -135,7 +135,7 @@ def check_structure(sg: StageGraph, schedule: Schedule) -> None:
             if id(pos) in done:  # the check below depends on the positions alone (and, round-robin, on the
                 continue  # group, which devices sharing positions share)
             done.add(id(pos))
-            for j in (range(r // (st.tp * st.split), num_mbs[sid], st.num_groups) if st.round_robin
+            for j in (range(r // st.group_size, num_mbs[sid], st.num_groups) if st.round_robin
                       else range(num_mbs[sid])):
                 f_at, b_at = pos.get((sid, "F", j)), pos.get((sid, "B", j))
                 if (f_at is not None and b_at is not None and f_at < b_at and (sid, "I", j) not in pos
