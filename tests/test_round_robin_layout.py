@@ -179,3 +179,40 @@ def test_round_robin_groups_use_the_devices_past_1024_units():
     assert auto.search["layout"] == {"tp": 1, "shard": "none", "replica_group": 2, "round_robin": True}
     plain = next(row for row in auto.search["layouts_tried"] if "throughput" in row and "round_robin" not in row)
     assert plain["devices_used"] == 1024 and plain["throughput"] == pytest.approx(4096 / (8 * (F + B)), rel=1e-9)
+
+
+def test_the_devices_of_a_round_robin_group_must_list_its_micro_batches_in_one_order():
+    """The devices of one group split each of the group's micro-batches, so they run them in one order (the
+    simulator advances a group as one): a group whose second device swaps two micro-batches is refused in one
+    line naming both devices, as split replicas that disagree are."""
+    from graphpipe.actions import Action, Schedule
+    from graphpipe.errors import ScheduleError
+    from graphpipe.sched.validate import validate_schedule
+
+    g, cl = layers(2), cluster(6)
+    stages = [Stage(0, (0,), (0, 1, 2, 3), 2, replica_mode="round-robin", split=2), Stage(1, (1,), (4, 5), 2)]
+    sg = StageGraph.build(g, stages, 8, 6, cluster=cl)
+    good = make_schedule("gpipe", sg, cl)
+    validate_schedule(sg, good)
+    acts = [list(a) for a in good.device_actions]
+    first = acts[1]  # group (0, 1) runs micro-batches 0 and 2; device 1 lists them the other way round
+    i0, i2 = first.index(Action(0, "F", 0)), first.index(Action(0, "F", 2))
+    first[i0], first[i2] = first[i2], first[i0]
+    with pytest.raises(ScheduleError, match=r"devices of a round-robin group of stage 0 disagree: device 0 runs 0F0 "
+                                            r"where device 1 runs 0F2"):
+        validate_schedule(sg, Schedule(good.name, tuple(tuple(a) for a in acts)))
+
+
+def test_the_per_stage_re_pick_skips_layouts_with_more_groups_than_micro_batches():
+    """A round-robin stage of tp 2 groups of 2 on 8 devices runs 2 groups; at tp 1 it would run 4, and a
+    batch of 4 at micro-batch 2 has only 2 micro-batches, so a group would never run: the re-pick does not
+    offer that layout (it raised the stage graph's own error before)."""
+    from graphpipe.search import layouts
+
+    g, cl = layers(2), cluster(10)
+    stages = [Stage(0, (0,), tuple(range(8)), 2, replica_mode="round-robin", split=2, tp=2), Stage(1, (1,), (8, 9), 2)]
+    sg = StageGraph.build(g, stages, 4, 10, cluster=cl)
+    assert [s.tp for s in layouts.stage_layouts(sg.stages[0], cl, [1, 2], ["none"], sg.batch_size)] == [2]
+    assert [s.tp for s in layouts.stage_layouts(sg.stages[0], cl, [1, 2], ["none"])] == [1, 2]
+    out = layouts.per_stage_layouts(sg, cl, [1, 1], [1, 2], ["none"])
+    assert (out.stages[0].tp, out.stages[0].num_groups) == (2, 2)

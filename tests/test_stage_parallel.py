@@ -390,3 +390,40 @@ def test_efficiency_factors_equal_a_hand_count_and_multiply_to_the_efficiency():
               search=NS(recompute="auto", time_s=0.0, lower_bound_s=None, gap=None, get=lambda key: None))
     assert "efficiency      0.533 of perfect scaling = 0.667 devices used x 1.000 balance x 0.800 busy" in \
         format_plan(plan)
+
+
+# ------------------------------------------------------- tied parameters stay on whole copies
+
+def tied_lm(layers: int = 6) -> OpGraph:
+    """An embedding whose weights the output head reads (tied, as the capture records a GPT's), blocks between."""
+    from graphpipe.graph import SharedParams
+
+    ops = [Op("emb", "embedding", Affine(1e-5, 1e-4), Affine(1e-5, 2e-4), 8e8, 0.0, 1e5)]
+    ops += [Op(f"blk{i}", "transformer", **BLOCK) for i in range(layers)]
+    ops += [Op("head", "linear", Affine(1e-5, 1e-3), Affine(1e-5, 2e-3), 0.0, 1e5, 1e5)]
+    names = [op.name for op in ops]
+    return OpGraph.build("tied", ops, list(zip(names, names[1:], [1e5] * len(names))),
+                         [SharedParams(("emb", "head"), 8e8)])
+
+
+def test_a_split_tie_stays_on_whole_copy_stages_and_tp_alone_is_refused_in_one_line():
+    """The runtime sums a tied parameter's copies over whole-copy stages only (it refuses a tie on a parallel
+    stage): a layout search keeps the stages holding the embedding and the head tp 1, shard none wherever it
+    splits them, whatever else it makes parallel; a uniform tp 2 that would split the tie is refused in one
+    line naming the stage. The tp group's link is fast, so without the rule the search kept tp 2 on every
+    stage, the tie's two included (the code before the rule failed this test there)."""
+    from graphpipe.errors import InfeasibleError
+
+    g = tied_lm()
+    cl = cluster(16, memory=2.2e10)
+    plan = make_plan("tied", g, cl, 64, "gpp", SearchOptions(tp="auto", shard="auto"))
+    sg = plan.stage_graph
+    emb, head = (sg.stage_of(g.op_id(name)) for name in ("emb", "head"))
+    assert emb != head  # the plan splits the tie, so both stages hold it
+    for s in (emb, head):
+        assert (sg.stages[s].tp, sg.stages[s].shard) == (1, "none")
+    assert plan.predicted.max_peak_memory_bytes <= cl.memory_bytes
+    refused = [row for row in plan.search["layouts_tried"] if "tied parameters run on whole-copy" in row.get("error", "")]
+    assert refused and all("\n" not in row["error"] for row in refused)
+    with pytest.raises(InfeasibleError, match=r"holds a parameter tied to another stage's.*--tp auto"):
+        make_plan("tied", g, cl, 64, "gpp", SearchOptions(tp=2, shard="none"))

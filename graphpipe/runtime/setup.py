@@ -98,7 +98,8 @@ def setup_rank(rank: int, world_size: int, plan: Plan, split: ModelSplit, meta, 
             if sg.stages[s].round_robin and sg.stages[s].split > 1 and len(sharded_batchnorms(prog.module)) > 0:
                 raise InputError(f"stage {s} is round-robin over groups of {sg.stages[s].split} replicas that "
                                  "split each micro-batch, and synchronized BatchNorm over a group is not "
-                                 "supported: re-plan it with split 1, or run with per-replica BatchNorm")
+                                 "supported: run with --batchnorm per-micro-batch (each replica normalises its "
+                                 "own rows)")
             if sg.stages[s].num_replicas > 1 and not sg.stages[s].round_robin:  # round-robin: whole mbs already
                 for bn in sharded_batchnorms(prog.module):
                     bn.group = dp_groups[sg.stages[s].devices]

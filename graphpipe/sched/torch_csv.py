@@ -270,8 +270,8 @@ def with_micro_batches(sg: StageGraph, counts: dict[int, int], source: str = "sc
         if size is None or size % st.shards_per_micro_batch:
             raise InputError(f"{source} runs {m} micro-batches of stage {st.id}; the plan's batch of "
                              f"{sg.batch_size} does not split into {m} micro-batches"
-                             f"{f' over its {st.num_replicas} replicas' if size else ''}: plan with a batch size "
-                             f"that is a multiple of {m} (--micro-batch-size batch/{m})")
+                             f"{_over(st) if size else ''}: plan with a batch size that is a multiple of "
+                             f"{m * st.shards_per_micro_batch} (--micro-batch-size batch/{m})")
         stages.append(replace(st, micro_batch_size=size))
     if all(a is b for a, b in zip(stages, sg.stages)):
         return sg
@@ -332,3 +332,10 @@ def torch_file_rows(plan) -> tuple[list[list[str]], str] | None:
     if back.device_actions != plan.schedule.device_actions:
         return None
     return [list(row) for row in kept["rows"]], kept.get("format") or csv_format(kept["rows"])
+
+
+def _over(st) -> str:
+    """What a stage's micro-batch must divide over: its split replicas, or a round-robin group's shards."""
+    if st.round_robin:
+        return f" of a multiple of {st.split} samples (each round-robin group splits its micro-batches {st.split} ways)"
+    return f" over its {st.num_replicas} replicas"

@@ -144,9 +144,11 @@ def check_structure(sg: StageGraph, schedule: Schedule) -> None:
                 grad = "I" if _check_split(schedule, sid, j, d, pos) else "B"
                 for kind in ("F", grad):
                     if (sid, kind, j) not in pos:
+                        owners = st.replica_of(j) if st.round_robin else st.devices
                         _fail(schedule, f"device {d} never runs {Action(sid, kind, j)}: stage {sid} has "
                                         f"{num_mbs[sid]} micro-batches and every one needs an F and a B on each "
-                                        f"of its devices {list(st.devices)}")
+                                        f"of {'the devices that take it' if st.round_robin else 'its devices'} "
+                                        f"{list(owners)}")
                 f_at, b_at = pos[(sid, "F", j)], pos[(sid, grad, j)]
                 if b_at < f_at:
                     _fail(schedule, f"device {d} runs {Action(sid, grad, j)} before {Action(sid, 'F', j)} "
@@ -154,25 +156,34 @@ def check_structure(sg: StageGraph, schedule: Schedule) -> None:
     # Replicas agree on the stage's relative order.
     orders = []
     for st in sg.stages:
-        if st.round_robin:  # each replica has its own micro-batches: no common order; links checked per pair below
+        if st.round_robin:  # each group has its own micro-batches: no common order; links checked per pair below,
+            for group in st.round_robin_groups:  # but the devices of one group split each of its micro-batches
+                if len(group) > 1:
+                    _same_order(schedule, st.id, group, positions, "devices of a round-robin group")
             orders.append(None)
             continue
-        mine: dict[int, list[Action]] = {}  # by list identity: replicas sharing one list filter it once
-        per_device = []
-        for d in st.devices:
-            acts = schedule.device_actions[d]
-            if id(acts) not in mine:
-                mine[id(acts)] = [a for a in acts if a.stage_id == st.id]
-            per_device.append(mine[id(acts)])
-        for d, order in zip(st.devices[1:], per_device[1:]):
-            if order is not per_device[0] and order != per_device[0]:
-                k = next(i for i, (x, y) in enumerate(zip(per_device[0], order)) if x != y)
-                d0 = st.devices[0]
-                _fail(schedule, f"replicas of stage {st.id} disagree: device {d0} runs {per_device[0][k]} where "
-                                f"device {d} runs {order[k]} (replicas must list the stage's actions in the same order)",
-                      [(d0, positions[d0][_key(per_device[0][k])]), (d, positions[d][_key(order[k])])])
-        orders.append(per_device[0])
+        orders.append(_same_order(schedule, st.id, st.devices, positions, "replicas"))
     _check_link_order(sg, schedule, orders, positions)
+
+
+def _same_order(schedule: Schedule, stage_id: int, devices: Sequence[int], positions, who: str) -> list[Action]:
+    """Stage ``stage_id``'s actions as ``devices`` list them, failing where two of them differ (each runs its
+    shard of the same micro-batches, so they must run them in one order)."""
+    mine: dict[int, list[Action]] = {}  # by list identity: replicas sharing one list filter it once
+    per_device = []
+    for d in devices:
+        acts = schedule.device_actions[d]
+        if id(acts) not in mine:
+            mine[id(acts)] = [a for a in acts if a.stage_id == stage_id]
+        per_device.append(mine[id(acts)])
+    for d, order in zip(devices[1:], per_device[1:]):
+        if order is not per_device[0] and order != per_device[0]:
+            d0 = devices[0]  # the structure checks gave both the same actions: they differ in order
+            k = next(i for i, (x, y) in enumerate(zip(per_device[0], order)) if x != y)
+            _fail(schedule, f"{who} of stage {stage_id} disagree: device {d0} runs {per_device[0][k]} where "
+                            f"device {d} runs {order[k]} ({who} must list the stage's actions in the same order)",
+                  [(d0, positions[d0][_key(per_device[0][k])]), (d, positions[d][_key(order[k])])])
+    return per_device[0]
 
 
 def _explain_action(sg: StageGraph, schedule: Schedule, num_mbs: Sequence[int], stage_devices: Sequence[set],
@@ -192,7 +203,8 @@ def _explain_action(sg: StageGraph, schedule: Schedule, num_mbs: Sequence[int], 
         owner = sg.stages[a.stage_id].replica_of(a.mb_id)
         _fail(schedule, f"device {d} step {k}: action {a} belongs to device"
                         f"{'s ' + str(list(owner)) if len(owner) > 1 else ' ' + str(owner[0])}: round-robin stage "
-                        f"{a.stage_id} runs micro-batch i on replica i mod {sg.stages[a.stage_id].num_groups}",
+                        f"{a.stage_id} runs micro-batch i on {_taker(sg.stages[a.stage_id])} i mod "
+                        f"{sg.stages[a.stage_id].num_groups}",
               [(d, k)])
     if d not in stage_devices[a.stage_id]:
         _fail(schedule, f"device {d} step {k}: action {a} belongs to stage {a.stage_id}, which runs on devices "
@@ -330,3 +342,8 @@ def _check_stage_devices(plan) -> None:
                     f"the plan's schedule no longer matches stages[{stage.id}].devices ({list(stage.devices)}): it "
                     f"runs stage {stage.id}'s {a} on device {d}. Regenerate the schedule for the stages as they are: "
                     f"graphpipe simulate PLAN.json --schedule {schedule.name} --out PLAN.json")
+
+
+def _taker(st) -> str:
+    """What takes a round-robin stage's micro-batches in turn: a replica, or a group of ``split`` replicas."""
+    return f"group (of {st.split} replicas)" if st.split > 1 else "replica"

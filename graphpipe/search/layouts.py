@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 from graphpipe import costs
 from graphpipe.cluster import Cluster
@@ -258,17 +258,21 @@ def efficiency_factors(plan, num_devices: int | None = None) -> dict[str, float]
             "busy_share": busiest / plan.predicted.iteration_time_s}
 
 
-def stage_layouts(stage: Stage, cluster: Cluster, tps: Sequence[int], shards: Sequence[str]) -> list[Stage]:
+def stage_layouts(stage: Stage, cluster: Cluster, tps: Sequence[int], shards: Sequence[str],
+                  batch_size: int | None = None) -> list[Stage]:
     """``stage`` under every layout of ``tps`` x ``shards`` its devices allow: tp dividing its device count with
     every tp group inside one node, the micro-batch divisible by the replicas (round-robin replicas take whole
-    ones), FSDP only over 2 or more replicas that split micro-batches (gathered for the step:
-    ``reshard_after_forward`` false); a parallel layout re-materializes the whole stage where the stage had
-    checkpoint segments."""
+    ones, each group at least one of the ``batch_size // micro_batch_size`` micro-batches), FSDP only over 2 or
+    more replicas that split micro-batches (gathered for the step: ``reshard_after_forward`` false); a parallel
+    layout re-materializes the whole stage where the stage had checkpoint segments."""
     out = []
+    turns = None if batch_size is None else batch_size // stage.micro_batch_size
     for tp in tps:
         n = len(stage.devices)
         if n % tp or (not stage.round_robin and stage.micro_batch_size % (n // tp)) or (n // tp) % stage.split:
             continue
+        if stage.round_robin and turns is not None and (n // tp) // stage.split > turns:
+            continue  # more groups than micro-batches: a group would never run
         if any(len({cluster.node_of(d) for d in stage.devices[i:i + tp]}) > 1 for i in range(0, n, tp)):
             continue
         for shard in shards:
@@ -285,21 +289,24 @@ def _whole_recompute(stage: Stage) -> Stage:
 
 
 def per_stage_layouts(sg: StageGraph, cluster: Cluster, in_flight: Sequence[int], tps: Sequence[int],
-                      shards: Sequence[str]) -> StageGraph:
+                      shards: Sequence[str], keep: Collection[int] = ()) -> StageGraph:
     """Each stage of ``sg`` on its own devices under the layout (:func:`stage_layouts`) that minimizes its
     busy time in one step, ``M (F + B) + sync``, within the device memory at its ``in_flight`` micro-batches
-    (ties: its current layout). A graph of stages may so give a vision tower's stages tp 1 beside a text
-    decoder's tp 4: each branch's stages pick for their own layers. The planner keeps the result only when the
+    (ties: its current layout); the stages in ``keep`` keep theirs (a split tie's, which the runtime runs on
+    whole copies only). A graph of stages may so give a vision tower's stages tp 1 beside a text decoder's
+    tp 4: each branch's stages pick for their own layers. The planner keeps the result only when the
     simulation says it is faster."""
     stages = list(sg.stages)
     for st in sg.stages:
+        if st.id in keep:
+            continue
         def busy(trial: StageGraph, stage_id: int = st.id) -> float:
             turns = trial.busiest_replica_micro_batches(stage_id)
             return turns * (trial.fwd_time(stage_id) + trial.bwd_time(stage_id)) + trial.sync_time(stage_id, cluster)
 
         current = replace(sg, stages=tuple(stages), cluster=cluster)
         best, best_time = stages[st.id], busy(current)
-        for option in stage_layouts(st, cluster, tps, shards):
+        for option in stage_layouts(st, cluster, tps, shards, sg.batch_size):
             trial = replace(current, stages=tuple(option if s.id == st.id else s for s in stages))
             if trial.device_memory(st.id, cluster, max(1, int(in_flight[st.id]))) > cluster.memory_bytes:
                 continue

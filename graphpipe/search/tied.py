@@ -40,13 +40,14 @@ Example
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Mapping, Sequence
 
 from graphpipe.cluster import Cluster
-from graphpipe.graph import SharedParams
+from graphpipe.graph import OpGraph, SharedParams
 from graphpipe.stages import StageGraph
 
-__all__ = ["shared_params_cost", "charge_shared_params", "charge_plan"]
+__all__ = ["shared_params_cost", "charge_shared_params", "charge_plan", "split_tie_stages", "with_copies"]
 
 
 def _stage_of_name(sg: StageGraph, name: str, merged: Mapping[str, Sequence[str]]) -> int | None:
@@ -54,6 +55,54 @@ def _stage_of_name(sg: StageGraph, name: str, merged: Mapping[str, Sequence[str]
         if op.name == name or name in merged.get(op.name, ()):
             return sg.stage_of(op_id)
     return None
+
+
+def _split_ties(sg: StageGraph, shared: Sequence[SharedParams], merged: Mapping[str, Sequence[str]]):
+    """``(tie, its stages in order)`` of each tie whose ops ``sg`` puts in two stages or more."""
+    for group in shared:
+        stages = sorted({s for s in (_stage_of_name(sg, name, merged) for name in group.ops) if s is not None})
+        if len(stages) >= 2:
+            yield group, stages
+
+
+def split_tie_stages(sg: StageGraph, shared: Sequence[SharedParams], merged: Mapping[str, Sequence[str]]) -> set[int]:
+    """Stages holding an op of a tie that ``sg`` splits across stages: each keeps the parameter or a copy, and
+    the runtime sums the copies' gradients over whole copies only (:func:`graphpipe.runtime.intra_stage.attach`
+    refuses a tied parameter on an FSDP-sharded or tensor-parallel stage), so layout searches keep them tp 1,
+    shard none.
+
+    >>> from graphpipe.graph import Op, OpGraph, SharedParams
+    >>> from graphpipe.stages import Stage, StageGraph
+    >>> g = OpGraph.build("lm", [Op("embed", "x", param_bytes=4e6), Op("mid", "x"), Op("head", "x")],
+    ...                   [("embed", "mid", 1.0), ("mid", "head", 1.0)], [SharedParams(("embed", "head"), 4e6)])
+    >>> split = StageGraph.build(g, [Stage(0, (0,), (0,), 2), Stage(1, (1,), (1,), 2), Stage(2, (2,), (2,), 2)], 8, 3)
+    >>> whole = StageGraph.build(g, [Stage(0, (0, 1, 2), (0,), 2)], 8, 1)
+    >>> sorted(split_tie_stages(split, g.shared, {})), split_tie_stages(whole, g.shared, {})
+    ([0, 2], set())
+    """
+    return {s for _, stages in _split_ties(sg, shared, merged) for s in stages}
+
+
+def with_copies(graph: OpGraph) -> OpGraph:
+    """``graph`` as a layout search plans it: every op of a tie but the first (graph order) carries the tied
+    bytes among its own parameters, the copy it holds when a plan splits the tie (conservative when one stage
+    holds them all), and no ties are left to charge. The searches cost stages one at a time and do not see
+    ties; without this a layout whose head stage holds a copy of a large embedding (Command-R+'s 12.6 GB at a
+    vocabulary of 256,000) planned past device memory and was refused after its search.
+
+    >>> from graphpipe.graph import Op, OpGraph, SharedParams
+    >>> g = OpGraph.build("lm", [Op("embed", "x", param_bytes=4e6), Op("head", "x")], [("embed", "head", 1.0)],
+    ...                   [SharedParams(("embed", "head"), 4e6)])
+    >>> [op.param_bytes for op in with_copies(g).ops], with_copies(g).shared
+    ([4000000.0, 4000000.0], ())
+    """
+    extra: dict[str, float] = {}
+    for group in graph.shared:
+        for name in group.ops[1:]:
+            extra[name] = extra.get(name, 0.0) + group.bytes
+    ops = tuple(replace(op, param_bytes=op.param_bytes + extra[op.name]) if op.name in extra else op
+                for op in graph.ops)
+    return replace(graph, ops=ops, shared=())
 
 
 def shared_params_cost(sg: StageGraph, shared: Sequence[SharedParams], merged: Mapping[str, Sequence[str]],
@@ -64,10 +113,7 @@ def shared_params_cost(sg: StageGraph, shared: Sequence[SharedParams], merged: M
     names (``Plan.merged``), so ties of the original graph are found in them.
     """
     seconds, extra = 0.0, {}
-    for group in shared:
-        stages = sorted({s for s in (_stage_of_name(sg, name, merged) for name in group.ops) if s is not None})
-        if len(stages) < 2:
-            continue
+    for group, stages in _split_ties(sg, shared, merged):
         devices = sorted({d for s in stages for d in sg.stages[s].devices})
         if len(devices) > 1:
             seconds += cluster.allreduce_time(devices, group.bytes)
