@@ -133,7 +133,10 @@ def test_llama_tp_and_a_checkpoint_across_layouts(tmp_path):
     """One job of 3 ranks: a tiny HF Llama whose first stage, the embedding and both decoder layers, is TP 2 (its
     base_model_tp_plan, 4 heads and 2 KV heads split by KV group); a whole GPT-2 TP 2 (its Conv1D pairs from the
     graph); an FSDP plan's checkpoint (weights and momentum) loaded by a TP plan, which goes on
-    training as one process would have."""
+    training as one process would have. GPT-2's embedding is tied to its head: split across a TP 2 stage and a
+    whole one, and across a whole stage and an FSDP one, the copies' gradients are summed whole and each device
+    keeps its piece (the global norm counts the parameter once); the FSDP plan's checkpoint loads into the TP
+    one, which goes on as one process would."""
     llama = write(tmp_path, "llama", "llama", [(("model.model.embed", "model.model.layers."), (0, 1), 2, "none"),
                                                (("",), (2,), 1, "none")])
     fsdp = write(tmp_path, "fsdp", "mlp_chain", [(("stem", "block0"), (0,), 1, "none"), (("",), (1, 2), 1, "fsdp")])
@@ -141,9 +144,21 @@ def test_llama_tp_and_a_checkpoint_across_layouts(tmp_path):
     llama_fsdp = write(tmp_path, "llama_fsdp", "llama", [(("model.model.embed", "model.model.layers.0"), (0, 1), 1,
                                                           "fsdp"), (("",), (2,), 1, "none")])
     gpt2 = write(tmp_path, "gpt2", "gpt2", [(("",), (0, 1), 2, "none")], devices=3)
-    ck = str(tmp_path / "ck")
-    torchrun("2", str(tmp_path), llama, llama_fsdp, gpt2, f"{fsdp},save={ck}", f"{tp},steps=1,load={ck}", ranks=3,
+    front = ("model.transformer.wte", "model.transformer.wpe", "model.transformer.h.0")
+    tie_tp = write(tmp_path, "tie_tp", "gpt2", [(front, (0, 1), 2, "none"), (("",), (2,), 1, "none")])
+    tie_fsdp = write(tmp_path, "tie_fsdp", "gpt2", [(front, (0,), 1, "none"), (("",), (1, 2), 1, "fsdp")])
+    write(tmp_path, "tie_resumed", "gpt2", [(front, (0, 1), 2, "none"), (("",), (2,), 1, "none")])
+    ck, tie_ck = str(tmp_path / "ck"), str(tmp_path / "tie_ck")
+    torchrun("2", str(tmp_path), llama, llama_fsdp, gpt2, f"{fsdp},save={ck}", f"{tp},steps=1,load={ck}", tie_tp,
+             f"{tie_fsdp},save={tie_ck}", f"{tmp_path / 'tie_resumed.json'},steps=1,load={tie_ck}", ranks=3,
              script=SCRIPT)
+    check(str(tmp_path / "tie_tp.pt"), "gpt2", 2)
+    check(str(tmp_path / "tie_fsdp.pt"), "gpt2", 2)
+    resumed = torch.load(str(tmp_path / "tie_resumed.pt"), weights_only=False)
+    losses, weights, evaluation, _ = oracle("gpt2", 3)
+    torch.testing.assert_close(torch.tensor(resumed["losses"][0]), torch.tensor(losses[2]))  # fp32 tolerances
+    for name, w in weights.items():
+        torch.testing.assert_close(resumed["weights"][name], w, msg=name)
     # GPT-2's Conv1D layers (transposed weights) pair as column-then-row from the graph: each TP rank holds half
     # of every projection's weight and of the column-wise biases, the rest whole
     two = check(str(tmp_path / "gpt2.pt"), "gpt2", 2)

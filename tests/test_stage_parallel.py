@@ -406,24 +406,42 @@ def tied_lm(layers: int = 6) -> OpGraph:
                          [SharedParams(("emb", "head"), 8e8)])
 
 
-def test_a_split_tie_stays_on_whole_copy_stages_and_tp_alone_is_refused_in_one_line():
-    """The runtime sums a tied parameter's copies over whole-copy stages only (it refuses a tie on a parallel
-    stage): a layout search keeps the stages holding the embedding and the head tp 1, shard none wherever it
-    splits them, whatever else it makes parallel; a uniform tp 2 that would split the tie is refused in one
-    line naming the stage. The tp group's link is fast, so without the rule the search kept tp 2 on every
-    stage, the tie's two included (the code before the rule failed this test there)."""
-    from graphpipe.errors import InfeasibleError
+def test_a_layout_search_sees_a_tied_copy_and_the_plan_charges_its_tp_share(monkeypatch):
+    """The head reads the embedding's weights; split across stages, the head's stage holds a copy (a tp rank's
+    share where it is tensor-parallel: a linear head splits). The searches cost stages one at a time and never
+    saw the copy: at 2 GB per device, uniform tp 2 then planned 3.2 GB on the head's devices and was refused
+    after its search. Now the search sees it, the plan fits, and each device of a tp 2 head stage is charged
+    exactly the copy's share, 8e8 / 2 bytes of fp32 weights at 16 bytes of Adam state per 4."""
+    import graphpipe.search.tied as tied
+    from graphpipe.errors import DeviceMemoryError
 
-    g = tied_lm()
-    cl = cluster(16, memory=2.2e10)
-    plan = make_plan("tied", g, cl, 64, "gpp", SearchOptions(tp="auto", shard="auto"))
+    g = tied_lm(8)
+    cl = cluster(16, memory=2e9)
+    plan = make_plan("tied", g, cl, 64, "gpp", SearchOptions(tp=2, shard="none"))
     sg = plan.stage_graph
     emb, head = (sg.stage_of(g.op_id(name)) for name in ("emb", "head"))
-    assert emb != head  # the plan splits the tie, so both stages hold it
-    for s in (emb, head):
-        assert (sg.stages[s].tp, sg.stages[s].shard) == (1, "none")
+    assert emb != head and sg.stages[head].tp == 2 and sg.stages[head].shard == "none"
     assert plan.predicted.max_peak_memory_bytes <= cl.memory_bytes
-    refused = [row for row in plan.search["layouts_tried"] if "tied parameters run on whole-copy" in row.get("error", "")]
-    assert refused and all("\n" not in row["error"] for row in refused)
-    with pytest.raises(InfeasibleError, match=r"holds a parameter tied to another stage's.*--tp auto"):
+    plain = simulate(sg, plan.schedule, cl).peak_memory_bytes  # the simulator alone does not see ties
+    for d in sg.stages[head].devices:
+        assert plan.predicted.peak_memory_bytes[d] - plain[d] == pytest.approx(8e8 / 2 * 16 / 4)
+    monkeypatch.setattr(tied, "with_copies", lambda graph: replace(graph, shared=()))  # the search before
+    with pytest.raises(DeviceMemoryError, match="needs 3.2 GB"):
         make_plan("tied", g, cl, 64, "gpp", SearchOptions(tp=2, shard="none"))
+
+
+def test_expanding_a_layout_keeps_the_reduced_plans_round_robin_stages():
+    """A reduced plan may hold round-robin stages (PipeDream's space, which gpp ranks): a unit of tp 2 that takes
+    whole micro-batches of one sample cannot split them, so the expanded stage stays round-robin over tp groups
+    (it became a split stage before, and micro-batch 1 over 2 replicas was refused)."""
+    from graphpipe.search.layouts import Layout, expand
+
+    g = ops3()
+    cl = cluster(8)
+    small = StageGraph.build(g, [Stage(0, (0, 1), (0, 1), 1, replica_mode="round-robin"), Stage(1, (2,), (2, 3), 2)],
+                             8, 4)
+    sg = expand(small, g, cl, Layout(2, "none", 1), 8)
+    first, second = sg.stages
+    assert (first.replica_mode, first.tp, first.devices, first.micro_batch_size, first.num_groups) == (
+        "round-robin", 2, (0, 1, 2, 3), 1, 2)
+    assert (second.replica_mode, second.tp, second.devices, second.micro_batch_size) == ("split", 2, (4, 5, 6, 7), 2)

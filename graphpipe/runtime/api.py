@@ -431,7 +431,8 @@ class Pipeline:
         out = []
         for s, prog in setup.programs.items():
             if sg.stages[s].parallel:  # FSDP / TP: every shard of the first replica counts (intra_stage)
-                out += counts_here(sg.stages[s], self.rank, prog.module.parameters())
+                out += counts_here(sg.stages[s], self.rank, [p for name, p in prog.module.named_parameters()
+                                                             if (s, name) not in setup.tied_copies])
                 continue
             if sg.stages[s].devices[0] != self.rank:
                 continue

@@ -523,26 +523,34 @@ class RankExecutor:
                 bn.commit(group, int(stage.samples_per_replica), self.sg.batch_size)
 
     def _sum_tied_gradients(self) -> None:
-        """Every copy of a tied parameter gets the sum of all copies' gradients (each stage's counted once)."""
+        """Every copy of a tied parameter gets the sum of all copies' gradients (each stage's counted once).
+
+        A copy on an FSDP-sharded or tensor-parallel stage is a DTensor whose gradient is already summed over
+        the stage's replicas: every device of that stage gathers it whole (a collective over the stage's own
+        mesh), the stage's first device adds it to the sum, and each device keeps its own piece of the sum."""
+        from graphpipe.runtime.intra_stage import as_local_like, whole_gradient
+
         for tie in self.tied:
             params = [self._param(s, name) for s, name in tie.copies]
             if not params[0].requires_grad:
                 continue  # frozen: the copies never change
             total = None
             for (s, _), p in zip(tie.copies, params):
-                if self.sg.stages[s].devices[0] != self.rank or p.grad is None:
+                grad = whole_gradient(p)  # collective on a parallel stage's mesh: every device of it calls
+                if self.sg.stages[s].devices[0] != self.rank or grad is None:
                     continue  # replicas hold the same, already all-reduced gradient: count the stage once
-                total = p.grad.clone() if total is None else total.add_(p.grad)
+                total = grad.clone() if total is None else total.add_(grad)
             if total is None:
-                total = torch.zeros_like(params[0])
+                total = torch.zeros(params[0].shape, dtype=params[0].dtype, device=self.device)
             if tie.group is not None:
                 self.mailbox.wait_work(dist.all_reduce(total, group=tie.group, async_op=True),
                                        f"gradient sum of tied parameter {tie.name}")
             for p in params:
+                piece = as_local_like(total, p)
                 if p.grad is None:
-                    p.grad = total.clone()
+                    p.grad = piece.clone()
                 else:
-                    p.grad.copy_(total)
+                    p.grad.copy_(piece)
 
     def _param(self, stage_id: int, name: str) -> torch.nn.Parameter:
         return self.hosted[stage_id].param(name)

@@ -44,9 +44,12 @@ well-kept pieces instead of hand-written collectives:
   only over a mesh sharing its TP mesh's parent); its gradients are fixed to
   their parameters' TP layout before FSDP's reduce-scatter after the last B.
 
-Refused in one line, before a step: tied parameters on a parallel stage, and
-a TP degree that does not divide a model's attention heads (naming the
-projection); the rest in :mod:`graphpipe.runtime.layouts`.
+A parameter tied across stages (a GPT's embedding and output head) may sit on
+a parallel stage: its copies' gradients are summed whole across the stages
+(:func:`whole_gradient`, :func:`as_local_like`), each device keeping its piece.
+Refused in one line, before a step: a TP degree that does not divide a model's
+attention heads (naming the projection); the rest in
+:mod:`graphpipe.runtime.layouts`.
 """
 
 from __future__ import annotations
@@ -668,6 +671,27 @@ def _local_chunk(t: torch.Tensor, placement, mesh) -> torch.Tensor:
     return t.chunk(n, dim=placement.dim)[i].clone()
 
 
+def whole_gradient(param) -> torch.Tensor | None:
+    """``param``'s gradient as one plain tensor: gathered over its mesh where it is a DTensor (a collective:
+    every device of the stage calls it), else as is; None without a gradient on a plain parameter."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(param, DTensor):
+        return param.grad
+    grad = param.grad if param.grad is not None else torch.zeros_like(param)
+    return grad.full_tensor()
+
+
+def as_local_like(whole: torch.Tensor, param):
+    """``whole`` (the same plain tensor on every device of ``param``'s stage) laid out as ``param`` is: a DTensor
+    of its mesh and placements, this device's piece cut locally (no communication), or ``whole`` itself."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(param, DTensor):
+        return whole
+    return distribute_tensor(whole, param.device_mesh, param.placements, src_data_rank=None)
+
+
 class IntraStage:
     """The parallel stages a rank hosts, and what its executor calls around a step (hooks in
     :meth:`graphpipe.runtime.executor.RankExecutor.run_iteration`)."""
@@ -738,12 +762,6 @@ def attach(executor, sg: StageGraph, split, rank: int, device: torch.device, tim
            model: nn.Module | None = None) -> None:
     """Build every parallel stage's meshes (collective) and make ``executor``'s hosted parallel stages FSDP or
     tensor-parallel; sets ``executor.intra_stage``. The one hook :func:`graphpipe.runtime.setup.setup_rank` calls."""
-    for tie in split.tied:
-        parallel = [s for s in tie.stages if sg.stages[s].parallel]
-        if parallel:
-            raise PlanError(f"parameter {tie.name} is tied across stages {list(tie.stages)}, and stage {parallel[0]} "
-                            "is FSDP-sharded or tensor-parallel: tied parameters run on whole-copy stages only; "
-                            "give that stage tp 1 and shard none")
     for s, hosted in executor.hosted.items():
         if sg.stages[s].parallel and hosted.batchnorms:
             raise PlanError(f"stage {s} is FSDP-sharded or tensor-parallel and holds BatchNorm: its statistics "

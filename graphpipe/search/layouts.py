@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Collection, Sequence
+from typing import Any, Sequence
 
 from graphpipe import costs
 from graphpipe.cluster import Cluster
@@ -189,11 +189,12 @@ def reduced_cluster(cluster: Cluster, layout: Layout) -> Cluster:
 
 def expand(sg: StageGraph, graph: OpGraph, cluster: Cluster, layout: Layout, batch_size: int) -> StageGraph:
     """The reduced plan's stage graph ``sg`` on the full ``cluster`` (module docstring), over ``graph`` (the
-    same ops by name). Round-robin stages become split ones (a tp group splits every micro-batch), but under the
-    round-robin layouts (:attr:`Layout.round_robin`), where a stage of ``r`` units is round-robin over ``r``
-    groups of ``group`` replicas (``split``), each group taking whole micro-batches of ``group`` times the
-    reduced size in turn and splitting them (as the reduced problem's unit runs its micro-batch); a stage
-    left with one replica is not sharded (FSDP over one replica is a whole copy)."""
+    same ops by name). A stage of ``r`` units is round-robin under the round-robin layouts
+    (:attr:`Layout.round_robin`) and where the reduced plan made it so (PipeDream's space, which gpp ranks):
+    over ``r`` groups of ``group`` replicas (``split``), each group taking whole micro-batches of ``group`` times
+    the reduced size in turn and splitting them (as the reduced problem's unit runs its micro-batch); other
+    stages split every micro-batch over their tp groups; a round-robin stage, or one left with one replica, is
+    not sharded (its replicas are whole copies; FSDP over one replica is a whole copy)."""
     size = layout.tp * layout.group
     stages = []
     for st in sg.stages:
@@ -201,8 +202,8 @@ def expand(sg: StageGraph, graph: OpGraph, cluster: Cluster, layout: Layout, bat
         op_ids = tuple(graph.op_id(sg.graph.ops[i].name) for i in st.op_ids)
         checkpoints = tuple(graph.op_id(sg.graph.ops[i].name) for i in st.checkpoints)
         replicas = len(devices) // layout.tp
-        shard = layout.shard if replicas > 1 else "none"
-        mode = "round-robin" if layout.round_robin and replicas > 1 else "split"
+        mode = "round-robin" if (layout.round_robin or st.round_robin) and replicas > 1 else "split"
+        shard = layout.shard if replicas > 1 and mode == "split" else "none"  # round-robin replicas: whole copies
         split = layout.group if mode == "round-robin" else 1
         stages.append(_whole_recompute(Stage(st.id, op_ids, devices, st.micro_batch_size * layout.group,
                                              st.recompute, replica_mode=mode, checkpoints=checkpoints, split=split,
@@ -289,17 +290,14 @@ def _whole_recompute(stage: Stage) -> Stage:
 
 
 def per_stage_layouts(sg: StageGraph, cluster: Cluster, in_flight: Sequence[int], tps: Sequence[int],
-                      shards: Sequence[str], keep: Collection[int] = ()) -> StageGraph:
+                      shards: Sequence[str]) -> StageGraph:
     """Each stage of ``sg`` on its own devices under the layout (:func:`stage_layouts`) that minimizes its
     busy time in one step, ``M (F + B) + sync``, within the device memory at its ``in_flight`` micro-batches
-    (ties: its current layout); the stages in ``keep`` keep theirs (a split tie's, which the runtime runs on
-    whole copies only). A graph of stages may so give a vision tower's stages tp 1 beside a text decoder's
-    tp 4: each branch's stages pick for their own layers. The planner keeps the result only when the
+    (ties: its current layout). A graph of stages may so give a vision tower's stages tp 1 beside a text
+    decoder's tp 4: each branch's stages pick for their own layers. The planner keeps the result only when the
     simulation says it is faster."""
     stages = list(sg.stages)
     for st in sg.stages:
-        if st.id in keep:
-            continue
         def busy(trial: StageGraph, stage_id: int = st.id) -> float:
             turns = trial.busiest_replica_micro_batches(stage_id)
             return turns * (trial.fwd_time(stage_id) + trial.bwd_time(stage_id)) + trial.sync_time(stage_id, cluster)

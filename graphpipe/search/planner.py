@@ -401,33 +401,12 @@ def _per_stage_layouts(request: PlanRequest, plan: Plan, tp, shard, search: dict
     tps = [t for t in layouts.TP_CHOICES if t <= cluster.devices_per_node] if tp == "auto" else [tp]
     shards = ["none", "fsdp"] if shard == "auto" else [shard]
     in_flight = plan.predicted.in_flight or [1] * plan.stage_graph.num_stages
-    keep = _tie_stages(request, plan.stage_graph, plan.merged)
-    sg = layouts.per_stage_layouts(plan.stage_graph, cluster, in_flight, tps, shards, keep)
+    sg = layouts.per_stage_layouts(plan.stage_graph, cluster, in_flight, tps, shards)
     if sg.stages == plan.stage_graph.stages:
         return plan
     trial, why_not = _if_faster(request, plan, sg, plan.schedule.name)
     search["per_stage_layouts"] = "kept" if trial is not None else f"not kept: {why_not}"
     return plan if trial is None else trial
-
-
-def _tie_stages(request: PlanRequest, sg: StageGraph, merged) -> set[int]:
-    """The stages of ``sg`` that hold a tie it splits (:func:`graphpipe.search.tied.split_tie_stages`)."""
-    if not request.graph.shared:
-        return set()
-    from graphpipe.search.tied import split_tie_stages
-
-    return split_tie_stages(sg, request.graph.shared, merged or {})
-
-
-def _check_ties(request: PlanRequest, sg: StageGraph, merged) -> None:
-    """Refuse a layout whose plan puts a split tie on a parallel stage: the runtime sums a tied parameter's
-    copies over whole-copy stages only, so the plan could not run (the layout search then keeps another)."""
-    parallel = sorted(s for s in _tie_stages(request, sg, merged) if sg.stages[s].parallel)
-    if parallel:
-        st = sg.stages[parallel[0]]
-        raise InfeasibleError(f"stage {st.id} (tp {st.tp}, shard {st.shard}) holds a parameter tied to another "
-                              "stage's, and tied parameters run on whole-copy stages only: plan with --tp auto (it "
-                              "keeps those stages tp 1, shard none) or --tp 1 --shard none")
 
 
 def _layer_chain(graph: OpGraph) -> bool:
@@ -457,12 +436,12 @@ def _plan_layout(request: PlanRequest, layout) -> Plan:
     if layout.pp_only and layout.group == 1 and not request.graph.shared:
         return _plan_whole(request)
     cluster = request.cluster
-    graph = layouts.reduced_graph(request.graph, cluster, layout)
+    graph = request.graph
     if graph.shared:  # the search sees the tie's copies (the expanded plan, on the graph itself, charges them)
         from graphpipe.search.tied import with_copies
 
         graph = with_copies(graph)
-    reduced = replace(request, graph=graph,
+    reduced = replace(request, graph=layouts.reduced_graph(graph, cluster, layout),
                       cluster=layouts.reduced_cluster(cluster, layout),
                       batch_size=request.batch_size // layout.group, progress=None)
     small = _plan_whole(reduced)
@@ -476,7 +455,6 @@ def _plan_layout(request: PlanRequest, layout) -> Plan:
         search["devices_used"] = used
     if "unused_devices" in search:
         search["unused_devices"] = cluster.num_devices - used
-    _check_ties(request, sg, merged)
     plan = _scheduled(request, sg, small.schedule.name, merged, search)
     _check_memory(request, plan)
     return replace(plan, search={**plan.search, "schedule_time_s": time.perf_counter() - started})

@@ -47,7 +47,7 @@ from graphpipe.cluster import Cluster
 from graphpipe.graph import OpGraph, SharedParams
 from graphpipe.stages import StageGraph
 
-__all__ = ["shared_params_cost", "charge_shared_params", "charge_plan", "split_tie_stages", "with_copies"]
+__all__ = ["shared_params_cost", "charge_shared_params", "charge_plan", "with_copies"]
 
 
 def _stage_of_name(sg: StageGraph, name: str, merged: Mapping[str, Sequence[str]]) -> int | None:
@@ -63,24 +63,6 @@ def _split_ties(sg: StageGraph, shared: Sequence[SharedParams], merged: Mapping[
         stages = sorted({s for s in (_stage_of_name(sg, name, merged) for name in group.ops) if s is not None})
         if len(stages) >= 2:
             yield group, stages
-
-
-def split_tie_stages(sg: StageGraph, shared: Sequence[SharedParams], merged: Mapping[str, Sequence[str]]) -> set[int]:
-    """Stages holding an op of a tie that ``sg`` splits across stages: each keeps the parameter or a copy, and
-    the runtime sums the copies' gradients over whole copies only (:func:`graphpipe.runtime.intra_stage.attach`
-    refuses a tied parameter on an FSDP-sharded or tensor-parallel stage), so layout searches keep them tp 1,
-    shard none.
-
-    >>> from graphpipe.graph import Op, OpGraph, SharedParams
-    >>> from graphpipe.stages import Stage, StageGraph
-    >>> g = OpGraph.build("lm", [Op("embed", "x", param_bytes=4e6), Op("mid", "x"), Op("head", "x")],
-    ...                   [("embed", "mid", 1.0), ("mid", "head", 1.0)], [SharedParams(("embed", "head"), 4e6)])
-    >>> split = StageGraph.build(g, [Stage(0, (0,), (0,), 2), Stage(1, (1,), (1,), 2), Stage(2, (2,), (2,), 2)], 8, 3)
-    >>> whole = StageGraph.build(g, [Stage(0, (0, 1, 2), (0,), 2)], 8, 1)
-    >>> sorted(split_tie_stages(split, g.shared, {})), split_tie_stages(whole, g.shared, {})
-    ([0, 2], set())
-    """
-    return {s for _, stages in _split_ties(sg, shared, merged) for s in stages}
 
 
 def with_copies(graph: OpGraph) -> OpGraph:
@@ -118,9 +100,42 @@ def shared_params_cost(sg: StageGraph, shared: Sequence[SharedParams], merged: M
         if len(devices) > 1:
             seconds += cluster.allreduce_time(devices, group.bytes)
         for s in stages[1:]:  # the first stage keeps the parameter; each other one holds a copy
+            copy = copy_state_bytes(sg, s, group, merged, cluster)
             for d in sg.stages[s].devices:
-                extra[d] = extra.get(d, 0.0) + cluster.state_bytes(group.bytes)
+                extra[d] = extra.get(d, 0.0) + copy
     return seconds, extra
+
+
+def copy_state_bytes(sg: StageGraph, stage_id: int, group: SharedParams, merged: Mapping[str, Sequence[str]],
+                     cluster: Cluster) -> float:
+    """Model-state bytes of a tie's copy on one device of stage ``stage_id``, laid out as the stage is: a tp
+    rank's share where the op reading it splits under tensor parallelism (:func:`graphpipe.costs.tp_rule` of its
+    kind at the tie's size: a linear head, an embedding), sharded over the replicas under FSDP
+    (:func:`graphpipe.costs.layout_state_bytes`); whole copies as :meth:`~graphpipe.cluster.Cluster.state_bytes`.
+
+    >>> from graphpipe.cluster import preset
+    >>> from graphpipe.graph import Op, OpGraph, SharedParams
+    >>> from graphpipe.stages import Stage, StageGraph
+    >>> g = OpGraph.build("lm", [Op("embed", "embedding", param_bytes=4e6), Op("head", "linear")],
+    ...                   [("embed", "head", 1.0)], [SharedParams(("embed", "head"), 4e6)])
+    >>> c = preset("h100", 8)
+    >>> sg = StageGraph.build(g, [Stage(0, (0,), (0,), 4), Stage(1, (1,), (4, 5, 6, 7), 4, tp=2)], 8, 8, cluster=c)
+    >>> copy_state_bytes(sg, 1, g.shared[0], {}, c) == c.state_bytes(4e6) / 2
+    True
+    """
+    from graphpipe import costs
+
+    st = sg.stages[stage_id]
+    if not st.parallel:
+        return cluster.state_bytes(group.bytes)
+    share = group.bytes
+    if st.tp > 1:
+        readers = [op for op_id, op in enumerate(sg.graph.ops) if sg.stage_of(op_id) == stage_id
+                   and (op.name in group.ops or any(n in group.ops for n in merged.get(op.name, ())))]
+        if readers and not costs.tp_rule(readers[0].kind, group.bytes)[2]:
+            share = group.bytes / st.tp
+    return float(costs.layout_state_bytes(share, share, st.num_replicas, st.shard, st.reshard_after_forward,
+                                          cluster.bytes_per_param))
 
 
 def charge_shared_params(predicted: Mapping[str, Any], sg: StageGraph, shared: Sequence[SharedParams],
