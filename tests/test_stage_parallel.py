@@ -445,3 +445,21 @@ def test_expanding_a_layout_keeps_the_reduced_plans_round_robin_stages():
     assert (first.replica_mode, first.tp, first.devices, first.micro_batch_size, first.num_groups) == (
         "round-robin", 2, (0, 1, 2, 3), 1, 2)
     assert (second.replica_mode, second.tp, second.devices, second.micro_batch_size) == ("split", 2, (4, 5, 6, 7), 2)
+
+
+def test_asynchronous_schedules_plan_whole_copies_as_the_runtime_runs_them():
+    """PipeDream's asynchronous schedules run on whole-copy stages only (the runtime refuses FSDP and TP under
+    them): with --tp auto their plans keep tp 1, shard none even where a synchronous schedule's plan goes tp 2
+    (it planned tp 2 under 2bw before), and asking for tp 2 with them is refused in one line."""
+    from graphpipe.errors import InputError
+
+    g = tied_lm(8)
+    cl = cluster(16, memory=2.2e10)
+    sync = make_plan("tied", g, cl, 64, "gpp", SearchOptions(tp="auto", shard="auto"), schedule="1f1b")
+    assert any(st.parallel for st in sync.stage_graph.stages)
+    for name in ("2bw", "1f1b-async"):
+        plan = make_plan("tied", g, cl, 64, "gpp", SearchOptions(tp="auto", shard="auto"), schedule=name)
+        assert plan.schedule.name == name
+        assert all(st.tp == 1 and st.shard == "none" for st in plan.stage_graph.stages)
+    with pytest.raises(InputError, match=r"^tp > 1 and fsdp are planned .* synchronous ones; drop --tp/--shard[^\n]*$"):
+        make_plan("tied", g, cl, 64, "gpp", SearchOptions(tp=2, shard="none"), schedule="2bw")

@@ -240,10 +240,13 @@ def plan_request(request: PlanRequest) -> Plan:
 
     started = time.perf_counter()
     options, cluster = request.options, request.cluster
-    plain = request.looped or request.co_optimised or options.host is not None
+    spec = request.spec
+    asynchronous = spec is not None and spec.asynchronous  # PipeDream's streams: the runtime runs whole copies
+    plain = request.looped or request.co_optimised or options.host is not None or asynchronous
     if plain and (options.tp not in (1, "auto") or options.shard == "fsdp"):
-        raise InputError("tp > 1 and fsdp are planned with the strategies' own schedules on dedicated devices; drop "
-                         "--tp/--shard, or the --schedule/--virtual-stages/--host-cores option")
+        raise InputError("tp > 1 and fsdp are planned with the strategies' own schedules on dedicated devices, "
+                         "synchronous ones; drop --tp/--shard, or the --schedule/--virtual-stages/--host-cores "
+                         "option")
     tp, shard = (1, "none") if plain else (options.tp, options.shard)
     if tp == "auto" and not layouts.splittable_ops(request.graph):
         tp = 1  # nothing to split: tp only replicates work
@@ -448,6 +451,10 @@ def _plan_layout(request: PlanRequest, layout) -> Plan:
     started = time.perf_counter()
     sp_graph, merged = make_series_parallel(request.graph)
     sg = layouts.expand(small.stage_graph, sp_graph, cluster, layout, request.batch_size)
+    if request.spec is not None and request.spec.asynchronous:  # past MAX_UNITS: round-robin groups, refused
+        from graphpipe.sched.async_pipe import check_async_stage_graph
+
+        check_async_stage_graph(sg)
     search = {**small.search, "reduced_devices": reduced.cluster.num_devices,
               "reduced_throughput": small.predicted.throughput}
     used = len(sg.devices_used())  # the reduced plan counted units; the plan's figures count devices
@@ -502,7 +509,9 @@ def _from_base(request: PlanRequest, spec: ScheduleSpec) -> Plan:
     :func:`~graphpipe.sched.async_pipe.with_async`) or its micro-batch size cut into a V (:func:`looped.v_layout_plan`)."""
     from graphpipe.search import looped
 
-    base = plan_request(replace(request, schedule=spec.base, vertical_sync=False, update_every=None, stash=True))
+    options = replace(request.options, tp=1, shard="none") if spec.asynchronous else request.options
+    base = plan_request(replace(request, schedule=spec.base, vertical_sync=False, update_every=None, stash=True,
+                                options=options))
     if spec.asynchronous:
         from graphpipe.sched.async_pipe import async_spec_for, with_async
 
