@@ -216,3 +216,31 @@ def test_the_per_stage_re_pick_skips_layouts_with_more_groups_than_micro_batches
     assert [s.tp for s in layouts.stage_layouts(sg.stages[0], cl, [1, 2], ["none"])] == [1, 2]
     out = layouts.per_stage_layouts(sg, cl, [1, 1], [1, 2], ["none"])
     assert (out.stages[0].tp, out.stages[0].num_groups) == (2, 2)
+
+
+def test_round_robin_is_also_tried_where_powers_of_two_use_every_device_unevenly(monkeypatch):
+    """Four equal layers of 1 GB of fp32 weights on 24 devices (6 nodes of 4) of 10 GB, which hold two layers'
+    Adam state (8 GB; three need 12): split replicas of a power-of-two micro-batch come in powers of two, so the best such
+    plan cuts 2 + 1 + 1 layers onto 8 devices each and uses every device, but its busiest device runs 128
+    samples of 2 layers against an even share of 1024 x 4 / 24 layer-samples: balance 2/3. The round-robin
+    retry, run before only where devices sat idle, now also runs under a balance of 0.85: one layer per stage
+    on 6 devices each, ceil(1024 / 6) = 171 samples on the busiest, plus at most one pass of each stage's
+    work of fill and drain."""
+    import graphpipe.search.planner as planner
+    from graphpipe.search.layouts import efficiency_factors
+
+    g = OpGraph.build("chain", [Op(f"l{i}", "x", Affine(0.0, F), Affine(0.0, B), 1e9, 0.0, 0.0) for i in range(4)],
+                      [(f"l{i}", f"l{i + 1}", 0.0) for i in range(3)])
+    base = cluster(24, per_node=4)
+    cl = Cluster(name="t", num_devices=24, devices_per_node=4, device=DeviceSpec(name="x", memory_bytes=10e9,
+                 peak_flops=1e15, op_overhead_s=0.0), intra_node=base.intra_node, inter_node=base.inter_node)
+    options = SearchOptions(tp=1, shard="auto")
+    new = make_plan("chain", g, cl, 1024, "gpp", options)
+    monkeypatch.setattr(planner, "ROUND_ROBIN_BALANCE", 0.0)  # the retry's rule before
+    old = make_plan("chain", g, cl, 1024, "gpp", options)
+    assert sorted((len(s.op_ids), len(s.devices)) for s in old.stage_graph.stages) == [(1, 8), (1, 8), (2, 8)]
+    assert efficiency_factors(old, 24)["balance"] == pytest.approx(2 / 3)
+    assert [(len(s.op_ids), len(s.devices), s.round_robin) for s in new.stage_graph.stages] == [(1, 6, True)] * 4
+    busiest = math.ceil(1024 / 6) * (F + B)
+    assert busiest <= new.predicted.iteration_time_s <= busiest + 4 * (F + B)
+    assert new.predicted.iteration_time_s < 0.7 * old.predicted.iteration_time_s

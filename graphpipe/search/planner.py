@@ -306,7 +306,8 @@ def plan_request(request: PlanRequest) -> Plan:
                           and 1 < request.batch_size // row["replica_group"] <= layouts.ROUND_ROBIN_MAX_BATCH),
                          key=lambda row: -row["throughput"])
         enough = ROUND_ROBIN_USED * cluster.num_devices
-        idle = best is not None and len(best[1].stage_graph.devices_used()) < enough
+        idle = best is not None and (len(best[1].stage_graph.devices_used()) < enough
+                                     or _balance(best[1], cluster) < ROUND_ROBIN_BALANCE)
         retry = planned[:ROUND_ROBIN_TRIES] if idle else []
         # what `--tp 1 --shard none` retries on its own past MAX_UNITS (its whole-copy layout, where that
         # leaves devices idle), so that no layout search ends slower than PP-only
@@ -335,7 +336,20 @@ ROUND_ROBIN_TRIES = 2
 
 ROUND_ROBIN_USED = 0.95
 """gpp's layout search tries round-robin replicas when its fastest plan uses fewer than this share of the
-devices."""
+devices, or balances its stages worse than :data:`ROUND_ROBIN_BALANCE`."""
+
+ROUND_ROBIN_BALANCE = 0.85
+"""The balance (:func:`graphpipe.search.layouts.efficiency_factors`: the busiest device's compute against an
+even share) under which gpp's layout search also tries round-robin replicas: powers of two that use every
+device may still cut equal layers unevenly (Gemma-2-27B at 8,192 devices: 0.72, then 0.92 round-robin)."""
+
+
+def _balance(plan: Plan, cluster: Cluster) -> float:
+    """:func:`graphpipe.search.layouts.efficiency_factors`' balance of ``plan`` (1.0 where it has none)."""
+    from graphpipe.search import layouts
+
+    factors = layouts.efficiency_factors(plan, cluster.num_devices)
+    return 1.0 if factors is None else factors["balance"]
 
 ZERO_BUBBLE = "zb-h1"
 """The zero-bubble schedule a layout search also tries on each layout's plan (:func:`_zero_bubble`)."""
