@@ -406,27 +406,35 @@ def tied_lm(layers: int = 6) -> OpGraph:
                          [SharedParams(("emb", "head"), 8e8)])
 
 
-def test_a_layout_search_sees_a_tied_copy_and_the_plan_charges_its_tp_share(monkeypatch):
-    """The head reads the embedding's weights; split across stages, the head's stage holds a copy (a tp rank's
-    share where it is tensor-parallel: a linear head splits). The searches cost stages one at a time and never
-    saw the copy: at 2 GB per device, uniform tp 2 then planned 3.2 GB on the head's devices and was refused
-    after its search. Now the search sees it, the plan fits, and each device of a tp 2 head stage is charged
-    exactly the copy's share, 8e8 / 2 bytes of fp32 weights at 16 bytes of Adam state per 4."""
+def test_a_layout_search_sees_a_tied_copy_and_the_plan_charges_it(monkeypatch):
+    """The head reads the embedding's weights; split across stages, the head's stage holds a copy, and its
+    gradient joins the stage's all-reduce over its replicas before the copies are summed. The searches cost
+    stages one at a time and never saw the copy: at 4 GB per device, uniform tp 2 then planned 4.8 GB on the
+    head's devices and was refused after its search. Now the search sees it and the plan fits. The head holds
+    no weights of its own in the graph, so a tp group runs it replicated and each device of its tp 2 stage is
+    charged the whole copy, 8e8 bytes of fp32 weights at 16 bytes of Adam state per 4, and the iteration the
+    copies' sum over both stages' devices plus the copy's share of the head stage's ring over its 2 replicas
+    (bandwidth term only: the stage's own all-reduce pays the latency)."""
     import graphpipe.search.tied as tied
     from graphpipe.errors import DeviceMemoryError
 
     g = tied_lm(8)
-    cl = cluster(16, memory=2e9)
+    cl = cluster(16, memory=4e9)
     plan = make_plan("tied", g, cl, 64, "gpp", SearchOptions(tp=2, shard="none"))
     sg = plan.stage_graph
     emb, head = (sg.stage_of(g.op_id(name)) for name in ("emb", "head"))
     assert emb != head and sg.stages[head].tp == 2 and sg.stages[head].shard == "none"
     assert plan.predicted.max_peak_memory_bytes <= cl.memory_bytes
-    plain = simulate(sg, plan.schedule, cl).peak_memory_bytes  # the simulator alone does not see ties
+    plain = simulate(sg, plan.schedule, cl)  # the simulator alone does not see ties
     for d in sg.stages[head].devices:
-        assert plan.predicted.peak_memory_bytes[d] - plain[d] == pytest.approx(8e8 / 2 * 16 / 4)
+        assert plan.predicted.peak_memory_bytes[d] - plain.peak_memory_bytes[d] == pytest.approx(8e8 * 16 / 4)
+    both = sorted(set(sg.stages[emb].devices) | set(sg.stages[head].devices))
+    ring = oracle_ring_allreduce(len(both), oracle_collective_link(cl, both), 8e8)
+    r = sg.stages[head].num_replicas
+    share = 2 * (r - 1) / r * 8e8 / oracle_collective_link(cl, sg.stages[head].devices[::2]).bandwidth_Bps
+    assert plan.predicted.iteration_time_s == pytest.approx(plain.iteration_time_s + ring + share)
     monkeypatch.setattr(tied, "with_copies", lambda graph: replace(graph, shared=()))  # the search before
-    with pytest.raises(DeviceMemoryError, match="needs 3.2 GB"):
+    with pytest.raises(DeviceMemoryError, match="needs 4.8 GB"):
         make_plan("tied", g, cl, 64, "gpp", SearchOptions(tp=2, shard="none"))
 
 

@@ -453,12 +453,12 @@ def _plan_layout(request: PlanRequest, layout) -> Plan:
     if layout.pp_only and layout.group == 1 and not request.graph.shared:
         return _plan_whole(request)
     cluster = request.cluster
-    graph = request.graph
-    if graph.shared:  # the search sees the tie's copies (the expanded plan, on the graph itself, charges them)
-        from graphpipe.search.tied import with_copies
+    graph = layouts.reduced_graph(request.graph, cluster, layout)
+    if graph.shared:  # the search sees the tie's copies (the expanded plan, on the graph itself, charges them),
+        from graphpipe.search.tied import with_copies  # whole on each tp rank, as the plan is charged
 
         graph = with_copies(graph)
-    reduced = replace(request, graph=layouts.reduced_graph(graph, cluster, layout),
+    reduced = replace(request, graph=graph,
                       cluster=layouts.reduced_cluster(cluster, layout),
                       batch_size=request.batch_size // layout.group, progress=None)
     small = _plan_whole(reduced)

@@ -12,7 +12,9 @@ runnable whatever it does with tied ops; the plan's prediction is charged
   the shared bytes on every device of every stage holding a copy;
 * time: a ring all-reduce of the shared bytes over the devices of every
   owning stage, on the iteration's tail (after the last backward, as the
-  runtime does it), added to the simulated iteration time.
+  runtime does it), and what each copy adds to its stage's own gradient
+  all-reduce over its replicas (:func:`copy_sync_s`), added to the simulated
+  iteration time.
 
 The search itself does not see this term (the DPs cost stages one at a
 time, and a tie couples two stages); it is small beside a stage's time for
@@ -103,15 +105,39 @@ def shared_params_cost(sg: StageGraph, shared: Sequence[SharedParams], merged: M
             copy = copy_state_bytes(sg, s, group, merged, cluster)
             for d in sg.stages[s].devices:
                 extra[d] = extra.get(d, 0.0) + copy
+            seconds += copy_sync_s(sg, s, group, merged, cluster)
     return seconds, extra
+
+
+def copy_sync_s(sg: StageGraph, stage_id: int, group: SharedParams, merged: Mapping[str, Sequence[str]],
+                cluster: Cluster) -> float:
+    """Seconds a tie's copy adds to stage ``stage_id``'s own step-end gradient collective over its replicas
+    (the copy is one of the stage's parameters, so the runtime reduces it with the rest before the copies are
+    summed): the bandwidth term of a ring over the replicas on the stage's link for a tp rank's copy (the
+    stage's collective pays the latency); nothing for one replica or FSDP resharding after forward (its
+    collectives run per micro-batch)."""
+    from graphpipe import costs
+
+    st = sg.stages[stage_id]
+    if st.num_replicas < 2 or (st.shard == "fsdp" and st.reshard_after_forward):
+        return 0.0
+    link = cluster.allreduce_link(st.devices[::st.tp])
+    return float(costs.ring_allreduce_s(st.num_replicas, 0.0, link.bandwidth_Bps,
+                                        _copy_share(sg, stage_id, group, merged)))
+
+
+def _copy_share(sg: StageGraph, stage_id: int, group: SharedParams, merged: Mapping[str, Sequence[str]]) -> float:
+    """Bytes of a tie's copy on one tp rank of stage ``stage_id``: the whole. The op reading a copy holds no
+    parameters of its own in the graph, so the cost model runs it replicated in a tp group
+    (:func:`graphpipe.costs.tp_rule`: nothing to split), and its copy is priced whole on every tp rank too."""
+    return group.bytes
 
 
 def copy_state_bytes(sg: StageGraph, stage_id: int, group: SharedParams, merged: Mapping[str, Sequence[str]],
                      cluster: Cluster) -> float:
-    """Model-state bytes of a tie's copy on one device of stage ``stage_id``, laid out as the stage is: a tp
-    rank's share where the op reading it splits under tensor parallelism (:func:`graphpipe.costs.tp_rule` of its
-    kind at the tie's size: a linear head, an embedding), sharded over the replicas under FSDP
-    (:func:`graphpipe.costs.layout_state_bytes`); whole copies as :meth:`~graphpipe.cluster.Cluster.state_bytes`.
+    """Model-state bytes of a tie's copy on one device of stage ``stage_id``, laid out as the stage is: sharded
+    over the replicas under FSDP (:func:`graphpipe.costs.layout_state_bytes`), whole on every tp rank
+    (:func:`_copy_share`); whole copies as :meth:`~graphpipe.cluster.Cluster.state_bytes`.
 
     >>> from graphpipe.cluster import preset
     >>> from graphpipe.graph import Op, OpGraph, SharedParams
@@ -120,7 +146,11 @@ def copy_state_bytes(sg: StageGraph, stage_id: int, group: SharedParams, merged:
     ...                   [("embed", "head", 1.0)], [SharedParams(("embed", "head"), 4e6)])
     >>> c = preset("h100", 8)
     >>> sg = StageGraph.build(g, [Stage(0, (0,), (0,), 4), Stage(1, (1,), (4, 5, 6, 7), 4, tp=2)], 8, 8, cluster=c)
-    >>> copy_state_bytes(sg, 1, g.shared[0], {}, c) == c.state_bytes(4e6) / 2
+    >>> copy_state_bytes(sg, 1, g.shared[0], {}, c) == c.state_bytes(4e6)
+    True
+    >>> fsdp = StageGraph.build(g, [Stage(0, (0,), (0,), 4), Stage(1, (1,), (4, 5, 6, 7), 4, shard="fsdp",
+    ...                                                                 reshard_after_forward=False)], 8, 8, cluster=c)
+    >>> copy_state_bytes(fsdp, 1, g.shared[0], {}, c) == 2 * 4e6 + (c.state_bytes(4e6) - 2 * 4e6) / 4
     True
     """
     from graphpipe import costs
@@ -128,12 +158,7 @@ def copy_state_bytes(sg: StageGraph, stage_id: int, group: SharedParams, merged:
     st = sg.stages[stage_id]
     if not st.parallel:
         return cluster.state_bytes(group.bytes)
-    share = group.bytes
-    if st.tp > 1:
-        readers = [op for op_id, op in enumerate(sg.graph.ops) if sg.stage_of(op_id) == stage_id
-                   and (op.name in group.ops or any(n in group.ops for n in merged.get(op.name, ())))]
-        if readers and not costs.tp_rule(readers[0].kind, group.bytes)[2]:
-            share = group.bytes / st.tp
+    share = _copy_share(sg, stage_id, group, merged)
     return float(costs.layout_state_bytes(share, share, st.num_replicas, st.shard, st.reshard_after_forward,
                                           cluster.bytes_per_param))
 
