@@ -331,6 +331,10 @@ def plan_request(request: PlanRequest) -> Plan:
     return replace(plan, search={**plan.search, **search, "time_s": time.perf_counter() - started})
 
 
+SMALL_PARALLEL = 4
+"""Ops a parallel part of a "chain of layers" may hold (:func:`_layer_chain`): OPT's token and position
+embeddings side by side are still a chain; T5's encoder beside its decoder's embedding is not."""
+
 ROUND_ROBIN_TRIES = 2
 """How many of the fastest whole-copy layouts gpp's layout search tries again with round-robin replicas."""
 
@@ -427,13 +431,14 @@ def _per_stage_layouts(request: PlanRequest, plan: Plan, tp, shard, search: dict
 
 
 def _layer_chain(graph: OpGraph) -> bool:
-    """Whether ``graph``'s series-parallel form has no parallel branches: a chain of layers, where equal layers
-    cut unevenly into power-of-two stages (the round-robin retry's case; on branchy graphs, T5-11B's encoder
-    beside its decoder, the retry's search over both views took 15-25 s more)."""
+    """Whether ``graph``'s series-parallel form has no parallel part of more than :data:`SMALL_PARALLEL` ops: a
+    chain of layers, where equal layers cut unevenly into power-of-two stages (the round-robin retry's case; on
+    branchy graphs, T5-11B's encoder beside its decoder, the retry's search over both views took 15-25 s
+    more)."""
     from graphpipe.search.gpp_tree import build_tree
 
     tree = build_tree(make_series_parallel(graph)[0])
-    return not any(kind == "parallel" for kind in tree.kinds)
+    return not any(kind == "parallel" and len(tree.op_ids[x]) > SMALL_PARALLEL for x, kind in enumerate(tree.kinds))
 
 
 def _roomy(tried: list[dict[str, Any]], tp: int, cluster: Cluster) -> bool:
