@@ -301,23 +301,3 @@ def micro_batch_candidates(batch_size: int, options: SearchOptions) -> tuple[int
     if options.power_of_two:
         sizes = tuple(s for s in sizes if s & (s - 1) == 0)
     return sizes
-
-
-def check_fits(sg: StageGraph, cluster: Cluster, in_flight: Mapping[int, int]) -> list[tuple[int, float]]:
-    """(device, bytes) for every device whose estimated memory exceeds the cluster's."""
-    over = []
-    per_device: dict[int, float] = {}
-    for s in sg.stages:
-        if s.parallel:  # tp shares and FSDP shards: the stage graph's layout-aware figures
-            mem = sg.device_memory(s.id, cluster, in_flight[s.id])
-            for d in s.devices:
-                per_device[d] = per_device.get(d, 0.0) + mem
-            continue
-        mem = stage_memory(sg.graph, s.op_ids, s.num_replicas, s.micro_batch_size, in_flight[s.id], cluster,
-                           s.recompute, sg.input_bytes_per_sample(s.id), sg.output_bytes_per_sample(s.id))
-        for d in s.devices:
-            per_device[d] = per_device.get(d, 0.0) + mem
-    for d, mem in sorted(per_device.items()):
-        if mem > cluster.memory_bytes:
-            over.append((d, mem))
-    return over
