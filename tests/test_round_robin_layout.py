@@ -9,6 +9,7 @@ simulated iteration for graph-1F1B's round-robin warm-ups.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -273,3 +274,24 @@ def test_a_chain_with_a_small_parallel_part_still_gets_the_round_robin_retry():
     sg = plan.stage_graph
     assert sorted(len(s.devices) for s in sg.stages if any(sg.graph.ops[i].name.startswith("l") for i in s.op_ids)) \
         == [6, 6, 6, 6]
+
+
+def test_the_plan_table_says_which_stages_take_micro_batches_in_turn():
+    """``graphpipe plan``'s table gains its layout column where replicas take micro-batches in turn, one by one
+    or in groups that split each (``round-robin by 2``); a plan of split whole copies prints no such column."""
+    from graphpipe.cli.plan_cmd import format_plan
+    from graphpipe.plan import Predicted
+    from graphpipe.sched.predict import predict
+
+    auto = make_plan("chain", layers(2), cluster(24), 1024, "gpp", SearchOptions(tp="auto", shard="auto"))
+    table = format_plan(auto).splitlines()
+    assert table[1].split()[-1] == "layout" and table[2].endswith("24 x copy, round-robin")
+    plain = make_plan("chain", layers(2), cluster(24), 1024, "gpp", SearchOptions(tp=1, shard="none"))
+    assert "layout" not in format_plan(plain).splitlines()[1]
+    g, cl = layers(2), cluster(6)
+    stages = [Stage(0, (0,), (0, 1, 2, 3), 2, replica_mode="round-robin", split=2), Stage(1, (1,), (4, 5), 2)]
+    sg = StageGraph.build(g, stages, 8, 6, cluster=cl)
+    grouped = replace(auto, stage_graph=sg, cluster=cl, schedule=make_schedule("gpipe", sg, cl))
+    grouped = replace(grouped, predicted=Predicted(**predict(grouped)[1]))
+    rows = format_plan(grouped).splitlines()
+    assert rows[2].endswith("4 x copy, round-robin by 2") and rows[3].endswith("2 x copy")

@@ -265,8 +265,9 @@ def format_plan(plan) -> str:
     lines = [f"{plan.model}: {plan.strategy} plan, {stages} (depth {sg.depth()}) on "
              f"{len(sg.devices_used())}/{plan.cluster.num_devices} {plan.cluster.device.name}, batch {sg.batch_size}, "
              f"schedule {plan.schedule.name}"]
-    # a layout column only when a stage is parallel inside itself: whole-copy plans print as they always have
-    layouts = any(st.parallel for st in sg.stages)
+    # a layout column only when a stage is parallel inside itself or its replicas take micro-batches in turn:
+    # whole copies splitting every micro-batch print as they always have
+    layouts = any(st.parallel or st.round_robin for st in sg.stages)
     rows = [("stage", "ops", "devices", "mb", "in-flight") + (("layout",) if layouts else ())]
     for st in sg.stages:
         rows.append((str(st.id), _abbrev([sg.graph.ops[i].name for i in st.op_ids]), _devices(st.devices),
@@ -305,9 +306,12 @@ def format_plan(plan) -> str:
 
 
 def _layout(stage) -> str:
-    """A stage's parallelism inside itself, for the table: ``4 x tp2``, ``8 x fsdp`` (replicas x layout)."""
+    """A stage's parallelism inside itself, for the table: ``4 x tp2``, ``8 x fsdp`` (replicas x layout), and how
+    round-robin replicas take micro-batches: ``12 x copy, round-robin`` (each replica in turn),
+    ``48 x copy, round-robin by 4`` (groups of 4 replicas in turn, splitting each)."""
     parts = ([f"tp{stage.tp}"] if stage.tp > 1 else []) + (["fsdp"] if stage.shard == "fsdp" else [])
-    return f"{stage.num_replicas} x {' '.join(parts) or 'copy'}"
+    turns = "" if not stage.round_robin else ", round-robin" + (f" by {stage.split}" if stage.split > 1 else "")
+    return f"{stage.num_replicas} x {' '.join(parts) or 'copy'}{turns}"
 
 
 def _fmt(value: Any, spec: str) -> str:
