@@ -112,7 +112,8 @@ def _next_token(logits, ids):
 
 
 def hand_plan(spec: str, stages: list[tuple[tuple[str, ...], tuple[int, ...], int, str]], *, batch: int = BATCH,
-              micro_batch_size: int = 4, schedule: str = "1f1b", devices: int | None = None):
+              micro_batch_size: int = 4, schedule: str = "1f1b", devices: int | None = None,
+              shared_devices: bool = False):
     """A plan of ``spec`` with the stages written by hand: ``(op-name prefixes, devices, tp, shard)`` each; every
     op goes to the first stage one of whose prefixes starts its name (``""`` takes the rest)."""
     from dataclasses import replace
@@ -134,7 +135,7 @@ def hand_plan(spec: str, stages: list[tuple[tuple[str, ...], tuple[int, ...], in
                             if any(op.name.startswith(p) for p in prefixes))
     built = [Stage(i, tuple(o for o, s in owner.items() if s == i), tuple(ds), micro_batch_size, tp=tp, shard=shard)
              for i, (_, ds, tp, shard) in enumerate(stages)]
-    sg = StageGraph.build(graph, built, batch, num_devices)
+    sg = StageGraph.build(graph, built, batch, num_devices, allow_shared_devices=shared_devices)
     return replace(base, stage_graph=sg, schedule=make_schedule(schedule, sg), predicted={}, strategy="custom")
 
 

@@ -136,7 +136,8 @@ def test_llama_tp_and_a_checkpoint_across_layouts(tmp_path):
     training as one process would have. GPT-2's embedding is tied to its head: split across a TP 2 stage and a
     whole one, and across a whole stage and an FSDP one, the copies' gradients are summed whole and each device
     keeps its piece (the global norm counts the parameter once); the FSDP plan's checkpoint loads into the TP
-    one, which goes on as one process would."""
+    one, which goes on as one process would; and two ranks hosting a whole-copy stage beside a TP stage
+    reduce each stage's gradients its own way."""
     llama = write(tmp_path, "llama", "llama", [(("model.model.embed", "model.model.layers."), (0, 1), 2, "none"),
                                                (("",), (2,), 1, "none")])
     fsdp = write(tmp_path, "fsdp", "mlp_chain", [(("stem", "block0"), (0,), 1, "none"), (("",), (1, 2), 1, "fsdp")])
@@ -148,11 +149,16 @@ def test_llama_tp_and_a_checkpoint_across_layouts(tmp_path):
     tie_tp = write(tmp_path, "tie_tp", "gpt2", [(front, (0, 1), 2, "none"), (("",), (2,), 1, "none")])
     tie_fsdp = write(tmp_path, "tie_fsdp", "gpt2", [(front, (0,), 1, "none"), (("",), (1, 2), 1, "fsdp")])
     write(tmp_path, "tie_resumed", "gpt2", [(front, (0, 1), 2, "none"), (("",), (2,), 1, "none")])
+    # devices 0 and 1 host a whole-copy stage and a TP stage (shared devices): each reduces its own gradients
+    # (the whole copies' all-reduce ran on the TP stage's DTensor gradients too and crashed)
+    shared = write(tmp_path, "tie_shared", "gpt2", [(front, (0, 1), 1, "none"), (("model.transformer.h.1",), (2,), 1,
+                   "none"), (("",), (0, 1), 2, "none")], schedule="gpipe", shared_devices=True)
     ck, tie_ck = str(tmp_path / "ck"), str(tmp_path / "tie_ck")
     torchrun("2", str(tmp_path), llama, llama_fsdp, gpt2, f"{fsdp},save={ck}", f"{tp},steps=1,load={ck}", tie_tp,
-             f"{tie_fsdp},save={tie_ck}", f"{tmp_path / 'tie_resumed.json'},steps=1,load={tie_ck}", ranks=3,
+             f"{tie_fsdp},save={tie_ck}", f"{tmp_path / 'tie_resumed.json'},steps=1,load={tie_ck}", shared, ranks=3,
              script=SCRIPT)
     check(str(tmp_path / "tie_tp.pt"), "gpt2", 2)
+    check(str(tmp_path / "tie_shared.pt"), "gpt2", 2)
     check(str(tmp_path / "tie_fsdp.pt"), "gpt2", 2)
     resumed = torch.load(str(tmp_path / "tie_resumed.pt"), weights_only=False)
     losses, weights, evaluation, _ = oracle("gpt2", 3)

@@ -76,7 +76,9 @@ def setup_rank(rank: int, world_size: int, plan: Plan, split: ModelSplit, meta, 
             for pos, a in enumerate(first):
                 if a.kind in ("B", "W"):
                     last_b[a.stage_id] = pos
-            ar_order[stage.devices] = sorted((s for s in last_b if sg.stages[s].devices == stage.devices), key=last_b.get)
+            # whole copies only: an FSDP or TP stage on the same devices (virtual stages) reduces its own gradients
+            ar_order[stage.devices] = sorted((s for s in last_b if sg.stages[s].devices == stage.devices
+                                              and not sg.stages[s].parallel), key=last_b.get)
     tied = []
     tie_groups: dict[tuple[int, ...], object] = {}
     for tie in split.tied:  # every rank creates every group, in the same order (new_group is collective)
