@@ -16,11 +16,12 @@ runnable whatever it does with tied ops; the plan's prediction is charged
   all-reduce over its replicas (:func:`copy_sync_s`), added to the simulated
   iteration time.
 
-The search itself does not see this term (the DPs cost stages one at a
-time, and a tie couples two stages); it is small beside a stage's time for
-the models we know (one embedding matrix per iteration), and the memory
-check of :func:`~graphpipe.search.planner.make_plan` runs on the charged
-figures, so a plan whose copies do not fit is refused.
+The plain searches do not see these terms (the DPs cost stages one at a
+time, and a tie couples two stages); the layout searches see a copy's
+memory (:func:`with_copies`), not the all-reduce, which is small beside a
+stage's time for the models we know (one embedding matrix per iteration).
+The memory check of :func:`~graphpipe.search.planner.make_plan` runs on the
+charged figures, so a plan whose copies do not fit is refused.
 
 Every command that predicts a plan's iteration charges it the same way
 (:func:`charge_plan`): ``graphpipe plan``, ``graphpipe simulate`` (flushing
@@ -102,42 +103,34 @@ def shared_params_cost(sg: StageGraph, shared: Sequence[SharedParams], merged: M
         if len(devices) > 1:
             seconds += cluster.allreduce_time(devices, group.bytes)
         for s in stages[1:]:  # the first stage keeps the parameter; each other one holds a copy
-            copy = copy_state_bytes(sg, s, group, merged, cluster)
+            copy = copy_state_bytes(sg, s, group, cluster)
             for d in sg.stages[s].devices:
                 extra[d] = extra.get(d, 0.0) + copy
-            seconds += copy_sync_s(sg, s, group, merged, cluster)
+            seconds += copy_sync_s(sg, s, group, cluster)
     return seconds, extra
 
 
-def copy_sync_s(sg: StageGraph, stage_id: int, group: SharedParams, merged: Mapping[str, Sequence[str]],
-                cluster: Cluster) -> float:
+def copy_sync_s(sg: StageGraph, stage_id: int, group: SharedParams, cluster: Cluster) -> float:
     """Seconds a tie's copy adds to stage ``stage_id``'s own step-end gradient collective over its replicas
     (the copy is one of the stage's parameters, so the runtime reduces it with the rest before the copies are
-    summed): the bandwidth term of a ring over the replicas on the stage's link for a tp rank's copy (the
-    stage's collective pays the latency); nothing for one replica or FSDP resharding after forward (its
-    collectives run per micro-batch)."""
+    summed): the bandwidth term of a ring over the replicas on the stage's link for the whole copy on each tp
+    rank (:func:`copy_state_bytes` says why; the stage's collective pays the latency); nothing for one replica
+    or FSDP resharding after forward (its collectives run per micro-batch)."""
     from graphpipe import costs
 
     st = sg.stages[stage_id]
     if st.num_replicas < 2 or (st.shard == "fsdp" and st.reshard_after_forward):
         return 0.0
     link = cluster.allreduce_link(st.devices[::st.tp])
-    return float(costs.ring_allreduce_s(st.num_replicas, 0.0, link.bandwidth_Bps,
-                                        _copy_share(sg, stage_id, group, merged)))
+    return float(costs.ring_allreduce_s(st.num_replicas, 0.0, link.bandwidth_Bps, group.bytes))
 
 
-def _copy_share(sg: StageGraph, stage_id: int, group: SharedParams, merged: Mapping[str, Sequence[str]]) -> float:
-    """Bytes of a tie's copy on one tp rank of stage ``stage_id``: the whole. The op reading a copy holds no
-    parameters of its own in the graph, so the cost model runs it replicated in a tp group
-    (:func:`graphpipe.costs.tp_rule`: nothing to split), and its copy is priced whole on every tp rank too."""
-    return group.bytes
-
-
-def copy_state_bytes(sg: StageGraph, stage_id: int, group: SharedParams, merged: Mapping[str, Sequence[str]],
-                     cluster: Cluster) -> float:
+def copy_state_bytes(sg: StageGraph, stage_id: int, group: SharedParams, cluster: Cluster) -> float:
     """Model-state bytes of a tie's copy on one device of stage ``stage_id``, laid out as the stage is: sharded
-    over the replicas under FSDP (:func:`graphpipe.costs.layout_state_bytes`), whole on every tp rank
-    (:func:`_copy_share`); whole copies as :meth:`~graphpipe.cluster.Cluster.state_bytes`.
+    over the replicas under FSDP (:func:`graphpipe.costs.layout_state_bytes`), whole on every tp rank (the op
+    reading a copy holds no parameters of its own in the graph, so the cost model runs it replicated in a tp
+    group, :func:`graphpipe.costs.tp_rule`: nothing to split); whole copies as
+    :meth:`~graphpipe.cluster.Cluster.state_bytes`.
 
     >>> from graphpipe.cluster import preset
     >>> from graphpipe.graph import Op, OpGraph, SharedParams
@@ -146,11 +139,11 @@ def copy_state_bytes(sg: StageGraph, stage_id: int, group: SharedParams, merged:
     ...                   [("embed", "head", 1.0)], [SharedParams(("embed", "head"), 4e6)])
     >>> c = preset("h100", 8)
     >>> sg = StageGraph.build(g, [Stage(0, (0,), (0,), 4), Stage(1, (1,), (4, 5, 6, 7), 4, tp=2)], 8, 8, cluster=c)
-    >>> copy_state_bytes(sg, 1, g.shared[0], {}, c) == c.state_bytes(4e6)
+    >>> copy_state_bytes(sg, 1, g.shared[0], c) == c.state_bytes(4e6)
     True
     >>> fsdp = StageGraph.build(g, [Stage(0, (0,), (0,), 4), Stage(1, (1,), (4, 5, 6, 7), 4, shard="fsdp",
     ...                                                                 reshard_after_forward=False)], 8, 8, cluster=c)
-    >>> copy_state_bytes(fsdp, 1, g.shared[0], {}, c) == 2 * 4e6 + (c.state_bytes(4e6) - 2 * 4e6) / 4
+    >>> copy_state_bytes(fsdp, 1, g.shared[0], c) == 2 * 4e6 + (c.state_bytes(4e6) - 2 * 4e6) / 4
     True
     """
     from graphpipe import costs
@@ -158,8 +151,7 @@ def copy_state_bytes(sg: StageGraph, stage_id: int, group: SharedParams, merged:
     st = sg.stages[stage_id]
     if not st.parallel:
         return cluster.state_bytes(group.bytes)
-    share = _copy_share(sg, stage_id, group, merged)
-    return float(costs.layout_state_bytes(share, share, st.num_replicas, st.shard, st.reshard_after_forward,
+    return float(costs.layout_state_bytes(group.bytes, group.bytes, st.num_replicas, st.shard, st.reshard_after_forward,
                                           cluster.bytes_per_param))
 
 
