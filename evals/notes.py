@@ -346,7 +346,7 @@ NOTES: dict[str, str] = {
         "device count (over PipeDream 1.66x at 8 devices, 2.32x at 64)."
     ),
     "bench_llm_configs": (
-        "Re-measured on 2026-11-30 with today's search (layouts per stage, ZB-H1 tried per layout, round-robin "
+        "Re-measured on 2026-11-30 with the search of that day (layouts per stage, ZB-H1 tried per layout, round-robin "
         "retries on chains of layers that leave devices idle): 16 of the 94 rows search longer than 10 s, the "
         "largest shapes most (Nemotron-4-340B 35-40 s, the 405B shape 29-33 s, T5-11B 14-29 s, UL2-20B 20-28 s, "
         "Qwen3-MoE-235B 18-22 s, Mixtral-8x22B 12-14 s); every cold command but Nemotron's (40-45 s) is under "
