@@ -63,8 +63,11 @@ def factory():
     def loss_fn(out, labels):
         return F.cross_entropy(out.logits.flatten(0, 1), labels.flatten())
 
-    ids = torch.zeros(2, 128, dtype=torch.long, device="meta")
-    return model, {"input_ids": ids}, loss_fn, torch.zeros(2, 128, dtype=torch.long, device="meta")
+    from graphpipe.evals.llm_configs import sequence_length  # this file is also loaded by path (graphpipe plan)
+
+    seq = sequence_length()
+    ids = torch.zeros(2, seq, dtype=torch.long, device="meta")
+    return model, {"input_ids": ids}, loss_fn, torch.zeros(2, seq, dtype=torch.long, device="meta")
 
 
 def _command(root: str, model: str, n: int, args) -> dict:

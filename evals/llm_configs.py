@@ -11,7 +11,8 @@ that planning a decoder (or encoder-decoder) nobody tuned for stays fast:
 ``python -m graphpipe.evals.bench_llm_configs`` times them.
 
 ``GRAPHPIPE_LLM_LAYERS`` overrides the depth (every stack: a T5's encoder
-and decoder both); :func:`build` with ``tiny=True`` gives the same
+and decoder both), ``GRAPHPIPE_LLM_SEQ`` the tokens per sample (default
+128); :func:`build` with ``tiny=True`` gives the same
 architecture at a tiny width (the tests compare its unrolled capture with
 the whole one). An architecture whose class the installed transformers
 lacks raises a one-line error naming it.
@@ -36,7 +37,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-__all__ = ["ARCHS", "NAMES", "build", "qwen2_72b", "mixtral_8x22b", "qwen3_moe_30b_a3b", "gemma2_27b", "gemma3_27b",
+__all__ = ["ARCHS", "NAMES", "build", "sequence_length", "qwen2_72b", "mixtral_8x22b", "qwen3_moe_30b_a3b", "gemma2_27b", "gemma3_27b",
            "phi3_medium", "falcon_40b", "gpt_neox_20b", "opt_66b", "bloom_176b", "mistral_large_123b",
            "deepseek_v3_e16", "llama4_maverick", "llama4_scout", "t5_11b", "ul2_20b", "bart_large", "nllb_3b",
            "gpt_oss_120b", "llama31_405b", "nemotron4_340b", "command_r_plus_104b", "starcoder2_15b", "glm4_32b",
@@ -315,11 +316,12 @@ _DEPTH_KEYS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "num_de
                "decoder_layers")
 
 
-def build(name: str, layers: int | None = None, tiny: bool = False, batch: int = 2, seq: int = 128):
+def build(name: str, layers: int | None = None, tiny: bool = False, batch: int = 2, seq: int | None = None):
     """``(module, example inputs, loss, example labels)`` of architecture ``name`` on the meta device.
 
     ``layers`` overrides the depth (of both stacks of an encoder-decoder;
-    default ``GRAPHPIPE_LLM_LAYERS`` or the published one); ``tiny``
+    default ``GRAPHPIPE_LLM_LAYERS`` or the published one); ``seq`` is the
+    tokens per sample (default ``GRAPHPIPE_LLM_SEQ`` or 128); ``tiny``
     shrinks the widths (the tests' small configs of the same architecture).
     """
     import torch
@@ -337,6 +339,8 @@ def build(name: str, layers: int | None = None, tiny: bool = False, batch: int =
         layers = int(os.environ["GRAPHPIPE_LLM_LAYERS"])
     if layers is not None:
         config.update({k: layers for k in _DEPTH_KEYS if k in config})
+    if seq is None:
+        seq = sequence_length()
     with torch.device("meta"):
         model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**config))
 
@@ -352,6 +356,17 @@ def build(name: str, layers: int | None = None, tiny: bool = False, batch: int =
     if model.config.is_encoder_decoder:
         inputs["decoder_input_ids"] = torch.zeros(batch, seq, dtype=torch.long, device="meta")
     return model, inputs, loss_fn, labels
+
+
+def sequence_length() -> int:
+    """Tokens per sample of the factories here and :func:`evals.bench_llm.factory`: ``GRAPHPIPE_LLM_SEQ`` or 128
+    (a one-line error for anything but a positive integer)."""
+    raw = os.environ.get("GRAPHPIPE_LLM_SEQ", "").strip()
+    if not raw:
+        return 128
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"GRAPHPIPE_LLM_SEQ must be a positive integer (tokens per sample), got {raw!r}")
+    return int(raw)
 
 
 def _factory(name: str):

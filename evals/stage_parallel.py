@@ -14,7 +14,8 @@ Efficiency = predicted throughput / (devices / sum over ops of per-sample forwar
 
 Models: Llama-3-70B and Llama-3.1-405B shapes as captured from their Hugging Face classes on the meta device
 (``--graphs DIR`` holds their graph JSON files, ``llama70b.json`` and ``llama405b.json``, captured into it
-from :data:`LLM_SPECS` when missing: capturing takes minutes, so it is done once), and a multimodal shape built here
+from :data:`LLM_SPECS` when missing: capturing takes minutes, so it is done once), with 128-token samples, or
+``N`` tokens for a name ``NAME@sN`` (``llama70b@s2048``), and a multimodal shape built here
 analytically (:func:`multimodal_graph`): a ViT-L-sized vision tower (24 layers, hidden 1024, 256 patches) beside
 the text embedding of a 7B-sized decoder (32 layers, hidden 4096, 256 image + 512 text tokens), one image-text
 pair per sample; ``mmt``, the paper's multi-modal transformer as graphpipe's zoo builds it (paper config),
@@ -92,7 +93,8 @@ LLM_SPECS = {"llama70b": "evals/bench_llm.py:factory", "llama405b": "evals/llm_c
 
 def llm_graph(name: str, folder: str) -> OpGraph:
     """``folder/NAME.json``; when missing, captured from :data:`LLM_SPECS` or, for any other name, the
-    :mod:`evals.llm_configs` architecture of that name (a few minutes) and written there."""
+    :mod:`evals.llm_configs` architecture of that name (a few minutes) and written there. ``NAME@sN`` is the
+    same architecture with ``N`` tokens per sample (``GRAPHPIPE_LLM_SEQ=N`` while it is captured; 128 without)."""
     from graphpipe.files import write_json_atomic
     from graphpipe.graph import graph_to_dict, read_graph_json
     from graphpipe.models import load_model
@@ -101,9 +103,18 @@ def llm_graph(name: str, folder: str) -> OpGraph:
     if os.path.exists(path):
         return read_graph_json(path)
 
+    arch, _, seq = name.partition("@s")
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = os.path.join(here, LLM_SPECS.get(name, f"evals/llm_configs.py:{name}"))
-    graph = load_model(spec, preset("h100", 8).device).graph
+    spec = os.path.join(here, LLM_SPECS.get(arch, f"evals/llm_configs.py:{arch}"))
+    before = os.environ.get("GRAPHPIPE_LLM_SEQ")
+    os.environ["GRAPHPIPE_LLM_SEQ"] = seq or "128"
+    try:
+        graph = load_model(spec, preset("h100", 8).device).graph
+    finally:
+        if before is None:
+            os.environ.pop("GRAPHPIPE_LLM_SEQ", None)
+        else:
+            os.environ["GRAPHPIPE_LLM_SEQ"] = before
     os.makedirs(folder, exist_ok=True)
     write_json_atomic(path, graph_to_dict(graph))
     return graph
@@ -183,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--devices", default="64,512,4096,16384")
     p.add_argument("--models", default="llama70b,llama405b,multimodal",
                    help="any of llama70b, llama405b or an evals/llm_configs.py name (graph files in --graphs), "
+                        "each with @sN for N tokens per sample (128 without: llama70b@s2048), "
                         "multimodal, mmt (the zoo's, paper config)")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--batch", type=int, default=None,
