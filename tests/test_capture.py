@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from graphpipe.frontend import zoo
 from graphpipe.frontend.capture import capture, load_factory, split_by_ops
+from graphpipe.frontend.layer import Layer
 from graphpipe.frontend.capture_repeats import graph_from_factory
 from graphpipe.errors import InputError
 
@@ -452,3 +453,45 @@ def test_the_backward_probe_compares_only_the_outputs_both_differentiate(functio
 
     x = torch.randn(3, 5).requires_grad_(True)
     assert _same_gradient(function, (x,), {}, torch.autograd.Function.apply.__func__) is same
+
+
+class _ConvBNLayer(Layer):
+    """A zoo-style layer (one op) with a BatchNorm inside it."""
+
+    kind = "convbn"
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        return torch.relu(self.bn(self.conv(x)))
+
+
+class _BNNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block, self.proj, self.norm, self.head = _ConvBNLayer(), nn.Linear(256, 8), nn.BatchNorm1d(8), nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.norm(self.proj(self.block(x).flatten(1)))))
+
+
+def test_ops_holding_a_batchnorm_are_marked_inside_a_block_too_and_the_mark_round_trips():
+    """The planner keeps stages with BatchNorm whole copies (the runtime merges its statistics over those only):
+    the capture marks every op holding one, a BatchNorm of its own or one inside a block it keeps whole, the
+    graph file keeps the mark, and a mark that is not a boolean is refused naming the field."""
+    from graphpipe.errors import FormatError
+    from graphpipe.graph import graph_from_dict, graph_to_dict
+
+    captured = capture(_BNNet(), (torch.randn(4, 3, 8, 8),))
+    graph = captured.graph
+    ops = {op.name: op.batchnorm for op in graph.ops}
+    holder = next(op for op, names in captured.op_nodes.items() if "norm" in names)  # after a Linear: with it
+    assert ops == {"block": True, "proj": False, "head": False, **{holder: True}} and holder != "head"
+    doc = graph_to_dict(graph)
+    assert graph_from_dict(doc) == graph
+    assert [("batchnorm" in op) for op in doc["ops"]] == [op.batchnorm for op in graph.ops]
+    doc["ops"][0]["batchnorm"] = "yes"
+    with pytest.raises(FormatError, match=r"^graph\.ops\[0\]\.batchnorm must be true or false, got 'yes'$"):
+        graph_from_dict(doc)

@@ -471,3 +471,27 @@ def test_asynchronous_schedules_plan_whole_copies_as_the_runtime_runs_them():
         assert all(st.tp == 1 and st.shard == "none" for st in plan.stage_graph.stages)
     with pytest.raises(InputError, match=r"^tp > 1 and fsdp are planned .* synchronous ones; drop --tp/--shard[^\n]*$"):
         make_plan("tied", g, cl, 64, "gpp", SearchOptions(tp=2, shard="none"), schedule="2bw")
+
+
+def test_a_graph_with_batchnorm_plans_whole_copies_as_the_runtime_runs_them():
+    """`run` merges BatchNorm's running statistics over whole-copy replicas only and refuses an FSDP or TP stage
+    holding one; the planner, which gave Inception-v3's stem tp 2 by default before, plans such a graph with
+    whole copies under --tp auto --shard auto (saying why), the same plan as --tp 1 --shard none, and refuses an
+    explicit tp 2 or fsdp in one line naming the op."""
+    from graphpipe.errors import InputError
+
+    g = tied_lm(8)
+    cl = cluster(16, memory=2.2e10)
+    auto = SearchOptions(tp="auto", shard="auto")
+    assert any(st.parallel for st in make_plan("tied", g, cl, 64, "gpp", auto, schedule="1f1b").stage_graph.stages)
+    bn = replace(g, ops=tuple(replace(op, batchnorm=op.name == "blk3") for op in g.ops))
+    plan = make_plan("bn", bn, cl, 64, "gpp", auto, schedule="1f1b")
+    assert all(st.tp == 1 and st.shard == "none" for st in plan.stage_graph.stages)
+    assert plan.search["layout_note"] == "whole copies: op 'blk3' holds a BatchNorm"
+    whole = make_plan("bn", bn, cl, 64, "gpp", SearchOptions(), schedule="1f1b")
+    assert plan.stage_graph.stages == whole.stage_graph.stages
+    assert plan.predicted.throughput == whole.predicted.throughput
+    for options in (SearchOptions(tp=2), SearchOptions(tp="auto", shard="fsdp")):
+        with pytest.raises(InputError, match=r"^op 'blk3' holds a BatchNorm, .*whole-copy replicas only, .*"
+                                             r"drop --tp/--shard$"):
+            make_plan("bn", bn, cl, 64, "gpp", options, schedule="1f1b")

@@ -67,10 +67,15 @@ def inspect_summary(graph: OpGraph) -> dict[str, Any]:
         "ops": [
             {"id": i, "name": op.name, "kind": op.kind, "fwd_s": op.fwd(1), "bwd_s": op.bwd(1),
              "param_bytes": op.param_bytes, "act_bytes": op.act_bytes, "out_bytes": op.out_bytes,
-             "preds": list(graph.preds(i)), "succs": list(graph.succs(i)), "tp": _tp_cell(tp_rule(op.kind, op.param_bytes))}
+             "preds": list(graph.preds(i)), "succs": list(graph.succs(i)),
+             "tp": _BATCHNORM_CELL if op.batchnorm else _tp_cell(tp_rule(op.kind, op.param_bytes))}
             for i, op in enumerate(graph.ops)
         ],
     }
+
+
+_BATCHNORM_CELL = "replicated: holds a BatchNorm (the model plans tp 1, shard none)"
+"""An op with BatchNorm: its statistics merge over whole copies only, so the whole model plans without layouts."""
 
 
 def _tp_cell(rule: tuple[int, int, str]) -> str:

@@ -96,8 +96,8 @@ from graphpipe.frontend.capture_refusals import meta_value_error
 from graphpipe.cluster import DeviceSpec, preset
 from graphpipe.errors import GraphCycleError, GraphpipeError, InputError, UserCodeError, user_code_error
 from graphpipe.frontend.export_inputs import fake_cpu_copy, restore_state, swap_state
-from graphpipe.frontend.exporting import (Exported, IOSpec, deliver_target, export_model, module_path, module_stack,
-                                 normalize_inputs, replicable_nodes, replicate_input_glue)
+from graphpipe.frontend.exporting import (BATCHNORMS, Exported, IOSpec, deliver_target, export_model, module_path,
+                                 module_stack, normalize_inputs, replicable_nodes, replicate_input_glue)
 from graphpipe.frontend.flops import UnknownCosts, flop_counter
 from graphpipe.frontend.folded import merge_folded_ops
 from graphpipe.graph import Affine, Op, OpGraph, SharedParams
@@ -788,7 +788,8 @@ def capture(module: nn.Module, example_inputs: Any, name: str | None = None,
         ops.append(Op(op_name, _kind(modules, paths.get(op_name, ""), op_name),
                       fwd=Affine(device.op_overhead_s, flops / rate),
                       bwd=Affine(2 * device.op_overhead_s, 2 * flops / rate),
-                      param_bytes=params, act_bytes=act, out_bytes=out))
+                      param_bytes=params, act_bytes=act, out_bytes=out,
+                      batchnorm=any(_is_batchnorm(gm, n) for n in nodes)))
     total = sum(p.numel() * p.element_size() for p in module.parameters())
     if sum(op.param_bytes for op in ops) != total:
         log.warning("%s: %d parameter bytes are never used by forward; the op graph omits them",
@@ -876,6 +877,12 @@ def op_param_bytes(gm: fx.GraphModule, op_nodes: Mapping[str, Sequence[str]]) ->
                     total += p.numel() * p.element_size()
         out[op_name] = total
     return out
+
+
+def _is_batchnorm(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether ``node`` calls one of the user's BatchNorms (export's markers restored: the runtime runs each as
+    a module, :mod:`graphpipe.runtime.batchnorm`)."""
+    return node.op == "call_module" and isinstance(gm.get_submodule(node.target), BATCHNORMS)
 
 
 def _node_params(gm: fx.GraphModule, node: fx.Node) -> list[nn.Parameter]:

@@ -84,12 +84,13 @@ from graphpipe.errors import InputError, UserCodeError
 from graphpipe.frontend.export_inputs import (bf16_safe_constants, fold_constant_inputs, keywords_bound, same_constant,
                                              traced_at)
 
-__all__ = ["IOSpec", "Exported", "export_model", "module_path", "module_stack", "replicable_nodes",
+__all__ = ["BATCHNORMS", "IOSpec", "Exported", "export_model", "module_path", "module_stack", "replicable_nodes",
            "replicate_input_glue", "normalize_inputs", "deliver_target", "join_outputs"]
 
 log = logging.getLogger(__name__)
 
-_BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+"""The BatchNorm classes export turns into one opaque call each and the runtime runs as modules."""
 _DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
 _ASSERTIONS = ("_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range", "sym_constrain_range_for_size",
                "_assert_async")
@@ -127,7 +128,7 @@ class _BatchNormCalls(torch.overrides.TorchFunctionMode):
 def _twin(bn: nn.Module) -> nn.Module:
     """A torch BatchNorm of ``bn``'s dimension holding ``bn``'s own tensors (for subclasses such as timm's
     BatchNormAct2d, whose forward adds an activation after the normalisation)."""
-    cls = next(c for c in type(bn).__mro__ if c in _BATCHNORMS)
+    cls = next(c for c in type(bn).__mro__ if c in BATCHNORMS)
     twin = cls.__new__(cls)
     nn.Module.__init__(twin)
     for attr in ("num_features", "eps", "momentum", "affine", "track_running_stats"):
@@ -148,8 +149,8 @@ def _opaque_batchnorms(module: nn.Module):
     and only its ``F.batch_norm`` call is (the list then holds a twin torch
     BatchNorm over the same tensors, :func:`_twin`).
     """
-    exact = [m for m in module.modules() if type(m) in _BATCHNORMS]
-    subclassed = [m for m in module.modules() if isinstance(m, _BATCHNORMS) and type(m) not in _BATCHNORMS
+    exact = [m for m in module.modules() if type(m) in BATCHNORMS]
+    subclassed = [m for m in module.modules() if isinstance(m, BATCHNORMS) and type(m) not in BATCHNORMS
                   and getattr(m, "running_mean", None) is not None]
     found: list[tuple[nn.Module, nn.Module]] = [(m, m) for m in exact] + [(m, _twin(m)) for m in subclassed]
     owners = [(owner, i) for i, (owner, _) in enumerate(found) if i >= len(exact)]

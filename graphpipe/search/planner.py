@@ -248,12 +248,21 @@ def plan_request(request: PlanRequest) -> Plan:
                          "synchronous ones; drop --tp/--shard, or the --schedule/--virtual-stages/--host-cores "
                          "option")
     tp, shard = (1, "none") if plain else (options.tp, options.shard)
+    norm = next((op.name for op in request.graph.ops if op.batchnorm), None)
+    if norm is not None and (tp not in (1, "auto") or shard == "fsdp"):
+        raise InputError(f"op {norm!r} holds a BatchNorm, whose running statistics graphpipe merges over whole-copy "
+                         "replicas only, so a model with BatchNorm plans tp 1, shard none: drop --tp/--shard")
+    if norm is not None:  # --tp auto --shard auto: whole copies, as `run` executes BatchNorm
+        tp, shard = 1, "none"
     if tp == "auto" and not layouts.splittable_ops(request.graph):
         tp = 1  # nothing to split: tp only replicates work
     max_tp = min(cluster.devices_per_node, cluster.num_devices)
     tries = layouts.candidates(cluster.devices_per_node, cluster.num_devices, max_tp, tp, shard, request.batch_size)
     if tries == (layouts.PP_ONLY,):
-        return _plan_whole(request)
+        plan = _plan_whole(request)
+        if norm is not None and "auto" in (options.tp, options.shard):
+            plan = replace(plan, search={**plan.search, "layout_note": f"whole copies: op {norm!r} holds a BatchNorm"})
+        return plan
     if not tries:
         raise InputError(f"no layout with tp {tp} fits {cluster.num_devices} devices of {cluster.devices_per_node} "
                          f"per node at batch size {request.batch_size}: tp must divide a node and the device count")
