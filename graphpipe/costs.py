@@ -102,6 +102,8 @@ __all__ = [
     "tp_collectives_s",
     "tp_affine",
     "tp_state_share",
+    "TP_BLOCK_WHOLE_ACTIVATIONS",
+    "tp_saved_bytes",
     "ring_allgather_s",
     "fsdp_micro_batch_s",
     "sync_s",
@@ -639,6 +641,29 @@ def tp_affine(alpha, beta, tp, splittable, num_collectives, latency_s, bandwidth
     return alpha + per_call, (beta / tp if splittable else beta) + per_sample
 
 
+TP_BLOCK_WHOLE_ACTIVATIONS = 10 / 34
+"""Share of a transformer block's saved activations every device of a tp group keeps whole: Korthikanti et al.
+2022, Table 2, count ``34 s b h`` bytes per layer (attention scores aside); tensor parallelism without sequence
+parallelism splits the ``24 s b h`` inside attention and the MLP and keeps the ``10 s b h`` of the layer norms,
+the two blocks' inputs and their dropout masks whole. graphpipe's runtime splits no sequence (its TP stages take
+their inputs replicated, :mod:`graphpipe.runtime.intra_stage`), so the cost model does not either."""
+
+
+def tp_saved_bytes(act_bytes, tp, kind):
+    """Saved-activation bytes one device of a tp group keeps for an op that splits (:func:`tp_rule`): a
+    transformer block its :data:`TP_BLOCK_WHOLE_ACTIVATIONS` whole and the rest over ``tp``; a linear layer or an
+    embedding all of it (a column-parallel linear saves its input, the same on every device; an embedding its
+    indices).
+
+    >>> round(tp_saved_bytes(34.0, 2, "transformer"), 9), tp_saved_bytes(34.0, 2, "linear")   # 10 + 24/2
+    (22.0, 34.0)
+    """
+    k = kind.lower()
+    if tp <= 1 or not (any(k.endswith(suffix) for suffix in TP_BLOCK_SUFFIXES) and "norm" not in k):
+        return act_bytes
+    return act_bytes * (TP_BLOCK_WHOLE_ACTIVATIONS + (1 - TP_BLOCK_WHOLE_ACTIVATIONS) / tp)
+
+
 def tp_state_share(param_bytes, tp, splittable):
     """Parameter bytes one device of a tp group holds: a splittable op's weights over ``tp``, others whole.
 
@@ -719,14 +744,14 @@ def tp_layer(op: "Op", tp: int, latency_s: float, bandwidth_Bps: float) -> "Op":
     """``op`` as one device of a tp group of ``tp`` runs it over a link of ``latency_s``/``bandwidth_Bps`` (the
     node's): :func:`tp_rule`'s split, :func:`tp_affine` times (the weight-gradient part W split the same way, the
     collectives falling on the input-gradient part), :func:`tp_state_share` weights, and a splittable op's saved
-    activations over ``tp`` (Megatron's sequence parallelism, Korthikanti et al. 2022 §4.2.2, which splits the
-    activations a plain tensor-parallel layer would keep whole). ``tp`` 1: ``op`` itself.
+    activations as :func:`tp_saved_bytes` has them (plain tensor parallelism, as the runtime runs it: a block's
+    layer-norm and dropout activations stay whole). ``tp`` 1: ``op`` itself.
 
     >>> from graphpipe.graph import Op, Affine
     >>> op = Op("b", "transformer", Affine(0.0, 8.0), Affine(0.0, 16.0), 64.0, 32.0, 4.0)
     >>> t = tp_layer(op, 4, 0.0, 1.0)
-    >>> t.fwd, t.bwd, t.param_bytes, t.act_bytes   # 8/4 + 2*2*3/4*4, 16/4 + 12
-    (Affine(alpha=0.0, beta=14.0), Affine(alpha=0.0, beta=16.0), 16.0, 8.0)
+    >>> t.fwd, t.bwd, t.param_bytes, round(t.act_bytes, 9)   # 8/4 + 2*2*3/4*4, 16/4 + 12, 32 * (10 + 24/4) / 34
+    (Affine(alpha=0.0, beta=14.0), Affine(alpha=0.0, beta=16.0), 16.0, 15.058823529)
     """
     from dataclasses import replace as _replace  # stdlib; the module keeps graph types out of its imports
 
@@ -741,4 +766,4 @@ def tp_layer(op: "Op", tp: int, latency_s: float, bandwidth_Bps: float) -> "Op":
     return _replace(op, fwd=affine(f_alpha, f_beta), bwd=affine(b_alpha, b_beta),
                     wgrad=affine(w.alpha, w.beta / tp if split else w.beta),
                     param_bytes=float(tp_state_share(op.param_bytes, tp, split)),
-                    act_bytes=float(op.act_bytes / tp if split else op.act_bytes))
+                    act_bytes=float(tp_saved_bytes(op.act_bytes, tp, op.kind) if split else op.act_bytes))
