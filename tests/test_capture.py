@@ -495,3 +495,45 @@ def test_ops_holding_a_batchnorm_are_marked_inside_a_block_too_and_the_mark_roun
     doc["ops"][0]["batchnorm"] = "yes"
     with pytest.raises(FormatError, match=r"^graph\.ops\[0\]\.batchnorm must be true or false, got 'yes'$"):
         graph_from_dict(doc)
+
+
+class _ScaleMeanGrad(torch.autograd.Function):
+    """``x * w`` with ``w`` broadcast over the rows, whose backward averages ``w``'s gradient over the rows
+    instead of summing it: wrong, and only visible with more than one row."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        return grad * w, (grad * x).mean(0)
+
+
+class _Scaled(nn.Module):
+    def __init__(self, function):
+        super().__init__()
+        self.function, self.a, self.w, self.b = function, nn.Linear(4, 4), nn.Parameter(torch.ones(4)), nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(self.function.apply(h, self.w) if self.function is _ScaleMeanGrad else self.function.apply(h))
+
+
+@pytest.mark.parametrize("float64_elements", [None, 0])
+def test_the_probe_sees_a_reduction_over_rows_and_wide_inputs_run_in_float32(monkeypatch, float64_elements):
+    """The probe runs a custom Function on random inputs with the (symbolic) batch at 2 rows, so a backward that
+    averages over the rows where the derivative sums is refused (at 1 row the two agree); inputs wider than
+    PROBE_FLOAT64_ELEMENTS run in float32 (a paper-size layer's probe in float64 took 1.3 GB), which still refuses
+    it and still passes a right derivative."""
+    from graphpipe.errors import UserCodeError
+    from graphpipe.frontend import capture_refusals
+
+    if float64_elements is not None:
+        monkeypatch.setattr(capture_refusals, "PROBE_FLOAT64_ELEMENTS", float64_elements)
+    x = torch.randn(4, 4)
+    with pytest.raises(UserCodeError, match=r"autograd\.Function _ScaleMeanGrad has a backward that is not"):
+        capture(_Scaled(_ScaleMeanGrad), (x,))
+    assert capture(_Scaled(_Cube), (x,)).graph.num_ops > 0
