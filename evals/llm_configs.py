@@ -364,7 +364,7 @@ def sequence_length() -> int:
     raw = os.environ.get("GRAPHPIPE_LLM_SEQ", "").strip()
     if not raw:
         return 128
-    if not raw.isdigit() or int(raw) < 1:
+    if not (raw.isascii() and raw.isdigit()) or int(raw) < 1:
         raise ValueError(f"GRAPHPIPE_LLM_SEQ must be a positive integer (tokens per sample), got {raw!r}")
     return int(raw)
 

@@ -103,7 +103,9 @@ def llm_graph(name: str, folder: str) -> OpGraph:
     if os.path.exists(path):
         return read_graph_json(path)
 
-    arch, _, seq = name.partition("@s")
+    arch, tagged, seq = name.partition("@s")
+    if tagged and not (seq.isascii() and seq.isdigit() and int(seq) > 0):
+        raise ValueError(f"{name!r}: a sequence length is NAME@sN with N a positive integer (llama70b@s2048)")
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     spec = os.path.join(here, LLM_SPECS.get(arch, f"evals/llm_configs.py:{arch}"))
     before = os.environ.get("GRAPHPIPE_LLM_SEQ")

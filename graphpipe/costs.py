@@ -653,7 +653,9 @@ def tp_saved_bytes(act_bytes, tp, kind):
     """Saved-activation bytes one device of a tp group keeps for an op that splits (:func:`tp_rule`): a
     transformer block its :data:`TP_BLOCK_WHOLE_ACTIVATIONS` whole and the rest over ``tp``; a linear layer or an
     embedding all of it (a column-parallel linear saves its input, the same on every device; an embedding its
-    indices).
+    indices). Where that errs it errs high: a row-parallel linear's or an MLP pair's hidden activations are split,
+    and so are a block's attention scores where it keeps them (eager attention), both charged here at the
+    block's or the linear's share.
 
     >>> round(tp_saved_bytes(34.0, 2, "transformer"), 9), tp_saved_bytes(34.0, 2, "linear")   # 10 + 24/2
     (22.0, 34.0)

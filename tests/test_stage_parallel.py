@@ -498,3 +498,16 @@ def test_a_graph_with_batchnorm_plans_whole_copies_as_the_runtime_runs_them():
         with pytest.raises(InputError, match=r"^op 'blk3' holds a BatchNorm, .*whole-copy replicas only, .*"
                                              r"drop --tp/--shard$"):
             make_plan("bn", bn, cl, 64, "gpp", options, schedule="1f1b")
+    # a region merged for the search (a plan's graph may hold such ops) holds a BatchNorm when a member does
+    from graphpipe.sp import contract
+
+    merged, members = contract(bn, [(2, 3, 4), (6, 7)])
+    assert {op.name: op.batchnorm for op in merged.ops} == {
+        op.name: any(bn.ops[bn.op_id(m)].batchnorm for m in members.get(op.name, (op.name,))) for op in merged.ops}
+    assert sum(op.batchnorm for op in merged.ops) == 1 and len(merged.ops) == len(bn.ops) - 3
+    # past 1,024 devices (replicas taken two at a time) the note is there too; where whole copies are planned
+    # for another reason (an asynchronous schedule) it does not blame the BatchNorm
+    big = make_plan("bn", bn, cluster(2048, memory=2.2e10), 4096, "gpp", auto)
+    assert all(not st.parallel for st in big.stage_graph.stages)
+    assert big.search["layout_note"] == "whole copies: op 'blk3' holds a BatchNorm"
+    assert "layout_note" not in make_plan("bn", bn, cl, 64, "gpp", auto, schedule="2bw").search

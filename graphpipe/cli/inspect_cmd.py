@@ -64,6 +64,7 @@ def inspect_summary(graph: OpGraph) -> dict[str, Any]:
         "num_branches": num_branches(tree),
         "num_ops_after_contraction": tree.graph.num_ops,
         "merged": {name: list(names) for name, names in tree.merged.items()},
+        "batchnorm_ops": [op.name for op in graph.ops if op.batchnorm],
         "ops": [
             {"id": i, "name": op.name, "kind": op.kind, "fwd_s": op.fwd(1), "bwd_s": op.bwd(1),
              "param_bytes": op.param_bytes, "act_bytes": op.act_bytes, "out_bytes": op.out_bytes,
@@ -114,6 +115,10 @@ def _table(summary: dict[str, Any]) -> str:
         f"series-parallel    {'yes' if s['series_parallel'] else 'no'}",
         f"parallel branches  {s['num_branches']}",
     ]
+    if s["batchnorm_ops"]:
+        first = s["batchnorm_ops"][0]
+        lines.append(f"layouts            whole copies only (tp 1, shard none): {len(s['batchnorm_ops'])} op(s) hold a "
+                     f"BatchNorm ({first}{', ...' if len(s['batchnorm_ops']) > 1 else ''})")
     if s["merged"]:
         lines.append(f"planning contracts {len(s['merged'])} non-SP region(s) -> {s['num_ops_after_contraction']} ops:")
         for name, names in s["merged"].items():

@@ -252,17 +252,16 @@ def plan_request(request: PlanRequest) -> Plan:
     if norm is not None and (tp not in (1, "auto") or shard == "fsdp"):
         raise InputError(f"op {norm!r} holds a BatchNorm, whose running statistics graphpipe merges over whole-copy "
                          "replicas only, so a model with BatchNorm plans tp 1, shard none: drop --tp/--shard")
-    if norm is not None:  # --tp auto --shard auto: whole copies, as `run` executes BatchNorm
-        tp, shard = 1, "none"
+    forced = None  # why --tp/--shard auto plan whole copies here, for the plan's search record
+    if norm is not None and not plain and "auto" in (tp, shard):  # whole copies, as `run` executes BatchNorm
+        tp, shard, forced = 1, "none", f"whole copies: op {norm!r} holds a BatchNorm"
     if tp == "auto" and not layouts.splittable_ops(request.graph):
         tp = 1  # nothing to split: tp only replicates work
     max_tp = min(cluster.devices_per_node, cluster.num_devices)
     tries = layouts.candidates(cluster.devices_per_node, cluster.num_devices, max_tp, tp, shard, request.batch_size)
     if tries == (layouts.PP_ONLY,):
         plan = _plan_whole(request)
-        if norm is not None and "auto" in (options.tp, options.shard):
-            plan = replace(plan, search={**plan.search, "layout_note": f"whole copies: op {norm!r} holds a BatchNorm"})
-        return plan
+        return replace(plan, search={**plan.search, "layout_note": forced}) if forced else plan
     if not tries:
         raise InputError(f"no layout with tp {tp} fits {cluster.num_devices} devices of {cluster.devices_per_node} "
                          f"per node at batch size {request.batch_size}: tp must divide a node and the device count")
@@ -332,7 +331,7 @@ def plan_request(request: PlanRequest) -> Plan:
     if best is None:
         raise error
     layout, plan = best
-    search = {**plan.search, "layout": layout.as_dict(), "layouts_tried": tried}
+    search = {**plan.search, "layout": layout.as_dict(), "layouts_tried": tried, **({"layout_note": forced} if forced else {})}
     if layout.round_robin and options.recompute in (None, "auto"):  # the user's choice, not the retry's shortcut
         search["recompute"] = options.recompute or request.record.default_recompute
     if request.record.ranks_candidates and options.per_stage_layouts:  # gpp: each stage (branch) its own layout
