@@ -32,6 +32,7 @@ import os
 import resource
 import time
 from typing import Any
+from unittest import mock
 
 from graphpipe.cluster import preset
 from graphpipe.graph import Affine, Op, OpGraph
@@ -108,15 +109,8 @@ def llm_graph(name: str, folder: str) -> OpGraph:
         raise ValueError(f"{name!r}: a sequence length is NAME@sN with N a positive integer (llama70b@s2048)")
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     spec = os.path.join(here, LLM_SPECS.get(arch, f"evals/llm_configs.py:{arch}"))
-    before = os.environ.get("GRAPHPIPE_LLM_SEQ")
-    os.environ["GRAPHPIPE_LLM_SEQ"] = seq or "128"
-    try:
+    with mock.patch.dict(os.environ, {"GRAPHPIPE_LLM_SEQ": seq or "128"}):
         graph = load_model(spec, preset("h100", 8).device).graph
-    finally:
-        if before is None:
-            os.environ.pop("GRAPHPIPE_LLM_SEQ", None)
-        else:
-            os.environ["GRAPHPIPE_LLM_SEQ"] = before
     os.makedirs(folder, exist_ok=True)
     write_json_atomic(path, graph_to_dict(graph))
     return graph

@@ -587,6 +587,12 @@ TP_EMBEDDING_KINDS = ("embedding",)
 all-reduces the output once in forward; backward needs no collective (Megatron-LM §3, "input embedding")."""
 
 
+def _tp_block(kind: str) -> bool:
+    """Whether an op kind is a transformer-like block (:data:`TP_BLOCK_SUFFIXES`, norms excepted)."""
+    k = kind.lower()
+    return any(k.endswith(suffix) for suffix in TP_BLOCK_SUFFIXES) and "norm" not in k
+
+
 def tp_rule(kind: str, param_bytes: float) -> tuple[int, int, str]:
     """(all-reduces in forward, all-reduces in backward, why not split) of one op under tensor parallelism.
 
@@ -605,7 +611,7 @@ def tp_rule(kind: str, param_bytes: float) -> tuple[int, int, str]:
     k = kind.lower()
     if not param_bytes > 0:
         return 0, 0, "no weights to split: replicated in the tp group"
-    if any(k.endswith(suffix) for suffix in TP_BLOCK_SUFFIXES) and "norm" not in k:
+    if _tp_block(k):
         return 2, 2, ""
     if k in TP_LINEAR_KINDS:
         return 1, 1, ""
@@ -660,8 +666,7 @@ def tp_saved_bytes(act_bytes, tp, kind):
     >>> round(tp_saved_bytes(34.0, 2, "transformer"), 9), tp_saved_bytes(34.0, 2, "linear")   # 10 + 24/2
     (22.0, 34.0)
     """
-    k = kind.lower()
-    if tp <= 1 or not (any(k.endswith(suffix) for suffix in TP_BLOCK_SUFFIXES) and "norm" not in k):
+    if tp <= 1 or not _tp_block(kind):
         return act_bytes
     return act_bytes * (TP_BLOCK_WHOLE_ACTIVATIONS + (1 - TP_BLOCK_WHOLE_ACTIVATIONS) / tp)
 
