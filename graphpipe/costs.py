@@ -103,6 +103,7 @@ __all__ = [
     "tp_affine",
     "tp_state_share",
     "TP_BLOCK_WHOLE_ACTIVATIONS",
+    "TP_BLOCK_WHOLE_ACTIVATIONS_SP",
     "tp_saved_bytes",
     "ring_allgather_s",
     "fsdp_micro_batch_s",
@@ -651,24 +652,34 @@ TP_BLOCK_WHOLE_ACTIVATIONS = 10 / 34
 """Share of a transformer block's saved activations every device of a tp group keeps whole: Korthikanti et al.
 2022, Table 2, count ``34 s b h`` bytes per layer (attention scores aside); tensor parallelism without sequence
 parallelism splits the ``24 s b h`` inside attention and the MLP and keeps the ``10 s b h`` of the layer norms,
-the two blocks' inputs and their dropout masks whole. graphpipe's runtime splits no sequence (its TP stages take
-their inputs replicated, :mod:`graphpipe.runtime.intra_stage`), so the cost model does not either."""
+the two blocks' inputs and their dropout masks whole (a stage with ``sequence_parallel`` false)."""
+
+TP_BLOCK_WHOLE_ACTIVATIONS_SP = 2 / 34
+"""The same share under sequence parallelism as graphpipe's runtime runs it (:mod:`graphpipe.runtime.intra_stage`,
+a stage with ``sequence_parallel`` true), for a block that draws dropout (:attr:`graphpipe.graph.Op.dropout`): the
+tokens between a row-wise and the next column-wise layer are split over the group, so the layer norms' inputs are
+split too, and each column-wise layer keeps its all-gathered input as this device's piece, gathering it again in
+backward (Korthikanti et al. 2022 §4.2.3); the two dropout masks (``2 s b h``) stay whole, drawn over the whole
+tokens as one process draws them. A block without dropout (Llama's) keeps nothing whole: ``34 s b h / t``."""
 
 
-def tp_saved_bytes(act_bytes, tp, kind):
+def tp_saved_bytes(act_bytes, tp, kind, sequence_parallel=False, dropout=True):
     """Saved-activation bytes one device of a tp group keeps for an op that splits (:func:`tp_rule`): a
-    transformer block its :data:`TP_BLOCK_WHOLE_ACTIVATIONS` whole and the rest over ``tp``; a linear layer or an
-    embedding all of it (a column-parallel linear saves its input, the same on every device; an embedding its
-    indices). Where that errs it errs high: a row-parallel linear's or an MLP pair's hidden activations are split,
-    and so are a block's attention scores where it keeps them (eager attention), both charged here at the
-    block's or the linear's share.
+    transformer block its :data:`TP_BLOCK_WHOLE_ACTIVATIONS` whole (with ``sequence_parallel``
+    :data:`TP_BLOCK_WHOLE_ACTIVATIONS_SP` where it draws ``dropout``, else nothing) and the rest over ``tp``; a linear layer or an embedding all of it (a column-parallel
+    linear saves its input, gathered whole on every device; an embedding its indices). Where that errs it errs
+    high: a row-parallel linear's or an MLP pair's hidden activations are split, and so are a block's attention
+    scores where it keeps them (eager attention), both charged here at the block's or the linear's share.
 
     >>> round(tp_saved_bytes(34.0, 2, "transformer"), 9), tp_saved_bytes(34.0, 2, "linear")   # 10 + 24/2
     (22.0, 34.0)
+    >>> round(tp_saved_bytes(34.0, 2, "transformer", True), 9), tp_saved_bytes(34.0, 2, "transformer", True, False)
+    (18.0, 17.0)
     """
     if tp <= 1 or not _tp_block(kind):
         return act_bytes
-    return act_bytes * (TP_BLOCK_WHOLE_ACTIVATIONS + (1 - TP_BLOCK_WHOLE_ACTIVATIONS) / tp)
+    whole = (TP_BLOCK_WHOLE_ACTIVATIONS_SP if dropout else 0.0) if sequence_parallel else TP_BLOCK_WHOLE_ACTIVATIONS
+    return act_bytes * (whole + (1 - whole) / tp)
 
 
 def tp_state_share(param_bytes, tp, splittable):
@@ -747,12 +758,13 @@ def layout_state_bytes(param_bytes, largest_op_bytes, num_replicas, shard, resha
     return kept + (whole - kept) / num_replicas
 
 
-def tp_layer(op: "Op", tp: int, latency_s: float, bandwidth_Bps: float) -> "Op":
+def tp_layer(op: "Op", tp: int, latency_s: float, bandwidth_Bps: float, sequence_parallel: bool = False) -> "Op":
     """``op`` as one device of a tp group of ``tp`` runs it over a link of ``latency_s``/``bandwidth_Bps`` (the
     node's): :func:`tp_rule`'s split, :func:`tp_affine` times (the weight-gradient part W split the same way, the
     collectives falling on the input-gradient part), :func:`tp_state_share` weights, and a splittable op's saved
-    activations as :func:`tp_saved_bytes` has them (plain tensor parallelism, as the runtime runs it: a block's
-    layer-norm and dropout activations stay whole). ``tp`` 1: ``op`` itself.
+    activations as :func:`tp_saved_bytes` has them: plain tensor parallelism keeps a block's layer-norm and
+    dropout activations whole, ``sequence_parallel`` splits them too (its reduce-scatter and all-gather move
+    what the all-reduce did: the same time). ``tp`` 1: ``op`` itself.
 
     >>> from graphpipe.graph import Op, Affine
     >>> op = Op("b", "transformer", Affine(0.0, 8.0), Affine(0.0, 16.0), 64.0, 32.0, 4.0)
@@ -773,4 +785,5 @@ def tp_layer(op: "Op", tp: int, latency_s: float, bandwidth_Bps: float) -> "Op":
     return _replace(op, fwd=affine(f_alpha, f_beta), bwd=affine(b_alpha, b_beta),
                     wgrad=affine(w.alpha, w.beta / tp if split else w.beta),
                     param_bytes=float(tp_state_share(op.param_bytes, tp, split)),
-                    act_bytes=float(tp_saved_bytes(op.act_bytes, tp, op.kind) if split else op.act_bytes))
+                    act_bytes=float(tp_saved_bytes(op.act_bytes, tp, op.kind, sequence_parallel, op.dropout) if split
+                                    else op.act_bytes))

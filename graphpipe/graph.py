@@ -87,6 +87,10 @@ class Op:
     (the capture sees it, inside a block too). The runtime merges those
     statistics over whole-copy replicas only, so a graph with one plans
     whole-copy stages (:func:`graphpipe.search.planner.make_plan`).
+    dropout: the op draws a dropout with p > 0 (a module or a function,
+    inside a block too). A sequence-parallel TP stage draws such masks over
+    the whole tokens, as one process does, and keeps them whole
+    (:func:`graphpipe.costs.tp_saved_bytes`).
     """
 
     name: str
@@ -98,12 +102,15 @@ class Op:
     out_bytes: float = 0
     wgrad: Affine | None = None
     batchnorm: bool = False
+    dropout: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise InputError(f"op name must be a non-empty string, got {self.name!r}")
         if not isinstance(self.batchnorm, bool):
             raise InputError(f"op {self.name!r}: batchnorm must be true or false, got {self.batchnorm!r}")
+        if not isinstance(self.dropout, bool):
+            raise InputError(f"op {self.name!r}: dropout must be true or false, got {self.dropout!r}")
         if self.wgrad is not None and not isinstance(self.wgrad, Affine):
             raise InputError(f"op {self.name!r}: wgrad must be an Affine time model or None, got {self.wgrad!r}")
         for key in ("param_bytes", "act_bytes", "out_bytes"):
@@ -359,6 +366,7 @@ def graph_to_dict(graph: OpGraph) -> dict[str, Any]:
                 "out_bytes": op.out_bytes,
                 **({"wgrad_s": [op.wgrad.alpha, op.wgrad.beta]} if op.wgrad is not None else {}),  # only when measured
                 **({"batchnorm": True} if op.batchnorm else {}),  # only when it holds one
+                **({"dropout": True} if op.dropout else {}),
             }
             for op in graph.ops
         ],
@@ -400,11 +408,12 @@ def graph_from_dict(doc: Any, where: str = "graph") -> OpGraph:
             costs.append(Affine(*(f.number(v, f"{at}.{key}[{k}]", 0) for k, v in enumerate(pair))))
         # optional: only measured weight gradients are written, and older graphs have none
         wgrad = affine_field(o["wgrad_s"], f"{at}.wgrad_s") if "wgrad_s" in o else None
-        batchnorm = o.get("batchnorm", False)
-        if not isinstance(batchnorm, bool):
-            raise FormatError(f"{at}.batchnorm must be true or false, got {batchnorm!r}")
+        batchnorm, dropout = o.get("batchnorm", False), o.get("dropout", False)
+        for key, value in (("batchnorm", batchnorm), ("dropout", dropout)):
+            if not isinstance(value, bool):
+                raise FormatError(f"{at}.{key} must be true or false, got {value!r}")
         ops.append(Op(name=f.string(o["name"], f"{at}.name"), kind=f.string(o.get("kind", "op"), f"{at}.kind"),
-                      fwd=costs[0], bwd=costs[1], wgrad=wgrad, batchnorm=batchnorm,
+                      fwd=costs[0], bwd=costs[1], wgrad=wgrad, batchnorm=batchnorm, dropout=dropout,
                       **{key: _num(f.number(o.get(key, 0), f"{at}.{key}", 0))
                          for key in ("param_bytes", "act_bytes", "out_bytes")}))
     edges = []

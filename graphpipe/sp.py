@@ -340,7 +340,8 @@ def contract(graph: OpGraph, regions: Sequence[Sequence[int]], name: str | None 
             leaving = [u for u in region if not graph.succs(u)]
         out = sum(graph.ops[u].out_bytes for u in leaving)
         ops.append(Op(region_names[r], "merged", fwd, bwd, params, act, out, wgrad if measured else None,
-                      batchnorm=any(graph.ops[u].batchnorm for u in region)))
+                      batchnorm=any(graph.ops[u].batchnorm for u in region),
+                      dropout=any(graph.ops[u].dropout for u in region)))
     edge_bytes: dict[tuple[str, str], tuple[float, float]] = {}  # (bytes, saved); an edge inside a region is never cut
     for e in graph.edges:
         key = (new_name(e.src), new_name(e.dst))

@@ -71,6 +71,12 @@ class Stage:
     """FSDP only: free the gathered parameters after each forward (gather again for backward, per
     micro-batch), or keep them gathered from the first forward to the last backward of the step
     (torchtitan's choice under pipelining: one all-gather per step, more memory)."""
+    sequence_parallel: bool = False
+    """TP only: the tokens between a row-wise layer and the next column-wise one are split over the tp group
+    (Korthikanti et al. 2022 §4.2.2): the row-wise layer's all-reduce becomes a reduce-scatter, the column-wise
+    layer's input is all-gathered, and the norms, residual adds and dropout between them keep a tp-th of their
+    activations (:data:`graphpipe.costs.TP_BLOCK_WHOLE_ACTIVATIONS_SP`). The planner sets it on every TP stage;
+    false (plans written before it, or by hand) runs plain tensor parallelism."""
     split: int = 1
     """Round-robin only: replicas per round-robin group. The stage's replicas form ``num_replicas / split``
     groups of ``split`` consecutive replicas; micro-batch ``i`` goes to group ``i mod groups``, whose replicas
@@ -104,6 +110,11 @@ class Stage:
         if not isinstance(self.reshard_after_forward, bool):
             raise PlanError(f"stage {self.id}: reshard_after_forward must be true or false, "
                             f"got {self.reshard_after_forward!r}")
+        if not isinstance(self.sequence_parallel, bool):
+            raise PlanError(f"stage {self.id}: sequence_parallel must be true or false, got {self.sequence_parallel!r}")
+        if self.sequence_parallel and self.tp < 2:
+            raise PlanError(f"stage {self.id}: sequence_parallel splits tokens over a tensor-parallel group, but the "
+                            f"stage has tp {self.tp}; set sequence_parallel false or tp 2 or more")
         if self.round_robin and self.shard != "none":
             raise PlanError(f"stage {self.id}: a round-robin stage's replicas run different micro-batches at "
                             f"different times, so they cannot gather FSDP-sharded weights together; set shard "
@@ -386,19 +397,20 @@ class StageGraph:
 
     def costed_graph(self, stage_id: int) -> OpGraph:
         """The op graph as one device of the stage runs it: ``graph`` itself for tp 1, else every op as one
-        device of a tp group (:func:`graphpipe.costs.tp_layer` on the node's link); one copy per tp degree."""
-        tp = self.stages[stage_id].tp
+        device of a tp group (:func:`graphpipe.costs.tp_layer` on the node's link); one copy per tp degree and
+        sequence parallelism."""
+        tp, sp = self.stages[stage_id].tp, self.stages[stage_id].sequence_parallel
         if tp == 1:
             return self.graph
-        costed = self._costed.get(tp)
+        costed = self._costed.get((tp, sp))
         if costed is None:
             if self.cluster is None:
                 raise PlanError(f"stage {stage_id} is tensor parallel (tp {tp}): its collectives need the cluster; "
                                 f"build the stage graph with cluster= (a Plan attaches its own)")
             link = self.cluster.intra_node
-            costed = replace(self.graph, ops=tuple(costs.tp_layer(op, tp, link.latency_s, link.bandwidth_Bps)
+            costed = replace(self.graph, ops=tuple(costs.tp_layer(op, tp, link.latency_s, link.bandwidth_Bps, sp)
                                                    for op in self.graph.ops))
-            self._costed[tp] = costed
+            self._costed[(tp, sp)] = costed
         return costed
 
     def _replica_link(self, stage_id: int):

@@ -107,15 +107,27 @@ def gpt2():
     return _Logits(GPT2LMHeadModel(cfg)), ids, _next_token, ids
 
 
+def gpt2_dropout():
+    """The same GPT-2 with dropout on (0.2 on the embeddings, the residual branches and the attention)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.2,
+                     embd_pdrop=0.2, attn_pdrop=0.2, use_cache=False)
+    ids = torch.randint(0, 64, (BATCH, 12), generator=torch.Generator().manual_seed(7))
+    return _Logits(GPT2LMHeadModel(cfg)), ids, _next_token, ids
+
+
 def _next_token(logits, ids):
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
 
 def hand_plan(spec: str, stages: list[tuple[tuple[str, ...], tuple[int, ...], int, str]], *, batch: int = BATCH,
               micro_batch_size: int = 4, schedule: str = "1f1b", devices: int | None = None,
-              shared_devices: bool = False):
+              shared_devices: bool = False, sequence_parallel: bool = False):
     """A plan of ``spec`` with the stages written by hand: ``(op-name prefixes, devices, tp, shard)`` each; every
-    op goes to the first stage one of whose prefixes starts its name (``""`` takes the rest)."""
+    op goes to the first stage one of whose prefixes starts its name (``""`` takes the rest); with
+    ``sequence_parallel`` every stage of tp 2 or more runs sequence parallel."""
     from dataclasses import replace
 
     from graphpipe.cluster import preset
@@ -133,7 +145,8 @@ def hand_plan(spec: str, stages: list[tuple[tuple[str, ...], tuple[int, ...], in
     for op_id, op in enumerate(graph.ops):
         owner[op_id] = next(i for i, (prefixes, _, _, _) in enumerate(stages)
                             if any(op.name.startswith(p) for p in prefixes))
-    built = [Stage(i, tuple(o for o, s in owner.items() if s == i), tuple(ds), micro_batch_size, tp=tp, shard=shard)
+    built = [Stage(i, tuple(o for o, s in owner.items() if s == i), tuple(ds), micro_batch_size, tp=tp, shard=shard,
+                   sequence_parallel=sequence_parallel and tp > 1)
              for i, (_, ds, tp, shard) in enumerate(stages)]
     sg = StageGraph.build(graph, built, batch, num_devices, allow_shared_devices=shared_devices)
     return replace(base, stage_graph=sg, schedule=make_schedule(schedule, sg), predicted={}, strategy="custom")

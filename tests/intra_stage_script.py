@@ -1,6 +1,7 @@
 """Run under torchrun by tests/test_intra_stage.py: train ``file.py:factory`` models through graphpipe.Pipeline on
 plans with FSDP / tensor-parallel stages, one plan after another in the same ranks; rank 0 writes, per plan, the
-losses, the gradients' global norms, the final weights (whole, by name) and each rank's share of its stages' state.
+losses, the gradients' global norms, the final weights (whole, by name), each rank's share of its stages' state and
+the bytes autograd saved for backward on it in the first step.
 
     torchrun --nproc-per-node N tests/intra_stage_script.py STEPS OUT_DIR PLAN.json[,KEY=VALUE...] ...
 
@@ -10,6 +11,7 @@ written under any layout or a plain model's seed checkpoint, loaded before them)
 the Pipeline is built on the meta device: every weight comes from ``load``).
 """
 
+import contextlib
 import copy
 import os
 import sys
@@ -55,6 +57,53 @@ def _watch_gathers(pipe) -> list[int]:
     return seen
 
 
+class _SavedBytes:
+    """Bytes of the tensors autograd saves for backward on this rank while it is entered (a DTensor: its local
+    piece), each save counted: what sequence parallelism lowers. A sequence-parallel stage's own hooks
+    (intra_stage.Regather) take precedence inside its forward: what they keep is counted there, a gathered
+    tensor as the shard kept in its place."""
+
+    active = None
+
+    def __init__(self):
+        self.total = 0
+
+    def count(self, t):
+        from graphpipe.runtime import intra_stage
+
+        if isinstance(t, intra_stage._Regathered):
+            t = t.entry.shard
+        local = _local(t)
+        self.total += local.numel() * local.element_size()
+
+    def pack(self, t):
+        self.count(t)
+        return t
+
+    def __enter__(self):
+        _SavedBytes.active = self
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.hooks.__exit__(*exc)
+        _SavedBytes.active = None
+
+
+def _count_regathered():
+    from graphpipe.runtime import intra_stage
+
+    pack = intra_stage.Regather.pack
+
+    def counted(self, t):
+        kept = pack(self, t)
+        if _SavedBytes.active is not None:
+            _SavedBytes.active.count(kept)
+        return kept
+    intra_stage.Regather.pack = counted
+
+
 def train(plan_path: str, steps: int, out: str, save: str | None, load: str | None, meta: bool = False) -> None:
     made = load_factory(read_plan(plan_path).model)
     # meta: the user's model built on the meta device, its weights only from the checkpoint ``load`` names
@@ -67,8 +116,10 @@ def train(plan_path: str, steps: int, out: str, save: str | None, load: str | No
         pipe.load(load, None if idle else opt)
     gathered = _watch_gathers(pipe)
     losses, norms = [], []
-    for _ in range(steps):
-        losses.append(pipe.step(made.example_inputs, made.example_target).item())
+    saved = _SavedBytes()
+    for step in range(steps):
+        with saved if step == 0 else contextlib.nullcontext():
+            losses.append(pipe.step(made.example_inputs, made.example_target).item())
         norms.append(float(pipe.clip_grad_norm_(1e9)))  # the global norm: every parameter counted once
         opt.step()
         opt.zero_grad(set_to_none=False)  # the gradients stay allocated: their share is measured below
@@ -80,7 +131,7 @@ def train(plan_path: str, steps: int, out: str, save: str | None, load: str | No
               "grads": sum(_local(p.grad).numel() for _, p in params if p.grad is not None),
               "optim": sum(_local(v).numel() for _, p in params for v in opt.state[p].values()
                            if isinstance(v, torch.Tensor) and v.dim()),
-              "gathered": max(gathered, default=0)}
+              "gathered": max(gathered, default=0), "saved": saved.total}
     weights = {name: _whole(p.detach()).clone() for name, p in params}
     gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object((weights, shares), gathered, dst=0)
@@ -97,6 +148,7 @@ def main() -> None:
         faulthandler.dump_traceback_later(int(os.environ["GP_DUMP"]), exit=True)
     steps, out_dir, plans = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
     dist.init_process_group("gloo")
+    _count_regathered()
     for item in plans:
         plan, *rest = item.split(",")
         options = dict(kv.split("=", 1) for kv in rest)

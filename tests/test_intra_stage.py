@@ -5,7 +5,7 @@ losses and final weights equal at fp32 tolerances. The plans are written by hand
 devices, tp and shard per stage: an FSDP stage, TP stages of a plain MLP (column/row pairs found in the captured
 graph) and of a Hugging Face Llama (its base_model_tp_plan, heads split by KV group), a branchy model whose
 branches take different layouts, a chain mixing whole-copy replicas with a TP stage, and a checkpoint written
-under one layout loaded under another.
+under one layout loaded under another; TP stages sequence parallel, whose saved activations shrink by a hand count.
 """
 
 from __future__ import annotations
@@ -76,6 +76,10 @@ def test_fsdp_tp_and_mixed_layouts_train_as_one_process(tmp_path):
         write(tmp_path, "llama_2d", "llama", [(("",), (0, 1, 2, 3), 2, "fsdp")]),
         write(tmp_path, "fsdp", "mlp_chain", [(("stem", "block0"), (0,), 1, "none"), (("",), (1, 2), 1, "fsdp")]),
         write(tmp_path, "tp", "mlp_chain", [(("stem",), (0,), 1, "none"), (("",), (1, 2), 2, "none")]),
+        # the same TP stage sequence parallel; the Llama's 2-D stage too
+        write(tmp_path, "tp_sp", "mlp_chain", [(("stem",), (0,), 1, "none"), (("",), (1, 2), 2, "none")],
+              sequence_parallel=True),
+        write(tmp_path, "llama_2d_sp", "llama", [(("",), (0, 1, 2, 3), 2, "fsdp")], sequence_parallel=True),
         write(tmp_path, "chain", "mlp_chain", [(("stem", "block0"), (0, 1), 1, "none"), (("",), (2, 3), 2, "none")]),
         write(tmp_path, "branchy", "branchy", [(("stem", "right"), (0, 1), 2, "none"),
                                                 (("left", "head"), (2, 3), 1, "fsdp")]),
@@ -103,7 +107,17 @@ def test_fsdp_tp_and_mixed_layouts_train_as_one_process(tmp_path):
     check(str(tmp_path / "tp_meta.pt"), "mlp_chain", 3)
     fsdp = check(str(tmp_path / "fsdp.pt"), "mlp_chain", 3)
     step = check(str(tmp_path / "fsdp_step.pt"), "mlp_chain", 3)
-    check(str(tmp_path / "tp.pt"), "mlp_chain", 3)
+    plain = check(str(tmp_path / "tp.pt"), "mlp_chain", 3)
+    sequence = check(str(tmp_path / "tp_sp.pt"), "mlp_chain", 3)
+    check(str(tmp_path / "llama_2d_sp.pt"), "llama", 3)
+    # sequence parallelism, by hand: the TP stage (block0, block1, head) takes h whole (a micro-batch of 4 samples
+    # x 16 floats, 256 bytes). h is the residual stream (block0's row-wise output is added to it), so each device
+    # keeps its half of the tokens (the samples, for a 2-D tensor) from the start, and block0's row-wise layer
+    # reduce-scatters into the same split: block0's and block1's column-wise layers, which gather their inputs but
+    # keep this device's half for backward, and the head, which runs on the split tokens, each save 128 bytes
+    # instead of 256; 3 x 128 bytes less per micro-batch on each TP rank, 2 micro-batches, the rest the same
+    assert [s["saved"] for s in sequence["shares"]] == [plain["shares"][0]["saved"]] + \
+        [p["saved"] - 3 * 128 * 2 for p in plain["shares"][1:3]] + [plain["shares"][3]["saved"]]
     check(str(tmp_path / "chain.pt"), "mlp_chain", 3)
     branchy = check(str(tmp_path / "branchy.pt"), "branchy", 3)
     check(str(tmp_path / "llama_2d.pt"), "llama", 3)
@@ -145,6 +159,14 @@ def test_llama_tp_and_a_checkpoint_across_layouts(tmp_path):
     llama_fsdp = write(tmp_path, "llama_fsdp", "llama", [(("model.model.embed", "model.model.layers.0"), (0, 1), 1,
                                                           "fsdp"), (("",), (2,), 1, "none")])
     gpt2 = write(tmp_path, "gpt2", "gpt2", [(("",), (0, 1), 2, "none")], devices=3)
+    # the same Llama and GPT-2 stages sequence parallel
+    llama_sp = write(tmp_path, "llama_sp", "llama", [(("model.model.embed", "model.model.layers."), (0, 1), 2,
+                                                      "none"), (("",), (2,), 1, "none")], sequence_parallel=True)
+    gpt2_sp = write(tmp_path, "gpt2_sp", "gpt2", [(("",), (0, 1), 2, "none")], devices=3, sequence_parallel=True)
+    # with dropout on: the sequence-parallel stage draws the masks one device draws (over the whole tokens)
+    drop_sp = write(tmp_path, "drop_sp", "gpt2_dropout", [(("",), (0, 1), 2, "none")], devices=3,
+                    sequence_parallel=True)
+    drop_one = write(tmp_path, "drop_one", "gpt2_dropout", [(("",), (0,), 1, "none")], devices=3)
     front = ("model.transformer.wte", "model.transformer.wpe", "model.transformer.h.0")
     tie_tp = write(tmp_path, "tie_tp", "gpt2", [(front, (0, 1), 2, "none"), (("",), (2,), 1, "none")])
     tie_fsdp = write(tmp_path, "tie_fsdp", "gpt2", [(front, (0,), 1, "none"), (("",), (1, 2), 1, "fsdp")])
@@ -154,7 +176,7 @@ def test_llama_tp_and_a_checkpoint_across_layouts(tmp_path):
     shared = write(tmp_path, "tie_shared", "gpt2", [(front, (0, 1), 1, "none"), (("model.transformer.h.1",), (2,), 1,
                    "none"), (("",), (0, 1), 2, "none")], schedule="gpipe", shared_devices=True)
     ck, tie_ck = str(tmp_path / "ck"), str(tmp_path / "tie_ck")
-    torchrun("2", str(tmp_path), llama, llama_fsdp, gpt2, f"{fsdp},save={ck}", f"{tp},steps=1,load={ck}", tie_tp,
+    torchrun("2", str(tmp_path), llama, llama_sp, llama_fsdp, gpt2, gpt2_sp, drop_sp, drop_one, f"{fsdp},save={ck}", f"{tp},steps=1,load={ck}", tie_tp,
              f"{tie_fsdp},save={tie_ck}", f"{tmp_path / 'tie_resumed.json'},steps=1,load={tie_ck}", shared, ranks=3,
              script=SCRIPT)
     check(str(tmp_path / "tie_tp.pt"), "gpt2", 2)
@@ -172,6 +194,17 @@ def test_llama_tp_and_a_checkpoint_across_layouts(tmp_path):
     split = sum(p.numel() for n, p in named.items() if any(k in n for k in ("c_attn.", "c_proj.weight", "c_fc.")))
     assert [s["params"] for s in two["shares"][:2]] == [sum(p.numel() for p in named.values()) - split // 2] * 2
     got = check(str(tmp_path / "llama.pt"), "llama", 2)
+    # sequence parallel, the same numbers; each TP rank keeps less for backward: the norms' and residuals' tokens
+    # after layer 0's attention split, the column-wise layers' gathered inputs kept as this device's half
+    sequence = check(str(tmp_path / "llama_sp.pt"), "llama", 2)
+    assert all(s["saved"] < 0.85 * p["saved"] for s, p in zip(sequence["shares"][:2], got["shares"][:2]))
+    assert sequence["shares"][2]["saved"] == got["shares"][2]["saved"]  # the whole-copy stage: unchanged
+    check(str(tmp_path / "gpt2_sp.pt"), "gpt2", 2)
+    dropped = [torch.load(str(tmp_path / f"drop_{k}.pt"), weights_only=False) for k in ("sp", "one")]
+    torch.testing.assert_close(torch.tensor(dropped[0]["losses"]), torch.tensor(dropped[1]["losses"]))
+    assert dropped[0]["losses"] != check(str(tmp_path / "gpt2.pt"), "gpt2", 2)["losses"]  # the masks drop
+    for name, w in dropped[1]["weights"].items():
+        torch.testing.assert_close(dropped[0]["weights"][name], w, msg=name)
     # the same Llama's first stage FSDP over two ranks, one FSDP unit per op: a rank gathers one op's weights at
     # a time (at most the largest op's, the decoder layer here), never the whole stage's
     sharded = check(str(tmp_path / "llama_fsdp.pt"), "llama", 2)

@@ -78,20 +78,48 @@ def test_tp_layer_time_equals_megatron_collectives_per_layer():
 
 
 # ---------------------------------------------------- memory by hand count
-def test_tp_stage_memory_equals_hand_count():
-    g, cl = ops3(), cluster(4)
-    sg = one_stage(g, 4, 8, 16, cl, tp=4)
+@pytest.mark.parametrize("sequence_parallel,dropout", [(False, False), (True, False), (True, True)])
+def test_tp_stage_memory_equals_hand_count(sequence_parallel, dropout):
+    g = ops3()
+    if dropout:
+        g = replace(g, ops=tuple(replace(op, dropout=op.kind == "transformer") for op in g.ops))
+    cl = cluster(4)
+    sg = one_stage(g, 4, 8, 16, cl, tp=4, sequence_parallel=sequence_parallel)
     s, k = 8, 2  # samples per replica, micro-batches in flight
     params = 2e8 / 4 + 4e8 / 4 + 4e4  # embedding and block split over 4 devices, the norm whole
     state = params / 4 * 16  # weights, gradients and Adam's two moments, fp32
-    # the block's activations as plain tensor parallelism keeps them (Korthikanti et al. 2022, Table 2: of 34 bytes
-    # per token and hidden unit, the 24 inside attention and the MLP split over tp, the layer norms' and dropout
-    # masks' 10 whole on every device), the norm's whole
-    act = 0.0 + 1e6 * (10 + 24 / 4) / 34 + 1e5
+    # the block's activations (Korthikanti et al. 2022, Table 2: 34 bytes per token and hidden unit). Plain tensor
+    # parallelism splits the 24 inside attention and the MLP over tp and keeps the layer norms' and dropout masks'
+    # 10 whole on every device; sequence parallelism splits all 34, but for the 2 of the dropout masks, drawn over
+    # the whole tokens, where the block has dropout. The norm op's activations stay whole.
+    whole = (2 if dropout else 0) if sequence_parallel else 10
+    act = 0.0 + 1e6 * (whole + (34 - whole) / 4) / 34 + 1e5
     buffers = 0.0  # one stage: nothing received
     assert sg.device_memory(0, cl, k) == pytest.approx(state + buffers + act * s * k, rel=1e-12)
     tl = simulate(sg, make_schedule("gpipe", sg, cl), cl)  # gpipe: both micro-batches in flight
     assert max(tl.peak_memory_bytes) == pytest.approx(state + act * s * 2, rel=1e-12)
+
+
+def test_sequence_parallel_is_a_tp_stages_plan_field():
+    """The planner runs every TP stage sequence parallel and says so in the plan file; a plan without the key
+    (written before it) reads as plain TP; a hand edit asking it of a tp-1 stage is refused in one line."""
+    from graphpipe.errors import PlanError
+    from graphpipe.plan import plan_from_dict, plan_to_dict
+
+    g = OpGraph.build("one", [Op("blk", "transformer", **BLOCK)], [])
+    plan = make_plan("one", g, cluster(8, per_node=8, memory=1.4e9), 32, "gpipe",
+                     SearchOptions(tp="auto", shard="auto", recompute="none"), monotone=False)
+    doc = plan_to_dict(plan)
+    tps = [(s["tp"], s.get("sequence_parallel")) for s in doc["stages"]]
+    assert any(tp > 1 for tp, _ in tps) and all(sp is (True if tp > 1 else None) for tp, sp in tps)
+    assert plan_from_dict(doc).stage_graph.stages == plan.stage_graph.stages
+    for s in doc["stages"]:
+        s.pop("sequence_parallel", None)
+    assert not any(s.sequence_parallel for s in plan_from_dict(doc).stage_graph.stages)
+    doc["stages"][0].update(tp=1, sequence_parallel=True)
+    with pytest.raises(PlanError, match="sequence_parallel splits tokens over a tensor-parallel group, but the stage "
+                                        "has tp 1"):
+        plan_from_dict(doc)
 
 
 @pytest.mark.parametrize("reshard", [True, False])

@@ -789,7 +789,8 @@ def capture(module: nn.Module, example_inputs: Any, name: str | None = None,
                       fwd=Affine(device.op_overhead_s, flops / rate),
                       bwd=Affine(2 * device.op_overhead_s, 2 * flops / rate),
                       param_bytes=params, act_bytes=act, out_bytes=out,
-                      batchnorm=any(_is_batchnorm(gm, n) for n in nodes)))
+                      batchnorm=any(_is_batchnorm(gm, n) for n in nodes),
+                      dropout=any(_dropout_p(gm, n) > 0 for n in nodes)))
     total = sum(p.numel() * p.element_size() for p in module.parameters())
     if sum(op.param_bytes for op in ops) != total:
         log.warning("%s: %d parameter bytes are never used by forward; the op graph omits them",
@@ -883,6 +884,21 @@ def _is_batchnorm(gm: fx.GraphModule, node: fx.Node) -> bool:
     """Whether ``node`` calls one of the user's BatchNorms (export's markers restored: the runtime runs each as
     a module, :mod:`graphpipe.runtime.batchnorm`)."""
     return node.op == "call_module" and isinstance(gm.get_submodule(node.target), BATCHNORMS)
+
+
+def _dropout_p(gm: fx.GraphModule, node: fx.Node) -> float:
+    """The probability of a dropout ``node`` draws (an ``nn.Dropout*`` module or graphpipe's seeded stand-in, a
+    functional ``aten.dropout``/``aten.native_dropout``, or a seeded call of one); 0 for any other node."""
+    if node.op == "call_module":
+        module = gm.get_submodule(node.target)
+        if isinstance(module, nn.modules.dropout._DropoutNd) or type(module).__name__ == "SeededDropout":
+            return float(module.p)
+        return 0.0
+    name = str(getattr(node.target, "__name__", node.target))
+    if node.op == "call_function" and "dropout" in name:
+        p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.0)
+        return float(p) if isinstance(p, (int, float)) and not isinstance(p, bool) else 0.0
+    return 0.0
 
 
 def _node_params(gm: fx.GraphModule, node: fx.Node) -> list[nn.Parameter]:

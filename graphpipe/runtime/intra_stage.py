@@ -54,6 +54,7 @@ attention heads (naming the projection); the rest in
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import gc
 import logging
@@ -317,23 +318,231 @@ def replicated(x):
     return x
 
 
-def _reduce_after_rows(gm: torch.fx.GraphModule, styles: dict[str, str]) -> int:
-    """Put :func:`replicated` after every row-wise linear of ``gm`` (in place); returns how many.
+def token_sharded(x):
+    """Sequence parallelism's reduce-scatter (Korthikanti et al. 2022 §4.2.2): ``x``, a Partial DTensor (a row-wise
+    layer's output), summed and split over the tp group along its token dimension (the last but one, the
+    sequence of a ``(batch, seq, hidden)`` tensor; else the first leading dimension the group divides), or
+    all-reduced where none divides; anything else as is. The norms, residual adds and dropout after it then keep
+    a tp-th of the tokens each."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if not (isinstance(x, DTensor) and any(p.is_partial() for p in x.placements)):
+        return x
+    dim = _token_dim(x)
+    return x.redistribute(placements=[Replicate() if dim is None else Shard(dim)] * len(x.placements))
+
+
+def _token_dim(x) -> int | None:
+    """The dimension sequence parallelism splits ``x`` along: the last but one (a ``(batch, seq, hidden)``
+    tensor's sequence), else the first leading one the group divides evenly; None where none does."""
+    size = x.device_mesh.size()
+    return next((d for d in range(x.dim() - 2, -1, -1) if x.shape[d] % size == 0 and x.shape[d] >= size), None)
+
+
+def token_split(x):
+    """The residual stream entering sequence parallelism whole (a TP stage's input, an embedding's output):
+    ``x``, a Replicate floating-point DTensor, split along its token dimension on each device (no
+    communication: every device keeps its piece), so that the norms and residual adds on it keep a tp-th as
+    they do after a row-wise layer; anything else as is."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not (isinstance(x, DTensor) and x.dtype.is_floating_point and x.dim() >= 2
+            and all(p.is_replicate() for p in x.placements)):
+        return x
+    dim = _token_dim(x)
+    return x if dim is None else x.redistribute(placements=[Shard(dim)] * len(x.placements))
+
+
+def replicated_tokens(x):
+    """A token-split DTensor whole again, where a dropout with p > 0 is about to draw its mask: drawn over the
+    whole tokens, as one process draws it (:class:`graphpipe.runtime.rng.SeededDropout`), then split again
+    (:func:`token_split`)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if isinstance(x, DTensor) and any(p.is_shard() for p in x.placements):
+        return x.redistribute(placements=[Replicate()] * len(x.placements))
+    return x
+
+
+def gathered(x):
+    """Sequence parallelism's all-gather before a column-wise layer: ``x`` whole on every device of the group
+    where it is a token-sharded DTensor (its backward: the input gradient's reduce-scatter); anything else as
+    is. Inside :class:`Regather` (a TP stage's forward) the layer saves the whole tensor as ``x``'s shard."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not (isinstance(x, DTensor) and any(p.is_shard() for p in x.placements)):
+        return x
+    whole = x.redistribute(placements=[Replicate()] * len(x.placements))
+    if Regather.active is not None:
+        Regather.active.note(x, whole)
+    return whole
+
+
+@dataclass
+class _Gathered:
+    whole: Any  # weakref to the gathered local tensor: the entry stands while it lives
+    shard: torch.Tensor  # this device's piece, kept instead
+    dim: int
+    mesh: Any
+
+
+@dataclass
+class _Regathered:
+    """What autograd keeps for a view of a gathered tensor: its entry and the view's layout (local and global)."""
+    entry: _Gathered
+    size: tuple
+    stride: tuple
+    offset: int
+    placements: Any = None  # None: the saved tensor was the local tensor itself, not a DTensor
+    shape: Any = None
+    global_stride: Any = None
+
+
+class Regather:
+    """Sequence parallelism's memory half (Korthikanti et al. 2022 §4.2.3): a column-wise layer saves its input
+    for the weight gradient, and under sequence parallelism that input is all-gathered (:func:`gathered`); kept
+    whole, it would cost every device the tokens the split saved. While a TP stage's forward runs inside this
+    context, autograd saves any view of a gathered tensor as this device's shard, and the backward gathers it
+    again when it needs it (one more all-gather per layer, as in Megatron-LM). The TP ranks of a group run the
+    same graph, so their extra all-gathers come in the same order. Not used on a re-materializing stage, whose
+    forward saves nothing to begin with."""
+
+    active: "Regather | None" = None
+
+    def __init__(self):
+        self.entries: dict[int, _Gathered] = {}
+
+    def note(self, shard_dt, whole_dt) -> None:
+        import weakref
+
+        local = whole_dt._local_tensor
+        if not local.is_contiguous() or local.storage_offset() or shard_dt.device_mesh.ndim != 1:
+            return
+        dim = next(p.dim for p in shard_dt.placements if p.is_shard())
+        self.entries[local.untyped_storage().data_ptr()] = _Gathered(weakref.ref(local),
+                                                                     shard_dt._local_tensor.detach(), dim,
+                                                                     shard_dt.device_mesh)
+
+    def pack(self, t):
+        from torch.distributed.tensor import DTensor
+
+        local = t._local_tensor if isinstance(t, DTensor) else t
+        if not isinstance(local, torch.Tensor) or not local.numel() or local.layout != torch.strided:
+            return t
+        ptr = local.untyped_storage().data_ptr()
+        entry = self.entries.get(ptr)
+        whole = entry.whole() if entry is not None else None
+        if whole is None or whole.untyped_storage().data_ptr() != ptr:
+            return t
+        if isinstance(t, DTensor):
+            return _Regathered(entry, local.size(), local.stride(), local.storage_offset(), t.placements, t.shape,
+                               t.stride())
+        return _Regathered(entry, local.size(), local.stride(), local.storage_offset())
+
+    @staticmethod
+    def unpack(saved):
+        if not isinstance(saved, _Regathered):
+            return saved
+        from torch.distributed.tensor import DTensor
+
+        e = saved.entry
+        group = e.mesh.get_group()
+        pieces = [torch.empty_like(e.shard) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(pieces, e.shard.contiguous(), group=group)
+        local = torch.cat(pieces, dim=e.dim).as_strided(saved.size, saved.stride, saved.offset)
+        if saved.placements is None:
+            return local
+        return DTensor.from_local(local, e.mesh, saved.placements, run_check=False, shape=saved.shape,
+                                  stride=saved.global_stride)
+
+    def __enter__(self):
+        self.previous, Regather.active = Regather.active, self
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.hooks.__exit__(*exc)
+        Regather.active = self.previous
+        self.entries = {}
+
+
+def _reduce_after_rows(gm: torch.fx.GraphModule, styles: dict[str, str], sequence_parallel: bool = False) -> int:
+    """Put :func:`replicated` (:func:`token_sharded` with ``sequence_parallel``) after every row-wise linear of
+    ``gm``, and with ``sequence_parallel`` :func:`gathered` before every column-wise one's input (in place);
+    returns how many row-wise layers.
 
     Without it DTensor's sharding propagation, choosing op by op, lets a row-wise layer's Partial output flow
     on (a residual add stays Partial, the next column-wise layer then gathers its weights instead of splitting
     its output), and a later reshape of a head-split attention output fails ("view size is not compatible")
     where its local layout differs from the global one. Megatron all-reduces right there; so does this, and
-    the layers that follow see Replicate inputs, as the cost model prices them."""
+    the layers that follow see Replicate inputs, as the cost model prices them. Under sequence parallelism they
+    see token-sharded inputs up to the next column-wise layer, which gathers them whole again."""
     rows = [n for n in gm.graph.nodes if styles.get(_weight_of(n) or "") in ("row", "rowT")]
     for node in rows:
         with gm.graph.inserting_after(node):
-            reduced = gm.graph.call_function(replicated, (node,))
+            reduced = gm.graph.call_function(token_sharded if sequence_parallel else replicated, (node,))
         reduced.meta = dict(node.meta)
         node.replace_all_uses_with(reduced, delete_user_cb=lambda user, r=reduced: user is not r)
-    if rows:
+    streams = []  # the residual stream where it is whole: what a row-wise layer's split output is added to
+    for node in gm.graph.nodes if sequence_parallel else ():
+        if node.target is not token_sharded:
+            continue
+        def passes(u) -> bool:  # reshapes and dropout: GPT-2's Conv1D output viewed back, its resid_dropout
+            return _target(u) in _FLATTENS or _dropout_p(gm, u) >= 0
+        chain, users = {node}, list(node.users)
+        while any(passes(u) for u in users):
+            chain |= {u for u in users if passes(u)}
+            users = [v for u in users for v in (u.users if passes(u) else (u,))]
+        streams += [a for user in users if _target(user) in _ADDS for a in user.args
+                    if isinstance(a, torch.fx.Node) and a not in chain]
+    for source in dict.fromkeys(streams):
+        with gm.graph.inserting_after(source):
+            split = gm.graph.call_function(token_split, (source,))
+        split.meta = dict(source.meta)
+        source.replace_all_uses_with(split, delete_user_cb=lambda user, n=split: user is not n)
+    drops = [n for n in gm.graph.nodes if sequence_parallel and _dropout_p(gm, n) > 0]
+    for node in drops:  # masks drawn on the whole tokens, as one process draws them; the output split again
+        source = node.args[0]
+        with gm.graph.inserting_before(node):
+            whole = gm.graph.call_function(replicated_tokens, (source,))
+        node.replace_input_with(source, whole)
+        with gm.graph.inserting_after(node):
+            split = gm.graph.call_function(token_split, (node,))
+        node.replace_all_uses_with(split, delete_user_cb=lambda user, n=split: user is not n)
+    cols = [n for n in gm.graph.nodes if styles.get(_weight_of(n) or "") in ("col", "colT")] if sequence_parallel else []
+    for node in cols:
+        at = _LAYERS[_target(node)][1]
+        user, source = node, node.args[at]
+        while _target(source) in _FLATTENS and len(source.users) == 1:  # GPT-2's Conv1D: view(x, (-1, in))
+            user, source = source, source.args[0]
+        with gm.graph.inserting_before(user):
+            whole = gm.graph.call_function(gathered, (source,))
+        whole.meta = dict(getattr(source, "meta", {}))
+        user.replace_input_with(source, whole)
+    if rows or cols or streams or drops:
         gm.recompile()
-    return len(rows)
+    return len(rows) + len(cols)
+
+
+_ADDS = ("aten.add.Tensor", "aten.add_.Tensor")
+"""Residual adds: where a row-wise layer's output meets the stream it came from (:func:`token_split`)."""
+
+_FLATTENS = ("aten.view.default", "aten.reshape.default", "aten._unsafe_view.default")
+"""Reshapes between a column-wise layer and its input that :func:`gathered` goes before: a token-split tensor
+reshaped first would be gathered inside DTensor's reshape, out of reach of :class:`Regather`."""
+
+
+def _dropout_p(gm: torch.fx.GraphModule, node) -> float:
+    """A dropout node's probability (a module: ``nn.Dropout*`` or graphpipe's seeded stand-in; ``aten.dropout``),
+    -1 for any other node."""
+    if node.op == "call_module":
+        module = gm.get_submodule(node.target)
+        if isinstance(module, nn.modules.dropout._DropoutNd) or type(module).__name__ == "SeededDropout":
+            return float(module.p)
+    if _target(node) == "aten.dropout.default":
+        return float(node.args[1]) if len(node.args) > 1 else float(node.kwargs.get("p", 0.5))
+    return -1.0
 
 
 def _splits(p: torch.Tensor, dim: int, tp: int) -> bool:
@@ -351,8 +560,8 @@ def _assign(styles: dict[str, str], node, style: str) -> None:
 class _TPForward:
     """A TP stage's forward: inputs as Replicate DTensors on the TP mesh, outputs back as plain tensors."""
 
-    def __init__(self, inner, mesh):
-        self.inner, self.mesh = inner, mesh
+    def __init__(self, inner, mesh, regather: bool = False):
+        self.inner, self.mesh, self.regather = inner, mesh, regather
 
     def __call__(self, *xs):
         from torch.distributed.tensor import DTensor, Replicate
@@ -363,7 +572,8 @@ class _TPForward:
         # Replicate, in this forward and in the backward (which reads the flag where it runs; torch's
         # ``implicit_replication()`` context would reset it before the backward)
         torch._C._set_dtensor_allow_implicit_replication(True)
-        sent, out = self.inner(*args)
+        with Regather() if self.regather else contextlib.nullcontext():
+            sent, out = self.inner(*args)
         return tuple(full_value(t) for t in sent), torch.utils._pytree.tree_map(full_value, out)
 
 
@@ -602,7 +812,7 @@ def _tensor_parallel(hosted, meshes: StageMeshes, model: nn.Module | None) -> No
 
     stage, module = hosted.stage, hosted.module
     styles = tp_placements(module, dict(hosted.program.param_names), stage.tp, stage.id, model)
-    if _reduce_after_rows(module, styles):
+    if _reduce_after_rows(module, styles, stage.sequence_parallel):
         from graphpipe.runtime.stage_modules import BoundForward
 
         hosted.forward = BoundForward(module)  # the bound copy of the graph, now with the all-reduces
@@ -617,7 +827,7 @@ def _tensor_parallel(hosted, meshes: StageMeshes, model: nn.Module | None) -> No
                                    shape=p.shape, stride=p.stride())
             owner._parameters[attr] = nn.Parameter(d, requires_grad=p.requires_grad)
     _register_attention_rules()
-    hosted.forward = _TPForward(hosted.forward, meshes.tp)
+    hosted.forward = _TPForward(hosted.forward, meshes.tp, stage.sequence_parallel and not stage.recompute)
     # the backward of a TP stage mixes DTensor gradients with plain tensors the forward saved (constants,
     # index tables): those are replicated, so the whole rank treats plain tensors as Replicate
     torch._C._set_dtensor_allow_implicit_replication(True)

@@ -1,7 +1,9 @@
 """Parallelism inside stages, searched with the graph of stages (docs/design.md#parallelism-inside-a-stage).
 
 A *layout* is how every stage of a plan is parallel inside itself: tensor
-parallelism over groups of ``tp`` devices of one node (Megatron-LM §3) and
+parallelism over groups of ``tp`` devices of one node (Megatron-LM §3, always
+with sequence parallelism, Korthikanti et al. 2022: :attr:`Stage.sequence_parallel
+<graphpipe.stages.Stage.sequence_parallel>`) and
 FSDP / ZeRO-3 sharding over its replicas (:mod:`graphpipe.costs`, "parallelism
 inside a stage"). The planner searches a layout without touching the
 partitioners: a plan with layout ``(tp, shard)`` on ``N`` devices is planned
@@ -171,7 +173,7 @@ def reduced_graph(graph: OpGraph, cluster: Cluster, layout: Layout) -> OpGraph:
     if layout.tp == 1:
         return graph
     link = cluster.intra_node
-    return replace(graph, ops=tuple(costs.tp_layer(op, layout.tp, link.latency_s, link.bandwidth_Bps)
+    return replace(graph, ops=tuple(costs.tp_layer(op, layout.tp, link.latency_s, link.bandwidth_Bps, True)
                                     for op in graph.ops))
 
 
@@ -207,7 +209,7 @@ def expand(sg: StageGraph, graph: OpGraph, cluster: Cluster, layout: Layout, bat
         split = layout.group if mode == "round-robin" else 1
         stages.append(_whole_recompute(Stage(st.id, op_ids, devices, st.micro_batch_size * layout.group,
                                              st.recompute, replica_mode=mode, checkpoints=checkpoints, split=split,
-                                             tp=layout.tp, shard=shard,
+                                             tp=layout.tp, shard=shard, sequence_parallel=layout.tp > 1,
                                              reshard_after_forward=False if shard == "fsdp" else True)))
     return StageGraph(graph, tuple(stages), batch_size, cluster.num_devices, allow_shared_devices=sg.allow_shared_devices,
                       sequential=sg.sequential, cluster=cluster)
@@ -279,7 +281,8 @@ def stage_layouts(stage: Stage, cluster: Cluster, tps: Sequence[int], shards: Se
         for shard in shards:
             if shard == "fsdp" and (n // tp < 2 or stage.round_robin):
                 continue
-            out.append(_whole_recompute(replace(stage, tp=tp, shard=shard, reshard_after_forward=shard != "fsdp")))
+            out.append(_whole_recompute(replace(stage, tp=tp, shard=shard, reshard_after_forward=shard != "fsdp",
+                                                sequence_parallel=tp > 1)))
     return out
 
 
