@@ -104,6 +104,7 @@ __all__ = [
     "tp_state_share",
     "TP_BLOCK_WHOLE_ACTIVATIONS",
     "TP_BLOCK_WHOLE_ACTIVATIONS_SP",
+    "TP_REBUILT_INPUTS",
     "tp_saved_bytes",
     "ring_allgather_s",
     "fsdp_micro_batch_s",
@@ -662,23 +663,36 @@ split too, and each column-wise layer keeps its all-gathered input as this devic
 backward (Korthikanti et al. 2022 §4.2.3); the two dropout masks (``2 s b h``) stay whole, drawn over the whole
 tokens as one process draws them. A block without dropout (Llama's) keeps nothing whole: ``34 s b h / t``."""
 
+TP_REBUILT_INPUTS = 4 / 34
+"""What a re-materializing sequence-parallel block keeps whole on top (:func:`tp_saved_bytes` without
+``regather``): the two column-wise layers' gathered inputs (``2 s b h`` each), which the rebuild inside backward
+saves whole (the runtime's ``Regather`` is off there, as torch's checkpoint takes the saved tensors itself)."""
 
-def tp_saved_bytes(act_bytes, tp, kind, sequence_parallel=False, dropout=True):
+
+def tp_saved_bytes(act_bytes, tp, kind, sequence_parallel=False, dropout=False, regather=True):
     """Saved-activation bytes one device of a tp group keeps for an op that splits (:func:`tp_rule`): a
-    transformer block its :data:`TP_BLOCK_WHOLE_ACTIVATIONS` whole (with ``sequence_parallel``
-    :data:`TP_BLOCK_WHOLE_ACTIVATIONS_SP` where it draws ``dropout``, else nothing) and the rest over ``tp``; a linear layer or an embedding all of it (a column-parallel
-    linear saves its input, gathered whole on every device; an embedding its indices). Where that errs it errs
-    high: a row-parallel linear's or an MLP pair's hidden activations are split, and so are a block's attention
-    scores where it keeps them (eager attention), both charged here at the block's or the linear's share.
+    transformer block its :data:`TP_BLOCK_WHOLE_ACTIVATIONS` whole and the rest over ``tp``; with
+    ``sequence_parallel`` the 2 bytes of its dropout masks where it draws ``dropout``
+    (:data:`TP_BLOCK_WHOLE_ACTIVATIONS_SP`), and without ``regather`` (a re-materializing stage, whose rebuild
+    keeps the column-wise layers' gathered inputs) those inputs' 4 more; a linear layer or an embedding all of
+    it (a column-parallel linear saves its input, gathered whole on every device; an embedding its indices).
+    Where that errs it errs high: a row-parallel linear's or an MLP pair's hidden activations are split, and so
+    are a block's attention scores where it keeps them (eager attention), both charged here at the block's or
+    the linear's share.
 
     >>> round(tp_saved_bytes(34.0, 2, "transformer"), 9), tp_saved_bytes(34.0, 2, "linear")   # 10 + 24/2
     (22.0, 34.0)
-    >>> round(tp_saved_bytes(34.0, 2, "transformer", True), 9), tp_saved_bytes(34.0, 2, "transformer", True, False)
-    (18.0, 17.0)
+    >>> tp_saved_bytes(34.0, 2, "transformer", True), tp_saved_bytes(34.0, 2, "transformer", True, True)
+    (17.0, 18.0)
+    >>> round(tp_saved_bytes(34.0, 2, "transformer", True, True, regather=False), 9)   # 2 + 4 + 28/2
+    20.0
     """
     if tp <= 1 or not _tp_block(kind):
         return act_bytes
-    whole = (TP_BLOCK_WHOLE_ACTIVATIONS_SP if dropout else 0.0) if sequence_parallel else TP_BLOCK_WHOLE_ACTIVATIONS
+    if not sequence_parallel:
+        whole = TP_BLOCK_WHOLE_ACTIVATIONS
+    else:
+        whole = (TP_BLOCK_WHOLE_ACTIVATIONS_SP if dropout else 0.0) + (0.0 if regather else TP_REBUILT_INPUTS)
     return act_bytes * (whole + (1 - whole) / tp)
 
 
@@ -758,19 +772,28 @@ def layout_state_bytes(param_bytes, largest_op_bytes, num_replicas, shard, resha
     return kept + (whole - kept) / num_replicas
 
 
-def tp_layer(op: "Op", tp: int, latency_s: float, bandwidth_Bps: float, sequence_parallel: bool = False) -> "Op":
+def tp_layer(op: "Op", tp: int, latency_s: float, bandwidth_Bps: float, sequence_parallel: bool = False,
+             regather: bool = True) -> "Op":
     """``op`` as one device of a tp group of ``tp`` runs it over a link of ``latency_s``/``bandwidth_Bps`` (the
     node's): :func:`tp_rule`'s split, :func:`tp_affine` times (the weight-gradient part W split the same way, the
     collectives falling on the input-gradient part), :func:`tp_state_share` weights, and a splittable op's saved
     activations as :func:`tp_saved_bytes` has them: plain tensor parallelism keeps a block's layer-norm and
-    dropout activations whole, ``sequence_parallel`` splits them too (its reduce-scatter and all-gather move
-    what the all-reduce did: the same time). ``tp`` 1: ``op`` itself.
+    dropout activations whole, ``sequence_parallel`` splits them too. Sequence parallelism's reduce-scatters
+    and all-gathers move what the all-reduces did (the same time), and with ``regather`` (the runtime's
+    ``Regather``: a column-wise layer keeps its gathered input as this device's piece) backward gathers each
+    column-wise input again, one ring all-gather of ``out_bytes`` per backward collective (a schedule splitting
+    the backward gathers it in W too, which is not charged). A re-materializing stage runs without
+    it (``regather`` false): no second gather, and its rebuild keeps those inputs whole. ``tp`` 1: ``op``
+    itself.
 
     >>> from graphpipe.graph import Op, Affine
     >>> op = Op("b", "transformer", Affine(0.0, 8.0), Affine(0.0, 16.0), 64.0, 32.0, 4.0)
     >>> t = tp_layer(op, 4, 0.0, 1.0)
     >>> t.fwd, t.bwd, t.param_bytes, round(t.act_bytes, 9)   # 8/4 + 2*2*3/4*4, 16/4 + 12, 32 * (10 + 24/4) / 34
     (Affine(alpha=0.0, beta=14.0), Affine(alpha=0.0, beta=16.0), 16.0, 15.058823529)
+    >>> t = tp_layer(op, 4, 0.0, 1.0, sequence_parallel=True)
+    >>> t.bwd, t.act_bytes   # 16 + 2 gathers again of 3/4 * 4, all 32 bytes over 4
+    (Affine(alpha=0.0, beta=22.0), 8.0)
     """
     from dataclasses import replace as _replace  # stdlib; the module keeps graph types out of its imports
 
@@ -780,10 +803,15 @@ def tp_layer(op: "Op", tp: int, latency_s: float, bandwidth_Bps: float, sequence
     split = not why
     f_alpha, f_beta = tp_affine(op.fwd.alpha, op.fwd.beta, tp, split, n_fwd, latency_s, bandwidth_Bps, op.out_bytes)
     b_alpha, b_beta = tp_affine(op.bwd.alpha, op.bwd.beta, tp, split, n_bwd, latency_s, bandwidth_Bps, op.out_bytes)
+    if sequence_parallel and regather and split:
+        # one ring all-gather of the layer input per backward collective (:func:`ring_allgather_s`, affine in the
+        # samples): ``(t-1) latency`` per call, ``(t-1)/t bytes / bandwidth`` per sample
+        b_alpha += n_bwd * (tp - 1) * latency_s
+        b_beta += n_bwd * (tp - 1) / tp * op.out_bytes / bandwidth_Bps
     affine = type(op.fwd)
     w = weight_grad_model(op)
     return _replace(op, fwd=affine(f_alpha, f_beta), bwd=affine(b_alpha, b_beta),
                     wgrad=affine(w.alpha, w.beta / tp if split else w.beta),
                     param_bytes=float(tp_state_share(op.param_bytes, tp, split)),
-                    act_bytes=float(tp_saved_bytes(op.act_bytes, tp, op.kind, sequence_parallel, op.dropout) if split
-                                    else op.act_bytes))
+                    act_bytes=float(tp_saved_bytes(op.act_bytes, tp, op.kind, sequence_parallel, op.dropout, regather)
+                                    if split else op.act_bytes))

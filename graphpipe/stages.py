@@ -397,20 +397,22 @@ class StageGraph:
 
     def costed_graph(self, stage_id: int) -> OpGraph:
         """The op graph as one device of the stage runs it: ``graph`` itself for tp 1, else every op as one
-        device of a tp group (:func:`graphpipe.costs.tp_layer` on the node's link); one copy per tp degree and
-        sequence parallelism."""
-        tp, sp = self.stages[stage_id].tp, self.stages[stage_id].sequence_parallel
+        device of a tp group (:func:`graphpipe.costs.tp_layer` on the node's link); one copy per tp degree,
+        sequence parallelism and re-materialization (a re-materializing sequence-parallel stage gathers no input
+        again in backward and its rebuild keeps the gathered ones)."""
+        st = self.stages[stage_id]
+        tp, sp, regather = st.tp, st.sequence_parallel, not st.recompute  # the runtime's Regather: off re-materializing
         if tp == 1:
             return self.graph
-        costed = self._costed.get((tp, sp))
+        costed = self._costed.get((tp, sp, regather))
         if costed is None:
             if self.cluster is None:
                 raise PlanError(f"stage {stage_id} is tensor parallel (tp {tp}): its collectives need the cluster; "
                                 f"build the stage graph with cluster= (a Plan attaches its own)")
             link = self.cluster.intra_node
-            costed = replace(self.graph, ops=tuple(costs.tp_layer(op, tp, link.latency_s, link.bandwidth_Bps, sp)
-                                                   for op in self.graph.ops))
-            self._costed[(tp, sp)] = costed
+            costed = replace(self.graph, ops=tuple(costs.tp_layer(op, tp, link.latency_s, link.bandwidth_Bps, sp,
+                                                                  regather) for op in self.graph.ops))
+            self._costed[(tp, sp, regather)] = costed
         return costed
 
     def _replica_link(self, stage_id: int):

@@ -77,6 +77,21 @@ def test_tp_layer_time_equals_megatron_collectives_per_layer():
     assert i + w == pytest.approx(sg.bwd_time(0), rel=1e-12)
 
 
+def test_sequence_parallel_layer_time_adds_the_backward_gathers_by_hand():
+    """Sequence parallelism: each of Megatron's all-reduces becomes a reduce-scatter plus an all-gather, the same
+    ring time; backward gathers each column-wise layer's input again (the runtime keeps it split): one ring
+    all-gather more per backward collective, a block's two. A re-materializing stage does not (its rebuild keeps
+    the gathered inputs)."""
+    g, cl, t, s = ops3(), cluster(4), 4, 8
+    plain = one_stage(g, 4, 8, 16, cl, tp=t)
+    sp = one_stage(g, 4, 8, 16, cl, tp=t, sequence_parallel=True)
+    rebuilt = one_stage(g, 4, 8, 16, cl, tp=t, sequence_parallel=True, recompute=True)
+    gather = oracle_ring_gather(t, INTRA, 1e5 * s)  # the block's output bytes, all samples of the replica
+    assert sp.fwd_time(0) == pytest.approx(plain.fwd_time(0), rel=1e-12)
+    assert sp.bwd_time(0) == pytest.approx(plain.bwd_time(0) + 2 * gather, rel=1e-12)
+    assert rebuilt.bwd_time(0) == pytest.approx(plain.bwd_time(0) + plain.fwd_time(0), rel=1e-12)
+
+
 # ---------------------------------------------------- memory by hand count
 @pytest.mark.parametrize("sequence_parallel,dropout", [(False, False), (True, False), (True, True)])
 def test_tp_stage_memory_equals_hand_count(sequence_parallel, dropout):
@@ -98,6 +113,19 @@ def test_tp_stage_memory_equals_hand_count(sequence_parallel, dropout):
     assert sg.device_memory(0, cl, k) == pytest.approx(state + buffers + act * s * k, rel=1e-12)
     tl = simulate(sg, make_schedule("gpipe", sg, cl), cl)  # gpipe: both micro-batches in flight
     assert max(tl.peak_memory_bytes) == pytest.approx(state + act * s * 2, rel=1e-12)
+
+
+def test_re_materializing_sequence_parallel_stage_rebuilds_with_gathered_inputs_by_hand():
+    """A re-materializing stage keeps its inputs per micro-batch in flight and rebuilds one micro-batch's
+    activations inside B; under sequence parallelism that rebuild keeps the column-wise layers' gathered inputs
+    whole (4 of the block's 34 bytes per token and hidden unit), the rest a tp-th."""
+    g, cl = ops3(), cluster(4)
+    sg = one_stage(g, 4, 8, 16, cl, tp=4, sequence_parallel=True, recompute=True)
+    s, k = 8, 2
+    state = (2e8 / 4 + 4e8 / 4 + 4e4) / 4 * 16
+    rebuilt = 0.0 + 1e6 * (4 + 30 / 4) / 34 + 1e5  # the embedding saves nothing, the norm whole
+    inputs = 0.0  # one stage: it receives nothing
+    assert sg.device_memory(0, cl, k) == pytest.approx(state + inputs * s * k + rebuilt * s, rel=1e-12)
 
 
 def test_sequence_parallel_is_a_tp_stages_plan_field():
@@ -248,7 +276,9 @@ def test_cpsat_makespan_includes_the_all_reduce():
 # ------------------------------------------- brute force over (tp, shard)
 def _hand_iteration(n: int, t: int, shard: str, mb: int, batch: int, cl: Cluster) -> float | None:
     """One block on one stage of ``n`` devices (tp ``t``, ``n/t`` replicas), ``batch/mb`` micro-batches in a row:
-    ``M (F + B)`` plus the step-end collective, or None when it does not fit or divide."""
+    ``M (F + B)`` plus the step-end collective, or None when it does not fit or divide. A TP stage is sequence
+    parallel, as the planner makes it: backward gathers each column-wise input again (2 ring all-gathers) and
+    the block keeps a tp-th of its activations."""
     r = n // t
     if n % t or mb % r or batch % mb or cl.devices_per_node % t:
         return None
@@ -257,7 +287,7 @@ def _hand_iteration(n: int, t: int, shard: str, mb: int, batch: int, cl: Cluster
     s = mb / r
     coll = 2 * _ring(t, INTRA, 1e5 * s) if t > 1 else 0.0
     f = 1e-4 + 2e-3 * s / t + coll
-    b = 2e-4 + 4e-3 * s / t + coll
+    b = 2e-4 + 4e-3 * s / t + coll + (2 * oracle_ring_gather(t, INTRA, 1e5 * s) if t > 1 else 0.0)
     link = oracle_collective_link(cl, range(0, n, t))
     share = 4e8 / t
     sync = 2 * oracle_ring_gather(r, link, share) if shard == "fsdp" else oracle_ring_allreduce(r, link, share)
@@ -338,11 +368,12 @@ def test_layout_search_keeps_zero_bubble_where_it_simulates_faster_by_oracle():
     assert replaced in ("graph-1f1b", "gpipe")
     assert all(st.shard == "none" for st in sg.stages)
 
-    def durations(action):  # per block, by hand: tp splits the per-sample work, its all-reduces fall on F and I
-        st = sg.stages[action.stage_id]
+    def durations(action):  # per block, by hand: tp splits the per-sample work, its all-reduces fall on F and I,
+        st = sg.stages[action.stage_id]  # and so do sequence parallelism's gathers again of the column inputs
         s, t = st.samples_per_replica, st.tp
         coll = 2 * _ring(t, INTRA, 1e5 * s) if t > 1 else 0.0
-        f, b, w = 1e-4 + 2e-3 * s / t + coll, 2e-4 + 4e-3 * s / t + coll, 1e-4 + 2e-3 * s / t
+        again = 2 * oracle_ring_gather(t, INTRA, 1e5 * s) if t > 1 else 0.0
+        f, b, w = 1e-4 + 2e-3 * s / t + coll, 2e-4 + 4e-3 * s / t + coll + again, 1e-4 + 2e-3 * s / t
         per_block = {"F": f, "B": b, "W": w, "I": b - w}[action.kind]
         return len(st.op_ids) * per_block
 

@@ -320,8 +320,7 @@ def replicated(x):
 
 def token_sharded(x):
     """Sequence parallelism's reduce-scatter (Korthikanti et al. 2022 §4.2.2): ``x``, a Partial DTensor (a row-wise
-    layer's output), summed and split over the tp group along its token dimension (the last but one, the
-    sequence of a ``(batch, seq, hidden)`` tensor; else the first leading dimension the group divides), or
+    layer's output), summed and split over the tp group along its token dimension (:func:`_token_dim`), or
     all-reduced where none divides; anything else as is. The norms, residual adds and dropout after it then keep
     a tp-th of the tokens each."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -334,7 +333,8 @@ def token_sharded(x):
 
 def _token_dim(x) -> int | None:
     """The dimension sequence parallelism splits ``x`` along: the last but one (a ``(batch, seq, hidden)``
-    tensor's sequence), else the first leading one the group divides evenly; None where none does."""
+    tensor's sequence) where the group divides it evenly, else the nearest one before it that it divides; None
+    where none does."""
     size = x.device_mesh.size()
     return next((d for d in range(x.dim() - 2, -1, -1) if x.shape[d] % size == 0 and x.shape[d] >= size), None)
 
@@ -353,17 +353,6 @@ def token_split(x):
     return x if dim is None else x.redistribute(placements=[Shard(dim)] * len(x.placements))
 
 
-def replicated_tokens(x):
-    """A token-split DTensor whole again, where a dropout with p > 0 is about to draw its mask: drawn over the
-    whole tokens, as one process draws it (:class:`graphpipe.runtime.rng.SeededDropout`), then split again
-    (:func:`token_split`)."""
-    from torch.distributed.tensor import DTensor, Replicate
-
-    if isinstance(x, DTensor) and any(p.is_shard() for p in x.placements):
-        return x.redistribute(placements=[Replicate()] * len(x.placements))
-    return x
-
-
 def gathered(x):
     """Sequence parallelism's all-gather before a column-wise layer: ``x`` whole on every device of the group
     where it is a token-sharded DTensor (its backward: the input gradient's reduce-scatter); anything else as
@@ -372,6 +361,11 @@ def gathered(x):
 
     if not (isinstance(x, DTensor) and any(p.is_shard() for p in x.placements)):
         return x
+    kind = x.device.type
+    if torch.is_autocast_enabled(kind) and x.dtype == torch.float32:
+        # autocast would cast the gathered input for the layer into new memory, which autograd then saves whole
+        # (out of Regather's sight): cast the piece first, as Megatron gathers in the compute precision
+        x = x.to(torch.get_autocast_dtype(kind))
     whole = x.redistribute(placements=[Replicate()] * len(x.placements))
     if Regather.active is not None:
         Regather.active.note(x, whole)
@@ -415,19 +409,22 @@ class Regather:
     def note(self, shard_dt, whole_dt) -> None:
         import weakref
 
-        local = whole_dt._local_tensor
-        if not local.is_contiguous() or local.storage_offset() or shard_dt.device_mesh.ndim != 1:
+        local, mesh = whole_dt._local_tensor, shard_dt.device_mesh
+        if (mesh.ndim != 1 or local.device.type == "meta" or not local.is_contiguous() or local.storage_offset()
+                or not local.untyped_storage().data_ptr()):
             return
         dim = next(p.dim for p in shard_dt.placements if p.is_shard())
+        if shard_dt._local_tensor.shape[dim] * mesh.size() != local.shape[dim]:
+            return  # uneven pieces: unpack gathers equal ones
         self.entries[local.untyped_storage().data_ptr()] = _Gathered(weakref.ref(local),
-                                                                     shard_dt._local_tensor.detach(), dim,
-                                                                     shard_dt.device_mesh)
+                                                                     shard_dt._local_tensor.detach(), dim, mesh)
 
     def pack(self, t):
         from torch.distributed.tensor import DTensor
 
         local = t._local_tensor if isinstance(t, DTensor) else t
-        if not isinstance(local, torch.Tensor) or not local.numel() or local.layout != torch.strided:
+        if (not isinstance(local, torch.Tensor) or not local.numel() or local.layout != torch.strided
+                or local.device.type == "meta"):
             return t
         ptr = local.untyped_storage().data_ptr()
         entry = self.entries.get(ptr)
@@ -467,33 +464,38 @@ class Regather:
         self.entries = {}
 
 
-def _reduce_after_rows(gm: torch.fx.GraphModule, styles: dict[str, str], sequence_parallel: bool = False) -> int:
+def _reduce_after_rows(gm: torch.fx.GraphModule, styles: dict[str, str], sequence_parallel: bool = False) -> bool:
     """Put :func:`replicated` (:func:`token_sharded` with ``sequence_parallel``) after every row-wise linear of
-    ``gm``, and with ``sequence_parallel`` :func:`gathered` before every column-wise one's input (in place);
-    returns how many row-wise layers.
+    ``gm``, and with ``sequence_parallel`` :func:`token_split` where the residual stream enters whole and one
+    :func:`gathered` before each distinct input of the column-wise layers (in place); whether it changed ``gm``.
 
     Without it DTensor's sharding propagation, choosing op by op, lets a row-wise layer's Partial output flow
     on (a residual add stays Partial, the next column-wise layer then gathers its weights instead of splitting
     its output), and a later reshape of a head-split attention output fails ("view size is not compatible")
     where its local layout differs from the global one. Megatron all-reduces right there; so does this, and
     the layers that follow see Replicate inputs, as the cost model prices them. Under sequence parallelism they
-    see token-sharded inputs up to the next column-wise layer, which gathers them whole again."""
+    see token-sharded inputs up to the next column-wise layers, which gather them whole again: once for all
+    the layers reading one input (attention's q, k and v; the MLP's gate and up), as Megatron does. A row-wise
+    layer whose output is reshaped back (GPT-2's ``Conv1D``: ``addmm`` on the flattened tokens, then a view
+    to ``(batch, seq, hidden)``) reduce-scatters after the reshape, so that it splits the same dimension as
+    the stream it is added to."""
     rows = [n for n in gm.graph.nodes if styles.get(_weight_of(n) or "") in ("row", "rowT")]
     for node in rows:
-        with gm.graph.inserting_after(node):
-            reduced = gm.graph.call_function(token_sharded if sequence_parallel else replicated, (node,))
-        reduced.meta = dict(node.meta)
-        node.replace_all_uses_with(reduced, delete_user_cb=lambda user, r=reduced: user is not r)
+        last = node
+        while sequence_parallel and len(last.users) == 1 and _target(next(iter(last.users))) in _FLATTENS:
+            last = next(iter(last.users))
+        with gm.graph.inserting_after(last):
+            reduced = gm.graph.call_function(token_sharded if sequence_parallel else replicated, (last,))
+        reduced.meta = dict(last.meta)
+        last.replace_all_uses_with(reduced, delete_user_cb=lambda user, r=reduced: user is not r)
     streams = []  # the residual stream where it is whole: what a row-wise layer's split output is added to
     for node in gm.graph.nodes if sequence_parallel else ():
         if node.target is not token_sharded:
             continue
-        def passes(u) -> bool:  # reshapes and dropout: GPT-2's Conv1D output viewed back, its resid_dropout
-            return _target(u) in _FLATTENS or _dropout_p(gm, u) >= 0
-        chain, users = {node}, list(node.users)
-        while any(passes(u) for u in users):
-            chain |= {u for u in users if passes(u)}
-            users = [v for u in users for v in (u.users if passes(u) else (u,))]
+        chain, users = {node}, list(node.users)  # through dropout (GPT-2's resid_dropout) and reshapes
+        while any(_passes(gm, u) for u in users):
+            chain |= {u for u in users if _passes(gm, u)}
+            users = [v for u in users for v in (u.users if _passes(gm, u) else (u,))]
         streams += [a for user in users if _target(user) in _ADDS for a in user.args
                     if isinstance(a, torch.fx.Node) and a not in chain]
     for source in dict.fromkeys(streams):
@@ -501,28 +503,22 @@ def _reduce_after_rows(gm: torch.fx.GraphModule, styles: dict[str, str], sequenc
             split = gm.graph.call_function(token_split, (source,))
         split.meta = dict(source.meta)
         source.replace_all_uses_with(split, delete_user_cb=lambda user, n=split: user is not n)
-    drops = [n for n in gm.graph.nodes if sequence_parallel and _dropout_p(gm, n) > 0]
-    for node in drops:  # masks drawn on the whole tokens, as one process draws them; the output split again
-        source = node.args[0]
-        with gm.graph.inserting_before(node):
-            whole = gm.graph.call_function(replicated_tokens, (source,))
-        node.replace_input_with(source, whole)
-        with gm.graph.inserting_after(node):
-            split = gm.graph.call_function(token_split, (node,))
-        node.replace_all_uses_with(split, delete_user_cb=lambda user, n=split: user is not n)
     cols = [n for n in gm.graph.nodes if styles.get(_weight_of(n) or "") in ("col", "colT")] if sequence_parallel else []
+    wholes: dict = {}  # one gather per distinct input
     for node in cols:
         at = _LAYERS[_target(node)][1]
         user, source = node, node.args[at]
         while _target(source) in _FLATTENS and len(source.users) == 1:  # GPT-2's Conv1D: view(x, (-1, in))
             user, source = source, source.args[0]
-        with gm.graph.inserting_before(user):
-            whole = gm.graph.call_function(gathered, (source,))
-        whole.meta = dict(getattr(source, "meta", {}))
+        whole = wholes.get(source)
+        if whole is None:
+            with gm.graph.inserting_after(source):
+                whole = wholes[source] = gm.graph.call_function(gathered, (source,))
+            whole.meta = dict(getattr(source, "meta", {}))
         user.replace_input_with(source, whole)
-    if rows or cols or streams or drops:
+    if rows or cols or streams:
         gm.recompile()
-    return len(rows) + len(cols)
+    return bool(rows or cols or streams)
 
 
 _ADDS = ("aten.add.Tensor", "aten.add_.Tensor")
@@ -533,16 +529,16 @@ _FLATTENS = ("aten.view.default", "aten.reshape.default", "aten._unsafe_view.def
 reshaped first would be gathered inside DTensor's reshape, out of reach of :class:`Regather`."""
 
 
-def _dropout_p(gm: torch.fx.GraphModule, node) -> float:
-    """A dropout node's probability (a module: ``nn.Dropout*`` or graphpipe's seeded stand-in; ``aten.dropout``),
-    -1 for any other node."""
+def _passes(gm: torch.fx.GraphModule, node) -> bool:
+    """Whether ``node`` hands a row-wise layer's output on to the residual add unchanged in layout: a reshape
+    (:data:`_FLATTENS`) or a dropout (an ``nn.Dropout*`` module, graphpipe's seeded stand-in as a module or the
+    function the runtime puts in a functional dropout's place, :func:`graphpipe.runtime.rng.seeded_dropout`)."""
+    if _target(node) in _FLATTENS:
+        return True
     if node.op == "call_module":
         module = gm.get_submodule(node.target)
-        if isinstance(module, nn.modules.dropout._DropoutNd) or type(module).__name__ == "SeededDropout":
-            return float(module.p)
-    if _target(node) == "aten.dropout.default":
-        return float(node.args[1]) if len(node.args) > 1 else float(node.kwargs.get("p", 0.5))
-    return -1.0
+        return isinstance(module, nn.modules.dropout._DropoutNd) or type(module).__name__ == "SeededDropout"
+    return node.op == "call_function" and getattr(node.target, "__name__", "") in ("seeded_dropout", "dropout")
 
 
 def _splits(p: torch.Tensor, dim: int, tp: int) -> bool:
