@@ -8,7 +8,8 @@ the bytes autograd saved for backward on it in the first step.
 Each plan's results go to ``OUT_DIR/<plan file name>.pt``. Options after a plan, comma-separated: ``steps=N``
 (instead of STEPS), ``save=DIR`` (a checkpoint with the optimizer's state after the steps), ``load=DIR`` (one,
 written under any layout or a plain model's seed checkpoint, loaded before them), ``meta=1`` (the model handed to
-the Pipeline is built on the meta device: every weight comes from ``load``).
+the Pipeline is built on the meta device: every weight comes from ``load``), ``precision=bf16`` (autocast; the
+results go to ``<name>_bf16.pt``).
 """
 
 import contextlib
@@ -104,12 +105,13 @@ def _count_regathered():
     intra_stage.Regather.pack = counted
 
 
-def train(plan_path: str, steps: int, out: str, save: str | None, load: str | None, meta: bool = False) -> None:
+def train(plan_path: str, steps: int, out: str, save: str | None, load: str | None, meta: bool = False,
+          precision: str = "fp32") -> None:
     made = load_factory(read_plan(plan_path).model)
     # meta: the user's model built on the meta device, its weights only from the checkpoint ``load`` names
     module = copy.deepcopy(made.module).to("meta") if meta else made.module
     pipe = graphpipe.Pipeline(plan_path, module, made.loss_fn, idle_ranks=True, example_inputs=made.example_inputs,
-                              example_target=made.example_target, timeout_s=120)
+                              example_target=made.example_target, timeout_s=120, precision=precision)
     idle = not list(pipe.parameters())  # a rank the plan leaves idle gets a stand-in optimizer
     opt = torch.optim.SGD(list(pipe.parameters()) or [torch.zeros(1, requires_grad=True)], lr=0.1, momentum=0.9)
     if load:
@@ -153,8 +155,9 @@ def main() -> None:
         plan, *rest = item.split(",")
         options = dict(kv.split("=", 1) for kv in rest)
         name = os.path.splitext(os.path.basename(plan))[0]
-        train(plan, int(options.get("steps", steps)), os.path.join(out_dir, name + ".pt"), options.get("save"),
-              options.get("load"), meta=options.get("meta") == "1")
+        out = os.path.join(out_dir, name + ("_" + options["precision"] if "precision" in options else "") + ".pt")
+        train(plan, int(options.get("steps", steps)), out, options.get("save"), options.get("load"),
+              meta=options.get("meta") == "1", precision=options.get("precision", "fp32"))
     dist.barrier()
     dist.destroy_process_group()
 
