@@ -37,6 +37,10 @@ well-kept pieces instead of hand-written collectives:
   that cannot split runs replicated; a row-wise layer's Partial output is
   all-reduced right after it (:func:`replicated`, Megatron's place for it). Replicas' gradients are all-reduced over
   the mesh's replica dimension (local shards, one collective per parameter).
+  With ``sequence_parallel`` (Korthikanti et al. 2022) that all-reduce is a reduce-scatter along the tokens
+  (:func:`token_sharded`), the residual stream is split where it enters whole (:func:`token_split`), each
+  column-wise layer's input is all-gathered (:func:`gathered`) and kept as this device's piece for backward
+  (:class:`Regather`), so the norms and adds between them keep a tp-th of the tokens.
 
 * **Both** (tp > 1, shard fsdp: 2-D inside the stage, torchtitan's dp x tp
   layout per stage). The TP parameters above, then the stage as one FSDP unit
@@ -398,8 +402,9 @@ class Regather:
     whole, it would cost every device the tokens the split saved. While a TP stage's forward runs inside this
     context, autograd saves any view of a gathered tensor as this device's shard, and the backward gathers it
     again when it needs it (one more all-gather per layer, as in Megatron-LM). The TP ranks of a group run the
-    same graph, so their extra all-gathers come in the same order. Not used on a re-materializing stage, whose
-    forward saves nothing to begin with."""
+    same graph, so their extra all-gathers come in the same order. Not used on a re-materializing stage: torch's
+    checkpoint takes the saved tensors itself, and its rebuild inside backward keeps the gathered inputs whole
+    (what the cost model charges there, :data:`graphpipe.costs.TP_REBUILT_INPUTS`)."""
 
     active: "Regather | None" = None
 
