@@ -497,6 +497,41 @@ def test_ops_holding_a_batchnorm_are_marked_inside_a_block_too_and_the_mark_roun
         graph_from_dict(doc)
 
 
+class _DropNet(nn.Module):
+    """A block with a dropout module, one with a functional dropout, one whose dropout draws nothing (p 0)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+        self.drop, self.off = nn.Dropout(0.1), nn.Dropout(0.0)
+
+    def forward(self, x):
+        x = self.drop(torch.relu(self.a(x)))
+        x = F.dropout(torch.relu(self.b(x)), 0.2, self.training)
+        return self.off(self.c(x))
+
+
+def test_ops_drawing_dropout_are_marked_and_the_mark_round_trips():
+    """A sequence-parallel stage keeps a dropout's masks whole, so the cost model needs to know which ops draw
+    one: the capture marks an op whose nodes include a dropout module or function with p > 0 (not one with p
+    0), and the graph file keeps the mark (written only when true)."""
+    from graphpipe.errors import FormatError
+    from graphpipe.graph import graph_from_dict, graph_to_dict
+
+    captured = capture(_DropNet().train(), (torch.randn(4, 8),))
+    graph = captured.graph
+    drawn = {op.name for op in graph.ops if op.dropout}
+    owner = {name: op for op, names in captured.op_nodes.items() for name in names}
+    assert drawn and drawn == {owner[n] for n in owner if "drop" in n and "off" not in n}
+    assert all(not op.dropout for op in graph.ops if op.name not in drawn)
+    doc = graph_to_dict(graph)
+    assert graph_from_dict(doc) == graph
+    assert [("dropout" in op) for op in doc["ops"]] == [op.dropout for op in graph.ops]
+    doc["ops"][0]["dropout"] = 1
+    with pytest.raises(FormatError, match=r"^graph\.ops\[0\]\.dropout must be true or false, got 1$"):
+        graph_from_dict(doc)
+
+
 class _ScaleMeanGrad(torch.autograd.Function):
     """``x * w`` with ``w`` broadcast over the rows, whose backward averages ``w``'s gradient over the rows
     instead of summing it: wrong, and only visible with more than one row."""
