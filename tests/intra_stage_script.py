@@ -60,7 +60,7 @@ def _watch_gathers(pipe) -> list[int]:
 
 class _SavedBytes:
     """Bytes of the tensors autograd saves for backward on this rank while it is entered (a DTensor: its local
-    piece), each save counted: what sequence parallelism lowers. A sequence-parallel stage's own hooks
+    piece), each save counted: what sequence parallelism lowers; and the all-gathers its backward runs again. A sequence-parallel stage's own hooks
     (intra_stage.Regather) take precedence inside its forward: what they keep is counted there, a gathered
     tensor as the shard kept in its place."""
 
@@ -68,6 +68,8 @@ class _SavedBytes:
 
     def __init__(self):
         self.total = 0
+
+    regathers = 0
 
     def count(self, t):
         from graphpipe.runtime import intra_stage
@@ -85,9 +87,16 @@ class _SavedBytes:
         _SavedBytes.active = self
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
         self.hooks.__enter__()
+        self.gather = dist.all_gather
+
+        def counted(*args, **kwargs):  # sequence parallelism's gathers again in backward (DTensor's own
+            self.regathers += 1  # collectives go through its functional ones, not this)
+            return self.gather(*args, **kwargs)
+        dist.all_gather = counted
         return self
 
     def __exit__(self, *exc):
+        dist.all_gather = self.gather
         self.hooks.__exit__(*exc)
         _SavedBytes.active = None
 
@@ -133,7 +142,7 @@ def train(plan_path: str, steps: int, out: str, save: str | None, load: str | No
               "grads": sum(_local(p.grad).numel() for _, p in params if p.grad is not None),
               "optim": sum(_local(v).numel() for _, p in params for v in opt.state[p].values()
                            if isinstance(v, torch.Tensor) and v.dim()),
-              "gathered": max(gathered, default=0), "saved": saved.total}
+              "gathered": max(gathered, default=0), "saved": saved.total, "regathers": saved.regathers}
     weights = {name: _whole(p.detach()).clone() for name, p in params}
     gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object((weights, shares), gathered, dst=0)

@@ -200,11 +200,16 @@ def test_llama_tp_and_a_checkpoint_across_layouts(tmp_path):
     sequence = check(str(tmp_path / "llama_sp.pt"), "llama", 2)
     assert all(s["saved"] < 0.85 * p["saved"] for s, p in zip(sequence["shares"][:2], got["shares"][:2]))
     assert sequence["shares"][2]["saved"] == got["shares"][2]["saved"]  # the whole-copy stage: unchanged
+    # backward gathers each column-wise input again once, as forward gathered it (Megatron): per decoder layer one
+    # for attention's q, k and v and one for the MLP's gate and up; 2 layers, 2 micro-batches of 4; none for plain TP
+    assert [s["regathers"] for s in sequence["shares"]] == [2 * 2 * 2] * 2 + [0]
+    assert [s["regathers"] for s in got["shares"]] == [0, 0, 0]
     # under bf16 autocast as well: the gathered inputs are kept as pieces (cast before the gather, so autocast's
     # cast for the layer makes no whole copy), so sequence parallelism saves at least the share it saves in fp32
     half = [torch.load(str(tmp_path / f"{k}_bf16.pt"), weights_only=False)["shares"][0]["saved"] for k in ("llama", "llama_sp")]
     assert half[1] / half[0] <= sequence["shares"][0]["saved"] / got["shares"][0]["saved"]
-    check(str(tmp_path / "gpt2_sp.pt"), "gpt2", 2)
+    fused = check(str(tmp_path / "gpt2_sp.pt"), "gpt2", 2)
+    assert [s["regathers"] for s in fused["shares"]] == [2 * 2 * 2] * 2 + [0]  # c_attn and c_fc per layer
     dropped = [torch.load(str(tmp_path / f"drop_{k}.pt"), weights_only=False) for k in ("sp", "one")]
     torch.testing.assert_close(torch.tensor(dropped[0]["losses"]), torch.tensor(dropped[1]["losses"]))
     assert dropped[0]["losses"] != check(str(tmp_path / "gpt2.pt"), "gpt2", 2)["losses"]  # the masks drop

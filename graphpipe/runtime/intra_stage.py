@@ -382,6 +382,9 @@ class _Gathered:
     shard: torch.Tensor  # this device's piece, kept instead
     dim: int
     mesh: Any
+    saves: int = 0  # views of it autograd saved (q, k and v each save the one input)
+    unpacked: int = 0  # unpacks so far; every ``saves`` of them share one gather
+    again: Any = None  # the input gathered again, while a pass's unpacks of it are pending
 
 
 @dataclass
@@ -401,7 +404,7 @@ class Regather:
     for the weight gradient, and under sequence parallelism that input is all-gathered (:func:`gathered`); kept
     whole, it would cost every device the tokens the split saved. While a TP stage's forward runs inside this
     context, autograd saves any view of a gathered tensor as this device's shard, and the backward gathers it
-    again when it needs it (one more all-gather per layer, as in Megatron-LM). The TP ranks of a group run the
+    again when it needs it (one more all-gather per column-wise input, as in Megatron-LM). The TP ranks of a group run the
     same graph, so their extra all-gathers come in the same order. Not used on a re-materializing stage: torch's
     checkpoint takes the saved tensors itself, and its rebuild inside backward keeps the gathered inputs whole
     (what the cost model charges there, :data:`graphpipe.costs.TP_REBUILT_INPUTS`)."""
@@ -436,6 +439,7 @@ class Regather:
         whole = entry.whole() if entry is not None else None
         if whole is None or whole.untyped_storage().data_ptr() != ptr:
             return t
+        entry.saves += 1
         if isinstance(t, DTensor):
             return _Regathered(entry, local.size(), local.stride(), local.storage_offset(), t.placements, t.shape,
                                t.stride())
@@ -443,15 +447,24 @@ class Regather:
 
     @staticmethod
     def unpack(saved):
+        """The saved view, from its input gathered again: once for all the layers that saved the one input (a
+        backward pass unpacks each of them once; the gathered tensor is dropped after the last), so backward
+        gathers once per column-wise input, as forward did."""
         if not isinstance(saved, _Regathered):
             return saved
         from torch.distributed.tensor import DTensor
 
         e = saved.entry
-        group = e.mesh.get_group()
-        pieces = [torch.empty_like(e.shard) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(pieces, e.shard.contiguous(), group=group)
-        local = torch.cat(pieces, dim=e.dim).as_strided(saved.size, saved.stride, saved.offset)
+        if e.again is None:
+            group = e.mesh.get_group()
+            pieces = [torch.empty_like(e.shard) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(pieces, e.shard.contiguous(), group=group)
+            e.again = torch.cat(pieces, dim=e.dim)
+        whole = e.again
+        e.unpacked += 1
+        if e.unpacked % e.saves == 0:
+            e.again = None
+        local = whole.as_strided(saved.size, saved.stride, saved.offset)
         if saved.placements is None:
             return local
         return DTensor.from_local(local, e.mesh, saved.placements, run_check=False, shape=saved.shape,
@@ -509,18 +522,20 @@ def _reduce_after_rows(gm: torch.fx.GraphModule, styles: dict[str, str], sequenc
         split.meta = dict(source.meta)
         source.replace_all_uses_with(split, delete_user_cb=lambda user, n=split: user is not n)
     cols = [n for n in gm.graph.nodes if styles.get(_weight_of(n) or "") in ("col", "colT")] if sequence_parallel else []
-    wholes: dict = {}  # one gather per distinct input
+    readers: dict = {}  # input -> the nodes reading it for a column-wise layer: one gather per distinct input
     for node in cols:
         at = _LAYERS[_target(node)][1]
         user, source = node, node.args[at]
         while _target(source) in _FLATTENS and len(source.users) == 1:  # GPT-2's Conv1D: view(x, (-1, in))
             user, source = source, source.args[0]
-        whole = wholes.get(source)
-        if whole is None:
-            with gm.graph.inserting_after(source):
-                whole = wholes[source] = gm.graph.call_function(gathered, (source,))
-            whole.meta = dict(getattr(source, "meta", {}))
-        user.replace_input_with(source, whole)
+        readers.setdefault(source, []).append(user)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for source, users in readers.items():
+        with gm.graph.inserting_before(min(users, key=order.__getitem__)):  # after any in-place write before it
+            whole = gm.graph.call_function(gathered, (source,))
+        whole.meta = dict(getattr(source, "meta", {}))
+        for user in users:
+            user.replace_input_with(source, whole)
     if rows or cols or streams:
         gm.recompile()
     return bool(rows or cols or streams)

@@ -169,7 +169,11 @@ def _fsdp_replicas(layout: Layout) -> int:
 
 
 def reduced_graph(graph: OpGraph, cluster: Cluster, layout: Layout) -> OpGraph:
-    """The op graph as one device of a unit runs it (module docstring); ``graph`` itself for PP-only."""
+    """The op graph as one device of a unit runs it (module docstring); ``graph`` itself for PP-only. TP ops are
+    priced sequence parallel with their inputs gathered again in backward (:func:`graphpipe.costs.tp_layer`),
+    also for the stages the search then re-materializes, which the runtime runs without that gather and whose
+    rebuild keeps those inputs whole: the expanded plan prices them exactly and its memory check refuses a
+    reduced plan that does not fit once they are (the layout is then dropped)."""
     if layout.tp == 1:
         return graph
     link = cluster.intra_node
