@@ -60,16 +60,15 @@ def _watch_gathers(pipe) -> list[int]:
 
 class _SavedBytes:
     """Bytes of the tensors autograd saves for backward on this rank while it is entered (a DTensor: its local
-    piece), each save counted: what sequence parallelism lowers; and the all-gathers its backward runs again. A sequence-parallel stage's own hooks
-    (intra_stage.Regather) take precedence inside its forward: what they keep is counted there, a gathered
-    tensor as the shard kept in its place."""
+    piece), each save counted: what sequence parallelism lowers; and the all-gathers its backward runs again.
+    A sequence-parallel stage's own hooks (intra_stage.Regather) take precedence inside its forward: what they
+    keep is counted there, a gathered tensor as the shard kept in its place."""
 
     active = None
 
     def __init__(self):
         self.total = 0
-
-    regathers = 0
+        self.regathers = 0
 
     def count(self, t):
         from graphpipe.runtime import intra_stage

@@ -310,7 +310,8 @@ def _layout(stage) -> str:
     ``8 x fsdp`` (replicas x layout), and how
     round-robin replicas take micro-batches: ``12 x copy, round-robin`` (each replica in turn),
     ``48 x copy, round-robin by 4`` (groups of 4 replicas in turn, splitting each)."""
-    parts = ([f"tp{stage.tp}" + ("-sp" if stage.sequence_parallel else "")] if stage.tp > 1 else []) + (["fsdp"] if stage.shard == "fsdp" else [])
+    parts = (([f"tp{stage.tp}" + ("-sp" if stage.sequence_parallel else "")] if stage.tp > 1 else [])
+             + (["fsdp"] if stage.shard == "fsdp" else []))
     turns = "" if not stage.round_robin else ", round-robin" + (f" by {stage.split}" if stage.split > 1 else "")
     return f"{stage.num_replicas} x {' '.join(parts) or 'copy'}{turns}"
 

@@ -762,6 +762,7 @@ def capture(module: nn.Module, example_inputs: Any, name: str | None = None,
     ops: list[Op] = []
     rate = device.peak_flops * device.mfu
     modules = _Modules(module)
+    from graphpipe.runtime.rng import dropout_p  # the dropouts the runtime seeds (torch is loaded by now)
     for op_name in order:
         nodes = members[op_name]
         flops = sum(costs[n.name].flops for n in nodes) / batch
@@ -790,7 +791,7 @@ def capture(module: nn.Module, example_inputs: Any, name: str | None = None,
                       bwd=Affine(2 * device.op_overhead_s, 2 * flops / rate),
                       param_bytes=params, act_bytes=act, out_bytes=out,
                       batchnorm=any(_is_batchnorm(gm, n) for n in nodes),
-                      dropout=any(_dropout_p(gm, n) > 0 for n in nodes)))
+                      dropout=any((dropout_p(gm, n) or 0.0) > 0 for n in nodes)))
     total = sum(p.numel() * p.element_size() for p in module.parameters())
     if sum(op.param_bytes for op in ops) != total:
         log.warning("%s: %d parameter bytes are never used by forward; the op graph omits them",
@@ -884,21 +885,6 @@ def _is_batchnorm(gm: fx.GraphModule, node: fx.Node) -> bool:
     """Whether ``node`` calls one of the user's BatchNorms (export's markers restored: the runtime runs each as
     a module, :mod:`graphpipe.runtime.batchnorm`)."""
     return node.op == "call_module" and isinstance(gm.get_submodule(node.target), BATCHNORMS)
-
-
-def _dropout_p(gm: fx.GraphModule, node: fx.Node) -> float:
-    """The probability of a dropout ``node`` draws (an ``nn.Dropout*`` module or graphpipe's seeded stand-in, a
-    functional ``aten.dropout``/``aten.native_dropout``, or a seeded call of one); 0 for any other node."""
-    if node.op == "call_module":
-        module = gm.get_submodule(node.target)
-        if isinstance(module, nn.modules.dropout._DropoutNd) or type(module).__name__ == "SeededDropout":
-            return float(module.p)
-        return 0.0
-    name = str(getattr(node.target, "__name__", node.target))
-    if node.op == "call_function" and "dropout" in name:
-        p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.0)
-        return float(p) if isinstance(p, (int, float)) and not isinstance(p, bool) else 0.0
-    return 0.0
 
 
 def _node_params(gm: fx.GraphModule, node: fx.Node) -> list[nn.Parameter]:

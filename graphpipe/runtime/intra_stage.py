@@ -404,8 +404,8 @@ class Regather:
     for the weight gradient, and under sequence parallelism that input is all-gathered (:func:`gathered`); kept
     whole, it would cost every device the tokens the split saved. While a TP stage's forward runs inside this
     context, autograd saves any view of a gathered tensor as this device's shard, and the backward gathers it
-    again when it needs it (one more all-gather per column-wise input, as in Megatron-LM). The TP ranks of a group run the
-    same graph, so their extra all-gathers come in the same order. Not used on a re-materializing stage: torch's
+    again when it needs it (one more all-gather per column-wise input, as in Megatron-LM). The TP ranks of a
+    group run the same graph, so their extra all-gathers come in the same order. Not used on a re-materializing stage: torch's
     checkpoint takes the saved tensors itself, and its rebuild inside backward keeps the gathered inputs whole
     (what the cost model charges there, :data:`graphpipe.costs.TP_REBUILT_INPUTS`)."""
 
@@ -521,7 +521,8 @@ def _reduce_after_rows(gm: torch.fx.GraphModule, styles: dict[str, str], sequenc
             split = gm.graph.call_function(token_split, (source,))
         split.meta = dict(source.meta)
         source.replace_all_uses_with(split, delete_user_cb=lambda user, n=split: user is not n)
-    cols = [n for n in gm.graph.nodes if styles.get(_weight_of(n) or "") in ("col", "colT")] if sequence_parallel else []
+    cols = ([n for n in gm.graph.nodes if styles.get(_weight_of(n) or "") in ("col", "colT")]
+            if sequence_parallel else [])
     readers: dict = {}  # input -> the nodes reading it for a column-wise layer: one gather per distinct input
     for node in cols:
         at = _LAYERS[_target(node)][1]
@@ -551,14 +552,11 @@ reshaped first would be gathered inside DTensor's reshape, out of reach of :clas
 
 def _passes(gm: torch.fx.GraphModule, node) -> bool:
     """Whether ``node`` hands a row-wise layer's output on to the residual add unchanged in layout: a reshape
-    (:data:`_FLATTENS`) or a dropout (an ``nn.Dropout*`` module, graphpipe's seeded stand-in as a module or the
-    function the runtime puts in a functional dropout's place, :func:`graphpipe.runtime.rng.seeded_dropout`)."""
-    if _target(node) in _FLATTENS:
-        return True
-    if node.op == "call_module":
-        module = gm.get_submodule(node.target)
-        return isinstance(module, nn.modules.dropout._DropoutNd) or type(module).__name__ == "SeededDropout"
-    return node.op == "call_function" and getattr(node.target, "__name__", "") in ("seeded_dropout", "dropout")
+    (:data:`_FLATTENS`) or a dropout (:func:`graphpipe.runtime.rng.dropout_p`: a module, or the function the
+    runtime puts in a functional dropout's place)."""
+    from graphpipe.runtime.rng import dropout_p
+
+    return _target(node) in _FLATTENS or dropout_p(gm, node) is not None
 
 
 def _splits(p: torch.Tensor, dim: int, tp: int) -> bool:
