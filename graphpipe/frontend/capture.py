@@ -106,6 +106,7 @@ from graphpipe.frontend.layer import Layer
 
 __all__ = [
     "op_param_bytes",
+    "dropout_p",
     "LAYER_TYPES",
     "PRECISIONS",
     "Granularity",
@@ -762,7 +763,6 @@ def capture(module: nn.Module, example_inputs: Any, name: str | None = None,
     ops: list[Op] = []
     rate = device.peak_flops * device.mfu
     modules = _Modules(module)
-    from graphpipe.runtime.rng import dropout_p  # the dropouts the runtime seeds (torch is loaded by now)
     for op_name in order:
         nodes = members[op_name]
         flops = sum(costs[n.name].flops for n in nodes) / batch
@@ -885,6 +885,23 @@ def _is_batchnorm(gm: fx.GraphModule, node: fx.Node) -> bool:
     """Whether ``node`` calls one of the user's BatchNorms (export's markers restored: the runtime runs each as
     a module, :mod:`graphpipe.runtime.batchnorm`)."""
     return node.op == "call_module" and isinstance(gm.get_submodule(node.target), BATCHNORMS)
+
+
+def dropout_p(gm: fx.GraphModule, node: fx.Node) -> float | None:
+    """The probability of the dropout ``node`` calls, None where it calls none: a dropout module (any
+    ``nn.Dropout*``, or the runtime's seeded stand-in, ``SeededDropout``, known here by name: the front end does
+    not import the runtime) or a dropout function (``F.dropout``, ``aten.dropout``, the runtime's
+    ``seeded_dropout``: any function so named, its probability the second argument or ``p``; 0 where that is not
+    a number). The capture marks the ops drawing one (``Op.dropout``); a sequence-parallel stage looks through
+    them (:mod:`graphpipe.runtime.intra_stage`)."""
+    if node.op == "call_module":
+        module = gm.get_submodule(node.target)
+        dropout = isinstance(module, nn.modules.dropout._DropoutNd) or type(module).__name__ == "SeededDropout"
+        return float(module.p) if dropout else None
+    if node.op != "call_function" or "dropout" not in str(getattr(node.target, "__name__", node.target)):
+        return None
+    p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.0)
+    return float(p) if isinstance(p, (int, float)) and not isinstance(p, bool) else 0.0
 
 
 def _node_params(gm: fx.GraphModule, node: fx.Node) -> list[nn.Parameter]:

@@ -552,9 +552,9 @@ reshaped first would be gathered inside DTensor's reshape, out of reach of :clas
 
 def _passes(gm: torch.fx.GraphModule, node) -> bool:
     """Whether ``node`` hands a row-wise layer's output on to the residual add unchanged in layout: a reshape
-    (:data:`_FLATTENS`) or a dropout (:func:`graphpipe.runtime.rng.dropout_p`: a module, or the function the
-    runtime puts in a functional dropout's place)."""
-    from graphpipe.runtime.rng import dropout_p
+    (:data:`_FLATTENS`) or a dropout (:func:`graphpipe.frontend.capture.dropout_p`: a module, or the function
+    the runtime puts in a functional dropout's place)."""
+    from graphpipe.frontend.capture import dropout_p
 
     return _target(node) in _FLATTENS or dropout_p(gm, node) is not None
 

@@ -78,7 +78,7 @@ from torch.utils._pytree import tree_leaves
 
 __all__ = ["ShardContext", "ReferenceContext", "stream_seed", "seeded_dropout", "SeededDropout", "seeded_call",
            "instrument_dropout", "instrument_random", "find_unseeded_random", "DROPOUT_MODULES", "draw_keep",
-           "keep_mask", "explicit_attention", "SIZED_DRAWS", "draw_sized", "sized_draw", "dropout_p"]
+           "keep_mask", "explicit_attention", "SIZED_DRAWS", "draw_sized", "sized_draw"]
 
 log = logging.getLogger(__name__)
 
@@ -286,21 +286,6 @@ class SeededDropout(nn.Module):
 
     def extra_repr(self) -> str:
         return f"p={self.p}, channelwise={self.channelwise}"
-
-
-def dropout_p(gm: torch.fx.GraphModule, node: torch.fx.Node) -> float | None:
-    """The probability of the dropout ``node`` calls, None where it calls none: a dropout module (any
-    ``nn.Dropout*``, :class:`SeededDropout`) or a dropout function (``F.dropout``, ``aten.dropout``,
-    :func:`seeded_dropout`: any function so named, its probability the second argument or ``p``; 0 where that is
-    not a number). The capture marks the ops drawing one (``Op.dropout``); a sequence-parallel stage looks through
-    them (:mod:`graphpipe.runtime.intra_stage`)."""
-    if node.op == "call_module":
-        module = gm.get_submodule(node.target)
-        return float(module.p) if isinstance(module, (nn.modules.dropout._DropoutNd, SeededDropout)) else None
-    if node.op != "call_function" or "dropout" not in str(getattr(node.target, "__name__", node.target)):
-        return None
-    p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.0)
-    return float(p) if isinstance(p, (int, float)) and not isinstance(p, bool) else 0.0
 
 
 def seeded_call(fn, args: tuple, kwargs: dict, ctx, op: str, size_at: int | None = None):
