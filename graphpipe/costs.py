@@ -664,17 +664,19 @@ backward (Korthikanti et al. 2022 §4.2.3); the two dropout masks (``2 s b h``) 
 tokens as one process draws them. A block without dropout (Llama's) keeps nothing whole: ``34 s b h / t``."""
 
 TP_REBUILT_INPUTS = 4 / 34
-"""What a re-materializing sequence-parallel block keeps whole on top (:func:`tp_saved_bytes` without
-``regather``): the two column-wise layers' gathered inputs (``2 s b h`` each), which the rebuild inside backward
-saves whole (the runtime's ``Regather`` is off there, as torch's checkpoint takes the saved tensors itself)."""
+"""What a sequence-parallel block keeps whole on top when it does not gather again in backward
+(:func:`tp_saved_bytes` without ``regather``): the two column-wise layers' gathered inputs (``2 s b h`` each),
+saved whole by a stage that keeps them (:attr:`Stage.keep_gathered <graphpipe.stages.Stage.keep_gathered>`) and by
+a re-materializing stage's rebuild inside backward (the runtime's ``Regather`` is off there, as torch's checkpoint
+takes the saved tensors itself)."""
 
 
 def tp_saved_bytes(act_bytes, tp, kind, sequence_parallel=False, dropout=False, regather=True):
     """Saved-activation bytes one device of a tp group keeps for an op that splits (:func:`tp_rule`): a
     transformer block its :data:`TP_BLOCK_WHOLE_ACTIVATIONS` whole and the rest over ``tp``; with
     ``sequence_parallel`` the 2 bytes of its dropout masks where it draws ``dropout``
-    (:data:`TP_BLOCK_WHOLE_ACTIVATIONS_SP`), and without ``regather`` (a re-materializing stage, whose rebuild
-    keeps the column-wise layers' gathered inputs) those inputs' 4 more; a linear layer or an embedding all of
+    (:data:`TP_BLOCK_WHOLE_ACTIVATIONS_SP`), and without ``regather`` (a stage keeping the column-wise layers'
+    gathered inputs whole, or re-materializing, whose rebuild keeps them) those inputs' 4 more; a linear layer or an embedding all of
     it (a column-parallel linear saves its input, gathered whole on every device; an embedding its indices).
     Where that errs it errs high: a row-parallel linear's or an MLP pair's hidden activations are split, and so
     are a block's attention scores where it keeps them (eager attention), both charged here at the block's or
@@ -782,9 +784,9 @@ def tp_layer(op: "Op", tp: int, latency_s: float, bandwidth_Bps: float, sequence
     and all-gathers move what the all-reduces did (the same time), and with ``regather`` (the runtime's
     ``Regather``: a column-wise layer keeps its gathered input as this device's piece) backward gathers each
     column-wise input again, one ring all-gather of ``out_bytes`` per backward collective (a schedule splitting
-    the backward gathers it in W too, which is not charged). A re-materializing stage runs without
-    it (``regather`` false): no second gather, and its rebuild keeps those inputs whole. ``tp`` 1: ``op``
-    itself.
+    the backward gathers it in W too, which is not charged). A stage keeping its gathered inputs whole, or
+    re-materializing, runs without it (``regather`` false): no second gather, and those inputs are kept whole.
+    ``tp`` 1: ``op`` itself.
 
     >>> from graphpipe.graph import Op, Affine
     >>> op = Op("b", "transformer", Affine(0.0, 8.0), Affine(0.0, 16.0), 64.0, 32.0, 4.0)

@@ -273,9 +273,10 @@ def torchrun_flags(plan: Plan) -> str:
 
 def _layout_to_dict(stage: Stage) -> dict[str, Any]:
     """A stage's parallelism inside itself: ``tp`` and ``shard`` (and FSDP's ``reshard_after_forward``, TP's
-    ``sequence_parallel`` where set)."""
+    ``sequence_parallel`` and ``keep_gathered`` where set)."""
     return {"tp": stage.tp, "shard": stage.shard,
             **({"sequence_parallel": True} if stage.sequence_parallel else {}),
+            **({"keep_gathered": True} if stage.keep_gathered else {}),
             **({"reshard_after_forward": stage.reshard_after_forward} if stage.shard == "fsdp" else {})}
 
 
@@ -348,6 +349,7 @@ def plan_from_dict(doc: Any, where: str = "plan", complete: Callable[..., Any] |
                                 shard=s.get("shard", "none"),
                                 reshard_after_forward=s.get("reshard_after_forward", True),
                                 sequence_parallel=s.get("sequence_parallel", False),
+                                keep_gathered=s.get("keep_gathered", False),
                                 split=files.integer(s.get("split", 1), f"{at}.split", 1),
                                 checkpoints=tuple(graph.op_id(files.string(name, f"{at}.checkpoints[{k}]"))
                                                   for k, name in enumerate(files.array(s.get("checkpoints", []),

@@ -77,6 +77,11 @@ class Stage:
     layer's input is all-gathered, and the norms, residual adds and dropout between them keep a tp-th of their
     activations (:data:`graphpipe.costs.TP_BLOCK_WHOLE_ACTIVATIONS_SP`). The planner sets it on every TP stage;
     false (plans written before it, or by hand) runs plain tensor parallelism."""
+    keep_gathered: bool = False
+    """Sequence parallelism only: each column-wise layer saves its all-gathered input whole for backward instead
+    of this device's piece, which backward gathers again (Megatron's choice and the default). Whole inputs
+    cost ``4 s b h`` more bytes per block (:data:`graphpipe.costs.TP_REBUILT_INPUTS`) and save backward one
+    all-gather per column-wise input: the search keeps them where memory allows and that is faster."""
     split: int = 1
     """Round-robin only: replicas per round-robin group. The stage's replicas form ``num_replicas / split``
     groups of ``split`` consecutive replicas; micro-batch ``i`` goes to group ``i mod groups``, whose replicas
@@ -115,6 +120,11 @@ class Stage:
         if self.sequence_parallel and self.tp < 2:
             raise PlanError(f"stage {self.id}: sequence_parallel splits tokens over a tensor-parallel group, but the "
                             f"stage has tp {self.tp}; set sequence_parallel false or tp 2 or more")
+        if not isinstance(self.keep_gathered, bool):
+            raise PlanError(f"stage {self.id}: keep_gathered must be true or false, got {self.keep_gathered!r}")
+        if self.keep_gathered and not self.sequence_parallel:
+            raise PlanError(f"stage {self.id}: keep_gathered keeps sequence parallelism's gathered inputs whole, but "
+                            f"the stage is not sequence parallel; set keep_gathered false or sequence_parallel true")
         if self.round_robin and self.shard != "none":
             raise PlanError(f"stage {self.id}: a round-robin stage's replicas run different micro-batches at "
                             f"different times, so they cannot gather FSDP-sharded weights together; set shard "
@@ -398,10 +408,11 @@ class StageGraph:
     def costed_graph(self, stage_id: int) -> OpGraph:
         """The op graph as one device of the stage runs it: ``graph`` itself for tp 1, else every op as one
         device of a tp group (:func:`graphpipe.costs.tp_layer` on the node's link); one copy per tp degree,
-        sequence parallelism and re-materialization (a re-materializing sequence-parallel stage gathers no input
-        again in backward and its rebuild keeps the gathered ones)."""
+        sequence parallelism and re-gathering (a sequence-parallel stage that re-materializes, or keeps its gathered
+        inputs whole, gathers no input again in backward and keeps the gathered ones whole)."""
         st = self.stages[stage_id]
-        tp, sp, regather = st.tp, st.sequence_parallel, not st.recompute  # the runtime's Regather: off re-materializing
+        # the runtime's Regather: off on a re-materializing stage and on one keeping its gathered inputs
+        tp, sp, regather = st.tp, st.sequence_parallel, not (st.recompute or st.keep_gathered)
         if tp == 1:
             return self.graph
         costed = self._costed.get((tp, sp, regather))

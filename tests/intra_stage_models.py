@@ -124,10 +124,11 @@ def _next_token(logits, ids):
 
 def hand_plan(spec: str, stages: list[tuple[tuple[str, ...], tuple[int, ...], int, str]], *, batch: int = BATCH,
               micro_batch_size: int = 4, schedule: str = "1f1b", devices: int | None = None,
-              shared_devices: bool = False, sequence_parallel: bool = False):
+              shared_devices: bool = False, sequence_parallel: bool = False, keep_gathered: bool = False):
     """A plan of ``spec`` with the stages written by hand: ``(op-name prefixes, devices, tp, shard)`` each; every
     op goes to the first stage one of whose prefixes starts its name (``""`` takes the rest); with
-    ``sequence_parallel`` every stage of tp 2 or more runs sequence parallel."""
+    ``sequence_parallel`` every stage of tp 2 or more runs sequence parallel (keeping its gathered inputs whole
+    with ``keep_gathered``)."""
     from dataclasses import replace
 
     from graphpipe.cluster import preset
@@ -146,7 +147,7 @@ def hand_plan(spec: str, stages: list[tuple[tuple[str, ...], tuple[int, ...], in
         owner[op_id] = next(i for i, (prefixes, _, _, _) in enumerate(stages)
                             if any(op.name.startswith(p) for p in prefixes))
     built = [Stage(i, tuple(o for o, s in owner.items() if s == i), tuple(ds), micro_batch_size, tp=tp, shard=shard,
-                   sequence_parallel=sequence_parallel and tp > 1)
+                   sequence_parallel=sequence_parallel and tp > 1, keep_gathered=keep_gathered and tp > 1)
              for i, (_, ds, tp, shard) in enumerate(stages)]
     sg = StageGraph.build(graph, built, batch, num_devices, allow_shared_devices=shared_devices)
     return replace(base, stage_graph=sg, schedule=make_schedule(schedule, sg), predicted={}, strategy="custom")

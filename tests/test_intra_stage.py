@@ -163,6 +163,10 @@ def test_llama_tp_and_a_checkpoint_across_layouts(tmp_path):
     llama_sp = write(tmp_path, "llama_sp", "llama", [(("model.model.embed", "model.model.layers."), (0, 1), 2,
                                                       "none"), (("",), (2,), 1, "none")], sequence_parallel=True)
     gpt2_sp = write(tmp_path, "gpt2_sp", "gpt2", [(("",), (0, 1), 2, "none")], devices=3, sequence_parallel=True)
+    # and keeping the gathered inputs whole for backward instead of gathering them again
+    llama_keep = write(tmp_path, "llama_keep", "llama", [(("model.model.embed", "model.model.layers."), (0, 1), 2,
+                                                          "none"), (("",), (2,), 1, "none")], sequence_parallel=True,
+                       keep_gathered=True)
     # with dropout on: the sequence-parallel stage draws the masks one device draws (over the whole tokens)
     drop_sp = write(tmp_path, "drop_sp", "gpt2_dropout", [(("",), (0, 1), 2, "none")], devices=3,
                     sequence_parallel=True)
@@ -176,7 +180,7 @@ def test_llama_tp_and_a_checkpoint_across_layouts(tmp_path):
     shared = write(tmp_path, "tie_shared", "gpt2", [(front, (0, 1), 1, "none"), (("model.transformer.h.1",), (2,), 1,
                    "none"), (("",), (0, 1), 2, "none")], schedule="gpipe", shared_devices=True)
     ck, tie_ck = str(tmp_path / "ck"), str(tmp_path / "tie_ck")
-    torchrun("2", str(tmp_path), llama, llama_sp, f"{llama},steps=1,precision=bf16", f"{llama_sp},steps=1,precision=bf16",
+    torchrun("2", str(tmp_path), llama, llama_sp, llama_keep, f"{llama},steps=1,precision=bf16", f"{llama_sp},steps=1,precision=bf16",
              llama_fsdp, gpt2, gpt2_sp, drop_sp, drop_one, f"{fsdp},save={ck}", f"{tp},steps=1,load={ck}", tie_tp,
              f"{tie_fsdp},save={tie_ck}", f"{tmp_path / 'tie_resumed.json'},steps=1,load={tie_ck}", shared, ranks=3,
              script=SCRIPT)
@@ -204,6 +208,14 @@ def test_llama_tp_and_a_checkpoint_across_layouts(tmp_path):
     # for attention's q, k and v and one for the MLP's gate and up; 2 layers, 2 micro-batches of 4; none for plain TP
     assert [s["regathers"] for s in sequence["shares"]] == [2 * 2 * 2] * 2 + [0]
     assert [s["regathers"] for s in got["shares"]] == [0, 0, 0]
+    # keeping the gathered inputs: the same numbers, no gather again, and each column-wise layer's saved input
+    # whole where sequence parallelism keeps half: q, k, v, gate and up save one each (5), of a micro-batch of
+    # 4 samples x 12 tokens x hidden 32 in fp32, 2 layers x 2 micro-batches; the whole-copy stage unchanged
+    kept = check(str(tmp_path / "llama_keep.pt"), "llama", 2)
+    assert [s["regathers"] for s in kept["shares"]] == [0, 0, 0]
+    extra = [k["saved"] - s["saved"] for k, s in zip(kept["shares"], sequence["shares"])]
+    assert extra == [2 * 2 * 5 * (4 * 12 * 32 * 4) // 2] * 2 + [0]
+    assert all(k["saved"] < p["saved"] for k, p in zip(kept["shares"][:2], got["shares"][:2]))
     # under bf16 autocast as well: the gathered inputs are kept as pieces (cast before the gather, so autocast's
     # cast for the layer makes no whole copy), so sequence parallelism saves at least the share it saves in fp32
     half = [torch.load(str(tmp_path / f"{k}_bf16.pt"), weights_only=False)["shares"][0]["saved"] for k in ("llama", "llama_sp")]

@@ -213,8 +213,9 @@ def test_the_per_stage_re_pick_skips_layouts_with_more_groups_than_micro_batches
     g, cl = layers(2), cluster(10)
     stages = [Stage(0, (0,), tuple(range(8)), 2, replica_mode="round-robin", split=2, tp=2), Stage(1, (1,), (8, 9), 2)]
     sg = StageGraph.build(g, stages, 4, 10, cluster=cl)
-    assert [s.tp for s in layouts.stage_layouts(sg.stages[0], cl, [1, 2], ["none"], sg.batch_size)] == [2]
-    assert [s.tp for s in layouts.stage_layouts(sg.stages[0], cl, [1, 2], ["none"])] == [1, 2]
+    options = layouts.stage_layouts(sg.stages[0], cl, [1, 2], ["none"], sg.batch_size)
+    assert [(s.tp, s.keep_gathered) for s in options] == [(2, False), (2, True)]  # tp 2: inputs re-gathered or kept
+    assert [s.tp for s in layouts.stage_layouts(sg.stages[0], cl, [1, 2], ["none"])] == [1, 2, 2]
     out = layouts.per_stage_layouts(sg, cl, [1, 1], [1, 2], ["none"])
     assert (out.stages[0].tp, out.stages[0].num_groups) == (2, 2)
 

@@ -86,9 +86,12 @@ def test_sequence_parallel_layer_time_adds_the_backward_gathers_by_hand():
     plain = one_stage(g, 4, 8, 16, cl, tp=t)
     sp = one_stage(g, 4, 8, 16, cl, tp=t, sequence_parallel=True)
     rebuilt = one_stage(g, 4, 8, 16, cl, tp=t, sequence_parallel=True, recompute=True)
+    kept = one_stage(g, 4, 8, 16, cl, tp=t, sequence_parallel=True, keep_gathered=True)
     gather = oracle_ring_gather(t, INTRA, 1e5 * s)  # the block's output bytes, all samples of the replica
     assert sp.fwd_time(0) == pytest.approx(plain.fwd_time(0), rel=1e-12)
     assert sp.bwd_time(0) == pytest.approx(plain.bwd_time(0) + 2 * gather, rel=1e-12)
+    # keeping the gathered inputs whole: nothing to gather again
+    assert (kept.fwd_time(0), kept.bwd_time(0)) == pytest.approx((plain.fwd_time(0), plain.bwd_time(0)), rel=1e-12)
     assert rebuilt.bwd_time(0) == pytest.approx(plain.bwd_time(0) + plain.fwd_time(0), rel=1e-12)
 
 
@@ -128,6 +131,59 @@ def test_re_materializing_sequence_parallel_stage_rebuilds_with_gathered_inputs_
     assert sg.device_memory(0, cl, k) == pytest.approx(state + inputs * s * k + rebuilt * s, rel=1e-12)
 
 
+def test_keeping_gathered_inputs_costs_their_bytes_per_micro_batch_in_flight_by_hand():
+    """A sequence-parallel stage keeping its column-wise layers' gathered inputs saves them whole (4 of the block's
+    34 bytes per token and hidden unit, the rest a tp-th) for every micro-batch in flight, as it saves the rest."""
+    g, cl = ops3(), cluster(4)
+    sg = one_stage(g, 4, 8, 16, cl, tp=4, sequence_parallel=True, keep_gathered=True)
+    s, k = 8, 2
+    state = (2e8 / 4 + 4e8 / 4 + 4e4) / 4 * 16
+    act = 0.0 + 1e6 * (4 + 30 / 4) / 34 + 1e5
+    assert sg.device_memory(0, cl, k) == pytest.approx(state + act * s * k, rel=1e-12)
+
+
+def test_keep_gathered_is_a_sequence_parallel_stages_plan_field():
+    """``keep_gathered`` is written only where true, reads back, and a hand edit asking it of a stage that is not
+    sequence parallel is refused in one line."""
+    from graphpipe.errors import PlanError
+    from graphpipe.plan import Plan, plan_from_dict, plan_to_dict
+
+    g, cl = ops3(), cluster(8)
+    stages = [Stage(0, (0, 1), (0, 1, 2, 3), 4, tp=2, sequence_parallel=True, keep_gathered=True),
+              Stage(1, (2,), (4, 5, 6, 7), 4, tp=2, sequence_parallel=True)]
+    sg = StageGraph.build(g, stages, 16, 8, cluster=cl)
+    doc = plan_to_dict(Plan(model="three", stage_graph=sg, cluster=cl, strategy="custom",
+                            schedule=make_schedule("1f1b", sg, cl)))
+    assert [s.get("keep_gathered") for s in doc["stages"]] == [True, None]
+    assert plan_from_dict(json.loads(json.dumps(doc))).stage_graph.stages == sg.stages
+    doc["stages"][0]["sequence_parallel"] = False
+    with pytest.raises(PlanError, match="stage 0: keep_gathered keeps sequence parallelism's gathered inputs whole, "
+                                        "but the stage is not sequence parallel") as info:
+        plan_from_dict(doc)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("room", ["both fit", "only re-gathering fits"])
+def test_per_stage_layouts_keep_gathered_inputs_where_they_fit_by_hand(room):
+    """The per-stage re-pick keeps a tp stage's gathered inputs whole when its memory at its micro-batches in
+    flight allows (backward then skips 2 ring all-gathers per block: faster), else it gathers them again. The
+    two memory figures and the time saved are counted here."""
+    from graphpipe.search import layouts
+
+    g = OpGraph.build("one", [Op("blk", "transformer", **BLOCK)], [])
+    s, k, t = 8, 2, 4  # samples per replica (one tp group of 4 taking micro-batches of 8), in flight, tp
+    state = 4e8 / t / 4 * 16
+    regathered = state + 1e6 / t * s * k
+    kept = state + 1e6 * (4 + 30 / t) / 34 * s * k
+    memory = kept * 1.001 if room == "both fit" else (regathered + kept) / 2
+    cl = cluster(4, memory=memory)
+    sg = one_stage(g, 4, 8, 16, cl, tp=4, sequence_parallel=True)
+    out = layouts.per_stage_layouts(sg, cl, [k], [4], ["none"])
+    assert out.stages[0].keep_gathered is (room == "both fit")
+    saved = 2 * oracle_ring_gather(t, INTRA, 1e5 * s)  # per micro-batch's backward
+    assert sg.bwd_time(0) - out.stages[0].keep_gathered * saved == pytest.approx(out.bwd_time(0), rel=1e-12)
+
+
 def test_sequence_parallel_is_a_tp_stages_plan_field():
     """The planner runs every TP stage sequence parallel and says so in the plan file; a plan without the key
     (written before it) reads as plain TP; a hand edit asking it of a tp-1 stage is refused in one line."""
@@ -143,6 +199,7 @@ def test_sequence_parallel_is_a_tp_stages_plan_field():
     assert plan_from_dict(doc).stage_graph.stages == plan.stage_graph.stages
     for s in doc["stages"]:
         s.pop("sequence_parallel", None)
+        s.pop("keep_gathered", None)  # the layout search may keep the gathered inputs: sequence parallelism's
     assert not any(s.sequence_parallel for s in plan_from_dict(doc).stage_graph.stages)
     doc["stages"][0].update(tp=1, sequence_parallel=True)
     with pytest.raises(PlanError, match="sequence_parallel splits tokens over a tensor-parallel group, but the stage "
@@ -274,27 +331,30 @@ def test_cpsat_makespan_includes_the_all_reduce():
 
 
 # ------------------------------------------- brute force over (tp, shard)
-def _hand_iteration(n: int, t: int, shard: str, mb: int, batch: int, cl: Cluster) -> float | None:
+def _hand_iteration(n: int, t: int, shard: str, mb: int, batch: int, cl: Cluster, keep: bool = False
+                    ) -> float | None:
     """One block on one stage of ``n`` devices (tp ``t``, ``n/t`` replicas), ``batch/mb`` micro-batches in a row:
     ``M (F + B)`` plus the step-end collective, or None when it does not fit or divide. A TP stage is sequence
     parallel, as the planner makes it: backward gathers each column-wise input again (2 ring all-gathers) and
-    the block keeps a tp-th of its activations."""
+    the block keeps a tp-th of its activations; or, ``keep``, it keeps those inputs whole (4 of the block's 34
+    bytes per token and hidden unit) and gathers nothing again."""
     r = n // t
-    if n % t or mb % r or batch % mb or cl.devices_per_node % t:
+    if n % t or mb % r or batch % mb or cl.devices_per_node % t or (keep and t == 1):
         return None
     if shard == "fsdp" and r < 2:
         return None
     s = mb / r
     coll = 2 * _ring(t, INTRA, 1e5 * s) if t > 1 else 0.0
     f = 1e-4 + 2e-3 * s / t + coll
-    b = 2e-4 + 4e-3 * s / t + coll + (2 * oracle_ring_gather(t, INTRA, 1e5 * s) if t > 1 else 0.0)
+    b = 2e-4 + 4e-3 * s / t + coll + (2 * oracle_ring_gather(t, INTRA, 1e5 * s) if t > 1 and not keep else 0.0)
     link = oracle_collective_link(cl, range(0, n, t))
     share = 4e8 / t
     sync = 2 * oracle_ring_gather(r, link, share) if shard == "fsdp" else oracle_ring_allreduce(r, link, share)
     whole = share / 4 * 16
     state = 2 * share + (whole - 2 * share) / r if shard == "fsdp" else whole
     m = batch // mb
-    if state + 1e6 / t * s * m + 0 > cl.memory_bytes:  # gpipe keeps every micro-batch's activations
+    act = 1e6 * (4 + 30 / t) / 34 if keep else 1e6 / t
+    if state + act * s * m + 0 > cl.memory_bytes:  # gpipe keeps every micro-batch's activations
         return None
     return m * (f + b) + sync
 
@@ -306,7 +366,8 @@ def test_brute_force_over_layouts_equals_the_layout_search():
     cl = cluster(8, per_node=8, memory=1.4e9)  # whole copies do not fit (1.6 GB of state): only sharding does
     batch = 32
     best = max(batch / it for n in range(1, 9) for t in (1, 2, 4, 8) for shard in ("none", "fsdp")
-               for mb in (1, 2, 4, 8, 16, 32) if (it := _hand_iteration(n, t, shard, mb, batch, cl)) is not None)
+               for mb in (1, 2, 4, 8, 16, 32) for keep in (False, True)
+               if (it := _hand_iteration(n, t, shard, mb, batch, cl, keep)) is not None)
     plan = make_plan("one", g, cl, batch, "gpipe", SearchOptions(tp="auto", shard="auto", recompute="none"),
                      monotone=False)
     assert plan.predicted.throughput == pytest.approx(best, rel=1e-9)
@@ -370,9 +431,9 @@ def test_layout_search_keeps_zero_bubble_where_it_simulates_faster_by_oracle():
 
     def durations(action):  # per block, by hand: tp splits the per-sample work, its all-reduces fall on F and I,
         st = sg.stages[action.stage_id]  # and so do sequence parallelism's gathers again of the column inputs
-        s, t = st.samples_per_replica, st.tp
+        s, t = st.samples_per_replica, st.tp  # (none where the stage keeps them whole)
         coll = 2 * _ring(t, INTRA, 1e5 * s) if t > 1 else 0.0
-        again = 2 * oracle_ring_gather(t, INTRA, 1e5 * s) if t > 1 else 0.0
+        again = 2 * oracle_ring_gather(t, INTRA, 1e5 * s) if t > 1 and not st.keep_gathered else 0.0
         f, b, w = 1e-4 + 2e-3 * s / t + coll, 2e-4 + 4e-3 * s / t + coll + again, 1e-4 + 2e-3 * s / t
         per_block = {"F": f, "B": b, "W": w, "I": b - w}[action.kind]
         return len(st.op_ids) * per_block

@@ -306,11 +306,13 @@ def format_plan(plan) -> str:
 
 
 def _layout(stage) -> str:
-    """A stage's parallelism inside itself, for the table: ``4 x tp2-sp`` (sequence parallel), ``4 x tp2``,
+    """A stage's parallelism inside itself, for the table: ``4 x tp2-sp`` (sequence parallel), ``4 x tp2-sp-keep``
+    (its gathered inputs kept whole for backward), ``4 x tp2``,
     ``8 x fsdp`` (replicas x layout), and how
     round-robin replicas take micro-batches: ``12 x copy, round-robin`` (each replica in turn),
     ``48 x copy, round-robin by 4`` (groups of 4 replicas in turn, splitting each)."""
-    parts = (([f"tp{stage.tp}" + ("-sp" if stage.sequence_parallel else "")] if stage.tp > 1 else [])
+    parts = (([f"tp{stage.tp}" + ("-sp" if stage.sequence_parallel else "") + ("-keep" if stage.keep_gathered else "")]
+              if stage.tp > 1 else [])
              + (["fsdp"] if stage.shard == "fsdp" else []))
     turns = "" if not stage.round_robin else ", round-robin" + (f" by {stage.split}" if stage.split > 1 else "")
     return f"{stage.num_replicas} x {' '.join(parts) or 'copy'}{turns}"

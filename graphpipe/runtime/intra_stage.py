@@ -841,7 +841,8 @@ def _tensor_parallel(hosted, meshes: StageMeshes, model: nn.Module | None) -> No
                                    shape=p.shape, stride=p.stride())
             owner._parameters[attr] = nn.Parameter(d, requires_grad=p.requires_grad)
     _register_attention_rules()
-    hosted.forward = _TPForward(hosted.forward, meshes.tp, stage.sequence_parallel and not stage.recompute)
+    hosted.forward = _TPForward(hosted.forward, meshes.tp,
+                                stage.sequence_parallel and not (stage.recompute or stage.keep_gathered))
     # the backward of a TP stage mixes DTensor gradients with plain tensors the forward saved (constants,
     # index tables): those are replicated, so the whole rank treats plain tensors as Replicate
     torch._C._set_dtensor_allow_implicit_replication(True)

@@ -41,7 +41,7 @@ Example
 >>> [(layout.tp, layout.shard, layout.group) for layout in candidates(8, 512, 8, "auto", "auto", 2048)[:3]]
 [(1, 'none', 1), (1, 'fsdp', 1), (2, 'none', 1)]
 >>> candidates(16384, 16384, 8, 8, "none", 32768)
-(Layout(tp=8, shard='none', group=2, round_robin=False),)
+(Layout(tp=8, shard='none', group=2, round_robin=False, keep_gathered=False),)
 """
 
 from __future__ import annotations
@@ -84,6 +84,9 @@ class Layout:
     turn, so that its device count need not divide a micro-batch (:attr:`SearchOptions.round_robin
     <graphpipe.search.common.SearchOptions.round_robin>`; gpp only, shard none): a unit of ``group`` replicas
     becomes one round-robin group that splits its micro-batches of ``group`` samples (:func:`expand`)."""
+    keep_gathered: bool = False
+    """tp > 1 only: every stage keeps sequence parallelism's gathered inputs whole for backward
+    (:attr:`Stage.keep_gathered <graphpipe.stages.Stage.keep_gathered>`) instead of gathering them again."""
 
     @property
     def pp_only(self) -> bool:
@@ -93,6 +96,8 @@ class Layout:
         out: dict[str, Any] = {"tp": self.tp, "shard": self.shard, "replica_group": self.group}
         if self.round_robin:
             out["round_robin"] = True
+        if self.keep_gathered:
+            out["keep_gathered"] = True
         return out
 
 
@@ -171,14 +176,15 @@ def _fsdp_replicas(layout: Layout) -> int:
 def reduced_graph(graph: OpGraph, cluster: Cluster, layout: Layout) -> OpGraph:
     """The op graph as one device of a unit runs it (module docstring); ``graph`` itself for PP-only. TP ops are
     priced sequence parallel with their inputs gathered again in backward (:func:`graphpipe.costs.tp_layer`),
-    also for the stages the search then re-materializes, which the runtime runs without that gather and whose
-    rebuild keeps those inputs whole: the expanded plan prices them exactly and its memory check refuses a
-    reduced plan that does not fit once they are (the layout is then dropped)."""
+    or kept whole under :attr:`Layout.keep_gathered`; the first also for the stages the search then
+    re-materializes, which the runtime runs without that gather and whose rebuild keeps those inputs whole: the
+    expanded plan prices them exactly and its memory check refuses a reduced plan that does not fit once they
+    are (the layout is then dropped)."""
     if layout.tp == 1:
         return graph
     link = cluster.intra_node
-    return replace(graph, ops=tuple(costs.tp_layer(op, layout.tp, link.latency_s, link.bandwidth_Bps, True)
-                                    for op in graph.ops))
+    return replace(graph, ops=tuple(costs.tp_layer(op, layout.tp, link.latency_s, link.bandwidth_Bps, True,
+                                                   regather=not layout.keep_gathered) for op in graph.ops))
 
 
 def reduced_cluster(cluster: Cluster, layout: Layout) -> Cluster:
@@ -214,6 +220,7 @@ def expand(sg: StageGraph, graph: OpGraph, cluster: Cluster, layout: Layout, bat
         stages.append(_whole_recompute(Stage(st.id, op_ids, devices, st.micro_batch_size * layout.group,
                                              st.recompute, replica_mode=mode, checkpoints=checkpoints, split=split,
                                              tp=layout.tp, shard=shard, sequence_parallel=layout.tp > 1,
+                                             keep_gathered=layout.keep_gathered and layout.tp > 1,
                                              reshard_after_forward=False if shard == "fsdp" else True)))
     return StageGraph(graph, tuple(stages), batch_size, cluster.num_devices, allow_shared_devices=sg.allow_shared_devices,
                       sequential=sg.sequential, cluster=cluster)
@@ -270,8 +277,10 @@ def stage_layouts(stage: Stage, cluster: Cluster, tps: Sequence[int], shards: Se
     """``stage`` under every layout of ``tps`` x ``shards`` its devices allow: tp dividing its device count with
     every tp group inside one node, the micro-batch divisible by the replicas (round-robin replicas take whole
     ones, each group at least one of the ``batch_size // micro_batch_size`` micro-batches), FSDP only over 2 or
-    more replicas that split micro-batches (gathered for the step: ``reshard_after_forward`` false); a parallel
-    layout re-materializes the whole stage where the stage had checkpoint segments."""
+    more replicas that split micro-batches (gathered for the step: ``reshard_after_forward`` false); a tp layout
+    of a stage that does not re-materialize twice, gathering its column-wise inputs again in backward and
+    keeping them whole (:attr:`Stage.keep_gathered`); a parallel layout re-materializes the whole stage where
+    the stage had checkpoint segments."""
     out = []
     turns = None if batch_size is None else batch_size // stage.micro_batch_size
     for tp in tps:
@@ -285,8 +294,11 @@ def stage_layouts(stage: Stage, cluster: Cluster, tps: Sequence[int], shards: Se
         for shard in shards:
             if shard == "fsdp" and (n // tp < 2 or stage.round_robin):
                 continue
-            out.append(_whole_recompute(replace(stage, tp=tp, shard=shard, reshard_after_forward=shard != "fsdp",
-                                                sequence_parallel=tp > 1)))
+            option = _whole_recompute(replace(stage, tp=tp, shard=shard, reshard_after_forward=shard != "fsdp",
+                                              sequence_parallel=tp > 1, keep_gathered=False))
+            out.append(option)
+            if tp > 1 and not option.recompute:
+                out.append(replace(option, keep_gathered=True))
     return out
 
 
