@@ -676,8 +676,9 @@ def tp_saved_bytes(act_bytes, tp, kind, sequence_parallel=False, dropout=False, 
     transformer block its :data:`TP_BLOCK_WHOLE_ACTIVATIONS` whole and the rest over ``tp``; with
     ``sequence_parallel`` the 2 bytes of its dropout masks where it draws ``dropout``
     (:data:`TP_BLOCK_WHOLE_ACTIVATIONS_SP`), and without ``regather`` (a stage keeping the column-wise layers'
-    gathered inputs whole, or re-materializing, whose rebuild keeps them) those inputs' 4 more; a linear layer or an embedding all of
-    it (a column-parallel linear saves its input, gathered whole on every device; an embedding its indices).
+    gathered inputs whole, or re-materializing, whose rebuild keeps them) those inputs' 4 more; a linear layer
+    or an embedding all of it (a column-parallel linear saves its input, gathered whole on every device; an
+    embedding its indices).
     Where that errs it errs high: a row-parallel linear's or an MLP pair's hidden activations are split, and so
     are a block's attention scores where it keeps them (eager attention), both charged here at the block's or
     the linear's share.

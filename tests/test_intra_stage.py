@@ -180,7 +180,8 @@ def test_llama_tp_and_a_checkpoint_across_layouts(tmp_path):
     shared = write(tmp_path, "tie_shared", "gpt2", [(front, (0, 1), 1, "none"), (("model.transformer.h.1",), (2,), 1,
                    "none"), (("",), (0, 1), 2, "none")], schedule="gpipe", shared_devices=True)
     ck, tie_ck = str(tmp_path / "ck"), str(tmp_path / "tie_ck")
-    torchrun("2", str(tmp_path), llama, llama_sp, llama_keep, f"{llama},steps=1,precision=bf16", f"{llama_sp},steps=1,precision=bf16",
+    torchrun("2", str(tmp_path), llama, llama_sp, llama_keep, f"{llama},steps=1,precision=bf16",
+             f"{llama_sp},steps=1,precision=bf16",
              llama_fsdp, gpt2, gpt2_sp, drop_sp, drop_one, f"{fsdp},save={ck}", f"{tp},steps=1,load={ck}", tie_tp,
              f"{tie_fsdp},save={tie_ck}", f"{tmp_path / 'tie_resumed.json'},steps=1,load={tie_ck}", shared, ranks=3,
              script=SCRIPT)

@@ -277,10 +277,10 @@ def stage_layouts(stage: Stage, cluster: Cluster, tps: Sequence[int], shards: Se
     """``stage`` under every layout of ``tps`` x ``shards`` its devices allow: tp dividing its device count with
     every tp group inside one node, the micro-batch divisible by the replicas (round-robin replicas take whole
     ones, each group at least one of the ``batch_size // micro_batch_size`` micro-batches), FSDP only over 2 or
-    more replicas that split micro-batches (gathered for the step: ``reshard_after_forward`` false); a tp layout
-    of a stage that does not re-materialize twice, gathering its column-wise inputs again in backward and
-    keeping them whole (:attr:`Stage.keep_gathered`); a parallel layout re-materializes the whole stage where
-    the stage had checkpoint segments."""
+    more replicas that split micro-batches (gathered for the step: ``reshard_after_forward`` false); each tp
+    layout twice for a stage that does not re-materialize, once gathering its column-wise inputs again in
+    backward and once keeping them whole (:attr:`Stage.keep_gathered`); a parallel layout re-materializes the
+    whole stage where the stage had checkpoint segments."""
     out = []
     turns = None if batch_size is None else batch_size // stage.micro_batch_size
     for tp in tps:
