@@ -1,7 +1,7 @@
 """Run under torchrun by tests/test_intra_stage.py: train ``file.py:factory`` models through graphpipe.Pipeline on
 plans with FSDP / tensor-parallel stages, one plan after another in the same ranks; rank 0 writes, per plan, the
 losses, the gradients' global norms, the final weights (whole, by name), each rank's share of its stages' state and
-the bytes autograd saved for backward on it in the first step.
+the bytes autograd saved for backward on it in the first step (counted per save, and per tensor stored).
 
     torchrun --nproc-per-node N tests/intra_stage_script.py STEPS OUT_DIR PLAN.json[,KEY=VALUE...] ...
 
@@ -69,6 +69,8 @@ class _SavedBytes:
     def __init__(self):
         self.total = 0
         self.regathers = 0
+        self.storages = {}  # each tensor stored once, however many saves share it: its storage's bytes
+        self.held = []  # ... kept alive while counted, so that no later tensor reuses a counted address
 
     def count(self, t):
         from graphpipe.runtime import intra_stage
@@ -77,6 +79,9 @@ class _SavedBytes:
             t = t.entry.shard
         local = _local(t)
         self.total += local.numel() * local.element_size()
+        storage = local.untyped_storage()
+        self.storages[storage.data_ptr()] = storage.nbytes()
+        self.held.append(storage)
 
     def pack(self, t):
         self.count(t)
@@ -95,6 +100,7 @@ class _SavedBytes:
         return self
 
     def __exit__(self, *exc):
+        self.held.clear()
         dist.all_gather = self.gather
         self.hooks.__exit__(*exc)
         _SavedBytes.active = None
@@ -141,7 +147,8 @@ def train(plan_path: str, steps: int, out: str, save: str | None, load: str | No
               "grads": sum(_local(p.grad).numel() for _, p in params if p.grad is not None),
               "optim": sum(_local(v).numel() for _, p in params for v in opt.state[p].values()
                            if isinstance(v, torch.Tensor) and v.dim()),
-              "gathered": max(gathered, default=0), "saved": saved.total, "regathers": saved.regathers}
+              "gathered": max(gathered, default=0), "saved": saved.total, "regathers": saved.regathers,
+              "stored": sum(saved.storages.values())}
     weights = {name: _whole(p.detach()).clone() for name, p in params}
     gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object((weights, shares), gathered, dst=0)

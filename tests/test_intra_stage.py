@@ -181,7 +181,7 @@ def test_llama_tp_and_a_checkpoint_across_layouts(tmp_path):
                    "none"), (("",), (0, 1), 2, "none")], schedule="gpipe", shared_devices=True)
     ck, tie_ck = str(tmp_path / "ck"), str(tmp_path / "tie_ck")
     torchrun("2", str(tmp_path), llama, llama_sp, llama_keep, f"{llama},steps=1,precision=bf16",
-             f"{llama_sp},steps=1,precision=bf16",
+             f"{llama_sp},steps=1,precision=bf16", f"{llama_keep},steps=1,precision=bf16",
              llama_fsdp, gpt2, gpt2_sp, drop_sp, drop_one, f"{fsdp},save={ck}", f"{tp},steps=1,load={ck}", tie_tp,
              f"{tie_fsdp},save={tie_ck}", f"{tmp_path / 'tie_resumed.json'},steps=1,load={tie_ck}", shared, ranks=3,
              script=SCRIPT)
@@ -216,6 +216,13 @@ def test_llama_tp_and_a_checkpoint_across_layouts(tmp_path):
     assert [s["regathers"] for s in kept["shares"]] == [0, 0, 0]
     extra = [k["saved"] - s["saved"] for k, s in zip(kept["shares"], sequence["shares"])]
     assert extra == [2 * 2 * 5 * (4 * 12 * 32 * 4) // 2] * 2 + [0]
+    # counted once per tensor stored, not per save: the two gathered inputs per layer (what the cost model
+    # charges, TP_REBUILT_INPUTS: 4 of a block's 34 bytes per token and hidden unit, 2 per input)
+    stored = [k["stored"] - s["stored"] for k, s in zip(kept["shares"], sequence["shares"])]
+    assert stored == [2 * 2 * 2 * (4 * 12 * 32 * 4) // 2] * 2 + [0]
+    # under bf16 autocast the inputs are gathered in bf16 (cast first): kept whole at 2 bytes, half the extra
+    halves = [torch.load(str(tmp_path / f"{k}_bf16.pt"), weights_only=False)["shares"] for k in ("llama_sp", "llama_keep")]
+    assert [k["stored"] - s["stored"] for k, s in zip(halves[1], halves[0])] == [n // 2 for n in stored]
     assert all(k["saved"] < p["saved"] for k, p in zip(kept["shares"][:2], got["shares"][:2]))
     # under bf16 autocast as well: the gathered inputs are kept as pieces (cast before the gather, so autocast's
     # cast for the layer makes no whole copy), so sequence parallelism saves at least the share it saves in fp32

@@ -220,7 +220,7 @@ def expand(sg: StageGraph, graph: OpGraph, cluster: Cluster, layout: Layout, bat
         stages.append(_whole_recompute(Stage(st.id, op_ids, devices, st.micro_batch_size * layout.group,
                                              st.recompute, replica_mode=mode, checkpoints=checkpoints, split=split,
                                              tp=layout.tp, shard=shard, sequence_parallel=layout.tp > 1,
-                                             keep_gathered=layout.keep_gathered and layout.tp > 1,
+                                             keep_gathered=layout.keep_gathered and layout.tp > 1 and not st.recompute,
                                              reshard_after_forward=False if shard == "fsdp" else True)))
     return StageGraph(graph, tuple(stages), batch_size, cluster.num_devices, allow_shared_devices=sg.allow_shared_devices,
                       sequential=sg.sequential, cluster=cluster)
