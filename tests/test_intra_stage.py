@@ -171,6 +171,8 @@ def test_llama_tp_and_a_checkpoint_across_layouts(tmp_path):
     drop_sp = write(tmp_path, "drop_sp", "gpt2_dropout", [(("",), (0, 1), 2, "none")], devices=3,
                     sequence_parallel=True)
     drop_one = write(tmp_path, "drop_one", "gpt2_dropout", [(("",), (0,), 1, "none")], devices=3)
+    drop_keep = write(tmp_path, "drop_keep", "gpt2_dropout", [(("",), (0, 1), 2, "none")], devices=3,
+                      sequence_parallel=True, keep_gathered=True)  # and keeping the fused c_attn's input whole
     front = ("model.transformer.wte", "model.transformer.wpe", "model.transformer.h.0")
     tie_tp = write(tmp_path, "tie_tp", "gpt2", [(front, (0, 1), 2, "none"), (("",), (2,), 1, "none")])
     tie_fsdp = write(tmp_path, "tie_fsdp", "gpt2", [(front, (0,), 1, "none"), (("",), (1, 2), 1, "fsdp")])
@@ -182,7 +184,7 @@ def test_llama_tp_and_a_checkpoint_across_layouts(tmp_path):
     ck, tie_ck = str(tmp_path / "ck"), str(tmp_path / "tie_ck")
     torchrun("2", str(tmp_path), llama, llama_sp, llama_keep, f"{llama},steps=1,precision=bf16",
              f"{llama_sp},steps=1,precision=bf16", f"{llama_keep},steps=1,precision=bf16",
-             llama_fsdp, gpt2, gpt2_sp, drop_sp, drop_one, f"{fsdp},save={ck}", f"{tp},steps=1,load={ck}", tie_tp,
+             llama_fsdp, gpt2, gpt2_sp, drop_sp, drop_one, drop_keep, f"{fsdp},save={ck}", f"{tp},steps=1,load={ck}", tie_tp,
              f"{tie_fsdp},save={tie_ck}", f"{tmp_path / 'tie_resumed.json'},steps=1,load={tie_ck}", shared, ranks=3,
              script=SCRIPT)
     check(str(tmp_path / "tie_tp.pt"), "gpt2", 2)
@@ -230,11 +232,14 @@ def test_llama_tp_and_a_checkpoint_across_layouts(tmp_path):
     assert half[1] / half[0] <= sequence["shares"][0]["saved"] / got["shares"][0]["saved"]
     fused = check(str(tmp_path / "gpt2_sp.pt"), "gpt2", 2)
     assert [s["regathers"] for s in fused["shares"]] == [2 * 2 * 2] * 2 + [0]  # c_attn and c_fc per layer
-    dropped = [torch.load(str(tmp_path / f"drop_{k}.pt"), weights_only=False) for k in ("sp", "one")]
+    dropped = [torch.load(str(tmp_path / f"drop_{k}.pt"), weights_only=False) for k in ("sp", "one", "keep")]
     torch.testing.assert_close(torch.tensor(dropped[0]["losses"]), torch.tensor(dropped[1]["losses"]))
+    torch.testing.assert_close(torch.tensor(dropped[2]["losses"]), torch.tensor(dropped[1]["losses"]))
+    assert [s["regathers"] for s in dropped[2]["shares"]] == [0, 0, 0]
     assert dropped[0]["losses"] != check(str(tmp_path / "gpt2.pt"), "gpt2", 2)["losses"]  # the masks drop
     for name, w in dropped[1]["weights"].items():
         torch.testing.assert_close(dropped[0]["weights"][name], w, msg=name)
+        torch.testing.assert_close(dropped[2]["weights"][name], w, msg=name)
     # the same Llama's first stage FSDP over two ranks, one FSDP unit per op: a rank gathers one op's weights at
     # a time (at most the largest op's, the decoder layer here), never the whole stage's
     sharded = check(str(tmp_path / "llama_fsdp.pt"), "llama", 2)
