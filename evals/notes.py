@@ -497,7 +497,7 @@ NOTES: dict[str, str] = {
         "The 405B, tp 8: 0.743 at 512 (1.27x PP-only's 0.583), 0.742 at 4,096 (1.30x), 0.718 at 16,384 (1.50x), "
         "in 54-82 CPU seconds of search. Plain tensor parallelism (a "
         "split block keeps 10 of its 34 bytes whole: layer norms, block inputs, dropout masks; the model and the "
-        "runtime before this run) read 0.732, 0.731 and 0.689 for the 70B and 0.630, 0.630 and 0.595 for the "
+        "runtime before sequence parallelism) read 0.732, 0.731 and 0.689 for the 70B and 0.630, 0.630 and 0.595 for the "
         "405B, 25 of its 32 stages re-materializing. The targets "
         "for the 70B at 512 (>= 0.70 of perfect scaling and >= 1.3x the PP-only plan) hold there, and the 405B's at 16,384 (>= 0.70); with 128-token samples the 70B reaches "
         "1.15x, "

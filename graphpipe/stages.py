@@ -189,6 +189,13 @@ class Stage:
     def round_robin(self) -> bool:
         return self.replica_mode == "round-robin"
 
+    @property
+    def regathers(self) -> bool:
+        """Whether backward gathers the column-wise layers' inputs again (the runtime's ``Regather``, and what
+        the cost model charges): a sequence-parallel stage that neither re-materializes (its checkpoint's
+        rebuild keeps them whole) nor keeps them (:attr:`keep_gathered`)."""
+        return self.sequence_parallel and not (self.recompute or self.keep_gathered)
+
     def replica_of(self, mb_id: int) -> tuple[int, ...]:
         """The devices (one group: ``split`` tp groups) that run micro-batch ``mb_id`` of a round-robin stage
         (PipeDream: replica ``i mod r``)."""
@@ -411,8 +418,7 @@ class StageGraph:
         sequence parallelism and re-gathering (a sequence-parallel stage that re-materializes, or keeps its gathered
         inputs whole, gathers no input again in backward and keeps the gathered ones whole)."""
         st = self.stages[stage_id]
-        # the runtime's Regather: off on a re-materializing stage and on one keeping its gathered inputs
-        tp, sp, regather = st.tp, st.sequence_parallel, not (st.recompute or st.keep_gathered)
+        tp, sp, regather = st.tp, st.sequence_parallel, st.regathers
         if tp == 1:
             return self.graph
         costed = self._costed.get((tp, sp, regather))

@@ -184,7 +184,8 @@ def test_llama_tp_and_a_checkpoint_across_layouts(tmp_path):
     ck, tie_ck = str(tmp_path / "ck"), str(tmp_path / "tie_ck")
     torchrun("2", str(tmp_path), llama, llama_sp, llama_keep, f"{llama},steps=1,precision=bf16",
              f"{llama_sp},steps=1,precision=bf16", f"{llama_keep},steps=1,precision=bf16",
-             llama_fsdp, gpt2, gpt2_sp, drop_sp, drop_one, drop_keep, f"{fsdp},save={ck}", f"{tp},steps=1,load={ck}", tie_tp,
+             llama_fsdp, gpt2, gpt2_sp, drop_sp, drop_one, drop_keep, f"{fsdp},save={ck}", f"{tp},steps=1,load={ck}",
+             tie_tp,
              f"{tie_fsdp},save={tie_ck}", f"{tmp_path / 'tie_resumed.json'},steps=1,load={tie_ck}", shared, ranks=3,
              script=SCRIPT)
     check(str(tmp_path / "tie_tp.pt"), "gpt2", 2)
@@ -223,7 +224,8 @@ def test_llama_tp_and_a_checkpoint_across_layouts(tmp_path):
     stored = [k["stored"] - s["stored"] for k, s in zip(kept["shares"], sequence["shares"])]
     assert stored == [2 * 2 * 2 * (4 * 12 * 32 * 4) // 2] * 2 + [0]
     # under bf16 autocast the inputs are gathered in bf16 (cast first): kept whole at 2 bytes, half the extra
-    halves = [torch.load(str(tmp_path / f"{k}_bf16.pt"), weights_only=False)["shares"] for k in ("llama_sp", "llama_keep")]
+    halves = [torch.load(str(tmp_path / f"{k}_bf16.pt"), weights_only=False)["shares"]
+              for k in ("llama_sp", "llama_keep")]
     assert [k["stored"] - s["stored"] for k, s in zip(halves[1], halves[0])] == [n // 2 for n in stored]
     assert all(k["saved"] < p["saved"] for k, p in zip(kept["shares"][:2], got["shares"][:2]))
     # under bf16 autocast as well: the gathered inputs are kept as pieces (cast before the gather, so autocast's

@@ -405,9 +405,10 @@ class Regather:
     whole, it would cost every device the tokens the split saved. While a TP stage's forward runs inside this
     context, autograd saves any view of a gathered tensor as this device's shard, and the backward gathers it
     again when it needs it (one more all-gather per column-wise input, as in Megatron-LM). The TP ranks of a
-    group run the same graph, so their extra all-gathers come in the same order. Not used on a re-materializing stage: torch's
-    checkpoint takes the saved tensors itself, and its rebuild inside backward keeps the gathered inputs whole
-    (what the cost model charges there, :data:`graphpipe.costs.TP_REBUILT_INPUTS`)."""
+    group run the same graph, so their extra all-gathers come in the same order. Used where
+    :attr:`Stage.regathers <graphpipe.stages.Stage.regathers>`: not on a re-materializing stage (torch's
+    checkpoint takes the saved tensors itself, and its rebuild inside backward keeps the gathered inputs whole)
+    nor on one keeping them whole (``keep_gathered``), both charged so (:data:`graphpipe.costs.TP_REBUILT_INPUTS`)."""
 
     active: "Regather | None" = None
 
@@ -841,8 +842,7 @@ def _tensor_parallel(hosted, meshes: StageMeshes, model: nn.Module | None) -> No
                                    shape=p.shape, stride=p.stride())
             owner._parameters[attr] = nn.Parameter(d, requires_grad=p.requires_grad)
     _register_attention_rules()
-    hosted.forward = _TPForward(hosted.forward, meshes.tp,
-                                stage.sequence_parallel and not (stage.recompute or stage.keep_gathered))
+    hosted.forward = _TPForward(hosted.forward, meshes.tp, stage.regathers)
     # the backward of a TP stage mixes DTensor gradients with plain tensors the forward saved (constants,
     # index tables): those are replicated, so the whole rank treats plain tensors as Replicate
     torch._C._set_dtensor_allow_implicit_replication(True)
