@@ -69,8 +69,10 @@ class Stage:
     """:data:`SHARD_MODES`: whole copies per replica, or FSDP-sharded model state across the replicas."""
     reshard_after_forward: bool = True
     """FSDP only: free the gathered parameters after each forward (gather again for backward, per
-    micro-batch), or keep them gathered from the first forward to the last backward of the step
-    (torchtitan's choice under pipelining: one all-gather per step, more memory)."""
+    micro-batch), or keep them gathered for the whole step (torchtitan's choice under pipelining: one
+    all-gather per step, more memory): all-gathered at the step's start, while the pipeline fills, and the
+    gradients reduce-scattered after the stage's last backward. Only the latter on a round-robin stage, whose
+    replicas run different micro-batches at different times but start and end the step together."""
     sequence_parallel: bool = False
     """TP only: the tokens between a row-wise layer and the next column-wise one are split over the tp group
     (Korthikanti et al. 2022 §4.2.2): the row-wise layer's all-reduce becomes a reduce-scatter, the column-wise
@@ -125,10 +127,11 @@ class Stage:
         if self.keep_gathered and not self.sequence_parallel:
             raise PlanError(f"stage {self.id}: keep_gathered keeps sequence parallelism's gathered inputs whole, but "
                             f"the stage is not sequence parallel; set keep_gathered false or sequence_parallel true")
-        if self.round_robin and self.shard != "none":
+        if self.round_robin and self.shard != "none" and self.reshard_after_forward:
             raise PlanError(f"stage {self.id}: a round-robin stage's replicas run different micro-batches at "
-                            f"different times, so they cannot gather FSDP-sharded weights together; set shard "
-                            f"none, or replica_mode split")
+                            f"different times, so they cannot gather FSDP-sharded weights together for every "
+                            f"micro-batch; set reshard_after_forward false (gathered once at the step's start), "
+                            f"shard none, or replica_mode split")
         if not isinstance(self.split, int) or isinstance(self.split, bool) or self.split < 1:
             raise PlanError(f"stage {self.id}: split must be a positive integer, got {self.split!r}")
         if self.split > 1 and not self.round_robin:
@@ -489,9 +492,27 @@ class StageGraph:
         s = self.stages[stage_id]
         if not s.parallel:
             return cluster.allreduce_time(s.devices, self.param_bytes(stage_id)) if s.num_replicas > 1 else 0.0
+        return self._replica_collective(costs.sync_s, stage_id, cluster)
+
+    def gather_time(self, stage_id: int, cluster) -> float:
+        """Seconds of the stage's all-gather at the step's start, which its first forward waits for
+        (:func:`graphpipe.costs.step_gather_s`: FSDP gathered for the step; 0 otherwise)."""
+        s = self.stages[stage_id]
+        if s.shard != "fsdp" or s.reshard_after_forward or s.num_replicas < 2:
+            return 0.0
+        return self._replica_collective(costs.step_gather_s, stage_id, cluster)
+
+    def gather_times(self, cluster) -> list[float]:
+        """:meth:`gather_time` of every stage, in stage order."""
+        return [self.gather_time(s, cluster) for s in range(self.num_stages)]
+
+    def _replica_collective(self, seconds, stage_id: int, cluster) -> float:
+        """``seconds`` (:func:`graphpipe.costs.sync_s` or :func:`~graphpipe.costs.step_gather_s`) on one tp
+        rank's parameter share over the stage's replicas, on the link joining its tp groups' first devices."""
+        s = self.stages[stage_id]
         link = cluster.allreduce_link(s.devices[::s.tp])
-        return costs.sync_s(self.layout_param_bytes(stage_id), s.num_replicas, s.shard, s.reshard_after_forward,
-                            link.latency_s, link.bandwidth_Bps)
+        return seconds(self.layout_param_bytes(stage_id), s.num_replicas, s.shard, s.reshard_after_forward,
+                       link.latency_s, link.bandwidth_Bps)
 
     def state_bytes(self, stage_id: int, cluster) -> float:
         """Model-state bytes on one device of the stage: ``cluster.state_bytes`` of its parameters for whole

@@ -122,13 +122,14 @@ def _next_token(logits, ids):
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
 
-def hand_plan(spec: str, stages: list[tuple[tuple[str, ...], tuple[int, ...], int, str]], *, batch: int = BATCH,
+def hand_plan(spec: str, stages: list[tuple], *, batch: int = BATCH,
               micro_batch_size: int = 4, schedule: str = "1f1b", devices: int | None = None,
               shared_devices: bool = False, sequence_parallel: bool = False, keep_gathered: bool = False):
-    """A plan of ``spec`` with the stages written by hand: ``(op-name prefixes, devices, tp, shard)`` each; every
-    op goes to the first stage one of whose prefixes starts its name (``""`` takes the rest); with
-    ``sequence_parallel`` every stage of tp 2 or more runs sequence parallel (keeping its gathered inputs whole
-    with ``keep_gathered``)."""
+    """A plan of ``spec`` with the stages written by hand: ``(op-name prefixes, devices, tp, shard)`` each, and
+    optionally a fifth item, a dict of other :class:`~graphpipe.stages.Stage` fields (``replica_mode``,
+    ``reshard_after_forward``, ``micro_batch_size``...); every op goes to the first stage one of whose prefixes
+    starts its name (``""`` takes the rest); with ``sequence_parallel`` every stage of tp 2 or more runs
+    sequence parallel (keeping its gathered inputs whole with ``keep_gathered``)."""
     from dataclasses import replace
 
     from graphpipe.cluster import preset
@@ -137,18 +138,21 @@ def hand_plan(spec: str, stages: list[tuple[tuple[str, ...], tuple[int, ...], in
     from graphpipe.search.planner import make_plan
     from graphpipe.stages import Stage, StageGraph
 
-    num_devices = devices or max(d for _, ds, _, _ in stages for d in ds) + 1
+    stages = [(*st, {}) if len(st) == 4 else tuple(st) for st in stages]
+    num_devices = devices or max(d for _, ds, _, _, _ in stages for d in ds) + 1
     source = _loaded(spec)
     base = make_plan(source.model_id, source.graph, preset("v100", num_devices), batch, "gpipe",
                      SearchOptions(micro_batch_size=micro_batch_size))
     graph = base.stage_graph.graph
     owner: dict[int, int] = {}
     for op_id, op in enumerate(graph.ops):
-        owner[op_id] = next(i for i, (prefixes, _, _, _) in enumerate(stages)
+        owner[op_id] = next(i for i, (prefixes, *_) in enumerate(stages)
                             if any(op.name.startswith(p) for p in prefixes))
-    built = [Stage(i, tuple(o for o, s in owner.items() if s == i), tuple(ds), micro_batch_size, tp=tp, shard=shard,
-                   sequence_parallel=sequence_parallel and tp > 1, keep_gathered=keep_gathered and tp > 1)
-             for i, (_, ds, tp, shard) in enumerate(stages)]
+    built = [Stage(i, tuple(o for o, s in owner.items() if s == i), tuple(ds),
+                   **{"micro_batch_size": micro_batch_size, "tp": tp, "shard": shard,
+                      "sequence_parallel": sequence_parallel and tp > 1, "keep_gathered": keep_gathered and tp > 1,
+                      **fields})
+             for i, (_, ds, tp, shard, fields) in enumerate(stages)]
     sg = StageGraph.build(graph, built, batch, num_devices, allow_shared_devices=shared_devices)
     return replace(base, stage_graph=sg, schedule=make_schedule(schedule, sg), predicted={}, strategy="custom")
 

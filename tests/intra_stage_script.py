@@ -1,7 +1,8 @@
 """Run under torchrun by tests/test_intra_stage.py: train ``file.py:factory`` models through graphpipe.Pipeline on
 plans with FSDP / tensor-parallel stages, one plan after another in the same ranks; rank 0 writes, per plan, the
 losses, the gradients' global norms, the final weights (whole, by name), each rank's share of its stages' state and
-the bytes autograd saved for backward on it in the first step (counted per save, and per tensor stored).
+the bytes autograd saved for backward on it in the first step (counted per save, and per tensor stored), and
+per step the FSDP all-gathers it issued before its first FSDP forward and in all.
 
     torchrun --nproc-per-node N tests/intra_stage_script.py STEPS OUT_DIR PLAN.json[,KEY=VALUE...] ...
 
@@ -56,6 +57,49 @@ def _watch_gathers(pipe) -> list[int]:
     for m in groups:
         m.register_forward_pre_hook(count)
     return seen
+
+
+class _GatherLog:
+    """FSDP all-gathers on this rank, per step: how many were issued before the step's first forward of an FSDP
+    stage (``early``: the gather a stage gathered for the step starts at the step's start) and in the whole step
+    (``total``: the pre-forward hook must wait for that gather, not issue another)."""
+
+    issued = 0
+    """FSDP all-gathers issued by this process so far (:meth:`install` counts them)."""
+
+    def __init__(self, pipe):
+        from torch.distributed.fsdp import FSDPModule
+
+        self.early: list[int] = []
+        self.total: list[int] = []
+        self._start = self._first = None
+        intra = pipe._setup.executor.intra_stage
+        for p in intra.parallel.values() if intra else ():
+            if isinstance(p.fsdp, FSDPModule):  # before FSDP's own pre-forward hook, which may gather
+                p.fsdp.register_forward_pre_hook(self._forward, prepend=True)
+
+    @staticmethod
+    def install() -> None:
+        from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group
+
+        gather = group.foreach_all_gather
+
+        def counted(*args, **kwargs):
+            _GatherLog.issued += 1
+            return gather(*args, **kwargs)
+        group.foreach_all_gather = counted
+
+    def _forward(self, *_):
+        if self._first is None:
+            self._first = _GatherLog.issued - self._start
+
+    def __enter__(self):
+        self._start, self._first = _GatherLog.issued, None
+        return self
+
+    def __exit__(self, *exc):
+        self.early.append(self._first if self._first is not None else 0)
+        self.total.append(_GatherLog.issued - self._start)
 
 
 class _SavedBytes:
@@ -131,10 +175,11 @@ def train(plan_path: str, steps: int, out: str, save: str | None, load: str | No
     if load:
         pipe.load(load, None if idle else opt)
     gathered = _watch_gathers(pipe)
+    gathers = _GatherLog(pipe)
     losses, norms = [], []
     saved = _SavedBytes()
     for step in range(steps):
-        with saved if step == 0 else contextlib.nullcontext():
+        with saved if step == 0 else contextlib.nullcontext(), gathers:
             losses.append(pipe.step(made.example_inputs, made.example_target).item())
         norms.append(float(pipe.clip_grad_norm_(1e9)))  # the global norm: every parameter counted once
         opt.step()
@@ -148,7 +193,7 @@ def train(plan_path: str, steps: int, out: str, save: str | None, load: str | No
               "optim": sum(_local(v).numel() for _, p in params for v in opt.state[p].values()
                            if isinstance(v, torch.Tensor) and v.dim()),
               "gathered": max(gathered, default=0), "saved": saved.total, "regathers": saved.regathers,
-              "stored": sum(saved.storages.values())}
+              "stored": sum(saved.storages.values()), "early_gathers": gathers.early, "gathers": gathers.total}
     weights = {name: _whole(p.detach()).clone() for name, p in params}
     gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object((weights, shares), gathered, dst=0)
@@ -166,6 +211,7 @@ def main() -> None:
     steps, out_dir, plans = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
     dist.init_process_group("gloo")
     _count_regathered()
+    _GatherLog.install()
     for item in plans:
         plan, *rest = item.split(",")
         options = dict(kv.split("=", 1) for kv in rest)

@@ -5,7 +5,9 @@ losses and final weights equal at fp32 tolerances. The plans are written by hand
 devices, tp and shard per stage: an FSDP stage, TP stages of a plain MLP (column/row pairs found in the captured
 graph) and of a Hugging Face Llama (its base_model_tp_plan, heads split by KV group), a branchy model whose
 branches take different layouts, a chain mixing whole-copy replicas with a TP stage, and a checkpoint written
-under one layout loaded under another; TP stages sequence parallel, whose saved activations shrink by a hand count.
+under one layout loaded under another; TP stages sequence parallel, whose saved activations shrink by a hand count;
+round-robin stages FSDP-sharded over their replicas (gathered for the step), under B and split-backward schedules.
+A stage gathered for the step is seen to start its one all-gather of the step before its first forward.
 """
 
 from __future__ import annotations
@@ -44,12 +46,22 @@ def oracle(factory: str, steps: int, start: dict | None = None):
     return losses, {n: p.detach() for n, p in model.named_parameters()}, evaluation, norms
 
 
+RR = {"replica_mode": "round-robin", "reshard_after_forward": False}
+"""A stage's fields for round-robin replicas FSDP-sharded over them, gathered for the step."""
+
+
 def write(tmp_path, name: str, factory: str, stages, **kw) -> str:
     from graphpipe.plan import write_plan
 
     path = str(tmp_path / f"{name}.json")
     write_plan(path, models.hand_plan(f"{SPEC}:{factory}", stages, **kw))
     return path
+
+
+def actions(path: str) -> list[list[str]]:
+    from graphpipe.plan import read_plan
+
+    return [[str(a) for a in acts] for acts in read_plan(path).schedule.device_actions]
 
 
 def check(out: str, factory: str, steps: int) -> dict:
@@ -83,6 +95,15 @@ def test_fsdp_tp_and_mixed_layouts_train_as_one_process(tmp_path):
         write(tmp_path, "chain", "mlp_chain", [(("stem", "block0"), (0, 1), 1, "none"), (("",), (2, 3), 2, "none")]),
         write(tmp_path, "branchy", "branchy", [(("stem", "right"), (0, 1), 2, "none"),
                                                 (("left", "head"), (2, 3), 1, "fsdp")]),
+        # round-robin FSDP stages, gathered for the step: replicas taking whole micro-batches in turn (2, 1 and 1
+        # of 4 under graph-1f1b; 2 and 2 under zero bubble's split backward) each reduce-scatter after their own
+        # last B or W; and 2 replicas of tp 2 (2-D) in turn
+        write(tmp_path, "rr_fsdp", "mlp_chain", [(("stem",), (0,), 1, "none"), (("",), (1, 2, 3), 1, "fsdp", RR)],
+              schedule="graph-1f1b", micro_batch_size=2),
+        write(tmp_path, "rr_fsdp_zb", "mlp_chain", [(("stem", "block0"), (0,), 1, "none"),
+                                                    (("",), (1, 2), 1, "fsdp", RR)], schedule="zb-h1",
+              micro_batch_size=2),
+        write(tmp_path, "rr_2d", "mlp_chain", [(("",), (0, 1, 2, 3), 2, "fsdp", RR)], micro_batch_size=2),
     ]
     # the same FSDP stage gathered once per step (reshard_after_forward false): one unit, gradients reduced at
     # the step's end
@@ -141,6 +162,36 @@ def test_fsdp_tp_and_mixed_layouts_train_as_one_process(tmp_path):
     assert [s["gathered"] for s in fsdp["shares"][1:3]] == [largest, largest]
     assert [s["gathered"] for s in step["shares"][1:3]] == [stage, stage]
     assert branchy["shares"][0]["params"] < sum(p.numel() for p in models.Branchy().parameters()) / 2
+    # gathered for the step, the all-gather starts at the step's start, before the stage's first forward, and
+    # that forward waits for it instead of gathering again: one per step; per-op units gather in their forwards
+    assert [(s["early_gathers"], s["gathers"]) for s in step["shares"][1:3]] == [([1] * 3, [1] * 3)] * 2
+    assert [s["early_gathers"] for s in fsdp["shares"][1:3]] == [[0] * 3] * 2
+    _check_round_robin_fsdp(tmp_path, model)
+
+
+def _check_round_robin_fsdp(tmp_path, model) -> None:
+    """The round-robin FSDP stages of test_fsdp_tp_and_mixed_layouts_train_as_one_process: as one process, each
+    replica with its share of the stage, the whole stage gathered once per step, at the step's start."""
+    # the replicas run different micro-batches (a whole-copy reduce would not make them train as one process)
+    assert [a for a in actions(str(tmp_path / "rr_fsdp.json"))[1:]] == [["1F0", "1B0", "1F3", "1B3"],
+                                                                        ["1F1", "1B1"], ["1F2", "1B2"]]
+    assert actions(str(tmp_path / "rr_fsdp_zb.json"))[1][:4] == ["1F0", "1I0", "1F2", "1W0"]
+    assert actions(str(tmp_path / "rr_2d.json"))[1] == ["0F0", "0B0", "0F2", "0B2"] != actions(
+        str(tmp_path / "rr_2d.json"))[2]
+    named = dict(model.named_parameters())
+    for name, ranks, prefixes in (("rr_fsdp", (1, 2, 3), ("stem",)), ("rr_fsdp_zb", (1, 2), ("stem", "block0")),
+                                  ("rr_2d", (0, 1, 2, 3), ())):
+        got = check(str(tmp_path / f"{name}.pt"), "mlp_chain", 3)
+        stage = sum(p.numel() for n, p in named.items() if not n.startswith(prefixes))
+        shares = [got["shares"][r] for r in ranks]
+        assert [(s["early_gathers"], s["gathers"]) for s in shares] == [([1] * 3, [1] * 3)] * len(ranks), name
+        assert all(s["grads"] == s["params"] == s["optim"] for s in shares), name
+        assert [s["gathered"] for s in shares] == [stage] * len(ranks), name
+        if name != "rr_2d":  # FSDP over every replica: each holds its rows of every parameter (dim 0 cut in n)
+            n = len(ranks)
+            most = sum(-(-p.shape[0] // n) * (p.numel() // p.shape[0]) for k, p in named.items()
+                       if not k.startswith(prefixes))
+            assert sum(s["params"] for s in shares) == stage and max(s["params"] for s in shares) <= most, name
 
 
 def test_llama_tp_and_a_checkpoint_across_layouts(tmp_path):
@@ -288,8 +339,8 @@ def test_graphpipe_run_check_passes_mixed_layouts():
     """``graphpipe run --check``'s path (run_plans, models built on meta and materialized per rank): a branchy
     model with a TP branch and an FSDP branch, a chain of whole-copy replicas then TP 2 under zero bubble's
     split backward, an FSDP stage and a TP stage re-materializing whole, zero bubble with FSDP gathered for the
-    step (alone and 2-D), and an FSDP stage resharding after forward under zero bubble refused in one line
-    before any rank starts."""
+    step (alone and 2-D), round-robin groups FSDP-sharded over all their replicas under zero bubble, and an FSDP
+    stage resharding after forward under zero bubble refused in one line before any rank starts."""
     from dataclasses import replace
 
     from graphpipe.errors import InputError
@@ -319,14 +370,43 @@ def test_graphpipe_run_check_passes_mixed_layouts():
         sg = StageGraph.build(sg.graph, [replace(s, reshard_after_forward=s.shard == "none") for s in sg.stages],
                               sg.batch_size, sg.num_devices)
         split.append(replace(plan, stage_graph=sg, schedule=make_schedule("zb-h1", sg)))
+    # round-robin groups of 2 replicas splitting each micro-batch (split 2), FSDP over all 4, split backward
+    groups = models.hand_plan(f"{SPEC}:mlp_chain", [(("",), (0, 1, 2, 3), 1, "fsdp", {**RR, "split": 2})],
+                              micro_batch_size=2, schedule="zb-h1")
+    assert [str(a) for a in groups.schedule.device_actions[2]][:3] == ["0F1", "0I1", "0W1"]
     options = RunOptions(steps=2, warmup_steps=1, check=True, timeout_s=120)
-    for result in run_plans([(p, options) for p in [branchy, chain, *recomputed, *split]]):
+    for result in run_plans([(p, options) for p in [branchy, chain, *recomputed, *split, groups]]):
         assert result.check.passed, result.check
     fsdp_zb = models.hand_plan(f"{SPEC}:mlp_chain", [(("stem", "block0"), (0,), 1, "none"), (("",), (1, 2), 1, "fsdp")],
                                schedule="zb-h1")
     with pytest.raises(InputError, match=r"^stage 1 is FSDP-sharded, resharding after forward, and the schedule "
                                          r"'zb-h1' splits its backward"):
         run_plans([(fsdp_zb, options)])
+
+
+def test_round_robin_fsdp_with_work_after_its_last_backward_is_refused_naming_the_stage():
+    """A round-robin FSDP stage sharing its devices with another stage whose actions come after its last backward
+    there is refused before any rank starts (each replica's reduce-scatter waits for the others, which might
+    wait for that work); with its last backward the device's last action, it runs (layout_refusal says None)."""
+    from graphpipe.errors import InputError
+    from graphpipe.runtime import RunOptions, layout_refusal, run_plans
+
+    def plan(fsdp_first: bool):
+        whole = {"replica_mode": "round-robin"}
+        first, last = (RR, whole) if fsdp_first else (whole, RR)
+        return models.hand_plan(f"{SPEC}:mlp_chain", [
+            (("stem",), (0, 1), 1, "fsdp" if fsdp_first else "none", first), (("block0",), (2,), 1, "none"),
+            (("",), (0, 1), 1, "none" if fsdp_first else "fsdp", last)],
+            shared_devices=True, schedule="gpipe", micro_batch_size=2)
+
+    assert layout_refusal(plan(fsdp_first=True)) is None  # stage 0's backward ends each device's step
+    refused = plan(fsdp_first=False)
+    assert [str(a) for a in refused.schedule.device_actions[0]][-3:] == ["2B2", "0B0", "0B2"]
+    with pytest.raises(InputError, match=r"^stage 2 is round-robin and FSDP-sharded, and device 0 runs stage 0's B "
+                                         r"of micro-batch 0 after the stage's last backward there: .*give the stage "
+                                         r"devices of its own, or shard none$") as info:
+        run_plans([(refused, RunOptions(steps=1, timeout_s=30))])
+    assert "\n" not in str(info.value)
 
 
 def _stage_graph(write: bool = False, view_of_weight: bool = False):

@@ -26,6 +26,28 @@ well-kept pieces instead of hand-written collectives:
   of the mini-batch. Schedules splitting the backward run the per-step
   layout; resharding after forward under them is refused
   (:mod:`graphpipe.runtime.layouts`).
+* **Eager gather.** A stage gathered for the step starts its all-gather at the
+  step's start (:meth:`IntraStage.before_iteration`, FSDP's
+  ``unshard(async_op=True)``), as the cost model has it: at time 0, overlapping
+  the pipeline's fill, rather than when the stage's first micro-batch arrives.
+  Its first forward's pre-forward hook finds the gather pending and waits for it
+  (the replica group's timeout) instead of issuing another; every replica calls
+  it at the same point, so the collective matches.
+* **Round-robin FSDP.** A round-robin stage (replicas, or groups of ``split``
+  replicas, taking whole micro-batches in turn) may be FSDP-sharded gathered for
+  the step, tp 1 or 2-D: one unit over all its replicas, exactly as above.
+  Its replicas run different micro-batches at different times but start and
+  end the step together: each gathers at the step's start and reduce-scatters
+  after its own last B or W (where the executor calls
+  :meth:`IntraStage.after_last_backward`, as a whole-copy replica issues its
+  all-reduce), the sum of every replica's gradients, each already scaled by its
+  micro-batches' share. Unlike that all-reduce, FSDP's reduce-scatter holds the
+  replica (a gloo rank's host, a CUDA rank's stream) until the last replica gets
+  there; with nothing else after the stage's last backward on a device, that
+  only delays the step's end, and a plan where another stage's action follows
+  it is refused (:mod:`graphpipe.runtime.layouts`). Round-robin stages have at
+  least one micro-batch per replica (:class:`~graphpipe.stages.StageGraph`),
+  so every replica reaches the reduce-scatter.
 * **Tensor parallelism** (tp > 1, shard none). The stage's parameters become
   :class:`~torch.distributed.tensor.DTensor` on the TP mesh (``Shard(0)`` for
   column-wise linear weights and biases, ``Shard(1)`` for row-wise weights,
@@ -643,6 +665,14 @@ class _Parallel:
     per_op: bool = False
     """FSDP with one unit per op (ZeRO-3, reshard after forward): gathered, resharded and reduce-scattered per
     micro-batch by FSDP's own hooks; nothing for :class:`IntraStage`'s step hooks to do."""
+    pending: Any = None
+    """The last step's early all-gather (FSDP's ``UnshardHandle``), gathered for the step only."""
+
+    @property
+    def gathered_for_step(self) -> bool:
+        """One FSDP unit kept gathered from the step's start to its last backward (reshard_after_forward
+        false): :meth:`IntraStage.before_iteration` gathers it early."""
+        return self.fsdp is not None and not self.per_op and not self.stage.reshard_after_forward
 
 
 class _Unit(nn.Module):
@@ -929,13 +959,33 @@ class IntraStage:
         return bool(self.parallel)
 
     def before_iteration(self) -> None:
-        """FSDP stages: no gradient synchronisation and no resharding in any backward of the step (torch's
-        pipelining does the same); the reduce-scatter is :meth:`after_last_backward`'s."""
+        """The step's start on this rank. FSDP stages: no gradient synchronisation and no resharding in any
+        backward of the step (torch's pipelining does the same); the reduce-scatter is
+        :meth:`after_last_backward`'s. A stage gathered for the step starts its all-gather now
+        (:meth:`_gather_early`)."""
         for p in self.parallel.values():
             if p.fsdp is not None and not p.per_op:
                 p.fsdp.set_is_last_backward(False)
                 p.fsdp.set_reshard_after_backward(False)
                 p.fsdp.set_requires_gradient_sync(False)
+                if p.gathered_for_step:
+                    self._gather_early(p)
+
+    @staticmethod
+    def _gather_early(p: "_Parallel") -> None:
+        """Start FSDP stage ``p``'s all-gather of the step without waiting for it: the cost model's gather at
+        time 0, overlapping the pipeline's fill instead of holding up the stage's first forward.
+
+        Every replica of the stage calls it here, at its step's start, so the collective matches (round-robin
+        replicas too: they start the step together). FSDP's pre-forward hook finds the gather pending and waits
+        for it rather than issuing another (``FSDPParamGroup.unshard`` returns while a result is pending); that
+        wait is the replica group's, under the runtime's timeout. Parameters already gathered (an evaluation
+        left them so) are not gathered again. The handle is kept (:attr:`_Parallel.pending`) for tests and
+        debugging; the hook, not this, waits."""
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard.state(p.fsdp)._lazy_init()  # what the root's first pre-forward would do first
+        p.pending = p.fsdp.unshard(async_op=True)
 
     def after_last_backward(self, stage_id: int) -> None:
         """Stage ``stage_id`` ran its step's last B or W: reduce its gradients over its replicas."""
