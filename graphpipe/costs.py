@@ -107,6 +107,7 @@ __all__ = [
     "TP_REBUILT_INPUTS",
     "tp_saved_bytes",
     "ring_allgather_s",
+    "step_gather_s",
     "fsdp_micro_batch_s",
     "sync_s",
     "layout_state_bytes",
@@ -740,16 +741,31 @@ def fsdp_micro_batch_s(param_bytes, num_replicas, reshard_after_forward, latency
 def sync_s(param_bytes, num_replicas, shard, reshard_after_forward, latency_s, bandwidth_Bps):
     """Seconds of a stage's once-per-step collective after its last backward, on one tp rank's share
     ``param_bytes``: data parallelism's ring all-reduce of the gradients (:func:`ring_allreduce_s`); FSDP
-    without resharding an all-gather at the step's start plus a reduce-scatter at its end, the same volume
-    (ZeRO §5: ZeRO-3 moves 1.5x DP's volume only when it gathers twice per step); FSDP resharding after
-    forward does all of it per micro-batch (:func:`fsdp_micro_batch_s`), nothing here.
+    gathered for the step, the gradients' reduce-scatter (:func:`ring_allgather_s`), its all-gather being
+    :func:`step_gather_s`'s at the step's start (the two move an all-reduce's volume, ZeRO §5: ZeRO-3 moves
+    1.5x DP's only when it gathers twice per step); FSDP resharding after forward does all of it per
+    micro-batch (:func:`fsdp_micro_batch_s`), nothing here.
 
     >>> sync_s(8.0, 4, "none", True, 0.0, 1.0), sync_s(8.0, 4, "fsdp", False, 0.0, 1.0), sync_s(8.0, 4, "fsdp", True, 0.0, 1.0)
-    (12.0, 12.0, 0.0)
+    (12.0, 6.0, 0.0)
     """
-    if shard == "fsdp" and reshard_after_forward:
-        return 0.0
+    if shard == "fsdp":
+        return 0.0 if reshard_after_forward else ring_allgather_s(num_replicas, latency_s, bandwidth_Bps, param_bytes)
     return ring_allreduce_s(num_replicas, latency_s, bandwidth_Bps, param_bytes)
+
+
+def step_gather_s(param_bytes, num_replicas, shard, reshard_after_forward, latency_s, bandwidth_Bps):
+    """Seconds of a stage's all-gather at the step's start: FSDP gathered for the step gathers its parameters
+    (one tp rank's share ``param_bytes``) over the replicas as the step begins, while the pipeline fills (the
+    runtime starts it before any forward, :meth:`graphpipe.runtime.intra_stage.IntraStage.before_iteration`),
+    and the stage's first forward waits for it; 0 for any other layout.
+
+    >>> step_gather_s(8.0, 4, "fsdp", False, 0.0, 1.0), step_gather_s(8.0, 4, "none", True, 0.0, 1.0)
+    (6.0, 0.0)
+    """
+    if shard != "fsdp" or reshard_after_forward:
+        return 0.0
+    return ring_allgather_s(num_replicas, latency_s, bandwidth_Bps, param_bytes)
 
 
 def layout_state_bytes(param_bytes, largest_op_bytes, num_replicas, shard, reshard_after_forward, bytes_per_param):

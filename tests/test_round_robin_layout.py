@@ -296,3 +296,103 @@ def test_the_plan_table_says_which_stages_take_micro_batches_in_turn():
     grouped = replace(grouped, predicted=Predicted(**predict(grouped)[1]))
     rows = format_plan(grouped).splitlines()
     assert rows[2].endswith("4 x copy, round-robin by 2") and rows[3].endswith("2 x copy")
+
+
+def _rr_chain(counts, params, per_node=8, bandwidth=1e10):
+    """Round-robin stages of one layer each on ``counts`` devices, layer ``i`` holding ``params[i]`` bytes; a
+    cluster whose links are ``bandwidth`` bytes/s with no latency."""
+    link = Link(latency_s=0.0, bandwidth_Bps=bandwidth)
+    n = sum(counts)
+    cl = Cluster(name="t", num_devices=n, devices_per_node=per_node,
+                 device=DeviceSpec(name="x", memory_bytes=1e12, peak_flops=1e15, op_overhead_s=0.0),
+                 intra_node=link, inter_node=link)
+    ops = [Op(f"l{i}", "linear", Affine(0.0, F), Affine(0.0, B), p, 0.0, 0.0) for i, p in enumerate(params)]
+    g = OpGraph.build("chain", ops, [(f"l{i}", f"l{i + 1}", 0.0) for i in range(len(params) - 1)])
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    stages = [Stage(i, (i,), tuple(range(a, a + c)), 1, replica_mode="round-robin")
+              for i, (a, c) in enumerate(zip(starts, counts))]
+    return StageGraph.build(g, stages, 64, n, cluster=cl), cl
+
+
+def _rr_shard_cost(sg, cl, chosen, finish):
+    """The choice's cost by definition: the longest gather the fill (one forward of one sample per layer before
+    the stage) leaves exposed, plus the latest stage end (finish + reduce-scatter if sharded, else all-reduce);
+    ring collectives by their steps (tests/test_sched_common.py)."""
+    from test_sched_common import oracle_collective_link, oracle_ring_allreduce, oracle_ring_gather
+
+    exposed, ends = 0.0, []
+    for st in sg.stages:
+        link = oracle_collective_link(cl, st.devices)
+        p = sg.graph.ops[st.op_ids[0]].param_bytes
+        gather = oracle_ring_gather(len(st.devices), link, p)
+        if st.id in chosen:
+            exposed = max(exposed, gather - st.id * F)
+            ends.append(finish[st.id] + gather)
+        else:
+            ends.append(finish[st.id] + oracle_ring_allreduce(len(st.devices), link, p))
+    return exposed + max(ends)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_round_robin_stages_to_shard_equal_brute_force(seed):
+    """Which round-robin stages to FSDP-shard (gathered for the step): the threshold on the exposed gather that
+    :func:`shard_round_robin_stages` searches gives the least cost over all 2^n subsets, the cost counted here."""
+    import itertools
+    import random
+
+    from graphpipe.search.layouts import shard_round_robin_stages
+
+    rng = random.Random(seed)
+    counts = [rng.choice((2, 4, 8, 16)) for _ in range(5)]
+    sg, cl = _rr_chain(counts, [rng.choice((1e6, 1e7, 3e7, 1e8)) for _ in counts])
+    finish = [rng.uniform(0.0, 0.02) for _ in counts]
+    picked = shard_round_robin_stages(sg, cl, [1] * len(counts), finish)
+    chosen = {st.id for st in picked.stages if st.shard == "fsdp"}
+    assert all(not st.reshard_after_forward and st.round_robin for st in picked.stages if st.shard == "fsdp")
+    brute = min(_rr_shard_cost(sg, cl, set(subset), finish)
+                for k in range(len(counts) + 1) for subset in itertools.combinations(range(len(counts)), k))
+    assert _rr_shard_cost(sg, cl, chosen, finish) == pytest.approx(brute, rel=1e-12, abs=1e-15)
+    if not chosen:   # sharding none is kept only when nothing beats it
+        assert _rr_shard_cost(sg, cl, set(), finish) == pytest.approx(brute, rel=1e-12, abs=1e-15)
+
+
+def test_round_robin_fsdp_stage_gathers_behind_the_fill_by_oracle():
+    """Stage 1's 40 MB: an all-reduce of 7 ms after its last backward, or a gather of 3.5 ms from the step's
+    start (of which stage 0's first 1 ms forward hides 1 ms) and a reduce-scatter of 3.5 ms; stage 0's last
+    backward comes 2 ms after stage 1's, so stage 1's collective ends the step: sharding it is worth
+    7 - 3.5 - 2.5 = 1 ms by the pick's count. Stage 0's 10 kB gather exposes 0.9 us, under that threshold, so
+    it is sharded too. The relaxation oracle (which knows the gathers as the stages' releases) agrees with the
+    simulator, and the step is faster."""
+    from test_sched_common import oracle_iteration, oracle_ring_allreduce, oracle_ring_gather
+
+    from graphpipe.search.layouts import shard_round_robin_stages
+
+    sg, cl = _rr_chain([8, 8], [1e4, 4e7], per_node=16)
+    link = Link(latency_s=0.0, bandwidth_Bps=1e10)
+    gather, allreduce = oracle_ring_gather(8, link, 4e7), oracle_ring_allreduce(8, link, 4e7)
+    assert (gather, allreduce) == pytest.approx((3.5e-3, 7e-3), rel=1e-12)
+    whole = simulate(sg, make_schedule("1f1b", sg, cl), cl)
+    finish = [max(r.end for r in whole.actions if r.action.stage_id == s) for s in (0, 1)]
+    assert finish[0] - finish[1] == pytest.approx(B, rel=1e-9)
+    assert whole.iteration_time_s == pytest.approx(finish[1] + allreduce, rel=1e-12)
+    picked = shard_round_robin_stages(sg, cl, [1, 1], finish)
+    assert [st.shard for st in picked.stages] == ["fsdp", "fsdp"]
+    sched = make_schedule("1f1b", picked, cl)
+    tl = simulate(picked, sched, cl)
+    assert tl.iteration_time_s == pytest.approx(oracle_iteration(picked, sched, cl), rel=1e-12)
+    assert tl.iteration_time_s < whole.iteration_time_s - 0.5e-3
+
+
+def test_round_robin_stages_sharing_devices_are_not_sharded():
+    """The runtime refuses a round-robin FSDP stage whose devices run another stage after its last backward
+    (a replica's reduce-scatter holds its device until every replica arrives): the pick leaves stages that
+    share a device whole, where it shards the same stage on devices of its own."""
+    from graphpipe.search.layouts import shard_round_robin_stages
+
+    sg, cl = _rr_chain([8, 8], [1e4, 4e7], per_node=16)
+    finish = [0.02, 0.018]
+    assert [st.shard for st in shard_round_robin_stages(sg, cl, [1, 1], finish).stages] == ["fsdp", "fsdp"]
+    shared = StageGraph.build(sg.graph, [replace(sg.stages[0], devices=tuple(range(8))),
+                                         replace(sg.stages[1], devices=tuple(range(8)))], 64, 16,
+                              allow_shared_devices=True, cluster=cl)
+    assert [st.shard for st in shard_round_robin_stages(shared, cl, [1, 1], finish).stages] == ["none", "none"]

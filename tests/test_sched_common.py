@@ -67,10 +67,12 @@ def _overlaps(a_lo, a_hi, b_lo, b_hi) -> bool:
     return a_lo < b_hi and b_lo < a_hi
 
 
-def oracle_times(sg: StageGraph, schedule, cluster: Cluster, durations=None) -> dict:
+def oracle_times(sg: StageGraph, schedule, cluster: Cluster, durations=None, releases=None) -> dict:
     """``{(device, action_str): (start, end)}`` by relaxation to a fixpoint (None if it never settles).
 
     ``durations(action)``: seconds of an action, derived by the caller (default: the stage graph's own times).
+    ``releases[stage]``: no F of the stage starts before it (default :func:`oracle_gather`, FSDP's all-gather
+    from the step's start).
     A message into or out of a round-robin stage carries a whole micro-batch from one group to one group: its
     bytes are ``edge_bytes * b`` on as many lanes as the smaller side has replicas holding it (a round-robin
     group's ``split``, one in PipeDream's one-replica groups; a split stage's devices)."""
@@ -120,6 +122,8 @@ def oracle_times(sg: StageGraph, schedule, cluster: Cluster, durations=None) -> 
             return w if a.kind == "W" else sg.bwd_time(a.stage_id) - w
         return sg.fwd_time(a.stage_id) if a.kind == "F" else sg.bwd_time(a.stage_id)
 
+    if releases is None:
+        releases = [oracle_gather(sg, cluster, s) for s in range(sg.num_stages)]
     start = {(d, k): 0.0 for d, acts in enumerate(schedule.device_actions) for k in range(len(acts))}
     n_actions = len(start)
     for _ in range(n_actions + 2):
@@ -133,6 +137,8 @@ def oracle_times(sg: StageGraph, schedule, cluster: Cluster, durations=None) -> 
         for (d, k) in start:
             a = schedule.device_actions[d][k]
             t = end[(d, k - 1)] if k else 0.0
+            if a.kind == "F":
+                t = max(t, releases[a.stage_id])
             for key, dl in deps(a):
                 t = max(t, stage_end[key] + dl)
             if t > start[(d, k)] + 1e-12:
@@ -170,24 +176,36 @@ def oracle_collective_link(cluster: Cluster, devices) -> Link:
 
 
 def oracle_sync(sg: StageGraph, cluster: Cluster, stage_id: int, param_bytes: float | None = None) -> float:
-    """A stage's once-per-step collective, by definition: whole copies all-reduce their gradients over every
+    """A stage's collective at the step's end, by definition: whole copies all-reduce their gradients over every
     device of the stage; a tp/fsdp stage's replicas (one tp rank's devices) all-reduce one rank's share
-    ``param_bytes`` (or, FSDP keeping the step's parameters gathered, gather it once and reduce-scatter it once);
-    FSDP resharding after every forward does nothing at the step's end."""
+    ``param_bytes`` (or, FSDP keeping the step's parameters gathered, reduce-scatter it once, having gathered it
+    at the step's start: :func:`oracle_gather`); FSDP resharding after every forward does nothing at the end."""
     st = sg.stages[stage_id]
     ring = st.devices[::st.tp]
     link = oracle_collective_link(cluster, ring)
     nbytes = sum(sg.graph.ops[i].param_bytes for i in st.op_ids) if param_bytes is None else param_bytes
     if st.shard == "fsdp":
-        return 0.0 if st.reshard_after_forward else 2 * oracle_ring_gather(len(ring), link, nbytes)
+        return 0.0 if st.reshard_after_forward else oracle_ring_gather(len(ring), link, nbytes)
     return oracle_ring_allreduce(len(ring), link, nbytes)
 
 
-def oracle_iteration(sg: StageGraph, schedule, cluster: Cluster, durations=None, syncs=None) -> float:
-    """The iteration's end by :func:`oracle_times` plus each stage's step-end collective: it starts when the
-    stage's last backward work ends on every replica -- its last W when the backward is split (the weight
-    gradients are what it reduces), else its last B -- and lasts ``syncs[stage]`` (default :func:`oracle_sync`)."""
-    times = oracle_times(sg, schedule, cluster, durations)
+def oracle_gather(sg: StageGraph, cluster: Cluster, stage_id: int, param_bytes: float | None = None) -> float:
+    """A stage's collective at the step's start, by definition: FSDP keeping the step's parameters gathered
+    all-gathers one tp rank's share over its replicas once, from time 0; nothing for any other layout."""
+    st = sg.stages[stage_id]
+    if st.shard != "fsdp" or st.reshard_after_forward:
+        return 0.0
+    ring = st.devices[::st.tp]
+    nbytes = sum(sg.graph.ops[i].param_bytes for i in st.op_ids) if param_bytes is None else param_bytes
+    return oracle_ring_gather(len(ring), oracle_collective_link(cluster, ring), nbytes)
+
+
+def oracle_iteration(sg: StageGraph, schedule, cluster: Cluster, durations=None, syncs=None, releases=None) -> float:
+    """The iteration's end by :func:`oracle_times` (with ``releases``) plus each stage's step-end collective: it
+    starts when the stage's last backward work ends on every replica -- its last W when the backward is split
+    (the weight gradients are what it reduces), else its last B -- and lasts ``syncs[stage]`` (default
+    :func:`oracle_sync`)."""
+    times = oracle_times(sg, schedule, cluster, durations, releases)
     end = max(e for _, e in times.values())
     for st in sg.stages:
         if st.num_replicas < 2:
@@ -209,4 +227,4 @@ def make_op_graph_diamond(fwd: float = 1.0, edge_bytes: float = 1e4) -> OpGraph:
 
 __all__ = ["free_cluster", "latency_cluster", "uniform_chain", "one_stage_per_op", "random_stage_graph",
            "linearisations", "oracle_times", "make_op_graph_diamond", "make_op", "oracle_ring_allreduce",
-           "oracle_ring_gather", "oracle_sync", "oracle_iteration"]
+           "oracle_ring_gather", "oracle_sync", "oracle_gather", "oracle_iteration"]

@@ -297,12 +297,56 @@ def test_tp_and_fsdp_spans_by_oracle(layout):
     # by hand: tp 2's replicas (devices 0 and 2) have one device per node, one inter-node lane; whole copies'
     # four devices have two per node, so two lanes cross at twice the inter-node bandwidth
     link = INTER if t == 2 else Link(latency_s=INTER.latency_s, bandwidth_Bps=2 * INTER.bandwidth_Bps)
+    gather0 = 0.0
     if layout.get("shard") == "fsdp":
-        sync0 = 0.0 if layout["reshard_after_forward"] else 2 * oracle_ring_gather(replicas, link, share)
+        sync0 = 0.0 if layout["reshard_after_forward"] else oracle_ring_gather(replicas, link, share)
+        gather0 = 0.0 if layout["reshard_after_forward"] else oracle_ring_gather(replicas, link, share)
     else:
         sync0 = oracle_ring_allreduce(replicas, link, share)
-    expected = oracle_iteration(sg, sched, cl, durations=_hand_durations(sg, cl, t), syncs=[sync0, 0.0])
+    expected = oracle_iteration(sg, sched, cl, durations=_hand_durations(sg, cl, t), syncs=[sync0, 0.0],
+                                releases=[gather0, 0.0])
     assert tl.iteration_time_s == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("params1, gather", [(4e7, 1e-6 + 2e-4), (1e9, 1e-6 + 5e-3)])
+def test_fsdp_step_gather_overlaps_the_fill_by_hand(params1, gather):
+    """An FSDP stage keeping the step's parameters gathered all-gathers them from the step's start: its first F
+    waits for that gather or for its input, whichever comes later, and it reduce-scatters once after its last B.
+    By hand (GPipe, 2 micro-batches of 2 samples, no message delays): stage 0 on one device, F 2 ms and B 4 ms a
+    micro-batch; stage 1 FSDP over 2 replicas of one node, F 1 ms and B 2 ms on its sample; its gather and
+    reduce-scatter each ``latency + P / 2 / bandwidth``. A gather of 0.2 ms hides behind stage 0's first F; one of
+    5 ms delays stage 1, and through its B's stage 0's, so the iteration is 5 ms + 12 ms."""
+    from graphpipe.search.cpsat import solve
+
+    assert oracle_ring_gather(2, INTRA, params1) == pytest.approx(gather, rel=1e-12)
+    cl = cluster(3, per_node=4)
+    g = OpGraph.build("two", [Op("a", "x", Affine(0.0, 1e-3), Affine(0.0, 2e-3), 4e6, 1e6, 0.0),
+                              Op("b", "x", Affine(0.0, 1e-3), Affine(0.0, 2e-3), params1, 1e6, 0.0)], [("a", "b", 0.0)])
+    sg = StageGraph.build(g, [Stage(0, (0,), (0,), 2),
+                              Stage(1, (1,), (1, 2), 2, shard="fsdp", reshard_after_forward=False)], 4, 3, cluster=cl)
+    assert sg.gather_time(1, cl) == pytest.approx(gather, rel=1e-12)
+    assert sg.sync_time(1, cl) == pytest.approx(gather, rel=1e-12)  # one reduce-scatter, the gather's volume
+    sched = make_schedule("gpipe", sg, cl)
+    tl = simulate(sg, sched, cl)
+    first_f1 = min(r.start for r in tl.actions if r.action.stage_id == 1 and r.action.kind == "F")
+    assert first_f1 == pytest.approx(max(gather, 2e-3), rel=1e-12)
+    if gather < 2e-3:   # stage 0's F 2+2, B 4+4 after stage 1's B0 at 7 ms: 15 ms
+        assert tl.iteration_time_s == pytest.approx(15e-3, rel=1e-12)
+    else:               # stage 1 F at g, g+1; B at g+2, g+4; stage 0's B at g+4, g+8, ending g+12
+        assert tl.iteration_time_s == pytest.approx(gather + 12e-3, rel=1e-12)
+    assert tl.iteration_time_s == pytest.approx(oracle_iteration(sg, sched, cl), rel=1e-12)
+    spans = {(a.stage_id, a.collective): (a.start, a.end) for a in tl.allreduces}
+    assert spans[1, "allgather"] == pytest.approx((0.0, gather), rel=1e-12)
+    last_b1 = max(r.end for r in tl.actions if r.action.stage_id == 1 and r.action.kind == "B")
+    assert spans[1, "reducescatter"] == pytest.approx((last_b1, last_b1 + gather), rel=1e-12)
+    res = solve(sg, cl, per_stage_micro_batch=False, time_limit_s=20.0)  # CP-SAT knows the release too
+    assert res.makespan_s == pytest.approx(oracle_iteration(res.stage_graph, res.schedule, cl), rel=1e-12)
+    assert res.solver_makespan_s >= res.makespan_s - res.rounding_slack_s - 1e-12
+    # no schedule beats stage 1's gather, its own 6 ms of work and its reduce-scatter back to back; with the 5 ms
+    # gather CP-SAT's order (B right after each F on stage 1) meets that bound, 4 ms under GPipe's
+    assert res.makespan_s >= 2 * gather + 6e-3 - 1e-12 and res.makespan_s <= tl.iteration_time_s + 1e-12
+    if gather > 2e-3:
+        assert res.makespan_s == pytest.approx(2 * gather + 6e-3, rel=1e-9)
 
 
 def test_cpsat_makespan_includes_the_all_reduce():

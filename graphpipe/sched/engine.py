@@ -114,7 +114,7 @@ def run_engine(sg: StageGraph, device_actions: Sequence[Sequence[Action]],
                fwd_delay: Callable[[int, int], float],
                bwd_delay: Callable[[int, int], float],
                replicas: Sequence[int] | None = None, give_up_after: float | None = None,
-               tails: Sequence[float] | None = None) -> EngineResult:
+               tails: Sequence[float] | None = None, release: Sequence[float] | None = None) -> EngineResult:
     """Evaluate start/end times of every action (see module docstring).
 
     Preconditions (checked by :func:`graphpipe.sched.validate.check_structure`):
@@ -134,6 +134,8 @@ def run_engine(sg: StageGraph, device_actions: Sequence[Sequence[Action]],
     ``tails[d]`` (with ``give_up_after``): seconds the iteration provably
     runs after device ``d``'s last action ends (the backward of that
     micro-batch on the stages before it, :func:`drain_tails`), added to that bound.
+    ``release[s]``: no F of stage ``s`` starts before it (the stage's all-gather
+    at the step's start, :meth:`graphpipe.stages.StageGraph.gather_time`).
 
     The loop runs once per action of every simulation a search scores, so it
     is kept to local names and list indexing: each device runs its actions
@@ -141,7 +143,7 @@ def run_engine(sg: StageGraph, device_actions: Sequence[Sequence[Action]],
     entry's waiting list and resumes when the last replica finishes it.
     """
     num_devices = len(device_actions)
-    tab = _Tables(sg, duration, fwd_delay, bwd_delay, replicas)
+    tab = _Tables(sg, duration, fwd_delay, bwd_delay, replicas, release)
     done, partial, remaining = tab.done, tab.partial, tab.remaining
     # waiting[s][k][mb]: the devices whose next action waits for (s, k, mb), or None
     waiting: list[list[list[list[int] | None]]] = [[[None] * len(per_kind) for per_kind in per_stage]
@@ -172,8 +174,9 @@ def run_engine(sg: StageGraph, device_actions: Sequence[Sequence[Action]],
         d_starts, d_ends = starts[d], ends[d]
         while p < n_acts:
             s, kind, j = acts[p]
-            srcs, k, step, own_done, own_wait, single = table[s][kind]
-            ready = t_free
+            srcs, k, step, own_done, own_wait, single, ready = table[s][kind]
+            if t_free > ready:
+                ready = t_free
             key = None
             if srcs is not None:  # every neighbour has this stage's micro-batch size: dependency j of each
                 for dep_done, delay, s2, k2 in srcs:
@@ -254,7 +257,7 @@ def drain_tails(sg: StageGraph, device_actions: Sequence[Sequence[Action]],
 
 def _kind_table(tab: "_Tables", waiting) -> list[dict[str, tuple]]:
     """Per stage, per kind: ``(sources, completion slot, duration, the slot's done list, its waiting list, one
-    replica)`` for :func:`run_engine`.
+    replica, earliest start)`` for :func:`run_engine` (the earliest start: the stage's release for F, else 0).
 
     ``sources`` lists ``(done list, delay, stage, slot)`` of each dependency when every neighbour of the stage has
     its micro-batch size (dependency ``j`` of micro-batch ``j``), else None (:func:`action_deps` per action).
@@ -268,7 +271,8 @@ def _kind_table(tab: "_Tables", waiting) -> list[dict[str, tuple]]:
         bwd = ((own[0], 0.0, s, 0),) + tuple((tab.done[c][1], tab.bdel[(s, c)], c, 1) for c in tab.succs[s])
         srcs = {"F": fwd, "B": bwd, "I": bwd, "W": ((own[1], 0.0, s, 1),)}
         out.append({kind: (srcs[kind] if same or kind == "W" else None, KIND_INDEX[kind], tab.dur[s][i],
-                           own[KIND_INDEX[kind]], waiting[s][KIND_INDEX[kind]], tab.replicas[s] == 1)
+                           own[KIND_INDEX[kind]], waiting[s][KIND_INDEX[kind]], tab.replicas[s] == 1,
+                           tab.release[s] if kind == "F" else 0.0)
                     for kind, i in _DURATION_INDEX.items()})
     return out
 
@@ -277,7 +281,7 @@ def run_engine_shared(sg: StageGraph, device_actions: Sequence[Sequence[Action]]
                       duration: Callable[[int, str], float],
                       fwd_delay: Callable[[int, int], float],
                       bwd_delay: Callable[[int, int], float],
-                      slowdown: Callable[[int], float]) -> EngineResult:
+                      slowdown: Callable[[int], float], release: Sequence[float] | None = None) -> EngineResult:
     """:func:`run_engine` for devices that share one host's processors.
 
     The dependencies and per-device order are the same; what changes is
@@ -291,7 +295,7 @@ def run_engine_shared(sg: StageGraph, device_actions: Sequence[Sequence[Action]]
     rounding).
     """
     num_devices = len(device_actions)
-    tab = _Tables(sg, duration, fwd_delay, bwd_delay)
+    tab = _Tables(sg, duration, fwd_delay, bwd_delay, release=release)
     pos = [0] * num_devices
     free = [0.0] * num_devices
     starts: list[list[float]] = [[] for _ in range(num_devices)]
@@ -302,9 +306,9 @@ def run_engine_shared(sg: StageGraph, device_actions: Sequence[Sequence[Action]]
 
     def resolve(d: int) -> None:
         """Set ``ready[d]`` when every input of device ``d``'s next action has finished (else note the blocker)."""
-        at = free[d]
-        for s2, k2, mb2, delay in action_deps(device_actions[d][pos[d]], tab.preds, tab.succs, tab.mb_size,
-                                              tab.fdel, tab.bdel):
+        action = device_actions[d][pos[d]]
+        at = max(free[d], tab.release[action.stage_id]) if action.kind == "F" else free[d]
+        for s2, k2, mb2, delay in action_deps(action, tab.preds, tab.succs, tab.mb_size, tab.fdel, tab.bdel):
             end = tab.done[s2][k2][mb2]
             if end is None:
                 blocked_on[d] = (s2, k2, mb2)
@@ -355,8 +359,10 @@ def run_engine_shared(sg: StageGraph, device_actions: Sequence[Sequence[Action]]
 class _Tables:
     """Per-stage inputs and per-(stage, kind, mb) completion state shared by both engines."""
 
-    def __init__(self, sg: StageGraph, duration, fwd_delay, bwd_delay, replicas: Sequence[int] | None = None) -> None:
+    def __init__(self, sg: StageGraph, duration, fwd_delay, bwd_delay, replicas: Sequence[int] | None = None,
+                 release: Sequence[float] | None = None) -> None:
         num_stages = sg.num_stages
+        self.release = list(release) if release is not None else [0.0] * num_stages
         self.preds = [sg.preds(s) for s in range(num_stages)]
         self.succs = [sg.succs(s) for s in range(num_stages)]
         self.mb_size = [st.micro_batch_size for st in sg.stages]

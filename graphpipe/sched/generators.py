@@ -81,7 +81,8 @@ def gpipe_time_bound_s(sg: StageGraph, cluster) -> float | None:
     of different micro-batch sizes).
 
     Each device runs its stage's M forwards in micro-batch order, then its M backwards. So the last
-    forward on a stage ends no earlier than its first forward's start plus M forwards, nor than the last
+    forward on a stage ends no earlier than its first forward's start (after its producers' first forwards and
+    its own all-gather at the step's start, if any) plus M forwards, nor than the last
     forward on each producer plus that edge's delay and one forward (``f_end``); its first backward (of
     micro-batch 0) starts after that, and after the first backward of each consumer plus one backward
     and the delay (``b_start``); its last backward ends M backwards later, and a replicated stage's
@@ -103,10 +104,10 @@ def gpipe_time_bound_s(sg: StageGraph, cluster) -> float | None:
     fwd = [sg.fwd_time(s) for s in range(n)]
     bwd = [sg.bwd_time(s) for s in range(n)]
     delay = {(p, c): edge_delay(sg, cluster, p, c) for p, c in sg.edges}
-    f_start, f_end = [0.0] * n, [0.0] * n   # stage ids are a topological order
+    f_start, f_end = sg.gather_times(cluster), [0.0] * n   # stage ids are a topological order
     for s in range(n):
         preds = sg.preds(s)
-        f_start[s] = max((f_start[p] + fwd[p] + delay[(p, s)] for p in preds), default=0.0)
+        f_start[s] = max([f_start[s]] + [f_start[p] + fwd[p] + delay[(p, s)] for p in preds])
         f_end[s] = max([f_start[s] + m * fwd[s]] + [f_end[p] + delay[(p, s)] + fwd[s] for p in preds])
     b_start, b_end = [0.0] * n, [0.0] * n
     end = 0.0

@@ -35,7 +35,11 @@ Semantics (shared with the CP-SAT model and relied on by the partitioners):
 * after a replicated stage's last ``B`` (latest over replicas) its devices
   all-reduce gradients for ``cluster.allreduce_time(devices, param_bytes)``;
   the all-reduce is communication, it overlaps later compute of other
-  (virtual) stages on the same devices;
+  (virtual) stages on the same devices; an FSDP stage gathered for the step
+  instead all-gathers its parameters from the step's start
+  (:meth:`StageGraph.gather_time`: no F of it starts before that ends, while
+  the pipeline fills) and reduce-scatters its gradients after its last ``B``
+  (:meth:`StageGraph.sync_time`);
 * the iteration ends when every device has finished, all-reduces included;
   throughput = ``batch_size / iteration_time``.
 
@@ -157,13 +161,16 @@ class TransferRecord:
 
 @dataclass(frozen=True, slots=True)
 class AllReduceRecord:
-    """The gradient all-reduce of a replicated stage."""
+    """The gradient all-reduce of a replicated stage, or an FSDP stage's all-gather at the step's start and
+    reduce-scatter after its last backward (``collective``)."""
 
     stage_id: int
     devices: tuple[int, ...]
     start: float
     end: float
     nbytes: float
+    collective: str = "allreduce"
+    """``allreduce``, ``allgather`` or ``reducescatter``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -315,7 +322,8 @@ def _action_times(sg: StageGraph, schedule: Schedule, cluster: Cluster, host: Sh
     check_structure(sg, schedule)
     delays, duration, delay = _engine_inputs(sg, cluster)
     if host is not None:  # a shared host's speed depends on how many devices run at once: every device is simulated
-        result = run_engine_shared(sg, schedule.device_actions, duration, delay, delay, host.slowdown)
+        result = run_engine_shared(sg, schedule.device_actions, duration, delay, delay, host.slowdown,
+                                   sg.gather_times(cluster))
         if result.stuck:
             raise_deadlock(schedule, result.stuck)
         return delays, result.starts, result.ends, result
@@ -326,15 +334,30 @@ def _action_times(sg: StageGraph, schedule: Schedule, cluster: Cluster, host: Sh
     return delays, starts, ends, result
 
 
-def _allreduce_spans(sg: StageGraph, cluster: Cluster, result) -> list[tuple[int, tuple[int, ...], float, float, float]]:
-    """(stage, devices, start, end, bytes) of each replicated stage's gradient all-reduce: it starts when the
-    stage's last backward (B, or W of a split one) ends on every replica."""
+def stage_finish_times(sg: StageGraph, schedule: Schedule, cluster: Cluster) -> list[float]:
+    """Per stage, when its last backward (B, or W of a split one) ends on every replica, dedicated devices: where
+    its step-end collective starts. The engine run of the schedule just simulated is reused (its last answer
+    is kept), so a search asking this of the plan it simulated pays nothing more."""
+    _, duration, delay = _engine_inputs(sg, cluster)
+    _, _, result = _run_lockstep(sg, schedule, cluster, duration, delay)
+    return [max((t for slot in (1, 2) for t in result.stage_end[s][slot] if t == t), default=0.0)  # t == t: not nan
+            for s in range(sg.num_stages)]
+
+
+def _allreduce_spans(sg: StageGraph, cluster: Cluster, result) -> list[tuple]:
+    """(stage, devices, start, end, bytes, collective) of each replicated stage's once-per-step collectives:
+    the gradients' all-reduce (or an FSDP stage's reduce-scatter) starts when the stage's last backward (B, or W
+    of a split one) ends on every replica; an FSDP stage gathered for the step all-gathers from 0."""
     spans = []
     for st in sg.stages:
         if st.num_replicas > 1:
             nbytes = sg.layout_param_bytes(st.id)
+            gather = sg.gather_time(st.id, cluster)
+            if gather > 0:
+                spans.append((st.id, st.devices, 0.0, gather, nbytes, "allgather"))
             start = max(t for slot in (1, 2) for t in result.stage_end[st.id][slot] if t == t)  # t == t: not nan
-            spans.append((st.id, st.devices, start, start + sg.sync_time(st.id, cluster), nbytes))
+            kind = "reducescatter" if st.shard == "fsdp" and not st.reshard_after_forward else "allreduce"
+            spans.append((st.id, st.devices, start, start + sg.sync_time(st.id, cluster), nbytes, kind))
     return spans
 
 
@@ -549,7 +572,7 @@ def _run_lockstep(sg: StageGraph, schedule: Schedule, cluster: Cluster, duration
     reps, rep_index, replicas = classes if classes is not None else _lockstep_classes(sg, schedule)
     acts = [schedule.device_actions[d] for d in reps]
     tails = drain_tails(sg, acts, duration) if give_up_after is not None else None
-    result = run_engine(sg, acts, duration, delay, delay, replicas, give_up_after, tails)
+    result = run_engine(sg, acts, duration, delay, delay, replicas, give_up_after, tails, sg.gather_times(cluster))
     if result.gave_up:
         return reps, rep_index, result
     if result.stuck:

@@ -69,7 +69,7 @@ def trace_document(timeline: Timeline) -> dict[str, Any]:
                                     "dst_devices": list(t.dst_devices)}})
     for ar in timeline.allreduces:
         for d in ar.devices:
-            events.append({"name": f"allreduce s{ar.stage_id}", "cat": "allreduce", "ph": "X", "pid": d,
+            events.append({"name": f"{ar.collective} s{ar.stage_id}", "cat": "allreduce", "ph": "X", "pid": d,
                            "tid": _ALLREDUCE, "ts": ar.start * _US, "dur": (ar.end - ar.start) * _US,
                            "args": {"bytes": ar.nbytes, "devices": list(ar.devices)}})
     return {

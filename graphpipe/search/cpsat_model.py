@@ -173,6 +173,13 @@ class ModelData:
     """All stages must pick the same micro-batch size."""
     split: bool = False
     """Zero bubble: tasks F, I, W instead of F, B (module docstring)."""
+    release: tuple[int, ...] = ()
+    """Per stage: ticks before which none of its F's starts, its all-gather at the step's start
+    (:meth:`graphpipe.stages.StageGraph.gather_time`; empty: none)."""
+
+    def released(self, s: int) -> int:
+        """Stage ``s``'s :attr:`release` (0 when none)."""
+        return self.release[s] if self.release else 0
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -330,6 +337,9 @@ def model_data(sg: StageGraph, cluster: Cluster, candidates: Sequence[Sequence[i
     allreduce_s = [sg.sync_time(s.id, cluster) for s in sg.stages]
     allreduce = tuple(_ticks(t, unit) for t in allreduce_s)
     allreduce_error = max((a * unit - t for a, t in zip(allreduce, allreduce_s)), default=0.0)
+    release_s = sg.gather_times(cluster)
+    release = tuple(_ticks(t, unit) for t in release_s)
+    release_error = max((r * unit - t for r, t in zip(release, release_s)), default=0.0)
     # Horizon: a left-justified schedule idles only while waiting for a
     # transfer, at most once per task, so work + tasks * longest delay + the
     # longest all-reduce bounds its makespan.
@@ -337,14 +347,14 @@ def model_data(sg: StageGraph, cluster: Cluster, candidates: Sequence[Sequence[i
     work = sum(max(batch // b * sum(duration[(s, b, kind)] for kind in kinds) for b in cands[s])
                for s in range(sg.num_stages))
     max_tasks = sum(len(kinds) * batch // min(cands[s]) for s in range(sg.num_stages))
-    horizon = work + max_tasks * max(delay.values(), default=0) + max(allreduce, default=0) + 1
+    horizon = work + max_tasks * max(delay.values(), default=0) + max(allreduce, default=0) + max(release, default=0) + 1
     # Rounding slack: along any path every task appears at most once and each
-    # step into a task crosses at most one transfer, then one all-reduce.
-    slack = sum(task_error) + max_tasks * max(0.0, delay_error) + max(0.0, allreduce_error)
+    # step into a task crosses at most one transfer, then one all-reduce; a path starts at most at one release.
+    slack = sum(task_error) + max_tasks * max(0.0, delay_error) + max(0.0, allreduce_error) + max(0.0, release_error)
     return ModelData(sg=sg, unit_s=unit, slack_s=slack, candidates=cands, duration=duration, delay=delay, act=act,
                      working=working, buffers=buffers,
                      allreduce=allreduce, groups=groups, group_stages=group_stages, mem_unit_bytes=mem_unit, capacity=capacity,
-                     state=state, horizon=horizon, uniform=uniform, split=split)
+                     state=state, horizon=horizon, uniform=uniform, split=split, release=release)
 
 
 def check_memory(data: ModelData, memory_bytes: float) -> None:
@@ -389,7 +399,8 @@ def size_lower_bounds(data: ModelData, candidates: Sequence[Sequence[int]] | Non
     * ``head``: the stage's first F waits for the producer micro-batches it
       covers (``covered_mbs``; a larger consumer size waits for several, run
       one after another on the producer), each producer after its own head,
-      plus the transfer; ``tail``: after the stage's last B, every producer
+      plus the transfer, and its own all-gather at the step's start
+      (:attr:`ModelData.release`); ``tail``: after the stage's last B, every producer
       micro-batch covering the same samples still runs its B, then the
       producer's own tail (at least the stage's all-reduce).
     * ``down``: from the end of a micro-batch's F to the start of its B, the
@@ -433,8 +444,9 @@ def size_lower_bounds(data: ModelData, candidates: Sequence[Sequence[int]] | Non
     for s in range(n_st):  # producers before consumers
         for b in cands[s]:
             last = data.num_mbs(b) - 1
-            head[s, b] = max((min(head[p, bp] + count(bp, b, 0) * dur[p, bp, "F"] + data.delay[p, s, bp]
-                                  for bp in cands[p]) for p in sg.preds(s)), default=0)
+            head[s, b] = max([data.released(s)] + [min(head[p, bp] + count(bp, b, 0) * dur[p, bp, "F"]
+                                                           + data.delay[p, s, bp] for bp in cands[p])
+                                                       for p in sg.preds(s)])
             tail[s, b] = max([data.allreduce[s]] + [
                 min(data.delay[p, s, bp] + count(bp, b, last) * dur[p, bp, grad] + tail[p, bp] for bp in cands[p])
                 for p in sg.preds(s)])
@@ -570,7 +582,9 @@ def _task_variables(data: ModelData, horizon: int) -> _Vars:
             for kind in data.kinds:
                 dur = data.duration[(s, b, kind)]
                 for j in range(data.num_mbs(b)):
-                    v.start[s, b, kind, j] = model.new_int_var(0, max(0, horizon - dur), f"start_{s}{kind}{j}_b{b}")
+                    first = data.released(s) if kind == "F" else 0  # no F before the stage's all-gather
+                    v.start[s, b, kind, j] = model.new_int_var(min(first, max(0, horizon - dur)),
+                                                               max(0, horizon - dur), f"start_{s}{kind}{j}_b{b}")
                     v.interval[s, b, kind, j] = model.new_optional_fixed_size_interval_var(
                         v.start[s, b, kind, j], dur, v.use[s, b], f"task_{s}{kind}{j}_b{b}")
     return v
@@ -723,6 +737,7 @@ def _fill_drain_bound(v: _Vars, makespan) -> None:
     tail = [model.new_int_var(0, horizon, f"tail_{s}") for s in range(sg.num_stages)]
     for s in range(sg.num_stages):
         model.add(tail[s] >= data.allreduce[s])
+        model.add(head[s] >= data.released(s))
         for p in sg.preds(s):
             wait = sum(use[p, b] * data.delay[(p, s, b)] for b in data.candidates[p])
             model.add(head[s] >= head[p] + dur[p, "F"] + wait)
@@ -804,7 +819,8 @@ def replay(data: ModelData, sizes: Sequence[int], schedule: Schedule) -> tuple[d
                 dur, preds = tasks[key]
                 if any(pred not in finish for pred, _ in preds):
                     break
-                t = max([free[gi]] + [finish[pred] + wait for pred, wait in preds])
+                t = max([free[gi], data.released(key[0]) if key[1] == "F" else 0]
+                        + [finish[pred] + wait for pred, wait in preds])
                 starts[key], finish[key] = t, t + dur
                 free[gi] = t + dur
                 position[gi] += 1

@@ -684,17 +684,17 @@ def pipeline_bound_s(sg: StageGraph, cluster: Cluster) -> float:
     """:func:`busy_bound_s` with each stage's fill and drain: no schedule of ``sg`` with whole backward actions
     (B, not I/W) runs an iteration faster on dedicated devices when every device holds one stage.
 
-    A stage's first F waits for an F of each producer, after that producer's own first inputs
-    (``up``); its device then runs every action it has (``busy``); the micro-batch of its last B then
+    A stage's first F waits for an F of each producer, after that producer's own first inputs, and for
+    its own all-gather at the step's start, if any (``up``); its device then runs every action it has (``busy``); the micro-batch of its last B then
     needs a B on each producer, and so on to the sources (``down``), or its all-reduce follows. Delays
     only add. Falls back to :func:`busy_bound_s` when a device holds several stages.
     """
     devices = [d for st in sg.stages for d in st.devices]
     if len(devices) != len(set(devices)):
         return busy_bound_s(sg, cluster)
-    up = [0.0] * sg.num_stages  # stage ids are a topological order
+    up = sg.gather_times(cluster)  # no F before the stage's all-gather at the step's start; ids are topological
     for s in range(sg.num_stages):
-        up[s] = max((up[p] + sg.fwd_time(p) for p in sg.preds(s)), default=0.0)
+        up[s] = max([up[s]] + [up[p] + sg.fwd_time(p) for p in sg.preds(s)])
     down = [0.0] * sg.num_stages
     for s in range(sg.num_stages):
         down[s] = max((sg.bwd_time(p) + down[p] for p in sg.preds(s)), default=0.0)

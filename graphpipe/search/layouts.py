@@ -273,14 +273,16 @@ def efficiency_factors(plan, num_devices: int | None = None) -> dict[str, float]
 
 
 def stage_layouts(stage: Stage, cluster: Cluster, tps: Sequence[int], shards: Sequence[str],
-                  batch_size: int | None = None) -> list[Stage]:
+                  batch_size: int | None = None, shard_round_robin: bool = True) -> list[Stage]:
     """``stage`` under every layout of ``tps`` x ``shards`` its devices allow: tp dividing its device count with
     every tp group inside one node, the micro-batch divisible by the replicas (round-robin replicas take whole
     ones, each group at least one of the ``batch_size // micro_batch_size`` micro-batches), FSDP only over 2 or
-    more replicas that split micro-batches (gathered for the step: ``reshard_after_forward`` false); each tp
+    more replicas (gathered for the step: ``reshard_after_forward`` false, which round-robin replicas, running
+    different micro-batches, can do too: they gather at the step's start and reduce-scatter at its end); each tp
     layout twice for a stage that does not re-materialize, once gathering its column-wise inputs again in
     backward and once keeping them whole (:attr:`Stage.keep_gathered`); a parallel layout re-materializes the
-    whole stage where the stage had checkpoint segments."""
+    whole stage where the stage had checkpoint segments. ``shard_round_robin`` false: a round-robin stage is
+    not offered FSDP."""
     out = []
     turns = None if batch_size is None else batch_size // stage.micro_batch_size
     for tp in tps:
@@ -292,7 +294,7 @@ def stage_layouts(stage: Stage, cluster: Cluster, tps: Sequence[int], shards: Se
         if any(len({cluster.node_of(d) for d in stage.devices[i:i + tp]}) > 1 for i in range(0, n, tp)):
             continue
         for shard in shards:
-            if shard == "fsdp" and (n // tp < 2 or stage.round_robin):
+            if shard == "fsdp" and (n // tp < 2 or (stage.round_robin and not shard_round_robin)):
                 continue
             option = _whole_recompute(replace(stage, tp=tp, shard=shard, reshard_after_forward=shard != "fsdp",
                                               sequence_parallel=tp > 1, keep_gathered=False))
@@ -302,6 +304,57 @@ def stage_layouts(stage: Stage, cluster: Cluster, tps: Sequence[int], shards: Se
     return out
 
 
+def shard_round_robin_stages(sg: StageGraph, cluster: Cluster, in_flight: Sequence[int],
+                             finish: Sequence[float] | None = None) -> StageGraph:
+    """``sg`` with the set of its round-robin stages FSDP-sharded (gathered for the step) that minimizes
+    ``max exposed gather + max over stages (finish + step-end collective)``, ``finish[s]`` being when stage
+    ``s``'s last backward ends in ``sg``'s simulation (:func:`graphpipe.sched.simulator.stage_finish_times`;
+    default 0): a stage gathering its parameters from the step's start delays every stage after it by what the
+    pipeline's fill does not hide of that gather (:func:`_fill_times`), while its step-end collective shrinks
+    from an all-reduce to a reduce-scatter. So one threshold ``D`` on the exposed gather decides: the stages
+    exposing no more than it are sharded, the least ``D + max(finish + collective)`` over the thresholds wins
+    if it beats sharding none; stages whose FSDP layout would not fit the device memory at their
+    ``in_flight`` micro-batches stay whole, and so do stages sharing a device with another stage (the runtime
+    refuses those: a replica's reduce-scatter holds its device until every replica arrives,
+    :func:`graphpipe.runtime.layouts.layout_refusal`)."""
+    fill = _fill_times(sg)
+    holders: dict[int, int] = {}
+    for st in sg.stages:
+        for d in st.devices:
+            holders[d] = holders.get(d, 0) + 1
+    finish = list(finish) if finish is not None else [0.0] * sg.num_stages
+    whole_end = [finish[s] + sg.sync_time(s, cluster) for s in range(sg.num_stages)]
+    options = {}  # stage -> (exposed gather, reduce-scatter, its FSDP variant)
+    for st in sg.stages:
+        if not st.round_robin or st.shard != "none" or st.num_replicas < 2 or any(holders[d] > 1 for d in st.devices):
+            continue
+        variant = replace(st, shard="fsdp", reshard_after_forward=False)
+        trial = replace(sg, stages=tuple(variant if x.id == st.id else x for x in sg.stages), cluster=cluster)
+        if trial.device_memory(st.id, cluster, max(1, int(in_flight[st.id]))) > cluster.memory_bytes:
+            continue
+        options[st.id] = (max(0.0, trial.gather_time(st.id, cluster) - fill[st.id]),
+                          finish[st.id] + trial.sync_time(st.id, cluster), variant)
+    best, best_cost = (), max(whole_end, default=0.0)
+    for threshold in sorted({e for e, _, _ in options.values()}):
+        chosen = tuple(s for s, (e, _, _) in options.items() if e <= threshold)
+        ends = [options[s][1] if s in chosen else whole_end[s] for s in range(sg.num_stages)]
+        cost = threshold + max(ends)
+        if cost < best_cost * (1 - 1e-9):
+            best, best_cost = chosen, cost
+    if not best:
+        return sg
+    return replace(sg, stages=tuple(options[st.id][2] if st.id in best else st for st in sg.stages), cluster=cluster)
+
+
+def _fill_times(sg: StageGraph) -> list[float]:
+    """Per stage, the seconds before its first micro-batch can arrive: the longest path of forwards over the
+    stages before it (message delays left out, so a gather is never thought more hidden than it is)."""
+    fill = [0.0] * sg.num_stages
+    for s in range(sg.num_stages):  # stage ids are a topological order
+        fill[s] = max((fill[p] + sg.fwd_time(p) for p in sg.preds(s)), default=0.0)
+    return fill
+
+
 def _whole_recompute(stage: Stage) -> Stage:
     """``stage`` without checkpoint segments where it is parallel inside itself: it re-materializes whole (the
     runtime runs no segments inside FSDP's or DTensor's wrapper), which the plan's memory check then prices."""
@@ -309,21 +362,26 @@ def _whole_recompute(stage: Stage) -> Stage:
 
 
 def per_stage_layouts(sg: StageGraph, cluster: Cluster, in_flight: Sequence[int], tps: Sequence[int],
-                      shards: Sequence[str]) -> StageGraph:
+                      shards: Sequence[str], shard_round_robin: bool = True) -> StageGraph:
     """Each stage of ``sg`` on its own devices under the layout (:func:`stage_layouts`) that minimizes its
-    busy time in one step, ``M (F + B) + sync``, within the device memory at its ``in_flight`` micro-batches
-    (ties: its current layout). A graph of stages may so give a vision tower's stages tp 1 beside a text
-    decoder's tp 4: each branch's stages pick for their own layers. The planner keeps the result only when the
-    simulation says it is faster."""
+    busy time in one step, ``M (F + B) + sync`` after what of its all-gather at the step's start the pipeline's
+    fill does not hide (FSDP gathered for the step: the first micro-batch reaches a stage after the forwards
+    before it), within the device memory at its ``in_flight`` micro-batches (ties: its current layout). A graph
+    of stages may so give a vision tower's stages tp 1 beside a text decoder's tp 4: each branch's stages pick
+    for their own layers. The planner keeps the result only when the
+    simulation says it is faster. ``shard_round_robin``: :func:`stage_layouts`'s."""
     stages = list(sg.stages)
     for st in sg.stages:
         def busy(trial: StageGraph, stage_id: int = st.id) -> float:
             turns = trial.busiest_replica_micro_batches(stage_id)
-            return turns * (trial.fwd_time(stage_id) + trial.bwd_time(stage_id)) + trial.sync_time(stage_id, cluster)
+            exposed = max(0.0, trial.gather_time(stage_id, cluster) - fill[stage_id])
+            return (exposed + turns * (trial.fwd_time(stage_id) + trial.bwd_time(stage_id))
+                    + trial.sync_time(stage_id, cluster))
 
         current = replace(sg, stages=tuple(stages), cluster=cluster)
+        fill = _fill_times(current)
         best, best_time = stages[st.id], busy(current)
-        for option in stage_layouts(st, cluster, tps, shards, sg.batch_size):
+        for option in stage_layouts(st, cluster, tps, shards, sg.batch_size, shard_round_robin):
             trial = replace(current, stages=tuple(option if s.id == st.id else s for s in stages))
             if trial.device_memory(st.id, cluster, max(1, int(in_flight[st.id]))) > cluster.memory_bytes:
                 continue
@@ -334,4 +392,5 @@ def per_stage_layouts(sg: StageGraph, cluster: Cluster, in_flight: Sequence[int]
     return replace(sg, stages=tuple(stages), cluster=cluster)
 
 
-__all__ += ["work_per_sample", "efficiency", "efficiency_factors", "stage_layouts", "per_stage_layouts"]
+__all__ += ["work_per_sample", "efficiency", "efficiency_factors", "stage_layouts", "per_stage_layouts",
+            "shard_round_robin_stages"]

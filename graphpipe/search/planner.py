@@ -297,8 +297,10 @@ def plan_request(request: PlanRequest) -> Plan:
                 tried.append({**layout.as_dict(), "skipped": f"tp {degrees[-1]} was slower than tp {degrees[-2]}"})
                 continue
         if shard == "auto" and layout.shard == "fsdp" and _roomy(tried, layout.tp, cluster):
-            # sharding with the step's parameters kept gathered costs the same time as whole copies and only
-            # frees memory: skip it where whole copies planned well within memory
+            # sharding with the step's parameters kept gathered moves the volume of whole copies' all-reduce (half
+            # of it at the step's start, while the pipeline fills) and frees memory: where whole copies planned
+            # well within memory, a search cutting the model otherwise is skipped, and the per-stage pass
+            # (_per_stage_layouts) shards the stages of the plan kept where that is faster
             tried.append({**layout.as_dict(), "skipped": "whole copies fit within 90% of device memory"})
             continue
         attempt(layout)
@@ -435,19 +437,37 @@ def _if_faster(request: PlanRequest, plan: Plan, sg: StageGraph, schedule_name: 
 
 def _per_stage_layouts(request: PlanRequest, plan: Plan, tp, shard, search: dict[str, Any]) -> Plan:
     """``plan`` with each stage under its own best layout (:func:`graphpipe.search.layouts.per_stage_layouts`),
-    kept when it simulates faster and fits memory; ``search["per_stage_layouts"]`` says whether it was."""
+    kept when it simulates faster and fits memory; ``search["per_stage_layouts"]`` says whether it was.
+
+    Each stage picks alone, except FSDP on round-robin stages: a stage's all-gather at the step's start, where
+    the fill does not hide it, delays every stage after it, so which of them to shard is one choice for the
+    plan (:func:`graphpipe.search.layouts.shard_round_robin_stages`), made on the per-stage pick and kept
+    when it simulates faster still."""
     from graphpipe.search import layouts
 
     cluster = request.cluster
     tps = [t for t in layouts.TP_CHOICES if t <= cluster.devices_per_node] if tp == "auto" else [tp]
     shards = ["none", "fsdp"] if shard == "auto" else [shard]
     in_flight = plan.predicted.in_flight or [1] * plan.stage_graph.num_stages
-    sg = layouts.per_stage_layouts(plan.stage_graph, cluster, in_flight, tps, shards)
-    if sg.stages == plan.stage_graph.stages:
-        return plan
-    trial, why_not = _if_faster(request, plan, sg, plan.schedule.name)
-    search["per_stage_layouts"] = "kept" if trial is not None else f"not kept: {why_not}"
-    return plan if trial is None else trial
+    best, why_not = plan, ""
+    sg = layouts.per_stage_layouts(plan.stage_graph, cluster, in_flight, tps, shards, shard_round_robin=False)
+    if sg.stages != plan.stage_graph.stages:
+        trial, why_not = _if_faster(request, plan, sg, plan.schedule.name)
+        best = trial or plan
+    if "fsdp" in shards and request.options.host is None and any(st.round_robin for st in best.stage_graph.stages):
+        from graphpipe.sched.simulator import stage_finish_times
+
+        finish = stage_finish_times(best.stage_graph, best.schedule, cluster)
+        in_flight = best.predicted.in_flight or in_flight
+        sg = layouts.shard_round_robin_stages(best.stage_graph, cluster, in_flight, finish)
+        if sg.stages != best.stage_graph.stages:
+            trial, why = _if_faster(request, best, sg, plan.schedule.name)
+            best, why_not = trial or best, why_not or why
+    if best is not plan:
+        search["per_stage_layouts"] = "kept"
+    elif why_not:
+        search["per_stage_layouts"] = f"not kept: {why_not}"
+    return best
 
 
 def _layer_chain(graph: OpGraph) -> bool:
