@@ -298,9 +298,10 @@ def test_the_plan_table_says_which_stages_take_micro_batches_in_turn():
     assert rows[2].endswith("4 x copy, round-robin by 2") and rows[3].endswith("2 x copy")
 
 
-def _rr_chain(counts, params, per_node=8, bandwidth=1e10):
+def _rr_chain(counts, params, per_node=8, bandwidth=1e10, mode="round-robin"):
     """Round-robin stages of one layer each on ``counts`` devices, layer ``i`` holding ``params[i]`` bytes; a
-    cluster whose links are ``bandwidth`` bytes/s with no latency."""
+    cluster whose links are ``bandwidth`` bytes/s with no latency. ``mode="split"``: each stage's replicas
+    split micro-batches of one sample per replica instead."""
     link = Link(latency_s=0.0, bandwidth_Bps=bandwidth)
     n = sum(counts)
     cl = Cluster(name="t", num_devices=n, devices_per_node=per_node,
@@ -309,7 +310,7 @@ def _rr_chain(counts, params, per_node=8, bandwidth=1e10):
     ops = [Op(f"l{i}", "linear", Affine(0.0, F), Affine(0.0, B), p, 0.0, 0.0) for i, p in enumerate(params)]
     g = OpGraph.build("chain", ops, [(f"l{i}", f"l{i + 1}", 0.0) for i in range(len(params) - 1)])
     starts = [sum(counts[:i]) for i in range(len(counts))]
-    stages = [Stage(i, (i,), tuple(range(a, a + c)), 1, replica_mode="round-robin")
+    stages = [Stage(i, (i,), tuple(range(a, a + c)), 1 if mode == "round-robin" else c, replica_mode=mode)
               for i, (a, c) in enumerate(zip(starts, counts))]
     return StageGraph.build(g, stages, 64, n, cluster=cl), cl
 
@@ -333,27 +334,32 @@ def _rr_shard_cost(sg, cl, chosen, finish):
     return exposed + max(ends)
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_round_robin_stages_to_shard_equal_brute_force(seed):
-    """Which round-robin stages to FSDP-shard (gathered for the step): the threshold on the exposed gather that
-    :func:`shard_round_robin_stages` searches gives the least cost over all 2^n subsets, the cost counted here."""
+@pytest.mark.parametrize("mode", ["round-robin", "split"])
+def test_stages_to_shard_equal_brute_force(mode):
+    """Which whole-copy stages (round-robin, or splitting micro-batches of a sample per replica) to FSDP-shard
+    (gathered for the step): the threshold on the exposed gather that :func:`shard_stages` searches gives the
+    least cost over all 2^n subsets, the cost counted here, on 30 random chains of 5 stages; the picks there
+    are none, some and all of the stages."""
     import itertools
     import random
 
-    from graphpipe.search.layouts import shard_round_robin_stages
+    from graphpipe.search.layouts import shard_stages
 
-    rng = random.Random(seed)
-    counts = [rng.choice((2, 4, 8, 16)) for _ in range(5)]
-    sg, cl = _rr_chain(counts, [rng.choice((1e6, 1e7, 3e7, 1e8)) for _ in counts])
-    finish = [rng.uniform(0.0, 0.02) for _ in counts]
-    picked = shard_round_robin_stages(sg, cl, [1] * len(counts), finish)
-    chosen = {st.id for st in picked.stages if st.shard == "fsdp"}
-    assert all(not st.reshard_after_forward and st.round_robin for st in picked.stages if st.shard == "fsdp")
-    brute = min(_rr_shard_cost(sg, cl, set(subset), finish)
-                for k in range(len(counts) + 1) for subset in itertools.combinations(range(len(counts)), k))
-    assert _rr_shard_cost(sg, cl, chosen, finish) == pytest.approx(brute, rel=1e-12, abs=1e-15)
-    if not chosen:   # sharding none is kept only when nothing beats it
-        assert _rr_shard_cost(sg, cl, set(), finish) == pytest.approx(brute, rel=1e-12, abs=1e-15)
+    sizes = set()
+    for seed in range(30):
+        rng = random.Random(seed)
+        counts = [rng.choice((2, 4, 8, 16)) for _ in range(5)]
+        sg, cl = _rr_chain(counts, [rng.choice((1e6, 4e6, 1e7, 2e7, 4e7)) for _ in counts], mode=mode)
+        finish = [rng.uniform(0.0, 0.004) for _ in counts]
+        picked = shard_stages(sg, cl, [1] * len(counts), finish)
+        chosen = {st.id for st in picked.stages if st.shard == "fsdp"}
+        assert all(not st.reshard_after_forward and st.replica_mode == mode for st in picked.stages
+                   if st.shard == "fsdp")
+        brute = min(_rr_shard_cost(sg, cl, set(subset), finish)
+                    for k in range(len(counts) + 1) for subset in itertools.combinations(range(len(counts)), k))
+        assert _rr_shard_cost(sg, cl, chosen, finish) == pytest.approx(brute, rel=1e-12, abs=1e-15), seed
+        sizes.add(len(chosen))
+    assert {0, 5} < sizes
 
 
 def test_round_robin_fsdp_stage_gathers_behind_the_fill_by_oracle():
@@ -365,7 +371,7 @@ def test_round_robin_fsdp_stage_gathers_behind_the_fill_by_oracle():
     simulator, and the step is faster."""
     from test_sched_common import oracle_iteration, oracle_ring_allreduce, oracle_ring_gather
 
-    from graphpipe.search.layouts import shard_round_robin_stages
+    from graphpipe.search.layouts import shard_stages
 
     sg, cl = _rr_chain([8, 8], [1e4, 4e7], per_node=16)
     link = Link(latency_s=0.0, bandwidth_Bps=1e10)
@@ -375,7 +381,7 @@ def test_round_robin_fsdp_stage_gathers_behind_the_fill_by_oracle():
     finish = [max(r.end for r in whole.actions if r.action.stage_id == s) for s in (0, 1)]
     assert finish[0] - finish[1] == pytest.approx(B, rel=1e-9)
     assert whole.iteration_time_s == pytest.approx(finish[1] + allreduce, rel=1e-12)
-    picked = shard_round_robin_stages(sg, cl, [1, 1], finish)
+    picked = shard_stages(sg, cl, [1, 1], finish)
     assert [st.shard for st in picked.stages] == ["fsdp", "fsdp"]
     sched = make_schedule("1f1b", picked, cl)
     tl = simulate(picked, sched, cl)
@@ -387,12 +393,12 @@ def test_round_robin_stages_sharing_devices_are_not_sharded():
     """The runtime refuses a round-robin FSDP stage whose devices run another stage after its last backward
     (a replica's reduce-scatter holds its device until every replica arrives): the pick leaves stages that
     share a device whole, where it shards the same stage on devices of its own."""
-    from graphpipe.search.layouts import shard_round_robin_stages
+    from graphpipe.search.layouts import shard_stages
 
     sg, cl = _rr_chain([8, 8], [1e4, 4e7], per_node=16)
     finish = [0.02, 0.018]
-    assert [st.shard for st in shard_round_robin_stages(sg, cl, [1, 1], finish).stages] == ["fsdp", "fsdp"]
+    assert [st.shard for st in shard_stages(sg, cl, [1, 1], finish).stages] == ["fsdp", "fsdp"]
     shared = StageGraph.build(sg.graph, [replace(sg.stages[0], devices=tuple(range(8))),
                                          replace(sg.stages[1], devices=tuple(range(8)))], 64, 16,
                               allow_shared_devices=True, cluster=cl)
-    assert [st.shard for st in shard_round_robin_stages(shared, cl, [1, 1], finish).stages] == ["none", "none"]
+    assert [st.shard for st in shard_stages(shared, cl, [1, 1], finish).stages] == ["none", "none"]

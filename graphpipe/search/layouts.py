@@ -304,9 +304,10 @@ def stage_layouts(stage: Stage, cluster: Cluster, tps: Sequence[int], shards: Se
     return out
 
 
-def shard_round_robin_stages(sg: StageGraph, cluster: Cluster, in_flight: Sequence[int],
-                             finish: Sequence[float] | None = None) -> StageGraph:
-    """``sg`` with the set of its round-robin stages FSDP-sharded (gathered for the step) that minimizes
+def shard_stages(sg: StageGraph, cluster: Cluster, in_flight: Sequence[int],
+                 finish: Sequence[float] | None = None) -> StageGraph:
+    """``sg`` with the set of its whole-copy stages (split or round-robin replicas, any tp) FSDP-sharded
+    (gathered for the step) that minimizes
     ``max exposed gather + max over stages (finish + step-end collective)``, ``finish[s]`` being when stage
     ``s``'s last backward ends in ``sg``'s simulation (:func:`graphpipe.sched.simulator.stage_finish_times`;
     default 0): a stage gathering its parameters from the step's start delays every stage after it by what the
@@ -326,9 +327,9 @@ def shard_round_robin_stages(sg: StageGraph, cluster: Cluster, in_flight: Sequen
     whole_end = [finish[s] + sg.sync_time(s, cluster) for s in range(sg.num_stages)]
     options = {}  # stage -> (exposed gather, reduce-scatter, its FSDP variant)
     for st in sg.stages:
-        if not st.round_robin or st.shard != "none" or st.num_replicas < 2 or any(holders[d] > 1 for d in st.devices):
+        if st.shard != "none" or st.num_replicas < 2 or any(holders[d] > 1 for d in st.devices):
             continue
-        variant = replace(st, shard="fsdp", reshard_after_forward=False)
+        variant = _whole_recompute(replace(st, shard="fsdp", reshard_after_forward=False))
         trial = replace(sg, stages=tuple(variant if x.id == st.id else x for x in sg.stages), cluster=cluster)
         if trial.device_memory(st.id, cluster, max(1, int(in_flight[st.id]))) > cluster.memory_bytes:
             continue
@@ -393,4 +394,4 @@ def per_stage_layouts(sg: StageGraph, cluster: Cluster, in_flight: Sequence[int]
 
 
 __all__ += ["work_per_sample", "efficiency", "efficiency_factors", "stage_layouts", "per_stage_layouts",
-            "shard_round_robin_stages"]
+            "shard_stages"]

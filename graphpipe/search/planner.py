@@ -439,10 +439,10 @@ def _per_stage_layouts(request: PlanRequest, plan: Plan, tp, shard, search: dict
     """``plan`` with each stage under its own best layout (:func:`graphpipe.search.layouts.per_stage_layouts`),
     kept when it simulates faster and fits memory; ``search["per_stage_layouts"]`` says whether it was.
 
-    Each stage picks alone, except FSDP on round-robin stages: a stage's all-gather at the step's start, where
-    the fill does not hide it, delays every stage after it, so which of them to shard is one choice for the
-    plan (:func:`graphpipe.search.layouts.shard_round_robin_stages`), made on the per-stage pick and kept
-    when it simulates faster still."""
+    Each stage picks its tp alone, and whether to shard its replicas where that saves it time, but a stage's
+    all-gather at the step's start, where the fill does not hide it, delays every stage after it, so which of
+    the stages left whole to shard is then one choice for the plan (:func:`graphpipe.search.layouts.shard_stages`),
+    kept when it simulates faster still. Round-robin stages are only sharded by that choice."""
     from graphpipe.search import layouts
 
     cluster = request.cluster
@@ -454,12 +454,12 @@ def _per_stage_layouts(request: PlanRequest, plan: Plan, tp, shard, search: dict
     if sg.stages != plan.stage_graph.stages:
         trial, why_not = _if_faster(request, plan, sg, plan.schedule.name)
         best = trial or plan
-    if "fsdp" in shards and request.options.host is None and any(st.round_robin for st in best.stage_graph.stages):
+    if "fsdp" in shards and request.options.host is None:
         from graphpipe.sched.simulator import stage_finish_times
 
         finish = stage_finish_times(best.stage_graph, best.schedule, cluster)
         in_flight = best.predicted.in_flight or in_flight
-        sg = layouts.shard_round_robin_stages(best.stage_graph, cluster, in_flight, finish)
+        sg = layouts.shard_stages(best.stage_graph, cluster, in_flight, finish)
         if sg.stages != best.stage_graph.stages:
             trial, why = _if_faster(request, best, sg, plan.schedule.name)
             best, why_not = trial or best, why_not or why
