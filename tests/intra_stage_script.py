@@ -10,7 +10,9 @@ Each plan's results go to ``OUT_DIR/<plan file name>.pt``. Options after a plan,
 (instead of STEPS), ``save=DIR`` (a checkpoint with the optimizer's state after the steps), ``load=DIR`` (one,
 written under any layout or a plain model's seed checkpoint, loaded before them), ``meta=1`` (the model handed to
 the Pipeline is built on the meta device: every weight comes from ``load``), ``precision=bf16`` (autocast; the
-results go to ``<name>_bf16.pt``).
+results go to ``<name>_bf16.pt``), ``resume=DIR`` (step checkpoints, as a job that survives a restart keeps them:
+``Pipeline.resume`` from the newest ``DIR/step-N`` before the steps, which then run from step N to STEPS, only
+those recorded, and ``Pipeline.save(DIR, step=STEPS)`` after them; the results say the step it ``start``-ed from).
 """
 
 import contextlib
@@ -164,7 +166,7 @@ def _count_regathered():
 
 
 def train(plan_path: str, steps: int, out: str, save: str | None, load: str | None, meta: bool = False,
-          precision: str = "fp32") -> None:
+          precision: str = "fp32", resume: str | None = None) -> None:
     made = load_factory(read_plan(plan_path).model)
     # meta: the user's model built on the meta device, its weights only from the checkpoint ``load`` names
     module = copy.deepcopy(made.module).to("meta") if meta else made.module
@@ -174,18 +176,21 @@ def train(plan_path: str, steps: int, out: str, save: str | None, load: str | No
     opt = torch.optim.SGD(list(pipe.parameters()) or [torch.zeros(1, requires_grad=True)], lr=0.1, momentum=0.9)
     if load:
         pipe.load(load, None if idle else opt)
+    start = pipe.resume(resume, None if idle else opt) if resume else 0
     gathered = _watch_gathers(pipe)
     gathers = _GatherLog(pipe)
     losses, norms = [], []
     saved = _SavedBytes()
-    for step in range(steps):
-        with saved if step == 0 else contextlib.nullcontext(), gathers:
+    for step in range(start, steps):
+        with saved if step == start else contextlib.nullcontext(), gathers:
             losses.append(pipe.step(made.example_inputs, made.example_target).item())
         norms.append(float(pipe.clip_grad_norm_(1e9)))  # the global norm: every parameter counted once
         opt.step()
         opt.zero_grad(set_to_none=False)  # the gradients stay allocated: their share is measured below
     if save:
         pipe.save(save, opt)
+    if resume:
+        pipe.save(resume, None if idle else opt, step=steps)
     evaluation = pipe.forward(made.example_inputs)
     params = list(pipe.named_parameters())
     shares = {"params": sum(_local(p).numel() for _, p in params),
@@ -199,7 +204,8 @@ def train(plan_path: str, steps: int, out: str, save: str | None, load: str | No
     dist.gather_object((weights, shares), gathered, dst=0)
     if dist.get_rank() == 0:
         merged = {name: w for part, _ in gathered for name, w in part.items()}
-        torch.save({"losses": losses, "norms": norms, "eval": evaluation, "weights": merged, "shares": [s for _, s in gathered]}, out)
+        torch.save({"start": start, "losses": losses, "norms": norms, "eval": evaluation, "weights": merged,
+                    "shares": [s for _, s in gathered]}, out)
     pipe.close()
 
 
@@ -218,7 +224,8 @@ def main() -> None:
         name = os.path.splitext(os.path.basename(plan))[0]
         out = os.path.join(out_dir, name + ("_" + options["precision"] if "precision" in options else "") + ".pt")
         train(plan, int(options.get("steps", steps)), out, options.get("save"), options.get("load"),
-              meta=options.get("meta") == "1", precision=options.get("precision", "fp32"))
+              meta=options.get("meta") == "1", precision=options.get("precision", "fp32"),
+              resume=options.get("resume"))
     dist.barrier()
     dist.destroy_process_group()
 

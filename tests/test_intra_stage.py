@@ -6,8 +6,10 @@ devices, tp and shard per stage: an FSDP stage, TP stages of a plain MLP (column
 graph) and of a Hugging Face Llama (its base_model_tp_plan, heads split by KV group), a branchy model whose
 branches take different layouts, a chain mixing whole-copy replicas with a TP stage, and a checkpoint written
 under one layout loaded under another; TP stages sequence parallel, whose saved activations shrink by a hand count;
-round-robin stages FSDP-sharded over their replicas (gathered for the step), under B and split-backward schedules.
-A stage gathered for the step is seen to start its one all-gather of the step before its first forward.
+round-robin stages FSDP-sharded over their replicas (gathered for the step), under B and split-backward schedules,
+and one such stage checkpointed after a step and resumed (Pipeline.save(step=), Pipeline.resume), going on as the
+uninterrupted run does. A stage gathered for the step is seen to start its one all-gather of the step before its
+first forward.
 """
 
 from __future__ import annotations
@@ -79,7 +81,8 @@ def check(out: str, factory: str, steps: int) -> dict:
 def test_fsdp_tp_and_mixed_layouts_train_as_one_process(tmp_path):
     """One job of 4 ranks, hand-written plans: TP and FSDP together (2-D) on an MLP and a Llama; FSDP, TP,
     replicas + TP on a chain; TP and FSDP branches; TP for a meta-device model loaded from a plain seed
-    checkpoint."""
+    checkpoint; round-robin FSDP stages, one of them stopped after step 2 and resumed from its step
+    checkpoint (:func:`_check_round_robin_fsdp_resumed`)."""
     plans = [
         # 2-D: the whole MLP tp 2 inside each of 2 FSDP replicas, and the same tp 2 alone on two ranks; a Llama's
         # two decoder layers 2-D (its base_model_tp_plan, a row-wise layer's output all-reduced before the next)
@@ -124,6 +127,14 @@ def test_fsdp_tp_and_mixed_layouts_train_as_one_process(tmp_path):
     dcp.save(models.mlp_chain()[0].state_dict(), checkpoint_id=seed, no_dist=True)
     shutil.copy(plans[4], tmp_path / "tp_meta.json")
     plans.append(f"{tmp_path / 'tp_meta.json'},meta=1,load={seed}")
+    # the round-robin FSDP plan again, in fresh Pipelines: 2 steps saving a step checkpoint, then resumed from it
+    # for the third; and that checkpoint read by the 2-replica layout (rr_fsdp_zb's) for the third step
+    rr_ck = tmp_path / "rr_ck"
+    for name, source in (("rr_first", "rr_fsdp"), ("rr_resumed", "rr_fsdp"), ("rr_zb_loaded", "rr_fsdp_zb")):
+        shutil.copy(tmp_path / f"{source}.json", tmp_path / f"{name}.json")
+    plans += [f"{tmp_path / 'rr_first.json'},steps=2,resume={rr_ck}",
+              f"{tmp_path / 'rr_resumed.json'},resume={rr_ck}",
+              f"{tmp_path / 'rr_zb_loaded.json'},steps=1,load={rr_ck / 'step-2'}"]
     torchrun(str(3), str(tmp_path), *plans, ranks=4, script=SCRIPT)
     check(str(tmp_path / "tp_meta.pt"), "mlp_chain", 3)
     fsdp = check(str(tmp_path / "fsdp.pt"), "mlp_chain", 3)
@@ -167,6 +178,7 @@ def test_fsdp_tp_and_mixed_layouts_train_as_one_process(tmp_path):
     assert [(s["early_gathers"], s["gathers"]) for s in step["shares"][1:3]] == [([1] * 3, [1] * 3)] * 2
     assert [s["early_gathers"] for s in fsdp["shares"][1:3]] == [[0] * 3] * 2
     _check_round_robin_fsdp(tmp_path, model)
+    _check_round_robin_fsdp_resumed(tmp_path)
 
 
 def _check_round_robin_fsdp(tmp_path, model) -> None:
@@ -192,6 +204,56 @@ def _check_round_robin_fsdp(tmp_path, model) -> None:
             most = sum(-(-p.shape[0] // n) * (p.numel() // p.shape[0]) for k, p in named.items()
                        if not k.startswith(prefixes))
             assert sum(s["params"] for s in shares) == stage and max(s["params"] for s in shares) <= most, name
+
+
+def _check_round_robin_fsdp_resumed(tmp_path) -> None:
+    """``rr_fsdp``'s round-robin FSDP stage (3 replicas taking micro-batches in turn, each holding its rows of the
+    stage: 11, 11 and 10 of a 32-row weight, 1 of the head's 3), stopped after step 2 and resumed: a step
+    checkpoint (Pipeline.save(step=2): each replica writes its shards and their momentum) read by a fresh
+    Pipeline's resume, each replica taking its own rows back, ends step 3 with the uninterrupted run's loss, norm,
+    weights and evaluation, and one process's; the checkpoint holds one process's weights after 2 steps, and
+    read by the 2-replica layout (shards cut in 2) it trains on the same.
+
+    What those comparisons catch, by the oracle: a resume that restored nothing would start from step 0's
+    weights; one that lost the momentum, or gave two replicas each other's rows, takes another step 3."""
+    from graphpipe.runtime.checkpoint import load_into_module
+
+    straight = torch.load(str(tmp_path / "rr_fsdp.pt"), weights_only=False)
+    first, resumed, loaded = (torch.load(str(tmp_path / f"{k}.pt"), weights_only=False)
+                              for k in ("rr_first", "rr_resumed", "rr_zb_loaded"))
+    losses, weights, evaluation, norms = oracle("mlp_chain", 3)
+    assert (first["start"], len(first["losses"]), resumed["start"], len(resumed["losses"])) == (0, 2, 2, 1)
+    torch.testing.assert_close(torch.tensor(first["losses"]), torch.tensor(straight["losses"][:2]))
+    for got in (resumed, loaded):
+        for want in (straight, {"losses": losses, "norms": norms, "eval": evaluation, "weights": weights}):
+            torch.testing.assert_close(got["losses"][0], want["losses"][2])
+            torch.testing.assert_close(got["norms"][0], want["norms"][2])
+            torch.testing.assert_close(got["eval"], want["eval"])
+            assert set(got["weights"]) == set(want["weights"])
+            for name, w in want["weights"].items():
+                torch.testing.assert_close(got["weights"][name], w, msg=name)
+    # the step-2 checkpoint, read whole by one process: one process's weights after 2 steps
+    saved = models.MLPChain()
+    load_into_module(saved, tmp_path / "rr_ck" / "step-2")
+    at_two = {n: p.detach() for n, p in saved.named_parameters()}
+    for name, w in oracle("mlp_chain", 2)[1].items():
+        torch.testing.assert_close(at_two[name], w, msg=name)
+    # the controls: each failure the comparisons above would see
+    with pytest.raises(AssertionError):  # nothing restored: step 0's weights
+        torch.testing.assert_close(losses[0], losses[2])
+    fresh = oracle("mlp_chain", 1, start=at_two)[1]  # the weights without their momentum
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(fresh, weights)
+    swapped = {n: _swap_shards(w) if not n.startswith("stem") else w for n, w in at_two.items()}
+    with pytest.raises(AssertionError):  # ranks 1 and 2, its first two replicas, holding each other's rows
+        torch.testing.assert_close(oracle("mlp_chain", 1, start=swapped)[0][0], losses[2])
+
+
+def _swap_shards(w: torch.Tensor, replicas: int = 3) -> torch.Tensor:
+    """``w`` with the first two of FSDP's ``replicas`` dim-0 shards (``ceil(rows / replicas)`` rows each)
+    swapped: what a rank reading another replica's rows back would hold."""
+    rows = -(-w.shape[0] // replicas)
+    return torch.cat([w[rows:2 * rows], w[:rows], w[2 * rows:]])
 
 
 def test_llama_tp_and_a_checkpoint_across_layouts(tmp_path):
