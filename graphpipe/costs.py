@@ -727,7 +727,8 @@ def fsdp_micro_batch_s(param_bytes, num_replicas, reshard_after_forward, latency
 
     ``reshard_after_forward`` (ZeRO-3): the stage's parameters (``param_bytes``, one tp rank's share) are
     all-gathered before every forward, again before every backward, and the gradients reduce-scattered after
-    it; without it they are gathered once per step and kept (:func:`fsdp_step_s`), nothing per micro-batch.
+    it; without it they are gathered once per step and kept (:func:`step_gather_s`, :func:`sync_s`), nothing per
+    micro-batch.
 
     >>> fsdp_micro_batch_s(8.0, 4, True, 0.0, 1.0), fsdp_micro_batch_s(8.0, 4, False, 0.0, 1.0)
     ((6.0, 12.0), (0.0, 0.0))

@@ -349,6 +349,47 @@ def test_fsdp_step_gather_overlaps_the_fill_by_hand(params1, gather):
         assert res.makespan_s == pytest.approx(2 * gather + 6e-3, rel=1e-9)
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_bounds_stay_below_the_simulation_with_fsdp_gathers(seed):
+    """Every lower bound a search prunes with stays at most the simulated iteration when stages gather their
+    parameters at the step's start (FSDP gathered for the step, some gathers hidden by the fill and some not):
+    gpp's busy and pipeline bounds, fill-drain's bound, and CP-SAT's per-size bounds against its own replay of
+    the schedule (which also equals the simulation within its rounding slack)."""
+    import random
+
+    from graphpipe.sched.generators import gpipe_time_bound_s
+    from graphpipe.search.cpsat_model import model_data, replay, size_lower_bounds
+    from graphpipe.search.gpp import busy_bound_s, pipeline_bound_s
+
+    rng = random.Random(seed)
+    for _ in range(8):
+        n = rng.randint(2, 4)
+        cl = cluster(sum(4 for _ in range(n)), per_node=4)
+        ops = [Op(f"o{i}", "x", Affine(1e-5, rng.choice((1e-4, 1e-3))), Affine(2e-5, rng.choice((2e-4, 2e-3))),
+                  rng.choice((1e6, 1e8, 1e9)), 1e5, 1e4) for i in range(n)]
+        g = OpGraph.build("c", ops, [(f"o{i}", f"o{i + 1}", 1e4) for i in range(n - 1)])
+        stages = []
+        for i in range(n):
+            r = rng.choice((2, 4))
+            layout = dict(shard="fsdp", reshard_after_forward=False) if rng.random() < 0.6 else {}
+            stages.append(Stage(i, (i,), tuple(range(4 * i, 4 * i + r)), 4, **layout))
+        sg = StageGraph.build(g, stages, 16, 4 * n, cluster=cl)
+        assert any(sg.gather_time(s, cl) > 0 for s in range(n)) or not any(st.shard == "fsdp" for st in sg.stages)
+        times = {name: simulate(sg, make_schedule(name, sg, cl), cl).iteration_time_s
+                 for name in ("gpipe", "1f1b", "zb-h1")}
+        for name, t in times.items():
+            assert busy_bound_s(sg, cl) <= t * (1 + 1e-9), name
+            assert t == pytest.approx(oracle_iteration(sg, make_schedule(name, sg, cl), cl), rel=1e-9), name
+        assert pipeline_bound_s(sg, cl) <= min(times["gpipe"], times["1f1b"]) * (1 + 1e-9)
+        assert gpipe_time_bound_s(sg, cl) <= times["gpipe"] * (1 + 1e-9)
+        data = model_data(sg, cl, [(4,)] * n, reference_s=times["gpipe"])
+        bounds = size_lower_bounds(data)
+        for name in ("gpipe", "1f1b"):
+            _, makespan = replay(data, [4] * n, make_schedule(name, sg, cl))
+            assert max(bounds[s, 4] for s in range(n)) <= makespan
+            assert -1e-12 <= makespan * data.unit_s - times[name] <= data.slack_s + 1e-12
+
+
 def test_cpsat_makespan_includes_the_all_reduce():
     """CP-SAT's claimed makespan counts a replicated stage's all-reduce (it ends this iteration) and is the true end
     of its schedule, by the oracle. Two chains: stage 0 replicated, waiting for a 10x slower stage 1; and stage 1

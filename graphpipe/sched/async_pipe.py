@@ -343,8 +343,10 @@ def async_figures(sg: StageGraph, cluster: Cluster, spec: AsyncSpec, host=None) 
     # enough mini-batches for whole update groups: a multiple of m / gcd(m, M), at least the longer stream
     unit = spec.update_every // math.gcd(spec.update_every, sg.num_micro_batches(0))
     table = version_table(sg, spec, unit * -(-STEADY_WINDOWS[1] // unit))
+    # per update a stage's gradients are reduced (and an FSDP stage gathered for the step gathers its
+    # parameters again: the release it has once per stream cancels in the difference above)
     allreduce_s = max((sg.num_micro_batches(0) / table.group_size[st.id]
-                       * sg.sync_time(st.id, cluster)
+                       * (sg.sync_time(st.id, cluster) + sg.gather_time(st.id, cluster))
                        for st in sg.stages if st.num_replicas > 1), default=0.0)  # per iteration
     iteration_s = pipeline_s + allreduce_s
     stash = [0.0] * sg.num_devices

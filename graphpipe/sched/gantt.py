@@ -104,7 +104,9 @@ def _legend(fig, timeline: Timeline) -> None:
     if any(timeline.recompute_s):
         handles.append(Patch(facecolor="none", edgecolor=_F_SHADES[0], hatch="///", label="re-run forward (recompute)"))
     if timeline.allreduces:
-        handles.append(Patch(color=_ALLREDUCE, label="gradient all-reduce"))
+        kinds = {ar.collective for ar in timeline.allreduces}
+        label = "gradient all-reduce" if kinds == {"allreduce"} else "gradient all-reduce / FSDP gather, reduce-scatter"
+        handles.append(Patch(color=_ALLREDUCE, label=label))
     fig.legend(handles=handles, loc="upper right", ncol=len(handles), fontsize=8, frameon=False)
 
 

@@ -27,8 +27,10 @@ simulator's semantics (docs/design.md#schedules-and-the-simulator, the shared "s
   pair of events: on twobranch at 8 devices, batch 128, all candidate
   sizes, 128k booleans and 280k clauses whose presolve alone outlasts a 30 s
   limit, while the cumulative needs no expansion.
-* A replicated stage all-reduces its gradients after its last B; the
-  iteration ends when every device is done.
+* A replicated stage all-reduces its gradients after its last B (an FSDP
+  stage gathered for the step reduce-scatters, having all-gathered its
+  parameters from time 0: none of its F's starts before that,
+  :attr:`ModelData.release`); the iteration ends when every device is done.
 * Split backward (zero bubble, ``split=True`` in :func:`model_data`): each B
   becomes two tasks, I (input gradients: B's dependencies, and what the
   producer's I waits for) and W (weight gradients, after its I on the same
@@ -381,8 +383,8 @@ def rounding_slack(data: ModelData) -> float:
 
     For a fixed order the makespan is a longest path; rounding changes a
     path by the rounding of the tasks on it (at most all tasks of the chosen
-    sizes), of the transfers into them (at most one per task) and of one
-    all-reduce. So ``solver makespan - simulated makespan`` of the solver's
+    sizes), of the transfers into them (at most one per task), of one
+    all-reduce and of one stage's release. So ``solver makespan - simulated makespan`` of the solver's
     order lies in ``[0, slack]`` and ``exact optimum >= bound - slack``.
     """
     return data.slack_s

@@ -278,7 +278,8 @@ def stage_layouts(stage: Stage, cluster: Cluster, tps: Sequence[int], shards: Se
     every tp group inside one node, the micro-batch divisible by the replicas (round-robin replicas take whole
     ones, each group at least one of the ``batch_size // micro_batch_size`` micro-batches), FSDP only over 2 or
     more replicas (gathered for the step: ``reshard_after_forward`` false, which round-robin replicas, running
-    different micro-batches, can do too: they gather at the step's start and reduce-scatter at its end); each tp
+    different micro-batches, can do too: they gather at the step's start and each reduce-scatters after its
+    own last backward); each tp
     layout twice for a stage that does not re-materialize, once gathering its column-wise inputs again in
     backward and once keeping them whole (:attr:`Stage.keep_gathered`); a parallel layout re-materializes the
     whole stage where the stage had checkpoint segments. ``shard_round_robin`` false: a round-robin stage is
@@ -315,8 +316,8 @@ def shard_stages(sg: StageGraph, cluster: Cluster, in_flight: Sequence[int],
     from an all-reduce to a reduce-scatter. So one threshold ``D`` on the exposed gather decides: the stages
     exposing no more than it are sharded, the least ``D + max(finish + collective)`` over the thresholds wins
     if it beats sharding none; stages whose FSDP layout would not fit the device memory at their
-    ``in_flight`` micro-batches stay whole, and so do stages sharing a device with another stage (the runtime
-    refuses those: a replica's reduce-scatter holds its device until every replica arrives,
+    ``in_flight`` micro-batches stay whole, and so do round-robin stages sharing a device with another stage
+    (the runtime refuses those: a replica's reduce-scatter holds its device until every replica arrives,
     :func:`graphpipe.runtime.layouts.layout_refusal`)."""
     fill = _fill_times(sg)
     holders: dict[int, int] = {}
@@ -327,7 +328,7 @@ def shard_stages(sg: StageGraph, cluster: Cluster, in_flight: Sequence[int],
     whole_end = [finish[s] + sg.sync_time(s, cluster) for s in range(sg.num_stages)]
     options = {}  # stage -> (exposed gather, reduce-scatter, its FSDP variant)
     for st in sg.stages:
-        if st.shard != "none" or st.num_replicas < 2 or any(holders[d] > 1 for d in st.devices):
+        if st.shard != "none" or st.num_replicas < 2 or (st.round_robin and any(holders[d] > 1 for d in st.devices)):
             continue
         variant = _whole_recompute(replace(st, shard="fsdp", reshard_after_forward=False))
         trial = replace(sg, stages=tuple(variant if x.id == st.id else x for x in sg.stages), cluster=cluster)
@@ -365,9 +366,11 @@ def _whole_recompute(stage: Stage) -> Stage:
 def per_stage_layouts(sg: StageGraph, cluster: Cluster, in_flight: Sequence[int], tps: Sequence[int],
                       shards: Sequence[str], shard_round_robin: bool = True) -> StageGraph:
     """Each stage of ``sg`` on its own devices under the layout (:func:`stage_layouts`) that minimizes its
-    busy time in one step, ``M (F + B) + sync`` after what of its all-gather at the step's start the pipeline's
-    fill does not hide (FSDP gathered for the step: the first micro-batch reaches a stage after the forwards
-    before it), within the device memory at its ``in_flight`` micro-batches (ties: its current layout). A graph
+    busy time in one step, ``M (F + B)`` plus its step's collectives (FSDP gathered for the step: the gather
+    at its start and the reduce-scatter at its end, an all-reduce's volume, so sharding ties with whole copies
+    here), within the device memory at its ``in_flight`` micro-batches (ties: its current layout). What of a
+    gather the fill hides, and what an exposed one costs every stage after it, is a choice for the whole plan
+    (:func:`shard_stages`), not one stage's. A graph
     of stages may so give a vision tower's stages tp 1 beside a text decoder's tp 4: each branch's stages pick
     for their own layers. The planner keeps the result only when the
     simulation says it is faster. ``shard_round_robin``: :func:`stage_layouts`'s."""
@@ -375,12 +378,10 @@ def per_stage_layouts(sg: StageGraph, cluster: Cluster, in_flight: Sequence[int]
     for st in sg.stages:
         def busy(trial: StageGraph, stage_id: int = st.id) -> float:
             turns = trial.busiest_replica_micro_batches(stage_id)
-            exposed = max(0.0, trial.gather_time(stage_id, cluster) - fill[stage_id])
-            return (exposed + turns * (trial.fwd_time(stage_id) + trial.bwd_time(stage_id))
-                    + trial.sync_time(stage_id, cluster))
+            return (turns * (trial.fwd_time(stage_id) + trial.bwd_time(stage_id))
+                    + trial.gather_time(stage_id, cluster) + trial.sync_time(stage_id, cluster))
 
         current = replace(sg, stages=tuple(stages), cluster=cluster)
-        fill = _fill_times(current)
         best, best_time = stages[st.id], busy(current)
         for option in stage_layouts(st, cluster, tps, shards, sg.batch_size, shard_round_robin):
             trial = replace(current, stages=tuple(option if s.id == st.id else s for s in stages))

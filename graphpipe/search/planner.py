@@ -299,8 +299,9 @@ def plan_request(request: PlanRequest) -> Plan:
         if shard == "auto" and layout.shard == "fsdp" and _roomy(tried, layout.tp, cluster):
             # sharding with the step's parameters kept gathered moves the volume of whole copies' all-reduce (half
             # of it at the step's start, while the pipeline fills) and frees memory: where whole copies planned
-            # well within memory, a search cutting the model otherwise is skipped, and the per-stage pass
-            # (_per_stage_layouts) shards the stages of the plan kept where that is faster
+            # well within memory, a search cutting the model otherwise is skipped; gpp's per-stage pass
+            # (_per_stage_layouts) then shards the stages of the plan kept where that is faster, the baselines
+            # keep whole copies there
             tried.append({**layout.as_dict(), "skipped": "whole copies fit within 90% of device memory"})
             continue
         attempt(layout)
@@ -439,10 +440,10 @@ def _per_stage_layouts(request: PlanRequest, plan: Plan, tp, shard, search: dict
     """``plan`` with each stage under its own best layout (:func:`graphpipe.search.layouts.per_stage_layouts`),
     kept when it simulates faster and fits memory; ``search["per_stage_layouts"]`` says whether it was.
 
-    Each stage picks its tp alone, and whether to shard its replicas where that saves it time, but a stage's
-    all-gather at the step's start, where the fill does not hide it, delays every stage after it, so which of
-    the stages left whole to shard is then one choice for the plan (:func:`graphpipe.search.layouts.shard_stages`),
-    kept when it simulates faster still. Round-robin stages are only sharded by that choice."""
+    Each stage picks its tp alone (and a sharded layout where its memory needs one), but a stage's all-gather
+    at the step's start, where the fill does not hide it, delays every stage after it, so which of the stages
+    left whole to shard is then one choice for the plan (:func:`graphpipe.search.layouts.shard_stages`), kept
+    when it simulates faster still."""
     from graphpipe.search import layouts
 
     cluster = request.cluster
