@@ -340,8 +340,13 @@ def stage_finish_times(sg: StageGraph, schedule: Schedule, cluster: Cluster) -> 
     is kept), so a search asking this of the plan it simulated pays nothing more."""
     _, duration, delay = _engine_inputs(sg, cluster)
     _, _, result = _run_lockstep(sg, schedule, cluster, duration, delay)
-    return [max((t for slot in (1, 2) for t in result.stage_end[s][slot] if t == t), default=0.0)  # t == t: not nan
-            for s in range(sg.num_stages)]
+    return [_last_backward_end(result, s) for s in range(sg.num_stages)]
+
+
+def _last_backward_end(result, stage_id: int) -> float:
+    """When stage ``stage_id``'s last backward (B, or W of a split one) ends on every replica, in the engine's
+    ``result``: where its step-end collective starts."""
+    return max((t for slot in (1, 2) for t in result.stage_end[stage_id][slot] if t == t), default=0.0)  # not nan
 
 
 def _allreduce_spans(sg: StageGraph, cluster: Cluster, result) -> list[tuple]:
@@ -355,7 +360,7 @@ def _allreduce_spans(sg: StageGraph, cluster: Cluster, result) -> list[tuple]:
             gather = sg.gather_time(st.id, cluster)
             if gather > 0:
                 spans.append((st.id, st.devices, 0.0, gather, nbytes, "allgather"))
-            start = max(t for slot in (1, 2) for t in result.stage_end[st.id][slot] if t == t)  # t == t: not nan
+            start = _last_backward_end(result, st.id)
             kind = "reducescatter" if st.shard == "fsdp" and not st.reshard_after_forward else "allreduce"
             spans.append((st.id, st.devices, start, start + sg.sync_time(st.id, cluster), nbytes, kind))
     return spans
@@ -664,8 +669,7 @@ def score(sg: StageGraph, schedule: Schedule, cluster: Cluster, memory_limit: fl
     end = max((e[-1] for e in result.ends if e), default=0.0)
     for st in sg.stages:
         if st.num_replicas > 1:
-            start = max(t for slot in (1, 2) for t in result.stage_end[st.id][slot] if t == t)  # t == t: not nan
-            end = max(end, start + sg.sync_time(st.id, cluster))
+            end = max(end, _last_backward_end(result, st.id) + sg.sync_time(st.id, cluster))
     if peak is None:
         by_device: list[list[tuple[Action, float, float]]] = [[] for _ in range(sg.num_devices)]
         for i, d in enumerate(reps):

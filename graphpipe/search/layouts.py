@@ -326,7 +326,7 @@ def shard_stages(sg: StageGraph, cluster: Cluster, in_flight: Sequence[int],
             holders[d] = holders.get(d, 0) + 1
     finish = list(finish) if finish is not None else [0.0] * sg.num_stages
     whole_end = [finish[s] + sg.sync_time(s, cluster) for s in range(sg.num_stages)]
-    options = {}  # stage -> (exposed gather, reduce-scatter, its FSDP variant)
+    options = {}  # stage -> (exposed gather, its end sharded: finish + reduce-scatter, its FSDP variant)
     for st in sg.stages:
         if st.shard != "none" or st.num_replicas < 2 or (st.round_robin and any(holders[d] > 1 for d in st.devices)):
             continue
