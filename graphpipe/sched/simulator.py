@@ -144,7 +144,9 @@ class TransferRecord:
     """One message along a stage edge: activations (``fwd``, src=producer) or gradients (``bwd``, src=consumer).
 
     ``src_mbs`` are the sender's micro-batch ids in the message, ``dst_mbs``
-    the receiver's micro-batches that need it.
+    the receiver's micro-batches that need it; ``src_devices``/``dst_devices`` the devices that send and receive
+    it: all of a stage whose replicas split each micro-batch, the group a round-robin stage gave those
+    micro-batches.
     """
 
     src_stage: int
@@ -240,6 +242,17 @@ def _engine_inputs(sg: StageGraph, cluster: Cluster):
     return delays, (lambda s, k: times[k][s]), (lambda p, c: delays[(p, c)])
 
 
+def _runs_on(stage, mb_ids: tuple[int, ...]) -> tuple[int, ...]:
+    """The devices of ``stage`` that run micro-batches ``mb_ids``: every device for a stage whose replicas split each
+    micro-batch, the micro-batches' own groups for a round-robin one (a message leaves or reaches those only)."""
+    if not stage.round_robin:
+        return stage.devices
+    out: dict[int, None] = {}
+    for i in mb_ids:
+        out.update(dict.fromkeys(stage.replica_of(i)))
+    return tuple(out)
+
+
 def simulate(sg: StageGraph, schedule: Schedule, cluster: Cluster, host: SharedHost | None = None) -> Timeline:
     """Simulate one iteration of ``schedule`` on ``sg`` and ``cluster`` (semantics in the module docstring).
 
@@ -258,10 +271,10 @@ def simulate(sg: StageGraph, schedule: Schedule, cluster: Cluster, host: SharedH
     transfers = []
     for p, c in sg.edges:
         nbytes = sg.edge_bytes(p, c) * sg.stages[p].micro_batch_size
-        src_dev, dst_dev = sg.stages[p].devices, sg.stages[c].devices
         f_end, b_end = result.stage_end[p][0], result.stage_end[c][1]
         for i in range(sg.num_micro_batches(p)):
             users = tuple(covering_consumer_mbs(sg, p, c, i))
+            src_dev, dst_dev = _runs_on(sg.stages[p], (i,)), _runs_on(sg.stages[c], users)
             start = f_end[i]
             transfers.append(TransferRecord(p, c, (i,), users, src_dev, dst_dev, start, start + delays[(p, c)],
                                             nbytes, "fwd"))

@@ -19,13 +19,14 @@ Example
 
 from __future__ import annotations
 
-from typing import Any
+import json
+from typing import Any, Iterator
 
-from graphpipe.graph import write_json_atomic
+from graphpipe.files import write_atomic
 
 from graphpipe.sched.simulator import Timeline
 
-__all__ = ["trace_document", "write_trace"]
+__all__ = ["trace_events", "trace_document", "write_trace"]
 
 _COMPUTE, _SEND, _ALLREDUCE = 0, 1, 2
 _THREADS = {_COMPUTE: "compute", _SEND: "send", _ALLREDUCE: "all-reduce"}
@@ -38,49 +39,65 @@ def _mbs(ids: tuple[int, ...]) -> str:
     return str(ids[0]) if len(ids) == 1 else f"{ids[0]}-{ids[-1]}"
 
 
-def trace_document(timeline: Timeline) -> dict[str, Any]:
-    """The trace as a JSON-ready dict (``{"traceEvents": [...], ...}``)."""
-    events: list[dict[str, Any]] = []
+def trace_events(timeline: Timeline) -> Iterator[dict[str, Any]]:
+    """The trace's events one at a time (metadata rows, then compute, messages and collectives)."""
     for d in range(timeline.num_devices):
-        events.append({"name": "process_name", "ph": "M", "pid": d, "tid": 0, "args": {"name": f"device {d}"}})
-        events.append({"name": "process_sort_index", "ph": "M", "pid": d, "tid": 0, "args": {"sort_index": d}})
+        yield {"name": "process_name", "ph": "M", "pid": d, "tid": 0, "args": {"name": f"device {d}"}}
+        yield {"name": "process_sort_index", "ph": "M", "pid": d, "tid": 0, "args": {"sort_index": d}}
         for tid, label in _THREADS.items():
-            events.append({"name": "thread_name", "ph": "M", "pid": d, "tid": tid, "args": {"name": label}})
+            yield {"name": "thread_name", "ph": "M", "pid": d, "tid": tid, "args": {"name": label}}
     for r in timeline.actions:
         a = r.action
-        events.append({"name": f"{a.kind} s{a.stage_id} mb{a.mb_id}", "cat": a.kind, "ph": "X", "pid": r.device,
-                       "tid": _COMPUTE, "ts": r.start * _US, "dur": (r.end - r.start) * _US,
-                       "args": {"stage": a.stage_id, "mb": a.mb_id, "action": str(a)}})
+        event = {"name": f"{a.kind} s{a.stage_id} mb{a.mb_id}", "cat": a.kind, "ph": "X", "pid": r.device,
+                 "tid": _COMPUTE, "ts": r.start * _US, "dur": (r.end - r.start) * _US,
+                 "args": {"stage": a.stage_id, "mb": a.mb_id, "action": str(a)}}
         if a.kind in _SPLIT_COLOURS:
-            events[-1]["cname"] = _SPLIT_COLOURS[a.kind]
+            event["cname"] = _SPLIT_COLOURS[a.kind]
+        yield event
         redo = timeline.recompute_s[a.stage_id] if a.kind in ("B", "I") and timeline.recompute_s else 0.0
         if redo > 0:  # re-materialization: the forward re-run at the start of B, nested inside it
-            events.append({"name": f"recompute s{a.stage_id} mb{a.mb_id}", "cat": "recompute", "ph": "X",
-                           "pid": r.device, "tid": _COMPUTE, "ts": r.start * _US,
-                           "dur": min(redo, r.end - r.start) * _US, "args": {"stage": a.stage_id, "mb": a.mb_id}})
+            yield {"name": f"recompute s{a.stage_id} mb{a.mb_id}", "cat": "recompute", "ph": "X",
+                   "pid": r.device, "tid": _COMPUTE, "ts": r.start * _US,
+                   "dur": min(redo, r.end - r.start) * _US, "args": {"stage": a.stage_id, "mb": a.mb_id}}
     for t in timeline.transfers:
         if t.end <= t.start:
             continue  # free messages (same device set or zero bytes) would only clutter the view
         for d in t.src_devices:
-            events.append({"name": f"{t.direction} s{t.src_stage}->s{t.dst_stage} mb{_mbs(t.src_mbs)}",
-                           "cat": f"transfer-{t.direction}", "ph": "X", "pid": d, "tid": _SEND,
-                           "ts": t.start * _US, "dur": (t.end - t.start) * _US,
-                           "args": {"bytes": t.nbytes, "src_mbs": list(t.src_mbs), "dst_mbs": list(t.dst_mbs),
-                                    "dst_devices": list(t.dst_devices)}})
+            yield {"name": f"{t.direction} s{t.src_stage}->s{t.dst_stage} mb{_mbs(t.src_mbs)}",
+                   "cat": f"transfer-{t.direction}", "ph": "X", "pid": d, "tid": _SEND,
+                   "ts": t.start * _US, "dur": (t.end - t.start) * _US,
+                   "args": {"bytes": t.nbytes, "src_mbs": list(t.src_mbs), "dst_mbs": list(t.dst_mbs),
+                            "dst_devices": list(t.dst_devices)}}
     for ar in timeline.allreduces:
         for d in ar.devices:
-            events.append({"name": f"{ar.collective} s{ar.stage_id}", "cat": "allreduce", "ph": "X", "pid": d,
-                           "tid": _ALLREDUCE, "ts": ar.start * _US, "dur": (ar.end - ar.start) * _US,
-                           "args": {"bytes": ar.nbytes, "devices": list(ar.devices)}})
-    return {
-        "traceEvents": events,
-        "displayTimeUnit": "ms",
-        "otherData": {"schedule": timeline.name, "source": timeline.source,
-                      "iteration_time_s": timeline.iteration_time_s, "throughput": timeline.throughput,
-                      "batch_size": timeline.batch_size},
-    }
+            yield {"name": f"{ar.collective} s{ar.stage_id}", "cat": "allreduce", "ph": "X", "pid": d,
+                   "tid": _ALLREDUCE, "ts": ar.start * _US, "dur": (ar.end - ar.start) * _US,
+                   "args": {"bytes": ar.nbytes, "devices": list(ar.devices)}}
+
+
+def _other_data(timeline: Timeline) -> dict[str, Any]:
+    return {"schedule": timeline.name, "source": timeline.source, "iteration_time_s": timeline.iteration_time_s,
+            "throughput": timeline.throughput, "batch_size": timeline.batch_size}
+
+
+def trace_document(timeline: Timeline) -> dict[str, Any]:
+    """The trace as a JSON-ready dict (``{"traceEvents": [...], ...}``)."""
+    return {"traceEvents": list(trace_events(timeline)), "displayTimeUnit": "ms", "otherData": _other_data(timeline)}
 
 
 def write_trace(timeline: Timeline, path: str) -> None:
-    """Write the Chrome/Perfetto trace JSON to ``path`` atomically (temporary file + rename)."""
-    write_json_atomic(path, trace_document(timeline))
+    """Write the Chrome/Perfetto trace JSON to ``path`` atomically (temporary file + rename), event by event: the
+    document :func:`trace_document` builds, without holding it (a plan on thousands of devices has millions of
+    events, gigabytes as Python objects)."""
+
+    def write(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write('{"traceEvents": [')
+            for k, event in enumerate(trace_events(timeline)):
+                fh.write(",\n" if k else "\n")
+                fh.write(json.dumps(event))
+            fh.write('\n], "displayTimeUnit": "ms", "otherData": ')
+            fh.write(json.dumps(_other_data(timeline)))
+            fh.write("}\n")
+
+    write_atomic(path, write, "trace")
