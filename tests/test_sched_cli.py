@@ -59,6 +59,49 @@ def test_summary_trace_gantt_and_regenerated_schedule(tmp_path, capsys):
     assert saved["predicted"]["in_flight"] == [8, 8, 8, 8]  # fill-drain keeps every micro-batch alive
 
 
+def _png_height(path) -> int:
+    return int.from_bytes(path.read_bytes()[20:24], "big")
+
+
+def test_many_devices_show_a_row_per_stage(tmp_path, capsys, monkeypatch):
+    """Past the CLI's limits the trace and the chart show each stage's first device (a note says so), with exactly
+    that device's events; --all-devices shows every one. Here the limits are lowered to the plan's 6 devices."""
+    from graphpipe.cli import simulate_cmd
+
+    pytest.importorskip("matplotlib")
+    g = make_op_graph_diamond(fwd=1e-3)
+    rr = {"replica_mode": "round-robin"}
+    stages = [Stage(0, (0,), (0, 1), 1, **rr), Stage(1, (1,), (2,), 1), Stage(2, (2,), (3, 4), 2),
+              Stage(3, (3,), (5,), 1)]
+    sg = StageGraph.build(g, stages, 8, 6)
+    cluster = preset("v100", 6)
+    schedule = make_schedule("graph-1f1b", sg, cluster)
+    plan = Plan(model="diamond", stage_graph=sg, cluster=cluster, strategy="custom", schedule=schedule,
+                predicted=predicted_figures(simulate(sg, schedule, cluster)))
+    path = str(tmp_path / "plan.json")
+    write_plan(path, plan)
+    timeline = simulate(sg, schedule, cluster)
+    monkeypatch.setattr(simulate_cmd, "TRACE_DEVICES", 4)
+    monkeypatch.setattr(simulate_cmd, "GANTT_ROWS", 4)
+    few, every = (tmp_path / "few.json", tmp_path / "few.png"), (tmp_path / "all.json", tmp_path / "all.png")
+    assert main(["simulate", path, "--trace", str(few[0]), "--gantt", str(few[1])]) == 0
+    err = capsys.readouterr().err
+    assert err.count("shows each stage's first device, 4 of the plan's 6") == 2 and "--all-devices" in err
+    assert main(["simulate", path, "--trace", str(every[0]), "--gantt", str(every[1]), "--all-devices"]) == 0
+    assert "first device" not in capsys.readouterr().err
+    shown = {0, 2, 3, 5}
+    assert set(timeline.stage_first_devices()) == shown
+    for trace, devices in ((few[0], shown), (every[0], set(range(6)))):
+        events = json.loads(trace.read_text())["traceEvents"]
+        assert {e["pid"] for e in events} == devices
+        compute = sorted((e["pid"], e["args"]["action"]) for e in events if e.get("cat") in ("F", "B"))
+        assert compute == sorted((r.device, str(r.action)) for r in timeline.actions if r.device in devices)
+        sends = [e for e in events if e.get("cat", "").startswith("transfer-")]
+        assert len(sends) == sum(sum(d in devices for d in t.src_devices) for t in timeline.transfers
+                                 if t.end > t.start) > 0
+    assert _png_height(few[1]) < _png_height(every[1])
+
+
 def _breakers():
     def non_convex(doc):
         # {in, out} in one stage: the path in -> a -> out leaves it and comes back.

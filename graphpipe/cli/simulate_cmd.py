@@ -31,6 +31,27 @@ __all__ = ["register", "run", "format_summary"]
 logger = log = logging.getLogger(__name__)
 
 
+TRACE_DEVICES = 1024
+"""Past this many devices ``--trace`` writes each stage's first device only (``--all-devices``: every one): a
+trace of Llama-3.1-405B's plan on 16,384 devices is 22 GB, more than a trace viewer opens."""
+
+GANTT_ROWS = 64
+"""Past this many devices ``--gantt`` draws a row per stage (its first device) unless ``--all-devices``: a row
+per device of 16,384 is a chart 5,000 inches tall, which matplotlib did not finish drawing in 15 minutes."""
+
+
+def shown_devices(timeline, limit: int, everything: bool, what: str) -> tuple[int, ...] | None:
+    """The devices ``what`` (--trace, --gantt) shows: None (all) up to ``limit`` devices or with ``everything``,
+    else each stage's first device, said on stderr."""
+    if everything or timeline.num_devices <= limit:
+        return None
+    devices = timeline.stage_first_devices()
+    sys.stderr.write(f"graphpipe: note: {what} shows each stage's first device, {len(devices):,} of the plan's "
+                     f"{timeline.num_devices:,} (a stage's other devices run the same actions on other micro-batches, "
+                     f"or the same ones split); --all-devices shows every one\n")
+    return devices
+
+
 def register(sub) -> None:
     p = sub.add_parser("simulate", help="validate and simulate a plan's schedule (trace, Gantt chart)",
                        description="Read PLAN.json, validate its schedule (or regenerate it with --schedule), "
@@ -52,8 +73,14 @@ def register(sub) -> None:
     p.add_argument("--host-cores", type=int, default=None, metavar="N",
                    help="the devices time-share N cores of one host (CPU ranks on a smaller machine): while k "
                         "compute at once, each runs max(1, k/N) times slower")
-    p.add_argument("--trace", default=None, metavar="OUT.json", help="write a Chrome/Perfetto trace")
-    p.add_argument("--gantt", default=None, metavar="OUT.png", help="write a Gantt chart")
+    p.add_argument("--trace", default=None, metavar="OUT.json",
+                   help=f"write a Chrome/Perfetto trace; past {TRACE_DEVICES:,} devices, of each stage's first device "
+                        f"(a note says so)")
+    p.add_argument("--gantt", default=None, metavar="OUT.png",
+                   help=f"write a Gantt chart; past {GANTT_ROWS} devices, a row per stage (its first device)")
+    p.add_argument("--all-devices", action="store_true",
+                   help="--trace/--gantt of every device however many (Llama-3.1-405B's plan on 16,384 H100s: a "
+                        "22 GB trace, against 0.17 GB a stage per row)")
     p.add_argument("--out", default=None, metavar="PLAN.json", help="write the plan with this schedule and its figures")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(func=run)
@@ -128,13 +155,14 @@ def _run(args) -> int:
     if args.trace:
         from graphpipe.sched.trace import write_trace
 
-        write_trace(timeline, args.trace)
+        write_trace(timeline, args.trace, shown_devices(timeline, TRACE_DEVICES, args.all_devices, "--trace"))
         sys.stderr.write(f"wrote {args.trace}\n")
     if args.gantt:
         from graphpipe.sched.gantt import plot_gantt
 
         title = f"{plan.model} — {plan.strategy}, {plan.schedule.name}, {plan.cluster.num_devices} x {plan.cluster.device.name}"
-        plot_gantt(timeline, args.gantt, title=title)
+        plot_gantt(timeline, args.gantt, title=title,
+                   devices=shown_devices(timeline, GANTT_ROWS, args.all_devices, "--gantt"))
         sys.stderr.write(f"wrote {args.gantt}\n")
     if args.torch_csv:
         from graphpipe.sched.torch_csv import write_torch_csv

@@ -44,40 +44,46 @@ def _stage_shade(timeline: Timeline) -> dict[int, int]:
     return shade
 
 
-def _draw(ax, timeline: Timeline, title: str, xmax_ms: float, width_px: float) -> None:
+def _draw(ax, timeline: Timeline, title: str, xmax_ms: float, width_px: float,
+          devices: Sequence[int] | None = None) -> None:
+    rows = {d: k for k, d in enumerate(range(timeline.num_devices) if devices is None else sorted(set(devices)))}
     shade = _stage_shade(timeline)
     scale = 1e3  # seconds -> ms
     px_per_ms = width_px / xmax_ms if xmax_ms > 0 else 0.0
     multi = len(set(shade.values())) > 1
     bars: dict[tuple[int, str], list[tuple[float, float]]] = {}
     for r in timeline.actions:
+        if r.device not in rows:
+            continue
         a = r.action
         colours = _F_SHADES if a.kind == "F" else _W_SHADES if a.kind == "W" else _B_SHADES
         colour = colours[shade[a.stage_id] % len(colours)]
         start, width = r.start * scale, (r.end - r.start) * scale
-        bars.setdefault((r.device, colour), []).append((start, width))
+        bars.setdefault((rows[r.device], colour), []).append((start, width))
         label = f"{a.stage_id}.{a.mb_id}" if multi else str(a.mb_id)
         if width * px_per_ms >= _CHAR_PX * (len(label) + 1):
-            ax.text(start + width / 2, r.device, label, ha="center", va="center", fontsize=7,
+            ax.text(start + width / 2, rows[r.device], label, ha="center", va="center", fontsize=7,
                     color="white" if colour in (_F_SHADES[0], _F_SHADES[2], _B_SHADES[2], _W_SHADES[2]) else "black")
     # One collection per (device, colour): fast even for tens of thousands of actions.
-    for (device, colour), spans in bars.items():
-        ax.broken_barh(spans, (device - 0.4, 0.8), facecolors=colour, edgecolors="white", linewidth=0.4)
+    for (row, colour), spans in bars.items():
+        ax.broken_barh(spans, (row - 0.4, 0.8), facecolors=colour, edgecolors="white", linewidth=0.4)
     # Re-materialization: the re-run forward at the start of each B, hatched over the B bar.
     redo: dict[int, list[tuple[float, float]]] = {}
     for r in timeline.actions:
         t = timeline.recompute_s[r.action.stage_id] if r.action.kind in ("B", "I") and timeline.recompute_s else 0.0
-        if t > 0:
-            redo.setdefault(r.device, []).append((r.start * scale, min(t, r.end - r.start) * scale))
-    for device, spans in redo.items():
-        ax.broken_barh(spans, (device - 0.4, 0.8), facecolors="none", edgecolors=_F_SHADES[0], hatch="///",
+        if t > 0 and r.device in rows:
+            redo.setdefault(rows[r.device], []).append((r.start * scale, min(t, r.end - r.start) * scale))
+    for row, spans in redo.items():
+        ax.broken_barh(spans, (row - 0.4, 0.8), facecolors="none", edgecolors=_F_SHADES[0], hatch="///",
                        linewidth=0)
     for ar in timeline.allreduces:
         for d in ar.devices:
-            ax.broken_barh([(ar.start * scale, (ar.end - ar.start) * scale)], (d + 0.28, 0.12), facecolors=_ALLREDUCE)
-    ax.set_ylim(timeline.num_devices - 0.5, -0.5)
-    ax.set_yticks(range(timeline.num_devices))
-    ax.set_yticklabels([f"device {d}" for d in range(timeline.num_devices)], fontsize=8)
+            if d in rows:
+                ax.broken_barh([(ar.start * scale, (ar.end - ar.start) * scale)], (rows[d] + 0.28, 0.12),
+                               facecolors=_ALLREDUCE)
+    ax.set_ylim(len(rows) - 0.5, -0.5)
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels([f"device {d}" for d in rows], fontsize=8)
     ax.set_xlim(0, xmax_ms)
     ax.set_xlabel("time (ms)")
     ax.grid(axis="x", linestyle=":", linewidth=0.5)
@@ -110,6 +116,11 @@ def _legend(fig, timeline: Timeline) -> None:
     fig.legend(handles=handles, loc="upper right", ncol=len(handles), fontsize=8, frameon=False)
 
 
+def _below_legend(fig) -> float:
+    """The top of the plots as a share of the figure: 0.3 inch under the legend, however tall the figure."""
+    return 1.0 - 0.3 / fig.get_figheight()
+
+
 def _save(fig, path: str) -> None:
     """Save atomically (:func:`graphpipe.files.write_atomic`): render beside ``path``, then rename over a regular file."""
     from graphpipe.files import write_atomic
@@ -129,14 +140,16 @@ def _figure(rows: Sequence[int]):
     return plt, fig, [ax[0] for ax in axes]
 
 
-def plot_gantt(timeline: Timeline, path: str, title: str | None = None) -> None:
-    """Write a Gantt chart PNG of ``timeline`` to ``path``."""
-    plt, fig, (ax,) = _figure([timeline.num_devices])
+def plot_gantt(timeline: Timeline, path: str, title: str | None = None, devices: Sequence[int] | None = None) -> None:
+    """Write a Gantt chart PNG of ``timeline`` to ``path``: a row per device, or per device of ``devices`` when
+    given (:meth:`Timeline.stage_first_devices`: a stage per row, for plans on more devices than rows read)."""
+    plt, fig, (ax,) = _figure([timeline.num_devices if devices is None else len(set(devices))])
     try:
         xmax = timeline.iteration_time_s * 1e3 or 1.0
-        _draw(ax, timeline, title or f"{timeline.name} ({timeline.source})", xmax, _FIG_WIDTH_IN * _DPI * 0.85)
+        _draw(ax, timeline, title or f"{timeline.name} ({timeline.source})", xmax, _FIG_WIDTH_IN * _DPI * 0.85,
+              devices)
         _legend(fig, timeline)
-        fig.tight_layout(rect=(0, 0, 1, 0.96))
+        fig.tight_layout(rect=(0, 0, 1, _below_legend(fig)))
         _save(fig, path)
     finally:
         plt.close(fig)
@@ -165,7 +178,7 @@ def plot_gantt_stack(timelines: Sequence[Timeline], path: str, titles: Sequence[
         for ax, tl, title in zip(axes, timelines, titles):
             _draw(ax, tl, title, xmax, _FIG_WIDTH_IN * _DPI * 0.85)
         _legend(fig, next((t for t in timelines if t.allreduces), timelines[-1]))
-        fig.tight_layout(rect=(0, 0, 1, 0.97))
+        fig.tight_layout(rect=(0, 0, 1, _below_legend(fig)))
         _save(fig, path)
     finally:
         plt.close(fig)

@@ -220,6 +220,12 @@ class Timeline:
     def devices_used(self) -> tuple[int, ...]:
         return tuple(sorted({d for devs in self.stage_devices for d in devs}))
 
+    def stage_first_devices(self) -> tuple[int, ...]:
+        """The first device of each stage, sorted, once each: one row per stage for a trace or a chart of a plan on
+        thousands of devices, where a stage's other devices repeat its row with other micro-batches (or the same
+        ones: replicas splitting each micro-batch)."""
+        return tuple(sorted({devs[0] for devs in self.stage_devices if devs}))
+
 
 def edge_delay(sg: StageGraph, cluster: Cluster, producer: int, consumer: int) -> float:
     """Seconds one producer micro-batch's message takes along ``producer -> consumer`` (either direction)."""
