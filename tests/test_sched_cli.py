@@ -100,6 +100,17 @@ def test_many_devices_show_a_row_per_stage(tmp_path, capsys, monkeypatch):
         assert len(sends) == sum(sum(d in devices for d in t.src_devices) for t in timeline.transfers
                                  if t.end > t.start) > 0
     assert _png_height(few[1]) < _png_height(every[1])
+    # the summary's device table: consecutive devices whose rows read the same share one row (3-4: the replicas
+    # of stage 2, which split each micro-batch), and stages list their devices as runs
+    assert main(["simulate", path]) == 0
+    table = capsys.readouterr().out.split("\n\n")[1].splitlines()
+    labels = [line.split()[0] for line in table[1:]]
+    assert "3-4" in labels and "3" not in labels and "4" not in labels
+    figures = predicted_figures(timeline)
+    expected = {d: (figures["bubble_fraction"][d], figures["peak_memory_bytes"][d]) for d in range(6)}
+    assert expected[3] == expected[4]
+    covered = [d for label in labels for d in (range(int(label.split("-")[0]), int(label.split("-")[-1]) + 1))]
+    assert covered == list(range(6))
 
 
 def _breakers():

@@ -15,7 +15,7 @@ from graphpipe.models import MODEL_HELP, ModelSource, load_model
 
 __all__ = ["ModelSource", "load_model", "print_json", "add_model_argument", "add_capture_arguments", "shared_host", "check_outputs",
            "JSON_SUFFIXES", "IMAGE_SUFFIXES", "MAX_BATCH_SIZE", "MAX_TIME_LIMIT_S", "MAX_MICRO_BATCHES", "check_batch",
-           "memory_source"]
+           "memory_source", "device_ranges"]
 
 JSON_SUFFIXES = (".json",)
 IMAGE_SUFFIXES = (".png", ".svg", ".pdf", ".jpg", ".jpeg", ".eps", ".ps")
@@ -43,6 +43,21 @@ def add_capture_arguments(parser) -> None:
                              "('text_model.encoder.layers.*,vision_model.encoder.layers.*') or a depth (2); "
                              "default: repeated blocks and heavy layers. A pattern matching no module is refused; a "
                              "plan records it and the runtime captures the model the same way")
+
+
+def device_ranges(devices) -> str:
+    """Device ids as runs of consecutive ids, in their order: ``0-7``, ``8-127,1792-1927``, ``0,2,4``.
+
+    >>> device_ranges((0, 1, 2, 3)), device_ranges((8, 9, 10, 40, 41, 5)), device_ranges((3,)), device_ranges(())
+    ('0-3', '8-10,40-41,5', '3', '')
+    """
+    runs: list[list[int]] = []
+    for d in devices:
+        if runs and d == runs[-1][1] + 1:
+            runs[-1][1] = d
+        else:
+            runs.append([d, d])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def print_json(doc: Any) -> None:

@@ -20,7 +20,7 @@ import sys
 from typing import Any
 
 from graphpipe.cli.async_flags import add_async_arguments, async_requested
-from graphpipe.cli.common import MAX_TIME_LIMIT_S
+from graphpipe.cli.common import MAX_TIME_LIMIT_S, device_ranges
 from graphpipe.errors import DeviceMemoryError, InputError
 
 __all__ = ["register", "run", "format_plan", "format_compare"]
@@ -249,12 +249,6 @@ def _abbrev(names: list[str], width: int = 48) -> str:
     return f"{names[0]} .. {names[-1]} ({len(names)} ops)"
 
 
-def _devices(devs: tuple[int, ...]) -> str:
-    if len(devs) > 1 and devs == tuple(range(devs[0], devs[-1] + 1)):
-        return f"{devs[0]}-{devs[-1]}"
-    return ",".join(map(str, devs))
-
-
 def format_plan(plan) -> str:
     """The stage table and the predicted figures of a plan, as printed by ``graphpipe plan``."""
     from graphpipe.search.layouts import efficiency, efficiency_factors
@@ -270,7 +264,7 @@ def format_plan(plan) -> str:
     layouts = any(st.parallel or st.round_robin for st in sg.stages)
     rows = [("stage", "ops", "devices", "mb", "in-flight") + (("layout",) if layouts else ())]
     for st in sg.stages:
-        rows.append((str(st.id), _abbrev([sg.graph.ops[i].name for i in st.op_ids]), _devices(st.devices),
+        rows.append((str(st.id), _abbrev([sg.graph.ops[i].name for i in st.op_ids]), device_ranges(st.devices),
                      str(st.micro_batch_size), str(in_flight[st.id])) + ((_layout(st),) if layouts else ()))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:

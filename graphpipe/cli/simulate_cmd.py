@@ -23,7 +23,7 @@ import sys
 from dataclasses import replace
 
 from graphpipe.cli.async_flags import add_async_arguments, async_requested, to_async
-from graphpipe.cli.common import MAX_TIME_LIMIT_S
+from graphpipe.cli.common import MAX_TIME_LIMIT_S, device_ranges
 from graphpipe.errors import InputError, ScheduleError
 
 __all__ = ["register", "run", "format_summary"]
@@ -198,15 +198,24 @@ def format_summary(plan, figures: dict) -> str:
         f"{'device':>6}  {'stages':<10} {'bubble':>7}  {'peak memory (GB)':>16}",
     ]
     capacity = plan.cluster.memory_bytes
+    rows: list[tuple[list[int], str]] = []  # consecutive devices whose rows read the same share one (0-7)
     for d in range(plan.cluster.num_devices):
         stages = ",".join(map(str, sg.stages_on_device(d))) or "-"
         mem = figures["peak_memory_bytes"][d]
         flag = "  > capacity" if mem > capacity else ""
-        lines.append(f"{d:>6}  {stages:<10} {figures['bubble_fraction'][d]:>7.3f}  {mem / 1e9:>16.3f}{flag}")
+        row = f"{stages:<10} {figures['bubble_fraction'][d]:>7.3f}  {mem / 1e9:>16.3f}{flag}"
+        if rows and rows[-1][1] == row and rows[-1][0][-1] == d - 1:
+            rows[-1][0].append(d)
+        else:
+            rows.append(([d], row))
+    labels = [device_ranges(ds) for ds, _ in rows]
+    width = max(6, *map(len, labels))
+    lines[-1] = f"{'device':>{width}}  {'stages':<10} {'bubble':>7}  {'peak memory (GB)':>16}"
+    lines += [f"{label:>{width}}  {row}" for label, (_, row) in zip(labels, rows)]
     lines += ["", f"{'stage':>6}  {'devices':<12} {'mb size':>7}  {'in flight':>9}"]
     for st in sg.stages:
-        devices = ",".join(map(str, st.devices))
-        lines.append(f"{st.id:>6}  {devices:<12} {st.micro_batch_size:>7}  {figures['in_flight'][st.id]:>9}")
+        lines.append(f"{st.id:>6}  {device_ranges(st.devices):<12} {st.micro_batch_size:>7}  "
+                     f"{figures['in_flight'][st.id]:>9}")
     if plan.search.get("lower_bound_s") is not None:
         lines.append(f"\nCP-SAT lower bound: {plan.search['lower_bound_s'] * 1e3:.4g} ms "
                      f"(gap {plan.search.get('gap', float('nan')):.3f})")
