@@ -113,6 +113,19 @@ def test_many_devices_show_a_row_per_stage(tmp_path, capsys, monkeypatch):
     assert covered == list(range(6))
 
 
+@pytest.mark.parametrize("extra", [[], ["--schedule", "1f1b-async"], ["--host-cores", "1"]])
+def test_figures_without_records_equal_the_timeline_s(tmp_path, capsys, extra):
+    """Without --trace/--gantt, simulate sums the figures without building the timeline's records; they are the
+    figures the timeline gives (flushing and asynchronous schedules, a shared host)."""
+    path = str(tmp_path / "plan.json")
+    write_plan(path, _plan("1f1b" if extra else "graph-1f1b"))
+    outs = []
+    for trace in ([], ["--trace", str(tmp_path / "t.json")]):
+        assert main(["simulate", path, "--json", *extra, *trace]) == 0
+        outs.append(json.loads(capsys.readouterr().out))
+    assert outs[0] == outs[1] and outs[0]["throughput"] > 0
+
+
 def _breakers():
     def non_convex(doc):
         # {in, out} in one stage: the path in -> a -> out leaves it and comes back.

@@ -148,7 +148,8 @@ def _run(args) -> int:
     spec = plan_spec(plan)
     log.info("simulating schedule %s (%d actions)", plan.schedule.name,
              sum(len(a) for a in plan.schedule.device_actions))
-    timeline, figures = predict(plan, host, validate=False)  # validated above, or generated just now
+    # validated above, or generated just now; the records only for a trace or a chart
+    timeline, figures = predict(plan, host, validate=False, timeline=bool(args.trace or args.gantt))
     from graphpipe.search.tied import charge_plan
 
     figures = charge_plan(figures, plan)  # tied weights split over stages: charged as graphpipe plan charges them

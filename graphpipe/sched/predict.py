@@ -29,21 +29,28 @@ from typing import Any
 from graphpipe.plan import Plan
 
 from graphpipe.sched.async_pipe import async_figures, plan_spec, stream_graph, stream_schedule
-from graphpipe.sched.simulator import SharedHost, Timeline, predicted_figures, simulate
+from graphpipe.sched.simulator import SharedHost, Timeline, predicted_figures, simulate, simulate_figures
 from graphpipe.sched.validate import validate_plan
 
 __all__ = ["predict"]
 
 
-def predict(plan: Plan, host: SharedHost | None = None, *, validate: bool = True) -> tuple[Timeline, dict[str, Any]]:
+def predict(plan: Plan, host: SharedHost | None = None, *, validate: bool = True,
+            timeline: bool = True) -> tuple[Timeline | None, dict[str, Any]]:
     """``(timeline, figures)`` of ``plan``'s schedule, validated first unless ``validate`` is False (a caller
-    that has just generated it); ``host``: devices time-sharing a host."""
+    that has just generated it); ``host``: devices time-sharing a host. ``timeline=False``: the same figures
+    without the records (:func:`~graphpipe.sched.simulator.simulate_figures`), ``(None, figures)``: a plan on
+    16,384 devices is simulated in under a second instead of a minute and 4 GB of records."""
     if validate:
         validate_plan(plan)
     spec = plan_spec(plan)
     if spec is None:
-        timeline = simulate(plan.stage_graph, plan.schedule, plan.cluster, host=host)
-        return timeline, predicted_figures(timeline)
-    timeline = simulate(stream_graph(plan.stage_graph, 2), stream_schedule(plan.stage_graph, spec.name, 2),
-                        plan.cluster, host=host)
-    return timeline, async_figures(plan.stage_graph, plan.cluster, spec, host=host)
+        if not timeline:
+            return None, simulate_figures(plan.stage_graph, plan.schedule, plan.cluster, host=host)
+        records = simulate(plan.stage_graph, plan.schedule, plan.cluster, host=host)
+        return records, predicted_figures(records)
+    if not timeline:
+        return None, async_figures(plan.stage_graph, plan.cluster, spec, host=host)
+    records = simulate(stream_graph(plan.stage_graph, 2), stream_schedule(plan.stage_graph, spec.name, 2),
+                       plan.cluster, host=host)
+    return records, async_figures(plan.stage_graph, plan.cluster, spec, host=host)
