@@ -256,8 +256,8 @@ def test_simulate_times_every_replica_as_the_every_device_oracle():
     schedule they admit."""
     from dataclasses import replace as dc_replace
 
-    from graphpipe.sched.engine import run_engine
-    from graphpipe.sched.simulator import _engine_inputs, _lockstep_classes
+    from graphpipe.sched.engine import lockstep_classes, run_engine
+    from graphpipe.sched.simulator import _engine_inputs
 
     g = make_op_graph_diamond()
     layouts = {((0, 1), (2,), (3, 4, 5), (6, 7)): ((2, 2, 6, 2), (4, 2, 6, 8), (2, 4, 12, 4)),
@@ -285,7 +285,7 @@ def test_simulate_times_every_replica_as_the_every_device_oracle():
                         schedule = make_schedule(schedule_name, sg, cluster)
                     except GraphpipeError:
                         continue  # a schedule this stage graph cannot have
-                    reps, _, _ = _lockstep_classes(sg, schedule)
+                    reps, _, _ = lockstep_classes(sg, schedule)
                     compared += len(reps) < 8
                     got = _flat(_times(simulate(sg, schedule, cluster)))
                     _, duration, delay = _engine_inputs(sg, cluster)

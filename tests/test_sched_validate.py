@@ -72,6 +72,49 @@ def test_split_backward_waits_for_the_consumers_input_gradient():
     assert ">0I0<" in str(info.value)
 
 
+def test_replicas_with_equal_lists_are_checked_once_with_the_verdict_of_every_device():
+    """validate_schedule runs the engine on one device per class of equal action lists (the replicas of a stage
+    that splits its micro-batches must list the same order). Its verdict (deadlock or not, and what the blocked
+    devices wait for) equals the engine run on every device, over every order of a chain of three stages of two
+    replicas each at three micro-batches that keeps each link in order (5 per stage, 125 schedules)."""
+    import itertools
+
+    from graphpipe.sched.engine import run_engine
+
+    g = uniform_chain(3, 6).graph
+    sg = StageGraph.build(g, [Stage(i, (i,), (2 * i, 2 * i + 1), 2) for i in range(3)], 6, 6)
+
+    def orders(stage):  # F0 F1 F2 and B0 B1 B2 interleaved, each B after its F
+        for slots in itertools.combinations(range(6), 3):
+            acts, f, b = [], 0, 0
+            for k in range(6):
+                kind = "F" if k in slots else "B"
+                if kind == "B" and b >= f:
+                    break
+                acts.append(Action(stage, kind, f if kind == "F" else b))
+                f, b = (f + 1, b) if kind == "F" else (f, b + 1)
+            else:
+                yield tuple(acts)
+
+    zero = lambda *_: 0.0  # noqa: E731
+    outcomes = []
+    for picks in itertools.product(*(list(orders(s)) for s in range(3))):
+        schedule = Schedule("r", tuple(acts for acts in picks for _ in range(2)))  # replicas share their list
+        every = run_engine(sg, schedule.device_actions, zero, zero, zero)
+        try:
+            validate_schedule(sg, schedule)
+            folded = None
+        except DeadlockError as exc:
+            folded = str(exc).splitlines()[0]
+        assert (folded is None) == (not every.stuck)
+        for stuck in every.stuck:
+            line = f"device {stuck.device} blocked at {stuck.action} waiting for {stuck.waits_for}"
+            partner = stuck.device ^ 1  # its replica: the folded run names one device of the two
+            assert line in folded or line.replace(f"device {stuck.device} ", f"device {partner} ", 1) in folded
+        outcomes.append(folded is None)
+    assert len(outcomes) == 125 and 0 < sum(outcomes) < 125
+
+
 def test_wrong_device_count():
     sg = uniform_chain(2, 2)
     with pytest.raises(ScheduleError, match="lists 3 devices, the stage graph has 2"):

@@ -36,11 +36,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from graphpipe.actions import Action
+from graphpipe.actions import Action, Schedule
 from graphpipe.stages import StageGraph, covered_mbs
 
 __all__ = ["EngineResult", "Stuck", "run_engine", "run_engine_shared", "drain_tails", "action_deps", "covering_consumer_mbs",
-           "KIND_INDEX"]
+           "lockstep_classes", "KIND_INDEX"]
 
 KIND_INDEX = {"F": 0, "B": 1, "I": 1, "W": 2}
 """Completion slot of each kind: F, input gradients (B or I), W."""
@@ -409,3 +409,34 @@ def _slot_kind(device_actions: Sequence[Sequence[Action]], key: tuple[int, int, 
         return "FBW"[key[1]]
     split = any(a.stage_id == key[0] and a.kind == "I" for acts in device_actions for a in acts)
     return "I" if split else "B"
+
+
+def lockstep_classes(sg: StageGraph, schedule: Schedule) -> tuple[list[int], list[int | None], list[int]]:
+    """(representative devices, each device's index among them or None when idle, per-stage replica counts for
+    :func:`run_engine`): devices whose action lists are equal form one class, its first device standing for it.
+
+    Equal lists run in lockstep on dedicated devices: the same actions,
+    waiting on the same stage-level completions, for the same durations (the
+    replicas of a stage that splits its micro-batches). A round-robin stage's
+    replicas run different micro-batches, so their lists differ anyway.
+    """
+    reps: list[int] = []
+    rep_index: list[int | None] = []
+    by_content: dict[tuple, int] = {}
+    by_identity: dict[int, int] = {}  # generators share one tuple among replicas: skip hashing it again
+    for d, acts in enumerate(schedule.device_actions):
+        if not acts:
+            rep_index.append(None)
+            continue
+        i = by_identity.get(id(acts))
+        if i is None:
+            key = tuple(acts)
+            i = by_content.get(key)
+            if i is None:
+                i = by_content[key] = len(reps)
+                reps.append(d)
+            by_identity[id(acts)] = i
+        rep_index.append(i)
+    listed = set(reps)
+    replicas = [1 if st.round_robin else sum(1 for d in st.devices if d in listed) for st in sg.stages]
+    return reps, rep_index, replicas

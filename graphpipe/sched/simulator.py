@@ -78,7 +78,7 @@ from graphpipe.cluster import Cluster
 from graphpipe.errors import ScheduleError
 from graphpipe.stages import StageGraph
 
-from graphpipe.sched.engine import covering_consumer_mbs, drain_tails, run_engine, run_engine_shared
+from graphpipe.sched.engine import covering_consumer_mbs, drain_tails, lockstep_classes, run_engine, run_engine_shared
 from graphpipe.sched.validate import check_structure, raise_deadlock
 
 __all__ = ["SharedHost", "ActionRecord", "TransferRecord", "AllReduceRecord", "Timeline", "simulate", "build_timeline",
@@ -542,46 +542,15 @@ class Score:
     max_peak_memory_bytes: float
 
 
-def _lockstep_classes(sg: StageGraph, schedule: Schedule) -> tuple[list[int], list[int | None], list[int]]:
-    """(representative devices, each device's index among them or None when idle, per-stage replica counts for
-    :func:`run_engine`): devices whose action lists are equal form one class, its first device standing for it.
-
-    Equal lists run in lockstep on dedicated devices: the same actions,
-    waiting on the same stage-level completions, for the same durations (the
-    replicas of a stage that splits its micro-batches). A round-robin stage's
-    replicas run different micro-batches, so their lists differ anyway.
-    """
-    reps: list[int] = []
-    rep_index: list[int | None] = []
-    by_content: dict[tuple, int] = {}
-    by_identity: dict[int, int] = {}  # generators share one tuple among replicas: skip hashing it again
-    for d, acts in enumerate(schedule.device_actions):
-        if not acts:
-            rep_index.append(None)
-            continue
-        i = by_identity.get(id(acts))
-        if i is None:
-            key = tuple(acts)
-            i = by_content.get(key)
-            if i is None:
-                i = by_content[key] = len(reps)
-                reps.append(d)
-            by_identity[id(acts)] = i
-        rep_index.append(i)
-    listed = set(reps)
-    replicas = [1 if st.round_robin else sum(1 for d in st.devices if d in listed) for st in sg.stages]
-    return reps, rep_index, replicas
-
-
 _LAST_RUN: list[tuple] = []
 """The last :func:`_run_lockstep` (stage graph, cluster, action lists, its answer): at most one entry."""
 
 
 def _run_lockstep(sg: StageGraph, schedule: Schedule, cluster: Cluster, duration, delay, classes=None,
                   give_up_after: float | None = None):
-    """:func:`run_engine` on one device of each :func:`_lockstep_classes` class: ``(representatives, each
+    """:func:`run_engine` on one device of each :func:`lockstep_classes` class: ``(representatives, each
     device's index among them, result)``; a deadlock raises :class:`DeadlockError` naming the real devices.
-    ``classes``: :func:`_lockstep_classes`'s answer, when the caller has it already; ``give_up_after``:
+    ``classes``: :func:`lockstep_classes`'s answer, when the caller has it already; ``give_up_after``:
     :func:`run_engine`'s (a run that gave up is not kept).
 
     The last answer is kept and returned again for the same stage graph (the
@@ -593,7 +562,7 @@ def _run_lockstep(sg: StageGraph, schedule: Schedule, cluster: Cluster, duration
         last_sg, last_cluster, last_actions, answer = _LAST_RUN[0]
         if last_sg is sg and last_cluster == cluster and last_actions == schedule.device_actions:
             return answer
-    reps, rep_index, replicas = classes if classes is not None else _lockstep_classes(sg, schedule)
+    reps, rep_index, replicas = classes if classes is not None else lockstep_classes(sg, schedule)
     acts = [schedule.device_actions[d] for d in reps]
     tails = drain_tails(sg, acts, duration) if give_up_after is not None else None
     result = run_engine(sg, acts, duration, delay, delay, replicas, give_up_after, tails, sg.gather_times(cluster))
@@ -675,7 +644,7 @@ def score(sg: StageGraph, schedule: Schedule, cluster: Cluster, memory_limit: fl
     """
     _check_cluster(sg, cluster)
     _, duration, delay = _engine_inputs(sg, cluster)
-    classes = _lockstep_classes(sg, schedule)
+    classes = lockstep_classes(sg, schedule)
     reps = classes[0]
     durations = [(duration(s, "F"), duration(s, "B"), duration(s, "I"), duration(s, "W")) for s in range(sg.num_stages)]
     peak = _peak_in_list_order(sg, schedule, cluster, reps, durations)
