@@ -126,6 +126,26 @@ def test_figures_without_records_equal_the_timeline_s(tmp_path, capsys, extra):
     assert outs[0] == outs[1] and outs[0]["throughput"] > 0
 
 
+def test_plan_table_states_the_longest_step_collective():
+    """graphpipe plan's "collectives" line: the longest step-end collective against the step, here stage 0's two
+    replicas all-reducing its 4 MB on one V100 node (a ring: 2(r-1) latencies + 2(r-1)/r bytes / bandwidth)."""
+    from graphpipe.cli.plan_cmd import format_plan
+
+    plan = _plan()
+    stages = [Stage(0, (0,), (0, 1), 2), Stage(1, (1,), (2,), 2), Stage(2, (2,), (3,), 2), Stage(3, (3,), (4,), 2)]
+    sg = StageGraph.build(plan.stage_graph.graph, stages, 16, 5)
+    cluster = preset("v100", 5)
+    schedule = make_schedule("graph-1f1b", sg, cluster)
+    plan = Plan(model="diamond", stage_graph=sg, cluster=cluster, strategy="custom", schedule=schedule,
+                predicted=predicted_figures(simulate(sg, schedule, cluster)))
+    seconds = 2 * 1 * 5e-6 + 2 * 1 / 2 * 4e6 / 50e9  # the preset's intra-node link: 5 us, 50 GB/s
+    line = next(x for x in format_plan(plan).splitlines() if x.startswith("collectives"))
+    share = seconds / plan.predicted.iteration_time_s
+    assert line == (f"collectives     longest step-end all-reduce {seconds * 1e3:.1f} ms ({share:.0%} of the step): "
+                    f"stage 0's 0.004 GB of gradients over 2 replicas")
+    assert not any(x.startswith("collectives") for x in format_plan(_plan()).splitlines())  # no replicas, no line
+
+
 def _breakers():
     def non_convex(doc):
         # {in, out} in one stage: the path in -> a -> out leaves it and comes back.

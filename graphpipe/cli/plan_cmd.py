@@ -278,6 +278,9 @@ def format_plan(plan) -> str:
         lines.append(f"efficiency      {efficiency(p.throughput, plan.cluster.num_devices, sg.graph):.3f} of perfect "
                      f"scaling = {factors['used_share']:.3f} devices used x {factors['balance']:.3f} balance x "
                      f"{factors['busy_share']:.3f} busy")
+    collectives = _collectives(plan)
+    if collectives:
+        lines.append(f"collectives     {collectives}")
     if peaks:
         per_device = _runs([f"{peaks[d] / 1e9:.2f}" for d in used])
         lines.append(f"peak memory     max {max(peaks) / 1e9:.2f} GB of {plan.cluster.memory_bytes / 1e9:g} GB; "
@@ -297,6 +300,25 @@ def format_plan(plan) -> str:
         if value is not None:
             lines.append(f"{key:<15} {value}")
     return "\n".join(lines) + "\n"
+
+
+def _collectives(plan) -> str | None:
+    """The plan's longest once-per-step collectives against its step (what ``busy`` loses besides fill and drain):
+    the step-end gradient all-reduce (whole copies) or reduce-scatter (FSDP) after a stage's last backward, and
+    FSDP's all-gather at the step's start; None where no stage has replicas."""
+    sg, cluster, step = plan.stage_graph, plan.cluster, plan.predicted.iteration_time_s
+    end, s_end = max((sg.sync_time(s, cluster), s) for s in range(sg.num_stages))
+    if not (end > 0 and step):
+        return None
+    st = sg.stages[s_end]
+    kind = "reduce-scatter" if st.shard == "fsdp" else "all-reduce"
+    tp = f" (a tp{st.tp} rank's share)" if st.tp > 1 else ""
+    text = (f"longest step-end {kind} {end * 1e3:.1f} ms ({end / step:.0%} of the step): stage {s_end}'s "
+            f"{sg.layout_param_bytes(s_end) / 1e9:.3g} GB of gradients{tp} over {st.num_replicas} replicas")
+    start, s_start = max((sg.gather_time(s, cluster), s) for s in range(sg.num_stages))
+    if start > 0:
+        text += f"; longest step-start gather {start * 1e3:.1f} ms (stage {s_start})"
+    return text
 
 
 def _layout(stage) -> str:
