@@ -131,9 +131,8 @@ def test_plan_table_states_the_longest_step_collective():
     replicas all-reducing its 4 MB on one V100 node (a ring: 2(r-1) latencies + 2(r-1)/r bytes / bandwidth)."""
     from graphpipe.cli.plan_cmd import format_plan
 
-    plan = _plan()
     stages = [Stage(0, (0,), (0, 1), 2), Stage(1, (1,), (2,), 2), Stage(2, (2,), (3,), 2), Stage(3, (3,), (4,), 2)]
-    sg = StageGraph.build(plan.stage_graph.graph, stages, 16, 5)
+    sg = StageGraph.build(make_op_graph_diamond(fwd=1e-3), stages, 16, 5)
     cluster = preset("v100", 5)
     schedule = make_schedule("graph-1f1b", sg, cluster)
     plan = Plan(model="diamond", stage_graph=sg, cluster=cluster, strategy="custom", schedule=schedule,

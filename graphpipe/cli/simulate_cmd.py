@@ -196,7 +196,6 @@ def format_summary(plan, figures: dict) -> str:
         f"iteration time: {figures['iteration_time_s'] * 1e3:.4g} ms   throughput: {figures['throughput']:.4g} samples/s"
         f"   mean bubble (devices in use): {figures['mean_bubble_fraction']:.3f}",
         "",
-        f"{'device':>6}  {'stages':<10} {'bubble':>7}  {'peak memory (GB)':>16}",
     ]
     capacity = plan.cluster.memory_bytes
     rows: list[tuple[list[int], str]] = []  # consecutive devices whose rows read the same share one (0-7)
@@ -205,13 +204,13 @@ def format_summary(plan, figures: dict) -> str:
         mem = figures["peak_memory_bytes"][d]
         flag = "  > capacity" if mem > capacity else ""
         row = f"{stages:<10} {figures['bubble_fraction'][d]:>7.3f}  {mem / 1e9:>16.3f}{flag}"
-        if rows and rows[-1][1] == row and rows[-1][0][-1] == d - 1:
+        if rows and rows[-1][1] == row:
             rows[-1][0].append(d)
         else:
             rows.append(([d], row))
     labels = [device_ranges(ds) for ds, _ in rows]
     width = max(6, *map(len, labels))
-    lines[-1] = f"{'device':>{width}}  {'stages':<10} {'bubble':>7}  {'peak memory (GB)':>16}"
+    lines.append(f"{'device':>{width}}  {'stages':<10} {'bubble':>7}  {'peak memory (GB)':>16}")
     lines += [f"{label:>{width}}  {row}" for label, (_, row) in zip(labels, rows)]
     lines += ["", f"{'stage':>6}  {'devices':<12} {'mb size':>7}  {'in flight':>9}"]
     for st in sg.stages:
